@@ -1,0 +1,45 @@
+//! A small record format for shared-data values: `n` text fields, one per line, then an
+//! opaque body. Decoding never panics and rejects anything malformed.
+
+pub fn encode(fields: &[&str], body: &[u8]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(body.len() + 128);
+    for f in fields {
+        out.extend_from_slice(f.as_bytes());
+        out.push(b'\n');
+    }
+    out.extend_from_slice(body);
+    out
+}
+
+/// Splits `n` newline-terminated UTF-8 fields off the front; the rest is the body.
+pub fn decode(raw: &[u8], n: usize) -> Option<(Vec<&str>, &[u8])> {
+    let mut fields = Vec::with_capacity(n);
+    let mut rest = raw;
+    for _ in 0..n {
+        let end = rest.iter().position(|&b| b == b'\n')?;
+        fields.push(std::str::from_utf8(&rest[..end]).ok()?);
+        rest = &rest[end + 1..];
+    }
+    Some((fields, rest))
+}
+
+/// Replaces newlines so a value can travel as one field.
+pub fn field(s: &str) -> String {
+    s.replace(['\n', '\r'], " ")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn round_trips_and_rejects_short_input() {
+        let raw = encode(&["a", "", "c d"], b"body\nwith newline");
+        let (f, body) = decode(&raw, 3).unwrap();
+        assert_eq!(f, vec!["a", "", "c d"]);
+        assert_eq!(body, b"body\nwith newline");
+        assert!(decode(b"a\nb", 3).is_none());
+        assert!(decode(b"\xff\n", 1).is_none());
+        assert_eq!(field("a\nb\r"), "a b ");
+    }
+}

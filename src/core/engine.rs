@@ -1,0 +1,380 @@
+//! The decisions of the filter, as values: for each request the core answers `Reply`
+//! (serve this now), `Call` (go upstream, with or without the lease) or `Wait` (another
+//! flight has the lease). The shell executes them and reports back; it decides nothing.
+
+use super::cache::{self, Response};
+use super::config::Config;
+use super::error::ApiError;
+use super::lease::{self, Acquire, Lease, State};
+use super::request::{Key, Policy};
+use super::store::CasStore;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CacheStatus {
+    Hit,
+    Miss,
+    Coalesced,
+    Bypass,
+}
+
+impl CacheStatus {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            CacheStatus::Hit => "HIT",
+            CacheStatus::Miss => "MISS",
+            CacheStatus::Coalesced => "COALESCED",
+            CacheStatus::Bypass => "BYPASS",
+        }
+    }
+}
+
+/// A response for the client, with everything needed to render its headers.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Reply {
+    pub response: Response,
+    pub cache: Option<CacheStatus>,
+    pub key: Option<Key>,
+    pub age_s: Option<u64>,
+}
+
+impl Reply {
+    pub fn error(e: &ApiError) -> Reply {
+        Reply { response: error_response(e), cache: None, key: None, age_s: None }
+    }
+
+    pub fn headers(&self) -> Vec<(&'static str, String)> {
+        let mut h = vec![("content-type", self.response.content_type.clone())];
+        if let Some(c) = self.cache {
+            h.push(("x-holysheep-cache", c.as_str().to_owned()));
+        }
+        if let Some(k) = &self.key {
+            h.push(("x-holysheep-key", k.hex().to_owned()));
+        }
+        if let Some(a) = self.age_s {
+            h.push(("age", a.to_string()));
+        }
+        if let Some(r) = &self.response.retry_after {
+            h.push(("retry-after", r.clone()));
+        }
+        h
+    }
+}
+
+fn error_response(e: &ApiError) -> Response {
+    Response { status: e.status, content_type: "application/json".into(), retry_after: None, body: e.body() }
+}
+
+/// An upstream call to make. With a lease it leads a flight that others wait on.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Call {
+    pub key: Key,
+    pub lease: Option<Lease>,
+    pub store: bool,
+    pub label: CacheStatus,
+    pub started_ms: u64,
+}
+
+/// Waiting for the flight whose lease carries `nonce`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Wait {
+    pub key: Key,
+    pub nonce: u64,
+    pub since_ms: u64,
+    pub policy: Policy,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Step {
+    Reply(Reply),
+    Call(Call),
+    Wait(Wait),
+}
+
+pub struct Engine<'a, S> {
+    pub store: &'a S,
+    pub config: &'a Config,
+}
+
+impl<S: CasStore> Engine<'_, S> {
+    /// First look at a request: cache, then lease.
+    pub fn admit(&self, key: &Key, policy: Policy, now_ms: u64, nonce: u64) -> Step {
+        self.decide(key, policy, now_ms, nonce, None)
+    }
+
+    /// A waiter looks again (woken, or on the safety-net tick).
+    pub fn poll(&self, wait: &Wait, now_ms: u64, nonce: u64) -> Step {
+        let state = lease::read(self.store, &lease::slot_key(self.config, &wait.key)).map(|(s, _)| s);
+        match state {
+            Ok(State::Done { key, nonce: n, done_at_ms, response }) if n == wait.nonce && key == wait.key.hex() => {
+                Step::Reply(Reply {
+                    response,
+                    cache: Some(CacheStatus::Coalesced),
+                    key: Some(wait.key.clone()),
+                    age_s: Some(now_ms.saturating_sub(done_at_ms) / 1000),
+                })
+            }
+            Ok(State::Leading { nonce: n, expires_ms, .. }) if n == wait.nonce && expires_ms > now_ms => {
+                self.keep_waiting(wait.clone(), now_ms)
+            }
+            // Expired, replaced, or unreadable: look again from the top, remembering how
+            // long we have waited.
+            _ => self.decide(&wait.key, wait.policy, now_ms, nonce, Some(wait.since_ms)),
+        }
+    }
+
+    /// Renews the lease of an in-flight call; `false` when it was lost.
+    pub fn renew(&self, call: &Call, now_ms: u64) -> bool {
+        match &call.lease {
+            Some(l) => lease::renew(self.store, self.config, l, now_ms).unwrap_or(false),
+            None => true,
+        }
+    }
+
+    /// The call ended (`None`: the callout failed). Stores what may be stored, hands the
+    /// answer to the flight's waiters, and returns the caller's reply.
+    pub fn complete(&self, call: &Call, outcome: Option<Response>, now_ms: u64) -> Reply {
+        let response = outcome.unwrap_or_else(|| self.failure(call, now_ms));
+        if call.store {
+            cache::put(self.store, self.config, &call.key, &response, now_ms);
+        }
+        if let Some(l) = &call.lease {
+            // A lost lease (we were presumed dead) leaves the new leader's flight alone.
+            let _ = lease::finish(self.store, l, &response, now_ms);
+        }
+        Reply { response, cache: Some(call.label), key: Some(call.key.clone()), age_s: None }
+    }
+
+    fn failure(&self, call: &Call, now_ms: u64) -> Response {
+        let timeout = self.config.upstream.timeout_ms;
+        let e = if now_ms.saturating_sub(call.started_ms) >= timeout {
+            ApiError::upstream(504, format!("HolySheep did not answer within {timeout} ms"), "upstream_timeout")
+        } else {
+            ApiError::upstream(502, "HolySheep could not be reached (connection failed or reset)", "upstream_unavailable")
+        };
+        error_response(&e)
+    }
+
+    fn decide(&self, key: &Key, policy: Policy, now_ms: u64, nonce: u64, waited_since: Option<u64>) -> Step {
+        if let Some(reply) = self.cached(key, policy, now_ms, waited_since) {
+            return Step::Reply(reply);
+        }
+        if !policy.coalesce {
+            return Step::Call(self.call(key, None, false, CacheStatus::Bypass, now_ms));
+        }
+        match lease::acquire(self.store, self.config, key, nonce, now_ms) {
+            Ok(Acquire::Acquired(l)) => Step::Call(self.call(key, Some(l), policy.store, CacheStatus::Miss, now_ms)),
+            Ok(Acquire::Held { nonce: n }) => {
+                let since_ms = waited_since.unwrap_or(now_ms);
+                self.keep_waiting(Wait { key: key.clone(), nonce: n, since_ms, policy }, now_ms)
+            }
+            // A slot collision or a store failure: go alone rather than wait on a stranger.
+            Ok(Acquire::Busy) | Err(_) => Step::Call(self.call(key, None, policy.store, CacheStatus::Miss, now_ms)),
+        }
+    }
+
+    /// Like nginx after `proxy_cache_lock_timeout`, a waiter that waited too long goes
+    /// upstream itself, and its answer is not stored.
+    fn keep_waiting(&self, wait: Wait, now_ms: u64) -> Step {
+        if now_ms.saturating_sub(wait.since_ms) >= self.config.lock.wait_timeout_ms {
+            Step::Call(self.call(&wait.key, None, false, CacheStatus::Miss, now_ms))
+        } else {
+            Step::Wait(wait)
+        }
+    }
+
+    /// A fresh entry this request may be served. A waiter may take an entry stored since
+    /// it began waiting even under `no-cache`: that is the flight it waited for.
+    fn cached(&self, key: &Key, policy: Policy, now_ms: u64, waited_since: Option<u64>) -> Option<Reply> {
+        if !policy.read && waited_since.is_none() {
+            return None;
+        }
+        let entry = cache::get(self.store, self.config, key).filter(|e| e.is_fresh(now_ms))?;
+        let age_ms = entry.age_ms(now_ms);
+        let allowed = match waited_since {
+            Some(since) => entry.stored_at_ms >= since || policy.read,
+            None => true,
+        } && policy.max_age.is_none_or(|max| age_ms <= max.saturating_mul(1000));
+        allowed.then(|| Reply {
+            age_s: Some(age_ms / 1000),
+            cache: Some(if waited_since.is_some() { CacheStatus::Coalesced } else { CacheStatus::Hit }),
+            key: Some(key.clone()),
+            response: entry.response,
+        })
+    }
+
+    fn call(&self, key: &Key, lease: Option<Lease>, store: bool, label: CacheStatus, now_ms: u64) -> Call {
+        Call { key: key.clone(), lease, store, label, started_ms: now_ms }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::core::request::{request_key, CacheControl};
+    use crate::core::store::MemStore;
+
+    const READ: Policy = Policy { read: true, max_age: None, coalesce: true, store: true };
+
+    fn ok(body: &str) -> Option<Response> {
+        Some(Response { status: 200, content_type: "application/json".into(), retry_after: None, body: body.into() })
+    }
+
+    fn k(i: u8) -> Key {
+        request_key("/p", "s", &[i])
+    }
+
+    fn expect_call(s: Step) -> Call {
+        match s {
+            Step::Call(c) => c,
+            other => panic!("expected a call, got {other:?}"),
+        }
+    }
+
+    fn expect_wait(s: Step) -> Wait {
+        match s {
+            Step::Wait(w) => w,
+            other => panic!("expected a wait, got {other:?}"),
+        }
+    }
+
+    fn expect_reply(s: Step) -> Reply {
+        match s {
+            Step::Reply(r) => r,
+            other => panic!("expected a reply, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn miss_then_coalesced_then_hit() {
+        let (s, c) = (MemStore::new(), Config::default());
+        let e = Engine { store: &s, config: &c };
+        let lead = expect_call(e.admit(&k(1), READ, 0, 1));
+        assert_eq!(lead.label, CacheStatus::Miss);
+        assert!(lead.lease.is_some());
+        let w = expect_wait(e.admit(&k(1), READ, 5, 2));
+        assert_eq!(w.nonce, 1);
+        expect_wait(e.poll(&w, 10, 3));
+        let mine = e.complete(&lead, ok("A"), 1_000);
+        assert_eq!(mine.cache, Some(CacheStatus::Miss));
+        let theirs = expect_reply(e.poll(&w, 1_500, 4));
+        assert_eq!(theirs.cache, Some(CacheStatus::Coalesced));
+        assert_eq!(theirs.response.body, b"A");
+        assert_eq!(theirs.age_s, Some(0));
+        let hit = expect_reply(e.admit(&k(1), READ, 3_200, 5));
+        assert_eq!(hit.cache, Some(CacheStatus::Hit));
+        assert_eq!(hit.age_s, Some(2));
+        let names: Vec<_> = hit.headers().into_iter().map(|(n, _)| n).collect();
+        assert_eq!(names, ["content-type", "x-holysheep-cache", "x-holysheep-key", "age"]);
+    }
+
+    #[test]
+    fn a_failed_flight_reaches_its_waiters_and_is_not_cached() {
+        let (s, c) = (MemStore::new(), Config::default());
+        let e = Engine { store: &s, config: &c };
+        let lead = expect_call(e.admit(&k(1), READ, 0, 1));
+        let w = expect_wait(e.admit(&k(1), READ, 0, 2));
+        let mut err = ok("{\"error\":{}}").unwrap();
+        err.status = 503;
+        err.retry_after = Some("2".into());
+        assert_eq!(e.complete(&lead, Some(err.clone()), 10).response.status, 503);
+        let theirs = expect_reply(e.poll(&w, 11, 3));
+        assert_eq!(theirs.response, err);
+        assert!(theirs.headers().contains(&("retry-after", "2".into())));
+        // Nothing cached: the next request leads again.
+        expect_call(e.admit(&k(1), READ, 12, 4));
+    }
+
+    #[test]
+    fn callout_failure_is_502_or_504_by_elapsed_time() {
+        let (s, c) = (MemStore::new(), Config::default());
+        let e = Engine { store: &s, config: &c };
+        let lead = expect_call(e.admit(&k(1), READ, 0, 1));
+        assert_eq!(e.complete(&lead, None, 10).response.status, 502);
+        let lead = expect_call(e.admit(&k(1), READ, 100, 2));
+        let r = e.complete(&lead, None, 100 + c.upstream.timeout_ms);
+        assert_eq!(r.response.status, 504);
+        let v: serde_json::Value = serde_json::from_slice(&r.response.body).unwrap();
+        assert_eq!(v["error"]["code"], "upstream_timeout");
+    }
+
+    #[test]
+    fn a_waiter_takes_over_an_expired_lease() {
+        let (s, c) = (MemStore::new(), Config::default());
+        let e = Engine { store: &s, config: &c };
+        let dead = expect_call(e.admit(&k(1), READ, 0, 1));
+        let w = expect_wait(e.admit(&k(1), READ, 0, 2));
+        let takeover = expect_call(e.poll(&w, c.lock.lease_ms, 3));
+        assert_eq!(takeover.lease.as_ref().map(|l| l.nonce), Some(3));
+        assert!(takeover.store);
+        // The dead leader, if it ever returns, does not clobber the new flight.
+        assert!(!e.renew(&dead, c.lock.lease_ms + 1));
+    }
+
+    #[test]
+    fn wait_timeout_goes_upstream_alone_without_storing() {
+        let (s, c) = (MemStore::new(), Config::default());
+        let e = Engine { store: &s, config: &c };
+        let lead = expect_call(e.admit(&k(1), READ, 0, 1));
+        let w = expect_wait(e.admit(&k(1), READ, 0, 2));
+        // Keep the leader alive past the wait timeout.
+        let mut now = 0;
+        while now < c.lock.wait_timeout_ms {
+            now += 1_000;
+            assert!(e.renew(&lead, now));
+        }
+        let solo = expect_call(e.poll(&w, now, 3));
+        assert!(solo.lease.is_none() && !solo.store);
+        e.complete(&solo, ok("solo"), now);
+        assert!(cache::get(&s, &c, &k(1)).is_none());
+    }
+
+    #[test]
+    fn cache_control_is_honoured() {
+        let (s, c) = (MemStore::new(), Config::default());
+        let e = Engine { store: &s, config: &c };
+        let lead = expect_call(e.admit(&k(1), READ, 0, 1));
+        e.complete(&lead, ok("A"), 0);
+        let policy = |h: &str| {
+            let cc = CacheControl::parse(Some(h));
+            Policy { read: !cc.no_store && !cc.no_cache, max_age: cc.max_age, coalesce: !cc.no_store, store: !cc.no_store }
+        };
+        let bypass = expect_call(e.admit(&k(1), policy("no-store"), 1_000, 2));
+        assert_eq!(bypass.label, CacheStatus::Bypass);
+        assert!(bypass.lease.is_none() && !bypass.store);
+        let fresh = expect_call(e.admit(&k(1), policy("no-cache"), 1_000, 3));
+        assert!(fresh.lease.is_some() && fresh.store);
+        e.complete(&fresh, ok("B"), 10_000);
+        expect_call(e.admit(&k(1), policy("max-age=5"), 16_000, 4));
+        let r = expect_reply(e.admit(&k(1), policy("max-age=10"), 16_000, 5));
+        assert_eq!((r.response.body.as_slice(), r.age_s), (&b"B"[..], Some(6)));
+    }
+
+    #[test]
+    fn a_no_cache_waiter_accepts_the_flight_it_waited_for_from_the_cache() {
+        let (s, c) = (MemStore::new(), Config::default());
+        let e = Engine { store: &s, config: &c };
+        let no_cache = Policy { read: false, ..READ };
+        let lead = expect_call(e.admit(&k(1), READ, 0, 1));
+        let w = expect_wait(e.admit(&k(1), no_cache, 0, 2));
+        e.complete(&lead, ok("A"), 10);
+        // Someone else took the slot for a new flight before the waiter looked.
+        expect_call(e.admit(&k(1), Policy { read: false, ..READ }, 11, 9));
+        let r = expect_reply(e.poll(&w, 12, 3));
+        assert_eq!(r.cache, Some(CacheStatus::Coalesced));
+        assert_eq!(r.response.body, b"A");
+    }
+
+    #[test]
+    fn shared_data_keys_are_bounded_by_the_tables() {
+        let (s, mut c) = (MemStore::new(), Config::default());
+        c.cache.max_entries = 16;
+        c.lock.slots = 4;
+        let e = Engine { store: &s, config: &c };
+        for i in 0..=255u8 {
+            if let Step::Call(call) = e.admit(&k(i), READ, u64::from(i), u64::from(i)) {
+                e.complete(&call, ok("x"), u64::from(i));
+            }
+        }
+        assert!(s.key_count() <= 16 + 4, "{:?}", s.keys());
+    }
+}

@@ -1,0 +1,72 @@
+//! OpenAI-shaped API errors: the one place error bodies are rendered.
+
+use serde_json::json;
+
+/// An error answered to the client as `{"error":{"message","type","param","code"}}`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ApiError {
+    pub status: u16,
+    pub message: String,
+    pub kind: &'static str,
+    pub param: Option<String>,
+    pub code: &'static str,
+}
+
+impl ApiError {
+    /// A 400 `invalid_request_error`.
+    pub fn invalid(message: impl Into<String>, param: Option<&str>, code: &'static str) -> Self {
+        ApiError {
+            status: 400,
+            message: message.into(),
+            kind: "invalid_request_error",
+            param: param.map(str::to_owned),
+            code,
+        }
+    }
+
+    /// A 413: the request body is larger than `max_body_bytes`.
+    pub fn too_large(limit: usize) -> Self {
+        ApiError {
+            status: 413,
+            message: format!("request body is larger than the limit of {limit} bytes"),
+            kind: "invalid_request_error",
+            param: None,
+            code: "request_too_large",
+        }
+    }
+
+    /// A 5xx produced by the edge itself when HolySheep could not be reached.
+    pub fn upstream(status: u16, message: impl Into<String>, code: &'static str) -> Self {
+        ApiError { status, message: message.into(), kind: "upstream_error", param: None, code }
+    }
+
+    pub fn body(&self) -> Vec<u8> {
+        json!({"error": {
+            "message": self.message,
+            "type": self.kind,
+            "param": self.param,
+            "code": self.code,
+        }})
+        .to_string()
+        .into_bytes()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn body_has_the_openai_shape() {
+        let e = ApiError::invalid("bad", Some("model"), "invalid_type");
+        let v: serde_json::Value = serde_json::from_slice(&e.body()).unwrap();
+        assert_eq!(v["error"]["message"], "bad");
+        assert_eq!(v["error"]["type"], "invalid_request_error");
+        assert_eq!(v["error"]["param"], "model");
+        assert_eq!(v["error"]["code"], "invalid_type");
+        let e = ApiError::too_large(10);
+        let v: serde_json::Value = serde_json::from_slice(&e.body()).unwrap();
+        assert!(v["error"]["param"].is_null());
+        assert_eq!(e.status, 413);
+    }
+}

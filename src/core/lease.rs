@@ -1,0 +1,247 @@
+//! The single-flight lease: one leader per request key across every worker, built on the
+//! CAS store. A lease lives in one of `lock.slots` fixed slots and holds the owner's nonce
+//! and an expiry; a leader renews it while its call is in flight, so a dead leader is
+//! replaced within one lease. When the call ends the owner writes the answer into the slot
+//! (`Done`), where the waiters that saw its nonce read it; a `Done` slot is free to take.
+
+use super::cache::Response;
+use super::codec;
+use super::config::Config;
+use super::request::Key;
+use super::store::{cas_after, CasStore, StoreError};
+
+/// Held by the leader: enough to renew and to finish.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Lease {
+    pub slot_key: String,
+    pub key: Key,
+    pub nonce: u64,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum State {
+    /// Missing, empty, or unreadable: free to take.
+    Free,
+    Leading { key: String, nonce: u64, expires_ms: u64 },
+    Done { key: String, nonce: u64, done_at_ms: u64, response: Response },
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Acquire {
+    /// We lead.
+    Acquired(Lease),
+    /// A live leader holds this key: wait for the flight with this nonce.
+    Held { nonce: u64 },
+    /// The slot is leased to another key (a slot collision).
+    Busy,
+}
+
+/// CAS races lost in a row before giving up; each loss means someone else made progress.
+const MAX_RACES: usize = 16;
+
+pub fn slot_key(config: &Config, key: &Key) -> String {
+    format!("holysheep/lease/{}", key.slot(config.lock.slots, 1))
+}
+
+pub fn read(store: &impl CasStore, slot_key: &str) -> Result<(State, Option<u32>), StoreError> {
+    let r = store.get(slot_key)?;
+    let state = r.value.as_deref().and_then(decode).unwrap_or(State::Free);
+    Ok((state, r.cas))
+}
+
+/// Takes the lease if the slot is free, expired, or done; reports a live holder otherwise.
+pub fn acquire(
+    store: &impl CasStore,
+    config: &Config,
+    key: &Key,
+    nonce: u64,
+    now_ms: u64,
+) -> Result<Acquire, StoreError> {
+    let slot_key = slot_key(config, key);
+    for _ in 0..MAX_RACES {
+        let r = store.get(&slot_key)?;
+        match r.value.as_deref().and_then(decode) {
+            Some(State::Leading { key: k, nonce: n, expires_ms }) if expires_ms > now_ms => {
+                return Ok(if k == key.hex() { Acquire::Held { nonce: n } } else { Acquire::Busy });
+            }
+            _ => {}
+        }
+        let value = leading(key, nonce, now_ms + config.lock.lease_ms);
+        // A missing key is inserted whatever CAS we pass; `cas_after` makes the loser of
+        // two concurrent inserts see a mismatch (see `store::ABSENT_CAS`).
+        match store.set(&slot_key, &value, cas_after(&r)) {
+            Ok(()) => return Ok(Acquire::Acquired(Lease { slot_key, key: key.clone(), nonce })),
+            Err(StoreError::CasMismatch) => continue,
+            Err(e) => return Err(e),
+        }
+    }
+    Err(StoreError::CasMismatch)
+}
+
+/// Pushes the expiry forward; `false` when the lease is no longer ours.
+pub fn renew(store: &impl CasStore, config: &Config, lease: &Lease, now_ms: u64) -> Result<bool, StoreError> {
+    update_if_owner(store, lease, &leading(&lease.key, lease.nonce, now_ms + config.lock.lease_ms))
+}
+
+/// Publishes the flight's answer to its waiters and frees the slot; `false` when the lease
+/// was lost (expired and taken over), in which case the new leader's flight stands.
+pub fn finish(store: &impl CasStore, lease: &Lease, response: &Response, now_ms: u64) -> Result<bool, StoreError> {
+    update_if_owner(store, lease, &done(&lease.key, lease.nonce, now_ms, response))
+}
+
+fn update_if_owner(store: &impl CasStore, lease: &Lease, value: &[u8]) -> Result<bool, StoreError> {
+    for _ in 0..MAX_RACES {
+        let r = store.get(&lease.slot_key)?;
+        match r.value.as_deref().and_then(decode) {
+            Some(State::Leading { nonce, .. }) if nonce == lease.nonce => {}
+            _ => return Ok(false),
+        }
+        // Only the owner writes a Leading value with this nonce, but a waiter may take the
+        // slot over between our read and write: the CAS turns that into a re-read.
+        match store.set(&lease.slot_key, value, cas_after(&r)) {
+            Ok(()) => return Ok(true),
+            Err(StoreError::CasMismatch) => continue,
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(false)
+}
+
+fn leading(key: &Key, nonce: u64, expires_ms: u64) -> Vec<u8> {
+    codec::encode(&["L", key.hex(), &nonce.to_string(), &expires_ms.to_string()], b"")
+}
+
+fn done(key: &Key, nonce: u64, now_ms: u64, r: &Response) -> Vec<u8> {
+    codec::encode(
+        &[
+            "D",
+            key.hex(),
+            &nonce.to_string(),
+            &now_ms.to_string(),
+            &r.status.to_string(),
+            &codec::field(&r.content_type),
+            &codec::field(r.retry_after.as_deref().unwrap_or("")),
+        ],
+        &r.body,
+    )
+}
+
+fn decode(raw: &[u8]) -> Option<State> {
+    match raw.first()? {
+        b'L' => {
+            let (f, _) = codec::decode(raw, 4)?;
+            Some(State::Leading { key: f[1].to_owned(), nonce: f[2].parse().ok()?, expires_ms: f[3].parse().ok()? })
+        }
+        b'D' => {
+            let (f, body) = codec::decode(raw, 7)?;
+            Some(State::Done {
+                key: f[1].to_owned(),
+                nonce: f[2].parse().ok()?,
+                done_at_ms: f[3].parse().ok()?,
+                response: Response {
+                    status: f[4].parse().ok()?,
+                    content_type: f[5].to_owned(),
+                    retry_after: Some(f[6].to_owned()).filter(|s| !s.is_empty()),
+                    body: body.to_vec(),
+                },
+            })
+        }
+        _ => None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::core::request::request_key;
+    use crate::core::store::MemStore;
+    use std::sync::{Arc, Barrier};
+
+    fn key(i: u32) -> Key {
+        request_key("/p", "s", &i.to_be_bytes())
+    }
+
+    fn resp(status: u16) -> Response {
+        Response { status, content_type: "application/json".into(), retry_after: Some("3".into()), body: b"{}".to_vec() }
+    }
+
+    #[test]
+    fn second_caller_waits_on_the_first() {
+        let (s, c) = (MemStore::new(), Config::default());
+        let Acquire::Acquired(lease) = acquire(&s, &c, &key(1), 11, 0).unwrap() else { panic!() };
+        assert_eq!(acquire(&s, &c, &key(1), 22, 10).unwrap(), Acquire::Held { nonce: 11 });
+        assert!(finish(&s, &lease, &resp(503), 20).unwrap());
+        let (state, _) = read(&s, &lease.slot_key).unwrap();
+        let State::Done { nonce, response, .. } = state else { panic!("{state:?}") };
+        assert_eq!(nonce, 11);
+        assert_eq!(response, resp(503));
+        // A done slot is free again.
+        assert!(matches!(acquire(&s, &c, &key(1), 33, 30).unwrap(), Acquire::Acquired(_)));
+    }
+
+    #[test]
+    fn expired_lease_is_taken_over_and_the_old_owner_cannot_finish() {
+        let (s, c) = (MemStore::new(), Config::default());
+        let Acquire::Acquired(old) = acquire(&s, &c, &key(1), 1, 0).unwrap() else { panic!() };
+        assert_eq!(acquire(&s, &c, &key(1), 2, 4_999).unwrap(), Acquire::Held { nonce: 1 });
+        let Acquire::Acquired(new) = acquire(&s, &c, &key(1), 2, 5_000).unwrap() else { panic!() };
+        assert!(!renew(&s, &c, &old, 5_001).unwrap());
+        assert!(!finish(&s, &old, &resp(200), 5_002).unwrap());
+        assert!(renew(&s, &c, &new, 5_003).unwrap());
+        // Renewal pushes expiry: still held well after the first expiry.
+        assert_eq!(acquire(&s, &c, &key(1), 3, 9_000).unwrap(), Acquire::Held { nonce: 2 });
+    }
+
+    #[test]
+    fn another_key_in_the_same_slot_is_busy() {
+        let (s, mut c) = (MemStore::new(), Config::default());
+        c.lock.slots = 1;
+        assert!(matches!(acquire(&s, &c, &key(1), 1, 0).unwrap(), Acquire::Acquired(_)));
+        assert_eq!(acquire(&s, &c, &key(2), 2, 0).unwrap(), Acquire::Busy);
+        assert_eq!(s.key_count(), 1);
+    }
+
+    #[test]
+    fn garbage_in_a_slot_counts_as_free() {
+        let (s, c) = (MemStore::new(), Config::default());
+        s.set(&slot_key(&c, &key(1)), b"L\nnot-a-number", None).unwrap();
+        assert!(matches!(acquire(&s, &c, &key(1), 1, 0).unwrap(), Acquire::Acquired(_)));
+    }
+
+    /// Many threads race for the same missing, then expired, slot: exactly one wins each
+    /// round, including when the CAS counter wraps through the sentinel's neighbourhood.
+    #[test]
+    fn concurrent_acquire_has_exactly_one_winner() {
+        for start in [1, u32::MAX - 40, u32::MAX - 3] {
+            let s = Arc::new(MemStore::with_next_cas(start));
+            let c = Arc::new(Config::default());
+            for round in 0..20u64 {
+                let now = round * 10_000; // every round finds the previous lease expired
+                let barrier = Arc::new(Barrier::new(8));
+                let handles: Vec<_> = (0..8u64)
+                    .map(|t| {
+                        let (s, c, b) = (s.clone(), c.clone(), barrier.clone());
+                        std::thread::spawn(move || {
+                            b.wait();
+                            acquire(&*s, &c, &key(7), round * 100 + t, now).unwrap()
+                        })
+                    })
+                    .collect();
+                let results: Vec<Acquire> = handles.into_iter().map(|h| h.join().unwrap()).collect();
+                let winners: Vec<u64> = results
+                    .iter()
+                    .filter_map(|r| match r {
+                        Acquire::Acquired(l) => Some(l.nonce),
+                        _ => None,
+                    })
+                    .collect();
+                assert_eq!(winners.len(), 1, "start {start} round {round}: {results:?}");
+                for r in &results {
+                    if let Acquire::Held { nonce } = r {
+                        assert_eq!(*nonce, winners[0]);
+                    }
+                }
+            }
+        }
+    }
+}

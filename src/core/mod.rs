@@ -1,0 +1,11 @@
+//! The host-agnostic core: request keys, cache, lease and the decisions built on them.
+//! Nothing here knows proxy-wasm or WASI; time and nonces are passed in.
+
+pub mod cache;
+pub mod codec;
+pub mod config;
+pub mod engine;
+pub mod error;
+pub mod lease;
+pub mod request;
+pub mod store;

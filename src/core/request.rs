@@ -1,0 +1,437 @@
+//! Chat-completion requests: validation, the canonical form of every field that changes
+//! the answer, and the SHA-256 request key scoped to the tenant.
+
+use super::config::{Config, Scope};
+use super::error::ApiError;
+use serde_json::{Map, Number, Value};
+use sha2::{Digest, Sha256};
+
+/// The only path the filter handles (query string ignored).
+pub const CHAT_PATH: &str = "/v1/chat/completions";
+
+/// Fields left out of the key: they change how the answer is delivered or attributed,
+/// not what it says.
+pub const KEY_EXCLUDED_FIELDS: [&str; 3] = ["stream", "stream_options", "user"];
+
+/// serde_json refuses nesting deeper than 128; we refuse earlier, with a clear message.
+pub const MAX_DEPTH: usize = 64;
+
+/// SHA-256 of (path, tenant scope, canonical body), as 64 lowercase hex digits.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct Key(String);
+
+impl Key {
+    pub fn hex(&self) -> &str {
+        &self.0
+    }
+
+    pub fn from_hex(hex: &str) -> Option<Key> {
+        let ok = hex.len() == 64 && hex.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f'));
+        ok.then(|| Key(hex.to_owned()))
+    }
+
+    /// A slot in a table of `n` slots; `salt` picks independent slots for different tables.
+    pub fn slot(&self, n: u32, salt: usize) -> u32 {
+        let start = (salt * 16) % 48;
+        let v = u64::from_str_radix(self.0.get(start..start + 16).unwrap_or("0"), 16).unwrap_or(0);
+        (v % u64::from(n.max(1))) as u32
+    }
+}
+
+/// What the client asked the cache to do (request `cache-control`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct CacheControl {
+    pub no_store: bool,
+    pub no_cache: bool,
+    pub max_age: Option<u64>,
+}
+
+impl CacheControl {
+    pub fn parse(header: Option<&str>) -> CacheControl {
+        let mut cc = CacheControl::default();
+        for directive in header.unwrap_or("").split(',') {
+            let d = directive.trim().to_ascii_lowercase();
+            match d.split_once('=') {
+                Some(("max-age", n)) => cc.max_age = n.trim().trim_matches('"').parse().ok(),
+                _ if d == "no-store" => cc.no_store = true,
+                _ if d == "no-cache" => cc.no_cache = true,
+                _ => {}
+            }
+        }
+        cc
+    }
+}
+
+/// How this request may use the cache and the lease.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Policy {
+    /// Serve from the cache (entries no older than `max_age` seconds, if set).
+    pub read: bool,
+    pub max_age: Option<u64>,
+    /// Share one upstream call with identical requests.
+    pub coalesce: bool,
+    /// Store a 200 answer.
+    pub store: bool,
+}
+
+/// A parsed, validated chat-completion request.
+#[derive(Debug, Clone)]
+pub struct ChatRequest {
+    pub key: Key,
+    pub model: String,
+    /// `stream: true` requests are passed through: a buffered answer is not an SSE stream.
+    pub stream: bool,
+    /// temperature 0 or a seed, and one choice.
+    pub deterministic: bool,
+}
+
+/// The request headers the core needs; the shell reads them from its host.
+#[derive(Debug, Clone, Default)]
+pub struct RequestMeta<'a> {
+    pub authorization: Option<&'a str>,
+    pub tenant: Option<&'a str>,
+    pub cache_control: Option<&'a str>,
+}
+
+impl ChatRequest {
+    pub fn parse(config: &Config, meta: &RequestMeta<'_>, body: &[u8]) -> Result<ChatRequest, ApiError> {
+        if body.len() > config.max_body_bytes {
+            return Err(ApiError::too_large(config.max_body_bytes));
+        }
+        let value = parse_json(body)?;
+        let Value::Object(map) = value else {
+            return Err(ApiError::invalid("request body must be a JSON object", None, "invalid_type"));
+        };
+        validate(&map)?;
+        let model = map.get("model").and_then(Value::as_str).unwrap_or_default().to_owned();
+        let stream = map.get("stream").and_then(Value::as_bool).unwrap_or(false);
+        let deterministic = is_deterministic(&map);
+        let scope = scope(config, meta);
+        let canonical = canonical_body(map);
+        Ok(ChatRequest { key: request_key(CHAT_PATH, &scope, &canonical), model, stream, deterministic })
+    }
+
+    pub fn policy(&self, config: &Config, cc: CacheControl) -> Policy {
+        Policy {
+            read: !cc.no_store && !cc.no_cache,
+            max_age: cc.max_age,
+            coalesce: !cc.no_store,
+            store: !cc.no_store && (self.deterministic || !config.cache.only_deterministic),
+        }
+    }
+}
+
+fn parse_json(body: &[u8]) -> Result<Value, ApiError> {
+    if body.iter().all(u8::is_ascii_whitespace) {
+        return Err(ApiError::invalid("request body is empty", None, "invalid_json"));
+    }
+    let text = std::str::from_utf8(body)
+        .map_err(|_| ApiError::invalid("request body is not valid UTF-8", None, "invalid_json"))?;
+    if nesting_depth(text) > MAX_DEPTH {
+        return Err(ApiError::invalid(
+            format!("request body nests deeper than {MAX_DEPTH} levels"),
+            None,
+            "invalid_json",
+        ));
+    }
+    serde_json::from_str(text).map_err(|e| {
+        let what = if e.to_string().contains("out of range") { "a number is out of range" } else { "malformed JSON" };
+        ApiError::invalid(format!("request body is not valid JSON ({what}: {e})"), None, "invalid_json")
+    })
+}
+
+/// Deepest bracket nesting outside strings; cheap, and runs before any recursion.
+fn nesting_depth(text: &str) -> usize {
+    let (mut depth, mut max, mut in_str, mut escaped) = (0usize, 0usize, false, false);
+    for b in text.bytes() {
+        if in_str {
+            match (escaped, b) {
+                (true, _) => escaped = false,
+                (false, b'\\') => escaped = true,
+                (false, b'"') => in_str = false,
+                _ => {}
+            }
+            continue;
+        }
+        match b {
+            b'"' => in_str = true,
+            b'{' | b'[' => {
+                depth += 1;
+                max = max.max(depth);
+            }
+            b'}' | b']' => depth = depth.saturating_sub(1),
+            _ => {}
+        }
+    }
+    max
+}
+
+type Check = fn(&Value) -> bool;
+
+/// Known fields and the JSON types they must have (OpenAI's contract).
+const FIELD_TYPES: [(&str, &str, Check); 14] = [
+    ("temperature", "a number between 0 and 2", |v| v.as_f64().is_some_and(|t| (0.0..=2.0).contains(&t))),
+    ("top_p", "a number between 0 and 1", |v| v.as_f64().is_some_and(|t| (0.0..=1.0).contains(&t))),
+    ("n", "an integer between 1 and 128", |v| v.as_u64().is_some_and(|n| (1..=128).contains(&n))),
+    ("max_tokens", "a positive integer", |v| v.as_u64().is_some_and(|n| n >= 1)),
+    ("max_completion_tokens", "a positive integer", |v| v.as_u64().is_some_and(|n| n >= 1)),
+    ("seed", "an integer", |v| v.is_i64() || v.is_u64()),
+    ("presence_penalty", "a number between -2 and 2", |v| v.as_f64().is_some_and(|t| (-2.0..=2.0).contains(&t))),
+    ("frequency_penalty", "a number between -2 and 2", |v| v.as_f64().is_some_and(|t| (-2.0..=2.0).contains(&t))),
+    ("stream", "a boolean", Value::is_boolean),
+    ("stop", "a string or an array of strings", |v| {
+        v.is_string() || v.as_array().is_some_and(|a| a.iter().all(Value::is_string))
+    }),
+    ("tools", "an array", Value::is_array),
+    ("tool_choice", "a string or an object", |v| v.is_string() || v.is_object()),
+    ("response_format", "an object", Value::is_object),
+    ("logit_bias", "an object", Value::is_object),
+];
+
+fn validate(map: &Map<String, Value>) -> Result<(), ApiError> {
+    match map.get("model") {
+        None => return Err(ApiError::invalid("missing required parameter: 'model'", Some("model"), "missing_required_parameter")),
+        Some(Value::String(m)) if !m.trim().is_empty() => {}
+        Some(_) => return Err(wrong_type("model", "a non-empty string")),
+    }
+    match map.get("messages") {
+        None => {
+            return Err(ApiError::invalid(
+                "missing required parameter: 'messages'",
+                Some("messages"),
+                "missing_required_parameter",
+            ))
+        }
+        Some(Value::Array(msgs)) if !msgs.is_empty() => {
+            for (i, m) in msgs.iter().enumerate() {
+                if !m.get("role").is_some_and(Value::is_string) {
+                    return Err(wrong_type(&format!("messages[{i}]"), "an object with a string 'role'"));
+                }
+            }
+        }
+        Some(_) => return Err(wrong_type("messages", "a non-empty array")),
+    }
+    for (name, expected, ok) in FIELD_TYPES {
+        if let Some(v) = map.get(name) {
+            if !v.is_null() && !ok(v) {
+                return Err(wrong_type(name, expected));
+            }
+        }
+    }
+    Ok(())
+}
+
+fn wrong_type(param: &str, expected: &str) -> ApiError {
+    ApiError::invalid(format!("invalid value for '{param}': expected {expected}"), Some(param), "invalid_type")
+}
+
+fn is_deterministic(map: &Map<String, Value>) -> bool {
+    let one_choice = map.get("n").and_then(Value::as_u64).unwrap_or(1) <= 1;
+    let cold = map.get("temperature").and_then(Value::as_f64) == Some(0.0);
+    let seeded = map.get("seed").is_some_and(|s| !s.is_null());
+    one_choice && (cold || seeded)
+}
+
+fn scope(config: &Config, meta: &RequestMeta<'_>) -> String {
+    match config.cache.scope {
+        Scope::Global => "global".to_owned(),
+        Scope::Tenant => {
+            let credential = match config.cache.tenant_header {
+                Some(_) => meta.tenant,
+                None => meta.authorization,
+            };
+            format!("tenant:{}", sha256_hex(credential.unwrap_or("").as_bytes()))
+        }
+    }
+}
+
+/// Compact JSON with object keys sorted recursively (serde_json's map is a BTreeMap),
+/// integral floats written as integers, and the excluded fields removed.
+pub fn canonical_body(mut map: Map<String, Value>) -> Vec<u8> {
+    for f in KEY_EXCLUDED_FIELDS {
+        map.remove(f);
+    }
+    let mut v = Value::Object(map);
+    normalise_numbers(&mut v);
+    v.to_string().into_bytes()
+}
+
+fn normalise_numbers(v: &mut Value) {
+    match v {
+        Value::Number(n) => {
+            if let Some(f) = n.as_f64().filter(|_| n.is_f64()) {
+                if f.fract() == 0.0 && f.abs() < 9.0e15 {
+                    *n = Number::from(f as i64);
+                }
+            }
+        }
+        Value::Array(a) => a.iter_mut().for_each(normalise_numbers),
+        Value::Object(o) => o.values_mut().for_each(normalise_numbers),
+        _ => {}
+    }
+}
+
+pub fn request_key(path: &str, scope: &str, canonical: &[u8]) -> Key {
+    let mut h = Sha256::new();
+    for part in [path.as_bytes(), scope.as_bytes(), canonical] {
+        h.update((part.len() as u64).to_be_bytes());
+        h.update(part);
+    }
+    Key(hex(&h.finalize()))
+}
+
+pub fn sha256_hex(data: &[u8]) -> String {
+    hex(&Sha256::digest(data))
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const AUTH_A: RequestMeta<'static> =
+        RequestMeta { authorization: Some("Bearer a"), tenant: None, cache_control: None };
+
+    fn key(body: &str) -> Key {
+        key_with(&Config::default(), &AUTH_A, body)
+    }
+
+    fn key_with(c: &Config, meta: &RequestMeta<'_>, body: &str) -> Key {
+        ChatRequest::parse(c, meta, body.as_bytes()).unwrap().key
+    }
+
+    fn err(body: &[u8]) -> ApiError {
+        ChatRequest::parse(&Config::default(), &AUTH_A, body).unwrap_err()
+    }
+
+    const BASE: &str = r#"{"model":"gpt-4.1","messages":[{"role":"user","content":"hi"}],"temperature":0}"#;
+
+    #[test]
+    fn field_order_and_whitespace_do_not_change_the_key() {
+        let reordered = r#"{ "temperature": 0.0, "messages": [ {"content":"hi", "role":"user"} ],
+                            "model": "gpt-4.1" }"#;
+        assert_eq!(key(BASE), key(reordered));
+        assert_eq!(key(BASE).hex().len(), 64);
+    }
+
+    #[test]
+    fn excluded_fields_do_not_change_the_key() {
+        let with = r#"{"model":"gpt-4.1","messages":[{"role":"user","content":"hi"}],"temperature":0,
+                       "stream":false,"user":"u-17","stream_options":{"include_usage":true}}"#;
+        assert_eq!(key(BASE), key(with));
+    }
+
+    #[test]
+    fn every_parameter_changes_the_key() {
+        let base = key(BASE);
+        for extra in [
+            r#""top_p":0.9"#,
+            r#""seed":1"#,
+            r#""max_tokens":10"#,
+            r#""max_completion_tokens":10"#,
+            r#""stop":["x"]"#,
+            r#""n":2"#,
+            r#""presence_penalty":1"#,
+            r#""frequency_penalty":1"#,
+            r#""logit_bias":{"1":1}"#,
+            r#""tools":[]"#,
+            r#""tool_choice":"none""#,
+            r#""response_format":{"type":"json_object"}"#,
+            r#""some_future_field":true"#,
+        ] {
+            let body = BASE.replacen('{', &format!("{{{extra},"), 1);
+            assert_ne!(key(&body), base, "{extra}");
+        }
+        assert_ne!(key(&BASE.replace(r#""temperature":0"#, r#""temperature":0.5"#)), base);
+        assert_ne!(key(&BASE.replace("gpt-4.1", "deepseek-v3")), base);
+        assert_ne!(key(&BASE.replace("hi", "hello")), base);
+        let system = BASE.replace("[{", r#"[{"role":"system","content":"be brief"},{"#);
+        assert_ne!(key(&system), base);
+    }
+
+    #[test]
+    fn tenant_scope_separates_credentials_and_global_does_not() {
+        let b = RequestMeta { authorization: Some("Bearer b"), ..AUTH_A };
+        assert_ne!(key(BASE), key_with(&Config::default(), &b, BASE));
+        let mut global = Config::default();
+        global.cache.scope = Scope::Global;
+        assert_eq!(key_with(&global, &AUTH_A, BASE), key_with(&global, &b, BASE));
+        let mut by_header = Config::default();
+        by_header.cache.tenant_header = Some("x-tenant".into());
+        let t1 = RequestMeta { tenant: Some("t1"), ..AUTH_A };
+        let t1_other_auth = RequestMeta { tenant: Some("t1"), ..b };
+        let t2 = RequestMeta { tenant: Some("t2"), ..AUTH_A };
+        assert_eq!(key_with(&by_header, &t1, BASE), key_with(&by_header, &t1_other_auth, BASE));
+        assert_ne!(key_with(&by_header, &t1, BASE), key_with(&by_header, &t2, BASE));
+    }
+
+    #[test]
+    fn bad_input_gets_a_400_naming_the_problem() {
+        let deep = format!("{}{}", "[".repeat(200), "]".repeat(200));
+        for (body, param) in [
+            (&b""[..], None),
+            (b"   ", None),
+            (b"{", None),
+            (b"[1]", None),
+            (b"\xff\xfe", None),
+            (deep.as_bytes(), None),
+            (br#"{"model":"m","messages":[{"role":"user"}],"temperature":1e400}"#, None),
+            (br#"{"messages":[{"role":"user"}]}"#, Some("model")),
+            (br#"{"model":7,"messages":[{"role":"user"}]}"#, Some("model")),
+            (br#"{"model":"m"}"#, Some("messages")),
+            (br#"{"model":"m","messages":[]}"#, Some("messages")),
+            (br#"{"model":"m","messages":[1]}"#, Some("messages[0]")),
+            (br#"{"model":"m","messages":[{"role":"user"}],"temperature":"hot"}"#, Some("temperature")),
+            (br#"{"model":"m","messages":[{"role":"user"}],"n":0}"#, Some("n")),
+            (br#"{"model":"m","messages":[{"role":"user"}],"stream":"yes"}"#, Some("stream")),
+        ] {
+            let e = err(body);
+            assert_eq!(e.status, 400, "{}", String::from_utf8_lossy(body));
+            assert_eq!(e.param.as_deref(), param, "{}", String::from_utf8_lossy(body));
+        }
+        let small = Config { max_body_bytes: 10, ..Config::default() };
+        assert_eq!(ChatRequest::parse(&small, &AUTH_A, BASE.as_bytes()).unwrap_err().status, 413);
+    }
+
+    #[test]
+    fn nesting_depth_ignores_brackets_in_strings() {
+        assert_eq!(nesting_depth(r#"{"a":"[[[[\"{{{{"}"#), 1);
+        assert_eq!(nesting_depth("[[[]]]"), 3);
+    }
+
+    #[test]
+    fn cache_control_and_policy() {
+        let cc = CacheControl::parse(Some("No-Cache, max-age=30"));
+        assert!(cc.no_cache && !cc.no_store);
+        assert_eq!(cc.max_age, Some(30));
+        assert!(CacheControl::parse(Some("no-store")).no_store);
+        let req = ChatRequest::parse(&Config::default(), &AUTH_A, BASE.as_bytes()).unwrap();
+        assert!(req.deterministic);
+        let c = Config::default();
+        let p = req.policy(&c, CacheControl::parse(Some("no-store")));
+        assert!(!p.read && !p.coalesce && !p.store);
+        let p = req.policy(&c, CacheControl::parse(Some("no-cache")));
+        assert!(!p.read && p.coalesce && p.store);
+
+        let hot = BASE.replace(r#""temperature":0"#, r#""temperature":0.7"#);
+        let hot = ChatRequest::parse(&c, &AUTH_A, hot.as_bytes()).unwrap();
+        assert!(!hot.deterministic);
+        assert!(hot.policy(&c, CacheControl::default()).store);
+        let mut only = Config::default();
+        only.cache.only_deterministic = true;
+        let p = hot.policy(&only, CacheControl::default());
+        assert!(p.coalesce && !p.store);
+    }
+
+    #[test]
+    fn slots_are_in_range_and_independent_per_salt() {
+        let k = key(BASE);
+        assert!(k.slot(7, 0) < 7);
+        assert_eq!(k.slot(1, 1), 0);
+        assert!(Key::from_hex(k.hex()).is_some());
+        assert!(Key::from_hex("xyz").is_none());
+    }
+}

@@ -1,0 +1,139 @@
+//! The CAS store the core runs on, with the exact contract of Envoy's proxy-wasm shared
+//! data, and an in-memory model of it for tests.
+
+/// What a read returns. Envoy distinguishes a missing key (`cas: None`) from a key whose
+/// value is empty (`value: None, cas: Some(_)`); there is no delete, so "empty" is how a
+/// key is freed.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct Read {
+    pub value: Option<Vec<u8>>,
+    pub cas: Option<u32>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum StoreError {
+    /// The key exists and its CAS is not the one given: someone wrote it since the read.
+    CasMismatch,
+    /// The host refused the call; the text is for logs.
+    Host(String),
+}
+
+/// Shared data as Envoy implements it:
+/// - every successful `set` gives the key a fresh CAS from one process-wide `u32` counter
+///   (starting at 1, skipping 0 on wrap);
+/// - `set` on an existing key with `cas = Some(c)` fails with `CasMismatch` unless `c` is
+///   the key's current CAS; `cas = None` overwrites unconditionally;
+/// - **`set` on a missing key inserts and ignores `cas`**, so a CAS set is not
+///   create-if-absent (see [`crate::core::lease`] for how acquire copes);
+/// - there is no delete and no TTL: a key, once written, lives as long as the VM group.
+pub trait CasStore {
+    fn get(&self, key: &str) -> Result<Read, StoreError>;
+    fn set(&self, key: &str, value: &[u8], cas: Option<u32>) -> Result<(), StoreError>;
+}
+
+/// The CAS a writer passes when its read found the key missing. A racer's insert got a
+/// fresh counter value, which is this sentinel only once in 2^32 writes, so the second
+/// writer gets `CasMismatch` and re-reads.
+pub const ABSENT_CAS: u32 = u32::MAX;
+
+/// The CAS to pass on a write that must not overwrite a change made since `read`.
+pub fn cas_after(read: &Read) -> Option<u32> {
+    Some(read.cas.unwrap_or(ABSENT_CAS))
+}
+
+#[cfg(test)]
+pub use model::MemStore;
+
+#[cfg(test)]
+mod model {
+    use super::*;
+    use std::collections::HashMap;
+    use std::sync::Mutex;
+
+    /// Envoy's shared data in memory: one lock, one global CAS counter.
+    #[derive(Debug, Default)]
+    pub struct MemStore {
+        inner: Mutex<Inner>,
+    }
+
+    #[derive(Debug, Default)]
+    struct Inner {
+        map: HashMap<String, (Vec<u8>, u32)>,
+        counter: u32,
+    }
+
+    impl MemStore {
+        pub fn new() -> Self {
+            Self::default()
+        }
+
+        /// A store whose next CAS will be `next` (to test wrap-around).
+        pub fn with_next_cas(next: u32) -> Self {
+            let s = Self::default();
+            s.inner.lock().unwrap().counter = next.wrapping_sub(1);
+            s
+        }
+
+        pub fn key_count(&self) -> usize {
+            self.inner.lock().unwrap().map.len()
+        }
+
+        pub fn keys(&self) -> Vec<String> {
+            self.inner.lock().unwrap().map.keys().cloned().collect()
+        }
+    }
+
+    impl CasStore for MemStore {
+        fn get(&self, key: &str) -> Result<Read, StoreError> {
+            let inner = self.inner.lock().unwrap();
+            Ok(match inner.map.get(key) {
+                None => Read::default(),
+                Some((v, cas)) => Read {
+                    value: if v.is_empty() { None } else { Some(v.clone()) },
+                    cas: Some(*cas),
+                },
+            })
+        }
+
+        fn set(&self, key: &str, value: &[u8], cas: Option<u32>) -> Result<(), StoreError> {
+            let mut inner = self.inner.lock().unwrap();
+            if let (Some((_, current)), Some(c)) = (inner.map.get(key), cas) {
+                if c != 0 && c != *current {
+                    return Err(StoreError::CasMismatch);
+                }
+            }
+            inner.counter = inner.counter.wrapping_add(1);
+            if inner.counter == 0 {
+                inner.counter = 1;
+            }
+            let next = inner.counter;
+            inner.map.insert(key.to_owned(), (value.to_vec(), next));
+            Ok(())
+        }
+    }
+
+    #[test]
+    fn models_envoy_semantics() {
+        let s = MemStore::new();
+        assert_eq!(s.get("k").unwrap(), Read::default());
+        // Insert ignores the CAS.
+        s.set("k", b"a", Some(77)).unwrap();
+        let r = s.get("k").unwrap();
+        assert_eq!(r.value.as_deref(), Some(&b"a"[..]));
+        assert_eq!(s.set("k", b"b", Some(r.cas.unwrap() + 1)), Err(StoreError::CasMismatch));
+        s.set("k", b"b", r.cas).unwrap();
+        s.set("k", b"", None).unwrap();
+        let r = s.get("k").unwrap();
+        assert_eq!(r.value, None);
+        assert!(r.cas.is_some());
+    }
+
+    #[test]
+    fn counter_skips_zero_on_wrap() {
+        let s = MemStore::with_next_cas(u32::MAX);
+        s.set("a", b"1", None).unwrap();
+        assert_eq!(s.get("a").unwrap().cas, Some(u32::MAX));
+        s.set("b", b"1", None).unwrap();
+        assert_eq!(s.get("b").unwrap().cas, Some(1));
+    }
+}

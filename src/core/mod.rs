@@ -9,3 +9,4 @@ pub mod error;
 pub mod lease;
 pub mod request;
 pub mod store;
+pub mod wake;

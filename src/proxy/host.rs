@@ -1,0 +1,72 @@
+//! Envoy host calls the shells need, as small safe wrappers: shared data as the core's
+//! CAS store, the clock, nonces, logging and local replies. None of these can panic.
+
+use crate::core::engine::Reply;
+use crate::core::store::{CasStore, Read, StoreError};
+use proxy_wasm::hostcalls;
+use proxy_wasm::types::{LogLevel, Status};
+use std::collections::hash_map::RandomState;
+use std::hash::BuildHasher;
+use std::time::UNIX_EPOCH;
+
+/// Envoy shared data (the VM group's map).
+pub struct SharedData;
+
+impl CasStore for SharedData {
+    fn get(&self, key: &str) -> Result<Read, StoreError> {
+        match hostcalls::get_shared_data(key) {
+            Ok((value, cas)) => Ok(Read { value: value.filter(|v| !v.is_empty()), cas }),
+            Err(s) => Err(StoreError::Host(format!("get_shared_data: {s:?}"))),
+        }
+    }
+
+    fn set(&self, key: &str, value: &[u8], cas: Option<u32>) -> Result<(), StoreError> {
+        match hostcalls::set_shared_data(key, Some(value), cas) {
+            Ok(()) => Ok(()),
+            Err(Status::CasMismatch) => Err(StoreError::CasMismatch),
+            Err(s) => Err(StoreError::Host(format!("set_shared_data: {s:?}"))),
+        }
+    }
+}
+
+/// Wall-clock milliseconds (Envoy offers no monotonic clock to plugins).
+pub fn now_ms() -> u64 {
+    hostcalls::get_current_time()
+        .ok()
+        .and_then(|t| t.duration_since(UNIX_EPOCH).ok())
+        .map_or(0, |d| d.as_millis() as u64)
+}
+
+/// Unique-enough 64-bit nonces: a per-VM random seed (WASI `random_get` via std) hashed
+/// with a counter.
+pub struct Nonces {
+    seed: RandomState,
+    counter: u64,
+}
+
+impl Nonces {
+    pub fn new() -> Self {
+        Nonces { seed: RandomState::new(), counter: 0 }
+    }
+
+    pub fn next(&mut self) -> u64 {
+        self.counter += 1;
+        self.seed.hash_one(self.counter).max(1)
+    }
+}
+
+pub fn log(level: LogLevel, message: &str) {
+    let _ = hostcalls::log(level, message);
+}
+
+/// Sends a local reply on the current (effective) http context.
+pub fn send(reply: &Reply) -> bool {
+    let headers = reply.headers();
+    let headers: Vec<(&str, &str)> = headers.iter().map(|(n, v)| (*n, v.as_str())).collect();
+    hostcalls::send_http_response(u32::from(reply.response.status), headers, Some(&reply.response.body)).is_ok()
+}
+
+/// Sends a local reply on another http context of this worker; `false` if it is gone.
+pub fn send_to(context_id: u32, reply: &Reply) -> bool {
+    hostcalls::set_effective_context(context_id).is_ok() && send(reply)
+}

@@ -1,0 +1,10 @@
+//! The proxy-wasm shell (Envoy, wasm32-wasip1): translates host callbacks into core calls.
+
+mod host;
+mod http;
+mod worker;
+
+proxy_wasm::main! {{
+    proxy_wasm::set_log_level(proxy_wasm::types::LogLevel::Info);
+    proxy_wasm::set_root_context(|_| Box::new(worker::Root::new()));
+}}

@@ -24,7 +24,7 @@ pub fn publish(store: &impl CasStore, name: &str, now_ms: u64) -> Result<(), Sto
             .filter(|(n, beat)| n != name && now_ms.saturating_sub(*beat) < STALE_MS)
             .collect();
         entries.push((name.to_owned(), now_ms));
-        entries.sort_by(|a, b| b.1.cmp(&a.1));
+        entries.sort_by_key(|e| std::cmp::Reverse(e.1));
         entries.truncate(MAX_QUEUES);
         let value: String = entries.iter().map(|(n, b)| format!("{n} {b}\n")).collect();
         match store.set(REGISTRY_KEY, value.as_bytes(), cas_after(&read)) {

@@ -70,12 +70,7 @@ impl Chat {
             Step::Reply(reply) => {
                 host::send(&reply);
             }
-            Step::Call(call) => {
-                let deferred = self.worker.borrow_mut().defer_call(self.id, call, outbound);
-                if let Err(e) = deferred {
-                    host::send(&Reply::error(&e));
-                }
-            }
+            Step::Call(call) => self.worker.borrow_mut().defer_call(self.id, call, outbound),
             Step::Wait(wait) => self.worker.borrow_mut().wait(self.id, wait, outbound),
         }
         Action::Pause

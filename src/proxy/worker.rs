@@ -6,7 +6,6 @@ use super::host::{self, Nonces, SharedData};
 use crate::core::cache::Response;
 use crate::core::config::Config;
 use crate::core::engine::{Call, Engine, Step, Wait};
-use crate::core::error::ApiError;
 use crate::core::request::{Key, CHAT_PATH};
 use crate::core::wake;
 use proxy_wasm::hostcalls;
@@ -25,6 +24,9 @@ pub struct Outbound {
 
 /// Message on a worker's own queue: dispatch the pending calls from the root context.
 const DISPATCH: &[u8] = b"dispatch";
+
+/// Period of the first tick, which registers the worker's wake queue.
+const FIRST_TICK_MS: u64 = 20;
 
 /// State shared by the root context and the http contexts of one VM.
 pub struct Worker {
@@ -61,17 +63,15 @@ impl Worker {
         self.nonces.next()
     }
 
-    /// Hands a call to the root context; the reply for the client comes back later.
-    pub fn defer_call(&mut self, context_id: u32, call: Call, outbound: Rc<Outbound>) -> Result<(), ApiError> {
-        let Some((queue, _)) = self.queue else {
-            return Err(ApiError::upstream(503, "edge worker is not ready", "worker_not_ready"));
-        };
+    /// Hands a call to the root context, which dispatches it on its next queue event (or
+    /// tick, before the worker's queue exists); the client's reply comes from there.
+    pub fn defer_call(&mut self, context_id: u32, call: Call, outbound: Rc<Outbound>) {
         self.pending.push((context_id, call, outbound));
-        if self.pending.len() == 1 {
-            hostcalls::enqueue_shared_queue(queue, Some(DISPATCH))
-                .map_err(|_| ApiError::upstream(503, "edge worker queue refused the call", "worker_not_ready"))?;
+        if let (Some((queue, _)), 1) = (&self.queue, self.pending.len()) {
+            if hostcalls::enqueue_shared_queue(*queue, Some(DISPATCH)).is_err() {
+                host::log(LogLevel::Warn, "holysheep: wake queue refused a message; the tick will dispatch");
+            }
         }
-        Ok(())
     }
 
     pub fn wait(&mut self, context_id: u32, wait: Wait, outbound: Rc<Outbound>) {
@@ -127,6 +127,7 @@ impl Root {
         let timeout = Duration::from_millis(config.upstream.timeout_ms);
         match self.dispatch_http_call(&config.upstream.cluster, headers, Some(&outbound.body), vec![], timeout) {
             Ok(token) => {
+                host::log(LogLevel::Debug, &format!("holysheep: #{context_id} callout {token} for {}", call.key.hex()));
                 self.worker.borrow_mut().flights.insert(token, (context_id, call));
             }
             Err(status) => {
@@ -192,6 +193,22 @@ impl Root {
         }
     }
 
+    fn register_queue(&mut self) {
+        let mut w = self.worker.borrow_mut();
+        if w.queue.is_some() {
+            return;
+        }
+        let name = format!("holysheep-wake-{:016x}", w.nonce());
+        match hostcalls::register_shared_queue(&name) {
+            Ok(id) => {
+                host::log(LogLevel::Debug, &format!("holysheep: wake queue {name} registered"));
+                w.queue = Some((id, name));
+                let _ = hostcalls::set_tick_period(Duration::from_millis(w.config.tick_ms()));
+            }
+            Err(s) => host::log(LogLevel::Error, &format!("holysheep: cannot register wake queue: {s:?}")),
+        }
+    }
+
     fn heartbeat(&mut self) {
         let now = host::now_ms();
         let mut w = self.worker.borrow_mut();
@@ -233,6 +250,7 @@ impl Root {
 
 impl Context for Root {
     fn on_http_call_response(&mut self, token: u32, num_headers: usize, body_size: usize, _trailers: usize) {
+        host::log(LogLevel::Debug, &format!("holysheep: callout {token} answered ({num_headers} headers)"));
         let flight = self.worker.borrow_mut().flights.remove(&token);
         if let Some((context_id, call)) = flight {
             let outcome = self.response_of_callout(num_headers, body_size);
@@ -255,17 +273,6 @@ impl RootContext for Root {
         let mut w = self.worker.borrow_mut();
         w.vm_id = String::from_utf8_lossy(&vm_id).into_owned();
         w.api_key = std::env::var(&config.upstream.api_key_env).ok().filter(|k| !k.is_empty());
-        if w.queue.is_none() {
-            // Safe in the canary VM too: a name that never beats is never woken.
-            let name = format!("holysheep-wake-{:016x}", w.nonce());
-            match hostcalls::register_shared_queue(&name) {
-                Ok(id) => w.queue = Some((id, name)),
-                Err(s) => {
-                    host::log(LogLevel::Critical, &format!("holysheep: cannot register wake queue: {s:?}"));
-                    return false;
-                }
-            }
-        }
         host::log(
             LogLevel::Info,
             &format!(
@@ -274,14 +281,17 @@ impl RootContext for Root {
                 if w.api_key.is_some() { "from environment" } else { "absent: forwarding client authorization" }
             ),
         );
-        let tick = Duration::from_millis(config.tick_ms());
         w.config = Rc::new(config);
         drop(w);
-        let _ = hostcalls::set_tick_period(tick);
+        // A short first tick registers the worker's queue (not here: the canary VM and
+        // the VM's thread binding make on_configure the wrong place, see ENVOY-FACTS).
+        let _ = hostcalls::set_tick_period(Duration::from_millis(FIRST_TICK_MS));
         true
     }
 
     fn on_tick(&mut self) {
+        self.register_queue();
+        self.dispatch_pending();
         self.heartbeat();
         self.renew_leases();
         self.poll_waiters(None);

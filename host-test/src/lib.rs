@@ -1,1 +1,6 @@
+//! Test and benchmark support for holysheep-edge: the mock HolySheep, a small HTTP/1.1
+//! client, and a real Envoy runner.
+
+pub mod client;
+pub mod envoy;
 pub mod mock;

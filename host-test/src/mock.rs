@@ -261,3 +261,39 @@ pub async fn start(addr: SocketAddr, mock: Mock) -> std::io::Result<SocketAddr> 
     Ok(local)
 }
 
+
+impl Mock {
+    /// Chat-completion calls received (including planned failures).
+    pub fn calls(&self) -> u64 {
+        self.state().calls
+    }
+
+    pub fn last_authorization(&self) -> Option<String> {
+        self.state().last_authorization.clone()
+    }
+
+    /// The next calls answer with these faults, one each, in order.
+    pub fn plan(&self, faults: Vec<Fault>) {
+        self.state().plan = faults.into();
+    }
+
+    pub fn set_latency_ms(&self, ms: u64) {
+        self.state().latency_ms = ms;
+    }
+}
+
+/// A mock running on its own tokio runtime (for blocking tests and benchmarks).
+pub struct Running {
+    pub addr: SocketAddr,
+    pub mock: Mock,
+    _runtime: tokio::runtime::Runtime,
+}
+
+impl Running {
+    pub fn start(api_key: Option<&str>, latency_ms: u64) -> std::io::Result<Running> {
+        let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
+        let mock = Mock::new(api_key.map(str::to_owned), latency_ms);
+        let addr = runtime.block_on(start(([127, 0, 0, 1], 0).into(), mock.clone()))?;
+        Ok(Running { addr, mock, _runtime: runtime })
+    }
+}

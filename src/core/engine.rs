@@ -60,6 +60,17 @@ impl Reply {
     }
 }
 
+/// Errors that are not JSON (Envoy's own "upstream connect error", a proxy's HTML page)
+/// are wrapped in OpenAI's error shape, keeping the status; JSON passes unchanged.
+fn openai_shaped(r: Response) -> Response {
+    if r.status == 200 || r.content_type.contains("json") {
+        return r;
+    }
+    let text: String = String::from_utf8_lossy(&r.body).chars().take(200).collect();
+    let e = ApiError::upstream(r.status, format!("HolySheep answered {}: {}", r.status, text.trim()), "upstream_error");
+    Response { retry_after: r.retry_after, ..error_response(&e) }
+}
+
 fn error_response(e: &ApiError) -> Response {
     Response { status: e.status, content_type: "application/json".into(), retry_after: None, body: e.body() }
 }
@@ -133,7 +144,7 @@ impl<S: CasStore> Engine<'_, S> {
     /// The call ended (`None`: the callout failed). Stores what may be stored, hands the
     /// answer to the flight's waiters, and returns the caller's reply.
     pub fn complete(&self, call: &Call, outcome: Option<Response>, now_ms: u64) -> Reply {
-        let response = outcome.unwrap_or_else(|| self.failure(call, now_ms));
+        let response = outcome.map_or_else(|| self.failure(call, now_ms), openai_shaped);
         if call.store {
             cache::put(self.store, self.config, &call.key, &response, now_ms);
         }
@@ -193,7 +204,7 @@ impl<S: CasStore> Engine<'_, S> {
         let allowed = match waited_since {
             Some(since) => entry.stored_at_ms >= since || policy.read,
             None => true,
-        } && policy.max_age.is_none_or(|max| age_ms <= max.saturating_mul(1000));
+        } && policy.max_age.is_none_or(|max| age_ms / 1000 <= max);
         allowed.then(|| Reply {
             age_s: Some(age_ms / 1000),
             cache: Some(if waited_since.is_some() { CacheStatus::Coalesced } else { CacheStatus::Hit }),
@@ -282,6 +293,24 @@ mod tests {
         assert!(theirs.headers().contains(&("retry-after", "2".into())));
         // Nothing cached: the next request leads again.
         expect_call(e.admit(&k(1), READ, 12, 4));
+    }
+
+    #[test]
+    fn non_json_upstream_errors_become_openai_errors() {
+        let (s, c) = (MemStore::new(), Config::default());
+        let e = Engine { store: &s, config: &c };
+        let lead = expect_call(e.admit(&k(1), READ, 0, 1));
+        let text = Response {
+            status: 503,
+            content_type: "text/plain".into(),
+            retry_after: Some("1".into()),
+            body: b"upstream connect error or disconnect/reset before headers".to_vec(),
+        };
+        let r = e.complete(&lead, Some(text), 5);
+        assert_eq!((r.response.status, r.response.content_type.as_str()), (503, "application/json"));
+        assert_eq!(r.response.retry_after.as_deref(), Some("1"));
+        let v: serde_json::Value = serde_json::from_slice(&r.response.body).unwrap();
+        assert!(v["error"]["message"].as_str().unwrap().contains("upstream connect error"));
     }
 
     #[test]

@@ -1,0 +1,145 @@
+//! Runs a real Envoy (from the project's `.venv`) with the built plugin, rendered from
+//! `envoy/local.yaml.tmpl`, and stops it on drop.
+
+use crate::client;
+use std::io;
+use std::net::{SocketAddr, TcpListener};
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::{Duration, Instant};
+
+pub fn workspace_root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..")
+}
+
+/// `HOLYSHEEP_ENVOY`, or the Envoy that `envoy/setup.sh` installs.
+pub fn envoy_bin() -> PathBuf {
+    std::env::var_os("HOLYSHEEP_ENVOY").map_or_else(|| workspace_root().join(".venv/bin/envoy"), PathBuf::from)
+}
+
+/// `HOLYSHEEP_WASM`, or the release build of the plugin.
+pub fn wasm_path() -> PathBuf {
+    std::env::var_os("HOLYSHEEP_WASM").map_or_else(
+        || workspace_root().join("target/wasm32-wasip1/release/holysheep_edge.wasm"),
+        PathBuf::from,
+    )
+}
+
+pub struct Options {
+    /// The plugin configuration (JSON).
+    pub config: String,
+    pub upstream: SocketAddr,
+    pub concurrency: u32,
+    /// Value of `HOLYSHEEP_API_KEY` in Envoy's environment (unset when `None`).
+    pub api_key: Option<String>,
+    /// Body served by the `direct` listener.
+    pub direct_body: Vec<u8>,
+}
+
+impl Options {
+    pub fn new(config: &str, upstream: SocketAddr) -> Options {
+        Options { config: config.to_owned(), upstream, concurrency: 2, api_key: None, direct_body: b"{}".to_vec() }
+    }
+}
+
+pub struct Envoy {
+    child: Child,
+    pub edge: SocketAddr,
+    pub direct: SocketAddr,
+    pub plain: SocketAddr,
+    pub admin: SocketAddr,
+    pub dir: PathBuf,
+}
+
+fn free_port() -> io::Result<u16> {
+    Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
+}
+
+impl Envoy {
+    pub fn start(opts: &Options) -> io::Result<Envoy> {
+        static SEQ: AtomicU32 = AtomicU32::new(0);
+        let (bin, wasm) = (envoy_bin(), wasm_path());
+        for p in [&bin, &wasm] {
+            if !p.exists() {
+                return Err(io::Error::new(io::ErrorKind::NotFound, format!("{} is missing: run `make test`", p.display())));
+            }
+        }
+        let dir = workspace_root()
+            .join("target/e2e")
+            .join(format!("{}-{}", std::process::id(), SEQ.fetch_add(1, Ordering::SeqCst)));
+        std::fs::create_dir_all(&dir)?;
+        let direct_body = dir.join("direct.json");
+        std::fs::write(&direct_body, &opts.direct_body)?;
+        let ports = [free_port()?, free_port()?, free_port()?, free_port()?];
+        let template = std::fs::read_to_string(workspace_root().join("envoy/local.yaml.tmpl"))?;
+        let yaml = template
+            .replace("@ADMIN_PORT@", &ports[0].to_string())
+            .replace("@LISTEN_PORT@", &ports[1].to_string())
+            .replace("@DIRECT_PORT@", &ports[2].to_string())
+            .replace("@PLAIN_PORT@", &ports[3].to_string())
+            .replace("@MOCK_PORT@", &opts.upstream.port().to_string())
+            .replace("@WASM@", &wasm.display().to_string())
+            .replace("@DIRECT_BODY@", &direct_body.display().to_string())
+            .replace("@CONFIG@", &opts.config.replace('\'', "''"));
+        let config_path = dir.join("envoy.yaml");
+        std::fs::write(&config_path, yaml)?;
+        let mut cmd = Command::new(bin);
+        cmd.arg("-c")
+            .arg(&config_path)
+            .args(["--concurrency", &opts.concurrency.to_string(), "--disable-hot-restart", "-l", "info"])
+            .env_remove("HOLYSHEEP_API_KEY")
+            .stdout(Stdio::null())
+            // stderr, not --log-path: the log file is flushed only every few seconds.
+            .stderr(std::fs::File::create(dir.join("envoy.log"))?);
+        if let Some(k) = &opts.api_key {
+            cmd.env("HOLYSHEEP_API_KEY", k);
+        }
+        let addr = |p: u16| SocketAddr::from(([127, 0, 0, 1], p));
+        let mut envoy = Envoy {
+            child: cmd.spawn()?,
+            admin: addr(ports[0]),
+            edge: addr(ports[1]),
+            direct: addr(ports[2]),
+            plain: addr(ports[3]),
+            dir,
+        };
+        envoy.wait_ready()?;
+        Ok(envoy)
+    }
+
+    /// Waits until the admin endpoint reports LIVE (workers started, listeners bound).
+    fn wait_ready(&mut self) -> io::Result<()> {
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while Instant::now() < deadline {
+            if let Some(status) = self.child.try_wait()? {
+                return Err(io::Error::other(format!("envoy exited ({status}):\n{}", self.log())));
+            }
+            if client::request(self.admin, "GET", "/ready", &[], b"").is_ok_and(|r| r.status == 200) {
+                return Ok(());
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        Err(io::Error::other(format!("envoy did not become ready:\n{}", self.log())))
+    }
+
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(self.dir.join("envoy.log")).unwrap_or_default()
+    }
+
+    /// A counter or gauge from the admin `/stats` endpoint (0 when absent).
+    pub fn stat(&self, name: &str) -> u64 {
+        let text = client::request(self.admin, "GET", "/stats", &[], b"").map(|r| r.text()).unwrap_or_default();
+        text.lines()
+            .find_map(|l| l.strip_prefix(name).and_then(|rest| rest.strip_prefix(": ")))
+            .and_then(|v| v.trim().parse().ok())
+            .unwrap_or(0)
+    }
+}
+
+impl Drop for Envoy {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}

@@ -1,0 +1,214 @@
+//! End-to-end: the built plugin in real Envoy (2 workers) in front of the mock HolySheep.
+
+use host_test::client::{request, Conn, Resp};
+use host_test::envoy::{Envoy, Options};
+use host_test::mock::{Fault, Running};
+use std::sync::{Arc, Barrier};
+
+const PATH: &str = "/v1/chat/completions";
+
+struct Stack {
+    mock: Running,
+    envoy: Envoy,
+}
+
+impl Stack {
+    fn start(config: &str, latency_ms: u64) -> Stack {
+        Self::start_with(config, latency_ms, None)
+    }
+
+    fn start_with(config: &str, latency_ms: u64, api_key: Option<&str>) -> Stack {
+        let mock = Running::start(api_key, latency_ms).expect("mock starts");
+        let mut opts = Options::new(config, mock.addr);
+        opts.api_key = api_key.map(str::to_owned);
+        let envoy = Envoy::start(&opts).expect("envoy starts");
+        Stack { mock, envoy }
+    }
+
+    fn chat(&self, body: &str, headers: &[(&str, &str)]) -> Resp {
+        request(self.envoy.edge, "POST", PATH, headers, body.as_bytes()).expect("edge answers")
+    }
+
+    /// `n` identical requests released together; answers in no particular order.
+    fn burst(&self, n: usize, body: &str, auth: &str) -> Vec<Resp> {
+        let barrier = Arc::new(Barrier::new(n));
+        let handles: Vec<_> = (0..n)
+            .map(|_| {
+                let (b, edge, body, auth) = (barrier.clone(), self.envoy.edge, body.to_owned(), auth.to_owned());
+                std::thread::spawn(move || {
+                    let mut conn = Conn::open(edge).expect("connect");
+                    b.wait();
+                    conn.request("POST", PATH, &[("authorization", &auth)], body.as_bytes()).expect("answer")
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().expect("thread")).collect()
+    }
+}
+
+fn prompt(text: &str) -> String {
+    format!(r#"{{"model":"gpt-4.1","messages":[{{"role":"user","content":"{text}"}}],"temperature":0}}"#)
+}
+
+fn count(resps: &[Resp], cache: &str) -> usize {
+    resps.iter().filter(|r| r.cache() == cache).count()
+}
+
+/// Waits (on the mock's own counter, not on time) until the leader's call arrived.
+fn await_calls(mock: &Running, n: u64) {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    while mock.mock.calls() < n {
+        assert!(std::time::Instant::now() < deadline, "upstream call {n} never arrived");
+        std::thread::yield_now();
+    }
+}
+
+#[test]
+fn two_hundred_identical_requests_make_one_upstream_call() {
+    let s = Stack::start("{}", 1500);
+    let body = prompt("what is a sheep?");
+    let resps = s.burst(200, &body, "Bearer tenant-a");
+    assert_eq!(s.mock.mock.calls(), 1, "one upstream call for 200 callers");
+    assert!(resps.iter().all(|r| r.status == 200));
+    assert_eq!(count(&resps, "MISS"), 1);
+    assert_eq!(count(&resps, "COALESCED"), 199);
+    assert!(resps.iter().all(|r| r.body == resps[0].body), "every caller gets the same answer");
+    assert!(resps.iter().all(|r| r.header("x-holysheep-key") == resps[0].header("x-holysheep-key")));
+    assert!(resps.iter().filter(|r| r.cache() == "COALESCED").all(|r| r.header("age").is_some()));
+    // Both workers took connections: coalescing crossed threads.
+    let per_worker: Vec<u64> = (0..2)
+        .map(|w| s.envoy.stat(&format!("listener.127.0.0.1_{}.worker_{w}.downstream_cx_total", s.envoy.edge.port())))
+        .collect();
+    assert!(per_worker.iter().all(|&n| n > 0), "connections per worker: {per_worker:?}");
+
+    let again = s.chat(&body, &[("authorization", "Bearer tenant-a")]);
+    assert_eq!((again.cache(), again.body.clone()), ("HIT", resps[0].body.clone()));
+    assert!(again.header("age").and_then(|a| a.parse::<u64>().ok()).is_some());
+
+    let reordered = r#"{"temperature":0.0,"messages":[{"content":"what is a sheep?","role":"user"}],"model":"gpt-4.1"}"#;
+    assert_eq!(s.chat(reordered, &[("authorization", "Bearer tenant-a")]).cache(), "HIT");
+    assert_eq!(s.mock.mock.calls(), 1);
+
+    let other_tenant = s.chat(&body, &[("authorization", "Bearer tenant-b")]);
+    let warmer = s.chat(&body.replace(r#""temperature":0"#, r#""temperature":0.3"#), &[("authorization", "Bearer tenant-a")]);
+    let system = body.replace("[{", r#"[{"role":"system","content":"answer in French"},{"#);
+    let with_system = s.chat(&system, &[("authorization", "Bearer tenant-a")]);
+    for r in [&other_tenant, &warmer, &with_system] {
+        assert_eq!((r.status, r.cache()), (200, "MISS"), "{}", r.text());
+    }
+    assert_eq!(s.mock.mock.calls(), 4);
+}
+
+#[test]
+fn waiters_are_answered_when_the_leader_disconnects() {
+    let s = Stack::start("{}", 1500);
+    let body = prompt("leader leaves");
+    let mut leader = Conn::open(s.envoy.edge).unwrap();
+    leader.send_only("POST", PATH, &[("authorization", "Bearer t")], body.as_bytes()).unwrap();
+    await_calls(&s.mock, 1);
+    let waiters: Vec<_> = (0..6)
+        .map(|_| {
+            let (edge, body) = (s.envoy.edge, body.clone());
+            std::thread::spawn(move || request(edge, "POST", PATH, &[("authorization", "Bearer t")], body.as_bytes()).unwrap())
+        })
+        .collect();
+    drop(leader);
+    let resps: Vec<Resp> = waiters.into_iter().map(|h| h.join().unwrap()).collect();
+    assert!(resps.iter().all(|r| r.status == 200 && r.cache() == "COALESCED"), "{:?}", resps.iter().map(Resp::cache).collect::<Vec<_>>());
+    assert_eq!(s.mock.mock.calls(), 1);
+    assert_eq!(s.chat(&body, &[("authorization", "Bearer t")]).cache(), "HIT");
+}
+
+#[test]
+fn an_upstream_error_reaches_every_waiter_and_is_not_cached() {
+    let s = Stack::start("{}", 0);
+    s.mock.mock.plan(vec![Fault { status: Some(503), retry_after: Some("7".into()), delay_ms: 1500, ..Fault::default() }]);
+    let body = prompt("error please");
+    let resps = s.burst(20, &body, "Bearer t");
+    assert_eq!(s.mock.mock.calls(), 1);
+    assert!(resps.iter().all(|r| r.status == 503), "{:?}", resps.iter().map(|r| r.status).collect::<Vec<_>>());
+    assert!(resps.iter().all(|r| r.header("retry-after") == Some("7")));
+    assert!(resps.iter().all(|r| r.json()["error"]["message"].is_string()));
+    assert_eq!((count(&resps, "MISS"), count(&resps, "COALESCED")), (1, 19));
+    let after = s.chat(&body, &[("authorization", "Bearer t")]);
+    assert_eq!((after.status, after.cache()), (200, "MISS"), "the error was not cached");
+
+    // A reset connection (Envoy answers the callout with its own text 503) becomes an
+    // OpenAI-shaped error for the leader and its waiters.
+    s.mock.mock.plan(vec![Fault { reset: true, delay_ms: 1000, ..Fault::default() }]);
+    let resps = s.burst(5, &prompt("reset please"), "Bearer t");
+    assert_eq!(s.mock.mock.calls(), 3);
+    assert!(resps.iter().all(|r| r.status == 503), "{:?}", resps.iter().map(|r| r.status).collect::<Vec<_>>());
+    assert!(resps.iter().all(|r| r.json()["error"]["type"] == "upstream_error"), "{}", resps[0].text());
+    assert!(resps.iter().all(|r| r.header("content-type") == Some("application/json")));
+}
+
+#[test]
+fn bad_input_gets_openai_errors_and_nothing_reaches_holysheep() {
+    let s = Stack::start(r#"{"max_body_bytes": 4096}"#, 0);
+    let deep = format!(r#"{{"model":"m","messages":[{{"role":"user","content":{}1{}}}]}}"#, "[".repeat(100), "]".repeat(100));
+    let cases: Vec<(Vec<u8>, u16, Option<&str>)> = vec![
+        (b"".to_vec(), 400, None),
+        (b"{not json".to_vec(), 400, None),
+        (b"\xff\xfe\xfd".to_vec(), 400, None),
+        (br#"{"messages":[{"role":"user","content":"x"}]}"#.to_vec(), 400, Some("model")),
+        (br#"{"model":"gpt-4.1"}"#.to_vec(), 400, Some("messages")),
+        (br#"{"model":"gpt-4.1","messages":"hi"}"#.to_vec(), 400, Some("messages")),
+        (br#"{"model":"gpt-4.1","messages":[{"role":"user"}],"temperature":"warm"}"#.to_vec(), 400, Some("temperature")),
+        (br#"{"model":"gpt-4.1","messages":[{"role":"user"}],"max_tokens":1e999}"#.to_vec(), 400, None),
+        (deep.into_bytes(), 400, None),
+        (vec![b' '; 5000], 413, None),
+    ];
+    for (body, status, param) in &cases {
+        let r = request(s.envoy.edge, "POST", PATH, &[], body).unwrap();
+        let e = &r.json()["error"];
+        assert_eq!(r.status, *status, "{}: {}", String::from_utf8_lossy(body).chars().take(60).collect::<String>(), r.text());
+        assert!(e["message"].is_string() && e["type"].is_string() && e.get("code").is_some(), "{}", r.text());
+        assert_eq!(e["param"].as_str(), *param, "{}", r.text());
+    }
+    // A declared length over the limit is refused before any of the body is sent.
+    let mut raw = std::net::TcpStream::connect(s.envoy.edge).unwrap();
+    std::io::Write::write_all(&mut raw, b"POST /v1/chat/completions HTTP/1.1\r\nhost: e\r\ncontent-length: 999999\r\n\r\n").unwrap();
+    let mut answer = String::new();
+    let _ = std::io::Read::read_to_string(&mut raw, &mut answer);
+    assert!(answer.starts_with("HTTP/1.1 413"), "{answer}");
+    assert!(answer.contains("request_too_large"), "{answer}");
+    assert_eq!(s.mock.mock.calls(), 0, "nothing reached HolySheep");
+    assert_eq!(s.chat(&prompt("still alive?"), &[]).status, 200, "Envoy still serves");
+    let models = request(s.envoy.edge, "GET", "/v1/models", &[], b"").unwrap();
+    assert_eq!(models.status, 200);
+    assert!(models.header("x-holysheep-cache").is_none(), "other routes pass through untouched");
+}
+
+#[test]
+fn the_api_key_replaces_client_auth_and_never_leaks() {
+    const KEY: &str = "sk-holysheep-secret-4b1d";
+    let s = Stack::start_with("{}", 0, Some(KEY));
+    let r = s.chat(&prompt("with key"), &[("authorization", "Bearer client-token")]);
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(s.mock.mock.last_authorization().as_deref(), Some(&*format!("Bearer {KEY}")));
+    let hit = s.chat(&prompt("with key"), &[("authorization", "Bearer client-token")]);
+    assert_eq!(hit.cache(), "HIT");
+    for resp in [&r, &hit] {
+        assert!(!resp.text().contains(KEY) && resp.headers.iter().all(|(_, v)| !v.contains(KEY)));
+    }
+    let log = s.envoy.log();
+    assert!(log.contains("upstream key from environment"), "the plugin saw the key");
+    assert!(!log.contains(KEY), "the key appears in Envoy's log");
+}
+
+#[test]
+fn cache_control_and_streaming_bypass_the_cache() {
+    let s = Stack::start("{}", 0);
+    let body = prompt("bypass me");
+    let first = s.chat(&body, &[("cache-control", "no-store")]);
+    assert_eq!((first.status, first.cache()), (200, "BYPASS"));
+    assert_eq!(s.chat(&body, &[]).cache(), "MISS", "no-store stored nothing");
+    assert_eq!(s.chat(&body, &[]).cache(), "HIT");
+    assert_eq!(s.chat(&body, &[("cache-control", "no-cache")]).cache(), "MISS");
+    assert_eq!(s.chat(&body, &[("cache-control", "max-age=0")]).cache(), "HIT", "fresh within the same second");
+    let stream = s.chat(&body.replace(r#""temperature":0"#, r#""temperature":0,"stream":true"#), &[]);
+    assert_eq!((stream.status, stream.cache()), (200, "BYPASS"));
+    assert!(stream.text().contains("data: [DONE]"), "{}", stream.text());
+    assert_eq!(s.mock.mock.calls(), 4);
+}

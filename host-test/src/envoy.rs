@@ -20,10 +20,8 @@ pub fn envoy_bin() -> PathBuf {
 
 /// `HOLYSHEEP_WASM`, or the release build of the plugin.
 pub fn wasm_path() -> PathBuf {
-    std::env::var_os("HOLYSHEEP_WASM").map_or_else(
-        || workspace_root().join("target/wasm32-wasip1/release/holysheep_edge.wasm"),
-        PathBuf::from,
-    )
+    std::env::var_os("HOLYSHEEP_WASM")
+        .map_or_else(|| workspace_root().join("target/wasm32-wasip1/release/holysheep_edge.wasm"), PathBuf::from)
 }
 
 pub struct Options {
@@ -62,12 +60,17 @@ impl Envoy {
         let (bin, wasm) = (envoy_bin(), wasm_path());
         for p in [&bin, &wasm] {
             if !p.exists() {
-                return Err(io::Error::new(io::ErrorKind::NotFound, format!("{} is missing: run `make test`", p.display())));
+                return Err(io::Error::new(
+                    io::ErrorKind::NotFound,
+                    format!("{} is missing: run `make test`", p.display()),
+                ));
             }
         }
-        let dir = workspace_root()
-            .join("target/e2e")
-            .join(format!("{}-{}", std::process::id(), SEQ.fetch_add(1, Ordering::SeqCst)));
+        let dir = workspace_root().join("target/e2e").join(format!(
+            "{}-{}",
+            std::process::id(),
+            SEQ.fetch_add(1, Ordering::SeqCst)
+        ));
         std::fs::create_dir_all(&dir)?;
         let direct_body = dir.join("direct.json");
         std::fs::write(&direct_body, &opts.direct_body)?;

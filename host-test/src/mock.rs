@@ -37,7 +37,10 @@ impl Fault {
     fn from_json(v: &Value) -> Fault {
         Fault {
             status: v["status"].as_u64().map(|s| s as u16),
-            retry_after: v["retry_after"].as_str().map(str::to_owned).or_else(|| v["retry_after"].as_u64().map(|n| n.to_string())),
+            retry_after: v["retry_after"]
+                .as_str()
+                .map(str::to_owned)
+                .or_else(|| v["retry_after"].as_u64().map(|n| n.to_string())),
             reset: v["reset"].as_bool().unwrap_or(false),
             delay_ms: v["delay_ms"].as_u64().unwrap_or(0),
             slow_body_ms: v["slow_body_ms"].as_u64().unwrap_or(0),
@@ -123,7 +126,15 @@ impl Mock {
     fn check_key(&self, auth: Option<&str>) -> Option<Response<Body>> {
         let want = self.api_key.as_deref()?;
         let ok = auth.and_then(|a| a.strip_prefix("Bearer ")) == Some(want);
-        (!ok).then(|| error(StatusCode::UNAUTHORIZED, "Incorrect API key provided", "invalid_request_error", "invalid_api_key", None))
+        (!ok).then(|| {
+            error(
+                StatusCode::UNAUTHORIZED,
+                "Incorrect API key provided",
+                "invalid_request_error",
+                "invalid_api_key",
+                None,
+            )
+        })
     }
 
     async fn chat(self, auth: Option<String>, body: &[u8]) -> Result<Response<Body>, std::io::Error> {
@@ -174,13 +185,33 @@ fn slow(resp: Response<Body>, ms: u64) -> Response<Body> {
 fn answer(body: &[u8]) -> Response<Body> {
     let req: Value = match serde_json::from_slice(body) {
         Ok(v @ Value::Object(_)) => v,
-        _ => return error(StatusCode::BAD_REQUEST, "We could not parse the JSON body of your request.", "invalid_request_error", "invalid_json", None),
+        _ => {
+            return error(
+                StatusCode::BAD_REQUEST,
+                "We could not parse the JSON body of your request.",
+                "invalid_request_error",
+                "invalid_json",
+                None,
+            )
+        }
     };
     let Some(model) = req["model"].as_str() else {
-        return error(StatusCode::BAD_REQUEST, "you must provide a model parameter", "invalid_request_error", "missing_required_parameter", Some("model"));
+        return error(
+            StatusCode::BAD_REQUEST,
+            "you must provide a model parameter",
+            "invalid_request_error",
+            "missing_required_parameter",
+            Some("model"),
+        );
     };
     let Some(messages) = req["messages"].as_array().filter(|m| !m.is_empty()) else {
-        return error(StatusCode::BAD_REQUEST, "'messages' must be a non-empty array", "invalid_request_error", "invalid_value", Some("messages"));
+        return error(
+            StatusCode::BAD_REQUEST,
+            "'messages' must be a non-empty array",
+            "invalid_request_error",
+            "invalid_value",
+            Some("messages"),
+        );
     };
     let last = messages.iter().rev().find_map(|m| m["content"].as_str()).unwrap_or("");
     let digest: String = Sha256::digest(body).iter().take(12).map(|b| format!("{b:02x}")).collect();
@@ -193,8 +224,10 @@ fn answer(body: &[u8]) -> Response<Body> {
         return stream(model, &digest, &content);
     }
     let choices: Vec<Value> = (0..n)
-        .map(|i| json!({"index": i, "message": {"role": "assistant", "content": content, "refusal": null},
-                        "logprobs": null, "finish_reason": "stop"}))
+        .map(|i| {
+            json!({"index": i, "message": {"role": "assistant", "content": content, "refusal": null},
+                        "logprobs": null, "finish_reason": "stop"})
+        })
         .collect();
     json_response(
         StatusCode::OK,
@@ -217,7 +250,8 @@ fn stream(model: &str, digest: &str, content: &str) -> Response<Body> {
                "model": model, "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]})
     };
     let mut sse = String::new();
-    for part in [chunk(json!({"role": "assistant", "content": content}), Value::Null), chunk(json!({}), json!("stop"))] {
+    for part in [chunk(json!({"role": "assistant", "content": content}), Value::Null), chunk(json!({}), json!("stop"))]
+    {
         sse.push_str(&format!("data: {part}\n\n"));
     }
     sse.push_str("data: [DONE]\n\n");
@@ -238,7 +272,10 @@ fn planned_error(status: u16) -> Response<Body> {
 
 fn models() -> Value {
     let ids = ["gpt-4.1", "claude-sonnet-4", "gemini-2.5-flash", "deepseek-v3"];
-    let data: Vec<Value> = ids.iter().map(|id| json!({"id": id, "object": "model", "created": 1_764_000_000u64, "owned_by": "holysheep"})).collect();
+    let data: Vec<Value> = ids
+        .iter()
+        .map(|id| json!({"id": id, "object": "model", "created": 1_764_000_000u64, "owned_by": "holysheep"}))
+        .collect();
     json!({"object": "list", "data": data})
 }
 
@@ -260,7 +297,6 @@ pub async fn start(addr: SocketAddr, mock: Mock) -> std::io::Result<SocketAddr> 
     tokio::spawn(mock.serve(listener));
     Ok(local)
 }
-
 
 impl Mock {
     /// Chat-completion calls received (including planned failures).

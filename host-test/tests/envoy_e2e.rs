@@ -85,12 +85,14 @@ fn two_hundred_identical_requests_make_one_upstream_call() {
     assert_eq!((again.cache(), again.body.clone()), ("HIT", resps[0].body.clone()));
     assert!(again.header("age").and_then(|a| a.parse::<u64>().ok()).is_some());
 
-    let reordered = r#"{"temperature":0.0,"messages":[{"content":"what is a sheep?","role":"user"}],"model":"gpt-4.1"}"#;
+    let reordered =
+        r#"{"temperature":0.0,"messages":[{"content":"what is a sheep?","role":"user"}],"model":"gpt-4.1"}"#;
     assert_eq!(s.chat(reordered, &[("authorization", "Bearer tenant-a")]).cache(), "HIT");
     assert_eq!(s.mock.mock.calls(), 1);
 
     let other_tenant = s.chat(&body, &[("authorization", "Bearer tenant-b")]);
-    let warmer = s.chat(&body.replace(r#""temperature":0"#, r#""temperature":0.3"#), &[("authorization", "Bearer tenant-a")]);
+    let warmer =
+        s.chat(&body.replace(r#""temperature":0"#, r#""temperature":0.3"#), &[("authorization", "Bearer tenant-a")]);
     let system = body.replace("[{", r#"[{"role":"system","content":"answer in French"},{"#);
     let with_system = s.chat(&system, &[("authorization", "Bearer tenant-a")]);
     for r in [&other_tenant, &warmer, &with_system] {
@@ -109,12 +111,18 @@ fn waiters_are_answered_when_the_leader_disconnects() {
     let waiters: Vec<_> = (0..6)
         .map(|_| {
             let (edge, body) = (s.envoy.edge, body.clone());
-            std::thread::spawn(move || request(edge, "POST", PATH, &[("authorization", "Bearer t")], body.as_bytes()).unwrap())
+            std::thread::spawn(move || {
+                request(edge, "POST", PATH, &[("authorization", "Bearer t")], body.as_bytes()).unwrap()
+            })
         })
         .collect();
     drop(leader);
     let resps: Vec<Resp> = waiters.into_iter().map(|h| h.join().unwrap()).collect();
-    assert!(resps.iter().all(|r| r.status == 200 && r.cache() == "COALESCED"), "{:?}", resps.iter().map(Resp::cache).collect::<Vec<_>>());
+    assert!(
+        resps.iter().all(|r| r.status == 200 && r.cache() == "COALESCED"),
+        "{:?}",
+        resps.iter().map(Resp::cache).collect::<Vec<_>>()
+    );
     assert_eq!(s.mock.mock.calls(), 1);
     assert_eq!(s.chat(&body, &[("authorization", "Bearer t")]).cache(), "HIT");
 }
@@ -122,7 +130,12 @@ fn waiters_are_answered_when_the_leader_disconnects() {
 #[test]
 fn an_upstream_error_reaches_every_waiter_and_is_not_cached() {
     let s = Stack::start("{}", 0);
-    s.mock.mock.plan(vec![Fault { status: Some(503), retry_after: Some("7".into()), delay_ms: 1500, ..Fault::default() }]);
+    s.mock.mock.plan(vec![Fault {
+        status: Some(503),
+        retry_after: Some("7".into()),
+        delay_ms: 1500,
+        ..Fault::default()
+    }]);
     let body = prompt("error please");
     let resps = s.burst(20, &body, "Bearer t");
     assert_eq!(s.mock.mock.calls(), 1);
@@ -146,7 +159,8 @@ fn an_upstream_error_reaches_every_waiter_and_is_not_cached() {
 #[test]
 fn bad_input_gets_openai_errors_and_nothing_reaches_holysheep() {
     let s = Stack::start(r#"{"max_body_bytes": 4096}"#, 0);
-    let deep = format!(r#"{{"model":"m","messages":[{{"role":"user","content":{}1{}}}]}}"#, "[".repeat(100), "]".repeat(100));
+    let deep =
+        format!(r#"{{"model":"m","messages":[{{"role":"user","content":{}1{}}}]}}"#, "[".repeat(100), "]".repeat(100));
     let cases: Vec<(Vec<u8>, u16, Option<&str>)> = vec![
         (b"".to_vec(), 400, None),
         (b"{not json".to_vec(), 400, None),
@@ -154,7 +168,11 @@ fn bad_input_gets_openai_errors_and_nothing_reaches_holysheep() {
         (br#"{"messages":[{"role":"user","content":"x"}]}"#.to_vec(), 400, Some("model")),
         (br#"{"model":"gpt-4.1"}"#.to_vec(), 400, Some("messages")),
         (br#"{"model":"gpt-4.1","messages":"hi"}"#.to_vec(), 400, Some("messages")),
-        (br#"{"model":"gpt-4.1","messages":[{"role":"user"}],"temperature":"warm"}"#.to_vec(), 400, Some("temperature")),
+        (
+            br#"{"model":"gpt-4.1","messages":[{"role":"user"}],"temperature":"warm"}"#.to_vec(),
+            400,
+            Some("temperature"),
+        ),
         (br#"{"model":"gpt-4.1","messages":[{"role":"user"}],"max_tokens":1e999}"#.to_vec(), 400, None),
         (deep.into_bytes(), 400, None),
         (vec![b' '; 5000], 413, None),
@@ -162,13 +180,23 @@ fn bad_input_gets_openai_errors_and_nothing_reaches_holysheep() {
     for (body, status, param) in &cases {
         let r = request(s.envoy.edge, "POST", PATH, &[], body).unwrap();
         let e = &r.json()["error"];
-        assert_eq!(r.status, *status, "{}: {}", String::from_utf8_lossy(body).chars().take(60).collect::<String>(), r.text());
+        assert_eq!(
+            r.status,
+            *status,
+            "{}: {}",
+            String::from_utf8_lossy(body).chars().take(60).collect::<String>(),
+            r.text()
+        );
         assert!(e["message"].is_string() && e["type"].is_string() && e.get("code").is_some(), "{}", r.text());
         assert_eq!(e["param"].as_str(), *param, "{}", r.text());
     }
     // A declared length over the limit is refused before any of the body is sent.
     let mut raw = std::net::TcpStream::connect(s.envoy.edge).unwrap();
-    std::io::Write::write_all(&mut raw, b"POST /v1/chat/completions HTTP/1.1\r\nhost: e\r\ncontent-length: 999999\r\n\r\n").unwrap();
+    std::io::Write::write_all(
+        &mut raw,
+        b"POST /v1/chat/completions HTTP/1.1\r\nhost: e\r\ncontent-length: 999999\r\n\r\n",
+    )
+    .unwrap();
     let mut answer = String::new();
     let _ = std::io::Read::read_to_string(&mut raw, &mut answer);
     assert!(answer.starts_with("HTTP/1.1 413"), "{answer}");

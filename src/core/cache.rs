@@ -49,12 +49,7 @@ pub fn get(store: &impl CasStore, config: &Config, key: &Key) -> Option<Entry> {
         key: key.clone(),
         stored_at_ms: f[2].parse().ok()?,
         ttl_ms: f[3].parse().ok()?,
-        response: Response {
-            status: 200,
-            content_type: f[4].to_owned(),
-            retry_after: None,
-            body: body.to_vec(),
-        },
+        response: Response { status: 200, content_type: f[4].to_owned(), retry_after: None, body: body.to_vec() },
     })
 }
 

@@ -130,11 +130,7 @@ impl Config {
             (self.upstream.timeout_ms == 0, "upstream.timeout_ms", "must be at least 1"),
             (self.upstream.api_key_env.is_empty(), "upstream.api_key_env", "must not be empty"),
             (self.cache.ttl_seconds == 0, "cache.ttl_seconds", "must be at least 1"),
-            (
-                !(1..=1_000_000).contains(&self.cache.max_entries),
-                "cache.max_entries",
-                "must be between 1 and 1000000",
-            ),
+            (!(1..=1_000_000).contains(&self.cache.max_entries), "cache.max_entries", "must be between 1 and 1000000"),
             (self.cache.max_entry_bytes == 0, "cache.max_entry_bytes", "must be at least 1"),
             (
                 self.cache.tenant_header.as_deref().is_some_and(|h| !valid_header_name(h)),
@@ -163,8 +159,7 @@ impl Config {
 }
 
 fn valid_header_name(h: &str) -> bool {
-    !h.is_empty()
-        && h.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-' || b == b'_')
+    !h.is_empty() && h.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-' || b == b'_')
 }
 
 #[cfg(test)]

@@ -160,7 +160,11 @@ impl<S: CasStore> Engine<'_, S> {
         let e = if now_ms.saturating_sub(call.started_ms) >= timeout {
             ApiError::upstream(504, format!("HolySheep did not answer within {timeout} ms"), "upstream_timeout")
         } else {
-            ApiError::upstream(502, "HolySheep could not be reached (connection failed or reset)", "upstream_unavailable")
+            ApiError::upstream(
+                502,
+                "HolySheep could not be reached (connection failed or reset)",
+                "upstream_unavailable",
+            )
         };
         error_response(&e)
     }
@@ -365,7 +369,12 @@ mod tests {
         e.complete(&lead, ok("A"), 0);
         let policy = |h: &str| {
             let cc = CacheControl::parse(Some(h));
-            Policy { read: !cc.no_store && !cc.no_cache, max_age: cc.max_age, coalesce: !cc.no_store, store: !cc.no_store }
+            Policy {
+                read: !cc.no_store && !cc.no_cache,
+                max_age: cc.max_age,
+                coalesce: !cc.no_store,
+                store: !cc.no_store,
+            }
         };
         let bypass = expect_call(e.admit(&k(1), policy("no-store"), 1_000, 2));
         assert_eq!(bypass.label, CacheStatus::Bypass);

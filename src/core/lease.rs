@@ -22,8 +22,17 @@ pub struct Lease {
 pub enum State {
     /// Missing, empty, or unreadable: free to take.
     Free,
-    Leading { key: String, nonce: u64, expires_ms: u64 },
-    Done { key: String, nonce: u64, done_at_ms: u64, response: Response },
+    Leading {
+        key: String,
+        nonce: u64,
+        expires_ms: u64,
+    },
+    Done {
+        key: String,
+        nonce: u64,
+        done_at_ms: u64,
+        response: Response,
+    },
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -162,7 +171,12 @@ mod tests {
     }
 
     fn resp(status: u16) -> Response {
-        Response { status, content_type: "application/json".into(), retry_after: Some("3".into()), body: b"{}".to_vec() }
+        Response {
+            status,
+            content_type: "application/json".into(),
+            retry_after: Some("3".into()),
+            body: b"{}".to_vec(),
+        }
     }
 
     #[test]

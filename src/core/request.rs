@@ -190,7 +190,13 @@ const FIELD_TYPES: [(&str, &str, Check); 14] = [
 
 fn validate(map: &Map<String, Value>) -> Result<(), ApiError> {
     match map.get("model") {
-        None => return Err(ApiError::invalid("missing required parameter: 'model'", Some("model"), "missing_required_parameter")),
+        None => {
+            return Err(ApiError::invalid(
+                "missing required parameter: 'model'",
+                Some("model"),
+                "missing_required_parameter",
+            ))
+        }
         Some(Value::String(m)) if !m.trim().is_empty() => {}
         Some(_) => return Err(wrong_type("model", "a non-empty string")),
     }

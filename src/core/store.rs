@@ -88,10 +88,7 @@ mod model {
             let inner = self.inner.lock().unwrap();
             Ok(match inner.map.get(key) {
                 None => Read::default(),
-                Some((v, cas)) => Read {
-                    value: if v.is_empty() { None } else { Some(v.clone()) },
-                    cas: Some(*cas),
-                },
+                Some((v, cas)) => Read { value: if v.is_empty() { None } else { Some(v.clone()) }, cas: Some(*cas) },
             })
         }
 

@@ -39,11 +39,7 @@ pub fn publish(store: &impl CasStore, name: &str, now_ms: u64) -> Result<(), Sto
 /// Names with a recent heartbeat.
 pub fn live(store: &impl CasStore, now_ms: u64) -> Vec<String> {
     let raw = store.get(REGISTRY_KEY).ok().and_then(|r| r.value).unwrap_or_default();
-    parse(&raw)
-        .into_iter()
-        .filter(|(_, beat)| now_ms.saturating_sub(*beat) < STALE_MS)
-        .map(|(n, _)| n)
-        .collect()
+    parse(&raw).into_iter().filter(|(_, beat)| now_ms.saturating_sub(*beat) < STALE_MS).map(|(n, _)| n).collect()
 }
 
 fn parse(raw: &[u8]) -> Vec<(String, u64)> {

@@ -240,3 +240,23 @@ fn cache_control_and_streaming_bypass_the_cache() {
     assert!(stream.text().contains("data: [DONE]"), "{}", stream.text());
     assert_eq!(s.mock.mock.calls(), 4);
 }
+
+#[test]
+fn the_production_config_is_accepted_by_envoy() {
+    use host_test::envoy::{envoy_bin, wasm_path, workspace_root};
+    let yaml = std::fs::read_to_string(workspace_root().join("envoy/production.yaml")).unwrap();
+    let yaml = yaml.replace("/etc/envoy/holysheep_edge.wasm", &wasm_path().display().to_string());
+    let dir = workspace_root().join("target/e2e");
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join(format!("production-{}.yaml", std::process::id()));
+    std::fs::write(&path, yaml).unwrap();
+    let out = std::process::Command::new(envoy_bin())
+        .args(["--mode", "validate", "--disable-hot-restart", "-c"])
+        .arg(&path)
+        .env("HOLYSHEEP_API_KEY", "sk-validate")
+        .output()
+        .unwrap();
+    let log = String::from_utf8_lossy(&out.stderr).into_owned() + &String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success() && log.contains("OK"), "{log}");
+    assert!(log.contains("upstream key from environment"), "{log}");
+}

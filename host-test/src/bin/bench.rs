@@ -1,0 +1,158 @@
+//! `cargo run --release -p host-test --bin bench`: first numbers for holysheep-edge, all
+//! measured in one run on this machine against baselines served by the same Envoy:
+//! - HIT vs Envoy's own `direct_response` with the same body;
+//! - MISS (distinct prompts) vs plain Envoy proxying to the mock;
+//! - how long coalesced followers trail their leader;
+//! - the plugin's size.
+//!
+//! Options (environment): BENCH_SECONDS (default 3), BENCH_CONNECTIONS (default 16).
+
+use host_test::client::{request, Conn};
+use host_test::envoy::{wasm_path, Envoy, Options};
+use host_test::mock::Running;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Barrier};
+use std::time::{Duration, Instant};
+
+const PATH: &str = "/v1/chat/completions";
+
+struct Stats {
+    requests: usize,
+    rps: f64,
+    p50_us: u64,
+    p99_us: u64,
+    labels: Vec<String>,
+}
+
+fn prompt(text: &str) -> String {
+    format!(r#"{{"model":"gpt-4.1","messages":[{{"role":"user","content":"{text}"}}],"temperature":0}}"#)
+}
+
+fn env_or(name: &str, default: u64) -> u64 {
+    std::env::var(name).ok().and_then(|v| v.parse().ok()).unwrap_or(default)
+}
+
+/// `conns` keep-alive connections, each sending `body(i)` back to back for `secs`.
+fn load(addr: SocketAddr, conns: usize, secs: u64, body: Arc<dyn Fn() -> String + Send + Sync>) -> Stats {
+    let start = Arc::new(Barrier::new(conns + 1));
+    let handles: Vec<_> = (0..conns)
+        .map(|_| {
+            let (start, body) = (start.clone(), body.clone());
+            std::thread::spawn(move || {
+                let mut conn = Conn::open(addr).expect("connect");
+                let (mut lat, mut labels) = (Vec::new(), Vec::new());
+                start.wait();
+                let deadline = Instant::now() + Duration::from_secs(secs);
+                while Instant::now() < deadline {
+                    let b = body();
+                    let t = Instant::now();
+                    let r =
+                        conn.request("POST", PATH, &[("authorization", "Bearer bench")], b.as_bytes()).expect("answer");
+                    lat.push(t.elapsed().as_micros() as u64);
+                    assert_eq!(r.status, 200, "{}", r.text());
+                    labels.push(r.cache().to_owned());
+                }
+                (lat, labels)
+            })
+        })
+        .collect();
+    start.wait();
+    let t0 = Instant::now();
+    let (mut lat, mut labels) = (Vec::new(), Vec::new());
+    for h in handles {
+        let (l, s) = h.join().expect("load thread");
+        lat.extend(l);
+        labels.extend(s);
+    }
+    let elapsed = t0.elapsed().as_secs_f64();
+    lat.sort_unstable();
+    let pct =
+        |p: f64| lat.get(((lat.len() as f64 * p) as usize).min(lat.len().saturating_sub(1))).copied().unwrap_or(0);
+    Stats { requests: lat.len(), rps: lat.len() as f64 / elapsed, p50_us: pct(0.50), p99_us: pct(0.99), labels }
+}
+
+fn row(name: &str, s: &Stats) {
+    println!("{name:<34} {:>9} {:>11.0} {:>10} {:>10}", s.requests, s.rps, s.p50_us, s.p99_us);
+}
+
+fn unique_prompts(tag: &'static str) -> Arc<dyn Fn() -> String + Send + Sync> {
+    let n = Arc::new(AtomicU64::new(0));
+    Arc::new(move || prompt(&format!("{tag} {}", n.fetch_add(1, Ordering::Relaxed))))
+}
+
+/// `n` identical requests at once with a slow upstream: how long after the leader's
+/// answer do the followers get theirs?
+fn follower_delay(edge: SocketAddr, mock: &Running, n: usize) -> (u64, u64, u64, usize) {
+    mock.mock.set_latency_ms(300);
+    let calls_before = mock.mock.calls();
+    let body = prompt("follower delay probe");
+    let barrier = Arc::new(Barrier::new(n));
+    let handles: Vec<_> = (0..n)
+        .map(|_| {
+            let (b, body) = (barrier.clone(), body.clone());
+            std::thread::spawn(move || {
+                let mut conn = Conn::open(edge).expect("connect");
+                b.wait();
+                let r =
+                    conn.request("POST", PATH, &[("authorization", "Bearer bench")], body.as_bytes()).expect("answer");
+                (Instant::now(), r.cache().to_owned())
+            })
+        })
+        .collect();
+    let done: Vec<(Instant, String)> = handles.into_iter().map(|h| h.join().expect("thread")).collect();
+    mock.mock.set_latency_ms(0);
+    let leader = done.iter().find(|(_, c)| c == "MISS").map(|(t, _)| *t).expect("one leader");
+    let mut delays: Vec<u64> = done
+        .iter()
+        .filter(|(_, c)| c == "COALESCED")
+        .map(|(t, _)| t.saturating_duration_since(leader).as_micros() as u64)
+        .collect();
+    delays.sort_unstable();
+    let p50 = delays.get(delays.len() / 2).copied().unwrap_or(0);
+    let max = delays.last().copied().unwrap_or(0);
+    (p50, max, mock.mock.calls() - calls_before, delays.len())
+}
+
+fn main() -> std::io::Result<()> {
+    let secs = env_or("BENCH_SECONDS", 3);
+    let conns = env_or("BENCH_CONNECTIONS", 16) as usize;
+    let wasm_bytes = std::fs::metadata(wasm_path())?.len();
+    let mock = Running::start(None, 0)?;
+    let hit_prompt = prompt("benchmark prompt");
+    // The direct_response baseline serves exactly the body a HIT serves.
+    let hit_body = request(mock.addr, "POST", PATH, &[], hit_prompt.as_bytes())?.body;
+    let mut opts = Options::new("{}", mock.addr);
+    opts.direct_body = hit_body.clone();
+    let envoy = Envoy::start(&opts)?;
+    let warm = request(envoy.edge, "POST", PATH, &[("authorization", "Bearer bench")], hit_prompt.as_bytes())?;
+    assert_eq!(warm.body, hit_body, "the edge serves the mock's answer");
+
+    println!("holysheep-edge bench: Envoy 1.40 --concurrency 2, {conns} keep-alive connections, {secs}s per row");
+    println!("{:<34} {:>9} {:>11} {:>10} {:>10}", "scenario", "requests", "req/s", "p50 us", "p99 us");
+    let same = hit_prompt.clone();
+    let direct = load(envoy.direct, conns, secs, Arc::new(move || same.clone()));
+    row("direct_response (baseline)", &direct);
+    let same = hit_prompt.clone();
+    let hit = load(envoy.edge, conns, secs, Arc::new(move || same.clone()));
+    row("edge HIT", &hit);
+    let plain = load(envoy.plain, conns, secs, unique_prompts("plain"));
+    row("plain proxy to mock (baseline)", &plain);
+    let miss = load(envoy.edge, conns, secs, unique_prompts("miss"));
+    row("edge MISS (distinct prompts)", &miss);
+    assert!(hit.labels.iter().all(|l| l == "HIT"), "every HIT-row answer was a HIT");
+    assert!(miss.labels.iter().all(|l| l == "MISS"), "every MISS-row answer was a MISS");
+
+    let (p50, max, calls, followers) = follower_delay(envoy.edge, &mock, 50);
+    println!();
+    println!("HIT throughput / direct_response:   {:.2}", hit.rps / direct.rps);
+    println!("HIT p50 / direct_response p50:      {:.2}", hit.p50_us as f64 / direct.p50_us.max(1) as f64);
+    println!("HIT p99 / direct_response p99:      {:.2}", hit.p99_us as f64 / direct.p99_us.max(1) as f64);
+    println!("MISS throughput / plain proxy:      {:.2}", miss.rps / plain.rps);
+    println!("MISS p50 / plain proxy p50:         {:.2}", miss.p50_us as f64 / plain.p50_us.max(1) as f64);
+    println!("MISS p99 / plain proxy p99:         {:.2}", miss.p99_us as f64 / plain.p99_us.max(1) as f64);
+    println!("50 identical requests (300 ms upstream): {calls} upstream call(s), {followers} followers");
+    println!("follower delay after the leader:    p50 {p50} us, max {max} us");
+    println!("plugin size:                        {wasm_bytes} bytes");
+    Ok(())
+}

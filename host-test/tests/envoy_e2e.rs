@@ -260,3 +260,15 @@ fn the_production_config_is_accepted_by_envoy() {
     assert!(out.status.success() && log.contains("OK"), "{log}");
     assert!(log.contains("upstream key from environment"), "{log}");
 }
+
+#[test]
+fn a_slow_upstream_times_out_as_an_openai_504_for_every_waiter() {
+    let s = Stack::start(r#"{"upstream":{"timeout_ms":400}}"#, 0);
+    s.mock.mock.plan(vec![Fault { slow_body_ms: 3000, ..Fault::default() }]);
+    let resps = s.burst(4, &prompt("too slow"), "Bearer t");
+    assert_eq!(s.mock.mock.calls(), 1);
+    assert!(resps.iter().all(|r| r.status == 504), "{:?}", resps.iter().map(Resp::text).collect::<Vec<_>>());
+    assert!(resps.iter().all(|r| r.json()["error"]["code"] == "upstream_timeout"));
+    let after = s.chat(&prompt("too slow"), &[("authorization", "Bearer t")]);
+    assert_eq!((after.status, after.cache()), (200, "MISS"), "the timeout was not cached");
+}

@@ -2,6 +2,7 @@
 //! with a message that names the field.
 
 use serde::Deserialize;
+use std::collections::BTreeMap;
 
 #[derive(Debug, Clone, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -10,7 +11,50 @@ pub struct Config {
     pub cache: Cache,
     pub lock: Lock,
     pub max_body_bytes: usize,
+    /// Per-model limits, fallbacks and prices; the entry `default` applies to models not listed.
+    pub models: BTreeMap<String, Model>,
+    pub rate_limit: RateLimit,
+    pub retry: Retry,
+    /// Serve an expired cache entry this much past its TTL when every attempt failed.
+    pub stale_if_error_seconds: u64,
 }
+
+#[derive(Debug, Clone, PartialEq, Default, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Model {
+    pub requests_per_minute: Option<u32>,
+    pub tokens_per_minute: Option<u64>,
+    /// Request-bucket capacity; defaults to `requests_per_minute`.
+    pub burst: Option<u32>,
+    pub max_in_flight: Option<u32>,
+    pub fallback: Vec<String>,
+    pub usd_per_mtok_input: f64,
+    pub usd_per_mtok_output: f64,
+}
+
+#[derive(Debug, Clone, PartialEq, Default, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RateLimit {
+    /// 0: answer 429 at once; otherwise hold a request up to this long for its bucket.
+    pub max_wait_ms: u64,
+}
+
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Retry {
+    pub max_attempts: u32,
+    pub base_delay_ms: u64,
+    pub max_delay_ms: u64,
+}
+
+impl Default for Retry {
+    fn default() -> Self {
+        Retry { max_attempts: 3, base_delay_ms: 250, max_delay_ms: 8000 }
+    }
+}
+
+/// The most models a configuration may name (each holds one shared-data key).
+pub const MAX_MODELS: usize = 256;
 
 #[derive(Debug, Clone, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -60,6 +104,10 @@ impl Default for Config {
             cache: Cache::default(),
             lock: Lock::default(),
             max_body_bytes: 1024 * 1024,
+            models: BTreeMap::new(),
+            rate_limit: RateLimit::default(),
+            retry: Retry::default(),
+            stale_if_error_seconds: 0,
         }
     }
 }
@@ -146,15 +194,59 @@ impl Config {
                 "must be between 1 and 67108864",
             ),
         ];
-        match checks.iter().find(|(bad, _, _)| *bad) {
-            Some((_, field, why)) => Err(ConfigError(format!("{field}: {why}"))),
-            None => Ok(()),
+        if let Some((_, field, why)) = checks.iter().find(|(bad, _, _)| *bad) {
+            return Err(ConfigError(format!("{field}: {why}")));
         }
+        let retry: [(bool, &str, &str); 3] = [
+            (!(1..=10).contains(&self.retry.max_attempts), "retry.max_attempts", "must be between 1 and 10"),
+            (self.retry.base_delay_ms == 0, "retry.base_delay_ms", "must be at least 1"),
+            (self.retry.max_delay_ms < self.retry.base_delay_ms, "retry.max_delay_ms", "must be at least retry.base_delay_ms"),
+        ];
+        if let Some((_, field, why)) = retry.iter().find(|(bad, _, _)| *bad) {
+            return Err(ConfigError(format!("{field}: {why}")));
+        }
+        if self.models.len() > MAX_MODELS {
+            return Err(ConfigError(format!("models: at most {MAX_MODELS} entries")));
+        }
+        self.models.iter().try_for_each(|(name, m)| m.validate(name))
+    }
+
+    /// The configuration entry that governs `model`: its own, else `default`, else none
+    /// (no limits, no prices). The name returned is the bucket's name.
+    pub fn model<'a>(&'a self, model: &'a str) -> Option<(&'a str, &'a Model)> {
+        self.models.get_key_value(model).or_else(|| self.models.get_key_value("default")).map(|(k, v)| (k.as_str(), v))
     }
 
     /// Tick period of each worker: the safety net for wake-ups and the lease renewal clock.
     pub fn tick_ms(&self) -> u64 {
         (self.lock.lease_ms / 4).clamp(25, 500)
+    }
+}
+
+impl Model {
+    fn validate(&self, name: &str) -> Result<(), ConfigError> {
+        let field = |f: &str| format!("models.{name}.{f}");
+        let positive = [
+            ("requests_per_minute", self.requests_per_minute.map(u64::from)),
+            ("tokens_per_minute", self.tokens_per_minute),
+            ("burst", self.burst.map(u64::from)),
+            ("max_in_flight", self.max_in_flight.map(u64::from)),
+        ];
+        if let Some((f, _)) = positive.iter().find(|(_, v)| *v == Some(0)) {
+            return Err(ConfigError(format!("{}: must be at least 1", field(f))));
+        }
+        if self.max_in_flight.is_some_and(|m| m > 10_000) {
+            return Err(ConfigError(format!("{}: must be at most 10000", field("max_in_flight"))));
+        }
+        for (f, price) in [("usd_per_mtok_input", self.usd_per_mtok_input), ("usd_per_mtok_output", self.usd_per_mtok_output)] {
+            if !price.is_finite() || price < 0.0 {
+                return Err(ConfigError(format!("{}: must be a price of at least 0", field(f))));
+            }
+        }
+        if self.fallback.iter().any(|f| f.is_empty() || f == name) {
+            return Err(ConfigError(format!("{}: names must be non-empty and not the model itself", field("fallback"))));
+        }
+        Ok(())
     }
 }
 
@@ -193,6 +285,22 @@ mod tests {
     }
 
     #[test]
+    fn models_resolve_to_their_entry_then_default() {
+        let c = Config::parse(
+            br#"{"models":{"gpt-4.1":{"requests_per_minute":500,"tokens_per_minute":150000,"burst":50,
+                 "max_in_flight":10,"fallback":["deepseek-v3"],"usd_per_mtok_input":2.0,"usd_per_mtok_output":8.0},
+                 "default":{"requests_per_minute":600,"tokens_per_minute":200000}},
+                 "rate_limit":{"max_wait_ms":0},"retry":{"max_attempts":3,"base_delay_ms":250,"max_delay_ms":8000},
+                 "stale_if_error_seconds":0}"#,
+        )
+        .unwrap();
+        assert_eq!(c.model("gpt-4.1").map(|(n, m)| (n, m.burst)), Some(("gpt-4.1", Some(50))));
+        assert_eq!(c.model("claude-sonnet-4").map(|(n, _)| n), Some("default"));
+        assert!(Config::default().model("gpt-4.1").is_none());
+        assert_eq!(Config::default().retry, Retry { max_attempts: 3, base_delay_ms: 250, max_delay_ms: 8000 });
+    }
+
+    #[test]
     fn unknown_fields_are_named() {
         let e = Config::parse(br#"{"cache":{"ttl":5}}"#).unwrap_err();
         assert!(e.0.contains("ttl"), "{e}");
@@ -211,6 +319,18 @@ mod tests {
             (r#"{"upstream":{"cluster":""}}"#, "upstream.cluster"),
             (r#"{"cache":{"tenant_header":"X Tenant"}}"#, "cache.tenant_header"),
             (r#"{"max_body_bytes":0}"#, "max_body_bytes"),
+        ] {
+            let e = Config::parse(raw.as_bytes()).unwrap_err();
+            assert!(e.0.contains(field), "{raw}: {e}");
+        }
+        for (raw, field) in [
+            (r#"{"models":{"gpt-4.1":{"requests_per_minute":0}}}"#, "models.gpt-4.1.requests_per_minute"),
+            (r#"{"models":{"gpt-4.1":{"rpm":5}}}"#, "rpm"),
+            (r#"{"models":{"gpt-4.1":{"fallback":["gpt-4.1"]}}}"#, "models.gpt-4.1.fallback"),
+            (r#"{"models":{"m":{"usd_per_mtok_input":-1}}}"#, "models.m.usd_per_mtok_input"),
+            (r#"{"retry":{"max_attempts":0}}"#, "retry.max_attempts"),
+            (r#"{"retry":{"base_delay_ms":500,"max_delay_ms":100}}"#, "retry.max_delay_ms"),
+            (r#"{"stale_if_error_seconds":-3}"#, "stale_if_error_seconds"),
         ] {
             let e = Config::parse(raw.as_bytes()).unwrap_err();
             assert!(e.0.contains(field), "{raw}: {e}");

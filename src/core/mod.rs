@@ -7,6 +7,7 @@ pub mod config;
 pub mod engine;
 pub mod error;
 pub mod lease;
+pub mod limits;
 pub mod request;
 pub mod store;
 pub mod wake;

@@ -1,0 +1,411 @@
+//! Per-model token buckets in shared data, shared by every worker: a request bucket
+//! (capacity `burst`, refilled at `requests_per_minute`) and a token bucket (capacity
+//! `tokens_per_minute`, refilled per minute), plus the calls in flight for
+//! `max_in_flight`. One key per configured model (unlisted models share `default`), updated
+//! by compare-and-swap. Tokens are reserved from an estimate before a call and reconciled
+//! with the answer's `usage`; the provider's own limit headers only ever lower the buckets.
+
+use super::codec;
+use super::config::Model;
+use super::store::{cas_after, CasStore, StoreError};
+
+/// Completion tokens assumed when a request sets no `max_tokens`/`max_completion_tokens`.
+pub const DEFAULT_COMPLETION_ESTIMATE: u64 = 256;
+
+const MAX_RACES: usize = 16;
+
+/// A model's configured limits, as rates per millisecond.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Limits {
+    pub rpm: Option<f64>,
+    pub tpm: Option<f64>,
+    pub burst: f64,
+    pub max_in_flight: Option<usize>,
+}
+
+impl Limits {
+    pub fn of(m: &Model) -> Limits {
+        let rpm = m.requests_per_minute.map(f64::from);
+        Limits {
+            rpm,
+            tpm: m.tokens_per_minute.map(|t| t as f64),
+            burst: m.burst.map(f64::from).or(rpm).unwrap_or(1.0),
+            max_in_flight: m.max_in_flight.map(|n| n as usize),
+        }
+    }
+
+    fn req_per_ms(&self) -> f64 {
+        self.rpm.unwrap_or(0.0) / 60_000.0
+    }
+
+    fn tok_per_ms(&self) -> f64 {
+        self.tpm.unwrap_or(0.0) / 60_000.0
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kind {
+    Requests,
+    Tokens,
+    Concurrency,
+}
+
+impl Kind {
+    /// OpenAI's error `type` for a rate-limit answer.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Kind::Requests | Kind::Concurrency => "requests",
+            Kind::Tokens => "tokens",
+        }
+    }
+}
+
+/// Why a bucket refused, and when it will have enough (`None`: when a call ends).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Denial {
+    pub kind: Kind,
+    pub wait_ms: Option<u64>,
+}
+
+/// What the provider said about its own limits.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct ProviderHints {
+    pub remaining_requests: Option<f64>,
+    pub remaining_tokens: Option<f64>,
+    /// The provider answered 429; `retry_after_ms` if it said when to come back.
+    pub throttled: bool,
+    pub retry_after_ms: Option<u64>,
+}
+
+impl ProviderHints {
+    pub fn from_headers(status: u16, headers: &[(String, String)]) -> ProviderHints {
+        let get = |n: &str| headers.iter().find(|(k, _)| k.eq_ignore_ascii_case(n)).map(|(_, v)| v.trim());
+        ProviderHints {
+            remaining_requests: get("x-ratelimit-remaining-requests").and_then(|v| v.parse().ok()),
+            remaining_tokens: get("x-ratelimit-remaining-tokens").and_then(|v| v.parse().ok()),
+            throttled: status == 429,
+            retry_after_ms: retry_after_ms(get("retry-after-ms"), get("retry-after")),
+        }
+    }
+}
+
+/// `retry-after-ms`, else `retry-after` in seconds (HTTP dates are not honoured).
+pub fn retry_after_ms(ms: Option<&str>, secs: Option<&str>) -> Option<u64> {
+    ms.and_then(|v| v.parse::<f64>().ok())
+        .or_else(|| secs.and_then(|v| v.parse::<f64>().ok()).map(|s| s * 1000.0))
+        .filter(|v| v.is_finite() && *v >= 0.0)
+        .map(|v| v.ceil() as u64)
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct Bucket {
+    pub requests: f64,
+    pub tokens: f64,
+    pub at_ms: u64,
+    /// (nonce, expiry) of calls in flight; expiry bounds a call whose worker died.
+    pub in_flight: Vec<(u64, u64)>,
+}
+
+impl Bucket {
+    pub fn full(l: &Limits, now_ms: u64) -> Bucket {
+        Bucket { requests: l.burst, tokens: l.tpm.unwrap_or(0.0), at_ms: now_ms, in_flight: Vec::new() }
+    }
+
+    /// Adds what accrued since `at_ms`. A clock that went backwards adds nothing.
+    pub fn refill(&mut self, l: &Limits, now_ms: u64) {
+        if now_ms > self.at_ms {
+            let dt = (now_ms - self.at_ms) as f64;
+            self.requests = (self.requests + dt * l.req_per_ms()).min(l.burst);
+            self.tokens = (self.tokens + dt * l.tok_per_ms()).min(l.tpm.unwrap_or(0.0));
+            self.at_ms = now_ms;
+        }
+        self.in_flight.retain(|(_, expires)| *expires > now_ms);
+    }
+
+    /// Takes one request and `estimate` tokens for the call `nonce`, held at most `hold_ms`.
+    pub fn take(&mut self, l: &Limits, nonce: u64, estimate: u64, now_ms: u64, hold_ms: u64) -> Result<(), Denial> {
+        self.refill(l, now_ms);
+        if l.max_in_flight.is_some_and(|max| self.in_flight.len() >= max) {
+            return Err(Denial { kind: Kind::Concurrency, wait_ms: None });
+        }
+        if l.rpm.is_some() && self.requests < 1.0 {
+            let wait = ((1.0 - self.requests) / l.req_per_ms()).ceil() as u64;
+            return Err(Denial { kind: Kind::Requests, wait_ms: Some(wait.max(1)) });
+        }
+        let need = self.estimate_within_capacity(l, estimate);
+        if l.tpm.is_some() && self.tokens < need {
+            let wait = ((need - self.tokens) / l.tok_per_ms()).ceil() as u64;
+            return Err(Denial { kind: Kind::Tokens, wait_ms: Some(wait.max(1)) });
+        }
+        if l.rpm.is_some() {
+            self.requests -= 1.0;
+        }
+        if l.tpm.is_some() {
+            self.tokens -= need;
+        }
+        if l.max_in_flight.is_some() {
+            self.in_flight.push((nonce, now_ms.saturating_add(hold_ms)));
+        }
+        Ok(())
+    }
+
+    /// An estimate larger than the bucket could never pass; it is charged as a full bucket.
+    fn estimate_within_capacity(&self, l: &Limits, estimate: u64) -> f64 {
+        (estimate as f64).min(l.tpm.unwrap_or(f64::INFINITY))
+    }
+
+    /// The call ended: free its slot and replace the estimate by the real usage (a refund,
+    /// or a charge that may leave the bucket in debt).
+    pub fn settle(&mut self, l: &Limits, nonce: u64, estimate: u64, actual: Option<u64>, now_ms: u64) {
+        self.refill(l, now_ms);
+        self.in_flight.retain(|(n, _)| *n != nonce);
+        if let (Some(actual), Some(cap)) = (actual, l.tpm) {
+            self.tokens = (self.tokens + self.estimate_within_capacity(l, estimate) - actual as f64).min(cap);
+        }
+    }
+
+    /// Lowers the buckets to what the provider reports; a provider 429 empties the
+    /// request bucket until its `retry-after` (or one request's refill) has passed.
+    pub fn adapt(&mut self, l: &Limits, hints: &ProviderHints, now_ms: u64) {
+        self.refill(l, now_ms);
+        if let (Some(r), Some(_)) = (hints.remaining_requests, l.rpm) {
+            self.requests = self.requests.min(r);
+        }
+        if let (Some(t), Some(_)) = (hints.remaining_tokens, l.tpm) {
+            self.tokens = self.tokens.min(t);
+        }
+        if hints.throttled && l.rpm.is_some() {
+            let hold = hints.retry_after_ms.map_or(0.0, |ms| ms as f64 * l.req_per_ms());
+            self.requests = self.requests.min(1.0 - hold.max(1.0));
+        }
+    }
+
+    /// OpenAI's `x-ratelimit-*` headers for this bucket.
+    pub fn headers(&self, l: &Limits) -> Vec<(&'static str, String)> {
+        let mut h = Vec::new();
+        if let Some(rpm) = l.rpm {
+            let reset = ((l.burst - self.requests).max(0.0) / l.req_per_ms()).ceil() as u64;
+            h.push(("x-ratelimit-limit-requests", format!("{rpm}")));
+            h.push(("x-ratelimit-remaining-requests", format!("{}", self.requests.max(0.0).floor())));
+            h.push(("x-ratelimit-reset-requests", duration(reset)));
+        }
+        if let Some(tpm) = l.tpm {
+            let reset = ((tpm - self.tokens).max(0.0) / l.tok_per_ms()).ceil() as u64;
+            h.push(("x-ratelimit-limit-tokens", format!("{tpm}")));
+            h.push(("x-ratelimit-remaining-tokens", format!("{}", self.tokens.max(0.0).floor())));
+            h.push(("x-ratelimit-reset-tokens", duration(reset)));
+        }
+        h
+    }
+
+    fn encode(&self) -> Vec<u8> {
+        let flights: String = self.in_flight.iter().map(|(n, e)| format!("{n} {e}\n")).collect();
+        codec::encode(&["B", &self.requests.to_string(), &self.tokens.to_string(), &self.at_ms.to_string()], flights.as_bytes())
+    }
+
+    fn decode(raw: &[u8]) -> Option<Bucket> {
+        let (f, rest) = codec::decode(raw, 4)?;
+        if f[0] != "B" {
+            return None;
+        }
+        let in_flight = std::str::from_utf8(rest)
+            .ok()?
+            .lines()
+            .filter_map(|l| {
+                let (n, e) = l.split_once(' ')?;
+                Some((n.parse().ok()?, e.parse().ok()?))
+            })
+            .collect();
+        let requests: f64 = f[1].parse().ok()?;
+        let tokens: f64 = f[2].parse().ok()?;
+        (requests.is_finite() && tokens.is_finite()).then_some(Bucket {
+            requests,
+            tokens,
+            at_ms: f[3].parse().ok()?,
+            in_flight,
+        })
+    }
+}
+
+/// `250ms`, `20s`, `1.5s`, `6m0s`: the form OpenAI uses in `x-ratelimit-reset-*`.
+pub fn duration(ms: u64) -> String {
+    match ms {
+        0..=999 => format!("{ms}ms"),
+        1_000..=59_999 if ms % 1000 == 0 => format!("{}s", ms / 1000),
+        1_000..=59_999 => format!("{}s", format!("{:.3}", ms as f64 / 1000.0).trim_end_matches('0')),
+        _ => format!("{}m{}s", ms / 60_000, (ms % 60_000) / 1000),
+    }
+}
+
+pub fn bucket_key(bucket: &str) -> String {
+    format!("holysheep/bucket/{bucket}")
+}
+
+/// Reads the bucket, applies `f`, and writes the result back with compare-and-swap
+/// (re-reading on a lost race). `f` returns its result and whether to write.
+pub fn update<R>(
+    store: &impl CasStore,
+    bucket: &str,
+    l: &Limits,
+    now_ms: u64,
+    mut f: impl FnMut(&mut Bucket) -> (R, bool),
+) -> Result<R, StoreError> {
+    let key = bucket_key(bucket);
+    for _ in 0..MAX_RACES {
+        let read = store.get(&key)?;
+        let mut b = read.value.as_deref().and_then(Bucket::decode).unwrap_or_else(|| Bucket::full(l, now_ms));
+        let (result, write) = f(&mut b);
+        if !write {
+            return Ok(result);
+        }
+        match store.set(&key, &b.encode(), cas_after(&read)) {
+            Ok(()) => return Ok(result),
+            Err(StoreError::CasMismatch) => continue,
+            Err(e) => return Err(e),
+        }
+    }
+    Err(StoreError::CasMismatch)
+}
+
+/// The bucket as it stands now, without writing.
+pub fn peek(store: &impl CasStore, bucket: &str, l: &Limits, now_ms: u64) -> Bucket {
+    let raw = store.get(&bucket_key(bucket)).ok().and_then(|r| r.value);
+    let mut b = raw.as_deref().and_then(Bucket::decode).unwrap_or_else(|| Bucket::full(l, now_ms));
+    b.refill(l, now_ms);
+    b
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::core::store::MemStore;
+
+    fn limits(rpm: u32, tpm: u64, burst: Option<u32>, inflight: Option<u32>) -> Limits {
+        Limits::of(&Model {
+            requests_per_minute: Some(rpm),
+            tokens_per_minute: Some(tpm),
+            burst,
+            max_in_flight: inflight,
+            ..Model::default()
+        })
+    }
+
+    #[test]
+    fn requests_per_minute_gives_an_exact_sequence_and_wait() {
+        let l = limits(3, 1_000_000, None, None);
+        let mut b = Bucket::full(&l, 0);
+        for i in 0..3 {
+            assert!(b.take(&l, i, 10, 0, 60_000).is_ok());
+        }
+        assert_eq!(b.take(&l, 9, 10, 0, 60_000), Err(Denial { kind: Kind::Requests, wait_ms: Some(20_000) }));
+        assert_eq!(b.take(&l, 9, 10, 15_000, 60_000).unwrap_err().wait_ms, Some(5_000));
+        assert!(b.take(&l, 9, 10, 20_000, 60_000).is_ok());
+    }
+
+    #[test]
+    fn refill_never_exceeds_capacity_and_ignores_a_clock_going_backwards() {
+        let l = limits(60, 600, Some(5), None);
+        let mut b = Bucket::full(&l, 1_000_000);
+        b.refill(&l, 9_000_000);
+        assert_eq!((b.requests, b.tokens), (5.0, 600.0));
+        b.take(&l, 1, 100, 9_000_000, 1).unwrap();
+        b.refill(&l, 1_000);
+        assert_eq!((b.requests, b.tokens, b.at_ms), (4.0, 500.0, 9_000_000));
+    }
+
+    #[test]
+    fn tokens_are_reserved_then_reconciled() {
+        let l = limits(1000, 1000, None, None);
+        let mut b = Bucket::full(&l, 0);
+        b.take(&l, 1, 600, 0, 1).unwrap();
+        assert_eq!(b.take(&l, 2, 600, 0, 1).unwrap_err().kind, Kind::Tokens);
+        b.settle(&l, 1, 600, Some(100), 0);
+        assert_eq!(b.tokens, 900.0, "refunded the difference");
+        b.take(&l, 2, 100, 0, 1).unwrap();
+        b.settle(&l, 2, 100, Some(1_300), 0);
+        assert_eq!(b.tokens, -400.0, "charged the difference: a debt");
+        assert_eq!(b.take(&l, 3, 1, 0, 1).unwrap_err().wait_ms, Some(24_060));
+    }
+
+    #[test]
+    fn an_estimate_over_capacity_is_charged_as_a_full_bucket() {
+        let l = limits(1000, 100, None, None);
+        let mut b = Bucket::full(&l, 0);
+        assert!(b.take(&l, 1, 5_000, 0, 1).is_ok());
+        assert_eq!(b.tokens, 0.0);
+    }
+
+    #[test]
+    fn in_flight_is_capped_and_expires() {
+        let l = limits(1000, 1_000_000, None, Some(2));
+        let mut b = Bucket::full(&l, 0);
+        b.take(&l, 1, 1, 0, 100).unwrap();
+        b.take(&l, 2, 1, 0, 10_000).unwrap();
+        assert_eq!(b.take(&l, 3, 1, 0, 100).unwrap_err().kind, Kind::Concurrency);
+        b.settle(&l, 2, 1, None, 1);
+        assert!(b.take(&l, 3, 1, 1, 100).is_ok());
+        assert!(b.take(&l, 4, 1, 1, 100).is_err());
+        assert!(b.take(&l, 4, 1, 100, 100).is_ok(), "call 1's worker is presumed dead after its hold");
+    }
+
+    #[test]
+    fn the_provider_only_lowers_the_buckets() {
+        let l = limits(60, 6000, Some(10), None);
+        let mut b = Bucket::full(&l, 0);
+        b.adapt(&l, &ProviderHints { remaining_requests: Some(2.0), remaining_tokens: Some(99_999.0), ..Default::default() }, 0);
+        assert_eq!((b.requests, b.tokens), (2.0, 6000.0));
+        b.adapt(&l, &ProviderHints { throttled: true, retry_after_ms: Some(3_000), ..Default::default() }, 0);
+        assert_eq!(b.take(&l, 1, 1, 0, 1).unwrap_err().wait_ms, Some(3_000));
+        assert!(b.take(&l, 1, 1, 3_000, 1).is_ok());
+    }
+
+    #[test]
+    fn headers_and_durations() {
+        let l = limits(3, 1000, None, None);
+        let mut b = Bucket::full(&l, 0);
+        b.take(&l, 1, 250, 0, 1).unwrap();
+        let h = b.headers(&l);
+        assert_eq!(h[0], ("x-ratelimit-limit-requests", "3".into()));
+        assert_eq!(h[1], ("x-ratelimit-remaining-requests", "2".into()));
+        assert_eq!(h[2], ("x-ratelimit-reset-requests", "20s".into()));
+        assert_eq!(h[4], ("x-ratelimit-remaining-tokens", "750".into()));
+        assert_eq!(h[5], ("x-ratelimit-reset-tokens", "15s".into()));
+        assert_eq!(duration(250), "250ms");
+        assert_eq!(duration(1_500), "1.5s");
+        assert_eq!(duration(360_000), "6m0s");
+    }
+
+    #[test]
+    fn hints_from_headers() {
+        let h = vec![("retry-after".to_owned(), "2".to_owned()), ("x-ratelimit-remaining-tokens".to_owned(), "50".to_owned())];
+        let p = ProviderHints::from_headers(429, &h);
+        assert_eq!((p.throttled, p.retry_after_ms, p.remaining_tokens), (true, Some(2000), Some(50.0)));
+        assert_eq!(retry_after_ms(Some("1500"), Some("9")), Some(1500));
+    }
+
+    /// Many threads take from one bucket in shared data: never more than its capacity.
+    #[test]
+    fn concurrent_takes_never_exceed_the_bucket() {
+        let s = std::sync::Arc::new(MemStore::new());
+        let l = limits(10, 1_000_000, Some(5), None);
+        let handles: Vec<_> = (0..8u64)
+            .map(|t| {
+                let s = s.clone();
+                std::thread::spawn(move || {
+                    (0..10u64)
+                        .filter(|i| {
+                            update(&*s, "m", &l, 0, |b| match b.take(&l, t * 100 + i, 1, 0, 1) {
+                                Ok(()) => (true, true),
+                                Err(_) => (false, false),
+                            })
+                            .unwrap()
+                        })
+                        .count()
+                })
+            })
+            .collect();
+        let admitted: usize = handles.into_iter().map(|h| h.join().unwrap()).sum();
+        assert_eq!(admitted, 5);
+        assert_eq!(s.key_count(), 1);
+    }
+}

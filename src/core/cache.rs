@@ -12,8 +12,25 @@ use super::store::CasStore;
 pub struct Response {
     pub status: u16,
     pub content_type: String,
-    pub retry_after: Option<String>,
+    /// Headers replayed with the answer (`retry-after`, `x-holysheep-model`, ...).
+    pub headers: Vec<(String, String)>,
     pub body: Vec<u8>,
+}
+
+impl Response {
+    pub fn json(status: u16, body: Vec<u8>) -> Response {
+        Response { status, content_type: "application/json".into(), headers: Vec::new(), body }
+    }
+
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers.iter().find(|(n, _)| n.eq_ignore_ascii_case(name)).map(|(_, v)| v.as_str())
+    }
+
+    pub fn with_header(mut self, name: &str, value: String) -> Response {
+        self.headers.retain(|(n, _)| !n.eq_ignore_ascii_case(name));
+        self.headers.push((name.to_owned(), value));
+        self
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -41,7 +58,7 @@ pub fn slot_key(config: &Config, key: &Key) -> String {
 /// The entry stored for `key`, fresh or not; `None` when the slot holds another key.
 pub fn get(store: &impl CasStore, config: &Config, key: &Key) -> Option<Entry> {
     let raw = store.get(&slot_key(config, key)).ok()?.value?;
-    let (f, body) = codec::decode(&raw, 5)?;
+    let (f, body) = codec::decode(&raw, 6)?;
     if f[0] != "C" || f[1] != key.hex() {
         return None;
     }
@@ -49,7 +66,12 @@ pub fn get(store: &impl CasStore, config: &Config, key: &Key) -> Option<Entry> {
         key: key.clone(),
         stored_at_ms: f[2].parse().ok()?,
         ttl_ms: f[3].parse().ok()?,
-        response: Response { status: 200, content_type: f[4].to_owned(), retry_after: None, body: body.to_vec() },
+        response: Response {
+            status: 200,
+            content_type: f[4].to_owned(),
+            headers: codec::parse_headers(f[5]),
+            body: body.to_vec(),
+        },
     })
 }
 
@@ -60,7 +82,14 @@ pub fn put(store: &impl CasStore, config: &Config, key: &Key, response: &Respons
     }
     let ttl_ms = config.cache.ttl_seconds.saturating_mul(1000);
     let value = codec::encode(
-        &["C", key.hex(), &now_ms.to_string(), &ttl_ms.to_string(), &codec::field(&response.content_type)],
+        &[
+            "C",
+            key.hex(),
+            &now_ms.to_string(),
+            &ttl_ms.to_string(),
+            &codec::field(&response.content_type),
+            &codec::headers_field(&response.headers),
+        ],
         &response.body,
     );
     store.set(&slot_key(config, key), &value, None).is_ok()
@@ -73,7 +102,7 @@ mod tests {
     use crate::core::store::MemStore;
 
     pub fn ok(body: &str) -> Response {
-        Response { status: 200, content_type: "application/json".into(), retry_after: None, body: body.into() }
+        Response::json(200, body.into()).with_header("x-holysheep-model", "m".into())
     }
 
     #[test]
@@ -83,7 +112,7 @@ mod tests {
         assert!(get(&s, &c, &k).is_none());
         assert!(put(&s, &c, &k, &ok("{}"), 1000));
         let e = get(&s, &c, &k).unwrap();
-        assert_eq!(e.response.body, b"{}");
+        assert_eq!(e.response, ok("{}"));
         assert!(e.is_fresh(1000 + 3_599_999));
         assert!(!e.is_fresh(1000 + 3_600_000));
     }

@@ -23,6 +23,16 @@ pub fn decode(raw: &[u8], n: usize) -> Option<(Vec<&str>, &[u8])> {
     Some((fields, rest))
 }
 
+/// Header pairs as one field: `name: value` joined by tabs.
+pub fn headers_field(headers: &[(String, String)]) -> String {
+    let pairs: Vec<String> = headers.iter().map(|(n, v)| format!("{}: {}", n, field(v).replace('\t', " "))).collect();
+    pairs.join("\t")
+}
+
+pub fn parse_headers(f: &str) -> Vec<(String, String)> {
+    f.split('\t').filter_map(|p| p.split_once(": ")).map(|(n, v)| (n.to_owned(), v.to_owned())).collect()
+}
+
 /// Replaces newlines so a value can travel as one field.
 pub fn field(s: &str) -> String {
     s.replace(['\n', '\r'], " ")
@@ -41,5 +51,8 @@ mod tests {
         assert!(decode(b"a\nb", 3).is_none());
         assert!(decode(b"\xff\n", 1).is_none());
         assert_eq!(field("a\nb\r"), "a b ");
+        let h = vec![("retry-after".to_owned(), "2".to_owned()), ("x-m".to_owned(), "a: b".to_owned())];
+        assert_eq!(parse_headers(&headers_field(&h)), h);
+        assert!(parse_headers("").is_empty());
     }
 }

@@ -200,7 +200,11 @@ impl Config {
         let retry: [(bool, &str, &str); 3] = [
             (!(1..=10).contains(&self.retry.max_attempts), "retry.max_attempts", "must be between 1 and 10"),
             (self.retry.base_delay_ms == 0, "retry.base_delay_ms", "must be at least 1"),
-            (self.retry.max_delay_ms < self.retry.base_delay_ms, "retry.max_delay_ms", "must be at least retry.base_delay_ms"),
+            (
+                self.retry.max_delay_ms < self.retry.base_delay_ms,
+                "retry.max_delay_ms",
+                "must be at least retry.base_delay_ms",
+            ),
         ];
         if let Some((_, field, why)) = retry.iter().find(|(bad, _, _)| *bad) {
             return Err(ConfigError(format!("{field}: {why}")));
@@ -238,13 +242,18 @@ impl Model {
         if self.max_in_flight.is_some_and(|m| m > 10_000) {
             return Err(ConfigError(format!("{}: must be at most 10000", field("max_in_flight"))));
         }
-        for (f, price) in [("usd_per_mtok_input", self.usd_per_mtok_input), ("usd_per_mtok_output", self.usd_per_mtok_output)] {
+        for (f, price) in
+            [("usd_per_mtok_input", self.usd_per_mtok_input), ("usd_per_mtok_output", self.usd_per_mtok_output)]
+        {
             if !price.is_finite() || price < 0.0 {
                 return Err(ConfigError(format!("{}: must be a price of at least 0", field(f))));
             }
         }
         if self.fallback.iter().any(|f| f.is_empty() || f == name) {
-            return Err(ConfigError(format!("{}: names must be non-empty and not the model itself", field("fallback"))));
+            return Err(ConfigError(format!(
+                "{}: names must be non-empty and not the model itself",
+                field("fallback")
+            )));
         }
         Ok(())
     }

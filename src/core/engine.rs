@@ -42,7 +42,7 @@ impl Reply {
         Reply { response: error_response(e), cache: None, key: None, age_s: None }
     }
 
-    pub fn headers(&self) -> Vec<(&'static str, String)> {
+    pub fn headers(&self) -> Vec<(&str, String)> {
         let mut h = vec![("content-type", self.response.content_type.clone())];
         if let Some(c) = self.cache {
             h.push(("x-holysheep-cache", c.as_str().to_owned()));
@@ -53,9 +53,7 @@ impl Reply {
         if let Some(a) = self.age_s {
             h.push(("age", a.to_string()));
         }
-        if let Some(r) = &self.response.retry_after {
-            h.push(("retry-after", r.clone()));
-        }
+        h.extend(self.response.headers.iter().map(|(n, v)| (n.as_str(), v.clone())));
         h
     }
 }
@@ -68,11 +66,11 @@ fn openai_shaped(r: Response) -> Response {
     }
     let text: String = String::from_utf8_lossy(&r.body).chars().take(200).collect();
     let e = ApiError::upstream(r.status, format!("HolySheep answered {}: {}", r.status, text.trim()), "upstream_error");
-    Response { retry_after: r.retry_after, ..error_response(&e) }
+    Response { headers: r.headers, ..error_response(&e) }
 }
 
 fn error_response(e: &ApiError) -> Response {
-    Response { status: e.status, content_type: "application/json".into(), retry_after: None, body: e.body() }
+    Response::json(e.status, e.body())
 }
 
 /// An upstream call to make. With a lease it leads a flight that others wait on.
@@ -231,7 +229,7 @@ mod tests {
     const READ: Policy = Policy { read: true, max_age: None, coalesce: true, store: true };
 
     fn ok(body: &str) -> Option<Response> {
-        Some(Response { status: 200, content_type: "application/json".into(), retry_after: None, body: body.into() })
+        Some(Response::json(200, body.into()))
     }
 
     fn k(i: u8) -> Key {
@@ -290,7 +288,7 @@ mod tests {
         let w = expect_wait(e.admit(&k(1), READ, 0, 2));
         let mut err = ok("{\"error\":{}}").unwrap();
         err.status = 503;
-        err.retry_after = Some("2".into());
+        let err = err.with_header("retry-after", "2".into());
         assert_eq!(e.complete(&lead, Some(err.clone()), 10).response.status, 503);
         let theirs = expect_reply(e.poll(&w, 11, 3));
         assert_eq!(theirs.response, err);
@@ -307,12 +305,12 @@ mod tests {
         let text = Response {
             status: 503,
             content_type: "text/plain".into(),
-            retry_after: Some("1".into()),
+            headers: vec![("retry-after".into(), "1".into())],
             body: b"upstream connect error or disconnect/reset before headers".to_vec(),
         };
         let r = e.complete(&lead, Some(text), 5);
         assert_eq!((r.response.status, r.response.content_type.as_str()), (503, "application/json"));
-        assert_eq!(r.response.retry_after.as_deref(), Some("1"));
+        assert_eq!(r.response.header("retry-after"), Some("1"));
         let v: serde_json::Value = serde_json::from_slice(&r.response.body).unwrap();
         assert!(v["error"]["message"].as_str().unwrap().contains("upstream connect error"));
     }

@@ -129,7 +129,7 @@ fn done(key: &Key, nonce: u64, now_ms: u64, r: &Response) -> Vec<u8> {
             &now_ms.to_string(),
             &r.status.to_string(),
             &codec::field(&r.content_type),
-            &codec::field(r.retry_after.as_deref().unwrap_or("")),
+            &codec::headers_field(&r.headers),
         ],
         &r.body,
     )
@@ -150,7 +150,7 @@ fn decode(raw: &[u8]) -> Option<State> {
                 response: Response {
                     status: f[4].parse().ok()?,
                     content_type: f[5].to_owned(),
-                    retry_after: Some(f[6].to_owned()).filter(|s| !s.is_empty()),
+                    headers: codec::parse_headers(f[6]),
                     body: body.to_vec(),
                 },
             })
@@ -171,12 +171,7 @@ mod tests {
     }
 
     fn resp(status: u16) -> Response {
-        Response {
-            status,
-            content_type: "application/json".into(),
-            retry_after: Some("3".into()),
-            body: b"{}".to_vec(),
-        }
+        Response::json(status, b"{}".to_vec()).with_header("retry-after", "3".into())
     }
 
     #[test]

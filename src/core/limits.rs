@@ -200,7 +200,10 @@ impl Bucket {
 
     fn encode(&self) -> Vec<u8> {
         let flights: String = self.in_flight.iter().map(|(n, e)| format!("{n} {e}\n")).collect();
-        codec::encode(&["B", &self.requests.to_string(), &self.tokens.to_string(), &self.at_ms.to_string()], flights.as_bytes())
+        codec::encode(
+            &["B", &self.requests.to_string(), &self.tokens.to_string(), &self.at_ms.to_string()],
+            flights.as_bytes(),
+        )
     }
 
     fn decode(raw: &[u8]) -> Option<Bucket> {
@@ -352,7 +355,11 @@ mod tests {
     fn the_provider_only_lowers_the_buckets() {
         let l = limits(60, 6000, Some(10), None);
         let mut b = Bucket::full(&l, 0);
-        b.adapt(&l, &ProviderHints { remaining_requests: Some(2.0), remaining_tokens: Some(99_999.0), ..Default::default() }, 0);
+        b.adapt(
+            &l,
+            &ProviderHints { remaining_requests: Some(2.0), remaining_tokens: Some(99_999.0), ..Default::default() },
+            0,
+        );
         assert_eq!((b.requests, b.tokens), (2.0, 6000.0));
         b.adapt(&l, &ProviderHints { throttled: true, retry_after_ms: Some(3_000), ..Default::default() }, 0);
         assert_eq!(b.take(&l, 1, 1, 0, 1).unwrap_err().wait_ms, Some(3_000));
@@ -377,7 +384,10 @@ mod tests {
 
     #[test]
     fn hints_from_headers() {
-        let h = vec![("retry-after".to_owned(), "2".to_owned()), ("x-ratelimit-remaining-tokens".to_owned(), "50".to_owned())];
+        let h = vec![
+            ("retry-after".to_owned(), "2".to_owned()),
+            ("x-ratelimit-remaining-tokens".to_owned(), "50".to_owned()),
+        ];
         let p = ProviderHints::from_headers(429, &h);
         assert_eq!((p.throttled, p.retry_after_ms, p.remaining_tokens), (true, Some(2000), Some(50.0)));
         assert_eq!(retry_after_ms(Some("1500"), Some("9")), Some(1500));

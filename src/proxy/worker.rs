@@ -242,7 +242,7 @@ impl Root {
         Some(Response {
             status,
             content_type: header("content-type").unwrap_or_else(|| "application/json".into()),
-            retry_after: header("retry-after"),
+            headers: header("retry-after").map(|v| vec![("retry-after".to_owned(), v)]).unwrap_or_default(),
             body: self.get_http_call_response_body(0, body_size).unwrap_or_default(),
         })
     }

@@ -15,6 +15,8 @@ pub enum CacheStatus {
     Miss,
     Coalesced,
     Bypass,
+    /// An expired entry served because every attempt failed (`stale_if_error_seconds`).
+    Stale,
 }
 
 impl CacheStatus {
@@ -24,6 +26,7 @@ impl CacheStatus {
             CacheStatus::Miss => "MISS",
             CacheStatus::Coalesced => "COALESCED",
             CacheStatus::Bypass => "BYPASS",
+            CacheStatus::Stale => "STALE",
         }
     }
 }
@@ -143,14 +146,37 @@ impl<S: CasStore> Engine<'_, S> {
     /// answer to the flight's waiters, and returns the caller's reply.
     pub fn complete(&self, call: &Call, outcome: Option<Response>, now_ms: u64) -> Reply {
         let response = outcome.map_or_else(|| self.failure(call, now_ms), openai_shaped);
+        if response.status == 429 || response.status >= 500 {
+            if let Some(stale) = self.stale(&call.key, now_ms) {
+                self.finish_lease(call, &stale.response, now_ms);
+                return stale;
+            }
+        }
         if call.store {
             cache::put(self.store, self.config, &call.key, &response, now_ms);
         }
+        self.finish_lease(call, &response, now_ms);
+        Reply { response, cache: Some(call.label), key: Some(call.key.clone()), age_s: None }
+    }
+
+    fn finish_lease(&self, call: &Call, response: &Response, now_ms: u64) {
         if let Some(l) = &call.lease {
             // A lost lease (we were presumed dead) leaves the new leader's flight alone.
-            let _ = lease::finish(self.store, l, &response, now_ms);
+            let _ = lease::finish(self.store, l, response, now_ms);
         }
-        Reply { response, cache: Some(call.label), key: Some(call.key.clone()), age_s: None }
+    }
+
+    /// An expired entry at most `stale_if_error_seconds` past its TTL.
+    fn stale(&self, key: &Key, now_ms: u64) -> Option<Reply> {
+        let grace_ms = self.config.stale_if_error_seconds.saturating_mul(1000);
+        let entry = cache::get(self.store, self.config, key)
+            .filter(|e| grace_ms > 0 && e.age_ms(now_ms) < e.ttl_ms.saturating_add(grace_ms))?;
+        Some(Reply {
+            age_s: Some(entry.age_ms(now_ms) / 1000),
+            cache: Some(CacheStatus::Stale),
+            key: Some(key.clone()),
+            response: entry.response,
+        })
     }
 
     fn failure(&self, call: &Call, now_ms: u64) -> Response {
@@ -313,6 +339,23 @@ mod tests {
         assert_eq!(r.response.header("retry-after"), Some("1"));
         let v: serde_json::Value = serde_json::from_slice(&r.response.body).unwrap();
         assert!(v["error"]["message"].as_str().unwrap().contains("upstream connect error"));
+    }
+
+    #[test]
+    fn stale_if_error_serves_an_expired_entry_within_its_bound() {
+        let (s, mut c) = (MemStore::new(), Config::default());
+        c.cache.ttl_seconds = 10;
+        c.stale_if_error_seconds = 5;
+        let e = Engine { store: &s, config: &c };
+        let lead = expect_call(e.admit(&k(1), READ, 0, 1));
+        e.complete(&lead, ok("old"), 0);
+        let lead = expect_call(e.admit(&k(1), READ, 12_000, 2));
+        let w = expect_wait(e.admit(&k(1), READ, 12_000, 3));
+        let r = e.complete(&lead, Some(Response::json(503, b"{}".to_vec())), 12_000);
+        assert_eq!((r.cache, r.age_s, r.response.body.as_slice()), (Some(CacheStatus::Stale), Some(12), &b"old"[..]));
+        assert_eq!(expect_reply(e.poll(&w, 12_001, 4)).response.body, b"old", "waiters get the stale answer too");
+        let lead = expect_call(e.admit(&k(1), READ, 15_000, 5));
+        assert_eq!(e.complete(&lead, None, 15_000).response.status, 502, "past ttl + stale bound");
     }
 
     #[test]

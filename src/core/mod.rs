@@ -6,6 +6,7 @@ pub mod codec;
 pub mod config;
 pub mod engine;
 pub mod error;
+pub mod flight;
 pub mod lease;
 pub mod limits;
 pub mod request;

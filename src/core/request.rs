@@ -3,6 +3,7 @@
 
 use super::config::{Config, Scope};
 use super::error::ApiError;
+use super::limits::DEFAULT_COMPLETION_ESTIMATE;
 use serde_json::{Map, Number, Value};
 use sha2::{Digest, Sha256};
 
@@ -83,6 +84,9 @@ pub struct ChatRequest {
     pub stream: bool,
     /// temperature 0 or a seed, and one choice.
     pub deterministic: bool,
+    /// Tokens reserved before the call: prompt ≈ body bytes / 4, plus the completion
+    /// limit (`max_completion_tokens`, `max_tokens`, or a default) for each choice.
+    pub estimate_tokens: u64,
 }
 
 /// The request headers the core needs; the shell reads them from its host.
@@ -106,9 +110,16 @@ impl ChatRequest {
         let model = map.get("model").and_then(Value::as_str).unwrap_or_default().to_owned();
         let stream = map.get("stream").and_then(Value::as_bool).unwrap_or(false);
         let deterministic = is_deterministic(&map);
+        let estimate_tokens = estimate_tokens(&map, body.len());
         let scope = scope(config, meta);
         let canonical = canonical_body(map);
-        Ok(ChatRequest { key: request_key(CHAT_PATH, &scope, &canonical), model, stream, deterministic })
+        Ok(ChatRequest {
+            key: request_key(CHAT_PATH, &scope, &canonical),
+            model,
+            stream,
+            deterministic,
+            estimate_tokens,
+        })
     }
 
     pub fn policy(&self, config: &Config, cc: CacheControl) -> Policy {
@@ -236,6 +247,26 @@ fn is_deterministic(map: &Map<String, Value>) -> bool {
     let cold = map.get("temperature").and_then(Value::as_f64) == Some(0.0);
     let seeded = map.get("seed").is_some_and(|s| !s.is_null());
     one_choice && (cold || seeded)
+}
+
+fn estimate_tokens(map: &Map<String, Value>, body_len: usize) -> u64 {
+    let completion = ["max_completion_tokens", "max_tokens"]
+        .iter()
+        .find_map(|f| map.get(*f).and_then(Value::as_u64))
+        .unwrap_or(DEFAULT_COMPLETION_ESTIMATE);
+    let choices = map.get("n").and_then(Value::as_u64).unwrap_or(1);
+    (body_len as u64).div_ceil(4).saturating_add(completion.saturating_mul(choices))
+}
+
+/// The same request for another model (failover): the body with `model` replaced.
+pub fn with_model(body: &[u8], model: &str) -> Vec<u8> {
+    match serde_json::from_slice::<Value>(body) {
+        Ok(Value::Object(mut map)) => {
+            map.insert("model".into(), Value::String(model.to_owned()));
+            Value::Object(map).to_string().into_bytes()
+        }
+        _ => body.to_vec(),
+    }
 }
 
 fn scope(config: &Config, meta: &RequestMeta<'_>) -> String {
@@ -400,6 +431,17 @@ mod tests {
         }
         let small = Config { max_body_bytes: 10, ..Config::default() };
         assert_eq!(ChatRequest::parse(&small, &AUTH_A, BASE.as_bytes()).unwrap_err().status, 413);
+    }
+
+    #[test]
+    fn token_estimate_and_model_rewrite() {
+        let r = ChatRequest::parse(&Config::default(), &AUTH_A, BASE.as_bytes()).unwrap();
+        assert_eq!(r.estimate_tokens, (BASE.len() as u64).div_ceil(4) + 256);
+        let capped = BASE.replacen('{', r#"{"max_tokens":10,"n":3,"#, 1);
+        let r = ChatRequest::parse(&Config::default(), &AUTH_A, capped.as_bytes()).unwrap();
+        assert_eq!(r.estimate_tokens, (capped.len() as u64).div_ceil(4) + 30);
+        let v: Value = serde_json::from_slice(&with_model(BASE.as_bytes(), "deepseek-v3")).unwrap();
+        assert_eq!((v["model"].as_str(), v["temperature"].as_i64()), (Some("deepseek-v3"), Some(0)));
     }
 
     #[test]

@@ -1,0 +1,425 @@
+//! One upstream flight, sans-IO: admission through the model's buckets (holding the
+//! request up to `rate_limit.max_wait_ms`), attempts with exponential backoff and full
+//! jitter honouring the provider's `retry-after`, and failover to the model's fallbacks,
+//! all within `upstream.timeout_ms`. The shell performs each `Action` and reports back.
+
+use super::cache::Response;
+use super::config::Config;
+use super::engine::Call;
+use super::error::ApiError;
+use super::limits::{self, duration, Denial, Kind, Limits, ProviderHints};
+use super::store::CasStore;
+
+/// How often a request held for a concurrency slot looks again.
+pub const CONCURRENCY_POLL_MS: u64 = 50;
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Action {
+    /// Call HolySheep for `model` (the body rewritten to it when it is a fallback).
+    Send { model: String, timeout_ms: u64 },
+    /// Come back (call `resume`) at this time.
+    Sleep { until_ms: u64 },
+    /// The flight is over: complete the call with this outcome (`None`: no answer).
+    Finish(Option<Response>),
+}
+
+/// What happened, for metrics.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Event {
+    UpstreamCall { model: String },
+    Retry { model: String },
+    Failover { from: String, to: String },
+    RateLimited { model: String },
+    ProviderRateLimited { model: String },
+    Usage { model: String, prompt: u64, completion: u64 },
+}
+
+#[derive(Debug, Clone)]
+pub struct Flight {
+    pub call: Call,
+    models: Vec<String>,
+    idx: usize,
+    attempt: u32,
+    deadline_ms: u64,
+    hold_until_ms: u64,
+    estimate: u64,
+    ticket: Option<u64>,
+    last: Option<Response>,
+    pub events: Vec<Event>,
+}
+
+impl Flight {
+    pub fn new(config: &Config, call: Call, model: &str, estimate: u64) -> Flight {
+        let mut models = vec![model.to_owned()];
+        for f in config.model(model).map(|(_, m)| m.fallback.clone()).unwrap_or_default() {
+            if !models.contains(&f) {
+                models.push(f);
+            }
+        }
+        let started = call.started_ms;
+        Flight {
+            call,
+            models,
+            idx: 0,
+            attempt: 0,
+            deadline_ms: started.saturating_add(config.upstream.timeout_ms),
+            hold_until_ms: started.saturating_add(config.rate_limit.max_wait_ms),
+            estimate,
+            ticket: None,
+            last: None,
+            events: Vec::new(),
+        }
+    }
+
+    /// The model the flight is on now.
+    pub fn model(&self) -> &str {
+        self.models.get(self.idx).map_or("", String::as_str)
+    }
+
+    /// Takes capacity from the first model (from the current one on) whose buckets admit
+    /// the call; holds or answers 429 when none does.
+    pub fn resume(&mut self, store: &impl CasStore, config: &Config, now_ms: u64, nonce: u64) -> Action {
+        if now_ms >= self.deadline_ms {
+            return Action::Finish(self.last.take());
+        }
+        let mut denials: Vec<(usize, Denial)> = Vec::new();
+        for i in self.idx..self.models.len() {
+            match self.admit(store, config, i, now_ms, nonce) {
+                Ok(()) => {
+                    if i != self.idx {
+                        self.fail_over_to(i);
+                    }
+                    let model = self.model().to_owned();
+                    self.events.push(Event::UpstreamCall { model: model.clone() });
+                    return Action::Send { model, timeout_ms: self.deadline_ms - now_ms };
+                }
+                Err(d) => denials.push((i, d)),
+            }
+        }
+        let soonest = denials.iter().map(|(_, d)| d.wait_ms.unwrap_or(CONCURRENCY_POLL_MS)).min().unwrap_or(0);
+        let until = now_ms.saturating_add(soonest);
+        if until <= self.hold_until_ms && until < self.deadline_ms {
+            return Action::Sleep { until_ms: until };
+        }
+        let model = self.model().to_owned();
+        self.events.push(Event::RateLimited { model: model.clone() });
+        let denial = denials.first().map(|(_, d)| *d).unwrap_or(Denial { kind: Kind::Requests, wait_ms: None });
+        Action::Finish(Some(self.rate_limited(config, &model, denial)))
+    }
+
+    /// The call for the current model ended (`None`: reset or timeout).
+    pub fn on_response(
+        &mut self,
+        store: &impl CasStore,
+        config: &Config,
+        outcome: Option<Response>,
+        hints: &ProviderHints,
+        now_ms: u64,
+        random: u64,
+        nonce: u64,
+    ) -> Action {
+        let model = self.model().to_owned();
+        let usage = outcome.as_ref().filter(|r| r.status == 200).and_then(|r| usage(&r.body));
+        self.settle(store, config, usage, hints, now_ms);
+        if let Some((prompt, completion)) = usage {
+            self.events.push(Event::Usage { model: model.clone(), prompt, completion });
+        }
+        if hints.throttled {
+            self.events.push(Event::ProviderRateLimited { model: model.clone() });
+        }
+        let outcome = outcome.map(|r| r.with_header("x-holysheep-model", model.clone()));
+        if !retryable(outcome.as_ref()) {
+            return Action::Finish(outcome);
+        }
+        self.attempt += 1;
+        self.last = outcome;
+        if self.attempt < config.retry.max_attempts {
+            if let Some(delay) = self.backoff(config, hints.retry_after_ms, random) {
+                if now_ms.saturating_add(delay) < self.deadline_ms {
+                    self.events.push(Event::Retry { model });
+                    return Action::Sleep { until_ms: now_ms + delay };
+                }
+            }
+        }
+        if self.idx + 1 < self.models.len() {
+            self.fail_over_to(self.idx + 1);
+            return self.resume(store, config, now_ms, nonce);
+        }
+        Action::Finish(self.last.take())
+    }
+
+    /// A fallback's answer is not stored under the requested model's key.
+    fn fail_over_to(&mut self, i: usize) {
+        self.events.push(Event::Failover { from: self.model().to_owned(), to: self.models[i].clone() });
+        self.idx = i;
+        self.attempt = 0;
+        self.call.store = false;
+    }
+
+    fn admit(
+        &mut self,
+        store: &impl CasStore,
+        config: &Config,
+        i: usize,
+        now_ms: u64,
+        nonce: u64,
+    ) -> Result<(), Denial> {
+        let Some((bucket, m)) = config.model(&self.models[i]) else { return Ok(()) };
+        let l = Limits::of(m);
+        // A call holds its in-flight slot no longer than the flight can last.
+        let hold = self.deadline_ms.saturating_sub(now_ms) + 1_000;
+        let estimate = self.estimate;
+        let taken = limits::update(store, bucket, &l, now_ms, |b| match b.take(&l, nonce, estimate, now_ms, hold) {
+            Ok(()) => (Ok(()), true),
+            Err(d) => (Err(d), false),
+        });
+        // A store failure admits: the limiter must not take the edge down with it.
+        let admitted = taken.unwrap_or(Ok(()));
+        if admitted.is_ok() {
+            self.ticket = Some(nonce);
+        }
+        admitted
+    }
+
+    fn settle(
+        &mut self,
+        store: &impl CasStore,
+        config: &Config,
+        usage: Option<(u64, u64)>,
+        hints: &ProviderHints,
+        now_ms: u64,
+    ) {
+        let Some(nonce) = self.ticket.take() else { return };
+        let Some((bucket, m)) = config.model(self.model()) else { return };
+        let l = Limits::of(m);
+        let (estimate, actual) = (self.estimate, usage.map(|(p, c)| p + c));
+        let _ = limits::update(store, bucket, &l, now_ms, |b| {
+            b.settle(&l, nonce, estimate, actual, now_ms);
+            b.adapt(&l, hints, now_ms);
+            ((), true)
+        });
+    }
+
+    /// Full jitter between `base_delay_ms` and the doubled cap; the provider's
+    /// `retry-after` wins when it fits within `max_delay_ms`, else this model is spent.
+    fn backoff(&self, config: &Config, retry_after_ms: Option<u64>, random: u64) -> Option<u64> {
+        let r = &config.retry;
+        let cap = r.base_delay_ms.saturating_mul(1u64 << (self.attempt.saturating_sub(1)).min(20)).min(r.max_delay_ms);
+        let jitter = r.base_delay_ms + random % (cap - r.base_delay_ms + 1);
+        match retry_after_ms {
+            Some(ra) if ra > r.max_delay_ms => None,
+            Some(ra) => Some(jitter.max(ra)),
+            None => Some(jitter),
+        }
+    }
+
+    fn rate_limited(&self, config: &Config, model: &str, d: Denial) -> Response {
+        let l = config.model(model).map(|(_, m)| Limits::of(m));
+        let what = match (d.kind, l) {
+            (Kind::Requests, Some(l)) => format!("requests per min (RPM): Limit {}", l.rpm.unwrap_or(0.0)),
+            (Kind::Tokens, Some(l)) => format!("tokens per min (TPM): Limit {}", l.tpm.unwrap_or(0.0)),
+            (Kind::Concurrency, Some(l)) => format!("requests in flight: Limit {}", l.max_in_flight.unwrap_or(0)),
+            _ => "requests".to_owned(),
+        };
+        let wait = d.wait_ms.unwrap_or(1_000).max(1);
+        let e = ApiError {
+            status: 429,
+            message: format!("Rate limit reached for {model} on {what}. Please try again in {}.", duration(wait)),
+            kind: d.kind.as_str(),
+            param: None,
+            code: "rate_limit_exceeded",
+        };
+        Response::json(429, e.body())
+            .with_header("retry-after", wait.div_ceil(1000).to_string())
+            .with_header("retry-after-ms", wait.to_string())
+            .with_header("x-holysheep-model", model.to_owned())
+    }
+}
+
+fn retryable(outcome: Option<&Response>) -> bool {
+    outcome.is_none_or(|r| matches!(r.status, 429 | 500 | 502 | 503 | 504))
+}
+
+/// `usage.prompt_tokens` and `usage.completion_tokens` of a chat completion.
+pub fn usage(body: &[u8]) -> Option<(u64, u64)> {
+    #[derive(serde::Deserialize)]
+    struct Usage {
+        prompt_tokens: u64,
+        completion_tokens: u64,
+    }
+    #[derive(serde::Deserialize)]
+    struct Completion {
+        usage: Usage,
+    }
+    let c: Completion = serde_json::from_slice(body).ok()?;
+    Some((c.usage.prompt_tokens, c.usage.completion_tokens))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::core::engine::CacheStatus;
+    use crate::core::request::request_key;
+    use crate::core::store::MemStore;
+
+    fn config(raw: &str) -> Config {
+        Config::parse(raw.as_bytes()).unwrap()
+    }
+
+    fn flight(c: &Config, model: &str) -> Flight {
+        let call = Call {
+            key: request_key("/p", "s", b"x"),
+            lease: None,
+            store: true,
+            label: CacheStatus::Miss,
+            started_ms: 0,
+        };
+        Flight::new(c, call, model, 100)
+    }
+
+    fn status(s: u16) -> Option<Response> {
+        let body = if s == 200 { r#"{"usage":{"prompt_tokens":7,"completion_tokens":5}}"# } else { "{}" };
+        Some(Response::json(s, body.into()))
+    }
+
+    fn send(a: Action) -> String {
+        match a {
+            Action::Send { model, .. } => model,
+            other => panic!("expected a send, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn retries_with_backoff_then_succeeds() {
+        let (s, c) =
+            (MemStore::new(), config(r#"{"retry":{"max_attempts":3,"base_delay_ms":100,"max_delay_ms":1000}}"#));
+        let mut f = flight(&c, "gpt-4.1");
+        assert_eq!(send(f.resume(&s, &c, 0, 1)), "gpt-4.1");
+        let a = f.on_response(&s, &c, status(503), &ProviderHints::default(), 10, 7, 2);
+        let Action::Sleep { until_ms } = a else { panic!("{a:?}") };
+        assert!((110..=110).contains(&until_ms), "first backoff is base: {until_ms}");
+        send(f.resume(&s, &c, until_ms, 3));
+        let a = f.on_response(&s, &c, status(502), &ProviderHints::default(), 200, 7, 4);
+        let Action::Sleep { until_ms } = a else { panic!("{a:?}") };
+        assert!((300..=400).contains(&until_ms), "second backoff within [base, 2*base]: {until_ms}");
+        send(f.resume(&s, &c, until_ms, 5));
+        let a = f.on_response(&s, &c, status(200), &ProviderHints::default(), 500, 7, 6);
+        let Action::Finish(Some(r)) = a else { panic!("{a:?}") };
+        assert_eq!((r.status, r.header("x-holysheep-model")), (200, Some("gpt-4.1")));
+        assert_eq!(f.events.iter().filter(|e| matches!(e, Event::Retry { .. })).count(), 2);
+        assert!(f.events.contains(&Event::Usage { model: "gpt-4.1".into(), prompt: 7, completion: 5 }));
+    }
+
+    #[test]
+    fn client_errors_are_not_retried() {
+        let (s, c) = (MemStore::new(), Config::default());
+        for code in [400, 401, 403, 404, 422] {
+            let mut f = flight(&c, "m");
+            send(f.resume(&s, &c, 0, 1));
+            let a = f.on_response(&s, &c, status(code), &ProviderHints::default(), 1, 0, 2);
+            assert!(matches!(a, Action::Finish(Some(ref r)) if r.status == code), "{code}: {a:?}");
+        }
+    }
+
+    #[test]
+    fn retry_after_is_honoured_when_it_fits_and_fails_over_when_not() {
+        let (s, c) = (
+            MemStore::new(),
+            config(
+                r#"{"models":{"gpt-4.1":{"fallback":["deepseek-v3"]}},"retry":{"base_delay_ms":10,"max_delay_ms":2000}}"#,
+            ),
+        );
+        let mut f = flight(&c, "gpt-4.1");
+        send(f.resume(&s, &c, 0, 1));
+        let hint = ProviderHints { throttled: true, retry_after_ms: Some(1_000), ..Default::default() };
+        assert_eq!(f.on_response(&s, &c, status(429), &hint, 0, 0, 2), Action::Sleep { until_ms: 1_000 });
+        send(f.resume(&s, &c, 1_000, 3));
+        let too_long = ProviderHints { throttled: true, retry_after_ms: Some(60_000), ..Default::default() };
+        let next = f.on_response(&s, &c, status(429), &too_long, 1_000, 0, 4);
+        assert_eq!(send(next), "deepseek-v3");
+        assert!(!f.call.store, "a fallback answer is not stored under the requested key");
+        assert!(f.events.contains(&Event::Failover { from: "gpt-4.1".into(), to: "deepseek-v3".into() }));
+    }
+
+    #[test]
+    fn attempts_spent_on_every_model_return_the_last_error() {
+        let (s, c) = (
+            MemStore::new(),
+            config(
+                r#"{"models":{"a":{"fallback":["b"]}},"retry":{"max_attempts":2,"base_delay_ms":1,"max_delay_ms":1}}"#,
+            ),
+        );
+        let mut f = flight(&c, "a");
+        let mut now = 0;
+        let mut sent = vec![send(f.resume(&s, &c, now, 0))];
+        loop {
+            now += 5;
+            match f.on_response(&s, &c, status(503), &ProviderHints::default(), now, 0, now) {
+                Action::Send { model, .. } => sent.push(model),
+                Action::Sleep { until_ms } => sent.push(send(f.resume(&s, &c, until_ms, until_ms))),
+                Action::Finish(r) => {
+                    assert_eq!(
+                        r.map(|r| (r.status, r.header("x-holysheep-model").map(str::to_owned))),
+                        Some((503, Some("b".into())))
+                    );
+                    break;
+                }
+            }
+        }
+        assert_eq!(sent, ["a", "a", "b", "b"]);
+    }
+
+    #[test]
+    fn an_empty_bucket_answers_429_or_holds() {
+        let s = MemStore::new();
+        let c = config(r#"{"models":{"gpt-4.1":{"requests_per_minute":1}}}"#);
+        send(flight(&c, "gpt-4.1").resume(&s, &c, 0, 1));
+        let mut f = flight(&c, "gpt-4.1");
+        let Action::Finish(Some(r)) = f.resume(&s, &c, 0, 2) else { panic!() };
+        assert_eq!((r.status, r.header("retry-after"), r.header("retry-after-ms")), (429, Some("60"), Some("60000")));
+        let v: serde_json::Value = serde_json::from_slice(&r.body).unwrap();
+        assert_eq!(
+            (v["error"]["code"].as_str(), v["error"]["type"].as_str()),
+            (Some("rate_limit_exceeded"), Some("requests"))
+        );
+        assert!(v["error"]["message"].as_str().unwrap().contains("gpt-4.1"));
+
+        let held = config(
+            r#"{"models":{"gpt-4.1":{"requests_per_minute":1}},"rate_limit":{"max_wait_ms":61000},"upstream":{"timeout_ms":120000}}"#,
+        );
+        let mut f = flight(&held, "gpt-4.1");
+        assert_eq!(f.resume(&s, &held, 0, 3), Action::Sleep { until_ms: 60_000 });
+        assert_eq!(send(f.resume(&s, &held, 60_000, 3)), "gpt-4.1");
+    }
+
+    #[test]
+    fn an_empty_bucket_fails_over_to_a_fallback_with_room() {
+        let s = MemStore::new();
+        let c = config(r#"{"models":{"gpt-4.1":{"requests_per_minute":1,"fallback":["deepseek-v3"]}}}"#);
+        send(flight(&c, "gpt-4.1").resume(&s, &c, 0, 1));
+        let mut f = flight(&c, "gpt-4.1");
+        assert_eq!(send(f.resume(&s, &c, 0, 2)), "deepseek-v3");
+        assert!(!f.call.store);
+    }
+
+    #[test]
+    fn reconciliation_refunds_the_estimate() {
+        let s = MemStore::new();
+        let c = config(r#"{"models":{"m":{"tokens_per_minute":1000}}}"#);
+        let mut f = flight(&c, "m");
+        send(f.resume(&s, &c, 0, 1));
+        let l = Limits::of(&c.models["m"]);
+        assert_eq!(limits::peek(&s, "m", &l, 0).tokens, 900.0);
+        f.on_response(&s, &c, status(200), &ProviderHints::default(), 0, 0, 2);
+        assert_eq!(limits::peek(&s, "m", &l, 0).tokens, 988.0, "charged 12 real tokens, not 100");
+    }
+
+    #[test]
+    fn usage_is_read_from_the_answer() {
+        assert_eq!(
+            usage(br#"{"id":"x","usage":{"prompt_tokens":3,"completion_tokens":4,"total_tokens":7}}"#),
+            Some((3, 4))
+        );
+        assert_eq!(usage(b"{}"), None);
+    }
+}

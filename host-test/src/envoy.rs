@@ -132,11 +132,17 @@ impl Envoy {
 
     /// A counter or gauge from the admin `/stats` endpoint (0 when absent).
     pub fn stat(&self, name: &str) -> u64 {
+        self.stats(name).get(name).copied().unwrap_or(0)
+    }
+
+    /// Every stat whose name contains `filter`, by name.
+    pub fn stats(&self, filter: &str) -> std::collections::BTreeMap<String, u64> {
         let text = client::request(self.admin, "GET", "/stats", &[], b"").map(|r| r.text()).unwrap_or_default();
         text.lines()
-            .find_map(|l| l.strip_prefix(name).and_then(|rest| rest.strip_prefix(": ")))
-            .and_then(|v| v.trim().parse().ok())
-            .unwrap_or(0)
+            .filter(|l| l.contains(filter))
+            .filter_map(|l| l.split_once(": "))
+            .filter_map(|(n, v)| Some((n.to_owned(), v.trim().parse().ok()?)))
+            .collect()
     }
 }
 

@@ -4,3 +4,4 @@
 pub mod client;
 pub mod envoy;
 pub mod mock;
+pub mod stack;

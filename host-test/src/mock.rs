@@ -54,6 +54,8 @@ struct State {
     latency_ms: u64,
     plan: VecDeque<Fault>,
     last_authorization: Option<String>,
+    /// Model and arrival time of every chat-completion call.
+    log: Vec<(String, std::time::Instant)>,
 }
 
 /// A running mock; dropping it does not stop the server (it lives with the runtime).
@@ -115,6 +117,7 @@ impl Mock {
             (Method::POST, "/mock/reset") => {
                 let mut s = self.state();
                 s.calls = 0;
+                s.log.clear();
                 s.plan.clear();
                 s.last_authorization = None;
                 json_response(StatusCode::OK, &json!({"ok": true}))
@@ -138,9 +141,11 @@ impl Mock {
     }
 
     async fn chat(self, auth: Option<String>, body: &[u8]) -> Result<Response<Body>, std::io::Error> {
+        let model = serde_json::from_slice::<Value>(body).ok().and_then(|v| v["model"].as_str().map(str::to_owned));
         let (fault, latency) = {
             let mut s = self.state();
             s.calls += 1;
+            s.log.push((model.unwrap_or_default(), std::time::Instant::now()));
             s.last_authorization.clone_from(&auth);
             (s.plan.pop_front().unwrap_or_default(), s.latency_ms)
         };
@@ -302,6 +307,11 @@ impl Mock {
     /// Chat-completion calls received (including planned failures).
     pub fn calls(&self) -> u64 {
         self.state().calls
+    }
+
+    /// Model and arrival time of every chat-completion call so far.
+    pub fn log(&self) -> Vec<(String, std::time::Instant)> {
+        self.state().log.clone()
     }
 
     pub fn last_authorization(&self) -> Option<String> {

@@ -1,67 +1,8 @@
 //! End-to-end: the built plugin in real Envoy (2 workers) in front of the mock HolySheep.
 
 use host_test::client::{request, Conn, Resp};
-use host_test::envoy::{Envoy, Options};
-use host_test::mock::{Fault, Running};
-use std::sync::{Arc, Barrier};
-
-const PATH: &str = "/v1/chat/completions";
-
-struct Stack {
-    mock: Running,
-    envoy: Envoy,
-}
-
-impl Stack {
-    fn start(config: &str, latency_ms: u64) -> Stack {
-        Self::start_with(config, latency_ms, None)
-    }
-
-    fn start_with(config: &str, latency_ms: u64, api_key: Option<&str>) -> Stack {
-        let mock = Running::start(api_key, latency_ms).expect("mock starts");
-        let mut opts = Options::new(config, mock.addr);
-        opts.api_key = api_key.map(str::to_owned);
-        let envoy = Envoy::start(&opts).expect("envoy starts");
-        Stack { mock, envoy }
-    }
-
-    fn chat(&self, body: &str, headers: &[(&str, &str)]) -> Resp {
-        request(self.envoy.edge, "POST", PATH, headers, body.as_bytes()).expect("edge answers")
-    }
-
-    /// `n` identical requests released together; answers in no particular order.
-    fn burst(&self, n: usize, body: &str, auth: &str) -> Vec<Resp> {
-        let barrier = Arc::new(Barrier::new(n));
-        let handles: Vec<_> = (0..n)
-            .map(|_| {
-                let (b, edge, body, auth) = (barrier.clone(), self.envoy.edge, body.to_owned(), auth.to_owned());
-                std::thread::spawn(move || {
-                    let mut conn = Conn::open(edge).expect("connect");
-                    b.wait();
-                    conn.request("POST", PATH, &[("authorization", &auth)], body.as_bytes()).expect("answer")
-                })
-            })
-            .collect();
-        handles.into_iter().map(|h| h.join().expect("thread")).collect()
-    }
-}
-
-fn prompt(text: &str) -> String {
-    format!(r#"{{"model":"gpt-4.1","messages":[{{"role":"user","content":"{text}"}}],"temperature":0}}"#)
-}
-
-fn count(resps: &[Resp], cache: &str) -> usize {
-    resps.iter().filter(|r| r.cache() == cache).count()
-}
-
-/// Waits (on the mock's own counter, not on time) until the leader's call arrived.
-fn await_calls(mock: &Running, n: u64) {
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
-    while mock.mock.calls() < n {
-        assert!(std::time::Instant::now() < deadline, "upstream call {n} never arrived");
-        std::thread::yield_now();
-    }
-}
+use host_test::mock::Fault;
+use host_test::stack::{count, prompt, Stack, PATH};
 
 #[test]
 fn two_hundred_identical_requests_make_one_upstream_call() {
@@ -107,7 +48,7 @@ fn waiters_are_answered_when_the_leader_disconnects() {
     let body = prompt("leader leaves");
     let mut leader = Conn::open(s.envoy.edge).unwrap();
     leader.send_only("POST", PATH, &[("authorization", "Bearer t")], body.as_bytes()).unwrap();
-    await_calls(&s.mock, 1);
+    s.await_calls(1);
     let waiters: Vec<_> = (0..6)
         .map(|_| {
             let (edge, body) = (s.envoy.edge, body.clone());
@@ -129,7 +70,7 @@ fn waiters_are_answered_when_the_leader_disconnects() {
 
 #[test]
 fn an_upstream_error_reaches_every_waiter_and_is_not_cached() {
-    let s = Stack::start("{}", 0);
+    let s = Stack::start(r#"{"retry":{"max_attempts":1}}"#, 0);
     s.mock.mock.plan(vec![Fault {
         status: Some(503),
         retry_after: Some("7".into()),
@@ -211,7 +152,7 @@ fn bad_input_gets_openai_errors_and_nothing_reaches_holysheep() {
 #[test]
 fn the_api_key_replaces_client_auth_and_never_leaks() {
     const KEY: &str = "sk-holysheep-secret-4b1d";
-    let s = Stack::start_with("{}", 0, Some(KEY));
+    let s = Stack::start_with("{}", 0, Some(KEY), Some(KEY));
     let r = s.chat(&prompt("with key"), &[("authorization", "Bearer client-token")]);
     assert_eq!(r.status, 200, "{}", r.text());
     assert_eq!(s.mock.mock.last_authorization().as_deref(), Some(&*format!("Bearer {KEY}")));

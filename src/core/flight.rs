@@ -107,7 +107,8 @@ impl Flight {
         Action::Finish(Some(self.rate_limited(config, &model, denial)))
     }
 
-    /// The call for the current model ended (`None`: reset or timeout).
+    /// The call for the current model ended (`None`: reset or timeout). `random` draws
+    /// the backoff jitter and serves as the nonce of a fallback's admission.
     pub fn on_response(
         &mut self,
         store: &impl CasStore,
@@ -116,7 +117,6 @@ impl Flight {
         hints: &ProviderHints,
         now_ms: u64,
         random: u64,
-        nonce: u64,
     ) -> Action {
         let model = self.model().to_owned();
         let usage = outcome.as_ref().filter(|r| r.status == 200).and_then(|r| usage(&r.body));
@@ -143,7 +143,7 @@ impl Flight {
         }
         if self.idx + 1 < self.models.len() {
             self.fail_over_to(self.idx + 1);
-            return self.resume(store, config, now_ms, nonce);
+            return self.resume(store, config, now_ms, random);
         }
         Action::Finish(self.last.take())
     }
@@ -295,15 +295,15 @@ mod tests {
             (MemStore::new(), config(r#"{"retry":{"max_attempts":3,"base_delay_ms":100,"max_delay_ms":1000}}"#));
         let mut f = flight(&c, "gpt-4.1");
         assert_eq!(send(f.resume(&s, &c, 0, 1)), "gpt-4.1");
-        let a = f.on_response(&s, &c, status(503), &ProviderHints::default(), 10, 7, 2);
+        let a = f.on_response(&s, &c, status(503), &ProviderHints::default(), 10, 7);
         let Action::Sleep { until_ms } = a else { panic!("{a:?}") };
         assert!((110..=110).contains(&until_ms), "first backoff is base: {until_ms}");
         send(f.resume(&s, &c, until_ms, 3));
-        let a = f.on_response(&s, &c, status(502), &ProviderHints::default(), 200, 7, 4);
+        let a = f.on_response(&s, &c, status(502), &ProviderHints::default(), 200, 7);
         let Action::Sleep { until_ms } = a else { panic!("{a:?}") };
         assert!((300..=400).contains(&until_ms), "second backoff within [base, 2*base]: {until_ms}");
         send(f.resume(&s, &c, until_ms, 5));
-        let a = f.on_response(&s, &c, status(200), &ProviderHints::default(), 500, 7, 6);
+        let a = f.on_response(&s, &c, status(200), &ProviderHints::default(), 500, 7);
         let Action::Finish(Some(r)) = a else { panic!("{a:?}") };
         assert_eq!((r.status, r.header("x-holysheep-model")), (200, Some("gpt-4.1")));
         assert_eq!(f.events.iter().filter(|e| matches!(e, Event::Retry { .. })).count(), 2);
@@ -316,7 +316,7 @@ mod tests {
         for code in [400, 401, 403, 404, 422] {
             let mut f = flight(&c, "m");
             send(f.resume(&s, &c, 0, 1));
-            let a = f.on_response(&s, &c, status(code), &ProviderHints::default(), 1, 0, 2);
+            let a = f.on_response(&s, &c, status(code), &ProviderHints::default(), 1, 0);
             assert!(matches!(a, Action::Finish(Some(ref r)) if r.status == code), "{code}: {a:?}");
         }
     }
@@ -332,10 +332,10 @@ mod tests {
         let mut f = flight(&c, "gpt-4.1");
         send(f.resume(&s, &c, 0, 1));
         let hint = ProviderHints { throttled: true, retry_after_ms: Some(1_000), ..Default::default() };
-        assert_eq!(f.on_response(&s, &c, status(429), &hint, 0, 0, 2), Action::Sleep { until_ms: 1_000 });
+        assert_eq!(f.on_response(&s, &c, status(429), &hint, 0, 0), Action::Sleep { until_ms: 1_000 });
         send(f.resume(&s, &c, 1_000, 3));
         let too_long = ProviderHints { throttled: true, retry_after_ms: Some(60_000), ..Default::default() };
-        let next = f.on_response(&s, &c, status(429), &too_long, 1_000, 0, 4);
+        let next = f.on_response(&s, &c, status(429), &too_long, 1_000, 0);
         assert_eq!(send(next), "deepseek-v3");
         assert!(!f.call.store, "a fallback answer is not stored under the requested key");
         assert!(f.events.contains(&Event::Failover { from: "gpt-4.1".into(), to: "deepseek-v3".into() }));
@@ -354,7 +354,7 @@ mod tests {
         let mut sent = vec![send(f.resume(&s, &c, now, 0))];
         loop {
             now += 5;
-            match f.on_response(&s, &c, status(503), &ProviderHints::default(), now, 0, now) {
+            match f.on_response(&s, &c, status(503), &ProviderHints::default(), now, 0) {
                 Action::Send { model, .. } => sent.push(model),
                 Action::Sleep { until_ms } => sent.push(send(f.resume(&s, &c, until_ms, until_ms))),
                 Action::Finish(r) => {
@@ -410,7 +410,7 @@ mod tests {
         send(f.resume(&s, &c, 0, 1));
         let l = Limits::of(&c.models["m"]);
         assert_eq!(limits::peek(&s, "m", &l, 0).tokens, 900.0);
-        f.on_response(&s, &c, status(200), &ProviderHints::default(), 0, 0, 2);
+        f.on_response(&s, &c, status(200), &ProviderHints::default(), 0, 0);
         assert_eq!(limits::peek(&s, "m", &l, 0).tokens, 988.0, "charged 12 real tokens, not 100");
     }
 

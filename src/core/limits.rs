@@ -234,7 +234,7 @@ impl Bucket {
 pub fn duration(ms: u64) -> String {
     match ms {
         0..=999 => format!("{ms}ms"),
-        1_000..=59_999 if ms % 1000 == 0 => format!("{}s", ms / 1000),
+        1_000..=59_999 if ms.is_multiple_of(1000) => format!("{}s", ms / 1000),
         1_000..=59_999 => format!("{}s", format!("{:.3}", ms as f64 / 1000.0).trim_end_matches('0')),
         _ => format!("{}m{}s", ms / 60_000, (ms % 60_000) / 1000),
     }

@@ -9,6 +9,7 @@ pub mod error;
 pub mod flight;
 pub mod lease;
 pub mod limits;
+pub mod metrics;
 pub mod request;
 pub mod store;
 pub mod wake;

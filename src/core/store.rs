@@ -41,6 +41,14 @@ pub fn cas_after(read: &Read) -> Option<u32> {
     Some(read.cas.unwrap_or(ABSENT_CAS))
 }
 
+/// Creates `key` if it does not exist yet: `true` for the one caller that created it.
+pub fn claim(store: &impl CasStore, key: &str, value: &[u8]) -> bool {
+    match store.get(key) {
+        Ok(read) if read.cas.is_none() => store.set(key, value, cas_after(&read)).is_ok(),
+        _ => false,
+    }
+}
+
 #[cfg(test)]
 pub use model::MemStore;
 
@@ -123,6 +131,13 @@ mod model {
         let r = s.get("k").unwrap();
         assert_eq!(r.value, None);
         assert!(r.cas.is_some());
+    }
+
+    #[test]
+    fn claim_succeeds_once() {
+        let s = MemStore::new();
+        assert!(claim(&s, "once", b"1"));
+        assert!(!claim(&s, "once", b"1"));
     }
 
     #[test]

@@ -59,14 +59,14 @@ pub fn log(level: LogLevel, message: &str) {
     let _ = hostcalls::log(level, message);
 }
 
-/// Sends a local reply on the current (effective) http context.
-pub fn send(reply: &Reply) -> bool {
+/// Sends a local reply (plus `extra` headers) on the current (effective) http context.
+pub fn send(reply: &Reply, extra: &[(&str, String)]) -> bool {
     let headers = reply.headers();
-    let headers: Vec<(&str, &str)> = headers.iter().map(|(n, v)| (*n, v.as_str())).collect();
+    let headers: Vec<(&str, &str)> = headers.iter().chain(extra).map(|(n, v)| (*n, v.as_str())).collect();
     hostcalls::send_http_response(u32::from(reply.response.status), headers, Some(&reply.response.body)).is_ok()
 }
 
 /// Sends a local reply on another http context of this worker; `false` if it is gone.
-pub fn send_to(context_id: u32, reply: &Reply) -> bool {
-    hostcalls::set_effective_context(context_id).is_ok() && send(reply)
+pub fn send_to(context_id: u32, reply: &Reply, extra: &[(&str, String)]) -> bool {
+    hostcalls::set_effective_context(context_id).is_ok() && send(reply, extra)
 }

@@ -2,7 +2,7 @@
 //! core what to do and does it. Every other request passes through untouched.
 
 use super::host::{self, SharedData};
-use super::worker::{Outbound, Shared};
+use super::worker::{Outbound, Shared, Target};
 use crate::core::engine::{Engine, Reply, Step};
 use crate::core::error::ApiError;
 use crate::core::request::{CacheControl, ChatRequest, RequestMeta, CHAT_PATH};
@@ -40,7 +40,7 @@ impl Chat {
 
     fn reject(&mut self, e: &ApiError) -> Action {
         self.state = State::Handled;
-        host::send(&Reply::error(e));
+        host::send(&Reply::error(e), &[]);
         Action::Pause
     }
 
@@ -65,10 +65,15 @@ impl Chat {
         let policy = request.policy(&config, CacheControl::parse(meta.cache_control));
         let nonce = self.worker.borrow_mut().nonce();
         let step = Engine { store: &SharedData, config: &config }.admit(&request.key, policy, host::now_ms(), nonce);
-        let outbound = Rc::new(Outbound { body, client_authorization: authorization });
+        let outbound = Rc::new(Outbound {
+            body,
+            client_authorization: authorization,
+            model: request.model,
+            estimate_tokens: request.estimate_tokens,
+        });
         match step {
             Step::Reply(reply) => {
-                host::send(&reply);
+                self.worker.borrow().respond(Target::Current, &reply, &outbound.model);
             }
             Step::Call(call) => self.worker.borrow_mut().defer_call(self.id, call, outbound),
             Step::Wait(wait) => self.worker.borrow_mut().wait(self.id, wait, outbound),

@@ -1,16 +1,21 @@
 //! One worker thread's VM: its root context owns every upstream callout (so a leader's
-//! call survives its client), the waiters paused on this worker, and the worker's wake
-//! queue. It translates host events into core calls and executes the core's decisions.
+//! call survives its client), the flights sleeping between attempts, the waiters paused
+//! on this worker, its wake queue and its metrics. It translates host events into core
+//! calls and executes the core's decisions.
 
 use super::host::{self, Nonces, SharedData};
 use crate::core::cache::Response;
 use crate::core::config::Config;
-use crate::core::engine::{Call, Engine, Step, Wait};
-use crate::core::request::{Key, CHAT_PATH};
+use crate::core::engine::{Call, Engine, Reply, Step, Wait};
+use crate::core::flight::{Action, Flight};
+use crate::core::limits::{self, Limits, ProviderHints};
+use crate::core::metrics::{self, Counter, COUNTERS};
+use crate::core::request::{with_model, Key, CHAT_PATH};
+use crate::core::store::claim;
 use crate::core::wake;
 use proxy_wasm::hostcalls;
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
-use proxy_wasm::types::{ContextType, LogLevel};
+use proxy_wasm::types::{ContextType, LogLevel, MapType, MetricType};
 use std::cell::RefCell;
 use std::collections::HashMap;
 use std::rc::Rc;
@@ -20,13 +25,32 @@ use std::time::Duration;
 pub struct Outbound {
     pub body: Vec<u8>,
     pub client_authorization: Option<String>,
+    pub model: String,
+    pub estimate_tokens: u64,
 }
 
 /// Message on a worker's own queue: dispatch the pending calls from the root context.
 const DISPATCH: &[u8] = b"dispatch";
-
 /// Period of the first tick, which registers the worker's wake queue.
 const FIRST_TICK_MS: u64 = 20;
+/// Tick period while a flight sleeps (backoff, or held for its bucket).
+const SLEEP_TICK_MS: u64 = 10;
+/// Shared-data key claimed by the one VM per Envoy process that checks the API key.
+const KEY_CHECK: &str = "holysheep/key-check";
+
+/// Where a reply goes: the http context being called, or another one of this worker.
+#[derive(Clone, Copy)]
+pub enum Target {
+    Current,
+    Context(u32),
+}
+
+/// A flight on its way, with the request it answers.
+struct Run {
+    context_id: u32,
+    flight: Flight,
+    outbound: Rc<Outbound>,
+}
 
 /// State shared by the root context and the http contexts of one VM.
 pub struct Worker {
@@ -36,10 +60,15 @@ pub struct Worker {
     queue: Option<(u32, String)>,
     nonces: Nonces,
     last_beat_ms: u64,
+    tick_ms: u64,
+    key_checked: bool,
+    key_check_token: Option<u32>,
     /// Calls decided in an http context, dispatched from the root on the next queue event.
     pending: Vec<(u32, Call, Rc<Outbound>)>,
     waiters: HashMap<u32, (Wait, Rc<Outbound>)>,
-    flights: HashMap<u32, (u32, Call)>,
+    flights: HashMap<u32, Run>,
+    sleeping: Vec<(u64, Run)>,
+    metrics: HashMap<(String, Counter), u32>,
 }
 
 pub type Shared = Rc<RefCell<Worker>>;
@@ -53,9 +82,14 @@ impl Worker {
             queue: None,
             nonces: Nonces::new(),
             last_beat_ms: 0,
+            tick_ms: 0,
+            key_checked: false,
+            key_check_token: None,
             pending: Vec::new(),
             waiters: HashMap::new(),
             flights: HashMap::new(),
+            sleeping: Vec::new(),
+            metrics: HashMap::new(),
         }
     }
 
@@ -85,6 +119,45 @@ impl Worker {
     pub fn api_key(&self) -> Option<&str> {
         self.api_key.as_deref()
     }
+
+    /// Sends `reply` with the model's `x-ratelimit-*` headers, and counts it.
+    pub fn respond(&self, target: Target, reply: &Reply, model: &str) -> bool {
+        let config = &self.config;
+        let rate = config.model(model).map(|(bucket, m)| {
+            let l = Limits::of(m);
+            limits::peek(&SharedData, bucket, &l, host::now_ms()).headers(&l)
+        });
+        let extra = rate.unwrap_or_default();
+        self.count(metrics::for_reply(config, model, reply));
+        match target {
+            Target::Current => host::send(reply, &extra),
+            Target::Context(id) => host::send_to(id, reply, &extra),
+        }
+    }
+
+    fn count(&self, increments: Vec<(String, Counter, u64)>) {
+        for (label, counter, n) in increments {
+            if let (Some(id), Ok(n)) = (self.metrics.get(&(label, counter)), i64::try_from(n)) {
+                if n > 0 {
+                    let _ = hostcalls::increment_metric(*id, n);
+                }
+            }
+        }
+    }
+
+    fn define_metrics(&mut self) {
+        for label in metrics::labels(&self.config) {
+            for counter in COUNTERS {
+                if let Ok(id) = hostcalls::define_metric(MetricType::Counter, &metrics::metric_name(&label, counter)) {
+                    self.metrics.insert((label.clone(), counter), id);
+                }
+            }
+        }
+    }
+
+    fn engine(&self) -> Engine<'_, SharedData> {
+        Engine { store: &SharedData, config: &self.config }
+    }
 }
 
 pub struct Root {
@@ -99,20 +172,73 @@ impl Root {
     fn execute(&mut self, context_id: u32, step: Step, outbound: Rc<Outbound>) {
         match step {
             Step::Reply(reply) => {
-                host::send_to(context_id, &reply);
+                self.worker.borrow().respond(Target::Context(context_id), &reply, &outbound.model);
             }
-            Step::Call(call) => self.dispatch(context_id, call, &outbound),
+            Step::Call(call) => self.start(context_id, call, outbound),
             Step::Wait(wait) => self.worker.borrow_mut().wait(context_id, wait, outbound),
         }
     }
 
-    fn dispatch(&mut self, context_id: u32, call: Call, outbound: &Outbound) {
+    fn start(&mut self, context_id: u32, call: Call, outbound: Rc<Outbound>) {
+        let flight = Flight::new(&self.worker.borrow().config, call, &outbound.model, outbound.estimate_tokens);
+        let mut run = Run { context_id, flight, outbound };
+        let action = self.resume(&mut run);
+        self.advance(run, action);
+    }
+
+    fn resume(&self, run: &mut Run) -> Action {
+        let mut w = self.worker.borrow_mut();
+        let nonce = w.nonce();
+        run.flight.resume(&SharedData, &w.config, host::now_ms(), nonce)
+    }
+
+    /// Performs a flight's next action until it is waiting on the host.
+    fn advance(&mut self, mut run: Run, mut action: Action) {
+        loop {
+            {
+                let w = self.worker.borrow();
+                let events = std::mem::take(&mut run.flight.events);
+                w.count(events.iter().flat_map(|e| metrics::for_event(&w.config, e)).collect());
+            }
+            match action {
+                Action::Send { model, timeout_ms } => match self.dispatch(&run, &model, timeout_ms) {
+                    Some(token) => {
+                        self.worker.borrow_mut().flights.insert(token, run);
+                        return;
+                    }
+                    None => action = self.on_outcome(&mut run, None, &ProviderHints::default()),
+                },
+                Action::Sleep { until_ms } => {
+                    self.worker.borrow_mut().sleeping.push((until_ms, run));
+                    self.set_tick();
+                    return;
+                }
+                Action::Finish(outcome) => return self.finish(run, outcome),
+            }
+        }
+    }
+
+    fn on_outcome(&self, run: &mut Run, outcome: Option<Response>, hints: &ProviderHints) -> Action {
+        let mut w = self.worker.borrow_mut();
+        let random = w.nonce();
+        run.flight.on_response(&SharedData, &w.config, outcome, hints, host::now_ms(), random)
+    }
+
+    fn dispatch(&mut self, run: &Run, model: &str, timeout_ms: u64) -> Option<u32> {
         let (config, key) = {
             let w = self.worker.borrow();
             (w.config.clone(), w.api_key.clone())
         };
+        let out = &run.outbound;
+        let rewritten;
+        let body = if model == out.model {
+            &out.body
+        } else {
+            rewritten = with_model(&out.body, model);
+            &rewritten
+        };
         let bearer = key.map(|k| format!("Bearer {k}"));
-        let auth = bearer.as_deref().or(outbound.client_authorization.as_deref());
+        let auth = bearer.as_deref().or(out.client_authorization.as_deref());
         let mut headers = vec![
             (":method", "POST"),
             (":path", CHAT_PATH),
@@ -124,28 +250,26 @@ impl Root {
         if let Some(a) = auth {
             headers.push(("authorization", a));
         }
-        let timeout = Duration::from_millis(config.upstream.timeout_ms);
-        match self.dispatch_http_call(&config.upstream.cluster, headers, Some(&outbound.body), vec![], timeout) {
+        let timeout = Duration::from_millis(timeout_ms.max(1));
+        match self.dispatch_http_call(&config.upstream.cluster, headers, Some(body), vec![], timeout) {
             Ok(token) => {
-                host::log(LogLevel::Debug, &format!("holysheep: #{context_id} callout {token} for {}", call.key.hex()));
-                self.worker.borrow_mut().flights.insert(token, (context_id, call));
+                host::log(LogLevel::Debug, &format!("holysheep: #{} callout {token} to {model}", run.context_id));
+                Some(token)
             }
             Err(status) => {
-                host::log(
-                    LogLevel::Error,
-                    &format!("holysheep: callout to cluster '{}' refused: {status:?}", config.upstream.cluster),
-                );
-                self.finish(context_id, call, None);
+                let cluster = &config.upstream.cluster;
+                host::log(LogLevel::Error, &format!("holysheep: callout to cluster '{cluster}' refused: {status:?}"));
+                None
             }
         }
     }
 
     /// The flight ended: answer its caller, then its waiters here and on other workers.
-    fn finish(&mut self, context_id: u32, call: Call, outcome: Option<Response>) {
-        let config = self.worker.borrow().config.clone();
+    fn finish(&mut self, run: Run, outcome: Option<Response>) {
         let now = host::now_ms();
-        let reply = Engine { store: &SharedData, config: &config }.complete(&call, outcome, now);
-        host::send_to(context_id, &reply);
+        let call = run.flight.call;
+        let reply = self.worker.borrow().engine().complete(&call, outcome, now);
+        self.worker.borrow().respond(Target::Context(run.context_id), &reply, &run.outbound.model);
         if call.lease.is_some() {
             self.poll_waiters(Some(&call.key));
             self.wake_other_workers(&call.key, now);
@@ -177,11 +301,11 @@ impl Root {
         for id in ids {
             let taken = self.worker.borrow_mut().waiters.remove(&id);
             let Some((wait, outbound)) = taken else { continue };
-            let (config, nonce) = {
+            let step = {
                 let mut w = self.worker.borrow_mut();
-                (w.config.clone(), w.nonce())
+                let nonce = w.nonce();
+                w.engine().poll(&wait, host::now_ms(), nonce)
             };
-            let step = Engine { store: &SharedData, config: &config }.poll(&wait, host::now_ms(), nonce);
             self.execute(id, step, outbound);
         }
     }
@@ -189,7 +313,34 @@ impl Root {
     fn dispatch_pending(&mut self) {
         let pending = std::mem::take(&mut self.worker.borrow_mut().pending);
         for (id, call, outbound) in pending {
-            self.dispatch(id, call, &outbound);
+            self.start(id, call, outbound);
+        }
+    }
+
+    fn wake_sleepers(&mut self) {
+        let now = host::now_ms();
+        let due: Vec<Run> = {
+            let mut w = self.worker.borrow_mut();
+            let (due, later) = std::mem::take(&mut w.sleeping).into_iter().partition(|(until, _)| *until <= now);
+            w.sleeping = later;
+            due.into_iter().map(|(_, run)| run).collect()
+        };
+        for mut run in due {
+            let action = self.resume(&mut run);
+            self.advance(run, action);
+        }
+        self.set_tick();
+    }
+
+    /// Fast ticks while a flight sleeps, the configured safety-net period otherwise.
+    fn set_tick(&self) {
+        let mut w = self.worker.borrow_mut();
+        if w.queue.is_none() {
+            return;
+        }
+        let period = if w.sleeping.is_empty() { w.config.tick_ms() } else { SLEEP_TICK_MS };
+        if period != w.tick_ms && hostcalls::set_tick_period(Duration::from_millis(period)).is_ok() {
+            w.tick_ms = period;
         }
     }
 
@@ -203,7 +354,6 @@ impl Root {
             Ok(id) => {
                 host::log(LogLevel::Debug, &format!("holysheep: wake queue {name} registered"));
                 w.queue = Some((id, name));
-                let _ = hostcalls::set_tick_period(Duration::from_millis(w.config.tick_ms()));
             }
             Err(s) => host::log(LogLevel::Error, &format!("holysheep: cannot register wake queue: {s:?}")),
         }
@@ -224,37 +374,89 @@ impl Root {
 
     fn renew_leases(&self) {
         let w = self.worker.borrow();
-        let engine = Engine { store: &SharedData, config: &w.config };
-        let now = host::now_ms();
-        for (_, call) in w.flights.values() {
-            engine.renew(call, now);
+        let (engine, now) = (w.engine(), host::now_ms());
+        for run in w.flights.values().chain(w.sleeping.iter().map(|(_, r)| r)) {
+            engine.renew(&run.flight.call, now);
         }
     }
 
-    fn response_of_callout(&self, num_headers: usize, body_size: usize) -> Option<Response> {
-        if num_headers == 0 {
-            return None;
-        }
-        let header = |name: &str| {
-            hostcalls::get_map_value(proxy_wasm::types::MapType::HttpCallResponseHeaders, name).ok().flatten()
+    /// Once per Envoy process (the first worker to claim it), ask HolySheep whether the
+    /// configured key is accepted. The key is never logged.
+    fn check_key(&mut self) {
+        let (config, key) = {
+            let mut w = self.worker.borrow_mut();
+            if w.key_checked {
+                return;
+            }
+            w.key_checked = true;
+            (w.config.clone(), w.api_key.clone())
         };
-        let status = header(":status")?.parse().ok()?;
-        Some(Response {
+        let Some(key) = key else { return };
+        if !claim(&SharedData, KEY_CHECK, b"1") {
+            return;
+        }
+        let bearer = format!("Bearer {key}");
+        let headers = vec![
+            (":method", "GET"),
+            (":path", "/v1/models"),
+            (":authority", config.upstream.authority.as_str()),
+            ("authorization", bearer.as_str()),
+        ];
+        let timeout = Duration::from_millis(config.upstream.timeout_ms);
+        if let Ok(token) = self.dispatch_http_call(&config.upstream.cluster, headers, None, vec![], timeout) {
+            self.worker.borrow_mut().key_check_token = Some(token);
+        }
+    }
+
+    fn report_key_check(&self, num_headers: usize) {
+        let env = self.worker.borrow().config.upstream.api_key_env.clone();
+        let status = if num_headers == 0 { None } else { self.response_header(":status") };
+        match status.as_deref() {
+            Some("200") => host::log(LogLevel::Info, &format!("holysheep: HolySheep accepted the key from ${env}")),
+            Some(s @ ("401" | "403")) => host::log(
+                LogLevel::Error,
+                &format!("holysheep: HolySheep REJECTED the key from ${env} (status {s}): every call will fail"),
+            ),
+            other => host::log(
+                LogLevel::Warn,
+                &format!("holysheep: could not check the key from ${env} (status {})", other.unwrap_or("none")),
+            ),
+        }
+    }
+
+    fn response_header(&self, name: &str) -> Option<String> {
+        hostcalls::get_map_value(MapType::HttpCallResponseHeaders, name).ok().flatten()
+    }
+
+    fn callout_response(&self, num_headers: usize, body_size: usize) -> (Option<Response>, ProviderHints) {
+        if num_headers == 0 {
+            return (None, ProviderHints::default());
+        }
+        let headers = hostcalls::get_map(MapType::HttpCallResponseHeaders).unwrap_or_default();
+        let header = |n: &str| headers.iter().find(|(k, _)| k == n).map(|(_, v)| v.clone());
+        let Some(status) = header(":status").and_then(|s| s.parse().ok()) else {
+            return (None, ProviderHints::default());
+        };
+        let response = Response {
             status,
             content_type: header("content-type").unwrap_or_else(|| "application/json".into()),
             headers: header("retry-after").map(|v| vec![("retry-after".to_owned(), v)]).unwrap_or_default(),
             body: self.get_http_call_response_body(0, body_size).unwrap_or_default(),
-        })
+        };
+        (Some(response), ProviderHints::from_headers(status, &headers))
     }
 }
 
 impl Context for Root {
     fn on_http_call_response(&mut self, token: u32, num_headers: usize, body_size: usize, _trailers: usize) {
-        host::log(LogLevel::Debug, &format!("holysheep: callout {token} answered ({num_headers} headers)"));
-        let flight = self.worker.borrow_mut().flights.remove(&token);
-        if let Some((context_id, call)) = flight {
-            let outcome = self.response_of_callout(num_headers, body_size);
-            self.finish(context_id, call, outcome);
+        if self.worker.borrow().key_check_token == Some(token) {
+            return self.report_key_check(num_headers);
+        }
+        let run = self.worker.borrow_mut().flights.remove(&token);
+        if let Some(mut run) = run {
+            let (outcome, hints) = self.callout_response(num_headers, body_size);
+            let action = self.on_outcome(&mut run, outcome, &hints);
+            self.advance(run, action);
         }
     }
 }
@@ -282,6 +484,7 @@ impl RootContext for Root {
             ),
         );
         w.config = Rc::new(config);
+        w.define_metrics();
         drop(w);
         // A short first tick registers the worker's queue (not here: the canary VM and
         // the VM's thread binding make on_configure the wrong place, see ENVOY-FACTS).
@@ -291,9 +494,11 @@ impl RootContext for Root {
 
     fn on_tick(&mut self) {
         self.register_queue();
+        self.check_key();
         self.dispatch_pending();
         self.heartbeat();
         self.renew_leases();
+        self.wake_sleepers();
         self.poll_waiters(None);
     }
 

@@ -1,0 +1,83 @@
+//! A mock HolySheep and a real Envoy with the plugin in front of it, for end-to-end tests.
+
+use crate::client::{request, Conn, Resp};
+use crate::envoy::{Envoy, Options};
+use crate::mock::Running;
+use std::sync::{Arc, Barrier};
+use std::time::{Duration, Instant};
+
+pub const PATH: &str = "/v1/chat/completions";
+
+pub struct Stack {
+    pub mock: Running,
+    pub envoy: Envoy,
+}
+
+impl Stack {
+    /// Panics (this is test support) when the mock or Envoy cannot start.
+    pub fn start(config: &str, latency_ms: u64) -> Stack {
+        Self::start_with(config, latency_ms, None, None)
+    }
+
+    /// `mock_key`: the key the mock requires; `envoy_key`: `HOLYSHEEP_API_KEY` for Envoy.
+    pub fn start_with(config: &str, latency_ms: u64, mock_key: Option<&str>, envoy_key: Option<&str>) -> Stack {
+        let mock = Running::start(mock_key, latency_ms).expect("mock starts");
+        let mut opts = Options::new(config, mock.addr);
+        opts.api_key = envoy_key.map(str::to_owned);
+        let envoy = Envoy::start(&opts).expect("envoy starts");
+        Stack { mock, envoy }
+    }
+
+    pub fn calls(&self) -> u64 {
+        self.mock.mock.calls()
+    }
+
+    pub fn chat(&self, body: &str, headers: &[(&str, &str)]) -> Resp {
+        request(self.envoy.edge, "POST", PATH, headers, body.as_bytes()).expect("edge answers")
+    }
+
+    /// One request per body, all released together; answers in the bodies' order.
+    pub fn burst_of(&self, bodies: Vec<String>, auth: &str) -> Vec<Resp> {
+        let barrier = Arc::new(Barrier::new(bodies.len()));
+        let handles: Vec<_> = bodies
+            .into_iter()
+            .map(|body| {
+                let (b, edge, auth) = (barrier.clone(), self.envoy.edge, auth.to_owned());
+                std::thread::spawn(move || {
+                    let mut conn = Conn::open(edge).expect("connect");
+                    b.wait();
+                    conn.request("POST", PATH, &[("authorization", &auth)], body.as_bytes()).expect("answer")
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().expect("thread")).collect()
+    }
+
+    /// `n` identical requests released together.
+    pub fn burst(&self, n: usize, body: &str, auth: &str) -> Vec<Resp> {
+        self.burst_of(vec![body.to_owned(); n], auth)
+    }
+
+    /// Waits (on the mock's own counter, not on time) until `n` upstream calls arrived.
+    pub fn await_calls(&self, n: u64) {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while self.calls() < n {
+            assert!(Instant::now() < deadline, "upstream call {n} never arrived");
+            std::thread::yield_now();
+        }
+    }
+}
+
+/// A chat-completion body for `gpt-4.1` at temperature 0.
+pub fn prompt(text: &str) -> String {
+    prompt_for("gpt-4.1", text)
+}
+
+pub fn prompt_for(model: &str, text: &str) -> String {
+    format!(r#"{{"model":"{model}","messages":[{{"role":"user","content":"{text}"}}],"temperature":0}}"#)
+}
+
+/// How many answers carry this `x-holysheep-cache` value.
+pub fn count(resps: &[Resp], cache: &str) -> usize {
+    resps.iter().filter(|r| r.cache() == cache).count()
+}

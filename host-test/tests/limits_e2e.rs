@@ -1,0 +1,181 @@
+//! End-to-end: per-model buckets, retries, failover, stale-if-error, key check and metrics,
+//! with the built plugin in real Envoy (2 workers) and the mock HolySheep.
+
+use host_test::client::Resp;
+use host_test::mock::Fault;
+use host_test::stack::{count, prompt, prompt_for, Stack};
+use std::time::{Duration, Instant};
+
+fn int(r: &Resp, header: &str) -> i64 {
+    r.header(header).and_then(|v| v.parse().ok()).unwrap_or_else(|| panic!("{header} missing: {:?}", r.headers))
+}
+
+fn fault(status: u16) -> Fault {
+    Fault { status: Some(status), ..Fault::default() }
+}
+
+#[test]
+fn a_few_requests_per_minute_give_the_exact_429_sequence() {
+    let s = Stack::start(r#"{"models":{"gpt-4.1":{"requests_per_minute":3}}}"#, 0);
+    let mut remaining = Vec::new();
+    for i in 0..3 {
+        let r = s.chat(&prompt(&format!("question {i}")), &[]);
+        assert_eq!((r.status, r.cache()), (200, "MISS"));
+        assert_eq!(int(&r, "x-ratelimit-limit-requests"), 3);
+        remaining.push(int(&r, "x-ratelimit-remaining-requests"));
+        assert!(r.header("x-ratelimit-reset-requests").is_some());
+    }
+    assert_eq!(remaining, [2, 1, 0]);
+    let limited = s.chat(&prompt("question 3"), &[]);
+    assert_eq!(limited.status, 429, "{}", limited.text());
+    let e = &limited.json()["error"];
+    assert_eq!((e["code"].as_str(), e["type"].as_str()), (Some("rate_limit_exceeded"), Some("requests")));
+    assert!(e["message"].as_str().unwrap_or("").contains("gpt-4.1"), "{e}");
+    // 60 s / 3 requests: the first slot comes back 20 s after it was taken.
+    let ms = int(&limited, "retry-after-ms");
+    assert!((19_000..=20_000).contains(&ms), "retry-after-ms {ms}");
+    assert_eq!(int(&limited, "retry-after"), (ms + 999) / 1000);
+    assert_eq!(s.calls(), 3, "the 429 never reached HolySheep");
+    // A HIT costs nothing and is still served.
+    assert_eq!(s.chat(&prompt("question 0"), &[]).cache(), "HIT");
+    let metrics = s.envoy.stats("holysheep.gpt-4.1");
+    // The limited request was a miss too (answered 429 instead of going upstream).
+    assert_eq!(metrics.get("wasmcustom.holysheep.gpt-4.1.requests_miss"), Some(&4));
+    assert_eq!(metrics.get("wasmcustom.holysheep.gpt-4.1.requests_hit"), Some(&1));
+    assert_eq!(metrics.get("wasmcustom.holysheep.gpt-4.1.rate_limited"), Some(&1));
+    assert_eq!(metrics.get("wasmcustom.holysheep.gpt-4.1.upstream_calls"), Some(&3));
+}
+
+#[test]
+fn a_burst_of_distinct_prompts_never_passes_more_than_the_bucket_across_workers() {
+    let s = Stack::start(r#"{"models":{"gpt-4.1":{"requests_per_minute":60,"burst":5}}}"#, 0);
+    let t0 = Instant::now();
+    let resps = s.burst_of((0..40).map(|i| prompt(&format!("burst {i}"))).collect(), "Bearer t");
+    let refilled = t0.elapsed().as_secs() + 1; // 60 per minute: one per second
+    let ok = resps.iter().filter(|r| r.status == 200).count() as u64;
+    assert_eq!(ok, s.calls(), "every admitted call went upstream once");
+    assert!(ok >= 5 && ok <= 5 + refilled, "{ok} calls through a bucket of 5 (+{refilled} refilled)");
+    assert_eq!(resps.iter().filter(|r| r.status == 429).count() as u64, 40 - ok);
+}
+
+#[test]
+fn usage_reconciles_the_reserved_estimate() {
+    let s = Stack::start(
+        r#"{"models":{"gpt-4.1":{"tokens_per_minute":600},"claude-sonnet-4":{"tokens_per_minute":600}}}"#,
+        0,
+    );
+    // Estimate far above the real usage: the difference is refunded.
+    let generous = prompt("refund me").replacen('{', r#"{"max_tokens":500,"#, 1);
+    // Estimate below the real usage (max_tokens 1): the difference is charged.
+    let stingy = prompt_for("claude-sonnet-4", "charge me more please").replacen('{', r#"{"max_tokens":1,"#, 1);
+    for body in [generous, stingy] {
+        let r = s.chat(&body, &[]);
+        assert_eq!(r.status, 200, "{}", r.text());
+        let used = r.json()["usage"]["total_tokens"].as_i64().expect("usage");
+        // Read the bucket after the call settled, on a HIT (which costs nothing).
+        let after = s.chat(&body, &[]);
+        assert_eq!(after.cache(), "HIT");
+        let remaining = int(&after, "x-ratelimit-remaining-tokens");
+        assert!((600 - used..=600 - used + 2).contains(&remaining), "used {used}, remaining {remaining}");
+    }
+}
+
+#[test]
+fn a_plan_of_two_503s_then_200_gives_one_200_after_three_calls() {
+    let s = Stack::start(r#"{"retry":{"max_attempts":3,"base_delay_ms":20,"max_delay_ms":100}}"#, 0);
+    s.mock.mock.plan(vec![fault(503), fault(503), fault(200)]);
+    let resps = s.burst(5, &prompt("flaky"), "Bearer t");
+    assert_eq!(s.calls(), 3);
+    assert!(resps.iter().all(|r| r.status == 200), "waiters wait for the retries");
+    assert_eq!((count(&resps, "MISS"), count(&resps, "COALESCED")), (1, 4));
+    assert_eq!(s.envoy.stats("holysheep.other.retries").values().sum::<u64>(), 2);
+}
+
+#[test]
+fn a_provider_429_with_retry_after_is_honoured() {
+    let s = Stack::start(r#"{"retry":{"base_delay_ms":10,"max_delay_ms":2000}}"#, 0);
+    s.mock.mock.plan(vec![Fault { status: Some(429), retry_after: Some("1".into()), ..Fault::default() }]);
+    let r = s.chat(&prompt("throttled upstream"), &[]);
+    assert_eq!(r.status, 200, "{}", r.text());
+    let log = s.mock.mock.log();
+    assert_eq!(log.len(), 2);
+    let gap = log[1].1 - log[0].1;
+    assert!(gap >= Duration::from_millis(1000), "retried after {gap:?}, before the provider's retry-after");
+}
+
+#[test]
+fn failover_reaches_the_fallback_and_says_so() {
+    let s = Stack::start(
+        r#"{"models":{"gpt-4.1":{"fallback":["deepseek-v3"]}},"retry":{"max_attempts":2,"base_delay_ms":10,"max_delay_ms":20}}"#,
+        0,
+    );
+    s.mock.mock.plan(vec![fault(503), fault(503)]);
+    let body = prompt("fail over");
+    let r = s.chat(&body, &[]);
+    assert_eq!((r.status, r.header("x-holysheep-model")), (200, Some("deepseek-v3")), "{}", r.text());
+    assert_eq!(r.json()["model"], "deepseek-v3");
+    let models: Vec<String> = s.mock.mock.log().into_iter().map(|(m, _)| m).collect();
+    assert_eq!(models, ["gpt-4.1", "gpt-4.1", "deepseek-v3"]);
+    let again = s.chat(&body, &[]);
+    assert_eq!((again.cache(), again.header("x-holysheep-model")), ("MISS", Some("gpt-4.1")), "not stored");
+    assert_eq!(s.envoy.stats("holysheep.gpt-4.1.failovers").values().sum::<u64>(), 1);
+}
+
+#[test]
+fn stale_is_served_only_within_its_bound() {
+    let s = Stack::start(r#"{"cache":{"ttl_seconds":1},"stale_if_error_seconds":2,"retry":{"max_attempts":1}}"#, 0);
+    let body = prompt("stale ok?");
+    let fresh = s.chat(&body, &[]);
+    assert_eq!(fresh.cache(), "MISS");
+    // Waiting for time itself: the entry must expire.
+    std::thread::sleep(Duration::from_millis(1_100));
+    s.mock.mock.plan(vec![fault(503)]);
+    let stale = s.chat(&body, &[]);
+    assert_eq!((stale.status, stale.cache()), (200, "STALE"));
+    assert_eq!(stale.body, fresh.body);
+    assert!(int(&stale, "age") >= 1);
+    std::thread::sleep(Duration::from_millis(2_000));
+    s.mock.mock.plan(vec![fault(503)]);
+    let gone = s.chat(&body, &[]);
+    assert_eq!((gone.status, gone.cache()), (503, "MISS"), "past ttl + stale_if_error_seconds");
+}
+
+#[test]
+fn the_unmodified_openai_client_gets_rate_limit_error_with_retry_after() {
+    let s = Stack::start(r#"{"models":{"gpt-4.1":{"requests_per_minute":1}}}"#, 0);
+    let python = host_test::envoy::workspace_root().join(".venv/bin/python");
+    let script = host_test::envoy::workspace_root().join("host-test/tests/openai_client.py");
+    let out = std::process::Command::new(python)
+        .arg(script)
+        .arg(format!("http://{}/v1", s.envoy.edge))
+        .output()
+        .expect("python from .venv (make test installs it)");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
+    let v: serde_json::Value = serde_json::from_str(stdout.trim()).expect("json line");
+    assert_eq!(v["first"], "ok");
+    assert_eq!(v["error"], "RateLimitError");
+    assert_eq!(v["status"], 429);
+    assert_eq!(v["code"], "rate_limit_exceeded");
+    let ra: u64 = v["retry_after"].as_str().and_then(|r| r.parse().ok()).expect("retry-after");
+    assert!((59..=60).contains(&ra), "retry-after {ra}");
+}
+
+#[test]
+fn the_key_is_checked_once_per_process_and_a_bad_key_is_reported() {
+    let s = Stack::start_with("{}", 0, Some("sk-right"), Some("sk-wrong-key-123"));
+    // The first worker to tick claims the check; wait for its log line.
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !s.envoy.log().contains("REJECTED") {
+        assert!(Instant::now() < deadline, "no key-check line:\n{}", s.envoy.log());
+        std::thread::yield_now();
+    }
+    let log = s.envoy.log();
+    assert_eq!(log.matches("REJECTED").count(), 1, "once per process, not per worker");
+    assert!(!log.contains("sk-wrong-key-123"), "the key is never logged");
+    let good = Stack::start_with("{}", 0, Some("sk-right"), Some("sk-right"));
+    while !good.envoy.log().contains("accepted the key") {
+        assert!(Instant::now() < deadline, "no key-check line:\n{}", good.envoy.log());
+        std::thread::yield_now();
+    }
+}

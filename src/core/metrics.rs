@@ -1,0 +1,151 @@
+//! Per-model counters: names, and what each event or answer adds to them. Models named in
+//! the configuration get their own counters; every other model counts under `other`.
+
+use super::config::Config;
+use super::engine::{CacheStatus, Reply};
+use super::flight::{usage, Event};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Counter {
+    Requests(CacheStatusName),
+    UpstreamCalls,
+    Retries,
+    Failovers,
+    RateLimited,
+    ProviderRateLimited,
+    PromptTokens,
+    CompletionTokens,
+    CostSpentMicroUsd,
+    CostSavedMicroUsd,
+}
+
+/// `CacheStatus` as a counter dimension.
+pub type CacheStatusName = &'static str;
+
+pub const COUNTERS: [Counter; 14] = [
+    Counter::Requests("hit"),
+    Counter::Requests("miss"),
+    Counter::Requests("coalesced"),
+    Counter::Requests("bypass"),
+    Counter::Requests("stale"),
+    Counter::UpstreamCalls,
+    Counter::Retries,
+    Counter::Failovers,
+    Counter::RateLimited,
+    Counter::ProviderRateLimited,
+    Counter::PromptTokens,
+    Counter::CompletionTokens,
+    Counter::CostSpentMicroUsd,
+    Counter::CostSavedMicroUsd,
+];
+
+impl Counter {
+    pub fn name(self) -> String {
+        match self {
+            Counter::Requests(s) => format!("requests_{s}"),
+            Counter::UpstreamCalls => "upstream_calls".into(),
+            Counter::Retries => "retries".into(),
+            Counter::Failovers => "failovers".into(),
+            Counter::RateLimited => "rate_limited".into(),
+            Counter::ProviderRateLimited => "provider_rate_limited".into(),
+            Counter::PromptTokens => "prompt_tokens".into(),
+            Counter::CompletionTokens => "completion_tokens".into(),
+            Counter::CostSpentMicroUsd => "cost_spent_microusd".into(),
+            Counter::CostSavedMicroUsd => "cost_saved_microusd".into(),
+        }
+    }
+}
+
+/// The label a model's counters carry.
+pub fn label<'a>(config: &'a Config, model: &'a str) -> &'a str {
+    if config.models.contains_key(model) {
+        model
+    } else {
+        "other"
+    }
+}
+
+/// Every label that can appear: the configured models and `other`.
+pub fn labels(config: &Config) -> Vec<String> {
+    config.models.keys().cloned().chain(std::iter::once("other".to_owned())).collect()
+}
+
+/// Envoy stat name (Envoy adds the `wasmcustom.` prefix).
+pub fn metric_name(label: &str, counter: Counter) -> String {
+    format!("holysheep.{label}.{}", counter.name())
+}
+
+/// Micro-dollars for this usage at the model's configured prices.
+pub fn cost_micro_usd(config: &Config, model: &str, prompt: u64, completion: u64) -> u64 {
+    config.model(model).map_or(0, |(_, m)| {
+        (prompt as f64 * m.usd_per_mtok_input + completion as f64 * m.usd_per_mtok_output).round() as u64
+    })
+}
+
+/// What one flight event adds, as (model label, counter, amount).
+pub fn for_event(config: &Config, event: &Event) -> Vec<(String, Counter, u64)> {
+    let one = |m: &str, c| vec![(label(config, m).to_owned(), c, 1)];
+    match event {
+        Event::UpstreamCall { model } => one(model, Counter::UpstreamCalls),
+        Event::Retry { model } => one(model, Counter::Retries),
+        Event::Failover { from, .. } => one(from, Counter::Failovers),
+        Event::RateLimited { model } => one(model, Counter::RateLimited),
+        Event::ProviderRateLimited { model } => one(model, Counter::ProviderRateLimited),
+        Event::Usage { model, prompt, completion } => {
+            let l = label(config, model).to_owned();
+            vec![
+                (l.clone(), Counter::PromptTokens, *prompt),
+                (l.clone(), Counter::CompletionTokens, *completion),
+                (l, Counter::CostSpentMicroUsd, cost_micro_usd(config, model, *prompt, *completion)),
+            ]
+        }
+    }
+}
+
+/// What one answer to a client adds: its cache status, and for HIT and COALESCED answers
+/// the cost of the original usage, saved.
+pub fn for_reply(config: &Config, requested_model: &str, reply: &Reply) -> Vec<(String, Counter, u64)> {
+    let Some(status) = reply.cache else { return Vec::new() };
+    let name = match status {
+        CacheStatus::Hit => "hit",
+        CacheStatus::Miss => "miss",
+        CacheStatus::Coalesced => "coalesced",
+        CacheStatus::Bypass => "bypass",
+        CacheStatus::Stale => "stale",
+    };
+    let l = label(config, requested_model).to_owned();
+    let mut out = vec![(l.clone(), Counter::Requests(name), 1)];
+    if matches!(status, CacheStatus::Hit | CacheStatus::Coalesced) && reply.response.status == 200 {
+        let served = reply.response.header("x-holysheep-model").unwrap_or(requested_model);
+        if let Some((p, c)) = usage(&reply.response.body) {
+            out.push((l, Counter::CostSavedMicroUsd, cost_micro_usd(config, served, p, c)));
+        }
+    }
+    out.retain(|(_, _, n)| *n > 0);
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::core::cache::Response;
+
+    #[test]
+    fn events_and_replies_become_counters() {
+        let c =
+            Config::parse(br#"{"models":{"gpt-4.1":{"usd_per_mtok_input":2.0,"usd_per_mtok_output":8.0}}}"#).unwrap();
+        assert_eq!(labels(&c), ["gpt-4.1", "other"]);
+        assert_eq!(metric_name("gpt-4.1", Counter::Requests("hit")), "holysheep.gpt-4.1.requests_hit");
+        let usage = Event::Usage { model: "gpt-4.1".into(), prompt: 1000, completion: 500 };
+        assert!(for_event(&c, &usage).contains(&("gpt-4.1".into(), Counter::CostSpentMicroUsd, 6000)));
+        assert_eq!(for_event(&c, &Event::Retry { model: "unknown".into() }), [("other".into(), Counter::Retries, 1)]);
+        let body = br#"{"usage":{"prompt_tokens":1000,"completion_tokens":500}}"#.to_vec();
+        let hit =
+            Reply { response: Response::json(200, body), cache: Some(CacheStatus::Hit), key: None, age_s: Some(1) };
+        assert_eq!(
+            for_reply(&c, "gpt-4.1", &hit),
+            [("gpt-4.1".into(), Counter::Requests("hit"), 1), ("gpt-4.1".into(), Counter::CostSavedMicroUsd, 6000)]
+        );
+        assert!(COUNTERS.iter().all(|c| !c.name().is_empty()));
+    }
+}

@@ -56,6 +56,26 @@ struct State {
     last_authorization: Option<String>,
     /// Model and arrival time of every chat-completion call.
     log: Vec<(String, std::time::Instant)>,
+    in_flight: u64,
+    max_in_flight: u64,
+}
+
+/// Counts a chat-completion call as in flight until dropped.
+struct InFlight(Arc<Mutex<State>>);
+
+impl InFlight {
+    fn new(state: &Arc<Mutex<State>>) -> InFlight {
+        let mut s = state.lock().unwrap_or_else(|e| e.into_inner());
+        s.in_flight += 1;
+        s.max_in_flight = s.max_in_flight.max(s.in_flight);
+        InFlight(state.clone())
+    }
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        self.0.lock().unwrap_or_else(|e| e.into_inner()).in_flight -= 1;
+    }
 }
 
 /// A running mock; dropping it does not stop the server (it lives with the runtime).
@@ -142,6 +162,7 @@ impl Mock {
 
     async fn chat(self, auth: Option<String>, body: &[u8]) -> Result<Response<Body>, std::io::Error> {
         let model = serde_json::from_slice::<Value>(body).ok().and_then(|v| v["model"].as_str().map(str::to_owned));
+        let _in_flight = InFlight::new(&self.state);
         let (fault, latency) = {
             let mut s = self.state();
             s.calls += 1;
@@ -307,6 +328,11 @@ impl Mock {
     /// Chat-completion calls received (including planned failures).
     pub fn calls(&self) -> u64 {
         self.state().calls
+    }
+
+    /// The most chat-completion calls ever answered at once.
+    pub fn max_in_flight(&self) -> u64 {
+        self.state().max_in_flight
     }
 
     /// Model and arrival time of every chat-completion call so far.

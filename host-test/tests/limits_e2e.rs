@@ -179,3 +179,19 @@ fn the_key_is_checked_once_per_process_and_a_bad_key_is_reported() {
         std::thread::yield_now();
     }
 }
+
+#[test]
+fn max_in_flight_caps_concurrent_calls_across_workers() {
+    let held = Stack::start(r#"{"models":{"gpt-4.1":{"max_in_flight":2}},"rate_limit":{"max_wait_ms":20000}}"#, 300);
+    let resps = held.burst_of((0..8).map(|i| prompt(&format!("slot {i}"))).collect(), "Bearer t");
+    assert!(resps.iter().all(|r| r.status == 200), "{:?}", resps.iter().map(Resp::text).collect::<Vec<_>>());
+    assert_eq!(held.calls(), 8);
+    assert_eq!(held.mock.mock.max_in_flight(), 2, "never more than 2 upstream calls at once");
+
+    let refused = Stack::start(r#"{"models":{"gpt-4.1":{"max_in_flight":2}}}"#, 300);
+    let resps = refused.burst_of((0..6).map(|i| prompt(&format!("slot {i}"))).collect(), "Bearer t");
+    assert_eq!(resps.iter().filter(|r| r.status == 200).count(), 2);
+    let limited: Vec<&Resp> = resps.iter().filter(|r| r.status == 429).collect();
+    assert_eq!(limited.len(), 4);
+    assert!(limited.iter().all(|r| r.json()["error"]["message"].as_str().unwrap_or("").contains("in flight")));
+}

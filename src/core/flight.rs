@@ -43,6 +43,8 @@ pub struct Flight {
     deadline_ms: u64,
     hold_until_ms: u64,
     estimate: u64,
+    /// This flight's identity in the buckets (its first nonce): place in line, slot.
+    id: Option<u64>,
     ticket: Option<u64>,
     last: Option<Response>,
     pub events: Vec<Event>,
@@ -65,6 +67,7 @@ impl Flight {
             deadline_ms: started.saturating_add(config.upstream.timeout_ms),
             hold_until_ms: started.saturating_add(config.rate_limit.max_wait_ms),
             estimate,
+            id: None,
             ticket: None,
             last: None,
             events: Vec::new(),
@@ -168,15 +171,16 @@ impl Flight {
         let l = Limits::of(m);
         // A call holds its in-flight slot no longer than the flight can last.
         let hold = self.deadline_ms.saturating_sub(now_ms) + 1_000;
-        let estimate = self.estimate;
-        let taken = limits::update(store, bucket, &l, now_ms, |b| match b.take(&l, nonce, estimate, now_ms, hold) {
+        let (estimate, id) = (self.estimate, *self.id.get_or_insert(nonce));
+        let taken = limits::update(store, bucket, &l, now_ms, |b| match b.take(&l, id, estimate, now_ms, hold) {
             Ok(()) => (Ok(()), true),
-            Err(d) => (Err(d), false),
+            // A place in line is written; other refusals change nothing.
+            Err(d) => (Err(d), d.kind == Kind::Concurrency),
         });
         // A store failure admits: the limiter must not take the edge down with it.
         let admitted = taken.unwrap_or(Ok(()));
         if admitted.is_ok() {
-            self.ticket = Some(nonce);
+            self.ticket = Some(id);
         }
         admitted
     }

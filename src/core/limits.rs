@@ -11,6 +11,11 @@ use super::store::{cas_after, CasStore, StoreError};
 
 /// Completion tokens assumed when a request sets no `max_tokens`/`max_completion_tokens`.
 pub const DEFAULT_COMPLETION_ESTIMATE: u64 = 256;
+/// A place in the `max_in_flight` line lapses unless renewed this often (a waiter whose
+/// worker died must not block the line).
+pub const LINE_HOLD_MS: u64 = 1_000;
+/// The longest line kept per model; later callers are refused without a place.
+pub const MAX_LINE: usize = 1_024;
 
 const MAX_RACES: usize = 16;
 
@@ -104,11 +109,19 @@ pub struct Bucket {
     pub at_ms: u64,
     /// (nonce, expiry) of calls in flight; expiry bounds a call whose worker died.
     pub in_flight: Vec<(u64, u64)>,
+    /// (nonce, expiry) of calls waiting for an in-flight slot, first come first served.
+    pub line: Vec<(u64, u64)>,
 }
 
 impl Bucket {
     pub fn full(l: &Limits, now_ms: u64) -> Bucket {
-        Bucket { requests: l.burst, tokens: l.tpm.unwrap_or(0.0), at_ms: now_ms, in_flight: Vec::new() }
+        Bucket {
+            requests: l.burst,
+            tokens: l.tpm.unwrap_or(0.0),
+            at_ms: now_ms,
+            in_flight: Vec::new(),
+            line: Vec::new(),
+        }
     }
 
     /// Adds what accrued since `at_ms`. A clock that went backwards adds nothing.
@@ -120,13 +133,20 @@ impl Bucket {
             self.at_ms = now_ms;
         }
         self.in_flight.retain(|(_, expires)| *expires > now_ms);
+        self.line.retain(|(_, expires)| *expires > now_ms);
     }
 
     /// Takes one request and `estimate` tokens for the call `nonce`, held at most `hold_ms`.
+    /// A call refused an in-flight slot takes (or keeps) its place in line: a slot goes to
+    /// the calls ahead of it first.
     pub fn take(&mut self, l: &Limits, nonce: u64, estimate: u64, now_ms: u64, hold_ms: u64) -> Result<(), Denial> {
         self.refill(l, now_ms);
-        if l.max_in_flight.is_some_and(|max| self.in_flight.len() >= max) {
-            return Err(Denial { kind: Kind::Concurrency, wait_ms: None });
+        if let Some(max) = l.max_in_flight {
+            let ahead = self.line.iter().position(|(n, _)| *n == nonce).unwrap_or(self.line.len());
+            if self.in_flight.len() + ahead >= max {
+                self.stand_in_line(nonce, now_ms);
+                return Err(Denial { kind: Kind::Concurrency, wait_ms: None });
+            }
         }
         if l.rpm.is_some() && self.requests < 1.0 {
             let wait = ((1.0 - self.requests) / l.req_per_ms()).ceil() as u64;
@@ -144,9 +164,19 @@ impl Bucket {
             self.tokens -= need;
         }
         if l.max_in_flight.is_some() {
+            self.line.retain(|(n, _)| *n != nonce);
             self.in_flight.push((nonce, now_ms.saturating_add(hold_ms)));
         }
         Ok(())
+    }
+
+    fn stand_in_line(&mut self, nonce: u64, now_ms: u64) {
+        let expires = now_ms.saturating_add(LINE_HOLD_MS);
+        if let Some(place) = self.line.iter_mut().find(|(n, _)| *n == nonce) {
+            place.1 = expires;
+        } else if self.line.len() < MAX_LINE {
+            self.line.push((nonce, expires));
+        }
     }
 
     /// An estimate larger than the bucket could never pass; it is charged as a full bucket.
@@ -199,7 +229,9 @@ impl Bucket {
     }
 
     fn encode(&self) -> Vec<u8> {
-        let flights: String = self.in_flight.iter().map(|(n, e)| format!("{n} {e}\n")).collect();
+        let flights = self.in_flight.iter().map(|(n, e)| format!("f {n} {e}\n"));
+        let line = self.line.iter().map(|(n, e)| format!("q {n} {e}\n"));
+        let flights: String = flights.chain(line).collect();
         codec::encode(
             &["B", &self.requests.to_string(), &self.tokens.to_string(), &self.at_ms.to_string()],
             flights.as_bytes(),
@@ -211,14 +243,17 @@ impl Bucket {
         if f[0] != "B" {
             return None;
         }
-        let in_flight = std::str::from_utf8(rest)
-            .ok()?
-            .lines()
-            .filter_map(|l| {
-                let (n, e) = l.split_once(' ')?;
-                Some((n.parse().ok()?, e.parse().ok()?))
-            })
-            .collect();
+        let (mut in_flight, mut line) = (Vec::new(), Vec::new());
+        for l in std::str::from_utf8(rest).ok()?.lines() {
+            let mut parts = l.split(' ');
+            let (Some(kind), Some(n), Some(e)) = (parts.next(), parts.next(), parts.next()) else { continue };
+            let (Ok(n), Ok(e)) = (n.parse(), e.parse()) else { continue };
+            match kind {
+                "f" => in_flight.push((n, e)),
+                "q" => line.push((n, e)),
+                _ => {}
+            }
+        }
         let requests: f64 = f[1].parse().ok()?;
         let tokens: f64 = f[2].parse().ok()?;
         (requests.is_finite() && tokens.is_finite()).then_some(Bucket {
@@ -226,6 +261,7 @@ impl Bucket {
             tokens,
             at_ms: f[3].parse().ok()?,
             in_flight,
+            line,
         })
     }
 }
@@ -349,6 +385,28 @@ mod tests {
         assert!(b.take(&l, 3, 1, 1, 100).is_ok());
         assert!(b.take(&l, 4, 1, 1, 100).is_err());
         assert!(b.take(&l, 4, 1, 100, 100).is_ok(), "call 1's worker is presumed dead after its hold");
+    }
+
+    #[test]
+    fn in_flight_slots_go_first_come_first_served() {
+        let l = limits(1000, 1_000_000, None, Some(1));
+        let mut b = Bucket::full(&l, 0);
+        b.take(&l, 1, 1, 0, 60_000).unwrap();
+        assert!(b.take(&l, 2, 1, 0, 60_000).is_err(), "2 stands in line");
+        assert!(b.take(&l, 3, 1, 1, 60_000).is_err(), "3 behind 2");
+        b.settle(&l, 1, 1, None, 2);
+        assert!(b.take(&l, 3, 1, 3, 60_000).is_err(), "3 may not overtake 2");
+        assert!(b.take(&l, 2, 1, 4, 60_000).is_ok());
+        b.settle(&l, 2, 1, None, 5);
+        assert!(b.take(&l, 3, 1, 6, 60_000).is_ok());
+        // A place not renewed lapses: 5 is not blocked by 4, whose worker went away.
+        b.settle(&l, 3, 1, None, 7);
+        b.take(&l, 9, 1, 7, 60_000).unwrap();
+        assert!(b.take(&l, 4, 1, 8, 60_000).is_err());
+        b.settle(&l, 9, 1, None, 9);
+        assert!(b.take(&l, 5, 1, 9 + LINE_HOLD_MS, 60_000).is_ok());
+        let round_trip = Bucket::decode(&b.encode()).unwrap();
+        assert_eq!(round_trip, b);
     }
 
     #[test]

@@ -16,7 +16,10 @@ fn fault(status: u16) -> Fault {
 
 #[test]
 fn a_few_requests_per_minute_give_the_exact_429_sequence() {
-    let s = Stack::start(r#"{"models":{"gpt-4.1":{"requests_per_minute":3}}}"#, 0);
+    let s = Stack::start(
+        r#"{"models":{"gpt-4.1":{"requests_per_minute":3,"usd_per_mtok_input":2.0,"usd_per_mtok_output":8.0}}}"#,
+        0,
+    );
     let mut remaining = Vec::new();
     for i in 0..3 {
         let r = s.chat(&prompt(&format!("question {i}")), &[]);
@@ -37,8 +40,15 @@ fn a_few_requests_per_minute_give_the_exact_429_sequence() {
     assert_eq!(int(&limited, "retry-after"), (ms + 999) / 1000);
     assert_eq!(s.calls(), 3, "the 429 never reached HolySheep");
     // A HIT costs nothing and is still served.
-    assert_eq!(s.chat(&prompt("question 0"), &[]).cache(), "HIT");
+    let hit = s.chat(&prompt("question 0"), &[]);
+    assert_eq!(hit.cache(), "HIT");
+    let usage = &hit.json()["usage"];
+    let micro_usd = |u: &serde_json::Value| {
+        u["prompt_tokens"].as_u64().unwrap_or(0) * 2 + u["completion_tokens"].as_u64().unwrap_or(0) * 8
+    };
     let metrics = s.envoy.stats("holysheep.gpt-4.1");
+    assert_eq!(metrics.get("wasmcustom.holysheep.gpt-4.1.cost_saved_microusd"), Some(&micro_usd(usage)));
+    assert!(metrics.get("wasmcustom.holysheep.gpt-4.1.cost_spent_microusd") >= Some(&(3 * micro_usd(usage) / 2)));
     // The limited request was a miss too (answered 429 instead of going upstream).
     assert_eq!(metrics.get("wasmcustom.holysheep.gpt-4.1.requests_miss"), Some(&4));
     assert_eq!(metrics.get("wasmcustom.holysheep.gpt-4.1.requests_hit"), Some(&1));

@@ -4,4 +4,5 @@
 pub mod client;
 pub mod envoy;
 pub mod mock;
+pub mod proxy_host;
 pub mod stack;

@@ -77,8 +77,10 @@ pub fn acquire(
         }
         let value = leading(key, nonce, now_ms + config.lock.lease_ms);
         // A missing key is inserted whatever CAS we pass; `cas_after` makes the loser of
-        // two concurrent inserts see a mismatch (see `store::ABSENT_CAS`).
-        match store.set(&slot_key, &value, cas_after(&r)) {
+        // two concurrent inserts see a mismatch (see `store::ABSENT_CAS`). The test-only
+        // `broken-lock` build writes without CAS, to prove the harness catches the race.
+        let cas = if cfg!(feature = "broken-lock") { None } else { cas_after(&r) };
+        match store.set(&slot_key, &value, cas) {
             Ok(()) => return Ok(Acquire::Acquired(Lease { slot_key, key: key.clone(), nonce })),
             Err(StoreError::CasMismatch) => continue,
             Err(e) => return Err(e),

@@ -1,0 +1,129 @@
+//! Host state: what every VM shares (Envoy's process-wide shared data, queues, metrics)
+//! and what each VM keeps for itself (its contexts, buffers and the actions it asked for).
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use wasmtime_wasi::p1::WasiP1Ctx;
+
+pub type Headers = Vec<(String, String)>;
+
+/// Status codes of the proxy-wasm ABI 0.2.1.
+pub mod status {
+    pub const OK: i32 = 0;
+    pub const NOT_FOUND: i32 = 1;
+    pub const BAD_ARGUMENT: i32 = 2;
+    pub const EMPTY: i32 = 7;
+    pub const CAS_MISMATCH: i32 = 8;
+    pub const UNIMPLEMENTED: i32 = 12;
+}
+
+/// The time every VM sees: wall clock for `serve`, a virtual clock for tests.
+#[derive(Clone)]
+pub enum Clock {
+    Real,
+    Virtual(Arc<AtomicU64>),
+}
+
+impl Clock {
+    pub fn now_ms(&self) -> u64 {
+        match self {
+            Clock::Real => {
+                std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64)
+            }
+            Clock::Virtual(ms) => ms.load(Ordering::SeqCst),
+        }
+    }
+}
+
+pub struct Queue {
+    pub vm_id: String,
+    pub name: String,
+    /// The worker whose root context receives `on_queue_ready`; `None` once its VM is gone.
+    pub owner: Option<(usize, u32)>,
+    pub items: VecDeque<Vec<u8>>,
+}
+
+/// Envoy's process-wide state, modelled as `../shared/ENVOY-FACTS.md` describes it.
+#[derive(Default)]
+pub struct Shared {
+    /// key → (value, cas). Keys are never removed.
+    pub data: HashMap<String, (Vec<u8>, u32)>,
+    /// The one process-wide CAS counter (starts at 1, skips 0 on wrap).
+    pub cas_counter: u32,
+    pub queues: HashMap<u32, Queue>,
+    pub next_queue_id: u32,
+    /// `on_queue_ready` owed: (worker, root context, queue id), drained by the world.
+    pub queue_ready: Vec<(usize, u32, u32)>,
+    /// Stats by name, summed over VMs (metric ids are per VM).
+    pub metrics: HashMap<String, i64>,
+    pub logs: Vec<String>,
+}
+
+impl Shared {
+    pub fn with_next_cas(next: u32) -> Shared {
+        Shared { cas_counter: next.wrapping_sub(1), next_queue_id: 1, ..Shared::default() }
+    }
+
+    pub fn next_cas(&mut self) -> u32 {
+        self.cas_counter = self.cas_counter.wrapping_add(1);
+        if self.cas_counter == 0 {
+            self.cas_counter = 1;
+        }
+        self.cas_counter
+    }
+}
+
+pub type SharedRef = Arc<Mutex<Shared>>;
+
+pub fn lock(shared: &SharedRef) -> MutexGuard<'_, Shared> {
+    shared.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// One HTTP stream as the VM sees it.
+#[derive(Default)]
+pub struct Stream {
+    pub request_headers: Headers,
+    pub request_body: Vec<u8>,
+    pub response_headers: Headers,
+}
+
+/// What a VM asked the host to do; performed after the VM call returns, as Envoy does.
+#[derive(Debug, Clone)]
+pub enum Outgoing {
+    Callout { token: u32, cluster: String, headers: Headers, body: Vec<u8>, timeout_ms: u64 },
+    LocalReply { context_id: u32, status: u16, headers: Headers, body: Vec<u8> },
+    Resume { context_id: u32 },
+}
+
+/// Per-VM host state (one wasmtime `Store` each).
+pub struct VmState {
+    pub wasi: WasiP1Ctx,
+    pub worker: usize,
+    pub vm_id: String,
+    pub plugin_config: Vec<u8>,
+    pub vm_config: Vec<u8>,
+    pub shared: SharedRef,
+    pub clock: Clock,
+    /// Yield to the scheduler at every shared-state call (deterministic interleavings).
+    pub yields: bool,
+    pub root_id: u32,
+    pub active: u32,
+    pub effective: u32,
+    pub streams: HashMap<u32, Stream>,
+    /// Headers and body of the callout being delivered, during `on_http_call_response`.
+    pub callout_response: Option<(Headers, Vec<u8>)>,
+    pub outbox: Vec<Outgoing>,
+    pub next_token: u32,
+    pub tick_ms: Option<u64>,
+    pub metric_names: HashMap<u32, String>,
+    pub next_metric: u32,
+    /// Set when the VM called `proxy_done`.
+    pub done: bool,
+}
+
+impl VmState {
+    pub fn shared(&self) -> MutexGuard<'_, Shared> {
+        lock(&self.shared)
+    }
+}

@@ -20,5 +20,7 @@ OPENAI_VERSION=3.57.0
   || .venv/bin/pip install --quiet --disable-pip-version-check "openai==${OPENAI_VERSION}"
 
 cargo build --quiet --release --target wasm32-wasip1
+# Test only: the lock without CAS, which the harness's race tests must catch.
+cargo build --quiet --release --target wasm32-wasip1 --features broken-lock --target-dir target/broken-lock
 cargo build --quiet --release -p host-test --bins
 echo "setup: envoy ${ENVOY_VERSION}, $(wc -c < target/wasm32-wasip1/release/holysheep_edge.wasm) byte plugin"

@@ -4,7 +4,7 @@
 
 use host_test::envoy::{wasm_path, workspace_root};
 use host_test::proxy_host::state::{Headers, Shared};
-use host_test::proxy_host::world::{Options, Plugin, ReqId, Upstream, World};
+use host_test::proxy_host::world::{Answer, Options, Plugin, ReqId, Upstream, World};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
 
@@ -26,19 +26,42 @@ fn prompt(text: &str) -> String {
     format!(r#"{{"model":"gpt-4.1","messages":[{{"role":"user","content":"{text}"}}],"temperature":0}}"#)
 }
 
-/// An upstream that answers every chat completion after `latency_ms` (virtual), counting
-/// the calls in `calls`.
+/// A chat-completion answer naming the call (`n`) and echoing the request body.
+fn answer(n: u64, status: u16, body: &[u8]) -> Option<(Headers, Vec<u8>)> {
+    let echo = String::from_utf8_lossy(body).replace(['"', '\\'], "'");
+    let body = format!(
+        r#"{{"id":"call-{n}","object":"chat.completion","choices":[],"usage":{{"prompt_tokens":3,"completion_tokens":2,"total_tokens":5}},"echo":"{echo}"}}"#
+    );
+    let headers: Headers =
+        vec![(":status".into(), status.to_string()), ("content-type".into(), "application/json".into())];
+    Some((headers, body.into_bytes()))
+}
+
+/// How the upstream treats one call.
+#[derive(Clone, Copy)]
+enum Up {
+    /// Answer with this status after this many (virtual) ms.
+    Answer(u64, u16),
+    /// Reset the connection after this many ms (the callout fails as (0, 0, 0)).
+    Reset(u64),
+    /// Never answer (the caller's worker dies first).
+    Hang,
+}
+
+/// An upstream that answers every call after `latency_ms`, counting the calls.
 fn upstream(latency_ms: u64, status: u16, calls: Arc<AtomicU64>) -> Upstream {
+    scripted(calls, move |_| Up::Answer(latency_ms, status))
+}
+
+/// An upstream whose `n`-th call (from 1) is treated as `script(n)` says.
+fn scripted(calls: Arc<AtomicU64>, script: impl Fn(u64) -> Up + Send + 'static) -> Upstream {
     Box::new(move |call| {
-        calls.fetch_add(1, Ordering::SeqCst);
-        let body = format!(
-            r#"{{"id":"c{}","object":"chat.completion","choices":[],"usage":{{"prompt_tokens":3,"completion_tokens":2,"total_tokens":5}},"echo":{}}}"#,
-            call.token,
-            call.body.len()
-        );
-        let headers: Headers =
-            vec![(":status".into(), status.to_string()), ("content-type".into(), "application/json".into())];
-        Some((latency_ms, Some((headers, body.into_bytes()))))
+        let n = calls.fetch_add(1, Ordering::SeqCst) + 1;
+        match script(n) {
+            Up::Answer(delay, status) => Some((delay, answer(n, status, &call.body))),
+            Up::Reset(delay) => Some((delay, None)),
+            Up::Hang => None,
+        }
     })
 }
 
@@ -72,4 +95,183 @@ fn identical_requests_over_workers_make_one_callout_for_every_seed() {
         assert_eq!(l.iter().filter(|c| *c == "COALESCED").count(), 9, "seed {seed}: {l:?}");
         assert!(w.traps.is_empty(), "seed {seed}: {:?}", w.traps);
     }
+}
+
+fn body_of(w: &World, id: ReqId) -> Vec<u8> {
+    w.answer(id).map(|a| a.body.clone()).unwrap_or_default()
+}
+
+fn count(l: &[String], label: &str) -> usize {
+    l.iter().filter(|c| *c == label).count()
+}
+
+#[test]
+fn a_waiter_takes_over_when_the_leaders_worker_dies() {
+    for seed in 0..SEEDS / 4 {
+        let calls = Arc::new(AtomicU64::new(0));
+        let script = scripted(calls.clone(), |n| if n == 1 { Up::Hang } else { Up::Answer(100, 200) });
+        let mut w = world(plugin(), "{}", seed, script);
+        let ids = burst(&mut w, 6, &prompt("orphan"));
+        assert!(w.run_until(1_000, |_| calls.load(Ordering::SeqCst) == 1), "seed {seed}");
+        let dead = w.upstream_calls[0].worker;
+        w.kill(dead);
+        let survivors: Vec<ReqId> =
+            ids.iter().copied().enumerate().filter(|(i, _)| i % 2 != dead).map(|(_, id)| id).collect();
+        assert!(w.run_until(60_000, all_answered(&survivors)), "seed {seed}: {:?}", labels(&w, &survivors));
+        let l = labels(&w, &survivors);
+        assert_eq!(calls.load(Ordering::SeqCst), 2, "seed {seed}: one takeover call {l:?}");
+        assert_eq!((count(&l, "MISS"), count(&l, "COALESCED")), (1, 2), "seed {seed}: {l:?}");
+        assert!(w.traps.is_empty(), "seed {seed}: {:?}", w.traps);
+    }
+}
+
+#[test]
+fn waiters_are_served_when_the_leaders_client_resets() {
+    for seed in 0..SEEDS / 4 {
+        let calls = Arc::new(AtomicU64::new(0));
+        let mut w = world(plugin(), "{}", seed, upstream(500, 200, calls.clone()));
+        let leader = w.request((seed % 2) as usize, "POST", PATH, &[], prompt("left").as_bytes());
+        assert!(w.run_until(1_000, |_| calls.load(Ordering::SeqCst) == 1), "seed {seed}");
+        let waiters: Vec<ReqId> =
+            (0..5).map(|i| w.request(i % 2, "POST", PATH, &[], prompt("left").as_bytes())).collect();
+        w.settle();
+        w.reset(leader);
+        assert!(w.run_until(60_000, all_answered(&waiters)), "seed {seed}: {:?}", labels(&w, &waiters));
+        assert_eq!(count(&labels(&w, &waiters), "COALESCED"), 5, "seed {seed}: {:?}", labels(&w, &waiters));
+        assert!(w.answer(leader).is_none(), "the leader's client is gone");
+        assert_eq!(calls.load(Ordering::SeqCst), 1);
+        assert!(w.traps.is_empty(), "seed {seed}: {:?}", w.traps);
+    }
+}
+
+#[test]
+fn a_failed_callout_reaches_every_waiter_and_is_not_cached() {
+    for seed in 0..SEEDS / 4 {
+        let calls = Arc::new(AtomicU64::new(0));
+        let script = scripted(calls.clone(), |n| if n == 1 { Up::Reset(300) } else { Up::Answer(10, 200) });
+        let mut w = world(plugin(), r#"{"retry":{"max_attempts":1}}"#, seed, script);
+        let ids = burst(&mut w, 6, &prompt("fails"));
+        assert!(w.run_until(60_000, all_answered(&ids)), "seed {seed}");
+        for id in &ids {
+            let a = w.answer(*id).expect("answered");
+            let v: serde_json::Value = serde_json::from_slice(&a.body).expect("json");
+            assert_eq!((a.status, v["error"]["code"].as_str()), (502, Some("upstream_unavailable")), "seed {seed}");
+        }
+        let again = w.request(0, "POST", PATH, &[], prompt("fails").as_bytes());
+        assert!(w.run_until(60_000, all_answered(&[again])));
+        assert_eq!((w.answer(again).map(|a| a.status), calls.load(Ordering::SeqCst)), (Some(200), 2), "seed {seed}");
+    }
+}
+
+#[test]
+fn a_waiter_past_its_wait_timeout_goes_alone_and_does_not_store() {
+    let calls = Arc::new(AtomicU64::new(0));
+    let script = scripted(calls.clone(), |n| if n == 1 { Up::Answer(5_000, 200) } else { Up::Answer(100, 200) });
+    let mut w = world(plugin(), r#"{"lock":{"wait_timeout_ms":1000}}"#, 7, script);
+    let leader = w.request(0, "POST", PATH, &[], prompt("slow").as_bytes());
+    w.settle();
+    let waiter = w.request(1, "POST", PATH, &[], prompt("slow").as_bytes());
+    assert!(w.run_until(60_000, all_answered(&[leader, waiter])));
+    assert_eq!(calls.load(Ordering::SeqCst), 2);
+    assert_eq!(
+        (w.answer(waiter).map(Answer::cache), w.answer(leader).map(Answer::cache)),
+        (Some("MISS"), Some("MISS"))
+    );
+    let later = w.request(1, "POST", PATH, &[], prompt("slow").as_bytes());
+    assert!(w.run_until(60_000, all_answered(&[later])));
+    assert_eq!(w.answer(later).map(Answer::cache), Some("HIT"));
+    assert_eq!(body_of(&w, later), body_of(&w, leader), "the cache holds the leader's answer, not the waiter's");
+}
+
+#[test]
+fn slot_collisions_never_mix_answers_and_shared_data_keys_stay_bounded() {
+    let calls = Arc::new(AtomicU64::new(0));
+    let mut w = world(plugin(), r#"{"cache":{"max_entries":8},"lock":{"slots":4}}"#, 11, upstream(50, 200, calls));
+    let prompts: Vec<String> = (0..100).map(|i| prompt(&format!("prompt {i}"))).collect();
+    let send = |w: &mut World| -> Vec<ReqId> {
+        prompts.iter().enumerate().map(|(i, p)| w.request(i % 2, "POST", PATH, &[], p.as_bytes())).collect()
+    };
+    let first = send(&mut w);
+    assert!(w.run_until(120_000, all_answered(&first)));
+    let again = send(&mut w);
+    assert!(w.run_until(120_000, all_answered(&again)));
+    for (i, (a, b)) in first.iter().zip(&again).enumerate() {
+        let echoes = |id: &ReqId| String::from_utf8_lossy(&body_of(&w, *id)).contains(&format!("prompt {i}'"));
+        assert!(echoes(a) && echoes(b), "prompt {i} got another prompt's answer");
+    }
+    let hits = count(&labels(&w, &again), "HIT");
+    assert!(hits > 0 && hits <= 8, "{hits} hits from 8 slots");
+    let keys: Vec<String> = w.shared().data.keys().cloned().collect();
+    assert!(keys.len() <= 8 + 4 + 1, "shared-data keys the plugin created: {keys:?}");
+}
+
+#[test]
+fn the_lock_holds_with_the_cas_counter_about_to_wrap() {
+    for seed in 0..SEEDS / 4 {
+        let calls = Arc::new(AtomicU64::new(0));
+        let mut options = Options::new(2, "{}", seed);
+        options.shared = Shared::with_next_cas(u32::MAX - 3);
+        let mut w = World::start(plugin(), options, upstream(200, 200, calls.clone())).expect("world");
+        let ids = burst(&mut w, 8, &prompt("wrap"));
+        assert!(w.run_until(60_000, all_answered(&ids)), "seed {seed}");
+        assert_eq!(calls.load(Ordering::SeqCst), 1, "seed {seed}: {:?}", labels(&w, &ids));
+        assert!(w.shared().cas_counter < 1_000, "the counter wrapped");
+    }
+}
+
+#[test]
+fn hostile_inputs_never_trap_the_vm() {
+    let calls = Arc::new(AtomicU64::new(0));
+    let mut w = world(plugin(), r#"{"max_body_bytes":65536}"#, 3, upstream(10, 200, calls.clone()));
+    let mut rng = 0x5eed_u64;
+    let mut bodies: Vec<Vec<u8>> = (0..200u64)
+        .map(|i| {
+            (0..(i * 7 % 300))
+                .map(|_| {
+                    rng = rng.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1_442_695_040_888_963_407);
+                    (rng >> 33) as u8
+                })
+                .collect()
+        })
+        .collect();
+    bodies.push("[".repeat(60_000).into_bytes());
+    bodies.push(
+        format!(r#"{{"model":"m","messages":[{{"role":"user","content":"{}"}}]}}"#, "x".repeat(70_000)).into_bytes(),
+    );
+    bodies.push(br#"{"model":"m","messages":[{"role":"user"}],"n":1e999}"#.to_vec());
+    bodies.push(br#"{"model":"\ud800","messages":[{"role":"user"}]}"#.to_vec());
+    bodies.push(b"{\"model\":\"m\",\"messages\":[{\"role\":\"user\",\"content\":\"\xc3\x28\"}]}".to_vec());
+    let headers = [("cache-control", "max-age=-1, no-store=1"), ("authorization", "\u{7f}\u{0}")];
+    let ids: Vec<ReqId> = bodies.iter().enumerate().map(|(i, b)| w.request(i % 2, "POST", PATH, &headers, b)).collect();
+    assert!(w.run_until(60_000, all_answered(&ids)));
+    assert!(w.traps.is_empty(), "{:?}", w.traps);
+    for id in &ids {
+        let a = w.answer(*id).expect("answered");
+        assert!(a.status == 400 || a.status == 413, "{} {}", a.status, String::from_utf8_lossy(&a.body));
+        let v: serde_json::Value = serde_json::from_slice(&a.body).expect("OpenAI-shaped JSON");
+        assert!(v["error"]["message"].is_string());
+    }
+    assert_eq!(calls.load(Ordering::SeqCst), 0, "nothing reached HolySheep");
+    let ok = w.request(0, "POST", PATH, &[], prompt("fine").as_bytes());
+    assert!(w.run_until(60_000, all_answered(&[ok])));
+    assert_eq!(w.answer(ok).map(|a| a.status), Some(200), "the VM still serves");
+}
+
+/// The same race scenario against a plugin whose lease is written without CAS: the
+/// harness must find an interleaving with two leaders within the seeds it explores.
+#[test]
+fn the_race_scenarios_catch_a_broken_lock() {
+    let broken = broken_plugin();
+    let mut failing = Vec::new();
+    for seed in 0..SEEDS {
+        let calls = Arc::new(AtomicU64::new(0));
+        let mut w = world(&broken, "{}", seed, upstream(200, 200, calls.clone()));
+        let ids = burst(&mut w, 10, &prompt("same"));
+        assert!(w.run_until(60_000, all_answered(&ids)), "seed {seed}");
+        if calls.load(Ordering::SeqCst) > 1 {
+            failing.push((seed, calls.load(Ordering::SeqCst)));
+        }
+    }
+    eprintln!("broken lock: {} of {SEEDS} seeds made more than one call; first {:?}", failing.len(), failing.first());
+    assert!(!failing.is_empty(), "no seed exposed the broken lock");
 }

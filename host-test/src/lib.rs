@@ -5,4 +5,5 @@ pub mod client;
 pub mod envoy;
 pub mod mock;
 pub mod proxy_host;
+pub mod serve;
 pub mod stack;

@@ -289,6 +289,17 @@ impl World {
         self.answers.get(&id)
     }
 
+    /// Removes and returns the answer of `id` (a long-running host must not keep them).
+    pub fn take_answer(&mut self, id: ReqId) -> Option<Answer> {
+        let answer = self.answers.remove(&id)?;
+        self.owner.remove(&id);
+        Some(answer)
+    }
+
+    pub fn workers(&self) -> usize {
+        self.workers.len()
+    }
+
     /// The worker's VM dies with its thread: no more events, its callouts never answer,
     /// its queue wakes no one.
     pub fn kill(&mut self, worker: usize) {

@@ -1,0 +1,55 @@
+//! `host-test serve --wasm PATH [--config JSON] [--listen ADDR] [--cluster NAME=ADDR]...
+//! [--workers N]`: runs the plugin without Envoy, on the wasmtime host. The VMs see the
+//! process environment variable `HOLYSHEEP_API_KEY` when it is set.
+
+use host_test::serve::{start, ServeOptions};
+use std::collections::HashMap;
+
+fn usage() -> ! {
+    eprintln!(
+        "usage: host-test serve --wasm PATH [--config JSON] [--listen 127.0.0.1:10000] \
+         [--cluster holysheep=127.0.0.1:18000]... [--workers 2]"
+    );
+    std::process::exit(2)
+}
+
+fn main() {
+    let mut args = std::env::args().skip(1);
+    if args.next().as_deref() != Some("serve") {
+        usage();
+    }
+    let mut opts = ServeOptions {
+        wasm: "target/wasm32-wasip1/release/holysheep_edge.wasm".into(),
+        config: "{}".into(),
+        listen: ([127, 0, 0, 1], 10000).into(),
+        clusters: HashMap::new(),
+        workers: 2,
+        env: std::env::var("HOLYSHEEP_API_KEY").map(|k| vec![("HOLYSHEEP_API_KEY".to_owned(), k)]).unwrap_or_default(),
+    };
+    while let Some(flag) = args.next() {
+        let Some(value) = args.next() else { usage() };
+        match flag.as_str() {
+            "--wasm" => opts.wasm = value.into(),
+            "--config" => opts.config = value,
+            "--listen" => opts.listen = value.parse().unwrap_or_else(|_| usage()),
+            "--workers" => opts.workers = value.parse().unwrap_or_else(|_| usage()),
+            "--cluster" => {
+                let Some((name, addr)) = value.split_once('=') else { usage() };
+                opts.clusters.insert(name.to_owned(), addr.parse().unwrap_or_else(|_| usage()));
+            }
+            _ => usage(),
+        }
+    }
+    opts.clusters.entry("holysheep".into()).or_insert(([127, 0, 0, 1], 18000).into());
+    match start(opts) {
+        Ok(serving) => {
+            println!("holysheep-edge on the wasmtime host: http://{}", serving.addr);
+            std::thread::park();
+            drop(serving);
+        }
+        Err(e) => {
+            eprintln!("host-test serve: {e}");
+            std::process::exit(1);
+        }
+    }
+}

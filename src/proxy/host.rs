@@ -4,7 +4,7 @@
 use crate::core::engine::Reply;
 use crate::core::store::{CasStore, Read, StoreError};
 use proxy_wasm::hostcalls;
-use proxy_wasm::types::{LogLevel, Status};
+use proxy_wasm::types::{BufferType, LogLevel, Status};
 use std::collections::hash_map::RandomState;
 use std::hash::BuildHasher;
 use std::time::UNIX_EPOCH;
@@ -53,6 +53,12 @@ impl Nonces {
         self.counter += 1;
         self.seed.hash_one(self.counter).max(1)
     }
+}
+
+/// A host buffer (request body, callout body, configuration); empty when absent. The SDK's
+/// trait helpers would panic on an unexpected host status; this cannot.
+pub fn buffer(kind: BufferType, size: usize) -> Vec<u8> {
+    hostcalls::get_buffer(kind, 0, size).ok().flatten().unwrap_or_default()
 }
 
 pub fn log(level: LogLevel, message: &str) {

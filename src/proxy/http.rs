@@ -8,7 +8,7 @@ use crate::core::error::ApiError;
 use crate::core::request::{CacheControl, ChatRequest, RequestMeta, CHAT_PATH};
 use proxy_wasm::hostcalls;
 use proxy_wasm::traits::{Context, HttpContext};
-use proxy_wasm::types::{Action, MapType};
+use proxy_wasm::types::{Action, BufferType, MapType};
 use std::rc::Rc;
 
 pub struct Chat {
@@ -128,7 +128,7 @@ impl HttpContext for Chat {
         if !end_of_stream {
             return Action::Pause;
         }
-        let body = self.get_http_request_body(0, body_size).unwrap_or_default();
+        let body = host::buffer(BufferType::HttpRequestBody, body_size);
         self.handle(body)
     }
 

@@ -15,7 +15,7 @@ use crate::core::store::claim;
 use crate::core::wake;
 use proxy_wasm::hostcalls;
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
-use proxy_wasm::types::{ContextType, LogLevel, MapType, MetricType};
+use proxy_wasm::types::{BufferType, ContextType, LogLevel, MapType, MetricType};
 use std::cell::RefCell;
 use std::collections::HashMap;
 use std::rc::Rc;
@@ -441,7 +441,7 @@ impl Root {
             status,
             content_type: header("content-type").unwrap_or_else(|| "application/json".into()),
             headers: header("retry-after").map(|v| vec![("retry-after".to_owned(), v)]).unwrap_or_default(),
-            body: self.get_http_call_response_body(0, body_size).unwrap_or_default(),
+            body: host::buffer(BufferType::HttpCallResponseBody, body_size),
         };
         (Some(response), ProviderHints::from_headers(status, &headers))
     }
@@ -463,7 +463,7 @@ impl Context for Root {
 
 impl RootContext for Root {
     fn on_configure(&mut self, _size: usize) -> bool {
-        let raw = self.get_plugin_configuration().unwrap_or_default();
+        let raw = host::buffer(BufferType::PluginConfiguration, usize::MAX);
         let config = match Config::parse(&raw) {
             Ok(c) => c,
             Err(e) => {

@@ -8,6 +8,9 @@ use std::pin::Pin;
 use std::task::{Context, Poll};
 use wasmtime::{Caller, Extern, Linker, Module, Val, ValType};
 
+type I32x8 = (i32, i32, i32, i32, i32, i32, i32, i32);
+type I32x10 = (i32, i32, i32, i32, i32, i32, i32, i32, i32, i32);
+
 /// A point where the scheduler may run another VM (deterministic interleavings).
 struct YieldNow(bool);
 
@@ -330,17 +333,7 @@ pub fn add_to_linker(linker: &mut Linker<VmState>, module: &Module) -> wasmtime:
         c.data_mut().outbox.push(Outgoing::Resume { context_id });
         status::OK
     });
-    wrap!(linker, "proxy_send_local_response", |c,
-                                                (code, _dp, _dl, bp, bl, hp, hl, _grpc): (
-        i32,
-        i32,
-        i32,
-        i32,
-        i32,
-        i32,
-        i32,
-        i32
-    )| {
+    wrap!(linker, "proxy_send_local_response", |c, (code, _dp, _dl, bp, bl, hp, hl, _grpc): I32x8| {
         let (Some(body), Some(headers)) = (read(c, bp, bl), read(c, hp, hl).and_then(|h| decode_map(&h))) else {
             return status::BAD_ARGUMENT;
         };
@@ -351,19 +344,7 @@ pub fn add_to_linker(linker: &mut Linker<VmState>, module: &Module) -> wasmtime:
         c.data_mut().outbox.push(Outgoing::LocalReply { context_id, status: code as u16, headers, body });
         status::OK
     });
-    wrap!(linker, "proxy_http_call", |c,
-                                      (up, ul, hp, hl, bp, bl, _tp, _tl, timeout, ret): (
-        i32,
-        i32,
-        i32,
-        i32,
-        i32,
-        i32,
-        i32,
-        i32,
-        i32,
-        i32
-    )| {
+    wrap!(linker, "proxy_http_call", |c, (up, ul, hp, hl, bp, bl, _tp, _tl, timeout, ret): I32x10| {
         let (Some(cluster), Some(headers), Some(body)) =
             (read_str(c, up, ul), read(c, hp, hl).and_then(|h| decode_map(&h)), read(c, bp, bl))
         else {

@@ -40,23 +40,8 @@ impl Plugin {
 /// An HTTP request handed to a worker.
 pub type ReqId = u64;
 
-/// What the client of a request got.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Answer {
-    pub status: u16,
-    pub headers: Headers,
-    pub body: Vec<u8>,
-}
-
-impl Answer {
-    pub fn header(&self, name: &str) -> Option<&str> {
-        self.headers.iter().find(|(k, _)| k.eq_ignore_ascii_case(name)).map(|(_, v)| v.as_str())
-    }
-
-    pub fn cache(&self) -> &str {
-        self.header("x-holysheep-cache").unwrap_or("-")
-    }
-}
+/// What the client of a request got (the same shape the HTTP client reads).
+pub type Answer = crate::client::Resp;
 
 /// A call leaving the process: a callout, or a request the plugin let through.
 #[derive(Debug, Clone)]

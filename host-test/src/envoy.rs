@@ -3,7 +3,7 @@
 
 use crate::client;
 use std::io;
-use std::net::{SocketAddr, TcpListener};
+use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicU32, Ordering};
@@ -50,10 +50,6 @@ pub struct Envoy {
     pub dir: PathBuf,
 }
 
-fn free_port() -> io::Result<u16> {
-    Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
-}
-
 impl Envoy {
     pub fn start(opts: &Options) -> io::Result<Envoy> {
         static SEQ: AtomicU32 = AtomicU32::new(0);
@@ -74,13 +70,14 @@ impl Envoy {
         std::fs::create_dir_all(&dir)?;
         let direct_body = dir.join("direct.json");
         std::fs::write(&direct_body, &opts.direct_body)?;
-        let ports = [free_port()?, free_port()?, free_port()?, free_port()?];
+        // Port 0 everywhere: Envoy binds and reports its ports, so parallel tests never race
+        // for a port someone else just took.
         let template = std::fs::read_to_string(workspace_root().join("envoy/local.yaml.tmpl"))?;
         let yaml = template
-            .replace("@ADMIN_PORT@", &ports[0].to_string())
-            .replace("@LISTEN_PORT@", &ports[1].to_string())
-            .replace("@DIRECT_PORT@", &ports[2].to_string())
-            .replace("@PLAIN_PORT@", &ports[3].to_string())
+            .replace("@ADMIN_PORT@", "0")
+            .replace("@LISTEN_PORT@", "0")
+            .replace("@DIRECT_PORT@", "0")
+            .replace("@PLAIN_PORT@", "0")
             .replace("@MOCK_PORT@", &opts.upstream.port().to_string())
             .replace("@WASM@", &wasm.display().to_string())
             .replace("@DIRECT_BODY@", &direct_body.display().to_string())
@@ -91,6 +88,8 @@ impl Envoy {
         cmd.arg("-c")
             .arg(&config_path)
             .args(["--concurrency", &opts.concurrency.to_string(), "--disable-hot-restart", "-l", "info"])
+            .arg("--admin-address-path")
+            .arg(dir.join("admin.address"))
             .env_remove("HOLYSHEEP_API_KEY")
             .stdout(Stdio::null())
             // stderr, not --log-path: the log file is flushed only every few seconds.
@@ -98,32 +97,44 @@ impl Envoy {
         if let Some(k) = &opts.api_key {
             cmd.env("HOLYSHEEP_API_KEY", k);
         }
-        let addr = |p: u16| SocketAddr::from(([127, 0, 0, 1], p));
-        let mut envoy = Envoy {
-            child: cmd.spawn()?,
-            admin: addr(ports[0]),
-            edge: addr(ports[1]),
-            direct: addr(ports[2]),
-            plain: addr(ports[3]),
-            dir,
-        };
+        let unbound = SocketAddr::from(([127, 0, 0, 1], 0));
+        let mut envoy =
+            Envoy { child: cmd.spawn()?, admin: unbound, edge: unbound, direct: unbound, plain: unbound, dir };
         envoy.wait_ready()?;
         Ok(envoy)
     }
 
-    /// Waits until the admin endpoint reports LIVE (workers started, listeners bound).
+    /// Waits until the admin endpoint reports LIVE (workers started, listeners bound), then
+    /// reads the ports Envoy bound.
     fn wait_ready(&mut self) -> io::Result<()> {
         let deadline = Instant::now() + Duration::from_secs(60);
         while Instant::now() < deadline {
             if let Some(status) = self.child.try_wait()? {
                 return Err(io::Error::other(format!("envoy exited ({status}):\n{}", self.log())));
             }
-            if client::request(self.admin, "GET", "/ready", &[], b"").is_ok_and(|r| r.status == 200) {
-                return Ok(());
+            let written = std::fs::read_to_string(self.dir.join("admin.address")).unwrap_or_default();
+            if let Ok(admin) = written.trim().parse() {
+                self.admin = admin;
+                if client::request(admin, "GET", "/ready", &[], b"").is_ok_and(|r| r.status == 200) {
+                    return self.read_listeners();
+                }
             }
             std::thread::sleep(Duration::from_millis(50));
         }
         Err(io::Error::other(format!("envoy did not become ready:\n{}", self.log())))
+    }
+
+    fn read_listeners(&mut self) -> io::Result<()> {
+        let listeners = client::request(self.admin, "GET", "/listeners?format=json", &[], b"")?.json();
+        let port = |name: &str| -> io::Result<SocketAddr> {
+            let statuses = listeners["listener_statuses"].as_array().cloned().unwrap_or_default();
+            let found = statuses.iter().find(|l| l["name"] == name);
+            let port = found.and_then(|l| l["local_address"]["socket_address"]["port_value"].as_u64());
+            port.map(|p| SocketAddr::from(([127, 0, 0, 1], p as u16)))
+                .ok_or_else(|| io::Error::other(format!("listener {name} not found in {listeners}")))
+        };
+        (self.edge, self.direct, self.plain) = (port("edge")?, port("direct")?, port("plain")?);
+        Ok(())
     }
 
     pub fn log(&self) -> String {

@@ -82,6 +82,10 @@ pub fn cost_micro_usd(config: &Config, model: &str, prompt: u64, completion: u64
     })
 }
 
+fn priced(config: &Config, model: &str) -> bool {
+    config.model(model).is_some_and(|(_, m)| m.usd_per_mtok_input > 0.0 || m.usd_per_mtok_output > 0.0)
+}
+
 /// What one flight event adds, as (model label, counter, amount).
 pub fn for_event(config: &Config, event: &Event) -> Vec<(String, Counter, u64)> {
     let one = |m: &str, c| vec![(label(config, m).to_owned(), c, 1)];
@@ -117,8 +121,11 @@ pub fn for_reply(config: &Config, requested_model: &str, reply: &Reply) -> Vec<(
     let mut out = vec![(l.clone(), Counter::Requests(name), 1)];
     if matches!(status, CacheStatus::Hit | CacheStatus::Coalesced) && reply.response.status == 200 {
         let served = reply.response.header("x-holysheep-model").unwrap_or(requested_model);
-        if let Some((p, c)) = usage(&reply.response.body) {
-            out.push((l, Counter::CostSavedMicroUsd, cost_micro_usd(config, served, p, c)));
+        // Parsing the answer is the only cost on a HIT; skip it when nothing is priced.
+        if priced(config, served) {
+            if let Some((p, c)) = usage(&reply.response.body) {
+                out.push((l, Counter::CostSavedMicroUsd, cost_micro_usd(config, served, p, c)));
+            }
         }
     }
     out.retain(|(_, _, n)| *n > 0);

@@ -444,6 +444,69 @@ mod tests {
         assert_eq!((v["model"].as_str(), v["temperature"].as_i64()), (Some("deepseek-v3"), Some(0)));
     }
 
+    /// Random request bodies (seeded): writing the same object with its keys in another
+    /// order gives the same key; changing any one leaf gives another.
+    #[test]
+    fn canonical_keys_hold_for_random_bodies() {
+        struct Lcg(u64);
+        impl Lcg {
+            fn next(&mut self, n: u64) -> u64 {
+                self.0 = self.0.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1_442_695_040_888_963_407);
+                (self.0 >> 33) % n
+            }
+        }
+        fn value(r: &mut Lcg, depth: u32) -> Value {
+            match r.next(if depth > 2 { 4 } else { 6 }) {
+                0 => Value::from(r.next(1000)),
+                1 => Value::from(r.next(1000) as f64 / 8.0),
+                2 => Value::from(format!("s{}", r.next(50))),
+                3 => Value::from(r.next(2) == 0),
+                4 => Value::Array((0..r.next(4)).map(|_| value(r, depth + 1)).collect()),
+                _ => Value::Object((0..r.next(4)).map(|i| (format!("k{i}"), value(r, depth + 1))).collect()),
+            }
+        }
+        /// Serialises with object keys in reverse order (serde_json would sort them).
+        fn reversed(v: &Value) -> String {
+            match v {
+                Value::Object(m) => {
+                    let fields: Vec<String> =
+                        m.iter().rev().map(|(k, v)| format!("{}:{}", Value::from(k.as_str()), reversed(v))).collect();
+                    format!("{{{}}}", fields.join(","))
+                }
+                Value::Array(a) => format!("[{}]", a.iter().map(reversed).collect::<Vec<_>>().join(",")),
+                other => other.to_string(),
+            }
+        }
+        fn leaves(v: &mut Value) -> Vec<&mut Value> {
+            match v {
+                Value::Object(m) => m.values_mut().flat_map(leaves).collect(),
+                Value::Array(a) => a.iter_mut().flat_map(leaves).collect(),
+                leaf => vec![leaf],
+            }
+        }
+        let mut r = Lcg(42);
+        for _ in 0..500 {
+            let mut body = serde_json::json!({"model": "gpt-4.1", "messages": [{"role": "user", "content": "hi"}]});
+            for i in 0..r.next(5) {
+                body[format!("x{i}")] = value(&mut r, 0);
+            }
+            let (sorted, shuffled) = (body.to_string(), reversed(&body));
+            assert_eq!(key(&sorted), key(&shuffled), "{shuffled}");
+            let before = key(&sorted);
+            let mut changed = body.clone();
+            let mut all = leaves(&mut changed);
+            let n = all.len() as u64;
+            let leaf = &mut all[r.next(n) as usize];
+            **leaf = match &**leaf {
+                Value::String(s) => Value::from(format!("{s}!")),
+                Value::Number(x) => Value::from(x.as_f64().unwrap_or(0.0) + 1.5),
+                Value::Bool(b) => Value::from(!b),
+                _ => Value::from("now a string"),
+            };
+            assert_ne!(key(&changed.to_string()), before, "{changed}");
+        }
+    }
+
     #[test]
     fn nesting_depth_ignores_brackets_in_strings() {
         assert_eq!(nesting_depth(r#"{"a":"[[[[\"{{{{"}"#), 1);

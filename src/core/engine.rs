@@ -9,6 +9,9 @@ use super::lease::{self, Acquire, Lease, State};
 use super::request::{Key, Policy};
 use super::store::CasStore;
 
+/// How far a host's cached clock may lag the timer that fired (see `Engine::failure`).
+pub const CLOCK_SLACK_MS: u64 = 50;
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum CacheStatus {
     Hit,
@@ -179,9 +182,12 @@ impl<S: CasStore> Engine<'_, S> {
         })
     }
 
+    /// No answer: a timeout if the deadline has (about) passed, else a failed connection.
+    /// Envoy's clock advances once per event-loop turn, so a failure reported within
+    /// `CLOCK_SLACK_MS` of the deadline is the deadline.
     fn failure(&self, call: &Call, now_ms: u64) -> Response {
         let timeout = self.config.upstream.timeout_ms;
-        let e = if now_ms.saturating_sub(call.started_ms) >= timeout {
+        let e = if now_ms.saturating_sub(call.started_ms) + CLOCK_SLACK_MS >= timeout {
             ApiError::upstream(504, format!("HolySheep did not answer within {timeout} ms"), "upstream_timeout")
         } else {
             ApiError::upstream(
@@ -365,7 +371,7 @@ mod tests {
         let lead = expect_call(e.admit(&k(1), READ, 0, 1));
         assert_eq!(e.complete(&lead, None, 10).response.status, 502);
         let lead = expect_call(e.admit(&k(1), READ, 100, 2));
-        let r = e.complete(&lead, None, 100 + c.upstream.timeout_ms);
+        let r = e.complete(&lead, None, 100 + c.upstream.timeout_ms - CLOCK_SLACK_MS);
         assert_eq!(r.response.status, 504);
         let v: serde_json::Value = serde_json::from_slice(&r.response.body).unwrap();
         assert_eq!(v["error"]["code"], "upstream_timeout");

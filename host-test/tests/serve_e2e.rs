@@ -28,7 +28,8 @@ fn post(s: &Serving, body: &str, headers: &[(&str, &str)]) -> Resp {
 
 #[test]
 fn serve_coalesces_caches_and_rejects_like_envoy() {
-    let mock = Running::start(None, 800).expect("mock");
+    // Slow enough that all 50 arrive while the leader's call is in flight.
+    let mock = Running::start(None, 2000).expect("mock");
     let s = serve(&mock, "{}");
     let body = prompt("served by wasmtime");
     let barrier = Arc::new(Barrier::new(50));

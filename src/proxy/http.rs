@@ -82,8 +82,8 @@ impl Chat {
     }
 
     fn pass_stream(&mut self, key: String) -> Action {
-        let api_key = self.worker.borrow().api_key().map(|k| format!("Bearer {k}"));
-        if let Some(bearer) = api_key {
+        let bearer = self.worker.borrow().bearer().map(str::to_owned);
+        if let Some(bearer) = bearer {
             let _ = hostcalls::set_map_value(MapType::HttpRequestHeaders, "authorization", Some(&bearer));
         }
         self.state = State::Streaming(key);

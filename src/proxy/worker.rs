@@ -55,7 +55,8 @@ struct Run {
 /// State shared by the root context and the http contexts of one VM.
 pub struct Worker {
     pub config: Rc<Config>,
-    api_key: Option<String>,
+    /// `Bearer <key>` when the key is in the VM environment; never logged.
+    bearer: Option<String>,
     vm_id: String,
     queue: Option<(u32, String)>,
     nonces: Nonces,
@@ -77,7 +78,7 @@ impl Worker {
     fn new() -> Self {
         Worker {
             config: Rc::new(Config::default()),
-            api_key: None,
+            bearer: None,
             vm_id: String::new(),
             queue: None,
             nonces: Nonces::new(),
@@ -116,8 +117,8 @@ impl Worker {
         self.waiters.remove(&context_id);
     }
 
-    pub fn api_key(&self) -> Option<&str> {
-        self.api_key.as_deref()
+    pub fn bearer(&self) -> Option<&str> {
+        self.bearer.as_deref()
     }
 
     /// Sends `reply` with the model's `x-ratelimit-*` headers, and counts it.
@@ -225,9 +226,9 @@ impl Root {
     }
 
     fn dispatch(&mut self, run: &Run, model: &str, timeout_ms: u64) -> Option<u32> {
-        let (config, key) = {
+        let (config, bearer) = {
             let w = self.worker.borrow();
-            (w.config.clone(), w.api_key.clone())
+            (w.config.clone(), w.bearer.clone())
         };
         let out = &run.outbound;
         let rewritten;
@@ -237,7 +238,6 @@ impl Root {
             rewritten = with_model(&out.body, model);
             &rewritten
         };
-        let bearer = key.map(|k| format!("Bearer {k}"));
         let auth = bearer.as_deref().or(out.client_authorization.as_deref());
         let mut headers = vec![
             (":method", "POST"),
@@ -383,19 +383,18 @@ impl Root {
     /// Once per Envoy process (the first worker to claim it), ask HolySheep whether the
     /// configured key is accepted. The key is never logged.
     fn check_key(&mut self) {
-        let (config, key) = {
+        let (config, bearer) = {
             let mut w = self.worker.borrow_mut();
             if w.key_checked {
                 return;
             }
             w.key_checked = true;
-            (w.config.clone(), w.api_key.clone())
+            (w.config.clone(), w.bearer.clone())
         };
-        let Some(key) = key else { return };
+        let Some(bearer) = bearer else { return };
         if !claim(&SharedData, KEY_CHECK, b"1") {
             return;
         }
-        let bearer = format!("Bearer {key}");
         let headers = vec![
             (":method", "GET"),
             (":path", "/v1/models"),
@@ -474,13 +473,14 @@ impl RootContext for Root {
         let vm_id = hostcalls::get_property(vec!["plugin_vm_id"]).ok().flatten().unwrap_or_default();
         let mut w = self.worker.borrow_mut();
         w.vm_id = String::from_utf8_lossy(&vm_id).into_owned();
-        w.api_key = std::env::var(&config.upstream.api_key_env).ok().filter(|k| !k.is_empty());
+        w.bearer =
+            std::env::var(&config.upstream.api_key_env).ok().filter(|k| !k.is_empty()).map(|k| format!("Bearer {k}"));
         host::log(
             LogLevel::Info,
             &format!(
                 "holysheep: configured (cluster '{}', upstream key {})",
                 config.upstream.cluster,
-                if w.api_key.is_some() { "from environment" } else { "absent: forwarding client authorization" }
+                if w.bearer.is_some() { "from environment" } else { "absent: forwarding client authorization" }
             ),
         );
         w.config = Rc::new(config);

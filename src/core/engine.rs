@@ -12,7 +12,7 @@ use super::store::CasStore;
 /// How far a host's cached clock may lag the timer that fired (see `Engine::failure`).
 pub const CLOCK_SLACK_MS: u64 = 50;
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum CacheStatus {
     Hit,
     Miss,

@@ -19,7 +19,7 @@ pub const MAX_LINE: usize = 1_024;
 
 const MAX_RACES: usize = 16;
 
-/// A model's configured limits, as rates per millisecond.
+/// A model's configured limits (per minute; `req_per_ms`/`tok_per_ms` give the rates).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Limits {
     pub rpm: Option<f64>,

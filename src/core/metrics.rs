@@ -7,7 +7,7 @@ use super::flight::{usage, Event};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum Counter {
-    Requests(CacheStatusName),
+    Requests(CacheStatus),
     UpstreamCalls,
     Retries,
     Failovers,
@@ -19,15 +19,12 @@ pub enum Counter {
     CostSavedMicroUsd,
 }
 
-/// `CacheStatus` as a counter dimension.
-pub type CacheStatusName = &'static str;
-
 pub const COUNTERS: [Counter; 14] = [
-    Counter::Requests("hit"),
-    Counter::Requests("miss"),
-    Counter::Requests("coalesced"),
-    Counter::Requests("bypass"),
-    Counter::Requests("stale"),
+    Counter::Requests(CacheStatus::Hit),
+    Counter::Requests(CacheStatus::Miss),
+    Counter::Requests(CacheStatus::Coalesced),
+    Counter::Requests(CacheStatus::Bypass),
+    Counter::Requests(CacheStatus::Stale),
     Counter::UpstreamCalls,
     Counter::Retries,
     Counter::Failovers,
@@ -42,7 +39,7 @@ pub const COUNTERS: [Counter; 14] = [
 impl Counter {
     pub fn name(self) -> String {
         match self {
-            Counter::Requests(s) => format!("requests_{s}"),
+            Counter::Requests(s) => format!("requests_{}", s.as_str().to_ascii_lowercase()),
             Counter::UpstreamCalls => "upstream_calls".into(),
             Counter::Retries => "retries".into(),
             Counter::Failovers => "failovers".into(),
@@ -110,15 +107,8 @@ pub fn for_event(config: &Config, event: &Event) -> Vec<(String, Counter, u64)> 
 /// the cost of the original usage, saved.
 pub fn for_reply(config: &Config, requested_model: &str, reply: &Reply) -> Vec<(String, Counter, u64)> {
     let Some(status) = reply.cache else { return Vec::new() };
-    let name = match status {
-        CacheStatus::Hit => "hit",
-        CacheStatus::Miss => "miss",
-        CacheStatus::Coalesced => "coalesced",
-        CacheStatus::Bypass => "bypass",
-        CacheStatus::Stale => "stale",
-    };
     let l = label(config, requested_model).to_owned();
-    let mut out = vec![(l.clone(), Counter::Requests(name), 1)];
+    let mut out = vec![(l.clone(), Counter::Requests(status), 1)];
     if matches!(status, CacheStatus::Hit | CacheStatus::Coalesced) && reply.response.status == 200 {
         let served = reply.response.header("x-holysheep-model").unwrap_or(requested_model);
         // Parsing the answer is the only cost on a HIT; skip it when nothing is priced.
@@ -142,7 +132,7 @@ mod tests {
         let c =
             Config::parse(br#"{"models":{"gpt-4.1":{"usd_per_mtok_input":2.0,"usd_per_mtok_output":8.0}}}"#).unwrap();
         assert_eq!(labels(&c), ["gpt-4.1", "other"]);
-        assert_eq!(metric_name("gpt-4.1", Counter::Requests("hit")), "holysheep.gpt-4.1.requests_hit");
+        assert_eq!(metric_name("gpt-4.1", Counter::Requests(CacheStatus::Hit)), "holysheep.gpt-4.1.requests_hit");
         let usage = Event::Usage { model: "gpt-4.1".into(), prompt: 1000, completion: 500 };
         assert!(for_event(&c, &usage).contains(&("gpt-4.1".into(), Counter::CostSpentMicroUsd, 6000)));
         assert_eq!(for_event(&c, &Event::Retry { model: "unknown".into() }), [("other".into(), Counter::Retries, 1)]);
@@ -151,7 +141,10 @@ mod tests {
             Reply { response: Response::json(200, body), cache: Some(CacheStatus::Hit), key: None, age_s: Some(1) };
         assert_eq!(
             for_reply(&c, "gpt-4.1", &hit),
-            [("gpt-4.1".into(), Counter::Requests("hit"), 1), ("gpt-4.1".into(), Counter::CostSavedMicroUsd, 6000)]
+            [
+                ("gpt-4.1".into(), Counter::Requests(CacheStatus::Hit), 1),
+                ("gpt-4.1".into(), Counter::CostSavedMicroUsd, 6000)
+            ]
         );
         assert!(COUNTERS.iter().all(|c| !c.name().is_empty()));
     }

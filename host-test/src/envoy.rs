@@ -24,6 +24,12 @@ pub fn wasm_path() -> PathBuf {
         .map_or_else(|| workspace_root().join("target/wasm32-wasip1/release/holysheep_edge.wasm"), PathBuf::from)
 }
 
+/// The built wasi:http component (`HOLYSHEEP_COMPONENT` overrides).
+pub fn component_path() -> PathBuf {
+    std::env::var_os("HOLYSHEEP_COMPONENT")
+        .map_or_else(|| workspace_root().join("target/wasm32-wasip2/release/holysheep_edge.wasm"), PathBuf::from)
+}
+
 pub struct Options {
     /// The plugin configuration (JSON).
     pub config: String,

@@ -2,6 +2,7 @@
 //! client, and a real Envoy runner.
 
 pub mod client;
+pub mod component_host;
 pub mod envoy;
 pub mod mock;
 pub mod proxy_host;

@@ -1,14 +1,19 @@
 //! `host-test serve --wasm PATH [--config JSON] [--listen ADDR] [--cluster NAME=ADDR]...
-//! [--workers N]`: runs the plugin without Envoy, on the wasmtime host. The VMs see the
-//! process environment variable `HOLYSHEEP_API_KEY` when it is set.
+//! [--workers N]`: runs the proxy-wasm plugin without Envoy, on the wasmtime host.
+//! `host-test serve --component PATH [--config JSON] [--listen ADDR] [--upstream ADDR]`:
+//! runs the wasi:http component, one instance per request, outgoing requests to ADDR.
+//! Both see the process environment variable `HOLYSHEEP_API_KEY` when it is set.
 
+use host_test::component_host::serve::{start as start_component, ComponentOptions};
 use host_test::serve::{start, ServeOptions};
 use std::collections::HashMap;
 
 fn usage() -> ! {
     eprintln!(
         "usage: host-test serve --wasm PATH [--config JSON] [--listen 127.0.0.1:10000] \
-         [--cluster holysheep=127.0.0.1:18000]... [--workers 2]"
+         [--cluster holysheep=127.0.0.1:18000]... [--workers 2]\n       \
+         host-test serve --component PATH [--config JSON] [--listen 127.0.0.1:10000] \
+         [--upstream 127.0.0.1:18000]"
     );
     std::process::exit(2)
 }
@@ -26,9 +31,13 @@ fn main() {
         workers: 2,
         env: std::env::var("HOLYSHEEP_API_KEY").map(|k| vec![("HOLYSHEEP_API_KEY".to_owned(), k)]).unwrap_or_default(),
     };
+    let mut component = None;
+    let mut upstream = None;
     while let Some(flag) = args.next() {
         let Some(value) = args.next() else { usage() };
         match flag.as_str() {
+            "--component" => component = Some(value.into()),
+            "--upstream" => upstream = Some(value.parse().unwrap_or_else(|_| usage())),
             "--wasm" => opts.wasm = value.into(),
             "--config" => opts.config = value,
             "--listen" => opts.listen = value.parse().unwrap_or_else(|_| usage()),
@@ -41,9 +50,19 @@ fn main() {
         }
     }
     opts.clusters.entry("holysheep".into()).or_insert(([127, 0, 0, 1], 18000).into());
-    match start(opts) {
-        Ok(serving) => {
-            println!("holysheep-edge on the wasmtime host: http://{}", serving.addr);
+    let started = match component {
+        Some(wasm) => {
+            let mut env = opts.env;
+            env.push(("HOLYSHEEP_CONFIG".to_owned(), opts.config));
+            let upstream = upstream.unwrap_or(([127, 0, 0, 1], 18000).into());
+            start_component(ComponentOptions { wasm, listen: opts.listen, upstream, env })
+                .map(|s| (s.addr, Box::new(s) as Box<dyn Send>))
+        }
+        None => start(opts).map(|s| (s.addr, Box::new(s) as Box<dyn Send>)),
+    };
+    match started {
+        Ok((addr, serving)) => {
+            println!("holysheep-edge on the wasmtime host: http://{addr}");
             std::thread::park();
             drop(serving);
         }

@@ -63,6 +63,9 @@ pub struct Upstream {
     pub cluster: String,
     /// `:authority` of the callout.
     pub authority: String,
+    /// Scheme of the call from the wasi:http component (`https` or `http`); Envoy takes
+    /// the transport from the cluster instead.
+    pub scheme: String,
     /// Whole-callout timeout.
     pub timeout_ms: u64,
     /// Name of the VM environment variable that holds the HolySheep API key.
@@ -117,6 +120,7 @@ impl Default for Upstream {
         Upstream {
             cluster: "holysheep".into(),
             authority: "api.holysheep.ai".into(),
+            scheme: "https".into(),
             timeout_ms: 60_000,
             api_key_env: "HOLYSHEEP_API_KEY".into(),
         }
@@ -172,9 +176,10 @@ impl Config {
     }
 
     fn validate(&self) -> Result<(), ConfigError> {
-        let checks: [(bool, &str, &str); 12] = [
+        let checks: [(bool, &str, &str); 13] = [
             (self.upstream.cluster.is_empty(), "upstream.cluster", "must not be empty"),
             (self.upstream.authority.is_empty(), "upstream.authority", "must not be empty"),
+            (!["https", "http"].contains(&self.upstream.scheme.as_str()), "upstream.scheme", "must be https or http"),
             (self.upstream.timeout_ms == 0, "upstream.timeout_ms", "must be at least 1"),
             (self.upstream.api_key_env.is_empty(), "upstream.api_key_env", "must not be empty"),
             (self.cache.ttl_seconds == 0, "cache.ttl_seconds", "must be at least 1"),

@@ -12,6 +12,12 @@ use super::store::CasStore;
 /// How far a host's cached clock may lag the timer that fired (see `Engine::failure`).
 pub const CLOCK_SLACK_MS: u64 = 50;
 
+/// How long a waiter that no one can wake (the wasi:http component polls the store) sleeps
+/// before its `polls`-th look: 2 ms, doubling, at most 50 ms.
+pub fn poll_delay_ms(polls: u32) -> u64 {
+    (2u64 << polls.min(5)).min(50)
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum CacheStatus {
     Hit,

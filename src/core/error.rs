@@ -40,6 +40,11 @@ impl ApiError {
         ApiError { status, message: message.into(), kind: "upstream_error", param: None, code }
     }
 
+    /// A 500 `server_error`: the edge itself is misconfigured or lost its store.
+    pub fn server(message: impl Into<String>, code: &'static str) -> Self {
+        ApiError { status: 500, message: message.into(), kind: "server_error", param: None, code }
+    }
+
     pub fn body(&self) -> Vec<u8> {
         json!({"error": {
             "message": self.message,

@@ -12,4 +12,5 @@ pub mod limits;
 pub mod metrics;
 pub mod request;
 pub mod store;
+pub mod upstream;
 pub mod wake;

@@ -49,6 +49,83 @@ pub fn claim(store: &impl CasStore, key: &str, value: &[u8]) -> bool {
     }
 }
 
+/// Envoy's CAS over a store whose compare-and-swap works on handles instead of numbers
+/// (`wasi:keyvalue/atomics`: take a handle, read through it, swap; the swap fails if the
+/// key changed since the handle was taken). Each value carries a 4-byte little-endian
+/// version ahead of the payload, and the version is the `cas` the core sees. Unlike Envoy,
+/// a write with `ABSENT_CAS` is a true create-if-absent.
+pub mod versioned {
+    use super::{Read, StoreError, ABSENT_CAS};
+
+    const HEADER: usize = 4;
+
+    /// The core's view of a stored value (`None`: the key is missing).
+    pub fn read(raw: Option<&[u8]>) -> Read {
+        match raw {
+            None => Read::default(),
+            Some(raw) => {
+                let (version, payload) = split(raw);
+                Read { value: (!payload.is_empty()).then(|| payload.to_vec()), cas: Some(version) }
+            }
+        }
+    }
+
+    fn split(raw: &[u8]) -> (u32, &[u8]) {
+        match raw.split_first_chunk::<HEADER>() {
+            Some((v, payload)) => (u32::from_le_bytes(*v), payload),
+            None => (0, &[]),
+        }
+    }
+
+    /// The bytes to swap in when the handle saw `current`, or `CasMismatch` when `cas`
+    /// (the version the writer read; `None` or `Some(0)`: unconditional) no longer holds.
+    pub fn next(current: Option<&[u8]>, cas: Option<u32>, value: &[u8]) -> Result<Vec<u8>, StoreError> {
+        let version = current.map(|raw| split(raw).0);
+        if let Some(expected) = cas.filter(|c| *c != 0) {
+            if version.unwrap_or(ABSENT_CAS) != expected {
+                return Err(StoreError::CasMismatch);
+            }
+        }
+        let mut next = version.unwrap_or(0).wrapping_add(1);
+        if next == 0 || next == ABSENT_CAS {
+            next = 1;
+        }
+        let mut raw = Vec::with_capacity(HEADER + value.len());
+        raw.extend_from_slice(&next.to_le_bytes());
+        raw.extend_from_slice(value);
+        Ok(raw)
+    }
+
+    #[cfg(test)]
+    mod tests {
+        use super::*;
+
+        #[test]
+        fn versions_advance_and_guard_writes() {
+            let first = next(None, Some(ABSENT_CAS), b"a").unwrap();
+            let r = read(Some(&first));
+            assert_eq!((r.value.as_deref(), r.cas), (Some(&b"a"[..]), Some(1)));
+            assert_eq!(next(Some(&first), Some(ABSENT_CAS), b"b"), Err(StoreError::CasMismatch));
+            assert_eq!(next(Some(&first), Some(7), b"b"), Err(StoreError::CasMismatch));
+            let second = next(Some(&first), Some(1), b"").unwrap();
+            assert_eq!(read(Some(&second)), Read { value: None, cas: Some(2) });
+            assert!(next(Some(&second), None, b"c").is_ok());
+            assert_eq!(read(None), Read::default());
+        }
+
+        #[test]
+        fn a_conditional_write_on_a_missing_key_is_refused() {
+            assert_eq!(next(None, Some(3), b"x"), Err(StoreError::CasMismatch));
+        }
+
+        #[test]
+        fn the_version_skips_zero_and_the_absent_sentinel() {
+            let near = [(ABSENT_CAS - 1).to_le_bytes().to_vec(), b"v".to_vec()].concat();
+            assert_eq!(read(Some(&next(Some(&near), None, b"w").unwrap())).cas, Some(1));
+        }
+    }
+}
+
 #[cfg(test)]
 pub use model::MemStore;
 

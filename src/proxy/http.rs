@@ -2,10 +2,11 @@
 //! core what to do and does it. Every other request passes through untouched.
 
 use super::host::{self, SharedData};
-use super::worker::{Outbound, Shared, Target};
+use super::worker::{Shared, Target};
 use crate::core::engine::{Engine, Reply, Step};
 use crate::core::error::ApiError;
 use crate::core::request::{CacheControl, ChatRequest, RequestMeta, CHAT_PATH};
+use crate::core::upstream::Outbound;
 use proxy_wasm::hostcalls;
 use proxy_wasm::traits::{Context, HttpContext};
 use proxy_wasm::types::{Action, BufferType, MapType};

@@ -8,10 +8,11 @@ use crate::core::cache::Response;
 use crate::core::config::Config;
 use crate::core::engine::{Call, Engine, Reply, Step, Wait};
 use crate::core::flight::{Action, Flight};
-use crate::core::limits::{self, Limits, ProviderHints};
+use crate::core::limits::ProviderHints;
 use crate::core::metrics::{self, Counter, COUNTERS};
-use crate::core::request::{with_model, Key, CHAT_PATH};
+use crate::core::request::{Key, CHAT_PATH};
 use crate::core::store::claim;
+use crate::core::upstream::{self, Outbound};
 use crate::core::wake;
 use proxy_wasm::hostcalls;
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
@@ -20,14 +21,6 @@ use std::cell::RefCell;
 use std::collections::HashMap;
 use std::rc::Rc;
 use std::time::Duration;
-
-/// What an upstream call needs from the client's request.
-pub struct Outbound {
-    pub body: Vec<u8>,
-    pub client_authorization: Option<String>,
-    pub model: String,
-    pub estimate_tokens: u64,
-}
 
 /// Message on a worker's own queue: dispatch the pending calls from the root context.
 const DISPATCH: &[u8] = b"dispatch";
@@ -123,13 +116,8 @@ impl Worker {
 
     /// Sends `reply` with the model's `x-ratelimit-*` headers, and counts it.
     pub fn respond(&self, target: Target, reply: &Reply, model: &str) -> bool {
-        let config = &self.config;
-        let rate = config.model(model).map(|(bucket, m)| {
-            let l = Limits::of(m);
-            limits::peek(&SharedData, bucket, &l, host::now_ms()).headers(&l)
-        });
-        let extra = rate.unwrap_or_default();
-        self.count(metrics::for_reply(config, model, reply));
+        let extra = upstream::rate_headers(&SharedData, &self.config, model, host::now_ms());
+        self.count(metrics::for_reply(&self.config, model, reply));
         match target {
             Target::Current => host::send(reply, &extra),
             Target::Context(id) => host::send_to(id, reply, &extra),
@@ -231,27 +219,12 @@ impl Root {
             (w.config.clone(), w.bearer.clone())
         };
         let out = &run.outbound;
-        let rewritten;
-        let body = if model == out.model {
-            &out.body
-        } else {
-            rewritten = with_model(&out.body, model);
-            &rewritten
-        };
-        let auth = bearer.as_deref().or(out.client_authorization.as_deref());
-        let mut headers = vec![
-            (":method", "POST"),
-            (":path", CHAT_PATH),
-            (":authority", config.upstream.authority.as_str()),
-            ("content-type", "application/json"),
-            ("accept", "application/json"),
-            ("user-agent", concat!("holysheep-edge/", env!("CARGO_PKG_VERSION"))),
-        ];
-        if let Some(a) = auth {
-            headers.push(("authorization", a));
-        }
+        let body = out.body_for(model);
+        let mut headers =
+            vec![(":method", "POST"), (":path", CHAT_PATH), (":authority", config.upstream.authority.as_str())];
+        headers.extend(out.headers(bearer.as_deref()));
         let timeout = Duration::from_millis(timeout_ms.max(1));
-        match self.dispatch_http_call(&config.upstream.cluster, headers, Some(body), vec![], timeout) {
+        match self.dispatch_http_call(&config.upstream.cluster, headers, Some(&body), vec![], timeout) {
             Ok(token) => {
                 host::log(LogLevel::Debug, &format!("holysheep: #{} callout {token} to {model}", run.context_id));
                 Some(token)
@@ -432,17 +405,13 @@ impl Root {
             return (None, ProviderHints::default());
         }
         let headers = hostcalls::get_map(MapType::HttpCallResponseHeaders).unwrap_or_default();
-        let header = |n: &str| headers.iter().find(|(k, _)| k == n).map(|(_, v)| v.clone());
-        let Some(status) = header(":status").and_then(|s| s.parse().ok()) else {
+        let status = headers.iter().find(|(k, _)| k == ":status").and_then(|(_, v)| v.parse().ok());
+        let Some(status) = status else {
             return (None, ProviderHints::default());
         };
-        let response = Response {
-            status,
-            content_type: header("content-type").unwrap_or_else(|| "application/json".into()),
-            headers: header("retry-after").map(|v| vec![("retry-after".to_owned(), v)]).unwrap_or_default(),
-            body: host::buffer(BufferType::HttpCallResponseBody, body_size),
-        };
-        (Some(response), ProviderHints::from_headers(status, &headers))
+        let (response, hints) =
+            upstream::response(status, &headers, host::buffer(BufferType::HttpCallResponseBody, body_size));
+        (Some(response), hints)
     }
 }
 
@@ -473,8 +442,7 @@ impl RootContext for Root {
         let vm_id = hostcalls::get_property(vec!["plugin_vm_id"]).ok().flatten().unwrap_or_default();
         let mut w = self.worker.borrow_mut();
         w.vm_id = String::from_utf8_lossy(&vm_id).into_owned();
-        w.bearer =
-            std::env::var(&config.upstream.api_key_env).ok().filter(|k| !k.is_empty()).map(|k| format!("Bearer {k}"));
+        w.bearer = upstream::bearer(std::env::var(&config.upstream.api_key_env).ok());
         host::log(
             LogLevel::Info,
             &format!(

@@ -1,0 +1,38 @@
+//! A `wasi:http` host for the gateway component: wasmtime + wasmtime-wasi-http, the
+//! interfaces of `wasi:http/proxy`, `wasi:cli/environment`, and our own `wasi:keyvalue`
+//! draft2 (store + atomics with a real CAS, one map shared by every request). Outgoing
+//! requests all go to one upstream address, the way an Envoy cluster would.
+
+pub mod keyvalue;
+pub mod serve;
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::{Mutex, OnceLock};
+use wasmtime::component::Component;
+use wasmtime::{Config, Engine};
+
+/// Compiles a component once per process (tests start many servers on the same file).
+pub fn load(path: &Path) -> wasmtime::Result<(Engine, Component)> {
+    static COMPILED: OnceLock<Mutex<HashMap<PathBuf, (Engine, Component)>>> = OnceLock::new();
+    let mut compiled = COMPILED.get_or_init(Default::default).lock().unwrap_or_else(|e| e.into_inner());
+    if let Some(c) = compiled.get(path) {
+        return Ok(c.clone());
+    }
+    let engine = Engine::new(&Config::new())?;
+    let component = Component::from_file(&engine, path)?;
+    compiled.insert(path.to_owned(), (engine.clone(), component.clone()));
+    Ok((engine, component))
+}
+
+/// The interfaces a component imports, as `namespace:package/interface@version`.
+pub fn imports(path: &Path) -> wasmtime::Result<Vec<String>> {
+    let (engine, component) = load(path)?;
+    let ty = component.component_type();
+    Ok(ty.imports(&engine).map(|(name, _)| name.to_owned()).collect())
+}
+
+/// `wasi:http/types@0.2.12` → `wasi:http/types`.
+pub fn unversioned(name: &str) -> &str {
+    name.split('@').next().unwrap_or(name)
+}

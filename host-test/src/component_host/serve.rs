@@ -1,0 +1,188 @@
+//! `host-test serve --component PATH`: one instance of the gateway component per request,
+//! behind a real HTTP/1.1 server (hyper). Every request's store shares one keyvalue memory;
+//! every outgoing request is sent to `upstream` over plain HTTP, keeping its path and
+//! `host` header.
+
+use super::keyvalue::{self, KeyValue, Memory};
+use hyper::server::conn::http1;
+use hyper::service::service_fn;
+use hyper_util::rt::TokioIo;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+use tokio::net::TcpListener;
+use wasmtime::component::{Linker, ResourceTable};
+use wasmtime::Store;
+use wasmtime_wasi::cli::{WasiCli, WasiCliView};
+use wasmtime_wasi::{WasiCtx, WasiCtxView, WasiView};
+use wasmtime_wasi_http::p2::bindings::http::types::Scheme;
+use wasmtime_wasi_http::p2::bindings::ProxyPre;
+use wasmtime_wasi_http::p2::body::HyperOutgoingBody;
+use wasmtime_wasi_http::{WasiHttpCtx, WasiHttpCtxView, WasiHttpHooks, WasiHttpView};
+
+pub struct ComponentOptions {
+    pub wasm: PathBuf,
+    pub listen: SocketAddr,
+    pub upstream: SocketAddr,
+    /// The component's environment: `HOLYSHEEP_CONFIG`, `HOLYSHEEP_API_KEY`, ...
+    pub env: Vec<(String, String)>,
+}
+
+/// A running server; it lives as long as the process (or the test) does.
+pub struct Serving {
+    pub addr: SocketAddr,
+    /// The keyvalue memory every request shares.
+    pub memory: Arc<Memory>,
+    _runtime: tokio::runtime::Runtime,
+}
+
+struct Host {
+    pre: ProxyPre<State>,
+    memory: Arc<Memory>,
+    upstream: SocketAddr,
+    env: Vec<(String, String)>,
+}
+
+struct State {
+    table: ResourceTable,
+    wasi: WasiCtx,
+    http: WasiHttpCtx,
+    hooks: Redirect,
+    memory: Arc<Memory>,
+}
+
+/// Sends every outgoing request to one address, like an Envoy cluster.
+struct Redirect {
+    upstream: SocketAddr,
+}
+
+impl WasiView for State {
+    fn ctx(&mut self) -> WasiCtxView<'_> {
+        WasiCtxView { ctx: &mut self.wasi, table: &mut self.table }
+    }
+}
+
+impl WasiHttpView for State {
+    fn http(&mut self) -> WasiHttpCtxView<'_> {
+        WasiHttpCtxView { ctx: &mut self.http, table: &mut self.table, hooks: &mut self.hooks }
+    }
+}
+
+impl WasiHttpHooks for Redirect {
+    fn send_request(
+        &mut self,
+        mut request: hyper::Request<wasmtime_wasi_http::WasiBody>,
+        options: Option<wasmtime_wasi_http::RequestOptions>,
+        fut: Box<dyn std::future::Future<Output = Result<(), wasmtime_wasi_http::Error>> + Send>,
+    ) -> Box<
+        dyn std::future::Future<
+                Output = Result<
+                    (
+                        hyper::Response<wasmtime_wasi_http::WasiBody>,
+                        Box<dyn std::future::Future<Output = Result<(), wasmtime_wasi_http::Error>> + Send>,
+                    ),
+                    wasmtime_wasi_http::Error,
+                >,
+            > + Send,
+    > {
+        let path = request.uri().path_and_query().map_or("/", |p| p.as_str()).to_owned();
+        if let Ok(uri) = format!("http://{}{path}", self.upstream).parse() {
+            *request.uri_mut() = uri;
+        }
+        let _ = fut;
+        Box::new(async move {
+            use http_body_util::BodyExt;
+            let (response, io) = wasmtime_wasi_http::default_send_request(request, options).await?;
+            Ok((response.map(BodyExt::boxed_unsync), Box::new(io) as Box<dyn std::future::Future<Output = _> + Send>))
+        })
+    }
+}
+
+/// The interfaces of the `holysheep:edge/gateway` world and nothing else, so a component
+/// that imports more does not instantiate.
+fn linker(engine: &wasmtime::Engine) -> wasmtime::Result<Linker<State>> {
+    let mut linker = Linker::new(engine);
+    wasmtime_wasi_http::p2::add_to_linker_async(&mut linker)?;
+    wasmtime_wasi::p2::bindings::cli::environment::add_to_linker::<State, WasiCli>(&mut linker, State::cli)?;
+    keyvalue::add_to_linker(&mut linker, |s: &mut State| KeyValue { memory: &s.memory, table: &mut s.table })?;
+    Ok(linker)
+}
+
+/// Loads the component, starts the HTTP server; returns the bound address.
+pub fn start(opts: ComponentOptions) -> std::io::Result<Serving> {
+    let io = |e: wasmtime::Error| std::io::Error::other(format!("{e:?}"));
+    let (engine, component) = super::load(&opts.wasm).map_err(io)?;
+    let mut l = linker(&engine).map_err(io)?;
+    {
+        use wasmtime_wasi::p2::bindings::cli;
+        cli::exit::add_to_linker::<State, WasiCli>(&mut l, State::cli).map_err(io)?;
+        cli::terminal_input::add_to_linker::<State, WasiCli>(&mut l, State::cli).map_err(io)?;
+        cli::terminal_output::add_to_linker::<State, WasiCli>(&mut l, State::cli).map_err(io)?;
+        cli::terminal_stdin::add_to_linker::<State, WasiCli>(&mut l, State::cli).map_err(io)?;
+        cli::terminal_stdout::add_to_linker::<State, WasiCli>(&mut l, State::cli).map_err(io)?;
+        cli::terminal_stderr::add_to_linker::<State, WasiCli>(&mut l, State::cli).map_err(io)?;
+    }
+    let pre = l.instantiate_pre(&component).and_then(ProxyPre::new).map_err(io)?;
+    let memory = Memory::new();
+    let host = Arc::new(Host { pre, memory: memory.clone(), upstream: opts.upstream, env: opts.env });
+    let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
+    let listener = runtime.block_on(TcpListener::bind(opts.listen))?;
+    let addr = listener.local_addr()?;
+    runtime.spawn(async move {
+        while let Ok((conn, _)) = listener.accept().await {
+            let host = host.clone();
+            tokio::spawn(async move {
+                let service = service_fn(move |req| {
+                    let host = host.clone();
+                    async move {
+                        let answer = host.handle(req).await;
+                        if let Err(e) = &answer {
+                            eprintln!("host-test serve --component: {e:?}");
+                        }
+                        answer
+                    }
+                });
+                let _ = http1::Builder::new().keep_alive(true).serve_connection(TokioIo::new(conn), service).await;
+            });
+        }
+    });
+    Ok(Serving { addr, memory, _runtime: runtime })
+}
+
+impl Host {
+    async fn handle(
+        &self,
+        req: hyper::Request<hyper::body::Incoming>,
+    ) -> wasmtime::Result<hyper::Response<HyperOutgoingBody>> {
+        let mut wasi = WasiCtx::builder();
+        wasi.inherit_stderr();
+        for (k, v) in &self.env {
+            wasi.env(k, v);
+        }
+        let state = State {
+            table: ResourceTable::new(),
+            wasi: wasi.build(),
+            http: WasiHttpCtx::new(),
+            hooks: Redirect { upstream: self.upstream },
+            memory: self.memory.clone(),
+        };
+        let mut store = Store::new(self.pre.engine(), state);
+        let (sender, receiver) = tokio::sync::oneshot::channel();
+        let req = store.data_mut().http().new_incoming_request(Scheme::Http, req)?;
+        let out = store.data_mut().http().new_response_outparam(sender)?;
+        let pre = self.pre.clone();
+        let task = tokio::spawn(async move {
+            let proxy = pre.instantiate_async(&mut store).await?;
+            proxy.wasi_http_incoming_handler().call_handle(store, req, out).await
+        });
+        match receiver.await {
+            Ok(Ok(resp)) => Ok(resp),
+            Ok(Err(e)) => Err(e.into()),
+            Err(_) => match task.await {
+                Ok(Ok(())) => Err(wasmtime::Error::msg("the component never set a response")),
+                Ok(Err(e)) => Err(e),
+                Err(e) => Err(e.into()),
+            },
+        }
+    }
+}

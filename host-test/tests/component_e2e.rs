@@ -1,0 +1,178 @@
+//! The wasi:http component (wasm32-wasip2) against the foundation's contract, on the
+//! wasmtime + wasmtime-wasi-http host with our keyvalue draft2, the mock HolySheep as its
+//! upstream. Also: the component imports nothing outside `holysheep:edge/gateway`.
+
+use host_test::client::{request, Resp};
+use host_test::component_host::serve::{start, ComponentOptions, Serving};
+use host_test::component_host::{imports, unversioned};
+use host_test::envoy::{component_path, workspace_root};
+use host_test::mock::{Fault, Running};
+use host_test::stack::{count, prompt, prompt_for, PATH};
+use std::collections::BTreeSet;
+use std::sync::{Arc, Barrier};
+
+fn serve(mock: &Running, config: &str) -> Serving {
+    start(ComponentOptions {
+        wasm: component_path(),
+        listen: ([127, 0, 0, 1], 0).into(),
+        upstream: mock.addr,
+        env: vec![("HOLYSHEEP_CONFIG".to_owned(), config.to_owned())],
+    })
+    .expect("component serves")
+}
+
+fn post(s: &Serving, body: &str, headers: &[(&str, &str)]) -> Resp {
+    request(s.addr, "POST", PATH, headers, body.as_bytes()).expect("answer")
+}
+
+fn burst(s: &Serving, n: usize, body: &str) -> Vec<Resp> {
+    let barrier = Arc::new(Barrier::new(n));
+    let handles: Vec<_> = (0..n)
+        .map(|_| {
+            let (b, addr, body) = (barrier.clone(), s.addr, body.to_owned());
+            std::thread::spawn(move || {
+                b.wait();
+                request(addr, "POST", PATH, &[("authorization", "Bearer a")], body.as_bytes()).expect("answer")
+            })
+        })
+        .collect();
+    handles.into_iter().map(|h| h.join().expect("thread")).collect()
+}
+
+fn sha256_hex(data: &[u8]) -> String {
+    use sha2::Digest;
+    sha2::Sha256::digest(data).iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// The interfaces the `gateway` world imports, from `wit/`, without versions.
+fn gateway_world() -> BTreeSet<String> {
+    let mut resolve = wit_parser::Resolve::default();
+    resolve.features.insert("clocks-timezone".into());
+    let (pkg, _) = resolve.push_dir(workspace_root().join("wit")).expect("wit/ parses");
+    let world = resolve.select_world(&[pkg], Some("gateway")).expect("world gateway");
+    resolve.worlds[world]
+        .imports
+        .keys()
+        .filter_map(|k| match k {
+            wit_parser::WorldKey::Interface(id) => resolve.id_of(*id),
+            wit_parser::WorldKey::Name(_) => None,
+        })
+        .map(|name| unversioned(&name).to_owned())
+        .collect()
+}
+
+#[test]
+fn the_component_imports_only_the_gateway_world() {
+    let allowed = gateway_world();
+    assert!(allowed.contains("wasi:keyvalue/atomics") && allowed.contains("wasi:http/outgoing-handler"));
+    let imported = imports(&component_path()).expect("component loads");
+    println!("component imports: {imported:?}");
+    let outside: Vec<&String> = imported.iter().filter(|i| !allowed.contains(unversioned(i))).collect();
+    assert!(outside.is_empty(), "imports outside holysheep:edge/gateway: {outside:?}");
+}
+
+#[test]
+fn the_vendored_wit_matches_its_lock() {
+    let wit = workspace_root().join("wit");
+    let lock = std::fs::read_to_string(wit.join("deps.lock")).expect("wit/deps.lock");
+    let mut locked = 0;
+    for line in lock.lines() {
+        let (hash, path) = line.split_once("  ").expect("<sha256>  <path>");
+        let text = std::fs::read(wit.join(path)).expect("a locked file exists");
+        assert_eq!(sha256_hex(&text), hash, "{path} differs from wit/deps.lock");
+        locked += 1;
+    }
+    let vendored = std::fs::read_dir(wit.join("deps"))
+        .expect("wit/deps")
+        .flat_map(|d| std::fs::read_dir(d.expect("entry").path()).expect("package dir"))
+        .count();
+    assert_eq!(locked, vendored, "every vendored file is in the lock");
+}
+
+#[test]
+fn fifty_identical_requests_make_one_upstream_call() {
+    let mock = Running::start(None, 2000).expect("mock");
+    let s = serve(&mock, "{}");
+    let body = prompt("served by the component");
+    let resps = burst(&s, 50, &body);
+    assert_eq!(mock.mock.calls(), 1, "one upstream call for 50 callers");
+    assert!(resps.iter().all(|r| r.status == 200 && r.body == resps[0].body), "{}", resps[0].text());
+    assert_eq!((count(&resps, "MISS"), count(&resps, "COALESCED")), (1, 49));
+    assert!(resps.iter().all(|r| r.header("x-holysheep-key") == resps[0].header("x-holysheep-key")));
+}
+
+#[test]
+fn hit_miss_bypass_tenant_scope_and_pass_through() {
+    let mock = Running::start(None, 0).expect("mock");
+    let s = serve(&mock, "{}");
+    let body = prompt("component contract");
+    assert_eq!(post(&s, &body, &[("authorization", "Bearer a")]).cache(), "MISS");
+    let hit = post(&s, &body, &[("authorization", "Bearer a")]);
+    assert_eq!((hit.status, hit.cache(), hit.header("age").is_some()), (200, "HIT", true));
+    assert_eq!(hit.json()["object"], "chat.completion");
+    let reordered =
+        r#"{"temperature":0,"messages":[{"content":"component contract","role":"user"}],"model":"gpt-4.1"}"#;
+    assert_eq!(post(&s, reordered, &[("authorization", "Bearer a")]).cache(), "HIT");
+    assert_eq!(post(&s, &body, &[("authorization", "Bearer b")]).cache(), "MISS", "another tenant");
+    let no_store = post(&s, &body, &[("authorization", "Bearer a"), ("cache-control", "no-store")]);
+    assert_eq!(no_store.cache(), "BYPASS");
+    assert_eq!(mock.mock.calls(), 3);
+
+    let streamed = prompt("component stream").replacen('{', r#"{"stream":true,"#, 1);
+    let sse = post(&s, &streamed, &[("authorization", "Bearer a")]);
+    assert_eq!((sse.status, sse.cache()), (200, "BYPASS"));
+    assert!(sse.text().contains("data: [DONE]"), "{}", sse.text());
+    let models = request(s.addr, "GET", "/v1/models", &[("authorization", "Bearer a")], b"").expect("models");
+    assert_eq!((models.status, models.header("x-holysheep-cache")), (200, None), "other routes pass through");
+    assert!(models.json()["data"].is_array());
+
+    let bounded = serve(&mock, r#"{"cache":{"max_entries":4},"lock":{"slots":2}}"#);
+    for i in 0..20 {
+        assert_eq!(post(&bounded, &prompt(&format!("distinct {i}")), &[]).status, 200);
+    }
+    let keys = bounded.memory.key_count();
+    assert!(keys <= 4 + 2, "20 prompts wrote {keys} keys; cache.max_entries + lock.slots is the bound");
+}
+
+#[test]
+fn bad_input_gets_openai_shaped_4xx() {
+    let mock = Running::start(None, 0).expect("mock");
+    let s = serve(&mock, "{}");
+    for (bad, status) in [("{oops", 400), (r#"{"model":"gpt-4.1"}"#, 400), ("", 400), ("[1]", 400)] {
+        let r = post(&s, bad, &[]);
+        assert_eq!(r.status, status, "{}", r.text());
+        assert!(r.json()["error"]["message"].is_string(), "{}", r.text());
+    }
+    let small = serve(&mock, r#"{"max_body_bytes":16}"#);
+    let r = post(&small, &prompt("too long for sixteen bytes"), &[]);
+    assert_eq!((r.status, r.json()["error"]["code"].as_str()), (413, Some("request_too_large")));
+    let broken = serve(&mock, r#"{"lock":{"lease_ms":1}}"#);
+    let r = post(&broken, &prompt("x"), &[]);
+    assert_eq!((r.status, r.json()["error"]["type"].as_str()), (500, Some("server_error")));
+    assert!(r.text().contains("lock.lease_ms"), "{}", r.text());
+    assert_eq!(mock.mock.calls(), 0, "nothing reached HolySheep");
+}
+
+#[test]
+fn retries_and_rate_limits_behave_as_in_envoy() {
+    let mock = Running::start(None, 0).expect("mock");
+    let s = serve(
+        &mock,
+        r#"{"retry":{"base_delay_ms":10,"max_delay_ms":20},"models":{"gpt-4.1":{"requests_per_minute":4}}}"#,
+    );
+    let fault = |status| Fault { status: Some(status), ..Fault::default() };
+    mock.mock.plan(vec![fault(503), fault(503)]);
+    let r = post(&s, &prompt("retried"), &[]);
+    assert_eq!((r.status, r.cache(), mock.mock.calls()), (200, "MISS", 3), "{}", r.text());
+    // Every attempt takes a request from the bucket: 3 of 4 are gone.
+    assert_eq!(r.header("x-ratelimit-limit-requests"), Some("4"));
+    assert_eq!(r.header("x-ratelimit-remaining-requests"), Some("1"));
+    let second = post(&s, &prompt("second"), &[]);
+    assert_eq!(second.status, 200);
+    let limited = post(&s, &prompt("third"), &[]);
+    assert_eq!(limited.status, 429, "{}", limited.text());
+    assert!(limited.header("retry-after").is_some());
+    assert_eq!(limited.json()["error"]["code"], "rate_limit_exceeded");
+    let other_model = post(&s, &prompt_for("deepseek-v3", "not limited"), &[]);
+    assert_eq!(other_model.status, 200);
+}

@@ -1,0 +1,316 @@
+//! One request through the gateway: `POST /v1/chat/completions` goes through the core
+//! (cache, lease, buckets, retries); everything else, and `stream: true`, is forwarded to
+//! HolySheep and streamed back. The shell only performs what the core decides.
+
+use super::host::{self, BodyError, Kv};
+use super::wasi::http::outgoing_handler;
+use super::wasi::http::types::{
+    Fields, IncomingRequest, IncomingResponse, Method, OutgoingBody, OutgoingRequest, RequestOptions, ResponseOutparam,
+    Scheme,
+};
+use crate::core::config::Config;
+use crate::core::engine::{poll_delay_ms, Call, Engine, Reply, Step};
+use crate::core::error::ApiError;
+use crate::core::flight::{Action, Flight};
+use crate::core::limits::ProviderHints;
+use crate::core::request::{CacheControl, ChatRequest, RequestMeta, CHAT_PATH};
+use crate::core::upstream::{self, Outbound};
+
+/// The most bytes read from one HolySheep answer.
+const MAX_UPSTREAM_BODY: usize = 16 * 1024 * 1024;
+/// Request headers never forwarded (hop-by-hop, or set by the gateway).
+const NOT_FORWARDED: [&str; 9] = [
+    "host",
+    "connection",
+    "keep-alive",
+    "proxy-connection",
+    "transfer-encoding",
+    "upgrade",
+    "te",
+    "content-length",
+    "authorization",
+];
+/// Response headers not copied from a forwarded answer.
+const NOT_RETURNED: [&str; 5] = ["connection", "keep-alive", "proxy-connection", "transfer-encoding", "upgrade"];
+
+/// What every part of one request needs: configuration, the key, and the store.
+struct Gateway {
+    config: Config,
+    bearer: Option<String>,
+    kv: Kv,
+}
+
+pub fn handle(request: IncomingRequest, out: ResponseOutparam) {
+    let gateway = match setup() {
+        Ok(g) => g,
+        Err(e) => return reply(out, &Reply::error(&e), &[]),
+    };
+    let path = request.path_with_query().unwrap_or_else(|| "/".into());
+    let is_chat = matches!(request.method(), Method::Post) && path.split('?').next() == Some(CHAT_PATH);
+    if is_chat {
+        gateway.chat(request, out);
+    } else {
+        gateway.forward(request, None, out, Vec::new());
+    }
+}
+
+/// Reads the configuration (`HOLYSHEEP_CONFIG`), the key and the bucket for this request.
+fn setup() -> Result<Gateway, ApiError> {
+    let raw = host::env("HOLYSHEEP_CONFIG").unwrap_or_default();
+    let config = Config::parse(raw.as_bytes()).map_err(|e| ApiError::server(e.to_string(), "invalid_configuration"))?;
+    let bearer = upstream::bearer(host::env(&config.upstream.api_key_env));
+    let bucket = host::env("HOLYSHEEP_KV_BUCKET").unwrap_or_else(|| "default".into());
+    let kv = Kv::open(&bucket).map_err(|e| {
+        ApiError::server(format!("the wasi:keyvalue bucket '{bucket}' cannot be opened: {e}"), "store_unavailable")
+    })?;
+    Ok(Gateway { config, bearer, kv })
+}
+
+fn reply(out: ResponseOutparam, reply: &Reply, extra: &[(&str, String)]) {
+    let headers: Vec<(String, String)> =
+        reply.headers().into_iter().chain(extra.iter().cloned()).map(|(n, v)| (n.to_owned(), v)).collect();
+    host::respond(out, reply.response.status, &headers, &reply.response.body);
+}
+
+impl Gateway {
+    fn chat(&self, request: IncomingRequest, out: ResponseOutparam) {
+        let headers = request.headers();
+        let limit = self.config.max_body_bytes;
+        let declared = host::header(&headers, "content-length").and_then(|l| l.trim().parse::<u64>().ok());
+        if declared.is_some_and(|l| l > limit as u64) {
+            return reply(out, &Reply::error(&ApiError::too_large(limit)), &[]);
+        }
+        let body = match request.consume().map_err(|()| BodyError::Broken).and_then(|b| host::consume(b, limit)) {
+            Ok(b) => b,
+            Err(BodyError::TooLarge) => return reply(out, &Reply::error(&ApiError::too_large(limit)), &[]),
+            Err(BodyError::Broken) => {
+                let e = ApiError::invalid("the request body could not be read", None, "invalid_body");
+                return reply(out, &Reply::error(&e), &[]);
+            }
+        };
+        let authorization = host::header(&headers, "authorization");
+        let tenant = self.config.cache.tenant_header.as_deref().and_then(|h| host::header(&headers, h));
+        let cache_control = host::header(&headers, "cache-control");
+        let meta = RequestMeta {
+            authorization: authorization.as_deref(),
+            tenant: tenant.as_deref(),
+            cache_control: cache_control.as_deref(),
+        };
+        let parsed = match ChatRequest::parse(&self.config, &meta, &body) {
+            Ok(r) => r,
+            Err(e) => return reply(out, &Reply::error(&e), &[]),
+        };
+        if parsed.stream {
+            let extra = vec![
+                ("x-holysheep-cache".to_owned(), "BYPASS".to_owned()),
+                ("x-holysheep-key".to_owned(), parsed.key.hex().to_owned()),
+            ];
+            return self.forward(request, Some(body), out, extra);
+        }
+        let policy = parsed.policy(&self.config, CacheControl::parse(meta.cache_control));
+        let outbound = Outbound {
+            body,
+            client_authorization: authorization,
+            model: parsed.model,
+            estimate_tokens: parsed.estimate_tokens,
+        };
+        let answer = self.run(self.engine().admit(&parsed.key, policy, host::now_ms(), host::nonce()), &outbound);
+        let rate = upstream::rate_headers(&self.kv, &self.config, &outbound.model, host::now_ms());
+        reply(out, &answer, &rate);
+    }
+
+    fn engine(&self) -> Engine<'_, Kv> {
+        Engine { store: &self.kv, config: &self.config }
+    }
+
+    /// Carries out the core's steps until it answers; a waiter polls the store.
+    fn run(&self, mut step: Step, outbound: &Outbound) -> Reply {
+        let mut polls = 0;
+        loop {
+            step = match step {
+                Step::Reply(r) => return r,
+                Step::Call(call) => return self.fly(call, outbound),
+                Step::Wait(wait) => {
+                    host::sleep_ms(poll_delay_ms(polls));
+                    polls += 1;
+                    self.engine().poll(&wait, host::now_ms(), host::nonce())
+                }
+            }
+        }
+    }
+
+    /// Performs one flight: attempts, backoff, failover, then completes the call.
+    fn fly(&self, call: Call, outbound: &Outbound) -> Reply {
+        let mut flight = Flight::new(&self.config, call, &outbound.model, outbound.estimate_tokens);
+        let mut action = flight.resume(&self.kv, &self.config, host::now_ms(), host::nonce());
+        loop {
+            action = match action {
+                Action::Send { model, timeout_ms } => {
+                    let (outcome, hints) = self.attempt(&flight.call, outbound, &model, timeout_ms);
+                    flight.on_response(&self.kv, &self.config, outcome, &hints, host::now_ms(), host::nonce())
+                }
+                Action::Sleep { until_ms } => {
+                    let timer = host::after_deadline(until_ms);
+                    host::wait_for(&timer, until_ms, self.config.tick_ms(), &mut || self.renew(&flight.call));
+                    flight.resume(&self.kv, &self.config, host::now_ms(), host::nonce())
+                }
+                Action::Finish(outcome) => return self.engine().complete(&flight.call, outcome, host::now_ms()),
+            }
+        }
+    }
+
+    fn renew(&self, call: &Call) {
+        self.engine().renew(call, host::now_ms());
+    }
+
+    /// One call to HolySheep for `model`, renewing the lease while it waits.
+    fn attempt(
+        &self,
+        call: &Call,
+        outbound: &Outbound,
+        model: &str,
+        timeout_ms: u64,
+    ) -> (Option<crate::core::cache::Response>, ProviderHints) {
+        let headers: Vec<(String, String)> =
+            outbound.headers(self.bearer.as_deref()).into_iter().map(|(n, v)| (n.to_owned(), v.to_owned())).collect();
+        let deadline = host::now_ms().saturating_add(timeout_ms.max(1));
+        let renew = &mut || self.renew(call);
+        let sent = self.send(Method::Post, CHAT_PATH, &headers, Some(&outbound.body_for(model)), deadline, renew);
+        let Some(response) = sent else { return (None, ProviderHints::default()) };
+        let status = response.status();
+        let headers = response_headers(&response.headers());
+        match response.consume().ok().map(|b| host::consume(b, MAX_UPSTREAM_BODY)) {
+            Some(Ok(body)) => {
+                let (r, hints) = upstream::response(status, &headers, body);
+                (Some(r), hints)
+            }
+            _ => (None, ProviderHints::default()),
+        }
+    }
+
+    /// Sends a request to HolySheep and waits for its head until `deadline_ms`.
+    fn send(
+        &self,
+        method: Method,
+        path: &str,
+        headers: &[(String, String)],
+        body: Option<&[u8]>,
+        deadline_ms: u64,
+        between: &mut dyn FnMut(),
+    ) -> Option<IncomingResponse> {
+        let request = self.outgoing(method, path, headers)?;
+        let outgoing = request.body().ok()?;
+        let future = outgoing_handler::handle(request, Some(options(deadline_ms))).ok()?;
+        if let Ok(stream) = outgoing.write() {
+            host::write_all(&stream, body.unwrap_or_default());
+        }
+        OutgoingBody::finish(outgoing, None).ok()?;
+        let ready = future.subscribe();
+        if !host::wait_for(&ready, deadline_ms, self.config.tick_ms(), between) {
+            return None;
+        }
+        drop(ready);
+        future.get()?.ok()?.ok()
+    }
+
+    fn outgoing(&self, method: Method, path: &str, headers: &[(String, String)]) -> Option<OutgoingRequest> {
+        let request = OutgoingRequest::new(host::fields(headers));
+        let scheme = if self.config.upstream.scheme == "http" { Scheme::Http } else { Scheme::Https };
+        request.set_method(&method).ok()?;
+        request.set_scheme(Some(&scheme)).ok()?;
+        request.set_authority(Some(&self.config.upstream.authority)).ok()?;
+        request.set_path_with_query(Some(path)).ok()?;
+        Some(request)
+    }
+
+    /// Passes a request to HolySheep along the route and streams the answer back
+    /// (`body`: the request body when it has been read already), adding `extra` headers.
+    fn forward(
+        &self,
+        request: IncomingRequest,
+        body: Option<Vec<u8>>,
+        out: ResponseOutparam,
+        extra: Vec<(String, String)>,
+    ) {
+        let mut headers: Vec<(String, String)> = request
+            .headers()
+            .entries()
+            .into_iter()
+            .filter(|(n, _)| !NOT_FORWARDED.contains(&n.to_ascii_lowercase().as_str()))
+            .filter_map(|(n, v)| Some((n, String::from_utf8(v).ok()?)))
+            .collect();
+        let auth = self.bearer.clone().or_else(|| host::header(&request.headers(), "authorization"));
+        headers.extend(auth.map(|a| ("authorization".to_owned(), a)));
+        let path = request.path_with_query().unwrap_or_else(|| "/".into());
+        let deadline = host::now_ms().saturating_add(self.config.upstream.timeout_ms);
+        let answer = match self.outgoing(request.method(), &path, &headers) {
+            Some(outgoing) => self.stream_request(outgoing, request, body, deadline),
+            None => None,
+        };
+        let Some(answer) = answer else {
+            let e = ApiError::upstream(502, "HolySheep could not be reached", "upstream_unavailable");
+            return reply(out, &Reply::error(&e), &[]);
+        };
+        let mut headers: Vec<(String, String)> = response_headers(&answer.headers())
+            .into_iter()
+            .filter(|(n, _)| !NOT_RETURNED.contains(&n.as_str()))
+            .collect();
+        headers.extend(extra);
+        let Some(client_body) = host::start_response(out, answer.status(), &headers) else { return };
+        if let (Ok(from_body), Ok(to)) = (answer.consume(), client_body.write()) {
+            if let Ok(from) = from_body.stream() {
+                host::pipe(&from, &to);
+            }
+        }
+        let _ = OutgoingBody::finish(client_body, None);
+    }
+
+    /// Sends `outgoing` with the client's body (already read, or streamed from `request`).
+    fn stream_request(
+        &self,
+        outgoing: OutgoingRequest,
+        request: IncomingRequest,
+        body: Option<Vec<u8>>,
+        deadline_ms: u64,
+    ) -> Option<IncomingResponse> {
+        let outgoing_body = outgoing.body().ok()?;
+        let future = outgoing_handler::handle(outgoing, Some(options(deadline_ms))).ok()?;
+        if let Ok(to) = outgoing_body.write() {
+            match body {
+                Some(b) => {
+                    host::write_all(&to, &b);
+                }
+                None => {
+                    if let Ok(incoming) = request.consume() {
+                        if let Ok(from) = incoming.stream() {
+                            host::pipe(&from, &to);
+                        }
+                    }
+                }
+            }
+        }
+        OutgoingBody::finish(outgoing_body, None).ok()?;
+        let ready = future.subscribe();
+        if !host::wait_for(&ready, deadline_ms, self.config.tick_ms(), &mut || {}) {
+            return None;
+        }
+        drop(ready);
+        future.get()?.ok()?.ok()
+    }
+}
+
+fn options(deadline_ms: u64) -> RequestOptions {
+    let options = RequestOptions::new();
+    let ns = deadline_ms.saturating_sub(host::now_ms()).max(1).saturating_mul(1_000_000);
+    let _ = options.set_connect_timeout(Some(ns));
+    let _ = options.set_first_byte_timeout(Some(ns));
+    options
+}
+
+fn response_headers(fields: &Fields) -> Vec<(String, String)> {
+    fields
+        .entries()
+        .into_iter()
+        .filter_map(|(n, v)| Some((n.to_ascii_lowercase(), String::from_utf8(v).ok()?)))
+        .collect()
+}

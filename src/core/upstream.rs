@@ -1,0 +1,117 @@
+//! The HolySheep request and response as both shells send and read them: the request a
+//! flight's attempt makes (body, headers) and the `Response` + `ProviderHints` read back.
+
+use super::cache::Response;
+use super::config::Config;
+use super::limits::{self, Limits, ProviderHints};
+use super::request::with_model;
+use super::store::CasStore;
+use std::borrow::Cow;
+
+/// What an upstream call needs from the client's request.
+#[derive(Debug, Clone)]
+pub struct Outbound {
+    pub body: Vec<u8>,
+    pub client_authorization: Option<String>,
+    pub model: String,
+    pub estimate_tokens: u64,
+}
+
+pub const USER_AGENT: &str = concat!("holysheep-edge/", env!("CARGO_PKG_VERSION"));
+
+impl Outbound {
+    /// The body for an attempt on `model` (rewritten when it is a fallback).
+    pub fn body_for(&self, model: &str) -> Cow<'_, [u8]> {
+        if model == self.model {
+            Cow::Borrowed(&self.body)
+        } else {
+            Cow::Owned(with_model(&self.body, model))
+        }
+    }
+
+    /// The regular headers of the call: the configured key (`bearer`, `Bearer <key>`)
+    /// wins over the client's own authorization.
+    pub fn headers<'a>(&'a self, bearer: Option<&'a str>) -> Vec<(&'static str, &'a str)> {
+        let mut headers =
+            vec![("content-type", "application/json"), ("accept", "application/json"), ("user-agent", USER_AGENT)];
+        if let Some(a) = bearer.or(self.client_authorization.as_deref()) {
+            headers.push(("authorization", a));
+        }
+        headers
+    }
+}
+
+/// `Bearer <key>` for a non-empty key.
+pub fn bearer(key: Option<String>) -> Option<String> {
+    key.filter(|k| !k.is_empty()).map(|k| format!("Bearer {k}"))
+}
+
+/// HolySheep's answer as the core keeps it, and what it said about its limits.
+/// `headers` are the response headers (names lower-case or not).
+pub fn response(status: u16, headers: &[(String, String)], body: Vec<u8>) -> (Response, ProviderHints) {
+    let header = |n: &str| headers.iter().find(|(k, _)| k.eq_ignore_ascii_case(n)).map(|(_, v)| v.clone());
+    let response = Response {
+        status,
+        content_type: header("content-type").unwrap_or_else(|| "application/json".into()),
+        headers: header("retry-after").map(|v| vec![("retry-after".to_owned(), v)]).unwrap_or_default(),
+        body,
+    };
+    (response, ProviderHints::from_headers(status, headers))
+}
+
+/// The `x-ratelimit-*` headers of `model`'s bucket as it stands now (none for a model
+/// without limits).
+pub fn rate_headers(store: &impl CasStore, config: &Config, model: &str, now_ms: u64) -> Vec<(&'static str, String)> {
+    config
+        .model(model)
+        .map(|(bucket, m)| {
+            let l = Limits::of(m);
+            limits::peek(store, bucket, &l, now_ms).headers(&l)
+        })
+        .unwrap_or_default()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn outbound() -> Outbound {
+        Outbound {
+            body: br#"{"model":"gpt-4.1","messages":[]}"#.to_vec(),
+            client_authorization: Some("Bearer client".into()),
+            model: "gpt-4.1".into(),
+            estimate_tokens: 10,
+        }
+    }
+
+    #[test]
+    fn configured_key_wins_over_the_clients() {
+        let o = outbound();
+        let auth = |h: Vec<(&str, &str)>| h.iter().find(|(n, _)| *n == "authorization").map(|(_, v)| v.to_string());
+        assert_eq!(auth(o.headers(Some("Bearer edge"))).as_deref(), Some("Bearer edge"));
+        assert_eq!(auth(o.headers(None)).as_deref(), Some("Bearer client"));
+        assert_eq!(bearer(Some(String::new())), None);
+    }
+
+    #[test]
+    fn a_fallback_attempt_rewrites_only_the_model() {
+        let o = outbound();
+        assert_eq!(&*o.body_for("gpt-4.1"), o.body.as_slice());
+        let v: serde_json::Value = serde_json::from_slice(&o.body_for("deepseek-v3")).unwrap();
+        assert_eq!(v["model"], "deepseek-v3");
+    }
+
+    #[test]
+    fn response_keeps_retry_after_and_reads_hints() {
+        let headers = vec![
+            ("Content-Type".to_owned(), "application/json".to_owned()),
+            ("Retry-After".to_owned(), "2".to_owned()),
+            ("x-ratelimit-remaining-requests".to_owned(), "7".to_owned()),
+        ];
+        let (r, hints) = response(429, &headers, b"{}".to_vec());
+        assert_eq!(r.header("retry-after"), Some("2"));
+        assert!(hints.throttled);
+        assert_eq!(hints.retry_after_ms, Some(2000));
+        assert_eq!(hints.remaining_requests, Some(7.0));
+    }
+}

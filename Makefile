@@ -1,11 +1,17 @@
 # The two commands: `make run` (demo on the mock) and `make test` (everything CI runs).
-.PHONY: run test bench stop setup clean
+.PHONY: run run-component test bench stop setup clean wit-lock
 
 setup:
 	envoy/setup.sh
 
 run:
 	envoy/run.sh
+
+run-component: setup
+	envoy/run-component.sh
+
+wit-lock:
+	wit/lock.sh
 
 stop:
 	envoy/stop.sh
@@ -14,6 +20,7 @@ test: setup
 	cargo fmt --all --check
 	cargo clippy --quiet --workspace --all-targets -- -D warnings
 	cargo clippy --quiet --release --target wasm32-wasip1 -- -D warnings
+	cargo clippy --quiet --release --target wasm32-wasip2 -- -D warnings
 	cargo test --workspace
 
 bench: setup

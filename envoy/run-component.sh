@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# The component demo: set up, start the mock HolySheep and the wasi:http component on the
+# wasmtime host (`host-test serve --component`), and print a curl that shows MISS then HIT.
+# Ctrl-C (or envoy/stop.sh) stops both.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+envoy/setup.sh
+cargo build --quiet --release -p host-test --bin mock-holysheep --bin host-test
+mkdir -p .run
+envoy/stop.sh >/dev/null 2>&1 || true
+
+CONFIG=${HOLYSHEEP_CONFIG:-'{"cache":{"ttl_seconds":600}}'}
+MOCK=127.0.0.1:${MOCK_PORT:-18000}
+EDGE=127.0.0.1:${EDGE_PORT:-10000}
+
+./target/release/mock-holysheep --listen "$MOCK" --latency-ms "${MOCK_LATENCY_MS:-400}" > .run/mock.log 2>&1 &
+echo $! > .run/mock.pid
+./target/release/host-test serve --component target/wasm32-wasip2/release/holysheep_edge.wasm \
+  --config "$CONFIG" --listen "$EDGE" --upstream "$MOCK" > .run/component.log 2>&1 &
+echo $! > .run/component.pid
+trap 'envoy/stop.sh' INT TERM
+
+for _ in $(seq 1 200); do
+  grep -q "http://" .run/component.log 2>/dev/null && break
+  sleep 0.1
+done
+grep -q "http://" .run/component.log || { tail -20 .run/component.log; exit 1; }
+
+edge="http://$EDGE/v1/chat/completions"
+body='{"model":"gpt-4.1","messages":[{"role":"user","content":"Name three sheep breeds."}],"temperature":0}'
+cat <<MSG
+
+holysheep-edge (wasi:http component) is running on :${EDGE_PORT:-10000}, mock HolySheep on :${MOCK_PORT:-18000}.
+Logs: .run/component.log .run/mock.log    Stop: Ctrl-C or envoy/stop.sh
+
+Try it (run twice: MISS, then HIT):
+  curl -si $edge -H 'authorization: Bearer demo' -d '$body' | grep -i -e x-holysheep -e '^age'
+
+MSG
+for i in 1 2; do
+  printf 'request %s: ' "$i"
+  curl -si "$edge" -H 'authorization: Bearer demo' -d "$body" | grep -i 'x-holysheep-cache' || true
+done
+wait "$(cat .run/component.pid)"

@@ -99,6 +99,7 @@ fn fifty_identical_requests_make_one_upstream_call() {
     assert!(resps.iter().all(|r| r.status == 200 && r.body == resps[0].body), "{}", resps[0].text());
     assert_eq!((count(&resps, "MISS"), count(&resps, "COALESCED")), (1, 49));
     assert!(resps.iter().all(|r| r.header("x-holysheep-key") == resps[0].header("x-holysheep-key")));
+    assert_eq!(s.failures(), 0, "no instance trapped");
 }
 
 #[test]
@@ -130,6 +131,7 @@ fn hit_miss_bypass_tenant_scope_and_pass_through() {
     for i in 0..20 {
         assert_eq!(post(&bounded, &prompt(&format!("distinct {i}")), &[]).status, 200);
     }
+    assert_eq!(s.failures(), 0, "no instance trapped, before or after answering");
     let keys = bounded.memory.key_count();
     assert!(keys <= 4 + 2, "20 prompts wrote {keys} keys; cache.max_entries + lock.slots is the bound");
 }
@@ -151,6 +153,7 @@ fn bad_input_gets_openai_shaped_4xx() {
     assert_eq!((r.status, r.json()["error"]["type"].as_str()), (500, Some("server_error")));
     assert!(r.text().contains("lock.lease_ms"), "{}", r.text());
     assert_eq!(mock.mock.calls(), 0, "nothing reached HolySheep");
+    assert_eq!(s.failures() + small.failures() + broken.failures(), 0, "bad input never traps");
 }
 
 #[test]
@@ -175,4 +178,5 @@ fn retries_and_rate_limits_behave_as_in_envoy() {
     assert_eq!(limited.json()["error"]["code"], "rate_limit_exceeded");
     let other_model = post(&s, &prompt_for("deepseek-v3", "not limited"), &[]);
     assert_eq!(other_model.status, 200);
+    assert_eq!(s.failures(), 0);
 }

@@ -74,9 +74,19 @@ fn reply(out: ResponseOutparam, reply: &Reply, extra: &[(&str, String)]) {
 
 impl Gateway {
     fn chat(&self, request: IncomingRequest, out: ResponseOutparam) {
-        let headers = request.headers();
+        // The headers handle is a child of the request: it must be gone before the request
+        // is handed on (dropping a parent with live children traps).
+        let (declared, authorization, tenant, cache_control) = {
+            let headers = request.headers();
+            let tenant_header = self.config.cache.tenant_header.as_deref();
+            (
+                host::header(&headers, "content-length").and_then(|l| l.trim().parse::<u64>().ok()),
+                host::header(&headers, "authorization"),
+                tenant_header.and_then(|h| host::header(&headers, h)),
+                host::header(&headers, "cache-control"),
+            )
+        };
         let limit = self.config.max_body_bytes;
-        let declared = host::header(&headers, "content-length").and_then(|l| l.trim().parse::<u64>().ok());
         if declared.is_some_and(|l| l > limit as u64) {
             return reply(out, &Reply::error(&ApiError::too_large(limit)), &[]);
         }
@@ -88,9 +98,6 @@ impl Gateway {
                 return reply(out, &Reply::error(&e), &[]);
             }
         };
-        let authorization = host::header(&headers, "authorization");
-        let tenant = self.config.cache.tenant_header.as_deref().and_then(|h| host::header(&headers, h));
-        let cache_control = host::header(&headers, "cache-control");
         let meta = RequestMeta {
             authorization: authorization.as_deref(),
             tenant: tenant.as_deref(),

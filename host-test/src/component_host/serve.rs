@@ -9,6 +9,7 @@ use hyper::service::service_fn;
 use hyper_util::rt::TokioIo;
 use std::net::SocketAddr;
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use tokio::net::TcpListener;
 use wasmtime::component::{Linker, ResourceTable};
@@ -33,11 +34,20 @@ pub struct Serving {
     pub addr: SocketAddr,
     /// The keyvalue memory every request shares.
     pub memory: Arc<Memory>,
+    failures: Arc<AtomicU64>,
     _runtime: tokio::runtime::Runtime,
+}
+
+impl Serving {
+    /// Requests whose component instance trapped or failed (also after answering).
+    pub fn failures(&self) -> u64 {
+        self.failures.load(Ordering::SeqCst)
+    }
 }
 
 struct Host {
     pre: ProxyPre<State>,
+    failures: Arc<AtomicU64>,
     memory: Arc<Memory>,
     upstream: SocketAddr,
     env: Vec<(String, String)>,
@@ -114,7 +124,14 @@ pub fn start(opts: ComponentOptions) -> std::io::Result<Serving> {
     let (engine, component) = super::load(&opts.wasm).map_err(io)?;
     let pre = linker(&engine).and_then(|l| l.instantiate_pre(&component)).and_then(ProxyPre::new).map_err(io)?;
     let memory = Memory::new();
-    let host = Arc::new(Host { pre, memory: memory.clone(), upstream: opts.upstream, env: opts.env });
+    let failures = Arc::new(AtomicU64::new(0));
+    let host = Arc::new(Host {
+        pre,
+        failures: failures.clone(),
+        memory: memory.clone(),
+        upstream: opts.upstream,
+        env: opts.env,
+    });
     let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
     let listener = runtime.block_on(TcpListener::bind(opts.listen))?;
     let addr = listener.local_addr()?;
@@ -124,19 +141,13 @@ pub fn start(opts: ComponentOptions) -> std::io::Result<Serving> {
             tokio::spawn(async move {
                 let service = service_fn(move |req| {
                     let host = host.clone();
-                    async move {
-                        let answer = host.handle(req).await;
-                        if let Err(e) = &answer {
-                            eprintln!("host-test serve --component: {e:?}");
-                        }
-                        answer
-                    }
+                    async move { host.handle(req).await }
                 });
                 let _ = http1::Builder::new().keep_alive(true).serve_connection(TokioIo::new(conn), service).await;
             });
         }
     });
-    Ok(Serving { addr, memory, _runtime: runtime })
+    Ok(Serving { addr, memory, failures, _runtime: runtime })
 }
 
 impl Host {
@@ -160,10 +171,18 @@ impl Host {
         let (sender, receiver) = tokio::sync::oneshot::channel();
         let req = store.data_mut().http().new_incoming_request(Scheme::Http, req)?;
         let out = store.data_mut().http().new_response_outparam(sender)?;
-        let pre = self.pre.clone();
+        let (pre, failures) = (self.pre.clone(), self.failures.clone());
         let task = tokio::spawn(async move {
-            let proxy = pre.instantiate_async(&mut store).await?;
-            proxy.wasi_http_incoming_handler().call_handle(store, req, out).await
+            let run = async {
+                let proxy = pre.instantiate_async(&mut store).await?;
+                proxy.wasi_http_incoming_handler().call_handle(&mut store, req, out).await
+            };
+            let result = run.await;
+            if let Err(e) = &result {
+                failures.fetch_add(1, Ordering::SeqCst);
+                eprintln!("host-test serve --component: the component failed: {e:?}");
+            }
+            result
         });
         match receiver.await {
             Ok(Ok(resp)) => Ok(resp),

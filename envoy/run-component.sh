@@ -26,19 +26,7 @@ for _ in $(seq 1 200); do
 done
 grep -q "http://" .run/component.log || { tail -20 .run/component.log; exit 1; }
 
-edge="http://$EDGE/v1/chat/completions"
-body='{"model":"gpt-4.1","messages":[{"role":"user","content":"Name three sheep breeds."}],"temperature":0}'
-cat <<MSG
-
-holysheep-edge (wasi:http component) is running on :${EDGE_PORT:-10000}, mock HolySheep on :${MOCK_PORT:-18000}.
-Logs: .run/component.log .run/mock.log    Stop: Ctrl-C or envoy/stop.sh
-
-Try it (run twice: MISS, then HIT):
-  curl -si $edge -H 'authorization: Bearer demo' -d '$body' | grep -i -e x-holysheep -e '^age'
-
-MSG
-for i in 1 2; do
-  printf 'request %s: ' "$i"
-  curl -si "$edge" -H 'authorization: Bearer demo' -d "$body" | grep -i 'x-holysheep-cache' || true
-done
+. envoy/demo.sh
+demo "http://$EDGE/v1/chat/completions" "the wasi:http component on the wasmtime host, :${EDGE_PORT:-10000}" \
+  ".run/component.log .run/mock.log"
 wait "$(cat .run/component.pid)"

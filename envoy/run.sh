@@ -23,19 +23,7 @@ for _ in $(seq 1 200); do
 done
 curl -fs "http://127.0.0.1:${ADMIN_PORT:-9901}/ready" >/dev/null || { tail -20 .run/envoy.log; exit 1; }
 
-edge="http://127.0.0.1:${EDGE_PORT:-10000}/v1/chat/completions"
-body='{"model":"gpt-4.1","messages":[{"role":"user","content":"Name three sheep breeds."}],"temperature":0}'
-cat <<MSG
-
-holysheep-edge is running: Envoy on :${EDGE_PORT:-10000} (admin :${ADMIN_PORT:-9901}), mock HolySheep on :${MOCK_PORT:-18000}.
-Logs: .run/envoy.log .run/mock.log    Stop: Ctrl-C or envoy/stop.sh
-
-Try it (run twice: MISS, then HIT):
-  curl -si $edge -H 'authorization: Bearer demo' -d '$body' | grep -i -e x-holysheep -e '^age'
-
-MSG
-for i in 1 2; do
-  printf 'request %s: ' "$i"
-  curl -si "$edge" -H 'authorization: Bearer demo' -d "$body" | grep -i 'x-holysheep-cache' || true
-done
+. envoy/demo.sh
+demo "http://127.0.0.1:${EDGE_PORT:-10000}/v1/chat/completions" \
+  "Envoy on :${EDGE_PORT:-10000} (admin :${ADMIN_PORT:-9901})" ".run/envoy.log .run/mock.log"
 wait "$(cat .run/envoy.pid)"

@@ -3,6 +3,7 @@
 use crate::client::{request, Conn, Resp};
 use crate::envoy::{Envoy, Options};
 use crate::mock::Running;
+use std::net::SocketAddr;
 use std::sync::{Arc, Barrier};
 use std::time::{Duration, Instant};
 
@@ -38,19 +39,7 @@ impl Stack {
 
     /// One request per body, all released together; answers in the bodies' order.
     pub fn burst_of(&self, bodies: Vec<String>, auth: &str) -> Vec<Resp> {
-        let barrier = Arc::new(Barrier::new(bodies.len()));
-        let handles: Vec<_> = bodies
-            .into_iter()
-            .map(|body| {
-                let (b, edge, auth) = (barrier.clone(), self.envoy.edge, auth.to_owned());
-                std::thread::spawn(move || {
-                    let mut conn = Conn::open(edge).expect("connect");
-                    b.wait();
-                    conn.request("POST", PATH, &[("authorization", &auth)], body.as_bytes()).expect("answer")
-                })
-            })
-            .collect();
-        handles.into_iter().map(|h| h.join().expect("thread")).collect()
+        burst_at(self.envoy.edge, bodies, auth)
     }
 
     /// `n` identical requests released together.
@@ -62,6 +51,24 @@ impl Stack {
     pub fn await_calls(&self, n: u64) {
         poll_until(|| self.calls() >= n, &format!("upstream call {n} never arrived"));
     }
+}
+
+/// One chat request per body to `addr`, each on its own connection, all released together;
+/// answers in the bodies' order.
+pub fn burst_at(addr: SocketAddr, bodies: Vec<String>, auth: &str) -> Vec<Resp> {
+    let barrier = Arc::new(Barrier::new(bodies.len()));
+    let handles: Vec<_> = bodies
+        .into_iter()
+        .map(|body| {
+            let (b, auth) = (barrier.clone(), auth.to_owned());
+            std::thread::spawn(move || {
+                let mut conn = Conn::open(addr).expect("connect");
+                b.wait();
+                conn.request("POST", PATH, &[("authorization", &auth)], body.as_bytes()).expect("answer")
+            })
+        })
+        .collect();
+    handles.into_iter().map(|h| h.join().expect("thread")).collect()
 }
 
 /// Waits for a condition no event announces (a counter, a log line), looking every few

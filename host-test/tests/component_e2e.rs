@@ -7,9 +7,8 @@ use host_test::component_host::serve::{start, ComponentOptions, Serving};
 use host_test::component_host::{imports, unversioned};
 use host_test::envoy::{component_path, workspace_root};
 use host_test::mock::{Fault, Running};
-use host_test::stack::{count, prompt, prompt_for, PATH};
+use host_test::stack::{burst_at, count, prompt, prompt_for, PATH};
 use std::collections::BTreeSet;
-use std::sync::{Arc, Barrier};
 
 fn serve(mock: &Running, config: &str) -> Serving {
     start(ComponentOptions {
@@ -23,20 +22,6 @@ fn serve(mock: &Running, config: &str) -> Serving {
 
 fn post(s: &Serving, body: &str, headers: &[(&str, &str)]) -> Resp {
     request(s.addr, "POST", PATH, headers, body.as_bytes()).expect("answer")
-}
-
-fn burst(s: &Serving, n: usize, body: &str) -> Vec<Resp> {
-    let barrier = Arc::new(Barrier::new(n));
-    let handles: Vec<_> = (0..n)
-        .map(|_| {
-            let (b, addr, body) = (barrier.clone(), s.addr, body.to_owned());
-            std::thread::spawn(move || {
-                b.wait();
-                request(addr, "POST", PATH, &[("authorization", "Bearer a")], body.as_bytes()).expect("answer")
-            })
-        })
-        .collect();
-    handles.into_iter().map(|h| h.join().expect("thread")).collect()
 }
 
 fn sha256_hex(data: &[u8]) -> String {
@@ -94,7 +79,7 @@ fn fifty_identical_requests_make_one_upstream_call() {
     let mock = Running::start(None, 2000).expect("mock");
     let s = serve(&mock, "{}");
     let body = prompt("served by the component");
-    let resps = burst(&s, 50, &body);
+    let resps = burst_at(s.addr, vec![body; 50], "Bearer a");
     assert_eq!(mock.mock.calls(), 1, "one upstream call for 50 callers");
     assert!(resps.iter().all(|r| r.status == 200 && r.body == resps[0].body), "{}", resps[0].text());
     assert_eq!((count(&resps, "MISS"), count(&resps, "COALESCED")), (1, 49));

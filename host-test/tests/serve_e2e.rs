@@ -6,9 +6,8 @@ use host_test::client::{request, Resp};
 use host_test::envoy::wasm_path;
 use host_test::mock::Running;
 use host_test::serve::{start, ServeOptions, Serving};
-use host_test::stack::{count, prompt, PATH};
+use host_test::stack::{burst_at, count, prompt, PATH};
 use std::collections::HashMap;
-use std::sync::{Arc, Barrier};
 
 fn serve(mock: &Running, config: &str) -> Serving {
     start(ServeOptions {
@@ -32,17 +31,7 @@ fn serve_coalesces_caches_and_rejects_like_envoy() {
     let mock = Running::start(None, 2000).expect("mock");
     let s = serve(&mock, "{}");
     let body = prompt("served by wasmtime");
-    let barrier = Arc::new(Barrier::new(50));
-    let handles: Vec<_> = (0..50)
-        .map(|_| {
-            let (b, addr, body) = (barrier.clone(), s.addr, body.clone());
-            std::thread::spawn(move || {
-                b.wait();
-                request(addr, "POST", PATH, &[("authorization", "Bearer a")], body.as_bytes()).expect("answer")
-            })
-        })
-        .collect();
-    let resps: Vec<Resp> = handles.into_iter().map(|h| h.join().expect("thread")).collect();
+    let resps = burst_at(s.addr, vec![body.clone(); 50], "Bearer a");
     assert_eq!(mock.mock.calls(), 1, "one upstream call for 50 callers");
     assert!(resps.iter().all(|r| r.status == 200 && r.body == resps[0].body));
     assert_eq!((count(&resps, "MISS"), count(&resps, "COALESCED")), (1, 49));

@@ -3,12 +3,15 @@
 //! - HIT vs Envoy's own `direct_response` with the same body;
 //! - MISS (distinct prompts) vs plain Envoy proxying to the mock;
 //! - how long coalesced followers trail their leader;
-//! - the plugin's size.
+//! - the wasi:http component on the wasmtime host: HIT vs the Envoy plugin's HIT, its
+//!   (polling) followers;
+//! - the plugin's and the component's sizes.
 //!
 //! Options (environment): BENCH_SECONDS (default 3), BENCH_CONNECTIONS (default 16).
 
 use host_test::client::{request, Conn};
-use host_test::envoy::{wasm_path, Envoy, Options};
+use host_test::component_host::serve::{start as start_component, ComponentOptions};
+use host_test::envoy::{component_path, wasm_path, Envoy, Options};
 use host_test::mock::Running;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -154,5 +157,23 @@ fn main() -> std::io::Result<()> {
     println!("50 identical requests (300 ms upstream): {calls} upstream call(s), {followers} followers");
     println!("follower delay after the leader:    p50 {p50} us, max {max} us");
     println!("plugin size:                        {wasm_bytes} bytes");
+
+    let component = start_component(ComponentOptions {
+        wasm: component_path(),
+        listen: ([127, 0, 0, 1], 0).into(),
+        upstream: mock.addr,
+        env: vec![("HOLYSHEEP_CONFIG".to_owned(), "{}".to_owned())],
+    })?;
+    request(component.addr, "POST", PATH, &[("authorization", "Bearer bench")], hit_prompt.as_bytes())?;
+    println!();
+    let same = hit_prompt.clone();
+    let component_hit = load(component.addr, conns, secs, Arc::new(move || same.clone()));
+    row("component HIT (wasmtime host)", &component_hit);
+    assert!(component_hit.labels.iter().all(|l| l == "HIT"), "every component HIT-row answer was a HIT");
+    let (p50, max, calls, followers) = follower_delay(component.addr, &mock, 50);
+    println!("component HIT throughput / edge HIT: {:.2}", component_hit.rps / hit.rps);
+    println!("component: 50 identical requests (300 ms upstream): {calls} upstream call(s), {followers} followers");
+    println!("component follower delay (polling): p50 {p50} us, max {max} us");
+    println!("component size:                     {} bytes", std::fs::metadata(component_path())?.len());
     Ok(())
 }

@@ -181,11 +181,13 @@ impl Gateway {
         let headers: Vec<(String, String)> =
             outbound.headers(self.bearer.as_deref()).into_iter().map(|(n, v)| (n.to_owned(), v.to_owned())).collect();
         let deadline = host::now_ms().saturating_add(timeout_ms.max(1));
-        let renew = &mut || self.renew(call);
-        let sent = self.send(Method::Post, CHAT_PATH, &headers, Some(&outbound.body_for(model)), deadline, renew);
+        let body = outbound.body_for(model);
+        let sent = self
+            .outgoing(Method::Post, CHAT_PATH, &headers)
+            .and_then(|request| self.send(request, Body::Bytes(&body), deadline, &mut || self.renew(call)));
         let Some(response) = sent else { return (None, ProviderHints::default()) };
         let status = response.status();
-        let headers = response_headers(&response.headers());
+        let headers = header_pairs(&response.headers());
         match response.consume().ok().map(|b| host::consume(b, MAX_UPSTREAM_BODY)) {
             Some(Ok(body)) => {
                 let (r, hints) = upstream::response(status, &headers, body);
@@ -195,21 +197,30 @@ impl Gateway {
         }
     }
 
-    /// Sends a request to HolySheep and waits for its head until `deadline_ms`.
+    /// Sends a request to HolySheep with `body` and waits for its head until `deadline_ms`,
+    /// calling `between` while it waits.
     fn send(
         &self,
-        method: Method,
-        path: &str,
-        headers: &[(String, String)],
-        body: Option<&[u8]>,
+        request: OutgoingRequest,
+        body: Body<'_>,
         deadline_ms: u64,
         between: &mut dyn FnMut(),
     ) -> Option<IncomingResponse> {
-        let request = self.outgoing(method, path, headers)?;
         let outgoing = request.body().ok()?;
         let future = outgoing_handler::handle(request, Some(options(deadline_ms))).ok()?;
-        if let Ok(stream) = outgoing.write() {
-            host::write_all(&stream, body.unwrap_or_default());
+        if let Ok(to) = outgoing.write() {
+            match body {
+                Body::Bytes(b) => {
+                    host::write_all(&to, b);
+                }
+                Body::From(client) => {
+                    if let Ok(incoming) = client.consume() {
+                        if let Ok(from) = incoming.stream() {
+                            host::pipe(&from, &to);
+                        }
+                    }
+                }
+            }
         }
         OutgoingBody::finish(outgoing, None).ok()?;
         let ready = future.subscribe();
@@ -239,29 +250,26 @@ impl Gateway {
         out: ResponseOutparam,
         extra: Vec<(String, String)>,
     ) {
-        let mut headers: Vec<(String, String)> = request
-            .headers()
-            .entries()
-            .into_iter()
-            .filter(|(n, _)| !NOT_FORWARDED.contains(&n.to_ascii_lowercase().as_str()))
-            .filter_map(|(n, v)| Some((n, String::from_utf8(v).ok()?)))
-            .collect();
-        let auth = self.bearer.clone().or_else(|| host::header(&request.headers(), "authorization"));
-        headers.extend(auth.map(|a| ("authorization".to_owned(), a)));
+        let received = header_pairs(&request.headers());
+        let client_auth = received.iter().find(|(n, _)| n == "authorization").map(|(_, v)| v.clone());
+        let mut headers: Vec<(String, String)> =
+            received.into_iter().filter(|(n, _)| !NOT_FORWARDED.contains(&n.as_str())).collect();
+        headers.extend(self.bearer.clone().or(client_auth).map(|a| ("authorization".to_owned(), a)));
         let path = request.path_with_query().unwrap_or_else(|| "/".into());
         let deadline = host::now_ms().saturating_add(self.config.upstream.timeout_ms);
-        let answer = match self.outgoing(request.method(), &path, &headers) {
-            Some(outgoing) => self.stream_request(outgoing, request, body, deadline),
-            None => None,
+        let source = match &body {
+            Some(b) => Body::Bytes(b),
+            None => Body::From(&request),
         };
+        let answer = self
+            .outgoing(request.method(), &path, &headers)
+            .and_then(|outgoing| self.send(outgoing, source, deadline, &mut || {}));
         let Some(answer) = answer else {
             let e = ApiError::upstream(502, "HolySheep could not be reached", "upstream_unavailable");
             return reply(out, &Reply::error(&e), &[]);
         };
-        let mut headers: Vec<(String, String)> = response_headers(&answer.headers())
-            .into_iter()
-            .filter(|(n, _)| !NOT_RETURNED.contains(&n.as_str()))
-            .collect();
+        let mut headers: Vec<(String, String)> =
+            header_pairs(&answer.headers()).into_iter().filter(|(n, _)| !NOT_RETURNED.contains(&n.as_str())).collect();
         headers.extend(extra);
         let Some(client_body) = host::start_response(out, answer.status(), &headers) else { return };
         if let (Ok(from_body), Ok(to)) = (answer.consume(), client_body.write()) {
@@ -270,39 +278,6 @@ impl Gateway {
             }
         }
         let _ = OutgoingBody::finish(client_body, None);
-    }
-
-    /// Sends `outgoing` with the client's body (already read, or streamed from `request`).
-    fn stream_request(
-        &self,
-        outgoing: OutgoingRequest,
-        request: IncomingRequest,
-        body: Option<Vec<u8>>,
-        deadline_ms: u64,
-    ) -> Option<IncomingResponse> {
-        let outgoing_body = outgoing.body().ok()?;
-        let future = outgoing_handler::handle(outgoing, Some(options(deadline_ms))).ok()?;
-        if let Ok(to) = outgoing_body.write() {
-            match body {
-                Some(b) => {
-                    host::write_all(&to, &b);
-                }
-                None => {
-                    if let Ok(incoming) = request.consume() {
-                        if let Ok(from) = incoming.stream() {
-                            host::pipe(&from, &to);
-                        }
-                    }
-                }
-            }
-        }
-        OutgoingBody::finish(outgoing_body, None).ok()?;
-        let ready = future.subscribe();
-        if !host::wait_for(&ready, deadline_ms, self.config.tick_ms(), &mut || {}) {
-            return None;
-        }
-        drop(ready);
-        future.get()?.ok()?.ok()
     }
 }
 
@@ -314,7 +289,14 @@ fn options(deadline_ms: u64) -> RequestOptions {
     options
 }
 
-fn response_headers(fields: &Fields) -> Vec<(String, String)> {
+/// The body of a request to HolySheep: bytes in hand, or the client's body streamed through.
+enum Body<'a> {
+    Bytes(&'a [u8]),
+    From(&'a IncomingRequest),
+}
+
+/// Header pairs with lower-case names (values that are not text are left out).
+fn header_pairs(fields: &Fields) -> Vec<(String, String)> {
     fields
         .entries()
         .into_iter()

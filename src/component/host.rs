@@ -107,7 +107,7 @@ pub enum BodyError {
 }
 
 /// Reads a whole body, refusing more than `limit` bytes.
-pub fn read_all(stream: &InputStream, limit: usize) -> Result<Vec<u8>, BodyError> {
+fn read_all(stream: &InputStream, limit: usize) -> Result<Vec<u8>, BodyError> {
     let mut body = Vec::new();
     loop {
         match stream.blocking_read(CHUNK) {

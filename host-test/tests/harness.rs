@@ -275,3 +275,60 @@ fn the_race_scenarios_catch_a_broken_lock() {
     eprintln!("broken lock: {} of {SEEDS} seeds made more than one call; first {:?}", failing.len(), failing.first());
     assert!(!failing.is_empty(), "no seed exposed the broken lock");
 }
+
+/// What the VM said when it died: the SDK's panic message, logged before the trap.
+fn panics(w: &World) -> Vec<String> {
+    w.logs().into_iter().filter(|l| l.contains("panicked")).take(3).collect()
+}
+
+/// A small deterministic generator for scenario choices.
+fn pick(state: &mut u64, below: u64) -> u64 {
+    *state = state.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1_442_695_040_888_963_407);
+    (*state >> 33) % below
+}
+
+/// Clients that leave while their flight is in flight, some in the very event-loop turn
+/// in which its answer arrives (their context still resolves until Envoy's deferred
+/// delete): the VM must never answer a context after its `on_done`.
+#[test]
+fn clients_leaving_as_their_answer_arrives_never_crash_the_vm() {
+    for seed in 0..SEEDS / 4 {
+        let calls = Arc::new(AtomicU64::new(0));
+        let mut rng = seed ^ 0x9e37_79b9;
+        let latency: Vec<u64> = (0..64).map(|_| 10 * (1 + pick(&mut rng, 20))).collect();
+        let script = scripted(calls.clone(), move |n| Up::Answer(latency[(n % 64) as usize], 200));
+        let mut w = world(plugin(), r#"{"cache":{"scope":"global"}}"#, seed, script);
+        let start = w.now();
+        let mut stay = Vec::new();
+        for i in 0..40 {
+            let id = w.request(i % 2, "POST", PATH, &[], prompt(&format!("distinct {i}")).as_bytes());
+            if pick(&mut rng, 2) == 0 {
+                w.reset_at(id, start + 10 * (1 + pick(&mut rng, 20)));
+            } else {
+                stay.push(id);
+            }
+        }
+        let answered = w.run_until(60_000, all_answered(&stay));
+        assert!(w.traps.is_empty(), "seed {seed}: {:?}", panics(&w));
+        assert!(answered, "seed {seed}: {:?}", labels(&w, &stay));
+        assert!(stay.iter().all(|id| w.answer(*id).is_some_and(|a| a.status == 200)), "seed {seed}");
+        let after = burst(&mut w, 2, &prompt("still serving"));
+        assert!(w.run_until(60_000, all_answered(&after)), "seed {seed}: the VM still serves");
+    }
+}
+
+/// A crowd of identical requests far larger than one VM call can answer with local
+/// replies (Envoy sends each inside the previous one's response callback).
+#[test]
+fn a_crowd_of_two_thousand_identical_requests_makes_one_call_and_everyone_gets_200() {
+    for seed in 0..3 {
+        let calls = Arc::new(AtomicU64::new(0));
+        let mut w = world(plugin(), "{}", seed, upstream(300, 200, calls.clone()));
+        let ids = burst(&mut w, 2_000, &prompt("crowd"));
+        let answered = w.run_until(60_000, all_answered(&ids));
+        assert!(w.traps.is_empty(), "seed {seed}: {:?}", w.traps.first());
+        assert!(answered, "seed {seed}");
+        assert_eq!(calls.load(Ordering::SeqCst), 1, "seed {seed}");
+        assert!(ids.iter().all(|id| w.answer(*id).is_some_and(|a| a.status == 200)), "seed {seed}");
+    }
+}

@@ -2,7 +2,7 @@
 //! `../shared/ENVOY-FACTS.md` says it matters. Imports we do not model answer
 //! `Unimplemented`; nothing here traps on bad guest input (it answers `BadArgument`).
 
-use super::state::{status, Headers, Outgoing, Queue, Shared, VmState};
+use super::state::{status, Headers, LocalReply, Outgoing, Queue, Shared, VmState};
 use std::future::Future;
 use std::pin::Pin;
 use std::task::{Context, Poll};
@@ -177,6 +177,7 @@ pub fn add_to_linker(linker: &mut Linker<VmState>, module: &Module) -> wasmtime:
         let state = c.data();
         let whole: Option<Vec<u8>> = match kind {
             0 => state.streams.get(&state.effective).map(|s| s.request_body.clone()),
+            1 => state.streams.get(&state.effective).map(|s| s.response_body.clone()),
             4 => state.callout_response.as_ref().map(|(_, b)| b.clone()),
             6 => Some(state.vm_config.clone()),
             7 => Some(state.plugin_config.clone()),
@@ -327,7 +328,7 @@ pub fn add_to_linker(linker: &mut Linker<VmState>, module: &Module) -> wasmtime:
     });
     wrap!(linker, "proxy_continue_stream", |c, (kind,): (i32,)| {
         let context_id = c.data().effective;
-        if kind != 0 || !c.data().streams.contains_key(&context_id) {
+        if kind != 0 || !c.data().streams.contains_key(&context_id) || c.data().deleted.contains(&context_id) {
             return status::NOT_FOUND;
         }
         c.data_mut().outbox.push(Outgoing::Resume { context_id });
@@ -341,7 +342,7 @@ pub fn add_to_linker(linker: &mut Linker<VmState>, module: &Module) -> wasmtime:
         if !c.data().streams.contains_key(&context_id) {
             return status::NOT_FOUND;
         }
-        c.data_mut().outbox.push(Outgoing::LocalReply { context_id, status: code as u16, headers, body });
+        c.data_mut().local_replies.push_back(LocalReply { context_id, status: code as u16, headers, body });
         status::OK
     });
     wrap!(linker, "proxy_http_call", |c, (up, ul, hp, hl, bp, bl, _tp, _tl, timeout, ret): I32x10| {

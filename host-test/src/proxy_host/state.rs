@@ -1,7 +1,7 @@
 //! Host state: what every VM shares (Envoy's process-wide shared data, queues, metrics)
 //! and what each VM keeps for itself (its contexts, buffers and the actions it asked for).
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use wasmtime_wasi::p1::WasiP1Ctx;
@@ -86,14 +86,34 @@ pub struct Stream {
     pub request_headers: Headers,
     pub request_body: Vec<u8>,
     pub response_headers: Headers,
+    pub response_body: Vec<u8>,
+}
+
+/// A local reply the VM asked for. Envoy defers it until the VM call returns, then sends
+/// it through the encoder chain, this filter's own response callbacks included.
+#[derive(Debug, Clone)]
+pub struct LocalReply {
+    pub context_id: u32,
+    pub status: u16,
+    pub headers: Headers,
+    pub body: Vec<u8>,
 }
 
 /// What a VM asked the host to do; performed after the VM call returns, as Envoy does.
 #[derive(Debug, Clone)]
 pub enum Outgoing {
-    Callout { token: u32, cluster: String, headers: Headers, body: Vec<u8>, timeout_ms: u64 },
-    LocalReply { context_id: u32, status: u16, headers: Headers, body: Vec<u8> },
-    Resume { context_id: u32 },
+    Callout {
+        token: u32,
+        cluster: String,
+        headers: Headers,
+        body: Vec<u8>,
+        timeout_ms: u64,
+    },
+    /// A local reply that went through the encoder chain: what the client receives.
+    Reply(LocalReply),
+    Resume {
+        context_id: u32,
+    },
 }
 
 /// Per-VM host state (one wasmtime `Store` each).
@@ -111,6 +131,11 @@ pub struct VmState {
     pub active: u32,
     pub effective: u32,
     pub streams: HashMap<u32, Stream>,
+    /// Streams whose `proxy_on_delete` ran but whose Envoy context awaits its deferred
+    /// delete (the end of the event-loop turn): `set_effective_context` still resolves them.
+    pub deleted: HashSet<u32>,
+    /// Local replies deferred until the VM call returns (Envoy's after-VM-call actions).
+    pub local_replies: VecDeque<LocalReply>,
     /// Headers and body of the callout being delivered, during `on_http_call_response`.
     pub callout_response: Option<(Headers, Vec<u8>)>,
     pub outbox: Vec<Outgoing>,

@@ -43,6 +43,12 @@ impl Conn {
         Ok(Conn { reader: BufReader::new(stream) })
     }
 
+    /// How long a read may wait (120 s unless set).
+    pub fn read_timeout(self, timeout: Duration) -> io::Result<Conn> {
+        self.reader.get_ref().set_read_timeout(Some(timeout))?;
+        Ok(self)
+    }
+
     /// Writes a request without reading the answer (to test clients that go away).
     pub fn send_only(&mut self, method: &str, path: &str, headers: &[(&str, &str)], body: &[u8]) -> io::Result<()> {
         let mut req = format!("{method} {path} HTTP/1.1\r\nhost: edge\r\ncontent-length: {}\r\n", body.len());
@@ -60,7 +66,7 @@ impl Conn {
         self.read_response()
     }
 
-    fn read_response(&mut self) -> io::Result<Resp> {
+    pub fn read_response(&mut self) -> io::Result<Resp> {
         let mut line = String::new();
         self.reader.read_line(&mut line)?;
         let status = line

@@ -22,11 +22,27 @@ impl Stack {
 
     /// `mock_key`: the key the mock requires; `envoy_key`: `HOLYSHEEP_API_KEY` for Envoy.
     pub fn start_with(config: &str, latency_ms: u64, mock_key: Option<&str>, envoy_key: Option<&str>) -> Stack {
+        Self::start_tuned(config, latency_ms, |opts| opts.api_key = envoy_key.map(str::to_owned), mock_key)
+    }
+
+    /// With Envoy's options adjusted by `tune` (workers, key, ...).
+    pub fn start_tuned(
+        config: &str,
+        latency_ms: u64,
+        tune: impl FnOnce(&mut Options),
+        mock_key: Option<&str>,
+    ) -> Stack {
         let mock = Running::start(mock_key, latency_ms).expect("mock starts");
         let mut opts = Options::new(config, mock.addr);
-        opts.api_key = envoy_key.map(str::to_owned);
+        tune(&mut opts);
         let envoy = Envoy::start(&opts).expect("envoy starts");
         Stack { mock, envoy }
+    }
+
+    /// Lines of Envoy's log that say a VM crashed (a panic, a V8 exception, a failed VM).
+    pub fn crashes(&self) -> Vec<String> {
+        let signs = ["panicked", "Uncaught", "RangeError", "VM failed", "wasm_vm_failed"];
+        self.envoy.log().lines().filter(|l| signs.iter().any(|s| l.contains(s))).map(str::to_owned).collect()
     }
 
     pub fn calls(&self) -> u64 {

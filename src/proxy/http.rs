@@ -74,7 +74,7 @@ impl Chat {
         });
         match step {
             Step::Reply(reply) => {
-                self.worker.borrow().respond(Target::Current, &reply, &outbound.model);
+                self.worker.borrow_mut().respond(Target::Current, &reply, &outbound.model);
             }
             Step::Call(call) => self.worker.borrow_mut().defer_call(self.id, call, outbound),
             Step::Wait(wait) => self.worker.borrow_mut().wait(self.id, wait, outbound),

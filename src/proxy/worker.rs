@@ -18,12 +18,20 @@ use proxy_wasm::hostcalls;
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
 use proxy_wasm::types::{BufferType, ContextType, LogLevel, MapType, MetricType};
 use std::cell::RefCell;
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::rc::Rc;
 use std::time::Duration;
 
 /// Message on a worker's own queue: dispatch the pending calls from the root context.
 const DISPATCH: &[u8] = b"dispatch";
+/// Message on a worker's own queue: look at every waiter again (a continued tick).
+const POLL_ALL: &[u8] = b"poll";
+/// Local replies one root-context VM call may send to other http contexts. Envoy sends a
+/// VM call's deferred local replies one inside another (each from the previous reply's
+/// trip through this filter's response callbacks), one stack level per reply: a few
+/// hundred overflow V8's stack and kill the VM. The rest go out in the next VM call,
+/// continued through the worker's own queue.
+const REPLY_BATCH: usize = 64;
 /// Period of the first tick, which registers the worker's wake queue.
 const FIRST_TICK_MS: u64 = 20;
 /// Tick period while a flight sleeps (backoff, or held for its bucket).
@@ -59,6 +67,12 @@ pub struct Worker {
     key_check_token: Option<u32>,
     /// Calls decided in an http context, dispatched from the root on the next queue event.
     pending: Vec<(u32, Call, Rc<Outbound>)>,
+    /// Http contexts between creation and `on_done`: the only ones that may be answered.
+    /// (Envoy still resolves a reset stream's id until its deferred delete, and a reply
+    /// sent there reaches the SDK for a context it already deleted: a panic.)
+    live: HashSet<u32>,
+    /// Local replies the current root-context VM call may still send (see REPLY_BATCH).
+    replies_left: usize,
     waiters: HashMap<u32, (Wait, Rc<Outbound>)>,
     flights: HashMap<u32, Run>,
     sleeping: Vec<(u64, Run)>,
@@ -80,6 +94,8 @@ impl Worker {
             key_checked: false,
             key_check_token: None,
             pending: Vec::new(),
+            live: HashSet::new(),
+            replies_left: REPLY_BATCH,
             waiters: HashMap::new(),
             flights: HashMap::new(),
             sleeping: Vec::new(),
@@ -106,16 +122,35 @@ impl Worker {
         self.waiters.insert(context_id, (wait, outbound));
     }
 
+    /// The http context is done: it is never answered after this.
     pub fn forget(&mut self, context_id: u32) {
+        self.live.remove(&context_id);
         self.waiters.remove(&context_id);
+    }
+
+    /// Enqueues `message` on this worker's own queue, so its work continues in a VM call
+    /// of its own. Without a queue yet, the next tick does it.
+    fn continue_later(&self, message: &[u8]) {
+        if let Some((queue, _)) = &self.queue {
+            if hostcalls::enqueue_shared_queue(*queue, Some(message)).is_err() {
+                host::log(LogLevel::Warn, "holysheep: wake queue refused a message; the tick will continue");
+            }
+        }
     }
 
     pub fn bearer(&self) -> Option<&str> {
         self.bearer.as_deref()
     }
 
-    /// Sends `reply` with the model's `x-ratelimit-*` headers, and counts it.
-    pub fn respond(&self, target: Target, reply: &Reply, model: &str) -> bool {
+    /// Sends `reply` with the model's `x-ratelimit-*` headers, and counts it. Another
+    /// context is answered only while it lives, and uses up one of this VM call's replies.
+    pub fn respond(&mut self, target: Target, reply: &Reply, model: &str) -> bool {
+        if let Target::Context(id) = target {
+            if !self.live.contains(&id) {
+                return false;
+            }
+            self.replies_left = self.replies_left.saturating_sub(1);
+        }
         let extra = upstream::rate_headers(&SharedData, &self.config, model, host::now_ms());
         self.count(metrics::for_reply(&self.config, model, reply));
         match target {
@@ -161,7 +196,7 @@ impl Root {
     fn execute(&mut self, context_id: u32, step: Step, outbound: Rc<Outbound>) {
         match step {
             Step::Reply(reply) => {
-                self.worker.borrow().respond(Target::Context(context_id), &reply, &outbound.model);
+                self.worker.borrow_mut().respond(Target::Context(context_id), &reply, &outbound.model);
             }
             Step::Call(call) => self.start(context_id, call, outbound),
             Step::Wait(wait) => self.worker.borrow_mut().wait(context_id, wait, outbound),
@@ -242,7 +277,7 @@ impl Root {
         let now = host::now_ms();
         let call = run.flight.call;
         let reply = self.worker.borrow().engine().complete(&call, outcome, now);
-        self.worker.borrow().respond(Target::Context(run.context_id), &reply, &run.outbound.model);
+        self.worker.borrow_mut().respond(Target::Context(run.context_id), &reply, &run.outbound.model);
         if call.lease.is_some() {
             self.poll_waiters(Some(&call.key));
             self.wake_other_workers(&call.key, now);
@@ -261,7 +296,8 @@ impl Root {
         }
     }
 
-    /// Lets waiters (all, or those on `key`) look at their flight again.
+    /// Lets waiters (all, or those on `key`) look at their flight again, as many as this VM
+    /// call may answer; the rest continue in a VM call of their own.
     fn poll_waiters(&mut self, key: Option<&Key>) {
         let ids: Vec<u32> = self
             .worker
@@ -272,6 +308,11 @@ impl Root {
             .map(|(id, _)| *id)
             .collect();
         for id in ids {
+            if self.out_of_replies() {
+                let w = self.worker.borrow();
+                w.continue_later(key.map_or(POLL_ALL, |k| k.hex().as_bytes()));
+                return;
+            }
             let taken = self.worker.borrow_mut().waiters.remove(&id);
             let Some((wait, outbound)) = taken else { continue };
             let step = {
@@ -283,22 +324,44 @@ impl Root {
         }
     }
 
+    fn out_of_replies(&self) -> bool {
+        self.worker.borrow().replies_left == 0
+    }
+
+    /// A root-context VM call starts: it may send a new batch of replies.
+    fn begin_call(&self) {
+        self.worker.borrow_mut().replies_left = REPLY_BATCH;
+    }
+
     fn dispatch_pending(&mut self) {
-        let pending = std::mem::take(&mut self.worker.borrow_mut().pending);
-        for (id, call, outbound) in pending {
+        loop {
+            if self.out_of_replies() {
+                let w = self.worker.borrow();
+                if !w.pending.is_empty() {
+                    w.continue_later(DISPATCH);
+                }
+                return;
+            }
+            let next = {
+                let mut w = self.worker.borrow_mut();
+                (!w.pending.is_empty()).then(|| w.pending.remove(0))
+            };
+            let Some((id, call, outbound)) = next else { return };
             self.start(id, call, outbound);
         }
     }
 
+    /// Resumes the flights whose sleep is over (those beyond this call's replies wait for
+    /// the next tick, which is fast while any flight sleeps).
     fn wake_sleepers(&mut self) {
         let now = host::now_ms();
-        let due: Vec<Run> = {
-            let mut w = self.worker.borrow_mut();
-            let (due, later) = std::mem::take(&mut w.sleeping).into_iter().partition(|(until, _)| *until <= now);
-            w.sleeping = later;
-            due.into_iter().map(|(_, run)| run).collect()
-        };
-        for mut run in due {
+        while !self.out_of_replies() {
+            let due = {
+                let mut w = self.worker.borrow_mut();
+                let at = w.sleeping.iter().position(|(until, _)| *until <= now);
+                at.map(|i| w.sleeping.swap_remove(i).1)
+            };
+            let Some(mut run) = due else { break };
             let action = self.resume(&mut run);
             self.advance(run, action);
         }
@@ -417,6 +480,7 @@ impl Root {
 
 impl Context for Root {
     fn on_http_call_response(&mut self, token: u32, num_headers: usize, body_size: usize, _trailers: usize) {
+        self.begin_call();
         if self.worker.borrow().key_check_token == Some(token) {
             return self.report_key_check(num_headers);
         }
@@ -461,6 +525,7 @@ impl RootContext for Root {
     }
 
     fn on_tick(&mut self) {
+        self.begin_call();
         self.register_queue();
         self.check_key();
         self.dispatch_pending();
@@ -470,10 +535,16 @@ impl RootContext for Root {
         self.poll_waiters(None);
     }
 
+    /// Every enqueue brings one call here, so stopping once this call's replies are spent
+    /// leaves the messages still queued to the calls still due.
     fn on_queue_ready(&mut self, queue_id: u32) {
-        while let Ok(Some(message)) = hostcalls::dequeue_shared_queue(queue_id) {
+        self.begin_call();
+        while !self.out_of_replies() {
+            let Ok(Some(message)) = hostcalls::dequeue_shared_queue(queue_id) else { return };
             if message == DISPATCH {
                 self.dispatch_pending();
+            } else if message == POLL_ALL {
+                self.poll_waiters(None);
             } else if let Some(key) = std::str::from_utf8(&message).ok().and_then(Key::from_hex) {
                 self.poll_waiters(Some(&key));
             }
@@ -481,6 +552,7 @@ impl RootContext for Root {
     }
 
     fn create_http_context(&self, context_id: u32) -> Option<Box<dyn HttpContext>> {
+        self.worker.borrow_mut().live.insert(context_id);
         Some(Box::new(super::http::Chat::new(context_id, self.worker.clone())))
     }
 

@@ -1,0 +1,106 @@
+//! Load that once killed the VM in real Envoy (issue 9): clients that leave mid-flight
+//! against a fast upstream, and a crowd of identical requests. Each runs a few seconds at
+//! most and fails on any sign of a crashed VM in Envoy's log.
+
+use host_test::client::{Conn, Resp};
+use host_test::stack::{count, prompt, Stack, PATH};
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Barrier};
+use std::time::{Duration, Instant};
+
+/// Long enough for any answer from a live VM; a dead VM's paused requests never answer.
+const PATIENCE: Duration = Duration::from_secs(20);
+
+/// How a load client ends one request.
+fn leave_or_read(conn: &mut Conn, n: u64) -> Option<u16> {
+    match n % 4 {
+        // Leave at once: the reset can reach Envoy in the turn that brings the answer.
+        0 => None,
+        1 => {
+            std::thread::sleep(Duration::from_micros(200 * (n % 7)));
+            None
+        }
+        _ => Some(conn.read_response().map_or(0, |r| r.status)),
+    }
+}
+
+#[test]
+fn distinct_prompts_with_clients_leaving_mid_flight_never_crash_the_vm() {
+    let s = Stack::start_tuned(r#"{"cache":{"scope":"global"}}"#, 0, |o| o.concurrency = 1, None);
+    let (stop, sent) = (Arc::new(AtomicBool::new(false)), Arc::new(AtomicU64::new(0)));
+    let clients: Vec<_> = (0..16)
+        .map(|_| {
+            let (edge, stop, sent) = (s.envoy.edge, stop.clone(), sent.clone());
+            std::thread::spawn(move || {
+                let mut bad = Vec::new();
+                while !stop.load(Ordering::Relaxed) {
+                    let n = sent.fetch_add(1, Ordering::Relaxed);
+                    let Ok(mut conn) = Conn::open(edge).and_then(|c| c.read_timeout(PATIENCE)) else { continue };
+                    let body = prompt(&format!("distinct {n}"));
+                    if conn.send_only("POST", PATH, &[("authorization", "Bearer t")], body.as_bytes()).is_err() {
+                        continue;
+                    }
+                    if let Some(status) = leave_or_read(&mut conn, n).filter(|s| *s != 200) {
+                        bad.push(status);
+                    }
+                }
+                bad
+            })
+        })
+        .collect();
+    // Bounded load: a few seconds of requests, not a threshold on anything.
+    let until = Instant::now() + Duration::from_secs(4);
+    while Instant::now() < until && s.crashes().is_empty() {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    stop.store(true, Ordering::Relaxed);
+    let bad: Vec<u16> = clients.into_iter().flat_map(|h| h.join().expect("client")).collect();
+    assert_eq!(s.crashes(), Vec::<String>::new(), "the VM crashed after {} requests", sent.load(Ordering::Relaxed));
+    assert!(bad.is_empty(), "clients that stayed got {bad:?}");
+    let after = s.chat(&prompt("after the load"), &[("authorization", "Bearer t")]);
+    assert_eq!((after.status, after.cache()), (200, "MISS"), "the VM still serves");
+}
+
+/// `HOLYSHEEP_CROWD` overrides the crowd's size (to measure larger ones by hand).
+fn crowd_size() -> usize {
+    std::env::var("HOLYSHEEP_CROWD").ok().and_then(|n| n.parse().ok()).unwrap_or(2_000)
+}
+
+/// `bodies.len()` clients, connected first, then all sending at once; each gets its
+/// answer or the error that ended it.
+fn crowd(addr: SocketAddr, bodies: Vec<String>) -> Vec<Result<Resp, String>> {
+    let barrier = Arc::new(Barrier::new(bodies.len()));
+    let clients: Vec<_> = bodies
+        .into_iter()
+        .map(|body| {
+            let barrier = barrier.clone();
+            std::thread::spawn(move || {
+                let conn = Conn::open(addr).and_then(|c| c.read_timeout(PATIENCE));
+                barrier.wait();
+                conn.and_then(|mut c| c.request("POST", PATH, &[("authorization", "Bearer t")], body.as_bytes()))
+                    .map_err(|e| e.to_string())
+            })
+        })
+        .collect();
+    clients.into_iter().map(|h| h.join().unwrap_or_else(|_| Err("client thread panicked".into()))).collect()
+}
+
+#[test]
+fn a_crowd_of_identical_requests_over_two_workers_makes_one_call_and_all_get_200() {
+    let n = crowd_size();
+    let s = Stack::start("{}", 1_500);
+    let results = crowd(s.envoy.edge, vec![prompt("the crowd's question"); n]);
+    assert_eq!(s.crashes(), Vec::<String>::new(), "a VM crashed under a crowd of {n}");
+    let outcomes = results.iter().fold(std::collections::BTreeMap::<String, usize>::new(), |mut m, r| {
+        *m.entry(r.as_ref().map_or_else(Clone::clone, |r| r.status.to_string())).or_default() += 1;
+        m
+    });
+    assert_eq!(outcomes, [("200".to_owned(), n)].into(), "a crowd of {n}");
+    let resps: Vec<Resp> = results.into_iter().flatten().collect();
+    assert_eq!(s.calls(), 1, "one upstream call for a crowd of {n}");
+    let labels = ["MISS", "COALESCED", "HIT"].map(|l| (l, count(&resps, l)));
+    eprintln!("a crowd of {n}: {labels:?}");
+    assert_eq!(count(&resps, "MISS"), 1);
+    assert!(resps.iter().all(|r| r.body == resps[0].body), "everyone gets the leader's answer");
+}

@@ -39,11 +39,21 @@ pub struct Options {
     pub api_key: Option<String>,
     /// Body served by the `direct` listener.
     pub direct_body: Vec<u8>,
+    /// Keep the wasm filter's required `allow_on_headers_stop_iteration: true` (tests of
+    /// the misconfiguration drop it).
+    pub allow_on_headers_stop_iteration: bool,
 }
 
 impl Options {
     pub fn new(config: &str, upstream: SocketAddr) -> Options {
-        Options { config: config.to_owned(), upstream, concurrency: 2, api_key: None, direct_body: b"{}".to_vec() }
+        Options {
+            config: config.to_owned(),
+            upstream,
+            concurrency: 2,
+            api_key: None,
+            direct_body: b"{}".to_vec(),
+            allow_on_headers_stop_iteration: true,
+        }
     }
 }
 
@@ -88,6 +98,11 @@ impl Envoy {
             .replace("@WASM@", &wasm.display().to_string())
             .replace("@DIRECT_BODY@", &direct_body.display().to_string())
             .replace("@CONFIG@", &opts.config.replace('\'', "''"));
+        let yaml = if opts.allow_on_headers_stop_iteration {
+            yaml
+        } else {
+            yaml.replace("allow_on_headers_stop_iteration: true", "")
+        };
         let config_path = dir.join("envoy.yaml");
         std::fs::write(&config_path, yaml)?;
         let mut cmd = Command::new(bin);

@@ -332,3 +332,37 @@ fn a_crowd_of_two_thousand_identical_requests_makes_one_call_and_everyone_gets_2
         assert!(ids.iter().all(|id| w.answer(*id).is_some_and(|a| a.status == 200)), "seed {seed}");
     }
 }
+
+/// Envoy without `allow_on_headers_stop_iteration` never hands the body to a filter that
+/// paused on headers: requests must get a 500 naming the setting, not hang.
+#[test]
+fn a_missing_allow_on_headers_stop_iteration_is_named_not_a_hang() {
+    let calls = Arc::new(AtomicU64::new(0));
+    let mut options = Options::new(2, "{}", 5);
+    options.allow_on_headers_stop_iteration = false;
+    let mut w = World::start(plugin(), options, upstream(10, 200, calls.clone())).expect("world");
+    let ids = burst(&mut w, 4, &prompt("never read"));
+    assert!(w.run_until(10_000, all_answered(&ids)), "requests hang");
+    for id in &ids {
+        let a = w.answer(*id).expect("answered");
+        let v: serde_json::Value = serde_json::from_slice(&a.body).expect("OpenAI-shaped JSON");
+        assert_eq!((a.status, v["error"]["code"].as_str()), (500, Some("edge_misconfigured")));
+        assert!(v["error"]["message"].as_str().is_some_and(|m| m.contains("allow_on_headers_stop_iteration")));
+    }
+    let logged = w.logs().iter().filter(|l| l.contains("allow_on_headers_stop_iteration")).count();
+    assert_eq!(logged, 2, "logged once per worker VM");
+    assert_eq!(calls.load(Ordering::SeqCst), 0);
+    assert!(w.traps.is_empty(), "{:?}", w.traps);
+}
+
+/// The watch for that setting never fires where the setting is on: a request that waits
+/// long for its answer has had its body.
+#[test]
+fn a_slow_upstream_is_not_mistaken_for_the_missing_setting() {
+    let calls = Arc::new(AtomicU64::new(0));
+    let mut w = world(plugin(), "{}", 9, upstream(2_000, 200, calls.clone()));
+    let ids = burst(&mut w, 4, &prompt("slow upstream"));
+    assert!(w.run_until(60_000, all_answered(&ids)));
+    assert!(ids.iter().all(|id| w.answer(*id).is_some_and(|a| a.status == 200)));
+    assert!(!w.logs().iter().any(|l| l.contains("allow_on_headers_stop_iteration")));
+}

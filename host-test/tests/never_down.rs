@@ -104,3 +104,20 @@ fn a_crowd_of_identical_requests_over_two_workers_makes_one_call_and_all_get_200
     assert_eq!(count(&resps, "MISS"), 1);
     assert!(resps.iter().all(|r| r.body == resps[0].body), "everyone gets the leader's answer");
 }
+
+#[test]
+fn a_missing_allow_on_headers_stop_iteration_is_answered_not_a_hang() {
+    let s = Stack::start_tuned("{}", 0, |o| o.allow_on_headers_stop_iteration = false, None);
+    for _ in 0..2 {
+        let mut conn = Conn::open(s.envoy.edge).and_then(|c| c.read_timeout(PATIENCE)).expect("connect");
+        let r = conn
+            .request("POST", PATH, &[("authorization", "Bearer t")], prompt("never read").as_bytes())
+            .expect("an answer, not a hang");
+        let v = r.json();
+        assert_eq!((r.status, v["error"]["code"].as_str()), (500, Some("edge_misconfigured")), "{}", r.text());
+        assert!(v["error"]["message"].as_str().is_some_and(|m| m.contains("allow_on_headers_stop_iteration")));
+    }
+    let logged = s.envoy.log().lines().filter(|l| l.contains("allow_on_headers_stop_iteration")).count();
+    assert!((1..=2).contains(&logged), "logged once per worker that saw it: {logged}");
+    assert_eq!(s.calls(), 0, "nothing reached HolySheep");
+}

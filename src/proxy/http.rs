@@ -115,6 +115,7 @@ impl HttpContext for Chat {
         if end_of_stream {
             return self.handle(Vec::new());
         }
+        self.worker.borrow_mut().body_watch.paused(self.id, host::now_ms());
         Action::Pause
     }
 
@@ -122,6 +123,15 @@ impl HttpContext for Chat {
         if self.state != State::Reading {
             return if self.state == State::Handled { Action::Pause } else { Action::Continue };
         }
+        let mut worker = self.worker.borrow_mut();
+        worker.body_watch.body_arrived();
+        if !worker.is_live(self.id) {
+            // Already answered from the root (the body came too late).
+            drop(worker);
+            self.state = State::Handled;
+            return Action::Pause;
+        }
+        drop(worker);
         let limit = self.worker.borrow().config.max_body_bytes;
         if body_size > limit {
             return self.reject(&ApiError::too_large(limit));

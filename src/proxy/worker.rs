@@ -3,10 +3,12 @@
 //! on this worker, its wake queue and its metrics. It translates host events into core
 //! calls and executes the core's decisions.
 
+use super::body_watch::{self, BodyWatch};
 use super::host::{self, Nonces, SharedData};
 use crate::core::cache::Response;
 use crate::core::config::Config;
 use crate::core::engine::{Call, Engine, Reply, Step, Wait};
+use crate::core::error::ApiError;
 use crate::core::flight::{Action, Flight};
 use crate::core::limits::ProviderHints;
 use crate::core::metrics::{self, Counter, COUNTERS};
@@ -67,10 +69,12 @@ pub struct Worker {
     key_check_token: Option<u32>,
     /// Calls decided in an http context, dispatched from the root on the next queue event.
     pending: Vec<(u32, Call, Rc<Outbound>)>,
-    /// Http contexts between creation and `on_done`: the only ones that may be answered.
-    /// (Envoy still resolves a reset stream's id until its deferred delete, and a reply
-    /// sent there reaches the SDK for a context it already deleted: a panic.)
+    /// Http contexts that may still be answered: created, not done, and not answered by
+    /// the root on its own. (Envoy still resolves a reset stream's id until its deferred
+    /// delete, and a reply sent there reaches the SDK for a context it already deleted: a
+    /// panic.)
     live: HashSet<u32>,
+    pub body_watch: BodyWatch,
     /// Local replies the current root-context VM call may still send (see REPLY_BATCH).
     replies_left: usize,
     waiters: HashMap<u32, (Wait, Rc<Outbound>)>,
@@ -95,6 +99,7 @@ impl Worker {
             key_check_token: None,
             pending: Vec::new(),
             live: HashSet::new(),
+            body_watch: BodyWatch::default(),
             replies_left: REPLY_BATCH,
             waiters: HashMap::new(),
             flights: HashMap::new(),
@@ -126,6 +131,12 @@ impl Worker {
     pub fn forget(&mut self, context_id: u32) {
         self.live.remove(&context_id);
         self.waiters.remove(&context_id);
+        self.body_watch.forget(context_id);
+    }
+
+    /// Whether the http context may still be answered.
+    pub fn is_live(&self, context_id: u32) -> bool {
+        self.live.contains(&context_id)
     }
 
     /// Enqueues `message` on this worker's own queue, so its work continues in a VM call
@@ -145,17 +156,35 @@ impl Worker {
     /// Sends `reply` with the model's `x-ratelimit-*` headers, and counts it. Another
     /// context is answered only while it lives, and uses up one of this VM call's replies.
     pub fn respond(&mut self, target: Target, reply: &Reply, model: &str) -> bool {
-        if let Target::Context(id) = target {
-            if !self.live.contains(&id) {
-                return false;
-            }
-            self.replies_left = self.replies_left.saturating_sub(1);
+        if matches!(target, Target::Context(id) if !self.live.contains(&id)) {
+            return false;
         }
         let extra = upstream::rate_headers(&SharedData, &self.config, model, host::now_ms());
         self.count(metrics::for_reply(&self.config, model, reply));
+        self.send(target, reply, &extra)
+    }
+
+    fn send(&mut self, target: Target, reply: &Reply, extra: &[(&str, String)]) -> bool {
         match target {
-            Target::Current => host::send(reply, &extra),
-            Target::Context(id) => host::send_to(id, reply, &extra),
+            Target::Current => host::send(reply, extra),
+            Target::Context(id) if self.live.contains(&id) => {
+                self.replies_left = self.replies_left.saturating_sub(1);
+                host::send_to(id, reply, extra)
+            }
+            Target::Context(_) => false,
+        }
+    }
+
+    /// Answers the requests that never received their body (see `body_watch`) with a 500.
+    fn answer_stalled(&mut self) {
+        let (ids, first) = self.body_watch.stalled(host::now_ms());
+        if first {
+            host::log(LogLevel::Error, &format!("holysheep: {}", body_watch::MESSAGE));
+        }
+        let reply = Reply::error(&ApiError::server(body_watch::MESSAGE, "edge_misconfigured"));
+        for id in ids {
+            self.send(Target::Context(id), &reply, &[]);
+            self.live.remove(&id);
         }
     }
 
@@ -526,6 +555,7 @@ impl RootContext for Root {
 
     fn on_tick(&mut self) {
         self.begin_call();
+        self.worker.borrow_mut().answer_stalled();
         self.register_queue();
         self.check_key();
         self.dispatch_pending();

@@ -127,6 +127,8 @@ pub struct VmState {
     pub clock: Clock,
     /// Yield to the scheduler at every shared-state call (deterministic interleavings).
     pub yields: bool,
+    /// Envoy's filter setting: without it a request paused on headers never gets its body.
+    pub allow_on_headers_stop_iteration: bool,
     pub root_id: u32,
     pub active: u32,
     pub effective: u32,

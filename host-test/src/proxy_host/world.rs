@@ -106,6 +106,8 @@ pub struct Options {
     /// Yield at every shared-state call (deterministic interleavings).
     pub yields: bool,
     pub shared: Shared,
+    /// The wasm filter's `allow_on_headers_stop_iteration` (true unless a test misconfigures).
+    pub allow_on_headers_stop_iteration: bool,
 }
 
 impl Options {
@@ -118,6 +120,7 @@ impl Options {
             clock: Clock::Virtual(Arc::new(AtomicU64::new(1_000_000))),
             yields: true,
             shared: Shared::with_next_cas(1),
+            allow_on_headers_stop_iteration: true,
         }
     }
 }
@@ -202,6 +205,7 @@ impl World {
             shared: self.shared.clone(),
             clock: self.options.clock.clone(),
             yields: self.options.yields,
+            allow_on_headers_stop_iteration: self.options.allow_on_headers_stop_iteration,
             root_id: ROOT,
             active: ROOT,
             effective: ROOT,
@@ -587,7 +591,8 @@ async fn deliver(vm: &mut Vm, event: Event) -> wasmtime::Result<()> {
                 .insert(ctx, Stream { request_headers: headers, request_body: body.clone(), ..Stream::default() });
             call(vm, "proxy_on_context_create", ctx, &[i(ctx), i(ROOT)]).await?;
             let mut action = call(vm, "proxy_on_request_headers", ctx, &[i(ctx), i(n), i(u32::from(end))]).await?;
-            if !end && !replied(vm, ctx) {
+            let body_delivered = action != Some(1) || vm.store.data().allow_on_headers_stop_iteration;
+            if !end && !replied(vm, ctx) && body_delivered {
                 action = call(vm, "proxy_on_request_body", ctx, &[i(ctx), i(body.len() as u32), i(1)]).await?;
             }
             if action == Some(0) && !replied(vm, ctx) {

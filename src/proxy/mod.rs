@@ -1,11 +1,16 @@
 //! The proxy-wasm shell (Envoy, wasm32-wasip1): translates host callbacks into core calls.
 
 mod body_watch;
+mod counters;
+mod flights;
 mod host;
 mod http;
+mod key_check;
+mod root;
+mod wakeups;
 mod worker;
 
 proxy_wasm::main! {{
     proxy_wasm::set_log_level(proxy_wasm::types::LogLevel::Info);
-    proxy_wasm::set_root_context(|_| Box::new(worker::Root::new()));
+    proxy_wasm::set_root_context(|_| Box::new(root::Root::new()));
 }}

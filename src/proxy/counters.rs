@@ -1,0 +1,29 @@
+//! The worker's Envoy counters: defined once per VM (ids are per VM), incremented by the
+//! core's labelled increments.
+
+use super::worker::Worker;
+use crate::core::metrics::{self, Counter, COUNTERS};
+use proxy_wasm::hostcalls;
+use proxy_wasm::types::MetricType;
+
+impl Worker {
+    pub(super) fn count(&self, increments: Vec<(String, Counter, u64)>) {
+        for (label, counter, n) in increments {
+            if let (Some(id), Ok(n)) = (self.metrics.get(&(label, counter)), i64::try_from(n)) {
+                if n > 0 {
+                    let _ = hostcalls::increment_metric(*id, n);
+                }
+            }
+        }
+    }
+
+    pub(super) fn define_metrics(&mut self) {
+        for label in metrics::labels(&self.config) {
+            for counter in COUNTERS {
+                if let Ok(id) = hostcalls::define_metric(MetricType::Counter, &metrics::metric_name(&label, counter)) {
+                    self.metrics.insert((label.clone(), counter), id);
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,63 @@
+//! The API-key check: once per Envoy process (the first worker VM to claim a shared-data
+//! flag; never the canary VM), `GET /v1/models` with the configured key. The key is never
+//! logged.
+
+use super::host::{self, SharedData};
+use super::root::Root;
+use crate::core::store::claim;
+use proxy_wasm::hostcalls;
+use proxy_wasm::traits::Context;
+use proxy_wasm::types::{LogLevel, MapType};
+use std::time::Duration;
+
+/// Shared-data key claimed by the one VM per Envoy process that checks the API key.
+const KEY_CHECK: &str = "holysheep/key-check";
+
+impl Root {
+    /// Once per Envoy process (the first worker to claim it), ask HolySheep whether the
+    /// configured key is accepted. The key is never logged.
+    pub(super) fn check_key(&mut self) {
+        let (config, bearer) = {
+            let mut w = self.worker.borrow_mut();
+            if w.key_checked {
+                return;
+            }
+            w.key_checked = true;
+            (w.config.clone(), w.bearer.clone())
+        };
+        let Some(bearer) = bearer else { return };
+        if !claim(&SharedData, KEY_CHECK, b"1") {
+            return;
+        }
+        let headers = vec![
+            (":method", "GET"),
+            (":path", "/v1/models"),
+            (":authority", config.upstream.authority.as_str()),
+            ("authorization", bearer.as_str()),
+        ];
+        let timeout = Duration::from_millis(config.upstream.timeout_ms);
+        if let Ok(token) = self.dispatch_http_call(&config.upstream.cluster, headers, None, vec![], timeout) {
+            self.worker.borrow_mut().key_check_token = Some(token);
+        }
+    }
+
+    pub(super) fn report_key_check(&self, num_headers: usize) {
+        let env = self.worker.borrow().config.upstream.api_key_env.clone();
+        let status = if num_headers == 0 { None } else { self.response_header(":status") };
+        match status.as_deref() {
+            Some("200") => host::log(LogLevel::Info, &format!("holysheep: HolySheep accepted the key from ${env}")),
+            Some(s @ ("401" | "403")) => host::log(
+                LogLevel::Error,
+                &format!("holysheep: HolySheep REJECTED the key from ${env} (status {s}): every call will fail"),
+            ),
+            other => host::log(
+                LogLevel::Warn,
+                &format!("holysheep: could not check the key from ${env} (status {})", other.unwrap_or("none")),
+            ),
+        }
+    }
+
+    pub(super) fn response_header(&self, name: &str) -> Option<String> {
+        hostcalls::get_map_value(MapType::HttpCallResponseHeaders, name).ok().flatten()
+    }
+}

@@ -1,0 +1,114 @@
+//! One worker thread's root context: it owns every upstream callout (so a leader's call
+//! survives its client), ticks, and receives the worker's queue. Each host callback starts
+//! a fresh batch of local replies and hands the work to flights, wake-ups or the key check.
+
+use super::host;
+use super::worker::{Shared, Worker, REPLY_BATCH};
+use crate::core::config::Config;
+use crate::core::upstream;
+use proxy_wasm::hostcalls;
+use proxy_wasm::traits::{Context, HttpContext, RootContext};
+use proxy_wasm::types::{BufferType, ContextType, LogLevel};
+use std::cell::RefCell;
+use std::rc::Rc;
+use std::time::Duration;
+
+/// Period of the first tick, which registers the worker's wake queue.
+const FIRST_TICK_MS: u64 = 20;
+
+pub struct Root {
+    pub(super) worker: Shared,
+}
+
+impl Root {
+    pub fn new() -> Self {
+        Root { worker: Rc::new(RefCell::new(Worker::new())) }
+    }
+
+    pub(super) fn out_of_replies(&self) -> bool {
+        self.worker.borrow().replies_left == 0
+    }
+
+    /// A root-context VM call starts: it may send a new batch of replies.
+    pub(super) fn begin_call(&self) {
+        self.worker.borrow_mut().replies_left = REPLY_BATCH;
+    }
+}
+
+impl Context for Root {
+    fn on_http_call_response(&mut self, token: u32, num_headers: usize, body_size: usize, _trailers: usize) {
+        self.begin_call();
+        if self.worker.borrow().key_check_token == Some(token) {
+            return self.report_key_check(num_headers);
+        }
+        let run = self.worker.borrow_mut().flights.remove(&token);
+        if let Some(mut run) = run {
+            let (outcome, hints) = self.callout_response(num_headers, body_size);
+            let action = self.on_outcome(&mut run, outcome, &hints);
+            self.advance(run, action);
+        }
+    }
+}
+
+impl RootContext for Root {
+    fn on_configure(&mut self, _size: usize) -> bool {
+        let raw = host::buffer(BufferType::PluginConfiguration, usize::MAX);
+        let config = match Config::parse(&raw) {
+            Ok(c) => c,
+            Err(e) => {
+                host::log(LogLevel::Critical, &e.to_string());
+                return false;
+            }
+        };
+        let vm_id = hostcalls::get_property(vec!["plugin_vm_id"]).ok().flatten().unwrap_or_default();
+        let mut w = self.worker.borrow_mut();
+        w.vm_id = String::from_utf8_lossy(&vm_id).into_owned();
+        w.bearer = upstream::bearer(std::env::var(&config.upstream.api_key_env).ok());
+        host::log(
+            LogLevel::Info,
+            &format!(
+                "holysheep: configured (cluster '{}', upstream key {})",
+                config.upstream.cluster,
+                if w.bearer.is_some() { "from environment" } else { "absent: forwarding client authorization" }
+            ),
+        );
+        w.config = Rc::new(config);
+        w.define_metrics();
+        drop(w);
+        // A short first tick registers the worker's queue (not here: the canary VM and
+        // the VM's thread binding make on_configure the wrong place, see ENVOY-FACTS).
+        let _ = hostcalls::set_tick_period(Duration::from_millis(FIRST_TICK_MS));
+        true
+    }
+
+    fn on_tick(&mut self) {
+        self.begin_call();
+        self.worker.borrow_mut().answer_stalled();
+        self.register_queue();
+        self.check_key();
+        self.dispatch_pending();
+        self.heartbeat();
+        self.renew_leases();
+        self.wake_sleepers();
+        self.poll_waiters(None);
+    }
+
+    /// Every enqueue brings one call here, so stopping once this call's replies are spent
+    /// leaves the messages still queued to the calls still due.
+    fn on_queue_ready(&mut self, queue_id: u32) {
+        self.begin_call();
+        while !self.out_of_replies() {
+            let Ok(Some(message)) = hostcalls::dequeue_shared_queue(queue_id) else { return };
+            self.on_message(&message);
+        }
+    }
+
+    fn create_http_context(&self, context_id: u32) -> Option<Box<dyn HttpContext>> {
+        self.worker.borrow_mut().live.insert(context_id);
+        Some(Box::new(super::http::Chat::new(context_id, self.worker.clone())))
+    }
+
+    fn get_type(&self) -> Option<ContextType> {
+        Some(ContextType::HttpContext)
+    }
+}

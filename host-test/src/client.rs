@@ -101,6 +101,22 @@ impl Conn {
         Ok(Resp { status, headers, body })
     }
 
+    /// Reads the raw response (status line, headers, chunk framing and body) line by line
+    /// until a line contains `needle`; returns what it read. For watching a stream arrive.
+    pub fn read_until(&mut self, needle: &str) -> io::Result<String> {
+        let mut seen = String::new();
+        loop {
+            let mut line = String::new();
+            if self.reader.read_line(&mut line)? == 0 {
+                return Err(io::Error::new(io::ErrorKind::UnexpectedEof, format!("no {needle:?} in {seen:?}")));
+            }
+            seen.push_str(&line);
+            if line.contains(needle) {
+                return Ok(seen);
+            }
+        }
+    }
+
     fn read_chunked(&mut self) -> io::Result<Vec<u8>> {
         let mut body = Vec::new();
         loop {

@@ -18,7 +18,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tokio::net::TcpListener;
 
-type Body = Either<Full<Bytes>, Channel<Bytes>>;
+type Body = Either<Full<Bytes>, Channel<Bytes, std::io::Error>>;
 
 /// One planned answer for the next chat-completion call.
 #[derive(Debug, Clone, Default)]
@@ -31,6 +31,10 @@ pub struct Fault {
     pub delay_ms: u64,
     /// Send headers, then wait this long before the body.
     pub slow_body_ms: u64,
+    /// Streams: after this many events, wait until `Mock::release` before the rest.
+    pub hold_after_events: Option<usize>,
+    /// Streams: after this many events, reset the connection (the stream is cut off).
+    pub cut_after_events: Option<usize>,
 }
 
 impl Fault {
@@ -44,6 +48,8 @@ impl Fault {
             reset: v["reset"].as_bool().unwrap_or(false),
             delay_ms: v["delay_ms"].as_u64().unwrap_or(0),
             slow_body_ms: v["slow_body_ms"].as_u64().unwrap_or(0),
+            hold_after_events: v["hold_after_events"].as_u64().map(|n| n as usize),
+            cut_after_events: v["cut_after_events"].as_u64().map(|n| n as usize),
         }
     }
 }
@@ -58,6 +64,12 @@ struct State {
     log: Vec<(String, std::time::Instant)>,
     in_flight: u64,
     max_in_flight: u64,
+    /// Delay between a stream's events.
+    event_delay_ms: u64,
+    /// Stream events sent so far (all streams).
+    events_sent: u64,
+    /// The last body of a chat call.
+    last_body: Vec<u8>,
 }
 
 /// Counts a chat-completion call as in flight until dropped.
@@ -83,13 +95,14 @@ impl Drop for InFlight {
 pub struct Mock {
     state: Arc<Mutex<State>>,
     api_key: Option<String>,
+    release: Arc<tokio::sync::Notify>,
 }
 
 impl Mock {
     /// `api_key`: when set, requests must carry `authorization: Bearer <api_key>`.
     pub fn new(api_key: Option<String>, latency_ms: u64) -> Mock {
         let state = State { latency_ms, ..State::default() };
-        Mock { state: Arc::new(Mutex::new(state)), api_key }
+        Mock { state: Arc::new(Mutex::new(state)), api_key, release: Arc::new(tokio::sync::Notify::new()) }
     }
 
     /// Serves on `listener` until the runtime stops.
@@ -168,6 +181,7 @@ impl Mock {
             s.calls += 1;
             s.log.push((model.unwrap_or_default(), std::time::Instant::now()));
             s.last_authorization.clone_from(&auth);
+            s.last_body = body.to_vec();
             (s.plan.pop_front().unwrap_or_default(), s.latency_ms)
         };
         let delay = latency + fault.delay_ms;
@@ -182,7 +196,10 @@ impl Mock {
         }
         let mut resp = match fault.status.filter(|s| *s != 200) {
             Some(status) => planned_error(status),
-            None => answer(body),
+            None => match answer(body) {
+                Answer::Json(r) => r,
+                Answer::Events(events) => self.stream(events, &fault),
+            },
         };
         if let Some(r) = fault.retry_after {
             if let Ok(v) = r.parse() {
@@ -199,7 +216,7 @@ impl Mock {
 fn slow(resp: Response<Body>, ms: u64) -> Response<Body> {
     let (parts, body) = resp.into_parts();
     let Either::Left(full) = body else { return Response::from_parts(parts, body) };
-    let (mut tx, channel) = Channel::<Bytes>::new(1);
+    let (mut tx, channel) = Channel::<Bytes, std::io::Error>::new(1);
     tokio::spawn(async move {
         let bytes = full.collect().await.map(|b| b.to_bytes()).unwrap_or_default();
         tokio::time::sleep(Duration::from_millis(ms)).await;
@@ -208,82 +225,168 @@ fn slow(resp: Response<Body>, ms: u64) -> Response<Body> {
     Response::from_parts(parts, Either::Right(channel))
 }
 
-fn answer(body: &[u8]) -> Response<Body> {
-    let req: Value = match serde_json::from_slice(body) {
-        Ok(v @ Value::Object(_)) => v,
-        _ => {
-            return error(
-                StatusCode::BAD_REQUEST,
-                "We could not parse the JSON body of your request.",
-                "invalid_request_error",
-                "invalid_json",
-                None,
-            )
+enum Answer {
+    Json(Response<Body>),
+    /// A `stream: true` answer: its server-sent events, in order.
+    Events(Vec<String>),
+}
+
+impl Mock {
+    /// Sends `events` one by one, `event_delay_ms` apart, each in two writes split inside
+    /// the event (so a reader sees partial events), holding or cutting as `fault` says.
+    fn stream(&self, events: Vec<String>, fault: &Fault) -> Response<Body> {
+        let (mut tx, channel) = Channel::<Bytes, std::io::Error>::new(4);
+        let (mock, hold, cut) = (self.clone(), fault.hold_after_events, fault.cut_after_events);
+        tokio::spawn(async move {
+            for (i, event) in events.into_iter().enumerate() {
+                if hold == Some(i) {
+                    mock.release.notified().await;
+                }
+                if cut == Some(i) {
+                    tx.abort(std::io::Error::new(std::io::ErrorKind::ConnectionReset, "planned cut"));
+                    return;
+                }
+                let delay = mock.state().event_delay_ms;
+                if delay > 0 && i > 0 {
+                    tokio::time::sleep(Duration::from_millis(delay)).await;
+                }
+                let bytes = Bytes::from(event);
+                let mid = bytes.len() / 2;
+                if tx.send_data(bytes.slice(..mid)).await.is_err() {
+                    return;
+                }
+                tokio::task::yield_now().await;
+                if tx.send_data(bytes.slice(mid..)).await.is_err() {
+                    return;
+                }
+                mock.state().events_sent += 1;
+            }
+        });
+        let mut r = Response::new(Either::Right(channel));
+        r.headers_mut().insert("content-type", hyper::header::HeaderValue::from_static("text/event-stream"));
+        r
+    }
+}
+
+fn answer(body: &[u8]) -> Answer {
+    let req: Value = serde_json::from_slice(body).unwrap_or(Value::Null);
+    match completion(&req) {
+        Err(e) => Answer::Json(*e),
+        Ok(c) if req["stream"].as_bool() == Some(true) => {
+            Answer::Events(events(&c, req["stream_options"]["include_usage"].as_bool() == Some(true)))
         }
-    };
+        Ok(c) => Answer::Json(json_response(StatusCode::OK, &c)),
+    }
+}
+
+/// The `chat.completion` the mock answers: deterministic content echoing the last message,
+/// or, when the request offers `tools` and the last message asks to "call a tool", a call
+/// of the first tool with the message as its argument.
+fn completion(req: &Value) -> Result<Value, Box<Response<Body>>> {
+    if !req.is_object() {
+        return Err(Box::new(error(
+            StatusCode::BAD_REQUEST,
+            "We could not parse the JSON body of your request.",
+            "invalid_request_error",
+            "invalid_json",
+            None,
+        )));
+    }
     let Some(model) = req["model"].as_str() else {
-        return error(
+        return Err(Box::new(error(
             StatusCode::BAD_REQUEST,
             "you must provide a model parameter",
             "invalid_request_error",
             "missing_required_parameter",
             Some("model"),
-        );
+        )));
     };
     let Some(messages) = req["messages"].as_array().filter(|m| !m.is_empty()) else {
-        return error(
+        return Err(Box::new(error(
             StatusCode::BAD_REQUEST,
             "'messages' must be a non-empty array",
             "invalid_request_error",
             "invalid_value",
             Some("messages"),
-        );
+        )));
     };
     let last = messages.iter().rev().find_map(|m| m["content"].as_str()).unwrap_or("");
-    let digest: String = Sha256::digest(body).iter().take(12).map(|b| format!("{b:02x}")).collect();
+    // The same answer whether streamed or not, and whatever the stream options.
+    let mut keyed = req.clone();
+    if let Some(o) = keyed.as_object_mut() {
+        o.remove("stream");
+        o.remove("stream_options");
+    }
+    let digest: String =
+        Sha256::digest(keyed.to_string().as_bytes()).iter().take(12).map(|b| format!("{b:02x}")).collect();
     let content = format!("HolySheep mock answer {digest} to: {last}");
     let prompt_text: usize = messages.iter().map(|m| m["content"].as_str().map_or(0, str::len) + 4).sum();
     let prompt_tokens = prompt_text.div_ceil(4) as u64;
     let completion_tokens = content.split_whitespace().count() as u64;
     let n = req["n"].as_u64().unwrap_or(1).clamp(1, 128);
-    if req["stream"].as_bool() == Some(true) {
-        return stream(model, &digest, &content);
-    }
-    let choices: Vec<Value> = (0..n)
-        .map(|i| {
-            json!({"index": i, "message": {"role": "assistant", "content": content, "refusal": null},
-                        "logprobs": null, "finish_reason": "stop"})
-        })
-        .collect();
-    json_response(
-        StatusCode::OK,
-        &json!({
-            "id": format!("chatcmpl-{digest}"),
-            "object": "chat.completion",
-            "created": 1_764_000_000u64,
-            "model": model,
-            "choices": choices,
-            "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens * n,
-                      "total_tokens": prompt_tokens + completion_tokens * n},
-            "system_fingerprint": "fp_mock",
-        }),
-    )
+    let tool = req["tools"][0]["function"]["name"].as_str().filter(|_| last.contains("call a tool"));
+    let message = match tool {
+        Some(name) => json!({"role": "assistant", "content": null, "refusal": null, "tool_calls": [{
+            "id": format!("call_{digest}"), "type": "function",
+            "function": {"name": name, "arguments": json!({"q": last}).to_string()}}]}),
+        None => json!({"role": "assistant", "content": content, "refusal": null}),
+    };
+    let finish = if tool.is_some() { "tool_calls" } else { "stop" };
+    let choices: Vec<Value> =
+        (0..n).map(|i| json!({"index": i, "message": message, "logprobs": null, "finish_reason": finish})).collect();
+    Ok(json!({
+        "id": format!("chatcmpl-{digest}"),
+        "object": "chat.completion",
+        "created": 1_764_000_000u64,
+        "model": model,
+        "choices": choices,
+        "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens * n,
+                  "total_tokens": prompt_tokens + completion_tokens * n},
+        "system_fingerprint": "fp_mock",
+    }))
 }
 
-fn stream(model: &str, digest: &str, content: &str) -> Response<Body> {
-    let chunk = |delta: Value, finish: Value| {
-        json!({"id": format!("chatcmpl-{digest}"), "object": "chat.completion.chunk", "created": 1_764_000_000u64,
-               "model": model, "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]})
+/// The events OpenAI streams for `c`: the role, the content 8 characters at a time, tool
+/// calls (id, type and name first, then argument pieces), the finish reason; the usage
+/// event when asked for; `[DONE]`.
+fn events(c: &Value, include_usage: bool) -> Vec<String> {
+    let chunk = |choices: Value| {
+        let mut v = json!({"id": c["id"], "object": "chat.completion.chunk", "created": c["created"],
+                           "model": c["model"], "system_fingerprint": c["system_fingerprint"], "choices": choices});
+        if include_usage {
+            v["usage"] = Value::Null;
+        }
+        v
     };
-    let mut sse = String::new();
-    for part in [chunk(json!({"role": "assistant", "content": content}), Value::Null), chunk(json!({}), json!("stop"))]
-    {
-        sse.push_str(&format!("data: {part}\n\n"));
+    let piece = |s: &str| -> Vec<String> {
+        let chars: Vec<char> = s.chars().collect();
+        chars.chunks(8).map(|p| p.iter().collect()).collect()
+    };
+    let mut out = Vec::new();
+    for choice in c["choices"].as_array().into_iter().flatten() {
+        let i = &choice["index"];
+        let delta = |d: Value| chunk(json!([{"index": i, "delta": d, "logprobs": null, "finish_reason": null}]));
+        out.push(delta(json!({"role": "assistant", "content": "", "refusal": null})));
+        for p in piece(choice["message"]["content"].as_str().unwrap_or("")) {
+            out.push(delta(json!({"content": p})));
+        }
+        for (t, call) in choice["message"]["tool_calls"].as_array().into_iter().flatten().enumerate() {
+            out.push(delta(json!({"tool_calls": [{"index": t, "id": call["id"], "type": "function",
+                "function": {"name": call["function"]["name"], "arguments": ""}}]})));
+            for p in piece(call["function"]["arguments"].as_str().unwrap_or("")) {
+                out.push(delta(json!({"tool_calls": [{"index": t, "function": {"arguments": p}}]})));
+            }
+        }
+        out.push(chunk(json!([{"index": i, "delta": {}, "logprobs": null, "finish_reason": choice["finish_reason"]}])));
     }
-    sse.push_str("data: [DONE]\n\n");
-    let mut r = Response::new(Either::Left(Full::new(Bytes::from(sse))));
-    r.headers_mut().insert("content-type", hyper::header::HeaderValue::from_static("text/event-stream"));
-    r
+    if include_usage {
+        let mut u = chunk(json!([]));
+        u["usage"] = c["usage"].clone();
+        out.push(u);
+    }
+    let mut events: Vec<String> = out.iter().map(|v| format!("data: {v}\n\n")).collect();
+    events.push("data: [DONE]\n\n".to_owned());
+    events
 }
 
 fn planned_error(status: u16) -> Response<Body> {
@@ -351,6 +454,26 @@ impl Mock {
 
     pub fn set_latency_ms(&self, ms: u64) {
         self.state().latency_ms = ms;
+    }
+
+    /// The delay between a stream's events.
+    pub fn set_event_delay_ms(&self, ms: u64) {
+        self.state().event_delay_ms = ms;
+    }
+
+    /// Lets one stream held by `Fault::hold_after_events` go on (or the next one to hold).
+    pub fn release(&self) {
+        self.release.notify_one();
+    }
+
+    /// Stream events sent so far, over all streams.
+    pub fn events_sent(&self) -> u64 {
+        self.state().events_sent
+    }
+
+    /// The body of the last chat call.
+    pub fn last_body(&self) -> Vec<u8> {
+        self.state().last_body.clone()
     }
 }
 

@@ -116,6 +116,8 @@ impl Gateway {
         }
         let policy = parsed.policy(&self.config, CacheControl::parse(meta.cache_control));
         let outbound = Outbound {
+            stream: false,
+            include_usage: false,
             body,
             client_authorization: authorization,
             model: parsed.model,

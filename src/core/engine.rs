@@ -168,6 +168,14 @@ impl<S: CasStore> Engine<'_, S> {
         Reply { response, cache: Some(call.label), key: Some(call.key.clone()), age_s: None }
     }
 
+    /// The call ended without an answer worth sharing (a stream cut off): its waiters look
+    /// again, and one of them leads a new flight.
+    pub fn abandon(&self, call: &Call) {
+        if let Some(l) = &call.lease {
+            let _ = lease::release(self.store, l);
+        }
+    }
+
     fn finish_lease(&self, call: &Call, response: &Response, now_ms: u64) {
         if let Some(l) = &call.lease {
             // A lost lease (we were presumed dead) leaves the new leader's flight alone.

@@ -151,6 +151,26 @@ impl Flight {
         Action::Finish(self.last.take())
     }
 
+    /// A stream forwarded along the route ended: its bytes went to the client as they came,
+    /// so there is no retry (the route retries before the first byte). Settles the bucket
+    /// from the stream's usage, or from `cut_off_tokens` (an estimate of what was streamed)
+    /// when the stream never reported one.
+    pub fn on_stream_end(
+        &mut self,
+        store: &impl CasStore,
+        config: &Config,
+        usage: Option<(u64, u64)>,
+        cut_off_tokens: u64,
+        now_ms: u64,
+    ) {
+        let model = self.model().to_owned();
+        let settled = usage.or(Some((cut_off_tokens, 0)));
+        self.settle(store, config, settled, &ProviderHints::default(), now_ms);
+        if let Some((prompt, completion)) = usage {
+            self.events.push(Event::Usage { model, prompt, completion });
+        }
+    }
+
     /// A fallback's answer is not stored under the requested model's key.
     fn fail_over_to(&mut self, i: usize) {
         self.events.push(Event::Failover { from: self.model().to_owned(), to: self.models[i].clone() });

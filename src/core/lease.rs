@@ -100,6 +100,12 @@ pub fn finish(store: &impl CasStore, lease: &Lease, response: &Response, now_ms:
     update_if_owner(store, lease, &done(&lease.key, lease.nonce, now_ms, response))
 }
 
+/// Gives the lease up without an answer (a stream that broke off): the slot reads as
+/// expired, so a waiter takes it and leads a new flight. `false` when it was not ours.
+pub fn release(store: &impl CasStore, lease: &Lease) -> Result<bool, StoreError> {
+    update_if_owner(store, lease, &leading(&lease.key, lease.nonce, 0))
+}
+
 fn update_if_owner(store: &impl CasStore, lease: &Lease, value: &[u8]) -> Result<bool, StoreError> {
     for _ in 0..MAX_RACES {
         let r = store.get(&lease.slot_key)?;

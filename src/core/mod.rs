@@ -12,5 +12,6 @@ pub mod limits;
 pub mod metrics;
 pub mod request;
 pub mod store;
+pub mod stream;
 pub mod upstream;
 pub mod wake;

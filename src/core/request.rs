@@ -80,8 +80,10 @@ pub struct Policy {
 pub struct ChatRequest {
     pub key: Key,
     pub model: String,
-    /// `stream: true` requests are passed through: a buffered answer is not an SSE stream.
+    /// `stream: true`: answered as server-sent events (from the same cache entry).
     pub stream: bool,
+    /// `stream_options.include_usage: true`: the client wants the usage event.
+    pub include_usage: bool,
     /// temperature 0 or a seed, and one choice.
     pub deterministic: bool,
     /// Tokens reserved before the call: prompt ≈ body bytes / 4, plus the completion
@@ -109,6 +111,8 @@ impl ChatRequest {
         validate(&map)?;
         let model = map.get("model").and_then(Value::as_str).unwrap_or_default().to_owned();
         let stream = map.get("stream").and_then(Value::as_bool).unwrap_or(false);
+        let include_usage =
+            map.get("stream_options").and_then(|o| o.get("include_usage")).and_then(Value::as_bool).unwrap_or(false);
         let deterministic = is_deterministic(&map);
         let estimate_tokens = estimate_tokens(&map, body.len());
         let scope = scope(config, meta);
@@ -117,6 +121,7 @@ impl ChatRequest {
             key: request_key(CHAT_PATH, &scope, &canonical),
             model,
             stream,
+            include_usage,
             deterministic,
             estimate_tokens,
         })
@@ -260,9 +265,24 @@ fn estimate_tokens(map: &Map<String, Value>, body_len: usize) -> u64 {
 
 /// The same request for another model (failover): the body with `model` replaced.
 pub fn with_model(body: &[u8], model: &str) -> Vec<u8> {
+    for_upstream(body, model, false)
+}
+
+/// The body an upstream call sends: the client's, on `model`, and for a stream with
+/// `stream_options.include_usage: true`, so the edge always learns the usage.
+pub fn for_upstream(body: &[u8], model: &str, stream: bool) -> Vec<u8> {
     match serde_json::from_slice::<Value>(body) {
         Ok(Value::Object(mut map)) => {
             map.insert("model".into(), Value::String(model.to_owned()));
+            if stream {
+                let options = map.entry("stream_options").or_insert_with(|| Value::Object(Map::new()));
+                if !options.is_object() {
+                    *options = Value::Object(Map::new());
+                }
+                if let Some(o) = options.as_object_mut() {
+                    o.insert("include_usage".into(), Value::Bool(true));
+                }
+            }
             Value::Object(map).to_string().into_bytes()
         }
         _ => body.to_vec(),

@@ -4,7 +4,7 @@
 use super::cache::Response;
 use super::config::Config;
 use super::limits::{self, Limits, ProviderHints};
-use super::request::with_model;
+use super::request::for_upstream;
 use super::store::CasStore;
 use std::borrow::Cow;
 
@@ -15,18 +15,28 @@ pub struct Outbound {
     pub client_authorization: Option<String>,
     pub model: String,
     pub estimate_tokens: u64,
+    /// The client asked for a stream (`stream: true`) ...
+    pub stream: bool,
+    /// ... with the usage event (`stream_options.include_usage`).
+    pub include_usage: bool,
 }
 
 pub const USER_AGENT: &str = concat!("holysheep-edge/", env!("CARGO_PKG_VERSION"));
 
 impl Outbound {
-    /// The body for an attempt on `model` (rewritten when it is a fallback).
+    /// The body for an attempt on `model` (rewritten when it is a fallback, and for a
+    /// stream to ask for the usage event).
     pub fn body_for(&self, model: &str) -> Cow<'_, [u8]> {
-        if model == self.model {
+        if model == self.model && !self.stream {
             Cow::Borrowed(&self.body)
         } else {
-            Cow::Owned(with_model(&self.body, model))
+            Cow::Owned(for_upstream(&self.body, model, self.stream))
         }
+    }
+
+    /// Prompt tokens, estimated at four bytes of the request body a token.
+    pub fn prompt_estimate(&self) -> u64 {
+        (self.body.len() as u64).div_ceil(4)
     }
 
     /// The regular headers of the call: the configured key (`bearer`, `Bearer <key>`)
@@ -81,6 +91,8 @@ mod tests {
             client_authorization: Some("Bearer client".into()),
             model: "gpt-4.1".into(),
             estimate_tokens: 10,
+            stream: false,
+            include_usage: false,
         }
     }
 
@@ -99,6 +111,21 @@ mod tests {
         assert_eq!(&*o.body_for("gpt-4.1"), o.body.as_slice());
         let v: serde_json::Value = serde_json::from_slice(&o.body_for("deepseek-v3")).unwrap();
         assert_eq!(v["model"], "deepseek-v3");
+    }
+
+    #[test]
+    fn a_stream_always_asks_for_the_usage_event() {
+        let o = Outbound {
+            body: br#"{"model":"gpt-4.1","messages":[],"stream":true,"stream_options":{"x":1}}"#.to_vec(),
+            stream: true,
+            ..outbound()
+        };
+        let v: serde_json::Value = serde_json::from_slice(&o.body_for("gpt-4.1")).unwrap();
+        assert_eq!(
+            (v["stream_options"]["include_usage"].as_bool(), v["stream_options"]["x"].as_u64()),
+            (Some(true), Some(1))
+        );
+        assert_eq!(v["stream"], true);
     }
 
     #[test]

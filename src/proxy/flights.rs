@@ -5,7 +5,7 @@
 use super::host::{self, SharedData};
 use super::root::Root;
 use super::wakeups::DISPATCH;
-use super::worker::{Run, Target};
+use super::worker::{Run, StreamEnd, Target};
 use crate::core::cache::Response;
 use crate::core::engine::Call;
 use crate::core::flight::{Action, Flight};
@@ -45,6 +45,15 @@ impl Root {
                 w.count(events.iter().flat_map(|e| metrics::for_event(&w.config, e)).collect());
             }
             match action {
+                Action::Send { model, .. } if run.outbound.stream => {
+                    if self.forward(&run, &model) {
+                        self.worker.borrow_mut().streams.insert(run.context_id, run);
+                    } else {
+                        let end = StreamEnd { outcome: None, usage: None, streamed_tokens: 0 };
+                        self.complete_stream(run, end);
+                    }
+                    return;
+                }
                 Action::Send { model, timeout_ms } => match self.dispatch(&run, &model, timeout_ms) {
                     Some(token) => {
                         self.worker.borrow_mut().flights.insert(token, run);
@@ -92,12 +101,69 @@ impl Root {
         }
     }
 
+    /// A stream leader goes along the route (Envoy's router streams the answer back while
+    /// the http context tees it): its body asks for the usage event, on `model`, with the
+    /// configured key and no compression (the tee reads the events). `false` when the
+    /// request is gone.
+    fn forward(&self, run: &Run, model: &str) -> bool {
+        let id = run.context_id;
+        let bearer = self.worker.borrow().bearer.clone();
+        if !self.worker.borrow().is_live(id) || hostcalls::set_effective_context(id).is_err() {
+            return false;
+        }
+        let body = run.outbound.body_for(model);
+        let length = body.len().to_string();
+        let headers = [("content-length", Some(length.as_str())), ("accept-encoding", None)];
+        let set = hostcalls::set_buffer(BufferType::HttpRequestBody, 0, usize::MAX, &body).is_ok()
+            && headers.iter().all(|(n, v)| hostcalls::set_map_value(MapType::HttpRequestHeaders, n, *v).is_ok())
+            && bearer.is_none_or(|b| {
+                hostcalls::set_map_value(MapType::HttpRequestHeaders, "authorization", Some(&b)).is_ok()
+            });
+        set && hostcalls::resume_http_request().is_ok()
+    }
+
+    /// Completes the streams whose http contexts saw them end.
+    pub(super) fn complete_streams(&mut self) {
+        let ended = std::mem::take(&mut self.worker.borrow_mut().ended);
+        for (run, end) in ended {
+            self.complete_stream(run, end);
+        }
+    }
+
+    /// A forwarded stream ended: settle its bucket; share a finished answer (stored, and
+    /// handed to its waiters in their own forms); after a stream that broke off, give the
+    /// lease up so that one of its waiters leads a new flight. The leader's client already
+    /// has its answer.
+    fn complete_stream(&mut self, mut run: Run, end: StreamEnd) {
+        let now = host::now_ms();
+        {
+            let w = self.worker.borrow();
+            let cut_off = run.outbound.prompt_estimate() + end.streamed_tokens;
+            run.flight.on_stream_end(&SharedData, &w.config, end.usage, cut_off, now);
+            let events = std::mem::take(&mut run.flight.events);
+            w.count(events.iter().flat_map(|e| metrics::for_event(&w.config, e)).collect());
+        }
+        let call = run.flight.call;
+        match end.outcome {
+            Some(outcome) => {
+                let w = self.worker.borrow();
+                let reply = w.engine().complete(&call, Some(outcome), now);
+                w.count(metrics::for_reply(&w.config, &run.outbound.model, &reply));
+            }
+            None => self.worker.borrow().engine().abandon(&call),
+        }
+        if call.lease.is_some() {
+            self.poll_waiters(Some(&call.key));
+            self.wake_other_workers(&call.key, now);
+        }
+    }
+
     /// The flight ended: answer its caller, then its waiters here and on other workers.
     pub(super) fn finish(&mut self, run: Run, outcome: Option<Response>) {
         let now = host::now_ms();
         let call = run.flight.call;
         let reply = self.worker.borrow().engine().complete(&call, outcome, now);
-        self.worker.borrow_mut().respond(Target::Context(run.context_id), &reply, &run.outbound.model);
+        self.worker.borrow_mut().respond(Target::Context(run.context_id), &reply, &run.outbound);
         if call.lease.is_some() {
             self.poll_waiters(Some(&call.key));
             self.wake_other_workers(&call.key, now);
@@ -154,7 +220,7 @@ impl Root {
     pub(super) fn renew_leases(&self) {
         let w = self.worker.borrow();
         let (engine, now) = (w.engine(), host::now_ms());
-        for run in w.flights.values().chain(w.sleeping.iter().map(|(_, r)| r)) {
+        for run in w.flights.values().chain(w.sleeping.iter().map(|(_, r)| r)).chain(w.streams.values()) {
             engine.renew(&run.flight.call, now);
         }
     }

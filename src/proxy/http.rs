@@ -1,11 +1,18 @@
 //! The http context: recognises `POST /v1/chat/completions`, buffers the body, asks the
-//! core what to do and does it. Every other request passes through untouched.
+//! core what to do and does it. Every other request passes through untouched. A stream
+//! leader goes along the route; its http context tees the answer as it streams back,
+//! reassembling it in memory, and reports how it ended.
+
+/// Bytes of a streamed call's error answer kept for its waiters.
+const ERROR_BODY_LIMIT: usize = 65_536;
 
 use super::host::{self, SharedData};
-use super::worker::{Shared, Target};
+use super::worker::{Shared, StreamEnd, Target};
+use crate::core::cache::Response;
 use crate::core::engine::{Engine, Reply, Step};
 use crate::core::error::ApiError;
 use crate::core::request::{CacheControl, ChatRequest, RequestMeta, CHAT_PATH};
+use crate::core::stream::{self, Reassembler};
 use crate::core::upstream::Outbound;
 use proxy_wasm::hostcalls;
 use proxy_wasm::traits::{Context, HttpContext};
@@ -18,7 +25,6 @@ pub struct Chat {
     state: State,
 }
 
-#[derive(PartialEq, Eq)]
 enum State {
     /// Not ours: pass through.
     Ignored,
@@ -26,8 +32,42 @@ enum State {
     Reading,
     /// Answered, or handed to the root context.
     Handled,
-    /// `stream: true`: forwarded along the route; only headers are added.
-    Streaming(String),
+    /// A stream leader's answer coming back along the route.
+    Teeing(Box<Tee>),
+    /// The tee reported the end.
+    Ended,
+}
+
+/// What the tee keeps of a forwarded stream's answer.
+struct Tee {
+    status: u16,
+    content_type: String,
+    /// Server-sent events (a 200): reassembled; anything else is an error body, kept.
+    events: Option<Reassembler>,
+    error_body: Vec<u8>,
+}
+
+impl Tee {
+    /// A forwarded stream that never got its answer's headers.
+    fn broken() -> StreamEnd {
+        StreamEnd { outcome: None, usage: None, streamed_tokens: 0 }
+    }
+
+    fn end(self, complete: bool) -> StreamEnd {
+        let streamed_tokens = self.events.as_ref().map_or(0, Reassembler::streamed_tokens_estimate);
+        let usage = self.events.as_ref().and_then(Reassembler::usage);
+        let outcome = match (&self.events, complete) {
+            (_, false) => None,
+            (Some(r), true) => r.completion(),
+            (None, true) => Some(Response {
+                status: self.status,
+                content_type: self.content_type,
+                headers: Vec::new(),
+                body: self.error_body,
+            }),
+        };
+        StreamEnd { outcome, usage, streamed_tokens }
+    }
 }
 
 fn request_header(name: &str) -> Option<String> {
@@ -59,9 +99,6 @@ impl Chat {
             Ok(r) => r,
             Err(e) => return self.reject(&e),
         };
-        if request.stream {
-            return self.pass_stream(request.key.hex().to_owned());
-        }
         self.state = State::Handled;
         let policy = request.policy(&config, CacheControl::parse(meta.cache_control));
         let nonce = self.worker.borrow_mut().nonce();
@@ -71,10 +108,12 @@ impl Chat {
             client_authorization: authorization,
             model: request.model,
             estimate_tokens: request.estimate_tokens,
+            stream: request.stream,
+            include_usage: request.include_usage,
         });
         match step {
             Step::Reply(reply) => {
-                self.worker.borrow_mut().respond(Target::Current, &reply, &outbound.model);
+                self.worker.borrow_mut().respond(Target::Current, &reply, &outbound);
             }
             Step::Call(call) => self.worker.borrow_mut().defer_call(self.id, call, outbound),
             Step::Wait(wait) => self.worker.borrow_mut().wait(self.id, wait, outbound),
@@ -82,19 +121,31 @@ impl Chat {
         Action::Pause
     }
 
-    fn pass_stream(&mut self, key: String) -> Action {
-        let bearer = self.worker.borrow().bearer().map(str::to_owned);
-        if let Some(bearer) = bearer {
-            let _ = hostcalls::set_map_value(MapType::HttpRequestHeaders, "authorization", Some(&bearer));
+    /// The forwarded stream ended (`complete`: the upstream finished its answer).
+    fn end_stream(&mut self, complete: bool) {
+        if let State::Teeing(tee) = std::mem::replace(&mut self.state, State::Ended) {
+            self.worker.borrow_mut().stream_ended(self.id, tee.end(complete));
         }
-        self.state = State::Streaming(key);
-        Action::Continue
     }
+}
+
+fn response_header(name: &str) -> Option<String> {
+    hostcalls::get_map_value(MapType::HttpResponseHeaders, name).ok().flatten()
+}
+
+fn set_response_header(name: &str, value: Option<&str>) {
+    let _ = hostcalls::set_map_value(MapType::HttpResponseHeaders, name, value);
 }
 
 impl Context for Chat {
     fn on_done(&mut self) -> bool {
-        self.worker.borrow_mut().forget(self.id);
+        // A stream that had not ended broke off (client gone, upstream reset).
+        self.end_stream(false);
+        let mut w = self.worker.borrow_mut();
+        if w.streams.contains_key(&self.id) {
+            w.stream_ended(self.id, Tee::broken());
+        }
+        w.forget(self.id);
         true
     }
 }
@@ -120,8 +171,10 @@ impl HttpContext for Chat {
     }
 
     fn on_http_request_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
-        if self.state != State::Reading {
-            return if self.state == State::Handled { Action::Pause } else { Action::Continue };
+        match self.state {
+            State::Reading => {}
+            State::Handled => return Action::Pause,
+            _ => return Action::Continue,
         }
         let mut worker = self.worker.borrow_mut();
         worker.body_watch.body_arrived();
@@ -143,10 +196,51 @@ impl HttpContext for Chat {
         self.handle(body)
     }
 
-    fn on_http_response_headers(&mut self, _num_headers: usize, _end_of_stream: bool) -> Action {
-        if let State::Streaming(key) = &self.state {
-            let _ = hostcalls::set_map_value(MapType::HttpResponseHeaders, "x-holysheep-cache", Some("BYPASS"));
-            let _ = hostcalls::set_map_value(MapType::HttpResponseHeaders, "x-holysheep-key", Some(key));
+    /// Only a forwarded stream's own answer is teed; the filter's local replies (which
+    /// Envoy also runs through here) pass untouched.
+    fn on_http_response_headers(&mut self, _num_headers: usize, end_of_stream: bool) -> Action {
+        if !matches!(self.state, State::Handled) {
+            return Action::Continue;
+        }
+        let Some(label) = self.worker.borrow().stream_label(self.id) else { return Action::Continue };
+        let status = response_header(":status").and_then(|s| s.parse().ok()).unwrap_or(502);
+        let content_type = response_header("content-type").unwrap_or_default();
+        let sse = status == 200 && content_type.contains(stream::CONTENT_TYPE);
+        set_response_header("x-holysheep-cache", Some(label.cache.as_str()));
+        set_response_header("x-holysheep-key", Some(&label.key));
+        set_response_header("x-holysheep-model", Some(&label.model));
+        if sse && !label.include_usage {
+            // The usage event is taken out: the length changes.
+            set_response_header("content-length", None);
+        }
+        let events = sse.then(|| Reassembler::new(label.include_usage));
+        self.state = State::Teeing(Box::new(Tee { status, content_type, events, error_body: Vec::new() }));
+        if end_of_stream {
+            self.end_stream(true);
+        }
+        Action::Continue
+    }
+
+    fn on_http_response_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
+        let State::Teeing(tee) = &mut self.state else { return Action::Continue };
+        let chunk = host::buffer(BufferType::HttpResponseBody, body_size);
+        match &mut tee.events {
+            Some(events) => {
+                let mut out = events.push(&chunk);
+                if end_of_stream {
+                    out.extend(events.flush());
+                }
+                if out != chunk {
+                    let _ = hostcalls::set_buffer(BufferType::HttpResponseBody, 0, body_size, &out);
+                }
+            }
+            None => {
+                let room = ERROR_BODY_LIMIT.saturating_sub(tee.error_body.len());
+                tee.error_body.extend_from_slice(&chunk[..chunk.len().min(room)]);
+            }
+        }
+        if end_of_stream {
+            self.end_stream(true);
         }
         Action::Continue
     }

@@ -90,6 +90,7 @@ impl RootContext for Root {
         self.heartbeat();
         self.renew_leases();
         self.wake_sleepers();
+        self.complete_streams();
         self.poll_waiters(None);
     }
 

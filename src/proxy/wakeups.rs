@@ -17,6 +17,8 @@ use std::rc::Rc;
 pub const DISPATCH: &[u8] = b"dispatch";
 /// Message on a worker's own queue: look at every waiter again (a continued tick).
 pub const POLL_ALL: &[u8] = b"poll";
+/// Message on a worker's own queue: complete the streams that ended.
+pub const ENDED: &[u8] = b"ended";
 
 impl Worker {
     /// Enqueues `message` on this worker's own queue, so its work continues in a VM call
@@ -34,7 +36,7 @@ impl Root {
     pub(super) fn execute(&mut self, context_id: u32, step: Step, outbound: Rc<Outbound>) {
         match step {
             Step::Reply(reply) => {
-                self.worker.borrow_mut().respond(Target::Context(context_id), &reply, &outbound.model);
+                self.worker.borrow_mut().respond(Target::Context(context_id), &reply, &outbound);
             }
             Step::Call(call) => self.start(context_id, call, outbound),
             Step::Wait(wait) => self.worker.borrow_mut().wait(context_id, wait, outbound),
@@ -115,6 +117,8 @@ impl Root {
             self.dispatch_pending();
         } else if message == POLL_ALL {
             self.poll_waiters(None);
+        } else if message == ENDED {
+            self.complete_streams();
         } else if let Some(key) = std::str::from_utf8(message).ok().and_then(Key::from_hex) {
             self.poll_waiters(Some(&key));
         }

@@ -4,12 +4,14 @@
 
 use super::body_watch::{self, BodyWatch};
 use super::host::{self, Nonces, SharedData};
-use super::wakeups::DISPATCH;
+use super::wakeups::{DISPATCH, ENDED};
+use crate::core::cache::Response;
 use crate::core::config::Config;
-use crate::core::engine::{Call, Engine, Reply, Wait};
+use crate::core::engine::{CacheStatus, Call, Engine, Reply, Wait};
 use crate::core::error::ApiError;
 use crate::core::flight::Flight;
 use crate::core::metrics::{self, Counter};
+use crate::core::stream;
 use crate::core::upstream::{self, Outbound};
 use proxy_wasm::hostcalls;
 use proxy_wasm::types::LogLevel;
@@ -63,10 +65,32 @@ pub struct Worker {
     pub(super) waiters: HashMap<u32, (Wait, Rc<Outbound>)>,
     pub(super) flights: HashMap<u32, Run>,
     pub(super) sleeping: Vec<(u64, Run)>,
+    /// Stream flights forwarded along the route, by http context.
+    pub(super) streams: HashMap<u32, Run>,
+    /// Stream flights that ended, for the root to complete.
+    pub(super) ended: Vec<(Run, StreamEnd)>,
     pub(super) metrics: HashMap<(String, Counter), u32>,
 }
 
 pub type Shared = Rc<RefCell<Worker>>;
+
+/// How a stream forwarded along the route ended, as its http context saw it.
+pub struct StreamEnd {
+    /// The reassembled `chat.completion`, or HolySheep's error; `None` when the stream
+    /// broke off (reset, timeout, the client gone) before it finished.
+    pub outcome: Option<Response>,
+    pub usage: Option<(u64, u64)>,
+    /// Completion tokens streamed before the end, estimated.
+    pub streamed_tokens: u64,
+}
+
+/// What a forwarded stream's response carries in its `x-holysheep-*` headers.
+pub struct StreamLabel {
+    pub cache: CacheStatus,
+    pub key: String,
+    pub model: String,
+    pub include_usage: bool,
+}
 
 impl Worker {
     pub fn new() -> Self {
@@ -87,6 +111,8 @@ impl Worker {
             waiters: HashMap::new(),
             flights: HashMap::new(),
             sleeping: Vec::new(),
+            streams: HashMap::new(),
+            ended: Vec::new(),
             metrics: HashMap::new(),
         }
     }
@@ -122,19 +148,41 @@ impl Worker {
         self.live.contains(&context_id)
     }
 
-    pub fn bearer(&self) -> Option<&str> {
-        self.bearer.as_deref()
-    }
-
-    /// Sends `reply` with the model's `x-ratelimit-*` headers, and counts it. Another
-    /// context is answered only while it lives, and uses up one of this VM call's replies.
-    pub fn respond(&mut self, target: Target, reply: &Reply, model: &str) -> bool {
+    /// Sends `reply` in the form the request asked for (JSON, or events for a stream) with
+    /// the model's `x-ratelimit-*` headers, and counts it. Another context is answered only
+    /// while it lives, and uses up one of this VM call's replies.
+    pub fn respond(&mut self, target: Target, reply: &Reply, outbound: &Outbound) -> bool {
         if matches!(target, Target::Context(id) if !self.live.contains(&id)) {
             return false;
         }
+        let model = &outbound.model;
         let extra = upstream::rate_headers(&SharedData, &self.config, model, host::now_ms());
         self.count(metrics::for_reply(&self.config, model, reply));
-        self.send(target, reply, &extra)
+        if !outbound.stream {
+            return self.send(target, reply, &extra);
+        }
+        let response = stream::for_client(reply.response.clone(), true, outbound.include_usage);
+        self.send(target, &Reply { response, ..reply.clone() }, &extra)
+    }
+
+    /// The headers of the stream forwarded for this http context, if it is one.
+    pub fn stream_label(&self, context_id: u32) -> Option<StreamLabel> {
+        let run = self.streams.get(&context_id)?;
+        Some(StreamLabel {
+            cache: run.flight.call.label,
+            key: run.flight.call.key.hex().to_owned(),
+            model: run.flight.model().to_owned(),
+            include_usage: run.outbound.include_usage,
+        })
+    }
+
+    /// The forwarded stream of this http context ended: the root completes its flight in a
+    /// VM call of its own.
+    pub fn stream_ended(&mut self, context_id: u32, end: StreamEnd) {
+        if let Some(run) = self.streams.remove(&context_id) {
+            self.ended.push((run, end));
+            self.continue_later(ENDED);
+        }
     }
 
     pub(super) fn send(&mut self, target: Target, reply: &Reply, extra: &[(&str, String)]) -> bool {

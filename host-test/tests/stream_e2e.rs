@@ -1,0 +1,168 @@
+//! Streams in real Envoy (2 workers) with the mock HolySheep: live MISS, cached and
+//! coalesced in both forms, tool calls and usage through the unmodified openai client,
+//! broken streams, and the buckets.
+
+use host_test::client::{Conn, Resp};
+use host_test::mock::Fault;
+use host_test::stack::{burst_at, count, prompt, Stack, PATH};
+use serde_json::{json, Value};
+use std::time::Duration;
+
+fn streamed(body: &str) -> String {
+    body.replacen('{', r#"{"stream":true,"#, 1)
+}
+
+/// The text and usage a client assembles from an event stream (or a JSON answer).
+fn assembled(r: &Resp) -> (String, Value) {
+    if r.header("content-type") != Some("text/event-stream") {
+        let v = r.json();
+        return (v["choices"][0]["message"]["content"].as_str().unwrap_or("").to_owned(), v["usage"].clone());
+    }
+    let (mut text, mut usage) = (String::new(), Value::Null);
+    for data in r.text().split("\n\n").filter_map(|e| e.strip_prefix("data: ")) {
+        let Ok(v) = serde_json::from_str::<Value>(data) else { continue };
+        text.push_str(v["choices"][0]["delta"]["content"].as_str().unwrap_or(""));
+        if !v["usage"].is_null() {
+            usage = v["usage"].clone();
+        }
+    }
+    (text, usage)
+}
+
+/// Runs `openai_stream.py` (the unmodified openai client) with these calls.
+fn openai(s: &Stack, calls: Value) -> Vec<Value> {
+    let root = host_test::envoy::workspace_root();
+    let out = std::process::Command::new(root.join(".venv/bin/python"))
+        .arg(root.join("host-test/tests/openai_stream.py"))
+        .arg(format!("http://{}/v1", s.envoy.edge))
+        .arg(calls.to_string())
+        .output()
+        .expect("python from .venv (make test installs it)");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
+    serde_json::from_str::<Value>(stdout.trim()).expect("json line").as_array().cloned().unwrap_or_default()
+}
+
+#[test]
+fn a_streamed_miss_reaches_the_client_event_by_event_and_is_then_served_in_both_forms() {
+    let s = Stack::start("{}", 0);
+    s.mock.mock.plan(vec![Fault { hold_after_events: Some(3), ..Fault::default() }]);
+    let body = streamed(&prompt("stream me live"));
+    let mut conn = Conn::open(s.envoy.edge).and_then(|c| c.read_timeout(Duration::from_secs(20))).expect("connect");
+    // The openai client below sends `Bearer sk-client`: the same tenant.
+    conn.send_only("POST", PATH, &[("authorization", "Bearer sk-client")], body.as_bytes()).expect("send");
+    // The mock holds the rest of the stream until released: the client can only have the
+    // first event now if the edge passes events on as they come.
+    let head = conn.read_until("\"role\":\"assistant\"").expect("the first event before the mock sent the rest");
+    assert!(head.contains("x-holysheep-cache: MISS"), "{head}");
+    s.mock.mock.release();
+    let rest = conn.read_until("data: [DONE]").expect("the rest of the stream");
+    assert!(!rest.contains("\"choices\":[]"), "no usage event for a client that did not ask: {rest}");
+    let upstream: Value = serde_json::from_slice(&s.mock.mock.last_body()).expect("json");
+    assert_eq!(upstream["stream_options"]["include_usage"], true, "the edge always asks for the usage");
+
+    let results = openai(
+        &s,
+        json!([
+            {"prompt": "stream me live", "stream": false},
+            {"prompt": "stream me live", "stream": true, "include_usage": true},
+            {"prompt": "stream me live", "stream": true, "include_usage": false},
+        ]),
+    );
+    assert_eq!(s.calls(), 1, "both forms served from the one entry");
+    let caches: Vec<&str> = results.iter().map(|r| r["cache"].as_str().unwrap_or("")).collect();
+    assert_eq!(caches, ["HIT", "HIT", "HIT"]);
+    assert!(results[0]["text"].as_str().is_some_and(|t| t.contains("stream me live")));
+    assert!(results.iter().all(|r| r["text"] == results[0]["text"] && r["id"] == results[0]["id"]));
+    assert_eq!(results[1]["usage"], results[0]["usage"], "the stored usage, streamed");
+    assert!(results[1]["usage"]["total_tokens"].as_u64().is_some_and(|t| t > 0));
+    assert!(results[2]["usage"].is_null(), "no usage event unless asked");
+}
+
+#[test]
+fn identical_streams_coalesce_and_mixed_forms_share_one_call() {
+    let s = Stack::start("{}", 800);
+    let body = prompt("thirty at once");
+    let resps = burst_at(s.envoy.edge, vec![streamed(&body); 30], "Bearer t");
+    assert_eq!(s.calls(), 1, "30 identical streams, one upstream call");
+    assert!(resps.iter().all(|r| r.status == 200 && r.header("content-type") == Some("text/event-stream")));
+    assert_eq!((count(&resps, "MISS"), count(&resps, "COALESCED")), (1, 29));
+    let texts: Vec<String> = resps.iter().map(|r| assembled(r).0).collect();
+    assert!(texts.iter().all(|t| t == &texts[0] && t.contains("thirty at once")), "{texts:?}");
+
+    let body = prompt("ten and ten");
+    let bodies: Vec<String> = (0..20).map(|i| if i % 2 == 0 { streamed(&body) } else { body.clone() }).collect();
+    let resps = burst_at(s.envoy.edge, bodies, "Bearer t");
+    assert_eq!(s.calls(), 2, "10 streamed + 10 plain identical requests, one upstream call");
+    for (i, r) in resps.iter().enumerate() {
+        let sse = r.header("content-type") == Some("text/event-stream");
+        assert_eq!((r.status, sse), (200, i % 2 == 0), "each answered in its own form");
+    }
+    let texts: Vec<String> = resps.iter().map(|r| assembled(r).0).collect();
+    assert!(texts.iter().all(|t| t == &texts[0] && t.contains("ten and ten")), "{texts:?}");
+}
+
+#[test]
+fn tool_calls_and_usage_survive_stream_to_plain_and_plain_to_stream() {
+    let s = Stack::start("{}", 0);
+    let results = openai(
+        &s,
+        json!([
+            {"prompt": "please call a tool A", "tools": true, "stream": true, "include_usage": true},
+            {"prompt": "please call a tool A", "tools": true, "stream": false},
+            {"prompt": "please call a tool B", "tools": true, "stream": false},
+            {"prompt": "please call a tool B", "tools": true, "stream": true, "include_usage": true},
+        ]),
+    );
+    assert_eq!(s.calls(), 2);
+    let caches: Vec<&str> = results.iter().map(|r| r["cache"].as_str().unwrap_or("")).collect();
+    assert_eq!(caches, ["MISS", "HIT", "MISS", "HIT"]);
+    for pair in results.chunks(2) {
+        let tools = &pair[0]["tools"];
+        assert_eq!(tools.as_array().map(Vec::len), Some(1), "{pair:?}");
+        assert_eq!(tools[0]["name"], "lookup");
+        assert!(tools[0]["id"].as_str().is_some_and(|id| id.starts_with("call_")));
+        let args: Value = serde_json::from_str(tools[0]["arguments"].as_str().unwrap_or("")).expect("arguments");
+        assert!(args["q"].as_str().is_some_and(|q| q.contains("call a tool")));
+        assert_eq!(pair[1]["tools"], *tools, "the tool call survives the cache");
+        assert_eq!(pair[1]["usage"], pair[0]["usage"]);
+        assert!(pair[0]["usage"].is_object());
+    }
+}
+
+#[test]
+fn a_stream_cut_off_is_not_stored_and_its_waiters_are_served() {
+    let s = Stack::start("{}", 300);
+    s.mock.mock.set_event_delay_ms(20);
+    s.mock.mock.plan(vec![Fault { cut_after_events: Some(4), ..Fault::default() }]);
+    let body = prompt("cut me off");
+    let mut leader = Conn::open(s.envoy.edge).expect("connect");
+    leader.send_only("POST", PATH, &[("authorization", "Bearer t")], streamed(&body).as_bytes()).expect("send");
+    s.await_calls(1);
+    let bodies: Vec<String> = (0..6).map(|i| if i % 2 == 0 { streamed(&body) } else { body.clone() }).collect();
+    let waiters = burst_at(s.envoy.edge, bodies, "Bearer t");
+    let cut = leader.read_response().map(|r| r.text()).unwrap_or_default();
+    assert!(!cut.contains("[DONE]"), "the leader's stream was cut: {cut}");
+    assert!(waiters.iter().all(|r| r.status == 200), "{:?}", waiters.iter().map(|r| r.status).collect::<Vec<_>>());
+    let texts: Vec<String> = waiters.iter().map(|r| assembled(r).0).collect();
+    assert!(texts.iter().all(|t| t == &texts[0] && t.contains("cut me off")), "whole answers: {texts:?}");
+    assert_eq!(s.calls(), 2, "one of the waiters led a new flight");
+    let again = s.chat(&body, &[("authorization", "Bearer t")]);
+    assert_eq!((again.cache(), assembled(&again).0), ("HIT", texts[0].clone()), "the whole answer was stored");
+}
+
+#[test]
+fn streams_are_held_to_the_buckets_before_any_byte() {
+    let s = Stack::start(r#"{"models":{"gpt-4.1":{"requests_per_minute":2}}}"#, 0);
+    let resps: Vec<Resp> = (0..3).map(|i| s.chat(&streamed(&prompt(&format!("bucket {i}"))), &[])).collect();
+    assert_eq!(resps.iter().map(|r| r.status).collect::<Vec<_>>(), [200, 200, 429]);
+    let limited = &resps[2];
+    assert_eq!(limited.header("content-type"), Some("application/json"), "an error, not a stream");
+    assert_eq!(limited.json()["error"]["code"], "rate_limit_exceeded");
+    assert!(limited.header("retry-after").is_some());
+    assert_eq!(s.calls(), 2);
+    let stats = s.envoy.stats("holysheep.gpt-4.1.");
+    assert_eq!(stats.get("wasmcustom.holysheep.gpt-4.1.requests_miss"), Some(&3));
+    assert_eq!(stats.get("wasmcustom.holysheep.gpt-4.1.upstream_calls"), Some(&2));
+    assert!(stats.get("wasmcustom.holysheep.gpt-4.1.completion_tokens").is_some_and(|t| *t > 0), "{stats:?}");
+}

@@ -166,3 +166,22 @@ fn streams_are_held_to_the_buckets_before_any_byte() {
     assert_eq!(stats.get("wasmcustom.holysheep.gpt-4.1.upstream_calls"), Some(&2));
     assert!(stats.get("wasmcustom.holysheep.gpt-4.1.completion_tokens").is_some_and(|t| *t > 0), "{stats:?}");
 }
+
+#[test]
+fn a_stream_is_retried_by_the_route_before_its_first_byte_and_errors_reach_its_waiters() {
+    let s = Stack::start("{}", 0);
+    s.mock.mock.plan(vec![Fault { status: Some(503), ..Fault::default() }]);
+    let retried = s.chat(&streamed(&prompt("retry me")), &[]);
+    assert_eq!((retried.status, retried.cache()), (200, "MISS"));
+    assert!(assembled(&retried).0.contains("retry me"));
+    assert_eq!(s.calls(), 2, "one 503, then the retry");
+
+    let refused = Fault { status: Some(400), delay_ms: 300, ..Fault::default() };
+    s.mock.mock.plan(vec![refused]);
+    let resps = burst_at(s.envoy.edge, vec![streamed(&prompt("refuse me")); 4], "Bearer t");
+    assert_eq!(s.calls(), 3, "a 400 is not retried, and the waiters share it");
+    for r in &resps {
+        assert_eq!((r.status, r.header("content-type")), (400, Some("application/json")), "{}", r.text());
+        assert_eq!(r.json()["error"]["code"], "mock_error");
+    }
+}

@@ -106,8 +106,13 @@ fn hit_miss_bypass_tenant_scope_and_pass_through() {
 
     let streamed = prompt("component stream").replacen('{', r#"{"stream":true,"#, 1);
     let sse = post(&s, &streamed, &[("authorization", "Bearer a")]);
-    assert_eq!((sse.status, sse.cache()), (200, "BYPASS"));
-    assert!(sse.text().contains("data: [DONE]"), "{}", sse.text());
+    assert_eq!((sse.status, sse.cache(), sse.header("content-type")), (200, "MISS", Some("text/event-stream")));
+    assert!(sse.text().ends_with("data: [DONE]\n\n"), "{}", sse.text());
+    let plain = post(&s, &prompt("component stream"), &[("authorization", "Bearer a")]);
+    assert_eq!((plain.cache(), plain.json()["object"].as_str()), ("HIT", Some("chat.completion")), "one entry");
+    let again = post(&s, &streamed, &[("authorization", "Bearer a")]);
+    assert_eq!((again.cache(), again.header("content-type")), ("HIT", Some("text/event-stream")));
+    assert_eq!(mock.mock.calls(), 4);
     let models = request(s.addr, "GET", "/v1/models", &[("authorization", "Bearer a")], b"").expect("models");
     assert_eq!((models.status, models.header("x-holysheep-cache")), (200, None), "other routes pass through");
     assert!(models.json()["data"].is_array());

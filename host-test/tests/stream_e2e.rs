@@ -1,11 +1,14 @@
-//! Streams in real Envoy (2 workers) with the mock HolySheep: live MISS, cached and
-//! coalesced in both forms, tool calls and usage through the unmodified openai client,
-//! broken streams, and the buckets.
+//! Streams in real Envoy (2 workers) and in the wasi:http component, with the mock
+//! HolySheep: live MISS, cached and coalesced in both forms, tool calls and usage through
+//! the unmodified openai client, broken streams, and the buckets.
 
 use host_test::client::{Conn, Resp};
-use host_test::mock::Fault;
-use host_test::stack::{burst_at, count, prompt, Stack, PATH};
+use host_test::component_host::serve::{start, ComponentOptions, Serving};
+use host_test::envoy::component_path;
+use host_test::mock::{Fault, Running};
+use host_test::stack::{burst_at, count, poll_until, prompt, Stack, PATH};
 use serde_json::{json, Value};
+use std::net::SocketAddr;
 use std::time::Duration;
 
 fn streamed(body: &str) -> String {
@@ -31,10 +34,14 @@ fn assembled(r: &Resp) -> (String, Value) {
 
 /// Runs `openai_stream.py` (the unmodified openai client) with these calls.
 fn openai(s: &Stack, calls: Value) -> Vec<Value> {
+    openai_at(s.envoy.edge, calls)
+}
+
+fn openai_at(edge: SocketAddr, calls: Value) -> Vec<Value> {
     let root = host_test::envoy::workspace_root();
     let out = std::process::Command::new(root.join(".venv/bin/python"))
         .arg(root.join("host-test/tests/openai_stream.py"))
-        .arg(format!("http://{}/v1", s.envoy.edge))
+        .arg(format!("http://{edge}/v1"))
         .arg(calls.to_string())
         .output()
         .expect("python from .venv (make test installs it)");
@@ -184,4 +191,74 @@ fn a_stream_is_retried_by_the_route_before_its_first_byte_and_errors_reach_its_w
         assert_eq!((r.status, r.header("content-type")), (400, Some("application/json")), "{}", r.text());
         assert_eq!(r.json()["error"]["code"], "mock_error");
     }
+}
+
+fn component(mock: &Running) -> Serving {
+    start(ComponentOptions {
+        wasm: component_path(),
+        listen: ([127, 0, 0, 1], 0).into(),
+        upstream: mock.addr,
+        env: vec![("HOLYSHEEP_CONFIG".to_owned(), "{}".to_owned())],
+    })
+    .expect("component serves")
+}
+
+#[test]
+fn the_component_streams_a_miss_live_and_serves_every_form_from_one_entry() {
+    let mock = Running::start(None, 0).expect("mock");
+    let c = component(&mock);
+    mock.mock.plan(vec![Fault { hold_after_events: Some(3), ..Fault::default() }]);
+    let mut conn = Conn::open(c.addr).and_then(|c| c.read_timeout(Duration::from_secs(20))).expect("connect");
+    let body = streamed(&prompt("component live"));
+    conn.send_only("POST", PATH, &[("authorization", "Bearer sk-client")], body.as_bytes()).expect("send");
+    let head = conn.read_until("\"role\":\"assistant\"").expect("the first event before the mock sent the rest");
+    assert!(head.contains("x-holysheep-cache: MISS"), "{head}");
+    mock.mock.release();
+    conn.read_until("data: [DONE]").expect("the rest of the stream");
+    let results = openai_at(
+        c.addr,
+        json!([
+            {"prompt": "component live", "stream": false},
+            {"prompt": "component live", "stream": true, "include_usage": true},
+            {"prompt": "please call a tool C", "tools": true, "stream": true, "include_usage": true},
+            {"prompt": "please call a tool C", "tools": true, "stream": false},
+        ]),
+    );
+    assert_eq!(mock.mock.calls(), 2);
+    let caches: Vec<&str> = results.iter().map(|r| r["cache"].as_str().unwrap_or("")).collect();
+    assert_eq!(caches, ["HIT", "HIT", "MISS", "HIT"]);
+    assert_eq!(results[0]["text"], results[1]["text"]);
+    assert_eq!(results[0]["usage"], results[1]["usage"]);
+    assert_eq!(results[2]["tools"], results[3]["tools"]);
+    assert_eq!(results[2]["tools"][0]["name"], "lookup");
+    assert_eq!(results[2]["usage"], results[3]["usage"]);
+}
+
+#[test]
+fn the_component_coalesces_streams_with_plain_requests_and_survives_a_cut() {
+    let mock = Running::start(None, 600).expect("mock");
+    let c = component(&mock);
+    let body = prompt("component crowd");
+    let bodies: Vec<String> = (0..20).map(|i| if i % 2 == 0 { streamed(&body) } else { body.clone() }).collect();
+    let resps = burst_at(c.addr, bodies, "Bearer t");
+    assert_eq!(mock.mock.calls(), 1, "10 streamed + 10 plain identical requests, one upstream call");
+    let texts: Vec<String> = resps.iter().map(|r| assembled(r).0).collect();
+    assert!(texts.iter().all(|t| t == &texts[0] && t.contains("component crowd")), "{texts:?}");
+    for (i, r) in resps.iter().enumerate() {
+        assert_eq!(r.header("content-type") == Some("text/event-stream"), i % 2 == 0, "its own form");
+    }
+
+    mock.mock.set_event_delay_ms(20);
+    mock.mock.plan(vec![Fault { cut_after_events: Some(4), ..Fault::default() }]);
+    let body = prompt("component cut");
+    let mut leader = Conn::open(c.addr).expect("connect");
+    leader.send_only("POST", PATH, &[("authorization", "Bearer t")], streamed(&body).as_bytes()).expect("send");
+    poll_until(|| mock.mock.calls() >= 2, "the cut stream never started");
+    let waiters = burst_at(c.addr, vec![streamed(&body), body.clone(), streamed(&body), body.clone()], "Bearer t");
+    let cut = leader.read_response().map(|r| r.text()).unwrap_or_default();
+    assert!(!cut.contains("[DONE]"), "the leader's stream was cut: {cut}");
+    assert!(waiters.iter().all(|r| r.status == 200));
+    let texts: Vec<String> = waiters.iter().map(|r| assembled(r).0).collect();
+    assert!(texts.iter().all(|t| t == &texts[0] && t.contains("component cut")), "{texts:?}");
+    assert_eq!(mock.mock.calls(), 3, "one waiter led a new flight");
 }

@@ -1,12 +1,14 @@
 //! One request through the gateway: `POST /v1/chat/completions` goes through the core
-//! (cache, lease, buckets, retries); everything else, and `stream: true`, is forwarded to
-//! HolySheep and streamed back. The shell only performs what the core decides.
+//! (cache, lease, buckets, retries), streams too: a stream leader writes HolySheep's events
+//! to its client as they arrive while reassembling them for the cache and its waiters.
+//! Everything else is forwarded to HolySheep with the client's own credentials and
+//! streamed back. The shell only performs what the core decides.
 
 use super::host::{self, BodyError, Kv};
 use super::wasi::http::outgoing_handler;
 use super::wasi::http::types::{
-    Fields, IncomingRequest, IncomingResponse, Method, OutgoingBody, OutgoingRequest, RequestOptions, ResponseOutparam,
-    Scheme,
+    Fields, IncomingBody, IncomingRequest, IncomingResponse, Method, OutgoingBody, OutgoingRequest, RequestOptions,
+    ResponseOutparam, Scheme,
 };
 use crate::core::config::Config;
 use crate::core::engine::{poll_delay_ms, Call, Engine, Reply, Step};
@@ -14,22 +16,14 @@ use crate::core::error::ApiError;
 use crate::core::flight::{Action, Flight};
 use crate::core::limits::ProviderHints;
 use crate::core::request::{CacheControl, ChatRequest, RequestMeta, CHAT_PATH};
+use crate::core::stream::{self, Reassembler};
 use crate::core::upstream::{self, Outbound};
 
 /// The most bytes read from one HolySheep answer.
 const MAX_UPSTREAM_BODY: usize = 16 * 1024 * 1024;
 /// Request headers never forwarded (hop-by-hop, or set by the gateway).
-const NOT_FORWARDED: [&str; 9] = [
-    "host",
-    "connection",
-    "keep-alive",
-    "proxy-connection",
-    "transfer-encoding",
-    "upgrade",
-    "te",
-    "content-length",
-    "authorization",
-];
+const NOT_FORWARDED: [&str; 8] =
+    ["host", "connection", "keep-alive", "proxy-connection", "transfer-encoding", "upgrade", "te", "content-length"];
 /// Response headers not copied from a forwarded answer.
 const NOT_RETURNED: [&str; 5] = ["connection", "keep-alive", "proxy-connection", "transfer-encoding", "upgrade"];
 
@@ -50,7 +44,7 @@ pub fn handle(request: IncomingRequest, out: ResponseOutparam) {
     if is_chat {
         gateway.chat(request, out);
     } else {
-        gateway.forward(request, None, out, Vec::new());
+        gateway.forward(request, out);
     }
 }
 
@@ -107,25 +101,25 @@ impl Gateway {
             Ok(r) => r,
             Err(e) => return reply(out, &Reply::error(&e), &[]),
         };
-        if parsed.stream {
-            let extra = vec![
-                ("x-holysheep-cache".to_owned(), "BYPASS".to_owned()),
-                ("x-holysheep-key".to_owned(), parsed.key.hex().to_owned()),
-            ];
-            return self.forward(request, Some(body), out, extra);
-        }
+        drop(request);
         let policy = parsed.policy(&self.config, CacheControl::parse(meta.cache_control));
         let outbound = Outbound {
-            stream: false,
-            include_usage: false,
+            stream: parsed.stream,
+            include_usage: parsed.include_usage,
             body,
             client_authorization: authorization,
             model: parsed.model,
             estimate_tokens: parsed.estimate_tokens,
         };
-        let answer = self.run(self.engine().admit(&parsed.key, policy, host::now_ms(), host::nonce()), &outbound);
+        self.run(self.engine().admit(&parsed.key, policy, host::now_ms(), host::nonce()), &outbound, out);
+    }
+
+    /// Answers in the form the client asked for (events for a stream), with the model's
+    /// `x-ratelimit-*` headers.
+    fn answer(&self, out: ResponseOutparam, r: Reply, outbound: &Outbound) {
         let rate = upstream::rate_headers(&self.kv, &self.config, &outbound.model, host::now_ms());
-        reply(out, &answer, &rate);
+        let response = stream::for_client(r.response.clone(), outbound.stream, outbound.include_usage);
+        reply(out, &Reply { response, ..r }, &rate);
     }
 
     fn engine(&self) -> Engine<'_, Kv> {
@@ -133,12 +127,13 @@ impl Gateway {
     }
 
     /// Carries out the core's steps until it answers; a waiter polls the store.
-    fn run(&self, mut step: Step, outbound: &Outbound) -> Reply {
+    fn run(&self, mut step: Step, outbound: &Outbound, out: ResponseOutparam) {
         let mut polls = 0;
         loop {
             step = match step {
-                Step::Reply(r) => return r,
-                Step::Call(call) => return self.fly(call, outbound),
+                Step::Reply(r) => return self.answer(out, r, outbound),
+                Step::Call(call) if outbound.stream => return self.fly_stream(call, outbound, out),
+                Step::Call(call) => return self.answer(out, self.fly(call, outbound), outbound),
                 Step::Wait(wait) => {
                     host::sleep_ms(poll_delay_ms(polls));
                     polls += 1;
@@ -168,6 +163,99 @@ impl Gateway {
         }
     }
 
+    /// A stream's flight: like `fly` until HolySheep starts an event stream (errors before
+    /// it are retried, failed over and answered as JSON); then the events are relayed.
+    fn fly_stream(&self, call: Call, outbound: &Outbound, out: ResponseOutparam) {
+        let mut flight = Flight::new(&self.config, call, &outbound.model, outbound.estimate_tokens);
+        let mut action = flight.resume(&self.kv, &self.config, host::now_ms(), host::nonce());
+        loop {
+            action = match action {
+                Action::Send { model, timeout_ms } => {
+                    let Some(response) = self.request_head(&flight.call, outbound, &model, timeout_ms) else {
+                        let now = host::now_ms();
+                        action = flight.on_response(
+                            &self.kv,
+                            &self.config,
+                            None,
+                            &ProviderHints::default(),
+                            now,
+                            host::nonce(),
+                        );
+                        continue;
+                    };
+                    let events = response.status() == 200
+                        && host::header(&response.headers(), "content-type")
+                            .is_some_and(|t| t.contains(stream::CONTENT_TYPE));
+                    if events {
+                        return self.relay(flight, outbound, response, out);
+                    }
+                    let (outcome, hints) = read_answer(response);
+                    flight.on_response(&self.kv, &self.config, outcome, &hints, host::now_ms(), host::nonce())
+                }
+                Action::Sleep { until_ms } => {
+                    let timer = host::after_deadline(until_ms);
+                    host::wait_for(&timer, until_ms, self.config.tick_ms(), &mut || self.renew(&flight.call));
+                    flight.resume(&self.kv, &self.config, host::now_ms(), host::nonce())
+                }
+                Action::Finish(outcome) => {
+                    let r = self.engine().complete(&flight.call, outcome, host::now_ms());
+                    return self.answer(out, r, outbound);
+                }
+            }
+        }
+    }
+
+    /// Writes HolySheep's events to the client as they arrive (without the usage event
+    /// unless asked for) while reassembling them; then shares a finished answer (cache and
+    /// waiters) or, for a stream cut off, gives the lease up so a waiter leads anew. A
+    /// client that leaves does not stop the reading: its waiters still get the answer.
+    fn relay(&self, mut flight: Flight, outbound: &Outbound, response: IncomingResponse, out: ResponseOutparam) {
+        let call = flight.call.clone();
+        let headers = vec![
+            ("content-type".to_owned(), stream::CONTENT_TYPE.to_owned()),
+            ("cache-control".to_owned(), "no-cache".to_owned()),
+            ("x-holysheep-cache".to_owned(), call.label.as_str().to_owned()),
+            ("x-holysheep-key".to_owned(), call.key.hex().to_owned()),
+            ("x-holysheep-model".to_owned(), flight.model().to_owned()),
+        ];
+        let mut events = Reassembler::new(outbound.include_usage);
+        let client_body = host::start_response(out, 200, &headers);
+        let to = client_body.as_ref().and_then(|b| b.write().ok());
+        let complete = match response.consume() {
+            Ok(from_body) => {
+                let complete = from_body.stream().is_ok_and(|from| {
+                    let idle_ms = self.config.upstream.timeout_ms;
+                    loop {
+                        let deadline = host::now_ms().saturating_add(idle_ms);
+                        match host::read_chunk(&from, deadline, self.config.tick_ms(), &mut || self.renew(&call)) {
+                            Ok(Some(chunk)) => write(&to, &events.push(&chunk)),
+                            Ok(None) => break true,
+                            Err(_) => break false,
+                        }
+                    }
+                });
+                drop(IncomingBody::finish(from_body));
+                complete
+            }
+            Err(()) => false,
+        };
+        write(&to, &events.flush());
+        // Shared before the client's stream ends, so its next request is a HIT.
+        let now = host::now_ms();
+        let cut_off = outbound.prompt_estimate() + events.streamed_tokens_estimate();
+        flight.on_stream_end(&self.kv, &self.config, events.usage(), cut_off, now);
+        match events.completion().filter(|_| complete) {
+            Some(answer) => {
+                self.engine().complete(&call, Some(answer), now);
+            }
+            None => self.engine().abandon(&call),
+        }
+        drop(to);
+        if let Some(b) = client_body {
+            let _ = OutgoingBody::finish(b, None);
+        }
+    }
+
     fn renew(&self, call: &Call) {
         self.engine().renew(call, host::now_ms());
     }
@@ -180,23 +268,26 @@ impl Gateway {
         model: &str,
         timeout_ms: u64,
     ) -> (Option<crate::core::cache::Response>, ProviderHints) {
-        let headers: Vec<(String, String)> =
-            outbound.headers(self.bearer.as_deref()).into_iter().map(|(n, v)| (n.to_owned(), v.to_owned())).collect();
-        let deadline = host::now_ms().saturating_add(timeout_ms.max(1));
-        let body = outbound.body_for(model);
-        let sent = self
-            .outgoing(Method::Post, CHAT_PATH, &headers)
-            .and_then(|request| self.send(request, Body::Bytes(&body), deadline, &mut || self.renew(call)));
-        let Some(response) = sent else { return (None, ProviderHints::default()) };
-        let status = response.status();
-        let headers = header_pairs(&response.headers());
-        match response.consume().ok().map(|b| host::consume(b, MAX_UPSTREAM_BODY)) {
-            Some(Ok(body)) => {
-                let (r, hints) = upstream::response(status, &headers, body);
-                (Some(r), hints)
-            }
-            _ => (None, ProviderHints::default()),
+        match self.request_head(call, outbound, model, timeout_ms) {
+            Some(response) => read_answer(response),
+            None => (None, ProviderHints::default()),
         }
+    }
+
+    /// Sends one call to HolySheep for `model` (with its `content-length`) and waits for
+    /// the head of its answer, renewing the lease meanwhile.
+    fn request_head(&self, call: &Call, outbound: &Outbound, model: &str, timeout_ms: u64) -> Option<IncomingResponse> {
+        let body = outbound.body_for(model);
+        let mut headers: Vec<(String, String)> =
+            outbound.headers(self.bearer.as_deref()).into_iter().map(|(n, v)| (n.to_owned(), v.to_owned())).collect();
+        headers.push(("content-length".to_owned(), body.len().to_string()));
+        if outbound.stream {
+            headers.retain(|(n, _)| n != "accept");
+            headers.push(("accept".to_owned(), stream::CONTENT_TYPE.to_owned()));
+        }
+        let deadline = host::now_ms().saturating_add(timeout_ms.max(1));
+        self.outgoing(Method::Post, CHAT_PATH, &headers)
+            .and_then(|request| self.send(request, Body::Bytes(&body), deadline, &mut || self.renew(call)))
     }
 
     /// Sends a request to HolySheep with `body` and waits for its head until `deadline_ms`,
@@ -243,36 +334,24 @@ impl Gateway {
         Some(request)
     }
 
-    /// Passes a request to HolySheep along the route and streams the answer back
-    /// (`body`: the request body when it has been read already), adding `extra` headers.
-    fn forward(
-        &self,
-        request: IncomingRequest,
-        body: Option<Vec<u8>>,
-        out: ResponseOutparam,
-        extra: Vec<(String, String)>,
-    ) {
+    /// Passes a request the gateway does not govern to HolySheep and streams the answer
+    /// back. It carries the client's own credentials, never the operator's key: only calls
+    /// that go through the cache, the single flight and the buckets use that.
+    fn forward(&self, request: IncomingRequest, out: ResponseOutparam) {
         let received = header_pairs(&request.headers());
-        let client_auth = received.iter().find(|(n, _)| n == "authorization").map(|(_, v)| v.clone());
-        let mut headers: Vec<(String, String)> =
+        let headers: Vec<(String, String)> =
             received.into_iter().filter(|(n, _)| !NOT_FORWARDED.contains(&n.as_str())).collect();
-        headers.extend(self.bearer.clone().or(client_auth).map(|a| ("authorization".to_owned(), a)));
         let path = request.path_with_query().unwrap_or_else(|| "/".into());
         let deadline = host::now_ms().saturating_add(self.config.upstream.timeout_ms);
-        let source = match &body {
-            Some(b) => Body::Bytes(b),
-            None => Body::From(&request),
-        };
         let answer = self
             .outgoing(request.method(), &path, &headers)
-            .and_then(|outgoing| self.send(outgoing, source, deadline, &mut || {}));
+            .and_then(|outgoing| self.send(outgoing, Body::From(&request), deadline, &mut || {}));
         let Some(answer) = answer else {
             let e = ApiError::upstream(502, "HolySheep could not be reached", "upstream_unavailable");
             return reply(out, &Reply::error(&e), &[]);
         };
-        let mut headers: Vec<(String, String)> =
+        let headers: Vec<(String, String)> =
             header_pairs(&answer.headers()).into_iter().filter(|(n, _)| !NOT_RETURNED.contains(&n.as_str())).collect();
-        headers.extend(extra);
         let Some(client_body) = host::start_response(out, answer.status(), &headers) else { return };
         if let (Ok(from_body), Ok(to)) = (answer.consume(), client_body.write()) {
             if let Ok(from) = from_body.stream() {
@@ -280,6 +359,28 @@ impl Gateway {
             }
         }
         let _ = OutgoingBody::finish(client_body, None);
+    }
+}
+
+/// HolySheep's whole answer, read.
+fn read_answer(response: IncomingResponse) -> (Option<crate::core::cache::Response>, ProviderHints) {
+    let status = response.status();
+    let headers = header_pairs(&response.headers());
+    match response.consume().ok().map(|b| host::consume(b, MAX_UPSTREAM_BODY)) {
+        Some(Ok(body)) => {
+            let (r, hints) = upstream::response(status, &headers, body);
+            (Some(r), hints)
+        }
+        _ => (None, ProviderHints::default()),
+    }
+}
+
+/// Writes to the client while it listens (a client gone does not stop the stream).
+fn write(to: &Option<super::wasi::io::streams::OutputStream>, bytes: &[u8]) {
+    if let Some(to) = to {
+        if !bytes.is_empty() {
+            host::write_all(to, bytes);
+        }
     }
 }
 

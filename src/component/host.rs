@@ -123,6 +123,26 @@ fn read_all(stream: &InputStream, limit: usize) -> Result<Vec<u8>, BodyError> {
     }
 }
 
+/// The next chunk of a body being streamed (`None` at its end), waiting at most until
+/// `deadline_ms` and calling `between` at least every `every_ms` meanwhile.
+pub fn read_chunk(
+    stream: &InputStream,
+    deadline_ms: u64,
+    every_ms: u64,
+    between: &mut dyn FnMut(),
+) -> Result<Option<Vec<u8>>, BodyError> {
+    let ready = stream.subscribe();
+    if !wait_for(&ready, deadline_ms, every_ms, between) {
+        return Err(BodyError::Broken);
+    }
+    drop(ready);
+    match stream.read(CHUNK) {
+        Ok(chunk) => Ok(Some(chunk)),
+        Err(StreamError::Closed) => Ok(None),
+        Err(StreamError::LastOperationFailed(_)) => Err(BodyError::Broken),
+    }
+}
+
 /// Reads an incoming body (request or response) to its end.
 pub fn consume(body: IncomingBody, limit: usize) -> Result<Vec<u8>, BodyError> {
     let stream = body.stream().map_err(|()| BodyError::Broken)?;

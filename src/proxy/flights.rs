@@ -11,6 +11,7 @@ use crate::core::engine::Call;
 use crate::core::flight::{Action, Flight};
 use crate::core::limits::ProviderHints;
 use crate::core::metrics;
+use crate::core::request::Key;
 use crate::core::request::CHAT_PATH;
 use crate::core::upstream::{self, Outbound};
 use proxy_wasm::hostcalls;
@@ -50,7 +51,8 @@ impl Root {
                         self.worker.borrow_mut().streams.insert(run.context_id, run);
                     } else {
                         let end = StreamEnd { outcome: None, usage: None, streamed_tokens: 0 };
-                        self.complete_stream(run, end);
+                        let key = self.worker.borrow().complete_stream(run, end);
+                        self.wake_waiters(key.as_ref());
                     }
                     return;
                 }
@@ -122,39 +124,19 @@ impl Root {
         set && hostcalls::resume_http_request().is_ok()
     }
 
-    /// Completes the streams whose http contexts saw them end.
+    /// Lets the waiters of the streams that ended look at their flights.
     pub(super) fn complete_streams(&mut self) {
         let ended = std::mem::take(&mut self.worker.borrow_mut().ended);
-        for (run, end) in ended {
-            self.complete_stream(run, end);
+        for key in ended {
+            self.wake_waiters(Some(&key));
         }
     }
 
-    /// A forwarded stream ended: settle its bucket; share a finished answer (stored, and
-    /// handed to its waiters in their own forms); after a stream that broke off, give the
-    /// lease up so that one of its waiters leads a new flight. The leader's client already
-    /// has its answer.
-    fn complete_stream(&mut self, mut run: Run, end: StreamEnd) {
-        let now = host::now_ms();
-        {
-            let w = self.worker.borrow();
-            let cut_off = run.outbound.prompt_estimate() + end.streamed_tokens;
-            run.flight.on_stream_end(&SharedData, &w.config, end.usage, cut_off, now);
-            let events = std::mem::take(&mut run.flight.events);
-            w.count(events.iter().flat_map(|e| metrics::for_event(&w.config, e)).collect());
-        }
-        let call = run.flight.call;
-        match end.outcome {
-            Some(outcome) => {
-                let w = self.worker.borrow();
-                let reply = w.engine().complete(&call, Some(outcome), now);
-                w.count(metrics::for_reply(&w.config, &run.outbound.model, &reply));
-            }
-            None => self.worker.borrow().engine().abandon(&call),
-        }
-        if call.lease.is_some() {
-            self.poll_waiters(Some(&call.key));
-            self.wake_other_workers(&call.key, now);
+    /// A flight on `key` ended: its waiters here and on the other workers look again.
+    fn wake_waiters(&mut self, key: Option<&Key>) {
+        if let Some(key) = key {
+            self.poll_waiters(Some(key));
+            self.wake_other_workers(key, host::now_ms());
         }
     }
 

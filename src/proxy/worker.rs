@@ -11,6 +11,7 @@ use crate::core::engine::{CacheStatus, Call, Engine, Reply, Wait};
 use crate::core::error::ApiError;
 use crate::core::flight::Flight;
 use crate::core::metrics::{self, Counter};
+use crate::core::request::Key;
 use crate::core::stream;
 use crate::core::upstream::{self, Outbound};
 use proxy_wasm::hostcalls;
@@ -67,8 +68,8 @@ pub struct Worker {
     pub(super) sleeping: Vec<(u64, Run)>,
     /// Stream flights forwarded along the route, by http context.
     pub(super) streams: HashMap<u32, Run>,
-    /// Stream flights that ended, for the root to complete.
-    pub(super) ended: Vec<(Run, StreamEnd)>,
+    /// Keys of stream flights that ended, whose waiters the root wakes.
+    pub(super) ended: Vec<Key>,
     pub(super) metrics: HashMap<(String, Counter), u32>,
 }
 
@@ -176,13 +177,36 @@ impl Worker {
         })
     }
 
-    /// The forwarded stream of this http context ended: the root completes its flight in a
-    /// VM call of its own.
+    /// The forwarded stream of this http context ended: its flight is completed now
+    /// (before the last bytes reach the client, so its next request is a HIT), and the root
+    /// wakes the waiters in a VM call of its own.
     pub fn stream_ended(&mut self, context_id: u32, end: StreamEnd) {
-        if let Some(run) = self.streams.remove(&context_id) {
-            self.ended.push((run, end));
+        let Some(run) = self.streams.remove(&context_id) else { return };
+        if let Some(key) = self.complete_stream(run, end) {
+            self.ended.push(key);
             self.continue_later(ENDED);
         }
+    }
+
+    /// A forwarded stream ended: settle its bucket; share a finished answer (stored, and
+    /// handed to its waiters in their own forms); after a stream that broke off, give the
+    /// lease up so that one of its waiters leads a new flight. The leader's client already
+    /// has its answer. Returns the key whose waiters should look again.
+    pub(super) fn complete_stream(&self, mut run: Run, end: StreamEnd) -> Option<Key> {
+        let now = host::now_ms();
+        let cut_off = run.outbound.prompt_estimate() + end.streamed_tokens;
+        run.flight.on_stream_end(&SharedData, &self.config, end.usage, cut_off, now);
+        let events = std::mem::take(&mut run.flight.events);
+        self.count(events.iter().flat_map(|e| metrics::for_event(&self.config, e)).collect());
+        let call = run.flight.call;
+        match end.outcome {
+            Some(outcome) => {
+                let reply = self.engine().complete(&call, Some(outcome), now);
+                self.count(metrics::for_reply(&self.config, &run.outbound.model, &reply));
+            }
+            None => self.engine().abandon(&call),
+        }
+        call.lease.map(|l| l.key)
     }
 
     pub(super) fn send(&mut self, target: Target, reply: &Reply, extra: &[(&str, String)]) -> bool {

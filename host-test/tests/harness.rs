@@ -366,3 +366,112 @@ fn a_slow_upstream_is_not_mistaken_for_the_missing_setting() {
     assert!(ids.iter().all(|id| w.answer(*id).is_some_and(|a| a.status == 200)));
     assert!(!w.logs().iter().any(|l| l.contains("allow_on_headers_stop_iteration")));
 }
+
+/// HolySheep's answer to a call: events for a stream (split anywhere by the harness), JSON
+/// otherwise; the same content either way.
+fn answer_in_form(n: u64, body: &[u8]) -> Option<(Headers, Vec<u8>)> {
+    let req: serde_json::Value = serde_json::from_slice(body).unwrap_or_default();
+    let content = format!("answer {n} to {}", req["messages"][0]["content"].as_str().unwrap_or(""));
+    let usage = serde_json::json!({"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7});
+    if req["stream"] != true {
+        let body = serde_json::json!({"id": format!("c{n}"), "object": "chat.completion", "created": 1, "model": "gpt-4.1",
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": content}, "finish_reason": "stop"}],
+            "usage": usage});
+        return Some((vec![(":status".into(), "200".into())], body.to_string().into_bytes()));
+    }
+    let chunk = |delta: serde_json::Value, finish: serde_json::Value| {
+        serde_json::json!({"id": format!("c{n}"), "object": "chat.completion.chunk", "created": 1, "model": "gpt-4.1",
+            "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]})
+    };
+    let mut events = vec![chunk(serde_json::json!({"role": "assistant", "content": ""}), serde_json::Value::Null)];
+    events.extend(
+        content.split_inclusive(' ').map(|w| chunk(serde_json::json!({"content": w}), serde_json::Value::Null)),
+    );
+    events.push(chunk(serde_json::json!({}), "stop".into()));
+    if req["stream_options"]["include_usage"] == true {
+        events.push(serde_json::json!({"id": format!("c{n}"), "object": "chat.completion.chunk", "created": 1,
+            "model": "gpt-4.1", "choices": [], "usage": usage}));
+    }
+    let mut sse: String = events.iter().map(|e| format!("data: {e}\n\n")).collect();
+    sse.push_str("data: [DONE]\n\n");
+    let headers = vec![(":status".into(), "200".into()), ("content-type".into(), "text/event-stream".into())];
+    Some((headers, sse.into_bytes()))
+}
+
+fn text_of(a: &Answer) -> String {
+    let body = String::from_utf8_lossy(&a.body).into_owned();
+    if a.header("content-type") != Some("text/event-stream") {
+        let v: serde_json::Value = serde_json::from_str(&body).unwrap_or_default();
+        return v["choices"][0]["message"]["content"].as_str().unwrap_or("").to_owned();
+    }
+    body.split("\n\n")
+        .filter_map(|e| e.strip_prefix("data: "))
+        .filter_map(|d| serde_json::from_str::<serde_json::Value>(d).ok())
+        .filter_map(|v| v["choices"][0]["delta"]["content"].as_str().map(str::to_owned))
+        .collect()
+}
+
+fn stream_body(text: &str) -> String {
+    prompt(text).replacen('{', r#"{"stream":true,"#, 1)
+}
+
+#[test]
+fn streams_and_plain_requests_share_one_flight_in_their_own_forms() {
+    for seed in 0..SEEDS / 10 {
+        let calls = Arc::new(AtomicU64::new(0));
+        let c = calls.clone();
+        let up: Upstream = Box::new(move |call| {
+            let n = c.fetch_add(1, Ordering::SeqCst) + 1;
+            Some((200, answer_in_form(n, &call.body)))
+        });
+        let mut w = world(plugin(), "{}", seed, up);
+        let ids: Vec<ReqId> = (0..10)
+            .map(|i| {
+                let body = if i < 6 { stream_body("both forms") } else { prompt("both forms") };
+                w.request(i % 2, "POST", PATH, &[], body.as_bytes())
+            })
+            .collect();
+        assert!(w.run_until(60_000, all_answered(&ids)), "seed {seed}: {:?}", labels(&w, &ids));
+        assert!(w.traps.is_empty(), "seed {seed}: {:?}", panics(&w));
+        assert_eq!(calls.load(Ordering::SeqCst), 1, "seed {seed}: {:?}", labels(&w, &ids));
+        let answers: Vec<&Answer> = ids.iter().filter_map(|id| w.answer(*id)).collect();
+        assert!(answers.iter().all(|a| a.status == 200));
+        for (i, a) in answers.iter().enumerate() {
+            assert_eq!(a.header("content-type") == Some("text/event-stream"), i < 6, "seed {seed}: its own form");
+            assert_eq!(text_of(a), "answer 1 to both forms", "seed {seed}");
+        }
+        let again = w.request(0, "POST", PATH, &[], prompt("both forms").as_bytes());
+        assert!(w.run_until(60_000, all_answered(&[again])));
+        assert_eq!(w.answer(again).map(Answer::cache), Some("HIT"), "seed {seed}: the stream was stored");
+    }
+}
+
+#[test]
+fn when_a_stream_leaders_client_leaves_a_waiter_leads_a_new_flight() {
+    for seed in 0..SEEDS / 10 {
+        let calls = Arc::new(AtomicU64::new(0));
+        let c = calls.clone();
+        let up: Upstream = Box::new(move |call| {
+            let n = c.fetch_add(1, Ordering::SeqCst) + 1;
+            Some((300, answer_in_form(n, &call.body)))
+        });
+        let mut w = world(plugin(), "{}", seed, up);
+        let leader = w.request(0, "POST", PATH, &[], stream_body("left early").as_bytes());
+        assert!(w.run_until(1_000, |_| calls.load(Ordering::SeqCst) == 1), "seed {seed}");
+        let waiters: Vec<ReqId> = (0..4)
+            .map(|i| {
+                let body = if i % 2 == 0 { stream_body("left early") } else { prompt("left early") };
+                w.request(i % 2, "POST", PATH, &[], body.as_bytes())
+            })
+            .collect();
+        w.settle();
+        w.reset(leader);
+        assert!(w.run_until(60_000, all_answered(&waiters)), "seed {seed}: {:?}", labels(&w, &waiters));
+        assert!(w.traps.is_empty(), "seed {seed}: {:?}", panics(&w));
+        assert_eq!(calls.load(Ordering::SeqCst), 2, "seed {seed}: one waiter led anew");
+        for id in &waiters {
+            let a = w.answer(*id).expect("answered");
+            assert_eq!((a.status, text_of(a)), (200, "answer 2 to left early".to_owned()), "seed {seed}");
+        }
+    }
+}

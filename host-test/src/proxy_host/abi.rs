@@ -192,13 +192,18 @@ pub fn add_to_linker(linker: &mut Linker<VmState>, module: &Module) -> wasmtime:
         let Some(data) = read(c, ptr, len) else { return status::BAD_ARGUMENT };
         let state = c.data_mut();
         let ctx = state.effective;
-        let Some(stream) = state.streams.get_mut(&ctx).filter(|_| kind == 0) else { return status::NOT_FOUND };
+        let Some(stream) = state.streams.get_mut(&ctx) else { return status::NOT_FOUND };
+        let buffer = match kind {
+            0 => &mut stream.request_body,
+            1 => &mut stream.response_body,
+            _ => return status::NOT_FOUND,
+        };
         let (start, size) = (start as u32 as usize, size as u32 as usize);
-        let end = start.saturating_add(size).min(stream.request_body.len());
+        let end = start.saturating_add(size).min(buffer.len());
         if start > end {
             return status::BAD_ARGUMENT;
         }
-        stream.request_body.splice(start..end, data);
+        buffer.splice(start..end, data);
         status::OK
     });
     wrap!(linker, "proxy_get_header_map_pairs", |c, (kind, ret_ptr, ret_size): (i32, i32, i32)| {

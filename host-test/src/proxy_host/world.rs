@@ -25,6 +25,10 @@ pub const ROOT: u32 = 1;
 /// "Maximum call stack size exceeded".
 pub const LOCAL_REPLY_DEPTH_LIMIT: usize = 300;
 
+/// Bytes per chunk of an answer that passes through the filter (a prime, so chunk
+/// boundaries fall anywhere in events).
+pub const RESPONSE_CHUNK: usize = 97;
+
 /// The compiled plugin, shared by every VM.
 #[derive(Clone)]
 pub struct Plugin {
@@ -624,11 +628,24 @@ async fn deliver(vm: &mut Vm, event: Event) -> wasmtime::Result<()> {
             let (headers, body) =
                 response.unwrap_or_else(|| (vec![(":status".into(), "503".into())], b"upstream reset".to_vec()));
             stream.response_headers = headers.clone();
-            call(vm, "proxy_on_response_headers", ctx, &[i(ctx), i(headers.len() as u32), i(0)]).await?;
+            let end = u32::from(body.is_empty());
+            call(vm, "proxy_on_response_headers", ctx, &[i(ctx), i(headers.len() as u32), i(end)]).await?;
+            // The body arrives in chunks that split events (and anything else) anywhere; the
+            // filter sees each chunk alone and may rewrite it.
+            let mut sent = Vec::new();
+            let chunks: Vec<&[u8]> = body.chunks(RESPONSE_CHUNK).collect();
+            for (n, chunk) in chunks.iter().enumerate() {
+                let last = u32::from(n + 1 == chunks.len());
+                let Some(stream) = vm.store.data_mut().streams.get_mut(&ctx) else { return Ok(()) };
+                stream.response_body = chunk.to_vec();
+                call(vm, "proxy_on_response_body", ctx, &[i(ctx), i(chunk.len() as u32), i(last)]).await?;
+                sent.extend(vm.store.data().streams.get(&ctx).map(|s| s.response_body.clone()).unwrap_or_default());
+            }
             let headers = vm.store.data().streams.get(&ctx).map(|s| s.response_headers.clone()).unwrap_or_default();
             let status = headers.iter().find(|(k, _)| k == ":status").and_then(|(_, v)| v.parse().ok()).unwrap_or(502);
             let headers = headers.into_iter().filter(|(k, _)| !k.starts_with(':')).collect();
-            vm.store.data_mut().outbox.push(Outgoing::Reply(LocalReply { context_id: ctx, status, headers, body }));
+            let reply = LocalReply { context_id: ctx, status, headers, body: sent };
+            vm.store.data_mut().outbox.push(Outgoing::Reply(reply));
         }
         Event::QueueReady { queue } => {
             call(vm, "proxy_on_queue_ready", ROOT, &[i(ROOT), i(queue)]).await?;

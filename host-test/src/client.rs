@@ -117,6 +117,20 @@ impl Conn {
         }
     }
 
+    /// After `read_until`, reads the rest of a chunked body up to its last (empty) chunk.
+    pub fn read_past_last_chunk(&mut self) -> io::Result<()> {
+        loop {
+            let mut line = String::new();
+            if self.reader.read_line(&mut line)? == 0 {
+                return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "no last chunk"));
+            }
+            if line == "0\r\n" {
+                self.reader.read_line(&mut line)?;
+                return Ok(());
+            }
+        }
+    }
+
     fn read_chunked(&mut self) -> io::Result<Vec<u8>> {
         let mut body = Vec::new();
         loop {

@@ -109,6 +109,8 @@ impl Mock {
     pub async fn serve(self, listener: TcpListener) {
         loop {
             let Ok((stream, _)) = listener.accept().await else { continue };
+            // Events leave as they are written (no Nagle delay on small writes).
+            let _ = stream.set_nodelay(true);
             let mock = self.clone();
             tokio::spawn(async move {
                 let service = service_fn(move |req| mock.clone().handle(req));

@@ -3,6 +3,7 @@
 //! - HIT vs Envoy's own `direct_response` with the same body;
 //! - MISS (distinct prompts) vs plain Envoy proxying to the mock;
 //! - how long coalesced followers trail their leader;
+//! - time to the first event of a streamed MISS through the edge vs plain proxying;
 //! - the wasi:http component on the wasmtime host: HIT vs the Envoy plugin's HIT, its
 //!   (polling) followers;
 //! - the plugin's and the component's sizes.
@@ -117,6 +118,25 @@ fn follower_delay(edge: SocketAddr, mock: &Running, n: usize) -> (u64, u64, u64,
     (p50, max, mock.mock.calls() - calls_before, delays.len())
 }
 
+/// `n` distinct streamed prompts one after another to `addr`: the median time from sending
+/// the request to the first event, and to the end of the stream, in microseconds.
+fn first_event(addr: SocketAddr, tag: &str, n: usize) -> (u64, u64) {
+    let (mut first, mut whole) = (Vec::new(), Vec::new());
+    for i in 0..n {
+        let body = prompt(&format!("{tag} {i}")).replacen('{', r#"{"stream":true,"#, 1);
+        let mut conn = Conn::open(addr).expect("connect");
+        let t = Instant::now();
+        conn.send_only("POST", PATH, &[("authorization", "Bearer bench")], body.as_bytes()).expect("send");
+        conn.read_until("data: ").expect("a first event");
+        first.push(t.elapsed().as_micros() as u64);
+        conn.read_past_last_chunk().expect("the whole stream");
+        whole.push(t.elapsed().as_micros() as u64);
+    }
+    first.sort_unstable();
+    whole.sort_unstable();
+    (first[n / 2], whole[n / 2])
+}
+
 fn main() -> std::io::Result<()> {
     let secs = env_or("BENCH_SECONDS", 3);
     let conns = env_or("BENCH_CONNECTIONS", 16) as usize;
@@ -157,6 +177,18 @@ fn main() -> std::io::Result<()> {
     println!("50 identical requests (300 ms upstream): {calls} upstream call(s), {followers} followers");
     println!("follower delay after the leader:    p50 {p50} us, max {max} us");
     println!("plugin size:                        {wasm_bytes} bytes");
+
+    mock.mock.set_event_delay_ms(5);
+    let (edge_first, edge_whole) = first_event(envoy.edge, "stream miss", 40);
+    let (plain_first, plain_whole) = first_event(envoy.plain, "stream plain", 40);
+    mock.mock.set_event_delay_ms(0);
+    println!(
+        "streamed MISS, first event (p50):   edge {edge_first} us, plain proxy {plain_first} us, ratio {:.2}",
+        edge_first as f64 / plain_first.max(1) as f64
+    );
+    println!(
+        "streamed MISS, whole stream (p50):  edge {edge_whole} us, plain proxy {plain_whole} us (5 ms between events)"
+    );
 
     let component = start_component(ComponentOptions {
         wasm: component_path(),

@@ -215,3 +215,27 @@ fn a_slow_upstream_times_out_as_an_openai_504_for_every_waiter() {
     let after = s.chat(&prompt("too slow"), &[("authorization", "Bearer t")]);
     assert_eq!((after.status, after.cache()), (200, "MISS"), "the timeout was not cached");
 }
+
+/// A server behind nginx serves these paths as chat completions: each is validated,
+/// cached and coalesced like the canonical one, never passed through.
+#[test]
+fn every_spelling_of_the_chat_path_is_governed_and_a_model_cannot_inject_headers() {
+    let s = Stack::start("{}", 0);
+    let auth = [("authorization", "Bearer t")];
+    let body = prompt("path variants");
+    assert_eq!(s.chat(&body, &auth).cache(), "MISS");
+    for path in ["/v1/chat/completions/", "//v1/chat/completions", "/v1/chat//completions", "/v1/chat/%63ompletions"] {
+        let r = request(s.envoy.edge, "POST", path, &auth, body.as_bytes()).expect("answer");
+        assert_eq!((r.status, r.cache()), (200, "HIT"), "{path}");
+        let bad = request(s.envoy.edge, "POST", path, &auth, b"{not json").expect("answer");
+        assert_eq!((bad.status, bad.json()["error"]["code"].as_str()), (400, Some("invalid_json")), "{path}");
+    }
+    let long = "m".repeat(5_000);
+    for model in [r"gpt\u0000x", r"gpt\r\nx-evil: 1", long.as_str()] {
+        let body = format!(r#"{{"model":"{model}","messages":[{{"role":"user","content":"x"}}]}}"#);
+        let r = s.chat(&body, &auth);
+        assert_eq!((r.status, r.json()["error"]["param"].as_str()), (400, Some("model")), "{}", r.text());
+        assert!(r.header("x-holysheep-model").is_none());
+    }
+    assert_eq!(s.calls(), 1, "nothing else reached HolySheep");
+}

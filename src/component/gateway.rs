@@ -15,7 +15,7 @@ use crate::core::engine::{poll_delay_ms, Call, Engine, Reply, Step};
 use crate::core::error::ApiError;
 use crate::core::flight::{Action, Flight};
 use crate::core::limits::ProviderHints;
-use crate::core::request::{CacheControl, ChatRequest, RequestMeta, CHAT_PATH};
+use crate::core::request::{is_chat_path, CacheControl, ChatRequest, RequestMeta, CHAT_PATH};
 use crate::core::stream::{self, Reassembler};
 use crate::core::upstream::{self, Outbound};
 
@@ -40,7 +40,7 @@ pub fn handle(request: IncomingRequest, out: ResponseOutparam) {
         Err(e) => return reply(out, &Reply::error(&e), &[]),
     };
     let path = request.path_with_query().unwrap_or_else(|| "/".into());
-    let is_chat = matches!(request.method(), Method::Post) && path.split('?').next() == Some(CHAT_PATH);
+    let is_chat = matches!(request.method(), Method::Post) && is_chat_path(&path);
     if is_chat {
         gateway.chat(request, out);
     } else {

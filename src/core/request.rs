@@ -10,6 +10,51 @@ use sha2::{Digest, Sha256};
 /// The only path the filter handles (query string ignored).
 pub const CHAT_PATH: &str = "/v1/chat/completions";
 
+/// Longest `model` accepted (it is echoed in a response header).
+pub const MAX_MODEL_LEN: usize = 256;
+
+/// Whether a request path names chat completions as a server behind nginx would read it:
+/// query and fragment dropped, unreserved percent-escapes decoded, repeated slashes merged,
+/// `.` and `..` segments resolved, a trailing slash ignored. Every such variant is governed.
+pub fn is_chat_path(path: &str) -> bool {
+    let path = path.split(['?', '#']).next().unwrap_or("");
+    let decoded = decode_unreserved(path);
+    let mut segments: Vec<&str> = Vec::new();
+    for segment in decoded.split('/') {
+        match segment {
+            "" | "." => {}
+            ".." => {
+                segments.pop();
+            }
+            s => segments.push(s),
+        }
+    }
+    segments == ["v1", "chat", "completions"]
+}
+
+/// Decodes `%XX` escapes of unreserved characters (RFC 3986: letters, digits, `-._~`) and
+/// of `/`, which servers commonly decode before routing; others stay as they are.
+fn decode_unreserved(path: &str) -> String {
+    let bytes = path.as_bytes();
+    let mut out = String::with_capacity(path.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        let hex = bytes.get(i + 1..i + 3).and_then(|h| std::str::from_utf8(h).ok());
+        let decoded = hex.and_then(|h| u8::from_str_radix(h, 16).ok()).map(char::from);
+        match decoded.filter(|c| bytes[i] == b'%' && (c.is_ascii_alphanumeric() || "-._~/".contains(*c))) {
+            Some(c) => {
+                out.push(c);
+                i += 3;
+            }
+            None => {
+                out.push(char::from(bytes[i]));
+                i += 1;
+            }
+        }
+    }
+    out
+}
+
 /// Fields left out of the key: they change how the answer is delivered or attributed,
 /// not what it says.
 pub const KEY_EXCLUDED_FIELDS: [&str; 3] = ["stream", "stream_options", "user"];
@@ -213,6 +258,13 @@ fn validate(map: &Map<String, Value>) -> Result<(), ApiError> {
                 "missing_required_parameter",
             ))
         }
+        Some(Value::String(m)) if m.len() > MAX_MODEL_LEN || m.chars().any(char::is_control) => {
+            return Err(ApiError::invalid(
+                format!("'model' must be at most {MAX_MODEL_LEN} bytes without control characters"),
+                Some("model"),
+                "invalid_value",
+            ))
+        }
         Some(Value::String(m)) if !m.trim().is_empty() => {}
         Some(_) => return Err(wrong_type("model", "a non-empty string")),
     }
@@ -348,6 +400,38 @@ fn hex(bytes: &[u8]) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn every_spelling_of_the_chat_path_is_governed() {
+        for p in [
+            "/v1/chat/completions",
+            "/v1/chat/completions?x=1",
+            "/v1/chat/completions/",
+            "//v1/chat/completions",
+            "/v1/chat//completions",
+            "/v1/./chat/completions",
+            "/v1/x/../chat/completions",
+            "/v1/chat/%63ompletions",
+            "/v1%2Fchat/completions",
+            "/v1/chat/completions#frag",
+        ] {
+            assert!(is_chat_path(p), "{p}");
+        }
+        for p in ["/v1/chat/completion", "/v1/embeddings", "/v2/chat/completions", "/v1/chat/completions/x", "/"] {
+            assert!(!is_chat_path(p), "{p}");
+        }
+    }
+
+    #[test]
+    fn a_model_that_could_break_a_header_is_refused() {
+        let c = Config::default();
+        let meta = RequestMeta::default();
+        for model in [r"a\u0000b", r"a\r\nx-evil: 1", &"m".repeat(MAX_MODEL_LEN + 1)] {
+            let body = format!(r#"{{"model":"{model}","messages":[{{"role":"user","content":"x"}}]}}"#);
+            let e = ChatRequest::parse(&c, &meta, body.as_bytes()).expect_err(model);
+            assert_eq!((e.status, e.param.as_deref()), (400, Some("model")), "{model}");
+        }
+    }
 
     const AUTH_A: RequestMeta<'static> =
         RequestMeta { authorization: Some("Bearer a"), tenant: None, cache_control: None };

@@ -11,7 +11,7 @@ use super::worker::{Shared, StreamEnd, Target};
 use crate::core::cache::Response;
 use crate::core::engine::{Engine, Reply, Step};
 use crate::core::error::ApiError;
-use crate::core::request::{CacheControl, ChatRequest, RequestMeta, CHAT_PATH};
+use crate::core::request::{is_chat_path, CacheControl, ChatRequest, RequestMeta};
 use crate::core::stream::{self, Reassembler};
 use crate::core::upstream::Outbound;
 use proxy_wasm::hostcalls;
@@ -154,7 +154,7 @@ impl HttpContext for Chat {
     fn on_http_request_headers(&mut self, _num_headers: usize, end_of_stream: bool) -> Action {
         let method = request_header(":method").unwrap_or_default();
         let path = request_header(":path").unwrap_or_default();
-        if method != "POST" || path.split('?').next() != Some(CHAT_PATH) {
+        if method != "POST" || !is_chat_path(&path) {
             return Action::Continue;
         }
         self.state = State::Reading;

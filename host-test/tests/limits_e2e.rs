@@ -208,3 +208,21 @@ fn max_in_flight_caps_concurrent_calls_across_workers() {
     assert_eq!(limited.len(), 4);
     assert!(limited.iter().all(|r| r.json()["error"]["message"].as_str().unwrap_or("").contains("in flight")));
 }
+
+#[test]
+fn a_day_long_provider_retry_after_holds_the_bucket_only_for_the_configured_bound() {
+    let config = r#"{"models":{"gpt-4.1":{"requests_per_minute":600}},"retry":{"max_attempts":1},
+                    "rate_limit":{"max_provider_hold_ms":500}}"#;
+    let s = Stack::start(config, 0);
+    s.mock.mock.plan(vec![Fault { status: Some(429), retry_after: Some("86400".into()), ..Fault::default() }]);
+    let limited = s.chat(&prompt("a day"), &[]);
+    assert_eq!(limited.status, 429);
+    let mut n = 0;
+    poll_until(
+        || {
+            n += 1;
+            s.chat(&prompt(&format!("after a day {n}")), &[]).status == 200
+        },
+        "the bucket stayed empty past max_provider_hold_ms",
+    );
+}

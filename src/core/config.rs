@@ -32,11 +32,19 @@ pub struct Model {
     pub usd_per_mtok_output: f64,
 }
 
-#[derive(Debug, Clone, PartialEq, Default, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct RateLimit {
     /// 0: answer 429 at once; otherwise hold a request up to this long for its bucket.
     pub max_wait_ms: u64,
+    /// The longest a provider's 429 `retry-after` may empty a model's request bucket.
+    pub max_provider_hold_ms: u64,
+}
+
+impl Default for RateLimit {
+    fn default() -> Self {
+        RateLimit { max_wait_ms: 0, max_provider_hold_ms: 60_000 }
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, Deserialize)]
@@ -201,6 +209,9 @@ impl Config {
         ];
         if let Some((_, field, why)) = checks.iter().find(|(bad, _, _)| *bad) {
             return Err(ConfigError(format!("{field}: {why}")));
+        }
+        if !(1..=86_400_000).contains(&self.rate_limit.max_provider_hold_ms) {
+            return Err(ConfigError("rate_limit.max_provider_hold_ms: must be between 1 and 86400000".into()));
         }
         let retry: [(bool, &str, &str); 3] = [
             (!(1..=10).contains(&self.retry.max_attempts), "retry.max_attempts", "must be between 1 and 10"),

@@ -216,6 +216,9 @@ impl Flight {
         let Some(nonce) = self.ticket.take() else { return };
         let Some((bucket, m)) = config.model(self.model()) else { return };
         let l = Limits::of(m);
+        // A provider's word empties the shared bucket for a bounded time only.
+        let hold = config.rate_limit.max_provider_hold_ms;
+        let hints = &ProviderHints { retry_after_ms: hints.retry_after_ms.map(|ms| ms.min(hold)), ..*hints };
         let (estimate, actual) = (self.estimate, usage.map(|(p, c)| p + c));
         let _ = limits::update(store, bucket, &l, now_ms, |b| {
             b.settle(&l, nonce, estimate, actual, now_ms);
@@ -363,6 +366,23 @@ mod tests {
         assert_eq!(send(next), "deepseek-v3");
         assert!(!f.call.store, "a fallback answer is not stored under the requested key");
         assert!(f.events.contains(&Event::Failover { from: "gpt-4.1".into(), to: "deepseek-v3".into() }));
+    }
+
+    #[test]
+    fn a_day_long_provider_retry_after_empties_the_bucket_for_the_configured_bound_only() {
+        let c = config(
+            r#"{"models":{"gpt-4.1":{"requests_per_minute":600}},"retry":{"max_attempts":1},
+                "rate_limit":{"max_provider_hold_ms":2000}}"#,
+        );
+        let s = MemStore::new();
+        let mut f = flight(&c, "gpt-4.1");
+        send(f.resume(&s, &c, 0, 1));
+        let day = ProviderHints { throttled: true, retry_after_ms: Some(86_400_000), ..Default::default() };
+        assert!(matches!(f.on_response(&s, &c, status(429), &day, 0, 0), Action::Finish(_)));
+        let mut g = flight(&c, "gpt-4.1");
+        assert!(matches!(g.resume(&s, &c, 1_000, 2), Action::Finish(Some(ref r)) if r.status == 429), "held");
+        let mut h = flight(&c, "gpt-4.1");
+        assert_eq!(send(h.resume(&s, &c, 2_200, 3)), "gpt-4.1", "free again after the bound, not a day");
     }
 
     #[test]

@@ -239,3 +239,15 @@ fn every_spelling_of_the_chat_path_is_governed_and_a_model_cannot_inject_headers
     }
     assert_eq!(s.calls(), 1, "nothing else reached HolySheep");
 }
+
+#[test]
+fn anonymous_callers_are_refused_when_a_tenant_is_required() {
+    let s = Stack::start(r#"{"cache":{"require_tenant":true}}"#, 0);
+    let body = prompt("who are you");
+    for headers in [vec![], vec![("authorization", " ")]] {
+        let r = s.chat(&body, &headers);
+        assert_eq!((r.status, r.json()["error"]["code"].as_str()), (401, Some("missing_tenant")), "{}", r.text());
+    }
+    assert_eq!(s.calls(), 0, "nothing reached HolySheep");
+    assert_eq!(s.chat(&body, &[("authorization", "Bearer t")]).status, 200);
+}

@@ -32,6 +32,11 @@ pub struct Model {
     pub usd_per_mtok_output: f64,
 }
 
+/// The longest duration in milliseconds any setting accepts: one day.
+pub const MAX_MS: u64 = 86_400_000;
+/// The longest duration in seconds any setting accepts: one year.
+pub const MAX_SECONDS: u64 = 31_536_000;
+
 #[derive(Debug, Clone, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct RateLimit {
@@ -96,6 +101,9 @@ pub struct Cache {
     pub scope: Scope,
     pub tenant_header: Option<String>,
     pub only_deterministic: bool,
+    /// Refuse (401) a request without its tenant's credential (the tenant header, or
+    /// `authorization`) instead of scoping it with every other anonymous caller.
+    pub require_tenant: bool,
 }
 
 #[derive(Debug, Clone, PartialEq, Deserialize)]
@@ -144,6 +152,7 @@ impl Default for Cache {
             scope: Scope::Tenant,
             tenant_header: None,
             only_deterministic: false,
+            require_tenant: false,
         }
     }
 }
@@ -210,8 +219,23 @@ impl Config {
         if let Some((_, field, why)) = checks.iter().find(|(bad, _, _)| *bad) {
             return Err(ConfigError(format!("{field}: {why}")));
         }
-        if !(1..=86_400_000).contains(&self.rate_limit.max_provider_hold_ms) {
-            return Err(ConfigError("rate_limit.max_provider_hold_ms: must be between 1 and 86400000".into()));
+        if self.rate_limit.max_provider_hold_ms == 0 {
+            return Err(ConfigError("rate_limit.max_provider_hold_ms: must be at least 1".into()));
+        }
+        // Every duration is bounded, so no `now + duration` can overflow.
+        let durations: [(u64, &str, u64); 9] = [
+            (self.upstream.timeout_ms, "upstream.timeout_ms", MAX_MS),
+            (self.lock.lease_ms, "lock.lease_ms", MAX_MS),
+            (self.lock.wait_timeout_ms, "lock.wait_timeout_ms", MAX_MS),
+            (self.rate_limit.max_wait_ms, "rate_limit.max_wait_ms", MAX_MS),
+            (self.rate_limit.max_provider_hold_ms, "rate_limit.max_provider_hold_ms", MAX_MS),
+            (self.retry.base_delay_ms, "retry.base_delay_ms", MAX_MS),
+            (self.retry.max_delay_ms, "retry.max_delay_ms", MAX_MS),
+            (self.cache.ttl_seconds, "cache.ttl_seconds", MAX_SECONDS),
+            (self.stale_if_error_seconds, "stale_if_error_seconds", MAX_SECONDS),
+        ];
+        if let Some((_, field, max)) = durations.iter().find(|(v, _, max)| v > max) {
+            return Err(ConfigError(format!("{field}: must be at most {max}")));
         }
         let retry: [(bool, &str, &str); 3] = [
             (!(1..=10).contains(&self.retry.max_attempts), "retry.max_attempts", "must be between 1 and 10"),
@@ -282,6 +306,21 @@ fn valid_header_name(h: &str) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn every_duration_is_bounded() {
+        for (json, field) in [
+            (r#"{"lock":{"lease_ms":18446744073709551615}}"#, "lock.lease_ms"),
+            (r#"{"upstream":{"timeout_ms":86400001}}"#, "upstream.timeout_ms"),
+            (r#"{"cache":{"ttl_seconds":31536001}}"#, "cache.ttl_seconds"),
+            (r#"{"rate_limit":{"max_wait_ms":86400001}}"#, "rate_limit.max_wait_ms"),
+            (r#"{"stale_if_error_seconds":31536001}"#, "stale_if_error_seconds"),
+        ] {
+            let e = Config::parse(json.as_bytes()).expect_err(json).to_string();
+            assert!(e.contains(field), "{json}: {e}");
+        }
+        assert!(Config::parse(br#"{"lock":{"lease_ms":86400000},"cache":{"ttl_seconds":31536000}}"#).is_ok());
+    }
 
     #[test]
     fn empty_object_and_empty_input_are_defaults() {

@@ -160,7 +160,7 @@ impl ChatRequest {
             map.get("stream_options").and_then(|o| o.get("include_usage")).and_then(Value::as_bool).unwrap_or(false);
         let deterministic = is_deterministic(&map);
         let estimate_tokens = estimate_tokens(&map, body.len());
-        let scope = scope(config, meta);
+        let scope = scope(config, meta)?;
         let canonical = canonical_body(map);
         Ok(ChatRequest {
             key: request_key(CHAT_PATH, &scope, &canonical),
@@ -341,17 +341,27 @@ pub fn for_upstream(body: &[u8], model: &str, stream: bool) -> Vec<u8> {
     }
 }
 
-fn scope(config: &Config, meta: &RequestMeta<'_>) -> String {
-    match config.cache.scope {
-        Scope::Global => "global".to_owned(),
-        Scope::Tenant => {
-            let credential = match config.cache.tenant_header {
-                Some(_) => meta.tenant,
-                None => meta.authorization,
-            };
-            format!("tenant:{}", sha256_hex(credential.unwrap_or("").as_bytes()))
-        }
+/// The tenant scope of the key. Without `cache.require_tenant`, every caller without a
+/// credential shares one anonymous scope.
+fn scope(config: &Config, meta: &RequestMeta<'_>) -> Result<String, ApiError> {
+    let (credential, named) = match &config.cache.tenant_header {
+        Some(h) => (meta.tenant, h.as_str()),
+        None => (meta.authorization, "authorization"),
+    };
+    let credential = credential.filter(|c| !c.trim().is_empty());
+    if config.cache.require_tenant && credential.is_none() {
+        return Err(ApiError {
+            status: 401,
+            message: format!("This edge requires a tenant credential: send the '{named}' header."),
+            kind: "invalid_request_error",
+            param: None,
+            code: "missing_tenant",
+        });
     }
+    Ok(match config.cache.scope {
+        Scope::Global => "global".to_owned(),
+        Scope::Tenant => format!("tenant:{}", sha256_hex(credential.unwrap_or("").as_bytes())),
+    })
 }
 
 /// Compact JSON with object keys sorted recursively (serde_json's map is a BTreeMap),

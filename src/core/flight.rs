@@ -8,10 +8,12 @@ use super::config::Config;
 use super::engine::Call;
 use super::error::ApiError;
 use super::limits::{self, duration, Denial, Kind, Limits, ProviderHints};
-use super::store::CasStore;
+use super::store::{CasStore, StoreError};
 
 /// How often a request held for a concurrency slot looks again.
 pub const CONCURRENCY_POLL_MS: u64 = 50;
+/// How soon a call whose admission lost every race looks again.
+pub const CONTENTION_RETRY_MS: u64 = 5;
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Action {
@@ -101,7 +103,9 @@ impl Flight {
         }
         let soonest = denials.iter().map(|(_, d)| d.wait_ms.unwrap_or(CONCURRENCY_POLL_MS)).min().unwrap_or(0);
         let until = now_ms.saturating_add(soonest);
-        if until <= self.hold_until_ms && until < self.deadline_ms {
+        // Contention is no refusal: it waits past `max_wait_ms` (within the deadline).
+        let contended = denials.iter().any(|(_, d)| d.kind == Kind::Contended);
+        if (until <= self.hold_until_ms || contended) && until < self.deadline_ms {
             return Action::Sleep { until_ms: until };
         }
         let model = self.model().to_owned();
@@ -197,12 +201,20 @@ impl Flight {
             // A place in line is written; other refusals change nothing.
             Err(d) => (Err(d), d.kind == Kind::Concurrency),
         });
-        // A store failure admits: the limiter must not take the edge down with it.
-        let admitted = taken.unwrap_or(Ok(()));
-        if admitted.is_ok() {
-            self.ticket = Some(id);
+        match taken {
+            Ok(admitted) => {
+                if admitted.is_ok() {
+                    self.ticket = Some(id);
+                }
+                admitted
+            }
+            // Races lost to other workers all along: nothing was taken, so nothing is
+            // admitted; look again shortly (the contention is the moment limits matter).
+            Err(StoreError::CasMismatch) => Err(Denial { kind: Kind::Contended, wait_ms: Some(CONTENTION_RETRY_MS) }),
+            // A broken store admits, uncharged (no ticket: nothing to refund): the limiter
+            // must not take the edge down with it.
+            Err(StoreError::Host(_)) => Ok(()),
         }
-        admitted
     }
 
     fn settle(
@@ -366,6 +378,34 @@ mod tests {
         assert_eq!(send(next), "deepseek-v3");
         assert!(!f.call.store, "a fallback answer is not stored under the requested key");
         assert!(f.events.contains(&Event::Failover { from: "gpt-4.1".into(), to: "deepseek-v3".into() }));
+    }
+
+    /// A store where every write to a bucket loses its race (other workers always win).
+    struct Contended(MemStore);
+
+    impl CasStore for Contended {
+        fn get(&self, key: &str) -> Result<crate::core::store::Read, StoreError> {
+            self.0.get(key)
+        }
+        fn set(&self, key: &str, value: &[u8], cas: Option<u32>) -> Result<(), StoreError> {
+            if key.contains("bucket") {
+                return Err(StoreError::CasMismatch);
+            }
+            self.0.set(key, value, cas)
+        }
+    }
+
+    #[test]
+    fn admission_that_loses_every_race_is_not_an_admission_and_credits_nothing() {
+        let c = config(r#"{"models":{"gpt-4.1":{"requests_per_minute":60,"tokens_per_minute":1000}}}"#);
+        let s = Contended(MemStore::new());
+        let mut f = flight(&c, "gpt-4.1");
+        let a = f.resume(&s, &c, 0, 1);
+        assert_eq!(a, Action::Sleep { until_ms: CONTENTION_RETRY_MS }, "held, not sent uncharged");
+        let before = limits::peek(&s, "gpt-4.1", &Limits::of(c.model("gpt-4.1").unwrap().1), 10);
+        f.on_response(&s, &c, status(200), &ProviderHints::default(), 10, 0);
+        let after = limits::peek(&s, "gpt-4.1", &Limits::of(c.model("gpt-4.1").unwrap().1), 10);
+        assert_eq!(before, after, "no refund for what was never taken");
     }
 
     #[test]

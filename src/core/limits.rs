@@ -53,13 +53,16 @@ pub enum Kind {
     Requests,
     Tokens,
     Concurrency,
+    /// The bucket could not be read and written without losing every race: nothing was
+    /// decided, look again at once.
+    Contended,
 }
 
 impl Kind {
     /// OpenAI's error `type` for a rate-limit answer.
     pub fn as_str(self) -> &'static str {
         match self {
-            Kind::Requests | Kind::Concurrency => "requests",
+            Kind::Requests | Kind::Concurrency | Kind::Contended => "requests",
             Kind::Tokens => "tokens",
         }
     }

@@ -220,12 +220,18 @@ impl<S: CasStore> Engine<'_, S> {
         if !policy.coalesce {
             return Step::Call(self.call(key, None, false, CacheStatus::Bypass, now_ms));
         }
-        match lease::acquire(self.store, self.config, key, nonce, now_ms) {
+        let since_ms = waited_since.unwrap_or(now_ms);
+        match lease::acquire(self.store, self.config, key, nonce, now_ms, since_ms) {
             Ok(Acquire::Acquired(l)) => Step::Call(self.call(key, Some(l), policy.store, CacheStatus::Miss, now_ms)),
             Ok(Acquire::Held { nonce: n }) => {
-                let since_ms = waited_since.unwrap_or(now_ms);
                 self.keep_waiting(Wait { key: key.clone(), nonce: n, since_ms, policy }, now_ms)
             }
+            Ok(Acquire::Answered { response, done_at_ms }) => Step::Reply(Reply {
+                response,
+                cache: Some(CacheStatus::Coalesced),
+                key: Some(key.clone()),
+                age_s: Some(now_ms.saturating_sub(done_at_ms) / 1000),
+            }),
             // A slot collision or a store failure: go alone rather than wait on a stranger.
             Ok(Acquire::Busy) | Err(_) => Step::Call(self.call(key, None, policy.store, CacheStatus::Miss, now_ms)),
         }
@@ -301,6 +307,39 @@ mod tests {
             Step::Reply(r) => r,
             other => panic!("expected a reply, got {other:?}"),
         }
+    }
+
+    /// A store whose cache slots read as empty once: a request that read the cache just
+    /// before the leader stored.
+    struct CacheReadTooEarly {
+        inner: MemStore,
+        seen: std::cell::Cell<bool>,
+    }
+
+    impl CasStore for CacheReadTooEarly {
+        fn get(&self, key: &str) -> Result<crate::core::store::Read, crate::core::store::StoreError> {
+            if key.starts_with("holysheep/cache/") && !self.seen.replace(true) {
+                return Ok(crate::core::store::Read { value: None, cas: None });
+            }
+            self.inner.get(key)
+        }
+        fn set(&self, key: &str, value: &[u8], cas: Option<u32>) -> Result<(), crate::core::store::StoreError> {
+            self.inner.set(key, value, cas)
+        }
+    }
+
+    #[test]
+    fn a_request_that_missed_the_store_by_a_hair_takes_the_finished_flight_not_a_new_one() {
+        let config = Config::default();
+        let store = CacheReadTooEarly { inner: MemStore::new(), seen: std::cell::Cell::new(true) };
+        let e = Engine { store: &store, config: &config };
+        let leader = expect_call(e.admit(&k(1), READ, 1_000, 1));
+        e.complete(&leader, ok(r#"{"a":1}"#), 1_200);
+        store.seen.set(false);
+        let r = expect_reply(e.admit(&k(1), READ, 1_200, 2));
+        assert_eq!((r.cache, r.response.body.as_slice()), (Some(CacheStatus::Coalesced), br#"{"a":1}"#.as_slice()));
+        store.seen.set(false);
+        assert!(matches!(e.admit(&k(1), READ, 1_300, 3), Step::Call(_)), "an older flight is no answer for a later request");
     }
 
     #[test]

@@ -43,6 +43,9 @@ pub enum Acquire {
     Held { nonce: u64 },
     /// The slot is leased to another key (a slot collision).
     Busy,
+    /// A flight on this key finished since the request arrived: its answer is this
+    /// request's too (it read the cache just before that flight stored).
+    Answered { response: Response, done_at_ms: u64 },
 }
 
 /// CAS races lost in a row before giving up; each loss means someone else made progress.
@@ -58,13 +61,15 @@ pub fn read(store: &impl CasStore, slot_key: &str) -> Result<(State, Option<u32>
     Ok((state, r.cas))
 }
 
-/// Takes the lease if the slot is free, expired, or done; reports a live holder otherwise.
+/// Takes the lease if the slot is free, expired, or done; reports a live holder, or a
+/// flight on this key done at or after `since_ms` (the request's arrival), otherwise.
 pub fn acquire(
     store: &impl CasStore,
     config: &Config,
     key: &Key,
     nonce: u64,
     now_ms: u64,
+    since_ms: u64,
 ) -> Result<Acquire, StoreError> {
     let slot_key = slot_key(config, key);
     for _ in 0..MAX_RACES {
@@ -72,6 +77,9 @@ pub fn acquire(
         match r.value.as_deref().and_then(decode) {
             Some(State::Leading { key: k, nonce: n, expires_ms }) if expires_ms > now_ms => {
                 return Ok(if k == key.hex() { Acquire::Held { nonce: n } } else { Acquire::Busy });
+            }
+            Some(State::Done { key: k, done_at_ms, response, .. }) if k == key.hex() && done_at_ms >= since_ms => {
+                return Ok(Acquire::Answered { response, done_at_ms });
             }
             _ => {}
         }
@@ -185,36 +193,36 @@ mod tests {
     #[test]
     fn second_caller_waits_on_the_first() {
         let (s, c) = (MemStore::new(), Config::default());
-        let Acquire::Acquired(lease) = acquire(&s, &c, &key(1), 11, 0).unwrap() else { panic!() };
-        assert_eq!(acquire(&s, &c, &key(1), 22, 10).unwrap(), Acquire::Held { nonce: 11 });
+        let Acquire::Acquired(lease) = acquire(&s, &c, &key(1), 11, 0, 0).unwrap() else { panic!() };
+        assert_eq!(acquire(&s, &c, &key(1), 22, 10, 10).unwrap(), Acquire::Held { nonce: 11 });
         assert!(finish(&s, &lease, &resp(503), 20).unwrap());
         let (state, _) = read(&s, &lease.slot_key).unwrap();
         let State::Done { nonce, response, .. } = state else { panic!("{state:?}") };
         assert_eq!(nonce, 11);
         assert_eq!(response, resp(503));
         // A done slot is free again.
-        assert!(matches!(acquire(&s, &c, &key(1), 33, 30).unwrap(), Acquire::Acquired(_)));
+        assert!(matches!(acquire(&s, &c, &key(1), 33, 30, 30).unwrap(), Acquire::Acquired(_)));
     }
 
     #[test]
     fn expired_lease_is_taken_over_and_the_old_owner_cannot_finish() {
         let (s, c) = (MemStore::new(), Config::default());
-        let Acquire::Acquired(old) = acquire(&s, &c, &key(1), 1, 0).unwrap() else { panic!() };
-        assert_eq!(acquire(&s, &c, &key(1), 2, 4_999).unwrap(), Acquire::Held { nonce: 1 });
-        let Acquire::Acquired(new) = acquire(&s, &c, &key(1), 2, 5_000).unwrap() else { panic!() };
+        let Acquire::Acquired(old) = acquire(&s, &c, &key(1), 1, 0, 0).unwrap() else { panic!() };
+        assert_eq!(acquire(&s, &c, &key(1), 2, 4_999, 4_999).unwrap(), Acquire::Held { nonce: 1 });
+        let Acquire::Acquired(new) = acquire(&s, &c, &key(1), 2, 5_000, 5_000).unwrap() else { panic!() };
         assert!(!renew(&s, &c, &old, 5_001).unwrap());
         assert!(!finish(&s, &old, &resp(200), 5_002).unwrap());
         assert!(renew(&s, &c, &new, 5_003).unwrap());
         // Renewal pushes expiry: still held well after the first expiry.
-        assert_eq!(acquire(&s, &c, &key(1), 3, 9_000).unwrap(), Acquire::Held { nonce: 2 });
+        assert_eq!(acquire(&s, &c, &key(1), 3, 9_000, 9_000).unwrap(), Acquire::Held { nonce: 2 });
     }
 
     #[test]
     fn another_key_in_the_same_slot_is_busy() {
         let (s, mut c) = (MemStore::new(), Config::default());
         c.lock.slots = 1;
-        assert!(matches!(acquire(&s, &c, &key(1), 1, 0).unwrap(), Acquire::Acquired(_)));
-        assert_eq!(acquire(&s, &c, &key(2), 2, 0).unwrap(), Acquire::Busy);
+        assert!(matches!(acquire(&s, &c, &key(1), 1, 0, 0).unwrap(), Acquire::Acquired(_)));
+        assert_eq!(acquire(&s, &c, &key(2), 2, 0, 0).unwrap(), Acquire::Busy);
         assert_eq!(s.key_count(), 1);
     }
 
@@ -222,7 +230,7 @@ mod tests {
     fn garbage_in_a_slot_counts_as_free() {
         let (s, c) = (MemStore::new(), Config::default());
         s.set(&slot_key(&c, &key(1)), b"L\nnot-a-number", None).unwrap();
-        assert!(matches!(acquire(&s, &c, &key(1), 1, 0).unwrap(), Acquire::Acquired(_)));
+        assert!(matches!(acquire(&s, &c, &key(1), 1, 0, 0).unwrap(), Acquire::Acquired(_)));
     }
 
     /// Many threads race for the same missing, then expired, slot: exactly one wins each
@@ -240,7 +248,7 @@ mod tests {
                         let (s, c, b) = (s.clone(), c.clone(), barrier.clone());
                         std::thread::spawn(move || {
                             b.wait();
-                            acquire(&*s, &c, &key(7), round * 100 + t, now).unwrap()
+                            acquire(&*s, &c, &key(7), round * 100 + t, now, now).unwrap()
                         })
                     })
                     .collect();

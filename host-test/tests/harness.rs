@@ -475,3 +475,22 @@ fn when_a_stream_leaders_client_leaves_a_waiter_leads_a_new_flight() {
         }
     }
 }
+
+/// A body followed by trailers (HTTP/2 clients) ends at the trailers: it is validated and
+/// governed like any other, never released along the route unread.
+#[test]
+fn a_body_that_ends_with_trailers_is_still_validated_and_governed() {
+    let calls = Arc::new(AtomicU64::new(0));
+    let mut w = world(plugin(), "{}", 13, upstream(10, 200, calls.clone()));
+    let trailers: Headers = vec![("x-checksum".into(), "1".into())];
+    let bad = w.request_with_trailers(0, "POST", PATH, &[], b"{not json", Some(trailers.clone()));
+    let good = w.request_with_trailers(1, "POST", PATH, &[], prompt("trailed").as_bytes(), Some(trailers));
+    assert!(w.run_until(60_000, all_answered(&[bad, good])));
+    assert_eq!(w.answer(bad).map(|a| a.status), Some(400), "validated");
+    assert_eq!(w.answer(good).map(|a| (a.status, a.cache().to_owned())), Some((200, "MISS".to_owned())));
+    assert_eq!(calls.load(Ordering::SeqCst), 1);
+    assert!(
+        w.upstream_calls.iter().all(|c| c.cluster == "holysheep" && c.timeout_ms > 0),
+        "callouts only, no pass-through"
+    );
+}

@@ -339,7 +339,10 @@ mod tests {
         let r = expect_reply(e.admit(&k(1), READ, 1_200, 2));
         assert_eq!((r.cache, r.response.body.as_slice()), (Some(CacheStatus::Coalesced), br#"{"a":1}"#.as_slice()));
         store.seen.set(false);
-        assert!(matches!(e.admit(&k(1), READ, 1_300, 3), Step::Call(_)), "an older flight is no answer for a later request");
+        assert!(
+            matches!(e.admit(&k(1), READ, 1_300, 3), Step::Call(_)),
+            "an older flight is no answer for a later request"
+        );
     }
 
     #[test]

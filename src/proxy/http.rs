@@ -196,6 +196,20 @@ impl HttpContext for Chat {
         self.handle(body)
     }
 
+    /// Trailers end a body whose last data did not (HTTP/2, chunked with trailers): the
+    /// body is complete now, and is handled like any other, never released unread.
+    fn on_http_request_trailers(&mut self, _num_trailers: usize) -> Action {
+        match self.state {
+            State::Reading => {
+                let body = host::buffer(BufferType::HttpRequestBody, self.worker.borrow().config.max_body_bytes + 1);
+                self.worker.borrow_mut().body_watch.body_arrived();
+                self.handle(body)
+            }
+            State::Handled => Action::Pause,
+            _ => Action::Continue,
+        }
+    }
+
     /// Only a forwarded stream's own answer is teed; the filter's local replies (which
     /// Envoy also runs through here) pass untouched.
     fn on_http_response_headers(&mut self, _num_headers: usize, end_of_stream: bool) -> Action {

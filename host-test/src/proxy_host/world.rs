@@ -73,11 +73,28 @@ pub type Upstream = Box<dyn FnMut(&UpstreamCall) -> Delivery + Send>;
 
 #[derive(Debug)]
 enum Event {
-    Request { ctx: u32, headers: Headers, body: Vec<u8> },
-    Reset { ctx: u32 },
-    CalloutDone { token: u32, response: Option<(Headers, Vec<u8>)> },
-    Passthrough { ctx: u32, response: Option<(Headers, Vec<u8>)> },
-    QueueReady { queue: u32 },
+    /// `trailers`: the body ends with trailers (HTTP/2, or HTTP/1 chunked), so its last
+    /// data callback does not end the stream; `proxy_on_request_trailers` does.
+    Request {
+        ctx: u32,
+        headers: Headers,
+        body: Vec<u8>,
+        trailers: Option<Headers>,
+    },
+    Reset {
+        ctx: u32,
+    },
+    CalloutDone {
+        token: u32,
+        response: Option<(Headers, Vec<u8>)>,
+    },
+    Passthrough {
+        ctx: u32,
+        response: Option<(Headers, Vec<u8>)>,
+    },
+    QueueReady {
+        queue: u32,
+    },
     Tick,
 }
 
@@ -262,6 +279,19 @@ impl World {
 
     /// Hands a request to `worker`; its answer appears in [`World::answer`].
     pub fn request(&mut self, worker: usize, method: &str, path: &str, headers: &[(&str, &str)], body: &[u8]) -> ReqId {
+        self.request_with_trailers(worker, method, path, headers, body, None)
+    }
+
+    /// A request whose body is followed by `trailers`.
+    pub fn request_with_trailers(
+        &mut self,
+        worker: usize,
+        method: &str,
+        path: &str,
+        headers: &[(&str, &str)],
+        body: &[u8],
+        trailers: Option<Headers>,
+    ) -> ReqId {
         let id = self.next_req;
         self.next_req += 1;
         let w = &mut self.workers[worker];
@@ -276,7 +306,7 @@ impl World {
             ("content-length".into(), body.len().to_string()),
         ];
         all.extend(headers.iter().map(|(k, v)| ((*k).to_owned(), (*v).to_owned())));
-        w.events.push_back(Event::Request { ctx, headers: all, body: body.to_vec() });
+        w.events.push_back(Event::Request { ctx, headers: all, body: body.to_vec(), trailers });
         id
     }
 
@@ -586,7 +616,7 @@ async fn send_local_replies(vm: &mut Vm) -> wasmtime::Result<()> {
 async fn deliver(vm: &mut Vm, event: Event) -> wasmtime::Result<()> {
     let i = |v: u32| Val::I32(v as i32);
     match event {
-        Event::Request { ctx, headers, body } => {
+        Event::Request { ctx, headers, body, trailers } => {
             let n = headers.len() as u32;
             let end = body.is_empty();
             vm.store
@@ -596,8 +626,12 @@ async fn deliver(vm: &mut Vm, event: Event) -> wasmtime::Result<()> {
             call(vm, "proxy_on_context_create", ctx, &[i(ctx), i(ROOT)]).await?;
             let mut action = call(vm, "proxy_on_request_headers", ctx, &[i(ctx), i(n), i(u32::from(end))]).await?;
             let body_delivered = action != Some(1) || vm.store.data().allow_on_headers_stop_iteration;
+            let body_ends = u32::from(trailers.is_none());
             if !end && !replied(vm, ctx) && body_delivered {
-                action = call(vm, "proxy_on_request_body", ctx, &[i(ctx), i(body.len() as u32), i(1)]).await?;
+                action = call(vm, "proxy_on_request_body", ctx, &[i(ctx), i(body.len() as u32), i(body_ends)]).await?;
+            }
+            if let Some(t) = trailers.filter(|_| !replied(vm, ctx) && body_delivered) {
+                action = call(vm, "proxy_on_request_trailers", ctx, &[i(ctx), i(t.len() as u32)]).await?;
             }
             if action == Some(0) && !replied(vm, ctx) {
                 vm.store.data_mut().outbox.push(Outgoing::Resume { context_id: ctx });

@@ -494,3 +494,27 @@ fn a_body_that_ends_with_trailers_is_still_validated_and_governed() {
         "callouts only, no pass-through"
     );
 }
+
+/// Envoy never frees a queue: configuration reloads must reuse the names (and queues) of
+/// the VMs they replace, not add new ones every time.
+#[test]
+fn configuration_reloads_reuse_the_wake_queues() {
+    let clock = Arc::new(AtomicU64::new(1_000_000));
+    let mut shared = Shared::with_next_cas(1);
+    let mut counts = Vec::new();
+    for reload in 0..5u64 {
+        let calls = Arc::new(AtomicU64::new(0));
+        let mut options = Options::new(2, "{}", reload);
+        options.clock = host_test::proxy_host::state::Clock::Virtual(clock.clone());
+        options.shared = shared;
+        let mut w = World::start(plugin(), options, upstream(50, 200, calls.clone())).expect("world");
+        let ids = burst(&mut w, 6, &prompt(&format!("reload {reload}")));
+        assert!(w.run_until(60_000, all_answered(&ids)), "reload {reload}");
+        assert_eq!(calls.load(Ordering::SeqCst), 1, "reload {reload}: the queues still wake the other worker");
+        counts.push(w.shared().queues.len());
+        shared = w.stop();
+        // The old VMs' heartbeats age out before the next configuration's VMs start.
+        clock.fetch_add(11_000, Ordering::SeqCst);
+    }
+    assert!(counts.iter().all(|c| *c == counts[0]), "queues after each reload: {counts:?}");
+}

@@ -1,6 +1,8 @@
 //! The registry of per-worker wake queues, one bounded shared-data key. Each worker
-//! registers a queue under a unique name and keeps a heartbeat here; a finished flight
-//! wakes every live name. Names of gone VMs (canary, reloads, drains) age out.
+//! claims a queue name here and keeps a heartbeat; a finished flight wakes every live
+//! name. Names come from a fixed set of `MAX_QUEUES`, so a configuration reload reuses the
+//! names (and Envoy's queues) of VMs that are gone, which age out: Envoy never frees a
+//! queue, and random names would leak one per worker per reload.
 
 use super::store::{cas_after, CasStore, StoreError};
 
@@ -36,6 +38,34 @@ pub fn publish(store: &impl CasStore, name: &str, now_ms: u64) -> Result<(), Sto
     Err(StoreError::CasMismatch)
 }
 
+/// The queue name of slot `i`.
+pub fn name(i: usize) -> String {
+    format!("holysheep-wake-{i}")
+}
+
+/// Claims the first name no live VM holds, with heartbeat `now_ms`; `None` when all
+/// `MAX_QUEUES` names are live.
+pub fn claim(store: &impl CasStore, now_ms: u64) -> Result<Option<String>, StoreError> {
+    for _ in 0..MAX_RACES {
+        let read = store.get(REGISTRY_KEY)?;
+        let mut live: Vec<(String, u64)> = parse(read.value.as_deref().unwrap_or_default())
+            .into_iter()
+            .filter(|(_, beat)| now_ms.saturating_sub(*beat) < STALE_MS)
+            .collect();
+        let Some(free) = (0..MAX_QUEUES).map(name).find(|n| live.iter().all(|(l, _)| l != n)) else {
+            return Ok(None);
+        };
+        live.push((free.clone(), now_ms));
+        let value: String = live.iter().map(|(n, b)| format!("{n} {b}\n")).collect();
+        match store.set(REGISTRY_KEY, value.as_bytes(), cas_after(&read)) {
+            Ok(()) => return Ok(Some(free)),
+            Err(StoreError::CasMismatch) => continue,
+            Err(e) => return Err(e),
+        }
+    }
+    Err(StoreError::CasMismatch)
+}
+
 /// Names with a recent heartbeat.
 pub fn live(store: &impl CasStore, now_ms: u64) -> Vec<String> {
     let raw = store.get(REGISTRY_KEY).ok().and_then(|r| r.value).unwrap_or_default();
@@ -56,6 +86,23 @@ fn parse(raw: &[u8]) -> Vec<(String, u64)> {
 mod tests {
     use super::*;
     use crate::core::store::MemStore;
+
+    #[test]
+    fn claimed_names_come_from_a_fixed_set_and_are_reused_once_their_vm_is_gone() {
+        let s = MemStore::new();
+        let first: Vec<String> = (0..3).map(|_| claim(&s, 0).unwrap().unwrap()).collect();
+        assert_eq!(first, [name(0), name(1), name(2)], "live names are never handed out twice");
+        publish(&s, &name(1), STALE_MS).unwrap();
+        // A reload: the old VMs stop beating; the new ones take the freed names again.
+        let later = STALE_MS + 1;
+        assert_eq!(claim(&s, later).unwrap(), Some(name(0)));
+        assert_eq!(claim(&s, later).unwrap(), Some(name(2)));
+        assert_eq!(claim(&s, later).unwrap(), Some(name(3)));
+        for _ in 4..MAX_QUEUES {
+            assert!(claim(&s, later).unwrap().is_some());
+        }
+        assert_eq!(claim(&s, later).unwrap(), None, "never more than MAX_QUEUES names");
+    }
 
     #[test]
     fn names_are_upserted_aged_out_and_bounded() {

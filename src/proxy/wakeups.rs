@@ -88,11 +88,16 @@ impl Root {
         if w.queue.is_some() {
             return;
         }
-        let name = format!("holysheep-wake-{:016x}", w.nonce());
+        let name = match wake::claim(&SharedData, host::now_ms()) {
+            Ok(Some(name)) => name,
+            Ok(None) => return host::log(LogLevel::Warn, "holysheep: every wake queue name is live; ticks will wake"),
+            Err(e) => return host::log(LogLevel::Warn, &format!("holysheep: cannot claim a wake queue name: {e:?}")),
+        };
         match hostcalls::register_shared_queue(&name) {
             Ok(id) => {
                 host::log(LogLevel::Debug, &format!("holysheep: wake queue {name} registered"));
                 w.queue = Some((id, name));
+                w.last_beat_ms = host::now_ms();
             }
             Err(s) => host::log(LogLevel::Error, &format!("holysheep: cannot register wake queue: {s:?}")),
         }

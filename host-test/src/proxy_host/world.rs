@@ -341,6 +341,15 @@ impl World {
         self.workers.len()
     }
 
+    /// Every VM goes (a configuration reload, or a drain): what Envoy's process keeps,
+    /// its shared data and queues, is handed back for the next configuration's VMs.
+    pub fn stop(mut self) -> Shared {
+        for w in 0..self.workers.len() {
+            self.kill(w);
+        }
+        std::mem::take(&mut *self.shared())
+    }
+
     /// The worker's VM dies with its thread: no more events, its callouts never answer,
     /// its queue wakes no one.
     pub fn kill(&mut self, worker: usize) {

@@ -149,6 +149,17 @@ fn stale_is_served_only_within_its_bound() {
     assert_eq!((stale.status, stale.cache()), (200, "STALE"));
     assert_eq!(stale.body, fresh.body);
     assert!(int(&stale, "age") >= 1);
+    // The waiters of a flight that fell back to the stale entry get it as what it is.
+    s.mock.mock.plan(vec![Fault { status: Some(503), delay_ms: 300, ..Fault::default() }]);
+    let crowd = s.burst(6, &body, "");
+    assert_eq!(s.calls(), 3);
+    for r in &crowd {
+        assert_eq!((r.status, r.cache()), (200, "STALE"), "a waiter is told the answer is stale");
+        assert!(int(r, "age") >= 1, "with the stale answer's own age");
+    }
+    s.mock.mock.plan(vec![fault(503)]);
+    let no_cache = s.chat(&body, &[("cache-control", "no-cache")]);
+    assert_eq!((no_cache.status, no_cache.cache()), (503, "MISS"), "no-cache is never served stale");
     std::thread::sleep(Duration::from_millis(2_000));
     s.mock.mock.plan(vec![fault(503)]);
     let gone = s.chat(&body, &[]);

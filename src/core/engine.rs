@@ -93,6 +93,8 @@ pub struct Call {
     pub store: bool,
     pub label: CacheStatus,
     pub started_ms: u64,
+    /// The request's cache directives (a stale answer must respect them too).
+    pub policy: Policy,
 }
 
 /// Waiting for the flight whose lease carries `nonce`.
@@ -126,13 +128,14 @@ impl<S: CasStore> Engine<'_, S> {
     pub fn poll(&self, wait: &Wait, now_ms: u64, nonce: u64) -> Step {
         let state = lease::read(self.store, &lease::slot_key(self.config, &wait.key)).map(|(s, _)| s);
         match state {
-            Ok(State::Done { key, nonce: n, done_at_ms, response }) if n == wait.nonce && key == wait.key.hex() => {
-                Step::Reply(Reply {
-                    response,
-                    cache: Some(CacheStatus::Coalesced),
-                    key: Some(wait.key.clone()),
-                    age_s: Some(now_ms.saturating_sub(done_at_ms) / 1000),
-                })
+            Ok(State::Done { key, nonce: n, done_at_ms, response, stale_from_ms })
+                if n == wait.nonce && key == wait.key.hex() =>
+            {
+                match shared(&wait.key, response, done_at_ms, stale_from_ms, wait.policy, now_ms) {
+                    Some(reply) => Step::Reply(reply),
+                    // A stale answer this waiter's directives refuse: it looks again itself.
+                    None => self.lead_anyway(&wait.key, wait.policy, now_ms, nonce),
+                }
             }
             Ok(State::Leading { nonce: n, expires_ms, .. }) if n == wait.nonce && expires_ms > now_ms => {
                 self.keep_waiting(wait.clone(), now_ms)
@@ -156,15 +159,17 @@ impl<S: CasStore> Engine<'_, S> {
     pub fn complete(&self, call: &Call, outcome: Option<Response>, now_ms: u64) -> Reply {
         let response = outcome.map_or_else(|| self.failure(call, now_ms), openai_shaped);
         if response.status == 429 || response.status >= 500 {
-            if let Some(stale) = self.stale(&call.key, now_ms) {
-                self.finish_lease(call, &stale.response, now_ms);
-                return stale;
+            if let Some((stale, produced_ms)) = self.stale(&call.key, now_ms) {
+                self.finish_lease(call, &stale.response, now_ms, Some(produced_ms));
+                if stale_allowed(call.policy, stale.age_s.unwrap_or(0)) {
+                    return stale;
+                }
             }
         }
         if call.store {
             cache::put(self.store, self.config, &call.key, &response, now_ms);
         }
-        self.finish_lease(call, &response, now_ms);
+        self.finish_lease(call, &response, now_ms, None);
         Reply { response, cache: Some(call.label), key: Some(call.key.clone()), age_s: None }
     }
 
@@ -176,24 +181,40 @@ impl<S: CasStore> Engine<'_, S> {
         }
     }
 
-    fn finish_lease(&self, call: &Call, response: &Response, now_ms: u64) {
+    fn finish_lease(&self, call: &Call, response: &Response, now_ms: u64, stale_from_ms: Option<u64>) {
         if let Some(l) = &call.lease {
             // A lost lease (we were presumed dead) leaves the new leader's flight alone.
-            let _ = lease::finish(self.store, l, response, now_ms);
+            let _ = lease::finish(self.store, l, response, now_ms, stale_from_ms);
         }
     }
 
-    /// An expired entry at most `stale_if_error_seconds` past its TTL.
-    fn stale(&self, key: &Key, now_ms: u64) -> Option<Reply> {
+    /// An expired entry at most `stale_if_error_seconds` past its TTL, and when it was
+    /// produced. (Whether a request may have it is `stale_allowed`'s to say.)
+    fn stale(&self, key: &Key, now_ms: u64) -> Option<(Reply, u64)> {
         let grace_ms = self.config.stale_if_error_seconds.saturating_mul(1000);
         let entry = cache::get(self.store, self.config, key)
             .filter(|e| grace_ms > 0 && e.age_ms(now_ms) < e.ttl_ms.saturating_add(grace_ms))?;
-        Some(Reply {
+        let reply = Reply {
             age_s: Some(entry.age_ms(now_ms) / 1000),
             cache: Some(CacheStatus::Stale),
             key: Some(key.clone()),
             response: entry.response,
-        })
+        };
+        Some((reply, entry.stored_at_ms))
+    }
+
+    /// Takes the lease even though a finished flight's answer is in the slot (its stale
+    /// answer is refused by this request's directives).
+    fn lead_anyway(&self, key: &Key, policy: Policy, now_ms: u64, nonce: u64) -> Step {
+        match lease::acquire(self.store, self.config, key, nonce, now_ms, u64::MAX) {
+            Ok(Acquire::Acquired(l)) => {
+                Step::Call(self.call(key, Some(l), policy, policy.store, CacheStatus::Miss, now_ms))
+            }
+            Ok(Acquire::Held { nonce: n }) => {
+                self.keep_waiting(Wait { key: key.clone(), nonce: n, since_ms: now_ms, policy }, now_ms)
+            }
+            _ => Step::Call(self.call(key, None, policy, policy.store, CacheStatus::Miss, now_ms)),
+        }
     }
 
     /// No answer: a timeout if the deadline has (about) passed, else a failed connection.
@@ -218,22 +239,26 @@ impl<S: CasStore> Engine<'_, S> {
             return Step::Reply(reply);
         }
         if !policy.coalesce {
-            return Step::Call(self.call(key, None, false, CacheStatus::Bypass, now_ms));
+            return Step::Call(self.call(key, None, policy, false, CacheStatus::Bypass, now_ms));
         }
         let since_ms = waited_since.unwrap_or(now_ms);
         match lease::acquire(self.store, self.config, key, nonce, now_ms, since_ms) {
-            Ok(Acquire::Acquired(l)) => Step::Call(self.call(key, Some(l), policy.store, CacheStatus::Miss, now_ms)),
+            Ok(Acquire::Acquired(l)) => {
+                Step::Call(self.call(key, Some(l), policy, policy.store, CacheStatus::Miss, now_ms))
+            }
             Ok(Acquire::Held { nonce: n }) => {
                 self.keep_waiting(Wait { key: key.clone(), nonce: n, since_ms, policy }, now_ms)
             }
-            Ok(Acquire::Answered { response, done_at_ms }) => Step::Reply(Reply {
-                response,
-                cache: Some(CacheStatus::Coalesced),
-                key: Some(key.clone()),
-                age_s: Some(now_ms.saturating_sub(done_at_ms) / 1000),
-            }),
+            Ok(Acquire::Answered { response, done_at_ms, stale_from_ms }) => {
+                match shared(key, response, done_at_ms, stale_from_ms, policy, now_ms) {
+                    Some(reply) => Step::Reply(reply),
+                    None => self.lead_anyway(key, policy, now_ms, nonce),
+                }
+            }
             // A slot collision or a store failure: go alone rather than wait on a stranger.
-            Ok(Acquire::Busy) | Err(_) => Step::Call(self.call(key, None, policy.store, CacheStatus::Miss, now_ms)),
+            Ok(Acquire::Busy) | Err(_) => {
+                Step::Call(self.call(key, None, policy, policy.store, CacheStatus::Miss, now_ms))
+            }
         }
     }
 
@@ -241,7 +266,7 @@ impl<S: CasStore> Engine<'_, S> {
     /// upstream itself, and its answer is not stored.
     fn keep_waiting(&self, wait: Wait, now_ms: u64) -> Step {
         if now_ms.saturating_sub(wait.since_ms) >= self.config.lock.wait_timeout_ms {
-            Step::Call(self.call(&wait.key, None, false, CacheStatus::Miss, now_ms))
+            Step::Call(self.call(&wait.key, None, wait.policy, false, CacheStatus::Miss, now_ms))
         } else {
             Step::Wait(wait)
         }
@@ -267,9 +292,44 @@ impl<S: CasStore> Engine<'_, S> {
         })
     }
 
-    fn call(&self, key: &Key, lease: Option<Lease>, store: bool, label: CacheStatus, now_ms: u64) -> Call {
-        Call { key: key.clone(), lease, store, label, started_ms: now_ms }
+    fn call(
+        &self,
+        key: &Key,
+        lease: Option<Lease>,
+        policy: Policy,
+        store: bool,
+        label: CacheStatus,
+        now_ms: u64,
+    ) -> Call {
+        Call { key: key.clone(), lease, store, label, started_ms: now_ms, policy }
     }
+}
+
+/// Whether a request may be served a stale answer this old: not under `no-store` or
+/// `no-cache`, and not past its `max-age`.
+fn stale_allowed(policy: Policy, age_s: u64) -> bool {
+    policy.read && policy.max_age.is_none_or(|max| age_s <= max)
+}
+
+/// A finished flight's answer for a request that shared it: COALESCED, or STALE with the
+/// stale answer's own age (`None` when the request's directives refuse it).
+fn shared(
+    key: &Key,
+    response: Response,
+    done_at_ms: u64,
+    stale_from: Option<u64>,
+    policy: Policy,
+    now_ms: u64,
+) -> Option<Reply> {
+    let (cache, produced_ms) = match stale_from {
+        Some(t) => (CacheStatus::Stale, t),
+        None => (CacheStatus::Coalesced, done_at_ms),
+    };
+    let age_s = now_ms.saturating_sub(produced_ms) / 1000;
+    if stale_from.is_some() && !stale_allowed(policy, age_s) {
+        return None;
+    }
+    Some(Reply { response, cache: Some(cache), key: Some(key.clone()), age_s: Some(age_s) })
 }
 
 #[cfg(test)]

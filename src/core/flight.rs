@@ -312,6 +312,7 @@ mod tests {
             store: true,
             label: CacheStatus::Miss,
             started_ms: 0,
+            policy: crate::core::request::Policy { read: true, max_age: None, coalesce: true, store: true },
         };
         Flight::new(c, call, model, 100)
     }

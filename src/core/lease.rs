@@ -32,6 +32,8 @@ pub enum State {
         nonce: u64,
         done_at_ms: u64,
         response: Response,
+        /// A stale answer (served because every attempt failed), produced at this time.
+        stale_from_ms: Option<u64>,
     },
 }
 
@@ -45,7 +47,7 @@ pub enum Acquire {
     Busy,
     /// A flight on this key finished since the request arrived: its answer is this
     /// request's too (it read the cache just before that flight stored).
-    Answered { response: Response, done_at_ms: u64 },
+    Answered { response: Response, done_at_ms: u64, stale_from_ms: Option<u64> },
 }
 
 /// CAS races lost in a row before giving up; each loss means someone else made progress.
@@ -78,8 +80,10 @@ pub fn acquire(
             Some(State::Leading { key: k, nonce: n, expires_ms }) if expires_ms > now_ms => {
                 return Ok(if k == key.hex() { Acquire::Held { nonce: n } } else { Acquire::Busy });
             }
-            Some(State::Done { key: k, done_at_ms, response, .. }) if k == key.hex() && done_at_ms >= since_ms => {
-                return Ok(Acquire::Answered { response, done_at_ms });
+            Some(State::Done { key: k, done_at_ms, response, stale_from_ms, .. })
+                if k == key.hex() && done_at_ms >= since_ms =>
+            {
+                return Ok(Acquire::Answered { response, done_at_ms, stale_from_ms });
             }
             _ => {}
         }
@@ -104,8 +108,15 @@ pub fn renew(store: &impl CasStore, config: &Config, lease: &Lease, now_ms: u64)
 
 /// Publishes the flight's answer to its waiters and frees the slot; `false` when the lease
 /// was lost (expired and taken over), in which case the new leader's flight stands.
-pub fn finish(store: &impl CasStore, lease: &Lease, response: &Response, now_ms: u64) -> Result<bool, StoreError> {
-    update_if_owner(store, lease, &done(&lease.key, lease.nonce, now_ms, response))
+/// `stale_from_ms`: the answer is a stale one, produced then.
+pub fn finish(
+    store: &impl CasStore,
+    lease: &Lease,
+    response: &Response,
+    now_ms: u64,
+    stale_from_ms: Option<u64>,
+) -> Result<bool, StoreError> {
+    update_if_owner(store, lease, &done(&lease.key, lease.nonce, now_ms, response, stale_from_ms))
 }
 
 /// Gives the lease up without an answer (a stream that broke off): the slot reads as
@@ -136,7 +147,8 @@ fn leading(key: &Key, nonce: u64, expires_ms: u64) -> Vec<u8> {
     codec::encode(&["L", key.hex(), &nonce.to_string(), &expires_ms.to_string()], b"")
 }
 
-fn done(key: &Key, nonce: u64, now_ms: u64, r: &Response) -> Vec<u8> {
+fn done(key: &Key, nonce: u64, now_ms: u64, r: &Response, stale_from_ms: Option<u64>) -> Vec<u8> {
+    let freshness = stale_from_ms.map_or_else(|| "fresh".to_owned(), |t| format!("stale:{t}"));
     codec::encode(
         &[
             "D",
@@ -146,6 +158,7 @@ fn done(key: &Key, nonce: u64, now_ms: u64, r: &Response) -> Vec<u8> {
             &r.status.to_string(),
             &codec::field(&r.content_type),
             &codec::headers_field(&r.headers),
+            &freshness,
         ],
         &r.body,
     )
@@ -158,7 +171,12 @@ fn decode(raw: &[u8]) -> Option<State> {
             Some(State::Leading { key: f[1].to_owned(), nonce: f[2].parse().ok()?, expires_ms: f[3].parse().ok()? })
         }
         b'D' => {
-            let (f, body) = codec::decode(raw, 7)?;
+            let (f, body) = codec::decode(raw, 8)?;
+            let stale_from_ms = match f[7].strip_prefix("stale:") {
+                Some(t) => Some(t.parse().ok()?),
+                None if f[7] == "fresh" => None,
+                None => return None,
+            };
             Some(State::Done {
                 key: f[1].to_owned(),
                 nonce: f[2].parse().ok()?,
@@ -169,6 +187,7 @@ fn decode(raw: &[u8]) -> Option<State> {
                     headers: codec::parse_headers(f[6]),
                     body: body.to_vec(),
                 },
+                stale_from_ms,
             })
         }
         _ => None,
@@ -195,7 +214,7 @@ mod tests {
         let (s, c) = (MemStore::new(), Config::default());
         let Acquire::Acquired(lease) = acquire(&s, &c, &key(1), 11, 0, 0).unwrap() else { panic!() };
         assert_eq!(acquire(&s, &c, &key(1), 22, 10, 10).unwrap(), Acquire::Held { nonce: 11 });
-        assert!(finish(&s, &lease, &resp(503), 20).unwrap());
+        assert!(finish(&s, &lease, &resp(503), 20, None).unwrap());
         let (state, _) = read(&s, &lease.slot_key).unwrap();
         let State::Done { nonce, response, .. } = state else { panic!("{state:?}") };
         assert_eq!(nonce, 11);
@@ -211,7 +230,7 @@ mod tests {
         assert_eq!(acquire(&s, &c, &key(1), 2, 4_999, 4_999).unwrap(), Acquire::Held { nonce: 1 });
         let Acquire::Acquired(new) = acquire(&s, &c, &key(1), 2, 5_000, 5_000).unwrap() else { panic!() };
         assert!(!renew(&s, &c, &old, 5_001).unwrap());
-        assert!(!finish(&s, &old, &resp(200), 5_002).unwrap());
+        assert!(!finish(&s, &old, &resp(200), 5_002, None).unwrap());
         assert!(renew(&s, &c, &new, 5_003).unwrap());
         // Renewal pushes expiry: still held well after the first expiry.
         assert_eq!(acquire(&s, &c, &key(1), 3, 9_000, 9_000).unwrap(), Acquire::Held { nonce: 2 });

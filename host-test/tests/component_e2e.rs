@@ -142,8 +142,13 @@ fn bad_input_gets_openai_shaped_4xx() {
     let r = post(&broken, &prompt("x"), &[]);
     assert_eq!((r.status, r.json()["error"]["type"].as_str()), (500, Some("server_error")));
     assert!(r.text().contains("lock.lease_ms"), "{}", r.text());
+    let leaky = serve(&mock, r#"{"upstream":{"timeout_ms":"sk-secret-value"}}"#);
+    let r = post(&leaky, &prompt("x"), &[]);
+    assert_eq!(r.status, 500);
+    assert!(r.text().contains("upstream.timeout_ms"), "names the field: {}", r.text());
+    assert!(!r.text().contains("sk-secret-value"), "never a configured value: {}", r.text());
     assert_eq!(mock.mock.calls(), 0, "nothing reached HolySheep");
-    assert_eq!(s.failures() + small.failures() + broken.failures(), 0, "bad input never traps");
+    assert_eq!(s.failures() + small.failures() + broken.failures() + leaky.failures(), 0, "bad input never traps");
 }
 
 #[test]

@@ -167,6 +167,14 @@ impl Default for Lock {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ConfigError(pub String);
 
+impl ConfigError {
+    /// The setting at fault, without the value or the parser's words (which can quote
+    /// configuration values): what may be shown to a client.
+    pub fn field(&self) -> &str {
+        self.0.split_once(": ").map_or("(the configuration itself)", |(f, _)| f)
+    }
+}
+
 impl std::fmt::Display for ConfigError {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(f, "invalid holysheep-edge configuration: {}", self.0)

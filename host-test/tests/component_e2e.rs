@@ -175,3 +175,17 @@ fn retries_and_rate_limits_behave_as_in_envoy() {
     assert_eq!(other_model.status, 200);
     assert_eq!(s.failures(), 0);
 }
+
+#[test]
+fn a_slow_answer_body_keeps_the_lease_and_stays_within_the_timeout() {
+    let mock = Running::start(None, 0).expect("mock");
+    let s = serve(&mock, r#"{"lock":{"lease_ms":200}}"#);
+    mock.mock.plan(vec![Fault { slow_body_ms: 1_000, ..Fault::default() }]);
+    let resps = burst_at(s.addr, vec![prompt("slow body"); 6], "Bearer t");
+    assert!(resps.iter().all(|r| r.status == 200));
+    assert_eq!(mock.mock.calls(), 1, "the leader renewed its lease while the body came: no takeover");
+    let timed = serve(&mock, r#"{"upstream":{"timeout_ms":300},"retry":{"max_attempts":1}}"#);
+    mock.mock.plan(vec![Fault { slow_body_ms: 5_000, ..Fault::default() }]);
+    let r = post(&timed, &prompt("slower body"), &[]);
+    assert_eq!((r.status, r.json()["error"]["code"].as_str()), (504, Some("upstream_timeout")), "{}", r.text());
+}

@@ -176,7 +176,8 @@ impl Gateway {
         loop {
             action = match action {
                 Action::Send { model, timeout_ms } => {
-                    let Some(response) = self.request_head(&flight.call, outbound, &model, timeout_ms) else {
+                    let deadline = host::now_ms().saturating_add(timeout_ms.max(1));
+                    let Some(response) = self.request_head(&flight.call, outbound, &model, deadline) else {
                         let now = host::now_ms();
                         action = flight.on_response(
                             &self.kv,
@@ -194,7 +195,7 @@ impl Gateway {
                     if events {
                         return self.relay(flight, outbound, response, out);
                     }
-                    let (outcome, hints) = read_answer(response);
+                    let (outcome, hints) = self.read_answer(response, &flight.call, deadline);
                     flight.on_response(&self.kv, &self.config, outcome, &hints, host::now_ms(), host::nonce())
                 }
                 Action::Sleep { until_ms } => {
@@ -273,15 +274,53 @@ impl Gateway {
         model: &str,
         timeout_ms: u64,
     ) -> (Option<crate::core::cache::Response>, ProviderHints) {
-        match self.request_head(call, outbound, model, timeout_ms) {
-            Some(response) => read_answer(response),
+        let deadline = host::now_ms().saturating_add(timeout_ms.max(1));
+        match self.request_head(call, outbound, model, deadline) {
+            Some(response) => self.read_answer(response, call, deadline),
+            None => (None, ProviderHints::default()),
+        }
+    }
+
+    /// HolySheep's whole answer, read by `deadline_ms` (the call's), renewing the lease
+    /// while the body arrives: a slow body must not let a waiter take over and call again.
+    fn read_answer(
+        &self,
+        response: IncomingResponse,
+        call: &Call,
+        deadline_ms: u64,
+    ) -> (Option<crate::core::cache::Response>, ProviderHints) {
+        let status = response.status();
+        let headers = header_pairs(&response.headers());
+        let Ok(body) = response.consume() else { return (None, ProviderHints::default()) };
+        let read = body.stream().ok().and_then(|from| {
+            let mut bytes = Vec::new();
+            loop {
+                match host::read_chunk(&from, deadline_ms, self.config.tick_ms(), &mut || self.renew(call)) {
+                    Ok(Some(chunk)) if bytes.len() + chunk.len() <= MAX_UPSTREAM_BODY => bytes.extend(chunk),
+                    Ok(None) => return Some(bytes),
+                    Ok(Some(_)) | Err(_) => return None,
+                }
+            }
+        });
+        drop(IncomingBody::finish(body));
+        match read {
+            Some(bytes) => {
+                let (r, hints) = upstream::response(status, &headers, bytes);
+                (Some(r), hints)
+            }
             None => (None, ProviderHints::default()),
         }
     }
 
     /// Sends one call to HolySheep for `model` (with its `content-length`) and waits for
-    /// the head of its answer, renewing the lease meanwhile.
-    fn request_head(&self, call: &Call, outbound: &Outbound, model: &str, timeout_ms: u64) -> Option<IncomingResponse> {
+    /// the head of its answer until `deadline_ms`, renewing the lease meanwhile.
+    fn request_head(
+        &self,
+        call: &Call,
+        outbound: &Outbound,
+        model: &str,
+        deadline_ms: u64,
+    ) -> Option<IncomingResponse> {
         let body = outbound.body_for(model);
         let mut headers: Vec<(String, String)> =
             outbound.headers(self.bearer.as_deref()).into_iter().map(|(n, v)| (n.to_owned(), v.to_owned())).collect();
@@ -290,9 +329,8 @@ impl Gateway {
             headers.retain(|(n, _)| n != "accept");
             headers.push(("accept".to_owned(), stream::CONTENT_TYPE.to_owned()));
         }
-        let deadline = host::now_ms().saturating_add(timeout_ms.max(1));
         self.outgoing(Method::Post, CHAT_PATH, &headers)
-            .and_then(|request| self.send(request, Body::Bytes(&body), deadline, &mut || self.renew(call)))
+            .and_then(|request| self.send(request, Body::Bytes(&body), deadline_ms, &mut || self.renew(call)))
     }
 
     /// Sends a request to HolySheep with `body` and waits for its head until `deadline_ms`,
@@ -364,19 +402,6 @@ impl Gateway {
             }
         }
         let _ = OutgoingBody::finish(client_body, None);
-    }
-}
-
-/// HolySheep's whole answer, read.
-fn read_answer(response: IncomingResponse) -> (Option<crate::core::cache::Response>, ProviderHints) {
-    let status = response.status();
-    let headers = header_pairs(&response.headers());
-    match response.consume().ok().map(|b| host::consume(b, MAX_UPSTREAM_BODY)) {
-        Some(Ok(body)) => {
-            let (r, hints) = upstream::response(status, &headers, body);
-            (Some(r), hints)
-        }
-        _ => (None, ProviderHints::default()),
     }
 }
 

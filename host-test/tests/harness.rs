@@ -518,3 +518,25 @@ fn configuration_reloads_reuse_the_wake_queues() {
     }
     assert!(counts.iter().all(|c| *c == counts[0]), "queues after each reload: {counts:?}");
 }
+
+/// `max-age` and the TTL on the virtual clock: no test waits for wall-clock seconds.
+#[test]
+fn max_age_and_ttl_follow_the_clock() {
+    let clock = Arc::new(AtomicU64::new(1_000_000));
+    let calls = Arc::new(AtomicU64::new(0));
+    let mut options = Options::new(2, r#"{"cache":{"ttl_seconds":30}}"#, 21);
+    options.clock = host_test::proxy_host::state::Clock::Virtual(clock.clone());
+    let mut w = World::start(plugin(), options, upstream(10, 200, calls.clone())).expect("world");
+    let mut ask = |w: &mut World, cc: &str| {
+        let id = w.request(0, "POST", PATH, &[("cache-control", cc)], prompt("aging").as_bytes());
+        assert!(w.run_until(60_000, all_answered(&[id])));
+        w.answer(id).map(|a| (a.cache().to_owned(), a.header("age").map(str::to_owned))).expect("answered")
+    };
+    assert_eq!(ask(&mut w, "").0, "MISS");
+    clock.fetch_add(5_000, Ordering::SeqCst);
+    assert_eq!(ask(&mut w, "max-age=10"), ("HIT".to_owned(), Some("5".to_owned())));
+    assert_eq!(ask(&mut w, "max-age=2").0, "MISS", "older than the client accepts");
+    clock.fetch_add(31_000, Ordering::SeqCst);
+    assert_eq!(ask(&mut w, "").0, "MISS", "past the TTL");
+    assert_eq!(calls.load(Ordering::SeqCst), 3);
+}

@@ -146,6 +146,23 @@ mod tests {
                 ("gpt-4.1".into(), Counter::CostSavedMicroUsd, 6000)
             ]
         );
-        assert!(COUNTERS.iter().all(|c| !c.name().is_empty()));
+        let names: Vec<String> = COUNTERS.iter().map(|c| c.name()).collect();
+        let documented = [
+            "requests_hit",
+            "requests_miss",
+            "requests_coalesced",
+            "requests_bypass",
+            "requests_stale",
+            "upstream_calls",
+            "retries",
+            "failovers",
+            "rate_limited",
+            "provider_rate_limited",
+            "prompt_tokens",
+            "completion_tokens",
+            "cost_spent_microusd",
+            "cost_saved_microusd",
+        ];
+        assert_eq!(names, documented, "the README's counter names, each once");
     }
 }

@@ -658,5 +658,11 @@ mod tests {
         assert_eq!(k.slot(1, 1), 0);
         assert!(Key::from_hex(k.hex()).is_some());
         assert!(Key::from_hex("xyz").is_none());
+        // Keys that share a cache slot (salt 0) spread over the lease slots (salt 1): the
+        // two tables collide independently.
+        let keys: Vec<Key> = (0..4096u32).map(|i| request_key("/p", "s", &i.to_le_bytes())).collect();
+        let in_slot_0: Vec<&Key> = keys.iter().filter(|k| k.slot(16, 0) == 0).collect();
+        let lease_slots: std::collections::HashSet<u32> = in_slot_0.iter().map(|k| k.slot(16, 1)).collect();
+        assert!(in_slot_0.len() > 100 && lease_slots.len() == 16, "{} keys over {lease_slots:?}", in_slot_0.len());
     }
 }

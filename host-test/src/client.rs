@@ -61,6 +61,18 @@ impl Conn {
         stream.write_all(body)
     }
 
+    /// Writes part of a hand-made request (the rest follows later).
+    pub fn send_raw_part(&mut self, bytes: &[u8]) -> io::Result<()> {
+        self.reader.get_mut().write_all(bytes)
+    }
+
+    /// Writes `bytes` as they are (a hand-made, possibly malformed, request) and reads
+    /// the answer.
+    pub fn raw(&mut self, bytes: &[u8]) -> io::Result<Resp> {
+        self.reader.get_mut().write_all(bytes)?;
+        self.read_response()
+    }
+
     pub fn request(&mut self, method: &str, path: &str, headers: &[(&str, &str)], body: &[u8]) -> io::Result<Resp> {
         self.send_only(method, path, headers, body)?;
         self.read_response()

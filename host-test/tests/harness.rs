@@ -527,7 +527,7 @@ fn max_age_and_ttl_follow_the_clock() {
     let mut options = Options::new(2, r#"{"cache":{"ttl_seconds":30}}"#, 21);
     options.clock = host_test::proxy_host::state::Clock::Virtual(clock.clone());
     let mut w = World::start(plugin(), options, upstream(10, 200, calls.clone())).expect("world");
-    let mut ask = |w: &mut World, cc: &str| {
+    let ask = |w: &mut World, cc: &str| {
         let id = w.request(0, "POST", PATH, &[("cache-control", cc)], prompt("aging").as_bytes());
         assert!(w.run_until(60_000, all_answered(&[id])));
         w.answer(id).map(|a| (a.cache().to_owned(), a.header("age").map(str::to_owned))).expect("answered")

@@ -1,5 +1,5 @@
 # The two commands: `make run` (demo on the mock) and `make test` (everything CI runs).
-.PHONY: run run-component test bench stop setup clean wit-lock
+.PHONY: run run-component test bench stop setup clean wit-lock fuzz
 
 setup:
 	envoy/setup.sh
@@ -25,6 +25,13 @@ test: setup
 
 bench: setup
 	cargo run --quiet --release -p host-test --bin bench
+
+# Fuzzing needs the nightly toolchain and cargo-fuzz (kept out of CI). FUZZ_SECONDS per target.
+FUZZ_SECONDS ?= 60
+fuzz:
+	command -v cargo-fuzz >/dev/null || cargo install cargo-fuzz --version 0.13.1 --locked
+	cd fuzz && for t in request sse records; do \
+	  cargo +nightly fuzz run $$t -- -max_total_time=$(FUZZ_SECONDS) || exit 1; done
 
 clean:
 	rm -rf target .run .venv

@@ -392,6 +392,50 @@ mod tests {
         assert_eq!(pieces.concat(), content);
     }
 
+    /// Random answers (text with multi-byte characters, tool calls, several choices),
+    /// replayed and cut at random points, always reassemble to themselves.
+    #[test]
+    fn random_answers_survive_replay_and_random_cuts() {
+        let mut seed = 0x5eed_u64;
+        let mut next = |below: u64| {
+            seed = seed.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1_442_695_040_888_963_407);
+            (seed >> 33) % below.max(1)
+        };
+        let alphabet: Vec<char> = "ab c\n\"é🐑{}:,".chars().collect();
+        for round in 0..300 {
+            let mut text =
+                |n: u64| -> String { (0..n).map(|_| alphabet[next(alphabet.len() as u64) as usize]).collect() };
+            let choices: Vec<Value> = (0..1 + round % 3)
+                .map(|i| {
+                    let tools: Vec<Value> = (0..round % 2)
+                        .map(|t| {
+                            json!({"id": format!("call_{t}"), "type": "function",
+                                        "function": {"name": format!("f{t}"), "arguments": text(40)}})
+                        })
+                        .collect();
+                    let mut message = json!({"role": "assistant", "content": text(100), "refusal": null});
+                    if !tools.is_empty() {
+                        message["tool_calls"] = Value::Array(tools);
+                    }
+                    json!({"index": i, "message": message, "logprobs": null, "finish_reason": "stop"})
+                })
+                .collect();
+            let completion = json!({"id": format!("c{round}"), "object": "chat.completion", "created": round,
+                "model": "m", "system_fingerprint": "fp", "choices": choices,
+                "usage": {"prompt_tokens": 1, "completion_tokens": 2, "total_tokens": 3}});
+            let events = replay(completion.to_string().as_bytes(), true).unwrap();
+            let mut r = Reassembler::new(true);
+            let mut at = 0;
+            while at < events.len() {
+                let n = (1 + next(64) as usize).min(events.len() - at);
+                r.push(&events[at..at + n]);
+                at += n;
+            }
+            let back: Value = serde_json::from_slice(&r.completion().expect("complete").body).unwrap();
+            assert_eq!(back, completion, "round {round}");
+        }
+    }
+
     #[test]
     fn errors_stay_json_for_streaming_clients() {
         let e = Response::json(429, br#"{"error":{}}"#.to_vec());

@@ -251,3 +251,42 @@ fn anonymous_callers_are_refused_when_a_tenant_is_required() {
     assert_eq!(s.calls(), 0, "nothing reached HolySheep");
     assert_eq!(s.chat(&body, &[("authorization", "Bearer t")]).status, 200);
 }
+
+/// Two prompts in flight whose keys share a lease slot: the second still coalesces (it
+/// leads from another way) instead of sending every identical request upstream alone.
+#[test]
+fn prompts_sharing_a_lease_slot_still_coalesce() {
+    let s = Stack::start(r#"{"lock":{"slots":2}}"#, 0);
+    let auth = [("authorization", "Bearer t"), ("cache-control", "no-cache")];
+    let home = |key: &str| u64::from_str_radix(&key[16..32], 16).map(|v| v % 2).expect("hex key");
+    let slots: Vec<(String, u64)> = (0..12)
+        .map(|i| {
+            let body = prompt(&format!("collide {i}"));
+            let key = s.chat(&body, &auth).header("x-holysheep-key").map(str::to_owned).expect("key");
+            (body, home(&key))
+        })
+        .collect();
+    let (a, b) = slots
+        .iter()
+        .enumerate()
+        .find_map(|(i, a)| slots[i + 1..].iter().find(|b| b.1 == a.1).map(|b| (a.0.clone(), b.0.clone())))
+        .expect("two prompts with one home slot");
+    let before = s.calls();
+    s.mock.mock.set_latency_ms(800);
+    let edge = s.envoy.edge;
+    let leader = std::thread::spawn(move || {
+        request(edge, "POST", PATH, &[("authorization", "Bearer t"), ("cache-control", "no-cache")], a.as_bytes())
+    });
+    s.await_calls(before + 1);
+    let mut crowd: Vec<std::thread::JoinHandle<std::io::Result<Resp>>> = Vec::new();
+    for _ in 0..10 {
+        let b = b.clone();
+        crowd.push(std::thread::spawn(move || {
+            request(edge, "POST", PATH, &[("authorization", "Bearer t"), ("cache-control", "no-cache")], b.as_bytes())
+        }));
+    }
+    let answers: Vec<Resp> = crowd.into_iter().map(|h| h.join().expect("thread").expect("answer")).collect();
+    assert!(leader.join().expect("thread").expect("answer").status == 200);
+    assert!(answers.iter().all(|r| r.status == 200));
+    assert_eq!(s.calls(), before + 2, "one call per prompt, not one per request");
+}

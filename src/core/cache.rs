@@ -51,19 +51,33 @@ impl Entry {
     }
 }
 
-pub fn slot_key(config: &Config, key: &Key) -> String {
-    format!("holysheep/cache/{}", key.slot(config.cache.max_entries, 0))
+/// A key may live in any of this many consecutive slots from its home slot, so two hot
+/// prompts whose home slots collide do not evict each other forever.
+pub const WAYS: u32 = 4;
+
+/// The slots `key` may occupy, home slot first.
+pub fn slot_keys(config: &Config, key: &Key) -> Vec<String> {
+    let n = config.cache.max_entries.max(1);
+    let home = key.slot(n, 0);
+    (0..WAYS.min(n)).map(|w| format!("holysheep/cache/{}", (home + w) % n)).collect()
 }
 
-/// The entry stored for `key`, fresh or not; `None` when the slot holds another key.
+/// The entry stored for `key`, fresh or not; `None` when none of its slots holds it.
 pub fn get(store: &impl CasStore, config: &Config, key: &Key) -> Option<Entry> {
-    let raw = store.get(&slot_key(config, key)).ok()?.value?;
-    let (f, body) = codec::decode(&raw, 6)?;
-    if f[0] != "C" || f[1] != key.hex() {
+    slot_keys(config, key).iter().find_map(|slot| {
+        let raw = store.get(slot).ok()?.value?;
+        decode(&raw).filter(|e| e.key == *key)
+    })
+}
+
+fn decode(raw: &[u8]) -> Option<Entry> {
+    let (f, body) = codec::decode(raw, 6)?;
+    if f[0] != "C" {
         return None;
     }
+    let key = Key::from_hex(f[1])?;
     Some(Entry {
-        key: key.clone(),
+        key,
         stored_at_ms: f[2].parse().ok()?,
         ttl_ms: f[3].parse().ok()?,
         response: Response {
@@ -92,7 +106,26 @@ pub fn put(store: &impl CasStore, config: &Config, key: &Key, response: &Respons
         ],
         &response.body,
     );
-    store.set(&slot_key(config, key), &value, None).is_ok()
+    store.set(&victim(store, config, key), &value, None).is_ok()
+}
+
+/// Where to store `key`: the slot that holds it already, else an empty slot, else the one
+/// whose entry expires first (expired ones first of all). Last writer wins.
+fn victim(store: &impl CasStore, config: &Config, key: &Key) -> String {
+    let slots = slot_keys(config, key);
+    let mut best: Option<(u64, &String)> = None;
+    for slot in &slots {
+        let entry = store.get(slot).ok().and_then(|r| r.value).and_then(|raw| decode(&raw));
+        let rank = match entry {
+            Some(e) if e.key == *key => return slot.clone(),
+            None => 0,
+            Some(e) => e.stored_at_ms.saturating_add(e.ttl_ms).max(1),
+        };
+        if best.is_none_or(|(r, _)| rank < r) {
+            best = Some((rank, slot));
+        }
+    }
+    best.map_or_else(|| slots.first().cloned().unwrap_or_default(), |(_, s)| s.clone())
 }
 
 #[cfg(test)]
@@ -103,6 +136,25 @@ mod tests {
 
     pub fn ok(body: &str) -> Response {
         Response::json(200, body.into()).with_header("x-holysheep-model", "m".into())
+    }
+
+    #[test]
+    fn keys_sharing_a_home_slot_are_both_kept_and_the_table_stays_bounded() {
+        let (s, c) = (MemStore::new(), Config::parse(br#"{"cache":{"max_entries":8}}"#).unwrap());
+        let keys: Vec<Key> = (0..64u32).map(|i| request_key("/p", "s", &i.to_le_bytes())).collect();
+        let (a, b) = keys
+            .iter()
+            .enumerate()
+            .find_map(|(i, a)| keys[i + 1..].iter().find(|b| b.slot(8, 0) == a.slot(8, 0)).map(|b| (a, b)))
+            .expect("two keys with one home slot");
+        assert!(put(&s, &c, a, &ok("a"), 0) && put(&s, &c, b, &ok("b"), 1));
+        assert_eq!(get(&s, &c, a).map(|e| e.response.body), Some(b"a".to_vec()), "not evicted by its neighbour");
+        assert_eq!(get(&s, &c, b).map(|e| e.response.body), Some(b"b".to_vec()));
+        for (i, k) in keys.iter().enumerate() {
+            put(&s, &c, k, &ok("x"), 10 + i as u64);
+        }
+        assert!(s.key_count() <= 8, "{} keys", s.key_count());
+        assert_eq!(get(&s, &c, &keys[63]).map(|e| e.key), Some(keys[63].clone()), "the newest is there");
     }
 
     #[test]

@@ -101,6 +101,8 @@ pub struct Call {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Wait {
     pub key: Key,
+    /// The lease slot the awaited flight leads from.
+    pub slot_key: String,
     pub nonce: u64,
     pub since_ms: u64,
     pub policy: Policy,
@@ -126,7 +128,7 @@ impl<S: CasStore> Engine<'_, S> {
 
     /// A waiter looks again (woken, or on the safety-net tick).
     pub fn poll(&self, wait: &Wait, now_ms: u64, nonce: u64) -> Step {
-        let state = lease::read(self.store, &lease::slot_key(self.config, &wait.key)).map(|(s, _)| s);
+        let state = lease::read(self.store, &wait.slot_key).map(|(s, _)| s);
         match state {
             Ok(State::Done { key, nonce: n, done_at_ms, response, stale_from_ms })
                 if n == wait.nonce && key == wait.key.hex() =>
@@ -210,8 +212,8 @@ impl<S: CasStore> Engine<'_, S> {
             Ok(Acquire::Acquired(l)) => {
                 Step::Call(self.call(key, Some(l), policy, policy.store, CacheStatus::Miss, now_ms))
             }
-            Ok(Acquire::Held { nonce: n }) => {
-                self.keep_waiting(Wait { key: key.clone(), nonce: n, since_ms: now_ms, policy }, now_ms)
+            Ok(Acquire::Held { nonce: n, slot_key }) => {
+                self.keep_waiting(Wait { key: key.clone(), slot_key, nonce: n, since_ms: now_ms, policy }, now_ms)
             }
             _ => Step::Call(self.call(key, None, policy, policy.store, CacheStatus::Miss, now_ms)),
         }
@@ -246,8 +248,8 @@ impl<S: CasStore> Engine<'_, S> {
             Ok(Acquire::Acquired(l)) => {
                 Step::Call(self.call(key, Some(l), policy, policy.store, CacheStatus::Miss, now_ms))
             }
-            Ok(Acquire::Held { nonce: n }) => {
-                self.keep_waiting(Wait { key: key.clone(), nonce: n, since_ms, policy }, now_ms)
+            Ok(Acquire::Held { nonce: n, slot_key }) => {
+                self.keep_waiting(Wait { key: key.clone(), slot_key, nonce: n, since_ms, policy }, now_ms)
             }
             Ok(Acquire::Answered { response, done_at_ms, stale_from_ms }) => {
                 match shared(key, response, done_at_ms, stale_from_ms, policy, now_ms) {

@@ -41,9 +41,9 @@ pub enum State {
 pub enum Acquire {
     /// We lead.
     Acquired(Lease),
-    /// A live leader holds this key: wait for the flight with this nonce.
-    Held { nonce: u64 },
-    /// The slot is leased to another key (a slot collision).
+    /// A live leader holds this key in `slot_key`: wait for the flight with this nonce.
+    Held { nonce: u64, slot_key: String },
+    /// Every slot this key may use is leased to other keys (collisions).
     Busy,
     /// A flight on this key finished since the request arrived: its answer is this
     /// request's too (it read the cache just before that flight stored).
@@ -53,8 +53,16 @@ pub enum Acquire {
 /// CAS races lost in a row before giving up; each loss means someone else made progress.
 const MAX_RACES: usize = 16;
 
-pub fn slot_key(config: &Config, key: &Key) -> String {
-    format!("holysheep/lease/{}", key.slot(config.lock.slots, 1))
+/// A key may lead from any of this many consecutive slots from its home slot, so a
+/// collision with another prompt in flight does not send every identical request upstream
+/// alone.
+pub const WAYS: u32 = 4;
+
+/// The slots `key` may lead from, home slot first.
+pub fn slot_keys(config: &Config, key: &Key) -> Vec<String> {
+    let n = config.lock.slots.max(1);
+    let home = key.slot(n, 1);
+    (0..WAYS.min(n)).map(|w| format!("holysheep/lease/{}", (home + w) % n)).collect()
 }
 
 pub fn read(store: &impl CasStore, slot_key: &str) -> Result<(State, Option<u32>), StoreError> {
@@ -73,30 +81,52 @@ pub fn acquire(
     now_ms: u64,
     since_ms: u64,
 ) -> Result<Acquire, StoreError> {
-    let slot_key = slot_key(config, key);
-    for _ in 0..MAX_RACES {
-        let r = store.get(&slot_key)?;
-        match r.value.as_deref().and_then(decode) {
-            Some(State::Leading { key: k, nonce: n, expires_ms }) if expires_ms > now_ms => {
-                return Ok(if k == key.hex() { Acquire::Held { nonce: n } } else { Acquire::Busy });
+    let slots = slot_keys(config, key);
+    'race: for _ in 0..MAX_RACES {
+        // Every way is read before one is taken: a live flight of this key, or its
+        // answer, may be in any of them.
+        let mut free = None;
+        for slot in &slots {
+            let r = store.get(slot)?;
+            match r.value.as_deref().and_then(decode) {
+                Some(State::Leading { key: k, nonce: n, expires_ms }) if expires_ms > now_ms => {
+                    if k == key.hex() {
+                        return Ok(Acquire::Held { nonce: n, slot_key: slot.clone() });
+                    }
+                }
+                Some(State::Done { key: k, done_at_ms, response, stale_from_ms, .. })
+                    if k == key.hex() && done_at_ms >= since_ms =>
+                {
+                    return Ok(Acquire::Answered { response, done_at_ms, stale_from_ms });
+                }
+                _ => {
+                    free.get_or_insert((slot, r));
+                }
             }
-            Some(State::Done { key: k, done_at_ms, response, stale_from_ms, .. })
-                if k == key.hex() && done_at_ms >= since_ms =>
-            {
-                return Ok(Acquire::Answered { response, done_at_ms, stale_from_ms });
-            }
-            _ => {}
         }
+        let Some((slot, r)) = free else { return Ok(Acquire::Busy) };
         let value = leading(key, nonce, now_ms + config.lock.lease_ms);
         // A missing key is inserted whatever CAS we pass; `cas_after` makes the loser of
         // two concurrent inserts see a mismatch (see `store::ABSENT_CAS`). The test-only
         // `broken-lock` build writes without CAS, to prove the harness catches the race.
         let cas = if cfg!(feature = "broken-lock") { None } else { cas_after(&r) };
-        match store.set(&slot_key, &value, cas) {
-            Ok(()) => return Ok(Acquire::Acquired(Lease { slot_key, key: key.clone(), nonce })),
-            Err(StoreError::CasMismatch) => continue,
+        match store.set(slot, &value, cas) {
+            Ok(()) => {}
+            Err(StoreError::CasMismatch) => continue 'race,
             Err(e) => return Err(e),
         }
+        let lease = Lease { slot_key: slot.clone(), key: key.clone(), nonce };
+        // Two racers may take different ways when a way frees up between their reads: the
+        // one in the lower way leads; the other gives its slot back and waits on it.
+        for earlier in slots.iter().take_while(|s| *s != slot) {
+            if let Ok((State::Leading { key: k, nonce: n, expires_ms }, _)) = read(store, earlier) {
+                if k == key.hex() && n != nonce && expires_ms > now_ms {
+                    let _ = release(store, &lease);
+                    return Ok(Acquire::Held { nonce: n, slot_key: earlier.clone() });
+                }
+            }
+        }
+        return Ok(Acquire::Acquired(lease));
     }
     Err(StoreError::CasMismatch)
 }
@@ -213,7 +243,7 @@ mod tests {
     fn second_caller_waits_on_the_first() {
         let (s, c) = (MemStore::new(), Config::default());
         let Acquire::Acquired(lease) = acquire(&s, &c, &key(1), 11, 0, 0).unwrap() else { panic!() };
-        assert_eq!(acquire(&s, &c, &key(1), 22, 10, 10).unwrap(), Acquire::Held { nonce: 11 });
+        assert!(matches!(acquire(&s, &c, &key(1), 22, 10, 10).unwrap(), Acquire::Held { nonce: 11, .. }));
         assert!(finish(&s, &lease, &resp(503), 20, None).unwrap());
         let (state, _) = read(&s, &lease.slot_key).unwrap();
         let State::Done { nonce, response, .. } = state else { panic!("{state:?}") };
@@ -227,13 +257,13 @@ mod tests {
     fn expired_lease_is_taken_over_and_the_old_owner_cannot_finish() {
         let (s, c) = (MemStore::new(), Config::default());
         let Acquire::Acquired(old) = acquire(&s, &c, &key(1), 1, 0, 0).unwrap() else { panic!() };
-        assert_eq!(acquire(&s, &c, &key(1), 2, 4_999, 4_999).unwrap(), Acquire::Held { nonce: 1 });
+        assert!(matches!(acquire(&s, &c, &key(1), 2, 4_999, 4_999).unwrap(), Acquire::Held { nonce: 1, .. }));
         let Acquire::Acquired(new) = acquire(&s, &c, &key(1), 2, 5_000, 5_000).unwrap() else { panic!() };
         assert!(!renew(&s, &c, &old, 5_001).unwrap());
         assert!(!finish(&s, &old, &resp(200), 5_002, None).unwrap());
         assert!(renew(&s, &c, &new, 5_003).unwrap());
         // Renewal pushes expiry: still held well after the first expiry.
-        assert_eq!(acquire(&s, &c, &key(1), 3, 9_000, 9_000).unwrap(), Acquire::Held { nonce: 2 });
+        assert!(matches!(acquire(&s, &c, &key(1), 3, 9_000, 9_000).unwrap(), Acquire::Held { nonce: 2, .. }));
     }
 
     #[test]
@@ -246,9 +276,30 @@ mod tests {
     }
 
     #[test]
+    fn colliding_keys_lead_from_other_ways_until_every_way_is_taken() {
+        let (s, mut c) = (MemStore::new(), Config::default());
+        c.lock.slots = 8;
+        let keys: Vec<Key> = (0..200u32).map(key).collect();
+        let home = keys[0].slot(8, 1);
+        let colliding: Vec<&Key> = keys.iter().filter(|k| k.slot(8, 1) == home).take(5).collect();
+        assert_eq!(colliding.len(), 5);
+        let mut slots = std::collections::HashSet::new();
+        for (i, k) in colliding.iter().take(4).enumerate() {
+            let Acquire::Acquired(l) = acquire(&s, &c, k, i as u64 + 1, 0, 0).unwrap() else { panic!("way {i}") };
+            slots.insert(l.slot_key);
+            assert!(
+                matches!(acquire(&s, &c, k, 99, 1, 1).unwrap(), Acquire::Held { nonce, .. } if nonce == i as u64 + 1)
+            );
+        }
+        assert_eq!(slots.len(), 4, "four ways");
+        assert_eq!(acquire(&s, &c, colliding[4], 5, 0, 0).unwrap(), Acquire::Busy, "all ways taken");
+        assert!(s.key_count() <= 8);
+    }
+
+    #[test]
     fn garbage_in_a_slot_counts_as_free() {
         let (s, c) = (MemStore::new(), Config::default());
-        s.set(&slot_key(&c, &key(1)), b"L\nnot-a-number", None).unwrap();
+        s.set(&slot_keys(&c, &key(1))[0], b"L\nnot-a-number", None).unwrap();
         assert!(matches!(acquire(&s, &c, &key(1), 1, 0, 0).unwrap(), Acquire::Acquired(_)));
     }
 
@@ -281,7 +332,7 @@ mod tests {
                     .collect();
                 assert_eq!(winners.len(), 1, "start {start} round {round}: {results:?}");
                 for r in &results {
-                    if let Acquire::Held { nonce } = r {
+                    if let Acquire::Held { nonce, .. } = r {
                         assert_eq!(*nonce, winners[0]);
                     }
                 }

@@ -130,9 +130,13 @@ impl<S: CasStore> Engine<'_, S> {
     pub fn poll(&self, wait: &Wait, now_ms: u64, nonce: u64) -> Step {
         let state = lease::read(self.store, &wait.slot_key).map(|(s, _)| s);
         match state {
-            Ok(State::Done { key, nonce: n, done_at_ms, response, stale_from_ms })
+            Ok(State::Done { key, nonce: n, done_at_ms, response, stale_from_ms, in_cache })
                 if n == wait.nonce && key == wait.key.hex() =>
             {
+                let Some(response) = self.kept(&wait.key, response, in_cache, done_at_ms) else {
+                    // The entry it refers to is gone already: look again from the top.
+                    return self.decide(&wait.key, wait.policy, now_ms, nonce, Some(wait.since_ms));
+                };
                 match shared(&wait.key, response, done_at_ms, stale_from_ms, wait.policy, now_ms) {
                     Some(reply) => Step::Reply(reply),
                     // A stale answer this waiter's directives refuse: it looks again itself.
@@ -162,16 +166,14 @@ impl<S: CasStore> Engine<'_, S> {
         let response = outcome.map_or_else(|| self.failure(call, now_ms), openai_shaped);
         if response.status == 429 || response.status >= 500 {
             if let Some((stale, produced_ms)) = self.stale(&call.key, now_ms) {
-                self.finish_lease(call, &stale.response, now_ms, Some(produced_ms));
+                self.finish_lease(call, &stale.response, now_ms, Some(produced_ms), false);
                 if stale_allowed(call.policy, stale.age_s.unwrap_or(0)) {
                     return stale;
                 }
             }
         }
-        if call.store {
-            cache::put(self.store, self.config, &call.key, &response, now_ms);
-        }
-        self.finish_lease(call, &response, now_ms, None);
+        let in_cache = call.store && cache::put(self.store, self.config, &call.key, &response, now_ms);
+        self.finish_lease(call, &response, now_ms, None, in_cache);
         Reply { response, cache: Some(call.label), key: Some(call.key.clone()), age_s: None }
     }
 
@@ -183,11 +185,20 @@ impl<S: CasStore> Engine<'_, S> {
         }
     }
 
-    fn finish_lease(&self, call: &Call, response: &Response, now_ms: u64, stale_from_ms: Option<u64>) {
+    fn finish_lease(&self, call: &Call, response: &Response, now_ms: u64, stale_from_ms: Option<u64>, in_cache: bool) {
         if let Some(l) = &call.lease {
             // A lost lease (we were presumed dead) leaves the new leader's flight alone.
-            let _ = lease::finish(self.store, l, response, now_ms, stale_from_ms);
+            let _ = lease::finish(self.store, l, response, now_ms, stale_from_ms, in_cache);
         }
+    }
+
+    /// A finished flight's answer: the one in its record, or the cache entry the record
+    /// refers to (`None` when that entry has been replaced since).
+    fn kept(&self, key: &Key, response: Response, in_cache: bool, done_at_ms: u64) -> Option<Response> {
+        if !in_cache {
+            return Some(response);
+        }
+        cache::get(self.store, self.config, key).filter(|e| e.stored_at_ms == done_at_ms).map(|e| e.response)
     }
 
     /// An expired entry at most `stale_if_error_seconds` past its TTL, and when it was
@@ -251,8 +262,9 @@ impl<S: CasStore> Engine<'_, S> {
             Ok(Acquire::Held { nonce: n, slot_key }) => {
                 self.keep_waiting(Wait { key: key.clone(), slot_key, nonce: n, since_ms, policy }, now_ms)
             }
-            Ok(Acquire::Answered { response, done_at_ms, stale_from_ms }) => {
-                match shared(key, response, done_at_ms, stale_from_ms, policy, now_ms) {
+            Ok(Acquire::Answered { response, done_at_ms, stale_from_ms, in_cache }) => {
+                let kept = self.kept(key, response, in_cache, done_at_ms);
+                match kept.and_then(|r| shared(key, r, done_at_ms, stale_from_ms, policy, now_ms)) {
                     Some(reply) => Step::Reply(reply),
                     None => self.lead_anyway(key, policy, now_ms, nonce),
                 }
@@ -388,6 +400,20 @@ mod tests {
         fn set(&self, key: &str, value: &[u8], cas: Option<u32>) -> Result<(), crate::core::store::StoreError> {
             self.inner.set(key, value, cas)
         }
+    }
+
+    #[test]
+    fn a_stored_answer_is_not_repeated_in_the_lease_record_and_waiters_still_get_it() {
+        let (store, config) = (MemStore::new(), Config::default());
+        let e = Engine { store: &store, config: &config };
+        let leader = expect_call(e.admit(&k(3), READ, 1_000, 1));
+        let wait = expect_wait(e.admit(&k(3), READ, 1_001, 2));
+        let body = format!(r#"{{"answer":"{}"}}"#, "x".repeat(10_000));
+        e.complete(&leader, ok(&body), 1_100);
+        let record = store.get(&wait.slot_key).unwrap().value.unwrap();
+        assert!(record.len() < 1_000, "the lease refers to the cache entry: {} bytes", record.len());
+        let r = expect_reply(e.poll(&wait, 1_200, 3));
+        assert_eq!((r.cache, r.response.body), (Some(CacheStatus::Coalesced), body.into_bytes()));
     }
 
     #[test]

@@ -34,6 +34,9 @@ pub enum State {
         response: Response,
         /// A stale answer (served because every attempt failed), produced at this time.
         stale_from_ms: Option<u64>,
+        /// The answer is the cache entry stored at `done_at_ms` (not repeated here:
+        /// `response` has no body).
+        in_cache: bool,
     },
 }
 
@@ -47,7 +50,7 @@ pub enum Acquire {
     Busy,
     /// A flight on this key finished since the request arrived: its answer is this
     /// request's too (it read the cache just before that flight stored).
-    Answered { response: Response, done_at_ms: u64, stale_from_ms: Option<u64> },
+    Answered { response: Response, done_at_ms: u64, stale_from_ms: Option<u64>, in_cache: bool },
 }
 
 /// CAS races lost in a row before giving up; each loss means someone else made progress.
@@ -94,10 +97,10 @@ pub fn acquire(
                         return Ok(Acquire::Held { nonce: n, slot_key: slot.clone() });
                     }
                 }
-                Some(State::Done { key: k, done_at_ms, response, stale_from_ms, .. })
+                Some(State::Done { key: k, done_at_ms, response, stale_from_ms, in_cache, .. })
                     if k == key.hex() && done_at_ms >= since_ms =>
                 {
-                    return Ok(Acquire::Answered { response, done_at_ms, stale_from_ms });
+                    return Ok(Acquire::Answered { response, done_at_ms, stale_from_ms, in_cache });
                 }
                 _ => {
                     free.get_or_insert((slot, r));
@@ -138,15 +141,17 @@ pub fn renew(store: &impl CasStore, config: &Config, lease: &Lease, now_ms: u64)
 
 /// Publishes the flight's answer to its waiters and frees the slot; `false` when the lease
 /// was lost (expired and taken over), in which case the new leader's flight stands.
-/// `stale_from_ms`: the answer is a stale one, produced then.
+/// `stale_from_ms`: the answer is a stale one, produced then. `in_cache`: the answer was
+/// stored in the cache at `now_ms`; the record then refers to it instead of repeating it.
 pub fn finish(
     store: &impl CasStore,
     lease: &Lease,
     response: &Response,
     now_ms: u64,
     stale_from_ms: Option<u64>,
+    in_cache: bool,
 ) -> Result<bool, StoreError> {
-    update_if_owner(store, lease, &done(&lease.key, lease.nonce, now_ms, response, stale_from_ms))
+    update_if_owner(store, lease, &done(&lease.key, lease.nonce, now_ms, response, stale_from_ms, in_cache))
 }
 
 /// Gives the lease up without an answer (a stream that broke off): the slot reads as
@@ -177,8 +182,13 @@ fn leading(key: &Key, nonce: u64, expires_ms: u64) -> Vec<u8> {
     codec::encode(&["L", key.hex(), &nonce.to_string(), &expires_ms.to_string()], b"")
 }
 
-fn done(key: &Key, nonce: u64, now_ms: u64, r: &Response, stale_from_ms: Option<u64>) -> Vec<u8> {
-    let freshness = stale_from_ms.map_or_else(|| "fresh".to_owned(), |t| format!("stale:{t}"));
+fn done(key: &Key, nonce: u64, now_ms: u64, r: &Response, stale_from_ms: Option<u64>, in_cache: bool) -> Vec<u8> {
+    let freshness = match (stale_from_ms, in_cache) {
+        (Some(t), _) => format!("stale:{t}"),
+        (None, true) => "cached".to_owned(),
+        (None, false) => "fresh".to_owned(),
+    };
+    let body: &[u8] = if in_cache && stale_from_ms.is_none() { b"" } else { &r.body };
     codec::encode(
         &[
             "D",
@@ -190,7 +200,7 @@ fn done(key: &Key, nonce: u64, now_ms: u64, r: &Response, stale_from_ms: Option<
             &codec::headers_field(&r.headers),
             &freshness,
         ],
-        &r.body,
+        body,
     )
 }
 
@@ -202,9 +212,10 @@ fn decode(raw: &[u8]) -> Option<State> {
         }
         b'D' => {
             let (f, body) = codec::decode(raw, 8)?;
-            let stale_from_ms = match f[7].strip_prefix("stale:") {
-                Some(t) => Some(t.parse().ok()?),
-                None if f[7] == "fresh" => None,
+            let (stale_from_ms, in_cache) = match f[7].strip_prefix("stale:") {
+                Some(t) => (Some(t.parse().ok()?), false),
+                None if f[7] == "fresh" => (None, false),
+                None if f[7] == "cached" => (None, true),
                 None => return None,
             };
             Some(State::Done {
@@ -218,6 +229,7 @@ fn decode(raw: &[u8]) -> Option<State> {
                     body: body.to_vec(),
                 },
                 stale_from_ms,
+                in_cache,
             })
         }
         _ => None,
@@ -244,7 +256,7 @@ mod tests {
         let (s, c) = (MemStore::new(), Config::default());
         let Acquire::Acquired(lease) = acquire(&s, &c, &key(1), 11, 0, 0).unwrap() else { panic!() };
         assert!(matches!(acquire(&s, &c, &key(1), 22, 10, 10).unwrap(), Acquire::Held { nonce: 11, .. }));
-        assert!(finish(&s, &lease, &resp(503), 20, None).unwrap());
+        assert!(finish(&s, &lease, &resp(503), 20, None, false).unwrap());
         let (state, _) = read(&s, &lease.slot_key).unwrap();
         let State::Done { nonce, response, .. } = state else { panic!("{state:?}") };
         assert_eq!(nonce, 11);
@@ -260,7 +272,7 @@ mod tests {
         assert!(matches!(acquire(&s, &c, &key(1), 2, 4_999, 4_999).unwrap(), Acquire::Held { nonce: 1, .. }));
         let Acquire::Acquired(new) = acquire(&s, &c, &key(1), 2, 5_000, 5_000).unwrap() else { panic!() };
         assert!(!renew(&s, &c, &old, 5_001).unwrap());
-        assert!(!finish(&s, &old, &resp(200), 5_002, None).unwrap());
+        assert!(!finish(&s, &old, &resp(200), 5_002, None, false).unwrap());
         assert!(renew(&s, &c, &new, 5_003).unwrap());
         // Renewal pushes expiry: still held well after the first expiry.
         assert!(matches!(acquire(&s, &c, &key(1), 3, 9_000, 9_000).unwrap(), Acquire::Held { nonce: 2, .. }));

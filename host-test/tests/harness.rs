@@ -411,6 +411,14 @@ fn text_of(a: &Answer) -> String {
         .collect()
 }
 
+/// An upstream answering each call in the form it asked for, after `latency_ms`.
+fn in_form_after(latency_ms: u64, calls: Arc<AtomicU64>) -> Upstream {
+    Box::new(move |call| {
+        let n = calls.fetch_add(1, Ordering::SeqCst) + 1;
+        Some((latency_ms, answer_in_form(n, &call.body)))
+    })
+}
+
 fn stream_body(text: &str) -> String {
     prompt(text).replacen('{', r#"{"stream":true,"#, 1)
 }
@@ -419,12 +427,7 @@ fn stream_body(text: &str) -> String {
 fn streams_and_plain_requests_share_one_flight_in_their_own_forms() {
     for seed in 0..SEEDS / 10 {
         let calls = Arc::new(AtomicU64::new(0));
-        let c = calls.clone();
-        let up: Upstream = Box::new(move |call| {
-            let n = c.fetch_add(1, Ordering::SeqCst) + 1;
-            Some((200, answer_in_form(n, &call.body)))
-        });
-        let mut w = world(plugin(), "{}", seed, up);
+        let mut w = world(plugin(), "{}", seed, in_form_after(200, calls.clone()));
         let ids: Vec<ReqId> = (0..10)
             .map(|i| {
                 let body = if i < 6 { stream_body("both forms") } else { prompt("both forms") };
@@ -450,12 +453,7 @@ fn streams_and_plain_requests_share_one_flight_in_their_own_forms() {
 fn when_a_stream_leaders_client_leaves_a_waiter_leads_a_new_flight() {
     for seed in 0..SEEDS / 10 {
         let calls = Arc::new(AtomicU64::new(0));
-        let c = calls.clone();
-        let up: Upstream = Box::new(move |call| {
-            let n = c.fetch_add(1, Ordering::SeqCst) + 1;
-            Some((300, answer_in_form(n, &call.body)))
-        });
-        let mut w = world(plugin(), "{}", seed, up);
+        let mut w = world(plugin(), "{}", seed, in_form_after(300, calls.clone()));
         let leader = w.request(0, "POST", PATH, &[], stream_body("left early").as_bytes());
         assert!(w.run_until(1_000, |_| calls.load(Ordering::SeqCst) == 1), "seed {seed}");
         let waiters: Vec<ReqId> = (0..4)

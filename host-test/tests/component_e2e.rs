@@ -189,3 +189,27 @@ fn a_slow_answer_body_keeps_the_lease_and_stays_within_the_timeout() {
     let r = post(&timed, &prompt("slower body"), &[]);
     assert_eq!((r.status, r.json()["error"]["code"].as_str()), (504, Some("upstream_timeout")), "{}", r.text());
 }
+
+/// Routes the gateway does not govern carry the client's own credentials: the operator's
+/// key is only for calls that go through the cache, the single flight and the buckets.
+#[test]
+fn the_operator_key_goes_only_on_governed_calls() {
+    let mock = Running::start(Some("sk-operator"), 0).expect("mock");
+    let s = start(ComponentOptions {
+        wasm: component_path(),
+        listen: ([127, 0, 0, 1], 0).into(),
+        upstream: mock.addr,
+        env: vec![
+            ("HOLYSHEEP_CONFIG".to_owned(), "{}".to_owned()),
+            ("HOLYSHEEP_API_KEY".to_owned(), "sk-operator".to_owned()),
+        ],
+    })
+    .expect("component serves");
+    let models = request(s.addr, "GET", "/v1/models", &[("authorization", "Bearer sk-client")], b"").expect("models");
+    assert_eq!(models.status, 401, "passed through with the client's own key: {}", models.text());
+    let anonymous = request(s.addr, "GET", "/v1/models", &[], b"").expect("models");
+    assert_eq!(anonymous.status, 401, "and without one when the client sent none");
+    let chat = post(&s, &prompt("governed"), &[("authorization", "Bearer sk-client")]);
+    assert_eq!(chat.status, 200, "a governed call uses the operator's key");
+    assert_eq!(mock.mock.last_authorization().as_deref(), Some("Bearer sk-operator"));
+}

@@ -24,7 +24,9 @@ fuzz_target!(|data: &[u8]| {
     let (store, config) = (Garbage(data), Config::default());
     let key = request_key("/v1/chat/completions", "s", b"{}");
     let _ = cache::get(&store, &config, &key);
-    let _ = lease::read(&store, &lease::slot_key(&config, &key));
+    for slot in lease::slot_keys(&config, &key) {
+        let _ = lease::read(&store, &slot);
+    }
     let limits = limits::Limits::of(&Default::default());
     let _ = limits::peek(&store, "gpt-4.1", &limits, 1_000);
     let _ = wake::live(&store, 1_000);

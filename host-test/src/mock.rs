@@ -60,6 +60,8 @@ struct State {
     latency_ms: u64,
     plan: VecDeque<Fault>,
     last_authorization: Option<String>,
+    /// How the last chat call framed its body: `content-length` or `transfer-encoding`.
+    last_framing: Option<String>,
     /// Model and arrival time of every chat-completion call.
     log: Vec<(String, std::time::Instant)>,
     in_flight: u64,
@@ -128,6 +130,12 @@ impl Mock {
         let body = body.collect().await.map(|b| b.to_bytes()).unwrap_or_default();
         let path = parts.uri.path().to_owned();
         let auth = parts.headers.get("authorization").and_then(|v| v.to_str().ok()).map(str::to_owned);
+        let framing = ["content-length", "transfer-encoding"]
+            .into_iter()
+            .find_map(|h| parts.headers.get(h).and_then(|v| v.to_str().ok()).map(|v| format!("{h}: {v}")));
+        if path == "/v1/chat/completions" {
+            self.state().last_framing = framing;
+        }
         Ok(match (parts.method, path.as_str()) {
             (Method::POST, "/v1/chat/completions") => return self.chat(auth, &body).await,
             (Method::GET, "/v1/models") => match self.check_key(auth.as_deref()) {
@@ -447,6 +455,12 @@ impl Mock {
 
     pub fn last_authorization(&self) -> Option<String> {
         self.state().last_authorization.clone()
+    }
+
+    /// How the last chat call framed its body (`content-length: N` or
+    /// `transfer-encoding: chunked`).
+    pub fn last_framing(&self) -> Option<String> {
+        self.state().last_framing.clone()
     }
 
     /// The next calls answer with these faults, one each, in order.

@@ -212,4 +212,6 @@ fn the_operator_key_goes_only_on_governed_calls() {
     let chat = post(&s, &prompt("governed"), &[("authorization", "Bearer sk-client")]);
     assert_eq!(chat.status, 200, "a governed call uses the operator's key");
     assert_eq!(mock.mock.last_authorization().as_deref(), Some("Bearer sk-operator"));
+    let framing = mock.mock.last_framing().unwrap_or_default();
+    assert!(framing.starts_with("content-length: "), "a body of known length says so, not chunked: {framing}");
 }

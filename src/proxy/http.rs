@@ -121,6 +121,27 @@ impl Chat {
         Action::Pause
     }
 
+    /// A body callback (data or trailers): `Some(action)` when this request is not being
+    /// read (any more), `None` to go on. A body arriving proves Envoy delivers bodies (see
+    /// `body_watch`); one that comes after the root answered the request is dropped.
+    fn body_arrives(&mut self) -> Option<Action> {
+        match self.state {
+            State::Reading => {}
+            State::Handled => return Some(Action::Pause),
+            _ => return Some(Action::Continue),
+        }
+        let live = {
+            let mut w = self.worker.borrow_mut();
+            w.body_watch.body_arrived();
+            w.is_live(self.id)
+        };
+        if live {
+            return None;
+        }
+        self.state = State::Handled;
+        Some(Action::Pause)
+    }
+
     /// The forwarded stream ended (`complete`: the upstream finished its answer).
     fn end_stream(&mut self, complete: bool) {
         if let State::Teeing(tee) = std::mem::replace(&mut self.state, State::Ended) {
@@ -171,20 +192,9 @@ impl HttpContext for Chat {
     }
 
     fn on_http_request_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
-        match self.state {
-            State::Reading => {}
-            State::Handled => return Action::Pause,
-            _ => return Action::Continue,
+        if let Some(action) = self.body_arrives() {
+            return action;
         }
-        let mut worker = self.worker.borrow_mut();
-        worker.body_watch.body_arrived();
-        if !worker.is_live(self.id) {
-            // Already answered from the root (the body came too late).
-            drop(worker);
-            self.state = State::Handled;
-            return Action::Pause;
-        }
-        drop(worker);
         let limit = self.worker.borrow().config.max_body_bytes;
         if body_size > limit {
             return self.reject(&ApiError::too_large(limit));
@@ -199,15 +209,11 @@ impl HttpContext for Chat {
     /// Trailers end a body whose last data did not (HTTP/2, chunked with trailers): the
     /// body is complete now, and is handled like any other, never released unread.
     fn on_http_request_trailers(&mut self, _num_trailers: usize) -> Action {
-        match self.state {
-            State::Reading => {
-                let body = host::buffer(BufferType::HttpRequestBody, self.worker.borrow().config.max_body_bytes + 1);
-                self.worker.borrow_mut().body_watch.body_arrived();
-                self.handle(body)
-            }
-            State::Handled => Action::Pause,
-            _ => Action::Continue,
+        if let Some(action) = self.body_arrives() {
+            return action;
         }
+        let body = host::buffer(BufferType::HttpRequestBody, self.worker.borrow().config.max_body_bytes + 1);
+        self.handle(body)
     }
 
     /// Only a forwarded stream's own answer is teed; the filter's local replies (which

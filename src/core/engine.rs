@@ -140,7 +140,7 @@ impl<S: CasStore> Engine<'_, S> {
                 match shared(&wait.key, response, done_at_ms, stale_from_ms, wait.policy, now_ms) {
                     Some(reply) => Step::Reply(reply),
                     // A stale answer this waiter's directives refuse: it looks again itself.
-                    None => self.lead_anyway(&wait.key, wait.policy, now_ms, nonce),
+                    None => self.take_lease(&wait.key, wait.policy, now_ms, nonce, now_ms, false),
                 }
             }
             Ok(State::Leading { nonce: n, expires_ms, .. }) if n == wait.nonce && expires_ms > now_ms => {
@@ -216,20 +216,6 @@ impl<S: CasStore> Engine<'_, S> {
         Some((reply, entry.stored_at_ms))
     }
 
-    /// Takes the lease even though a finished flight's answer is in the slot (its stale
-    /// answer is refused by this request's directives).
-    fn lead_anyway(&self, key: &Key, policy: Policy, now_ms: u64, nonce: u64) -> Step {
-        match lease::acquire(self.store, self.config, key, nonce, now_ms, u64::MAX) {
-            Ok(Acquire::Acquired(l)) => {
-                Step::Call(self.call(key, Some(l), policy, policy.store, CacheStatus::Miss, now_ms))
-            }
-            Ok(Acquire::Held { nonce: n, slot_key }) => {
-                self.keep_waiting(Wait { key: key.clone(), slot_key, nonce: n, since_ms: now_ms, policy }, now_ms)
-            }
-            _ => Step::Call(self.call(key, None, policy, policy.store, CacheStatus::Miss, now_ms)),
-        }
-    }
-
     /// No answer: a timeout if the deadline has (about) passed, else a failed connection.
     /// Envoy's clock advances once per event-loop turn, so a failure reported within
     /// `CLOCK_SLACK_MS` of the deadline is the deadline.
@@ -254,8 +240,15 @@ impl<S: CasStore> Engine<'_, S> {
         if !policy.coalesce {
             return Step::Call(self.call(key, None, policy, false, CacheStatus::Bypass, now_ms));
         }
-        let since_ms = waited_since.unwrap_or(now_ms);
-        match lease::acquire(self.store, self.config, key, nonce, now_ms, since_ms) {
+        self.take_lease(key, policy, now_ms, nonce, waited_since.unwrap_or(now_ms), true)
+    }
+
+    /// Takes the lease, waits on its holder, or (with `accept_done`) takes the answer of a
+    /// same-key flight done since `since_ms`. A stale answer this request's directives
+    /// refuse makes it take the lease after all.
+    fn take_lease(&self, key: &Key, policy: Policy, now_ms: u64, nonce: u64, since_ms: u64, accept_done: bool) -> Step {
+        let done_since = if accept_done { since_ms } else { u64::MAX };
+        match lease::acquire(self.store, self.config, key, nonce, now_ms, done_since) {
             Ok(Acquire::Acquired(l)) => {
                 Step::Call(self.call(key, Some(l), policy, policy.store, CacheStatus::Miss, now_ms))
             }
@@ -266,7 +259,7 @@ impl<S: CasStore> Engine<'_, S> {
                 let kept = self.kept(key, response, in_cache, done_at_ms);
                 match kept.and_then(|r| shared(key, r, done_at_ms, stale_from_ms, policy, now_ms)) {
                     Some(reply) => Step::Reply(reply),
-                    None => self.lead_anyway(key, policy, now_ms, nonce),
+                    None => self.take_lease(key, policy, now_ms, nonce, now_ms, false),
                 }
             }
             // A slot collision or a store failure: go alone rather than wait on a stranger.

@@ -154,6 +154,19 @@ fn cases() -> Vec<Case> {
             400,
         ));
     }
+    // Header values that are not UTF-8 (Envoy lets obs-text through): the SDK's own text
+    // getters panic on them.
+    for (name, value) in
+        [("authorization", &b"Bearer \xff\xfe"[..]), ("cache-control", b"max-age=\xe9"), ("x-tenant", b"\x80")]
+    {
+        for (what, body, status) in [("bad body", &b"[]"[..], 400), ("valid", valid.as_bytes(), 200)] {
+            let mut r = format!("POST {PATH} HTTP/1.1\r\nhost: edge\r\n{name}: ").into_bytes();
+            r.extend_from_slice(value);
+            r.extend(format!("\r\ncontent-length: {}\r\n\r\n", body.len()).into_bytes());
+            r.extend_from_slice(body);
+            cases.push(case(format!("{name} not UTF-8, {what}"), r, status));
+        }
+    }
     for method in ["GET", "PUT", "DELETE", "PATCH"] {
         let r = format!(
             "{method} {PATH} HTTP/1.1\r\nhost: edge\r\nauthorization: Bearer hostile\r\ncontent-length: 0\r\n\r\n"
@@ -172,7 +185,7 @@ fn cases() -> Vec<Case> {
 
 #[test]
 fn a_hundred_hostile_requests_get_their_statuses_and_nothing_unvalidated_reaches_holysheep() {
-    let s = Stack::start(r#"{"max_body_bytes":65536}"#, 0);
+    let s = Stack::start(r#"{"max_body_bytes":65536,"cache":{"tenant_header":"x-tenant"}}"#, 0);
     let cases = cases();
     assert!(cases.len() >= 100, "{} cases", cases.len());
     let mut wrong = Vec::new();
@@ -194,7 +207,8 @@ fn a_hundred_hostile_requests_get_their_statuses_and_nothing_unvalidated_reaches
         }
     }
     assert!(wrong.is_empty(), "{} of {} cases:\n{}", wrong.len(), cases.len(), wrong.join("\n"));
-    assert_eq!(s.calls(), 0, "no chat completion reached HolySheep unvalidated");
+    let valid_cases = cases.iter().filter(|c| c.status == 200).count() as u64;
+    assert!(s.calls() <= valid_cases, "no chat completion reached HolySheep unvalidated");
     // A slow body (pieces 50 ms apart) is read whole, then governed.
     let body = prompt("slow but valid");
     let mut slow = Conn::open(s.envoy.edge).expect("connect");

@@ -158,6 +158,11 @@ impl Gateway {
                     let (outcome, hints) = self.attempt(&flight.call, outbound, &model, timeout_ms);
                     flight.on_response(&self.kv, &self.config, outcome, &hints, host::now_ms(), host::nonce())
                 }
+                // No fleet here: the key-value store is this host's own (README).
+                Action::Ask { .. } => {
+                    flight.on_verdict(None);
+                    flight.resume(&self.kv, &self.config, host::now_ms(), host::nonce())
+                }
                 Action::Sleep { until_ms } => {
                     let timer = host::after_deadline(until_ms);
                     host::wait_for(&timer, until_ms, self.config.tick_ms(), &mut || self.renew(&flight.call));
@@ -197,6 +202,11 @@ impl Gateway {
                     }
                     let (outcome, hints) = self.read_answer(response, &flight.call, deadline);
                     flight.on_response(&self.kv, &self.config, outcome, &hints, host::now_ms(), host::nonce())
+                }
+                // No fleet here: the key-value store is this host's own (README).
+                Action::Ask { .. } => {
+                    flight.on_verdict(None);
+                    flight.resume(&self.kv, &self.config, host::now_ms(), host::nonce())
                 }
                 Action::Sleep { until_ms } => {
                     let timer = host::after_deadline(until_ms);

@@ -7,6 +7,10 @@ use std::collections::BTreeMap;
 #[derive(Debug, Clone, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct Config {
+    /// What the filter does on this listener: govern the call (`owner`) or validate, key
+    /// and pass it on to the key's owner node (`forward`).
+    pub role: Role,
+    pub fleet: Fleet,
     pub upstream: Upstream,
     pub cache: Cache,
     pub lock: Lock,
@@ -30,6 +34,42 @@ pub struct Model {
     pub fallback: Vec<String>,
     pub usd_per_mtok_input: f64,
     pub usd_per_mtok_output: f64,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Role {
+    #[default]
+    Owner,
+    Forward,
+}
+
+/// Many edge nodes as one: where the model owners are and how to reach them.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Fleet {
+    /// Envoy cluster of every node's owner listener, consistently hashed. Empty: limits are
+    /// this node's own.
+    pub cluster: String,
+    /// Nodes in the fleet: a node that cannot reach a model's owner admits its share.
+    pub nodes: u32,
+    /// Environment variable holding the secret that internal calls carry.
+    pub peer_secret_env: String,
+    /// How long a key owner waits for a model owner's answer before admitting its share.
+    pub timeout_ms: u64,
+}
+
+impl Default for Fleet {
+    fn default() -> Self {
+        Fleet { cluster: String::new(), nodes: 1, peer_secret_env: "HOLYSHEEP_PEER_SECRET".into(), timeout_ms: 250 }
+    }
+}
+
+impl Fleet {
+    /// Whether model buckets live on their owner nodes.
+    pub fn shared_limits(&self) -> bool {
+        !self.cluster.is_empty()
+    }
 }
 
 /// The longest duration in milliseconds any setting accepts: one day.
@@ -119,6 +159,8 @@ pub struct Lock {
 impl Default for Config {
     fn default() -> Self {
         Config {
+            role: Role::default(),
+            fleet: Fleet::default(),
             upstream: Upstream::default(),
             cache: Cache::default(),
             lock: Lock::default(),
@@ -201,7 +243,10 @@ impl Config {
     }
 
     fn validate(&self) -> Result<(), ConfigError> {
-        let checks: [(bool, &str, &str); 13] = [
+        let checks: [(bool, &str, &str); 16] = [
+            (!(1..=1024).contains(&self.fleet.nodes), "fleet.nodes", "must be between 1 and 1024"),
+            (self.fleet.peer_secret_env.is_empty(), "fleet.peer_secret_env", "must not be empty"),
+            (self.fleet.timeout_ms == 0, "fleet.timeout_ms", "must be at least 1"),
             (self.upstream.cluster.is_empty(), "upstream.cluster", "must not be empty"),
             (self.upstream.authority.is_empty(), "upstream.authority", "must not be empty"),
             (!["https", "http"].contains(&self.upstream.scheme.as_str()), "upstream.scheme", "must be https or http"),
@@ -231,7 +276,8 @@ impl Config {
             return Err(ConfigError("rate_limit.max_provider_hold_ms: must be at least 1".into()));
         }
         // Every duration is bounded, so no `now + duration` can overflow.
-        let durations: [(u64, &str, u64); 9] = [
+        let durations: [(u64, &str, u64); 10] = [
+            (self.fleet.timeout_ms, "fleet.timeout_ms", MAX_MS),
             (self.upstream.timeout_ms, "upstream.timeout_ms", MAX_MS),
             (self.lock.lease_ms, "lock.lease_ms", MAX_MS),
             (self.lock.wait_timeout_ms, "lock.wait_timeout_ms", MAX_MS),
@@ -328,6 +374,23 @@ mod tests {
             assert!(e.contains(field), "{json}: {e}");
         }
         assert!(Config::parse(br#"{"lock":{"lease_ms":86400000},"cache":{"ttl_seconds":31536000}}"#).is_ok());
+    }
+
+    #[test]
+    fn role_and_fleet_are_read_and_checked() {
+        let c = Config::parse(br#"{"role":"forward","fleet":{"cluster":"owners","nodes":3}}"#).unwrap();
+        assert_eq!((c.role, c.fleet.nodes, c.fleet.shared_limits()), (Role::Forward, 3, true));
+        assert_eq!(Config::default().role, Role::Owner, "a single node changes nothing");
+        assert!(!Config::default().fleet.shared_limits());
+        for (json, field) in [
+            (r#"{"role":"edge"}"#, "role"),
+            (r#"{"fleet":{"nodes":0}}"#, "fleet.nodes"),
+            (r#"{"fleet":{"timeout_ms":0}}"#, "fleet.timeout_ms"),
+            (r#"{"fleet":{"peer_secret_env":""}}"#, "fleet.peer_secret_env"),
+        ] {
+            let e = Config::parse(json.as_bytes()).expect_err(json);
+            assert_eq!(e.field(), field, "{json}: {e}");
+        }
     }
 
     #[test]

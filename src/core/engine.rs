@@ -51,7 +51,12 @@ pub struct Reply {
 
 impl Reply {
     pub fn error(e: &ApiError) -> Reply {
-        Reply { response: error_response(e), cache: None, key: None, age_s: None }
+        Reply::plain(error_response(e))
+    }
+
+    /// A response that is no answer to a chat request (no cache status, no key).
+    pub fn plain(response: Response) -> Reply {
+        Reply { response, cache: None, key: None, age_s: None }
     }
 
     pub fn headers(&self) -> Vec<(&str, String)> {

@@ -35,6 +35,23 @@ impl ApiError {
         }
     }
 
+    /// A 404 for a path the edge does not serve (OpenAI's wording and code).
+    pub fn not_found(method: &str, path: &str) -> Self {
+        let path: String = path.chars().take(256).collect();
+        ApiError {
+            status: 404,
+            message: format!("Unknown request URL: {method} {path}."),
+            kind: "invalid_request_error",
+            param: None,
+            code: "unknown_url",
+        }
+    }
+
+    /// A 403: the caller may not do this.
+    pub fn forbidden(message: impl Into<String>) -> Self {
+        ApiError { status: 403, message: message.into(), kind: "invalid_request_error", param: None, code: "forbidden" }
+    }
+
     /// A 5xx produced by the edge itself when HolySheep could not be reached.
     pub fn upstream(status: u16, message: impl Into<String>, code: &'static str) -> Self {
         ApiError { status, message: message.into(), kind: "upstream_error", param: None, code }

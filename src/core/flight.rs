@@ -8,17 +8,20 @@ use super::config::Config;
 use super::engine::Call;
 use super::error::ApiError;
 use super::limits::{self, duration, Denial, Kind, Limits, ProviderHints};
-use super::store::{CasStore, StoreError};
+use super::peer::{self, Op, Verdict};
+use super::store::CasStore;
+
+pub use super::limits::CONTENTION_RETRY_MS;
 
 /// How often a request held for a concurrency slot looks again.
 pub const CONCURRENCY_POLL_MS: u64 = 50;
-/// How soon a call whose admission lost every race looks again.
-pub const CONTENTION_RETRY_MS: u64 = 5;
 
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub enum Action {
     /// Call HolySheep for `model` (the body rewritten to it when it is a fallback).
     Send { model: String, timeout_ms: u64 },
+    /// Ask the owner node of `bucket` to admit the call (then `on_verdict`, then `resume`).
+    Ask { bucket: String, op: Op, timeout_ms: u64 },
     /// Come back (call `resume`) at this time.
     Sleep { until_ms: u64 },
     /// The flight is over: complete the call with this outcome (`None`: no answer).
@@ -28,12 +31,50 @@ pub enum Action {
 /// What happened, for metrics.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Event {
-    UpstreamCall { model: String },
-    Retry { model: String },
-    Failover { from: String, to: String },
-    RateLimited { model: String },
-    ProviderRateLimited { model: String },
-    Usage { model: String, prompt: u64, completion: u64 },
+    UpstreamCall {
+        model: String,
+    },
+    Retry {
+        model: String,
+    },
+    Failover {
+        from: String,
+        to: String,
+    },
+    RateLimited {
+        model: String,
+    },
+    ProviderRateLimited {
+        model: String,
+    },
+    Usage {
+        model: String,
+        prompt: u64,
+        completion: u64,
+    },
+    /// The model's owner node was out of reach: this node admitted from its own share.
+    LocalShare {
+        model: String,
+    },
+}
+
+/// Which bucket admitted the call, so that it is settled where it was taken.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Ticket {
+    /// This node's bucket.
+    Local(u64),
+    /// The model owner node's bucket.
+    Owner(u64),
+    /// This node's share, the model owner being out of reach.
+    Share(u64),
+}
+
+/// What admitting a call for one model came to.
+enum Admission {
+    Admitted,
+    Denied(Denial),
+    /// The model owner node must be asked.
+    Ask(String, Op),
 }
 
 #[derive(Debug, Clone)]
@@ -47,9 +88,15 @@ pub struct Flight {
     estimate: u64,
     /// This flight's identity in the buckets (its first nonce): place in line, slot.
     id: Option<u64>,
-    ticket: Option<u64>,
+    ticket: Option<Ticket>,
+    /// Admission asked of a model owner: the model it was for and the denials before it.
+    probe: Option<(usize, Vec<(usize, Denial)>)>,
+    /// The model owner's answer (`Some(None)`: out of reach).
+    verdict: Option<Option<Verdict>>,
     last: Option<Response>,
     pub events: Vec<Event>,
+    /// Settlements for model owner nodes, sent by the shell without waiting.
+    pub outbox: Vec<Op>,
 }
 
 impl Flight {
@@ -71,8 +118,11 @@ impl Flight {
             estimate,
             id: None,
             ticket: None,
+            probe: None,
+            verdict: None,
             last: None,
             events: Vec::new(),
+            outbox: Vec::new(),
         }
     }
 
@@ -82,15 +132,16 @@ impl Flight {
     }
 
     /// Takes capacity from the first model (from the current one on) whose buckets admit
-    /// the call; holds or answers 429 when none does.
+    /// the call; holds or answers 429 when none does. With fleet-wide limits a model owner
+    /// is asked first (`Action::Ask`), and the probe goes on from its verdict.
     pub fn resume(&mut self, store: &impl CasStore, config: &Config, now_ms: u64, nonce: u64) -> Action {
         if now_ms >= self.deadline_ms {
             return Action::Finish(self.last.take());
         }
-        let mut denials: Vec<(usize, Denial)> = Vec::new();
-        for i in self.idx..self.models.len() {
+        let (start, mut denials) = self.probe.take().unwrap_or((self.idx, Vec::new()));
+        for i in start..self.models.len() {
             match self.admit(store, config, i, now_ms, nonce) {
-                Ok(()) => {
+                Admission::Admitted => {
                     if i != self.idx {
                         self.fail_over_to(i);
                     }
@@ -98,7 +149,12 @@ impl Flight {
                     self.events.push(Event::UpstreamCall { model: model.clone() });
                     return Action::Send { model, timeout_ms: self.deadline_ms - now_ms };
                 }
-                Err(d) => denials.push((i, d)),
+                Admission::Denied(d) => denials.push((i, d)),
+                Admission::Ask(bucket, op) => {
+                    self.probe = Some((i, denials));
+                    let timeout_ms = config.fleet.timeout_ms.min(self.deadline_ms - now_ms);
+                    return Action::Ask { bucket, op, timeout_ms };
+                }
             }
         }
         let soonest = denials.iter().map(|(_, d)| d.wait_ms.unwrap_or(CONCURRENCY_POLL_MS)).min().unwrap_or(0);
@@ -183,40 +239,46 @@ impl Flight {
         self.call.store = false;
     }
 
-    fn admit(
-        &mut self,
-        store: &impl CasStore,
-        config: &Config,
-        i: usize,
-        now_ms: u64,
-        nonce: u64,
-    ) -> Result<(), Denial> {
-        let Some((bucket, m)) = config.model(&self.models[i]) else { return Ok(()) };
+    /// The model owner's answer to `Action::Ask` (`None`: no answer in time).
+    pub fn on_verdict(&mut self, verdict: Option<Verdict>) {
+        self.verdict = Some(verdict);
+    }
+
+    fn admit(&mut self, store: &impl CasStore, config: &Config, i: usize, now_ms: u64, nonce: u64) -> Admission {
+        let Some((bucket, m)) = config.model(&self.models[i]) else { return Admission::Admitted };
         let l = Limits::of(m);
         // A call holds its in-flight slot no longer than the flight can last.
         let hold = self.deadline_ms.saturating_sub(now_ms) + 1_000;
         let (estimate, id) = (self.estimate, *self.id.get_or_insert(nonce));
-        let taken = limits::update(store, bucket, &l, now_ms, |b| match b.take(&l, id, estimate, now_ms, hold) {
-            Ok(()) => (Ok(()), true),
-            // A place in line is written; other refusals change nothing.
-            Err(d) => (Err(d), d.kind == Kind::Concurrency),
-        });
-        match taken {
-            Ok(admitted) => {
-                if admitted.is_ok() {
-                    self.ticket = Some(id);
+        let (ticket, taken) = if !config.fleet.shared_limits() {
+            (Ticket::Local(id), limits::take(store, bucket, &l, id, estimate, now_ms, hold))
+        } else {
+            match self.verdict.take() {
+                None => {
+                    let op = Op::Take { model: self.models[i].clone(), id, estimate, hold_ms: hold };
+                    return Admission::Ask(bucket.to_owned(), op);
                 }
-                admitted
+                Some(Some(verdict)) => (Ticket::Owner(id), verdict.result()),
+                Some(None) => {
+                    self.events.push(Event::LocalShare { model: self.models[i].clone() });
+                    let share = l.share(config.fleet.nodes);
+                    (
+                        Ticket::Share(id),
+                        limits::take(store, &limits::share_bucket(bucket), &share, id, estimate, now_ms, hold),
+                    )
+                }
             }
-            // Races lost to other workers all along: nothing was taken, so nothing is
-            // admitted; look again shortly (the contention is the moment limits matter).
-            Err(StoreError::CasMismatch) => Err(Denial { kind: Kind::Contended, wait_ms: Some(CONTENTION_RETRY_MS) }),
-            // A broken store admits, uncharged (no ticket: nothing to refund): the limiter
-            // must not take the edge down with it.
-            Err(StoreError::Host(_)) => Ok(()),
+        };
+        match taken {
+            Ok(()) => {
+                self.ticket = Some(ticket);
+                Admission::Admitted
+            }
+            Err(d) => Admission::Denied(d),
         }
     }
 
+    /// Settles the call where it was admitted.
     fn settle(
         &mut self,
         store: &impl CasStore,
@@ -225,18 +287,21 @@ impl Flight {
         hints: &ProviderHints,
         now_ms: u64,
     ) {
-        let Some(nonce) = self.ticket.take() else { return };
+        let Some(ticket) = self.ticket.take() else { return };
         let Some((bucket, m)) = config.model(self.model()) else { return };
         let l = Limits::of(m);
-        // A provider's word empties the shared bucket for a bounded time only.
-        let hold = config.rate_limit.max_provider_hold_ms;
-        let hints = &ProviderHints { retry_after_ms: hints.retry_after_ms.map(|ms| ms.min(hold)), ..*hints };
+        let hints = peer::capped(config, hints);
         let (estimate, actual) = (self.estimate, usage.map(|(p, c)| p + c));
-        let _ = limits::update(store, bucket, &l, now_ms, |b| {
-            b.settle(&l, nonce, estimate, actual, now_ms);
-            b.adapt(&l, hints, now_ms);
-            ((), true)
-        });
+        match ticket {
+            Ticket::Local(id) => limits::settle(store, bucket, &l, id, estimate, actual, &hints, now_ms),
+            Ticket::Share(id) => {
+                let share = l.share(config.fleet.nodes);
+                limits::settle(store, &limits::share_bucket(bucket), &share, id, estimate, actual, &hints, now_ms);
+            }
+            Ticket::Owner(id) => {
+                self.outbox.push(Op::Settle { model: self.model().to_owned(), id, estimate, actual, hints });
+            }
+        }
     }
 
     /// Full jitter between `base_delay_ms` and the doubled cap; the provider's
@@ -300,6 +365,7 @@ mod tests {
     use crate::core::engine::CacheStatus;
     use crate::core::request::request_key;
     use crate::core::store::MemStore;
+    use crate::core::store::StoreError;
 
     fn config(raw: &str) -> Config {
         Config::parse(raw.as_bytes()).unwrap()
@@ -381,6 +447,95 @@ mod tests {
         assert!(f.events.contains(&Event::Failover { from: "gpt-4.1".into(), to: "deepseek-v3".into() }));
     }
 
+    fn fleet(extra: &str) -> Config {
+        config(&format!(
+            r#"{{"fleet":{{"cluster":"owners","nodes":3}},"models":{{"gpt-4.1":{{"requests_per_minute":1,"burst":6{extra}}}}}}}"#
+        ))
+    }
+
+    fn ask(a: Action) -> Op {
+        match a {
+            Action::Ask { bucket, op, .. } => {
+                assert_eq!(bucket, "gpt-4.1");
+                op
+            }
+            other => panic!("expected to ask the model owner, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn with_fleet_limits_the_model_owner_admits_and_is_told_the_usage() {
+        let (s, c) = (MemStore::new(), fleet(""));
+        let mut f = flight(&c, "gpt-4.1");
+        let Op::Take { id, estimate, .. } = ask(f.resume(&s, &c, 0, 9)) else { panic!("a take") };
+        assert_eq!((id, estimate), (9, 100));
+        f.on_verdict(Some(Verdict { admitted: true, denial: None }));
+        assert_eq!(send(f.resume(&s, &c, 1, 10)), "gpt-4.1");
+        assert!(matches!(f.on_response(&s, &c, status(200), &ProviderHints::default(), 5, 0), Action::Finish(_)));
+        let settle = Op::Settle {
+            model: "gpt-4.1".into(),
+            id: 9,
+            estimate: 100,
+            actual: Some(12),
+            hints: ProviderHints::default(),
+        };
+        assert_eq!(f.outbox, [settle], "settled on the model owner, not here");
+        assert_eq!(s.get(&limits::bucket_key("gpt-4.1")).unwrap().value, None, "this node's bucket untouched");
+    }
+
+    #[test]
+    fn a_model_owner_that_refuses_gives_a_429_and_nothing_to_settle() {
+        let (s, c) = (MemStore::new(), fleet(""));
+        let mut f = flight(&c, "gpt-4.1");
+        ask(f.resume(&s, &c, 0, 1));
+        f.on_verdict(Some(Verdict {
+            admitted: false,
+            denial: Some(Denial { kind: Kind::Requests, wait_ms: Some(9_000) }),
+        }));
+        let Action::Finish(Some(r)) = f.resume(&s, &c, 1, 2) else { panic!("a 429") };
+        assert_eq!((r.status, r.header("retry-after")), (429, Some("9")));
+        f.on_response(&s, &c, None, &ProviderHints::default(), 2, 0);
+        assert!(f.outbox.is_empty());
+    }
+
+    #[test]
+    fn a_model_owner_out_of_reach_leaves_this_node_its_share_of_the_burst() {
+        let (s, c) = (MemStore::new(), fleet(""));
+        let mut sent = 0;
+        for n in 0..5 {
+            let mut f = flight(&c, "gpt-4.1");
+            ask(f.resume(&s, &c, 0, n));
+            f.on_verdict(None);
+            match f.resume(&s, &c, 0, n) {
+                Action::Send { .. } => sent += 1,
+                Action::Finish(Some(r)) => assert_eq!(r.status, 429),
+                other => panic!("{other:?}"),
+            }
+            assert!(f.events.contains(&Event::LocalShare { model: "gpt-4.1".into() }));
+            assert!(f.outbox.is_empty(), "a share is settled here");
+        }
+        assert_eq!(sent, 2, "burst 6 over 3 nodes");
+    }
+
+    #[test]
+    fn a_model_owner_refusal_fails_over_to_the_fallback_through_its_own_owner() {
+        let c = config(
+            r#"{"fleet":{"cluster":"owners"},"models":{"gpt-4.1":{"requests_per_minute":1,"fallback":["deepseek-v3"]},
+                "deepseek-v3":{"requests_per_minute":1}}}"#,
+        );
+        let s = MemStore::new();
+        let mut f = flight(&c, "gpt-4.1");
+        ask(f.resume(&s, &c, 0, 1));
+        f.on_verdict(Some(Verdict {
+            admitted: false,
+            denial: Some(Denial { kind: Kind::Requests, wait_ms: Some(60_000) }),
+        }));
+        let Action::Ask { bucket, .. } = f.resume(&s, &c, 0, 2) else { panic!("asks the fallback's owner") };
+        assert_eq!(bucket, "deepseek-v3");
+        f.on_verdict(Some(Verdict { admitted: true, denial: None }));
+        assert_eq!(send(f.resume(&s, &c, 0, 3)), "deepseek-v3");
+    }
+
     /// A store where every write to a bucket loses its race (other workers always win).
     struct Contended(MemStore);
 
@@ -442,6 +597,7 @@ mod tests {
             match f.on_response(&s, &c, status(503), &ProviderHints::default(), now, 0) {
                 Action::Send { model, .. } => sent.push(model),
                 Action::Sleep { until_ms } => sent.push(send(f.resume(&s, &c, until_ms, until_ms))),
+                Action::Ask { .. } => panic!("no fleet configured"),
                 Action::Finish(r) => {
                     assert_eq!(
                         r.map(|r| (r.status, r.header("x-holysheep-model").map(str::to_owned))),

@@ -39,6 +39,18 @@ impl Limits {
         }
     }
 
+    /// One node's share of the limits in a fleet of `nodes`: what a node admits on its own
+    /// when the model's owner node cannot be reached (at least one request and one slot).
+    pub fn share(&self, nodes: u32) -> Limits {
+        let n = f64::from(nodes.max(1));
+        Limits {
+            rpm: self.rpm.map(|r| r / n),
+            tpm: self.tpm.map(|t| t / n),
+            burst: (self.burst / n).floor().max(1.0),
+            max_in_flight: self.max_in_flight.map(|m| (m / nodes.max(1) as usize).max(1)),
+        }
+    }
+
     fn req_per_ms(&self) -> f64 {
         self.rpm.unwrap_or(0.0) / 60_000.0
     }
@@ -48,7 +60,8 @@ impl Limits {
     }
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
 pub enum Kind {
     Requests,
     Tokens,
@@ -69,14 +82,14 @@ impl Kind {
 }
 
 /// Why a bucket refused, and when it will have enough (`None`: when a call ends).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct Denial {
     pub kind: Kind,
     pub wait_ms: Option<u64>,
 }
 
 /// What the provider said about its own limits.
-#[derive(Debug, Clone, Copy, PartialEq, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Default, serde::Serialize, serde::Deserialize)]
 pub struct ProviderHints {
     pub remaining_requests: Option<f64>,
     pub remaining_tokens: Option<f64>,
@@ -307,6 +320,61 @@ pub fn update<R>(
         }
     }
     Err(StoreError::CasMismatch)
+}
+
+/// Takes one request and `estimate` tokens from the bucket for the call `id` (see
+/// `Bucket::take`). A call refused a slot keeps its place in line.
+pub fn take(
+    store: &impl CasStore,
+    bucket: &str,
+    l: &Limits,
+    id: u64,
+    estimate: u64,
+    now_ms: u64,
+    hold_ms: u64,
+) -> Result<(), Denial> {
+    let taken = update(store, bucket, l, now_ms, |b| match b.take(l, id, estimate, now_ms, hold_ms) {
+        Ok(()) => (Ok(()), true),
+        // A place in line is written; other refusals change nothing.
+        Err(d) => (Err(d), d.kind == Kind::Concurrency),
+    });
+    match taken {
+        Ok(admitted) => admitted,
+        // Races lost to other workers all along: nothing was taken, so nothing is
+        // admitted; look again shortly (the contention is the moment limits matter).
+        Err(StoreError::CasMismatch) => Err(Denial { kind: Kind::Contended, wait_ms: Some(CONTENTION_RETRY_MS) }),
+        // A broken store admits, uncharged: the limiter must not take the edge down with it.
+        Err(StoreError::Host(_)) => Ok(()),
+    }
+}
+
+/// How soon a call whose admission lost every race looks again.
+pub const CONTENTION_RETRY_MS: u64 = 5;
+
+/// The call `id` ended: frees its slot, reconciles its estimate with `actual` tokens and
+/// applies what the provider said about its limits.
+#[allow(clippy::too_many_arguments)]
+pub fn settle(
+    store: &impl CasStore,
+    bucket: &str,
+    l: &Limits,
+    id: u64,
+    estimate: u64,
+    actual: Option<u64>,
+    hints: &ProviderHints,
+    now_ms: u64,
+) {
+    let _ = update(store, bucket, l, now_ms, |b| {
+        b.settle(l, id, estimate, actual, now_ms);
+        b.adapt(l, hints, now_ms);
+        ((), true)
+    });
+}
+
+/// The bucket a node admits its share from when the model's owner node is out of reach
+/// (one more key per configured model).
+pub fn share_bucket(bucket: &str) -> String {
+    format!("{bucket}#share")
 }
 
 /// The bucket as it stands now, without writing.

@@ -17,9 +17,10 @@ pub enum Counter {
     CompletionTokens,
     CostSpentMicroUsd,
     CostSavedMicroUsd,
+    FleetLocalShare,
 }
 
-pub const COUNTERS: [Counter; 14] = [
+pub const COUNTERS: [Counter; 15] = [
     Counter::Requests(CacheStatus::Hit),
     Counter::Requests(CacheStatus::Miss),
     Counter::Requests(CacheStatus::Coalesced),
@@ -34,6 +35,7 @@ pub const COUNTERS: [Counter; 14] = [
     Counter::CompletionTokens,
     Counter::CostSpentMicroUsd,
     Counter::CostSavedMicroUsd,
+    Counter::FleetLocalShare,
 ];
 
 impl Counter {
@@ -49,6 +51,7 @@ impl Counter {
             Counter::CompletionTokens => "completion_tokens".into(),
             Counter::CostSpentMicroUsd => "cost_spent_microusd".into(),
             Counter::CostSavedMicroUsd => "cost_saved_microusd".into(),
+            Counter::FleetLocalShare => "fleet_local_share".into(),
         }
     }
 }
@@ -92,6 +95,7 @@ pub fn for_event(config: &Config, event: &Event) -> Vec<(String, Counter, u64)> 
         Event::Failover { from, .. } => one(from, Counter::Failovers),
         Event::RateLimited { model } => one(model, Counter::RateLimited),
         Event::ProviderRateLimited { model } => one(model, Counter::ProviderRateLimited),
+        Event::LocalShare { model } => one(model, Counter::FleetLocalShare),
         Event::Usage { model, prompt, completion } => {
             let l = label(config, model).to_owned();
             vec![
@@ -162,6 +166,7 @@ mod tests {
             "completion_tokens",
             "cost_spent_microusd",
             "cost_saved_microusd",
+            "fleet_local_share",
         ];
         assert_eq!(names, documented, "the README's counter names, each once");
     }

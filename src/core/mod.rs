@@ -10,6 +10,7 @@ pub mod flight;
 pub mod lease;
 pub mod limits;
 pub mod metrics;
+pub mod peer;
 pub mod request;
 pub mod store;
 pub mod stream;

@@ -17,19 +17,35 @@ pub const MAX_MODEL_LEN: usize = 256;
 /// query and fragment dropped, unreserved percent-escapes decoded, repeated slashes merged,
 /// `.` and `..` segments resolved, a trailing slash ignored. Every such variant is governed.
 pub fn is_chat_path(path: &str) -> bool {
+    segments(path) == ["v1", "chat", "completions"]
+}
+
+/// The request header a forward node sets to the key, for the fleet's ring to hash.
+pub const KEY_HEADER: &str = "x-holysheep-key";
+
+/// The path of the fleet's internal calls (a key owner asking a model owner).
+pub const PEER_PATH: &str = "/holysheep/peer/bucket";
+
+/// Whether a path, in any spelling, is under `/holysheep/`: the fleet's own calls, never
+/// accepted from a client on a public listener.
+pub fn is_internal_path(path: &str) -> bool {
+    segments(path).first().is_some_and(|s| s.eq_ignore_ascii_case("holysheep"))
+}
+
+/// The path's segments as a server would resolve them (see `is_chat_path`).
+fn segments(path: &str) -> Vec<String> {
     let path = path.split(['?', '#']).next().unwrap_or("");
-    let decoded = decode_unreserved(path);
-    let mut segments: Vec<&str> = Vec::new();
-    for segment in decoded.split('/') {
+    let mut segments: Vec<String> = Vec::new();
+    for segment in decode_unreserved(path).split('/') {
         match segment {
             "" | "." => {}
             ".." => {
                 segments.pop();
             }
-            s => segments.push(s),
+            s => segments.push(s.to_owned()),
         }
     }
-    segments == ["v1", "chat", "completions"]
+    segments
 }
 
 /// Decodes `%XX` escapes of unreserved characters (RFC 3986: letters, digits, `-._~`) and

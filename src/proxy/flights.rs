@@ -12,7 +12,7 @@ use crate::core::flight::{Action, Flight};
 use crate::core::limits::ProviderHints;
 use crate::core::metrics;
 use crate::core::request::Key;
-use crate::core::request::CHAT_PATH;
+use crate::core::request::{CHAT_PATH, KEY_HEADER};
 use crate::core::upstream::{self, Outbound};
 use proxy_wasm::hostcalls;
 use proxy_wasm::traits::Context;
@@ -41,17 +41,30 @@ impl Root {
     pub(super) fn advance(&mut self, mut run: Run, mut action: Action) {
         loop {
             {
-                let w = self.worker.borrow();
+                let mut w = self.worker.borrow_mut();
                 let events = std::mem::take(&mut run.flight.events);
                 w.count(events.iter().flat_map(|e| metrics::for_event(&w.config, e)).collect());
+                w.outbox.append(&mut run.flight.outbox);
             }
+            self.send_settlements();
             match action {
+                Action::Ask { bucket, op, timeout_ms } => match self.ask(&bucket, &op, timeout_ms) {
+                    Some(token) => {
+                        self.worker.borrow_mut().asking.insert(token, run);
+                        return;
+                    }
+                    None => {
+                        run.flight.on_verdict(None);
+                        action = self.resume(&mut run);
+                    }
+                },
                 Action::Send { model, .. } if run.outbound.stream => {
                     if self.forward(&run, &model) {
                         self.worker.borrow_mut().streams.insert(run.context_id, run);
                     } else {
                         let end = StreamEnd { outcome: None, usage: None, streamed_tokens: 0 };
-                        let key = self.worker.borrow().complete_stream(run, end);
+                        let key = self.worker.borrow_mut().complete_stream(run, end);
+                        self.send_settlements();
                         self.wake_waiters(key.as_ref());
                     }
                     return;
@@ -115,7 +128,8 @@ impl Root {
         }
         let body = run.outbound.body_for(model);
         let length = body.len().to_string();
-        let headers = [("content-length", Some(length.as_str())), ("accept-encoding", None)];
+        // A forward node's routing header is the fleet's own, not HolySheep's.
+        let headers = [("content-length", Some(length.as_str())), ("accept-encoding", None), (KEY_HEADER, None)];
         let set = hostcalls::set_buffer(BufferType::HttpRequestBody, 0, usize::MAX, &body).is_ok()
             && headers.iter().all(|(n, v)| hostcalls::set_map_value(MapType::HttpRequestHeaders, n, *v).is_ok())
             && bearer.is_none_or(|b| {
@@ -126,6 +140,7 @@ impl Root {
 
     /// Lets the waiters of the streams that ended look at their flights.
     pub(super) fn complete_streams(&mut self) {
+        self.send_settlements();
         let ended = std::mem::take(&mut self.worker.borrow_mut().ended);
         for key in ended {
             self.wake_waiters(Some(&key));
@@ -211,7 +226,7 @@ impl Root {
         if num_headers == 0 {
             return (None, ProviderHints::default());
         }
-        let headers = hostcalls::get_map(MapType::HttpCallResponseHeaders).unwrap_or_default();
+        let headers = host::headers(MapType::HttpCallResponseHeaders);
         let status = headers.iter().find(|(k, _)| k == ":status").and_then(|(_, v)| v.parse().ok());
         let Some(status) = status else {
             return (None, ProviderHints::default());

@@ -4,7 +4,7 @@
 use crate::core::engine::Reply;
 use crate::core::store::{CasStore, Read, StoreError};
 use proxy_wasm::hostcalls;
-use proxy_wasm::types::{BufferType, LogLevel, Status};
+use proxy_wasm::types::{BufferType, LogLevel, MapType, Status};
 use std::collections::hash_map::RandomState;
 use std::hash::BuildHasher;
 use std::time::UNIX_EPOCH;
@@ -59,6 +59,27 @@ impl Nonces {
 /// trait helpers would panic on an unexpected host status; this cannot.
 pub fn buffer(kind: BufferType, size: usize) -> Vec<u8> {
     hostcalls::get_buffer(kind, 0, size).ok().flatten().unwrap_or_default()
+}
+
+/// A header's value as text. The SDK's own text getters panic on a value that is not
+/// UTF-8, which Envoy lets through (obs-text); such bytes are kept as `%XX` escapes here.
+pub fn header(map: MapType, name: &str) -> Option<String> {
+    hostcalls::get_map_value_bytes(map, name).ok().flatten().map(text)
+}
+
+/// Every header of `map`, values as in `header`.
+pub fn headers(map: MapType) -> Vec<(String, String)> {
+    let pairs = hostcalls::get_map_bytes(map).unwrap_or_default();
+    pairs.into_iter().map(|(name, value)| (name, text(value))).collect()
+}
+
+fn text(bytes: Vec<u8>) -> String {
+    String::from_utf8(bytes).unwrap_or_else(|e| {
+        e.as_bytes()
+            .iter()
+            .map(|&b| if b.is_ascii() { char::from(b).to_string() } else { format!("%{b:02X}") })
+            .collect()
+    })
 }
 
 pub fn log(level: LogLevel, message: &str) {

@@ -9,9 +9,13 @@ const ERROR_BODY_LIMIT: usize = 65_536;
 use super::host::{self, SharedData};
 use super::worker::{Shared, StreamEnd, Target};
 use crate::core::cache::Response;
+use crate::core::config::Role;
 use crate::core::engine::{Engine, Reply, Step};
 use crate::core::error::ApiError;
-use crate::core::request::{is_chat_path, CacheControl, ChatRequest, RequestMeta};
+use crate::core::peer;
+use crate::core::request::{
+    is_chat_path, is_internal_path, CacheControl, ChatRequest, RequestMeta, KEY_HEADER, PEER_PATH,
+};
 use crate::core::stream::{self, Reassembler};
 use crate::core::upstream::Outbound;
 use proxy_wasm::hostcalls;
@@ -23,6 +27,8 @@ pub struct Chat {
     id: u32,
     worker: Shared,
     state: State,
+    /// The body being read is a model owner call from a fleet peer.
+    peer: bool,
 }
 
 enum State {
@@ -71,12 +77,12 @@ impl Tee {
 }
 
 fn request_header(name: &str) -> Option<String> {
-    hostcalls::get_map_value(MapType::HttpRequestHeaders, name).ok().flatten()
+    host::header(MapType::HttpRequestHeaders, name)
 }
 
 impl Chat {
     pub fn new(id: u32, worker: Shared) -> Self {
-        Chat { id, worker, state: State::Ignored }
+        Chat { id, worker, state: State::Ignored, peer: false }
     }
 
     fn reject(&mut self, e: &ApiError) -> Action {
@@ -86,6 +92,9 @@ impl Chat {
     }
 
     fn handle(&mut self, body: Vec<u8>) -> Action {
+        if self.peer {
+            return self.serve_peer(&body);
+        }
         let config = self.worker.borrow().config.clone();
         let authorization = request_header("authorization");
         let tenant = config.cache.tenant_header.as_deref().and_then(request_header);
@@ -99,6 +108,12 @@ impl Chat {
             Ok(r) => r,
             Err(e) => return self.reject(&e),
         };
+        if config.role == Role::Forward {
+            // Validated and keyed: on to the key's owner node, which recomputes the key.
+            self.state = State::Ignored;
+            let _ = hostcalls::set_map_value(MapType::HttpRequestHeaders, KEY_HEADER, Some(request.key.hex()));
+            return Action::Continue;
+        }
         self.state = State::Handled;
         let policy = request.policy(&config, CacheControl::parse(meta.cache_control));
         let nonce = self.worker.borrow_mut().nonce();
@@ -118,6 +133,41 @@ impl Chat {
             Step::Call(call) => self.worker.borrow_mut().defer_call(self.id, call, outbound),
             Step::Wait(wait) => self.worker.borrow_mut().wait(self.id, wait, outbound),
         }
+        Action::Pause
+    }
+
+    /// A fleet peer's call to this node's buckets, its secret checked.
+    fn serve_peer(&mut self, body: &[u8]) -> Action {
+        let config = self.worker.borrow().config.clone();
+        match peer::serve(&SharedData, &config, body, host::now_ms()) {
+            Ok(verdict) => {
+                self.state = State::Handled;
+                let body = serde_json::to_vec(&verdict).unwrap_or_default();
+                host::send(&Reply::plain(Response::json(200, body)), &[]);
+                Action::Pause
+            }
+            Err(e) => self.reject(&e),
+        }
+    }
+
+    /// `/holysheep/...` in any spelling: a model owner call with the fleet's secret, on an
+    /// owner listener; refused everywhere else.
+    fn internal(&mut self, method: &str, path: &str) -> Action {
+        let (role, secret) = {
+            let w = self.worker.borrow();
+            (w.config.role, w.peer_secret.clone())
+        };
+        if role == Role::Forward {
+            return self.reject(&ApiError::not_found(method, path));
+        }
+        if !peer::secret_matches(secret.as_deref(), request_header(peer::SECRET_HEADER).as_deref()) {
+            return self.reject(&ApiError::forbidden("internal fleet call without the fleet's secret"));
+        }
+        if method != "POST" || path != PEER_PATH {
+            return self.reject(&ApiError::not_found(method, path));
+        }
+        self.peer = true;
+        self.state = State::Reading;
         Action::Pause
     }
 
@@ -150,8 +200,18 @@ impl Chat {
     }
 }
 
+/// A client's `x-holysheep-*` request headers never reach the owner nodes: the key
+/// header routes, the secret header authenticates.
+fn strip_fleet_headers() {
+    for (name, _) in host::headers(MapType::HttpRequestHeaders) {
+        if name.starts_with("x-holysheep-") {
+            let _ = hostcalls::set_map_value(MapType::HttpRequestHeaders, &name, None);
+        }
+    }
+}
+
 fn response_header(name: &str) -> Option<String> {
-    hostcalls::get_map_value(MapType::HttpResponseHeaders, name).ok().flatten()
+    host::header(MapType::HttpResponseHeaders, name)
 }
 
 fn set_response_header(name: &str, value: Option<&str>) {
@@ -175,6 +235,12 @@ impl HttpContext for Chat {
     fn on_http_request_headers(&mut self, _num_headers: usize, end_of_stream: bool) -> Action {
         let method = request_header(":method").unwrap_or_default();
         let path = request_header(":path").unwrap_or_default();
+        if is_internal_path(&path) {
+            return self.internal(&method, &path);
+        }
+        if self.worker.borrow().config.role == Role::Forward {
+            strip_fleet_headers();
+        }
         if method != "POST" || !is_chat_path(&path) {
             return Action::Continue;
         }

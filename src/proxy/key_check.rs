@@ -5,7 +5,6 @@
 use super::host::{self, SharedData};
 use super::root::Root;
 use crate::core::store::claim;
-use proxy_wasm::hostcalls;
 use proxy_wasm::traits::Context;
 use proxy_wasm::types::{LogLevel, MapType};
 use std::time::Duration;
@@ -58,6 +57,6 @@ impl Root {
     }
 
     pub(super) fn response_header(&self, name: &str) -> Option<String> {
-        hostcalls::get_map_value(MapType::HttpCallResponseHeaders, name).ok().flatten()
+        host::header(MapType::HttpCallResponseHeaders, name)
     }
 }

@@ -6,6 +6,7 @@ mod flights;
 mod host;
 mod http;
 mod key_check;
+mod peers;
 mod root;
 mod wakeups;
 mod worker;

@@ -4,7 +4,7 @@
 
 use super::host;
 use super::worker::{Shared, Worker, REPLY_BATCH};
-use crate::core::config::Config;
+use crate::core::config::{Config, Role};
 use crate::core::upstream;
 use proxy_wasm::hostcalls;
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
@@ -41,6 +41,9 @@ impl Context for Root {
         if self.worker.borrow().key_check_token == Some(token) {
             return self.report_key_check(num_headers);
         }
+        if self.on_verdict(token, num_headers, body_size) {
+            return;
+        }
         let run = self.worker.borrow_mut().flights.remove(&token);
         if let Some(mut run) = run {
             let (outcome, hints) = self.callout_response(num_headers, body_size);
@@ -64,6 +67,14 @@ impl RootContext for Root {
         let mut w = self.worker.borrow_mut();
         w.vm_id = String::from_utf8_lossy(&vm_id).into_owned();
         w.bearer = upstream::bearer(std::env::var(&config.upstream.api_key_env).ok());
+        w.peer_secret = std::env::var(&config.fleet.peer_secret_env).ok().filter(|s| !s.is_empty());
+        if config.fleet.shared_limits() && w.peer_secret.is_none() {
+            let env = &config.fleet.peer_secret_env;
+            host::log(
+                LogLevel::Error,
+                &format!("holysheep: fleet.cluster is set but ${env} is not: limits fall back to this node's share"),
+            );
+        }
         host::log(
             LogLevel::Info,
             &format!(
@@ -84,6 +95,10 @@ impl RootContext for Root {
     fn on_tick(&mut self) {
         self.begin_call();
         self.worker.borrow_mut().answer_stalled();
+        if self.worker.borrow().config.role == Role::Forward {
+            // A forward node keeps no flights: no queue, no key check.
+            return;
+        }
         self.register_queue();
         self.check_key();
         self.dispatch_pending();

@@ -11,6 +11,7 @@ use crate::core::engine::{CacheStatus, Call, Engine, Reply, Wait};
 use crate::core::error::ApiError;
 use crate::core::flight::Flight;
 use crate::core::metrics::{self, Counter};
+use crate::core::peer::Op;
 use crate::core::request::Key;
 use crate::core::stream;
 use crate::core::upstream::{self, Outbound};
@@ -70,6 +71,12 @@ pub struct Worker {
     pub(super) streams: HashMap<u32, Run>,
     /// Keys of stream flights that ended, whose waiters the root wakes.
     pub(super) ended: Vec<Key>,
+    /// Flights waiting for a model owner node's verdict, by callout token.
+    pub(super) asking: HashMap<u32, Run>,
+    /// Settlements for model owner nodes, sent by the root.
+    pub(super) outbox: Vec<Op>,
+    /// The fleet's shared secret (from the environment); never logged.
+    pub(super) peer_secret: Option<String>,
     pub(super) metrics: HashMap<(String, Counter), u32>,
 }
 
@@ -114,6 +121,9 @@ impl Worker {
             sleeping: Vec::new(),
             streams: HashMap::new(),
             ended: Vec::new(),
+            asking: HashMap::new(),
+            outbox: Vec::new(),
+            peer_secret: None,
             metrics: HashMap::new(),
         }
     }
@@ -157,7 +167,12 @@ impl Worker {
             return false;
         }
         let model = &outbound.model;
-        let extra = upstream::rate_headers(&SharedData, &self.config, model, host::now_ms());
+        // With fleet-wide limits the buckets live on their owner nodes: no local headers.
+        let extra = if self.config.fleet.shared_limits() {
+            Vec::new()
+        } else {
+            upstream::rate_headers(&SharedData, &self.config, model, host::now_ms())
+        };
         self.count(metrics::for_reply(&self.config, model, reply));
         if !outbound.stream {
             return self.send(target, reply, &extra);
@@ -184,6 +199,8 @@ impl Worker {
         let Some(run) = self.streams.remove(&context_id) else { return };
         if let Some(key) = self.complete_stream(run, end) {
             self.ended.push(key);
+        }
+        if !self.ended.is_empty() || !self.outbox.is_empty() {
             self.continue_later(ENDED);
         }
     }
@@ -192,10 +209,11 @@ impl Worker {
     /// handed to its waiters in their own forms); after a stream that broke off, give the
     /// lease up so that one of its waiters leads a new flight. The leader's client already
     /// has its answer. Returns the key whose waiters should look again.
-    pub(super) fn complete_stream(&self, mut run: Run, end: StreamEnd) -> Option<Key> {
+    pub(super) fn complete_stream(&mut self, mut run: Run, end: StreamEnd) -> Option<Key> {
         let now = host::now_ms();
         let cut_off = run.outbound.prompt_estimate() + end.streamed_tokens;
         run.flight.on_stream_end(&SharedData, &self.config, end.usage, cut_off, now);
+        self.outbox.append(&mut run.flight.outbox);
         let events = std::mem::take(&mut run.flight.events);
         self.count(events.iter().flat_map(|e| metrics::for_event(&self.config, e)).collect());
         let call = run.flight.call;

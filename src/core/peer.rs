@@ -1,0 +1,165 @@
+//! Limits held fleet-wide. A model's buckets live on one node, the model's owner (the
+//! node the fleet's consistent-hash ring gives the bucket's name); a key owner asks it to
+//! take capacity before calling HolySheep and tells it how the call ended. These are the
+//! messages and the model owner's side, over its own store.
+
+use super::config::Config;
+use super::error::ApiError;
+use super::limits::{self, Denial, Limits, ProviderHints};
+use super::store::CasStore;
+use serde::{Deserialize, Serialize};
+
+/// The request header that carries the fleet's shared secret on internal calls.
+pub const SECRET_HEADER: &str = "x-holysheep-peer-secret";
+
+/// What a key owner asks of a model owner.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "op", rename_all = "lowercase", deny_unknown_fields)]
+pub enum Op {
+    /// Admit the call `id` (one request, `estimate` tokens, a slot held `hold_ms`).
+    Take { model: String, id: u64, estimate: u64, hold_ms: u64 },
+    /// The call `id` ended having used `actual` tokens; what the provider said.
+    Settle { model: String, id: u64, estimate: u64, actual: Option<u64>, hints: ProviderHints },
+}
+
+impl Op {
+    pub fn model(&self) -> &str {
+        match self {
+            Op::Take { model, .. } | Op::Settle { model, .. } => model,
+        }
+    }
+
+    /// The `:authority` of the internal call: the fleet's ring hashes it, so every node
+    /// reaches the same owner for a bucket.
+    pub fn authority(bucket: &str) -> String {
+        format!("bucket.{bucket}.holysheep")
+    }
+
+    pub fn to_json(&self) -> Vec<u8> {
+        serde_json::to_vec(self).unwrap_or_default()
+    }
+}
+
+/// A model owner's answer to `Take` (`Settle` is answered with an admitted verdict).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct Verdict {
+    pub admitted: bool,
+    pub denial: Option<Denial>,
+}
+
+impl Verdict {
+    pub fn parse(body: &[u8]) -> Option<Verdict> {
+        serde_json::from_slice(body).ok()
+    }
+
+    pub fn result(&self) -> Result<(), Denial> {
+        match (self.admitted, self.denial) {
+            (false, Some(d)) => Err(d),
+            _ => Ok(()),
+        }
+    }
+}
+
+/// Whether `offered` is the secret (compared in constant time); never with no secret.
+pub fn secret_matches(secret: Option<&str>, offered: Option<&str>) -> bool {
+    let (Some(secret), Some(offered)) = (secret, offered) else { return false };
+    if secret.is_empty() || secret.len() != offered.len() {
+        return false;
+    }
+    secret.bytes().zip(offered.bytes()).fold(0u8, |acc, (a, b)| acc | (a ^ b)) == 0
+}
+
+/// The model owner's side: applies `body` (an `Op`) to this node's buckets and answers.
+pub fn serve(store: &impl CasStore, config: &Config, body: &[u8], now_ms: u64) -> Result<Verdict, ApiError> {
+    let op: Op = serde_json::from_slice(body)
+        .map_err(|_| ApiError::invalid("not a holysheep peer operation", None, "invalid_json"))?;
+    let Some((bucket, m)) = config.model(op.model()) else {
+        return Ok(Verdict { admitted: true, denial: None });
+    };
+    let l = Limits::of(m);
+    let result = match op {
+        Op::Take { id, estimate, hold_ms, .. } => {
+            limits::take(store, bucket, &l, id, estimate, now_ms, hold_ms.min(super::config::MAX_MS))
+        }
+        Op::Settle { id, estimate, actual, hints, .. } => {
+            let hints = capped(config, &hints);
+            limits::settle(store, bucket, &l, id, estimate, actual, &hints, now_ms);
+            Ok(())
+        }
+    };
+    Ok(Verdict { admitted: result.is_ok(), denial: result.err() })
+}
+
+/// A provider's word empties a bucket for `rate_limit.max_provider_hold_ms` at most.
+pub fn capped(config: &Config, hints: &ProviderHints) -> ProviderHints {
+    let hold = config.rate_limit.max_provider_hold_ms;
+    ProviderHints { retry_after_ms: hints.retry_after_ms.map(|ms| ms.min(hold)), ..*hints }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::core::limits::Kind;
+    use crate::core::store::MemStore;
+
+    fn config() -> Config {
+        Config::parse(br#"{"models":{"gpt-4.1":{"requests_per_minute":1,"burst":2}}}"#).unwrap()
+    }
+
+    fn take(id: u64) -> Vec<u8> {
+        Op::Take { model: "gpt-4.1".into(), id, estimate: 10, hold_ms: 1000 }.to_json()
+    }
+
+    #[test]
+    fn a_model_owner_admits_up_to_the_burst_for_every_node_together() {
+        let (s, c) = (MemStore::default(), config());
+        assert!(serve(&s, &c, &take(1), 0).unwrap().admitted);
+        assert!(serve(&s, &c, &take(2), 0).unwrap().admitted);
+        let third = serve(&s, &c, &take(3), 0).unwrap();
+        assert!(!third.admitted);
+        assert_eq!(third.result().unwrap_err().kind, Kind::Requests);
+        assert_eq!(third.result().unwrap_err().wait_ms, Some(60_000));
+    }
+
+    #[test]
+    fn a_verdict_survives_the_wire() {
+        let (s, c) = (MemStore::default(), config());
+        for id in 1..=3 {
+            let v = serve(&s, &c, &take(id), 0).unwrap();
+            let wire = serde_json::to_vec(&v).unwrap();
+            assert_eq!(Verdict::parse(&wire), Some(v));
+        }
+    }
+
+    #[test]
+    fn a_settle_reports_the_providers_hold_capped_by_the_configuration() {
+        let c =
+            Config::parse(br#"{"models":{"m":{"requests_per_minute":60}},"rate_limit":{"max_provider_hold_ms":1000}}"#)
+                .unwrap();
+        let s = MemStore::default();
+        let hints = ProviderHints { throttled: true, retry_after_ms: Some(86_400_000), ..Default::default() };
+        let op = Op::Settle { model: "m".into(), id: 1, estimate: 1, actual: None, hints };
+        assert!(serve(&s, &c, &op.to_json(), 0).unwrap().admitted);
+        let refused = serve(&s, &c, &Op::Take { model: "m".into(), id: 2, estimate: 1, hold_ms: 1 }.to_json(), 0);
+        let wait = refused.unwrap().result().unwrap_err().wait_ms.unwrap();
+        assert!(wait <= 2_000, "held {wait} ms, not a day");
+    }
+
+    #[test]
+    fn garbage_is_refused_and_unlisted_models_are_unlimited() {
+        let (s, c) = (MemStore::default(), config());
+        assert_eq!(serve(&s, &c, b"{\"op\":\"steal\"}", 0).unwrap_err().status, 400);
+        let other = Op::Take { model: "deepseek-v3".into(), id: 1, estimate: 1, hold_ms: 1 }.to_json();
+        assert!(serve(&s, &c, &other, 0).unwrap().admitted);
+    }
+
+    #[test]
+    fn the_secret_must_match_exactly_and_exist() {
+        assert!(secret_matches(Some("s3cret"), Some("s3cret")));
+        assert!(!secret_matches(Some("s3cret"), Some("s3cres")));
+        assert!(!secret_matches(Some("s3cret"), Some("s3cret ")));
+        assert!(!secret_matches(Some("s3cret"), None));
+        assert!(!secret_matches(None, Some("")));
+        assert!(!secret_matches(Some(""), Some("")));
+    }
+}

@@ -68,7 +68,6 @@ pub struct Envoy {
 
 impl Envoy {
     pub fn start(opts: &Options) -> io::Result<Envoy> {
-        static SEQ: AtomicU32 = AtomicU32::new(0);
         let (bin, wasm) = (envoy_bin(), wasm_path());
         for p in [&bin, &wasm] {
             if !p.exists() {
@@ -78,12 +77,7 @@ impl Envoy {
                 ));
             }
         }
-        let dir = workspace_root().join("target/e2e").join(format!(
-            "{}-{}",
-            std::process::id(),
-            SEQ.fetch_add(1, Ordering::SeqCst)
-        ));
-        std::fs::create_dir_all(&dir)?;
+        let dir = Envoy::new_dir()?;
         let direct_body = dir.join("direct.json");
         std::fs::write(&direct_body, &opts.direct_body)?;
         // Port 0 everywhere: Envoy binds and reports its ports, so parallel tests never race
@@ -103,26 +97,52 @@ impl Envoy {
         } else {
             yaml.replace("allow_on_headers_stop_iteration: true", "")
         };
+        let env: Vec<(&str, String)> = opts.api_key.iter().map(|k| ("HOLYSHEEP_API_KEY", k.clone())).collect();
+        Envoy::spawn(dir, &yaml, opts.concurrency, &env)
+    }
+
+    /// A fresh directory for one Envoy's files under `target/e2e`.
+    pub fn new_dir() -> io::Result<PathBuf> {
+        static SEQ: AtomicU32 = AtomicU32::new(0);
+        let dir = workspace_root().join("target/e2e").join(format!(
+            "{}-{}",
+            std::process::id(),
+            SEQ.fetch_add(1, Ordering::SeqCst)
+        ));
+        std::fs::create_dir_all(&dir)?;
+        Ok(dir)
+    }
+
+    /// Starts Envoy on `yaml` in `dir` with `env` (and no `HOLYSHEEP_*` from the test's own
+    /// environment), and waits until it is ready.
+    pub fn spawn(dir: PathBuf, yaml: &str, concurrency: u32, env: &[(&str, String)]) -> io::Result<Envoy> {
         let config_path = dir.join("envoy.yaml");
         std::fs::write(&config_path, yaml)?;
-        let mut cmd = Command::new(bin);
+        let mut cmd = Command::new(envoy_bin());
         cmd.arg("-c")
             .arg(&config_path)
-            .args(["--concurrency", &opts.concurrency.to_string(), "--disable-hot-restart", "-l", "info"])
+            .args(["--concurrency", &concurrency.to_string(), "--disable-hot-restart", "-l", "info"])
             .arg("--admin-address-path")
             .arg(dir.join("admin.address"))
             .env_remove("HOLYSHEEP_API_KEY")
+            .env_remove("HOLYSHEEP_PEER_SECRET")
             .stdout(Stdio::null())
             // stderr, not --log-path: the log file is flushed only every few seconds.
             .stderr(std::fs::File::create(dir.join("envoy.log"))?);
-        if let Some(k) = &opts.api_key {
-            cmd.env("HOLYSHEEP_API_KEY", k);
+        for (k, v) in env {
+            cmd.env(k, v);
         }
         let unbound = SocketAddr::from(([127, 0, 0, 1], 0));
         let mut envoy =
             Envoy { child: cmd.spawn()?, admin: unbound, edge: unbound, direct: unbound, plain: unbound, dir };
         envoy.wait_ready()?;
         Ok(envoy)
+    }
+
+    /// Kills Envoy at once (SIGKILL), as a lost node.
+    pub fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
     }
 
     /// Waits until the admin endpoint reports LIVE (workers started, listeners bound), then
@@ -154,7 +174,10 @@ impl Envoy {
             port.map(|p| SocketAddr::from(([127, 0, 0, 1], p as u16)))
                 .ok_or_else(|| io::Error::other(format!("listener {name} not found in {listeners}")))
         };
-        (self.edge, self.direct, self.plain) = (port("edge")?, port("direct")?, port("plain")?);
+        // A fleet node's listeners have other names (and ports chosen beforehand).
+        if let (Ok(edge), Ok(direct), Ok(plain)) = (port("edge"), port("direct"), port("plain")) {
+            (self.edge, self.direct, self.plain) = (edge, direct, plain);
+        }
         Ok(())
     }
 

@@ -4,6 +4,7 @@
 pub mod client;
 pub mod component_host;
 pub mod envoy;
+pub mod fleet;
 pub mod mock;
 pub mod proxy_host;
 pub mod serve;

@@ -1,0 +1,138 @@
+//! Many edge nodes as one: three real Envoys (`--concurrency 2` each) on one machine, each
+//! with a public listener (role `forward`) and an owner listener (role `owner`) on one
+//! consistent-hash ring, in front of one mock HolySheep.
+
+use host_test::client::{request, Conn, Resp};
+use host_test::fleet::{Fleet, SECRET};
+use host_test::mock::Fault;
+use host_test::stack::{count, prompt, prompt_for, PATH};
+use std::net::SocketAddr;
+use std::sync::{Arc, Barrier};
+use std::time::Duration;
+
+const CONFIG: &str = r#"{"models":{"deepseek-v3":{"requests_per_minute":1,"burst":6}}}"#;
+
+/// One request per (address, body), each on its own connection, all released together.
+fn spread(targets: Vec<(SocketAddr, String)>) -> Vec<Resp> {
+    let barrier = Arc::new(Barrier::new(targets.len()));
+    let handles: Vec<_> = targets
+        .into_iter()
+        .map(|(addr, body)| {
+            let b = barrier.clone();
+            std::thread::spawn(move || {
+                let mut conn = Conn::open(addr).and_then(|c| c.read_timeout(Duration::from_secs(30))).expect("connect");
+                b.wait();
+                conn.request("POST", PATH, &[("authorization", "Bearer sk-fleet")], body.as_bytes()).expect("answer")
+            })
+        })
+        .collect();
+    handles.into_iter().map(|h| h.join().expect("thread")).collect()
+}
+
+fn round_robin(publics: &[SocketAddr], bodies: Vec<String>) -> Vec<(SocketAddr, String)> {
+    bodies.into_iter().enumerate().map(|(i, b)| (publics[i % publics.len()], b)).collect()
+}
+
+fn content(r: &Resp) -> String {
+    let v = r.json();
+    format!("{} {}", v["id"], v["choices"][0]["message"]["content"])
+}
+
+fn peer_call(addr: SocketAddr, path: &str, secret: Option<&str>) -> Resp {
+    let body = br#"{"op":"take","model":"deepseek-v3","id":1,"estimate":1,"hold_ms":1}"#;
+    let headers: Vec<(&str, &str)> = secret.map(|s| vec![("x-holysheep-peer-secret", s)]).unwrap_or_default();
+    request(addr, "POST", path, &headers, body).expect("answer")
+}
+
+#[test]
+fn three_nodes_act_as_one_edge() {
+    let fleet = Fleet::start(3, CONFIG, 300);
+    let publics = fleet.publics();
+    let probes = fleet.calls();
+
+    // 300 identical requests over the three public listeners: one call, one answer.
+    let body = prompt("one owner for the whole fleet");
+    let answers = spread(round_robin(&publics, vec![body.clone(); 300]));
+    assert!(answers.iter().all(|r| r.status == 200), "{:?}", answers.iter().map(|r| r.status).collect::<Vec<_>>());
+    assert_eq!(fleet.calls() - probes, 1, "one upstream call for the fleet");
+    assert_eq!((count(&answers, "MISS"), count(&answers, "COALESCED")), (1, 299));
+    assert!(answers.iter().all(|r| content(r) == content(&answers[0])), "the same answer everywhere");
+    for public in &publics {
+        let r =
+            request(*public, "POST", PATH, &[("authorization", "Bearer sk-fleet")], body.as_bytes()).expect("answer");
+        assert_eq!((r.status, r.cache(), content(&r)), (200, "HIT", content(&answers[0])), "a HIT on every node");
+    }
+    // A client's own x-holysheep-key does not route: each lands on the owner, a HIT.
+    for bogus in ["0", "ffff", "evil", "1234567890", "owner-2", "x"] {
+        let headers = [("authorization", "Bearer sk-fleet"), ("x-holysheep-key", bogus)];
+        let r = request(publics[0], "POST", PATH, &headers, body.as_bytes()).expect("answer");
+        assert_eq!(r.cache(), "HIT", "x-holysheep-key: {bogus}");
+    }
+    assert_eq!(fleet.calls() - probes, 1);
+
+    // A stream crosses the forward hop live: the first event arrives while the mock holds
+    // the rest.
+    fleet.mock.mock.plan(vec![Fault { hold_after_events: Some(3), ..Fault::default() }]);
+    let streamed = prompt("stream across the fleet").replacen('{', r#"{"stream":true,"#, 1);
+    let mut conn = Conn::open(publics[1]).and_then(|c| c.read_timeout(Duration::from_secs(20))).expect("connect");
+    conn.send_only("POST", PATH, &[("authorization", "Bearer sk-fleet")], streamed.as_bytes()).expect("send");
+    let head = conn.read_until("\"role\":\"assistant\"").expect("the first event before the rest was sent");
+    assert!(head.contains("x-holysheep-cache: MISS"), "{head}");
+    fleet.mock.mock.release();
+    conn.read_until("data: [DONE]").expect("the rest of the stream");
+
+    // burst 6 on deepseek-v3: 30 distinct requests over the nodes admit 6 in total.
+    let calls_before = fleet.calls();
+    let bodies = (0..30).map(|i| prompt_for("deepseek-v3", &format!("limited {i}"))).collect();
+    let limited = spread(round_robin(&publics, bodies));
+    let admitted = limited.iter().filter(|r| r.status == 200).count();
+    let refused = limited.iter().filter(|r| r.status == 429).count();
+    assert_eq!((admitted, refused), (6, 24), "burst 6 holds fleet-wide");
+    assert_eq!(fleet.calls() - calls_before, 6);
+    assert_eq!(fleet.stat("wasmcustom.holysheep.deepseek-v3.fleet_local_share"), 0, "every model owner was reached");
+
+    // Internal calls: refused without the secret on the owner listener, and always on the
+    // public listener, in any spelling.
+    let owner = fleet.live().next().map(|n| n.owner).expect("a node");
+    assert_eq!(peer_call(owner, "/holysheep/peer/bucket", None).status, 403);
+    assert_eq!(peer_call(owner, "/holysheep/peer/bucket", Some("guess")).status, 403);
+    for path in ["/holysheep/peer/bucket", "//holysheep/./peer/bucket", "/%68olysheep/peer/bucket"] {
+        let r = peer_call(publics[0], path, Some(SECRET));
+        assert_eq!((r.status, r.json()["error"]["code"].as_str()), (404, Some("unknown_url")), "{path}");
+    }
+    let granted = peer_call(owner, "/holysheep/peer/bucket", Some(SECRET));
+    assert_eq!(granted.status, 200, "the fleet's own call with its secret: {}", granted.text());
+    assert!(granted.json()["admitted"].is_boolean());
+    assert_eq!(fleet.crashes(), Vec::<String>::new());
+}
+
+#[test]
+fn a_node_lost_is_routed_around_and_no_client_hangs() {
+    let mut fleet = Fleet::start(3, "{}", 1_500);
+    let survivors: Vec<SocketAddr> = fleet.publics()[..2].to_vec();
+    // Nine prompts in flight through node 0, spread over the owners; node 2 dies while
+    // HolySheep is still answering: the requests it owned are retried on another owner.
+    let bodies: Vec<String> = (0..9).map(|i| prompt(&format!("in flight {i}"))).collect();
+    let targets = bodies.iter().map(|b| (survivors[0], b.clone())).collect();
+    let flying = std::thread::spawn(move || spread(targets));
+    let probes = fleet.calls();
+    host_test::stack::poll_until(|| fleet.calls() >= probes + 9, "the nine calls never reached HolySheep");
+    fleet.kill(2);
+    let answers = flying.join().expect("clients");
+    assert!(
+        answers.iter().all(|r| r.status == 200),
+        "{:?}",
+        answers.iter().map(|r| (r.status, r.text())).collect::<Vec<_>>()
+    );
+
+    // At once (before any health check noticed), every prompt on the survivors succeeds.
+    fleet.mock.mock.set_latency_ms(0);
+    let bodies: Vec<String> = (0..30).map(|i| prompt(&format!("after the loss {i}"))).collect();
+    let answers = spread(round_robin(&survivors, bodies.clone()));
+    assert!(answers.iter().all(|r| r.status == 200), "{:?}", answers.iter().map(|r| r.status).collect::<Vec<_>>());
+    // Once the rings forgot the node, the same prompts are answered by their owners.
+    fleet.await_one_ring(2);
+    let again = spread(round_robin(&survivors, bodies));
+    assert!(again.iter().all(|r| r.status == 200));
+    assert_eq!(fleet.crashes(), Vec::<String>::new());
+}

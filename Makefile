@@ -1,11 +1,14 @@
 # The two commands: `make run` (demo on the mock) and `make test` (everything CI runs).
-.PHONY: run run-component test bench stop setup clean wit-lock fuzz
+.PHONY: run run-cluster run-component test bench stop setup clean wit-lock fuzz
 
 setup:
 	envoy/setup.sh
 
 run:
 	envoy/run.sh
+
+run-cluster:
+	envoy/run-cluster.sh
 
 run-component: setup
 	envoy/run-component.sh

@@ -4,6 +4,8 @@
 //! - MISS (distinct prompts) vs plain Envoy proxying to the mock;
 //! - how long coalesced followers trail their leader;
 //! - time to the first event of a streamed MISS through the edge vs plain proxying;
+//! - a fleet node (`envoy/fleet.yaml.tmpl`, one node): HIT through the forward hop vs HIT
+//!   on the owner listener;
 //! - the wasi:http component on the wasmtime host: HIT vs the Envoy plugin's HIT, its
 //!   (polling) followers;
 //! - the plugin's and the component's sizes.
@@ -13,6 +15,7 @@
 use host_test::client::{request, Conn};
 use host_test::component_host::serve::{start as start_component, ComponentOptions};
 use host_test::envoy::{component_path, wasm_path, Envoy, Options};
+use host_test::fleet::Fleet;
 use host_test::mock::Running;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -189,6 +192,22 @@ fn main() -> std::io::Result<()> {
     println!(
         "streamed MISS, whole stream (p50):  edge {edge_whole} us, plain proxy {plain_whole} us (5 ms between events)"
     );
+
+    drop(envoy);
+    let fleet = Fleet::start(1, "{}", 0);
+    let node = fleet.live().next().expect("the fleet's node");
+    request(node.public, "POST", PATH, &[("authorization", "Bearer bench")], hit_prompt.as_bytes())?;
+    println!();
+    let same = hit_prompt.clone();
+    let owner_hit = load(node.owner, conns, secs, Arc::new(move || same.clone()));
+    row("fleet HIT on the owner listener", &owner_hit);
+    let same = hit_prompt.clone();
+    let hop_hit = load(node.public, conns, secs, Arc::new(move || same.clone()));
+    row("fleet HIT through a forward hop", &hop_hit);
+    assert!(owner_hit.labels.iter().chain(&hop_hit.labels).all(|l| l == "HIT"), "every fleet-row answer was a HIT");
+    println!("forward hop HIT throughput / owner HIT: {:.2}", hop_hit.rps / owner_hit.rps);
+    println!("forward hop HIT p50 / owner HIT p50:    {:.2}", hop_hit.p50_us as f64 / owner_hit.p50_us.max(1) as f64);
+    drop(fleet);
 
     let component = start_component(ComponentOptions {
         wasm: component_path(),

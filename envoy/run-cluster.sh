@@ -1,0 +1,97 @@
+#!/usr/bin/env bash
+# Three Envoys on one machine as one fleet (envoy/fleet.yaml.tmpl) in front of the mock
+# HolySheep: a burst of identical prompts spread over the three public listeners makes
+# one upstream call. Ctrl-C (or envoy/stop.sh) stops everything.
+#
+# Node i (0..2): public :1001i, owner :1002i, admin :991i. Mock :18000.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+envoy/setup.sh
+cargo build --quiet --release -p host-test --bin mock-holysheep
+mkdir -p .run
+envoy/stop.sh >/dev/null 2>&1 || true
+
+CONFIG=${HOLYSHEEP_CONFIG:-'{"cache":{"ttl_seconds":600}}'}
+MOCK_PORT=${MOCK_PORT:-18000}
+# The fleet's shared secret for internal calls: every node must have the same one.
+export HOLYSHEEP_PEER_SECRET=${HOLYSHEEP_PEER_SECRET:-$(od -An -N16 -tx1 /dev/urandom | tr -d ' \n')}
+root=$(pwd)
+
+# One configuration for both listeners: the public one adds "role": "forward", the owner
+# one the ring of owners for fleet-wide limits.
+configs=$(python3 - "$CONFIG" <<'PY'
+import json, sys
+base = json.loads(sys.argv[1])
+forward = dict(base, role="forward")
+owner = dict(base)
+owner.setdefault("fleet", {"cluster": "owners", "nodes": 3})
+print(json.dumps(forward)); print(json.dumps(owner))
+PY
+)
+forward=$(sed -n 1p <<<"$configs") owner=$(sed -n 2p <<<"$configs")
+escape() { local s=${1//\'/\'\'}; s=${s//&/\\&}; s=${s//#/\\#}; printf '%s' "$s"; }
+endpoints=""
+for i in 0 1 2; do
+  endpoints+="        - endpoint: {address: {socket_address: {address: 127.0.0.1, port_value: 1002$i}}}\\n"
+done
+
+./target/release/mock-holysheep --listen "127.0.0.1:$MOCK_PORT" --latency-ms "${MOCK_LATENCY_MS:-400}" > .run/mock.log 2>&1 &
+echo $! > .run/mock.pid
+for i in 0 1 2; do
+  sed -e "s#@ADMIN_PORT@#991$i#" -e "s#@PUBLIC_PORT@#1001$i#" -e "s#@OWNER_PORT@#1002$i#" \
+      -e "s#@NODE@#node-$i#" -e "s#@MOCK_PORT@#$MOCK_PORT#" \
+      -e "s#@WASM@#$root/target/wasm32-wasip1/release/holysheep_edge.wasm#" \
+      -e "s#@FORWARD_CONFIG@#$(escape "$forward")#" -e "s#@OWNER_CONFIG@#$(escape "$owner")#" \
+      -e "s#^@OWNER_ENDPOINTS@\$#${endpoints%\\n}#" \
+      envoy/fleet.yaml.tmpl > ".run/fleet-$i.yaml"
+  .venv/bin/envoy -c ".run/fleet-$i.yaml" --concurrency 2 --disable-hot-restart -l info \
+    > ".run/fleet-$i.log" 2>&1 &
+  echo $! > ".run/fleet-$i.pid"
+done
+trap 'envoy/stop.sh' INT TERM
+
+for i in 0 1 2; do
+  for _ in $(seq 1 200); do
+    curl -fs "http://127.0.0.1:991$i/ready" >/dev/null 2>&1 && break
+    sleep 0.1
+  done
+  curl -fs "http://127.0.0.1:991$i/ready" >/dev/null || { tail -20 ".run/fleet-$i.log"; exit 1; }
+done
+# Each node's ring must see every owner healthy (the health check runs every second).
+for i in 0 1 2; do
+  for _ in $(seq 1 100); do
+    [ "$(curl -s "http://127.0.0.1:991$i/clusters" | grep -c '^owners::.*::health_flags::healthy$')" = 3 ] && break
+    sleep 0.1
+  done
+done
+sleep 1.2  # one health-check interval more: every worker's ring has the owners
+
+calls() {
+  local n=0 i v
+  for i in 0 1 2; do
+    v=$(curl -s "http://127.0.0.1:991$i/stats?filter=upstream_calls" | awk -F': ' '{s+=$2} END {print s+0}')
+    n=$((n + v))
+  done
+  echo "$n"
+}
+
+body='{"model":"gpt-4.1","messages":[{"role":"user","content":"Name three sheep breeds."}],"temperature":0}'
+cat <<MSG
+
+holysheep-edge fleet is running: public listeners :10010 :10011 :10012, owners :10020-:10022,
+admin :9910-:9912, mock HolySheep on :$MOCK_PORT.
+Logs: .run/fleet-{0,1,2}.log .run/mock.log    Stop: Ctrl-C or envoy/stop.sh
+
+A burst of 30 identical prompts, 10 on each node's public listener:
+MSG
+before=$(calls)
+for n in $(seq 0 29); do
+  curl -s -o /dev/null -w '%{http_code} %header{x-holysheep-cache} from owner %header{x-holysheep-owner}\n' \
+    "http://127.0.0.1:1001$((n % 3))/v1/chat/completions" -H 'authorization: Bearer demo' -d "$body" &
+done | sort | uniq -c
+wait
+echo "upstream calls for the burst, over the whole fleet: $(( $(calls) - before ))"
+echo
+echo "Try it on any node (a HIT everywhere now):"
+echo "  curl -si http://127.0.0.1:10011/v1/chat/completions -H 'authorization: Bearer demo' -d '$body' | grep -i x-holysheep"
+wait "$(cat .run/fleet-0.pid)"

@@ -89,7 +89,6 @@ for n in $(seq 0 29); do
   curl -s -o /dev/null -w '%{http_code} %header{x-holysheep-cache} from owner %header{x-holysheep-owner}\n' \
     "http://127.0.0.1:1001$((n % 3))/v1/chat/completions" -H 'authorization: Bearer demo' -d "$body" &
 done | sort | uniq -c
-wait
 echo "upstream calls for the burst, over the whole fleet: $(( $(calls) - before ))"
 echo
 echo "Try it on any node (a HIT everywhere now):"

@@ -26,8 +26,14 @@ test: setup
 	cargo clippy --quiet --release --target wasm32-wasip2 -- -D warnings
 	cargo test --workspace
 
+# The floors are tiny proxy-wasm filters (host-test/floors/) measured beside the plugin;
+# the charts need matplotlib, installed into ./.venv here (not for the tests).
 bench: setup
+	for f in reply callout; do (cd host-test/floors/$$f && \
+	  CARGO_TARGET_DIR=../../../target/floors cargo build --quiet --release --target wasm32-wasip1) || exit 1; done
 	cargo run --quiet --release -p host-test --bin bench
+	.venv/bin/pip install --quiet matplotlib==3.9.2
+	.venv/bin/python host-test/bench_charts.py target/bench
 
 # Fuzzing needs the nightly toolchain and cargo-fuzz (kept out of CI). FUZZ_SECONDS per target.
 FUZZ_SECONDS ?= 60

@@ -42,6 +42,8 @@ pub struct Options {
     /// Keep the wasm filter's required `allow_on_headers_stop_iteration: true` (tests of
     /// the misconfiguration drop it).
     pub allow_on_headers_stop_iteration: bool,
+    /// More listeners (YAML list items), added to the template's (the bench's floors).
+    pub extra_listeners: String,
 }
 
 impl Options {
@@ -53,6 +55,7 @@ impl Options {
             api_key: None,
             direct_body: b"{}".to_vec(),
             allow_on_headers_stop_iteration: true,
+            extra_listeners: String::new(),
         }
     }
 }
@@ -64,6 +67,8 @@ pub struct Envoy {
     pub plain: SocketAddr,
     pub admin: SocketAddr,
     pub dir: PathBuf,
+    /// The admin `/listeners` answer.
+    listeners: serde_json::Value,
 }
 
 impl Envoy {
@@ -92,6 +97,7 @@ impl Envoy {
             .replace("@WASM@", &wasm.display().to_string())
             .replace("@DIRECT_BODY@", &direct_body.display().to_string())
             .replace("@CONFIG@", &opts.config.replace('\'', "''"));
+        let yaml = yaml.replace("  clusters:\n", &format!("{}  clusters:\n", opts.extra_listeners));
         let yaml = if opts.allow_on_headers_stop_iteration {
             yaml
         } else {
@@ -133,8 +139,15 @@ impl Envoy {
             cmd.env(k, v);
         }
         let unbound = SocketAddr::from(([127, 0, 0, 1], 0));
-        let mut envoy =
-            Envoy { child: cmd.spawn()?, admin: unbound, edge: unbound, direct: unbound, plain: unbound, dir };
+        let mut envoy = Envoy {
+            child: cmd.spawn()?,
+            admin: unbound,
+            edge: unbound,
+            direct: unbound,
+            plain: unbound,
+            dir,
+            listeners: serde_json::Value::Null,
+        };
         envoy.wait_ready()?;
         Ok(envoy)
     }
@@ -178,7 +191,16 @@ impl Envoy {
         if let (Ok(edge), Ok(direct), Ok(plain)) = (port("edge"), port("direct"), port("plain")) {
             (self.edge, self.direct, self.plain) = (edge, direct, plain);
         }
+        self.listeners = listeners;
         Ok(())
+    }
+
+    /// The address of the listener called `name`.
+    pub fn listener(&self, name: &str) -> Option<SocketAddr> {
+        let statuses = self.listeners["listener_statuses"].as_array()?;
+        let found = statuses.iter().find(|l| l["name"] == name)?;
+        let port = found["local_address"]["socket_address"]["port_value"].as_u64()?;
+        Some(SocketAddr::from(([127, 0, 0, 1], port as u16)))
     }
 
     pub fn log(&self) -> String {

@@ -6,6 +6,8 @@
 //! - time to the first event of a streamed MISS through the edge vs plain proxying;
 //! - a fleet node (`envoy/fleet.yaml.tmpl`, one node): HIT through the forward hop vs HIT
 //!   on the owner listener;
+//! - floors: minimal proxy-wasm filters (`host-test/floors/`: a local reply, a callout)
+//!   measured beside the plugin, with the issue-13 goals as ratios;
 //! - the wasi:http component on the wasmtime host: HIT vs the Envoy plugin's HIT, its
 //!   (polling) followers;
 //! - the plugin's and the component's sizes.
@@ -14,10 +16,11 @@
 
 use host_test::client::{request, Conn};
 use host_test::component_host::serve::{start as start_component, ComponentOptions};
-use host_test::envoy::{component_path, wasm_path, Envoy, Options};
+use host_test::envoy::{component_path, wasm_path, workspace_root, Envoy, Options};
 use host_test::fleet::Fleet;
 use host_test::mock::Running;
 use std::net::SocketAddr;
+use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Barrier};
 use std::time::{Duration, Instant};
@@ -28,7 +31,9 @@ struct Stats {
     requests: usize,
     rps: f64,
     p50_us: u64,
+    p90_us: u64,
     p99_us: u64,
+    p999_us: u64,
     labels: Vec<String>,
 }
 
@@ -76,7 +81,15 @@ fn load(addr: SocketAddr, conns: usize, secs: u64, body: Arc<dyn Fn() -> String 
     lat.sort_unstable();
     let pct =
         |p: f64| lat.get(((lat.len() as f64 * p) as usize).min(lat.len().saturating_sub(1))).copied().unwrap_or(0);
-    Stats { requests: lat.len(), rps: lat.len() as f64 / elapsed, p50_us: pct(0.50), p99_us: pct(0.99), labels }
+    Stats {
+        requests: lat.len(),
+        rps: lat.len() as f64 / elapsed,
+        p50_us: pct(0.50),
+        p90_us: pct(0.90),
+        p99_us: pct(0.99),
+        p999_us: pct(0.999),
+        labels,
+    }
 }
 
 fn row(name: &str, s: &Stats) {
@@ -90,7 +103,7 @@ fn unique_prompts(tag: &'static str) -> Arc<dyn Fn() -> String + Send + Sync> {
 
 /// `n` identical requests at once with a slow upstream: how long after the leader's
 /// answer do the followers get theirs?
-fn follower_delay(edge: SocketAddr, mock: &Running, n: usize) -> (u64, u64, u64, usize) {
+fn follower_delay(edge: SocketAddr, mock: &Running, n: usize) -> Followers {
     mock.mock.set_latency_ms(300);
     let calls_before = mock.mock.calls();
     let body = prompt("follower delay probe");
@@ -116,9 +129,24 @@ fn follower_delay(edge: SocketAddr, mock: &Running, n: usize) -> (u64, u64, u64,
         .map(|(t, _)| t.saturating_duration_since(leader).as_micros() as u64)
         .collect();
     delays.sort_unstable();
-    let p50 = delays.get(delays.len() / 2).copied().unwrap_or(0);
-    let max = delays.last().copied().unwrap_or(0);
-    (p50, max, mock.mock.calls() - calls_before, delays.len())
+    let pct = |p: f64| delays.get(((delays.len() as f64 * p) as usize).min(delays.len().saturating_sub(1))).copied();
+    Followers {
+        p50_us: pct(0.5).unwrap_or(0),
+        p99_us: pct(0.99).unwrap_or(0),
+        max_us: delays.last().copied().unwrap_or(0),
+        calls: mock.mock.calls() - calls_before,
+        followers: delays.len(),
+        delays_us: delays,
+    }
+}
+
+struct Followers {
+    p50_us: u64,
+    p99_us: u64,
+    max_us: u64,
+    calls: u64,
+    followers: usize,
+    delays_us: Vec<u64>,
 }
 
 /// `n` distinct streamed prompts one after another to `addr`: the median time from sending
@@ -140,58 +168,170 @@ fn first_event(addr: SocketAddr, tag: &str, n: usize) -> (u64, u64) {
     (first[n / 2], whole[n / 2])
 }
 
+/// A floor filter's listener (`host-test/floors/`), added to the bench's Envoy.
+fn floor_listener(name: &str, wasm: &Path, configuration: &str) -> String {
+    format!(
+        r#"  - name: {name}
+    address: {{socket_address: {{address: 127.0.0.1, port_value: 0}}}}
+    filter_chains:
+    - filters:
+      - name: envoy.filters.network.http_connection_manager
+        typed_config:
+          "@type": type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager
+          stat_prefix: {name}
+          route_config:
+            virtual_hosts:
+            - name: {name}
+              domains: ["*"]
+              routes:
+              - match: {{prefix: "/"}}
+                route: {{cluster: holysheep, timeout: 120s}}
+          http_filters:
+          - name: envoy.filters.http.wasm
+            typed_config:
+              "@type": type.googleapis.com/envoy.extensions.filters.http.wasm.v3.Wasm
+              config:
+                name: {name}
+                root_id: {name}
+                allow_on_headers_stop_iteration: true
+                configuration:
+                  "@type": type.googleapis.com/google.protobuf.StringValue
+                  value: '{configuration}'
+                vm_config:
+                  vm_id: {name}
+                  runtime: envoy.wasm.runtime.v8
+                  code: {{local: {{filename: "{wasm}"}}}}
+          - name: envoy.filters.http.router
+            typed_config:
+              "@type": type.googleapis.com/envoy.extensions.filters.http.router.v3.Router
+"#,
+        wasm = wasm.display(),
+        configuration = configuration.replace('\'', "''"),
+    )
+}
+
+/// What one run measured, printed as it goes and written to `target/bench/`.
+#[derive(Default)]
+struct Report {
+    rows: Vec<(String, Stats)>,
+    ratios: Vec<(String, f64, String)>,
+    notes: Vec<String>,
+    series: Vec<(String, Vec<u64>)>,
+}
+
+impl Report {
+    fn row(&mut self, name: &str, s: Stats) -> usize {
+        row(name, &s);
+        self.rows.push((name.to_owned(), s));
+        self.rows.len() - 1
+    }
+
+    fn ratio(&mut self, what: &str, value: f64, goal: &str) {
+        println!("{what:<44} {value:>6.2}   {goal}");
+        self.ratios.push((what.to_owned(), value, goal.to_owned()));
+    }
+
+    fn note(&mut self, line: String) {
+        println!("{line}");
+        self.notes.push(line);
+    }
+
+    fn rps(&self, i: usize) -> f64 {
+        self.rows[i].1.rps
+    }
+
+    fn write(&self, dir: &Path) -> std::io::Result<()> {
+        std::fs::create_dir_all(dir)?;
+        let mut md = String::from("| scenario | requests | req/s | p50 µs | p99 µs |\n|---|---:|---:|---:|---:|\n");
+        for (name, s) in &self.rows {
+            md += &format!("| {name} | {} | {:.0} | {} | {} |\n", s.requests, s.rps, s.p50_us, s.p99_us);
+        }
+        md += "\n| ratio | value | goal |\n|---|---:|---|\n";
+        for (what, v, goal) in &self.ratios {
+            md += &format!("| {what} | {v:.2} | {goal} |\n");
+        }
+        md += "\n";
+        for n in &self.notes {
+            md += &format!("- {n}\n");
+        }
+        std::fs::write(dir.join("results.md"), md)?;
+        let json = serde_json::json!({
+            "rows": self.rows.iter().map(|(n, s)| serde_json::json!({
+                "name": n, "requests": s.requests, "rps": s.rps, "p50_us": s.p50_us, "p90_us": s.p90_us,
+                "p99_us": s.p99_us, "p999_us": s.p999_us,
+            })).collect::<Vec<_>>(),
+            "ratios": self.ratios.iter().map(|(w, v, g)| serde_json::json!({"what": w, "value": v, "goal": g})).collect::<Vec<_>>(),
+            "series": self.series.iter().map(|(n, d)| serde_json::json!({"name": n, "delays_us": d})).collect::<Vec<_>>(),
+        });
+        std::fs::write(dir.join("results.json"), serde_json::to_vec_pretty(&json).unwrap_or_default())
+    }
+}
+
 fn main() -> std::io::Result<()> {
     let secs = env_or("BENCH_SECONDS", 3);
     let conns = env_or("BENCH_CONNECTIONS", 16) as usize;
+    let crowd = env_or("BENCH_CROWD", 1000) as usize;
     let wasm_bytes = std::fs::metadata(wasm_path())?.len();
     let mock = Running::start(None, 0)?;
     let hit_prompt = prompt("benchmark prompt");
-    // The direct_response baseline serves exactly the body a HIT serves.
+    // The direct_response baseline and the local-reply floor serve exactly the body a HIT serves.
     let hit_body = request(mock.addr, "POST", PATH, &[], hit_prompt.as_bytes())?.body;
+    let floors = workspace_root().join("target/floors/wasm32-wasip1/release");
     let mut opts = Options::new("{}", mock.addr);
     opts.direct_body = hit_body.clone();
+    opts.extra_listeners =
+        floor_listener("floor_reply", &floors.join("floor_reply.wasm"), &String::from_utf8_lossy(&hit_body))
+            + &floor_listener("floor_callout", &floors.join("floor_callout.wasm"), "{}");
     let envoy = Envoy::start(&opts)?;
+    let floor_reply = envoy.listener("floor_reply").expect("floor_reply listener");
+    let floor_callout = envoy.listener("floor_callout").expect("floor_callout listener");
     let warm = request(envoy.edge, "POST", PATH, &[("authorization", "Bearer bench")], hit_prompt.as_bytes())?;
     assert_eq!(warm.body, hit_body, "the edge serves the mock's answer");
+    let floor = request(floor_reply, "POST", PATH, &[], hit_prompt.as_bytes())?;
+    assert_eq!(floor.body, hit_body, "the local-reply floor serves the same body");
 
+    let mut r = Report::default();
     println!("holysheep-edge bench: Envoy 1.40 --concurrency 2, {conns} keep-alive connections, {secs}s per row");
     println!("{:<34} {:>9} {:>11} {:>10} {:>10}", "scenario", "requests", "req/s", "p50 us", "p99 us");
     let same = hit_prompt.clone();
-    let direct = load(envoy.direct, conns, secs, Arc::new(move || same.clone()));
-    row("direct_response (baseline)", &direct);
+    let direct = r.row("direct_response (baseline)", load(envoy.direct, conns, secs, Arc::new(move || same.clone())));
     let same = hit_prompt.clone();
-    let hit = load(envoy.edge, conns, secs, Arc::new(move || same.clone()));
-    row("edge HIT", &hit);
-    let plain = load(envoy.plain, conns, secs, unique_prompts("plain"));
-    row("plain proxy to mock (baseline)", &plain);
-    let miss = load(envoy.edge, conns, secs, unique_prompts("miss"));
-    row("edge MISS (distinct prompts)", &miss);
-    assert!(hit.labels.iter().all(|l| l == "HIT"), "every HIT-row answer was a HIT");
-    assert!(miss.labels.iter().all(|l| l == "MISS"), "every MISS-row answer was a MISS");
+    let floor_hit = r.row("floor: wasm local reply", load(floor_reply, conns, secs, Arc::new(move || same.clone())));
+    let same = hit_prompt.clone();
+    let hit = r.row("edge HIT", load(envoy.edge, conns, secs, Arc::new(move || same.clone())));
+    let plain = r.row("plain proxy to mock (baseline)", load(envoy.plain, conns, secs, unique_prompts("plain")));
+    let floor_miss = r.row("floor: wasm callout", load(floor_callout, conns, secs, unique_prompts("floor")));
+    let miss = r.row("edge MISS (distinct prompts)", load(envoy.edge, conns, secs, unique_prompts("miss")));
+    assert!(r.rows[hit].1.labels.iter().all(|l| l == "HIT"), "every HIT-row answer was a HIT");
+    assert!(r.rows[miss].1.labels.iter().all(|l| l == "MISS"), "every MISS-row answer was a MISS");
 
-    let (p50, max, calls, followers) = follower_delay(envoy.edge, &mock, 50);
     println!();
-    println!("HIT throughput / direct_response:   {:.2}", hit.rps / direct.rps);
-    println!("HIT p50 / direct_response p50:      {:.2}", hit.p50_us as f64 / direct.p50_us.max(1) as f64);
-    println!("HIT p99 / direct_response p99:      {:.2}", hit.p99_us as f64 / direct.p99_us.max(1) as f64);
-    println!("MISS throughput / plain proxy:      {:.2}", miss.rps / plain.rps);
-    println!("MISS p50 / plain proxy p50:         {:.2}", miss.p50_us as f64 / plain.p50_us.max(1) as f64);
-    println!("MISS p99 / plain proxy p99:         {:.2}", miss.p99_us as f64 / plain.p99_us.max(1) as f64);
-    println!("50 identical requests (300 ms upstream): {calls} upstream call(s), {followers} followers");
-    println!("follower delay after the leader:    p50 {p50} us, max {max} us");
-    println!("plugin size:                        {wasm_bytes} bytes");
+    r.ratio("HIT throughput / local-reply floor", r.rps(hit) / r.rps(floor_hit), "goal >= 0.90");
+    let added = r.rows[hit].1.p99_us as f64 - r.rows[floor_hit].1.p99_us as f64;
+    r.ratio("HIT p99 added over the floor (ms)", added / 1000.0, "goal <= 0.20");
+    r.ratio("HIT throughput / direct_response", r.rps(hit) / r.rps(direct), "");
+    r.ratio("local-reply floor / direct_response", r.rps(floor_hit) / r.rps(direct), "the ABI's cost");
+    r.ratio("MISS throughput / callout floor", r.rps(miss) / r.rps(floor_miss), "goal >= 0.90");
+    r.ratio("MISS throughput / plain proxy", r.rps(miss) / r.rps(plain), "");
+    let f = follower_delay(envoy.edge, &mock, crowd);
+    r.note(format!(
+        "{crowd} identical requests (300 ms upstream): {} upstream call(s), {} followers; follower delay after the leader p50 {} us, p99 {} us, max {} us (goal p99 <= 5 ms)",
+        f.calls, f.followers, f.p50_us, f.p99_us, f.max_us
+    ));
+    r.series.push(("Envoy followers".into(), f.delays_us));
+    r.note(format!("plugin size: {wasm_bytes} bytes (goal <= 524288)"));
 
     mock.mock.set_event_delay_ms(5);
     let (edge_first, edge_whole) = first_event(envoy.edge, "stream miss", 40);
     let (plain_first, plain_whole) = first_event(envoy.plain, "stream plain", 40);
     mock.mock.set_event_delay_ms(0);
-    println!(
-        "streamed MISS, first event (p50):   edge {edge_first} us, plain proxy {plain_first} us, ratio {:.2}",
+    r.note(format!(
+        "streamed MISS, first event (p50): edge {edge_first} us, plain proxy {plain_first} us, ratio {:.2}",
         edge_first as f64 / plain_first.max(1) as f64
-    );
-    println!(
-        "streamed MISS, whole stream (p50):  edge {edge_whole} us, plain proxy {plain_whole} us (5 ms between events)"
-    );
+    ));
+    r.note(format!(
+        "streamed MISS, whole stream (p50): edge {edge_whole} us, plain proxy {plain_whole} us (5 ms between events)"
+    ));
 
     drop(envoy);
     let fleet = Fleet::start(1, "{}", 0);
@@ -199,14 +339,21 @@ fn main() -> std::io::Result<()> {
     request(node.public, "POST", PATH, &[("authorization", "Bearer bench")], hit_prompt.as_bytes())?;
     println!();
     let same = hit_prompt.clone();
-    let owner_hit = load(node.owner, conns, secs, Arc::new(move || same.clone()));
-    row("fleet HIT on the owner listener", &owner_hit);
+    let owner_hit =
+        r.row("fleet HIT on the owner listener", load(node.owner, conns, secs, Arc::new(move || same.clone())));
     let same = hit_prompt.clone();
-    let hop_hit = load(node.public, conns, secs, Arc::new(move || same.clone()));
-    row("fleet HIT through a forward hop", &hop_hit);
-    assert!(owner_hit.labels.iter().chain(&hop_hit.labels).all(|l| l == "HIT"), "every fleet-row answer was a HIT");
-    println!("forward hop HIT throughput / owner HIT: {:.2}", hop_hit.rps / owner_hit.rps);
-    println!("forward hop HIT p50 / owner HIT p50:    {:.2}", hop_hit.p50_us as f64 / owner_hit.p50_us.max(1) as f64);
+    let hop_hit =
+        r.row("fleet HIT through a forward hop", load(node.public, conns, secs, Arc::new(move || same.clone())));
+    assert!(
+        r.rows[owner_hit].1.labels.iter().chain(&r.rows[hop_hit].1.labels).all(|l| l == "HIT"),
+        "every fleet-row answer was a HIT"
+    );
+    r.ratio("forward hop HIT / owner HIT throughput", r.rps(hop_hit) / r.rps(owner_hit), "");
+    r.ratio(
+        "forward hop HIT / owner HIT p50",
+        r.rows[hop_hit].1.p50_us as f64 / r.rows[owner_hit].1.p50_us.max(1) as f64,
+        "",
+    );
     drop(fleet);
 
     let component = start_component(ComponentOptions {
@@ -218,13 +365,19 @@ fn main() -> std::io::Result<()> {
     request(component.addr, "POST", PATH, &[("authorization", "Bearer bench")], hit_prompt.as_bytes())?;
     println!();
     let same = hit_prompt.clone();
-    let component_hit = load(component.addr, conns, secs, Arc::new(move || same.clone()));
-    row("component HIT (wasmtime host)", &component_hit);
-    assert!(component_hit.labels.iter().all(|l| l == "HIT"), "every component HIT-row answer was a HIT");
-    let (p50, max, calls, followers) = follower_delay(component.addr, &mock, 50);
-    println!("component HIT throughput / edge HIT: {:.2}", component_hit.rps / hit.rps);
-    println!("component: 50 identical requests (300 ms upstream): {calls} upstream call(s), {followers} followers");
-    println!("component follower delay (polling): p50 {p50} us, max {max} us");
-    println!("component size:                     {} bytes", std::fs::metadata(component_path())?.len());
+    let component_hit =
+        r.row("component HIT (wasmtime host)", load(component.addr, conns, secs, Arc::new(move || same.clone())));
+    assert!(r.rows[component_hit].1.labels.iter().all(|l| l == "HIT"), "every component HIT-row answer was a HIT");
+    r.ratio("component HIT / Envoy plugin HIT", r.rps(component_hit) / r.rps(hit), "goal >= 0.80");
+    let f = follower_delay(component.addr, &mock, 200);
+    r.note(format!(
+        "component: 200 identical requests (300 ms upstream): {} upstream call(s), {} followers; follower delay p50 {} us, p99 {} us, max {} us (goal p99 <= 50 ms)",
+        f.calls, f.followers, f.p50_us, f.p99_us, f.max_us
+    ));
+    r.series.push(("component followers".into(), f.delays_us));
+    r.note(format!("component size: {} bytes", std::fs::metadata(component_path())?.len()));
+    let dir = workspace_root().join("target/bench");
+    r.write(&dir)?;
+    println!("\nwritten: {}/results.md, results.json", dir.display());
     Ok(())
 }

@@ -39,7 +39,7 @@ fn content(r: &Resp) -> String {
 }
 
 fn peer_call(addr: SocketAddr, path: &str, secret: Option<&str>) -> Resp {
-    let body = br#"{"op":"take","model":"deepseek-v3","id":1,"estimate":1,"hold_ms":1}"#;
+    let body = br#"{"take":{"model":"deepseek-v3","id":1,"estimate":1,"hold_ms":1}}"#;
     let headers: Vec<(&str, &str)> = secret.map(|s| vec![("x-holysheep-peer-secret", s)]).unwrap_or_default();
     request(addr, "POST", path, &headers, body).expect("answer")
 }

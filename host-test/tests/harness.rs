@@ -97,6 +97,21 @@ fn identical_requests_over_workers_make_one_callout_for_every_seed() {
     }
 }
 
+#[test]
+fn waiters_on_other_workers_are_woken_when_the_flight_ends_not_by_the_next_tick() {
+    // A 4 s lease: the safety-net tick comes every 500 ms; the answer takes 200 ms.
+    for seed in 0..SEEDS {
+        let calls = Arc::new(AtomicU64::new(0));
+        let mut w = world(plugin(), r#"{"lock":{"lease_ms":4000}}"#, seed, upstream(200, 200, calls.clone()));
+        let t0 = w.now();
+        let ids = burst(&mut w, 10, &prompt("woken at once"));
+        assert!(w.run_until(60_000, all_answered(&ids)), "seed {seed}: {:?}", labels(&w, &ids));
+        assert_eq!(calls.load(Ordering::SeqCst), 1);
+        let last = w.now() - t0;
+        assert!(last < 400, "seed {seed}: the last waiter was answered {last} ms after the burst");
+    }
+}
+
 fn body_of(w: &World, id: ReqId) -> Vec<u8> {
     w.answer(id).map(|a| a.body.clone()).unwrap_or_default()
 }

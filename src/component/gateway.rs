@@ -264,7 +264,9 @@ impl Gateway {
             Some(answer) => {
                 self.engine().complete(&call, Some(answer), now);
             }
-            None => self.engine().abandon(&call),
+            None => {
+                self.engine().abandon(&call);
+            }
         }
         drop(to);
         if let Some(b) = client_body {

@@ -66,8 +66,20 @@ pub fn slot_keys(config: &Config, key: &Key) -> Vec<String> {
 pub fn get(store: &impl CasStore, config: &Config, key: &Key) -> Option<Entry> {
     slot_keys(config, key).iter().find_map(|slot| {
         let raw = store.get(slot).ok()?.value?;
-        decode(&raw).filter(|e| e.key == *key)
+        // Only the entry that holds this key is decoded whole (its body copied).
+        meta(&raw).filter(|(k, _)| k == key)?;
+        decode(&raw)
     })
+}
+
+/// An entry's key and expiry, without copying its body.
+fn meta(raw: &[u8]) -> Option<(Key, u64)> {
+    let (f, _) = codec::decode(raw, 4)?;
+    if f[0] != "C" {
+        return None;
+    }
+    let expires_ms = f[2].parse::<u64>().ok()?.saturating_add(f[3].parse().ok()?);
+    Some((Key::from_hex(f[1])?, expires_ms))
 }
 
 fn decode(raw: &[u8]) -> Option<Entry> {
@@ -109,17 +121,19 @@ pub fn put(store: &impl CasStore, config: &Config, key: &Key, response: &Respons
     store.set(&victim(store, config, key), &value, None).is_ok()
 }
 
-/// Where to store `key`: the slot that holds it already, else an empty slot, else the one
-/// whose entry expires first (expired ones first of all). Last writer wins.
+/// Where to store `key`: the slot that holds it already, else the first empty slot, else
+/// the one whose entry expires first (expired ones first of all). Last writer wins. (An
+/// older copy of the key in a later way than an empty one is shadowed: `get` reads the
+/// ways in order.)
 fn victim(store: &impl CasStore, config: &Config, key: &Key) -> String {
     let slots = slot_keys(config, key);
     let mut best: Option<(u64, &String)> = None;
     for slot in &slots {
-        let entry = store.get(slot).ok().and_then(|r| r.value).and_then(|raw| decode(&raw));
+        let entry = store.get(slot).ok().and_then(|r| r.value).and_then(|raw| meta(&raw));
         let rank = match entry {
-            Some(e) if e.key == *key => return slot.clone(),
-            None => 0,
-            Some(e) => e.stored_at_ms.saturating_add(e.ttl_ms).max(1),
+            Some((k, _)) if k == *key => return slot.clone(),
+            None => return slot.clone(),
+            Some((_, expires_ms)) => expires_ms.max(1),
         };
         if best.is_none_or(|(r, _)| rank < r) {
             best = Some((rank, slot));

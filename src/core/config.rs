@@ -1,7 +1,9 @@
 //! Plugin configuration: JSON, every field optional, unknown fields and bad values rejected
 //! with a message that names the field.
 
+use serde::de::DeserializeOwned;
 use serde::Deserialize;
+use serde_json::{Map, Value};
 use std::collections::BTreeMap;
 
 #[derive(Debug, Clone, PartialEq, Deserialize)]
@@ -144,6 +146,9 @@ pub struct Cache {
     /// Refuse (401) a request without its tenant's credential (the tenant header, or
     /// `authorization`) instead of scoping it with every other anonymous caller.
     pub require_tenant: bool,
+    /// Bytes of recent requests and their answers each worker keeps in its own memory,
+    /// so that a repeated request is answered without parsing it (0: off).
+    pub hot_bytes: usize,
 }
 
 #[derive(Debug, Clone, PartialEq, Deserialize)]
@@ -195,6 +200,7 @@ impl Default for Cache {
             tenant_header: None,
             only_deterministic: false,
             require_tenant: false,
+            hot_bytes: 8 * 1024 * 1024,
         }
     }
 }
@@ -232,18 +238,18 @@ impl Config {
         if raw.iter().find(|b| !b.is_ascii_whitespace()) != Some(&b'{') {
             return Err(ConfigError("the configuration must be a JSON object".into()));
         }
-        let mut de = serde_json::Deserializer::from_slice(raw);
-        let config: Config = serde_path_to_error::deserialize(&mut de).map_err(|e| {
-            let path = e.path().to_string();
-            ConfigError(format!("{path}: {}", e.inner()))
+        let value: Value = serde_json::from_slice(raw).map_err(|e| ConfigError(e.to_string()))?;
+        let config: Config = serde_json::from_value(value.clone()).map_err(|e| {
+            let path = locate(&value).unwrap_or_else(|| "(the configuration itself)".into());
+            ConfigError(format!("{path}: {e}"))
         })?;
-        de.end().map_err(|e| ConfigError(e.to_string()))?;
         config.validate()?;
         Ok(config)
     }
 
     fn validate(&self) -> Result<(), ConfigError> {
-        let checks: [(bool, &str, &str); 16] = [
+        let checks: [(bool, &str, &str); 17] = [
+            (self.cache.hot_bytes > 1 << 30, "cache.hot_bytes", "must be at most 1073741824"),
             (!(1..=1024).contains(&self.fleet.nodes), "fleet.nodes", "must be between 1 and 1024"),
             (self.fleet.peer_secret_env.is_empty(), "fleet.peer_secret_env", "must not be empty"),
             (self.fleet.timeout_ms == 0, "fleet.timeout_ms", "must be at least 1"),
@@ -319,6 +325,38 @@ impl Config {
     pub fn tick_ms(&self) -> u64 {
         (self.lock.lease_ms / 4).clamp(25, 500)
     }
+}
+
+/// The path of the setting a configuration the parser refused fails on, e.g.
+/// `upstream.timeout_ms` or `models.gpt-4.1.burst`. Every field has a default, so each one
+/// can be tried on its own.
+fn locate(root: &Value) -> Option<String> {
+    let top = refused_field::<Config>(root)?;
+    let section = &root[top.as_str()];
+    let inner = match top.as_str() {
+        "fleet" => refused_field::<Fleet>(section),
+        "upstream" => refused_field::<Upstream>(section),
+        "cache" => refused_field::<Cache>(section),
+        "lock" => refused_field::<Lock>(section),
+        "rate_limit" => refused_field::<RateLimit>(section),
+        "retry" => refused_field::<Retry>(section),
+        "models" => section.as_object().and_then(|models| {
+            models.iter().find_map(|(name, model)| match refused_field::<Model>(model) {
+                Some(field) => Some(format!("{name}.{field}")),
+                None => serde_json::from_value::<Model>(model.clone()).is_err().then(|| name.clone()),
+            })
+        }),
+        _ => None,
+    };
+    Some(inner.map_or(top.clone(), |f| format!("{top}.{f}")))
+}
+
+/// The first field of the object `v` that `T` refuses when given that field alone.
+fn refused_field<T: DeserializeOwned>(v: &Value) -> Option<String> {
+    v.as_object()?.iter().find_map(|(name, field)| {
+        let alone = Value::Object(Map::from_iter([(name.clone(), field.clone())]));
+        serde_json::from_value::<T>(alone).is_err().then(|| name.clone())
+    })
 }
 
 impl Model {

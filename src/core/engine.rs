@@ -13,9 +13,9 @@ use super::store::CasStore;
 pub const CLOCK_SLACK_MS: u64 = 50;
 
 /// How long a waiter that no one can wake (the wasi:http component polls the store) sleeps
-/// before its `polls`-th look: 2 ms, doubling, at most 50 ms.
+/// before its `polls`-th look: 2 ms, doubling, at most 8 ms (a look is one store read).
 pub fn poll_delay_ms(polls: u32) -> u64 {
-    (2u64 << polls.min(5)).min(50)
+    (2u64 << polls.min(5)).min(8)
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -148,7 +148,10 @@ impl<S: CasStore> Engine<'_, S> {
                     None => self.take_lease(&wait.key, wait.policy, now_ms, nonce, now_ms, false),
                 }
             }
-            Ok(State::Leading { nonce: n, expires_ms, .. }) if n == wait.nonce && expires_ms > now_ms => {
+            Ok(State::Leading { nonce: n, expires_ms, watched, .. }) if n == wait.nonce && expires_ms > now_ms => {
+                if !watched {
+                    let _ = lease::watch(self.store, &wait.slot_key, n);
+                }
                 self.keep_waiting(wait.clone(), now_ms)
             }
             // Expired, replaced, or unreadable: look again from the top, remembering how
@@ -168,33 +171,47 @@ impl<S: CasStore> Engine<'_, S> {
     /// The call ended (`None`: the callout failed). Stores what may be stored, hands the
     /// answer to the flight's waiters, and returns the caller's reply.
     pub fn complete(&self, call: &Call, outcome: Option<Response>, now_ms: u64) -> Reply {
+        self.finish_flight(call, outcome, now_ms).0
+    }
+
+    /// `complete`, and whether anyone waited on the flight (whose end must then wake
+    /// every worker).
+    pub fn finish_flight(&self, call: &Call, outcome: Option<Response>, now_ms: u64) -> (Reply, bool) {
         let response = outcome.map_or_else(|| self.failure(call, now_ms), openai_shaped);
         if response.status == 429 || response.status >= 500 {
             if let Some((stale, produced_ms)) = self.stale(&call.key, now_ms) {
-                self.finish_lease(call, &stale.response, now_ms, Some(produced_ms), false);
+                let watched = self.finish_lease(call, &stale.response, now_ms, Some(produced_ms), false);
                 if stale_allowed(call.policy, stale.age_s.unwrap_or(0)) {
-                    return stale;
+                    return (stale, watched);
                 }
             }
         }
         let in_cache = call.store && cache::put(self.store, self.config, &call.key, &response, now_ms);
-        self.finish_lease(call, &response, now_ms, None, in_cache);
-        Reply { response, cache: Some(call.label), key: Some(call.key.clone()), age_s: None }
+        let watched = self.finish_lease(call, &response, now_ms, None, in_cache);
+        (Reply { response, cache: Some(call.label), key: Some(call.key.clone()), age_s: None }, watched)
     }
 
     /// The call ended without an answer worth sharing (a stream cut off): its waiters look
     /// again, and one of them leads a new flight.
-    pub fn abandon(&self, call: &Call) {
-        if let Some(l) = &call.lease {
-            let _ = lease::release(self.store, l);
-        }
+    /// Returns whether anyone waited on it (their workers must be woken).
+    pub fn abandon(&self, call: &Call) -> bool {
+        let Some(l) = &call.lease else { return false };
+        lease::release(self.store, l).map_or(true, |w| w.unwrap_or(true))
     }
 
-    fn finish_lease(&self, call: &Call, response: &Response, now_ms: u64, stale_from_ms: Option<u64>, in_cache: bool) {
-        if let Some(l) = &call.lease {
-            // A lost lease (we were presumed dead) leaves the new leader's flight alone.
-            let _ = lease::finish(self.store, l, response, now_ms, stale_from_ms, in_cache);
-        }
+    /// Whether the flight was watched (a lost lease, or a store failure, counts as
+    /// watched: waking is the safe side).
+    fn finish_lease(
+        &self,
+        call: &Call,
+        response: &Response,
+        now_ms: u64,
+        stale_from_ms: Option<u64>,
+        in_cache: bool,
+    ) -> bool {
+        let Some(l) = &call.lease else { return false };
+        // A lost lease (we were presumed dead) leaves the new leader's flight alone.
+        lease::finish(self.store, l, response, now_ms, stale_from_ms, in_cache).map_or(true, |w| w.unwrap_or(true))
     }
 
     /// A finished flight's answer: the one in its record, or the cache entry the record
@@ -257,7 +274,10 @@ impl<S: CasStore> Engine<'_, S> {
             Ok(Acquire::Acquired(l)) => {
                 Step::Call(self.call(key, Some(l), policy, policy.store, CacheStatus::Miss, now_ms))
             }
-            Ok(Acquire::Held { nonce: n, slot_key }) => {
+            Ok(Acquire::Held { nonce: n, slot_key, watched }) => {
+                if !watched {
+                    let _ = lease::watch(self.store, &slot_key, n);
+                }
                 self.keep_waiting(Wait { key: key.clone(), slot_key, nonce: n, since_ms, policy }, now_ms)
             }
             Ok(Acquire::Answered { response, done_at_ms, stale_from_ms, in_cache }) => {
@@ -432,10 +452,10 @@ mod tests {
     }
 
     #[test]
-    fn a_polling_waiter_backs_off_to_fifty_ms() {
-        let delays: Vec<u64> = (0..8).map(poll_delay_ms).collect();
-        assert_eq!(delays, [2, 4, 8, 16, 32, 50, 50, 50]);
-        assert_eq!(poll_delay_ms(u32::MAX), 50);
+    fn a_polling_waiter_backs_off_to_eight_ms() {
+        let delays: Vec<u64> = (0..5).map(poll_delay_ms).collect();
+        assert_eq!(delays, [2, 4, 8, 8, 8]);
+        assert_eq!(poll_delay_ms(u32::MAX), 8);
     }
 
     #[test]

@@ -320,8 +320,10 @@ impl Flight {
     fn rate_limited(&self, config: &Config, model: &str, d: Denial) -> Response {
         let l = config.model(model).map(|(_, m)| Limits::of(m));
         let what = match (d.kind, l) {
-            (Kind::Requests, Some(l)) => format!("requests per min (RPM): Limit {}", l.rpm.unwrap_or(0.0)),
-            (Kind::Tokens, Some(l)) => format!("tokens per min (TPM): Limit {}", l.tpm.unwrap_or(0.0)),
+            (Kind::Requests, Some(l)) => {
+                format!("requests per min (RPM): Limit {}", limits::whole(l.rpm.unwrap_or(0.0)))
+            }
+            (Kind::Tokens, Some(l)) => format!("tokens per min (TPM): Limit {}", limits::whole(l.tpm.unwrap_or(0.0))),
             (Kind::Concurrency, Some(l)) => format!("requests in flight: Limit {}", l.max_in_flight.unwrap_or(0)),
             _ => "requests".to_owned(),
         };

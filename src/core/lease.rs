@@ -26,6 +26,8 @@ pub enum State {
         key: String,
         nonce: u64,
         expires_ms: u64,
+        /// A waiter is waiting on this flight (so its end must wake the other workers).
+        watched: bool,
     },
     Done {
         key: String,
@@ -44,8 +46,9 @@ pub enum State {
 pub enum Acquire {
     /// We lead.
     Acquired(Lease),
-    /// A live leader holds this key in `slot_key`: wait for the flight with this nonce.
-    Held { nonce: u64, slot_key: String },
+    /// A live leader holds this key in `slot_key`: wait for the flight with this nonce
+    /// (`watched`: someone already does).
+    Held { nonce: u64, slot_key: String, watched: bool },
     /// Every slot this key may use is leased to other keys (collisions).
     Busy,
     /// A flight on this key finished since the request arrived: its answer is this
@@ -92,9 +95,9 @@ pub fn acquire(
         for slot in &slots {
             let r = store.get(slot)?;
             match r.value.as_deref().and_then(decode) {
-                Some(State::Leading { key: k, nonce: n, expires_ms }) if expires_ms > now_ms => {
+                Some(State::Leading { key: k, nonce: n, expires_ms, watched }) if expires_ms > now_ms => {
                     if k == key.hex() {
-                        return Ok(Acquire::Held { nonce: n, slot_key: slot.clone() });
+                        return Ok(Acquire::Held { nonce: n, slot_key: slot.clone(), watched });
                     }
                 }
                 Some(State::Done { key: k, done_at_ms, response, stale_from_ms, in_cache, .. })
@@ -108,7 +111,7 @@ pub fn acquire(
             }
         }
         let Some((slot, r)) = free else { return Ok(Acquire::Busy) };
-        let value = leading(key, nonce, now_ms + config.lock.lease_ms);
+        let value = leading(key, nonce, now_ms + config.lock.lease_ms, false);
         // A missing key is inserted whatever CAS we pass; `cas_after` makes the loser of
         // two concurrent inserts see a mismatch (see `store::ABSENT_CAS`). The test-only
         // `broken-lock` build writes without CAS, to prove the harness catches the race.
@@ -122,10 +125,10 @@ pub fn acquire(
         // Two racers may take different ways when a way frees up between their reads: the
         // one in the lower way leads; the other gives its slot back and waits on it.
         for earlier in slots.iter().take_while(|s| *s != slot) {
-            if let Ok((State::Leading { key: k, nonce: n, expires_ms }, _)) = read(store, earlier) {
+            if let Ok((State::Leading { key: k, nonce: n, expires_ms, watched }, _)) = read(store, earlier) {
                 if k == key.hex() && n != nonce && expires_ms > now_ms {
                     let _ = release(store, &lease);
-                    return Ok(Acquire::Held { nonce: n, slot_key: earlier.clone() });
+                    return Ok(Acquire::Held { nonce: n, slot_key: earlier.clone(), watched });
                 }
             }
         }
@@ -136,13 +139,15 @@ pub fn acquire(
 
 /// Pushes the expiry forward; `false` when the lease is no longer ours.
 pub fn renew(store: &impl CasStore, config: &Config, lease: &Lease, now_ms: u64) -> Result<bool, StoreError> {
-    update_if_owner(store, lease, &leading(&lease.key, lease.nonce, now_ms + config.lock.lease_ms))
+    let expires_ms = now_ms + config.lock.lease_ms;
+    Ok(update_if_owner(store, lease, |watched| leading(&lease.key, lease.nonce, expires_ms, watched))?.is_some())
 }
 
-/// Publishes the flight's answer to its waiters and frees the slot; `false` when the lease
-/// was lost (expired and taken over), in which case the new leader's flight stands.
-/// `stale_from_ms`: the answer is a stale one, produced then. `in_cache`: the answer was
-/// stored in the cache at `now_ms`; the record then refers to it instead of repeating it.
+/// Publishes the flight's answer to its waiters and frees the slot. `None` when the lease
+/// was lost (expired and taken over), in which case the new leader's flight stands;
+/// otherwise whether anyone was waiting on it. `stale_from_ms`: the answer is a stale one,
+/// produced then. `in_cache`: the answer was stored in the cache at `now_ms`; the record
+/// then refers to it instead of repeating it.
 pub fn finish(
     store: &impl CasStore,
     lease: &Lease,
@@ -150,36 +155,65 @@ pub fn finish(
     now_ms: u64,
     stale_from_ms: Option<u64>,
     in_cache: bool,
-) -> Result<bool, StoreError> {
-    update_if_owner(store, lease, &done(&lease.key, lease.nonce, now_ms, response, stale_from_ms, in_cache))
+) -> Result<Option<bool>, StoreError> {
+    let value = done(&lease.key, lease.nonce, now_ms, response, stale_from_ms, in_cache);
+    update_if_owner(store, lease, |_| value.clone())
 }
 
 /// Gives the lease up without an answer (a stream that broke off): the slot reads as
-/// expired, so a waiter takes it and leads a new flight. `false` when it was not ours.
-pub fn release(store: &impl CasStore, lease: &Lease) -> Result<bool, StoreError> {
-    update_if_owner(store, lease, &leading(&lease.key, lease.nonce, 0))
+/// expired, so a waiter takes it and leads a new flight. `None` when it was not ours.
+pub fn release(store: &impl CasStore, lease: &Lease) -> Result<Option<bool>, StoreError> {
+    update_if_owner(store, lease, |watched| leading(&lease.key, lease.nonce, 0, watched))
 }
 
-fn update_if_owner(store: &impl CasStore, lease: &Lease, value: &[u8]) -> Result<bool, StoreError> {
+/// Marks the flight `nonce` in `slot_key` as waited on, so that its end wakes every
+/// worker; a no-op once marked or once the flight is over.
+pub fn watch(store: &impl CasStore, slot_key: &str, nonce: u64) -> Result<(), StoreError> {
     for _ in 0..MAX_RACES {
-        let r = store.get(&lease.slot_key)?;
-        match r.value.as_deref().and_then(decode) {
-            Some(State::Leading { nonce, .. }) if nonce == lease.nonce => {}
-            _ => return Ok(false),
-        }
-        // Only the owner writes a Leading value with this nonce, but a waiter may take the
-        // slot over between our read and write: the CAS turns that into a re-read.
-        match store.set(&lease.slot_key, value, cas_after(&r)) {
-            Ok(()) => return Ok(true),
+        let r = store.get(slot_key)?;
+        let (key, expires_ms) = match r.value.as_deref().and_then(decode) {
+            Some(State::Leading { key, nonce: n, expires_ms, watched: false }) if n == nonce => (key, expires_ms),
+            _ => return Ok(()),
+        };
+        let Some(key) = Key::from_hex(&key) else { return Ok(()) };
+        match store.set(slot_key, &leading(&key, nonce, expires_ms, true), cas_after(&r)) {
+            Ok(()) => return Ok(()),
             Err(StoreError::CasMismatch) => continue,
             Err(e) => return Err(e),
         }
     }
-    Ok(false)
+    Ok(())
 }
 
-fn leading(key: &Key, nonce: u64, expires_ms: u64) -> Vec<u8> {
-    codec::encode(&["L", key.hex(), &nonce.to_string(), &expires_ms.to_string()], b"")
+/// Writes `value(watched)` if the lease is still ours; `None` when it is not, else
+/// whether the flight was watched.
+fn update_if_owner(
+    store: &impl CasStore,
+    lease: &Lease,
+    value: impl Fn(bool) -> Vec<u8>,
+) -> Result<Option<bool>, StoreError> {
+    for _ in 0..MAX_RACES {
+        let r = store.get(&lease.slot_key)?;
+        let watched = match r.value.as_deref().and_then(decode) {
+            Some(State::Leading { nonce, watched, .. }) if nonce == lease.nonce => watched,
+            _ => return Ok(None),
+        };
+        // Only the owner writes a Leading value with this nonce, but a waiter may take the
+        // slot over (or mark it watched) between our read and write: the CAS turns that
+        // into a re-read.
+        match store.set(&lease.slot_key, &value(watched), cas_after(&r)) {
+            Ok(()) => return Ok(Some(watched)),
+            Err(StoreError::CasMismatch) => continue,
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(None)
+}
+
+/// A leader's record; a watched flight has the body `w`.
+fn leading(key: &Key, nonce: u64, expires_ms: u64, watched: bool) -> Vec<u8> {
+    let body: &[u8] = if watched { b"w" } else { b"" };
+    codec::encode(&["L", key.hex(), &nonce.to_string(), &expires_ms.to_string()], body)
 }
 
 fn done(key: &Key, nonce: u64, now_ms: u64, r: &Response, stale_from_ms: Option<u64>, in_cache: bool) -> Vec<u8> {
@@ -207,8 +241,13 @@ fn done(key: &Key, nonce: u64, now_ms: u64, r: &Response, stale_from_ms: Option<
 fn decode(raw: &[u8]) -> Option<State> {
     match raw.first()? {
         b'L' => {
-            let (f, _) = codec::decode(raw, 4)?;
-            Some(State::Leading { key: f[1].to_owned(), nonce: f[2].parse().ok()?, expires_ms: f[3].parse().ok()? })
+            let (f, body) = codec::decode(raw, 4)?;
+            Some(State::Leading {
+                key: f[1].to_owned(),
+                nonce: f[2].parse().ok()?,
+                expires_ms: f[3].parse().ok()?,
+                watched: body == b"w",
+            })
         }
         b'D' => {
             let (f, body) = codec::decode(raw, 8)?;
@@ -256,7 +295,7 @@ mod tests {
         let (s, c) = (MemStore::new(), Config::default());
         let Acquire::Acquired(lease) = acquire(&s, &c, &key(1), 11, 0, 0).unwrap() else { panic!() };
         assert!(matches!(acquire(&s, &c, &key(1), 22, 10, 10).unwrap(), Acquire::Held { nonce: 11, .. }));
-        assert!(finish(&s, &lease, &resp(503), 20, None, false).unwrap());
+        assert_eq!(finish(&s, &lease, &resp(503), 20, None, false).unwrap(), Some(false), "ours, unwatched");
         let (state, _) = read(&s, &lease.slot_key).unwrap();
         let State::Done { nonce, response, .. } = state else { panic!("{state:?}") };
         assert_eq!(nonce, 11);
@@ -266,13 +305,30 @@ mod tests {
     }
 
     #[test]
+    fn a_waiter_marks_the_flight_and_the_mark_survives_renewal_until_the_leader_finishes() {
+        let (s, c) = (MemStore::new(), Config::default());
+        let Acquire::Acquired(lease) = acquire(&s, &c, &key(1), 11, 0, 0).unwrap() else { panic!() };
+        let Acquire::Held { slot_key, watched: false, .. } = acquire(&s, &c, &key(1), 22, 1, 1).unwrap() else {
+            panic!("unwatched at first")
+        };
+        watch(&s, &slot_key, 11).unwrap();
+        assert!(matches!(acquire(&s, &c, &key(1), 33, 2, 2).unwrap(), Acquire::Held { watched: true, .. }));
+        assert!(renew(&s, &c, &lease, 3).unwrap());
+        assert!(matches!(acquire(&s, &c, &key(1), 44, 4, 4).unwrap(), Acquire::Held { watched: true, .. }));
+        watch(&s, &slot_key, 99).unwrap();
+        assert_eq!(finish(&s, &lease, &resp(200), 5, None, false).unwrap(), Some(true), "the leader learns it");
+        watch(&s, &slot_key, 11).unwrap();
+        assert!(matches!(read(&s, &slot_key).unwrap().0, State::Done { .. }), "a finished flight stays finished");
+    }
+
+    #[test]
     fn expired_lease_is_taken_over_and_the_old_owner_cannot_finish() {
         let (s, c) = (MemStore::new(), Config::default());
         let Acquire::Acquired(old) = acquire(&s, &c, &key(1), 1, 0, 0).unwrap() else { panic!() };
         assert!(matches!(acquire(&s, &c, &key(1), 2, 4_999, 4_999).unwrap(), Acquire::Held { nonce: 1, .. }));
         let Acquire::Acquired(new) = acquire(&s, &c, &key(1), 2, 5_000, 5_000).unwrap() else { panic!() };
         assert!(!renew(&s, &c, &old, 5_001).unwrap());
-        assert!(!finish(&s, &old, &resp(200), 5_002, None, false).unwrap());
+        assert_eq!(finish(&s, &old, &resp(200), 5_002, None, false).unwrap(), None, "not ours any more");
         assert!(renew(&s, &c, &new, 5_003).unwrap());
         // Renewal pushes expiry: still held well after the first expiry.
         assert!(matches!(acquire(&s, &c, &key(1), 3, 9_000, 9_000).unwrap(), Acquire::Held { nonce: 2, .. }));

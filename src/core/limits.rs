@@ -231,14 +231,14 @@ impl Bucket {
         let mut h = Vec::new();
         if let Some(rpm) = l.rpm {
             let reset = ((l.burst - self.requests).max(0.0) / l.req_per_ms()).ceil() as u64;
-            h.push(("x-ratelimit-limit-requests", format!("{rpm}")));
-            h.push(("x-ratelimit-remaining-requests", format!("{}", self.requests.max(0.0).floor())));
+            h.push(("x-ratelimit-limit-requests", whole(rpm)));
+            h.push(("x-ratelimit-remaining-requests", whole(self.requests)));
             h.push(("x-ratelimit-reset-requests", duration(reset)));
         }
         if let Some(tpm) = l.tpm {
             let reset = ((tpm - self.tokens).max(0.0) / l.tok_per_ms()).ceil() as u64;
-            h.push(("x-ratelimit-limit-tokens", format!("{tpm}")));
-            h.push(("x-ratelimit-remaining-tokens", format!("{}", self.tokens.max(0.0).floor())));
+            h.push(("x-ratelimit-limit-tokens", whole(tpm)));
+            h.push(("x-ratelimit-remaining-tokens", whole(self.tokens)));
             h.push(("x-ratelimit-reset-tokens", duration(reset)));
         }
         h
@@ -248,10 +248,7 @@ impl Bucket {
         let flights = self.in_flight.iter().map(|(n, e)| format!("f {n} {e}\n"));
         let line = self.line.iter().map(|(n, e)| format!("q {n} {e}\n"));
         let flights: String = flights.chain(line).collect();
-        codec::encode(
-            &["B", &self.requests.to_string(), &self.tokens.to_string(), &self.at_ms.to_string()],
-            flights.as_bytes(),
-        )
+        codec::encode(&["B", &bits(self.requests), &bits(self.tokens), &self.at_ms.to_string()], flights.as_bytes())
     }
 
     fn decode(raw: &[u8]) -> Option<Bucket> {
@@ -270,8 +267,8 @@ impl Bucket {
                 _ => {}
             }
         }
-        let requests: f64 = f[1].parse().ok()?;
-        let tokens: f64 = f[2].parse().ok()?;
+        let requests = f64::from_bits(u64::from_str_radix(f[1], 16).ok()?);
+        let tokens = f64::from_bits(u64::from_str_radix(f[2], 16).ok()?);
         (requests.is_finite() && tokens.is_finite()).then_some(Bucket {
             requests,
             tokens,
@@ -287,9 +284,20 @@ pub fn duration(ms: u64) -> String {
     match ms {
         0..=999 => format!("{ms}ms"),
         1_000..=59_999 if ms.is_multiple_of(1000) => format!("{}s", ms / 1000),
-        1_000..=59_999 => format!("{}s", format!("{:.3}", ms as f64 / 1000.0).trim_end_matches('0')),
+        1_000..=59_999 => format!("{}.{}s", ms / 1000, format!("{:03}", ms % 1000).trim_end_matches('0')),
         _ => format!("{}m{}s", ms / 60_000, (ms % 60_000) / 1000),
     }
+}
+
+/// A count as a whole number (floored, never negative), without float formatting (which
+/// costs the plugin kilobytes).
+pub fn whole(x: f64) -> String {
+    (x.max(0.0).floor() as u64).to_string()
+}
+
+/// An exact, compact text form of a float for the store.
+fn bits(x: f64) -> String {
+    format!("{:x}", x.to_bits())
 }
 
 pub fn bucket_key(bucket: &str) -> String {

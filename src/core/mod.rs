@@ -7,6 +7,7 @@ pub mod config;
 pub mod engine;
 pub mod error;
 pub mod flight;
+pub mod hot;
 pub mod lease;
 pub mod limits;
 pub mod metrics;

@@ -14,7 +14,7 @@ pub const SECRET_HEADER: &str = "x-holysheep-peer-secret";
 
 /// What a key owner asks of a model owner.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(tag = "op", rename_all = "lowercase", deny_unknown_fields)]
+#[serde(rename_all = "lowercase", deny_unknown_fields)]
 pub enum Op {
     /// Admit the call `id` (one request, `estimate` tokens, a slot held `hold_ms`).
     Take { model: String, id: u64, estimate: u64, hold_ms: u64 },

@@ -17,6 +17,15 @@ impl Worker {
         }
     }
 
+    /// The metric ids and amounts of `increments`, resolved once (for kept answers).
+    pub(super) fn counter_ids(&self, increments: Vec<(String, Counter, u64)>) -> Vec<(u32, i64)> {
+        let resolved = increments.into_iter().filter_map(|(label, counter, n)| {
+            let id = *self.metrics.get(&(label, counter))?;
+            i64::try_from(n).ok().filter(|n| *n > 0).map(|n| (id, n))
+        });
+        resolved.collect()
+    }
+
     pub(super) fn define_metrics(&mut self) {
         for label in metrics::labels(&self.config) {
             for counter in COUNTERS {

@@ -63,9 +63,11 @@ impl Root {
                         self.worker.borrow_mut().streams.insert(run.context_id, run);
                     } else {
                         let end = StreamEnd { outcome: None, usage: None, streamed_tokens: 0 };
-                        let key = self.worker.borrow_mut().complete_stream(run, end);
+                        let ended = self.worker.borrow_mut().complete_stream(run, end);
                         self.send_settlements();
-                        self.wake_waiters(key.as_ref());
+                        if let Some((key, watched)) = ended {
+                            self.wake_waiters(&key, watched);
+                        }
                     }
                     return;
                 }
@@ -142,28 +144,27 @@ impl Root {
     pub(super) fn complete_streams(&mut self) {
         self.send_settlements();
         let ended = std::mem::take(&mut self.worker.borrow_mut().ended);
-        for key in ended {
-            self.wake_waiters(Some(&key));
+        for (key, watched) in ended {
+            self.wake_waiters(&key, watched);
         }
     }
 
-    /// A flight on `key` ended: its waiters here and on the other workers look again.
-    fn wake_waiters(&mut self, key: Option<&Key>) {
-        if let Some(key) = key {
-            self.poll_waiters(Some(key));
+    /// A flight on `key` ended: its waiters here look again, and when someone waited on
+    /// it (`watched`, maybe on another worker) the other workers' waiters too.
+    fn wake_waiters(&mut self, key: &Key, watched: bool) {
+        self.poll_waiters(Some(key));
+        if watched {
             self.wake_other_workers(key, host::now_ms());
         }
     }
 
     /// The flight ended: answer its caller, then its waiters here and on other workers.
     pub(super) fn finish(&mut self, run: Run, outcome: Option<Response>) {
-        let now = host::now_ms();
         let call = run.flight.call;
-        let reply = self.worker.borrow().engine().complete(&call, outcome, now);
+        let (reply, watched) = self.worker.borrow().engine().finish_flight(&call, outcome, host::now_ms());
         self.worker.borrow_mut().respond(Target::Context(run.context_id), &reply, &run.outbound);
         if call.lease.is_some() {
-            self.poll_waiters(Some(&call.key));
-            self.wake_other_workers(&call.key, now);
+            self.wake_waiters(&call.key, watched);
         }
     }
 

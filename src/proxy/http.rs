@@ -10,11 +10,12 @@ use super::host::{self, SharedData};
 use super::worker::{Shared, StreamEnd, Target};
 use crate::core::cache::Response;
 use crate::core::config::Role;
-use crate::core::engine::{Engine, Reply, Step};
+use crate::core::engine::{CacheStatus, Engine, Reply, Step};
 use crate::core::error::ApiError;
+use crate::core::hot;
 use crate::core::peer;
 use crate::core::request::{
-    is_chat_path, is_internal_path, CacheControl, ChatRequest, RequestMeta, KEY_HEADER, PEER_PATH,
+    is_chat_path, is_internal_path, CacheControl, ChatRequest, Key, RequestMeta, KEY_HEADER, PEER_PATH,
 };
 use crate::core::stream::{self, Reassembler};
 use crate::core::upstream::Outbound;
@@ -99,6 +100,15 @@ impl Chat {
         let authorization = request_header("authorization");
         let tenant = config.cache.tenant_header.as_deref().and_then(request_header);
         let cache_control = request_header("cache-control");
+        let now = host::now_ms();
+        let raw_tenant = hot::tenant_bytes(authorization.as_deref(), tenant.as_deref());
+        // Directives change what may be served: such requests take the whole path.
+        let plain = cache_control.is_none();
+        if plain {
+            if let Some(action) = self.answer_from_hot(&raw_tenant, &body, now) {
+                return action;
+            }
+        }
         let meta = RequestMeta {
             authorization: authorization.as_deref(),
             tenant: tenant.as_deref(),
@@ -109,15 +119,16 @@ impl Chat {
             Err(e) => return self.reject(&e),
         };
         if config.role == Role::Forward {
-            // Validated and keyed: on to the key's owner node, which recomputes the key.
-            self.state = State::Ignored;
-            let _ = hostcalls::set_map_value(MapType::HttpRequestHeaders, KEY_HEADER, Some(request.key.hex()));
-            return Action::Continue;
+            self.worker.borrow_mut().hot_keys.put(&raw_tenant, &body, u64::MAX, 64, request.key.clone());
+            return self.forward_to_owner(&request.key);
         }
         self.state = State::Handled;
         let policy = request.policy(&config, CacheControl::parse(meta.cache_control));
         let nonce = self.worker.borrow_mut().nonce();
-        let step = Engine { store: &SharedData, config: &config }.admit(&request.key, policy, host::now_ms(), nonce);
+        let step = Engine { store: &SharedData, config: &config }.admit(&request.key, policy, now, nonce);
+        if plain && matches!(&step, Step::Reply(r) if r.cache == Some(CacheStatus::Hit)) {
+            self.worker.borrow_mut().keep_hot(&raw_tenant, &body, &request, now);
+        }
         let outbound = Rc::new(Outbound {
             body,
             client_authorization: authorization,
@@ -134,6 +145,26 @@ impl Chat {
             Step::Wait(wait) => self.worker.borrow_mut().wait(self.id, wait, outbound),
         }
         Action::Pause
+    }
+
+    /// A request whose exact bytes this worker answered (or, forwarding, keyed) before:
+    /// answered again without parsing. `None` when it has not seen them.
+    fn answer_from_hot(&mut self, raw_tenant: &[u8], body: &[u8], now: u64) -> Option<Action> {
+        if self.worker.borrow().config.role == Role::Forward {
+            let key = self.worker.borrow().hot_keys.get(raw_tenant, body, now)?;
+            return Some(self.forward_to_owner(&key));
+        }
+        let hit = self.worker.borrow().hot.get(raw_tenant, body, now)?;
+        self.state = State::Handled;
+        self.worker.borrow_mut().respond_hot(&hit, now);
+        Some(Action::Pause)
+    }
+
+    /// Validated and keyed: on to the key's owner node, which recomputes the key.
+    fn forward_to_owner(&mut self, key: &Key) -> Action {
+        self.state = State::Ignored;
+        let _ = hostcalls::set_map_value(MapType::HttpRequestHeaders, KEY_HEADER, Some(key.hex()));
+        Action::Continue
     }
 
     /// A fleet peer's call to this node's buckets, its secret checked.

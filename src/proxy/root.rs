@@ -5,6 +5,7 @@
 use super::host;
 use super::worker::{Shared, Worker, REPLY_BATCH};
 use crate::core::config::{Config, Role};
+use crate::core::hot::Hot;
 use crate::core::upstream;
 use proxy_wasm::hostcalls;
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
@@ -83,6 +84,8 @@ impl RootContext for Root {
                 if w.bearer.is_some() { "from environment" } else { "absent: forwarding client authorization" }
             ),
         );
+        w.hot = Hot::new(config.cache.hot_bytes);
+        w.hot_keys = Hot::new(config.cache.hot_bytes.min(1 << 20));
         w.config = Rc::new(config);
         w.define_metrics();
         drop(w);

@@ -5,13 +5,15 @@
 use super::body_watch::{self, BodyWatch};
 use super::host::{self, Nonces, SharedData};
 use super::wakeups::{DISPATCH, ENDED};
-use crate::core::cache::Response;
+use crate::core::cache::{self, Response};
 use crate::core::config::Config;
 use crate::core::engine::{CacheStatus, Call, Engine, Reply, Wait};
 use crate::core::error::ApiError;
 use crate::core::flight::Flight;
+use crate::core::hot::Hot;
 use crate::core::metrics::{self, Counter};
 use crate::core::peer::Op;
+use crate::core::request::ChatRequest;
 use crate::core::request::Key;
 use crate::core::stream;
 use crate::core::upstream::{self, Outbound};
@@ -69,14 +71,18 @@ pub struct Worker {
     pub(super) sleeping: Vec<(u64, Run)>,
     /// Stream flights forwarded along the route, by http context.
     pub(super) streams: HashMap<u32, Run>,
-    /// Keys of stream flights that ended, whose waiters the root wakes.
-    pub(super) ended: Vec<Key>,
+    /// Keys of stream flights that ended, whose waiters the root wakes (here, and on
+    /// every worker when the flight was watched).
+    pub(super) ended: Vec<(Key, bool)>,
     /// Flights waiting for a model owner node's verdict, by callout token.
     pub(super) asking: HashMap<u32, Run>,
     /// Settlements for model owner nodes, sent by the root.
     pub(super) outbox: Vec<Op>,
     /// The fleet's shared secret (from the environment); never logged.
     pub(super) peer_secret: Option<String>,
+    /// HIT answers by the requests' raw bytes (an owner), or keys (a forward node).
+    pub(super) hot: Hot<HotAnswer>,
+    pub(super) hot_keys: Hot<Key>,
     pub(super) metrics: HashMap<(String, Counter), u32>,
 }
 
@@ -90,6 +96,15 @@ pub struct StreamEnd {
     pub usage: Option<(u64, u64)>,
     /// Completion tokens streamed before the end, estimated.
     pub streamed_tokens: u64,
+}
+
+/// A cache entry a worker keeps in its own memory, ready to be sent again: the reply (its
+/// `age` set when sent), the request's form, and the counters it adds.
+pub struct HotAnswer {
+    reply: Reply,
+    stored_at_ms: u64,
+    outbound: Outbound,
+    counters: Vec<(u32, i64)>,
 }
 
 /// What a forwarded stream's response carries in its `x-holysheep-*` headers.
@@ -124,6 +139,8 @@ impl Worker {
             asking: HashMap::new(),
             outbox: Vec::new(),
             peer_secret: None,
+            hot: Hot::new(0),
+            hot_keys: Hot::new(0),
             metrics: HashMap::new(),
         }
     }
@@ -166,6 +183,13 @@ impl Worker {
         if matches!(target, Target::Context(id) if !self.live.contains(&id)) {
             return false;
         }
+        self.count(metrics::for_reply(&self.config, &outbound.model, reply));
+        self.send_in_form(target, reply, outbound)
+    }
+
+    /// Sends `reply` as JSON or as events, as the request asked, with the model's
+    /// `x-ratelimit-*` headers.
+    fn send_in_form(&mut self, target: Target, reply: &Reply, outbound: &Outbound) -> bool {
         let model = &outbound.model;
         // With fleet-wide limits the buckets live on their owner nodes: no local headers.
         let extra = if self.config.fleet.shared_limits() {
@@ -173,12 +197,42 @@ impl Worker {
         } else {
             upstream::rate_headers(&SharedData, &self.config, model, host::now_ms())
         };
-        self.count(metrics::for_reply(&self.config, model, reply));
         if !outbound.stream {
             return self.send(target, reply, &extra);
         }
         let response = stream::for_client(reply.response.clone(), true, outbound.include_usage);
         self.send(target, &Reply { response, ..reply.clone() }, &extra)
+    }
+
+    /// Keeps the entry `request` was just served from, for the same bytes next time.
+    pub fn keep_hot(&mut self, raw_tenant: &[u8], body: &[u8], request: &ChatRequest, now: u64) {
+        let Some(entry) = cache::get(&SharedData, &self.config, &request.key).filter(|e| e.is_fresh(now)) else {
+            return;
+        };
+        let expires_ms = entry.stored_at_ms.saturating_add(entry.ttl_ms);
+        let size = entry.response.body.len();
+        let reply =
+            Reply { response: entry.response, cache: Some(CacheStatus::Hit), key: Some(entry.key), age_s: None };
+        let counters = self.counter_ids(metrics::for_reply(&self.config, &request.model, &reply));
+        let outbound = Outbound {
+            body: Vec::new(),
+            client_authorization: None,
+            model: request.model.clone(),
+            estimate_tokens: request.estimate_tokens,
+            stream: request.stream,
+            include_usage: request.include_usage,
+        };
+        let answer = HotAnswer { reply, stored_at_ms: entry.stored_at_ms, outbound, counters };
+        self.hot.put(raw_tenant, body, expires_ms, size, answer);
+    }
+
+    /// Sends a kept HIT on the current http context, as `respond` would.
+    pub fn respond_hot(&mut self, hit: &HotAnswer, now: u64) {
+        let reply = Reply { age_s: Some(now.saturating_sub(hit.stored_at_ms) / 1000), ..hit.reply.clone() };
+        for (id, n) in &hit.counters {
+            let _ = hostcalls::increment_metric(*id, *n);
+        }
+        self.send_in_form(Target::Current, &reply, &hit.outbound);
     }
 
     /// The headers of the stream forwarded for this http context, if it is one.
@@ -197,8 +251,8 @@ impl Worker {
     /// wakes the waiters in a VM call of its own.
     pub fn stream_ended(&mut self, context_id: u32, end: StreamEnd) {
         let Some(run) = self.streams.remove(&context_id) else { return };
-        if let Some(key) = self.complete_stream(run, end) {
-            self.ended.push(key);
+        if let Some(ended) = self.complete_stream(run, end) {
+            self.ended.push(ended);
         }
         if !self.ended.is_empty() || !self.outbox.is_empty() {
             self.continue_later(ENDED);
@@ -209,7 +263,7 @@ impl Worker {
     /// handed to its waiters in their own forms); after a stream that broke off, give the
     /// lease up so that one of its waiters leads a new flight. The leader's client already
     /// has its answer. Returns the key whose waiters should look again.
-    pub(super) fn complete_stream(&mut self, mut run: Run, end: StreamEnd) -> Option<Key> {
+    pub(super) fn complete_stream(&mut self, mut run: Run, end: StreamEnd) -> Option<(Key, bool)> {
         let now = host::now_ms();
         let cut_off = run.outbound.prompt_estimate() + end.streamed_tokens;
         run.flight.on_stream_end(&SharedData, &self.config, end.usage, cut_off, now);
@@ -217,14 +271,15 @@ impl Worker {
         let events = std::mem::take(&mut run.flight.events);
         self.count(events.iter().flat_map(|e| metrics::for_event(&self.config, e)).collect());
         let call = run.flight.call;
-        match end.outcome {
+        let watched = match end.outcome {
             Some(outcome) => {
-                let reply = self.engine().complete(&call, Some(outcome), now);
+                let (reply, watched) = self.engine().finish_flight(&call, Some(outcome), now);
                 self.count(metrics::for_reply(&self.config, &run.outbound.model, &reply));
+                watched
             }
             None => self.engine().abandon(&call),
-        }
-        call.lease.map(|l| l.key)
+        };
+        call.lease.map(|l| (l.key, watched))
     }
 
     pub(super) fn send(&mut self, target: Target, reply: &Reply, extra: &[(&str, String)]) -> bool {

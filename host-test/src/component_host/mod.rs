@@ -10,7 +10,7 @@ use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::{Mutex, OnceLock};
 use wasmtime::component::Component;
-use wasmtime::{Config, Engine};
+use wasmtime::{Config, Engine, InstanceAllocationStrategy, PoolingAllocationConfig};
 
 /// Compiles a component once per process (tests start many servers on the same file).
 pub fn load(path: &Path) -> wasmtime::Result<(Engine, Component)> {
@@ -19,10 +19,22 @@ pub fn load(path: &Path) -> wasmtime::Result<(Engine, Component)> {
     if let Some(c) = compiled.get(path) {
         return Ok(c.clone());
     }
-    let engine = Engine::new(&Config::new())?;
+    let engine = Engine::new(&config())?;
     let component = Component::from_file(&engine, path)?;
     compiled.insert(path.to_owned(), (engine.clone(), component.clone()));
     Ok((engine, component))
+}
+
+/// Wasmtime as an edge host would run it: one instance per request from a pooling
+/// allocator (memories and tables reused, not mapped afresh each time).
+fn config() -> Config {
+    let mut pool = PoolingAllocationConfig::default();
+    pool.total_component_instances(2_000).total_core_instances(8_000).total_memories(4_000).total_tables(8_000);
+    pool.max_memory_size(256 << 20);
+    let mut config = Config::new();
+    config.allocation_strategy(InstanceAllocationStrategy::Pooling(pool));
+    config.memory_reservation(256 << 20).memory_guard_size(64 << 10);
+    config
 }
 
 /// The interfaces a component imports, as `namespace:package/interface@version`.

@@ -1,0 +1,127 @@
+//! A worker's own copies of answers it served, found by the request's raw bytes (the
+//! tenant's credentials and the body exactly as they arrived): a repeated request skips
+//! parsing, canonicalising, hashing and the copy out of the shared store. Cache entries
+//! never change within their TTL, so a copy is as good as the entry until it expires. A
+//! hit compares the bytes, never only their hash. Bounded by the bytes it holds.
+
+use std::collections::hash_map::RandomState;
+use std::collections::{HashMap, VecDeque};
+use std::hash::BuildHasher;
+use std::rc::Rc;
+
+pub struct Hot<T> {
+    max_bytes: usize,
+    bytes: usize,
+    seed: RandomState,
+    slots: HashMap<u64, Slot<T>>,
+    /// Insertion order, for eviction (oldest first).
+    order: VecDeque<u64>,
+}
+
+struct Slot<T> {
+    tenant: Vec<u8>,
+    body: Vec<u8>,
+    expires_ms: u64,
+    size: usize,
+    value: Rc<T>,
+}
+
+/// The bytes that identify a caller's scope: `authorization` and the tenant header, each
+/// present or not (an unambiguous encoding, so two different pairs never match).
+pub fn tenant_bytes(authorization: Option<&str>, tenant: Option<&str>) -> Vec<u8> {
+    let mut out = Vec::new();
+    for v in [authorization, tenant] {
+        match v {
+            None => out.push(0),
+            Some(s) => {
+                out.push(1);
+                out.extend_from_slice(&(s.len() as u64).to_le_bytes());
+                out.extend_from_slice(s.as_bytes());
+            }
+        }
+    }
+    out
+}
+
+impl<T> Hot<T> {
+    /// `max_bytes` of requests and answers (0: keep nothing).
+    pub fn new(max_bytes: usize) -> Hot<T> {
+        Hot { max_bytes, bytes: 0, seed: RandomState::new(), slots: HashMap::new(), order: VecDeque::new() }
+    }
+
+    fn hash(&self, tenant: &[u8], body: &[u8]) -> u64 {
+        self.seed.hash_one((tenant, body))
+    }
+
+    /// The copy kept for exactly these bytes, while it is fresh.
+    pub fn get(&self, tenant: &[u8], body: &[u8], now_ms: u64) -> Option<Rc<T>> {
+        let slot = self.slots.get(&self.hash(tenant, body))?;
+        let same = slot.expires_ms > now_ms && slot.body == body && slot.tenant == tenant;
+        same.then(|| slot.value.clone())
+    }
+
+    /// Keeps `value` for these bytes until `expires_ms`; `size` is what the value holds.
+    /// The oldest copies make room; one larger than the whole bound is not kept.
+    pub fn put(&mut self, tenant: &[u8], body: &[u8], expires_ms: u64, size: usize, value: T) {
+        let size = size + tenant.len() + body.len();
+        if size > self.max_bytes {
+            return;
+        }
+        let h = self.hash(tenant, body);
+        self.remove(h);
+        while self.bytes + size > self.max_bytes {
+            let Some(old) = self.order.pop_front() else { break };
+            self.remove(old);
+        }
+        let slot = Slot { tenant: tenant.to_vec(), body: body.to_vec(), expires_ms, size, value: Rc::new(value) };
+        self.slots.insert(h, slot);
+        self.order.push_back(h);
+        self.bytes += size;
+    }
+
+    fn remove(&mut self, h: u64) {
+        if let Some(old) = self.slots.remove(&h) {
+            self.bytes -= old.size;
+            self.order.retain(|o| *o != h);
+        }
+    }
+
+    pub fn bytes(&self) -> usize {
+        self.bytes
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_the_same_bytes_of_the_same_tenant_match_and_only_while_fresh() {
+        let mut hot = Hot::new(1 << 20);
+        let alice = tenant_bytes(Some("Bearer alice"), None);
+        hot.put(&alice, b"{\"a\":1}", 100, 10, "answer");
+        assert_eq!(hot.get(&alice, b"{\"a\":1}", 99).as_deref(), Some(&"answer"));
+        assert_eq!(hot.get(&alice, b"{\"a\":1}", 100), None, "expired");
+        assert_eq!(hot.get(&alice, b"{\"a\": 1}", 0), None, "other bytes");
+        assert_eq!(hot.get(&tenant_bytes(Some("Bearer bob"), None), b"{\"a\":1}", 0), None, "other tenant");
+        assert_ne!(tenant_bytes(Some(""), None), tenant_bytes(None, None));
+        assert_ne!(tenant_bytes(Some("ab"), Some("c")), tenant_bytes(Some("a"), Some("bc")));
+    }
+
+    #[test]
+    fn the_bytes_held_stay_within_the_bound() {
+        let mut hot = Hot::new(1000);
+        let t = tenant_bytes(None, None);
+        for i in 0..100u32 {
+            hot.put(&t, &i.to_le_bytes(), u64::MAX, 90, i);
+            assert!(hot.bytes() <= 1000, "{} bytes", hot.bytes());
+        }
+        assert_eq!(hot.get(&t, &99u32.to_le_bytes(), 0).as_deref(), Some(&99), "the newest is kept");
+        assert_eq!(hot.get(&t, &0u32.to_le_bytes(), 0), None, "the oldest made room");
+        hot.put(&t, b"huge", u64::MAX, 5000, 7);
+        assert_eq!(hot.get(&t, b"huge", 0), None, "larger than the bound: not kept");
+        let mut off = Hot::new(0);
+        off.put(&t, b"x", u64::MAX, 0, 1);
+        assert_eq!(off.get(&t, b"x", 0), None, "0 keeps nothing");
+    }
+}

@@ -152,6 +152,11 @@ impl Envoy {
         Ok(envoy)
     }
 
+    /// Envoy's process id.
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
     /// Kills Envoy at once (SIGKILL), as a lost node.
     pub fn kill(&mut self) {
         let _ = self.child.kill();

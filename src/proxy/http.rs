@@ -15,7 +15,7 @@ use crate::core::error::ApiError;
 use crate::core::hot;
 use crate::core::peer;
 use crate::core::request::{
-    is_chat_path, is_internal_path, CacheControl, ChatRequest, Key, RequestMeta, KEY_HEADER, PEER_PATH,
+    is_chat_path, is_internal_path, CacheControl, ChatRequest, Key, RequestMeta, CHAT_PATH, KEY_HEADER, PEER_PATH,
 };
 use crate::core::stream::{self, Reassembler};
 use crate::core::upstream::Outbound;
@@ -30,6 +30,47 @@ pub struct Chat {
     state: State,
     /// The body being read is a model owner call from a fleet peer.
     peer: bool,
+    /// The request headers the filter reads, from the headers callback.
+    heads: Heads,
+}
+
+/// The request headers the filter reads, all taken in one host call (each separate read
+/// is two crossings of the VM boundary). The first of repeated headers counts.
+#[derive(Default)]
+struct Heads {
+    method: String,
+    path: String,
+    content_length: Option<String>,
+    authorization: Option<String>,
+    tenant: Option<String>,
+    cache_control: Option<String>,
+    peer_secret: Option<String>,
+}
+
+impl Heads {
+    fn read(tenant_header: Option<&str>) -> Heads {
+        let mut h = Heads::default();
+        for (name, value) in host::headers(MapType::HttpRequestHeaders) {
+            let slot = match name.as_str() {
+                ":method" => {
+                    h.method = value;
+                    continue;
+                }
+                ":path" => {
+                    h.path = value;
+                    continue;
+                }
+                "content-length" => &mut h.content_length,
+                "authorization" => &mut h.authorization,
+                "cache-control" => &mut h.cache_control,
+                peer::SECRET_HEADER => &mut h.peer_secret,
+                n if Some(n) == tenant_header => &mut h.tenant,
+                _ => continue,
+            };
+            slot.get_or_insert(value);
+        }
+        h
+    }
 }
 
 enum State {
@@ -77,13 +118,9 @@ impl Tee {
     }
 }
 
-fn request_header(name: &str) -> Option<String> {
-    host::header(MapType::HttpRequestHeaders, name)
-}
-
 impl Chat {
     pub fn new(id: u32, worker: Shared) -> Self {
-        Chat { id, worker, state: State::Ignored, peer: false }
+        Chat { id, worker, state: State::Ignored, peer: false, heads: Heads::default() }
     }
 
     fn reject(&mut self, e: &ApiError) -> Action {
@@ -97,9 +134,8 @@ impl Chat {
             return self.serve_peer(&body);
         }
         let config = self.worker.borrow().config.clone();
-        let authorization = request_header("authorization");
-        let tenant = config.cache.tenant_header.as_deref().and_then(request_header);
-        let cache_control = request_header("cache-control");
+        let heads = std::mem::take(&mut self.heads);
+        let (authorization, tenant, cache_control) = (heads.authorization, heads.tenant, heads.cache_control);
         let now = host::now_ms();
         let raw_tenant = hot::tenant_bytes(authorization.as_deref(), tenant.as_deref());
         // Directives change what may be served: such requests take the whole path.
@@ -191,7 +227,7 @@ impl Chat {
         if role == Role::Forward {
             return self.reject(&ApiError::not_found(method, path));
         }
-        if !peer::secret_matches(secret.as_deref(), request_header(peer::SECRET_HEADER).as_deref()) {
+        if !peer::secret_matches(secret.as_deref(), self.heads.peer_secret.as_deref()) {
             return self.reject(&ApiError::forbidden("internal fleet call without the fleet's secret"));
         }
         if method != "POST" || path != PEER_PATH {
@@ -264,20 +300,21 @@ impl Context for Chat {
 
 impl HttpContext for Chat {
     fn on_http_request_headers(&mut self, _num_headers: usize, end_of_stream: bool) -> Action {
-        let method = request_header(":method").unwrap_or_default();
-        let path = request_header(":path").unwrap_or_default();
-        if is_internal_path(&path) {
+        let tenant_header = self.worker.borrow().config.cache.tenant_header.clone();
+        self.heads = Heads::read(tenant_header.as_deref());
+        let (method, path) = (self.heads.method.clone(), self.heads.path.clone());
+        if path != CHAT_PATH && is_internal_path(&path) {
             return self.internal(&method, &path);
         }
         if self.worker.borrow().config.role == Role::Forward {
             strip_fleet_headers();
         }
-        if method != "POST" || !is_chat_path(&path) {
+        if method != "POST" || (path != CHAT_PATH && !is_chat_path(&path)) {
             return Action::Continue;
         }
         self.state = State::Reading;
         let limit = self.worker.borrow().config.max_body_bytes;
-        let declared = request_header("content-length").and_then(|l| l.trim().parse::<u64>().ok());
+        let declared = self.heads.content_length.as_deref().and_then(|l| l.trim().parse::<u64>().ok());
         if declared.is_some_and(|l| l > limit as u64) {
             return self.reject(&ApiError::too_large(limit));
         }

@@ -190,18 +190,21 @@ impl Worker {
     /// Sends `reply` as JSON or as events, as the request asked, with the model's
     /// `x-ratelimit-*` headers.
     fn send_in_form(&mut self, target: Target, reply: &Reply, outbound: &Outbound) -> bool {
-        let model = &outbound.model;
-        // With fleet-wide limits the buckets live on their owner nodes: no local headers.
-        let extra = if self.config.fleet.shared_limits() {
-            Vec::new()
-        } else {
-            upstream::rate_headers(&SharedData, &self.config, model, host::now_ms())
-        };
+        let extra = self.rate_headers(&outbound.model);
         if !outbound.stream {
             return self.send(target, reply, &extra);
         }
         let response = stream::for_client(reply.response.clone(), true, outbound.include_usage);
         self.send(target, &Reply { response, ..reply.clone() }, &extra)
+    }
+
+    /// The model's `x-ratelimit-*` headers. With fleet-wide limits the buckets live on
+    /// their owner nodes: none.
+    fn rate_headers(&self, model: &str) -> Vec<(&'static str, String)> {
+        if self.config.fleet.shared_limits() {
+            return Vec::new();
+        }
+        upstream::rate_headers(&SharedData, &self.config, model, host::now_ms())
     }
 
     /// Keeps the entry `request` was just served from, for the same bytes next time.
@@ -226,13 +229,21 @@ impl Worker {
         self.hot.put(raw_tenant, body, expires_ms, size, answer);
     }
 
-    /// Sends a kept HIT on the current http context, as `respond` would.
+    /// Sends a kept HIT on the current http context, as `respond` would (a JSON answer
+    /// without copying it).
     pub fn respond_hot(&mut self, hit: &HotAnswer, now: u64) {
-        let reply = Reply { age_s: Some(now.saturating_sub(hit.stored_at_ms) / 1000), ..hit.reply.clone() };
         for (id, n) in &hit.counters {
             let _ = hostcalls::increment_metric(*id, *n);
         }
-        self.send_in_form(Target::Current, &reply, &hit.outbound);
+        let age_s = now.saturating_sub(hit.stored_at_ms) / 1000;
+        if hit.outbound.stream {
+            let reply = Reply { age_s: Some(age_s), ..hit.reply.clone() };
+            self.send_in_form(Target::Current, &reply, &hit.outbound);
+            return;
+        }
+        let mut extra = self.rate_headers(&hit.outbound.model);
+        extra.push(("age", age_s.to_string()));
+        host::send(&hit.reply, &extra);
     }
 
     /// The headers of the stream forwarded for this http context, if it is one.

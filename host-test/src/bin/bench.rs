@@ -355,10 +355,12 @@ fn main() -> std::io::Result<()> {
     let floor_hit = r.row("floor: wasm local reply", floor_stats);
     let hit = r.row("edge HIT", hit_stats);
     let plain = r.row("plain proxy to mock (baseline)", load(envoy.plain, conns, secs, unique_prompts("plain")));
+    // One prompt sequence each for all rounds: a later round must not repeat a prompt.
+    let (floor_prompts, miss_prompts) = (unique_prompts("floor"), unique_prompts("miss"));
     let (floor_stats, miss_stats) = alternate(
         rounds,
-        || load(floor_callout, conns, secs, unique_prompts("floor")),
-        || expect_all(load(envoy.edge, conns, secs, unique_prompts("miss")), "MISS"),
+        || load(floor_callout, conns, secs, floor_prompts.clone()),
+        || expect_all(load(envoy.edge, conns, secs, miss_prompts.clone()), "MISS"),
     );
     let floor_miss = r.row("floor: wasm callout", floor_stats);
     let miss = r.row("edge MISS (distinct prompts)", miss_stats);

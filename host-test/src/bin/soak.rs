@@ -71,7 +71,7 @@ fn main() -> std::io::Result<()> {
                     })
                 })
                 .collect();
-            let lost = crowd.into_iter().filter(|h| !h.join().unwrap_or(false)).count();
+            let lost = crowd.into_iter().map(|h| h.join().unwrap_or(false)).filter(|ok| !ok).count();
             failed.fetch_add(lost as u64, Ordering::Relaxed);
             samples.push((start.elapsed().as_secs(), rss_kib(pid)));
             println!(

@@ -62,10 +62,10 @@ fn main() -> std::io::Result<()> {
     while start.elapsed() < Duration::from_secs(secs) {
         std::thread::sleep(Duration::from_secs(1));
         tick += 1;
-        if tick % 10 == 0 {
+        if tick.is_multiple_of(10) {
             let crowd: Vec<_> = (0..300)
                 .map(|_| {
-                    let body = prompt(&format!("crowd {tick}"), tick % 20 == 0);
+                    let body = prompt(&format!("crowd {tick}"), tick.is_multiple_of(20));
                     std::thread::spawn(move || {
                         Conn::open(edge).and_then(|mut c| c.request("POST", PATH, &[], body.as_bytes())).is_ok()
                     })
@@ -82,7 +82,7 @@ fn main() -> std::io::Result<()> {
                 failed.load(Ordering::Relaxed)
             );
         }
-        if tick % 15 == 0 {
+        if tick.is_multiple_of(15) {
             let fault = |status: Option<u16>, reset: bool| Fault {
                 status,
                 reset,

@@ -16,6 +16,8 @@ use std::time::Duration;
 
 /// Period of the first tick, which registers the worker's wake queue.
 const FIRST_TICK_MS: u64 = 20;
+/// Tick period of a forward node's VM: it only looks for requests whose body never came.
+const FORWARD_TICK_MS: u64 = 500;
 
 pub struct Root {
     pub(super) worker: Shared,
@@ -91,7 +93,8 @@ impl RootContext for Root {
         drop(w);
         // A short first tick registers the worker's queue (not here: the canary VM and
         // the VM's thread binding make on_configure the wrong place, see ENVOY-FACTS).
-        let _ = hostcalls::set_tick_period(Duration::from_millis(FIRST_TICK_MS));
+        let first = if self.worker.borrow().config.role == Role::Forward { FORWARD_TICK_MS } else { FIRST_TICK_MS };
+        let _ = hostcalls::set_tick_period(Duration::from_millis(first));
         true
     }
 

@@ -482,6 +482,24 @@ mod tests {
     }
 
     #[test]
+    fn the_parser_names_the_exact_setting_it_refused() {
+        for (raw, field) in [
+            (r#"{"cache":{"ttl":5}}"#, "cache.ttl"),
+            (r#"{"upstreams":{}}"#, "upstreams"),
+            (r#"{"lock":{"lease_ms":"5s"}}"#, "lock.lease_ms"),
+            (r#"{"models":{"gpt-4.1":{"burst":"x"}}}"#, "models.gpt-4.1.burst"),
+            (r#"{"models":{"gpt-4.1":{"rpm":5}}}"#, "models.gpt-4.1.rpm"),
+            (r#"{"models":{"gpt-4.1":7}}"#, "models.gpt-4.1"),
+            (r#"{"models":[]}"#, "models"),
+            (r#"{"fleet":{"nodes":-1}}"#, "fleet.nodes"),
+            (r#"{"role":"edge"}"#, "role"),
+        ] {
+            let e = Config::parse(raw.as_bytes()).unwrap_err();
+            assert_eq!(e.field(), field, "{raw}: {e}");
+        }
+    }
+
+    #[test]
     fn bad_values_are_named() {
         for (raw, field) in [
             (r#"{"cache":{"max_entries":-1}}"#, "cache.max_entries"),

@@ -64,12 +64,39 @@ pub fn slot_keys(config: &Config, key: &Key) -> Vec<String> {
 
 /// The entry stored for `key`, fresh or not; `None` when none of its slots holds it.
 pub fn get(store: &impl CasStore, config: &Config, key: &Key) -> Option<Entry> {
-    slot_keys(config, key).iter().find_map(|slot| {
-        let raw = store.get(slot).ok()?.value?;
-        // Only the entry that holds this key is decoded whole (its body copied).
-        meta(&raw).filter(|(k, _)| k == key)?;
-        decode(&raw)
-    })
+    probe(store, config, key).entry
+}
+
+/// What one read of a key's slots found: its entry, and the slot a new answer for it
+/// would go to (see `victim`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Probe {
+    pub entry: Option<Entry>,
+    pub victim: String,
+}
+
+/// Reads `key`'s slots in order, up to the one that holds it or the first empty one (the
+/// ways fill in order, so nothing lies beyond an empty one).
+pub fn probe(store: &impl CasStore, config: &Config, key: &Key) -> Probe {
+    let slots = slot_keys(config, key);
+    let mut best: Option<(u64, &String)> = None;
+    for slot in &slots {
+        let raw = store.get(slot).ok().and_then(|r| r.value);
+        let found = raw.as_deref().and_then(meta);
+        let rank = match found {
+            // Only the entry that holds this key is decoded whole (its body copied).
+            Some((k, _)) if k == *key => {
+                return Probe { entry: raw.as_deref().and_then(decode), victim: slot.clone() };
+            }
+            None => return Probe { entry: None, victim: slot.clone() },
+            Some((_, expires_ms)) => expires_ms.max(1),
+        };
+        if best.is_none_or(|(r, _)| rank < r) {
+            best = Some((rank, slot));
+        }
+    }
+    let victim = best.map_or_else(|| slots.first().cloned().unwrap_or_default(), |(_, s)| s.clone());
+    Probe { entry: None, victim }
 }
 
 /// An entry's key and expiry, without copying its body.
@@ -101,8 +128,17 @@ fn decode(raw: &[u8]) -> Option<Entry> {
     })
 }
 
-/// Stores a 200 answer unless it is larger than `cache.max_entry_bytes`. Last writer wins.
-pub fn put(store: &impl CasStore, config: &Config, key: &Key, response: &Response, now_ms: u64) -> bool {
+/// Stores a 200 answer unless it is larger than `cache.max_entry_bytes`, in `slot` when
+/// the caller already probed for one (a MISS read the slots when it arrived), else where
+/// `probe` says. Last writer wins.
+pub fn put(
+    store: &impl CasStore,
+    config: &Config,
+    key: &Key,
+    response: &Response,
+    now_ms: u64,
+    slot: Option<&str>,
+) -> bool {
     if response.status != 200 || response.body.len() > config.cache.max_entry_bytes {
         return false;
     }
@@ -118,28 +154,11 @@ pub fn put(store: &impl CasStore, config: &Config, key: &Key, response: &Respons
         ],
         &response.body,
     );
-    store.set(&victim(store, config, key), &value, None).is_ok()
-}
-
-/// Where to store `key`: the slot that holds it already, else the first empty slot, else
-/// the one whose entry expires first (expired ones first of all). Last writer wins. (An
-/// older copy of the key in a later way than an empty one is shadowed: `get` reads the
-/// ways in order.)
-fn victim(store: &impl CasStore, config: &Config, key: &Key) -> String {
-    let slots = slot_keys(config, key);
-    let mut best: Option<(u64, &String)> = None;
-    for slot in &slots {
-        let entry = store.get(slot).ok().and_then(|r| r.value).and_then(|raw| meta(&raw));
-        let rank = match entry {
-            Some((k, _)) if k == *key => return slot.clone(),
-            None => return slot.clone(),
-            Some((_, expires_ms)) => expires_ms.max(1),
-        };
-        if best.is_none_or(|(r, _)| rank < r) {
-            best = Some((rank, slot));
-        }
-    }
-    best.map_or_else(|| slots.first().cloned().unwrap_or_default(), |(_, s)| s.clone())
+    let victim = match slot {
+        Some(s) => s.to_owned(),
+        None => probe(store, config, key).victim,
+    };
+    store.set(&victim, &value, None).is_ok()
 }
 
 #[cfg(test)]
@@ -161,11 +180,11 @@ mod tests {
             .enumerate()
             .find_map(|(i, a)| keys[i + 1..].iter().find(|b| b.slot(8, 0) == a.slot(8, 0)).map(|b| (a, b)))
             .expect("two keys with one home slot");
-        assert!(put(&s, &c, a, &ok("a"), 0) && put(&s, &c, b, &ok("b"), 1));
+        assert!(put(&s, &c, a, &ok("a"), 0, None) && put(&s, &c, b, &ok("b"), 1, None));
         assert_eq!(get(&s, &c, a).map(|e| e.response.body), Some(b"a".to_vec()), "not evicted by its neighbour");
         assert_eq!(get(&s, &c, b).map(|e| e.response.body), Some(b"b".to_vec()));
         for (i, k) in keys.iter().enumerate() {
-            put(&s, &c, k, &ok("x"), 10 + i as u64);
+            put(&s, &c, k, &ok("x"), 10 + i as u64, None);
         }
         assert!(s.key_count() <= 8, "{} keys", s.key_count());
         assert_eq!(get(&s, &c, &keys[63]).map(|e| e.key), Some(keys[63].clone()), "the newest is there");
@@ -176,7 +195,7 @@ mod tests {
         let (s, c) = (MemStore::new(), Config::default());
         let k = request_key("/p", "s", b"1");
         assert!(get(&s, &c, &k).is_none());
-        assert!(put(&s, &c, &k, &ok("{}"), 1000));
+        assert!(put(&s, &c, &k, &ok("{}"), 1000, None));
         let e = get(&s, &c, &k).unwrap();
         assert_eq!(e.response, ok("{}"));
         assert!(e.is_fresh(1000 + 3_599_999));
@@ -188,10 +207,10 @@ mod tests {
         let (s, mut c) = (MemStore::new(), Config::default());
         c.cache.max_entry_bytes = 4;
         let k = request_key("/p", "s", b"1");
-        assert!(!put(&s, &c, &k, &ok("12345"), 0));
+        assert!(!put(&s, &c, &k, &ok("12345"), 0, None));
         let mut err = ok("{}");
         err.status = 500;
-        assert!(!put(&s, &c, &k, &err, 0));
+        assert!(!put(&s, &c, &k, &err, 0, None));
         assert_eq!(s.key_count(), 0);
     }
 
@@ -201,7 +220,7 @@ mod tests {
         c.cache.max_entries = 8;
         let keys: Vec<Key> = (0..500).map(|i| request_key("/p", "s", format!("{i}").as_bytes())).collect();
         for k in &keys {
-            assert!(put(&s, &c, k, &ok("{}"), 0));
+            assert!(put(&s, &c, k, &ok("{}"), 0, None));
         }
         assert!(s.key_count() <= 8);
         let found = keys.iter().filter(|k| get(&s, &c, k).is_some()).count();

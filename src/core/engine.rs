@@ -100,6 +100,9 @@ pub struct Call {
     pub started_ms: u64,
     /// The request's cache directives (a stale answer must respect them too).
     pub policy: Policy,
+    /// The cache slot the answer goes to, chosen when the request read the cache on
+    /// arrival (`None`: look when storing).
+    pub slot: Option<String>,
 }
 
 /// Waiting for the flight whose lease carries `nonce`.
@@ -186,7 +189,8 @@ impl<S: CasStore> Engine<'_, S> {
                 }
             }
         }
-        let in_cache = call.store && cache::put(self.store, self.config, &call.key, &response, now_ms);
+        let slot = call.slot.as_deref();
+        let in_cache = call.store && cache::put(self.store, self.config, &call.key, &response, now_ms, slot);
         let watched = self.finish_lease(call, &response, now_ms, None, in_cache);
         (Reply { response, cache: Some(call.label), key: Some(call.key.clone()), age_s: None }, watched)
     }
@@ -256,13 +260,21 @@ impl<S: CasStore> Engine<'_, S> {
     }
 
     fn decide(&self, key: &Key, policy: Policy, now_ms: u64, nonce: u64, waited_since: Option<u64>) -> Step {
-        if let Some(reply) = self.cached(key, policy, now_ms, waited_since) {
+        let (reply, victim) = self.cached(key, policy, now_ms, waited_since);
+        if let Some(reply) = reply {
             return Step::Reply(reply);
         }
-        if !policy.coalesce {
-            return Step::Call(self.call(key, None, policy, false, CacheStatus::Bypass, now_ms));
+        let step = if !policy.coalesce {
+            Step::Call(self.call(key, None, policy, false, CacheStatus::Bypass, now_ms))
+        } else {
+            self.take_lease(key, policy, now_ms, nonce, waited_since.unwrap_or(now_ms), true)
+        };
+        match step {
+            // The slots were just read: the answer goes where they said, without reading
+            // them again.
+            Step::Call(call) => Step::Call(Call { slot: victim, ..call }),
+            other => other,
         }
-        self.take_lease(key, policy, now_ms, nonce, waited_since.unwrap_or(now_ms), true)
     }
 
     /// Takes the lease, waits on its holder, or (with `accept_done`) takes the answer of a
@@ -306,22 +318,30 @@ impl<S: CasStore> Engine<'_, S> {
 
     /// A fresh entry this request may be served. A waiter may take an entry stored since
     /// it began waiting even under `no-cache`: that is the flight it waited for.
-    fn cached(&self, key: &Key, policy: Policy, now_ms: u64, waited_since: Option<u64>) -> Option<Reply> {
+    fn cached(
+        &self,
+        key: &Key,
+        policy: Policy,
+        now_ms: u64,
+        waited_since: Option<u64>,
+    ) -> (Option<Reply>, Option<String>) {
         if !policy.read && waited_since.is_none() {
-            return None;
+            return (None, None);
         }
-        let entry = cache::get(self.store, self.config, key).filter(|e| e.is_fresh(now_ms))?;
+        let probe = cache::probe(self.store, self.config, key);
+        let Some(entry) = probe.entry.filter(|e| e.is_fresh(now_ms)) else { return (None, Some(probe.victim)) };
         let age_ms = entry.age_ms(now_ms);
         let allowed = match waited_since {
             Some(since) => entry.stored_at_ms >= since || policy.read,
             None => true,
         } && policy.max_age.is_none_or(|max| age_ms / 1000 <= max);
-        allowed.then(|| Reply {
+        let reply = allowed.then(|| Reply {
             age_s: Some(age_ms / 1000),
             cache: Some(if waited_since.is_some() { CacheStatus::Coalesced } else { CacheStatus::Hit }),
             key: Some(key.clone()),
             response: entry.response,
-        })
+        });
+        (reply, Some(probe.victim))
     }
 
     fn call(
@@ -333,7 +353,7 @@ impl<S: CasStore> Engine<'_, S> {
         label: CacheStatus,
         now_ms: u64,
     ) -> Call {
-        Call { key: key.clone(), lease, store, label, started_ms: now_ms, policy }
+        Call { key: key.clone(), lease, store, label, started_ms: now_ms, policy, slot: None }
     }
 }
 
@@ -399,6 +419,34 @@ mod tests {
             Step::Reply(r) => r,
             other => panic!("expected a reply, got {other:?}"),
         }
+    }
+
+    /// Counts reads of cache slots.
+    struct CountingReads(MemStore, std::cell::Cell<u32>);
+
+    impl CasStore for CountingReads {
+        fn get(&self, key: &str) -> Result<crate::core::store::Read, crate::core::store::StoreError> {
+            if key.starts_with("holysheep/cache/") {
+                self.1.set(self.1.get() + 1);
+            }
+            self.0.get(key)
+        }
+        fn set(&self, key: &str, value: &[u8], cas: Option<u32>) -> Result<(), crate::core::store::StoreError> {
+            self.0.set(key, value, cas)
+        }
+    }
+
+    #[test]
+    fn a_miss_stores_where_its_arrival_read_said_without_reading_the_slots_again() {
+        let (s, c) = (CountingReads(MemStore::new(), 0.into()), Config::default());
+        let e = Engine { store: &s, config: &c };
+        let call = expect_call(e.admit(&k(1), READ, 0, 1));
+        assert!(call.slot.is_some(), "the arrival read chose a slot");
+        let reads = s.1.get();
+        e.complete(&call, ok("{\"a\":1}"), 10);
+        assert_eq!(s.1.get(), reads, "storing read no cache slot");
+        let hit = expect_reply(e.admit(&k(1), READ, 20, 2));
+        assert_eq!((hit.cache, hit.response.body.as_slice()), (Some(CacheStatus::Hit), &b"{\"a\":1}"[..]));
     }
 
     /// A store whose cache slots read as empty once: a request that read the cache just

@@ -136,3 +136,20 @@ fn a_node_lost_is_routed_around_and_no_client_hangs() {
     assert!(again.iter().all(|r| r.status == 200));
     assert_eq!(fleet.crashes(), Vec::<String>::new());
 }
+
+#[test]
+fn nodes_that_cannot_ask_the_model_owner_admit_only_their_share() {
+    // The owners look for the secret in a variable that is not set: no node can ask.
+    let config = r#"{"fleet":{"cluster":"owners","nodes":3,"peer_secret_env":"HOLYSHEEP_NO_SUCH_SECRET"},
+                     "models":{"deepseek-v3":{"requests_per_minute":1,"burst":6}}}"#;
+    let fleet = Fleet::start(3, config, 0);
+    let calls_before = fleet.calls();
+    let bodies = (0..30).map(|i| prompt_for("deepseek-v3", &format!("alone {i}"))).collect();
+    let answers = spread(round_robin(&fleet.publics(), bodies));
+    let admitted = answers.iter().filter(|r| r.status == 200).count();
+    assert!(answers.iter().all(|r| r.status == 200 || r.status == 429));
+    assert!(admitted <= 6, "three shares of 2 never admit more than the burst: {admitted}");
+    assert_eq!(fleet.calls() - calls_before, admitted as u64);
+    assert!(fleet.stat("wasmcustom.holysheep.deepseek-v3.fleet_local_share") >= 30, "every admission counted");
+    assert_eq!(fleet.crashes(), Vec::<String>::new());
+}

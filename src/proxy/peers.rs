@@ -33,10 +33,7 @@ impl Root {
         match self.dispatch_http_call(&cluster, headers, Some(&op.to_json()), vec![], timeout) {
             Ok(token) => Some(token),
             Err(status) => {
-                host::log(
-                    LogLevel::Warn,
-                    &format!("holysheep: callout to fleet cluster '{cluster}' refused: {status:?}"),
-                );
+                self.fleet_reached(false, &format!("callout to fleet cluster '{cluster}' refused: {status:?}"));
                 None
             }
         }
@@ -53,6 +50,21 @@ impl Root {
         }
     }
 
+    /// Logs when model owners stop answering (once, not per request: `fleet_local_share`
+    /// counts those) and when they answer again.
+    fn fleet_reached(&mut self, reached: bool, why: &str) {
+        let mut w = self.worker.borrow_mut();
+        if reached == w.fleet_reached {
+            return;
+        }
+        w.fleet_reached = reached;
+        if reached {
+            host::log(LogLevel::Info, "holysheep: model owners answer again: fleet-wide limits");
+        } else {
+            host::log(LogLevel::Warn, &format!("holysheep: {why}: admitting this node's share of the limits"));
+        }
+    }
+
     /// A model owner answered (or failed to): the flight that asked goes on. `false` when
     /// `token` was not an admission.
     pub(super) fn on_verdict(&mut self, token: u32, num_headers: usize, body_size: usize) -> bool {
@@ -61,13 +73,8 @@ impl Root {
         let verdict = (num_headers > 0 && status.as_deref() == Some("200"))
             .then(|| Verdict::parse(&host::buffer(BufferType::HttpCallResponseBody, body_size)))
             .flatten();
-        if verdict.is_none() {
-            let status = status.unwrap_or_else(|| "none".into());
-            host::log(
-                LogLevel::Warn,
-                &format!("holysheep: model owner did not answer (status {status}): admitting this node's share"),
-            );
-        }
+        let status = status.unwrap_or_else(|| "none".into());
+        self.fleet_reached(verdict.is_some(), &format!("a model owner did not answer (status {status})"));
         run.flight.on_verdict(verdict);
         let action = self.resume(&mut run);
         self.advance(run, action);

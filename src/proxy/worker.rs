@@ -80,6 +80,8 @@ pub struct Worker {
     pub(super) outbox: Vec<Op>,
     /// The fleet's shared secret (from the environment); never logged.
     pub(super) peer_secret: Option<String>,
+    /// Whether the last model owner asked answered (for logging the changes only).
+    pub(super) fleet_reached: bool,
     /// HIT answers by the requests' raw bytes (an owner), or keys (a forward node).
     pub(super) hot: Hot<HotAnswer>,
     pub(super) hot_keys: Hot<Key>,
@@ -139,6 +141,7 @@ impl Worker {
             asking: HashMap::new(),
             outbox: Vec::new(),
             peer_secret: None,
+            fleet_reached: true,
             hot: Hot::new(0),
             hot_keys: Hot::new(0),
             metrics: HashMap::new(),

@@ -208,6 +208,13 @@ impl Envoy {
         Some(SocketAddr::from(([127, 0, 0, 1], port as u16)))
     }
 
+    /// Lines of Envoy's log that say a VM crashed (a panic, a V8 exception such as
+    /// `RangeError: Maximum call stack size exceeded`, a failed VM).
+    pub fn crashes(&self) -> Vec<String> {
+        let signs = ["panicked", "Uncaught", "RangeError", "VM failed", "wasm_vm_failed"];
+        self.log().lines().filter(|l| signs.iter().any(|s| l.contains(s))).map(str::to_owned).collect()
+    }
+
     pub fn log(&self) -> String {
         std::fs::read_to_string(self.dir.join("envoy.log")).unwrap_or_default()
     }

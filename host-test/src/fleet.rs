@@ -156,9 +156,7 @@ impl Fleet {
 
     /// Log lines of any node that say a VM crashed.
     pub fn crashes(&self) -> Vec<String> {
-        let signs = ["panicked", "Uncaught", "RangeError", "VM failed", "wasm_vm_failed"];
-        let logs: Vec<String> = self.live().map(|n| n.envoy.log()).collect();
-        logs.iter().flat_map(|l| l.lines()).filter(|l| signs.iter().any(|s| l.contains(s))).map(str::to_owned).collect()
+        self.live().flat_map(|n| n.envoy.crashes()).collect()
     }
 
     /// A counter summed over the live nodes.

@@ -41,8 +41,7 @@ impl Stack {
 
     /// Lines of Envoy's log that say a VM crashed (a panic, a V8 exception, a failed VM).
     pub fn crashes(&self) -> Vec<String> {
-        let signs = ["panicked", "Uncaught", "RangeError", "VM failed", "wasm_vm_failed"];
-        self.envoy.log().lines().filter(|l| signs.iter().any(|s| l.contains(s))).map(str::to_owned).collect()
+        self.envoy.crashes()
     }
 
     pub fn calls(&self) -> u64 {

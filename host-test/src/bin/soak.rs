@@ -99,12 +99,7 @@ fn main() -> std::io::Result<()> {
     let after: Vec<u64> = samples.iter().filter(|(t, _)| *t >= 60).map(|(_, r)| *r).collect();
     let first = after.first().copied().unwrap_or(0).max(1);
     let worst = after.iter().map(|r| (*r as f64 / first as f64 - 1.0).abs()).fold(0.0, f64::max);
-    let crashes: Vec<String> = envoy
-        .log()
-        .lines()
-        .filter(|l| ["panicked", "Uncaught", "RangeError", "VM failed", "wasm_vm_failed"].iter().any(|s| l.contains(s)))
-        .map(str::to_owned)
-        .collect();
+    let crashes = envoy.crashes();
     println!(
         "soak: {secs}s, {} requests ({} failed), {} upstream calls; RSS after warm-up {first} KiB, largest deviation {:.1} %; {} VM crash lines",
         sent.load(Ordering::Relaxed),

@@ -1,5 +1,5 @@
 # The two commands: `make run` (demo on the mock) and `make test` (everything CI runs).
-.PHONY: run run-cluster run-component test bench soak stop setup clean wit-lock fuzz
+.PHONY: run run-cluster run-component test bench profile floors soak stop setup clean wit-lock fuzz
 
 setup:
 	envoy/setup.sh
@@ -28,12 +28,23 @@ test: setup
 
 # The floors are tiny proxy-wasm filters (host-test/floors/) measured beside the plugin;
 # the charts need matplotlib, installed into ./.venv here (not for the tests).
-bench: setup
+floors:
 	for f in reply callout; do (cd host-test/floors/$$f && \
 	  CARGO_TARGET_DIR=../../../target/floors cargo build --quiet --release --target wasm32-wasip1) || exit 1; done
+
+bench: setup floors
 	cargo run --quiet --release -p host-test --bin bench
 	.venv/bin/pip install --quiet matplotlib==3.9.2
 	.venv/bin/python host-test/bench_charts.py target/bench
+
+# Where the time goes (needs perf): the plugin, built with its function names, and the floors
+# in the wasmtime host under `perf record` -> target/bench/profile.md; then the bench with
+# Envoy itself under `perf record` (BENCH_PROFILE=1) -> a CPU table in target/bench/results.md.
+profile: setup floors
+	CARGO_PROFILE_RELEASE_STRIP=false cargo build --quiet --release --target wasm32-wasip1 --target-dir target/profile
+	cargo run --quiet --release -p host-test --bin wasm_profile -- \
+	  target/profile/wasm32-wasip1/release/holysheep_edge.wasm target/floors/wasm32-wasip1/release
+	BENCH_PROFILE=1 $(MAKE) --no-print-directory bench
 
 # 10 minutes of mixed traffic; passes when Envoy's RSS stays within 10 % after warm-up
 # and no VM crashed (SOAK_SECONDS to change the length). Not in CI.

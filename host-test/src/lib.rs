@@ -6,6 +6,7 @@ pub mod component_host;
 pub mod envoy;
 pub mod fleet;
 pub mod mock;
+pub mod profile;
 pub mod proxy_host;
 pub mod serve;
 pub mod stack;

@@ -66,8 +66,13 @@ fn setup() -> Result<Gateway, ApiError> {
 }
 
 fn reply(out: ResponseOutparam, reply: &Reply, extra: &[(&str, String)]) {
-    let headers: Vec<(String, String)> =
-        reply.headers().into_iter().chain(extra.iter().cloned()).map(|(n, v)| (n.to_owned(), v)).collect();
+    let headers: Vec<(String, String)> = reply
+        .headers()
+        .into_iter()
+        .map(|(n, v)| (n, v.into_owned()))
+        .chain(extra.iter().cloned())
+        .map(|(n, v)| (n.to_owned(), v))
+        .collect();
     host::respond(out, reply.response.status, &headers, &reply.response.body);
 }
 

@@ -8,6 +8,7 @@ use super::error::ApiError;
 use super::lease::{self, Acquire, Lease, State};
 use super::request::{Key, Policy};
 use super::store::CasStore;
+use std::borrow::Cow;
 
 /// How far a host's cached clock may lag the timer that fired (see `Engine::failure`).
 pub const CLOCK_SLACK_MS: u64 = 50;
@@ -59,18 +60,20 @@ impl Reply {
         Reply { response, cache: None, key: None, age_s: None }
     }
 
-    pub fn headers(&self) -> Vec<(&str, String)> {
-        let mut h = vec![("content-type", self.response.content_type.clone())];
+    /// The reply's headers; only `age` is built, the others are borrowed.
+    pub fn headers(&self) -> Vec<(&str, Cow<'_, str>)> {
+        let mut h = Vec::with_capacity(4 + self.response.headers.len());
+        h.push(("content-type", Cow::Borrowed(self.response.content_type.as_str())));
         if let Some(c) = self.cache {
-            h.push(("x-holysheep-cache", c.as_str().to_owned()));
+            h.push(("x-holysheep-cache", Cow::Borrowed(c.as_str())));
         }
         if let Some(k) = &self.key {
-            h.push(("x-holysheep-key", k.hex().to_owned()));
+            h.push(("x-holysheep-key", Cow::Borrowed(k.hex())));
         }
         if let Some(a) = self.age_s {
-            h.push(("age", a.to_string()));
+            h.push(("age", Cow::Owned(a.to_string())));
         }
-        h.extend(self.response.headers.iter().map(|(n, v)| (n.as_str(), v.clone())));
+        h.extend(self.response.headers.iter().map(|(n, v)| (n.as_str(), Cow::Borrowed(v.as_str()))));
         h
     }
 }

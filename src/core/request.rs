@@ -420,7 +420,13 @@ pub fn sha256_hex(data: &[u8]) -> String {
 }
 
 fn hex(bytes: &[u8]) -> String {
-    bytes.iter().map(|b| format!("{b:02x}")).collect()
+    const DIGITS: &[u8; 16] = b"0123456789abcdef";
+    let mut out = String::with_capacity(bytes.len() * 2);
+    for b in bytes {
+        out.push(char::from(DIGITS[usize::from(b >> 4)]));
+        out.push(char::from(DIGITS[usize::from(b & 0xf)]));
+    }
+    out
 }
 
 #[cfg(test)]
@@ -674,6 +680,8 @@ mod tests {
         assert_eq!(k.slot(1, 1), 0);
         assert!(Key::from_hex(k.hex()).is_some());
         assert!(Key::from_hex("xyz").is_none());
+        // FIPS 180-2's "abc" example, in lowercase hex.
+        assert_eq!(sha256_hex(b"abc"), "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad");
         // Keys that share a cache slot (salt 0) spread over the lease slots (salt 1): the
         // two tables collide independently.
         let keys: Vec<Key> = (0..4096u32).map(|i| request_key("/p", "s", &i.to_le_bytes())).collect();

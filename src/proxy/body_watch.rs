@@ -20,10 +20,11 @@ pub struct BodyWatch {
 }
 
 impl BodyWatch {
-    /// Request `id` paused on its headers at `now_ms`, waiting for its body.
-    pub fn paused(&mut self, id: u32, now_ms: u64) {
+    /// Request `id` paused on its headers at `now_ms()`, waiting for its body (the clock is
+    /// read only while the watch is armed: a host call saved on every later request).
+    pub fn paused(&mut self, id: u32, now_ms: impl FnOnce() -> u64) {
         if !self.armed_off {
-            self.paused.insert(id, now_ms);
+            self.paused.insert(id, now_ms());
         }
     }
 

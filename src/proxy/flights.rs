@@ -106,10 +106,9 @@ impl Root {
         headers.extend(out.headers(bearer.as_deref()));
         let timeout = Duration::from_millis(timeout_ms.max(1));
         match self.dispatch_http_call(&config.upstream.cluster, headers, Some(&body), vec![], timeout) {
-            Ok(token) => {
-                host::log(LogLevel::Debug, &format!("holysheep: #{} callout {token} to {model}", run.context_id));
-                Some(token)
-            }
+            // No debug line per callout: proxy_log crosses into Envoy even when it drops
+            // the line (the SDK's log-level getter panics on surprises, so it is not asked).
+            Ok(token) => Some(token),
             Err(status) => {
                 let cluster = &config.upstream.cluster;
                 host::log(LogLevel::Error, &format!("holysheep: callout to cluster '{cluster}' refused: {status:?}"));

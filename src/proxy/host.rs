@@ -89,8 +89,9 @@ pub fn log(level: LogLevel, message: &str) {
 /// Sends a local reply (plus `extra` headers) on the current (effective) http context.
 pub fn send(reply: &Reply, extra: &[(&str, String)]) -> bool {
     let headers = reply.headers();
-    let headers: Vec<(&str, &str)> = headers.iter().chain(extra).map(|(n, v)| (*n, v.as_str())).collect();
-    hostcalls::send_http_response(u32::from(reply.response.status), headers, Some(&reply.response.body)).is_ok()
+    let headers = headers.iter().map(|(n, v)| (*n, v.as_ref())).chain(extra.iter().map(|(n, v)| (*n, v.as_str())));
+    hostcalls::send_http_response(u32::from(reply.response.status), headers.collect(), Some(&reply.response.body))
+        .is_ok()
 }
 
 /// Sends a local reply on another http context of this worker; `false` if it is gone.

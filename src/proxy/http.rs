@@ -321,7 +321,7 @@ impl HttpContext for Chat {
         if end_of_stream {
             return self.handle(Vec::new());
         }
-        self.worker.borrow_mut().body_watch.paused(self.id, host::now_ms());
+        self.worker.borrow_mut().body_watch.paused(self.id, host::now_ms);
         Action::Pause
     }
 

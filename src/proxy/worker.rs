@@ -193,7 +193,7 @@ impl Worker {
     /// Sends `reply` as JSON or as events, as the request asked, with the model's
     /// `x-ratelimit-*` headers.
     fn send_in_form(&mut self, target: Target, reply: &Reply, outbound: &Outbound) -> bool {
-        let extra = self.rate_headers(&outbound.model);
+        let extra = self.rate_headers(&outbound.model, host::now_ms);
         if !outbound.stream {
             return self.send(target, reply, &extra);
         }
@@ -201,13 +201,14 @@ impl Worker {
         self.send(target, &Reply { response, ..reply.clone() }, &extra)
     }
 
-    /// The model's `x-ratelimit-*` headers. With fleet-wide limits the buckets live on
-    /// their owner nodes: none.
-    fn rate_headers(&self, model: &str) -> Vec<(&'static str, String)> {
-        if self.config.fleet.shared_limits() {
+    /// The model's `x-ratelimit-*` headers: none for a model without limits (the clock is
+    /// read only for one with them) or with fleet-wide limits (the buckets live on their
+    /// owner nodes).
+    fn rate_headers(&self, model: &str, now_ms: impl FnOnce() -> u64) -> Vec<(&'static str, String)> {
+        if self.config.fleet.shared_limits() || self.config.model(model).is_none() {
             return Vec::new();
         }
-        upstream::rate_headers(&SharedData, &self.config, model, host::now_ms())
+        upstream::rate_headers(&SharedData, &self.config, model, now_ms())
     }
 
     /// Keeps the entry `request` was just served from, for the same bytes next time.
@@ -244,7 +245,7 @@ impl Worker {
             self.send_in_form(Target::Current, &reply, &hit.outbound);
             return;
         }
-        let mut extra = self.rate_headers(&hit.outbound.model);
+        let mut extra = self.rate_headers(&hit.outbound.model, || now);
         extra.push(("age", age_s.to_string()));
         host::send(&hit.reply, &extra);
     }

@@ -14,13 +14,16 @@
 //!
 //! Options (environment): BENCH_SECONDS (default 3), BENCH_CONNECTIONS (default 16),
 //! BENCH_ROUNDS (default 3: floor and plugin rows alternate, the median round counts),
-//! BENCH_CROWD (default 1000 identical requests for the follower delay).
+//! BENCH_CROWD (default 1000 identical requests for the follower delay), BENCH_PROFILE=1
+//! (`perf record` on Envoy during each Envoy row: CPU per request in the filter's wasm code,
+//! in Envoy itself and in the kernel; see `host_test::profile`).
 
 use host_test::client::{request, Conn};
 use host_test::component_host::serve::{start as start_component, ComponentOptions};
 use host_test::envoy::{component_path, wasm_path, workspace_root, Envoy, Options};
 use host_test::fleet::Fleet;
 use host_test::mock::Running;
+use host_test::profile::{self, Split};
 use std::net::SocketAddr;
 use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -37,6 +40,8 @@ struct Stats {
     p99_us: u64,
     p999_us: u64,
     labels: Vec<String>,
+    /// Envoy's CPU during the row, with BENCH_PROFILE=1.
+    cpu: Option<Split>,
 }
 
 fn prompt(text: &str) -> String {
@@ -91,11 +96,25 @@ fn load(addr: SocketAddr, conns: usize, secs: u64, body: Arc<dyn Fn() -> String 
         p99_us: pct(0.99),
         p999_us: pct(0.999),
         labels,
+        cpu: None,
     }
+}
+
+/// Runs a row under `perf record` on Envoy (`pid`), when profiling.
+fn profiled(pid: Option<u32>, run: impl FnOnce() -> Stats) -> Stats {
+    let Some(pid) = pid else { return run() };
+    let recording = profile::record(pid, std::env::temp_dir().join(format!("holysheep-bench-{pid}.perf")));
+    let mut stats = run();
+    stats.cpu = recording.and_then(profile::Recording::finish).map(|s| s.split);
+    stats
 }
 
 fn row(name: &str, s: &Stats) {
     println!("{name:<34} {:>9} {:>11.0} {:>10} {:>10}", s.requests, s.rps, s.p50_us, s.p99_us);
+    if let Some(cpu) = &s.cpu {
+        let [wasm, envoy, kernel, libs, total] = cpu.per_request_us(s.requests);
+        println!("{:<34} Envoy CPU/request: wasm {wasm:.1} us, envoy {envoy:.1}, kernel {kernel:.1}, libs {libs:.1}, total {total:.1}", "");
+    }
 }
 
 fn unique_prompts(tag: &'static str) -> Arc<dyn Fn() -> String + Send + Sync> {
@@ -264,12 +283,28 @@ impl Report {
         self.rows[i].1.rps
     }
 
+    /// Envoy's CPU per request by where it went, for the rows recorded (BENCH_PROFILE=1).
+    fn profile_table(&self) -> String {
+        let mut md = String::new();
+        for (name, s) in &self.rows {
+            let Some(cpu) = &s.cpu else { continue };
+            if md.is_empty() {
+                md += "\nEnvoy CPU per request (µs), `perf record` on Envoy during the row:\n\n";
+                md += "| scenario | wasm code | Envoy + V8 runtime | kernel | libs | total |\n|---|---:|---:|---:|---:|---:|\n";
+            }
+            let [wasm, envoy, kernel, libs, total] = cpu.per_request_us(s.requests);
+            md += &format!("| {name} | {wasm:.1} | {envoy:.1} | {kernel:.1} | {libs:.1} | {total:.1} |\n");
+        }
+        md
+    }
+
     fn write(&self, dir: &Path) -> std::io::Result<()> {
         std::fs::create_dir_all(dir)?;
         let mut md = String::from("| scenario | requests | req/s | p50 µs | p99 µs |\n|---|---:|---:|---:|---:|\n");
         for (name, s) in &self.rows {
             md += &format!("| {name} | {} | {:.0} | {} | {} |\n", s.requests, s.rps, s.p50_us, s.p99_us);
         }
+        md += &self.profile_table();
         md += "\n| ratio | value | goal |\n|---|---:|---|\n";
         for (what, v, goal) in &self.ratios {
             md += &format!("| {what} | {v:.2} | {goal} |\n");
@@ -283,6 +318,7 @@ impl Report {
             "rows": self.rows.iter().map(|(n, s)| serde_json::json!({
                 "name": n, "requests": s.requests, "rps": s.rps, "p50_us": s.p50_us, "p90_us": s.p90_us,
                 "p99_us": s.p99_us, "p999_us": s.p999_us,
+                "cpu_us_per_request": s.cpu.as_ref().map(|c| c.per_request_us(s.requests)),
             })).collect::<Vec<_>>(),
             "ratios": self.ratios.iter().map(|(w, v, g)| serde_json::json!({"what": w, "value": v, "goal": g})).collect::<Vec<_>>(),
             "series": self.series.iter().map(|(n, d)| serde_json::json!({"name": n, "delays_us": d})).collect::<Vec<_>>(),
@@ -321,46 +357,26 @@ fn main() -> std::io::Result<()> {
          floors and the plugin alternate, median of {rounds} rounds"
     );
     println!("{:<34} {:>9} {:>11} {:>10} {:>10}", "scenario", "requests", "req/s", "p50 us", "p99 us");
-    let same = hit_prompt.clone();
-    let direct = r.row("direct_response (baseline)", load(envoy.direct, conns, secs, Arc::new(move || same.clone())));
-    let same = Arc::new(hit_prompt.clone());
-    let (floor_stats, hit_stats) = alternate(
-        rounds,
-        || {
-            load(
-                floor_reply,
-                conns,
-                secs,
-                Arc::new({
-                    let s = same.clone();
-                    move || (*s).clone()
-                }),
-            )
-        },
-        || {
-            expect_all(
-                load(
-                    envoy.edge,
-                    conns,
-                    secs,
-                    Arc::new({
-                        let s = same.clone();
-                        move || (*s).clone()
-                    }),
-                ),
-                "HIT",
-            )
-        },
-    );
+    let pid = (env_or("BENCH_PROFILE", 0) == 1).then(|| envoy.pid());
+    let repeat = |addr: SocketAddr| {
+        let same = hit_prompt.clone();
+        profiled(pid, move || load(addr, conns, secs, Arc::new(move || same.clone())))
+    };
+    let direct = r.row("direct_response (baseline)", repeat(envoy.direct));
+    let (floor_stats, hit_stats) = alternate(rounds, || repeat(floor_reply), || expect_all(repeat(envoy.edge), "HIT"));
     let floor_hit = r.row("floor: wasm local reply", floor_stats);
     let hit = r.row("edge HIT", hit_stats);
-    let plain = r.row("plain proxy to mock (baseline)", load(envoy.plain, conns, secs, unique_prompts("plain")));
+    let distinct = |addr: SocketAddr, prompts: &Arc<dyn Fn() -> String + Send + Sync>| {
+        let prompts = prompts.clone();
+        profiled(pid, move || load(addr, conns, secs, prompts))
+    };
+    let plain = r.row("plain proxy to mock (baseline)", distinct(envoy.plain, &unique_prompts("plain")));
     // One prompt sequence each for all rounds: a later round must not repeat a prompt.
     let (floor_prompts, miss_prompts) = (unique_prompts("floor"), unique_prompts("miss"));
     let (floor_stats, miss_stats) = alternate(
         rounds,
-        || load(floor_callout, conns, secs, floor_prompts.clone()),
-        || expect_all(load(envoy.edge, conns, secs, miss_prompts.clone()), "MISS"),
+        || distinct(floor_callout, &floor_prompts),
+        || expect_all(distinct(envoy.edge, &miss_prompts), "MISS"),
     );
     let floor_miss = r.row("floor: wasm callout", floor_stats);
     let miss = r.row("edge MISS (distinct prompts)", miss_stats);

@@ -136,6 +136,7 @@ macro_rules! wrap {
                 Box::new(async move {
                     #[allow(unused_mut)]
                     let mut $caller = &mut $caller;
+                    *$caller.data().shared().host_calls.entry($name).or_default() += 1;
                     $body
                 })
             },

@@ -58,6 +58,8 @@ pub struct Shared {
     /// Stats by name, summed over VMs (metric ids are per VM).
     pub metrics: HashMap<String, i64>,
     pub logs: Vec<String>,
+    /// proxy-wasm host calls made, by import name, over all VMs (for the profile).
+    pub host_calls: std::collections::BTreeMap<&'static str, u64>,
 }
 
 impl Shared {

@@ -39,7 +39,12 @@ pub struct Plugin {
 
 impl Plugin {
     pub fn load(path: &Path) -> wasmtime::Result<Plugin> {
-        let engine = Engine::new(&Config::new())?;
+        Plugin::load_with(path, &Config::new())
+    }
+
+    /// Loads with this engine configuration (e.g. a perf map for profiling).
+    pub fn load_with(path: &Path, config: &Config) -> wasmtime::Result<Plugin> {
+        let engine = Engine::new(config)?;
         let module = Module::from_file(&engine, path)?;
         let mut linker = Linker::new(&engine);
         wasmtime_wasi::p1::add_to_linker_async(&mut linker, |s: &mut VmState| &mut s.wasi)?;

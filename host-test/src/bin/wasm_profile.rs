@@ -1,0 +1,166 @@
+//! `make profile`: where a request's time inside the wasm VM goes, for the plugin and the two
+//! bench floors (`host-test/floors/`), run in the wasmtime host (`host_test::proxy_host`,
+//! one worker) with a perf map, under `perf record` (cpu-clock). For each row: CPU in
+//! compiled wasm per request, proxy-wasm host calls per request (counted by the host), and
+//! the wasm functions that took the most samples. Envoy's V8 runs the same module; `make
+//! bench` with BENCH_PROFILE=1 gives the same split inside Envoy, without function names
+//! (Envoy is stripped and V8 writes no perf map there).
+//!
+//! Arguments: the plugin built with its names (`make profile` builds it with
+//! `CARGO_PROFILE_RELEASE_STRIP=false` into target/profile/) and the floors' directory.
+//! PROFILE_REQUESTS: requests per row (default 20000). Writes target/bench/profile.md.
+
+use host_test::envoy::workspace_root;
+use host_test::profile::{self, Samples, SAMPLE_US};
+use host_test::proxy_host::state::Headers;
+use host_test::proxy_host::world::{Options, Plugin, UpstreamCall, World};
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+use std::path::{Path, PathBuf};
+
+const PATH: &str = "/v1/chat/completions";
+/// Requests before recording starts (caches warm, first-call paths taken).
+const WARM_UP: u64 = 200;
+
+fn prompt(text: &str) -> String {
+    format!(r#"{{"model":"gpt-4.1","messages":[{{"role":"user","content":"{text}"}}],"temperature":0}}"#)
+}
+
+/// An answer shaped like the mock's.
+fn answer(n: u64) -> Option<(Headers, Vec<u8>)> {
+    let body = format!(
+        r#"{{"id":"chatcmpl-{n}","object":"chat.completion","created":1764489600,"model":"gpt-4.1","choices":[{{"index":0,"message":{{"role":"assistant","content":"A short answer of a few words."}},"finish_reason":"stop"}}],"usage":{{"prompt_tokens":12,"completion_tokens":9,"total_tokens":21}}}}"#
+    );
+    let headers: Headers = vec![(":status".into(), "200".into()), ("content-type".into(), "application/json".into())];
+    Some((headers, body.into_bytes()))
+}
+
+struct Row {
+    name: &'static str,
+    wasm: PathBuf,
+    config: String,
+    /// Every request a new prompt (a MISS) or the same one (a HIT).
+    distinct: bool,
+    /// The `x-holysheep-cache` label every answer must carry (`None` for floors).
+    label: Option<&'static str>,
+}
+
+struct Measured {
+    name: &'static str,
+    requests: u64,
+    samples: Samples,
+    host_calls: BTreeMap<&'static str, u64>,
+}
+
+fn run(row: &Row, requests: u64) -> Measured {
+    let mut engine = wasmtime::Config::new();
+    engine.profiler(wasmtime::ProfilingStrategy::PerfMap);
+    let plugin = Plugin::load_with(&row.wasm, &engine).expect("the module loads");
+    let mut calls = 0;
+    let upstream = Box::new(move |_: &UpstreamCall| {
+        calls += 1;
+        Some((0, answer(calls)))
+    });
+    let mut options = Options::new(1, &row.config, 1);
+    options.yields = false;
+    let mut w = World::start(&plugin, options, upstream).expect("the world starts");
+    let ask = |w: &mut World, i: u64| {
+        let body = if row.distinct { prompt(&format!("distinct {i}")) } else { prompt("the same prompt") };
+        let id = w.request(0, "POST", PATH, &[("authorization", "Bearer profile")], body.as_bytes());
+        assert!(w.run_until(60_000, |w| w.answer(id).is_some()), "{}: request {i} answered", row.name);
+        let a = w.take_answer(id).expect("answered");
+        assert_eq!(a.status, 200, "{}: {}", row.name, a.text());
+        if let Some(label) = row.label {
+            assert!(i < WARM_UP || a.cache() == label, "{}: request {i} was a {}", row.name, a.cache());
+        }
+    };
+    for i in 0..WARM_UP {
+        ask(&mut w, i);
+    }
+    let before = w.shared().host_calls.clone();
+    let file = std::env::temp_dir().join(format!("holysheep-wasm-profile-{}.perf", std::process::id()));
+    let recording = profile::record(std::process::id(), file).expect("perf record runs (make profile needs perf)");
+    for i in WARM_UP..WARM_UP + requests {
+        ask(&mut w, i);
+    }
+    let samples = recording.finish().expect("perf recorded samples");
+    let host_calls = w.shared().host_calls.iter().map(|(n, c)| (*n, c - before.get(n).copied().unwrap_or(0))).collect();
+    Measured { name: row.name, requests, samples, host_calls }
+}
+
+fn report(rows: &[Measured]) -> String {
+    let mut md = String::from(
+        "Per request in the wasmtime host (one worker, perf map, cpu-clock samples of 100 µs):\n\n\
+         | scenario | wasm CPU µs | host calls | host calls by name |\n|---|---:|---:|---|\n",
+    );
+    for m in rows {
+        let n = m.requests as f64;
+        let wasm_us = (m.samples.split.wasm * SAMPLE_US) as f64 / n;
+        let total: u64 = m.host_calls.values().sum();
+        let by_name: Vec<String> = m
+            .host_calls
+            .iter()
+            .filter(|(_, c)| **c as f64 / n >= 0.05)
+            .map(|(name, c)| format!("{} {:.1}", name.trim_start_matches("proxy_"), *c as f64 / n))
+            .collect();
+        let _ = writeln!(md, "| {} | {wasm_us:.1} | {:.1} | {} |", m.name, total as f64 / n, by_name.join(", "));
+    }
+    for m in rows {
+        let wasm = m.samples.split.wasm.max(1) as f64;
+        let _ = write!(md, "\n{}: the wasm functions with the most samples (share of its wasm time)\n\n", m.name);
+        for (f, c) in m.samples.wasm_functions.iter().take(12) {
+            let _ = writeln!(md, "- {:.1} % `{}`", 100.0 * *c as f64 / wasm, short(f));
+        }
+    }
+    md
+}
+
+/// A symbol without its hash suffix, at most 100 characters.
+fn short(symbol: &str) -> String {
+    let s = match symbol.rsplit_once("::h") {
+        Some((front, hash)) if hash.len() == 16 && hash.chars().all(|c| c.is_ascii_hexdigit()) => front,
+        _ => symbol,
+    };
+    s.chars().take(100).collect()
+}
+
+fn main() {
+    let args: Vec<String> = std::env::args().collect();
+    let (plugin, floors) = match args.as_slice() {
+        [_, plugin, floors] => (PathBuf::from(plugin), PathBuf::from(floors)),
+        _ => panic!("usage: wasm_profile PLUGIN.wasm FLOORS_DIR"),
+    };
+    let requests = std::env::var("PROFILE_REQUESTS").ok().and_then(|v| v.parse().ok()).unwrap_or(20_000);
+    let body = answer(0).map(|(_, b)| String::from_utf8_lossy(&b).into_owned()).unwrap_or_default();
+    let rows = [
+        Row {
+            name: "floor: wasm local reply",
+            wasm: floors.join("floor_reply.wasm"),
+            config: body,
+            distinct: false,
+            label: None,
+        },
+        Row { name: "edge HIT", wasm: plugin.clone(), config: "{}".into(), distinct: false, label: Some("HIT") },
+        Row {
+            name: "floor: wasm callout",
+            wasm: floors.join("floor_callout.wasm"),
+            config: "{}".into(),
+            distinct: true,
+            label: None,
+        },
+        Row {
+            name: "edge MISS (distinct prompts)",
+            wasm: plugin,
+            config: "{}".into(),
+            distinct: true,
+            label: Some("MISS"),
+        },
+    ];
+    let measured: Vec<Measured> = rows.iter().map(|r| run(r, requests)).collect();
+    let md = report(&measured);
+    print!("{md}");
+    let dir = workspace_root().join("target/bench");
+    std::fs::create_dir_all(&dir).expect("target/bench");
+    std::fs::write(dir.join("profile.md"), md).expect("profile.md written");
+    println!("\nwritten: {}", Path::new(&dir).join("profile.md").display());
+}

@@ -6,16 +6,37 @@
 
 use std::collections::hash_map::RandomState;
 use std::collections::{HashMap, VecDeque};
-use std::hash::BuildHasher;
+use std::hash::{BuildHasher, BuildHasherDefault, Hasher};
 use std::rc::Rc;
 
 pub struct Hot<T> {
     max_bytes: usize,
     bytes: usize,
     seed: RandomState,
-    slots: HashMap<u64, Slot<T>>,
+    slots: HashMap<u64, Slot<T>, BuildHasherDefault<Prehashed>>,
     /// Insertion order, for eviction (oldest first).
     order: VecDeque<u64>,
+}
+
+/// The slots' keys are already seeded hashes of the bytes: the table takes them as they are
+/// instead of hashing them again.
+#[derive(Default)]
+struct Prehashed(u64);
+
+impl Hasher for Prehashed {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.0 = self.0.rotate_left(8) ^ u64::from(b);
+        }
+    }
+
+    fn write_u64(&mut self, n: u64) {
+        self.0 = n;
+    }
 }
 
 struct Slot<T> {
@@ -29,7 +50,8 @@ struct Slot<T> {
 /// The bytes that identify a caller's scope: `authorization` and the tenant header, each
 /// present or not (an unambiguous encoding, so two different pairs never match).
 pub fn tenant_bytes(authorization: Option<&str>, tenant: Option<&str>) -> Vec<u8> {
-    let mut out = Vec::new();
+    let size = |v: Option<&str>| v.map_or(1, |s| 9 + s.len());
+    let mut out = Vec::with_capacity(size(authorization) + size(tenant));
     for v in [authorization, tenant] {
         match v {
             None => out.push(0),
@@ -46,7 +68,7 @@ pub fn tenant_bytes(authorization: Option<&str>, tenant: Option<&str>) -> Vec<u8
 impl<T> Hot<T> {
     /// `max_bytes` of requests and answers (0: keep nothing).
     pub fn new(max_bytes: usize) -> Hot<T> {
-        Hot { max_bytes, bytes: 0, seed: RandomState::new(), slots: HashMap::new(), order: VecDeque::new() }
+        Hot { max_bytes, bytes: 0, seed: RandomState::new(), slots: HashMap::default(), order: VecDeque::new() }
     }
 
     fn hash(&self, tenant: &[u8], body: &[u8]) -> u64 {

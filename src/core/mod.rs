@@ -11,6 +11,7 @@ pub mod hot;
 pub mod lease;
 pub mod limits;
 pub mod metrics;
+pub mod pairs;
 pub mod peer;
 pub mod request;
 pub mod store;

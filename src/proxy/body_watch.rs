@@ -4,7 +4,7 @@
 //! its headers for `STALL_MS` answers it with a 500 naming the setting (and logs it once).
 //! The first body that arrives proves the setting is on and disarms the watch for good.
 
-use std::collections::HashMap;
+use super::ids::IdMap;
 
 /// How long a request may wait for its first body bytes before the watch gives up.
 pub const STALL_MS: u64 = 1_000;
@@ -15,7 +15,7 @@ pub const MESSAGE: &str = "the edge is misconfigured: the Envoy wasm filter need
 #[derive(Default)]
 pub struct BodyWatch {
     armed_off: bool,
-    paused: HashMap<u32, u64>,
+    paused: IdMap<u64>,
     reported: bool,
 }
 
@@ -30,8 +30,10 @@ impl BodyWatch {
 
     /// A request body arrived: the setting is on.
     pub fn body_arrived(&mut self) {
-        self.armed_off = true;
-        self.paused = HashMap::new();
+        if !self.armed_off {
+            self.armed_off = true;
+            self.paused = IdMap::default();
+        }
     }
 
     pub fn forget(&mut self, id: u32) {

@@ -2,6 +2,7 @@
 //! CAS store, the clock, nonces, logging and local replies. None of these can panic.
 
 use crate::core::engine::Reply;
+use crate::core::pairs;
 use crate::core::store::{CasStore, Read, StoreError};
 use proxy_wasm::hostcalls;
 use proxy_wasm::types::{BufferType, LogLevel, MapType, Status};
@@ -69,11 +70,34 @@ pub fn header(map: MapType, name: &str) -> Option<String> {
 
 /// Every header of `map`, values as in `header`.
 pub fn headers(map: MapType) -> Vec<(String, String)> {
-    let pairs = hostcalls::get_map_bytes(map).unwrap_or_default();
-    pairs.into_iter().map(|(name, value)| (name, text(value))).collect()
+    let raw = header_map(map);
+    let pairs = pairs::parse(&raw).unwrap_or_default();
+    pairs.into_iter().map(|(name, value)| (text(name.to_vec()), text(value.to_vec()))).collect()
 }
 
-fn text(bytes: Vec<u8>) -> String {
+#[link(wasm_import_module = "env")]
+extern "C" {
+    fn proxy_get_header_map_pairs(map_type: MapType, data: *mut *mut u8, size: *mut usize) -> Status;
+}
+
+/// The serialized header map of `map` (see `core::pairs`), as the host wrote it: one buffer,
+/// where the SDK's getter copies every name and value and panics on an unexpected status
+/// or a name that is not UTF-8.
+pub fn header_map(map: MapType) -> Vec<u8> {
+    let mut data: *mut u8 = std::ptr::null_mut();
+    let mut size: usize = 0;
+    // SAFETY: the host writes a buffer it allocated through this module's
+    // `proxy_on_memory_allocate` (the SDK's: a `Vec<u8>` of capacity `size`, forgotten), so
+    // the Vec takes it back whole, as the SDK's own getter does.
+    unsafe {
+        match proxy_get_header_map_pairs(map, &mut data, &mut size) {
+            Status::Ok if !data.is_null() => Vec::from_raw_parts(data, size, size),
+            _ => Vec::new(),
+        }
+    }
+}
+
+pub fn text(bytes: Vec<u8>) -> String {
     String::from_utf8(bytes).unwrap_or_else(|e| {
         e.as_bytes()
             .iter()

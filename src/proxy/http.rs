@@ -13,6 +13,7 @@ use crate::core::config::Role;
 use crate::core::engine::{CacheStatus, Engine, Reply, Step};
 use crate::core::error::ApiError;
 use crate::core::hot;
+use crate::core::pairs;
 use crate::core::peer;
 use crate::core::request::{
     is_chat_path, is_internal_path, CacheControl, ChatRequest, Key, RequestMeta, CHAT_PATH, KEY_HEADER, PEER_PATH,
@@ -40,7 +41,8 @@ pub struct Chat {
 struct Heads {
     method: String,
     path: String,
-    content_length: Option<String>,
+    /// The declared body length, when it is a number.
+    content_length: Option<u64>,
     authorization: Option<String>,
     tenant: Option<String>,
     cache_control: Option<String>,
@@ -50,24 +52,31 @@ struct Heads {
 impl Heads {
     fn read(tenant_header: Option<&str>) -> Heads {
         let mut h = Heads::default();
-        for (name, value) in host::headers(MapType::HttpRequestHeaders) {
-            let slot = match name.as_str() {
-                ":method" => {
-                    h.method = value;
+        let raw = host::header_map(MapType::HttpRequestHeaders);
+        for (name, value) in pairs::parse(&raw).unwrap_or_default() {
+            let slot = match name {
+                b":method" => {
+                    h.method = host::text(value.to_vec());
                     continue;
                 }
-                ":path" => {
-                    h.path = value;
+                b":path" => {
+                    h.path = host::text(value.to_vec());
                     continue;
                 }
-                "content-length" => &mut h.content_length,
-                "authorization" => &mut h.authorization,
-                "cache-control" => &mut h.cache_control,
-                peer::SECRET_HEADER => &mut h.peer_secret,
-                n if Some(n) == tenant_header => &mut h.tenant,
+                b"content-length" => {
+                    let declared = std::str::from_utf8(value).ok().and_then(|l| l.trim().parse().ok());
+                    h.content_length = h.content_length.or(declared);
+                    continue;
+                }
+                b"authorization" => &mut h.authorization,
+                b"cache-control" => &mut h.cache_control,
+                n if n == peer::SECRET_HEADER.as_bytes() => &mut h.peer_secret,
+                n if Some(n) == tenant_header.map(str::as_bytes) => &mut h.tenant,
                 _ => continue,
             };
-            slot.get_or_insert(value);
+            if slot.is_none() {
+                *slot = Some(host::text(value.to_vec()));
+            }
         }
         h
     }
@@ -302,7 +311,7 @@ impl HttpContext for Chat {
     fn on_http_request_headers(&mut self, _num_headers: usize, end_of_stream: bool) -> Action {
         let tenant_header = self.worker.borrow().config.cache.tenant_header.clone();
         self.heads = Heads::read(tenant_header.as_deref());
-        let (method, path) = (self.heads.method.clone(), self.heads.path.clone());
+        let (method, path) = (std::mem::take(&mut self.heads.method), std::mem::take(&mut self.heads.path));
         if path != CHAT_PATH && is_internal_path(&path) {
             return self.internal(&method, &path);
         }
@@ -314,7 +323,7 @@ impl HttpContext for Chat {
         }
         self.state = State::Reading;
         let limit = self.worker.borrow().config.max_body_bytes;
-        let declared = self.heads.content_length.as_deref().and_then(|l| l.trim().parse::<u64>().ok());
+        let declared = self.heads.content_length;
         if declared.is_some_and(|l| l > limit as u64) {
             return self.reject(&ApiError::too_large(limit));
         }

@@ -5,6 +5,7 @@ mod counters;
 mod flights;
 mod host;
 mod http;
+mod ids;
 mod key_check;
 mod peers;
 mod root;

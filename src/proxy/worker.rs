@@ -4,6 +4,7 @@
 
 use super::body_watch::{self, BodyWatch};
 use super::host::{self, Nonces, SharedData};
+use super::ids::{IdMap, IdSet};
 use super::wakeups::{DISPATCH, ENDED};
 use crate::core::cache::{self, Response};
 use crate::core::config::Config;
@@ -20,7 +21,7 @@ use crate::core::upstream::{self, Outbound};
 use proxy_wasm::hostcalls;
 use proxy_wasm::types::LogLevel;
 use std::cell::RefCell;
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::rc::Rc;
 
 /// Local replies one root-context VM call may send to other http contexts. Envoy sends a
@@ -62,20 +63,20 @@ pub struct Worker {
     /// the root on its own. (Envoy still resolves a reset stream's id until its deferred
     /// delete, and a reply sent there reaches the SDK for a context it already deleted: a
     /// panic.)
-    pub(super) live: HashSet<u32>,
+    pub(super) live: IdSet,
     pub body_watch: BodyWatch,
     /// Local replies the current root-context VM call may still send (see REPLY_BATCH).
     pub(super) replies_left: usize,
-    pub(super) waiters: HashMap<u32, (Wait, Rc<Outbound>)>,
-    pub(super) flights: HashMap<u32, Run>,
+    pub(super) waiters: IdMap<(Wait, Rc<Outbound>)>,
+    pub(super) flights: IdMap<Run>,
     pub(super) sleeping: Vec<(u64, Run)>,
     /// Stream flights forwarded along the route, by http context.
-    pub(super) streams: HashMap<u32, Run>,
+    pub(super) streams: IdMap<Run>,
     /// Keys of stream flights that ended, whose waiters the root wakes (here, and on
     /// every worker when the flight was watched).
     pub(super) ended: Vec<(Key, bool)>,
     /// Flights waiting for a model owner node's verdict, by callout token.
-    pub(super) asking: HashMap<u32, Run>,
+    pub(super) asking: IdMap<Run>,
     /// Settlements for model owner nodes, sent by the root.
     pub(super) outbox: Vec<Op>,
     /// The fleet's shared secret (from the environment); never logged.
@@ -130,15 +131,15 @@ impl Worker {
             key_checked: false,
             key_check_token: None,
             pending: Vec::new(),
-            live: HashSet::new(),
+            live: Default::default(),
             body_watch: BodyWatch::default(),
             replies_left: REPLY_BATCH,
-            waiters: HashMap::new(),
-            flights: HashMap::new(),
+            waiters: Default::default(),
+            flights: Default::default(),
             sleeping: Vec::new(),
-            streams: HashMap::new(),
+            streams: Default::default(),
             ended: Vec::new(),
-            asking: HashMap::new(),
+            asking: Default::default(),
             outbox: Vec::new(),
             peer_secret: None,
             fleet_reached: true,

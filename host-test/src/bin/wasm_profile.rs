@@ -21,6 +21,8 @@ use std::path::{Path, PathBuf};
 const PATH: &str = "/v1/chat/completions";
 /// Requests before recording starts (caches warm, first-call paths taken).
 const WARM_UP: u64 = 200;
+/// Requests of the fuel-metered run (fuel counts are exact; a few suffice).
+const FUEL_REQUESTS: u64 = 1_000;
 
 fn prompt(text: &str) -> String {
     format!(r#"{{"model":"gpt-4.1","messages":[{{"role":"user","content":"{text}"}}],"temperature":0}}"#)
@@ -50,12 +52,13 @@ struct Measured {
     requests: u64,
     samples: Samples,
     host_calls: BTreeMap<&'static str, u64>,
+    /// Fuel per request by export (a second run with a fuel-metering engine).
+    fuel: BTreeMap<String, f64>,
 }
 
-fn run(row: &Row, requests: u64) -> Measured {
-    let mut engine = wasmtime::Config::new();
-    engine.profiler(wasmtime::ProfilingStrategy::PerfMap);
-    let plugin = Plugin::load_with(&row.wasm, &engine).expect("the module loads");
+/// A world of one worker running `row`'s module, warmed up; `ask(w, i)` sends request `i`.
+fn session(row: &Row, engine: &wasmtime::Config) -> World {
+    let plugin = Plugin::load_with(&row.wasm, engine).expect("the module loads");
     let mut calls = 0;
     let upstream = Box::new(move |_: &UpstreamCall| {
         calls += 1;
@@ -64,34 +67,56 @@ fn run(row: &Row, requests: u64) -> Measured {
     let mut options = Options::new(1, &row.config, 1);
     options.yields = false;
     let mut w = World::start(&plugin, options, upstream).expect("the world starts");
-    let ask = |w: &mut World, i: u64| {
-        let body = if row.distinct { prompt(&format!("distinct {i}")) } else { prompt("the same prompt") };
-        let id = w.request(0, "POST", PATH, &[("authorization", "Bearer profile")], body.as_bytes());
-        assert!(w.run_until(60_000, |w| w.answer(id).is_some()), "{}: request {i} answered", row.name);
-        let a = w.take_answer(id).expect("answered");
-        assert_eq!(a.status, 200, "{}: {}", row.name, a.text());
-        if let Some(label) = row.label {
-            assert!(i < WARM_UP || a.cache() == label, "{}: request {i} was a {}", row.name, a.cache());
-        }
-    };
     for i in 0..WARM_UP {
-        ask(&mut w, i);
+        ask(row, &mut w, i);
     }
+    w
+}
+
+fn ask(row: &Row, w: &mut World, i: u64) {
+    let body = if row.distinct { prompt(&format!("distinct {i}")) } else { prompt("the same prompt") };
+    let id = w.request(0, "POST", PATH, &[("authorization", "Bearer profile")], body.as_bytes());
+    assert!(w.run_until(60_000, |w| w.answer(id).is_some()), "{}: request {i} answered", row.name);
+    let a = w.take_answer(id).expect("answered");
+    assert_eq!(a.status, 200, "{}: {}", row.name, a.text());
+    if let Some(label) = row.label {
+        assert!(i < WARM_UP || a.cache() == label, "{}: request {i} was a {}", row.name, a.cache());
+    }
+}
+
+fn run(row: &Row, requests: u64) -> Measured {
+    let mut engine = wasmtime::Config::new();
+    engine.profiler(wasmtime::ProfilingStrategy::PerfMap);
+    let mut w = session(row, &engine);
     let before = w.shared().host_calls.clone();
     let file = std::env::temp_dir().join(format!("holysheep-wasm-profile-{}.perf", std::process::id()));
     let recording = profile::record(std::process::id(), file).expect("perf record runs (make profile needs perf)");
     for i in WARM_UP..WARM_UP + requests {
-        ask(&mut w, i);
+        ask(row, &mut w, i);
     }
     let samples = recording.finish().expect("perf recorded samples");
     let host_calls = w.shared().host_calls.iter().map(|(n, c)| (*n, c - before.get(n).copied().unwrap_or(0))).collect();
-    Measured { name: row.name, requests, samples, host_calls }
+
+    let mut metered = wasmtime::Config::new();
+    metered.consume_fuel(true);
+    let mut w = session(row, &metered);
+    let before = w.shared().fuel.clone();
+    let n = requests.min(FUEL_REQUESTS);
+    for i in WARM_UP..WARM_UP + n {
+        ask(row, &mut w, i);
+    }
+    let burnt = w.shared().fuel.clone();
+    let per_request = burnt.into_iter().map(|(e, f)| (f.saturating_sub(before.get(&e).copied().unwrap_or(0)), e));
+    let fuel = per_request.map(|(f, e)| (e, f as f64 / n as f64)).filter(|(_, f)| *f >= 1.0).collect();
+    Measured { name: row.name, requests, samples, host_calls, fuel }
 }
 
 fn report(rows: &[Measured]) -> String {
     let mut md = String::from(
-        "Per request in the wasmtime host (one worker, perf map, cpu-clock samples of 100 µs):\n\n\
-         | scenario | wasm CPU µs | host calls | host calls by name |\n|---|---:|---:|---|\n",
+        "Per request in the wasmtime host (one worker; CPU from cpu-clock samples of 100 µs; fuel is \
+         wasmtime's count of wasm operators executed, exact):\n\n\
+         | scenario | wasm CPU µs | wasm fuel | fuel by callback | host calls | host calls by name |\n\
+         |---|---:|---:|---|---:|---|\n",
     );
     for m in rows {
         let n = m.requests as f64;
@@ -103,7 +128,17 @@ fn report(rows: &[Measured]) -> String {
             .filter(|(_, c)| **c as f64 / n >= 0.05)
             .map(|(name, c)| format!("{} {:.1}", name.trim_start_matches("proxy_"), *c as f64 / n))
             .collect();
-        let _ = writeln!(md, "| {} | {wasm_us:.1} | {:.1} | {} |", m.name, total as f64 / n, by_name.join(", "));
+        let fuel: f64 = m.fuel.values().sum();
+        let by_callback: Vec<String> =
+            m.fuel.iter().map(|(e, f)| format!("{} {f:.0}", e.trim_start_matches("proxy_on_"))).collect();
+        let _ = writeln!(
+            md,
+            "| {} | {wasm_us:.1} | {fuel:.0} | {} | {:.1} | {} |",
+            m.name,
+            by_callback.join(", "),
+            total as f64 / n,
+            by_name.join(", ")
+        );
     }
     for m in rows {
         let wasm = m.samples.split.wasm.max(1) as f64;

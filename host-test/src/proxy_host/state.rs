@@ -60,6 +60,9 @@ pub struct Shared {
     pub logs: Vec<String>,
     /// proxy-wasm host calls made, by import name, over all VMs (for the profile).
     pub host_calls: std::collections::BTreeMap<&'static str, u64>,
+    /// Fuel (about one unit per wasm instruction) burnt in each export, over all VMs, when
+    /// the engine meters fuel.
+    pub fuel: std::collections::BTreeMap<String, u64>,
 }
 
 impl Shared {

@@ -247,6 +247,8 @@ impl World {
             done: false,
         };
         let mut store = Store::new(&self.plugin.engine, state);
+        // With an engine that meters fuel (wasm_profile), enough for any run; an error otherwise.
+        let _ = store.set_fuel(u64::MAX / 2);
         let linker = self.plugin.linker.clone();
         let module = self.plugin.module.clone();
         let mut vm = block_on(async move {
@@ -571,7 +573,11 @@ async fn call(vm: &mut Vm, name: &str, ctx: u32, args: &[Val]) -> wasmtime::Resu
         state.effective = ctx;
     }
     let mut results = vec![Val::I32(0); func.ty(&vm.store).results().len()];
+    let fuel_before = vm.store.get_fuel().ok();
     func.call_async(&mut vm.store, args, &mut results).await?;
+    if let (Some(before), Ok(after)) = (fuel_before, vm.store.get_fuel()) {
+        *vm.store.data().shared().fuel.entry(name.to_owned()).or_default() += before.saturating_sub(after);
+    }
     state_reset(vm);
     Ok(results.first().and_then(Val::i32))
 }

@@ -94,7 +94,7 @@ pub fn acquire(
         let mut free = None;
         for slot in &slots {
             let r = store.get(slot)?;
-            match r.value.as_deref().and_then(decode) {
+            match r.value.as_deref().filter(|v| !is_others_answer(v, key)).and_then(decode) {
                 Some(State::Leading { key: k, nonce: n, expires_ms, watched }) if expires_ms > now_ms => {
                     if k == key.hex() {
                         return Ok(Acquire::Held { nonce: n, slot_key: slot.clone(), watched });
@@ -238,6 +238,11 @@ fn done(key: &Key, nonce: u64, now_ms: u64, r: &Response, stale_from_ms: Option<
     )
 }
 
+/// A finished flight of another key: its way is free, and its answer is not decoded.
+fn is_others_answer(raw: &[u8], key: &Key) -> bool {
+    raw.first() == Some(&b'D') && raw.split(|b| *b == b'\n').nth(1) != Some(key.hex().as_bytes())
+}
+
 fn decode(raw: &[u8]) -> Option<State> {
     match raw.first()? {
         b'L' => {
@@ -362,6 +367,17 @@ mod tests {
         assert_eq!(slots.len(), 4, "four ways");
         assert_eq!(acquire(&s, &c, colliding[4], 5, 0, 0).unwrap(), Acquire::Busy, "all ways taken");
         assert!(s.key_count() <= 8);
+    }
+
+    #[test]
+    fn a_finished_flight_answers_its_own_key_and_frees_the_way_for_others() {
+        let (s, mut c) = (MemStore::new(), Config::default());
+        c.lock.slots = 1;
+        let Acquire::Acquired(lease) = acquire(&s, &c, &key(1), 1, 0, 0).unwrap() else { panic!() };
+        finish(&s, &lease, &resp(200), 10, None, false).unwrap();
+        let shared = acquire(&s, &c, &key(1), 2, 11, 5).unwrap();
+        assert!(matches!(shared, Acquire::Answered { done_at_ms: 10, .. }), "{shared:?}");
+        assert!(matches!(acquire(&s, &c, &key(2), 3, 12, 12).unwrap(), Acquire::Acquired(_)));
     }
 
     #[test]

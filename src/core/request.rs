@@ -388,7 +388,8 @@ pub fn canonical_body(mut map: Map<String, Value>) -> Vec<u8> {
     }
     let mut v = Value::Object(map);
     normalise_numbers(&mut v);
-    v.to_string().into_bytes()
+    // The same bytes as `to_string`, without the formatter in between.
+    serde_json::to_vec(&v).unwrap_or_default()
 }
 
 fn normalise_numbers(v: &mut Value) {
@@ -421,12 +422,9 @@ pub fn sha256_hex(data: &[u8]) -> String {
 
 fn hex(bytes: &[u8]) -> String {
     const DIGITS: &[u8; 16] = b"0123456789abcdef";
-    let mut out = String::with_capacity(bytes.len() * 2);
-    for b in bytes {
-        out.push(char::from(DIGITS[usize::from(b >> 4)]));
-        out.push(char::from(DIGITS[usize::from(b & 0xf)]));
-    }
-    out
+    let digits: Vec<u8> =
+        bytes.iter().flat_map(|b| [DIGITS[usize::from(b >> 4)], DIGITS[usize::from(b & 0xf)]]).collect();
+    String::from_utf8(digits).unwrap_or_default()
 }
 
 #[cfg(test)]

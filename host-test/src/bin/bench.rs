@@ -189,15 +189,16 @@ fn first_event(addr: SocketAddr, tag: &str, n: usize) -> (u64, u64) {
     (first[n / 2], whole[n / 2])
 }
 
-/// Runs `a` and `b` alternately `rounds` times (the machine's noise hits both alike) and
-/// keeps each one's median round by throughput.
-fn alternate(rounds: usize, mut a: impl FnMut() -> Stats, mut b: impl FnMut() -> Stats) -> (Stats, Stats) {
-    let (mut xs, mut ys) = (Vec::new(), Vec::new());
+/// Runs the rows one after another, `rounds` times over (the machine's noise hits all
+/// alike), and keeps each one's median round by throughput.
+fn alternate(rounds: usize, rows: &mut [&mut dyn FnMut() -> Stats]) -> Vec<Stats> {
+    let mut runs: Vec<Vec<Stats>> = rows.iter().map(|_| Vec::new()).collect();
     for _ in 0..rounds.max(1) {
-        xs.push(a());
-        ys.push(b());
+        for (row, run) in rows.iter_mut().zip(&mut runs) {
+            run.push(row());
+        }
     }
-    (median(xs), median(ys))
+    runs.into_iter().map(median).collect()
 }
 
 fn median(mut rounds: Vec<Stats>) -> Stats {
@@ -342,6 +343,11 @@ fn main() -> std::io::Result<()> {
     opts.direct_body = hit_body.clone();
     opts.extra_listeners =
         floor_listener("floor_reply", &floors.join("floor_reply.wasm"), &String::from_utf8_lossy(&hit_body))
+            + &floor_listener(
+                "floor_hit_calls",
+                &floors.join("floor_reply.wasm"),
+                &format!("hit-calls:{}", String::from_utf8_lossy(&hit_body)),
+            )
             + &floor_listener("floor_callout", &floors.join("floor_callout.wasm"), "{}");
     let envoy = Envoy::start(&opts)?;
     let floor_reply = envoy.listener("floor_reply").expect("floor_reply listener");
@@ -350,6 +356,15 @@ fn main() -> std::io::Result<()> {
     assert_eq!(warm.body, hit_body, "the edge serves the mock's answer");
     let floor = request(floor_reply, "POST", PATH, &[], hit_prompt.as_bytes())?;
     assert_eq!(floor.body, hit_body, "the local-reply floor serves the same body");
+    let floor_hit_calls = envoy.listener("floor_hit_calls").expect("floor_hit_calls listener");
+    let hit = request(envoy.edge, "POST", PATH, &[("authorization", "Bearer bench")], hit_prompt.as_bytes())?;
+    let like = request(floor_hit_calls, "POST", PATH, &[], hit_prompt.as_bytes())?;
+    let names = |r: &host_test::client::Resp| {
+        let mut n: Vec<String> = r.headers.iter().map(|(n, v)| format!("{n}:{}", v.len())).collect();
+        n.sort();
+        n
+    };
+    assert_eq!(names(&like), names(&hit), "the floor with the HIT's host calls sends the HIT's headers");
 
     let mut r = Report::default();
     println!(
@@ -363,9 +378,16 @@ fn main() -> std::io::Result<()> {
         profiled(pid, move || load(addr, conns, secs, Arc::new(move || same.clone())))
     };
     let direct = r.row("direct_response (baseline)", repeat(envoy.direct));
-    let (floor_stats, hit_stats) = alternate(rounds, || repeat(floor_reply), || expect_all(repeat(envoy.edge), "HIT"));
-    let floor_hit = r.row("floor: wasm local reply", floor_stats);
-    let hit = r.row("edge HIT", hit_stats);
+    let mut medians = alternate(
+        rounds,
+        &mut [&mut || repeat(floor_reply), &mut || repeat(floor_hit_calls), &mut || {
+            expect_all(repeat(envoy.edge), "HIT")
+        }],
+    )
+    .into_iter();
+    let floor_hit = r.row("floor: wasm local reply", medians.next().expect("a row"));
+    let floor_calls = r.row("floor + the HIT's host calls", medians.next().expect("a row"));
+    let hit = r.row("edge HIT", medians.next().expect("a row"));
     let distinct = |addr: SocketAddr, prompts: &Arc<dyn Fn() -> String + Send + Sync>| {
         let prompts = prompts.clone();
         profiled(pid, move || load(addr, conns, secs, prompts))
@@ -373,11 +395,14 @@ fn main() -> std::io::Result<()> {
     let plain = r.row("plain proxy to mock (baseline)", distinct(envoy.plain, &unique_prompts("plain")));
     // One prompt sequence each for all rounds: a later round must not repeat a prompt.
     let (floor_prompts, miss_prompts) = (unique_prompts("floor"), unique_prompts("miss"));
-    let (floor_stats, miss_stats) = alternate(
+    let mut medians = alternate(
         rounds,
-        || distinct(floor_callout, &floor_prompts),
-        || expect_all(distinct(envoy.edge, &miss_prompts), "MISS"),
-    );
+        &mut [&mut || distinct(floor_callout, &floor_prompts), &mut || {
+            expect_all(distinct(envoy.edge, &miss_prompts), "MISS")
+        }],
+    )
+    .into_iter();
+    let (floor_stats, miss_stats) = (medians.next().expect("a row"), medians.next().expect("a row"));
     let floor_miss = r.row("floor: wasm callout", floor_stats);
     let miss = r.row("edge MISS (distinct prompts)", miss_stats);
 
@@ -385,6 +410,8 @@ fn main() -> std::io::Result<()> {
     r.ratio("HIT throughput / local-reply floor", r.rps(hit) / r.rps(floor_hit), "goal >= 0.90");
     let added = r.rows[hit].1.p99_us as f64 - r.rows[floor_hit].1.p99_us as f64;
     r.ratio("HIT p99 added over the floor (ms)", added / 1000.0, "goal <= 0.20");
+    r.ratio("HIT throughput / floor with the HIT's host calls", r.rps(hit) / r.rps(floor_calls), "");
+    r.ratio("floor with the HIT's host calls / local-reply floor", r.rps(floor_calls) / r.rps(floor_hit), "");
     r.ratio("HIT throughput / direct_response", r.rps(hit) / r.rps(direct), "");
     r.ratio("local-reply floor / direct_response", r.rps(floor_hit) / r.rps(direct), "the ABI's cost");
     r.ratio("MISS throughput / callout floor", r.rps(miss) / r.rps(floor_miss), "goal >= 0.90");

@@ -63,14 +63,13 @@ impl ApiError {
     }
 
     pub fn body(&self) -> Vec<u8> {
-        json!({"error": {
+        let body = json!({"error": {
             "message": self.message,
             "type": self.kind,
             "param": self.param,
             "code": self.code,
-        }})
-        .to_string()
-        .into_bytes()
+        }});
+        serde_json::to_vec(&body).unwrap_or_default()
     }
 }
 

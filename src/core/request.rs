@@ -351,7 +351,7 @@ pub fn for_upstream(body: &[u8], model: &str, stream: bool) -> Vec<u8> {
                     o.insert("include_usage".into(), Value::Bool(true));
                 }
             }
-            Value::Object(map).to_string().into_bytes()
+            serde_json::to_vec(&Value::Object(map)).unwrap_or_default()
         }
         _ => body.to_vec(),
     }

@@ -78,7 +78,7 @@ impl Reassembler {
         let choices: Vec<Value> = self.choices.iter().map(|(i, c)| choice_json(*i, c)).collect();
         v.insert("choices".into(), Value::Array(choices));
         v.insert("usage".into(), self.usage.clone().unwrap_or(Value::Null));
-        Some(Response::json(200, Value::Object(v).to_string().into_bytes()))
+        Some(Response::json(200, serde_json::to_vec(&Value::Object(v)).unwrap_or_default()))
     }
 
     /// The `usage` the stream reported, if any.
@@ -222,7 +222,7 @@ pub fn replay(completion: &[u8], include_usage: bool) -> Option<Vec<u8>> {
             chunk.insert("usage".into(), u.clone());
         }
         out.extend_from_slice(b"data: ");
-        out.extend_from_slice(Value::Object(chunk).to_string().as_bytes());
+        out.extend(serde_json::to_vec(&Value::Object(chunk)).unwrap_or_default());
         out.extend_from_slice(b"\n\n");
     };
     for c in v["choices"].as_array()? {

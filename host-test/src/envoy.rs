@@ -139,8 +139,10 @@ impl Envoy {
             cmd.env(k, v);
         }
         let unbound = SocketAddr::from(([127, 0, 0, 1], 0));
+        let child = cmd.spawn()?;
+        running().push(child.id());
         let mut envoy = Envoy {
-            child: cmd.spawn()?,
+            child,
             admin: unbound,
             edge: unbound,
             direct: unbound,
@@ -239,5 +241,25 @@ impl Drop for Envoy {
     fn drop(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
+        let pid = self.child.id();
+        running().retain(|p| *p != pid);
     }
+}
+
+/// The Envoys this process started and has not dropped.
+fn running() -> std::sync::MutexGuard<'static, Vec<u32>> {
+    static RUNNING: std::sync::Mutex<Vec<u32>> = std::sync::Mutex::new(Vec::new());
+    RUNNING.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// For the bench and soak binaries, built with `panic = "abort"`: a panic there runs no
+/// destructor, so without this hook the Envoys they started would outlive them.
+pub fn kill_envoys_on_panic() {
+    let previous = std::panic::take_hook();
+    std::panic::set_hook(Box::new(move |info| {
+        for pid in running().iter() {
+            let _ = Command::new("kill").args(["-9", &pid.to_string()]).status();
+        }
+        previous(info);
+    }));
 }

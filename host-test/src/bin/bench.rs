@@ -329,6 +329,7 @@ impl Report {
 }
 
 fn main() -> std::io::Result<()> {
+    host_test::envoy::kill_envoys_on_panic();
     let secs = env_or("BENCH_SECONDS", 3);
     let conns = env_or("BENCH_CONNECTIONS", 16) as usize;
     let crowd = env_or("BENCH_CROWD", 1000) as usize;

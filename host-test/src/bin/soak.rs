@@ -27,6 +27,7 @@ fn rss_kib(pid: u32) -> u64 {
 }
 
 fn main() -> std::io::Result<()> {
+    host_test::envoy::kill_envoys_on_panic();
     let secs: u64 = std::env::var("SOAK_SECONDS").ok().and_then(|v| v.parse().ok()).unwrap_or(600);
     let mock = Running::start(None, 20)?;
     let envoy = Envoy::start(&Options::new(CONFIG, mock.addr))?;

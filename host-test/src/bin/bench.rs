@@ -6,8 +6,9 @@
 //! - time to the first event of a streamed MISS through the edge vs plain proxying;
 //! - a fleet node (`envoy/fleet.yaml.tmpl`, one node): HIT through the forward hop vs HIT
 //!   on the owner listener;
-//! - floors: minimal proxy-wasm filters (`host-test/floors/`: a local reply, a callout)
-//!   measured beside the plugin, with the issue-13 goals as ratios;
+//! - floors: minimal proxy-wasm filters (`host-test/floors/`: a local reply, the same
+//!   making the HIT's host calls and sending its headers, a callout) measured beside the
+//!   plugin, with the issue-13 goals as ratios;
 //! - the wasi:http component on the wasmtime host: HIT vs the Envoy plugin's HIT, its
 //!   (polling) followers;
 //! - the plugin's and the component's sizes.

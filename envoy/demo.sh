@@ -1,9 +1,43 @@
 #!/usr/bin/env bash
-# Sourced by envoy/run.sh and envoy/run-component.sh: `demo URL WHAT LOGS` prints how to try
-# the edge at URL, sends the same prompt twice (MISS, then HIT) and shows the cache header.
+# Sourced by the demos (envoy/run.sh, run-cluster.sh, run-component.sh): what they share.
+
+# The prompt every demo sends.
+DEMO_BODY='{"model":"gpt-4.1","messages":[{"role":"user","content":"Name three sheep breeds."}],"temperature":0}'
+
+# `prepare BIN...`: Envoy and the builds (envoy/setup.sh), the host-test binaries named, and
+# a .run/ with nothing of an earlier demo still running.
+prepare() {
+  envoy/setup.sh
+  local bins=() b
+  for b in "$@"; do bins+=(--bin "$b"); done
+  cargo build --quiet --release -p host-test "${bins[@]}"
+  mkdir -p .run
+  envoy/stop.sh >/dev/null 2>&1 || true
+}
+
+# `start_mock ADDR`: the mock HolySheep in the background (.run/mock.log, .run/mock.pid).
+start_mock() {
+  ./target/release/mock-holysheep --listen "$1" --latency-ms "${MOCK_LATENCY_MS:-400}" > .run/mock.log 2>&1 &
+  echo $! > .run/mock.pid
+}
+
+# `await_envoy ADMIN_PORT LOG`: waits up to 20 s for that Envoy to be ready; shows the end
+# of its log and fails otherwise.
+await_envoy() {
+  local _
+  for _ in $(seq 1 200); do
+    curl -fs "http://127.0.0.1:$1/ready" >/dev/null 2>&1 && return 0
+    sleep 0.1
+  done
+  tail -20 "$2"
+  return 1
+}
+
+# `demo URL WHAT LOGS` prints how to try the edge at URL, sends the same prompt twice (MISS,
+# then HIT) and shows the cache header.
 demo() {
   local edge=$1 what=$2 logs=$3
-  local body='{"model":"gpt-4.1","messages":[{"role":"user","content":"Name three sheep breeds."}],"temperature":0}'
+  local body=$DEMO_BODY
   cat <<MSG
 
 holysheep-edge is running: ${what}, mock HolySheep on :${MOCK_PORT:-18000}.

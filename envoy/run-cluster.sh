@@ -6,10 +6,8 @@
 # Node i (0..2): public :1001i, owner :1002i, admin :991i. Mock :18000.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-envoy/setup.sh
-cargo build --quiet --release -p host-test --bin mock-holysheep
-mkdir -p .run
-envoy/stop.sh >/dev/null 2>&1 || true
+. envoy/demo.sh
+prepare mock-holysheep
 
 CONFIG=${HOLYSHEEP_CONFIG:-'{"cache":{"ttl_seconds":600}}'}
 MOCK_PORT=${MOCK_PORT:-18000}
@@ -35,8 +33,7 @@ for i in 0 1 2; do
   endpoints+="        - endpoint: {address: {socket_address: {address: 127.0.0.1, port_value: 1002$i}}}\\n"
 done
 
-./target/release/mock-holysheep --listen "127.0.0.1:$MOCK_PORT" --latency-ms "${MOCK_LATENCY_MS:-400}" > .run/mock.log 2>&1 &
-echo $! > .run/mock.pid
+start_mock "127.0.0.1:$MOCK_PORT"
 for i in 0 1 2; do
   sed -e "s#@ADMIN_PORT@#991$i#" -e "s#@PUBLIC_PORT@#1001$i#" -e "s#@OWNER_PORT@#1002$i#" \
       -e "s#@NODE@#node-$i#" -e "s#@MOCK_PORT@#$MOCK_PORT#" \
@@ -51,11 +48,7 @@ done
 trap 'envoy/stop.sh' INT TERM
 
 for i in 0 1 2; do
-  for _ in $(seq 1 200); do
-    curl -fs "http://127.0.0.1:991$i/ready" >/dev/null 2>&1 && break
-    sleep 0.1
-  done
-  curl -fs "http://127.0.0.1:991$i/ready" >/dev/null || { tail -20 ".run/fleet-$i.log"; exit 1; }
+  await_envoy "991$i" ".run/fleet-$i.log"
 done
 # Each node's ring must see every owner healthy (the health check runs every second).
 for i in 0 1 2; do
@@ -75,7 +68,7 @@ calls() {
   echo "$n"
 }
 
-body='{"model":"gpt-4.1","messages":[{"role":"user","content":"Name three sheep breeds."}],"temperature":0}'
+body=$DEMO_BODY
 cat <<MSG
 
 holysheep-edge fleet is running: public listeners :10010 :10011 :10012, owners :10020-:10022,

@@ -4,17 +4,14 @@
 # Ctrl-C (or envoy/stop.sh) stops both.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-envoy/setup.sh
-cargo build --quiet --release -p host-test --bin mock-holysheep --bin host-test
-mkdir -p .run
-envoy/stop.sh >/dev/null 2>&1 || true
+. envoy/demo.sh
+prepare mock-holysheep host-test
 
 CONFIG=${HOLYSHEEP_CONFIG:-'{"cache":{"ttl_seconds":600}}'}
 MOCK=127.0.0.1:${MOCK_PORT:-18000}
 EDGE=127.0.0.1:${EDGE_PORT:-10000}
 
-./target/release/mock-holysheep --listen "$MOCK" --latency-ms "${MOCK_LATENCY_MS:-400}" > .run/mock.log 2>&1 &
-echo $! > .run/mock.pid
+start_mock "$MOCK"
 ./target/release/host-test serve --component target/wasm32-wasip2/release/holysheep_edge.wasm \
   --config "$CONFIG" --listen "$EDGE" --upstream "$MOCK" > .run/component.log 2>&1 &
 echo $! > .run/component.pid
@@ -26,7 +23,6 @@ for _ in $(seq 1 200); do
 done
 grep -q "http://" .run/component.log || { tail -20 .run/component.log; exit 1; }
 
-. envoy/demo.sh
 demo "http://$EDGE/v1/chat/completions" "the wasi:http component on the wasmtime host, :${EDGE_PORT:-10000}" \
   ".run/component.log .run/mock.log"
 wait "$(cat .run/component.pid)"

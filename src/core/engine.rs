@@ -155,10 +155,7 @@ impl<S: CasStore> Engine<'_, S> {
                 }
             }
             Ok(State::Leading { nonce: n, expires_ms, watched, .. }) if n == wait.nonce && expires_ms > now_ms => {
-                if !watched {
-                    let _ = lease::watch(self.store, &wait.slot_key, n);
-                }
-                self.keep_waiting(wait.clone(), now_ms)
+                self.keep_waiting(wait.clone(), watched, now_ms)
             }
             // Expired, replaced, or unreadable: look again from the top, remembering how
             // long we have waited.
@@ -290,10 +287,7 @@ impl<S: CasStore> Engine<'_, S> {
                 Step::Call(self.call(key, Some(l), policy, policy.store, CacheStatus::Miss, now_ms))
             }
             Ok(Acquire::Held { nonce: n, slot_key, watched }) => {
-                if !watched {
-                    let _ = lease::watch(self.store, &slot_key, n);
-                }
-                self.keep_waiting(Wait { key: key.clone(), slot_key, nonce: n, since_ms, policy }, now_ms)
+                self.keep_waiting(Wait { key: key.clone(), slot_key, nonce: n, since_ms, policy }, watched, now_ms)
             }
             Ok(Acquire::Answered { response, done_at_ms, stale_from_ms, in_cache }) => {
                 let kept = self.kept(key, response, in_cache, done_at_ms);
@@ -309,9 +303,14 @@ impl<S: CasStore> Engine<'_, S> {
         }
     }
 
-    /// Like nginx after `proxy_cache_lock_timeout`, a waiter that waited too long goes
-    /// upstream itself, and its answer is not stored.
-    fn keep_waiting(&self, wait: Wait, now_ms: u64) -> Step {
+    /// Waits on a live flight, first marking it waited on (`watched` says whether someone
+    /// already did), so that its end wakes every worker. Like nginx after
+    /// `proxy_cache_lock_timeout`, a waiter that waited too long goes upstream itself, and
+    /// its answer is not stored.
+    fn keep_waiting(&self, wait: Wait, watched: bool, now_ms: u64) -> Step {
+        if !watched {
+            let _ = lease::watch(self.store, &wait.slot_key, wait.nonce);
+        }
         if now_ms.saturating_sub(wait.since_ms) >= self.config.lock.wait_timeout_ms {
             Step::Call(self.call(&wait.key, None, wait.policy, false, CacheStatus::Miss, now_ms))
         } else {

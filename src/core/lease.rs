@@ -240,7 +240,7 @@ fn done(key: &Key, nonce: u64, now_ms: u64, r: &Response, stale_from_ms: Option<
 
 /// A finished flight of another key: its way is free, and its answer is not decoded.
 fn is_others_answer(raw: &[u8], key: &Key) -> bool {
-    raw.first() == Some(&b'D') && raw.split(|b| *b == b'\n').nth(1) != Some(key.hex().as_bytes())
+    codec::decode(raw, 2).is_some_and(|(f, _)| f[0] == "D" && f[1] != key.hex())
 }
 
 fn decode(raw: &[u8]) -> Option<State> {

@@ -8,12 +8,8 @@ use proxy_wasm::types::MetricType;
 
 impl Worker {
     pub(super) fn count(&self, increments: Vec<(String, Counter, u64)>) {
-        for (label, counter, n) in increments {
-            if let (Some(id), Ok(n)) = (self.metrics.get(&(label, counter)), i64::try_from(n)) {
-                if n > 0 {
-                    let _ = hostcalls::increment_metric(*id, n);
-                }
-            }
+        for (id, n) in self.counter_ids(increments) {
+            let _ = hostcalls::increment_metric(id, n);
         }
     }
 

@@ -93,7 +93,7 @@ impl<T> Hot<T> {
         self.remove(h);
         while self.bytes + size > self.max_bytes {
             let Some(old) = self.order.pop_front() else { break };
-            self.remove(old);
+            self.forget(old);
         }
         let slot = Slot { tenant: tenant.to_vec(), body: body.to_vec(), expires_ms, size, value: Rc::new(value) };
         self.slots.insert(h, slot);
@@ -101,11 +101,19 @@ impl<T> Hot<T> {
         self.bytes += size;
     }
 
+    /// Drops the copy under `h`, wherever it stands in the eviction order.
     fn remove(&mut self, h: u64) {
-        if let Some(old) = self.slots.remove(&h) {
-            self.bytes -= old.size;
+        if self.forget(h) {
             self.order.retain(|o| *o != h);
         }
+    }
+
+    /// Drops the copy under `h` (already out of the eviction order, or about to be);
+    /// whether there was one.
+    fn forget(&mut self, h: u64) -> bool {
+        let Some(old) = self.slots.remove(&h) else { return false };
+        self.bytes -= old.size;
+        true
     }
 
     pub fn bytes(&self) -> usize {

@@ -8,9 +8,7 @@ use proxy_wasm::types::MetricType;
 
 impl Worker {
     pub(super) fn count(&self, increments: Vec<(String, Counter, u64)>) {
-        for (id, n) in self.counter_ids(increments) {
-            let _ = hostcalls::increment_metric(id, n);
-        }
+        bump(&self.counter_ids(increments));
     }
 
     /// The metric ids and amounts of `increments`, resolved once (for kept answers).
@@ -30,5 +28,12 @@ impl Worker {
                 }
             }
         }
+    }
+}
+
+/// Adds resolved increments (`Worker::counter_ids`) to Envoy's counters.
+pub(super) fn bump(ids: &[(u32, i64)]) {
+    for (id, n) in ids {
+        let _ = hostcalls::increment_metric(*id, *n);
     }
 }

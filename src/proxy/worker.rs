@@ -3,6 +3,7 @@
 //! the current VM call may still send.
 
 use super::body_watch::{self, BodyWatch};
+use super::counters;
 use super::host::{self, Nonces, SharedData};
 use super::ids::{IdMap, IdSet};
 use super::wakeups::{DISPATCH, ENDED};
@@ -237,9 +238,7 @@ impl Worker {
     /// Sends a kept HIT on the current http context, as `respond` would (a JSON answer
     /// without copying it).
     pub fn respond_hot(&mut self, hit: &HotAnswer, now: u64) {
-        for (id, n) in &hit.counters {
-            let _ = hostcalls::increment_metric(*id, *n);
-        }
+        counters::bump(&hit.counters);
         let age_s = now.saturating_sub(hit.stored_at_ms) / 1000;
         if hit.outbound.stream {
             let reply = Reply { age_s: Some(age_s), ..hit.reply.clone() };

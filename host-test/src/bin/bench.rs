@@ -25,6 +25,7 @@ use host_test::envoy::{component_path, wasm_path, workspace_root, Envoy, Options
 use host_test::fleet::Fleet;
 use host_test::mock::Running;
 use host_test::profile::{self, Split};
+use host_test::stack::prompt;
 use std::net::SocketAddr;
 use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -45,8 +46,10 @@ struct Stats {
     cpu: Option<Split>,
 }
 
-fn prompt(text: &str) -> String {
-    format!(r#"{{"model":"gpt-4.1","messages":[{{"role":"user","content":"{text}"}}],"temperature":0}}"#)
+/// The `p` quantile of sorted values (0 when there are none).
+fn percentile(sorted: &[u64], p: f64) -> u64 {
+    let at = ((sorted.len() as f64 * p) as usize).min(sorted.len().saturating_sub(1));
+    sorted.get(at).copied().unwrap_or(0)
 }
 
 fn env_or(name: &str, default: u64) -> u64 {
@@ -87,8 +90,7 @@ fn load(addr: SocketAddr, conns: usize, secs: u64, body: Arc<dyn Fn() -> String 
     }
     let elapsed = t0.elapsed().as_secs_f64();
     lat.sort_unstable();
-    let pct =
-        |p: f64| lat.get(((lat.len() as f64 * p) as usize).min(lat.len().saturating_sub(1))).copied().unwrap_or(0);
+    let pct = |p: f64| percentile(&lat, p);
     Stats {
         requests: lat.len(),
         rps: lat.len() as f64 / elapsed,
@@ -151,10 +153,9 @@ fn follower_delay(edge: SocketAddr, mock: &Running, n: usize) -> Followers {
         .map(|(t, _)| t.saturating_duration_since(leader).as_micros() as u64)
         .collect();
     delays.sort_unstable();
-    let pct = |p: f64| delays.get(((delays.len() as f64 * p) as usize).min(delays.len().saturating_sub(1))).copied();
     Followers {
-        p50_us: pct(0.5).unwrap_or(0),
-        p99_us: pct(0.99).unwrap_or(0),
+        p50_us: percentile(&delays, 0.5),
+        p99_us: percentile(&delays, 0.99),
         max_us: delays.last().copied().unwrap_or(0),
         calls: mock.mock.calls() - calls_before,
         followers: delays.len(),

@@ -14,6 +14,7 @@ use host_test::envoy::workspace_root;
 use host_test::profile::{self, Samples, SAMPLE_US};
 use host_test::proxy_host::state::Headers;
 use host_test::proxy_host::world::{Options, Plugin, UpstreamCall, World};
+use host_test::stack::prompt;
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
@@ -23,10 +24,6 @@ const PATH: &str = "/v1/chat/completions";
 const WARM_UP: u64 = 200;
 /// Requests of the fuel-metered run (fuel counts are exact; a few suffice).
 const FUEL_REQUESTS: u64 = 1_000;
-
-fn prompt(text: &str) -> String {
-    format!(r#"{{"model":"gpt-4.1","messages":[{{"role":"user","content":"{text}"}}],"temperature":0}}"#)
-}
 
 /// An answer shaped like the mock's.
 fn answer(n: u64) -> Option<(Headers, Vec<u8>)> {

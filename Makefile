@@ -32,8 +32,10 @@ floors:
 	for f in reply callout; do (cd host-test/floors/$$f && \
 	  CARGO_TARGET_DIR=../../../target/floors cargo build --quiet --release --target wasm32-wasip1) || exit 1; done
 
+# The native hosts run as built for speed (`--profile host`); RUST_LIB_BACKTRACE=0 because
+# with RUST_BACKTRACE set, wasmtime captures a backtrace for every store it drops.
 bench: setup floors
-	cargo run --quiet --release -p host-test --bin bench
+	RUST_LIB_BACKTRACE=0 cargo run --quiet --profile host -p host-test --bin bench
 	.venv/bin/pip install --quiet matplotlib==3.9.2
 	.venv/bin/python host-test/bench_charts.py target/bench
 
@@ -42,14 +44,14 @@ bench: setup floors
 # Envoy itself under `perf record` (BENCH_PROFILE=1) -> a CPU table in target/bench/results.md.
 profile: setup floors
 	CARGO_PROFILE_RELEASE_STRIP=false cargo build --quiet --release --target wasm32-wasip1 --target-dir target/profile
-	cargo run --quiet --release -p host-test --bin wasm_profile -- \
+	RUST_LIB_BACKTRACE=0 cargo run --quiet --profile host -p host-test --bin wasm_profile -- \
 	  target/profile/wasm32-wasip1/release/holysheep_edge.wasm target/floors/wasm32-wasip1/release
 	BENCH_PROFILE=1 $(MAKE) --no-print-directory bench
 
 # 10 minutes of mixed traffic; passes when Envoy's RSS stays within 10 % after warm-up
 # and no VM crashed (SOAK_SECONDS to change the length). Not in CI.
 soak: setup
-	cargo run --quiet --release -p host-test --bin soak
+	RUST_LIB_BACKTRACE=0 cargo run --quiet --profile host -p host-test --bin soak
 
 # Fuzzing needs the nightly toolchain and cargo-fuzz (kept out of CI). FUZZ_SECONDS per target.
 FUZZ_SECONDS ?= 60

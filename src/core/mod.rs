@@ -8,6 +8,7 @@ pub mod engine;
 pub mod error;
 pub mod flight;
 pub mod hot;
+pub mod intake;
 pub mod lease;
 pub mod limits;
 pub mod metrics;

@@ -2,6 +2,7 @@
 //! CAS store, the clock, nonces, logging and local replies. None of these can panic.
 
 use crate::core::engine::Reply;
+pub use crate::core::intake::text;
 use crate::core::pairs;
 use crate::core::store::{CasStore, Read, StoreError};
 use proxy_wasm::hostcalls;
@@ -95,15 +96,6 @@ pub fn header_map(map: MapType) -> Vec<u8> {
             _ => Vec::new(),
         }
     }
-}
-
-pub fn text(bytes: Vec<u8>) -> String {
-    String::from_utf8(bytes).unwrap_or_else(|e| {
-        e.as_bytes()
-            .iter()
-            .map(|&b| if b.is_ascii() { char::from(b).to_string() } else { format!("%{b:02X}") })
-            .collect()
-    })
 }
 
 pub fn log(level: LogLevel, message: &str) {

@@ -13,11 +13,10 @@ use crate::core::config::Role;
 use crate::core::engine::{CacheStatus, Engine, Reply, Step};
 use crate::core::error::ApiError;
 use crate::core::hot;
+use crate::core::intake::{intake, Head, Intake, Route};
 use crate::core::pairs;
 use crate::core::peer;
-use crate::core::request::{
-    is_chat_path, is_internal_path, CacheControl, ChatRequest, Key, RequestMeta, CHAT_PATH, KEY_HEADER, PEER_PATH,
-};
+use crate::core::request::{Key, KEY_HEADER, PEER_PATH};
 use crate::core::stream::{self, Reassembler};
 use crate::core::upstream::Outbound;
 use proxy_wasm::hostcalls;
@@ -31,55 +30,9 @@ pub struct Chat {
     state: State,
     /// The body being read is a model owner call from a fleet peer.
     peer: bool,
-    /// The request headers the filter reads, from the headers callback.
-    heads: Heads,
-}
-
-/// The request headers the filter reads, all taken in one host call (each separate read
-/// is two crossings of the VM boundary). The first of repeated headers counts.
-#[derive(Default)]
-struct Heads {
-    method: String,
-    path: String,
-    /// The declared body length, when it is a number.
-    content_length: Option<u64>,
-    authorization: Option<String>,
-    tenant: Option<String>,
-    cache_control: Option<String>,
-    peer_secret: Option<String>,
-}
-
-impl Heads {
-    fn read(tenant_header: Option<&str>) -> Heads {
-        let mut h = Heads::default();
-        let raw = host::header_map(MapType::HttpRequestHeaders);
-        for (name, value) in pairs::parse(&raw).unwrap_or_default() {
-            let slot = match name {
-                b":method" => {
-                    h.method = host::text(value.to_vec());
-                    continue;
-                }
-                b":path" => {
-                    h.path = host::text(value.to_vec());
-                    continue;
-                }
-                b"content-length" => {
-                    let declared = std::str::from_utf8(value).ok().and_then(|l| l.trim().parse().ok());
-                    h.content_length = h.content_length.or(declared);
-                    continue;
-                }
-                b"authorization" => &mut h.authorization,
-                b"cache-control" => &mut h.cache_control,
-                n if n == peer::SECRET_HEADER.as_bytes() => &mut h.peer_secret,
-                n if Some(n) == tenant_header.map(str::as_bytes) => &mut h.tenant,
-                _ => continue,
-            };
-            if slot.is_none() {
-                *slot = Some(host::text(value.to_vec()));
-            }
-        }
-        h
-    }
+    /// The request headers the filter reads, all taken in one host call (each separate read
+    /// is two crossings of the VM boundary), in the headers callback.
+    head: Head,
 }
 
 enum State {
@@ -129,7 +82,7 @@ impl Tee {
 
 impl Chat {
     pub fn new(id: u32, worker: Shared) -> Self {
-        Chat { id, worker, state: State::Ignored, peer: false, heads: Heads::default() }
+        Chat { id, worker, state: State::Ignored, peer: false, head: Head::default() }
     }
 
     fn reject(&mut self, e: &ApiError) -> Action {
@@ -143,24 +96,18 @@ impl Chat {
             return self.serve_peer(&body);
         }
         let config = self.worker.borrow().config.clone();
-        let heads = std::mem::take(&mut self.heads);
-        let (authorization, tenant, cache_control) = (heads.authorization, heads.tenant, heads.cache_control);
+        let head = std::mem::take(&mut self.head);
         let now = host::now_ms();
-        let raw_tenant = hot::tenant_bytes(authorization.as_deref(), tenant.as_deref());
+        let raw_tenant = hot::tenant_bytes(head.authorization.as_deref(), head.tenant.as_deref());
         // Directives change what may be served: such requests take the whole path.
-        let plain = cache_control.is_none();
+        let plain = head.cache_control.is_none();
         if plain {
             if let Some(action) = self.answer_from_hot(&raw_tenant, &body, now) {
                 return action;
             }
         }
-        let meta = RequestMeta {
-            authorization: authorization.as_deref(),
-            tenant: tenant.as_deref(),
-            cache_control: cache_control.as_deref(),
-        };
-        let request = match ChatRequest::parse(&config, &meta, &body) {
-            Ok(r) => r,
+        let Intake { request, policy } = match intake(&config, &head, &body) {
+            Ok(i) => i,
             Err(e) => return self.reject(&e),
         };
         if config.role == Role::Forward {
@@ -168,7 +115,6 @@ impl Chat {
             return self.forward_to_owner(&request.key);
         }
         self.state = State::Handled;
-        let policy = request.policy(&config, CacheControl::parse(meta.cache_control));
         let nonce = self.worker.borrow_mut().nonce();
         let step = Engine { store: &SharedData, config: &config }.admit(&request.key, policy, now, nonce);
         if plain && matches!(&step, Step::Reply(r) if r.cache == Some(CacheStatus::Hit)) {
@@ -176,7 +122,7 @@ impl Chat {
         }
         let outbound = Rc::new(Outbound {
             body,
-            client_authorization: authorization,
+            client_authorization: head.authorization,
             model: request.model,
             estimate_tokens: request.estimate_tokens,
             stream: request.stream,
@@ -236,7 +182,7 @@ impl Chat {
         if role == Role::Forward {
             return self.reject(&ApiError::not_found(method, path));
         }
-        if !peer::secret_matches(secret.as_deref(), self.heads.peer_secret.as_deref()) {
+        if !peer::secret_matches(secret.as_deref(), self.head.peer_secret.as_deref()) {
             return self.reject(&ApiError::forbidden("internal fleet call without the fleet's secret"));
         }
         if method != "POST" || path != PEER_PATH {
@@ -309,23 +255,23 @@ impl Context for Chat {
 
 impl HttpContext for Chat {
     fn on_http_request_headers(&mut self, _num_headers: usize, end_of_stream: bool) -> Action {
-        let tenant_header = self.worker.borrow().config.cache.tenant_header.clone();
-        self.heads = Heads::read(tenant_header.as_deref());
-        let (method, path) = (std::mem::take(&mut self.heads.method), std::mem::take(&mut self.heads.path));
-        if path != CHAT_PATH && is_internal_path(&path) {
+        let config = self.worker.borrow().config.clone();
+        let raw = host::header_map(MapType::HttpRequestHeaders);
+        self.head = Head::read(pairs::parse(&raw).unwrap_or_default(), config.cache.tenant_header.as_deref());
+        let route = self.head.route();
+        if route == Route::Internal {
+            let (method, path) = (std::mem::take(&mut self.head.method), std::mem::take(&mut self.head.path));
             return self.internal(&method, &path);
         }
-        if self.worker.borrow().config.role == Role::Forward {
+        if config.role == Role::Forward {
             strip_fleet_headers();
         }
-        if method != "POST" || (path != CHAT_PATH && !is_chat_path(&path)) {
+        if route != Route::Chat {
             return Action::Continue;
         }
         self.state = State::Reading;
-        let limit = self.worker.borrow().config.max_body_bytes;
-        let declared = self.heads.content_length;
-        if declared.is_some_and(|l| l > limit as u64) {
-            return self.reject(&ApiError::too_large(limit));
+        if let Err(e) = self.head.check_length(&config) {
+            return self.reject(&e);
         }
         if end_of_stream {
             return self.handle(Vec::new());

@@ -1,0 +1,191 @@
+//! Request intake, the same in both shells: the request headers the edge reads, which
+//! requests it governs, a declared length refused before the body is read, and the body
+//! parsed into a keyed chat request with the cache policy its directives ask for.
+
+use crate::core::config::Config;
+use crate::core::error::ApiError;
+use crate::core::peer;
+use crate::core::request::{is_chat_path, is_internal_path, CacheControl, ChatRequest, Policy, RequestMeta, CHAT_PATH};
+
+/// The request headers the edge reads; the first of repeated headers counts.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Head {
+    pub method: String,
+    pub path: String,
+    /// The declared body length, when it is a number.
+    pub content_length: Option<u64>,
+    pub authorization: Option<String>,
+    /// The value of the configured tenant header.
+    pub tenant: Option<String>,
+    pub cache_control: Option<String>,
+    pub peer_secret: Option<String>,
+}
+
+/// What the edge does with a request, decided from its head.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Route {
+    /// `POST /v1/chat/completions` in any spelling: governed.
+    Chat,
+    /// `/holysheep/...` in any spelling: the fleet's own calls, never a client's.
+    Internal,
+    /// Everything else passes untouched, with the client's own credentials.
+    Other,
+}
+
+/// A chat request as the core takes it.
+#[derive(Debug)]
+pub struct Intake {
+    pub request: ChatRequest,
+    pub policy: Policy,
+}
+
+impl Head {
+    /// From the request's header pairs as the host holds them (names in lower case). The
+    /// shell sets `method` and `path` when its host keeps them outside the headers.
+    pub fn read<'a>(pairs: impl IntoIterator<Item = (&'a [u8], &'a [u8])>, tenant_header: Option<&str>) -> Head {
+        let mut h = Head::default();
+        for (name, value) in pairs {
+            let slot = match name {
+                b":method" => {
+                    h.method = text(value.to_vec());
+                    continue;
+                }
+                b":path" => {
+                    h.path = text(value.to_vec());
+                    continue;
+                }
+                b"content-length" => {
+                    let declared = std::str::from_utf8(value).ok().and_then(|l| l.trim().parse().ok());
+                    h.content_length = h.content_length.or(declared);
+                    continue;
+                }
+                b"authorization" => &mut h.authorization,
+                b"cache-control" => &mut h.cache_control,
+                n if n == peer::SECRET_HEADER.as_bytes() => &mut h.peer_secret,
+                n if Some(n) == tenant_header.map(str::as_bytes) => &mut h.tenant,
+                _ => continue,
+            };
+            if slot.is_none() {
+                *slot = Some(text(value.to_vec()));
+            }
+        }
+        h
+    }
+
+    pub fn route(&self) -> Route {
+        if self.path != CHAT_PATH && is_internal_path(&self.path) {
+            Route::Internal
+        } else if self.method == "POST" && (self.path == CHAT_PATH || is_chat_path(&self.path)) {
+            Route::Chat
+        } else {
+            Route::Other
+        }
+    }
+
+    /// Refuses a body declared larger than `max_body_bytes` before any of it is read.
+    pub fn check_length(&self, config: &Config) -> Result<(), ApiError> {
+        match self.content_length {
+            Some(declared) if declared > config.max_body_bytes as u64 => {
+                Err(ApiError::too_large(config.max_body_bytes))
+            }
+            _ => Ok(()),
+        }
+    }
+
+    pub fn meta(&self) -> RequestMeta<'_> {
+        RequestMeta {
+            authorization: self.authorization.as_deref(),
+            tenant: self.tenant.as_deref(),
+            cache_control: self.cache_control.as_deref(),
+        }
+    }
+}
+
+/// The whole body of a `Route::Chat` request: parsed, keyed (scoped to the tenant), with
+/// its cache policy.
+pub fn intake(config: &Config, head: &Head, body: &[u8]) -> Result<Intake, ApiError> {
+    let meta = head.meta();
+    let request = ChatRequest::parse(config, &meta, body)?;
+    let policy = request.policy(config, CacheControl::parse(meta.cache_control));
+    Ok(Intake { request, policy })
+}
+
+/// A header value as text. Envoy lets bytes that are not UTF-8 through (obs-text); they
+/// are kept as `%XX` escapes, so no reader of headers can fail on them.
+pub fn text(bytes: Vec<u8>) -> String {
+    String::from_utf8(bytes).unwrap_or_else(|e| {
+        e.as_bytes()
+            .iter()
+            .map(|&b| if b.is_ascii() { char::from(b).to_string() } else { format!("%{b:02X}") })
+            .collect()
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn head(pairs: &[(&str, &[u8])], tenant: Option<&str>) -> Head {
+        Head::read(pairs.iter().map(|(n, v)| (n.as_bytes(), *v)), tenant)
+    }
+
+    #[test]
+    fn the_first_of_repeated_headers_counts_and_odd_bytes_become_escapes() {
+        let h = head(
+            &[
+                (":method", b"POST"),
+                (":path", b"/v1/chat/completions"),
+                ("authorization", b"Bearer \xff"),
+                ("authorization", b"Bearer second"),
+                ("x-tenant", b"acme"),
+                ("content-length", b" 12 "),
+                ("content-length", b"99"),
+                ("cache-control", b""),
+                ("cache-control", b"no-store"),
+            ],
+            Some("x-tenant"),
+        );
+        assert_eq!(h.authorization.as_deref(), Some("Bearer %FF"));
+        assert_eq!(h.tenant.as_deref(), Some("acme"));
+        assert_eq!(h.content_length, Some(12));
+        assert_eq!(h.cache_control.as_deref(), Some(""), "present, if empty");
+        assert_eq!(h.peer_secret, None);
+        assert_eq!(head(&[("x-tenant", b"acme")], None).tenant, None, "no tenant header configured");
+    }
+
+    #[test]
+    fn routes_chat_in_any_spelling_and_internal_paths_before_methods() {
+        let route =
+            |method: &str, path: &str| Head { method: method.into(), path: path.into(), ..Head::default() }.route();
+        assert_eq!(route("POST", "/v1/chat/completions"), Route::Chat);
+        assert_eq!(route("POST", "//v1/./chat/%63ompletions?x=1"), Route::Chat);
+        assert_eq!(route("GET", "/v1/chat/completions"), Route::Other);
+        assert_eq!(route("POST", "/v1/models"), Route::Other);
+        assert_eq!(route("GET", "/HolySheep/peer/bucket"), Route::Internal);
+        assert_eq!(route("POST", "/v1/../holysheep/x"), Route::Internal);
+    }
+
+    #[test]
+    fn a_declared_length_over_the_limit_is_refused_before_the_body() {
+        let config = Config { max_body_bytes: 10, ..Config::default() };
+        let declared = |n| Head { content_length: n, ..Head::default() }.check_length(&config);
+        assert_eq!(declared(Some(11)).map_err(|e| e.status), Err(413));
+        assert!(declared(Some(10)).is_ok());
+        assert!(declared(None).is_ok());
+    }
+
+    #[test]
+    fn intake_keys_by_tenant_and_follows_the_directives() {
+        let config = Config::default();
+        let body = br#"{"model":"gpt-4.1","messages":[{"role":"user","content":"hi"}],"temperature":0}"#;
+        let alice = Head { authorization: Some("Bearer alice".into()), ..Head::default() };
+        let bob = Head { authorization: Some("Bearer bob".into()), ..Head::default() };
+        let a = intake(&config, &alice, body).unwrap();
+        assert_ne!(a.request.key, intake(&config, &bob, body).unwrap().request.key, "scoped to the tenant");
+        assert!(a.policy.read && a.policy.store);
+        let no_store = Head { cache_control: Some("no-store".into()), ..alice };
+        let p = intake(&config, &no_store, body).unwrap().policy;
+        assert!(!p.read && !p.store && !p.coalesce);
+        assert_eq!(intake(&config, &bob, b"{").map_err(|e| e.status).err(), Some(400));
+    }
+}

@@ -175,19 +175,25 @@ impl Gateway {
                     let (outcome, hints) = self.attempt(&flight.call, outbound, &model, timeout_ms);
                     flight.on_response(&self.kv, &self.config, outcome, &hints, host::now_ms(), host::nonce())
                 }
-                // No fleet here: the key-value store is this host's own (README).
-                Action::Ask { .. } => {
-                    flight.on_verdict(None);
-                    flight.resume(&self.kv, &self.config, host::now_ms(), host::nonce())
-                }
-                Action::Sleep { until_ms } => {
-                    let timer = host::after_deadline(until_ms);
-                    host::wait_for(&timer, until_ms, self.config.tick_ms(), &mut || self.renew(&flight.call));
-                    flight.resume(&self.kv, &self.config, host::now_ms(), host::nonce())
-                }
+                Action::Ask { .. } => self.without_owner(&mut flight),
+                Action::Sleep { until_ms } => self.back_off(&mut flight, until_ms),
                 Action::Finish(outcome) => return self.engine().complete(&flight.call, outcome, host::now_ms()),
             }
         }
+    }
+
+    /// An ask for a model owner's verdict has no one to go to: there is no fleet here, the
+    /// key-value store is this host's own (README). The flight goes on without a verdict.
+    fn without_owner(&self, flight: &mut Flight) -> Action {
+        flight.on_verdict(None);
+        flight.resume(&self.kv, &self.config, host::now_ms(), host::nonce())
+    }
+
+    /// Waits out a backoff, keeping the lease, then goes on with the flight.
+    fn back_off(&self, flight: &mut Flight, until_ms: u64) -> Action {
+        let timer = host::after_deadline(until_ms);
+        host::wait_for(&timer, until_ms, self.config.tick_ms(), &mut || self.renew(&flight.call));
+        flight.resume(&self.kv, &self.config, host::now_ms(), host::nonce())
     }
 
     /// A stream's flight: like `fly` until HolySheep starts an event stream (errors before
@@ -220,16 +226,8 @@ impl Gateway {
                     let (outcome, hints) = self.read_answer(response, &flight.call, deadline);
                     flight.on_response(&self.kv, &self.config, outcome, &hints, host::now_ms(), host::nonce())
                 }
-                // No fleet here: the key-value store is this host's own (README).
-                Action::Ask { .. } => {
-                    flight.on_verdict(None);
-                    flight.resume(&self.kv, &self.config, host::now_ms(), host::nonce())
-                }
-                Action::Sleep { until_ms } => {
-                    let timer = host::after_deadline(until_ms);
-                    host::wait_for(&timer, until_ms, self.config.tick_ms(), &mut || self.renew(&flight.call));
-                    flight.resume(&self.kv, &self.config, host::now_ms(), host::nonce())
-                }
+                Action::Ask { .. } => self.without_owner(&mut flight),
+                Action::Sleep { until_ms } => self.back_off(&mut flight, until_ms),
                 Action::Finish(outcome) => {
                     let r = self.engine().complete(&flight.call, outcome, host::now_ms());
                     return self.answer(out, r, outbound);

@@ -95,11 +95,13 @@ fn reply(out: ResponseOutparam, reply: &Reply, extra: &[(&str, String)]) {
 }
 
 impl Gateway {
-    /// The request headers the core reads, in one call. The headers handle is a child of the
-    /// request: it is gone before the request is handed on (dropping a parent with live
-    /// children traps).
+    /// The request headers the core reads, in one call. Field names are case-insensitive and
+    /// a host may keep the client's spelling: they are lowered, as `header_pairs` does. The
+    /// headers handle is a child of the request: it is gone before the request is handed on
+    /// (dropping a parent with live children traps).
     fn head(&self, request: &IncomingRequest) -> Head {
-        let entries = request.headers().entries();
+        let entries: Vec<(String, Vec<u8>)> =
+            request.headers().entries().into_iter().map(|(n, v)| (n.to_ascii_lowercase(), v)).collect();
         let pairs = entries.iter().map(|(n, v)| (n.as_bytes(), v.as_slice()));
         let mut head = Head::read(pairs, self.config.cache.tenant_header.as_deref());
         head.method = method_name(&request.method());

@@ -51,6 +51,8 @@ struct Measured {
     host_calls: BTreeMap<&'static str, u64>,
     /// Fuel per request by export (a second run with a fuel-metering engine).
     fuel: BTreeMap<String, f64>,
+    /// One more request's fuel between its host calls (see `spans`).
+    trace: Vec<String>,
 }
 
 /// A world of one worker running `row`'s module, warmed up; `ask(w, i)` sends request `i`.
@@ -105,7 +107,28 @@ fn run(row: &Row, requests: u64) -> Measured {
     let burnt = w.shared().fuel.clone();
     let per_request = burnt.into_iter().map(|(e, f)| (f.saturating_sub(before.get(&e).copied().unwrap_or(0)), e));
     let fuel = per_request.map(|(f, e)| (e, f as f64 / n as f64)).filter(|(_, f)| *f >= 1.0).collect();
-    Measured { name: row.name, requests, samples, host_calls, fuel }
+    w.shared().fuel_trace = Some(Vec::new());
+    ask(row, &mut w, WARM_UP + n);
+    let trace = w.shared().fuel_trace.take().unwrap_or_default();
+    Measured { name: row.name, requests, samples, host_calls, fuel, trace: spans(&trace) }
+}
+
+/// The fuel one request burnt between consecutive host calls, callback by callback:
+/// `export: from -> to fuel`.
+fn spans(trace: &[(String, &'static str, u64)]) -> Vec<String> {
+    trace
+        .windows(2)
+        .filter(|w| w[0].0 == w[1].0 && w[1].1 != "(called)")
+        .map(|w| {
+            let export = w[0].0.trim_start_matches("proxy_on_");
+            format!(
+                "{export}: {} -> {}: {}",
+                w[0].1.trim_start_matches("proxy_"),
+                w[1].1.trim_start_matches("proxy_"),
+                w[0].2.saturating_sub(w[1].2)
+            )
+        })
+        .collect()
 }
 
 fn report(rows: &[Measured]) -> String {
@@ -142,6 +165,12 @@ fn report(rows: &[Measured]) -> String {
         let _ = write!(md, "\n{}: the wasm functions with the most samples (share of its wasm time)\n\n", m.name);
         for (f, c) in m.samples.wasm_functions.iter().take(12) {
             let _ = writeln!(md, "- {:.1} % `{}`", 100.0 * *c as f64 / wasm, short(f));
+        }
+    }
+    for m in rows {
+        let _ = write!(md, "\n{}: one request's fuel between its host calls (callback: from -> to: fuel)\n\n", m.name);
+        for span in &m.trace {
+            let _ = writeln!(md, "- {span}");
         }
     }
     md

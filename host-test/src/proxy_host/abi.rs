@@ -127,6 +127,16 @@ fn property(state: &VmState, path: &[u8]) -> Option<Vec<u8>> {
     }
 }
 
+/// Notes the fuel left at this host call, when the profile traces fuel (see
+/// `Shared::fuel_trace`).
+fn trace_fuel(caller: &mut Caller<'_, VmState>, name: &'static str) {
+    let Ok(left) = caller.get_fuel() else { return };
+    let export = caller.data().export.clone();
+    if let Some(trace) = caller.data().shared().fuel_trace.as_mut() {
+        trace.push((export, name, left));
+    }
+}
+
 macro_rules! wrap {
     ($linker:expr, $name:literal, |$caller:ident, $args:tt : $ty:ty| $body:expr) => {
         $linker.func_wrap_async(
@@ -137,6 +147,7 @@ macro_rules! wrap {
                     #[allow(unused_mut)]
                     let mut $caller = &mut $caller;
                     *$caller.data().shared().host_calls.entry($name).or_default() += 1;
+                    trace_fuel($caller, $name);
                     $body
                 })
             },

@@ -63,6 +63,9 @@ pub struct Shared {
     /// Fuel (about one unit per wasm instruction) burnt in each export, over all VMs, when
     /// the engine meters fuel.
     pub fuel: std::collections::BTreeMap<String, u64>,
+    /// With fuel metered and this set: every host call as (export being run, import
+    /// called, fuel left when called), to see what the wasm did between two host calls.
+    pub fuel_trace: Option<Vec<(String, &'static str, u64)>>,
 }
 
 impl Shared {
@@ -148,6 +151,8 @@ pub struct VmState {
     pub outbox: Vec<Outgoing>,
     pub next_token: u32,
     pub tick_ms: Option<u64>,
+    /// The export being called (for `Shared::fuel_trace`).
+    pub export: String,
     pub metric_names: HashMap<u32, String>,
     pub next_metric: u32,
     /// Set when the VM called `proxy_done`.

@@ -242,6 +242,7 @@ impl World {
             outbox: Vec::new(),
             next_token: 0,
             tick_ms: None,
+            export: String::new(),
             metric_names: HashMap::new(),
             next_metric: 0,
             done: false,
@@ -574,9 +575,18 @@ async fn call(vm: &mut Vm, name: &str, ctx: u32, args: &[Val]) -> wasmtime::Resu
     }
     let mut results = vec![Val::I32(0); func.ty(&vm.store).results().len()];
     let fuel_before = vm.store.get_fuel().ok();
+    if let Some(before) = fuel_before {
+        vm.store.data_mut().export = name.to_owned();
+        if let Some(trace) = vm.store.data().shared().fuel_trace.as_mut() {
+            trace.push((name.to_owned(), "(called)", before));
+        }
+    }
     func.call_async(&mut vm.store, args, &mut results).await?;
     if let (Some(before), Ok(after)) = (fuel_before, vm.store.get_fuel()) {
         *vm.store.data().shared().fuel.entry(name.to_owned()).or_default() += before.saturating_sub(after);
+        if let Some(trace) = vm.store.data().shared().fuel_trace.as_mut() {
+            trace.push((name.to_owned(), "(returned)", after));
+        }
     }
     state_reset(vm);
     Ok(results.first().and_then(Val::i32))

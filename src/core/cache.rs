@@ -5,7 +5,7 @@
 use super::codec;
 use super::config::Config;
 use super::request::Key;
-use super::store::CasStore;
+use super::store::{self, CasStore};
 
 /// An upstream answer as the edge keeps and replays it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -59,7 +59,7 @@ pub const WAYS: u32 = 4;
 pub fn slot_keys(config: &Config, key: &Key) -> Vec<String> {
     let n = config.cache.max_entries.max(1);
     let home = key.slot(n, 0);
-    (0..WAYS.min(n)).map(|w| format!("holysheep/cache/{}", (home + w) % n)).collect()
+    (0..WAYS.min(n)).map(|w| store::slot_name("holysheep/cache/", (home + w) % n)).collect()
 }
 
 /// The entry stored for `key`, fresh or not; `None` when none of its slots holds it.

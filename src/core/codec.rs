@@ -1,6 +1,8 @@
 //! A small record format for shared-data values: `n` text fields, one per line, then an
 //! opaque body. Decoding never panics and rejects anything malformed.
 
+use std::borrow::Cow;
+
 pub fn encode(fields: &[&str], body: &[u8]) -> Vec<u8> {
     let mut out = Vec::with_capacity(body.len() + 128);
     for f in fields {
@@ -25,17 +27,29 @@ pub fn decode(raw: &[u8], n: usize) -> Option<(Vec<&str>, &[u8])> {
 
 /// Header pairs as one field: `name: value` joined by tabs.
 pub fn headers_field(headers: &[(String, String)]) -> String {
-    let pairs: Vec<String> = headers.iter().map(|(n, v)| format!("{}: {}", n, field(v).replace('\t', " "))).collect();
-    pairs.join("\t")
+    let mut out = String::new();
+    for (i, (name, value)) in headers.iter().enumerate() {
+        if i > 0 {
+            out.push('\t');
+        }
+        out.push_str(name);
+        out.push_str(": ");
+        out.extend(value.chars().map(|c| if matches!(c, '\n' | '\r' | '\t') { ' ' } else { c }));
+    }
+    out
 }
 
 pub fn parse_headers(f: &str) -> Vec<(String, String)> {
     f.split('\t').filter_map(|p| p.split_once(": ")).map(|(n, v)| (n.to_owned(), v.to_owned())).collect()
 }
 
-/// Replaces newlines so a value can travel as one field.
-pub fn field(s: &str) -> String {
-    s.replace(['\n', '\r'], " ")
+/// Replaces newlines so a value can travel as one field (copied only when it has some).
+pub fn field(s: &str) -> Cow<'_, str> {
+    if s.contains(['\n', '\r']) {
+        Cow::Owned(s.replace(['\n', '\r'], " "))
+    } else {
+        Cow::Borrowed(s)
+    }
 }
 
 #[cfg(test)]

@@ -349,16 +349,35 @@ fn retryable(outcome: Option<&Response>) -> bool {
 /// `usage.prompt_tokens` and `usage.completion_tokens` of a chat completion.
 pub fn usage(body: &[u8]) -> Option<(u64, u64)> {
     #[derive(serde::Deserialize)]
-    struct Usage {
-        prompt_tokens: u64,
-        completion_tokens: u64,
-    }
-    #[derive(serde::Deserialize)]
     struct Completion {
         usage: Usage,
     }
+    if let Some(usage) = trailing_usage(body) {
+        return Some(usage);
+    }
     let c: Completion = serde_json::from_slice(body).ok()?;
     Some((c.usage.prompt_tokens, c.usage.completion_tokens))
+}
+
+#[derive(serde::Deserialize)]
+struct Usage {
+    prompt_tokens: u64,
+    completion_tokens: u64,
+}
+
+/// `usage` when it is the last member of the answer's top-level object, where
+/// OpenAI-compatible APIs put it: read from the end, without walking the choices. In JSON
+/// the bytes `"usage"` followed by `:` can only be a member name (a quote inside a string
+/// is escaped), and a member followed by nothing but the one closing brace is a member of
+/// the outermost object.
+fn trailing_usage(body: &[u8]) -> Option<(u64, u64)> {
+    const NAME: &[u8] = b"\"usage\"";
+    let at = body.windows(NAME.len()).rposition(|w| w == NAME)?;
+    let value = body[at + NAME.len()..].trim_ascii_start().strip_prefix(b":")?;
+    let mut values = serde_json::Deserializer::from_slice(value).into_iter::<Usage>();
+    let u = values.next()?.ok()?;
+    let tail = value.get(values.byte_offset()..)?;
+    (tail.trim_ascii() == b"}").then_some((u.prompt_tokens, u.completion_tokens))
 }
 
 #[cfg(test)]
@@ -665,5 +684,18 @@ mod tests {
             Some((3, 4))
         );
         assert_eq!(usage(b"{}"), None);
+    }
+
+    #[test]
+    fn usage_is_the_top_level_one_wherever_it_stands() {
+        let u = r#""usage":{"prompt_tokens":3,"completion_tokens":4}"#;
+        // Last, read from the end; first, or followed by another member, parsed whole.
+        assert_eq!(usage(format!(r#"{{"id":"x", {u} }}"#).as_bytes()), Some((3, 4)));
+        assert_eq!(usage(format!(r#"{{{u},"id":"x"}}"#).as_bytes()), Some((3, 4)));
+        // A nested `usage` (or one quoted in the content) is never taken for the answer's.
+        let nested = r#""choices":[{"message":{"content":"\"usage\":{\"prompt_tokens\":9,\"completion_tokens\":9}}","usage":{"prompt_tokens":8,"completion_tokens":8}}}]"#;
+        assert_eq!(usage(format!(r#"{{{u},{nested}}}"#).as_bytes()), Some((3, 4)));
+        assert_eq!(usage(format!(r#"{{{nested}}}"#).as_bytes()), None);
+        assert_eq!(usage(br#"{"usage":{"prompt_tokens":3}}"#), None, "incomplete usage");
     }
 }

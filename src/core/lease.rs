@@ -8,7 +8,7 @@ use super::cache::Response;
 use super::codec;
 use super::config::Config;
 use super::request::Key;
-use super::store::{cas_after, CasStore, StoreError};
+use super::store::{self, cas_after, CasStore, StoreError};
 
 /// Held by the leader: enough to renew and to finish.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -68,7 +68,7 @@ pub const WAYS: u32 = 4;
 pub fn slot_keys(config: &Config, key: &Key) -> Vec<String> {
     let n = config.lock.slots.max(1);
     let home = key.slot(n, 1);
-    (0..WAYS.min(n)).map(|w| format!("holysheep/lease/{}", (home + w) % n)).collect()
+    (0..WAYS.min(n)).map(|w| store::slot_name("holysheep/lease/", (home + w) % n)).collect()
 }
 
 pub fn read(store: &impl CasStore, slot_key: &str) -> Result<(State, Option<u32>), StoreError> {

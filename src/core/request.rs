@@ -357,8 +357,9 @@ pub fn for_upstream(body: &[u8], model: &str, stream: bool) -> Vec<u8> {
     }
 }
 
-/// The tenant scope of the key. Without `cache.require_tenant`, every caller without a
-/// credential shares one anonymous scope.
+/// The tenant scope of the key: the credential itself, hashed only as part of the key (one
+/// SHA-256 per request, not two); it is never stored. Without `cache.require_tenant`,
+/// every caller without a credential shares one anonymous scope.
 fn scope(config: &Config, meta: &RequestMeta<'_>) -> Result<String, ApiError> {
     let (credential, named) = match &config.cache.tenant_header {
         Some(h) => (meta.tenant, h.as_str()),
@@ -376,7 +377,7 @@ fn scope(config: &Config, meta: &RequestMeta<'_>) -> Result<String, ApiError> {
     }
     Ok(match config.cache.scope {
         Scope::Global => "global".to_owned(),
-        Scope::Tenant => format!("tenant:{}", sha256_hex(credential.unwrap_or("").as_bytes())),
+        Scope::Tenant => format!("tenant:{}", credential.unwrap_or("")),
     })
 }
 
@@ -414,10 +415,6 @@ pub fn request_key(path: &str, scope: &str, canonical: &[u8]) -> Key {
         h.update(part);
     }
     Key(hex(&h.finalize()))
-}
-
-pub fn sha256_hex(data: &[u8]) -> String {
-    hex(&Sha256::digest(data))
 }
 
 fn hex(bytes: &[u8]) -> String {
@@ -679,7 +676,7 @@ mod tests {
         assert!(Key::from_hex(k.hex()).is_some());
         assert!(Key::from_hex("xyz").is_none());
         // FIPS 180-2's "abc" example, in lowercase hex.
-        assert_eq!(sha256_hex(b"abc"), "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad");
+        assert_eq!(hex(&Sha256::digest(b"abc")), "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad");
         // Keys that share a cache slot (salt 0) spread over the lease slots (salt 1): the
         // two tables collide independently.
         let keys: Vec<Key> = (0..4096u32).map(|i| request_key("/p", "s", &i.to_le_bytes())).collect();

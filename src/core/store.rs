@@ -41,6 +41,40 @@ pub fn cas_after(read: &Read) -> Option<u32> {
     Some(read.cas.unwrap_or(ABSENT_CAS))
 }
 
+/// The shared-data key of slot `n` of a table (`holysheep/cache/` + `17`), built without
+/// the formatter: every request names a few.
+pub fn slot_name(table: &str, n: u32) -> String {
+    let mut name = String::with_capacity(table.len() + 10);
+    name.push_str(table);
+    name.push_str(itoa(n).as_str());
+    name
+}
+
+/// `n` in decimal, on the stack.
+fn itoa(n: u32) -> Digits {
+    let mut d = Digits { bytes: [0; 10], start: 10 };
+    let mut rest = n;
+    loop {
+        d.start -= 1;
+        d.bytes[d.start] = b'0' + (rest % 10) as u8;
+        rest /= 10;
+        if rest == 0 {
+            return d;
+        }
+    }
+}
+
+struct Digits {
+    bytes: [u8; 10],
+    start: usize,
+}
+
+impl Digits {
+    fn as_str(&self) -> &str {
+        std::str::from_utf8(&self.bytes[self.start..]).unwrap_or("0")
+    }
+}
+
 /// Creates `key` if it does not exist yet: `true` for the one caller that created it.
 pub fn claim(store: &impl CasStore, key: &str, value: &[u8]) -> bool {
     match store.get(key) {
@@ -208,6 +242,13 @@ mod model {
         let r = s.get("k").unwrap();
         assert_eq!(r.value, None);
         assert!(r.cas.is_some());
+    }
+
+    #[test]
+    fn slot_names_are_decimal() {
+        for n in [0, 7, 10, 4095, u32::MAX] {
+            assert_eq!(slot_name("holysheep/cache/", n), format!("holysheep/cache/{n}"));
+        }
     }
 
     #[test]

@@ -4,7 +4,7 @@
 use crate::client;
 use std::io;
 use std::net::SocketAddr;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
@@ -44,6 +44,12 @@ pub struct Options {
     pub allow_on_headers_stop_iteration: bool,
     /// More listeners (YAML list items), added to the template's (the bench's floors).
     pub extra_listeners: String,
+    /// A second edge listener, `edge_logged` (the same filter, sharing the edge's VM), with
+    /// an access log at this path: one line per request, `START TOOK CACHE` with the
+    /// request's arrival in microseconds since the epoch, the microseconds until its last
+    /// byte was sent, and its `x-holysheep-cache` label (the bench times followers there;
+    /// the other listeners log nothing, so their rows do not pay for it).
+    pub edge_access_log: Option<PathBuf>,
 }
 
 impl Options {
@@ -56,6 +62,7 @@ impl Options {
             direct_body: b"{}".to_vec(),
             allow_on_headers_stop_iteration: true,
             extra_listeners: String::new(),
+            edge_access_log: None,
         }
     }
 }
@@ -69,6 +76,34 @@ pub struct Envoy {
     pub dir: PathBuf,
     /// The admin `/listeners` answer.
     listeners: serde_json::Value,
+}
+
+/// The edge listener of `yaml` again as `edge_logged`, with an access log at `path` (see
+/// `Options::edge_access_log`).
+fn logged_edge(yaml: &str, path: &Path) -> String {
+    let start = yaml.find("  - name: edge\n").unwrap_or(0);
+    let end = yaml[start..].find("  - name: direct\n").map_or(start, |e| start + e);
+    yaml[start..end].replacen("  - name: edge\n", "  - name: edge_logged\n", 1).replacen(
+        "stat_prefix: edge\n",
+        &format!("stat_prefix: edge_logged\n{}", access_log(path)),
+        1,
+    )
+}
+
+/// A file access log, as YAML under a connection manager.
+fn access_log(path: &Path) -> String {
+    format!(
+        r#"          access_log:
+          - name: envoy.access_loggers.file
+            typed_config:
+              "@type": type.googleapis.com/envoy.extensions.access_loggers.file.v3.FileAccessLog
+              path: "{}"
+              log_format:
+                text_format_source:
+                  inline_string: "%START_TIME(%s%6f)% %COMMON_DURATION(DS_RX_BEG:DS_TX_END:us)% %RESP(X-HOLYSHEEP-CACHE)%\n"
+"#,
+        path.display()
+    )
 }
 
 impl Envoy {
@@ -97,7 +132,8 @@ impl Envoy {
             .replace("@WASM@", &wasm.display().to_string())
             .replace("@DIRECT_BODY@", &direct_body.display().to_string())
             .replace("@CONFIG@", &opts.config.replace('\'', "''"));
-        let yaml = yaml.replace("  clusters:\n", &format!("{}  clusters:\n", opts.extra_listeners));
+        let logged = opts.edge_access_log.as_deref().map(|path| logged_edge(&yaml, path)).unwrap_or_default();
+        let yaml = yaml.replace("  clusters:\n", &format!("{}{logged}  clusters:\n", opts.extra_listeners));
         let yaml = if opts.allow_on_headers_stop_iteration {
             yaml
         } else {

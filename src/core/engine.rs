@@ -119,6 +119,24 @@ pub struct Wait {
     pub policy: Policy,
 }
 
+/// A finished flight's answer, read once for all its waiters answered together (see
+/// `Engine::poll_with`).
+#[derive(Debug, Clone)]
+pub struct Finished {
+    slot_key: String,
+    nonce: u64,
+    key: Key,
+    response: Response,
+    done_at_ms: u64,
+    stale_from_ms: Option<u64>,
+}
+
+impl Finished {
+    fn is_for(&self, wait: &Wait) -> bool {
+        self.nonce == wait.nonce && self.slot_key == wait.slot_key && self.key == wait.key
+    }
+}
+
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Step {
     Reply(Reply),
@@ -139,6 +157,17 @@ impl<S: CasStore> Engine<'_, S> {
 
     /// A waiter looks again (woken, or on the safety-net tick).
     pub fn poll(&self, wait: &Wait, now_ms: u64, nonce: u64) -> Step {
+        self.poll_with(wait, now_ms, nonce, &mut None)
+    }
+
+    /// `poll` for one of many waiters answered together: the first to find its flight
+    /// finished keeps the answer in `seen`, and the others of that flight take it from
+    /// there instead of reading the lease record and the cache entry again (1000 waiters
+    /// of one prompt are one read, not 1000).
+    pub fn poll_with(&self, wait: &Wait, now_ms: u64, nonce: u64, seen: &mut Option<Finished>) -> Step {
+        if let Some(f) = seen.as_ref().filter(|f| f.is_for(wait)) {
+            return self.answer_waiter(wait, f.response.clone(), f.done_at_ms, f.stale_from_ms, now_ms, nonce);
+        }
         let state = lease::read(self.store, &wait.slot_key).map(|(s, _)| s);
         match state {
             Ok(State::Done { key, nonce: n, done_at_ms, response, stale_from_ms, in_cache })
@@ -148,11 +177,15 @@ impl<S: CasStore> Engine<'_, S> {
                     // The entry it refers to is gone already: look again from the top.
                     return self.decide(&wait.key, wait.policy, now_ms, nonce, Some(wait.since_ms));
                 };
-                match shared(&wait.key, response, done_at_ms, stale_from_ms, wait.policy, now_ms) {
-                    Some(reply) => Step::Reply(reply),
-                    // A stale answer this waiter's directives refuse: it looks again itself.
-                    None => self.take_lease(&wait.key, wait.policy, now_ms, nonce, now_ms, false),
-                }
+                *seen = Some(Finished {
+                    slot_key: wait.slot_key.clone(),
+                    nonce: n,
+                    key: wait.key.clone(),
+                    response: response.clone(),
+                    done_at_ms,
+                    stale_from_ms,
+                });
+                self.answer_waiter(wait, response, done_at_ms, stale_from_ms, now_ms, nonce)
             }
             Ok(State::Leading { nonce: n, expires_ms, watched, .. }) if n == wait.nonce && expires_ms > now_ms => {
                 self.keep_waiting(wait.clone(), watched, now_ms)
@@ -160,6 +193,23 @@ impl<S: CasStore> Engine<'_, S> {
             // Expired, replaced, or unreadable: look again from the top, remembering how
             // long we have waited.
             _ => self.decide(&wait.key, wait.policy, now_ms, nonce, Some(wait.since_ms)),
+        }
+    }
+
+    /// The finished flight's answer for one of its waiters.
+    fn answer_waiter(
+        &self,
+        wait: &Wait,
+        response: Response,
+        done_at_ms: u64,
+        stale_from_ms: Option<u64>,
+        now_ms: u64,
+        nonce: u64,
+    ) -> Step {
+        match shared(&wait.key, response, done_at_ms, stale_from_ms, wait.policy, now_ms) {
+            Some(reply) => Step::Reply(reply),
+            // A stale answer this waiter's directives refuse: it looks again itself.
+            None => self.take_lease(&wait.key, wait.policy, now_ms, nonce, now_ms, false),
         }
     }
 
@@ -482,6 +532,50 @@ mod tests {
         assert!(record.len() < 1_000, "the lease refers to the cache entry: {} bytes", record.len());
         let r = expect_reply(e.poll(&wait, 1_200, 3));
         assert_eq!((r.cache, r.response.body), (Some(CacheStatus::Coalesced), body.into_bytes()));
+    }
+
+    /// Counts reads, to show what a batch of waiters costs the store.
+    struct CountingStore {
+        inner: MemStore,
+        reads: std::cell::Cell<usize>,
+    }
+
+    impl CasStore for CountingStore {
+        fn get(&self, key: &str) -> Result<crate::core::store::Read, crate::core::store::StoreError> {
+            self.reads.set(self.reads.get() + 1);
+            self.inner.get(key)
+        }
+        fn set(&self, key: &str, value: &[u8], cas: Option<u32>) -> Result<(), crate::core::store::StoreError> {
+            self.inner.set(key, value, cas)
+        }
+    }
+
+    #[test]
+    fn waiters_answered_together_read_their_flight_once_and_all_get_its_answer() {
+        let config = Config::default();
+        let store = CountingStore { inner: MemStore::new(), reads: std::cell::Cell::new(0) };
+        let e = Engine { store: &store, config: &config };
+        let leader = expect_call(e.admit(&k(5), READ, 1_000, 1));
+        let waits: Vec<Wait> = (0..3).map(|i| expect_wait(e.admit(&k(5), READ, 1_001 + i, 2 + i))).collect();
+        e.complete(&leader, ok(r#"{"a":5}"#), 1_100);
+        let mut seen = None;
+        let before = store.reads.get();
+        let first = expect_reply(e.poll_with(&waits[0], 1_200, 10, &mut seen));
+        let one_poll = store.reads.get() - before;
+        // The slot is taken by the next flight and the entry evicted before the others look:
+        // they still get the answer they waited for.
+        store.inner.set(&waits[0].slot_key, b"", None).unwrap();
+        for slot in crate::core::cache::slot_keys(&config, &k(5)) {
+            store.inner.set(&slot, b"", None).unwrap();
+        }
+        for w in &waits[1..] {
+            let r = expect_reply(e.poll_with(w, 1_200, 11, &mut seen));
+            assert_eq!((r.cache, &r.response.body), (Some(CacheStatus::Coalesced), &first.response.body));
+        }
+        assert_eq!(store.reads.get() - before, one_poll, "the other waiters read nothing");
+        // A waiter of another flight is not answered from it.
+        let other = Wait { nonce: 99, ..waits[1].clone() };
+        assert!(!matches!(e.poll_with(&other, 1_200, 12, &mut seen), Step::Reply(_)));
     }
 
     #[test]

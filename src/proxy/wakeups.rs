@@ -66,6 +66,8 @@ impl Root {
             .filter(|(_, (w, _))| key.is_none_or(|k| *k == w.key))
             .map(|(id, _)| *id)
             .collect();
+        // One VM call: one clock reading, and a finished flight read once for its waiters.
+        let (now, mut seen) = (host::now_ms(), None);
         for id in ids {
             if self.out_of_replies() {
                 let w = self.worker.borrow();
@@ -77,7 +79,7 @@ impl Root {
             let step = {
                 let mut w = self.worker.borrow_mut();
                 let nonce = w.nonce();
-                w.engine().poll(&wait, host::now_ms(), nonce)
+                w.engine().poll_with(&wait, now, nonce, &mut seen)
             };
             self.execute(id, step, outbound);
         }

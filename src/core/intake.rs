@@ -110,6 +110,14 @@ pub fn intake(config: &Config, head: &Head, body: &[u8]) -> Result<Intake, ApiEr
     Ok(Intake { request, policy })
 }
 
+impl Intake {
+    /// A request parsed before (the same bytes from the same tenant), without directives.
+    pub fn known(config: &Config, request: ChatRequest) -> Intake {
+        let policy = request.policy(config, CacheControl::default());
+        Intake { request, policy }
+    }
+}
+
 /// A header value as text. Envoy lets bytes that are not UTF-8 through (obs-text); they
 /// are kept as `%XX` escapes, so no reader of headers can fail on them.
 pub fn text(bytes: Vec<u8>) -> String {

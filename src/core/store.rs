@@ -44,35 +44,19 @@ pub fn cas_after(read: &Read) -> Option<u32> {
 /// The shared-data key of slot `n` of a table (`holysheep/cache/` + `17`), built without
 /// the formatter: every request names a few.
 pub fn slot_name(table: &str, n: u32) -> String {
-    let mut name = String::with_capacity(table.len() + 10);
-    name.push_str(table);
-    name.push_str(itoa(n).as_str());
-    name
-}
-
-/// `n` in decimal, on the stack.
-fn itoa(n: u32) -> Digits {
-    let mut d = Digits { bytes: [0; 10], start: 10 };
-    let mut rest = n;
+    let (mut digits, mut at, mut rest) = ([0u8; 10], 10, n);
     loop {
-        d.start -= 1;
-        d.bytes[d.start] = b'0' + (rest % 10) as u8;
+        at -= 1;
+        digits[at] = b'0' + (rest % 10) as u8;
         rest /= 10;
         if rest == 0 {
-            return d;
+            break;
         }
     }
-}
-
-struct Digits {
-    bytes: [u8; 10],
-    start: usize,
-}
-
-impl Digits {
-    fn as_str(&self) -> &str {
-        std::str::from_utf8(&self.bytes[self.start..]).unwrap_or("0")
-    }
+    let mut name = String::with_capacity(table.len() + digits.len() - at);
+    name.push_str(table);
+    name.extend(digits[at..].iter().map(|&d| char::from(d)));
+    name
 }
 
 /// Creates `key` if it does not exist yet: `true` for the one caller that created it.

@@ -6,6 +6,9 @@
 /// Bytes of a streamed call's error answer kept for its waiters.
 const ERROR_BODY_LIMIT: usize = 65_536;
 
+/// What a parsed request adds to `Worker::parsed` beyond its raw bytes (its key, model).
+const PARSED_SIZE: usize = 128;
+
 use super::host::{self, SharedData};
 use super::worker::{Shared, StreamEnd, Target};
 use crate::core::cache::Response;
@@ -16,7 +19,7 @@ use crate::core::hot;
 use crate::core::intake::{intake, Head, Intake, Route};
 use crate::core::pairs;
 use crate::core::peer;
-use crate::core::request::{Key, KEY_HEADER, PEER_PATH};
+use crate::core::request::{ChatRequest, Key, KEY_HEADER, PEER_PATH};
 use crate::core::stream::{self, Reassembler};
 use crate::core::upstream::Outbound;
 use proxy_wasm::hostcalls;
@@ -106,12 +109,16 @@ impl Chat {
                 return action;
             }
         }
-        let Intake { request, policy } = match intake(&config, &head, &body) {
-            Ok(i) => i,
-            Err(e) => return self.reject(&e),
+        let known = if plain { self.worker.borrow().parsed.get(&raw_tenant, &body, now) } else { None };
+        let Intake { request, policy } = match &known {
+            Some(request) => Intake::known(&config, ChatRequest::clone(request)),
+            None => match intake(&config, &head, &body) {
+                Ok(i) => i,
+                Err(e) => return self.reject(&e),
+            },
         };
         if config.role == Role::Forward {
-            self.worker.borrow_mut().hot_keys.put(&raw_tenant, &body, u64::MAX, 64, request.key.clone());
+            self.worker.borrow_mut().parsed.put(&raw_tenant, &body, u64::MAX, PARSED_SIZE, request.clone());
             return self.forward_to_owner(&request.key);
         }
         self.state = State::Handled;
@@ -119,6 +126,9 @@ impl Chat {
         let step = Engine { store: &SharedData, config: &config }.admit(&request.key, policy, now, nonce);
         if plain && matches!(&step, Step::Reply(r) if r.cache == Some(CacheStatus::Hit)) {
             self.worker.borrow_mut().keep_hot(&raw_tenant, &body, &request, now);
+        }
+        if plain && known.is_none() && matches!(step, Step::Wait(_)) {
+            self.worker.borrow_mut().parsed.put(&raw_tenant, &body, u64::MAX, PARSED_SIZE, request.clone());
         }
         let outbound = Rc::new(Outbound {
             body,
@@ -142,8 +152,8 @@ impl Chat {
     /// answered again without parsing. `None` when it has not seen them.
     fn answer_from_hot(&mut self, raw_tenant: &[u8], body: &[u8], now: u64) -> Option<Action> {
         if self.worker.borrow().config.role == Role::Forward {
-            let key = self.worker.borrow().hot_keys.get(raw_tenant, body, now)?;
-            return Some(self.forward_to_owner(&key));
+            let request = self.worker.borrow().parsed.get(raw_tenant, body, now)?;
+            return Some(self.forward_to_owner(&request.key));
         }
         let hit = self.worker.borrow().hot.get(raw_tenant, body, now)?;
         self.state = State::Handled;

@@ -87,7 +87,7 @@ impl RootContext for Root {
             ),
         );
         w.hot = Hot::new(config.cache.hot_bytes);
-        w.hot_keys = Hot::new(config.cache.hot_bytes.min(1 << 20));
+        w.parsed = Hot::new(config.cache.hot_bytes.min(1 << 20));
         w.config = Rc::new(config);
         w.define_metrics();
         drop(w);

@@ -66,6 +66,9 @@ impl Root {
             .filter(|(_, (w, _))| key.is_none_or(|k| *k == w.key))
             .map(|(id, _)| *id)
             .collect();
+        if ids.is_empty() {
+            return;
+        }
         // One VM call: one clock reading, and a finished flight read once for its waiters.
         let (now, mut seen) = (host::now_ms(), None);
         for id in ids {

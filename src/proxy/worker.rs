@@ -84,9 +84,12 @@ pub struct Worker {
     pub(super) peer_secret: Option<String>,
     /// Whether the last model owner asked answered (for logging the changes only).
     pub(super) fleet_reached: bool,
-    /// HIT answers by the requests' raw bytes (an owner), or keys (a forward node).
+    /// HIT answers by the requests' raw bytes.
     pub(super) hot: Hot<HotAnswer>,
-    pub(super) hot_keys: Hot<Key>,
+    /// Requests parsed before, by their raw bytes: every request on a forward node (its
+    /// key routes it); on an owner, a request whose flight someone waits on, so that the
+    /// rest of a crowd of identical requests is not parsed, canonicalised and hashed again.
+    pub(super) parsed: Hot<ChatRequest>,
     pub(super) metrics: HashMap<(String, Counter), u32>,
 }
 
@@ -145,7 +148,7 @@ impl Worker {
             peer_secret: None,
             fleet_reached: true,
             hot: Hot::new(0),
-            hot_keys: Hot::new(0),
+            parsed: Hot::new(0),
             metrics: HashMap::new(),
         }
     }

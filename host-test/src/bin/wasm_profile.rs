@@ -8,7 +8,8 @@
 //!
 //! Arguments: the plugin built with its names (`make profile` builds it with
 //! `CARGO_PROFILE_RELEASE_STRIP=false` into target/profile/) and the floors' directory.
-//! PROFILE_REQUESTS: requests per row (default 20000). Writes target/bench/profile.md.
+//! PROFILE_REQUESTS: requests per row (default 20000); TRACE_CROWD=1 also traces one batch of
+//! the crowd row (every request of it, interleaved). Writes target/bench/profile.md.
 
 use host_test::envoy::workspace_root;
 use host_test::profile::{self, Samples, SAMPLE_US};
@@ -42,6 +43,9 @@ struct Row {
     distinct: bool,
     /// The `x-holysheep-cache` label every answer must carry (`None` for floors).
     label: Option<&'static str>,
+    /// Identical requests sent at once (1: one at a time); in a crowd the first is the
+    /// MISS and the others its COALESCED followers.
+    crowd: u64,
 }
 
 struct Measured {
@@ -61,7 +65,8 @@ fn session(row: &Row, engine: &wasmtime::Config) -> World {
     let mut calls = 0;
     let upstream = Box::new(move |_: &UpstreamCall| {
         calls += 1;
-        Some((0, answer(calls)))
+        // A millisecond of virtual time: a crowd's followers are all waiting by then.
+        Some((1, answer(calls)))
     });
     let mut options = Options::new(1, &row.config, 1);
     options.yields = false;
@@ -74,12 +79,20 @@ fn session(row: &Row, engine: &wasmtime::Config) -> World {
 
 fn ask(row: &Row, w: &mut World, i: u64) {
     let body = if row.distinct { prompt(&format!("distinct {i}")) } else { prompt("the same prompt") };
-    let id = w.request(0, "POST", PATH, &[("authorization", "Bearer profile")], body.as_bytes());
-    assert!(w.run_until(60_000, |w| w.answer(id).is_some()), "{}: request {i} answered", row.name);
-    let a = w.take_answer(id).expect("answered");
-    assert_eq!(a.status, 200, "{}: {}", row.name, a.text());
-    if let Some(label) = row.label {
-        assert!(i < WARM_UP || a.cache() == label, "{}: request {i} was a {}", row.name, a.cache());
+    let ids: Vec<_> = (0..row.crowd)
+        .map(|_| w.request(0, "POST", PATH, &[("authorization", "Bearer profile")], body.as_bytes()))
+        .collect();
+    assert!(w.run_until(60_000, |w| ids.iter().all(|id| w.answer(*id).is_some())), "{}: batch {i} answered", row.name);
+    for (n, id) in ids.into_iter().enumerate() {
+        let a = w.take_answer(id).expect("answered");
+        assert_eq!(a.status, 200, "{}: {}", row.name, a.text());
+        let label = match row.label {
+            Some(_) if row.crowd > 1 && n > 0 => Some("COALESCED"),
+            label => label,
+        };
+        if let Some(label) = label {
+            assert!(i < WARM_UP || a.cache() == label, "{}: request {i} was a {}", row.name, a.cache());
+        }
     }
 }
 
@@ -90,7 +103,8 @@ fn run(row: &Row, requests: u64) -> Measured {
     let before = w.shared().host_calls.clone();
     let file = std::env::temp_dir().join(format!("holysheep-wasm-profile-{}.perf", std::process::id()));
     let recording = profile::record(std::process::id(), file).expect("perf record runs (make profile needs perf)");
-    for i in WARM_UP..WARM_UP + requests {
+    let batches = (requests / row.crowd).max(1);
+    for i in WARM_UP..WARM_UP + batches {
         ask(row, &mut w, i);
     }
     let samples = recording.finish().expect("perf recorded samples");
@@ -100,17 +114,22 @@ fn run(row: &Row, requests: u64) -> Measured {
     metered.consume_fuel(true);
     let mut w = session(row, &metered);
     let before = w.shared().fuel.clone();
-    let n = requests.min(FUEL_REQUESTS);
+    let n = (requests.min(FUEL_REQUESTS) / row.crowd).max(1);
     for i in WARM_UP..WARM_UP + n {
         ask(row, &mut w, i);
     }
     let burnt = w.shared().fuel.clone();
     let per_request = burnt.into_iter().map(|(e, f)| (f.saturating_sub(before.get(&e).copied().unwrap_or(0)), e));
-    let fuel = per_request.map(|(f, e)| (e, f as f64 / n as f64)).filter(|(_, f)| *f >= 1.0).collect();
-    w.shared().fuel_trace = Some(Vec::new());
-    ask(row, &mut w, WARM_UP + n);
-    let trace = w.shared().fuel_trace.take().unwrap_or_default();
-    Measured { name: row.name, requests, samples, host_calls, fuel, trace: spans(&trace) }
+    let answered = (n * row.crowd) as f64;
+    let fuel = per_request.map(|(f, e)| (e, f as f64 / answered)).filter(|(_, f)| *f >= 1.0).collect();
+    // One request's trace (a crowd's would interleave them all).
+    let mut trace = Vec::new();
+    if row.crowd == 1 || std::env::var_os("TRACE_CROWD").is_some() {
+        w.shared().fuel_trace = Some(Vec::new());
+        ask(row, &mut w, WARM_UP + n);
+        trace = spans(&w.shared().fuel_trace.take().unwrap_or_default());
+    }
+    Measured { name: row.name, requests: batches * row.crowd, samples, host_calls, fuel, trace }
 }
 
 /// The fuel one request burnt between consecutive host calls, callback by callback:
@@ -200,21 +219,39 @@ fn main() {
             config: body,
             distinct: false,
             label: None,
+            crowd: 1,
         },
-        Row { name: "edge HIT", wasm: plugin.clone(), config: "{}".into(), distinct: false, label: Some("HIT") },
+        Row {
+            name: "edge HIT",
+            wasm: plugin.clone(),
+            config: "{}".into(),
+            distinct: false,
+            label: Some("HIT"),
+            crowd: 1,
+        },
         Row {
             name: "floor: wasm callout",
             wasm: floors.join("floor_callout.wasm"),
             config: "{}".into(),
             distinct: true,
             label: None,
+            crowd: 1,
         },
         Row {
             name: "edge MISS (distinct prompts)",
+            wasm: plugin.clone(),
+            config: "{}".into(),
+            distinct: true,
+            label: Some("MISS"),
+            crowd: 1,
+        },
+        Row {
+            name: "edge crowd of 64 (1 MISS, 63 COALESCED)",
             wasm: plugin,
             config: "{}".into(),
             distinct: true,
             label: Some("MISS"),
+            crowd: 64,
         },
     ];
     let measured: Vec<Measured> = rows.iter().map(|r| run(r, requests)).collect();

@@ -171,7 +171,7 @@ impl<S: CasStore> Engine<'_, S> {
         let state = lease::read(self.store, &wait.slot_key).map(|(s, _)| s);
         match state {
             Ok(State::Done { key, nonce: n, done_at_ms, response, stale_from_ms, in_cache })
-                if n == wait.nonce && key == wait.key.hex() =>
+                if n == wait.nonce && wait.key.is(&key) =>
             {
                 let Some(response) = self.kept(&wait.key, response, in_cache, done_at_ms) else {
                     // The entry it refers to is gone already: look again from the top.

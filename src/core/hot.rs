@@ -4,6 +4,7 @@
 //! never change within their TTL, so a copy is as good as the entry until it expires. A
 //! hit compares the bytes, never only their hash. Bounded by the bytes it holds.
 
+use super::bytes;
 use std::collections::hash_map::RandomState;
 use std::collections::{HashMap, VecDeque};
 use std::hash::{BuildHasher, BuildHasherDefault, Hasher};
@@ -78,7 +79,7 @@ impl<T> Hot<T> {
     /// The copy kept for exactly these bytes, while it is fresh.
     pub fn get(&self, tenant: &[u8], body: &[u8], now_ms: u64) -> Option<Rc<T>> {
         let slot = self.slots.get(&self.hash(tenant, body))?;
-        let same = slot.expires_ms > now_ms && slot.body == body && slot.tenant == tenant;
+        let same = slot.expires_ms > now_ms && bytes::same(&slot.body, body) && bytes::same(&slot.tenant, tenant);
         same.then(|| slot.value.clone())
     }
 

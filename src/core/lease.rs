@@ -96,12 +96,12 @@ pub fn acquire(
             let r = store.get(slot)?;
             match r.value.as_deref().filter(|v| !is_others_answer(v, key)).and_then(decode) {
                 Some(State::Leading { key: k, nonce: n, expires_ms, watched }) if expires_ms > now_ms => {
-                    if k == key.hex() {
+                    if key.is(&k) {
                         return Ok(Acquire::Held { nonce: n, slot_key: slot.clone(), watched });
                     }
                 }
                 Some(State::Done { key: k, done_at_ms, response, stale_from_ms, in_cache, .. })
-                    if k == key.hex() && done_at_ms >= since_ms =>
+                    if key.is(&k) && done_at_ms >= since_ms =>
                 {
                     return Ok(Acquire::Answered { response, done_at_ms, stale_from_ms, in_cache });
                 }
@@ -126,7 +126,7 @@ pub fn acquire(
         // one in the lower way leads; the other gives its slot back and waits on it.
         for earlier in slots.iter().take_while(|s| *s != slot) {
             if let Ok((State::Leading { key: k, nonce: n, expires_ms, watched }, _)) = read(store, earlier) {
-                if k == key.hex() && n != nonce && expires_ms > now_ms {
+                if key.is(&k) && n != nonce && expires_ms > now_ms {
                     let _ = release(store, &lease);
                     return Ok(Acquire::Held { nonce: n, slot_key: earlier.clone(), watched });
                 }
@@ -240,7 +240,7 @@ fn done(key: &Key, nonce: u64, now_ms: u64, r: &Response, stale_from_ms: Option<
 
 /// A finished flight of another key: its way is free, and its answer is not decoded.
 fn is_others_answer(raw: &[u8], key: &Key) -> bool {
-    codec::decode(raw, 2).is_some_and(|(f, _)| f[0] == "D" && f[1] != key.hex())
+    codec::decode(raw, 2).is_some_and(|(f, _)| f[0] == "D" && !key.is(f[1]))
 }
 
 fn decode(raw: &[u8]) -> Option<State> {

@@ -1,6 +1,7 @@
 //! The host-agnostic core: request keys, cache, lease and the decisions built on them.
 //! Nothing here knows proxy-wasm or WASI; time and nonces are passed in.
 
+pub mod bytes;
 pub mod cache;
 pub mod codec;
 pub mod config;

@@ -1,6 +1,7 @@
 //! Chat-completion requests: validation, the canonical form of every field that changes
 //! the answer, and the SHA-256 request key scoped to the tenant.
 
+use super::bytes;
 use super::config::{Config, Scope};
 use super::error::ApiError;
 use super::limits::DEFAULT_COMPLETION_ESTIMATE;
@@ -79,12 +80,30 @@ pub const KEY_EXCLUDED_FIELDS: [&str; 3] = ["stream", "stream_options", "user"];
 pub const MAX_DEPTH: usize = 64;
 
 /// SHA-256 of (path, tenant scope, canonical body), as 64 lowercase hex digits.
-#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+#[derive(Debug, Clone, Eq)]
 pub struct Key(String);
+
+/// Keys are compared on every request (waiters, lease and cache records), word-wise.
+impl PartialEq for Key {
+    fn eq(&self, other: &Key) -> bool {
+        self.is(&other.0)
+    }
+}
+
+impl std::hash::Hash for Key {
+    fn hash<H: std::hash::Hasher>(&self, state: &mut H) {
+        self.0.hash(state);
+    }
+}
 
 impl Key {
     pub fn hex(&self) -> &str {
         &self.0
+    }
+
+    /// Whether `hex` spells this key (a record's key field).
+    pub fn is(&self, hex: &str) -> bool {
+        bytes::same(self.0.as_bytes(), hex.as_bytes())
     }
 
     pub fn from_hex(hex: &str) -> Option<Key> {

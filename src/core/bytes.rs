@@ -8,14 +8,17 @@ pub fn same(a: &[u8], b: &[u8]) -> bool {
         return false;
     }
     let (a_words, b_words) = (a.chunks_exact(8), b.chunks_exact(8));
-    let tails_equal = a_words.remainder() == b_words.remainder();
-    tails_equal && a_words.zip(b_words).all(|(x, y)| word(x) == word(y))
+    tail(a_words.remainder()) == tail(b_words.remainder()) && a_words.zip(b_words).all(|(x, y)| word(x) == word(y))
 }
 
+/// Eight bytes as one word.
 fn word(bytes: &[u8]) -> u64 {
-    let mut w = [0u8; 8];
-    w.copy_from_slice(bytes);
-    u64::from_ne_bytes(w)
+    u64::from_ne_bytes(bytes.try_into().unwrap_or([0; 8]))
+}
+
+/// The last bytes (fewer than eight) as one word, padded alike for slices of one length.
+fn tail(bytes: &[u8]) -> u64 {
+    bytes.iter().fold(0, |w, &b| (w << 8) | u64::from(b))
 }
 
 #[cfg(test)]

@@ -3,6 +3,7 @@
 //! jitter honouring the provider's `retry-after`, and failover to the model's fallbacks,
 //! all within `upstream.timeout_ms`. The shell performs each `Action` and reports back.
 
+use super::bytes;
 use super::cache::Response;
 use super::config::Config;
 use super::engine::Call;
@@ -372,7 +373,7 @@ struct Usage {
 /// the outermost object.
 fn trailing_usage(body: &[u8]) -> Option<(u64, u64)> {
     const NAME: &[u8] = b"\"usage\"";
-    let at = body.windows(NAME.len()).rposition(|w| w == NAME)?;
+    let at = body.windows(NAME.len()).rposition(|w| w[0] == b'"' && bytes::same(w, NAME))?;
     let value = body[at + NAME.len()..].trim_ascii_start().strip_prefix(b":")?;
     let mut values = serde_json::Deserializer::from_slice(value).into_iter::<Usage>();
     let u = values.next()?.ok()?;

@@ -13,7 +13,6 @@ use std::rc::Rc;
 pub struct Hot<T> {
     max_bytes: usize,
     bytes: usize,
-    seed: RandomState,
     slots: HashMap<u64, Slot<T>, BuildHasherDefault<Prehashed>>,
     /// Insertion order, for eviction (oldest first).
     order: VecDeque<u64>,
@@ -37,6 +36,25 @@ impl Hasher for Prehashed {
 
     fn write_u64(&mut self, n: u64) {
         self.0 = n;
+    }
+}
+
+/// A request's raw bytes (the tenant's, and the body) with their hash, taken once per
+/// request for every table that keeps things by them.
+pub struct Raw<'a> {
+    pub tenant: &'a [u8],
+    pub body: &'a [u8],
+    hash: u64,
+}
+
+/// The key every per-worker table of a worker hashes with (random per worker, so that a
+/// client cannot aim requests at one slot).
+#[derive(Default)]
+pub struct Seed(RandomState);
+
+impl Seed {
+    pub fn raw<'a>(&self, tenant: &'a [u8], body: &'a [u8]) -> Raw<'a> {
+        Raw { tenant, body, hash: self.0.hash_one((tenant, body)) }
     }
 }
 
@@ -69,34 +87,32 @@ pub fn tenant_bytes(authorization: Option<&str>, tenant: Option<&str>) -> Vec<u8
 impl<T> Hot<T> {
     /// `max_bytes` of requests and answers (0: keep nothing).
     pub fn new(max_bytes: usize) -> Hot<T> {
-        Hot { max_bytes, bytes: 0, seed: RandomState::new(), slots: HashMap::default(), order: VecDeque::new() }
-    }
-
-    fn hash(&self, tenant: &[u8], body: &[u8]) -> u64 {
-        self.seed.hash_one((tenant, body))
+        Hot { max_bytes, bytes: 0, slots: HashMap::default(), order: VecDeque::new() }
     }
 
     /// The copy kept for exactly these bytes, while it is fresh.
-    pub fn get(&self, tenant: &[u8], body: &[u8], now_ms: u64) -> Option<Rc<T>> {
-        let slot = self.slots.get(&self.hash(tenant, body))?;
-        let same = slot.expires_ms > now_ms && bytes::same(&slot.body, body) && bytes::same(&slot.tenant, tenant);
+    pub fn get(&self, raw: &Raw<'_>, now_ms: u64) -> Option<Rc<T>> {
+        let slot = self.slots.get(&raw.hash)?;
+        let same =
+            slot.expires_ms > now_ms && bytes::same(&slot.body, raw.body) && bytes::same(&slot.tenant, raw.tenant);
         same.then(|| slot.value.clone())
     }
 
     /// Keeps `value` for these bytes until `expires_ms`; `size` is what the value holds.
     /// The oldest copies make room; one larger than the whole bound is not kept.
-    pub fn put(&mut self, tenant: &[u8], body: &[u8], expires_ms: u64, size: usize, value: T) {
-        let size = size + tenant.len() + body.len();
+    pub fn put(&mut self, raw: &Raw<'_>, expires_ms: u64, size: usize, value: T) {
+        let size = size + raw.tenant.len() + raw.body.len();
         if size > self.max_bytes {
             return;
         }
-        let h = self.hash(tenant, body);
+        let h = raw.hash;
         self.remove(h);
         while self.bytes + size > self.max_bytes {
             let Some(old) = self.order.pop_front() else { break };
             self.forget(old);
         }
-        let slot = Slot { tenant: tenant.to_vec(), body: body.to_vec(), expires_ms, size, value: Rc::new(value) };
+        let slot =
+            Slot { tenant: raw.tenant.to_vec(), body: raw.body.to_vec(), expires_ms, size, value: Rc::new(value) };
         self.slots.insert(h, slot);
         self.order.push_back(h);
         self.bytes += size;
@@ -128,31 +144,31 @@ mod tests {
 
     #[test]
     fn only_the_same_bytes_of_the_same_tenant_match_and_only_while_fresh() {
-        let mut hot = Hot::new(1 << 20);
-        let alice = tenant_bytes(Some("Bearer alice"), None);
-        hot.put(&alice, b"{\"a\":1}", 100, 10, "answer");
-        assert_eq!(hot.get(&alice, b"{\"a\":1}", 99).as_deref(), Some(&"answer"));
-        assert_eq!(hot.get(&alice, b"{\"a\":1}", 100), None, "expired");
-        assert_eq!(hot.get(&alice, b"{\"a\": 1}", 0), None, "other bytes");
-        assert_eq!(hot.get(&tenant_bytes(Some("Bearer bob"), None), b"{\"a\":1}", 0), None, "other tenant");
+        let (mut hot, seed) = (Hot::new(1 << 20), Seed::default());
+        let (alice, bob) = (tenant_bytes(Some("Bearer alice"), None), tenant_bytes(Some("Bearer bob"), None));
+        hot.put(&seed.raw(&alice, b"{\"a\":1}"), 100, 10, "answer");
+        assert_eq!(hot.get(&seed.raw(&alice, b"{\"a\":1}"), 99).as_deref(), Some(&"answer"));
+        assert_eq!(hot.get(&seed.raw(&alice, b"{\"a\":1}"), 100), None, "expired");
+        assert_eq!(hot.get(&seed.raw(&alice, b"{\"a\": 1}"), 0), None, "other bytes");
+        assert_eq!(hot.get(&seed.raw(&bob, b"{\"a\":1}"), 0), None, "other tenant");
         assert_ne!(tenant_bytes(Some(""), None), tenant_bytes(None, None));
         assert_ne!(tenant_bytes(Some("ab"), Some("c")), tenant_bytes(Some("a"), Some("bc")));
     }
 
     #[test]
     fn the_bytes_held_stay_within_the_bound() {
-        let mut hot = Hot::new(1000);
+        let (mut hot, seed) = (Hot::new(1000), Seed::default());
         let t = tenant_bytes(None, None);
         for i in 0..100u32 {
-            hot.put(&t, &i.to_le_bytes(), u64::MAX, 90, i);
+            hot.put(&seed.raw(&t, &i.to_le_bytes()), u64::MAX, 90, i);
             assert!(hot.bytes() <= 1000, "{} bytes", hot.bytes());
         }
-        assert_eq!(hot.get(&t, &99u32.to_le_bytes(), 0).as_deref(), Some(&99), "the newest is kept");
-        assert_eq!(hot.get(&t, &0u32.to_le_bytes(), 0), None, "the oldest made room");
-        hot.put(&t, b"huge", u64::MAX, 5000, 7);
-        assert_eq!(hot.get(&t, b"huge", 0), None, "larger than the bound: not kept");
+        assert_eq!(hot.get(&seed.raw(&t, &99u32.to_le_bytes()), 0).as_deref(), Some(&99), "the newest is kept");
+        assert_eq!(hot.get(&seed.raw(&t, &0u32.to_le_bytes()), 0), None, "the oldest made room");
+        hot.put(&seed.raw(&t, b"huge"), u64::MAX, 5000, 7);
+        assert_eq!(hot.get(&seed.raw(&t, b"huge"), 0), None, "larger than the bound: not kept");
         let mut off = Hot::new(0);
-        off.put(&t, b"x", u64::MAX, 0, 1);
-        assert_eq!(off.get(&t, b"x", 0), None, "0 keeps nothing");
+        off.put(&seed.raw(&t, b"x"), u64::MAX, 0, 1);
+        assert_eq!(off.get(&seed.raw(&t, b"x"), 0), None, "0 keeps nothing");
     }
 }

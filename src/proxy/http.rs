@@ -15,7 +15,7 @@ use crate::core::cache::Response;
 use crate::core::config::Role;
 use crate::core::engine::{CacheStatus, Engine, Reply, Step};
 use crate::core::error::ApiError;
-use crate::core::hot;
+use crate::core::hot::{self, Raw};
 use crate::core::intake::{intake, Head, Intake, Route};
 use crate::core::pairs;
 use crate::core::peer;
@@ -101,15 +101,17 @@ impl Chat {
         let config = self.worker.borrow().config.clone();
         let head = std::mem::take(&mut self.head);
         let now = host::now_ms();
-        let raw_tenant = hot::tenant_bytes(head.authorization.as_deref(), head.tenant.as_deref());
+        let tenant = hot::tenant_bytes(head.authorization.as_deref(), head.tenant.as_deref());
+        // The raw bytes, hashed once for the worker's tables that keep things by them.
+        let raw = self.worker.borrow().seed.raw(&tenant, &body);
         // Directives change what may be served: such requests take the whole path.
         let plain = head.cache_control.is_none();
         if plain {
-            if let Some(action) = self.answer_from_hot(&raw_tenant, &body, now) {
+            if let Some(action) = self.answer_from_hot(&raw, now) {
                 return action;
             }
         }
-        let known = if plain { self.worker.borrow().parsed.get(&raw_tenant, &body, now) } else { None };
+        let known = if plain { self.worker.borrow().parsed.get(&raw, now) } else { None };
         let Intake { request, policy } = match &known {
             Some(request) => Intake::known(&config, ChatRequest::clone(request)),
             None => match intake(&config, &head, &body) {
@@ -118,17 +120,17 @@ impl Chat {
             },
         };
         if config.role == Role::Forward {
-            self.worker.borrow_mut().parsed.put(&raw_tenant, &body, u64::MAX, PARSED_SIZE, request.clone());
+            self.worker.borrow_mut().parsed.put(&raw, u64::MAX, PARSED_SIZE, request.clone());
             return self.forward_to_owner(&request.key);
         }
         self.state = State::Handled;
         let nonce = self.worker.borrow_mut().nonce();
         let step = Engine { store: &SharedData, config: &config }.admit(&request.key, policy, now, nonce);
         if plain && matches!(&step, Step::Reply(r) if r.cache == Some(CacheStatus::Hit)) {
-            self.worker.borrow_mut().keep_hot(&raw_tenant, &body, &request, now);
+            self.worker.borrow_mut().keep_hot(&raw, &request, now);
         }
         if plain && known.is_none() && matches!(step, Step::Wait(_)) {
-            self.worker.borrow_mut().parsed.put(&raw_tenant, &body, u64::MAX, PARSED_SIZE, request.clone());
+            self.worker.borrow_mut().parsed.put(&raw, u64::MAX, PARSED_SIZE, request.clone());
         }
         let outbound = Rc::new(Outbound {
             body,
@@ -150,12 +152,12 @@ impl Chat {
 
     /// A request whose exact bytes this worker answered (or, forwarding, keyed) before:
     /// answered again without parsing. `None` when it has not seen them.
-    fn answer_from_hot(&mut self, raw_tenant: &[u8], body: &[u8], now: u64) -> Option<Action> {
+    fn answer_from_hot(&mut self, raw: &Raw<'_>, now: u64) -> Option<Action> {
         if self.worker.borrow().config.role == Role::Forward {
-            let request = self.worker.borrow().parsed.get(raw_tenant, body, now)?;
+            let request = self.worker.borrow().parsed.get(raw, now)?;
             return Some(self.forward_to_owner(&request.key));
         }
-        let hit = self.worker.borrow().hot.get(raw_tenant, body, now)?;
+        let hit = self.worker.borrow().hot.get(raw, now)?;
         self.state = State::Handled;
         self.worker.borrow_mut().respond_hot(&hit, now);
         Some(Action::Pause)

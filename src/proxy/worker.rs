@@ -12,7 +12,7 @@ use crate::core::config::Config;
 use crate::core::engine::{CacheStatus, Call, Engine, Reply, Wait};
 use crate::core::error::ApiError;
 use crate::core::flight::Flight;
-use crate::core::hot::Hot;
+use crate::core::hot::{Hot, Raw, Seed};
 use crate::core::metrics::{self, Counter};
 use crate::core::peer::Op;
 use crate::core::request::ChatRequest;
@@ -90,6 +90,8 @@ pub struct Worker {
     /// key routes it); on an owner, a request whose flight someone waits on, so that the
     /// rest of a crowd of identical requests is not parsed, canonicalised and hashed again.
     pub(super) parsed: Hot<ChatRequest>,
+    /// What both tables hash the raw bytes with.
+    pub(super) seed: Seed,
     pub(super) metrics: HashMap<(String, Counter), u32>,
 }
 
@@ -149,6 +151,7 @@ impl Worker {
             fleet_reached: true,
             hot: Hot::new(0),
             parsed: Hot::new(0),
+            seed: Seed::default(),
             metrics: HashMap::new(),
         }
     }
@@ -217,7 +220,7 @@ impl Worker {
     }
 
     /// Keeps the entry `request` was just served from, for the same bytes next time.
-    pub fn keep_hot(&mut self, raw_tenant: &[u8], body: &[u8], request: &ChatRequest, now: u64) {
+    pub fn keep_hot(&mut self, raw: &Raw<'_>, request: &ChatRequest, now: u64) {
         let Some(entry) = cache::get(&SharedData, &self.config, &request.key).filter(|e| e.is_fresh(now)) else {
             return;
         };
@@ -235,7 +238,7 @@ impl Worker {
             include_usage: request.include_usage,
         };
         let answer = HotAnswer { reply, stored_at_ms: entry.stored_at_ms, outbound, counters };
-        self.hot.put(raw_tenant, body, expires_ms, size, answer);
+        self.hot.put(raw, expires_ms, size, answer);
     }
 
     /// Sends a kept HIT on the current http context, as `respond` would (a JSON answer

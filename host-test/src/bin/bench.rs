@@ -137,7 +137,7 @@ fn follower_delay(edge: SocketAddr, mock: &Running, n: usize, log: Option<&Path>
     let leader = done.iter().find(|(_, c)| c == "MISS").map(|(t, _)| *t).expect("one leader");
     let seen: Vec<(u64, String)> =
         done.iter().map(|(t, c)| (t.saturating_duration_since(leader).as_micros() as u64, c.clone())).collect();
-    let at_edge = log.map(|l| edge_delays(&logged_before_lines(l, logged_before, n)));
+    let at_edge = log.map(|l| edge_delays(&logged_after(l, logged_before, n)));
     Followers {
         client: Delays::of(&seen),
         edge: at_edge.map(|lines| Delays::of(&lines)),
@@ -199,14 +199,14 @@ fn complete(got: &[u8]) -> Option<String> {
     whole.then(|| value("x-holysheep-cache:").unwrap_or_else(|| "-".into()).to_ascii_uppercase())
 }
 
-/// The access log's lines (`START END CACHE`, see `host_test::envoy::Options`).
+/// The access log's lines (`START TOOK CACHE`, see `host_test::envoy::Options`).
 fn access_log(path: &Path) -> Vec<String> {
     std::fs::read_to_string(path).unwrap_or_default().lines().map(str::to_owned).collect()
 }
 
 /// The `n` lines logged after the first `skip`, once Envoy has flushed them (it writes its
 /// access logs about once a second).
-fn logged_before_lines(path: &Path, skip: usize, n: usize) -> Vec<String> {
+fn logged_after(path: &Path, skip: usize, n: usize) -> Vec<String> {
     let deadline = Instant::now() + Duration::from_secs(10);
     loop {
         let lines = access_log(path);

@@ -131,9 +131,9 @@ fn property(state: &VmState, path: &[u8]) -> Option<Vec<u8>> {
 /// `Shared::fuel_trace`).
 fn trace_fuel(caller: &mut Caller<'_, VmState>, name: &'static str) {
     let Ok(left) = caller.get_fuel() else { return };
-    let export = caller.data().export.clone();
-    if let Some(trace) = caller.data().shared().fuel_trace.as_mut() {
-        trace.push((export, name, left));
+    let data = caller.data();
+    if let Some(trace) = data.shared().fuel_trace.as_mut() {
+        trace.push((data.export.clone(), name, left));
     }
 }
 

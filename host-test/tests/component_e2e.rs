@@ -127,6 +127,24 @@ fn hit_miss_bypass_tenant_scope_and_pass_through() {
 }
 
 #[test]
+fn an_instance_serves_one_request_after_another() {
+    let mock = Running::start(None, 0).expect("mock");
+    let s = serve(&mock, "{}");
+    let body = prompt("served again and again");
+    assert_eq!(post(&s, &body, &[("authorization", "Bearer a")]).cache(), "MISS");
+    for _ in 0..20 {
+        assert_eq!(post(&s, &body, &[("authorization", "Bearer a")]).cache(), "HIT");
+    }
+    assert_eq!(post(&s, &body, &[("authorization", "Bearer b")]).cache(), "MISS", "another tenant, same bytes");
+    assert_eq!(post(&s, "{", &[("authorization", "Bearer a")]).status, 400);
+    assert_eq!(post(&s, &body, &[("authorization", "Bearer a")]).cache(), "HIT", "after a refused request");
+    // One client at a time: an instance is created only when the last one has answered but
+    // not yet returned from `handle`; most requests find one idle.
+    assert!(s.instances() <= 12, "{} instances for 24 requests in a row", s.instances());
+    assert_eq!((mock.mock.calls(), s.failures()), (2, 0));
+}
+
+#[test]
 fn bad_input_gets_openai_shaped_4xx() {
     let mock = Running::start(None, 0).expect("mock");
     let s = serve(&mock, "{}");

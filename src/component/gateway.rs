@@ -14,11 +14,15 @@ use crate::core::config::Config;
 use crate::core::engine::{poll_delay_ms, Call, Engine, Reply, Step};
 use crate::core::error::ApiError;
 use crate::core::flight::{Action, Flight};
+use crate::core::hot::{self, Hot, Seed};
 use crate::core::intake::{intake, Head, Intake, Route};
 use crate::core::limits::ProviderHints;
+use crate::core::request::ChatRequest;
 use crate::core::request::CHAT_PATH;
 use crate::core::stream::{self, Reassembler};
 use crate::core::upstream::{self, Outbound};
+use std::cell::RefCell;
+use std::rc::Rc;
 
 /// The most bytes read from one HolySheep answer.
 const MAX_UPSTREAM_BODY: usize = 16 * 1024 * 1024;
@@ -35,8 +39,34 @@ struct Gateway {
     kv: Kv,
 }
 
+/// What an instance keeps between the requests it serves, when its host reuses it (one
+/// request at a time): its gateway, read once, and the requests it parsed that came again.
+struct Kept {
+    gateway: Option<Rc<Gateway>>,
+    seed: Seed,
+    parsed: Hot<ChatRequest>,
+}
+
+thread_local! {
+    static KEPT: RefCell<Kept> =
+        RefCell::new(Kept { gateway: None, seed: Seed::new(host::nonce()), parsed: Hot::new(0) });
+}
+
+/// The instance's gateway: its environment cannot change while it lives, so it is read once.
+fn gateway() -> Result<Rc<Gateway>, ApiError> {
+    if let Some(g) = KEPT.with_borrow(|k| k.gateway.clone()) {
+        return Ok(g);
+    }
+    let gateway = Rc::new(setup()?);
+    KEPT.with_borrow_mut(|k| {
+        k.parsed = Hot::new(gateway.config.cache.hot_bytes.min(hot::PARSED_BYTES));
+        k.gateway = Some(gateway.clone());
+    });
+    Ok(gateway)
+}
+
 pub fn handle(request: IncomingRequest, out: ResponseOutparam) {
-    let gateway = match setup() {
+    let gateway = match gateway() {
         Ok(g) => g,
         Err(e) => return reply(out, &Reply::error(&e), &[]),
     };
@@ -122,11 +152,24 @@ impl Gateway {
                 return reply(out, &Reply::error(&e), &[]);
             }
         };
-        let Intake { request: parsed, policy } = match intake(&self.config, &head, &body) {
-            Ok(i) => i,
-            Err(e) => return reply(out, &Reply::error(&e), &[]),
-        };
         drop(request);
+        let tenant = hot::tenant_bytes(head.authorization.as_deref(), head.tenant.as_deref());
+        let raw = KEPT.with_borrow(|k| k.seed.raw(&tenant, &body));
+        // Directives change what may be served: such requests are parsed every time.
+        let plain = head.cache_control.is_none();
+        let known = if plain { KEPT.with_borrow(|k| k.parsed.get(&raw, host::now_ms())) } else { None };
+        let Intake { request: parsed, policy } = match &known {
+            Some(request) => Intake::known(&self.config, ChatRequest::clone(request)),
+            None => match intake(&self.config, &head, &body) {
+                Ok(i) => i,
+                Err(e) => return reply(out, &Reply::error(&e), &[]),
+            },
+        };
+        let step = self.engine().admit(&parsed.key, policy, host::now_ms(), host::nonce());
+        // A request answered from the cache, or waiting for one, is likely to come again.
+        if plain && known.is_none() && matches!(step, Step::Reply(_) | Step::Wait(_)) {
+            KEPT.with_borrow_mut(|k| k.parsed.put(&raw, u64::MAX, hot::PARSED_SIZE, parsed.clone()));
+        }
         let outbound = Outbound {
             stream: parsed.stream,
             include_usage: parsed.include_usage,
@@ -135,7 +178,7 @@ impl Gateway {
             model: parsed.model,
             estimate_tokens: parsed.estimate_tokens,
         };
-        self.run(self.engine().admit(&parsed.key, policy, host::now_ms(), host::nonce()), &outbound, out);
+        self.run(step, &outbound, out);
     }
 
     /// Answers in the form the client asked for (events for a stream), with the model's

@@ -5,10 +5,16 @@
 //! hit compares the bytes, never only their hash. Bounded by the bytes it holds.
 
 use super::bytes;
-use std::collections::hash_map::RandomState;
+use std::collections::hash_map::DefaultHasher;
 use std::collections::{HashMap, VecDeque};
-use std::hash::{BuildHasher, BuildHasherDefault, Hasher};
+use std::hash::{BuildHasherDefault, Hash, Hasher};
 use std::rc::Rc;
+
+/// What a parsed request adds to a table of parsed requests beyond its raw bytes (its
+/// key, model).
+pub const PARSED_SIZE: usize = 128;
+/// The most bytes a table of parsed requests holds (when `cache.hot_bytes` allows as much).
+pub const PARSED_BYTES: usize = 1 << 20;
 
 pub struct Hot<T> {
     max_bytes: usize,
@@ -47,14 +53,20 @@ pub struct Raw<'a> {
     hash: u64,
 }
 
-/// The key every per-worker table of a worker hashes with (random per worker, so that a
-/// client cannot aim requests at one slot).
-#[derive(Default)]
-pub struct Seed(RandomState);
+/// The secret every per-worker table of a worker (or an instance) hashes with, drawn once,
+/// so that a client cannot aim requests at one slot.
+pub struct Seed(u64);
 
 impl Seed {
+    pub fn new(secret: u64) -> Seed {
+        Seed(secret)
+    }
+
     pub fn raw<'a>(&self, tenant: &'a [u8], body: &'a [u8]) -> Raw<'a> {
-        Raw { tenant, body, hash: self.0.hash_one((tenant, body)) }
+        let mut hasher = DefaultHasher::new();
+        hasher.write_u64(self.0);
+        (tenant, body).hash(&mut hasher);
+        Raw { tenant, body, hash: hasher.finish() }
     }
 }
 
@@ -144,7 +156,7 @@ mod tests {
 
     #[test]
     fn only_the_same_bytes_of_the_same_tenant_match_and_only_while_fresh() {
-        let (mut hot, seed) = (Hot::new(1 << 20), Seed::default());
+        let (mut hot, seed) = (Hot::new(1 << 20), Seed::new(7));
         let (alice, bob) = (tenant_bytes(Some("Bearer alice"), None), tenant_bytes(Some("Bearer bob"), None));
         hot.put(&seed.raw(&alice, b"{\"a\":1}"), 100, 10, "answer");
         assert_eq!(hot.get(&seed.raw(&alice, b"{\"a\":1}"), 99).as_deref(), Some(&"answer"));
@@ -156,8 +168,15 @@ mod tests {
     }
 
     #[test]
+    fn the_same_bytes_hash_apart_under_another_secret() {
+        let t = tenant_bytes(None, None);
+        assert_eq!(Seed::new(7).raw(&t, b"x").hash, Seed::new(7).raw(&t, b"x").hash);
+        assert_ne!(Seed::new(7).raw(&t, b"x").hash, Seed::new(8).raw(&t, b"x").hash);
+    }
+
+    #[test]
     fn the_bytes_held_stay_within_the_bound() {
-        let (mut hot, seed) = (Hot::new(1000), Seed::default());
+        let (mut hot, seed) = (Hot::new(1000), Seed::new(7));
         let t = tenant_bytes(None, None);
         for i in 0..100u32 {
             hot.put(&seed.raw(&t, &i.to_le_bytes()), u64::MAX, 90, i);

@@ -6,9 +6,6 @@
 /// Bytes of a streamed call's error answer kept for its waiters.
 const ERROR_BODY_LIMIT: usize = 65_536;
 
-/// What a parsed request adds to `Worker::parsed` beyond its raw bytes (its key, model).
-const PARSED_SIZE: usize = 128;
-
 use super::host::{self, SharedData};
 use super::worker::{Shared, StreamEnd, Target};
 use crate::core::cache::Response;
@@ -120,7 +117,7 @@ impl Chat {
             },
         };
         if config.role == Role::Forward {
-            self.worker.borrow_mut().parsed.put(&raw, u64::MAX, PARSED_SIZE, request.clone());
+            self.worker.borrow_mut().parsed.put(&raw, u64::MAX, hot::PARSED_SIZE, request.clone());
             return self.forward_to_owner(&request.key);
         }
         self.state = State::Handled;
@@ -130,7 +127,7 @@ impl Chat {
             self.worker.borrow_mut().keep_hot(&raw, &request, now);
         }
         if plain && known.is_none() && matches!(step, Step::Wait(_)) {
-            self.worker.borrow_mut().parsed.put(&raw, u64::MAX, PARSED_SIZE, request.clone());
+            self.worker.borrow_mut().parsed.put(&raw, u64::MAX, hot::PARSED_SIZE, request.clone());
         }
         let outbound = Rc::new(Outbound {
             body,

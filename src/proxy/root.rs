@@ -5,7 +5,7 @@
 use super::host;
 use super::worker::{Shared, Worker, REPLY_BATCH};
 use crate::core::config::{Config, Role};
-use crate::core::hot::Hot;
+use crate::core::hot::{self, Hot};
 use crate::core::upstream;
 use proxy_wasm::hostcalls;
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
@@ -87,7 +87,7 @@ impl RootContext for Root {
             ),
         );
         w.hot = Hot::new(config.cache.hot_bytes);
-        w.parsed = Hot::new(config.cache.hot_bytes.min(1 << 20));
+        w.parsed = Hot::new(config.cache.hot_bytes.min(hot::PARSED_BYTES));
         w.config = Rc::new(config);
         w.define_metrics();
         drop(w);

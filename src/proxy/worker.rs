@@ -22,7 +22,9 @@ use crate::core::upstream::{self, Outbound};
 use proxy_wasm::hostcalls;
 use proxy_wasm::types::LogLevel;
 use std::cell::RefCell;
+use std::collections::hash_map::RandomState;
 use std::collections::HashMap;
+use std::hash::BuildHasher;
 use std::rc::Rc;
 
 /// Local replies one root-context VM call may send to other http contexts. Envoy sends a
@@ -151,7 +153,7 @@ impl Worker {
             fleet_reached: true,
             hot: Hot::new(0),
             parsed: Hot::new(0),
-            seed: Seed::default(),
+            seed: Seed::new(RandomState::new().hash_one(())),
             metrics: HashMap::new(),
         }
     }

@@ -1,7 +1,8 @@
-//! `host-test serve --component PATH`: one instance of the gateway component per request,
-//! behind a real HTTP/1.1 server (hyper). Every request's store shares one keyvalue memory;
-//! every outgoing request is sent to `upstream` over plain HTTP, keeping its path and
-//! `host` header.
+//! `host-test serve --component PATH`: the gateway component behind a real HTTP/1.1 server
+//! (hyper). An instance serves one request at a time; when its `handle` call returns it
+//! waits, idle, for the next request, up to `REUSES` requests (an instance that trapped is
+//! dropped). Every store shares one keyvalue memory; every outgoing request is sent to
+//! `upstream` over plain HTTP, keeping its path and `host` header.
 
 use super::keyvalue::{self, KeyValue, Memory};
 use hyper::server::conn::http1;
@@ -10,16 +11,22 @@ use hyper_util::rt::TokioIo;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use tokio::net::TcpListener;
 use wasmtime::component::{Linker, ResourceTable};
 use wasmtime::Store;
 use wasmtime_wasi::cli::{WasiCli, WasiCliView};
 use wasmtime_wasi::{WasiCtx, WasiCtxView, WasiView};
 use wasmtime_wasi_http::p2::bindings::http::types::Scheme;
-use wasmtime_wasi_http::p2::bindings::ProxyPre;
+use wasmtime_wasi_http::p2::bindings::{Proxy, ProxyPre};
 use wasmtime_wasi_http::p2::body::HyperOutgoingBody;
 use wasmtime_wasi_http::{WasiHttpCtx, WasiHttpCtxView, WasiHttpHooks, WasiHttpView};
+
+/// Requests one instance serves, one after another, before it is dropped (its memory
+/// returns to the pool allocator clean).
+pub const REUSES: u32 = 1_000;
+/// The most instances kept idle between requests.
+const IDLE: usize = 64;
 
 pub struct ComponentOptions {
     pub wasm: PathBuf,
@@ -34,23 +41,42 @@ pub struct Serving {
     pub addr: SocketAddr,
     /// The keyvalue memory every request shares.
     pub memory: Arc<Memory>,
-    failures: Arc<AtomicU64>,
+    host: Arc<Host>,
     _runtime: tokio::runtime::Runtime,
 }
 
 impl Serving {
     /// Requests whose component instance trapped or failed (also after answering).
     pub fn failures(&self) -> u64 {
-        self.failures.load(Ordering::SeqCst)
+        self.host.failures.load(Ordering::SeqCst)
+    }
+
+    /// Instances created so far.
+    pub fn instances(&self) -> u64 {
+        self.host.instances.load(Ordering::SeqCst)
     }
 }
 
 struct Host {
     pre: ProxyPre<State>,
-    failures: Arc<AtomicU64>,
+    failures: AtomicU64,
+    instances: AtomicU64,
+    idle: Mutex<Vec<Ready>>,
     memory: Arc<Memory>,
     upstream: SocketAddr,
     env: Vec<(String, String)>,
+}
+
+/// Where the component's response goes.
+type Answer = tokio::sync::oneshot::Sender<
+    Result<hyper::Response<HyperOutgoingBody>, wasmtime_wasi_http::p2::bindings::http::types::ErrorCode>,
+>;
+
+/// An instance between requests, with its store.
+struct Ready {
+    store: Store<State>,
+    proxy: Proxy,
+    served: u32,
 }
 
 struct State {
@@ -124,10 +150,11 @@ pub fn start(opts: ComponentOptions) -> std::io::Result<Serving> {
     let (engine, component) = super::load(&opts.wasm).map_err(io)?;
     let pre = linker(&engine).and_then(|l| l.instantiate_pre(&component)).and_then(ProxyPre::new).map_err(io)?;
     let memory = Memory::new();
-    let failures = Arc::new(AtomicU64::new(0));
     let host = Arc::new(Host {
         pre,
-        failures: failures.clone(),
+        failures: AtomicU64::new(0),
+        instances: AtomicU64::new(0),
+        idle: Mutex::new(Vec::new()),
         memory: memory.clone(),
         upstream: opts.upstream,
         env: opts.env,
@@ -135,6 +162,7 @@ pub fn start(opts: ComponentOptions) -> std::io::Result<Serving> {
     let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
     let listener = runtime.block_on(TcpListener::bind(opts.listen))?;
     let addr = listener.local_addr()?;
+    let serving = host.clone();
     runtime.spawn(async move {
         while let Ok((conn, _)) = listener.accept().await {
             let host = host.clone();
@@ -147,39 +175,20 @@ pub fn start(opts: ComponentOptions) -> std::io::Result<Serving> {
             });
         }
     });
-    Ok(Serving { addr, memory, failures, _runtime: runtime })
+    Ok(Serving { addr, memory, host: serving, _runtime: runtime })
 }
 
 impl Host {
     async fn handle(
-        &self,
+        self: Arc<Self>,
         req: hyper::Request<hyper::body::Incoming>,
     ) -> wasmtime::Result<hyper::Response<HyperOutgoingBody>> {
-        let mut wasi = WasiCtx::builder();
-        wasi.inherit_stderr();
-        for (k, v) in &self.env {
-            wasi.env(k, v);
-        }
-        let state = State {
-            table: ResourceTable::new(),
-            wasi: wasi.build(),
-            http: WasiHttpCtx::new(),
-            hooks: Redirect { upstream: self.upstream },
-            memory: self.memory.clone(),
-        };
-        let mut store = Store::new(self.pre.engine(), state);
         let (sender, receiver) = tokio::sync::oneshot::channel();
-        let req = store.data_mut().http().new_incoming_request(Scheme::Http, req)?;
-        let out = store.data_mut().http().new_response_outparam(sender)?;
-        let (pre, failures) = (self.pre.clone(), self.failures.clone());
+        let host = self.clone();
         let task = tokio::spawn(async move {
-            let run = async {
-                let proxy = pre.instantiate_async(&mut store).await?;
-                proxy.wasi_http_incoming_handler().call_handle(&mut store, req, out).await
-            };
-            let result = run.await;
+            let result = host.serve(req, sender).await;
             if let Err(e) = &result {
-                failures.fetch_add(1, Ordering::SeqCst);
+                host.failures.fetch_add(1, Ordering::SeqCst);
                 eprintln!("host-test serve --component: the component failed: {e:?}");
             }
             result
@@ -193,5 +202,49 @@ impl Host {
                 Err(e) => Err(e.into()),
             },
         }
+    }
+
+    /// One `handle` call on an idle instance (or a new one), which goes back idle after it.
+    async fn serve(&self, req: hyper::Request<hyper::body::Incoming>, sender: Answer) -> wasmtime::Result<()> {
+        let mut ready = match self.take_idle() {
+            Some(r) => r,
+            None => self.instantiate().await?,
+        };
+        let req = ready.store.data_mut().http().new_incoming_request(Scheme::Http, req)?;
+        let out = ready.store.data_mut().http().new_response_outparam(sender)?;
+        ready.proxy.wasi_http_incoming_handler().call_handle(&mut ready.store, req, out).await?;
+        ready.served += 1;
+        self.give_back(ready);
+        Ok(())
+    }
+
+    fn take_idle(&self) -> Option<Ready> {
+        self.idle.lock().unwrap_or_else(|e| e.into_inner()).pop()
+    }
+
+    fn give_back(&self, ready: Ready) {
+        let mut idle = self.idle.lock().unwrap_or_else(|e| e.into_inner());
+        if ready.served < REUSES && idle.len() < IDLE {
+            idle.push(ready);
+        }
+    }
+
+    async fn instantiate(&self) -> wasmtime::Result<Ready> {
+        let mut wasi = WasiCtx::builder();
+        wasi.inherit_stderr();
+        for (k, v) in &self.env {
+            wasi.env(k, v);
+        }
+        let state = State {
+            table: ResourceTable::new(),
+            wasi: wasi.build(),
+            http: WasiHttpCtx::new(),
+            hooks: Redirect { upstream: self.upstream },
+            memory: self.memory.clone(),
+        };
+        let mut store = Store::new(self.pre.engine(), state);
+        let proxy = self.pre.instantiate_async(&mut store).await?;
+        self.instances.fetch_add(1, Ordering::SeqCst);
+        Ok(Ready { store, proxy, served: 0 })
     }
 }

@@ -1,22 +1,116 @@
 //! Bench floor for a MISS: pause on headers, read the whole body, send it to the upstream
 //! cluster by `dispatch_http_call` and reply with the answer.
+//!
+//! With the configuration `miss-calls` it also makes the host calls a MISS of the plugin
+//! makes, in the same callbacks, and nothing else: it reads the request headers and the
+//! clock, reads five shared-data records and writes one (the cache probe and the lease),
+//! hands the call to its root context through a shared queue, which dispatches it; on the
+//! answer it reads the answer's headers, writes the answer and a lease record, bumps four
+//! counters and replies with the MISS's headers. The bench's row for it shows what those
+//! calls cost inside Envoy, apart from any work of the plugin's own.
 
+use proxy_wasm::hostcalls;
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
-use proxy_wasm::types::{Action, ContextType, LogLevel};
+use proxy_wasm::types::{Action, ContextType, LogLevel, MapType, MetricType};
+use std::cell::RefCell;
+use std::collections::HashMap;
+use std::rc::Rc;
 use std::time::Duration;
+
+const MISS_CALLS: &[u8] = b"miss-calls";
+/// A key as long as the plugin's (64 hex digits).
+const KEY: &str = "5f0d3c8a1b2e4f6071829304a5b6c7d8e9f00112233445566778899aabbccdde";
+/// Slots of the shared-data tables the floor writes (bounded, like the plugin's).
+const SLOTS: u64 = 1024;
+/// A lease record about as long as the plugin's.
+const LEASE_RECORD: [u8; 160] = [b'l'; 160];
 
 proxy_wasm::main! {{
     proxy_wasm::set_log_level(LogLevel::Warn);
-    proxy_wasm::set_root_context(|_| Box::new(Root));
+    proxy_wasm::set_root_context(|_| Box::new(Root { miss_calls: None }));
 }}
 
-struct Root;
+/// What the root context and the http contexts of one worker share in `miss-calls` mode.
+#[derive(Default)]
+struct Worker {
+    queue: Option<u32>,
+    metric: u32,
+    /// Calls handed to the root: (http context, request body).
+    pending: Vec<(u32, Vec<u8>)>,
+    /// Calls in flight: token -> http context.
+    calls: HashMap<u32, u32>,
+}
 
-impl Context for Root {}
+struct Root {
+    miss_calls: Option<Rc<RefCell<Worker>>>,
+}
+
+impl Context for Root {
+    fn on_http_call_response(&mut self, token: u32, _headers: usize, body_size: usize, _trailers: usize) {
+        let Some(worker) = &self.miss_calls else { return };
+        let Some(context) = worker.borrow_mut().calls.remove(&token) else { return };
+        let metric = worker.borrow().metric;
+        let _headers = self.get_http_call_response_headers_bytes();
+        let body = self.get_http_call_response_body(0, body_size).unwrap_or_default();
+        let now = hostcalls::get_current_time().map(nanos).unwrap_or(0);
+        for _ in 0..2 {
+            let _ = hostcalls::increment_metric(metric, 1);
+        }
+        let _ = hostcalls::get_current_time();
+        let _ = hostcalls::set_shared_data(&slot("cache", now), Some(&body), None);
+        let lease = slot("lease", now);
+        let (_, cas) = hostcalls::get_shared_data(&lease).unwrap_or((None, None));
+        let _ = hostcalls::set_shared_data(&lease, Some(&LEASE_RECORD), cas);
+        let _ = hostcalls::increment_metric(metric, 1);
+        if hostcalls::set_effective_context(context).is_ok() {
+            let mut headers = vec![("content-type", "application/json")];
+            headers.extend([("x-holysheep-cache", "MISS"), ("x-holysheep-key", KEY), ("x-holysheep-model", "gpt-4.1")]);
+            let _ = hostcalls::send_http_response(200, headers, Some(&body));
+        }
+    }
+}
 
 impl RootContext for Root {
-    fn create_http_context(&self, _id: u32) -> Option<Box<dyn HttpContext>> {
-        Some(Box::new(Call))
+    fn on_configure(&mut self, _size: usize) -> bool {
+        if self.get_plugin_configuration().is_some_and(|c| c == MISS_CALLS) {
+            let metric = hostcalls::define_metric(MetricType::Counter, "floor.misses").unwrap_or(0);
+            self.miss_calls = Some(Rc::new(RefCell::new(Worker { metric, ..Worker::default() })));
+            // The queue is registered on the first tick, as the plugin does.
+            let _ = hostcalls::set_tick_period(Duration::from_millis(20));
+        }
+        true
+    }
+
+    fn on_tick(&mut self) {
+        let Some(worker) = &self.miss_calls else { return };
+        if worker.borrow().queue.is_none() {
+            let name = format!("floor_miss/{}", hostcalls::get_current_time().map(nanos).unwrap_or(0));
+            worker.borrow_mut().queue = hostcalls::register_shared_queue(&name).ok();
+        }
+        let _ = hostcalls::set_tick_period(Duration::from_secs(60));
+    }
+
+    fn on_queue_ready(&mut self, queue_id: u32) {
+        let _ = hostcalls::dequeue_shared_queue(queue_id);
+        let Some(worker) = self.miss_calls.clone() else { return };
+        let next = worker.borrow_mut().pending.pop();
+        let Some((context, body)) = next else { return };
+        let _ = hostcalls::get_current_time();
+        let _ = hostcalls::increment_metric(worker.borrow().metric, 1);
+        match dispatch(self, &body) {
+            Some(token) => {
+                worker.borrow_mut().calls.insert(token, context);
+            }
+            None => {
+                if hostcalls::set_effective_context(context).is_ok() {
+                    let _ = hostcalls::send_http_response(502, vec![], None);
+                }
+            }
+        }
+    }
+
+    fn create_http_context(&self, id: u32) -> Option<Box<dyn HttpContext>> {
+        Some(Box::new(Call { id, miss_calls: self.miss_calls.clone() }))
     }
 
     fn get_type(&self) -> Option<ContextType> {
@@ -24,7 +118,10 @@ impl RootContext for Root {
     }
 }
 
-struct Call;
+struct Call {
+    id: u32,
+    miss_calls: Option<Rc<RefCell<Worker>>>,
+}
 
 impl Context for Call {
     fn on_http_call_response(&mut self, _token: u32, _headers: usize, body_size: usize, _trailers: usize) {
@@ -35,6 +132,9 @@ impl Context for Call {
 
 impl HttpContext for Call {
     fn on_http_request_headers(&mut self, _n: usize, _end_of_stream: bool) -> Action {
+        if self.miss_calls.is_some() {
+            let _headers = hostcalls::get_map_bytes(MapType::HttpRequestHeaders);
+        }
         Action::Pause
     }
 
@@ -43,18 +143,41 @@ impl HttpContext for Call {
             return Action::Pause;
         }
         let body = self.get_http_request_body(0, size).unwrap_or_default();
-        let headers = vec![
-            (":method", "POST"),
-            (":path", "/v1/chat/completions"),
-            (":authority", "api.holysheep.ai"),
-            ("content-type", "application/json"),
-        ];
-        match self.dispatch_http_call("holysheep", headers, Some(&body), vec![], Duration::from_secs(60)) {
-            Ok(_) => Action::Pause,
-            Err(_) => {
-                self.send_http_response(502, vec![], None);
-                Action::Pause
+        if let Some(worker) = &self.miss_calls {
+            let mut w = worker.borrow_mut();
+            if let Some(queue) = w.queue {
+                let now = hostcalls::get_current_time().map(nanos).unwrap_or(0);
+                for table in ["cache", "lease", "lease", "lease", "lease"] {
+                    let _ = hostcalls::get_shared_data(&slot(table, now));
+                }
+                let _ = hostcalls::set_shared_data(&slot("lease", now), Some(&LEASE_RECORD), None);
+                w.pending.push((self.id, body));
+                let _ = hostcalls::enqueue_shared_queue(queue, Some(b"d"));
+                return Action::Pause;
             }
         }
+        if dispatch(self, &body).is_none() {
+            self.send_http_response(502, vec![], None);
+        }
+        Action::Pause
     }
+}
+
+fn dispatch(context: &dyn Context, body: &[u8]) -> Option<u32> {
+    let headers = vec![
+        (":method", "POST"),
+        (":path", "/v1/chat/completions"),
+        (":authority", "api.holysheep.ai"),
+        ("content-type", "application/json"),
+    ];
+    context.dispatch_http_call("holysheep", headers, Some(body), vec![], Duration::from_secs(60)).ok()
+}
+
+fn nanos(t: std::time::SystemTime) -> u64 {
+    t.duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.subsec_nanos().into())
+}
+
+/// One of `SLOTS` keys of a table, picked by the clock (distinct prompts spread the same way).
+fn slot(table: &str, now: u64) -> String {
+    format!("floor/{table}/{}", now % SLOTS)
 }

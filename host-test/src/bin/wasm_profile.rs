@@ -238,6 +238,14 @@ fn main() {
             crowd: 1,
         },
         Row {
+            name: "floor + the MISS's host calls",
+            wasm: floors.join("floor_callout.wasm"),
+            config: "miss-calls".into(),
+            distinct: true,
+            label: Some("MISS"),
+            crowd: 1,
+        },
+        Row {
             name: "edge MISS (distinct prompts)",
             wasm: plugin.clone(),
             config: "{}".into(),

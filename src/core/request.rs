@@ -401,30 +401,91 @@ fn scope(config: &Config, meta: &RequestMeta<'_>) -> Result<String, ApiError> {
 }
 
 /// Compact JSON with object keys sorted recursively (serde_json's map is a BTreeMap),
-/// integral floats written as integers, and the excluded fields removed.
+/// integral floats written as integers, and the excluded fields removed: the bytes
+/// `serde_json::to_vec` writes for that value, written here directly (its serializer cost a
+/// MISS several times the operators).
 pub fn canonical_body(mut map: Map<String, Value>) -> Vec<u8> {
     for f in KEY_EXCLUDED_FIELDS {
         map.remove(f);
     }
-    let mut v = Value::Object(map);
-    normalise_numbers(&mut v);
-    // The same bytes as `to_string`, without the formatter in between.
-    serde_json::to_vec(&v).unwrap_or_default()
+    let mut out = Vec::with_capacity(256);
+    write_object(&map, &mut out);
+    out
 }
 
-fn normalise_numbers(v: &mut Value) {
+fn write_value(v: &Value, out: &mut Vec<u8>) {
     match v {
-        Value::Number(n) => {
-            if let Some(f) = n.as_f64().filter(|_| n.is_f64()) {
-                if f.fract() == 0.0 && f.abs() < 9.0e15 {
-                    *n = Number::from(f as i64);
+        Value::Null => out.extend_from_slice(b"null"),
+        Value::Bool(b) => out.extend_from_slice(if *b { b"true" } else { b"false" }),
+        Value::Number(n) => write_number(n, out),
+        Value::String(s) => write_string(s, out),
+        Value::Array(items) => {
+            out.push(b'[');
+            for (i, item) in items.iter().enumerate() {
+                if i > 0 {
+                    out.push(b',');
                 }
+                write_value(item, out);
             }
+            out.push(b']');
         }
-        Value::Array(a) => a.iter_mut().for_each(normalise_numbers),
-        Value::Object(o) => o.values_mut().for_each(normalise_numbers),
-        _ => {}
+        Value::Object(o) => write_object(o, out),
     }
+}
+
+fn write_object(o: &Map<String, Value>, out: &mut Vec<u8>) {
+    out.push(b'{');
+    for (i, (k, v)) in o.iter().enumerate() {
+        if i > 0 {
+            out.push(b',');
+        }
+        write_string(k, out);
+        out.push(b':');
+        write_value(v, out);
+    }
+    out.push(b'}');
+}
+
+/// An integral float as the integer it is (`1.0` and `1` ask the same); any other number
+/// as serde_json writes it.
+fn write_number(n: &Number, out: &mut Vec<u8>) {
+    let integral = n.as_f64().filter(|f| n.is_f64() && f.fract() == 0.0 && f.abs() < 9.0e15);
+    let _ = match integral {
+        Some(f) => serde_json::to_writer(&mut *out, &(f as i64)),
+        None => serde_json::to_writer(&mut *out, n),
+    };
+}
+
+/// A string as serde_json writes it: `"` and `\` escaped, control characters as `\b`,
+/// `\t`, `\n`, `\f`, `\r` or `\u00xx`, every other character as it is.
+fn write_string(s: &str, out: &mut Vec<u8>) {
+    const HEX: &[u8; 16] = b"0123456789abcdef";
+    let bytes = s.as_bytes();
+    out.push(b'"');
+    let mut start = 0;
+    let mut unicode = *b"\\u0000";
+    for (i, &b) in bytes.iter().enumerate() {
+        let escaped: &[u8] = match b {
+            b'"' => b"\\\"",
+            b'\\' => b"\\\\",
+            0x08 => b"\\b",
+            0x09 => b"\\t",
+            0x0a => b"\\n",
+            0x0c => b"\\f",
+            0x0d => b"\\r",
+            0..=0x1f => {
+                unicode[4] = HEX[usize::from(b >> 4)];
+                unicode[5] = HEX[usize::from(b & 0xf)];
+                &unicode
+            }
+            _ => continue,
+        };
+        out.extend_from_slice(bytes.get(start..i).unwrap_or_default());
+        out.extend_from_slice(escaped);
+        start = i + 1;
+    }
+    out.extend_from_slice(bytes.get(start..).unwrap_or_default());
+    out.push(b'"');
 }
 
 pub fn request_key(path: &str, scope: &str, canonical: &[u8]) -> Key {
@@ -438,9 +499,12 @@ pub fn request_key(path: &str, scope: &str, canonical: &[u8]) -> Key {
 
 fn hex(bytes: &[u8]) -> String {
     const DIGITS: &[u8; 16] = b"0123456789abcdef";
-    let digits: Vec<u8> =
-        bytes.iter().flat_map(|b| [DIGITS[usize::from(b >> 4)], DIGITS[usize::from(b & 0xf)]]).collect();
-    String::from_utf8(digits).unwrap_or_default()
+    let mut digits = String::with_capacity(2 * bytes.len());
+    for &b in bytes {
+        digits.push(char::from(DIGITS[usize::from(b >> 4)]));
+        digits.push(char::from(DIGITS[usize::from(b & 0xf)]));
+    }
+    digits
 }
 
 #[cfg(test)]
@@ -592,6 +656,53 @@ mod tests {
         assert_eq!(r.estimate_tokens, (capped.len() as u64).div_ceil(4) + 30);
         let v: Value = serde_json::from_slice(&with_model(BASE.as_bytes(), "deepseek-v3")).unwrap();
         assert_eq!((v["model"].as_str(), v["temperature"].as_i64()), (Some("deepseek-v3"), Some(0)));
+    }
+
+    /// The canonical form is the bytes serde_json writes for the value with integral floats
+    /// made integers (keys stay what they were before it was written by hand).
+    #[test]
+    fn the_canonical_form_is_serde_jsons_compact_form() {
+        fn reference(mut v: Value) -> Vec<u8> {
+            fn normalise(v: &mut Value) {
+                match v {
+                    Value::Number(n) if n.is_f64() => {
+                        let f = n.as_f64().unwrap();
+                        if f.fract() == 0.0 && f.abs() < 9.0e15 {
+                            *n = Number::from(f as i64);
+                        }
+                    }
+                    Value::Array(a) => a.iter_mut().for_each(normalise),
+                    Value::Object(o) => o.values_mut().for_each(normalise),
+                    _ => {}
+                }
+            }
+            normalise(&mut v);
+            serde_json::to_vec(&v).unwrap()
+        }
+        let controls: String = (0u8..0x20).map(char::from).collect();
+        let texts =
+            [controls.as_str(), "\"quoted\" \\ back\\slash /", "é ü 中文 🦀 \u{2028}\u{7f}", "", "plain"];
+        let numbers = [
+            serde_json::json!(1),
+            serde_json::json!(-7),
+            serde_json::json!(1.0),
+            serde_json::json!(-0.0),
+            serde_json::json!(2.5),
+            serde_json::json!(1e20),
+            serde_json::json!(9.5e15),
+            serde_json::json!(1.0e-7),
+            serde_json::json!(u64::MAX),
+            serde_json::json!(i64::MIN),
+        ];
+        for text in texts {
+            let body = serde_json::json!({
+                "model": text,
+                text: [text, null, true, false, {"nested": {"b": numbers, "a": [[], {}]}}],
+                "temperature": 0.0,
+            });
+            let Value::Object(map) = body.clone() else { unreachable!() };
+            assert_eq!(canonical_body(map), reference(body), "{text:?}");
+        }
     }
 
     /// Random request bodies (seeded): writing the same object with its keys in another

@@ -680,8 +680,7 @@ mod tests {
             serde_json::to_vec(&v).unwrap()
         }
         let controls: String = (0u8..0x20).map(char::from).collect();
-        let texts =
-            [controls.as_str(), "\"quoted\" \\ back\\slash /", "é ü 中文 🦀 \u{2028}\u{7f}", "", "plain"];
+        let texts = [controls.as_str(), "\"quoted\" \\ back\\slash /", "é ü 中文 🦀 \u{2028}\u{7f}", "", "plain"];
         let numbers = [
             serde_json::json!(1),
             serde_json::json!(-7),

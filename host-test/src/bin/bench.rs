@@ -16,7 +16,8 @@
 //! - the plugin's and the component's sizes.
 //!
 //! Options (environment): BENCH_SECONDS (default 3), BENCH_CONNECTIONS (default 16),
-//! BENCH_ROUNDS (default 5: floor and plugin rows alternate, the median round counts),
+//! BENCH_ROUNDS (default 5: floor and plugin rows alternate; a row's median round is its
+//! line, and a ratio of two alternating rows is the median of their rounds' ratios),
 //! BENCH_CROWD (default 1000 identical requests for the follower delay), BENCH_PROFILE=1
 //! (`perf record` on Envoy during each Envoy row: CPU per request in the filter's wasm code,
 //! in Envoy itself and in the kernel; see `host_test::profile`).
@@ -288,17 +289,30 @@ fn first_event(addr: SocketAddr, tag: &str, n: usize) -> (u64, u64) {
 }
 
 /// Runs the rows one after another, `rounds` times over (the machine's noise hits all
-/// alike), and keeps each one's median round by throughput.
-fn alternate(rounds: usize, rows: &mut [&mut dyn FnMut() -> Stats]) -> Vec<Stats> {
+/// alike); every row's rounds, in order.
+fn alternate(rounds: usize, rows: &mut [&mut dyn FnMut() -> Stats]) -> Vec<Vec<Stats>> {
     let mut runs: Vec<Vec<Stats>> = rows.iter().map(|_| Vec::new()).collect();
     for _ in 0..rounds.max(1) {
         for (row, run) in rows.iter_mut().zip(&mut runs) {
             run.push(row());
         }
     }
-    runs.into_iter().map(median).collect()
+    runs
 }
 
+/// `of(a, b)` for the two rows' rounds taken side by side (round i of one against round i
+/// of the other, measured a few seconds apart), the median of those.
+fn paired(a: &[Stats], b: &[Stats], of: impl Fn(&Stats, &Stats) -> f64) -> f64 {
+    let mut values: Vec<f64> = a.iter().zip(b).map(|(a, b)| of(a, b)).collect();
+    values.sort_by(f64::total_cmp);
+    values.get(values.len() / 2).copied().unwrap_or(0.0)
+}
+
+fn throughput(a: &Stats, b: &Stats) -> f64 {
+    a.rps / b.rps.max(f64::MIN_POSITIVE)
+}
+
+/// The row's median round by throughput.
 fn median(mut rounds: Vec<Stats>) -> Stats {
     rounds.sort_by(|x, y| x.rps.total_cmp(&y.rps));
     rounds.swap_remove(rounds.len() / 2)
@@ -503,7 +517,7 @@ fn main() -> std::io::Result<()> {
         profiled(pid, move || load(addr, conns, secs, Arc::new(move || same.clone())))
     };
     let direct = r.row("direct_response (baseline)", repeat(envoy.direct));
-    let mut medians = alternate(
+    let hit_rounds = alternate(
         rounds,
         &mut [
             &mut || repeat(floor_reply),
@@ -515,10 +529,16 @@ fn main() -> std::io::Result<()> {
                 expect_all(load(component.addr, conns, secs, Arc::new(move || same.clone())), "HIT")
             },
         ],
-    )
-    .into_iter();
+    );
+    let [floor_hit_r, calls_r, hit_r, component_r] = &hit_rounds[..] else { unreachable!("four rows") };
+    let hit_over_floor = paired(hit_r, floor_hit_r, throughput);
+    let p99_added = paired(hit_r, floor_hit_r, |a, b| (a.p99_us as f64 - b.p99_us as f64) / 1000.0);
+    let hit_over_calls = paired(hit_r, calls_r, throughput);
+    let calls_over_floor = paired(calls_r, floor_hit_r, throughput);
+    let component_over_hit = paired(component_r, hit_r, throughput);
+    let mut medians = hit_rounds.into_iter().map(median);
     let floor_hit = r.row("floor: wasm local reply", medians.next().expect("a row"));
-    let floor_calls = r.row("floor + the HIT's host calls", medians.next().expect("a row"));
+    r.row("floor + the HIT's host calls", medians.next().expect("a row"));
     let hit = r.row("edge HIT", medians.next().expect("a row"));
     let component_stats = medians.next().expect("a row");
     let distinct = |addr: SocketAddr, prompts: &Arc<dyn Fn() -> String + Send + Sync>| {
@@ -529,30 +549,34 @@ fn main() -> std::io::Result<()> {
     // One prompt sequence each for all rounds: a later round must not repeat a prompt.
     let (floor_prompts, miss_prompts) = (unique_prompts("floor"), unique_prompts("miss"));
     let calls_prompts = unique_prompts("floor calls");
-    let mut medians = alternate(
+    let miss_rounds = alternate(
         rounds,
         &mut [
             &mut || distinct(floor_callout, &floor_prompts),
             &mut || distinct(floor_miss_calls, &calls_prompts),
             &mut || expect_all(distinct(envoy.edge, &miss_prompts), "MISS"),
         ],
-    )
-    .into_iter();
-    let floor_miss = r.row("floor: wasm callout", medians.next().expect("a row"));
-    let floor_miss_calls = r.row("floor + the MISS's host calls", medians.next().expect("a row"));
+    );
+    let [callout_r, miss_calls_r, miss_r] = &miss_rounds[..] else { unreachable!("three rows") };
+    let miss_over_floor = paired(miss_r, callout_r, throughput);
+    let miss_over_calls = paired(miss_r, miss_calls_r, throughput);
+    let miss_calls_over_floor = paired(miss_calls_r, callout_r, throughput);
+    let mut medians = miss_rounds.into_iter().map(median);
+    r.row("floor: wasm callout", medians.next().expect("a row"));
+    r.row("floor + the MISS's host calls", medians.next().expect("a row"));
     let miss = r.row("edge MISS (distinct prompts)", medians.next().expect("a row"));
 
+    // The floors' ratios pair each round with the other rows' same round (see `paired`).
     println!();
-    r.ratio("HIT throughput / local-reply floor", r.rps(hit) / r.rps(floor_hit), "goal >= 0.90");
-    let added = r.rows[hit].1.p99_us as f64 - r.rows[floor_hit].1.p99_us as f64;
-    r.ratio("HIT p99 added over the floor (ms)", added / 1000.0, "goal <= 0.20");
-    r.ratio("HIT throughput / floor with the HIT's host calls", r.rps(hit) / r.rps(floor_calls), "");
-    r.ratio("floor with the HIT's host calls / local-reply floor", r.rps(floor_calls) / r.rps(floor_hit), "");
+    r.ratio("HIT throughput / local-reply floor", hit_over_floor, "goal >= 0.90");
+    r.ratio("HIT p99 added over the floor (ms)", p99_added, "goal <= 0.20");
+    r.ratio("HIT throughput / floor with the HIT's host calls", hit_over_calls, "");
+    r.ratio("floor with the HIT's host calls / local-reply floor", calls_over_floor, "");
     r.ratio("HIT throughput / direct_response", r.rps(hit) / r.rps(direct), "");
     r.ratio("local-reply floor / direct_response", r.rps(floor_hit) / r.rps(direct), "the ABI's cost");
-    r.ratio("MISS throughput / callout floor", r.rps(miss) / r.rps(floor_miss), "goal >= 0.90");
-    r.ratio("MISS throughput / floor with the MISS's host calls", r.rps(miss) / r.rps(floor_miss_calls), "");
-    r.ratio("floor with the MISS's host calls / callout floor", r.rps(floor_miss_calls) / r.rps(floor_miss), "");
+    r.ratio("MISS throughput / callout floor", miss_over_floor, "goal >= 0.90");
+    r.ratio("MISS throughput / floor with the MISS's host calls", miss_over_calls, "");
+    r.ratio("floor with the MISS's host calls / callout floor", miss_calls_over_floor, "");
     r.ratio("MISS throughput / plain proxy", r.rps(miss) / r.rps(plain), "");
     let logged = envoy.listener("edge_logged").expect("edge_logged listener");
     let f = follower_delay(logged, &mock, crowd, opts.edge_access_log.as_deref());
@@ -604,8 +628,8 @@ fn main() -> std::io::Result<()> {
     drop(fleet);
 
     println!();
-    let component_hit = r.row("component HIT (wasmtime host)", component_stats);
-    r.ratio("component HIT / Envoy plugin HIT", r.rps(component_hit) / r.rps(hit), "goal >= 0.80");
+    r.row("component HIT (wasmtime host)", component_stats);
+    r.ratio("component HIT / Envoy plugin HIT", component_over_hit, "goal >= 0.80");
     let f = follower_delay(component.addr, &mock, 200, None);
     r.note(format!(
         "component: 200 identical requests (300 ms upstream): {} upstream call(s), {} followers; follower delay as the clients saw it {} (goal p99 <= 50 ms)",

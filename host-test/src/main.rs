@@ -1,7 +1,8 @@
 //! `host-test serve --wasm PATH [--config JSON] [--listen ADDR] [--cluster NAME=ADDR]...
 //! [--workers N]`: runs the proxy-wasm plugin without Envoy, on the wasmtime host.
 //! `host-test serve --component PATH [--config JSON] [--listen ADDR] [--upstream ADDR]`:
-//! runs the wasi:http component, one instance per request, outgoing requests to ADDR.
+//! runs the wasi:http component (an instance serves one request at a time, and then the
+//! next), outgoing requests to ADDR.
 //! Both see the process environment variable `HOLYSHEEP_API_KEY` when it is set.
 
 use host_test::component_host::serve::{start as start_component, ComponentOptions};

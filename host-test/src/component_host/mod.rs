@@ -25,7 +25,7 @@ pub fn load(path: &Path) -> wasmtime::Result<(Engine, Component)> {
     Ok((engine, component))
 }
 
-/// Wasmtime as an edge host would run it: one instance per request from a pooling
+/// Wasmtime as an edge host would run it: instances from a pooling
 /// allocator (memories and tables reused, not mapped afresh each time).
 fn config() -> Config {
     let mut pool = PoolingAllocationConfig::default();

@@ -222,11 +222,19 @@ impl Host {
         self.idle.lock().unwrap_or_else(|e| e.into_inner()).pop()
     }
 
+    /// Keeps the instance for the next request, unless it served its share or enough wait
+    /// already (then it is dropped, outside the lock: that frees its pool slot).
     fn give_back(&self, ready: Ready) {
-        let mut idle = self.idle.lock().unwrap_or_else(|e| e.into_inner());
-        if ready.served < REUSES && idle.len() < IDLE {
-            idle.push(ready);
-        }
+        let refused = {
+            let mut idle = self.idle.lock().unwrap_or_else(|e| e.into_inner());
+            if ready.served < REUSES && idle.len() < IDLE {
+                idle.push(ready);
+                None
+            } else {
+                Some(ready)
+            }
+        };
+        drop(refused);
     }
 
     async fn instantiate(&self) -> wasmtime::Result<Ready> {

@@ -3,8 +3,10 @@
 //!
 //! With the configuration `miss-calls` it also makes the host calls a MISS of the plugin
 //! makes, in the same callbacks, and nothing else: it reads the request headers and the
-//! clock, reads five shared-data records and writes one (the cache probe and the lease),
-//! hands the call to its root context through a shared queue, which dispatches it; on the
+//! clock, reads eight shared-data records and writes one (the probe of a full cache's four
+//! ways, the lease's four ways and its compare-and-swap),
+//! hands the call to its root context through a shared queue, which dispatches it with the
+//! plugin's upstream headers (`accept`, `user-agent`, the client's `authorization`); on the
 //! answer it reads the answer's headers, writes the answer and a lease record, bumps four
 //! counters and replies with the MISS's headers. The bench's row for it shows what those
 //! calls cost inside Envoy, apart from any work of the plugin's own.
@@ -35,8 +37,8 @@ proxy_wasm::main! {{
 struct Worker {
     queue: Option<u32>,
     metric: u32,
-    /// Calls handed to the root: (http context, request body).
-    pending: Vec<(u32, Vec<u8>)>,
+    /// Calls handed to the root: (http context, request body, its authorization).
+    pending: Vec<(u32, Vec<u8>, Option<String>)>,
     /// Calls in flight: token -> http context.
     calls: HashMap<u32, u32>,
 }
@@ -94,10 +96,13 @@ impl RootContext for Root {
         let _ = hostcalls::dequeue_shared_queue(queue_id);
         let Some(worker) = self.miss_calls.clone() else { return };
         let next = worker.borrow_mut().pending.pop();
-        let Some((context, body)) = next else { return };
+        let Some((context, body, authorization)) = next else { return };
         let _ = hostcalls::get_current_time();
         let _ = hostcalls::increment_metric(worker.borrow().metric, 1);
-        match dispatch(self, &body) {
+        // The headers the plugin sends HolySheep (the client's own key, none configured).
+        let mut headers = vec![("accept", "application/json"), ("user-agent", "holysheep-edge/0.1.0")];
+        headers.extend(authorization.as_deref().map(|a| ("authorization", a)));
+        match dispatch(self, &body, headers) {
             Some(token) => {
                 worker.borrow_mut().calls.insert(token, context);
             }
@@ -110,7 +115,7 @@ impl RootContext for Root {
     }
 
     fn create_http_context(&self, id: u32) -> Option<Box<dyn HttpContext>> {
-        Some(Box::new(Call { id, miss_calls: self.miss_calls.clone() }))
+        Some(Box::new(Call { id, miss_calls: self.miss_calls.clone(), authorization: None }))
     }
 
     fn get_type(&self) -> Option<ContextType> {
@@ -121,6 +126,7 @@ impl RootContext for Root {
 struct Call {
     id: u32,
     miss_calls: Option<Rc<RefCell<Worker>>>,
+    authorization: Option<String>,
 }
 
 impl Context for Call {
@@ -133,7 +139,9 @@ impl Context for Call {
 impl HttpContext for Call {
     fn on_http_request_headers(&mut self, _n: usize, _end_of_stream: bool) -> Action {
         if self.miss_calls.is_some() {
-            let _headers = hostcalls::get_map_bytes(MapType::HttpRequestHeaders);
+            let headers = hostcalls::get_map_bytes(MapType::HttpRequestHeaders).unwrap_or_default();
+            let authorization = headers.into_iter().find(|(n, _)| n == "authorization");
+            self.authorization = authorization.and_then(|(_, v)| String::from_utf8(v).ok());
         }
         Action::Pause
     }
@@ -147,29 +155,33 @@ impl HttpContext for Call {
             let mut w = worker.borrow_mut();
             if let Some(queue) = w.queue {
                 let now = hostcalls::get_current_time().map(nanos).unwrap_or(0);
-                for table in ["cache", "lease", "lease", "lease", "lease"] {
-                    let _ = hostcalls::get_shared_data(&slot(table, now));
+                // A full cache's four ways (each another prompt's answer), the lease's four.
+                for table in ["cache", "lease"] {
+                    for way in 0..4 {
+                        let _ = hostcalls::get_shared_data(&slot(table, now + way));
+                    }
                 }
                 let _ = hostcalls::set_shared_data(&slot("lease", now), Some(&LEASE_RECORD), None);
-                w.pending.push((self.id, body));
+                w.pending.push((self.id, body, self.authorization.take()));
                 let _ = hostcalls::enqueue_shared_queue(queue, Some(b"d"));
                 return Action::Pause;
             }
         }
-        if dispatch(self, &body).is_none() {
+        if dispatch(self, &body, vec![]).is_none() {
             self.send_http_response(502, vec![], None);
         }
         Action::Pause
     }
 }
 
-fn dispatch(context: &dyn Context, body: &[u8]) -> Option<u32> {
-    let headers = vec![
+fn dispatch(context: &dyn Context, body: &[u8], extra: Vec<(&str, &str)>) -> Option<u32> {
+    let mut headers = vec![
         (":method", "POST"),
         (":path", "/v1/chat/completions"),
         (":authority", "api.holysheep.ai"),
         ("content-type", "application/json"),
     ];
+    headers.extend(extra);
     context.dispatch_http_call("holysheep", headers, Some(body), vec![], Duration::from_secs(60)).ok()
 }
 

@@ -129,22 +129,33 @@ fn unique_prompts(tag: &'static str) -> Arc<dyn Fn() -> String + Send + Sync> {
 }
 
 /// `n` identical requests at once with a slow upstream: how long after the leader's
-/// answer do the followers get theirs?
-fn follower_delay(edge: SocketAddr, mock: &Running, n: usize, log: Option<&Path>) -> Followers {
+/// answer do the followers get theirs? As the clients saw it, and by the server's own
+/// clock (`server(start)`: each answer's time and label since the crowd started, if the
+/// server keeps them).
+fn follower_delay(
+    edge: SocketAddr,
+    mock: &Running,
+    n: usize,
+    server: impl FnOnce(Instant) -> Option<Vec<(u64, String)>>,
+) -> Followers {
     mock.mock.set_latency_ms(300);
     let calls_before = mock.mock.calls();
-    let logged_before = log.map_or(0, |l| access_log(l).len());
+    let started = Instant::now();
     let done = crowd(edge, n, &prompt("follower delay probe"));
     mock.mock.set_latency_ms(0);
-    let leader = done.iter().find(|(_, c)| c == "MISS").map(|(t, _)| *t).expect("one leader");
     let seen: Vec<(u64, String)> =
-        done.iter().map(|(t, c)| (t.saturating_duration_since(leader).as_micros() as u64, c.clone())).collect();
-    let at_edge = log.map(|l| edge_delays(&logged_after(l, logged_before, n)));
+        done.iter().map(|(t, c)| (t.saturating_duration_since(started).as_micros() as u64, c.clone())).collect();
     Followers {
-        client: Delays::of(&seen),
-        edge: at_edge.map(|lines| Delays::of(&lines)),
+        client: Delays::of(&after_leader(seen)),
+        server: server(started).map(|answers| Delays::of(&after_leader(answers))),
         calls: mock.mock.calls() - calls_before,
     }
+}
+
+/// Times made relative to the leader's (the MISS); none without a leader.
+fn after_leader(answers: Vec<(u64, String)>) -> Vec<(u64, String)> {
+    let Some(leader) = answers.iter().find(|(_, c)| c == "MISS").map(|(t, _)| *t) else { return Vec::new() };
+    answers.into_iter().map(|(t, c)| (t.saturating_sub(leader), c)).collect()
 }
 
 /// `n` connections send the same request at once and read their answers, all from one
@@ -219,9 +230,10 @@ fn logged_after(path: &Path, skip: usize, n: usize) -> Vec<String> {
     }
 }
 
-/// Each request's last byte sent by Envoy, after the leader's, with its label.
-fn edge_delays(lines: &[String]) -> Vec<(u64, String)> {
-    let parsed: Vec<(u64, String)> = lines
+/// Each logged request's last byte sent by Envoy (microseconds since the epoch), with its
+/// label.
+fn edge_ends(lines: &[String]) -> Vec<(u64, String)> {
+    lines
         .iter()
         .filter_map(|l| {
             let mut f = l.split(' ');
@@ -229,9 +241,7 @@ fn edge_delays(lines: &[String]) -> Vec<(u64, String)> {
             let took: u64 = f.next()?.parse().ok()?;
             Some((start + took, f.next()?.to_owned()))
         })
-        .collect();
-    let Some(leader) = parsed.iter().find(|(_, c)| c == "MISS").map(|(t, _)| *t) else { return Vec::new() };
-    parsed.into_iter().map(|(t, c)| (t.saturating_sub(leader), c)).collect()
+        .collect()
 }
 
 /// How long the followers (COALESCED) trailed their leader, in microseconds.
@@ -262,10 +272,10 @@ impl Delays {
 }
 
 struct Followers {
-    /// As the clients saw them (their threads share the cores with Envoy).
+    /// As the clients saw them (their thread shares the cores with the server).
     client: Delays,
-    /// As Envoy sent them (its access log), when it keeps one.
-    edge: Option<Delays>,
+    /// By the server's own clock (Envoy's access log, the component host's record).
+    server: Option<Delays>,
     calls: u64,
 }
 
@@ -579,15 +589,17 @@ fn main() -> std::io::Result<()> {
     r.ratio("floor with the MISS's host calls / callout floor", miss_calls_over_floor, "");
     r.ratio("MISS throughput / plain proxy", r.rps(miss) / r.rps(plain), "");
     let logged = envoy.listener("edge_logged").expect("edge_logged listener");
-    let f = follower_delay(logged, &mock, crowd, opts.edge_access_log.as_deref());
-    let edge = f.edge.as_ref().map_or_else(|| "not logged".to_owned(), Delays::line);
+    let log = opts.edge_access_log.as_deref();
+    let logged_before = log.map_or(0, |l| access_log(l).len());
+    let f = follower_delay(logged, &mock, crowd, |_| log.map(|l| edge_ends(&logged_after(l, logged_before, crowd))));
+    let edge = f.server.as_ref().map_or_else(|| "not logged".to_owned(), Delays::line);
     // Envoy's own clock: the one client thread reads 1000 answers one after another, so
     // its timestamps trail the edge's by up to the time that takes.
     r.note(format!(
         "{crowd} identical requests (300 ms upstream): {} upstream call(s), {} followers; last byte sent after the leader's (Envoy's access log): {edge} (goal p99 <= 5 ms)",
         f.calls, f.client.followers
     ));
-    if let Some(edge) = f.edge {
+    if let Some(edge) = f.server {
         r.series.push(("Envoy followers".into(), edge.sorted_us));
     }
     r.note(format!("plugin size: {wasm_bytes} bytes (goal <= 524288)"));
@@ -630,12 +642,15 @@ fn main() -> std::io::Result<()> {
     println!();
     r.row("component HIT (wasmtime host)", component_stats);
     r.ratio("component HIT / Envoy plugin HIT", component_over_hit, "goal >= 0.80");
-    let f = follower_delay(component.addr, &mock, 200, None);
+    let f = follower_delay(component.addr, &mock, 200, |started| Some(component.answered_since(started)));
+    let host = f.server.as_ref().map_or_else(|| "not recorded".to_owned(), Delays::line);
     r.note(format!(
-        "component: 200 identical requests (300 ms upstream): {} upstream call(s), {} followers; follower delay as the clients saw it {} (goal p99 <= 50 ms)",
+        "component: 200 identical requests (300 ms upstream): {} upstream call(s), {} followers; answered after the leader by the host's clock: {host} (goal p99 <= 50 ms); as the clients saw it: {}",
         f.calls, f.client.followers, f.client.line()
     ));
-    r.series.push(("component followers".into(), f.client.sorted_us));
+    if let Some(host) = f.server {
+        r.series.push(("component followers".into(), host.sorted_us));
+    }
     r.note(format!("component size: {} bytes", std::fs::metadata(component_path())?.len()));
     let dir = workspace_root().join("target/bench");
     r.write(&dir)?;

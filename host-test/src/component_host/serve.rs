@@ -8,10 +8,12 @@ use super::keyvalue::{self, KeyValue, Memory};
 use hyper::server::conn::http1;
 use hyper::service::service_fn;
 use hyper_util::rt::TokioIo;
+use std::collections::VecDeque;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
+use std::time::Instant;
 use tokio::net::TcpListener;
 use wasmtime::component::{Linker, ResourceTable};
 use wasmtime::Store;
@@ -27,6 +29,8 @@ use wasmtime_wasi_http::{WasiHttpCtx, WasiHttpCtxView, WasiHttpHooks, WasiHttpVi
 pub const REUSES: u32 = 1_000;
 /// The most instances kept idle between requests.
 const IDLE: usize = 64;
+/// The most answers `Serving::answered_since` remembers.
+const ANSWERS_KEPT: usize = 100_000;
 
 pub struct ComponentOptions {
     pub wasm: PathBuf,
@@ -55,6 +59,15 @@ impl Serving {
     pub fn instances(&self) -> u64 {
         self.host.instances.load(Ordering::SeqCst)
     }
+
+    /// The answers the component gave since `t` (the host's clock: when it handed each
+    /// response to the HTTP server), each with its `x-holysheep-cache` label, in
+    /// microseconds after `t`.
+    pub fn answered_since(&self, t: Instant) -> Vec<(u64, String)> {
+        let answered = self.host.answered.lock().unwrap_or_else(|e| e.into_inner());
+        let since = answered.iter().filter_map(|(at, label)| Some((at.checked_duration_since(t)?, label)));
+        since.map(|(d, label)| (d.as_micros() as u64, label.clone())).collect()
+    }
 }
 
 struct Host {
@@ -62,6 +75,8 @@ struct Host {
     failures: AtomicU64,
     instances: AtomicU64,
     idle: Mutex<Vec<Ready>>,
+    /// When each response was handed to the server, with its cache label (the newest).
+    answered: Mutex<VecDeque<(Instant, String)>>,
     memory: Arc<Memory>,
     upstream: SocketAddr,
     env: Vec<(String, String)>,
@@ -155,6 +170,7 @@ pub fn start(opts: ComponentOptions) -> std::io::Result<Serving> {
         failures: AtomicU64::new(0),
         instances: AtomicU64::new(0),
         idle: Mutex::new(Vec::new()),
+        answered: Mutex::new(VecDeque::new()),
         memory: memory.clone(),
         upstream: opts.upstream,
         env: opts.env,
@@ -194,7 +210,10 @@ impl Host {
             result
         });
         match receiver.await {
-            Ok(Ok(resp)) => Ok(resp),
+            Ok(Ok(resp)) => {
+                self.note_answer(&resp);
+                Ok(resp)
+            }
             Ok(Err(e)) => Err(e.into()),
             Err(_) => match task.await {
                 Ok(Ok(())) => Err(wasmtime::Error::msg("the component never set a response")),
@@ -202,6 +221,15 @@ impl Host {
                 Err(e) => Err(e.into()),
             },
         }
+    }
+
+    fn note_answer(&self, resp: &hyper::Response<HyperOutgoingBody>) {
+        let label = resp.headers().get("x-holysheep-cache").and_then(|v| v.to_str().ok()).unwrap_or("-");
+        let mut answered = self.answered.lock().unwrap_or_else(|e| e.into_inner());
+        if answered.len() == ANSWERS_KEPT {
+            answered.pop_front();
+        }
+        answered.push_back((Instant::now(), label.to_owned()));
     }
 
     /// One `handle` call on an idle instance (or a new one), which goes back idle after it.

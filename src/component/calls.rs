@@ -1,0 +1,190 @@
+//! The component's calls to HolySheep: a governed call's attempt (its head, then its
+//! whole answer, renewing the lease while it waits) and the requests it does not govern,
+//! forwarded with the client's own credentials and streamed back.
+
+use super::gateway::reply;
+use super::host;
+use super::instance::Gateway;
+use super::wasi::http::outgoing_handler;
+use super::wasi::http::types::{
+    Fields, IncomingBody, IncomingRequest, IncomingResponse, Method, OutgoingBody, OutgoingRequest, RequestOptions,
+    ResponseOutparam, Scheme,
+};
+use crate::core::cache::Response;
+use crate::core::engine::{Call, Reply};
+use crate::core::error::ApiError;
+use crate::core::limits::ProviderHints;
+use crate::core::request::CHAT_PATH;
+use crate::core::stream;
+use crate::core::upstream::{self, Outbound};
+
+/// The most bytes read from one HolySheep answer.
+const MAX_UPSTREAM_BODY: usize = 16 * 1024 * 1024;
+/// Request headers never forwarded (hop-by-hop, or set by the gateway).
+const NOT_FORWARDED: [&str; 8] =
+    ["host", "connection", "keep-alive", "proxy-connection", "transfer-encoding", "upgrade", "te", "content-length"];
+/// Response headers not copied from a forwarded answer.
+const NOT_RETURNED: [&str; 5] = ["connection", "keep-alive", "proxy-connection", "transfer-encoding", "upgrade"];
+
+impl Gateway {
+    /// One call to HolySheep for `model`, renewing the lease while it waits.
+    pub(super) fn attempt(
+        &self,
+        call: &Call,
+        outbound: &Outbound,
+        model: &str,
+        timeout_ms: u64,
+    ) -> (Option<Response>, ProviderHints) {
+        let deadline = host::now_ms().saturating_add(timeout_ms.max(1));
+        match self.request_head(call, outbound, model, deadline) {
+            Some(response) => self.read_answer(response, call, deadline),
+            None => (None, ProviderHints::default()),
+        }
+    }
+
+    /// HolySheep's whole answer, read by `deadline_ms` (the call's), renewing the lease
+    /// while the body arrives: a slow body must not let a waiter take over and call again.
+    pub(super) fn read_answer(
+        &self,
+        response: IncomingResponse,
+        call: &Call,
+        deadline_ms: u64,
+    ) -> (Option<Response>, ProviderHints) {
+        let status = response.status();
+        let headers = header_pairs(&response.headers());
+        let Ok(body) = response.consume() else { return (None, ProviderHints::default()) };
+        let read = body.stream().ok().and_then(|from| {
+            let mut bytes = Vec::new();
+            loop {
+                match host::read_chunk(&from, deadline_ms, self.config.tick_ms(), &mut || self.renew(call)) {
+                    Ok(Some(chunk)) if bytes.len() + chunk.len() <= MAX_UPSTREAM_BODY => bytes.extend(chunk),
+                    Ok(None) => return Some(bytes),
+                    Ok(Some(_)) | Err(_) => return None,
+                }
+            }
+        });
+        drop(IncomingBody::finish(body));
+        match read {
+            Some(bytes) => {
+                let (r, hints) = upstream::response(status, &headers, bytes);
+                (Some(r), hints)
+            }
+            None => (None, ProviderHints::default()),
+        }
+    }
+
+    /// Sends one call to HolySheep for `model` (with its `content-length`) and waits for
+    /// the head of its answer until `deadline_ms`, renewing the lease meanwhile.
+    pub(super) fn request_head(
+        &self,
+        call: &Call,
+        outbound: &Outbound,
+        model: &str,
+        deadline_ms: u64,
+    ) -> Option<IncomingResponse> {
+        let body = outbound.body_for(model);
+        let mut headers: Vec<(String, String)> =
+            outbound.headers(self.bearer.as_deref()).into_iter().map(|(n, v)| (n.to_owned(), v.to_owned())).collect();
+        headers.push(("content-length".to_owned(), body.len().to_string()));
+        if outbound.stream {
+            headers.retain(|(n, _)| n != "accept");
+            headers.push(("accept".to_owned(), stream::CONTENT_TYPE.to_owned()));
+        }
+        self.outgoing(Method::Post, CHAT_PATH, &headers)
+            .and_then(|request| self.send(request, Body::Bytes(&body), deadline_ms, &mut || self.renew(call)))
+    }
+
+    /// Sends a request to HolySheep with `body` and waits for its head until `deadline_ms`,
+    /// calling `between` while it waits.
+    fn send(
+        &self,
+        request: OutgoingRequest,
+        body: Body<'_>,
+        deadline_ms: u64,
+        between: &mut dyn FnMut(),
+    ) -> Option<IncomingResponse> {
+        let outgoing = request.body().ok()?;
+        let future = outgoing_handler::handle(request, Some(options(deadline_ms))).ok()?;
+        if let Ok(to) = outgoing.write() {
+            match body {
+                Body::Bytes(b) => {
+                    host::write_all(&to, b);
+                }
+                Body::From(client) => {
+                    if let Ok(incoming) = client.consume() {
+                        if let Ok(from) = incoming.stream() {
+                            host::pipe(&from, &to);
+                        }
+                    }
+                }
+            }
+        }
+        OutgoingBody::finish(outgoing, None).ok()?;
+        let ready = future.subscribe();
+        if !host::wait_for(&ready, deadline_ms, self.config.tick_ms(), between) {
+            return None;
+        }
+        drop(ready);
+        future.get()?.ok()?.ok()
+    }
+
+    fn outgoing(&self, method: Method, path: &str, headers: &[(String, String)]) -> Option<OutgoingRequest> {
+        let request = OutgoingRequest::new(host::fields(headers));
+        let scheme = if self.config.upstream.scheme == "http" { Scheme::Http } else { Scheme::Https };
+        request.set_method(&method).ok()?;
+        request.set_scheme(Some(&scheme)).ok()?;
+        request.set_authority(Some(&self.config.upstream.authority)).ok()?;
+        request.set_path_with_query(Some(path)).ok()?;
+        Some(request)
+    }
+
+    /// Passes a request the gateway does not govern to HolySheep and streams the answer
+    /// back. It carries the client's own credentials, never the operator's key: only calls
+    /// that go through the cache, the single flight and the buckets use that.
+    pub(super) fn forward(&self, request: IncomingRequest, out: ResponseOutparam) {
+        let received = header_pairs(&request.headers());
+        let headers: Vec<(String, String)> =
+            received.into_iter().filter(|(n, _)| !NOT_FORWARDED.contains(&n.as_str())).collect();
+        let path = request.path_with_query().unwrap_or_else(|| "/".into());
+        let deadline = host::now_ms().saturating_add(self.config.upstream.timeout_ms);
+        let answer = self
+            .outgoing(request.method(), &path, &headers)
+            .and_then(|outgoing| self.send(outgoing, Body::From(&request), deadline, &mut || {}));
+        let Some(answer) = answer else {
+            let e = ApiError::upstream(502, "HolySheep could not be reached", "upstream_unavailable");
+            return reply(out, &Reply::error(&e), &[]);
+        };
+        let headers: Vec<(String, String)> =
+            header_pairs(&answer.headers()).into_iter().filter(|(n, _)| !NOT_RETURNED.contains(&n.as_str())).collect();
+        let Some(client_body) = host::start_response(out, answer.status(), &headers) else { return };
+        if let (Ok(from_body), Ok(to)) = (answer.consume(), client_body.write()) {
+            if let Ok(from) = from_body.stream() {
+                host::pipe(&from, &to);
+            }
+        }
+        let _ = OutgoingBody::finish(client_body, None);
+    }
+}
+
+fn options(deadline_ms: u64) -> RequestOptions {
+    let options = RequestOptions::new();
+    let ns = deadline_ms.saturating_sub(host::now_ms()).max(1).saturating_mul(1_000_000);
+    let _ = options.set_connect_timeout(Some(ns));
+    let _ = options.set_first_byte_timeout(Some(ns));
+    options
+}
+
+/// The body of a request to HolySheep: bytes in hand, or the client's body streamed through.
+enum Body<'a> {
+    Bytes(&'a [u8]),
+    From(&'a IncomingRequest),
+}
+
+/// Header pairs with lower-case names (values that are not text are left out).
+fn header_pairs(fields: &Fields) -> Vec<(String, String)> {
+    fields
+        .entries()
+        .into_iter()
+        .filter_map(|(n, v)| Some((n.to_ascii_lowercase(), String::from_utf8(v).ok()?)))
+        .collect()
+}

@@ -1,0 +1,79 @@
+//! What an instance of the component sets up once and keeps between the requests it
+//! serves, when its host reuses it (one request at a time): its configuration, key and
+//! store, and the requests it parsed that came again (found by the tenant's and the body's
+//! exact bytes). On a host that makes an instance per request, each request sets it up.
+
+use super::host::{self, Kv};
+use crate::core::config::Config;
+use crate::core::error::ApiError;
+use crate::core::hot::{self, Hot, Raw, Seed};
+use crate::core::request::ChatRequest;
+use crate::core::upstream;
+use std::cell::RefCell;
+use std::rc::Rc;
+
+/// What every part of one request needs: configuration, the key, and the store.
+pub(super) struct Gateway {
+    pub(super) config: Config,
+    pub(super) bearer: Option<String>,
+    pub(super) kv: Kv,
+}
+
+/// What an instance keeps between the requests it serves, when its host reuses it (one
+/// request at a time): its gateway, read once, and the requests it parsed that came again.
+struct Kept {
+    gateway: Option<Rc<Gateway>>,
+    seed: Seed,
+    parsed: Hot<ChatRequest>,
+}
+
+thread_local! {
+    static KEPT: RefCell<Kept> =
+        RefCell::new(Kept { gateway: None, seed: Seed::new(host::nonce()), parsed: Hot::new(0) });
+}
+
+/// The instance's gateway: its environment cannot change while it lives, so it is read once.
+pub(super) fn gateway() -> Result<Rc<Gateway>, ApiError> {
+    if let Some(g) = KEPT.with_borrow(|k| k.gateway.clone()) {
+        return Ok(g);
+    }
+    let gateway = Rc::new(setup()?);
+    KEPT.with_borrow_mut(|k| {
+        k.parsed = Hot::new(gateway.config.cache.hot_bytes.min(hot::PARSED_BYTES));
+        k.gateway = Some(gateway.clone());
+    });
+    Ok(gateway)
+}
+
+/// The request's raw bytes (the tenant's, and the body), hashed with this instance's secret.
+pub(super) fn raw<'a>(tenant: &'a [u8], body: &'a [u8]) -> Raw<'a> {
+    KEPT.with_borrow(|k| k.seed.raw(tenant, body))
+}
+
+/// The parse this instance kept for exactly these bytes.
+pub(super) fn parsed(raw: &Raw<'_>) -> Option<Rc<ChatRequest>> {
+    KEPT.with_borrow(|k| k.parsed.get(raw, host::now_ms()))
+}
+
+/// Keeps a request's parse for the next time the same bytes come.
+pub(super) fn keep_parsed(raw: &Raw<'_>, request: ChatRequest) {
+    KEPT.with_borrow_mut(|k| k.parsed.put(raw, u64::MAX, hot::PARSED_SIZE, request));
+}
+
+/// Reads the configuration (`HOLYSHEEP_CONFIG`), the key and the bucket for this request.
+fn setup() -> Result<Gateway, ApiError> {
+    let env = host::Env::read();
+    let raw = env.get("HOLYSHEEP_CONFIG").unwrap_or_default();
+    let config = Config::parse(raw.as_bytes()).map_err(|e| {
+        // The detail (which may quote configuration values) goes to the log only.
+        eprintln!("holysheep: {e}");
+        let message = format!("the gateway's configuration is invalid at '{}' (details in its log)", e.field());
+        ApiError::server(message, "invalid_configuration")
+    })?;
+    let bearer = upstream::bearer(env.get(&config.upstream.api_key_env));
+    let bucket = env.get("HOLYSHEEP_KV_BUCKET").unwrap_or_else(|| "default".into());
+    let kv = Kv::open(&bucket).map_err(|e| {
+        ApiError::server(format!("the wasi:keyvalue bucket '{bucket}' cannot be opened: {e}"), "store_unavailable")
+    })?;
+    Ok(Gateway { config, bearer, kv })
+}

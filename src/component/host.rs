@@ -92,7 +92,7 @@ pub fn nonce() -> u64 {
     super::wasi::random::random::get_random_u64().max(1)
 }
 
-/// The instance's environment, read once per request (each read copies all of it).
+/// The instance's environment, read when it sets up (each read copies all of it).
 pub struct Env(Vec<(String, String)>);
 
 impl Env {

@@ -60,7 +60,8 @@ pub(super) fn keep_parsed(raw: &Raw<'_>, request: ChatRequest) {
     KEPT.with_borrow_mut(|k| k.parsed.put(raw, u64::MAX, hot::PARSED_SIZE, request));
 }
 
-/// Reads the configuration (`HOLYSHEEP_CONFIG`), the key and the bucket for this request.
+/// Reads the configuration (`HOLYSHEEP_CONFIG`), the key and the bucket (once an instance
+/// has them, it keeps them).
 fn setup() -> Result<Gateway, ApiError> {
     let env = host::Env::read();
     let raw = env.get("HOLYSHEEP_CONFIG").unwrap_or_default();

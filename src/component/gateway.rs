@@ -13,9 +13,8 @@ use crate::core::engine::{poll_delay_ms, Call, Engine, Reply, Step};
 use crate::core::error::ApiError;
 use crate::core::flight::{Action, Flight};
 use crate::core::hot;
-use crate::core::intake::{intake, Head, Intake, Route};
+use crate::core::intake::{intake_or_known, Head, Intake, Route};
 use crate::core::limits::ProviderHints;
-use crate::core::request::ChatRequest;
 use crate::core::stream::{self, Reassembler};
 use crate::core::upstream::{self, Outbound};
 
@@ -92,14 +91,11 @@ impl Gateway {
         let tenant = hot::tenant_bytes(head.authorization.as_deref(), head.tenant.as_deref());
         let raw = instance::raw(&tenant, &body);
         // Directives change what may be served: such requests are parsed every time.
-        let plain = head.cache_control.is_none();
+        let plain = head.plain();
         let known = if plain { instance::parsed(&raw) } else { None };
-        let Intake { request: parsed, policy } = match &known {
-            Some(request) => Intake::known(&self.config, ChatRequest::clone(request)),
-            None => match intake(&self.config, &head, &body) {
-                Ok(i) => i,
-                Err(e) => return reply(out, &Reply::error(&e), &[]),
-            },
+        let Intake { request: parsed, policy } = match intake_or_known(&self.config, &head, &body, known.as_deref()) {
+            Ok(i) => i,
+            Err(e) => return reply(out, &Reply::error(&e), &[]),
         };
         let step = self.engine().admit(&parsed.key, policy, host::now_ms(), host::nonce());
         // A request answered from the cache, or waiting for one, is likely to come again.

@@ -92,6 +92,12 @@ impl Head {
         }
     }
 
+    /// Without directives (`cache-control`), which change what may be served: only such
+    /// requests are answered from a shell's per-worker copies or their parses.
+    pub fn plain(&self) -> bool {
+        self.cache_control.is_none()
+    }
+
     pub fn meta(&self) -> RequestMeta<'_> {
         RequestMeta {
             authorization: self.authorization.as_deref(),
@@ -110,11 +116,22 @@ pub fn intake(config: &Config, head: &Head, body: &[u8]) -> Result<Intake, ApiEr
     Ok(Intake { request, policy })
 }
 
-impl Intake {
-    /// A request parsed before (the same bytes from the same tenant), without directives.
-    pub fn known(config: &Config, request: ChatRequest) -> Intake {
-        let policy = request.policy(config, CacheControl::default());
-        Intake { request, policy }
+/// `intake`, or, for a request without directives, the parse a shell kept for exactly its
+/// bytes from the same tenant (`known`: a per-worker or per-instance memo), which costs
+/// nothing more than a clone. A request with `cache-control` is always parsed.
+pub fn intake_or_known(
+    config: &Config,
+    head: &Head,
+    body: &[u8],
+    known: Option<&ChatRequest>,
+) -> Result<Intake, ApiError> {
+    match known.filter(|_| head.plain()) {
+        Some(request) => {
+            let request = request.clone();
+            let policy = request.policy(config, CacheControl::default());
+            Ok(Intake { request, policy })
+        }
+        None => intake(config, head, body),
     }
 }
 
@@ -195,5 +212,21 @@ mod tests {
         let p = intake(&config, &no_store, body).unwrap().policy;
         assert!(!p.read && !p.store && !p.coalesce);
         assert_eq!(intake(&config, &bob, b"{").map_err(|e| e.status).err(), Some(400));
+    }
+
+    #[test]
+    fn a_kept_parse_serves_only_a_request_without_directives() {
+        let config = Config::default();
+        let body = br#"{"model":"gpt-4.1","messages":[{"role":"user","content":"hi"}],"temperature":0}"#;
+        let alice = Head { authorization: Some("Bearer alice".into()), ..Head::default() };
+        let kept = intake(&config, &alice, body).unwrap().request;
+        let again = intake_or_known(&config, &alice, b"not parsed", Some(&kept)).unwrap();
+        assert_eq!(
+            (again.request.key, again.policy),
+            (kept.key.clone(), kept.policy(&config, CacheControl::default()))
+        );
+        let no_store = Head { cache_control: Some("no-store".into()), ..alice };
+        let p = intake_or_known(&config, &no_store, body, Some(&kept)).unwrap().policy;
+        assert!(!p.read && !p.store, "directives are read from the request, not the memo");
     }
 }

@@ -13,10 +13,10 @@ use crate::core::config::Role;
 use crate::core::engine::{CacheStatus, Engine, Reply, Step};
 use crate::core::error::ApiError;
 use crate::core::hot::{self, Raw};
-use crate::core::intake::{intake, Head, Intake, Route};
+use crate::core::intake::{intake_or_known, Head, Intake, Route};
 use crate::core::pairs;
 use crate::core::peer;
-use crate::core::request::{ChatRequest, Key, KEY_HEADER, PEER_PATH};
+use crate::core::request::{Key, KEY_HEADER, PEER_PATH};
 use crate::core::stream::{self, Reassembler};
 use crate::core::upstream::Outbound;
 use proxy_wasm::hostcalls;
@@ -102,19 +102,16 @@ impl Chat {
         // The raw bytes, hashed once for the worker's tables that keep things by them.
         let raw = self.worker.borrow().seed.raw(&tenant, &body);
         // Directives change what may be served: such requests take the whole path.
-        let plain = head.cache_control.is_none();
+        let plain = head.plain();
         if plain {
             if let Some(action) = self.answer_from_hot(&raw, now) {
                 return action;
             }
         }
         let known = if plain { self.worker.borrow().parsed.get(&raw, now) } else { None };
-        let Intake { request, policy } = match &known {
-            Some(request) => Intake::known(&config, ChatRequest::clone(request)),
-            None => match intake(&config, &head, &body) {
-                Ok(i) => i,
-                Err(e) => return self.reject(&e),
-            },
+        let Intake { request, policy } = match intake_or_known(&config, &head, &body, known.as_deref()) {
+            Ok(i) => i,
+            Err(e) => return self.reject(&e),
         };
         if config.role == Role::Forward {
             self.worker.borrow_mut().parsed.put(&raw, u64::MAX, hot::PARSED_SIZE, request.clone());

@@ -91,7 +91,7 @@ fn logged_edge(yaml: &str, path: &Path) -> String {
 }
 
 /// A file access log, as YAML under a connection manager.
-fn access_log(path: &Path) -> String {
+pub fn access_log(path: &Path) -> String {
     format!(
         r#"          access_log:
           - name: envoy.access_loggers.file

@@ -9,7 +9,8 @@
 //! - floors: minimal proxy-wasm filters (`host-test/floors/`: a local reply, the same
 //!   making the HIT's host calls and sending its headers, a callout, the same making the
 //!   MISS's host calls and sending its headers) measured beside the plugin, with the
-//!   issue-13 goals as ratios;
+//!   issue-13 goals as ratios; and the followers' floor: a crowd of requests held until
+//!   the last arrives, then released on every worker, alternating with the plugin's crowds;
 //! - the wasi:http component on the wasmtime host (running beside Envoy): HIT, alternating
 //!   with the plugin's HIT rounds, vs the Envoy plugin's HIT; its
 //!   (polling) followers;
@@ -18,13 +19,14 @@
 //! Options (environment): BENCH_SECONDS (default 3), BENCH_CONNECTIONS (default 16),
 //! BENCH_ROUNDS (default 5: floor and plugin rows alternate; a row's median round is its
 //! line, and a ratio of two alternating rows is the median of their rounds' ratios),
-//! BENCH_CROWD (default 1000 identical requests for the follower delay), BENCH_PROFILE=1
+//! BENCH_CROWD (default 1000 identical requests for the follower delay), BENCH_CROWD_ROUNDS
+//! (default 3 crowds for the plugin and as many for the floor, alternating), BENCH_PROFILE=1
 //! (`perf record` on Envoy during each Envoy row: CPU per request in the filter's wasm code,
 //! in Envoy itself and in the kernel; see `host_test::profile`).
 
 use host_test::client::{request, Conn};
 use host_test::component_host::serve::{start as start_component, ComponentOptions};
-use host_test::envoy::{component_path, wasm_path, workspace_root, Envoy, Options};
+use host_test::envoy::{access_log as access_log_yaml, component_path, wasm_path, workspace_root, Envoy, Options};
 use host_test::fleet::Fleet;
 use host_test::mock::Running;
 use host_test::profile::{self, Split};
@@ -135,13 +137,13 @@ fn unique_prompts(tag: &'static str) -> Arc<dyn Fn() -> String + Send + Sync> {
 fn follower_delay(
     edge: SocketAddr,
     mock: &Running,
-    n: usize,
+    (n, body): (usize, &str),
     server: impl FnOnce(Instant) -> Option<Vec<(u64, String)>>,
 ) -> Followers {
     mock.mock.set_latency_ms(300);
     let calls_before = mock.mock.calls();
     let started = Instant::now();
-    let done = crowd(edge, n, &prompt("follower delay probe"));
+    let done = crowd(edge, n, body);
     mock.mock.set_latency_ms(0);
     let seen: Vec<(u64, String)> =
         done.iter().map(|(t, c)| (t.saturating_duration_since(started).as_micros() as u64, c.clone())).collect();
@@ -312,7 +314,7 @@ fn alternate(rounds: usize, rows: &mut [&mut dyn FnMut() -> Stats]) -> Vec<Vec<S
 
 /// `of(a, b)` for the two rows' rounds taken side by side (round i of one against round i
 /// of the other, measured a few seconds apart), the median of those.
-fn paired(a: &[Stats], b: &[Stats], of: impl Fn(&Stats, &Stats) -> f64) -> f64 {
+fn paired<T>(a: &[T], b: &[T], of: impl Fn(&T, &T) -> f64) -> f64 {
     let mut values: Vec<f64> = a.iter().zip(b).map(|(a, b)| of(a, b)).collect();
     values.sort_by(f64::total_cmp);
     values.get(values.len() / 2).copied().unwrap_or(0.0)
@@ -325,6 +327,12 @@ fn throughput(a: &Stats, b: &Stats) -> f64 {
 /// The row's median round by throughput.
 fn median(mut rounds: Vec<Stats>) -> Stats {
     rounds.sort_by(|x, y| x.rps.total_cmp(&y.rps));
+    rounds.swap_remove(rounds.len() / 2)
+}
+
+/// The crowd round with the median p99 delay.
+fn median_p99(mut rounds: Vec<Delays>) -> Delays {
+    rounds.sort_by_key(|d| d.p99_us);
     rounds.swap_remove(rounds.len() / 2)
 }
 
@@ -374,6 +382,12 @@ fn floor_listener(name: &str, wasm: &Path, configuration: &str) -> String {
         wasm = wasm.display(),
         configuration = configuration.replace('\'', "''"),
     )
+}
+
+/// A floor's listener with an access log at `path` (as the edge's `edge_logged`).
+fn logged_floor(listener: String, path: &Path) -> String {
+    let prefix = listener.lines().find(|l| l.trim_start().starts_with("stat_prefix:")).unwrap_or_default().to_owned();
+    listener.replacen(&format!("{prefix}\n"), &format!("{prefix}\n{}", access_log_yaml(path)), 1)
 }
 
 /// What one run measured, printed as it goes and written to `target/bench/`.
@@ -465,12 +479,21 @@ fn main() -> std::io::Result<()> {
     let mut opts = Options::new("{}", mock.addr);
     opts.direct_body = hit_body.clone();
     opts.edge_access_log = Some(std::env::temp_dir().join(format!("holysheep-bench-{}.log", std::process::id())));
+    let held_log = std::env::temp_dir().join(format!("holysheep-bench-held-{}.log", std::process::id()));
     opts.extra_listeners =
         floor_listener("floor_reply", &floors.join("floor_reply.wasm"), &String::from_utf8_lossy(&hit_body))
             + &floor_listener(
                 "floor_hit_calls",
                 &floors.join("floor_reply.wasm"),
                 &format!("hit-calls:{}", String::from_utf8_lossy(&hit_body)),
+            )
+            + &logged_floor(
+                floor_listener(
+                    "floor_held",
+                    &floors.join("floor_reply.wasm"),
+                    &format!("held:{crowd}:{}", String::from_utf8_lossy(&hit_body)),
+                ),
+                &held_log,
             )
             + &floor_listener("floor_callout", &floors.join("floor_callout.wasm"), "{}")
             + &floor_listener("floor_miss_calls", &floors.join("floor_callout.wasm"), "miss-calls");
@@ -589,19 +612,37 @@ fn main() -> std::io::Result<()> {
     r.ratio("floor with the MISS's host calls / callout floor", miss_calls_over_floor, "");
     r.ratio("MISS throughput / plain proxy", r.rps(miss) / r.rps(plain), "");
     let logged = envoy.listener("edge_logged").expect("edge_logged listener");
-    let log = opts.edge_access_log.as_deref();
-    let logged_before = log.map_or(0, |l| access_log(l).len());
-    let f = follower_delay(logged, &mock, crowd, |_| log.map(|l| edge_ends(&logged_after(l, logged_before, crowd))));
-    let edge = f.server.as_ref().map_or_else(|| "not logged".to_owned(), Delays::line);
+    let floor_held = envoy.listener("floor_held").expect("floor_held listener");
+    let log = opts.edge_access_log.as_deref().expect("the edge's access log");
+    let (mut floor_rounds, mut edge_rounds) = (Vec::new(), Vec::new());
+    let crowd_rounds = env_or("BENCH_CROWD_ROUNDS", 3);
+    for round in 0..crowd_rounds {
+        let before = access_log(&held_log).len();
+        let floor = follower_delay(floor_held, &mock, (crowd, &hit_prompt), |_| {
+            Some(edge_ends(&logged_after(&held_log, before, crowd)))
+        });
+        let before = access_log(log).len();
+        let probe = prompt(&format!("follower delay probe {round}"));
+        let edge =
+            follower_delay(logged, &mock, (crowd, &probe), |_| Some(edge_ends(&logged_after(log, before, crowd))));
+        assert_eq!(edge.calls, 1, "a crowd of identical requests makes one upstream call");
+        floor_rounds.push(floor.server.expect("the floor's access log"));
+        edge_rounds.push(edge.server.expect("the edge's access log"));
+    }
+    let p99_ratio = paired(&edge_rounds, &floor_rounds, |e, f| e.p99_us as f64 / f.p99_us.max(1) as f64);
+    let (floor, edge) = (median_p99(floor_rounds), median_p99(edge_rounds));
     // Envoy's own clock: the one client thread reads 1000 answers one after another, so
     // its timestamps trail the edge's by up to the time that takes.
     r.note(format!(
-        "{crowd} identical requests (300 ms upstream): {} upstream call(s), {} followers; last byte sent after the leader's (Envoy's access log): {edge} (goal p99 <= 5 ms)",
-        f.calls, f.client.followers
+        "{crowd} identical requests (300 ms upstream, 1 upstream call each), {} followers; last byte sent after the leader's (Envoy's access log), median round of {}: edge {} (goal p99 <= 5 ms); floor of {crowd} held requests released by the last: {}",
+        edge.followers,
+        crowd_rounds,
+        edge.line(),
+        floor.line()
     ));
-    if let Some(edge) = f.server {
-        r.series.push(("Envoy followers".into(), edge.sorted_us));
-    }
+    r.ratio("Envoy followers p99 / held-requests floor p99", p99_ratio, "");
+    r.series.push(("Envoy followers".into(), edge.sorted_us));
+    r.series.push(("floor: held requests".into(), floor.sorted_us));
     r.note(format!("plugin size: {wasm_bytes} bytes (goal <= 524288)"));
 
     mock.mock.set_event_delay_ms(5);
@@ -642,7 +683,8 @@ fn main() -> std::io::Result<()> {
     println!();
     r.row("component HIT (wasmtime host)", component_stats);
     r.ratio("component HIT / Envoy plugin HIT", component_over_hit, "goal >= 0.80");
-    let f = follower_delay(component.addr, &mock, 200, |started| Some(component.answered_since(started)));
+    let probe = prompt("component follower delay probe");
+    let f = follower_delay(component.addr, &mock, (200, &probe), |started| Some(component.answered_since(started)));
     let host = f.server.as_ref().map_or_else(|| "not recorded".to_owned(), Delays::line);
     r.note(format!(
         "component: 200 identical requests (300 ms upstream): {} upstream call(s), {} followers; answered after the leader by the host's clock: {host} (goal p99 <= 50 ms); as the clients saw it: {}",

@@ -71,6 +71,8 @@ fn session(row: &Row, engine: &wasmtime::Config) -> World {
     let mut options = Options::new(1, &row.config, 1);
     options.yields = false;
     let mut w = World::start(&plugin, options, upstream).expect("the world starts");
+    // The first tick registers the worker's queue (the plugin's and the held floor's).
+    w.run_until(50, |_| false);
     for i in 0..WARM_UP {
         ask(row, &mut w, i);
     }
@@ -216,7 +218,7 @@ fn main() {
         Row {
             name: "floor: wasm local reply",
             wasm: floors.join("floor_reply.wasm"),
-            config: body,
+            config: body.clone(),
             distinct: false,
             label: None,
             crowd: 1,
@@ -252,6 +254,14 @@ fn main() {
             distinct: true,
             label: Some("MISS"),
             crowd: 1,
+        },
+        Row {
+            name: "floor: 64 held, released by the last",
+            wasm: floors.join("floor_reply.wasm"),
+            config: format!("held:64:{body}"),
+            distinct: true,
+            label: None,
+            crowd: 64,
         },
         Row {
             name: "edge crowd of 64 (1 MISS, 63 COALESCED)",

@@ -643,6 +643,9 @@ fn main() -> std::io::Result<()> {
     r.ratio("Envoy followers p99 / held-requests floor p99", p99_ratio, "");
     r.series.push(("Envoy followers".into(), edge.sorted_us));
     r.series.push(("floor: held requests".into(), floor.sorted_us));
+    for l in [log, held_log.as_path()] {
+        let _ = std::fs::remove_file(l);
+    }
     r.note(format!("plugin size: {wasm_bytes} bytes (goal <= 524288)"));
 
     mock.mock.set_event_delay_ms(5);

@@ -1,5 +1,7 @@
-//! `make profile`: where a request's time inside the wasm VM goes, for the plugin and the two
-//! bench floors (`host-test/floors/`), run in the wasmtime host (`host_test::proxy_host`,
+//! `make profile`: where a request's time inside the wasm VM goes, for the plugin and the
+//! bench floors (`host-test/floors/`: a local reply, the same with a HIT's host calls, a
+//! callout, the same with a MISS's host calls, 64 held requests released by the last,
+//! beside the plugin's crowd of 64), run in the wasmtime host (`host_test::proxy_host`,
 //! one worker) with a perf map, under `perf record` (cpu-clock). For each row: CPU in
 //! compiled wasm per request, proxy-wasm host calls per request (counted by the host), and
 //! the wasm functions that took the most samples. Envoy's V8 runs the same module; `make
@@ -221,6 +223,14 @@ fn main() {
             config: body.clone(),
             distinct: false,
             label: None,
+            crowd: 1,
+        },
+        Row {
+            name: "floor + the HIT's host calls",
+            wasm: floors.join("floor_reply.wasm"),
+            config: format!("hit-calls:{body}"),
+            distinct: false,
+            label: Some("HIT"),
             crowd: 1,
         },
         Row {

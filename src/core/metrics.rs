@@ -39,6 +39,27 @@ pub const COUNTERS: [Counter; 15] = [
 ];
 
 impl Counter {
+    /// Its place in `COUNTERS`.
+    pub fn index(self) -> usize {
+        match self {
+            Counter::Requests(CacheStatus::Hit) => 0,
+            Counter::Requests(CacheStatus::Miss) => 1,
+            Counter::Requests(CacheStatus::Coalesced) => 2,
+            Counter::Requests(CacheStatus::Bypass) => 3,
+            Counter::Requests(CacheStatus::Stale) => 4,
+            Counter::UpstreamCalls => 5,
+            Counter::Retries => 6,
+            Counter::Failovers => 7,
+            Counter::RateLimited => 8,
+            Counter::ProviderRateLimited => 9,
+            Counter::PromptTokens => 10,
+            Counter::CompletionTokens => 11,
+            Counter::CostSpentMicroUsd => 12,
+            Counter::CostSavedMicroUsd => 13,
+            Counter::FleetLocalShare => 14,
+        }
+    }
+
     pub fn name(self) -> String {
         match self {
             Counter::Requests(s) => format!("requests_{}", s.as_str().to_ascii_lowercase()),
@@ -70,6 +91,46 @@ pub fn labels(config: &Config) -> Vec<String> {
     config.models.keys().cloned().chain(std::iter::once("other".to_owned())).collect()
 }
 
+/// A value for each (label, counter) of a configuration (a host's metric ids), found
+/// without hashing or allocating: labels are few and compared in place.
+pub struct PerCounter<T> {
+    labels: Vec<String>,
+    values: Vec<Option<T>>,
+}
+
+impl<T> Default for PerCounter<T> {
+    fn default() -> Self {
+        PerCounter { labels: Vec::new(), values: Vec::new() }
+    }
+}
+
+impl<T: Copy> PerCounter<T> {
+    pub fn new(config: &Config) -> PerCounter<T> {
+        let labels = labels(config);
+        let values = vec![None; labels.len() * COUNTERS.len()];
+        PerCounter { labels, values }
+    }
+
+    pub fn labels(&self) -> &[String] {
+        &self.labels
+    }
+
+    pub fn set(&mut self, label: &str, counter: Counter, value: T) {
+        if let Some(slot) = self.slot(label, counter).and_then(|i| self.values.get_mut(i)) {
+            *slot = Some(value);
+        }
+    }
+
+    pub fn get(&self, label: &str, counter: Counter) -> Option<T> {
+        self.values.get(self.slot(label, counter)?).copied().flatten()
+    }
+
+    fn slot(&self, label: &str, counter: Counter) -> Option<usize> {
+        let l = self.labels.iter().position(|l| l == label)?;
+        Some(l * COUNTERS.len() + counter.index())
+    }
+}
+
 /// Envoy stat name (Envoy adds the `wasmcustom.` prefix).
 pub fn metric_name(label: &str, counter: Counter) -> String {
     format!("holysheep.{label}.{}", counter.name())
@@ -87,8 +148,8 @@ fn priced(config: &Config, model: &str) -> bool {
 }
 
 /// What one flight event adds, as (model label, counter, amount).
-pub fn for_event(config: &Config, event: &Event) -> Vec<(String, Counter, u64)> {
-    let one = |m: &str, c| vec![(label(config, m).to_owned(), c, 1)];
+pub fn for_event<'a>(config: &'a Config, event: &'a Event) -> Vec<(&'a str, Counter, u64)> {
+    let one = |m: &'a str, c| vec![(label(config, m), c, 1)];
     match event {
         Event::UpstreamCall { model } => one(model, Counter::UpstreamCalls),
         Event::Retry { model } => one(model, Counter::Retries),
@@ -97,10 +158,10 @@ pub fn for_event(config: &Config, event: &Event) -> Vec<(String, Counter, u64)> 
         Event::ProviderRateLimited { model } => one(model, Counter::ProviderRateLimited),
         Event::LocalShare { model } => one(model, Counter::FleetLocalShare),
         Event::Usage { model, prompt, completion } => {
-            let l = label(config, model).to_owned();
+            let l = label(config, model);
             vec![
-                (l.clone(), Counter::PromptTokens, *prompt),
-                (l.clone(), Counter::CompletionTokens, *completion),
+                (l, Counter::PromptTokens, *prompt),
+                (l, Counter::CompletionTokens, *completion),
                 (l, Counter::CostSpentMicroUsd, cost_micro_usd(config, model, *prompt, *completion)),
             ]
         }
@@ -109,10 +170,10 @@ pub fn for_event(config: &Config, event: &Event) -> Vec<(String, Counter, u64)> 
 
 /// What one answer to a client adds: its cache status, and for HIT and COALESCED answers
 /// the cost of the original usage, saved.
-pub fn for_reply(config: &Config, requested_model: &str, reply: &Reply) -> Vec<(String, Counter, u64)> {
+pub fn for_reply<'a>(config: &'a Config, requested_model: &'a str, reply: &Reply) -> Vec<(&'a str, Counter, u64)> {
     let Some(status) = reply.cache else { return Vec::new() };
-    let l = label(config, requested_model).to_owned();
-    let mut out = vec![(l.clone(), Counter::Requests(status), 1)];
+    let l = label(config, requested_model);
+    let mut out = vec![(l, Counter::Requests(status), 1)];
     if matches!(status, CacheStatus::Hit | CacheStatus::Coalesced) && reply.response.status == 200 {
         let served = reply.response.header("x-holysheep-model").unwrap_or(requested_model);
         // Parsing the answer is the only cost on a HIT; skip it when nothing is priced.
@@ -138,17 +199,14 @@ mod tests {
         assert_eq!(labels(&c), ["gpt-4.1", "other"]);
         assert_eq!(metric_name("gpt-4.1", Counter::Requests(CacheStatus::Hit)), "holysheep.gpt-4.1.requests_hit");
         let usage = Event::Usage { model: "gpt-4.1".into(), prompt: 1000, completion: 500 };
-        assert!(for_event(&c, &usage).contains(&("gpt-4.1".into(), Counter::CostSpentMicroUsd, 6000)));
-        assert_eq!(for_event(&c, &Event::Retry { model: "unknown".into() }), [("other".into(), Counter::Retries, 1)]);
+        assert!(for_event(&c, &usage).contains(&("gpt-4.1", Counter::CostSpentMicroUsd, 6000)));
+        assert_eq!(for_event(&c, &Event::Retry { model: "unknown".into() }), [("other", Counter::Retries, 1)]);
         let body = br#"{"usage":{"prompt_tokens":1000,"completion_tokens":500}}"#.to_vec();
         let hit =
             Reply { response: Response::json(200, body), cache: Some(CacheStatus::Hit), key: None, age_s: Some(1) };
         assert_eq!(
             for_reply(&c, "gpt-4.1", &hit),
-            [
-                ("gpt-4.1".into(), Counter::Requests(CacheStatus::Hit), 1),
-                ("gpt-4.1".into(), Counter::CostSavedMicroUsd, 6000)
-            ]
+            [("gpt-4.1", Counter::Requests(CacheStatus::Hit), 1), ("gpt-4.1", Counter::CostSavedMicroUsd, 6000)]
         );
         let names: Vec<String> = COUNTERS.iter().map(|c| c.name()).collect();
         let documented = [
@@ -169,5 +227,25 @@ mod tests {
             "fleet_local_share",
         ];
         assert_eq!(names, documented, "the README's counter names, each once");
+        assert!(COUNTERS.iter().enumerate().all(|(i, c)| c.index() == i), "index is the place in COUNTERS");
+    }
+
+    #[test]
+    fn each_label_and_counter_keeps_its_own_value() {
+        let c = Config::parse(br#"{"models":{"gpt-4.1":{},"deepseek-v3":{}}}"#).unwrap();
+        let mut ids = PerCounter::new(&c);
+        for (l, label) in labels(&c).iter().enumerate() {
+            for (i, counter) in COUNTERS.iter().enumerate() {
+                ids.set(label, *counter, l * 100 + i);
+            }
+        }
+        assert_eq!(
+            ids.get("gpt-4.1", Counter::Retries),
+            Some(6 + 100 * labels(&c).iter().position(|l| l == "gpt-4.1").unwrap())
+        );
+        assert_eq!(ids.get("other", Counter::FleetLocalShare), Some(214));
+        assert_eq!(ids.get("gpt-5", Counter::Retries), None, "a label the configuration does not have");
+        ids.set("gpt-5", Counter::Retries, 1);
+        assert_eq!(ids.get("gpt-5", Counter::Retries), None);
     }
 }

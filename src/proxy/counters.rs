@@ -2,32 +2,39 @@
 //! core's labelled increments.
 
 use super::worker::Worker;
-use crate::core::metrics::{self, Counter, COUNTERS};
+use crate::core::metrics::{self, Counter, PerCounter, COUNTERS};
 use proxy_wasm::hostcalls;
 use proxy_wasm::types::MetricType;
 
 impl Worker {
-    pub(super) fn count(&self, increments: Vec<(String, Counter, u64)>) {
-        bump(&self.counter_ids(increments));
+    pub(super) fn count(&self, increments: Vec<(&str, Counter, u64)>) {
+        for (label, counter, n) in increments {
+            if let Some((id, n)) = self.counter_id(label, counter, n) {
+                let _ = hostcalls::increment_metric(id, n);
+            }
+        }
     }
 
     /// The metric ids and amounts of `increments`, resolved once (for kept answers).
-    pub(super) fn counter_ids(&self, increments: Vec<(String, Counter, u64)>) -> Vec<(u32, i64)> {
-        let resolved = increments.into_iter().filter_map(|(label, counter, n)| {
-            let id = *self.metrics.get(&(label, counter))?;
-            i64::try_from(n).ok().filter(|n| *n > 0).map(|n| (id, n))
-        });
-        resolved.collect()
+    pub(super) fn counter_ids(&self, increments: Vec<(&str, Counter, u64)>) -> Vec<(u32, i64)> {
+        increments.into_iter().filter_map(|(label, counter, n)| self.counter_id(label, counter, n)).collect()
+    }
+
+    fn counter_id(&self, label: &str, counter: Counter, n: u64) -> Option<(u32, i64)> {
+        let id = self.metrics.get(label, counter)?;
+        i64::try_from(n).ok().filter(|n| *n > 0).map(|n| (id, n))
     }
 
     pub(super) fn define_metrics(&mut self) {
-        for label in metrics::labels(&self.config) {
+        let mut ids = PerCounter::new(&self.config);
+        for label in ids.labels().to_vec() {
             for counter in COUNTERS {
                 if let Ok(id) = hostcalls::define_metric(MetricType::Counter, &metrics::metric_name(&label, counter)) {
-                    self.metrics.insert((label.clone(), counter), id);
+                    ids.set(&label, counter, id);
                 }
             }
         }
+        self.metrics = ids;
     }
 }
 

@@ -13,7 +13,7 @@ use crate::core::engine::{CacheStatus, Call, Engine, Reply, Wait};
 use crate::core::error::ApiError;
 use crate::core::flight::Flight;
 use crate::core::hot::{Hot, Raw, Seed};
-use crate::core::metrics::{self, Counter};
+use crate::core::metrics::{self, PerCounter};
 use crate::core::peer::Op;
 use crate::core::request::ChatRequest;
 use crate::core::request::Key;
@@ -23,7 +23,6 @@ use proxy_wasm::hostcalls;
 use proxy_wasm::types::LogLevel;
 use std::cell::RefCell;
 use std::collections::hash_map::RandomState;
-use std::collections::HashMap;
 use std::hash::BuildHasher;
 use std::rc::Rc;
 
@@ -94,7 +93,7 @@ pub struct Worker {
     pub(super) parsed: Hot<ChatRequest>,
     /// What both tables hash the raw bytes with.
     pub(super) seed: Seed,
-    pub(super) metrics: HashMap<(String, Counter), u32>,
+    pub(super) metrics: PerCounter<u32>,
 }
 
 pub type Shared = Rc<RefCell<Worker>>;
@@ -154,7 +153,7 @@ impl Worker {
             hot: Hot::new(0),
             parsed: Hot::new(0),
             seed: Seed::new(RandomState::new().hash_one(())),
-            metrics: HashMap::new(),
+            metrics: PerCounter::default(),
         }
     }
 

@@ -105,7 +105,7 @@ fn meta(raw: &[u8]) -> Option<(Key, u64)> {
     if f[0] != "C" {
         return None;
     }
-    let expires_ms = f[2].parse::<u64>().ok()?.saturating_add(f[3].parse().ok()?);
+    let expires_ms = codec::number(f[2])?.saturating_add(codec::number(f[3])?);
     Some((Key::from_hex(f[1])?, expires_ms))
 }
 
@@ -117,8 +117,8 @@ fn decode(raw: &[u8]) -> Option<Entry> {
     let key = Key::from_hex(f[1])?;
     Some(Entry {
         key,
-        stored_at_ms: f[2].parse().ok()?,
-        ttl_ms: f[3].parse().ok()?,
+        stored_at_ms: codec::number(f[2])?,
+        ttl_ms: codec::number(f[3])?,
         response: Response {
             status: 200,
             content_type: f[4].to_owned(),

@@ -19,10 +19,41 @@ pub fn decode(raw: &[u8], n: usize) -> Option<(Vec<&str>, &[u8])> {
     let mut rest = raw;
     for _ in 0..n {
         let end = rest.iter().position(|&b| b == b'\n')?;
-        fields.push(std::str::from_utf8(&rest[..end]).ok()?);
-        rest = &rest[end + 1..];
+        fields.push(std::str::from_utf8(rest.get(..end)?).ok()?);
+        rest = rest.get(end + 1..)?;
     }
     Some((fields, rest))
+}
+
+/// A record's number, as `to_string` writes it: ASCII digits only, at most `u64::MAX`.
+/// (`str::parse::<u64>` checks each step for overflow with a 128-bit multiply, a library
+/// call on wasm32 that made every record read cost thousands of operators.)
+pub fn number(s: &str) -> Option<u64> {
+    read(s, 10, 19)
+}
+
+/// A record's number in hexadecimal (`format!("{:x}")`), at most `u64::MAX`.
+pub fn hex_number(s: &str) -> Option<u64> {
+    read(s, 16, 16)
+}
+
+/// Up to 20 digits of `radix`; the first `fits` of them cannot overflow, the rest are
+/// checked.
+fn read(s: &str, radix: u32, fits: usize) -> Option<u64> {
+    let digits = s.as_bytes();
+    if digits.is_empty() || digits.len() > 20 {
+        return None;
+    }
+    let r = u64::from(radix);
+    let mut n: u64 = 0;
+    for (i, &c) in digits.iter().enumerate() {
+        let d = u64::from(char::from(c).to_digit(radix)?);
+        if i >= fits && n > (u64::MAX - d) / r {
+            return None;
+        }
+        n = n.wrapping_mul(r).wrapping_add(d);
+    }
+    Some(n)
 }
 
 /// Header pairs as one field: `name: value` joined by tabs.
@@ -55,6 +86,32 @@ pub fn field(s: &str) -> Cow<'_, str> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn numbers_read_back_as_written_and_nothing_else_reads() {
+        for n in [0, 1, 9, 10, 1_764_489_600_000, u64::MAX / 10, u64::MAX - 1, u64::MAX] {
+            assert_eq!(number(&n.to_string()), Some(n), "{n}");
+        }
+        assert_eq!(number("007"), Some(7));
+        for n in [0, 0xff, 1.5f64.to_bits(), u64::MAX] {
+            assert_eq!(hex_number(&format!("{n:x}")), Some(n), "{n:x}");
+        }
+        assert_eq!((hex_number("1_0"), hex_number("10000000000000000"), hex_number("")), (None, None, None));
+        for bad in [
+            "",
+            "+1",
+            "-1",
+            "1 ",
+            " 1",
+            "1.0",
+            "x",
+            "18446744073709551616",
+            "99999999999999999999",
+            "000000000000000000001",
+        ] {
+            assert_eq!(number(bad), None, "{bad:?}");
+        }
+    }
 
     #[test]
     fn round_trips_and_rejects_short_input() {

@@ -249,23 +249,23 @@ fn decode(raw: &[u8]) -> Option<State> {
             let (f, body) = codec::decode(raw, 4)?;
             Some(State::Leading {
                 key: f[1].to_owned(),
-                nonce: f[2].parse().ok()?,
-                expires_ms: f[3].parse().ok()?,
+                nonce: codec::number(f[2])?,
+                expires_ms: codec::number(f[3])?,
                 watched: body == b"w",
             })
         }
         b'D' => {
             let (f, body) = codec::decode(raw, 8)?;
             let (stale_from_ms, in_cache) = match f[7].strip_prefix("stale:") {
-                Some(t) => (Some(t.parse().ok()?), false),
+                Some(t) => (Some(codec::number(t)?), false),
                 None if f[7] == "fresh" => (None, false),
                 None if f[7] == "cached" => (None, true),
                 None => return None,
             };
             Some(State::Done {
                 key: f[1].to_owned(),
-                nonce: f[2].parse().ok()?,
-                done_at_ms: f[3].parse().ok()?,
+                nonce: codec::number(f[2])?,
+                done_at_ms: codec::number(f[3])?,
                 response: Response {
                     status: f[4].parse().ok()?,
                     content_type: f[5].to_owned(),

@@ -260,19 +260,19 @@ impl Bucket {
         for l in std::str::from_utf8(rest).ok()?.lines() {
             let mut parts = l.split(' ');
             let (Some(kind), Some(n), Some(e)) = (parts.next(), parts.next(), parts.next()) else { continue };
-            let (Ok(n), Ok(e)) = (n.parse(), e.parse()) else { continue };
+            let (Some(n), Some(e)) = (codec::number(n), codec::number(e)) else { continue };
             match kind {
                 "f" => in_flight.push((n, e)),
                 "q" => line.push((n, e)),
                 _ => {}
             }
         }
-        let requests = f64::from_bits(u64::from_str_radix(f[1], 16).ok()?);
-        let tokens = f64::from_bits(u64::from_str_radix(f[2], 16).ok()?);
+        let requests = f64::from_bits(codec::hex_number(f[1])?);
+        let tokens = f64::from_bits(codec::hex_number(f[2])?);
         (requests.is_finite() && tokens.is_finite()).then_some(Bucket {
             requests,
             tokens,
-            at_ms: f[3].parse().ok()?,
+            at_ms: codec::number(f[3])?,
             in_flight,
             line,
         })

@@ -4,6 +4,7 @@
 //! names (and Envoy's queues) of VMs that are gone, which age out: Envoy never frees a
 //! queue, and random names would leak one per worker per reload.
 
+use super::codec;
 use super::store::{cas_after, CasStore, StoreError};
 
 pub const REGISTRY_KEY: &str = "holysheep/queues";
@@ -77,7 +78,7 @@ fn parse(raw: &[u8]) -> Vec<(String, u64)> {
     text.lines()
         .filter_map(|l| {
             let (n, b) = l.split_once(' ')?;
-            Some((n.to_owned(), b.parse().ok()?))
+            Some((n.to_owned(), codec::number(b)?))
         })
         .collect()
 }

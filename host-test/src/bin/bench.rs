@@ -574,6 +574,7 @@ fn main() -> std::io::Result<()> {
     );
     let [floor_hit_r, calls_r, hit_r, speed_hit_r, component_r] = &hit_rounds[..] else { unreachable!("five rows") };
     let speed_hit_over_floor = paired(speed_hit_r, floor_hit_r, throughput);
+    let speed_hit_over_hit = paired(speed_hit_r, hit_r, throughput);
     let hit_over_floor = paired(hit_r, floor_hit_r, throughput);
     let p99_added = paired(hit_r, floor_hit_r, |a, b| (a.p99_us as f64 - b.p99_us as f64) / 1000.0);
     let hit_over_calls = paired(hit_r, calls_r, throughput);
@@ -605,6 +606,7 @@ fn main() -> std::io::Result<()> {
     let [callout_r, miss_calls_r, miss_r, speed_miss_r] = &miss_rounds[..] else { unreachable!("four rows") };
     let speed_miss_over_floor = paired(speed_miss_r, callout_r, throughput);
     let speed_miss_over_calls = paired(speed_miss_r, miss_calls_r, throughput);
+    let speed_miss_over_miss = paired(speed_miss_r, miss_r, throughput);
     let miss_over_floor = paired(miss_r, callout_r, throughput);
     let miss_over_calls = paired(miss_r, miss_calls_r, throughput);
     let miss_calls_over_floor = paired(miss_calls_r, callout_r, throughput);
@@ -626,6 +628,8 @@ fn main() -> std::io::Result<()> {
     r.ratio("MISS throughput / floor with the MISS's host calls", miss_over_calls, "");
     r.ratio("floor with the MISS's host calls / callout floor", miss_calls_over_floor, "");
     r.ratio("MISS throughput / plain proxy", r.rps(miss) / r.rps(plain), "");
+    r.ratio("speed build / size build: HIT", speed_hit_over_hit, "");
+    r.ratio("speed build / size build: MISS", speed_miss_over_miss, "");
     r.ratio("speed build: HIT / local-reply floor", speed_hit_over_floor, "");
     r.ratio("speed build: MISS / callout floor", speed_miss_over_floor, "");
     r.ratio("speed build: MISS / floor with the MISS's host calls", speed_miss_over_calls, "");

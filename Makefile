@@ -47,10 +47,11 @@ bench: setup floors plugin-speed
 # Where the time goes (needs perf): the plugin, built with its function names, and the floors
 # in the wasmtime host under `perf record` -> target/bench/profile.md; then the bench with
 # Envoy itself under `perf record` (BENCH_PROFILE=1) -> a CPU table in target/bench/results.md.
-profile: setup floors
+profile: setup floors plugin-speed
 	CARGO_PROFILE_RELEASE_STRIP=false cargo build --quiet --release --target wasm32-wasip1 --target-dir target/profile
 	RUST_LIB_BACKTRACE=0 cargo run --quiet --profile host -p host-test --bin wasm_profile -- \
-	  target/profile/wasm32-wasip1/release/holysheep_edge.wasm target/floors/wasm32-wasip1/release
+	  target/profile/wasm32-wasip1/release/holysheep_edge.wasm target/floors/wasm32-wasip1/release \
+	  target/wasm32-wasip1/speed/holysheep_edge.wasm
 	BENCH_PROFILE=1 $(MAKE) --no-print-directory bench
 
 # 10 minutes of mixed traffic; passes when Envoy's RSS stays within 10 % after warm-up

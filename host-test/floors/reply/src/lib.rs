@@ -15,7 +15,7 @@
 
 use proxy_wasm::hostcalls;
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
-use proxy_wasm::types::{Action, ContextType, LogLevel, MetricType};
+use proxy_wasm::types::{Action, ContextType, LogLevel, MetricType, Status};
 use std::cell::RefCell;
 use std::rc::Rc;
 use std::time::Duration;
@@ -84,11 +84,12 @@ impl RootContext for Root {
         let name = format!("floor_held/{}", nanos());
         let Ok(queue) = hostcalls::register_shared_queue(&name) else { return };
         held.borrow_mut().queue = Some(queue);
+        // Compare-and-swap, retried only while another worker wrote in between.
         loop {
             let (names, cas) = hostcalls::get_shared_data(QUEUES).unwrap_or((None, None));
             let mut names = names.unwrap_or_default();
             names.extend_from_slice(format!("{name}\n").as_bytes());
-            if hostcalls::set_shared_data(QUEUES, Some(&names), cas).is_ok() {
+            if hostcalls::set_shared_data(QUEUES, Some(&names), cas) != Err(Status::CasMismatch) {
                 return;
             }
         }
@@ -189,8 +190,11 @@ impl Reply {
             let (value, cas) = hostcalls::get_shared_data(COUNT).unwrap_or((None, None));
             let count = value.and_then(|v| String::from_utf8(v).ok()?.parse::<u64>().ok()).unwrap_or(0) + 1;
             let next = if count >= crowd { 0 } else { count };
-            if hostcalls::set_shared_data(COUNT, Some(next.to_string().as_bytes()), cas).is_ok() {
-                break count;
+            match hostcalls::set_shared_data(COUNT, Some(next.to_string().as_bytes()), cas) {
+                Ok(()) => break count,
+                Err(Status::CasMismatch) => continue,
+                // Not counted: released at once rather than held for good.
+                Err(_) => break crowd,
             }
         };
         if count < crowd {

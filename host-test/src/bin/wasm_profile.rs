@@ -285,7 +285,9 @@ fn main() {
         },
     ];
     if let Some(speed) = speed {
-        for (name, distinct, label) in [("edge HIT, speed build", false, "HIT"), ("edge MISS, speed build", true, "MISS")] {
+        for (name, distinct, label) in
+            [("edge HIT, speed build", false, "HIT"), ("edge MISS, speed build", true, "MISS")]
+        {
             rows.push(Row { name, wasm: speed.clone(), config: "{}".into(), distinct, label: Some(label), crowd: 1 });
         }
     }

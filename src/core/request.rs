@@ -6,7 +6,7 @@ use super::config::{Config, Scope};
 use super::error::ApiError;
 use super::limits::DEFAULT_COMPLETION_ESTIMATE;
 use serde_json::{Map, Number, Value};
-use sha2::{Digest, Sha256};
+use sha2::digest::generic_array::GenericArray;
 
 /// The only path the filter handles (query string ignored).
 pub const CHAT_PATH: &str = "/v1/chat/completions";
@@ -130,7 +130,8 @@ pub struct CacheControl {
 impl CacheControl {
     pub fn parse(header: Option<&str>) -> CacheControl {
         let mut cc = CacheControl::default();
-        for directive in header.unwrap_or("").split(',') {
+        let Some(header) = header else { return cc };
+        for directive in header.split(',') {
             let d = directive.trim().to_ascii_lowercase();
             match d.split_once('=') {
                 Some(("max-age", n)) => cc.max_age = n.trim().trim_matches('"').parse().ok(),
@@ -489,22 +490,46 @@ fn write_string(s: &str, out: &mut Vec<u8>) {
 }
 
 pub fn request_key(path: &str, scope: &str, canonical: &[u8]) -> Key {
-    let mut h = Sha256::new();
+    let mut message = Vec::with_capacity(24 + path.len() + scope.len() + canonical.len() + 72);
     for part in [path.as_bytes(), scope.as_bytes(), canonical] {
-        h.update((part.len() as u64).to_be_bytes());
-        h.update(part);
+        message.extend_from_slice(&(part.len() as u64).to_be_bytes());
+        message.extend_from_slice(part);
     }
-    Key(hex(&h.finalize()))
+    Key(hex(&sha256(message)))
+}
+
+/// SHA-256's initial state (FIPS 180-4, 5.3.3).
+const SHA256_INITIAL: [u32; 8] =
+    [0x6a09e667, 0xbb67ae85, 0x3c6ef372, 0xa54ff53a, 0x510e527f, 0x9b05688c, 0x1f83d9ab, 0x5be0cd19];
+
+/// SHA-256 of a whole message: padded here (FIPS 180-4, 5.1.1), its blocks compressed by
+/// sha2's block function. `Sha256`'s streaming buffer is generic code compiled into this
+/// crate at its size-first optimisation, and cost a MISS more than the compression itself.
+fn sha256(mut message: Vec<u8>) -> [u8; 32] {
+    let bits = (message.len() as u64).wrapping_mul(8);
+    message.push(0x80);
+    let padded = (message.len() + 8).next_multiple_of(64);
+    message.resize(padded - 8, 0);
+    message.extend_from_slice(&bits.to_be_bytes());
+    let mut state = SHA256_INITIAL;
+    for block in message.chunks_exact(64) {
+        sha2::compress256(&mut state, std::slice::from_ref(GenericArray::from_slice(block)));
+    }
+    let mut digest = [0; 32];
+    for (out, word) in digest.chunks_exact_mut(4).zip(state) {
+        out.copy_from_slice(&word.to_be_bytes());
+    }
+    digest
 }
 
 fn hex(bytes: &[u8]) -> String {
     const DIGITS: &[u8; 16] = b"0123456789abcdef";
-    let mut digits = String::with_capacity(2 * bytes.len());
-    for &b in bytes {
-        digits.push(char::from(DIGITS[usize::from(b >> 4)]));
-        digits.push(char::from(DIGITS[usize::from(b & 0xf)]));
+    let mut digits = vec![0; 2 * bytes.len()];
+    for (pair, &b) in digits.chunks_exact_mut(2).zip(bytes) {
+        pair[0] = DIGITS[usize::from(b >> 4)];
+        pair[1] = DIGITS[usize::from(b & 0xf)];
     }
-    digits
+    String::from_utf8(digits).unwrap_or_default()
 }
 
 #[cfg(test)]
@@ -805,12 +830,22 @@ mod tests {
         assert!(Key::from_hex(k.hex()).is_some());
         assert!(Key::from_hex("xyz").is_none());
         // FIPS 180-2's "abc" example, in lowercase hex.
-        assert_eq!(hex(&Sha256::digest(b"abc")), "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad");
+        assert_eq!(hex(&sha256(b"abc".to_vec())), "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad");
         // Keys that share a cache slot (salt 0) spread over the lease slots (salt 1): the
         // two tables collide independently.
         let keys: Vec<Key> = (0..4096u32).map(|i| request_key("/p", "s", &i.to_le_bytes())).collect();
         let in_slot_0: Vec<&Key> = keys.iter().filter(|k| k.slot(16, 0) == 0).collect();
         let lease_slots: std::collections::HashSet<u32> = in_slot_0.iter().map(|k| k.slot(16, 1)).collect();
         assert!(in_slot_0.len() > 100 && lease_slots.len() == 16, "{} keys over {lease_slots:?}", in_slot_0.len());
+    }
+
+    #[test]
+    fn sha256_pads_every_length_as_the_streaming_hasher_does() {
+        use sha2::Digest;
+        // Around every padding edge: 55/56 bytes (the length spills into a second block), 64.
+        for len in 0..=200 {
+            let message: Vec<u8> = (0..len).map(|i| (i * 7 % 251) as u8).collect();
+            assert_eq!(sha256(message.clone()), <[u8; 32]>::from(sha2::Sha256::digest(&message)), "length {len}");
+        }
     }
 }

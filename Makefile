@@ -1,5 +1,5 @@
 # The two commands: `make run` (demo on the mock) and `make test` (everything CI runs).
-.PHONY: run run-cluster run-component test bench profile floors plugin-speed soak stop setup clean wit-lock fuzz
+.PHONY: run run-cluster run-component test bench profile floors soak stop setup clean wit-lock fuzz
 
 setup:
 	envoy/setup.sh
@@ -32,14 +32,9 @@ floors:
 	for f in reply callout; do (cd host-test/floors/$$f && \
 	  CARGO_TARGET_DIR=../../../target/floors cargo build --quiet --release --target wasm32-wasip1) || exit 1; done
 
-# The plugin built for speed instead of size (Cargo profile `speed`: opt-level 2, ~600 KB)
-# -> target/wasm32-wasip1/speed/holysheep_edge.wasm; the bench measures it beside the other.
-plugin-speed:
-	cargo build --quiet --profile speed --target wasm32-wasip1
-
 # The native hosts run as built for speed (`--profile host`); RUST_LIB_BACKTRACE=0 because
 # with RUST_BACKTRACE set, wasmtime captures a backtrace for every store it drops.
-bench: setup floors plugin-speed
+bench: setup floors
 	RUST_LIB_BACKTRACE=0 cargo run --quiet --profile host -p host-test --bin bench
 	.venv/bin/pip install --quiet matplotlib==3.9.2
 	.venv/bin/python host-test/bench_charts.py target/bench
@@ -47,11 +42,11 @@ bench: setup floors plugin-speed
 # Where the time goes (needs perf): the plugin, built with its function names, and the floors
 # in the wasmtime host under `perf record` -> target/bench/profile.md; then the bench with
 # Envoy itself under `perf record` (BENCH_PROFILE=1) -> a CPU table in target/bench/results.md.
-profile: setup floors plugin-speed
+profile: setup floors
 	CARGO_PROFILE_RELEASE_STRIP=false cargo build --quiet --release --target wasm32-wasip1 --target-dir target/profile
+	envoy/wasm-opt.sh target/profile/wasm32-wasip1/release/holysheep_edge.wasm target/profile/plugin.wasm -g
 	RUST_LIB_BACKTRACE=0 cargo run --quiet --profile host -p host-test --bin wasm_profile -- \
-	  target/profile/wasm32-wasip1/release/holysheep_edge.wasm target/floors/wasm32-wasip1/release \
-	  target/wasm32-wasip1/speed/holysheep_edge.wasm
+	  target/profile/plugin.wasm target/floors/wasm32-wasip1/release
 	BENCH_PROFILE=1 $(MAKE) --no-print-directory bench
 
 # 10 minutes of mixed traffic; passes when Envoy's RSS stays within 10 % after warm-up

@@ -10,14 +10,14 @@ prepare() {
   envoy/setup.sh
   local bins=() b
   for b in "$@"; do bins+=(--bin "$b"); done
-  cargo build --quiet --release -p host-test "${bins[@]}"
+  cargo build --quiet --profile host -p host-test "${bins[@]}"
   mkdir -p .run
   envoy/stop.sh >/dev/null 2>&1 || true
 }
 
 # `start_mock ADDR`: the mock HolySheep in the background (.run/mock.log, .run/mock.pid).
 start_mock() {
-  ./target/release/mock-holysheep --listen "$1" --latency-ms "${MOCK_LATENCY_MS:-400}" > .run/mock.log 2>&1 &
+  ./target/host/mock-holysheep --listen "$1" --latency-ms "${MOCK_LATENCY_MS:-400}" > .run/mock.log 2>&1 &
   echo $! > .run/mock.pid
 }
 

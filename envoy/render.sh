@@ -14,7 +14,7 @@ sed -e "s#@ADMIN_PORT@#${ADMIN_PORT:-9901}#" \
     -e "s#@DIRECT_PORT@#${DIRECT_PORT:-10001}#" \
     -e "s#@PLAIN_PORT@#${PLAIN_PORT:-10002}#" \
     -e "s#@MOCK_PORT@#${MOCK_PORT:-18000}#" \
-    -e "s#@WASM@#$root/target/wasm32-wasip1/release/holysheep_edge.wasm#" \
+    -e "s#@WASM@#$root/target/plugin/holysheep_edge.wasm#" \
     -e "s#@DIRECT_BODY@#$root/.run/direct.json#" \
     -e "s#@CONFIG@#${config}#" \
     "$root/envoy/local.yaml.tmpl" > "$out"

@@ -37,7 +37,7 @@ start_mock "127.0.0.1:$MOCK_PORT"
 for i in 0 1 2; do
   sed -e "s#@ADMIN_PORT@#991$i#" -e "s#@PUBLIC_PORT@#1001$i#" -e "s#@OWNER_PORT@#1002$i#" \
       -e "s#@NODE@#node-$i#" -e "s#@MOCK_PORT@#$MOCK_PORT#" \
-      -e "s#@WASM@#$root/target/wasm32-wasip1/release/holysheep_edge.wasm#" \
+      -e "s#@WASM@#$root/target/plugin/holysheep_edge.wasm#" \
       -e "s#@FORWARD_CONFIG@#$(escape "$forward")#" -e "s#@OWNER_CONFIG@#$(escape "$owner")#" \
       -e "s#^@OWNER_ENDPOINTS@\$#${endpoints%\\n}#" \
       envoy/fleet.yaml.tmpl > ".run/fleet-$i.yaml"

@@ -12,7 +12,7 @@ MOCK=127.0.0.1:${MOCK_PORT:-18000}
 EDGE=127.0.0.1:${EDGE_PORT:-10000}
 
 start_mock "$MOCK"
-./target/release/host-test serve --component target/wasm32-wasip2/release/holysheep_edge.wasm \
+./target/host/host-test serve --component target/wasm32-wasip2/release/holysheep_edge.wasm \
   --config "$CONFIG" --listen "$EDGE" --upstream "$MOCK" > .run/component.log 2>&1 &
 echo $! > .run/component.pid
 trap 'envoy/stop.sh' INT TERM

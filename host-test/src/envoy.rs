@@ -18,10 +18,10 @@ pub fn envoy_bin() -> PathBuf {
     std::env::var_os("HOLYSHEEP_ENVOY").map_or_else(|| workspace_root().join(".venv/bin/envoy"), PathBuf::from)
 }
 
-/// `HOLYSHEEP_WASM`, or the release build of the plugin.
+/// `HOLYSHEEP_WASM`, or the plugin as it ships (`target/plugin/`, made by `envoy/setup.sh`).
 pub fn wasm_path() -> PathBuf {
     std::env::var_os("HOLYSHEEP_WASM")
-        .map_or_else(|| workspace_root().join("target/wasm32-wasip1/release/holysheep_edge.wasm"), PathBuf::from)
+        .map_or_else(|| workspace_root().join("target/plugin/holysheep_edge.wasm"), PathBuf::from)
 }
 
 /// The built wasi:http component (`HOLYSHEEP_COMPONENT` overrides).

@@ -25,7 +25,7 @@ fn main() {
         usage();
     }
     let mut opts = ServeOptions {
-        wasm: "target/wasm32-wasip1/release/holysheep_edge.wasm".into(),
+        wasm: "target/plugin/holysheep_edge.wasm".into(),
         config: "{}".into(),
         listen: ([127, 0, 0, 1], 10000).into(),
         clusters: HashMap::new(),

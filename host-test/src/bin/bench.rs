@@ -14,8 +14,6 @@
 //! - the wasi:http component on the wasmtime host (running beside Envoy): HIT, alternating
 //!   with the plugin's HIT rounds, vs the Envoy plugin's HIT; its
 //!   (polling) followers;
-//! - the plugin built for speed (`make plugin-speed`, Cargo profile `speed`) in a VM of its
-//!   own, its HIT and MISS rows alternating with the size-optimised plugin's;
 //! - the plugin's and the component's sizes.
 //!
 //! Options (environment): BENCH_SECONDS (default 3), BENCH_CONNECTIONS (default 16),
@@ -478,13 +476,12 @@ fn main() -> std::io::Result<()> {
     // The direct_response baseline and the local-reply floor serve exactly the body a HIT serves.
     let hit_body = request(mock.addr, "POST", PATH, &[], hit_prompt.as_bytes())?.body;
     let floors = workspace_root().join("target/floors/wasm32-wasip1/release");
-    let speed_wasm = workspace_root().join("target/wasm32-wasip1/speed/holysheep_edge.wasm");
-    assert!(speed_wasm.exists(), "{} is missing: make plugin-speed builds it", speed_wasm.display());
     let mut opts = Options::new("{}", mock.addr);
     opts.direct_body = hit_body.clone();
     opts.edge_access_log = Some(std::env::temp_dir().join(format!("holysheep-bench-{}.log", std::process::id())));
     let held_log = std::env::temp_dir().join(format!("holysheep-bench-held-{}.log", std::process::id()));
-    opts.extra_listeners = floor_listener("floor_reply", &floors.join("floor_reply.wasm"), &String::from_utf8_lossy(&hit_body))
+    opts.extra_listeners =
+        floor_listener("floor_reply", &floors.join("floor_reply.wasm"), &String::from_utf8_lossy(&hit_body))
             + &floor_listener(
                 "floor_hit_calls",
                 &floors.join("floor_reply.wasm"),
@@ -499,17 +496,12 @@ fn main() -> std::io::Result<()> {
                 &held_log,
             )
             + &floor_listener("floor_callout", &floors.join("floor_callout.wasm"), "{}")
-            + &floor_listener("floor_miss_calls", &floors.join("floor_callout.wasm"), "miss-calls")
-            // The same plugin built for speed (`make plugin-speed`), in a VM of its own.
-            + &floor_listener("edge_speed", &speed_wasm, "{}");
+            + &floor_listener("floor_miss_calls", &floors.join("floor_callout.wasm"), "miss-calls");
     let envoy = Envoy::start(&opts)?;
     let floor_reply = envoy.listener("floor_reply").expect("floor_reply listener");
     let floor_callout = envoy.listener("floor_callout").expect("floor_callout listener");
     let warm = request(envoy.edge, "POST", PATH, &[("authorization", "Bearer bench")], hit_prompt.as_bytes())?;
     assert_eq!(warm.body, hit_body, "the edge serves the mock's answer");
-    let edge_speed = envoy.listener("edge_speed").expect("edge_speed listener");
-    let warm = request(edge_speed, "POST", PATH, &[("authorization", "Bearer bench")], hit_prompt.as_bytes())?;
-    assert_eq!(warm.body, hit_body, "the speed build serves the mock's answer");
     let floor = request(floor_reply, "POST", PATH, &[], hit_prompt.as_bytes())?;
     assert_eq!(floor.body, hit_body, "the local-reply floor serves the same body");
     let floor_hit_calls = envoy.listener("floor_hit_calls").expect("floor_hit_calls listener");
@@ -564,7 +556,6 @@ fn main() -> std::io::Result<()> {
             &mut || repeat(floor_reply),
             &mut || repeat(floor_hit_calls),
             &mut || expect_all(repeat(envoy.edge), "HIT"),
-            &mut || expect_all(repeat(edge_speed), "HIT"),
             // Not under perf (BENCH_PROFILE attaches to Envoy only).
             &mut || {
                 let same = hit_prompt.clone();
@@ -572,9 +563,7 @@ fn main() -> std::io::Result<()> {
             },
         ],
     );
-    let [floor_hit_r, calls_r, hit_r, speed_hit_r, component_r] = &hit_rounds[..] else { unreachable!("five rows") };
-    let speed_hit_over_floor = paired(speed_hit_r, floor_hit_r, throughput);
-    let speed_hit_over_hit = paired(speed_hit_r, hit_r, throughput);
+    let [floor_hit_r, calls_r, hit_r, component_r] = &hit_rounds[..] else { unreachable!("four rows") };
     let hit_over_floor = paired(hit_r, floor_hit_r, throughput);
     let p99_added = paired(hit_r, floor_hit_r, |a, b| (a.p99_us as f64 - b.p99_us as f64) / 1000.0);
     let hit_over_calls = paired(hit_r, calls_r, throughput);
@@ -584,7 +573,6 @@ fn main() -> std::io::Result<()> {
     let floor_hit = r.row("floor: wasm local reply", medians.next().expect("a row"));
     r.row("floor + the HIT's host calls", medians.next().expect("a row"));
     let hit = r.row("edge HIT", medians.next().expect("a row"));
-    r.row("edge HIT, speed build", medians.next().expect("a row"));
     let component_stats = medians.next().expect("a row");
     let distinct = |addr: SocketAddr, prompts: &Arc<dyn Fn() -> String + Send + Sync>| {
         let prompts = prompts.clone();
@@ -593,20 +581,16 @@ fn main() -> std::io::Result<()> {
     let plain = r.row("plain proxy to mock (baseline)", distinct(envoy.plain, &unique_prompts("plain")));
     // One prompt sequence each for all rounds: a later round must not repeat a prompt.
     let (floor_prompts, miss_prompts) = (unique_prompts("floor"), unique_prompts("miss"));
-    let (calls_prompts, speed_prompts) = (unique_prompts("floor calls"), unique_prompts("speed"));
+    let calls_prompts = unique_prompts("floor calls");
     let miss_rounds = alternate(
         rounds,
         &mut [
             &mut || distinct(floor_callout, &floor_prompts),
             &mut || distinct(floor_miss_calls, &calls_prompts),
             &mut || expect_all(distinct(envoy.edge, &miss_prompts), "MISS"),
-            &mut || expect_all(distinct(edge_speed, &speed_prompts), "MISS"),
         ],
     );
-    let [callout_r, miss_calls_r, miss_r, speed_miss_r] = &miss_rounds[..] else { unreachable!("four rows") };
-    let speed_miss_over_floor = paired(speed_miss_r, callout_r, throughput);
-    let speed_miss_over_calls = paired(speed_miss_r, miss_calls_r, throughput);
-    let speed_miss_over_miss = paired(speed_miss_r, miss_r, throughput);
+    let [callout_r, miss_calls_r, miss_r] = &miss_rounds[..] else { unreachable!("three rows") };
     let miss_over_floor = paired(miss_r, callout_r, throughput);
     let miss_over_calls = paired(miss_r, miss_calls_r, throughput);
     let miss_calls_over_floor = paired(miss_calls_r, callout_r, throughput);
@@ -614,7 +598,6 @@ fn main() -> std::io::Result<()> {
     r.row("floor: wasm callout", medians.next().expect("a row"));
     r.row("floor + the MISS's host calls", medians.next().expect("a row"));
     let miss = r.row("edge MISS (distinct prompts)", medians.next().expect("a row"));
-    r.row("edge MISS, speed build", medians.next().expect("a row"));
 
     // The floors' ratios pair each round with the other rows' same round (see `paired`).
     println!();
@@ -628,11 +611,6 @@ fn main() -> std::io::Result<()> {
     r.ratio("MISS throughput / floor with the MISS's host calls", miss_over_calls, "");
     r.ratio("floor with the MISS's host calls / callout floor", miss_calls_over_floor, "");
     r.ratio("MISS throughput / plain proxy", r.rps(miss) / r.rps(plain), "");
-    r.ratio("speed build / size build: HIT", speed_hit_over_hit, "");
-    r.ratio("speed build / size build: MISS", speed_miss_over_miss, "");
-    r.ratio("speed build: HIT / local-reply floor", speed_hit_over_floor, "");
-    r.ratio("speed build: MISS / callout floor", speed_miss_over_floor, "");
-    r.ratio("speed build: MISS / floor with the MISS's host calls", speed_miss_over_calls, "");
     let logged = envoy.listener("edge_logged").expect("edge_logged listener");
     let floor_held = envoy.listener("floor_held").expect("floor_held listener");
     let log = opts.edge_access_log.as_deref().expect("the edge's access log");
@@ -669,7 +647,6 @@ fn main() -> std::io::Result<()> {
         let _ = std::fs::remove_file(l);
     }
     r.note(format!("plugin size: {wasm_bytes} bytes (goal <= 524288)"));
-    r.note(format!("speed build size: {} bytes", std::fs::metadata(&speed_wasm)?.len()));
 
     mock.mock.set_event_delay_ms(5);
     let (edge_first, edge_whole) = first_event(envoy.edge, "stream miss", 40);

@@ -9,8 +9,9 @@
 //! (Envoy is stripped and V8 writes no perf map there).
 //!
 //! Arguments: the plugin built with its names (`make profile` builds it with
-//! `CARGO_PROFILE_RELEASE_STRIP=false` into target/profile/), the floors' directory and,
-//! optionally, the speed build (`make plugin-speed`; its rows count fuel and host calls).
+//! `CARGO_PROFILE_RELEASE_STRIP=false` into target/profile/ and keeps them through wasm-opt),
+//! the floors' directory and, optionally, another build of the plugin to compare (a HIT row
+//! and a MISS row: fuel and host calls).
 //! PROFILE_REQUESTS: requests per row (default 20000); TRACE_CROWD=1 also traces one batch of
 //! the crowd row (every request of it, interleaved). Writes target/bench/profile.md.
 
@@ -211,10 +212,10 @@ fn short(symbol: &str) -> String {
 
 fn main() {
     let args: Vec<String> = std::env::args().collect();
-    let (plugin, floors, speed) = match args.as_slice() {
+    let (plugin, floors, other) = match args.as_slice() {
         [_, plugin, floors] => (PathBuf::from(plugin), PathBuf::from(floors), None),
-        [_, plugin, floors, speed] => (PathBuf::from(plugin), PathBuf::from(floors), Some(PathBuf::from(speed))),
-        _ => panic!("usage: wasm_profile PLUGIN.wasm FLOORS_DIR [SPEED_BUILD.wasm]"),
+        [_, plugin, floors, other] => (PathBuf::from(plugin), PathBuf::from(floors), Some(PathBuf::from(other))),
+        _ => panic!("usage: wasm_profile PLUGIN.wasm FLOORS_DIR [OTHER_BUILD.wasm]"),
     };
     let requests = std::env::var("PROFILE_REQUESTS").ok().and_then(|v| v.parse().ok()).unwrap_or(20_000);
     let body = answer(0).map(|(_, b)| String::from_utf8_lossy(&b).into_owned()).unwrap_or_default();
@@ -284,11 +285,11 @@ fn main() {
             crowd: 64,
         },
     ];
-    if let Some(speed) = speed {
+    if let Some(other) = other {
         for (name, distinct, label) in
-            [("edge HIT, speed build", false, "HIT"), ("edge MISS, speed build", true, "MISS")]
+            [("edge HIT, other build", false, "HIT"), ("edge MISS, other build", true, "MISS")]
         {
-            rows.push(Row { name, wasm: speed.clone(), config: "{}".into(), distinct, label: Some(label), crowd: 1 });
+            rows.push(Row { name, wasm: other.clone(), config: "{}".into(), distinct, label: Some(label), crowd: 1 });
         }
     }
     let measured: Vec<Measured> = rows.iter().map(|r| run(r, requests)).collect();

@@ -224,7 +224,7 @@ fn parse_json(body: &[u8]) -> Result<Value, ApiError> {
     }
     let text = std::str::from_utf8(body)
         .map_err(|_| ApiError::invalid("request body is not valid UTF-8", None, "invalid_json"))?;
-    if nesting_depth(text) > MAX_DEPTH {
+    if too_deep(text) {
         return Err(ApiError::invalid(
             format!("request body nests deeper than {MAX_DEPTH} levels"),
             None,
@@ -237,7 +237,15 @@ fn parse_json(body: &[u8]) -> Result<Value, ApiError> {
     })
 }
 
-/// Deepest bracket nesting outside strings; cheap, and runs before any recursion.
+/// Whether the body nests deeper than `MAX_DEPTH`; runs before any recursion. A body with
+/// no more opening brackets than that cannot, and counting them is cheaper than following
+/// strings.
+fn too_deep(text: &str) -> bool {
+    let opening = text.bytes().filter(|&b| b == b'{' || b == b'[').count();
+    opening > MAX_DEPTH && nesting_depth(text) > MAX_DEPTH
+}
+
+/// Deepest bracket nesting outside strings.
 fn nesting_depth(text: &str) -> usize {
     let (mut depth, mut max, mut in_str, mut escaped) = (0usize, 0usize, false, false);
     for b in text.bytes() {
@@ -321,11 +329,11 @@ fn validate(map: &Map<String, Value>) -> Result<(), ApiError> {
         }
         Some(_) => return Err(wrong_type("messages", "a non-empty array")),
     }
-    for (name, expected, ok) in FIELD_TYPES {
-        if let Some(v) = map.get(name) {
-            if !v.is_null() && !ok(v) {
-                return Err(wrong_type(name, expected));
-            }
+    // One pass over the body's fields (a handful) rather than a map lookup per known field.
+    for (field, v) in map {
+        let Some((name, expected, ok)) = FIELD_TYPES.iter().find(|(name, ..)| name == field) else { continue };
+        if !v.is_null() && !ok(v) {
+            return Err(wrong_type(name, expected));
         }
     }
     Ok(())
@@ -796,6 +804,18 @@ mod tests {
     fn nesting_depth_ignores_brackets_in_strings() {
         assert_eq!(nesting_depth(r#"{"a":"[[[[\"{{{{"}"#), 1);
         assert_eq!(nesting_depth("[[[]]]"), 3);
+    }
+
+    #[test]
+    fn only_real_nesting_is_too_deep() {
+        let c = Config::default();
+        let deep = BASE.replace(r#""temperature":0"#, &format!(r#""x":{}1{}"#, "[".repeat(65), "]".repeat(65)));
+        let e = ChatRequest::parse(&c, &AUTH_A, deep.as_bytes()).unwrap_err();
+        assert_eq!((e.status, e.message.as_str()), (400, "request body nests deeper than 64 levels"));
+        // Many brackets side by side (more than the limit, so they are followed) nest two deep.
+        let wide = BASE.replace(r#""temperature":0"#, &format!(r#""x":[{}[]]"#, "[],".repeat(100)));
+        assert!(ChatRequest::parse(&c, &AUTH_A, wide.as_bytes()).is_ok());
+        assert!(!too_deep(&"{".repeat(64)) && too_deep(&"[".repeat(65)));
     }
 
     #[test]

@@ -3,7 +3,8 @@
 # optimised for speed, its dependencies for size) passed through Binaryen's `wasm-opt -Oz`,
 # which takes about 80 KB off without undoing the inlining (Cargo.toml has the numbers).
 # Binaryen comes from the npm registry (its own Node.js build, pinned) into .venv/binaryen.
-# FLAGS go to wasm-opt (`make profile` keeps the function names with -g).
+# IN and OUT are relative to the repository root; FLAGS go to wasm-opt (`make profile` keeps
+# the function names with -g).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 

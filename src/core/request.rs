@@ -2,6 +2,7 @@
 //! the answer, and the SHA-256 request key scoped to the tenant.
 
 use super::bytes;
+use super::codec;
 use super::config::{Config, Scope};
 use super::error::ApiError;
 use super::limits::DEFAULT_COMPLETION_ESTIMATE;
@@ -114,7 +115,7 @@ impl Key {
     /// A slot in a table of `n` slots; `salt` picks independent slots for different tables.
     pub fn slot(&self, n: u32, salt: usize) -> u32 {
         let start = (salt * 16) % 48;
-        let v = u64::from_str_radix(self.0.get(start..start + 16).unwrap_or("0"), 16).unwrap_or(0);
+        let v = self.0.get(start..start + 16).and_then(codec::hex_number).unwrap_or(0);
         (v % u64::from(n.max(1))) as u32
     }
 }
@@ -465,10 +466,12 @@ fn write_number(n: &Number, out: &mut Vec<u8>) {
     };
 }
 
+/// Lowercase hex digits, for the key and for `\u00xx` escapes.
+const HEX_DIGITS: &[u8; 16] = b"0123456789abcdef";
+
 /// A string as serde_json writes it: `"` and `\` escaped, control characters as `\b`,
 /// `\t`, `\n`, `\f`, `\r` or `\u00xx`, every other character as it is.
 fn write_string(s: &str, out: &mut Vec<u8>) {
-    const HEX: &[u8; 16] = b"0123456789abcdef";
     let bytes = s.as_bytes();
     out.push(b'"');
     let mut start = 0;
@@ -483,8 +486,8 @@ fn write_string(s: &str, out: &mut Vec<u8>) {
             0x0c => b"\\f",
             0x0d => b"\\r",
             0..=0x1f => {
-                unicode[4] = HEX[usize::from(b >> 4)];
-                unicode[5] = HEX[usize::from(b & 0xf)];
+                unicode[4] = HEX_DIGITS[usize::from(b >> 4)];
+                unicode[5] = HEX_DIGITS[usize::from(b & 0xf)];
                 &unicode
             }
             _ => continue,
@@ -532,11 +535,10 @@ fn sha256(mut message: Vec<u8>) -> [u8; 32] {
 }
 
 fn hex(bytes: &[u8]) -> String {
-    const DIGITS: &[u8; 16] = b"0123456789abcdef";
     let mut digits = vec![0; 2 * bytes.len()];
     for (pair, &b) in digits.chunks_exact_mut(2).zip(bytes) {
-        pair[0] = DIGITS[usize::from(b >> 4)];
-        pair[1] = DIGITS[usize::from(b & 0xf)];
+        pair[0] = HEX_DIGITS[usize::from(b >> 4)];
+        pair[1] = HEX_DIGITS[usize::from(b & 0xf)];
     }
     String::from_utf8(digits).unwrap_or_default()
 }

@@ -24,9 +24,11 @@ fuzz_target!(|data: &[u8]| {
     let (store, config) = (Garbage(data), Config::default());
     let key = request_key("/v1/chat/completions", "s", b"{}");
     let _ = cache::get(&store, &config, &key);
-    for slot in lease::slot_keys(&config, &key) {
-        let _ = lease::read(&store, &slot);
+    let (group, ways) = lease::group_of(&config, &key);
+    for way in 0..=ways {
+        let _ = lease::read(&store, &lease::Slot { group: group.clone(), way });
     }
+    let _ = lease::acquire(&store, &config, &key, 1, 1_000, 1_000);
     let limits = limits::Limits::of(&Default::default());
     let _ = limits::peek(&store, "gpt-4.1", &limits, 1_000);
     let _ = wake::live(&store, 1_000);

@@ -1,11 +1,14 @@
-//! The bounded response cache: `cache.max_entries` fixed slots in shared data. A key
-//! digest picks the slot; the slot holds the full key, so a collision is a miss (and the
-//! newer answer replaces the older). Nothing here creates a key per prompt.
+//! The bounded response cache: `cache.max_entries` fixed slots in shared data, four to a
+//! group. A key digest picks the group; the group's index record says which key (by its
+//! tag) each way holds and until when, so a lookup reads the index and at most the one
+//! entry that may be the key's, and an answer goes to the way the index says, written by
+//! compare-and-swap. The entry holds the full key, so a stale index is a miss, never a
+//! wrong answer. Nothing here creates a key per prompt.
 
 use super::codec;
 use super::config::Config;
 use super::request::Key;
-use super::store::{self, CasStore};
+use super::store::{self, cas_after, CasStore, Read, StoreError};
 
 /// An upstream answer as the edge keeps and replays it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -51,15 +54,89 @@ impl Entry {
     }
 }
 
-/// A key may live in any of this many consecutive slots from its home slot, so two hot
-/// prompts whose home slots collide do not evict each other forever.
+/// The ways of a group: a key may live in any of them, so two hot prompts of one group
+/// do not evict each other forever.
 pub const WAYS: u32 = 4;
 
-/// The slots `key` may occupy, home slot first.
-pub fn slot_keys(config: &Config, key: &Key) -> Vec<String> {
+/// CAS races lost in a row before an answer is not stored.
+const MAX_RACES: usize = 16;
+
+/// The group `key` lives in, and how many ways groups have (`cache.max_entries` in groups
+/// of four; fewer entries make one smaller group).
+pub fn group_of(config: &Config, key: &Key) -> (u32, u32) {
     let n = config.cache.max_entries.max(1);
-    let home = key.slot(n, 0);
-    (0..WAYS.min(n)).map(|w| store::slot_name("holysheep/cache/", (home + w) % n)).collect()
+    let ways = WAYS.min(n);
+    (key.slot(n / ways, 0), ways)
+}
+
+/// An index record: per way, the tag of the key stored there and its entry's expiry, 16
+/// hex digits each, then a newline; a way never stored in is blank. Fixed widths let a
+/// store patch one way in place.
+const WAY_BYTES: usize = 33;
+const BLANK_WAY: &[u8; WAY_BYTES] = b"                                \n";
+
+/// Where an answer for a key goes: a way of its group, and the group's index as read
+/// (so that storing needs no second read unless someone stored in the group since).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Place {
+    group: u32,
+    ways: u32,
+    way: usize,
+    /// The index as read, `ways` ways long (blank where unreadable).
+    index: Vec<u8>,
+    /// The CAS that writes over the index as read (see `store::cas_after`).
+    cas: Option<u32>,
+}
+
+impl Place {
+    fn entry_name(&self) -> String {
+        store::slot_name("holysheep/cache/", self.group * self.ways + self.way as u32)
+    }
+
+    /// Way `i`'s tag and expiry; `None` when blank or malformed.
+    fn way(&self, i: usize) -> Option<(&[u8], u64)> {
+        let w = self.index.get(i * WAY_BYTES..(i + 1) * WAY_BYTES)?;
+        let expires_ms = codec::hex_number(std::str::from_utf8(&w[16..32]).ok()?)?;
+        Some((&w[..16], expires_ms))
+    }
+
+    fn holds(&self, i: usize, key: &Key) -> bool {
+        self.way(i).is_some_and(|(tag, _)| tag == key.tag().as_bytes())
+    }
+
+    /// The index with `key` in this place's way.
+    fn with(&self, key: &Key, expires_ms: u64) -> Vec<u8> {
+        let mut index = self.index.clone();
+        if let Some(w) = index.get_mut(self.way * WAY_BYTES..(self.way + 1) * WAY_BYTES) {
+            w[..16].copy_from_slice(key.tag().as_bytes().get(..16).unwrap_or(&[b' '; 16]));
+            w[16..32].copy_from_slice(&codec::hex_fixed(expires_ms));
+        }
+        index
+    }
+}
+
+fn index_name(group: u32) -> String {
+    store::slot_name("holysheep/cache/index/", group)
+}
+
+/// Reads the index of `key`'s group and picks the way its answer goes to: the way that
+/// holds it, else the first empty one, else the one that expires first.
+fn place(store: &impl CasStore, config: &Config, key: &Key) -> Place {
+    let (group, ways) = group_of(config, key);
+    let r = store.get(&index_name(group)).unwrap_or(Read { value: None, cas: None });
+    let size = ways as usize * WAY_BYTES;
+    let index = match r.value.as_deref() {
+        Some(v) if v.len() == size => v.to_vec(),
+        _ => BLANK_WAY.repeat(ways as usize),
+    };
+    let mut place = Place { group, ways, way: 0, index, cas: cas_after(&r) };
+    let n = ways as usize;
+    place.way = (0..n)
+        .find(|&i| place.holds(i, key))
+        .or_else(|| (0..n).find(|&i| place.way(i).is_none()))
+        .or_else(|| (0..n).min_by_key(|&i| place.way(i).map_or(0, |(_, expires_ms)| expires_ms)))
+        .unwrap_or(0);
+    place
 }
 
 /// The entry stored for `key`, fresh or not; `None` when none of its slots holds it.
@@ -67,46 +144,22 @@ pub fn get(store: &impl CasStore, config: &Config, key: &Key) -> Option<Entry> {
     probe(store, config, key).entry
 }
 
-/// What one read of a key's slots found: its entry, and the slot a new answer for it
-/// would go to (see `victim`).
+/// What one look at a key's group found: its entry, and where a new answer for it goes.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Probe {
     pub entry: Option<Entry>,
-    pub victim: String,
+    pub place: Place,
 }
 
-/// Reads `key`'s slots in order, up to the one that holds it or the first empty one (the
-/// ways fill in order, so nothing lies beyond an empty one).
+/// Reads `key`'s group index and, when the index names it, its entry.
 pub fn probe(store: &impl CasStore, config: &Config, key: &Key) -> Probe {
-    let slots = slot_keys(config, key);
-    let mut best: Option<(u64, &String)> = None;
-    for slot in &slots {
-        let raw = store.get(slot).ok().and_then(|r| r.value);
-        let found = raw.as_deref().and_then(meta);
-        let rank = match found {
-            // Only the entry that holds this key is decoded whole (its body copied).
-            Some((k, _)) if k == *key => {
-                return Probe { entry: raw.as_deref().and_then(decode), victim: slot.clone() };
-            }
-            None => return Probe { entry: None, victim: slot.clone() },
-            Some((_, expires_ms)) => expires_ms.max(1),
-        };
-        if best.is_none_or(|(r, _)| rank < r) {
-            best = Some((rank, slot));
-        }
-    }
-    let victim = best.map_or_else(|| slots.first().cloned().unwrap_or_default(), |(_, s)| s.clone());
-    Probe { entry: None, victim }
-}
-
-/// An entry's key and expiry, without copying its body.
-fn meta(raw: &[u8]) -> Option<(Key, u64)> {
-    let (f, _) = codec::decode(raw, 4)?;
-    if f[0] != "C" {
-        return None;
-    }
-    let expires_ms = codec::number(f[2])?.saturating_add(codec::number(f[3])?);
-    Some((Key::from_hex(f[1])?, expires_ms))
+    let place = place(store, config, key);
+    let entry = if place.holds(place.way, key) {
+        store.get(&place.entry_name()).ok().and_then(|r| r.value).and_then(|raw| decode(&raw)).filter(|e| e.key == *key)
+    } else {
+        None
+    };
+    Probe { entry, place }
 }
 
 fn decode(raw: &[u8]) -> Option<Entry> {
@@ -128,37 +181,49 @@ fn decode(raw: &[u8]) -> Option<Entry> {
     })
 }
 
-/// Stores a 200 answer unless it is larger than `cache.max_entry_bytes`, in `slot` when
-/// the caller already probed for one (a MISS read the slots when it arrived), else where
-/// `probe` says. Last writer wins.
+/// Stores a 200 answer unless it is larger than `cache.max_entry_bytes`, at `place` when
+/// the caller already read the group (a MISS read it when it arrived), else where the
+/// index says now. The index is written first, by CAS (a lost race reads it again and
+/// picks again), then the entry. Last writer wins.
 pub fn put(
     store: &impl CasStore,
     config: &Config,
     key: &Key,
     response: &Response,
     now_ms: u64,
-    slot: Option<&str>,
+    place: Option<&Place>,
 ) -> bool {
     if response.status != 200 || response.body.len() > config.cache.max_entry_bytes {
         return false;
     }
     let ttl_ms = config.cache.ttl_seconds.saturating_mul(1000);
+    let mut at = place.cloned().unwrap_or_else(|| self::place(store, config, key));
+    let mut stored = false;
+    for _ in 0..MAX_RACES {
+        match store.set(&index_name(at.group), &at.with(key, now_ms.saturating_add(ttl_ms)), at.cas) {
+            Ok(()) => {
+                stored = true;
+                break;
+            }
+            Err(StoreError::CasMismatch) => at = self::place(store, config, key),
+            Err(_) => return false,
+        }
+    }
+    if !stored {
+        return false;
+    }
     let value = codec::encode(
         &[
             "C",
             key.hex(),
-            &now_ms.to_string(),
-            &ttl_ms.to_string(),
+            codec::decimal(now_ms).as_str(),
+            codec::decimal(ttl_ms).as_str(),
             &codec::field(&response.content_type),
             &codec::headers_field(&response.headers),
         ],
         &response.body,
     );
-    let victim = match slot {
-        Some(s) => s.to_owned(),
-        None => probe(store, config, key).victim,
-    };
-    store.set(&victim, &value, None).is_ok()
+    store.set(&at.entry_name(), &value, None).is_ok()
 }
 
 #[cfg(test)]
@@ -178,16 +243,75 @@ mod tests {
         let (a, b) = keys
             .iter()
             .enumerate()
-            .find_map(|(i, a)| keys[i + 1..].iter().find(|b| b.slot(8, 0) == a.slot(8, 0)).map(|b| (a, b)))
-            .expect("two keys with one home slot");
+            .find_map(|(i, a)| keys[i + 1..].iter().find(|b| group_of(&c, b) == group_of(&c, a)).map(|b| (a, b)))
+            .expect("two keys with one group");
         assert!(put(&s, &c, a, &ok("a"), 0, None) && put(&s, &c, b, &ok("b"), 1, None));
         assert_eq!(get(&s, &c, a).map(|e| e.response.body), Some(b"a".to_vec()), "not evicted by its neighbour");
         assert_eq!(get(&s, &c, b).map(|e| e.response.body), Some(b"b".to_vec()));
         for (i, k) in keys.iter().enumerate() {
             put(&s, &c, k, &ok("x"), 10 + i as u64, None);
         }
-        assert!(s.key_count() <= 8, "{} keys", s.key_count());
+        assert!(s.key_count() <= 8 + 2, "8 entries and 2 group indexes: {:?}", s.keys());
         assert_eq!(get(&s, &c, &keys[63]).map(|e| e.key), Some(keys[63].clone()), "the newest is there");
+    }
+
+    /// Keys that share `config`'s group with the first.
+    fn one_group(c: &Config, n: usize) -> Vec<Key> {
+        let keys: Vec<Key> = (0..400u32).map(|i| request_key("/p", "s", &i.to_le_bytes())).collect();
+        keys.iter().filter(|k| group_of(c, k) == group_of(c, &keys[0])).take(n).cloned().collect()
+    }
+
+    /// Counts the store's reads.
+    struct Counting(MemStore, std::cell::Cell<usize>);
+
+    impl CasStore for Counting {
+        fn get(&self, key: &str) -> Result<Read, StoreError> {
+            self.1.set(self.1.get() + 1);
+            self.0.get(key)
+        }
+        fn set(&self, key: &str, value: &[u8], cas: Option<u32>) -> Result<(), StoreError> {
+            self.0.set(key, value, cas)
+        }
+    }
+
+    #[test]
+    fn a_lookup_in_a_full_group_reads_its_index_and_at_most_one_entry() {
+        let (s, c) = (Counting(MemStore::new(), 0.into()), Config::parse(br#"{"cache":{"max_entries":64}}"#).unwrap());
+        let keys = one_group(&c, 5);
+        for (i, k) in keys.iter().take(4).enumerate() {
+            assert!(put(&s, &c, k, &ok(&format!("{i}")), i as u64, None));
+        }
+        s.1.set(0);
+        assert_eq!(get(&s, &c, &keys[4]), None);
+        assert_eq!(s.1.get(), 1, "a key the group does not hold: its index only");
+        for (i, k) in keys.iter().take(4).enumerate() {
+            s.1.set(0);
+            assert_eq!(get(&s, &c, k).map(|e| e.response.body), Some(format!("{i}").into_bytes()));
+            assert_eq!(s.1.get(), 2, "way {i}: the index and the entry");
+        }
+    }
+
+    #[test]
+    fn two_answers_placed_from_one_read_of_the_index_both_stay() {
+        let (s, c) = (MemStore::new(), Config::parse(br#"{"cache":{"max_entries":64}}"#).unwrap());
+        let keys = one_group(&c, 2);
+        let (a, b) = (probe(&s, &c, &keys[0]).place, probe(&s, &c, &keys[1]).place);
+        assert!(put(&s, &c, &keys[0], &ok("a"), 0, Some(&a)));
+        assert!(put(&s, &c, &keys[1], &ok("b"), 0, Some(&b)), "the second re-reads the index");
+        assert_eq!(get(&s, &c, &keys[0]).map(|e| e.response.body), Some(b"a".to_vec()));
+        assert_eq!(get(&s, &c, &keys[1]).map(|e| e.response.body), Some(b"b".to_vec()));
+    }
+
+    #[test]
+    fn an_index_that_names_a_key_its_way_no_longer_holds_is_a_miss() {
+        let (s, c) = (MemStore::new(), Config::parse(br#"{"cache":{"max_entries":64}}"#).unwrap());
+        let keys = one_group(&c, 2);
+        assert!(put(&s, &c, &keys[0], &ok("a"), 0, None));
+        let entry = s.keys().into_iter().find(|k| !k.contains("/index/")).unwrap();
+        let other = s.get(&entry).unwrap().value.unwrap();
+        let other = String::from_utf8(other).unwrap().replace(keys[0].hex(), keys[1].hex());
+        s.set(&entry, other.as_bytes(), None).unwrap();
+        assert_eq!(get(&s, &c, &keys[0]), None, "never another key's answer");
     }
 
     #[test]
@@ -222,8 +346,9 @@ mod tests {
         for k in &keys {
             assert!(put(&s, &c, k, &ok("{}"), 0, None));
         }
-        assert!(s.key_count() <= 8);
+        let entries = s.keys().iter().filter(|k| !k.contains("/index/")).count();
+        assert!(entries <= 8 && s.key_count() <= 8 + 2, "{:?}", s.keys());
         let found = keys.iter().filter(|k| get(&s, &c, k).is_some()).count();
-        assert_eq!(found, s.key_count(), "each slot answers only for the key it holds");
+        assert_eq!(found, entries, "each slot answers only for the key it holds");
     }
 }

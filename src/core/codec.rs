@@ -25,6 +25,43 @@ pub fn decode(raw: &[u8], n: usize) -> Option<(Vec<&str>, &[u8])> {
     Some((fields, rest))
 }
 
+/// A number's decimal digits, as `to_string` writes them but without the formatter (every
+/// record holds a few, and the formatter costs hundreds of operators a number in wasm).
+pub struct Decimal {
+    digits: [u8; 20],
+    at: usize,
+}
+
+impl Decimal {
+    pub fn as_str(&self) -> &str {
+        std::str::from_utf8(self.digits.get(self.at..).unwrap_or_default()).unwrap_or_default()
+    }
+}
+
+pub fn decimal(n: u64) -> Decimal {
+    let (mut digits, mut at, mut rest) = ([0u8; 20], 20, n);
+    loop {
+        at -= 1;
+        digits[at] = b'0' + (rest % 10) as u8;
+        rest /= 10;
+        if rest == 0 {
+            return Decimal { digits, at };
+        }
+    }
+}
+
+/// Lowercase hexadecimal digits, by value.
+pub const HEX_DIGITS: &[u8; 16] = b"0123456789abcdef";
+
+/// `n` as 16 hexadecimal digits, zero-padded (what `hex_number` reads back).
+pub fn hex_fixed(n: u64) -> [u8; 16] {
+    let mut out = [b'0'; 16];
+    for (i, d) in out.iter_mut().rev().enumerate() {
+        *d = HEX_DIGITS[((n >> (4 * i)) & 0xf) as usize];
+    }
+    out
+}
+
 /// A record's number, as `to_string` writes it: ASCII digits only, at most `u64::MAX`.
 /// (`str::parse::<u64>` checks each step for overflow with a 128-bit multiply, a library
 /// call on wasm32 that made every record read cost thousands of operators.)
@@ -91,10 +128,12 @@ mod tests {
     fn numbers_read_back_as_written_and_nothing_else_reads() {
         for n in [0, 1, 9, 10, 1_764_489_600_000, u64::MAX / 10, u64::MAX - 1, u64::MAX] {
             assert_eq!(number(&n.to_string()), Some(n), "{n}");
+            assert_eq!(decimal(n).as_str(), n.to_string());
         }
         assert_eq!(number("007"), Some(7));
         for n in [0, 0xff, 1.5f64.to_bits(), u64::MAX] {
             assert_eq!(hex_number(&format!("{n:x}")), Some(n), "{n:x}");
+            assert_eq!(hex_fixed(n), *format!("{n:016x}").as_bytes());
         }
         assert_eq!((hex_number("1_0"), hex_number("10000000000000000"), hex_number("")), (None, None, None));
         for bad in [

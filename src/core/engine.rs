@@ -2,10 +2,10 @@
 //! (serve this now), `Call` (go upstream, with or without the lease) or `Wait` (another
 //! flight has the lease). The shell executes them and reports back; it decides nothing.
 
-use super::cache::{self, Response};
+use super::cache::{self, Place, Response};
 use super::config::Config;
 use super::error::ApiError;
-use super::lease::{self, Acquire, Lease, State};
+use super::lease::{self, Acquire, Lease, Slot, State};
 use super::request::{Key, Policy};
 use super::store::CasStore;
 use std::borrow::Cow;
@@ -103,17 +103,17 @@ pub struct Call {
     pub started_ms: u64,
     /// The request's cache directives (a stale answer must respect them too).
     pub policy: Policy,
-    /// The cache slot the answer goes to, chosen when the request read the cache on
+    /// Where in the cache the answer goes, chosen when the request read the cache on
     /// arrival (`None`: look when storing).
-    pub slot: Option<String>,
+    pub place: Option<Place>,
 }
 
 /// Waiting for the flight whose lease carries `nonce`.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Wait {
     pub key: Key,
-    /// The lease slot the awaited flight leads from.
-    pub slot_key: String,
+    /// The lease way the awaited flight leads from.
+    pub slot: Slot,
     pub nonce: u64,
     pub since_ms: u64,
     pub policy: Policy,
@@ -123,7 +123,7 @@ pub struct Wait {
 /// `Engine::poll_with`).
 #[derive(Debug, Clone)]
 pub struct Finished {
-    slot_key: String,
+    slot: Slot,
     nonce: u64,
     key: Key,
     response: Response,
@@ -133,7 +133,7 @@ pub struct Finished {
 
 impl Finished {
     fn is_for(&self, wait: &Wait) -> bool {
-        self.nonce == wait.nonce && self.slot_key == wait.slot_key && self.key == wait.key
+        self.nonce == wait.nonce && self.slot == wait.slot && self.key == wait.key
     }
 }
 
@@ -168,7 +168,7 @@ impl<S: CasStore> Engine<'_, S> {
         if let Some(f) = seen.as_ref().filter(|f| f.is_for(wait)) {
             return self.answer_waiter(wait, f.response.clone(), f.done_at_ms, f.stale_from_ms, now_ms, nonce);
         }
-        let state = lease::read(self.store, &wait.slot_key).map(|(s, _)| s);
+        let state = lease::read(self.store, &wait.slot).map(|(s, _)| s);
         match state {
             Ok(State::Done { key, nonce: n, done_at_ms, response, stale_from_ms, in_cache })
                 if n == wait.nonce && wait.key.is(&key) =>
@@ -178,7 +178,7 @@ impl<S: CasStore> Engine<'_, S> {
                     return self.decide(&wait.key, wait.policy, now_ms, nonce, Some(wait.since_ms));
                 };
                 *seen = Some(Finished {
-                    slot_key: wait.slot_key.clone(),
+                    slot: wait.slot.clone(),
                     nonce: n,
                     key: wait.key.clone(),
                     response: response.clone(),
@@ -239,8 +239,8 @@ impl<S: CasStore> Engine<'_, S> {
                 }
             }
         }
-        let slot = call.slot.as_deref();
-        let in_cache = call.store && cache::put(self.store, self.config, &call.key, &response, now_ms, slot);
+        let place = call.place.as_ref();
+        let in_cache = call.store && cache::put(self.store, self.config, &call.key, &response, now_ms, place);
         let watched = self.finish_lease(call, &response, now_ms, None, in_cache);
         (Reply { response, cache: Some(call.label), key: Some(call.key.clone()), age_s: None }, watched)
     }
@@ -310,7 +310,7 @@ impl<S: CasStore> Engine<'_, S> {
     }
 
     fn decide(&self, key: &Key, policy: Policy, now_ms: u64, nonce: u64, waited_since: Option<u64>) -> Step {
-        let (reply, victim) = self.cached(key, policy, now_ms, waited_since);
+        let (reply, place) = self.cached(key, policy, now_ms, waited_since);
         if let Some(reply) = reply {
             return Step::Reply(reply);
         }
@@ -320,9 +320,9 @@ impl<S: CasStore> Engine<'_, S> {
             self.take_lease(key, policy, now_ms, nonce, waited_since.unwrap_or(now_ms), true)
         };
         match step {
-            // The slots were just read: the answer goes where they said, without reading
-            // them again.
-            Step::Call(call) => Step::Call(Call { slot: victim, ..call }),
+            // The group was just read: the answer goes where its index said, without reading
+            // it again (unless someone stores in the group meanwhile).
+            Step::Call(call) => Step::Call(Call { place, ..call }),
             other => other,
         }
     }
@@ -336,8 +336,8 @@ impl<S: CasStore> Engine<'_, S> {
             Ok(Acquire::Acquired(l)) => {
                 Step::Call(self.call(key, Some(l), policy, policy.store, CacheStatus::Miss, now_ms))
             }
-            Ok(Acquire::Held { nonce: n, slot_key, watched }) => {
-                self.keep_waiting(Wait { key: key.clone(), slot_key, nonce: n, since_ms, policy }, watched, now_ms)
+            Ok(Acquire::Held { nonce: n, slot, watched }) => {
+                self.keep_waiting(Wait { key: key.clone(), slot, nonce: n, since_ms, policy }, watched, now_ms)
             }
             Ok(Acquire::Answered { response, done_at_ms, stale_from_ms, in_cache }) => {
                 let kept = self.kept(key, response, in_cache, done_at_ms);
@@ -359,7 +359,7 @@ impl<S: CasStore> Engine<'_, S> {
     /// its answer is not stored.
     fn keep_waiting(&self, wait: Wait, watched: bool, now_ms: u64) -> Step {
         if !watched {
-            let _ = lease::watch(self.store, &wait.slot_key, wait.nonce);
+            let _ = lease::watch(self.store, &wait.slot, wait.nonce);
         }
         if now_ms.saturating_sub(wait.since_ms) >= self.config.lock.wait_timeout_ms {
             Step::Call(self.call(&wait.key, None, wait.policy, false, CacheStatus::Miss, now_ms))
@@ -376,12 +376,12 @@ impl<S: CasStore> Engine<'_, S> {
         policy: Policy,
         now_ms: u64,
         waited_since: Option<u64>,
-    ) -> (Option<Reply>, Option<String>) {
+    ) -> (Option<Reply>, Option<Place>) {
         if !policy.read && waited_since.is_none() {
             return (None, None);
         }
         let probe = cache::probe(self.store, self.config, key);
-        let Some(entry) = probe.entry.filter(|e| e.is_fresh(now_ms)) else { return (None, Some(probe.victim)) };
+        let Some(entry) = probe.entry.filter(|e| e.is_fresh(now_ms)) else { return (None, Some(probe.place)) };
         let age_ms = entry.age_ms(now_ms);
         let allowed = match waited_since {
             Some(since) => entry.stored_at_ms >= since || policy.read,
@@ -393,7 +393,7 @@ impl<S: CasStore> Engine<'_, S> {
             key: Some(key.clone()),
             response: entry.response,
         });
-        (reply, Some(probe.victim))
+        (reply, Some(probe.place))
     }
 
     fn call(
@@ -405,7 +405,7 @@ impl<S: CasStore> Engine<'_, S> {
         label: CacheStatus,
         now_ms: u64,
     ) -> Call {
-        Call { key: key.clone(), lease, store, label, started_ms: now_ms, policy, slot: None }
+        Call { key: key.clone(), lease, store, label, started_ms: now_ms, policy, place: None }
     }
 }
 
@@ -493,7 +493,7 @@ mod tests {
         let (s, c) = (CountingReads(MemStore::new(), 0.into()), Config::default());
         let e = Engine { store: &s, config: &c };
         let call = expect_call(e.admit(&k(1), READ, 0, 1));
-        assert!(call.slot.is_some(), "the arrival read chose a slot");
+        assert!(call.place.is_some(), "the arrival read chose a place");
         let reads = s.1.get();
         e.complete(&call, ok("{\"a\":1}"), 10);
         assert_eq!(s.1.get(), reads, "storing read no cache slot");
@@ -528,7 +528,7 @@ mod tests {
         let wait = expect_wait(e.admit(&k(3), READ, 1_001, 2));
         let body = format!(r#"{{"answer":"{}"}}"#, "x".repeat(10_000));
         e.complete(&leader, ok(&body), 1_100);
-        let record = store.get(&wait.slot_key).unwrap().value.unwrap();
+        let record = store.get(&wait.slot.group).unwrap().value.unwrap();
         assert!(record.len() < 1_000, "the lease refers to the cache entry: {} bytes", record.len());
         let r = expect_reply(e.poll(&wait, 1_200, 3));
         assert_eq!((r.cache, r.response.body), (Some(CacheStatus::Coalesced), body.into_bytes()));
@@ -564,9 +564,9 @@ mod tests {
         let one_poll = store.reads.get() - before;
         // The slot is taken by the next flight and the entry evicted before the others look:
         // they still get the answer they waited for.
-        store.inner.set(&waits[0].slot_key, b"", None).unwrap();
-        for slot in crate::core::cache::slot_keys(&config, &k(5)) {
-            store.inner.set(&slot, b"", None).unwrap();
+        store.inner.set(&waits[0].slot.group, b"", None).unwrap();
+        for cached in store.inner.keys().into_iter().filter(|k| k.starts_with("holysheep/cache/")) {
+            store.inner.set(&cached, b"", None).unwrap();
         }
         for w in &waits[1..] {
             let r = expect_reply(e.poll_with(w, 1_200, 11, &mut seen));
@@ -773,6 +773,7 @@ mod tests {
                 e.complete(&call, ok("x"), u64::from(i));
             }
         }
-        assert!(s.key_count() <= 16 + 4, "{:?}", s.keys());
+        // 16 entries, an index per 4 of them, one lease group of 4 ways.
+        assert!(s.key_count() <= 16 + 4 + 1, "{:?}", s.keys());
     }
 }

@@ -401,7 +401,7 @@ mod tests {
             label: CacheStatus::Miss,
             started_ms: 0,
             policy: crate::core::request::Policy { read: true, max_age: None, coalesce: true, store: true },
-            slot: None,
+            place: None,
         };
         Flight::new(c, call, model, 100)
     }

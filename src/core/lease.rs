@@ -1,19 +1,29 @@
 //! The single-flight lease: one leader per request key across every worker, built on the
-//! CAS store. A lease lives in one of `lock.slots` fixed slots and holds the owner's nonce
-//! and an expiry; a leader renews it while its call is in flight, so a dead leader is
-//! replaced within one lease. When the call ends the owner writes the answer into the slot
-//! (`Done`), where the waiters that saw its nonce read it; a `Done` slot is free to take.
+//! CAS store. Leases live in `lock.slots` ways, four to a shared-data record (a group): a
+//! key may lead from any way of its group, so one read shows whether its flight is on and
+//! one compare-and-swap takes a way. A way holds the owner's nonce and an expiry; a leader
+//! renews it while its call is in flight, so a dead leader is replaced within one lease.
+//! When the call ends the owner writes the answer into its way (`Done`), where the waiters
+//! that saw its nonce read it; a `Done` way is free to take.
 
 use super::cache::Response;
 use super::codec;
 use super::config::Config;
 use super::request::Key;
-use super::store::{self, cas_after, CasStore, StoreError};
+use super::store::{self, cas_after, CasStore, Read, StoreError};
+
+/// Where a flight's lease lives: one way of a group record.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Slot {
+    /// The group record's shared-data key.
+    pub group: String,
+    pub way: usize,
+}
 
 /// Held by the leader: enough to renew and to finish.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Lease {
-    pub slot_key: String,
+    pub slot: Slot,
     pub key: Key,
     pub nonce: u64,
 }
@@ -46,10 +56,10 @@ pub enum State {
 pub enum Acquire {
     /// We lead.
     Acquired(Lease),
-    /// A live leader holds this key in `slot_key`: wait for the flight with this nonce
+    /// A live leader holds this key in `slot`: wait for the flight with this nonce
     /// (`watched`: someone already does).
-    Held { nonce: u64, slot_key: String, watched: bool },
-    /// Every slot this key may use is leased to other keys (collisions).
+    Held { nonce: u64, slot: Slot, watched: bool },
+    /// Every way of this key's group is leased to other keys (collisions).
     Busy,
     /// A flight on this key finished since the request arrived: its answer is this
     /// request's too (it read the cache just before that flight stored).
@@ -59,26 +69,29 @@ pub enum Acquire {
 /// CAS races lost in a row before giving up; each loss means someone else made progress.
 const MAX_RACES: usize = 16;
 
-/// A key may lead from any of this many consecutive slots from its home slot, so a
-/// collision with another prompt in flight does not send every identical request upstream
-/// alone.
+/// The ways of a group: a key may lead from any of them, so a collision with another
+/// prompt in flight does not send every identical request upstream alone.
 pub const WAYS: u32 = 4;
 
-/// The slots `key` may lead from, home slot first.
-pub fn slot_keys(config: &Config, key: &Key) -> Vec<String> {
+/// The group record `key` leads from, and how many ways it has (`lock.slots` in groups of
+/// four; fewer slots make one smaller group).
+pub fn group_of(config: &Config, key: &Key) -> (String, usize) {
     let n = config.lock.slots.max(1);
-    let home = key.slot(n, 1);
-    (0..WAYS.min(n)).map(|w| store::slot_name("holysheep/lease/", (home + w) % n)).collect()
+    let ways = WAYS.min(n);
+    (store::slot_name("holysheep/lease/", key.slot(n / ways, 1)), ways as usize)
 }
 
-pub fn read(store: &impl CasStore, slot_key: &str) -> Result<(State, Option<u32>), StoreError> {
-    let r = store.get(slot_key)?;
-    let state = r.value.as_deref().and_then(decode).unwrap_or(State::Free);
+/// The state of one way, and the group record's CAS.
+pub fn read(store: &impl CasStore, slot: &Slot) -> Result<(State, Option<u32>), StoreError> {
+    let r = store.get(&slot.group)?;
+    let ways = split(r.value.as_deref().unwrap_or_default(), slot.way + 1);
+    let state = ways.get(slot.way).and_then(|w| decode(w)).unwrap_or(State::Free);
     Ok((state, r.cas))
 }
 
-/// Takes the lease if the slot is free, expired, or done; reports a live holder, or a
-/// flight on this key done at or after `since_ms` (the request's arrival), otherwise.
+/// Takes the lease if a way of the key's group is free, expired, or done; reports a live
+/// holder, or a flight on this key done at or after `since_ms` (the request's arrival),
+/// otherwise.
 pub fn acquire(
     store: &impl CasStore,
     config: &Config,
@@ -87,17 +100,19 @@ pub fn acquire(
     now_ms: u64,
     since_ms: u64,
 ) -> Result<Acquire, StoreError> {
-    let slots = slot_keys(config, key);
-    'race: for _ in 0..MAX_RACES {
-        // Every way is read before one is taken: a live flight of this key, or its
+    let (group, n) = group_of(config, key);
+    for _ in 0..MAX_RACES {
+        let r = store.get(&group)?;
+        let ways = split(r.value.as_deref().unwrap_or_default(), n);
+        // Every way is looked at before one is taken: a live flight of this key, or its
         // answer, may be in any of them.
         let mut free = None;
-        for slot in &slots {
-            let r = store.get(slot)?;
-            match r.value.as_deref().filter(|v| !is_others_answer(v, key)).and_then(decode) {
+        for (way, record) in ways.iter().enumerate() {
+            match Some(*record).filter(|v| !is_others_answer(v, key)).and_then(decode) {
                 Some(State::Leading { key: k, nonce: n, expires_ms, watched }) if expires_ms > now_ms => {
                     if key.is(&k) {
-                        return Ok(Acquire::Held { nonce: n, slot_key: slot.clone(), watched });
+                        let slot = Slot { group, way };
+                        return Ok(Acquire::Held { nonce: n, slot, watched });
                     }
                 }
                 Some(State::Done { key: k, done_at_ms, response, stale_from_ms, in_cache, .. })
@@ -106,35 +121,31 @@ pub fn acquire(
                     return Ok(Acquire::Answered { response, done_at_ms, stale_from_ms, in_cache });
                 }
                 _ => {
-                    free.get_or_insert((slot, r));
+                    free.get_or_insert(way);
                 }
             }
         }
-        let Some((slot, r)) = free else { return Ok(Acquire::Busy) };
-        let value = leading(key, nonce, now_ms + config.lock.lease_ms, false);
-        // A missing key is inserted whatever CAS we pass; `cas_after` makes the loser of
-        // two concurrent inserts see a mismatch (see `store::ABSENT_CAS`). The test-only
-        // `broken-lock` build writes without CAS, to prove the harness catches the race.
-        let cas = if cfg!(feature = "broken-lock") { None } else { cas_after(&r) };
-        match store.set(slot, &value, cas) {
-            Ok(()) => {}
-            Err(StoreError::CasMismatch) => continue 'race,
+        let Some(way) = free else { return Ok(Acquire::Busy) };
+        let value = join(&ways, way, &leading(key, nonce, now_ms + config.lock.lease_ms, false));
+        // The whole group is written by CAS: whoever changed any way since our read makes
+        // us read again, so two racers can never both take a way for one key. The
+        // test-only `broken-lock` build writes without CAS, to prove the harness catches
+        // the race.
+        match write(store, &group, &value, &r) {
+            Ok(()) => return Ok(Acquire::Acquired(Lease { slot: Slot { group, way }, key: key.clone(), nonce })),
+            Err(StoreError::CasMismatch) => continue,
             Err(e) => return Err(e),
         }
-        let lease = Lease { slot_key: slot.clone(), key: key.clone(), nonce };
-        // Two racers may take different ways when a way frees up between their reads: the
-        // one in the lower way leads; the other gives its slot back and waits on it.
-        for earlier in slots.iter().take_while(|s| *s != slot) {
-            if let Ok((State::Leading { key: k, nonce: n, expires_ms, watched }, _)) = read(store, earlier) {
-                if key.is(&k) && n != nonce && expires_ms > now_ms {
-                    let _ = release(store, &lease);
-                    return Ok(Acquire::Held { nonce: n, slot_key: earlier.clone(), watched });
-                }
-            }
-        }
-        return Ok(Acquire::Acquired(lease));
     }
     Err(StoreError::CasMismatch)
+}
+
+/// Sets a group record read as `r`. A missing key is inserted whatever CAS we pass;
+/// `cas_after` makes the loser of two concurrent inserts see a mismatch (see
+/// `store::ABSENT_CAS`).
+fn write(store: &impl CasStore, group: &str, value: &[u8], r: &Read) -> Result<(), StoreError> {
+    let cas = if cfg!(feature = "broken-lock") { None } else { cas_after(r) };
+    store.set(group, value, cas)
 }
 
 /// Pushes the expiry forward; `false` when the lease is no longer ours.
@@ -143,7 +154,7 @@ pub fn renew(store: &impl CasStore, config: &Config, lease: &Lease, now_ms: u64)
     Ok(update_if_owner(store, lease, |watched| leading(&lease.key, lease.nonce, expires_ms, watched))?.is_some())
 }
 
-/// Publishes the flight's answer to its waiters and frees the slot. `None` when the lease
+/// Publishes the flight's answer to its waiters and frees the way. `None` when the lease
 /// was lost (expired and taken over), in which case the new leader's flight stands;
 /// otherwise whether anyone was waiting on it. `stale_from_ms`: the answer is a stale one,
 /// produced then. `in_cache`: the answer was stored in the cache at `now_ms`; the record
@@ -160,23 +171,25 @@ pub fn finish(
     update_if_owner(store, lease, |_| value.clone())
 }
 
-/// Gives the lease up without an answer (a stream that broke off): the slot reads as
+/// Gives the lease up without an answer (a stream that broke off): the way reads as
 /// expired, so a waiter takes it and leads a new flight. `None` when it was not ours.
 pub fn release(store: &impl CasStore, lease: &Lease) -> Result<Option<bool>, StoreError> {
     update_if_owner(store, lease, |watched| leading(&lease.key, lease.nonce, 0, watched))
 }
 
-/// Marks the flight `nonce` in `slot_key` as waited on, so that its end wakes every
-/// worker; a no-op once marked or once the flight is over.
-pub fn watch(store: &impl CasStore, slot_key: &str, nonce: u64) -> Result<(), StoreError> {
+/// Marks the flight `nonce` in `slot` as waited on, so that its end wakes every worker; a
+/// no-op once marked or once the flight is over.
+pub fn watch(store: &impl CasStore, slot: &Slot, nonce: u64) -> Result<(), StoreError> {
     for _ in 0..MAX_RACES {
-        let r = store.get(slot_key)?;
-        let (key, expires_ms) = match r.value.as_deref().and_then(decode) {
+        let r = store.get(&slot.group)?;
+        let ways = split(r.value.as_deref().unwrap_or_default(), slot.way + 1);
+        let (key, expires_ms) = match ways.get(slot.way).and_then(|w| decode(w)) {
             Some(State::Leading { key, nonce: n, expires_ms, watched: false }) if n == nonce => (key, expires_ms),
             _ => return Ok(()),
         };
         let Some(key) = Key::from_hex(&key) else { return Ok(()) };
-        match store.set(slot_key, &leading(&key, nonce, expires_ms, true), cas_after(&r)) {
+        let value = join(&ways, slot.way, &leading(&key, nonce, expires_ms, true));
+        match store.set(&slot.group, &value, cas_after(&r)) {
             Ok(()) => return Ok(()),
             Err(StoreError::CasMismatch) => continue,
             Err(e) => return Err(e),
@@ -185,23 +198,25 @@ pub fn watch(store: &impl CasStore, slot_key: &str, nonce: u64) -> Result<(), St
     Ok(())
 }
 
-/// Writes `value(watched)` if the lease is still ours; `None` when it is not, else
-/// whether the flight was watched.
+/// Writes `value(watched)` into the lease's way if the lease is still ours; `None` when it
+/// is not, else whether the flight was watched.
 fn update_if_owner(
     store: &impl CasStore,
     lease: &Lease,
     value: impl Fn(bool) -> Vec<u8>,
 ) -> Result<Option<bool>, StoreError> {
+    let Slot { group, way } = &lease.slot;
     for _ in 0..MAX_RACES {
-        let r = store.get(&lease.slot_key)?;
-        let watched = match r.value.as_deref().and_then(decode) {
-            Some(State::Leading { nonce, watched, .. }) if nonce == lease.nonce => watched,
+        let r = store.get(group)?;
+        let ways = split(r.value.as_deref().unwrap_or_default(), way + 1);
+        let watched = match ways.get(*way).and_then(|w| leader_of(w)) {
+            Some((nonce, watched)) if nonce == lease.nonce => watched,
             _ => return Ok(None),
         };
         // Only the owner writes a Leading value with this nonce, but a waiter may take the
-        // slot over (or mark it watched) between our read and write: the CAS turns that
-        // into a re-read.
-        match store.set(&lease.slot_key, &value(watched), cas_after(&r)) {
+        // way over (or mark it watched), or another key change its own way, between our
+        // read and write: the CAS turns that into a re-read.
+        match store.set(group, &join(&ways, *way, &value(watched)), cas_after(&r)) {
             Ok(()) => return Ok(Some(watched)),
             Err(StoreError::CasMismatch) => continue,
             Err(e) => return Err(e),
@@ -210,10 +225,54 @@ fn update_if_owner(
     Ok(None)
 }
 
+/// A group record's ways (at least `n`; a way never written is empty): one line with
+/// each way's length, comma-separated, then the ways' records one after another.
+/// Anything malformed reads as every way free.
+fn split(raw: &[u8], n: usize) -> Vec<&[u8]> {
+    let parsed = codec::decode(raw, 1).and_then(|(f, mut rest)| {
+        let mut ways = Vec::with_capacity(n.max(4));
+        for len in f[0].split(',').filter(|l| !l.is_empty()) {
+            let len = usize::try_from(codec::number(len)?).ok()?;
+            ways.push(rest.get(..len)?);
+            rest = rest.get(len..)?;
+        }
+        Some(ways)
+    });
+    let mut ways = parsed.unwrap_or_default();
+    if ways.len() < n {
+        ways.resize(n, b"");
+    }
+    ways
+}
+
+/// The group record with way `at` replaced by `record`.
+fn join(ways: &[&[u8]], at: usize, record: &[u8]) -> Vec<u8> {
+    let way = |i: usize| if i == at { record } else { ways.get(i).copied().unwrap_or_default() };
+    let count = ways.len().max(at + 1);
+    let mut out = Vec::with_capacity(16 + ways.iter().map(|w| w.len()).sum::<usize>() + record.len());
+    for i in 0..count {
+        if i > 0 {
+            out.push(b',');
+        }
+        out.extend_from_slice(codec::decimal(way(i).len() as u64).as_str().as_bytes());
+    }
+    out.push(b'\n');
+    for i in 0..count {
+        out.extend_from_slice(way(i));
+    }
+    out
+}
+
 /// A leader's record; a watched flight has the body `w`.
 fn leading(key: &Key, nonce: u64, expires_ms: u64, watched: bool) -> Vec<u8> {
     let body: &[u8] = if watched { b"w" } else { b"" };
-    codec::encode(&["L", key.hex(), &nonce.to_string(), &expires_ms.to_string()], body)
+    codec::encode(&["L", key.hex(), codec::decimal(nonce).as_str(), codec::decimal(expires_ms).as_str()], body)
+}
+
+/// A leader's nonce and watched mark, read without copying its key.
+fn leader_of(raw: &[u8]) -> Option<(u64, bool)> {
+    let (f, body) = codec::decode(raw, 4).filter(|(f, _)| f[0] == "L")?;
+    Some((codec::number(f[2])?, body == b"w"))
 }
 
 fn done(key: &Key, nonce: u64, now_ms: u64, r: &Response, stale_from_ms: Option<u64>, in_cache: bool) -> Vec<u8> {
@@ -227,9 +286,9 @@ fn done(key: &Key, nonce: u64, now_ms: u64, r: &Response, stale_from_ms: Option<
         &[
             "D",
             key.hex(),
-            &nonce.to_string(),
-            &now_ms.to_string(),
-            &r.status.to_string(),
+            codec::decimal(nonce).as_str(),
+            codec::decimal(now_ms).as_str(),
+            codec::decimal(u64::from(r.status)).as_str(),
             &codec::field(&r.content_type),
             &codec::headers_field(&r.headers),
             &freshness,
@@ -301,7 +360,7 @@ mod tests {
         let Acquire::Acquired(lease) = acquire(&s, &c, &key(1), 11, 0, 0).unwrap() else { panic!() };
         assert!(matches!(acquire(&s, &c, &key(1), 22, 10, 10).unwrap(), Acquire::Held { nonce: 11, .. }));
         assert_eq!(finish(&s, &lease, &resp(503), 20, None, false).unwrap(), Some(false), "ours, unwatched");
-        let (state, _) = read(&s, &lease.slot_key).unwrap();
+        let (state, _) = read(&s, &lease.slot).unwrap();
         let State::Done { nonce, response, .. } = state else { panic!("{state:?}") };
         assert_eq!(nonce, 11);
         assert_eq!(response, resp(503));
@@ -313,17 +372,17 @@ mod tests {
     fn a_waiter_marks_the_flight_and_the_mark_survives_renewal_until_the_leader_finishes() {
         let (s, c) = (MemStore::new(), Config::default());
         let Acquire::Acquired(lease) = acquire(&s, &c, &key(1), 11, 0, 0).unwrap() else { panic!() };
-        let Acquire::Held { slot_key, watched: false, .. } = acquire(&s, &c, &key(1), 22, 1, 1).unwrap() else {
+        let Acquire::Held { slot, watched: false, .. } = acquire(&s, &c, &key(1), 22, 1, 1).unwrap() else {
             panic!("unwatched at first")
         };
-        watch(&s, &slot_key, 11).unwrap();
+        watch(&s, &slot, 11).unwrap();
         assert!(matches!(acquire(&s, &c, &key(1), 33, 2, 2).unwrap(), Acquire::Held { watched: true, .. }));
         assert!(renew(&s, &c, &lease, 3).unwrap());
         assert!(matches!(acquire(&s, &c, &key(1), 44, 4, 4).unwrap(), Acquire::Held { watched: true, .. }));
-        watch(&s, &slot_key, 99).unwrap();
+        watch(&s, &slot, 99).unwrap();
         assert_eq!(finish(&s, &lease, &resp(200), 5, None, false).unwrap(), Some(true), "the leader learns it");
-        watch(&s, &slot_key, 11).unwrap();
-        assert!(matches!(read(&s, &slot_key).unwrap().0, State::Done { .. }), "a finished flight stays finished");
+        watch(&s, &slot, 11).unwrap();
+        assert!(matches!(read(&s, &slot).unwrap().0, State::Done { .. }), "a finished flight stays finished");
     }
 
     #[test]
@@ -353,20 +412,20 @@ mod tests {
         let (s, mut c) = (MemStore::new(), Config::default());
         c.lock.slots = 8;
         let keys: Vec<Key> = (0..200u32).map(key).collect();
-        let home = keys[0].slot(8, 1);
-        let colliding: Vec<&Key> = keys.iter().filter(|k| k.slot(8, 1) == home).take(5).collect();
+        let home = group_of(&c, &keys[0]).0;
+        let colliding: Vec<&Key> = keys.iter().filter(|k| group_of(&c, k).0 == home).take(5).collect();
         assert_eq!(colliding.len(), 5);
         let mut slots = std::collections::HashSet::new();
         for (i, k) in colliding.iter().take(4).enumerate() {
             let Acquire::Acquired(l) = acquire(&s, &c, k, i as u64 + 1, 0, 0).unwrap() else { panic!("way {i}") };
-            slots.insert(l.slot_key);
+            slots.insert(l.slot.way);
             assert!(
                 matches!(acquire(&s, &c, k, 99, 1, 1).unwrap(), Acquire::Held { nonce, .. } if nonce == i as u64 + 1)
             );
         }
         assert_eq!(slots.len(), 4, "four ways");
         assert_eq!(acquire(&s, &c, colliding[4], 5, 0, 0).unwrap(), Acquire::Busy, "all ways taken");
-        assert!(s.key_count() <= 8);
+        assert_eq!(s.key_count(), 1, "one record for the group");
     }
 
     #[test]
@@ -380,10 +439,56 @@ mod tests {
         assert!(matches!(acquire(&s, &c, &key(2), 3, 12, 12).unwrap(), Acquire::Acquired(_)));
     }
 
+    /// Counts the store's reads and writes.
+    struct Counting {
+        inner: MemStore,
+        calls: std::cell::Cell<(usize, usize)>,
+    }
+
+    impl CasStore for Counting {
+        fn get(&self, key: &str) -> Result<Read, StoreError> {
+            let (r, w) = self.calls.get();
+            self.calls.set((r + 1, w));
+            self.inner.get(key)
+        }
+        fn set(&self, key: &str, value: &[u8], cas: Option<u32>) -> Result<(), StoreError> {
+            let (r, w) = self.calls.get();
+            self.calls.set((r, w + 1));
+            self.inner.set(key, value, cas)
+        }
+    }
+
+    #[test]
+    fn a_new_flight_costs_one_read_and_one_write_and_leaves_the_other_ways_alone() {
+        let s = Counting { inner: MemStore::new(), calls: std::cell::Cell::new((0, 0)) };
+        let mut c = Config::default();
+        c.lock.slots = 4;
+        let leases: Vec<Lease> = (0..3u32)
+            .map(|i| match acquire(&s, &c, &key(i), u64::from(i) + 1, 0, 0).unwrap() {
+                Acquire::Acquired(l) => l,
+                other => panic!("{other:?}"),
+            })
+            .collect();
+        s.calls.set((0, 0));
+        let Acquire::Acquired(fourth) = acquire(&s, &c, &key(3), 4, 1, 1).unwrap() else { panic!() };
+        assert_eq!(s.calls.get(), (1, 1), "(reads, writes) to lead with three ways taken");
+        s.calls.set((0, 0));
+        assert!(matches!(acquire(&s, &c, &key(3), 5, 2, 2).unwrap(), Acquire::Held { nonce: 4, .. }));
+        assert_eq!(s.calls.get(), (1, 0), "one read finds the flight");
+        assert_eq!(finish(&s, &leases[1], &resp(200), 3, None, false).unwrap(), Some(false));
+        assert!(renew(&s, &c, &fourth, 3).unwrap());
+        for (i, l) in leases.iter().enumerate().filter(|(i, _)| *i != 1) {
+            let held = acquire(&s, &c, &key(i as u32), 99, 4, 4).unwrap();
+            assert!(matches!(held, Acquire::Held { nonce, .. } if nonce == l.nonce), "way {i}: {held:?}");
+        }
+        assert!(matches!(read(&s, &leases[1].slot).unwrap().0, State::Done { nonce: 2, .. }));
+        assert_eq!(s.inner.key_count(), 1);
+    }
+
     #[test]
     fn garbage_in_a_slot_counts_as_free() {
         let (s, c) = (MemStore::new(), Config::default());
-        s.set(&slot_keys(&c, &key(1))[0], b"L\nnot-a-number", None).unwrap();
+        s.set(&group_of(&c, &key(1)).0, b"L\nnot-a-number", None).unwrap();
         assert!(matches!(acquire(&s, &c, &key(1), 1, 0, 0).unwrap(), Acquire::Acquired(_)));
     }
 

@@ -112,6 +112,12 @@ impl Key {
         ok.then(|| Key(hex.to_owned()))
     }
 
+    /// The key's last 16 hex digits (no table picks its slot with them): enough to tell
+    /// the keys of one table's group apart before reading a whole record.
+    pub fn tag(&self) -> &str {
+        self.0.get(48..).unwrap_or_default()
+    }
+
     /// A slot in a table of `n` slots; `salt` picks independent slots for different tables.
     pub fn slot(&self, n: u32, salt: usize) -> u32 {
         let start = (salt * 16) % 48;
@@ -466,9 +472,6 @@ fn write_number(n: &Number, out: &mut Vec<u8>) {
     };
 }
 
-/// Lowercase hex digits, for the key and for `\u00xx` escapes.
-const HEX_DIGITS: &[u8; 16] = b"0123456789abcdef";
-
 /// A string as serde_json writes it: `"` and `\` escaped, control characters as `\b`,
 /// `\t`, `\n`, `\f`, `\r` or `\u00xx`, every other character as it is.
 fn write_string(s: &str, out: &mut Vec<u8>) {
@@ -486,8 +489,8 @@ fn write_string(s: &str, out: &mut Vec<u8>) {
             0x0c => b"\\f",
             0x0d => b"\\r",
             0..=0x1f => {
-                unicode[4] = HEX_DIGITS[usize::from(b >> 4)];
-                unicode[5] = HEX_DIGITS[usize::from(b & 0xf)];
+                unicode[4] = codec::HEX_DIGITS[usize::from(b >> 4)];
+                unicode[5] = codec::HEX_DIGITS[usize::from(b & 0xf)];
                 &unicode
             }
             _ => continue,
@@ -537,8 +540,8 @@ fn sha256(mut message: Vec<u8>) -> [u8; 32] {
 fn hex(bytes: &[u8]) -> String {
     let mut digits = vec![0; 2 * bytes.len()];
     for (pair, &b) in digits.chunks_exact_mut(2).zip(bytes) {
-        pair[0] = HEX_DIGITS[usize::from(b >> 4)];
-        pair[1] = HEX_DIGITS[usize::from(b & 0xf)];
+        pair[0] = codec::HEX_DIGITS[usize::from(b >> 4)];
+        pair[1] = codec::HEX_DIGITS[usize::from(b & 0xf)];
     }
     String::from_utf8(digits).unwrap_or_default()
 }

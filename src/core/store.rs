@@ -1,6 +1,8 @@
 //! The CAS store the core runs on, with the exact contract of Envoy's proxy-wasm shared
 //! data, and an in-memory model of it for tests.
 
+use super::codec;
+
 /// What a read returns. Envoy distinguishes a missing key (`cas: None`) from a key whose
 /// value is empty (`value: None, cas: Some(_)`); there is no delete, so "empty" is how a
 /// key is freed.
@@ -44,18 +46,10 @@ pub fn cas_after(read: &Read) -> Option<u32> {
 /// The shared-data key of slot `n` of a table (`holysheep/cache/` + `17`), built without
 /// the formatter: every request names a few.
 pub fn slot_name(table: &str, n: u32) -> String {
-    let (mut digits, mut at, mut rest) = ([0u8; 10], 10, n);
-    loop {
-        at -= 1;
-        digits[at] = b'0' + (rest % 10) as u8;
-        rest /= 10;
-        if rest == 0 {
-            break;
-        }
-    }
-    let mut name = String::with_capacity(table.len() + digits.len() - at);
+    let digits = codec::decimal(u64::from(n));
+    let mut name = String::with_capacity(table.len() + digits.as_str().len());
     name.push_str(table);
-    name.extend(digits[at..].iter().map(|&d| char::from(d)));
+    name.push_str(digits.as_str());
     name
 }
 

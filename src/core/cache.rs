@@ -163,7 +163,7 @@ pub fn probe(store: &impl CasStore, config: &Config, key: &Key) -> Probe {
 }
 
 fn decode(raw: &[u8]) -> Option<Entry> {
-    let (f, body) = codec::decode(raw, 6)?;
+    let (f, body) = codec::decode::<6>(raw)?;
     if f[0] != "C" {
         return None;
     }

@@ -317,7 +317,10 @@ impl<S: CasStore> Engine<'_, S> {
         let step = if !policy.coalesce {
             Step::Call(self.call(key, None, policy, false, CacheStatus::Bypass, now_ms))
         } else {
-            self.take_lease(key, policy, now_ms, nonce, waited_since.unwrap_or(now_ms), true)
+            // A flight that ended since arrival answers a request that read the cache just
+            // before it stored, or waited for it; not one that did not look (`no-cache`).
+            let accept_done = policy.read || waited_since.is_some();
+            self.take_lease(key, policy, now_ms, nonce, waited_since.unwrap_or(now_ms), accept_done)
         };
         match step {
             // The group was just read: the answer goes where its index said, without reading
@@ -745,6 +748,19 @@ mod tests {
         expect_call(e.admit(&k(1), policy("max-age=5"), 16_000, 4));
         let r = expect_reply(e.admit(&k(1), policy("max-age=10"), 16_000, 5));
         assert_eq!((r.response.body.as_slice(), r.age_s), (&b"B"[..], Some(6)));
+    }
+
+    /// Envoy's clock advances once per event-loop turn: a request may arrive in the very
+    /// millisecond the last flight of its prompt ended.
+    #[test]
+    fn a_no_cache_request_in_the_millisecond_a_flight_ended_still_goes_upstream() {
+        let (s, c) = (MemStore::new(), Config::default());
+        let e = Engine { store: &s, config: &c };
+        let lead = expect_call(e.admit(&k(1), READ, 0, 1));
+        e.complete(&lead, ok("A"), 5);
+        let no_cache = Policy { read: false, ..READ };
+        let fresh = expect_call(e.admit(&k(1), no_cache, 5, 2));
+        assert_eq!((fresh.label, fresh.lease.is_some()), (CacheStatus::Miss, true), "not the finished flight's answer");
     }
 
     #[test]

@@ -11,6 +11,7 @@ use super::codec;
 use super::config::Config;
 use super::request::Key;
 use super::store::{self, cas_after, CasStore, Read, StoreError};
+use std::borrow::Cow;
 
 /// Where a flight's lease lives: one way of a group record.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -84,7 +85,7 @@ pub fn group_of(config: &Config, key: &Key) -> (String, usize) {
 /// The state of one way, and the group record's CAS.
 pub fn read(store: &impl CasStore, slot: &Slot) -> Result<(State, Option<u32>), StoreError> {
     let r = store.get(&slot.group)?;
-    let ways = split(r.value.as_deref().unwrap_or_default(), slot.way + 1);
+    let (ways, _) = split(r.value.as_deref().unwrap_or_default(), slot.way + 1);
     let state = ways.get(slot.way).and_then(|w| decode(w)).unwrap_or(State::Free);
     Ok((state, r.cas))
 }
@@ -103,30 +104,45 @@ pub fn acquire(
     let (group, n) = group_of(config, key);
     for _ in 0..MAX_RACES {
         let r = store.get(&group)?;
-        let ways = split(r.value.as_deref().unwrap_or_default(), n);
+        let (ways, n) = split(r.value.as_deref().unwrap_or_default(), n);
         // Every way is looked at before one is taken: a live flight of this key, or its
-        // answer, may be in any of them.
+        // answer, may be in any of them. Other keys' records are read in place.
         let mut free = None;
-        for (way, record) in ways.iter().enumerate() {
-            match Some(*record).filter(|v| !is_others_answer(v, key)).and_then(decode) {
-                Some(State::Leading { key: k, nonce: n, expires_ms, watched }) if expires_ms > now_ms => {
-                    if key.is(&k) {
+        for (way, record) in ways[..n].iter().enumerate() {
+            // Kind and key first: another key's finished flight needs nothing more.
+            let (kind, ours) = match codec::fields::<2>(record) {
+                Some(([kind, k], _)) => (kind, key.is(k)),
+                None => (&b""[..], false),
+            };
+            match (kind, ours) {
+                (b"L", _) => match peek(record) {
+                    Some(p) if p.time > now_ms && ours => {
                         let slot = Slot { group, way };
-                        return Ok(Acquire::Held { nonce: n, slot, watched });
+                        return Ok(Acquire::Held { nonce: p.nonce, slot, watched: p.rest == b"w" });
                     }
-                }
-                Some(State::Done { key: k, done_at_ms, response, stale_from_ms, in_cache, .. })
-                    if key.is(&k) && done_at_ms >= since_ms =>
-                {
-                    return Ok(Acquire::Answered { response, done_at_ms, stale_from_ms, in_cache });
-                }
+                    // Another key's live flight.
+                    Some(p) if p.time > now_ms => {}
+                    _ => {
+                        free.get_or_insert(way);
+                    }
+                },
+                (b"D", true) => match decode(record) {
+                    Some(State::Done { response, done_at_ms, stale_from_ms, in_cache, .. })
+                        if done_at_ms >= since_ms =>
+                    {
+                        return Ok(Acquire::Answered { response, done_at_ms, stale_from_ms, in_cache });
+                    }
+                    _ => {
+                        free.get_or_insert(way);
+                    }
+                },
                 _ => {
                     free.get_or_insert(way);
                 }
             }
         }
         let Some(way) = free else { return Ok(Acquire::Busy) };
-        let value = join(&ways, way, &leading(key, nonce, now_ms + config.lock.lease_ms, false));
+        let value = join(&ways[..n], way, &leading(key.hex(), nonce, now_ms + config.lock.lease_ms, false));
         // The whole group is written by CAS: whoever changed any way since our read makes
         // us read again, so two racers can never both take a way for one key. The
         // test-only `broken-lock` build writes without CAS, to prove the harness catches
@@ -151,7 +167,8 @@ fn write(store: &impl CasStore, group: &str, value: &[u8], r: &Read) -> Result<(
 /// Pushes the expiry forward; `false` when the lease is no longer ours.
 pub fn renew(store: &impl CasStore, config: &Config, lease: &Lease, now_ms: u64) -> Result<bool, StoreError> {
     let expires_ms = now_ms + config.lock.lease_ms;
-    Ok(update_if_owner(store, lease, |watched| leading(&lease.key, lease.nonce, expires_ms, watched))?.is_some())
+    let record = |watched| Cow::Owned(leading(lease.key.hex(), lease.nonce, expires_ms, watched));
+    Ok(update_if_owner(store, lease, record)?.is_some())
 }
 
 /// Publishes the flight's answer to its waiters and frees the way. `None` when the lease
@@ -168,13 +185,13 @@ pub fn finish(
     in_cache: bool,
 ) -> Result<Option<bool>, StoreError> {
     let value = done(&lease.key, lease.nonce, now_ms, response, stale_from_ms, in_cache);
-    update_if_owner(store, lease, |_| value.clone())
+    update_if_owner(store, lease, |_| Cow::Borrowed(&value[..]))
 }
 
 /// Gives the lease up without an answer (a stream that broke off): the way reads as
 /// expired, so a waiter takes it and leads a new flight. `None` when it was not ours.
 pub fn release(store: &impl CasStore, lease: &Lease) -> Result<Option<bool>, StoreError> {
-    update_if_owner(store, lease, |watched| leading(&lease.key, lease.nonce, 0, watched))
+    update_if_owner(store, lease, |watched| Cow::Owned(leading(lease.key.hex(), lease.nonce, 0, watched)))
 }
 
 /// Marks the flight `nonce` in `slot` as waited on, so that its end wakes every worker; a
@@ -182,14 +199,15 @@ pub fn release(store: &impl CasStore, lease: &Lease) -> Result<Option<bool>, Sto
 pub fn watch(store: &impl CasStore, slot: &Slot, nonce: u64) -> Result<(), StoreError> {
     for _ in 0..MAX_RACES {
         let r = store.get(&slot.group)?;
-        let ways = split(r.value.as_deref().unwrap_or_default(), slot.way + 1);
-        let (key, expires_ms) = match ways.get(slot.way).and_then(|w| decode(w)) {
-            Some(State::Leading { key, nonce: n, expires_ms, watched: false }) if n == nonce => (key, expires_ms),
+        let (ways, n) = split(r.value.as_deref().unwrap_or_default(), slot.way + 1);
+        let record = match ways.get(slot.way).and_then(|w| peek(w)) {
+            Some(p) if p.kind == b'L' && p.nonce == nonce && p.rest != b"w" => {
+                let Ok(key) = std::str::from_utf8(p.key) else { return Ok(()) };
+                leading(key, nonce, p.time, true)
+            }
             _ => return Ok(()),
         };
-        let Some(key) = Key::from_hex(&key) else { return Ok(()) };
-        let value = join(&ways, slot.way, &leading(&key, nonce, expires_ms, true));
-        match store.set(&slot.group, &value, cas_after(&r)) {
+        match store.set(&slot.group, &join(&ways[..n], slot.way, &record), cas_after(&r)) {
             Ok(()) => return Ok(()),
             Err(StoreError::CasMismatch) => continue,
             Err(e) => return Err(e),
@@ -198,25 +216,25 @@ pub fn watch(store: &impl CasStore, slot: &Slot, nonce: u64) -> Result<(), Store
     Ok(())
 }
 
-/// Writes `value(watched)` into the lease's way if the lease is still ours; `None` when it
-/// is not, else whether the flight was watched.
-fn update_if_owner(
+/// Writes `record(watched)` into the lease's way if the lease is still ours; `None` when
+/// it is not, else whether the flight was watched.
+fn update_if_owner<'a>(
     store: &impl CasStore,
     lease: &Lease,
-    value: impl Fn(bool) -> Vec<u8>,
+    record: impl Fn(bool) -> Cow<'a, [u8]>,
 ) -> Result<Option<bool>, StoreError> {
     let Slot { group, way } = &lease.slot;
     for _ in 0..MAX_RACES {
         let r = store.get(group)?;
-        let ways = split(r.value.as_deref().unwrap_or_default(), way + 1);
-        let watched = match ways.get(*way).and_then(|w| leader_of(w)) {
-            Some((nonce, watched)) if nonce == lease.nonce => watched,
+        let (ways, n) = split(r.value.as_deref().unwrap_or_default(), way + 1);
+        let watched = match ways.get(*way).and_then(|w| peek(w)) {
+            Some(p) if p.kind == b'L' && p.nonce == lease.nonce => p.rest == b"w",
             _ => return Ok(None),
         };
         // Only the owner writes a Leading value with this nonce, but a waiter may take the
         // way over (or mark it watched), or another key change its own way, between our
         // read and write: the CAS turns that into a re-read.
-        match store.set(group, &join(&ways, *way, &value(watched)), cas_after(&r)) {
+        match store.set(group, &join(&ways[..n], *way, &record(watched)), cas_after(&r)) {
             Ok(()) => return Ok(Some(watched)),
             Err(StoreError::CasMismatch) => continue,
             Err(e) => return Err(e),
@@ -225,24 +243,29 @@ fn update_if_owner(
     Ok(None)
 }
 
-/// A group record's ways (at least `n`; a way never written is empty): one line with
-/// each way's length, comma-separated, then the ways' records one after another.
-/// Anything malformed reads as every way free.
-fn split(raw: &[u8], n: usize) -> Vec<&[u8]> {
-    let parsed = codec::decode(raw, 1).and_then(|(f, mut rest)| {
-        let mut ways = Vec::with_capacity(n.max(4));
-        for len in f[0].split(',').filter(|l| !l.is_empty()) {
+/// The most ways a group record holds.
+const MAX_WAYS: usize = WAYS as usize;
+
+/// A group record's ways, and how many there are (at least `n`; a way never written is
+/// empty): one line with each way's length, comma-separated, then the ways' records one
+/// after another. Anything malformed reads as every way free.
+fn split(raw: &[u8], n: usize) -> ([&[u8]; MAX_WAYS], usize) {
+    let mut ways: [&[u8]; MAX_WAYS] = [b""; MAX_WAYS];
+    let mut read = || {
+        let ([lengths], mut rest) = codec::fields::<1>(raw)?;
+        let mut count = 0;
+        for len in lengths.split(|&b| b == b',').filter(|l| !l.is_empty()) {
             let len = usize::try_from(codec::number(len)?).ok()?;
-            ways.push(rest.get(..len)?);
+            *ways.get_mut(count)? = rest.get(..len)?;
             rest = rest.get(len..)?;
+            count += 1;
         }
-        Some(ways)
-    });
-    let mut ways = parsed.unwrap_or_default();
-    if ways.len() < n {
-        ways.resize(n, b"");
+        Some(count)
+    };
+    match read() {
+        Some(count) => (ways, count.max(n).min(MAX_WAYS)),
+        None => ([b""; MAX_WAYS], n.min(MAX_WAYS)),
     }
-    ways
 }
 
 /// The group record with way `at` replaced by `record`.
@@ -264,24 +287,45 @@ fn join(ways: &[&[u8]], at: usize, record: &[u8]) -> Vec<u8> {
 }
 
 /// A leader's record; a watched flight has the body `w`.
-fn leading(key: &Key, nonce: u64, expires_ms: u64, watched: bool) -> Vec<u8> {
+fn leading(key_hex: &str, nonce: u64, expires_ms: u64, watched: bool) -> Vec<u8> {
     let body: &[u8] = if watched { b"w" } else { b"" };
-    codec::encode(&["L", key.hex(), codec::decimal(nonce).as_str(), codec::decimal(expires_ms).as_str()], body)
+    codec::encode(&["L", key_hex, codec::decimal(nonce).as_str(), codec::decimal(expires_ms).as_str()], body)
 }
 
-/// A leader's nonce and watched mark, read without copying its key.
-fn leader_of(raw: &[u8]) -> Option<(u64, bool)> {
-    let (f, body) = codec::decode(raw, 4).filter(|(f, _)| f[0] == "L")?;
-    Some((codec::number(f[2])?, body == b"w"))
+/// A way's record read in place, without copying: its kind (`L` leading, `D` done), key,
+/// nonce, time (a leader's expiry, or when a flight was done), and what follows (`w` for a
+/// watched leader).
+struct Peek<'a> {
+    kind: u8,
+    key: &'a [u8],
+    nonce: u64,
+    time: u64,
+    rest: &'a [u8],
+}
+
+fn peek(raw: &[u8]) -> Option<Peek<'_>> {
+    let ([kind, key, nonce, time], rest) = codec::fields::<4>(raw)?;
+    let kind = match kind {
+        b"L" => b'L',
+        b"D" => b'D',
+        _ => return None,
+    };
+    Some(Peek { kind, key, nonce: codec::number(nonce)?, time: codec::number(time)?, rest })
 }
 
 fn done(key: &Key, nonce: u64, now_ms: u64, r: &Response, stale_from_ms: Option<u64>, in_cache: bool) -> Vec<u8> {
-    let freshness = match (stale_from_ms, in_cache) {
-        (Some(t), _) => format!("stale:{t}"),
-        (None, true) => "cached".to_owned(),
-        (None, false) => "fresh".to_owned(),
+    let freshness: Cow<'_, str> = match (stale_from_ms, in_cache) {
+        (Some(t), _) => Cow::Owned(format!("stale:{t}")),
+        (None, true) => Cow::Borrowed("cached"),
+        (None, false) => Cow::Borrowed("fresh"),
     };
-    let body: &[u8] = if in_cache && stale_from_ms.is_none() { b"" } else { &r.body };
+    // An answer that refers to its cache entry repeats none of it.
+    let refers = in_cache && stale_from_ms.is_none();
+    let (content_type, headers, body) = if refers {
+        (Cow::Borrowed(""), String::new(), &[][..])
+    } else {
+        (codec::field(&r.content_type), codec::headers_field(&r.headers), &r.body[..])
+    };
     codec::encode(
         &[
             "D",
@@ -289,23 +333,18 @@ fn done(key: &Key, nonce: u64, now_ms: u64, r: &Response, stale_from_ms: Option<
             codec::decimal(nonce).as_str(),
             codec::decimal(now_ms).as_str(),
             codec::decimal(u64::from(r.status)).as_str(),
-            &codec::field(&r.content_type),
-            &codec::headers_field(&r.headers),
+            &content_type,
+            &headers,
             &freshness,
         ],
         body,
     )
 }
 
-/// A finished flight of another key: its way is free, and its answer is not decoded.
-fn is_others_answer(raw: &[u8], key: &Key) -> bool {
-    codec::decode(raw, 2).is_some_and(|(f, _)| f[0] == "D" && !key.is(f[1]))
-}
-
 fn decode(raw: &[u8]) -> Option<State> {
     match raw.first()? {
         b'L' => {
-            let (f, body) = codec::decode(raw, 4)?;
+            let (f, body) = codec::decode::<4>(raw)?;
             Some(State::Leading {
                 key: f[1].to_owned(),
                 nonce: codec::number(f[2])?,
@@ -314,7 +353,7 @@ fn decode(raw: &[u8]) -> Option<State> {
             })
         }
         b'D' => {
-            let (f, body) = codec::decode(raw, 8)?;
+            let (f, body) = codec::decode::<8>(raw)?;
             let (stale_from_ms, in_cache) = match f[7].strip_prefix("stale:") {
                 Some(t) => (Some(codec::number(t)?), false),
                 None if f[7] == "fresh" => (None, false),

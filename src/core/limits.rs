@@ -252,7 +252,7 @@ impl Bucket {
     }
 
     fn decode(raw: &[u8]) -> Option<Bucket> {
-        let (f, rest) = codec::decode(raw, 4)?;
+        let (f, rest) = codec::decode::<4>(raw)?;
         if f[0] != "B" {
             return None;
         }

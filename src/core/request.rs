@@ -103,8 +103,8 @@ impl Key {
     }
 
     /// Whether `hex` spells this key (a record's key field).
-    pub fn is(&self, hex: &str) -> bool {
-        bytes::same(self.0.as_bytes(), hex.as_bytes())
+    pub fn is(&self, hex: impl AsRef<[u8]>) -> bool {
+        bytes::same(self.0.as_bytes(), hex.as_ref())
     }
 
     pub fn from_hex(hex: &str) -> Option<Key> {

@@ -3,12 +3,12 @@
 //!
 //! With the configuration `miss-calls` it also makes the host calls a MISS of the plugin
 //! makes, in the same callbacks, and nothing else: it reads the request headers and the
-//! clock, reads eight shared-data records and writes one (the probe of a full cache's four
-//! ways, the lease's four ways and its compare-and-swap),
-//! hands the call to its root context through a shared queue, which dispatches it with the
-//! plugin's upstream headers (`accept`, `user-agent`, the client's `authorization`); on the
-//! answer it reads the answer's headers, writes the answer and a lease record, bumps four
-//! counters and replies with the MISS's headers. The bench's row for it shows what those
+//! clock, reads two shared-data records and writes one (the cache group's index, the lease
+//! group and its compare-and-swap), hands the call to its root context through a shared
+//! queue, which dispatches it with the plugin's upstream headers (`accept`, `user-agent`,
+//! the client's `authorization`); on the answer it reads the answer's headers, writes the
+//! cache index and the answer, reads and writes the lease group, bumps four counters and
+//! replies with the MISS's headers. The bench's row for it shows what those
 //! calls cost inside Envoy, apart from any work of the plugin's own.
 
 use proxy_wasm::hostcalls;
@@ -24,8 +24,10 @@ const MISS_CALLS: &[u8] = b"miss-calls";
 const KEY: &str = "5f0d3c8a1b2e4f6071829304a5b6c7d8e9f00112233445566778899aabbccdde";
 /// Slots of the shared-data tables the floor writes (bounded, like the plugin's).
 const SLOTS: u64 = 1024;
-/// A lease record about as long as the plugin's.
-const LEASE_RECORD: [u8; 160] = [b'l'; 160];
+/// A lease group about as long as the plugin's (four ways of about 160 bytes).
+const LEASE_GROUP: [u8; 640] = [b'l'; 640];
+/// A cache group's index as long as the plugin's (four ways of 33 bytes).
+const CACHE_INDEX: [u8; 132] = [b'i'; 132];
 
 proxy_wasm::main! {{
     proxy_wasm::set_log_level(LogLevel::Warn);
@@ -59,10 +61,11 @@ impl Context for Root {
             let _ = hostcalls::increment_metric(metric, 1);
         }
         let _ = hostcalls::get_current_time();
+        let _ = hostcalls::set_shared_data(&slot("index", now), Some(&CACHE_INDEX), None);
         let _ = hostcalls::set_shared_data(&slot("cache", now), Some(&body), None);
         let lease = slot("lease", now);
         let (_, cas) = hostcalls::get_shared_data(&lease).unwrap_or((None, None));
-        let _ = hostcalls::set_shared_data(&lease, Some(&LEASE_RECORD), cas);
+        let _ = hostcalls::set_shared_data(&lease, Some(&LEASE_GROUP), cas);
         let _ = hostcalls::increment_metric(metric, 1);
         if hostcalls::set_effective_context(context).is_ok() {
             let mut headers = vec![("content-type", "application/json")];
@@ -155,13 +158,11 @@ impl HttpContext for Call {
             let mut w = worker.borrow_mut();
             if let Some(queue) = w.queue {
                 let now = hostcalls::get_current_time().map(nanos).unwrap_or(0);
-                // A full cache's four ways (each another prompt's answer), the lease's four.
-                for table in ["cache", "lease"] {
-                    for way in 0..4 {
-                        let _ = hostcalls::get_shared_data(&slot(table, now + way));
-                    }
-                }
-                let _ = hostcalls::set_shared_data(&slot("lease", now), Some(&LEASE_RECORD), None);
+                // The cache group's index, the lease group and the lease taken.
+                let _ = hostcalls::get_shared_data(&slot("index", now));
+                let lease = slot("lease", now);
+                let (_, cas) = hostcalls::get_shared_data(&lease).unwrap_or((None, None));
+                let _ = hostcalls::set_shared_data(&lease, Some(&LEASE_GROUP), cas);
                 w.pending.push((self.id, body, self.authorization.take()));
                 let _ = hostcalls::enqueue_shared_queue(queue, Some(b"d"));
                 return Action::Pause;

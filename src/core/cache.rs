@@ -93,15 +93,10 @@ impl Place {
         store::slot_name("holysheep/cache/", self.group * self.ways + self.way as u32)
     }
 
-    /// Way `i`'s tag and expiry; `None` when blank or malformed.
-    fn way(&self, i: usize) -> Option<(&[u8], u64)> {
-        let w = self.index.get(i * WAY_BYTES..(i + 1) * WAY_BYTES)?;
-        let expires_ms = codec::hex_number(std::str::from_utf8(&w[16..32]).ok()?)?;
-        Some((&w[..16], expires_ms))
-    }
-
-    fn holds(&self, i: usize, key: &Key) -> bool {
-        self.way(i).is_some_and(|(tag, _)| tag == key.tag().as_bytes())
+    /// Whether the index names `key` in this place's way.
+    fn holds(&self, key: &Key) -> bool {
+        let at = self.way * WAY_BYTES;
+        self.index.get(at..at + 16) == Some(key.tag().as_bytes())
     }
 
     /// The index with `key` in this place's way.
@@ -129,14 +124,27 @@ fn place(store: &impl CasStore, config: &Config, key: &Key) -> Place {
         Some(v) if v.len() == size => v.to_vec(),
         _ => BLANK_WAY.repeat(ways as usize),
     };
-    let mut place = Place { group, ways, way: 0, index, cas: cas_after(&r) };
-    let n = ways as usize;
-    place.way = (0..n)
-        .find(|&i| place.holds(i, key))
-        .or_else(|| (0..n).find(|&i| place.way(i).is_none()))
-        .or_else(|| (0..n).min_by_key(|&i| place.way(i).map_or(0, |(_, expires_ms)| expires_ms)))
-        .unwrap_or(0);
-    place
+    let way = choose(&index, ways as usize, key.tag().as_bytes());
+    Place { group, ways, way, index, cas: cas_after(&r) }
+}
+
+/// The way of an index for the key tagged `tag`: the way that holds it, else the first
+/// blank (or unreadable) one, else the one that expires first. One pass, nothing copied.
+fn choose(index: &[u8], ways: usize, tag: &[u8]) -> usize {
+    let (mut blank, mut oldest) = (None, None::<(u64, usize)>);
+    for (i, way) in index.chunks_exact(WAY_BYTES).take(ways).enumerate() {
+        if &way[..16] == tag {
+            return i;
+        }
+        match codec::hex_number(&way[16..32]) {
+            None => {
+                blank.get_or_insert(i);
+            }
+            Some(expires_ms) if oldest.is_none_or(|(e, _)| expires_ms < e) => oldest = Some((expires_ms, i)),
+            Some(_) => {}
+        }
+    }
+    blank.or(oldest.map(|(_, i)| i)).unwrap_or(0)
 }
 
 /// The entry stored for `key`, fresh or not; `None` when none of its slots holds it.
@@ -154,7 +162,7 @@ pub struct Probe {
 /// Reads `key`'s group index and, when the index names it, its entry.
 pub fn probe(store: &impl CasStore, config: &Config, key: &Key) -> Probe {
     let place = place(store, config, key);
-    let entry = if place.holds(place.way, key) {
+    let entry = if place.holds(key) {
         store.get(&place.entry_name()).ok().and_then(|r| r.value).and_then(|raw| decode(&raw)).filter(|e| e.key == *key)
     } else {
         None

@@ -156,8 +156,9 @@ pub struct Cache {
 pub struct Lock {
     pub lease_ms: u64,
     pub wait_timeout_ms: u64,
-    /// Number of lease slots in shared data (the bound on concurrent distinct flights
-    /// that can be coalesced; a busy slot makes a colliding request go upstream alone).
+    /// Number of lease ways in shared data, four to a group record (the bound on
+    /// concurrent distinct flights that can be coalesced; a group whose ways are all busy
+    /// makes a colliding request go upstream alone).
     pub slots: u32,
 }
 

@@ -857,8 +857,8 @@ mod tests {
         assert!(Key::from_hex("xyz").is_none());
         // FIPS 180-2's "abc" example, in lowercase hex.
         assert_eq!(hex(&sha256(b"abc".to_vec())), "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad");
-        // Keys that share a cache slot (salt 0) spread over the lease slots (salt 1): the
-        // two tables collide independently.
+        // Keys that share a cache group (salt 0) spread over the lease groups (salt 1):
+        // the two tables collide independently.
         let keys: Vec<Key> = (0..4096u32).map(|i| request_key("/p", "s", &i.to_le_bytes())).collect();
         let in_slot_0: Vec<&Key> = keys.iter().filter(|k| k.slot(16, 0) == 0).collect();
         let lease_slots: std::collections::HashSet<u32> = in_slot_0.iter().map(|k| k.slot(16, 1)).collect();

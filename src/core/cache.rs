@@ -205,21 +205,6 @@ pub fn put(
         return false;
     }
     let ttl_ms = config.cache.ttl_seconds.saturating_mul(1000);
-    let mut at = place.cloned().unwrap_or_else(|| self::place(store, config, key));
-    let mut stored = false;
-    for _ in 0..MAX_RACES {
-        match store.set(&index_name(at.group), &at.with(key, now_ms.saturating_add(ttl_ms)), at.cas) {
-            Ok(()) => {
-                stored = true;
-                break;
-            }
-            Err(StoreError::CasMismatch) => at = self::place(store, config, key),
-            Err(_) => return false,
-        }
-    }
-    if !stored {
-        return false;
-    }
     let value = codec::encode(
         &[
             "C",
@@ -231,7 +216,15 @@ pub fn put(
         ],
         &response.body,
     );
-    store.set(&at.entry_name(), &value, None).is_ok()
+    let mut at = place.cloned().unwrap_or_else(|| self::place(store, config, key));
+    for _ in 0..MAX_RACES {
+        match store.set(&index_name(at.group), &at.with(key, now_ms.saturating_add(ttl_ms)), at.cas) {
+            Ok(()) => return store.set(&at.entry_name(), &value, None).is_ok(),
+            Err(StoreError::CasMismatch) => at = self::place(store, config, key),
+            Err(_) => return false,
+        }
+    }
+    false
 }
 
 #[cfg(test)]

@@ -197,23 +197,11 @@ pub fn release(store: &impl CasStore, lease: &Lease) -> Result<Option<bool>, Sto
 /// Marks the flight `nonce` in `slot` as waited on, so that its end wakes every worker; a
 /// no-op once marked or once the flight is over.
 pub fn watch(store: &impl CasStore, slot: &Slot, nonce: u64) -> Result<(), StoreError> {
-    for _ in 0..MAX_RACES {
-        let r = store.get(&slot.group)?;
-        let (ways, n) = split(r.value.as_deref().unwrap_or_default(), slot.way + 1);
-        let record = match ways.get(slot.way).and_then(|w| peek(w)) {
-            Some(p) if p.kind == b'L' && p.nonce == nonce && p.rest != b"w" => {
-                let Ok(key) = std::str::from_utf8(p.key) else { return Ok(()) };
-                leading(key, nonce, p.time, true)
-            }
-            _ => return Ok(()),
-        };
-        match store.set(&slot.group, &join(&ways[..n], slot.way, &record), cas_after(&r)) {
-            Ok(()) => return Ok(()),
-            Err(StoreError::CasMismatch) => continue,
-            Err(e) => return Err(e),
-        }
-    }
-    Ok(())
+    rewrite_leader(store, slot, nonce, |p| {
+        let key = std::str::from_utf8(p.key).ok().filter(|_| p.rest != b"w")?;
+        Some(Cow::Owned(leading(key, nonce, p.time, true)))
+    })
+    .map(|_| ())
 }
 
 /// Writes `record(watched)` into the lease's way if the lease is still ours; `None` when
@@ -223,18 +211,30 @@ fn update_if_owner<'a>(
     lease: &Lease,
     record: impl Fn(bool) -> Cow<'a, [u8]>,
 ) -> Result<Option<bool>, StoreError> {
-    let Slot { group, way } = &lease.slot;
+    rewrite_leader(store, &lease.slot, lease.nonce, |p| Some(record(p.rest == b"w")))
+}
+
+/// Rewrites `slot` with `record(leader)` while it holds the leader of flight `nonce`
+/// (`record` may decline: nothing is written). `None` when the way holds another flight
+/// or the races run out, else whether the flight was watched.
+fn rewrite_leader<'a>(
+    store: &impl CasStore,
+    slot: &Slot,
+    nonce: u64,
+    record: impl Fn(&Peek<'_>) -> Option<Cow<'a, [u8]>>,
+) -> Result<Option<bool>, StoreError> {
     for _ in 0..MAX_RACES {
-        let r = store.get(group)?;
-        let (ways, n) = split(r.value.as_deref().unwrap_or_default(), way + 1);
-        let watched = match ways.get(*way).and_then(|w| peek(w)) {
-            Some(p) if p.kind == b'L' && p.nonce == lease.nonce => p.rest == b"w",
-            _ => return Ok(None),
+        let r = store.get(&slot.group)?;
+        let (ways, n) = split(r.value.as_deref().unwrap_or_default(), slot.way + 1);
+        let Some(p) = ways.get(slot.way).and_then(|w| peek(w)).filter(|p| p.kind == b'L' && p.nonce == nonce) else {
+            return Ok(None);
         };
+        let watched = p.rest == b"w";
+        let Some(record) = record(&p) else { return Ok(Some(watched)) };
         // Only the owner writes a Leading value with this nonce, but a waiter may take the
         // way over (or mark it watched), or another key change its own way, between our
         // read and write: the CAS turns that into a re-read.
-        match store.set(group, &join(&ways[..n], *way, &record(watched)), cas_after(&r)) {
+        match store.set(&slot.group, &join(&ways[..n], slot.way, &record), cas_after(&r)) {
             Ok(()) => return Ok(Some(watched)),
             Err(StoreError::CasMismatch) => continue,
             Err(e) => return Err(e),

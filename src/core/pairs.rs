@@ -1,6 +1,7 @@
 //! proxy-wasm's serialized header map: a little-endian `u32` count, then a `u32` name
 //! length and a `u32` value length per pair, then each name and each value followed by a
-//! NUL. Read in place: the pairs borrow the buffer, and nothing malformed panics.
+//! NUL. Read in place: the pairs borrow the buffer, and nothing malformed panics. Written
+//! into one buffer of the exact size.
 
 /// The pairs of `bytes`, borrowed; `None` when the buffer does not hold what its lengths say.
 pub fn parse(bytes: &[u8]) -> Option<Vec<(&[u8], &[u8])>> {
@@ -22,6 +23,32 @@ pub fn parse(bytes: &[u8]) -> Option<Vec<(&[u8], &[u8])>> {
     Some(pairs)
 }
 
+/// The serialized map of `pairs` (walked twice: sizes, then bytes), in one allocation.
+pub fn serialize<'a, N, V>(pairs: impl Iterator<Item = (&'a N, &'a V)> + Clone) -> Vec<u8>
+where
+    N: AsRef<[u8]> + ?Sized + 'a,
+    V: AsRef<[u8]> + ?Sized + 'a,
+{
+    let (mut count, mut data) = (0usize, 0usize);
+    for (n, v) in pairs.clone() {
+        count += 1;
+        data += n.as_ref().len() + v.as_ref().len() + 2;
+    }
+    let mut out = Vec::with_capacity(4 + count * 8 + data);
+    out.extend_from_slice(&(count as u32).to_le_bytes());
+    for (n, v) in pairs.clone() {
+        out.extend_from_slice(&(n.as_ref().len() as u32).to_le_bytes());
+        out.extend_from_slice(&(v.as_ref().len() as u32).to_le_bytes());
+    }
+    for (n, v) in pairs {
+        out.extend_from_slice(n.as_ref());
+        out.push(0);
+        out.extend_from_slice(v.as_ref());
+        out.push(0);
+    }
+    out
+}
+
 fn u32_at(bytes: &[u8], at: usize) -> Option<u32> {
     let word: [u8; 4] = bytes.get(at..at.checked_add(4)?)?.try_into().ok()?;
     Some(u32::from_le_bytes(word))
@@ -31,24 +58,23 @@ fn u32_at(bytes: &[u8], at: usize) -> Option<u32> {
 mod tests {
     use super::*;
 
-    fn serialize(pairs: &[(&str, &[u8])]) -> Vec<u8> {
-        let mut out = (pairs.len() as u32).to_le_bytes().to_vec();
-        for (n, v) in pairs {
-            out.extend((n.len() as u32).to_le_bytes());
-            out.extend((v.len() as u32).to_le_bytes());
-        }
-        for (n, v) in pairs {
-            out.extend(n.as_bytes());
-            out.push(0);
-            out.extend(*v);
-            out.push(0);
-        }
-        out
+    fn serialize_all(pairs: &[(&str, &[u8])]) -> Vec<u8> {
+        serialize(pairs.iter().map(|(n, v)| (*n, *v)))
+    }
+
+    #[test]
+    fn writes_the_hosts_layout() {
+        let raw = serialize([("age", "7"), ("x-a", "")].into_iter());
+        let mut expected = vec![2, 0, 0, 0, 3, 0, 0, 0, 1, 0, 0, 0, 3, 0, 0, 0, 0, 0, 0, 0];
+        expected.extend(b"age\x007\x00x-a\x00\x00");
+        assert_eq!(raw, expected);
+        assert_eq!(raw.capacity(), raw.len());
+        assert_eq!(serialize(std::iter::empty::<(&str, &str)>()), vec![0, 0, 0, 0]);
     }
 
     #[test]
     fn reads_what_the_host_writes_and_refuses_what_it_cannot_hold() {
-        let raw = serialize(&[(":path", b"/v1/chat/completions"), ("authorization", b"Bearer \xff"), ("x-e", b"")]);
+        let raw = serialize_all(&[(":path", b"/v1/chat/completions"), ("authorization", b"Bearer \xff"), ("x-e", b"")]);
         let pairs = parse(&raw).unwrap();
         assert_eq!(pairs.len(), 3);
         assert_eq!(pairs[0], (&b":path"[..], &b"/v1/chat/completions"[..]));

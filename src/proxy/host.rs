@@ -106,8 +106,42 @@ pub fn log(level: LogLevel, message: &str) {
 pub fn send(reply: &Reply, extra: &[(&str, String)]) -> bool {
     let headers = reply.headers();
     let headers = headers.iter().map(|(n, v)| (*n, v.as_ref())).chain(extra.iter().map(|(n, v)| (*n, v.as_str())));
-    hostcalls::send_http_response(u32::from(reply.response.status), headers.collect(), Some(&reply.response.body))
-        .is_ok()
+    send_serialized(reply.response.status, &pairs::serialize(headers), &reply.response.body)
+}
+
+#[link(wasm_import_module = "env")]
+extern "C" {
+    fn proxy_send_local_response(
+        status_code: u32,
+        details: *const u8,
+        details_size: usize,
+        body: *const u8,
+        body_size: usize,
+        headers: *const u8,
+        headers_size: usize,
+        grpc_status: i32,
+    ) -> u32;
+}
+
+/// Sends a local reply whose headers are serialized already (see `core::pairs`). The SDK's
+/// sender copies the headers into a map of its own first, and panics on a status it does
+/// not expect.
+pub fn send_serialized(status: u16, headers: &[u8], body: &[u8]) -> bool {
+    // SAFETY: every pointer and length describes a live slice for the whole call; the host
+    // copies what it keeps. No gRPC status (-1), as the SDK sends.
+    let sent = unsafe {
+        proxy_send_local_response(
+            u32::from(status),
+            std::ptr::null(),
+            0,
+            body.as_ptr(),
+            body.len(),
+            headers.as_ptr(),
+            headers.len(),
+            -1,
+        )
+    };
+    sent == Status::Ok as u32
 }
 
 /// Sends a local reply on another http context of this worker; `false` if it is gone.

@@ -8,12 +8,14 @@ use super::host::{self, Nonces, SharedData};
 use super::ids::{IdMap, IdSet};
 use super::wakeups::{DISPATCH, ENDED};
 use crate::core::cache::{self, Response};
+use crate::core::codec;
 use crate::core::config::Config;
 use crate::core::engine::{CacheStatus, Call, Engine, Reply, Wait};
 use crate::core::error::ApiError;
 use crate::core::flight::Flight;
 use crate::core::hot::{Hot, Raw, Seed};
 use crate::core::metrics::{self, PerCounter};
+use crate::core::pairs;
 use crate::core::peer::Op;
 use crate::core::request::ChatRequest;
 use crate::core::request::Key;
@@ -252,9 +254,13 @@ impl Worker {
             self.send_in_form(Target::Current, &reply, &hit.outbound);
             return;
         }
-        let mut extra = self.rate_headers(&hit.outbound.model, || now);
-        extra.push(("age", age_s.to_string()));
-        host::send(&hit.reply, &extra);
+        let rate = self.rate_headers(&hit.outbound.model, || now);
+        let age = codec::decimal(age_s);
+        let headers = hit.reply.headers();
+        let headers = headers.iter().map(|(n, v)| (*n, v.as_ref()));
+        let extra = rate.iter().map(|(n, v)| (*n, v.as_str())).chain([("age", age.as_str())]);
+        let response = &hit.reply.response;
+        host::send_serialized(response.status, &pairs::serialize(headers.chain(extra)), &response.body);
     }
 
     /// The headers of the stream forwarded for this http context, if it is one.

@@ -8,7 +8,8 @@
 //!   on the owner listener;
 //! - floors: minimal proxy-wasm filters (`host-test/floors/`: a local reply, the same
 //!   making the HIT's host calls and sending its headers, a callout, the same making the
-//!   MISS's host calls and sending its headers) measured beside the plugin, with the
+//!   MISS's host calls and sending its headers, the same also parsing and hashing the
+//!   request and parsing the answer as any governed MISS must) measured beside the plugin, with the
 //!   issue-13 goals as ratios; and the followers' floor: a crowd of requests held until
 //!   the last arrives, then released on every worker, alternating with the plugin's crowds;
 //! - the wasi:http component on the wasmtime host (running beside Envoy): HIT, alternating
@@ -416,6 +417,19 @@ impl Report {
         self.notes.push(line);
     }
 
+    /// With BENCH_PROFILE=1: how each of Envoy's own functions cost per request in row `a`
+    /// against row `b` (see `profile::function_ratios`).
+    fn compare_functions(&mut self, a: usize, b: usize) {
+        let ((a_name, a), (b_name, b)) = (&self.rows[a], &self.rows[b]);
+        let (Some(a_cpu), Some(b_cpu)) = (&a.cpu, &b.cpu) else { return };
+        let (n, [q1, median, q3]) = profile::function_ratios(a_cpu, a.requests, b_cpu, b.requests, 0.25);
+        let line = format!(
+            "Envoy's own functions, {a_name} / {b_name}: per-request CPU ratio median {median:.2} \
+             (quartiles {q1:.2}, {q3:.2}) over the {n} functions costing the second row >= 0.25 us"
+        );
+        self.note(line);
+    }
+
     fn rps(&self, i: usize) -> f64 {
         self.rows[i].1.rps
     }
@@ -496,7 +510,8 @@ fn main() -> std::io::Result<()> {
                 &held_log,
             )
             + &floor_listener("floor_callout", &floors.join("floor_callout.wasm"), "{}")
-            + &floor_listener("floor_miss_calls", &floors.join("floor_callout.wasm"), "miss-calls");
+            + &floor_listener("floor_miss_calls", &floors.join("floor_callout.wasm"), "miss-calls")
+            + &floor_listener("floor_miss_work", &floors.join("floor_callout.wasm"), "miss-work");
     let envoy = Envoy::start(&opts)?;
     let floor_reply = envoy.listener("floor_reply").expect("floor_reply listener");
     let floor_callout = envoy.listener("floor_callout").expect("floor_callout listener");
@@ -571,7 +586,7 @@ fn main() -> std::io::Result<()> {
     let component_over_hit = paired(component_r, hit_r, throughput);
     let mut medians = hit_rounds.into_iter().map(median);
     let floor_hit = r.row("floor: wasm local reply", medians.next().expect("a row"));
-    r.row("floor + the HIT's host calls", medians.next().expect("a row"));
+    let hit_calls = r.row("floor + the HIT's host calls", medians.next().expect("a row"));
     let hit = r.row("edge HIT", medians.next().expect("a row"));
     let component_stats = medians.next().expect("a row");
     let distinct = |addr: SocketAddr, prompts: &Arc<dyn Fn() -> String + Send + Sync>| {
@@ -581,22 +596,27 @@ fn main() -> std::io::Result<()> {
     let plain = r.row("plain proxy to mock (baseline)", distinct(envoy.plain, &unique_prompts("plain")));
     // One prompt sequence each for all rounds: a later round must not repeat a prompt.
     let (floor_prompts, miss_prompts) = (unique_prompts("floor"), unique_prompts("miss"));
-    let calls_prompts = unique_prompts("floor calls");
+    let (calls_prompts, work_prompts) = (unique_prompts("floor calls"), unique_prompts("floor work"));
+    let floor_miss_work = envoy.listener("floor_miss_work").expect("floor_miss_work listener");
     let miss_rounds = alternate(
         rounds,
         &mut [
             &mut || distinct(floor_callout, &floor_prompts),
             &mut || distinct(floor_miss_calls, &calls_prompts),
+            &mut || distinct(floor_miss_work, &work_prompts),
             &mut || expect_all(distinct(envoy.edge, &miss_prompts), "MISS"),
         ],
     );
-    let [callout_r, miss_calls_r, miss_r] = &miss_rounds[..] else { unreachable!("three rows") };
+    let [callout_r, miss_calls_r, miss_work_r, miss_r] = &miss_rounds[..] else { unreachable!("four rows") };
     let miss_over_floor = paired(miss_r, callout_r, throughput);
     let miss_over_calls = paired(miss_r, miss_calls_r, throughput);
     let miss_calls_over_floor = paired(miss_calls_r, callout_r, throughput);
+    let miss_over_work = paired(miss_r, miss_work_r, throughput);
+    let work_over_calls = paired(miss_work_r, miss_calls_r, throughput);
     let mut medians = miss_rounds.into_iter().map(median);
     r.row("floor: wasm callout", medians.next().expect("a row"));
-    r.row("floor + the MISS's host calls", medians.next().expect("a row"));
+    let miss_calls = r.row("floor + the MISS's host calls", medians.next().expect("a row"));
+    let miss_work = r.row("floor + the MISS's calls, parse and hash", medians.next().expect("a row"));
     let miss = r.row("edge MISS (distinct prompts)", medians.next().expect("a row"));
 
     // The floors' ratios pair each round with the other rows' same round (see `paired`).
@@ -610,7 +630,12 @@ fn main() -> std::io::Result<()> {
     r.ratio("MISS throughput / callout floor", miss_over_floor, "goal >= 0.90");
     r.ratio("MISS throughput / floor with the MISS's host calls", miss_over_calls, "");
     r.ratio("floor with the MISS's host calls / callout floor", miss_calls_over_floor, "");
+    r.ratio("MISS throughput / floor with the MISS's calls, parse and hash", miss_over_work, "");
+    r.ratio("floor with the calls, parse and hash / floor with the calls", work_over_calls, "");
     r.ratio("MISS throughput / plain proxy", r.rps(miss) / r.rps(plain), "");
+    for (a, b) in [(hit, hit_calls), (miss, miss_calls), (miss_work, miss_calls), (miss, miss_work)] {
+        r.compare_functions(a, b);
+    }
     let logged = envoy.listener("edge_logged").expect("edge_logged listener");
     let floor_held = envoy.listener("floor_held").expect("floor_held listener");
     let log = opts.edge_access_log.as_deref().expect("the edge's access log");

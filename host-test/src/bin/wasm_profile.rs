@@ -1,6 +1,6 @@
 //! `make profile`: where a request's time inside the wasm VM goes, for the plugin and the
 //! bench floors (`host-test/floors/`: a local reply, the same with a HIT's host calls, a
-//! callout, the same with a MISS's host calls, 64 held requests released by the last,
+//! callout, the same with a MISS's host calls (and with its parsing and hashing), 64 held requests released by the last,
 //! beside the plugin's crowd of 64), run in the wasmtime host (`host_test::proxy_host`,
 //! one worker) with a perf map, under `perf record` (cpu-clock). For each row: CPU in
 //! compiled wasm per request, proxy-wasm host calls per request (counted by the host), and
@@ -256,6 +256,14 @@ fn main() {
             name: "floor + the MISS's host calls",
             wasm: floors.join("floor_callout.wasm"),
             config: "miss-calls".into(),
+            distinct: true,
+            label: Some("MISS"),
+            crowd: 1,
+        },
+        Row {
+            name: "floor + the MISS's calls, parse and hash",
+            wasm: floors.join("floor_callout.wasm"),
+            config: "miss-work".into(),
             distinct: true,
             label: Some("MISS"),
             crowd: 1,

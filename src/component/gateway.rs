@@ -116,7 +116,7 @@ impl Gateway {
     /// Answers in the form the client asked for (events for a stream), with the model's
     /// `x-ratelimit-*` headers.
     fn answer(&self, out: ResponseOutparam, r: Reply, outbound: &Outbound) {
-        let rate = upstream::rate_headers(&self.kv, &self.config, &outbound.model, host::now_ms());
+        let rate = upstream::rate_headers(&self.kv, &self.config, &outbound.model, host::now_ms);
         let response = stream::for_client(r.response.clone(), outbound.stream, outbound.include_usage);
         reply(out, &Reply { response, ..r }, &rate);
     }

@@ -1,6 +1,7 @@
 //! Per-model counters: names, and what each event or answer adds to them. Models named in
 //! the configuration get their own counters; every other model counts under `other`.
 
+use super::bytes;
 use super::config::Config;
 use super::engine::{CacheStatus, Reply};
 use super::flight::{usage, Event};
@@ -168,9 +169,32 @@ pub fn for_event<'a>(config: &'a Config, event: &'a Event) -> Vec<(&'a str, Coun
     }
 }
 
+/// The `usage` of the answer looked at last, kept with its exact bytes: the followers of
+/// one flight are answered one after another with the same body, parsed once for them all.
+#[derive(Default)]
+pub struct LastUsage {
+    body: Vec<u8>,
+    usage: Option<(u64, u64)>,
+}
+
+impl LastUsage {
+    pub fn of(&mut self, body: &[u8]) -> Option<(u64, u64)> {
+        if !bytes::same(&self.body, body) {
+            self.usage = usage(body);
+            self.body = body.to_vec();
+        }
+        self.usage
+    }
+}
+
 /// What one answer to a client adds: its cache status, and for HIT and COALESCED answers
 /// the cost of the original usage, saved.
-pub fn for_reply<'a>(config: &'a Config, requested_model: &'a str, reply: &Reply) -> Vec<(&'a str, Counter, u64)> {
+pub fn for_reply<'a>(
+    config: &'a Config,
+    requested_model: &'a str,
+    reply: &Reply,
+    last: &mut LastUsage,
+) -> Vec<(&'a str, Counter, u64)> {
     let Some(status) = reply.cache else { return Vec::new() };
     let l = label(config, requested_model);
     let mut out = vec![(l, Counter::Requests(status), 1)];
@@ -178,7 +202,7 @@ pub fn for_reply<'a>(config: &'a Config, requested_model: &'a str, reply: &Reply
         let served = reply.response.header("x-holysheep-model").unwrap_or(requested_model);
         // Parsing the answer is the only cost on a HIT; skip it when nothing is priced.
         if priced(config, served) {
-            if let Some((p, c)) = usage(&reply.response.body) {
+            if let Some((p, c)) = last.of(&reply.response.body) {
                 out.push((l, Counter::CostSavedMicroUsd, cost_micro_usd(config, served, p, c)));
             }
         }
@@ -193,6 +217,19 @@ mod tests {
     use crate::core::cache::Response;
 
     #[test]
+    fn the_last_usage_is_kept_only_for_the_same_bytes() {
+        let body = |p: u64| format!(r#"{{"usage":{{"prompt_tokens":{p},"completion_tokens":2}}}}"#).into_bytes();
+        let mut last = LastUsage::default();
+        assert_eq!(last.of(b""), None);
+        assert_eq!(last.of(&body(10)), Some((10, 2)));
+        assert_eq!(last.of(&body(10)), Some((10, 2)));
+        // Same length, other bytes: parsed again, never the kept answer's usage.
+        assert_eq!(last.of(&body(11)), Some((11, 2)));
+        assert_eq!(last.of(b"{}"), None);
+        assert_eq!(last.of(&body(10)), Some((10, 2)));
+    }
+
+    #[test]
     fn events_and_replies_become_counters() {
         let c =
             Config::parse(br#"{"models":{"gpt-4.1":{"usd_per_mtok_input":2.0,"usd_per_mtok_output":8.0}}}"#).unwrap();
@@ -205,7 +242,7 @@ mod tests {
         let hit =
             Reply { response: Response::json(200, body), cache: Some(CacheStatus::Hit), key: None, age_s: Some(1) };
         assert_eq!(
-            for_reply(&c, "gpt-4.1", &hit),
+            for_reply(&c, "gpt-4.1", &hit, &mut LastUsage::default()),
             [("gpt-4.1", Counter::Requests(CacheStatus::Hit), 1), ("gpt-4.1", Counter::CostSavedMicroUsd, 6000)]
         );
         let names: Vec<String> = COUNTERS.iter().map(|c| c.name()).collect();

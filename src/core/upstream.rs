@@ -69,21 +69,27 @@ pub fn response(status: u16, headers: &[(String, String)], body: Vec<u8>) -> (Re
     (response, ProviderHints::from_headers(status, headers))
 }
 
-/// The `x-ratelimit-*` headers of `model`'s bucket as it stands now (none for a model
-/// without limits).
-pub fn rate_headers(store: &impl CasStore, config: &Config, model: &str, now_ms: u64) -> Vec<(&'static str, String)> {
-    config
-        .model(model)
-        .map(|(bucket, m)| {
-            let l = Limits::of(m);
-            limits::peek(store, bucket, &l, now_ms).headers(&l)
-        })
-        .unwrap_or_default()
+/// The `x-ratelimit-*` headers of `model`'s bucket as it stands now: none, and neither the
+/// clock nor the bucket read, for a model without request or token limits (one configured
+/// only with prices, say).
+pub fn rate_headers(
+    store: &impl CasStore,
+    config: &Config,
+    model: &str,
+    now_ms: impl FnOnce() -> u64,
+) -> Vec<(&'static str, String)> {
+    let Some((bucket, m)) = config.model(model) else { return Vec::new() };
+    let l = Limits::of(m);
+    if l.rpm.is_none() && l.tpm.is_none() {
+        return Vec::new();
+    }
+    limits::peek(store, bucket, &l, now_ms()).headers(&l)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::core::store::{MemStore, Read, StoreError};
 
     fn outbound() -> Outbound {
         Outbound {
@@ -94,6 +100,35 @@ mod tests {
             stream: false,
             include_usage: false,
         }
+    }
+
+    /// Counts the reads of a store.
+    struct Reads(MemStore, std::cell::Cell<usize>);
+
+    impl CasStore for Reads {
+        fn get(&self, key: &str) -> Result<Read, StoreError> {
+            self.1.set(self.1.get() + 1);
+            self.0.get(key)
+        }
+
+        fn set(&self, key: &str, value: &[u8], cas: Option<u32>) -> Result<(), StoreError> {
+            self.0.set(key, value, cas)
+        }
+    }
+
+    #[test]
+    fn rate_headers_only_for_a_model_with_limits_and_only_then_a_read() {
+        let config =
+            Config::parse(br#"{"models":{"priced":{"usd_per_mtok_input":2.0},"limited":{"requests_per_minute":60}}}"#)
+                .unwrap();
+        let store = Reads(MemStore::new(), std::cell::Cell::new(0));
+        let unread = || -> u64 { panic!("the clock was read") };
+        assert!(rate_headers(&store, &config, "priced", unread).is_empty());
+        assert!(rate_headers(&store, &config, "unknown", unread).is_empty());
+        assert_eq!(store.1.get(), 0, "no bucket read without limits");
+        let h = rate_headers(&store, &config, "limited", || 1_000);
+        assert_eq!(h.iter().find(|(n, _)| *n == "x-ratelimit-limit-requests").map(|(_, v)| v.as_str()), Some("60"));
+        assert_eq!(store.1.get(), 1);
     }
 
     #[test]

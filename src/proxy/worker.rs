@@ -14,7 +14,7 @@ use crate::core::engine::{CacheStatus, Call, Engine, Reply, Wait};
 use crate::core::error::ApiError;
 use crate::core::flight::Flight;
 use crate::core::hot::{Hot, Raw, Seed};
-use crate::core::metrics::{self, PerCounter};
+use crate::core::metrics::{self, LastUsage, PerCounter};
 use crate::core::pairs;
 use crate::core::peer::Op;
 use crate::core::request::ChatRequest;
@@ -96,6 +96,8 @@ pub struct Worker {
     /// What both tables hash the raw bytes with.
     pub(super) seed: Seed,
     pub(super) metrics: PerCounter<u32>,
+    /// The usage of the answer counted last (followers share one answer).
+    pub(super) last_usage: LastUsage,
 }
 
 pub type Shared = Rc<RefCell<Worker>>;
@@ -156,6 +158,7 @@ impl Worker {
             parsed: Hot::new(0),
             seed: Seed::new(RandomState::new().hash_one(())),
             metrics: PerCounter::default(),
+            last_usage: LastUsage::default(),
         }
     }
 
@@ -197,7 +200,8 @@ impl Worker {
         if matches!(target, Target::Context(id) if !self.live.contains(&id)) {
             return false;
         }
-        self.count(metrics::for_reply(&self.config, &outbound.model, reply));
+        let increments = metrics::for_reply(&self.config, &outbound.model, reply, &mut self.last_usage);
+        self.count(increments);
         self.send_in_form(target, reply, outbound)
     }
 
@@ -213,13 +217,13 @@ impl Worker {
     }
 
     /// The model's `x-ratelimit-*` headers: none for a model without limits (the clock is
-    /// read only for one with them) or with fleet-wide limits (the buckets live on their
-    /// owner nodes).
+    /// read only for one with them, see `upstream::rate_headers`) or with fleet-wide limits
+    /// (the buckets live on their owner nodes).
     fn rate_headers(&self, model: &str, now_ms: impl FnOnce() -> u64) -> Vec<(&'static str, String)> {
-        if self.config.fleet.shared_limits() || self.config.model(model).is_none() {
+        if self.config.fleet.shared_limits() {
             return Vec::new();
         }
-        upstream::rate_headers(&SharedData, &self.config, model, now_ms())
+        upstream::rate_headers(&SharedData, &self.config, model, now_ms)
     }
 
     /// Keeps the entry `request` was just served from, for the same bytes next time.
@@ -231,7 +235,8 @@ impl Worker {
         let size = entry.response.body.len();
         let reply =
             Reply { response: entry.response, cache: Some(CacheStatus::Hit), key: Some(entry.key), age_s: None };
-        let counters = self.counter_ids(metrics::for_reply(&self.config, &request.model, &reply));
+        let increments = metrics::for_reply(&self.config, &request.model, &reply, &mut self.last_usage);
+        let counters = self.counter_ids(increments);
         let outbound = Outbound {
             body: Vec::new(),
             client_authorization: None,
@@ -302,7 +307,8 @@ impl Worker {
         let watched = match end.outcome {
             Some(outcome) => {
                 let (reply, watched) = self.engine().finish_flight(&call, Some(outcome), now);
-                self.count(metrics::for_reply(&self.config, &run.outbound.model, &reply));
+                let increments = metrics::for_reply(&self.config, &run.outbound.model, &reply, &mut self.last_usage);
+                self.count(increments);
                 watched
             }
             None => self.engine().abandon(&call),

@@ -119,10 +119,12 @@ fn eh_frame_hdr(binary: &Path) -> Option<(u64, Vec<u8>)> {
     None
 }
 
-/// The function starts in an `.eh_frame_hdr` at `addr`: version 1, a table of signed 32-bit
-/// pairs (function start, its FDE) relative to the header's own address (encoding 0x3b).
+/// The function starts in an `.eh_frame_hdr` at `addr`: version 1, a 4-byte pointer to
+/// `.eh_frame`, a 4-byte count, then a table of signed 32-bit pairs (function start, its
+/// FDE) relative to the header's own address (encoding 0x3b).
 fn search_table(addr: u64, hdr: &[u8]) -> Vec<u64> {
-    if hdr.len() < 12 || hdr[0] != 1 || hdr[2] != 0x03 || hdr[3] != 0x3b {
+    let four_byte_pointer = hdr.get(1).is_some_and(|e| matches!(e & 0x0f, 0x03 | 0x0b));
+    if hdr.len() < 12 || hdr[0] != 1 || !four_byte_pointer || hdr[2] != 0x03 || hdr[3] != 0x3b {
         return Vec::new();
     }
     let count = u32::from_le_bytes([hdr[8], hdr[9], hdr[10], hdr[11]]) as usize;
@@ -242,6 +244,9 @@ mod tests {
             hdr.extend(fde.to_le_bytes());
         }
         assert_eq!(search_table(0x1000, &hdr), [0xff0, 0x1040]);
+        hdr[1] = 0x1c;
+        assert!(search_table(0x1000, &hdr).is_empty(), "an 8-byte pointer moves the count");
+        hdr[1] = 0x1b;
         hdr[3] = 0x1b;
         assert!(search_table(0x1000, &hdr).is_empty());
     }

@@ -231,7 +231,7 @@ pub fn put(
 mod tests {
     use super::*;
     use crate::core::request::request_key;
-    use crate::core::store::MemStore;
+    use crate::core::store::{Counting, MemStore};
 
     pub fn ok(body: &str) -> Response {
         Response::json(200, body.into()).with_header("x-holysheep-model", "m".into())
@@ -262,33 +262,20 @@ mod tests {
         keys.iter().filter(|k| group_of(c, k) == group_of(c, &keys[0])).take(n).cloned().collect()
     }
 
-    /// Counts the store's reads.
-    struct Counting(MemStore, std::cell::Cell<usize>);
-
-    impl CasStore for Counting {
-        fn get(&self, key: &str) -> Result<Read, StoreError> {
-            self.1.set(self.1.get() + 1);
-            self.0.get(key)
-        }
-        fn set(&self, key: &str, value: &[u8], cas: Option<u32>) -> Result<(), StoreError> {
-            self.0.set(key, value, cas)
-        }
-    }
-
     #[test]
     fn a_lookup_in_a_full_group_reads_its_index_and_at_most_one_entry() {
-        let (s, c) = (Counting(MemStore::new(), 0.into()), Config::parse(br#"{"cache":{"max_entries":64}}"#).unwrap());
+        let (s, c) = (Counting::new(), Config::parse(br#"{"cache":{"max_entries":64}}"#).unwrap());
         let keys = one_group(&c, 5);
         for (i, k) in keys.iter().take(4).enumerate() {
             assert!(put(&s, &c, k, &ok(&format!("{i}")), i as u64, None));
         }
-        s.1.set(0);
+        s.reset();
         assert_eq!(get(&s, &c, &keys[4]), None);
-        assert_eq!(s.1.get(), 1, "a key the group does not hold: its index only");
+        assert_eq!(s.reads(), 1, "a key the group does not hold: its index only");
         for (i, k) in keys.iter().take(4).enumerate() {
-            s.1.set(0);
+            s.reset();
             assert_eq!(get(&s, &c, k).map(|e| e.response.body), Some(format!("{i}").into_bytes()));
-            assert_eq!(s.1.get(), 2, "way {i}: the index and the entry");
+            assert_eq!(s.reads(), 2, "way {i}: the index and the entry");
         }
     }
 

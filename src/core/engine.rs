@@ -443,7 +443,7 @@ fn shared(
 mod tests {
     use super::*;
     use crate::core::request::{request_key, CacheControl};
-    use crate::core::store::MemStore;
+    use crate::core::store::{Counting, MemStore};
 
     const READ: Policy = Policy { read: true, max_age: None, coalesce: true, store: true };
 
@@ -476,30 +476,15 @@ mod tests {
         }
     }
 
-    /// Counts reads of cache slots.
-    struct CountingReads(MemStore, std::cell::Cell<u32>);
-
-    impl CasStore for CountingReads {
-        fn get(&self, key: &str) -> Result<crate::core::store::Read, crate::core::store::StoreError> {
-            if key.starts_with("holysheep/cache/") {
-                self.1.set(self.1.get() + 1);
-            }
-            self.0.get(key)
-        }
-        fn set(&self, key: &str, value: &[u8], cas: Option<u32>) -> Result<(), crate::core::store::StoreError> {
-            self.0.set(key, value, cas)
-        }
-    }
-
     #[test]
     fn a_miss_stores_where_its_arrival_read_said_without_reading_the_slots_again() {
-        let (s, c) = (CountingReads(MemStore::new(), 0.into()), Config::default());
+        let (s, c) = (Counting::of_keys_starting("holysheep/cache/"), Config::default());
         let e = Engine { store: &s, config: &c };
         let call = expect_call(e.admit(&k(1), READ, 0, 1));
         assert!(call.place.is_some(), "the arrival read chose a place");
-        let reads = s.1.get();
+        let reads = s.reads();
         e.complete(&call, ok("{\"a\":1}"), 10);
-        assert_eq!(s.1.get(), reads, "storing read no cache slot");
+        assert_eq!(s.reads(), reads, "storing read no cache slot");
         let hit = expect_reply(e.admit(&k(1), READ, 20, 2));
         assert_eq!((hit.cache, hit.response.body.as_slice()), (Some(CacheStatus::Hit), &b"{\"a\":1}"[..]));
     }
@@ -537,34 +522,18 @@ mod tests {
         assert_eq!((r.cache, r.response.body), (Some(CacheStatus::Coalesced), body.into_bytes()));
     }
 
-    /// Counts reads, to show what a batch of waiters costs the store.
-    struct CountingStore {
-        inner: MemStore,
-        reads: std::cell::Cell<usize>,
-    }
-
-    impl CasStore for CountingStore {
-        fn get(&self, key: &str) -> Result<crate::core::store::Read, crate::core::store::StoreError> {
-            self.reads.set(self.reads.get() + 1);
-            self.inner.get(key)
-        }
-        fn set(&self, key: &str, value: &[u8], cas: Option<u32>) -> Result<(), crate::core::store::StoreError> {
-            self.inner.set(key, value, cas)
-        }
-    }
-
     #[test]
     fn waiters_answered_together_read_their_flight_once_and_all_get_its_answer() {
         let config = Config::default();
-        let store = CountingStore { inner: MemStore::new(), reads: std::cell::Cell::new(0) };
+        let store = Counting::new();
         let e = Engine { store: &store, config: &config };
         let leader = expect_call(e.admit(&k(5), READ, 1_000, 1));
         let waits: Vec<Wait> = (0..3).map(|i| expect_wait(e.admit(&k(5), READ, 1_001 + i, 2 + i))).collect();
         e.complete(&leader, ok(r#"{"a":5}"#), 1_100);
         let mut seen = None;
-        let before = store.reads.get();
+        let before = store.reads();
         let first = expect_reply(e.poll_with(&waits[0], 1_200, 10, &mut seen));
-        let one_poll = store.reads.get() - before;
+        let one_poll = store.reads() - before;
         // The slot is taken by the next flight and the entry evicted before the others look:
         // they still get the answer they waited for.
         store.inner.set(&waits[0].slot.group, b"", None).unwrap();
@@ -575,7 +544,7 @@ mod tests {
             let r = expect_reply(e.poll_with(w, 1_200, 11, &mut seen));
             assert_eq!((r.cache, &r.response.body), (Some(CacheStatus::Coalesced), &first.response.body));
         }
-        assert_eq!(store.reads.get() - before, one_poll, "the other waiters read nothing");
+        assert_eq!(store.reads() - before, one_poll, "the other waiters read nothing");
         // A waiter of another flight is not answered from it.
         let other = Wait { nonce: 99, ..waits[1].clone() };
         assert!(!matches!(e.poll_with(&other, 1_200, 12, &mut seen), Step::Reply(_)));

@@ -382,7 +382,7 @@ fn decode(raw: &[u8]) -> Option<State> {
 mod tests {
     use super::*;
     use crate::core::request::request_key;
-    use crate::core::store::MemStore;
+    use crate::core::store::{Counting, MemStore};
     use std::sync::{Arc, Barrier};
 
     fn key(i: u32) -> Key {
@@ -478,28 +478,9 @@ mod tests {
         assert!(matches!(acquire(&s, &c, &key(2), 3, 12, 12).unwrap(), Acquire::Acquired(_)));
     }
 
-    /// Counts the store's reads and writes.
-    struct Counting {
-        inner: MemStore,
-        calls: std::cell::Cell<(usize, usize)>,
-    }
-
-    impl CasStore for Counting {
-        fn get(&self, key: &str) -> Result<Read, StoreError> {
-            let (r, w) = self.calls.get();
-            self.calls.set((r + 1, w));
-            self.inner.get(key)
-        }
-        fn set(&self, key: &str, value: &[u8], cas: Option<u32>) -> Result<(), StoreError> {
-            let (r, w) = self.calls.get();
-            self.calls.set((r, w + 1));
-            self.inner.set(key, value, cas)
-        }
-    }
-
     #[test]
     fn a_new_flight_costs_one_read_and_one_write_and_leaves_the_other_ways_alone() {
-        let s = Counting { inner: MemStore::new(), calls: std::cell::Cell::new((0, 0)) };
+        let s = Counting::new();
         let mut c = Config::default();
         c.lock.slots = 4;
         let leases: Vec<Lease> = (0..3u32)
@@ -508,12 +489,12 @@ mod tests {
                 other => panic!("{other:?}"),
             })
             .collect();
-        s.calls.set((0, 0));
+        s.reset();
         let Acquire::Acquired(fourth) = acquire(&s, &c, &key(3), 4, 1, 1).unwrap() else { panic!() };
-        assert_eq!(s.calls.get(), (1, 1), "(reads, writes) to lead with three ways taken");
-        s.calls.set((0, 0));
+        assert_eq!(s.calls(), (1, 1), "(reads, writes) to lead with three ways taken");
+        s.reset();
         assert!(matches!(acquire(&s, &c, &key(3), 5, 2, 2).unwrap(), Acquire::Held { nonce: 4, .. }));
-        assert_eq!(s.calls.get(), (1, 0), "one read finds the flight");
+        assert_eq!(s.calls(), (1, 0), "one read finds the flight");
         assert_eq!(finish(&s, &leases[1], &resp(200), 3, None, false).unwrap(), Some(false));
         assert!(renew(&s, &c, &fourth, 3).unwrap());
         for (i, l) in leases.iter().enumerate().filter(|(i, _)| *i != 1) {

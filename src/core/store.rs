@@ -139,7 +139,7 @@ pub mod versioned {
 }
 
 #[cfg(test)]
-pub use model::MemStore;
+pub use model::{Counting, MemStore};
 
 #[cfg(test)]
 mod model {
@@ -204,6 +204,72 @@ mod model {
             inner.map.insert(key.to_owned(), (value.to_vec(), next));
             Ok(())
         }
+    }
+
+    /// A `MemStore` that counts the reads and writes of the keys that start with a prefix
+    /// (every key by default), to show what an operation costs the store.
+    #[derive(Default)]
+    pub struct Counting {
+        pub inner: MemStore,
+        prefix: &'static str,
+        reads: std::cell::Cell<usize>,
+        writes: std::cell::Cell<usize>,
+    }
+
+    impl Counting {
+        pub fn new() -> Self {
+            Self::default()
+        }
+
+        pub fn of_keys_starting(prefix: &'static str) -> Self {
+            Counting { prefix, ..Self::default() }
+        }
+
+        pub fn reads(&self) -> usize {
+            self.reads.get()
+        }
+
+        pub fn writes(&self) -> usize {
+            self.writes.get()
+        }
+
+        /// Reads and writes counted so far.
+        pub fn calls(&self) -> (usize, usize) {
+            (self.reads(), self.writes())
+        }
+
+        pub fn reset(&self) {
+            self.reads.set(0);
+            self.writes.set(0);
+        }
+    }
+
+    impl CasStore for Counting {
+        fn get(&self, key: &str) -> Result<Read, StoreError> {
+            if key.starts_with(self.prefix) {
+                self.reads.set(self.reads.get() + 1);
+            }
+            self.inner.get(key)
+        }
+
+        fn set(&self, key: &str, value: &[u8], cas: Option<u32>) -> Result<(), StoreError> {
+            if key.starts_with(self.prefix) {
+                self.writes.set(self.writes.get() + 1);
+            }
+            self.inner.set(key, value, cas)
+        }
+    }
+
+    #[test]
+    fn counting_counts_only_its_prefix() {
+        let s = Counting::of_keys_starting("a/");
+        s.set("a/1", b"x", None).unwrap();
+        s.set("b/1", b"x", None).unwrap();
+        s.get("a/1").unwrap();
+        s.get("b/1").unwrap();
+        assert_eq!(s.calls(), (1, 1));
+        s.reset();
+        assert_eq!(Counting::new().calls(), s.calls());
     }
 
     #[test]

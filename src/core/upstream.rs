@@ -89,7 +89,7 @@ pub fn rate_headers(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::core::store::{MemStore, Read, StoreError};
+    use crate::core::store::Counting;
 
     fn outbound() -> Outbound {
         Outbound {
@@ -102,33 +102,19 @@ mod tests {
         }
     }
 
-    /// Counts the reads of a store.
-    struct Reads(MemStore, std::cell::Cell<usize>);
-
-    impl CasStore for Reads {
-        fn get(&self, key: &str) -> Result<Read, StoreError> {
-            self.1.set(self.1.get() + 1);
-            self.0.get(key)
-        }
-
-        fn set(&self, key: &str, value: &[u8], cas: Option<u32>) -> Result<(), StoreError> {
-            self.0.set(key, value, cas)
-        }
-    }
-
     #[test]
     fn rate_headers_only_for_a_model_with_limits_and_only_then_a_read() {
         let config =
             Config::parse(br#"{"models":{"priced":{"usd_per_mtok_input":2.0},"limited":{"requests_per_minute":60}}}"#)
                 .unwrap();
-        let store = Reads(MemStore::new(), std::cell::Cell::new(0));
+        let store = Counting::new();
         let unread = || -> u64 { panic!("the clock was read") };
         assert!(rate_headers(&store, &config, "priced", unread).is_empty());
         assert!(rate_headers(&store, &config, "unknown", unread).is_empty());
-        assert_eq!(store.1.get(), 0, "no bucket read without limits");
+        assert_eq!(store.reads(), 0, "no bucket read without limits");
         let h = rate_headers(&store, &config, "limited", || 1_000);
         assert_eq!(h.iter().find(|(n, _)| *n == "x-ratelimit-limit-requests").map(|(_, v)| v.as_str()), Some("60"));
-        assert_eq!(store.1.get(), 1);
+        assert_eq!(store.reads(), 1);
     }
 
     #[test]

@@ -104,8 +104,16 @@ pub fn log(level: LogLevel, message: &str) {
 
 /// Sends a local reply (plus `extra` headers) on the current (effective) http context.
 pub fn send(reply: &Reply, extra: &[(&str, String)]) -> bool {
+    send_with(reply, extra.iter().map(|(n, v)| (*n, v.as_str())))
+}
+
+/// `send`, the extra headers given as pairs of any origin (serialized with the reply's
+/// own in one buffer).
+pub fn send_with<'e>(reply: &Reply, extra: impl Iterator<Item = (&'e str, &'e str)> + Clone) -> bool {
     let headers = reply.headers();
-    let headers = headers.iter().map(|(n, v)| (*n, v.as_ref())).chain(extra.iter().map(|(n, v)| (*n, v.as_str())));
+    // Not an identity: the closure narrows `extra`'s borrows to the reply's own, so the two chain.
+    #[allow(clippy::map_identity)]
+    let headers = headers.iter().map(|(n, v)| (*n, v.as_ref())).chain(extra.map(|(n, v)| (n, v)));
     send_serialized(reply.response.status, &pairs::serialize(headers), &reply.response.body)
 }
 
@@ -126,7 +134,7 @@ extern "C" {
 /// Sends a local reply whose headers are serialized already (see `core::pairs`). The SDK's
 /// sender copies the headers into a map of its own first, and panics on a status it does
 /// not expect.
-pub fn send_serialized(status: u16, headers: &[u8], body: &[u8]) -> bool {
+fn send_serialized(status: u16, headers: &[u8], body: &[u8]) -> bool {
     // SAFETY: every pointer and length describes a live slice for the whole call; the host
     // copies what it keeps. No gRPC status (-1), as the SDK sends.
     let sent = unsafe {

@@ -15,7 +15,6 @@ use crate::core::error::ApiError;
 use crate::core::flight::Flight;
 use crate::core::hot::{Hot, Raw, Seed};
 use crate::core::metrics::{self, LastUsage, PerCounter};
-use crate::core::pairs;
 use crate::core::peer::Op;
 use crate::core::request::ChatRequest;
 use crate::core::request::Key;
@@ -261,11 +260,8 @@ impl Worker {
         }
         let rate = self.rate_headers(&hit.outbound.model, || now);
         let age = codec::decimal(age_s);
-        let headers = hit.reply.headers();
-        let headers = headers.iter().map(|(n, v)| (*n, v.as_ref()));
         let extra = rate.iter().map(|(n, v)| (*n, v.as_str())).chain([("age", age.as_str())]);
-        let response = &hit.reply.response;
-        host::send_serialized(response.status, &pairs::serialize(headers.chain(extra)), &response.body);
+        host::send_with(&hit.reply, extra);
     }
 
     /// The headers of the stream forwarded for this http context, if it is one.

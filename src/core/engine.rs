@@ -93,6 +93,17 @@ fn error_response(e: &ApiError) -> Response {
     Response::json(e.status, e.body())
 }
 
+/// Which answers of a same-key flight that ended since a request arrived the request takes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum TakeDone {
+    /// None: it did not read the cache (`no-cache`), so it must not read around it either.
+    None,
+    /// Only one the cache holds: the request read the cache just before it was stored.
+    Stored,
+    /// Any: the request waited for that flight.
+    Any,
+}
+
 /// An upstream call to make. With a lease it leads a flight that others wait on.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Call {
@@ -209,7 +220,7 @@ impl<S: CasStore> Engine<'_, S> {
         match shared(&wait.key, response, done_at_ms, stale_from_ms, wait.policy, now_ms) {
             Some(reply) => Step::Reply(reply),
             // A stale answer this waiter's directives refuse: it looks again itself.
-            None => self.take_lease(&wait.key, wait.policy, now_ms, nonce, now_ms, false),
+            None => self.take_lease(&wait.key, wait.policy, now_ms, nonce, now_ms, TakeDone::None),
         }
     }
 
@@ -317,10 +328,15 @@ impl<S: CasStore> Engine<'_, S> {
         let step = if !policy.coalesce {
             Step::Call(self.call(key, None, policy, false, CacheStatus::Bypass, now_ms))
         } else {
-            // A flight that ended since arrival answers a request that read the cache just
-            // before it stored, or waited for it; not one that did not look (`no-cache`).
-            let accept_done = policy.read || waited_since.is_some();
-            self.take_lease(key, policy, now_ms, nonce, waited_since.unwrap_or(now_ms), accept_done)
+            // A flight that ended since arrival answers a request that waited for it, and
+            // one that read the cache just before it stored (so only with a stored answer);
+            // not one that did not look (`no-cache`).
+            let take = match (waited_since, policy.read) {
+                (Some(_), _) => TakeDone::Any,
+                (None, true) => TakeDone::Stored,
+                (None, false) => TakeDone::None,
+            };
+            self.take_lease(key, policy, now_ms, nonce, waited_since.unwrap_or(now_ms), take)
         };
         match step {
             // The group was just read: the answer goes where its index said, without reading
@@ -330,11 +346,11 @@ impl<S: CasStore> Engine<'_, S> {
         }
     }
 
-    /// Takes the lease, waits on its holder, or (with `accept_done`) takes the answer of a
-    /// same-key flight done since `since_ms`. A stale answer this request's directives
-    /// refuse makes it take the lease after all.
-    fn take_lease(&self, key: &Key, policy: Policy, now_ms: u64, nonce: u64, since_ms: u64, accept_done: bool) -> Step {
-        let done_since = if accept_done { since_ms } else { u64::MAX };
+    /// Takes the lease, waits on its holder, or takes the answer of a same-key flight done
+    /// since `since_ms` when `take` allows it. A stale answer this request's directives
+    /// refuse, or one `take` does not allow, makes it take the lease after all.
+    fn take_lease(&self, key: &Key, policy: Policy, now_ms: u64, nonce: u64, since_ms: u64, take: TakeDone) -> Step {
+        let done_since = if take == TakeDone::None { u64::MAX } else { since_ms };
         match lease::acquire(self.store, self.config, key, nonce, now_ms, done_since) {
             Ok(Acquire::Acquired(l)) => {
                 Step::Call(self.call(key, Some(l), policy, policy.store, CacheStatus::Miss, now_ms))
@@ -342,11 +358,14 @@ impl<S: CasStore> Engine<'_, S> {
             Ok(Acquire::Held { nonce: n, slot, watched }) => {
                 self.keep_waiting(Wait { key: key.clone(), slot, nonce: n, since_ms, policy }, watched, now_ms)
             }
+            Ok(Acquire::Answered { in_cache: false, .. }) if take == TakeDone::Stored => {
+                self.take_lease(key, policy, now_ms, nonce, now_ms, TakeDone::None)
+            }
             Ok(Acquire::Answered { response, done_at_ms, stale_from_ms, in_cache }) => {
                 let kept = self.kept(key, response, in_cache, done_at_ms);
                 match kept.and_then(|r| shared(key, r, done_at_ms, stale_from_ms, policy, now_ms)) {
                     Some(reply) => Step::Reply(reply),
-                    None => self.take_lease(key, policy, now_ms, nonce, now_ms, false),
+                    None => self.take_lease(key, policy, now_ms, nonce, now_ms, TakeDone::None),
                 }
             }
             // A slot collision or a store failure: go alone rather than wait on a stranger.
@@ -730,6 +749,23 @@ mod tests {
         let no_cache = Policy { read: false, ..READ };
         let fresh = expect_call(e.admit(&k(1), no_cache, 5, 2));
         assert_eq!((fresh.label, fresh.lease.is_some()), (CacheStatus::Miss, true), "not the finished flight's answer");
+    }
+
+    #[test]
+    fn an_answer_not_stored_is_not_taken_by_a_request_that_arrived_as_it_ended() {
+        let (s, c) = (MemStore::new(), Config::default());
+        let e = Engine { store: &s, config: &c };
+        let unstored = Policy { store: false, ..READ };
+        let lead = expect_call(e.admit(&k(1), unstored, 0, 1));
+        let w = expect_wait(e.admit(&k(1), READ, 1, 2));
+        e.complete(&lead, ok("A"), 5);
+        // The request that waited for it gets it.
+        let r = expect_reply(e.poll(&w, 5, 3));
+        assert_eq!((r.cache, r.response.body), (Some(CacheStatus::Coalesced), b"A".to_vec()));
+        // One that arrived in the millisecond the flight ended (Envoy's clock moves per
+        // event-loop turn) does not: the cache would not have had it either.
+        let next = expect_call(e.admit(&k(1), READ, 5, 4));
+        assert_eq!((next.label, next.lease.is_some()), (CacheStatus::Miss, true), "not the unstored answer");
     }
 
     #[test]

@@ -50,6 +50,11 @@ pub struct Options {
     /// byte was sent, and its `x-holysheep-cache` label (the bench times followers there;
     /// the other listeners log nothing, so their rows do not pay for it).
     pub edge_access_log: Option<PathBuf>,
+    /// A second virtual host on the edge listener, `internal.example`, routed to a
+    /// cluster `internal` at this address (another service behind the same listener).
+    pub internal_upstream: Option<SocketAddr>,
+    /// Envoy speaks HTTP/2 to the mock (as the production config does to HolySheep).
+    pub upstream_h2: bool,
 }
 
 impl Options {
@@ -63,6 +68,8 @@ impl Options {
             allow_on_headers_stop_iteration: true,
             extra_listeners: String::new(),
             edge_access_log: None,
+            internal_upstream: None,
+            upstream_h2: false,
         }
     }
 }
@@ -106,6 +113,32 @@ pub fn access_log(path: &Path) -> String {
     )
 }
 
+/// The edge listener's routes with a virtual host `internal.example` first, routed to a
+/// cluster `internal` at `addr`.
+fn with_internal_vhost(yaml: &str, addr: SocketAddr) -> String {
+    let vhost = "            - name: internal\n              domains: [\"internal.example\"]\n              \
+                 routes: [{match: {prefix: \"/\"}, route: {cluster: internal}}]\n";
+    let cluster = format!(
+        "  - name: internal\n    type: STATIC\n    connect_timeout: 2s\n    load_assignment:\n      \
+         cluster_name: internal\n      endpoints: [{{lb_endpoints: [{{endpoint: {{address: {{socket_address: \
+         {{address: 127.0.0.1, port_value: {}}}}}}}}}]}}]\n",
+        addr.port()
+    );
+    let edge = "            - name: holysheep\n";
+    let yaml = yaml.replacen(edge, &format!("{vhost}{edge}"), 1);
+    format!("{yaml}{cluster}")
+}
+
+/// The `holysheep` cluster speaking HTTP/2 (prior knowledge) to the mock.
+fn with_h2_upstream(yaml: &str) -> String {
+    let options = "    typed_extension_protocol_options:\n      \
+                   envoy.extensions.upstreams.http.v3.HttpProtocolOptions:\n        \
+                   \"@type\": type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions\n        \
+                   explicit_http_config: {http2_protocol_options: {}}\n";
+    let cluster = "  - name: holysheep\n    type: STATIC\n";
+    yaml.replacen(cluster, &format!("{cluster}{options}"), 1)
+}
+
 impl Envoy {
     pub fn start(opts: &Options) -> io::Result<Envoy> {
         let (bin, wasm) = (envoy_bin(), wasm_path());
@@ -134,6 +167,11 @@ impl Envoy {
             .replace("@CONFIG@", &opts.config.replace('\'', "''"));
         let logged = opts.edge_access_log.as_deref().map(|path| logged_edge(&yaml, path)).unwrap_or_default();
         let yaml = yaml.replace("  clusters:\n", &format!("{}{logged}  clusters:\n", opts.extra_listeners));
+        let yaml = match opts.internal_upstream {
+            Some(addr) => with_internal_vhost(&yaml, addr),
+            None => yaml,
+        };
+        let yaml = if opts.upstream_h2 { with_h2_upstream(&yaml) } else { yaml };
         let yaml = if opts.allow_on_headers_stop_iteration {
             yaml
         } else {

@@ -6,10 +6,10 @@
 use http_body_util::channel::Channel;
 use http_body_util::{BodyExt, Either, Full};
 use hyper::body::{Bytes, Incoming};
-use hyper::server::conn::http1;
 use hyper::service::service_fn;
 use hyper::{Method, Request, Response, StatusCode};
-use hyper_util::rt::TokioIo;
+use hyper_util::rt::{TokioExecutor, TokioIo};
+use hyper_util::server::conn::auto;
 use serde_json::{json, Value};
 use sha2::{Digest, Sha256};
 use std::collections::VecDeque;
@@ -35,6 +35,9 @@ pub struct Fault {
     pub hold_after_events: Option<usize>,
     /// Streams: after this many events, reset the connection (the stream is cut off).
     pub cut_after_events: Option<usize>,
+    /// Answer with this body (and `content_type`, `status` or 200) instead of a completion.
+    pub body: Option<String>,
+    pub content_type: Option<String>,
 }
 
 impl Fault {
@@ -50,6 +53,8 @@ impl Fault {
             slow_body_ms: v["slow_body_ms"].as_u64().unwrap_or(0),
             hold_after_events: v["hold_after_events"].as_u64().map(|n| n as usize),
             cut_after_events: v["cut_after_events"].as_u64().map(|n| n as usize),
+            body: v["body"].as_str().map(str::to_owned),
+            content_type: v["content_type"].as_str().map(str::to_owned),
         }
     }
 }
@@ -72,6 +77,9 @@ struct State {
     events_sent: u64,
     /// The last body of a chat call.
     last_body: Vec<u8>,
+    /// The path (with its query) and the headers of the last chat call.
+    last_target: String,
+    last_headers: Vec<(String, String)>,
 }
 
 /// Counts a chat-completion call as in flight until dropped.
@@ -116,7 +124,8 @@ impl Mock {
             let mock = self.clone();
             tokio::spawn(async move {
                 let service = service_fn(move |req| mock.clone().handle(req));
-                let _ = http1::Builder::new().serve_connection(TokioIo::new(stream), service).await;
+                // HTTP/1.1 or HTTP/2 with prior knowledge, whichever the client speaks.
+                let _ = auto::Builder::new(TokioExecutor::new()).serve_connection(TokioIo::new(stream), service).await;
             });
         }
     }
@@ -134,7 +143,14 @@ impl Mock {
             .into_iter()
             .find_map(|h| parts.headers.get(h).and_then(|v| v.to_str().ok()).map(|v| format!("{h}: {v}")));
         if path == "/v1/chat/completions" {
-            self.state().last_framing = framing;
+            let mut s = self.state();
+            s.last_framing = framing;
+            s.last_target = parts.uri.path_and_query().map(|p| p.as_str().to_owned()).unwrap_or_default();
+            s.last_headers = parts
+                .headers
+                .iter()
+                .map(|(n, v)| (n.as_str().to_owned(), String::from_utf8_lossy(v.as_bytes()).into_owned()))
+                .collect();
         }
         Ok(match (parts.method, path.as_str()) {
             (Method::POST, "/v1/chat/completions") => return self.chat(auth, &body).await,
@@ -169,30 +185,32 @@ impl Mock {
         })
     }
 
+    /// OpenAI's 401 for a wrong key, which quotes part of the key it was sent.
     fn check_key(&self, auth: Option<&str>) -> Option<Response<Body>> {
         let want = self.api_key.as_deref()?;
-        let ok = auth.and_then(|a| a.strip_prefix("Bearer ")) == Some(want);
-        (!ok).then(|| {
-            error(
-                StatusCode::UNAUTHORIZED,
-                "Incorrect API key provided",
-                "invalid_request_error",
-                "invalid_api_key",
-                None,
-            )
+        let sent = auth.and_then(|a| a.strip_prefix("Bearer "));
+        (sent != Some(want)).then(|| {
+            let message = match sent {
+                Some(key) => format!(
+                    "Incorrect API key provided: {}. You can find your API key at https://www.holysheep.ai/keys.",
+                    quoted(key)
+                ),
+                None => "You didn't provide an API key.".to_owned(),
+            };
+            error(StatusCode::UNAUTHORIZED, &message, "invalid_request_error", "invalid_api_key", None)
         })
     }
 
     async fn chat(self, auth: Option<String>, body: &[u8]) -> Result<Response<Body>, std::io::Error> {
         let model = serde_json::from_slice::<Value>(body).ok().and_then(|v| v["model"].as_str().map(str::to_owned));
         let _in_flight = InFlight::new(&self.state);
-        let (fault, latency) = {
+        let (fault, latency, calls) = {
             let mut s = self.state();
             s.calls += 1;
             s.log.push((model.unwrap_or_default(), std::time::Instant::now()));
             s.last_authorization.clone_from(&auth);
             s.last_body = body.to_vec();
-            (s.plan.pop_front().unwrap_or_default(), s.latency_ms)
+            (s.plan.pop_front().unwrap_or_default(), s.latency_ms, s.calls)
         };
         let delay = latency + fault.delay_ms;
         if delay > 0 {
@@ -204,13 +222,17 @@ impl Mock {
         if let Some(denied) = self.check_key(auth.as_deref()) {
             return Ok(denied);
         }
-        let mut resp = match fault.status.filter(|s| *s != 200) {
-            Some(status) => planned_error(status),
-            None => match answer(body) {
+        let mut resp = match (fault.status.filter(|s| *s != 200), &fault.body) {
+            (status, Some(raw)) => planned_body(status.unwrap_or(200), raw, fault.content_type.as_deref()),
+            (Some(status), None) => planned_error(status),
+            (None, None) => match answer(body) {
                 Answer::Json(r) => r,
                 Answer::Events(events) => self.stream(events, &fault),
             },
         };
+        if resp.status() == StatusCode::OK {
+            rate_limit_headers(&mut resp, calls);
+        }
         if let Some(r) = fault.retry_after {
             if let Ok(v) = r.parse() {
                 resp.headers_mut().insert("retry-after", v);
@@ -221,6 +243,16 @@ impl Mock {
         }
         Ok(resp)
     }
+}
+
+/// A key as OpenAI's 401 quotes it: its first three and last four characters.
+pub fn quoted(key: &str) -> String {
+    let chars: Vec<char> = key.chars().collect();
+    if chars.len() <= 8 {
+        return "*".repeat(chars.len());
+    }
+    let (head, tail): (String, String) = (chars[..3].iter().collect(), chars[chars.len() - 4..].iter().collect());
+    format!("{head}{}{tail}", "*".repeat(chars.len() - 7))
 }
 
 fn slow(resp: Response<Body>, ms: u64) -> Response<Body> {
@@ -342,8 +374,16 @@ fn completion(req: &Value) -> Result<Value, Box<Response<Body>>> {
         None => json!({"role": "assistant", "content": content, "refusal": null}),
     };
     let finish = if tool.is_some() { "tool_calls" } else { "stop" };
-    let choices: Vec<Value> =
-        (0..n).map(|i| json!({"index": i, "message": message, "logprobs": null, "finish_reason": finish})).collect();
+    // With `logprobs`, one token per 8-character piece of the content (the pieces a stream
+    // sends), each with its log probability.
+    let logprobs = match (req["logprobs"].as_bool(), message["content"].as_str()) {
+        (Some(true), Some(text)) => json!({"content": pieces(text).iter().enumerate().map(|(t, p)| token_logprob(t, p))
+            .collect::<Vec<Value>>(), "refusal": null}),
+        _ => Value::Null,
+    };
+    let choices: Vec<Value> = (0..n)
+        .map(|i| json!({"index": i, "message": message, "logprobs": logprobs, "finish_reason": finish}))
+        .collect();
     Ok(json!({
         "id": format!("chatcmpl-{digest}"),
         "object": "chat.completion",
@@ -354,6 +394,18 @@ fn completion(req: &Value) -> Result<Value, Box<Response<Body>>> {
                   "total_tokens": prompt_tokens + completion_tokens * n},
         "system_fingerprint": "fp_mock",
     }))
+}
+
+/// `s` in pieces of 8 characters.
+fn pieces(s: &str) -> Vec<String> {
+    let chars: Vec<char> = s.chars().collect();
+    chars.chunks(8).map(|p| p.iter().collect()).collect()
+}
+
+/// The mock's `t`-th token of an answer, with a log probability that is exact in binary.
+fn token_logprob(t: usize, token: &str) -> Value {
+    let logprob = -((t % 8) as f64) / 4.0;
+    json!({"token": token, "logprob": logprob, "bytes": token.as_bytes(), "top_logprobs": []})
 }
 
 /// The events OpenAI streams for `c`: the role, the content 8 characters at a time, tool
@@ -368,17 +420,19 @@ fn events(c: &Value, include_usage: bool) -> Vec<String> {
         }
         v
     };
-    let piece = |s: &str| -> Vec<String> {
-        let chars: Vec<char> = s.chars().collect();
-        chars.chunks(8).map(|p| p.iter().collect()).collect()
-    };
+    let piece = pieces;
     let mut out = Vec::new();
     for choice in c["choices"].as_array().into_iter().flatten() {
         let i = &choice["index"];
         let delta = |d: Value| chunk(json!([{"index": i, "delta": d, "logprobs": null, "finish_reason": null}]));
         out.push(delta(json!({"role": "assistant", "content": "", "refusal": null})));
-        for p in piece(choice["message"]["content"].as_str().unwrap_or("")) {
-            out.push(delta(json!({"content": p})));
+        let tokens = choice["logprobs"]["content"].as_array();
+        for (t, p) in piece(choice["message"]["content"].as_str().unwrap_or("")).into_iter().enumerate() {
+            // The piece's own token, as OpenAI sends the logprobs of a chunk's tokens with it.
+            let logprobs = tokens.and_then(|all| all.get(t)).map(|tok| json!({"content": [tok], "refusal": null}));
+            out.push(chunk(
+                json!([{"index": i, "delta": {"content": p}, "logprobs": logprobs, "finish_reason": null}]),
+            ));
         }
         for (t, call) in choice["message"]["tool_calls"].as_array().into_iter().flatten().enumerate() {
             out.push(delta(json!({"tool_calls": [{"index": t, "id": call["id"], "type": "function",
@@ -397,6 +451,38 @@ fn events(c: &Value, include_usage: bool) -> Vec<String> {
     let mut events: Vec<String> = out.iter().map(|v| format!("data: {v}\n\n")).collect();
     events.push("data: [DONE]\n\n".to_owned());
     events
+}
+
+/// Requests and tokens per minute the mock's account has, as its `x-ratelimit-*` say.
+pub const RATE_LIMIT_REQUESTS: u64 = 30_000;
+pub const RATE_LIMIT_TOKENS: u64 = 150_000_000;
+
+/// OpenAI's rate-limit headers on an answer: the account's limits, and what is left after
+/// `calls` calls (each counted as 1,000 tokens).
+fn rate_limit_headers(resp: &mut Response<Body>, calls: u64) {
+    let h = resp.headers_mut();
+    let pairs = [
+        ("x-ratelimit-limit-requests", RATE_LIMIT_REQUESTS.to_string()),
+        ("x-ratelimit-remaining-requests", RATE_LIMIT_REQUESTS.saturating_sub(calls).to_string()),
+        ("x-ratelimit-reset-requests", "2ms".to_owned()),
+        ("x-ratelimit-limit-tokens", RATE_LIMIT_TOKENS.to_string()),
+        ("x-ratelimit-remaining-tokens", RATE_LIMIT_TOKENS.saturating_sub(calls * 1000).to_string()),
+        ("x-ratelimit-reset-tokens", "0s".to_owned()),
+    ];
+    for (name, value) in pairs {
+        if let Ok(v) = hyper::header::HeaderValue::from_str(&value) {
+            h.insert(name, v);
+        }
+    }
+}
+
+fn planned_body(status: u16, body: &str, content_type: Option<&str>) -> Response<Body> {
+    let mut r = Response::new(Either::Left(Full::new(Bytes::from(body.to_owned()))));
+    *r.status_mut() = StatusCode::from_u16(status).unwrap_or(StatusCode::OK);
+    if let Some(v) = content_type.and_then(|t| hyper::header::HeaderValue::from_str(t).ok()) {
+        r.headers_mut().insert("content-type", v);
+    }
+    r
 }
 
 fn planned_error(status: u16) -> Response<Body> {
@@ -485,6 +571,16 @@ impl Mock {
     /// Stream events sent so far, over all streams.
     pub fn events_sent(&self) -> u64 {
         self.state().events_sent
+    }
+
+    /// The path and query of the last chat call.
+    pub fn last_target(&self) -> String {
+        self.state().last_target.clone()
+    }
+
+    /// The header names and values of the last chat call.
+    pub fn last_headers(&self) -> Vec<(String, String)> {
+        self.state().last_headers.clone()
     }
 
     /// The body of the last chat call.

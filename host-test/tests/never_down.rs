@@ -121,3 +121,23 @@ fn a_missing_allow_on_headers_stop_iteration_is_answered_not_a_hang() {
     assert!((1..=2).contains(&logged), "logged once per worker that saw it: {logged}");
     assert_eq!(s.calls(), 0, "nothing reached HolySheep");
 }
+
+/// The watch for that setting fires on evidence, not on time alone: on a fresh VM (no body
+/// seen yet), a client whose first body comes after the watch's window gets its answer.
+#[test]
+fn a_slow_first_body_on_a_fresh_vm_is_answered_not_called_a_misconfiguration() {
+    let s = Stack::start_tuned("{}", 0, |o| o.concurrency = 1, None);
+    let body = prompt("a slow first body");
+    let head = format!(
+        "POST {PATH} HTTP/1.1\r\nhost: edge\r\nauthorization: Bearer t\r\ncontent-length: {}\r\n\r\n",
+        body.len()
+    );
+    let mut conn = Conn::open(s.envoy.edge).and_then(|c| c.read_timeout(PATIENCE)).expect("connect");
+    conn.send_raw_part(head.as_bytes()).expect("headers");
+    // What is tested is time passing with no body: the watch's window (1 s) and more than
+    // one tick of the VM (at most 500 ms) after it.
+    std::thread::sleep(Duration::from_millis(2_000));
+    let r = conn.raw(body.as_bytes()).expect("an answer");
+    assert_eq!((r.status, r.cache()), (200, "MISS"), "{}", r.text());
+    assert!(!s.envoy.log().contains("allow_on_headers_stop_iteration"), "no false alarm in the log");
+}

@@ -16,7 +16,7 @@ use crate::core::error::ApiError;
 use crate::core::limits::ProviderHints;
 use crate::core::request::CHAT_PATH;
 use crate::core::stream;
-use crate::core::upstream::{self, Outbound};
+use crate::core::upstream::{self, Outbound, Sent};
 
 /// The most bytes read from one HolySheep answer.
 const MAX_UPSTREAM_BODY: usize = 16 * 1024 * 1024;
@@ -37,7 +37,7 @@ impl Gateway {
     ) -> (Option<Response>, ProviderHints) {
         let deadline = host::now_ms().saturating_add(timeout_ms.max(1));
         match self.request_head(call, outbound, model, deadline) {
-            Some(response) => self.read_answer(response, call, deadline),
+            Some(response) => self.read_answer(response, call, outbound, deadline),
             None => (None, ProviderHints::default()),
         }
     }
@@ -48,6 +48,7 @@ impl Gateway {
         &self,
         response: IncomingResponse,
         call: &Call,
+        outbound: &Outbound,
         deadline_ms: u64,
     ) -> (Option<Response>, ProviderHints) {
         let status = response.status();
@@ -66,11 +67,16 @@ impl Gateway {
         drop(IncomingBody::finish(body));
         match read {
             Some(bytes) => {
-                let (r, hints) = upstream::response(status, &headers, bytes);
+                let (r, hints) = upstream::response(status, &headers, bytes, self.sent(outbound));
                 (Some(r), hints)
             }
             None => (None, ProviderHints::default()),
         }
+    }
+
+    /// How a call for `outbound` goes: with the operator's key when one is configured.
+    pub(super) fn sent(&self, outbound: &Outbound) -> Sent {
+        Sent { stream: outbound.stream, operator_key: self.bearer.is_some() }
     }
 
     /// Sends one call to HolySheep for `model` (with its `content-length`) and waits for

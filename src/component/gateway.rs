@@ -75,7 +75,7 @@ impl Gateway {
     }
 
     fn chat(&self, request: IncomingRequest, head: Head, out: ResponseOutparam) {
-        if let Err(e) = head.check_length(&self.config) {
+        if let Err(e) = head.check(&self.config) {
             return reply(out, &Reply::error(&e), &[]);
         }
         let limit = self.config.max_body_bytes;
@@ -200,7 +200,7 @@ impl Gateway {
                     if events {
                         return self.relay(flight, outbound, response, out);
                     }
-                    let (outcome, hints) = self.read_answer(response, &flight.call, deadline);
+                    let (outcome, hints) = self.read_answer(response, &flight.call, outbound, deadline);
                     flight.on_response(&self.kv, &self.config, outcome, &hints, host::now_ms(), host::nonce())
                 }
                 Action::Ask { .. } => self.without_owner(&mut flight),

@@ -31,6 +31,20 @@ impl Kv {
     }
 }
 
+/// The prefix of the keys that hand out the right to create a key (see `Kv::set`).
+const CREATION_CLAIMS: &str = "holysheep/created/";
+
+impl Kv {
+    /// Takes the right to create `key`: `true` for exactly one caller ever, by the host's
+    /// atomic increment of a claim key beside it (one per key, so as bounded as the keys).
+    /// A creator that died between its claim and its write leaves the key uncreated: its
+    /// conditional writes fail, and the core goes on without that lease way or slot.
+    fn claim_creation(&self, key: &str) -> Result<bool, StoreError> {
+        let claim = format!("{CREATION_CLAIMS}{key}");
+        atomics::increment(&self.bucket, &claim, 1).map(|n| n == 1).map_err(kv_error)
+    }
+}
+
 impl CasStore for Kv {
     fn get(&self, key: &str) -> Result<Read, StoreError> {
         let raw = self.bucket.get(key).map_err(kv_error)?;
@@ -42,6 +56,12 @@ impl CasStore for Kv {
         for _ in 0..MAX_RACES {
             let current = handle.current().map_err(kv_error)?;
             let raw = versioned::next(current.as_deref(), cas, value)?;
+            // A conditional write that creates the key: some hosts' swap on a missing key
+            // is an upsert (Spin's SQLite store), so two racers could both "create" it.
+            // Only the caller that takes the key's creation claim may.
+            if current.is_none() && cas.is_some_and(|c| c != 0) && !self.claim_creation(key)? {
+                return Err(StoreError::CasMismatch);
+            }
             match atomics::swap(handle, &raw) {
                 Ok(()) => return Ok(()),
                 Err(CasError::CasFailed(_)) if cas.is_some_and(|c| c != 0) => return Err(StoreError::CasMismatch),

@@ -249,7 +249,7 @@ impl Config {
     }
 
     fn validate(&self) -> Result<(), ConfigError> {
-        let checks: [(bool, &str, &str); 17] = [
+        let checks: [(bool, &str, &str); 18] = [
             (self.cache.hot_bytes > 1 << 30, "cache.hot_bytes", "must be at most 1073741824"),
             (!(1..=1024).contains(&self.fleet.nodes), "fleet.nodes", "must be between 1 and 1024"),
             (self.fleet.peer_secret_env.is_empty(), "fleet.peer_secret_env", "must not be empty"),
@@ -266,6 +266,12 @@ impl Config {
                 self.cache.tenant_header.as_deref().is_some_and(|h| !valid_header_name(h)),
                 "cache.tenant_header",
                 "must be a lowercase HTTP header name",
+            ),
+            (
+                // Forward nodes strip the fleet's own headers: owners would see no tenant.
+                self.cache.tenant_header.as_deref().is_some_and(|h| h.starts_with("x-holysheep-")),
+                "cache.tenant_header",
+                "must not start with x-holysheep- (the edge's own headers, removed from clients' requests)",
             ),
             (self.lock.lease_ms < 100, "lock.lease_ms", "must be at least 100"),
             (self.lock.wait_timeout_ms == 0, "lock.wait_timeout_ms", "must be at least 1"),
@@ -510,6 +516,7 @@ mod tests {
             (r#"{"lock":{"lease_ms":5}}"#, "lock.lease_ms"),
             (r#"{"upstream":{"cluster":""}}"#, "upstream.cluster"),
             (r#"{"cache":{"tenant_header":"X Tenant"}}"#, "cache.tenant_header"),
+            (r#"{"cache":{"tenant_header":"x-holysheep-tenant"}}"#, "x-holysheep-"),
             (r#"{"max_body_bytes":0}"#, "max_body_bytes"),
         ] {
             let e = Config::parse(raw.as_bytes()).unwrap_err();

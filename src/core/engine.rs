@@ -199,7 +199,7 @@ impl<S: CasStore> Engine<'_, S> {
                 self.answer_waiter(wait, response, done_at_ms, stale_from_ms, now_ms, nonce)
             }
             Ok(State::Leading { nonce: n, expires_ms, watched, .. }) if n == wait.nonce && expires_ms > now_ms => {
-                self.keep_waiting(wait.clone(), watched, now_ms)
+                self.keep_waiting(wait.clone(), watched, now_ms, nonce)
             }
             // Expired, replaced, or unreadable: look again from the top, remembering how
             // long we have waited.
@@ -356,7 +356,8 @@ impl<S: CasStore> Engine<'_, S> {
                 Step::Call(self.call(key, Some(l), policy, policy.store, CacheStatus::Miss, now_ms))
             }
             Ok(Acquire::Held { nonce: n, slot, watched }) => {
-                self.keep_waiting(Wait { key: key.clone(), slot, nonce: n, since_ms, policy }, watched, now_ms)
+                let wait = Wait { key: key.clone(), slot, nonce: n, since_ms, policy };
+                self.keep_waiting(wait, watched, now_ms, nonce)
             }
             Ok(Acquire::Answered { in_cache: false, .. }) if take == TakeDone::Stored => {
                 self.take_lease(key, policy, now_ms, nonce, now_ms, TakeDone::None)
@@ -376,12 +377,13 @@ impl<S: CasStore> Engine<'_, S> {
     }
 
     /// Waits on a live flight, first marking it waited on (`watched` says whether someone
-    /// already did), so that its end wakes every worker. Like nginx after
-    /// `proxy_cache_lock_timeout`, a waiter that waited too long goes upstream itself, and
-    /// its answer is not stored.
-    fn keep_waiting(&self, wait: Wait, watched: bool, now_ms: u64) -> Step {
-        if !watched {
-            let _ = lease::watch(self.store, &wait.slot, wait.nonce);
+    /// already did), so that its end wakes every worker; a flight that ended before the
+    /// mark wakes no one, so the waiter looks again now (`nonce`: should it lead). Like
+    /// nginx after `proxy_cache_lock_timeout`, a waiter that waited too long goes upstream
+    /// itself, and its answer is not stored.
+    fn keep_waiting(&self, wait: Wait, watched: bool, now_ms: u64, nonce: u64) -> Step {
+        if !watched && !lease::watch(self.store, &wait.slot, wait.nonce).unwrap_or(true) {
+            return self.decide(&wait.key, wait.policy, now_ms, nonce, Some(wait.since_ms));
         }
         if now_ms.saturating_sub(wait.since_ms) >= self.config.lock.wait_timeout_ms {
             Step::Call(self.call(&wait.key, None, wait.policy, false, CacheStatus::Miss, now_ms))
@@ -525,6 +527,47 @@ mod tests {
         fn set(&self, key: &str, value: &[u8], cas: Option<u32>) -> Result<(), crate::core::store::StoreError> {
             self.inner.set(key, value, cas)
         }
+    }
+
+    /// A store that runs `then` once, right after the first read of a lease group: another
+    /// worker acting between a request's read and its next write.
+    struct AfterLeaseRead<'a> {
+        inner: &'a MemStore,
+        then: std::cell::RefCell<Option<Box<dyn FnOnce() + 'a>>>,
+    }
+
+    impl CasStore for AfterLeaseRead<'_> {
+        fn get(&self, key: &str) -> Result<crate::core::store::Read, crate::core::store::StoreError> {
+            let read = self.inner.get(key);
+            if key.starts_with("holysheep/lease/") {
+                if let Some(then) = self.then.borrow_mut().take() {
+                    then();
+                }
+            }
+            read
+        }
+        fn set(&self, key: &str, value: &[u8], cas: Option<u32>) -> Result<(), crate::core::store::StoreError> {
+            self.inner.set(key, value, cas)
+        }
+    }
+
+    #[test]
+    fn a_flight_that_ends_between_a_waiters_read_and_its_mark_answers_the_waiter_at_once() {
+        let (store, config) = (MemStore::new(), Config::default());
+        let e = Engine { store: &store, config: &config };
+        let leader = expect_call(e.admit(&k(4), READ, 1_000, 1));
+        let body = r#"{"answer":4}"#;
+        // The leader finishes after the waiter read its way and before the waiter marks it:
+        // the flight was not watched, so its end wakes no other worker.
+        let finish = || {
+            let (_, watched) = e.finish_flight(&leader, ok(body), 1_010);
+            assert!(!watched);
+        };
+        let racing = AfterLeaseRead { inner: &store, then: std::cell::RefCell::new(Some(Box::new(finish))) };
+        let waiter = Engine { store: &racing, config: &config };
+        let step = waiter.admit(&k(4), READ, 1_005, 2);
+        let r = expect_reply(step);
+        assert_eq!((r.cache, r.response.body.as_slice()), (Some(CacheStatus::Coalesced), body.as_bytes()));
     }
 
     #[test]

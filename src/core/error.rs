@@ -52,6 +52,20 @@ impl ApiError {
         ApiError { status: 403, message: message.into(), kind: "invalid_request_error", param: None, code: "forbidden" }
     }
 
+    /// A 421: the route Envoy chose for a governed stream leads elsewhere than HolySheep,
+    /// so the edge does not send it with its key.
+    pub fn misdirected() -> Self {
+        ApiError {
+            status: 421,
+            message: "this edge sends chat completions only to its configured upstream, and this request's route \
+                      leads elsewhere (check the Host header)"
+                .into(),
+            kind: "invalid_request_error",
+            param: None,
+            code: "misdirected_request",
+        }
+    }
+
     /// A 5xx produced by the edge itself when HolySheep could not be reached.
     pub fn upstream(status: u16, message: impl Into<String>, code: &'static str) -> Self {
         ApiError { status, message: message.into(), kind: "upstream_error", param: None, code }

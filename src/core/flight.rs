@@ -192,7 +192,7 @@ impl Flight {
             self.events.push(Event::ProviderRateLimited { model: model.clone() });
         }
         let outcome = outcome.map(|r| r.with_header("x-holysheep-model", model.clone()));
-        if !retryable(outcome.as_ref()) {
+        if !retryable(outcome.as_ref()) || hints.key_refused {
             return Action::Finish(outcome);
         }
         self.attempt += 1;

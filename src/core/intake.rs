@@ -7,7 +7,8 @@ use crate::core::error::ApiError;
 use crate::core::peer;
 use crate::core::request::{is_chat_path, is_internal_path, CacheControl, ChatRequest, Policy, RequestMeta, CHAT_PATH};
 
-/// The request headers the edge reads; the first of repeated headers counts.
+/// The request headers the edge reads; the first of repeated headers counts, except that a
+/// repeated tenant credential is remembered (`Head::check` refuses it).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Head {
     pub method: String,
@@ -19,6 +20,8 @@ pub struct Head {
     pub tenant: Option<String>,
     pub cache_control: Option<String>,
     pub peer_secret: Option<String>,
+    /// The header the tenant scope is read from came more than once.
+    pub repeated_tenant: bool,
 }
 
 /// What the edge does with a request, decided from its head.
@@ -44,6 +47,8 @@ impl Head {
     /// shell sets `method` and `path` when its host keeps them outside the headers.
     pub fn read<'a>(pairs: impl IntoIterator<Item = (&'a [u8], &'a [u8])>, tenant_header: Option<&str>) -> Head {
         let mut h = Head::default();
+        // The tenant scope comes from the tenant header, or else from `authorization`.
+        let credential = tenant_header.unwrap_or("authorization").as_bytes();
         for (name, value) in pairs {
             let slot = match name {
                 b":method" => {
@@ -67,7 +72,13 @@ impl Head {
             };
             if slot.is_none() {
                 *slot = Some(text(value.to_vec()));
+            } else if name == credential {
+                h.repeated_tenant = true;
             }
+            // Envoy joins a repeated `authorization` into one value with commas, which no
+            // single credential holds (RFC 7235: one challenge response; a bearer token has
+            // no comma).
+            h.repeated_tenant |= name == credential && name == b"authorization" && value.contains(&b',');
         }
         h
     }
@@ -82,8 +93,18 @@ impl Head {
         }
     }
 
-    /// Refuses a body declared larger than `max_body_bytes` before any of it is read.
-    pub fn check_length(&self, config: &Config) -> Result<(), ApiError> {
+    /// What the head alone refuses, before any of the body is read: a repeated tenant
+    /// credential (an auth layer that appends a verified copy must not lose to the
+    /// client's own), and a body declared larger than `max_body_bytes`.
+    pub fn check(&self, config: &Config) -> Result<(), ApiError> {
+        if self.repeated_tenant {
+            let named = config.cache.tenant_header.as_deref().unwrap_or("authorization");
+            return Err(ApiError::invalid(
+                format!("the '{named}' header, which names the tenant, must appear once"),
+                None,
+                "ambiguous_tenant",
+            ));
+        }
         match self.content_length {
             Some(declared) if declared > config.max_body_bytes as u64 => {
                 Err(ApiError::too_large(config.max_body_bytes))
@@ -176,6 +197,28 @@ mod tests {
         assert_eq!(h.cache_control.as_deref(), Some(""), "present, if empty");
         assert_eq!(h.peer_secret, None);
         assert_eq!(head(&[("x-tenant", b"acme")], None).tenant, None, "no tenant header configured");
+        assert!(!h.repeated_tenant, "authorization is not the tenant when a tenant header is configured");
+    }
+
+    #[test]
+    fn a_repeated_tenant_credential_is_refused_before_the_body() {
+        let config = Config::default();
+        let twice = head(&[("authorization", b"Bearer a"), ("authorization", b"Bearer b")], None);
+        let e = twice.check(&config).unwrap_err();
+        assert_eq!((e.status, e.code), (400, "ambiguous_tenant"));
+        let joined = head(&[("authorization", b"Bearer a,Bearer b")], None);
+        assert_eq!(joined.check(&config).map_err(|e| e.code), Err("ambiguous_tenant"), "as Envoy joins them");
+        assert!(head(&[("authorization", b"Bearer a.b_c-d~e+f/g=")], None).check(&config).is_ok());
+        let tenant = Config {
+            cache: crate::core::config::Cache { tenant_header: Some("x-tenant".into()), ..Config::default().cache },
+            ..Config::default()
+        };
+        let by_header =
+            head(&[("x-tenant", b"a"), ("authorization", b"Bearer a"), ("x-tenant", b"a")], Some("x-tenant"));
+        assert_eq!(by_header.check(&tenant).map_err(|e| e.code), Err("ambiguous_tenant"), "even the same value twice");
+        assert!(head(&[("x-tenant", b"a"), ("authorization", b"x"), ("authorization", b"y")], Some("x-tenant"))
+            .check(&tenant)
+            .is_ok());
     }
 
     #[test]
@@ -193,7 +236,7 @@ mod tests {
     #[test]
     fn a_declared_length_over_the_limit_is_refused_before_the_body() {
         let config = Config { max_body_bytes: 10, ..Config::default() };
-        let declared = |n| Head { content_length: n, ..Head::default() }.check_length(&config);
+        let declared = |n| Head { content_length: n, ..Head::default() }.check(&config);
         assert_eq!(declared(Some(11)).map_err(|e| e.status), Err(413));
         assert!(declared(Some(10)).is_ok());
         assert!(declared(None).is_ok());

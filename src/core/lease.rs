@@ -74,6 +74,14 @@ const MAX_RACES: usize = 16;
 /// prompt in flight does not send every identical request upstream alone.
 pub const WAYS: u32 = 4;
 
+/// How long a finished flight's answer stays in its way before another flight may take
+/// the way: two ticks, by when every waiter has been woken and read it (a worker's waiters
+/// are woken by the flight's end, or at the latest by the worker's next tick). A waiter
+/// whose answer is gone past this looks again from the cache and may lead a new flight.
+pub fn done_hold_ms(config: &Config) -> u64 {
+    config.tick_ms().saturating_mul(2)
+}
+
 /// The group record `key` leads from, and how many ways it has (`lock.slots` in groups of
 /// four; fewer slots make one smaller group).
 pub fn group_of(config: &Config, key: &Key) -> (String, usize) {
@@ -106,8 +114,17 @@ pub fn acquire(
         let r = store.get(&group)?;
         let (ways, n) = split(r.value.as_deref().unwrap_or_default(), n);
         // Every way is looked at before one is taken: a live flight of this key, or its
-        // answer, may be in any of them. Other keys' records are read in place.
-        let mut free = None;
+        // answer, may be in any of them. Other keys' records are read in place. A way is
+        // taken in this order: free (never written, garbage, an expired leader), then the
+        // oldest finished flight past `done_hold_ms`; a younger one is still being read by
+        // its waiters.
+        let hold_from = now_ms.saturating_sub(done_hold_ms(config));
+        let mut free: Option<(u64, usize)> = None;
+        let mut offer = |way: usize, done_at: u64| {
+            if free.is_none_or(|(t, _)| done_at < t) {
+                free = Some((done_at, way));
+            }
+        };
         for (way, record) in ways[..n].iter().enumerate() {
             // Kind and key first: another key's finished flight needs nothing more.
             let (kind, ours) = match codec::fields::<2>(record) {
@@ -122,9 +139,7 @@ pub fn acquire(
                     }
                     // Another key's live flight.
                     Some(p) if p.time > now_ms => {}
-                    _ => {
-                        free.get_or_insert(way);
-                    }
+                    _ => offer(way, 0),
                 },
                 (b"D", true) => match decode(record) {
                     Some(State::Done { response, done_at_ms, stale_from_ms, in_cache, .. })
@@ -132,15 +147,19 @@ pub fn acquire(
                     {
                         return Ok(Acquire::Answered { response, done_at_ms, stale_from_ms, in_cache });
                     }
-                    _ => {
-                        free.get_or_insert(way);
-                    }
+                    Some(State::Done { done_at_ms, .. }) if done_at_ms > hold_from => {}
+                    Some(State::Done { done_at_ms, .. }) => offer(way, done_at_ms.max(1)),
+                    _ => offer(way, 0),
                 },
-                _ => {
-                    free.get_or_insert(way);
-                }
+                (b"D", false) => match peek(record) {
+                    Some(p) if p.time > hold_from => {}
+                    Some(p) => offer(way, p.time.max(1)),
+                    None => offer(way, 0),
+                },
+                _ => offer(way, 0),
             }
         }
+        let free = free.map(|(_, way)| way);
         let Some(way) = free else { return Ok(Acquire::Busy) };
         let value = join(&ways[..n], way, &leading(key.hex(), nonce, now_ms + config.lock.lease_ms, false));
         // The whole group is written by CAS: whoever changed any way since our read makes
@@ -195,13 +214,14 @@ pub fn release(store: &impl CasStore, lease: &Lease) -> Result<Option<bool>, Sto
 }
 
 /// Marks the flight `nonce` in `slot` as waited on, so that its end wakes every worker; a
-/// no-op once marked or once the flight is over.
-pub fn watch(store: &impl CasStore, slot: &Slot, nonce: u64) -> Result<(), StoreError> {
+/// no-op once marked. `false` when the flight is no longer in flight there (it ended
+/// between the waiter's read and this mark, so no wake-up will come for it).
+pub fn watch(store: &impl CasStore, slot: &Slot, nonce: u64) -> Result<bool, StoreError> {
     rewrite_leader(store, slot, nonce, |p| {
         let key = std::str::from_utf8(p.key).ok().filter(|_| p.rest != b"w")?;
         Some(Cow::Owned(leading(key, nonce, p.time, true)))
     })
-    .map(|_| ())
+    .map(|leading| leading.is_some())
 }
 
 /// Writes `record(watched)` into the lease's way if the lease is still ours; `None` when
@@ -414,13 +434,13 @@ mod tests {
         let Acquire::Held { slot, watched: false, .. } = acquire(&s, &c, &key(1), 22, 1, 1).unwrap() else {
             panic!("unwatched at first")
         };
-        watch(&s, &slot, 11).unwrap();
+        assert!(watch(&s, &slot, 11).unwrap());
         assert!(matches!(acquire(&s, &c, &key(1), 33, 2, 2).unwrap(), Acquire::Held { watched: true, .. }));
         assert!(renew(&s, &c, &lease, 3).unwrap());
         assert!(matches!(acquire(&s, &c, &key(1), 44, 4, 4).unwrap(), Acquire::Held { watched: true, .. }));
-        watch(&s, &slot, 99).unwrap();
+        assert!(!watch(&s, &slot, 99).unwrap(), "not that flight");
         assert_eq!(finish(&s, &lease, &resp(200), 5, None, false).unwrap(), Some(true), "the leader learns it");
-        watch(&s, &slot, 11).unwrap();
+        assert!(!watch(&s, &slot, 11).unwrap(), "over: no wake-up will come");
         assert!(matches!(read(&s, &slot).unwrap().0, State::Done { .. }), "a finished flight stays finished");
     }
 
@@ -475,7 +495,33 @@ mod tests {
         finish(&s, &lease, &resp(200), 10, None, false).unwrap();
         let shared = acquire(&s, &c, &key(1), 2, 11, 5).unwrap();
         assert!(matches!(shared, Acquire::Answered { done_at_ms: 10, .. }), "{shared:?}");
-        assert!(matches!(acquire(&s, &c, &key(2), 3, 12, 12).unwrap(), Acquire::Acquired(_)));
+        let held_until = 10 + done_hold_ms(&c);
+        let before = held_until - 1;
+        assert_eq!(acquire(&s, &c, &key(2), 3, before, before).unwrap(), Acquire::Busy, "still being read");
+        assert!(matches!(acquire(&s, &c, &key(2), 3, held_until, held_until).unwrap(), Acquire::Acquired(_)));
+    }
+
+    #[test]
+    fn free_ways_are_taken_before_finished_ones_and_the_oldest_finished_first() {
+        let (s, mut c) = (MemStore::new(), Config::default());
+        c.lock.slots = 4;
+        let keys: Vec<Key> = (0..400u32).map(key).collect();
+        let home = group_of(&c, &keys[0]).0;
+        let group: Vec<&Key> = keys.iter().filter(|k| group_of(&c, k).0 == home).take(6).collect();
+        // Two flights finish (at 10 and 20): a third prompt takes a never-used way.
+        for (i, at) in [(0, 20), (1, 10)] {
+            let Acquire::Acquired(l) = acquire(&s, &c, group[i], i as u64 + 1, 0, 0).unwrap() else { panic!() };
+            finish(&s, &l, &resp(200), at, None, false).unwrap();
+        }
+        let Acquire::Acquired(third) = acquire(&s, &c, group[2], 3, 30, 30).unwrap() else { panic!() };
+        let Acquire::Acquired(fourth) = acquire(&s, &c, group[3], 4, 30, 30).unwrap() else { panic!() };
+        assert!(third.slot.way >= 2 && fourth.slot.way >= 2, "the finished ways are kept while others are free");
+        // Every way is taken or finished: past the hold, the older answer (10) goes first.
+        let late = 20 + done_hold_ms(&c) + 1;
+        let Acquire::Acquired(fifth) = acquire(&s, &c, group[4], 5, late, late).unwrap() else { panic!() };
+        assert!(matches!(read(&s, &fifth.slot).unwrap().0, State::Leading { nonce: 5, .. }));
+        let answered = acquire(&s, &c, group[0], 6, late, 0).unwrap();
+        assert!(matches!(answered, Acquire::Answered { done_at_ms: 20, .. }), "the younger answer stays: {answered:?}");
     }
 
     #[test]

@@ -96,6 +96,8 @@ pub struct ProviderHints {
     /// The provider answered 429; `retry_after_ms` if it said when to come back.
     pub throttled: bool,
     pub retry_after_ms: Option<u64>,
+    /// HolySheep refused the operator's key (401, 403): no other attempt can do better.
+    pub key_refused: bool,
 }
 
 impl ProviderHints {
@@ -106,6 +108,7 @@ impl ProviderHints {
             remaining_tokens: get("x-ratelimit-remaining-tokens").and_then(|v| v.parse().ok()),
             throttled: status == 429,
             retry_after_ms: retry_after_ms(get("retry-after-ms"), get("retry-after")),
+            key_refused: false,
         }
     }
 }

@@ -10,6 +10,7 @@ pub mod error;
 pub mod flight;
 pub mod hot;
 pub mod intake;
+pub mod json;
 pub mod lease;
 pub mod limits;
 pub mod metrics;

@@ -238,7 +238,7 @@ fn parse_json(body: &[u8]) -> Result<Value, ApiError> {
             "invalid_json",
         ));
     }
-    serde_json::from_str(text).map_err(|e| {
+    super::json::parse_strict(text).map_err(|e| {
         let what = if e.to_string().contains("out of range") { "a number is out of range" } else { "malformed JSON" };
         ApiError::invalid(format!("request body is not valid JSON ({what}: {e})"), None, "invalid_json")
     })

@@ -3,9 +3,11 @@
 
 use super::cache::Response;
 use super::config::Config;
+use super::error::ApiError;
 use super::limits::{self, Limits, ProviderHints};
 use super::request::for_upstream;
 use super::store::CasStore;
+use super::stream::CONTENT_TYPE;
 use std::borrow::Cow;
 
 /// What an upstream call needs from the client's request.
@@ -56,17 +58,75 @@ pub fn bearer(key: Option<String>) -> Option<String> {
     key.filter(|k| !k.is_empty()).map(|k| format!("Bearer {k}"))
 }
 
+/// How a call was made, which decides what of its answer the edge may pass on.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Sent {
+    /// It asked for a stream: only server-sent events are an answer.
+    pub stream: bool,
+    /// It carried the operator's key (not the client's own).
+    pub operator_key: bool,
+}
+
 /// HolySheep's answer as the core keeps it, and what it said about its limits.
-/// `headers` are the response headers (names lower-case or not).
-pub fn response(status: u16, headers: &[(String, String)], body: Vec<u8>) -> (Response, ProviderHints) {
+/// `headers` are the response headers (names lower-case or not). An answer the edge must
+/// not pass on (see `refused`, `is_completion`) is the edge's own error in its place.
+pub fn response(status: u16, headers: &[(String, String)], body: Vec<u8>, sent: Sent) -> (Response, ProviderHints) {
     let header = |n: &str| headers.iter().find(|(k, _)| k.eq_ignore_ascii_case(n)).map(|(_, v)| v.clone());
-    let response = Response {
-        status,
-        content_type: header("content-type").unwrap_or_else(|| "application/json".into()),
-        headers: header("retry-after").map(|v| vec![("retry-after".to_owned(), v)]).unwrap_or_default(),
-        body,
+    let mut hints = ProviderHints::from_headers(status, headers);
+    let content_type = header("content-type").unwrap_or_else(|| "application/json".into());
+    let retry_after = header("retry-after").map(|v| vec![("retry-after".to_owned(), v)]).unwrap_or_default();
+    let refusal = refused(status, &content_type, sent).or_else(|| {
+        (status == 200 && !is_completion(&content_type, &body)).then(|| not_an_answer(&content_type, sent))
+    });
+    hints.key_refused = refusal.as_ref().is_some_and(|e| e.code == KEY_REFUSED);
+    let response = match refusal {
+        Some(e) => Response { headers: retry_after, ..Response::json(e.status, e.body()) },
+        None => Response { status, content_type, headers: retry_after, body },
     };
-    (response, ProviderHints::from_headers(status, headers))
+    (response, hints)
+}
+
+/// The code of the edge's answer when HolySheep refuses the operator's key.
+pub const KEY_REFUSED: &str = "upstream_auth_failed";
+
+/// The edge's own error in place of an answer it must not pass on, as far as the head of
+/// the answer tells: HolySheep refusing the operator's key (401, 403; OpenAI-style bodies
+/// quote part of the key they were sent), or a 200 to a stream request that is not a
+/// stream of events.
+pub fn refused(status: u16, content_type: &str, sent: Sent) -> Option<ApiError> {
+    if sent.operator_key && matches!(status, 401 | 403) {
+        return Some(ApiError::upstream(
+            502,
+            format!("HolySheep refused the edge's API key ({status}): the edge's operator must renew it"),
+            KEY_REFUSED,
+        ));
+    }
+    let events = content_type.to_ascii_lowercase().contains(CONTENT_TYPE);
+    (sent.stream && status == 200 && !events).then(|| not_an_answer(content_type, sent))
+}
+
+fn not_an_answer(content_type: &str, sent: Sent) -> ApiError {
+    let shown: String = content_type.chars().filter(|c| !c.is_control()).take(64).collect();
+    let wanted = if sent.stream { "an event stream" } else { "a chat.completion" };
+    ApiError::upstream(502, format!("HolySheep answered 200 with '{shown}', not {wanted}"), "upstream_invalid_answer")
+}
+
+/// Whether a 200 body is what a chat request asks for: JSON (by its content type) holding
+/// an object whose `object` is `chat.completion` and whose `choices` is an array. Read
+/// without building the value (serde skips every other field, and a field named twice is
+/// refused).
+pub fn is_completion(content_type: &str, body: &[u8]) -> bool {
+    #[derive(serde::Deserialize)]
+    struct Shape<'a> {
+        #[serde(borrow)]
+        object: std::borrow::Cow<'a, str>,
+        // Only its presence, as an array, is checked.
+        #[allow(dead_code)]
+        choices: Vec<serde::de::IgnoredAny>,
+    }
+    let json = content_type.to_ascii_lowercase().contains("json");
+    json && serde_json::from_slice::<Shape<'_>>(body)
+        .is_ok_and(|s| s.object == "chat.completion" && !s.choices.is_empty())
 }
 
 /// The `x-ratelimit-*` headers of `model`'s bucket as it stands now: none, and neither the
@@ -149,6 +209,53 @@ mod tests {
         assert_eq!(v["stream"], true);
     }
 
+    const COMPLETION: &[u8] = br#"{"id":"c","object":"chat.completion","choices":[{"index":0}],"usage":{}}"#;
+
+    fn answer(status: u16, content_type: &str, body: &[u8], sent: Sent) -> Response {
+        response(status, &[("content-type".to_owned(), content_type.to_owned())], body.to_vec(), sent).0
+    }
+
+    fn code(r: &Response) -> String {
+        let v: serde_json::Value = serde_json::from_slice(&r.body).unwrap();
+        v["error"]["code"].as_str().unwrap_or_default().to_owned()
+    }
+
+    #[test]
+    fn only_a_chat_completion_is_a_200_answer() {
+        let plain = Sent::default();
+        assert_eq!(answer(200, "application/json; charset=utf-8", COMPLETION, plain).body, COMPLETION);
+        for (ct, body) in [
+            ("text/html", &b"<html>portal</html>"[..]),
+            ("text/html", COMPLETION),
+            ("application/json", br#"{"error":{"message":"overloaded"}}"#),
+            ("application/json", br#"{"object":"chat.completion","choices":{}}"#),
+            ("application/json", br#"{"object":"chat.completion"}"#),
+            ("application/json", br#"{"object":"list","choices":[{}]}"#),
+            ("application/json", b"[1]"),
+        ] {
+            let r = answer(200, ct, body, plain);
+            assert_eq!((r.status, code(&r)), (502, "upstream_invalid_answer".to_owned()), "{ct} {body:?}");
+        }
+        let r = answer(200, "application/json", COMPLETION, Sent { stream: true, operator_key: false });
+        assert_eq!((r.status, code(&r)), (502, "upstream_invalid_answer".to_owned()), "a stream asked for events");
+        assert_eq!(answer(500, "text/html", b"<html>", plain).body, b"<html>", "errors stay errors");
+    }
+
+    #[test]
+    fn the_operators_key_refused_is_the_edges_own_502_without_holysheeps_body() {
+        let body = br#"{"error":{"message":"Incorrect API key provided: sk-live-****cret","code":"invalid_api_key"}}"#;
+        let with_key = Sent { stream: false, operator_key: true };
+        for status in [401, 403] {
+            let (r, hints) =
+                response(status, &[("content-type".into(), "application/json".into())], body.to_vec(), with_key);
+            assert_eq!((r.status, code(&r)), (502, KEY_REFUSED.to_owned()));
+            assert!(!String::from_utf8_lossy(&r.body).contains("cret"), "no fragment of the key");
+            assert!(hints.key_refused);
+        }
+        let own = answer(401, "application/json", body, Sent::default());
+        assert_eq!((own.status, own.body.as_slice()), (401, &body[..]), "the client's own key: its own answer");
+    }
+
     #[test]
     fn response_keeps_retry_after_and_reads_hints() {
         let headers = vec![
@@ -156,7 +263,7 @@ mod tests {
             ("Retry-After".to_owned(), "2".to_owned()),
             ("x-ratelimit-remaining-requests".to_owned(), "7".to_owned()),
         ];
-        let (r, hints) = response(429, &headers, b"{}".to_vec());
+        let (r, hints) = response(429, &headers, b"{}".to_vec(), Sent::default());
         assert_eq!(r.header("retry-after"), Some("2"));
         assert!(hints.throttled);
         assert_eq!(hints.retry_after_ms, Some(2000));

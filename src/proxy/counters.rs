@@ -1,9 +1,9 @@
 //! The worker's Envoy counters: defined once per VM (ids are per VM), incremented by the
 //! core's labelled increments.
 
+use super::abi as hostcalls;
 use super::worker::Worker;
 use crate::core::metrics::{self, Counter, PerCounter, COUNTERS};
-use proxy_wasm::hostcalls;
 use proxy_wasm::types::MetricType;
 
 impl Worker {

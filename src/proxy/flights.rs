@@ -2,23 +2,34 @@
 //! reply, executed from the core's `flight::Action`s; and the lease renewals that keep
 //! them alive.
 
+use super::abi as hostcalls;
 use super::host::{self, SharedData};
+use super::key_check;
 use super::root::Root;
 use super::wakeups::DISPATCH;
 use super::worker::{Run, StreamEnd, Target};
 use crate::core::cache::Response;
-use crate::core::engine::Call;
+use crate::core::engine::{Call, Reply};
+use crate::core::error::ApiError;
 use crate::core::flight::{Action, Flight};
 use crate::core::limits::ProviderHints;
 use crate::core::metrics;
 use crate::core::request::Key;
-use crate::core::request::{CHAT_PATH, KEY_HEADER};
-use crate::core::upstream::{self, Outbound};
-use proxy_wasm::hostcalls;
-use proxy_wasm::traits::Context;
+use crate::core::request::CHAT_PATH;
+use crate::core::stream;
+use crate::core::upstream::{self, Outbound, Sent};
 use proxy_wasm::types::{BufferType, LogLevel, MapType};
 use std::rc::Rc;
 use std::time::Duration;
+
+/// How a stream leader's request went on along its route.
+enum Forwarded {
+    Sent,
+    /// The request is gone (client reset) or could not be rewritten.
+    Gone,
+    /// Its route leads elsewhere than `upstream.cluster`: it is not sent with the key.
+    Misrouted,
+}
 
 /// Tick period while a flight sleeps (backoff, or held for its bucket).
 const SLEEP_TICK_MS: u64 = 10;
@@ -58,19 +69,25 @@ impl Root {
                         action = self.resume(&mut run);
                     }
                 },
-                Action::Send { model, .. } if run.outbound.stream => {
-                    if self.forward(&run, &model) {
+                Action::Send { model, .. } if run.outbound.stream => match self.forward(&run, &model) {
+                    Forwarded::Sent => {
                         self.worker.borrow_mut().streams.insert(run.context_id, run);
-                    } else {
+                        return;
+                    }
+                    Forwarded::Misrouted => {
+                        let refused = Reply::error(&ApiError::misdirected()).response;
+                        action = self.on_outcome(&mut run, Some(refused), &ProviderHints::default());
+                    }
+                    Forwarded::Gone => {
                         let end = StreamEnd { outcome: None, usage: None, streamed_tokens: 0 };
                         let ended = self.worker.borrow_mut().complete_stream(run, end);
                         self.send_settlements();
                         if let Some((key, watched)) = ended {
                             self.wake_waiters(&key, watched);
                         }
+                        return;
                     }
-                    return;
-                }
+                },
                 Action::Send { model, timeout_ms } => match self.dispatch(&run, &model, timeout_ms) {
                     Some(token) => {
                         self.worker.borrow_mut().flights.insert(token, run);
@@ -105,7 +122,7 @@ impl Root {
             vec![(":method", "POST"), (":path", CHAT_PATH), (":authority", config.upstream.authority.as_str())];
         headers.extend(out.headers(bearer.as_deref()));
         let timeout = Duration::from_millis(timeout_ms.max(1));
-        match self.dispatch_http_call(&config.upstream.cluster, headers, Some(&body), vec![], timeout) {
+        match hostcalls::dispatch_http_call(&config.upstream.cluster, headers, Some(&body), vec![], timeout) {
             // No debug line per callout: proxy_log crosses into Envoy even when it drops
             // the line (the SDK's log-level getter panics on surprises, so it is not asked).
             Ok(token) => Some(token),
@@ -118,25 +135,53 @@ impl Root {
     }
 
     /// A stream leader goes along the route (Envoy's router streams the answer back while
-    /// the http context tees it): its body asks for the usage event, on `model`, with the
-    /// configured key and no compression (the tee reads the events). `false` when the
-    /// request is gone.
-    fn forward(&self, run: &Run, model: &str) -> bool {
+    /// the http context tees it), when the route leads to `upstream.cluster`: its body asks
+    /// for the usage event, on `model`; its headers are the ones a callout sends (the
+    /// configured key, no compression: the tee reads the events), its path the canonical
+    /// one (no query string). Every other client header stays behind. (The route's own
+    /// `host_rewrite_literal` names HolySheep's host, as in `envoy/production.yaml`.)
+    fn forward(&self, run: &Run, model: &str) -> Forwarded {
         let id = run.context_id;
-        let bearer = self.worker.borrow().bearer.clone();
+        let (config, bearer) = {
+            let w = self.worker.borrow();
+            (w.config.clone(), w.bearer.clone())
+        };
         if !self.worker.borrow().is_live(id) || hostcalls::set_effective_context(id).is_err() {
-            return false;
+            return Forwarded::Gone;
+        }
+        // The cluster of the route Envoy chose (Envoy 1.40 answers `xds.cluster_name`; the
+        // older top-level `cluster_name` is empty before an upstream host is picked).
+        let cluster = hostcalls::get_property(vec!["xds", "cluster_name"]).ok().flatten();
+        if cluster.as_deref() != Some(config.upstream.cluster.as_bytes()) {
+            let shown = cluster.map_or_else(|| "none".to_owned(), |c| host::text(c).chars().take(128).collect());
+            let want = &config.upstream.cluster;
+            host::log(LogLevel::Warn, &format!("holysheep: a stream's route leads to cluster '{shown}', not '{want}'"));
+            return Forwarded::Misrouted;
         }
         let body = run.outbound.body_for(model);
         let length = body.len().to_string();
-        // A forward node's routing header is the fleet's own, not HolySheep's.
-        let headers = [("content-length", Some(length.as_str())), ("accept-encoding", None), (KEY_HEADER, None)];
-        let set = hostcalls::set_buffer(BufferType::HttpRequestBody, 0, usize::MAX, &body).is_ok()
-            && headers.iter().all(|(n, v)| hostcalls::set_map_value(MapType::HttpRequestHeaders, n, *v).is_ok())
-            && bearer.is_none_or(|b| {
-                hostcalls::set_map_value(MapType::HttpRequestHeaders, "authorization", Some(&b)).is_ok()
-            });
-        set && hostcalls::resume_http_request().is_ok()
+        let mut set: Vec<(&str, &str)> = vec![(":path", CHAT_PATH), ("content-length", length.as_str())];
+        set.extend(run.outbound.headers(bearer.as_deref()).into_iter().filter(|(n, _)| *n != "accept"));
+        set.push(("accept", stream::CONTENT_TYPE));
+        // Envoy's own: the request id, and the scheme (without which Envoy 1.40 finds no
+        // route once the filter's header changes make it match the route again).
+        let stays = |n: &str| n.starts_with(':') || n == "x-request-id" || n == "x-forwarded-proto";
+        let gone: Vec<String> =
+            host::headers(MapType::HttpRequestHeaders).into_iter().map(|(n, _)| n).filter(|n| !stays(n)).collect();
+        let done = hostcalls::set_buffer(BufferType::HttpRequestBody, 0, usize::MAX, &body).is_ok()
+            && gone.iter().all(|n| hostcalls::set_map_value(MapType::HttpRequestHeaders, n, None).is_ok())
+            && set.iter().all(|(n, v)| hostcalls::set_map_value(MapType::HttpRequestHeaders, n, Some(v)).is_ok())
+            && hostcalls::resume_http_request().is_ok();
+        if done {
+            Forwarded::Sent
+        } else {
+            Forwarded::Gone
+        }
+    }
+
+    /// How a call for `outbound` goes: with the operator's key when one is configured.
+    pub(super) fn sent(&self, outbound: &Outbound) -> Sent {
+        Sent { stream: outbound.stream, operator_key: self.worker.borrow().bearer.is_some() }
     }
 
     /// Lets the waiters of the streams that ended look at their flights.
@@ -214,15 +259,24 @@ impl Root {
         }
     }
 
+    /// Renews the lease of every flight this worker leads, wherever it stands: in a call,
+    /// asleep, streaming, asking a fleet peer for a verdict, or not yet dispatched.
     pub(super) fn renew_leases(&self) {
         let w = self.worker.borrow();
         let (engine, now) = (w.engine(), host::now_ms());
-        for run in w.flights.values().chain(w.sleeping.iter().map(|(_, r)| r)).chain(w.streams.values()) {
-            engine.renew(&run.flight.call, now);
+        let runs = w.flights.values().chain(w.sleeping.iter().map(|(_, r)| r)).chain(w.streams.values());
+        let calls = runs.chain(w.asking.values()).map(|r| &r.flight.call).chain(w.pending.iter().map(|(_, c, _)| c));
+        for call in calls {
+            engine.renew(call, now);
         }
     }
 
-    pub(super) fn callout_response(&self, num_headers: usize, body_size: usize) -> (Option<Response>, ProviderHints) {
+    pub(super) fn callout_response(
+        &self,
+        run: &Run,
+        num_headers: usize,
+        body_size: usize,
+    ) -> (Option<Response>, ProviderHints) {
         if num_headers == 0 {
             return (None, ProviderHints::default());
         }
@@ -231,8 +285,11 @@ impl Root {
         let Some(status) = status else {
             return (None, ProviderHints::default());
         };
-        let (response, hints) =
-            upstream::response(status, &headers, host::buffer(BufferType::HttpCallResponseBody, body_size));
+        let body = host::buffer(BufferType::HttpCallResponseBody, body_size);
+        let (response, hints) = upstream::response(status, &headers, body, self.sent(&run.outbound));
+        if hints.key_refused {
+            key_check::report_key_refused(&self.worker.borrow().config.upstream.api_key_env, status);
+        }
         (Some(response), hints)
     }
 }

@@ -1,11 +1,12 @@
 //! Envoy host calls the shells need, as small safe wrappers: shared data as the core's
-//! CAS store, the clock, nonces, logging and local replies. None of these can panic.
+//! CAS store, the clock, nonces, logging and local replies, over `abi`'s host calls. None
+//! of these can panic.
 
+use super::abi as hostcalls;
 use crate::core::engine::Reply;
 pub use crate::core::intake::text;
 use crate::core::pairs;
 use crate::core::store::{CasStore, Read, StoreError};
-use proxy_wasm::hostcalls;
 use proxy_wasm::types::{BufferType, LogLevel, MapType, Status};
 use std::collections::hash_map::RandomState;
 use std::hash::BuildHasher;
@@ -37,6 +38,14 @@ pub fn now_ms() -> u64 {
         .ok()
         .and_then(|t| t.duration_since(UNIX_EPOCH).ok())
         .map_or(0, |d| d.as_millis() as u64)
+}
+
+/// The bytes Envoy has received of the current request so far, headers included
+/// (`request.total_size`, an int64 in the host's byte order).
+pub fn received_bytes() -> Option<u64> {
+    let raw = hostcalls::get_property(vec!["request", "total_size"]).ok().flatten()?;
+    let bytes: [u8; 8] = raw.as_slice().try_into().ok()?;
+    u64::try_from(i64::from_le_bytes(bytes)).ok()
 }
 
 /// Unique-enough 64-bit nonces: a per-VM random seed (WASI `random_get` via std) hashed
@@ -78,7 +87,7 @@ pub fn headers(map: MapType) -> Vec<(String, String)> {
 
 #[link(wasm_import_module = "env")]
 extern "C" {
-    fn proxy_get_header_map_pairs(map_type: MapType, data: *mut *mut u8, size: *mut usize) -> Status;
+    fn proxy_get_header_map_pairs(map_type: MapType, data: *mut *mut u8, size: *mut usize) -> u32;
 }
 
 /// The serialized header map of `map` (see `core::pairs`), as the host wrote it: one buffer,
@@ -92,7 +101,8 @@ pub fn header_map(map: MapType) -> Vec<u8> {
     // the Vec takes it back whole, as the SDK's own getter does.
     unsafe {
         match proxy_get_header_map_pairs(map, &mut data, &mut size) {
-            Status::Ok if !data.is_null() => Vec::from_raw_parts(data, size, size),
+            // The raw status, not the SDK's enum: a value outside it would be undefined.
+            status if status == Status::Ok as u32 && !data.is_null() => Vec::from_raw_parts(data, size, size),
             _ => Vec::new(),
         }
     }

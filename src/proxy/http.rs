@@ -6,7 +6,9 @@
 /// Bytes of a streamed call's error answer kept for its waiters.
 const ERROR_BODY_LIMIT: usize = 65_536;
 
+use super::abi as hostcalls;
 use super::host::{self, SharedData};
+use super::key_check;
 use super::worker::{Shared, StreamEnd, Target};
 use crate::core::cache::Response;
 use crate::core::config::Role;
@@ -18,8 +20,7 @@ use crate::core::pairs;
 use crate::core::peer;
 use crate::core::request::{Key, KEY_HEADER, PEER_PATH};
 use crate::core::stream::{self, Reassembler};
-use crate::core::upstream::Outbound;
-use proxy_wasm::hostcalls;
+use crate::core::upstream::{self, Outbound};
 use proxy_wasm::traits::{Context, HttpContext};
 use proxy_wasm::types::{Action, BufferType, MapType};
 use std::rc::Rc;
@@ -50,11 +51,16 @@ enum State {
 
 /// What the tee keeps of a forwarded stream's answer.
 struct Tee {
-    status: u16,
-    content_type: String,
-    /// Server-sent events (a 200): reassembled; anything else is an error body, kept.
+    /// Server-sent events (a 200): reassembled.
     events: Option<Reassembler>,
-    error_body: Vec<u8>,
+    /// Anything else: the answer as its waiters get it, its body gathered as it passes
+    /// (up to `ERROR_BODY_LIMIT`).
+    other: Response,
+    /// The client gets the edge's own error (`other`) in place of HolySheep's body (see
+    /// `upstream::refused`) ...
+    replace: bool,
+    /// ... which has been written.
+    written: bool,
 }
 
 impl Tee {
@@ -69,14 +75,27 @@ impl Tee {
         let outcome = match (&self.events, complete) {
             (_, false) => None,
             (Some(r), true) => r.completion(),
-            (None, true) => Some(Response {
-                status: self.status,
-                content_type: self.content_type,
-                headers: Vec::new(),
-                body: self.error_body,
-            }),
+            (None, true) => Some(self.other),
         };
         StreamEnd { outcome, usage, streamed_tokens }
+    }
+
+    /// The bytes the client gets for this chunk of HolySheep's answer (`None`: as they are).
+    fn pass(&mut self, chunk: &[u8], end_of_stream: bool) -> Option<Vec<u8>> {
+        if let Some(events) = &mut self.events {
+            let mut out = events.push(chunk);
+            if end_of_stream {
+                out.extend(events.flush());
+            }
+            return (out != chunk).then_some(out);
+        }
+        if self.replace {
+            let first = !std::mem::replace(&mut self.written, true);
+            return Some(if first { self.other.body.clone() } else { Vec::new() });
+        }
+        let room = ERROR_BODY_LIMIT.saturating_sub(self.other.body.len());
+        self.other.body.extend_from_slice(&chunk[..chunk.len().min(room)]);
+        None
     }
 }
 
@@ -276,13 +295,14 @@ impl HttpContext for Chat {
             return Action::Continue;
         }
         self.state = State::Reading;
-        if let Err(e) = self.head.check_length(&config) {
+        if let Err(e) = self.head.check(&config) {
             return self.reject(&e);
         }
         if end_of_stream {
             return self.handle(Vec::new());
         }
-        self.worker.borrow_mut().body_watch.paused(self.id, host::now_ms);
+        let received = || host::received_bytes().unwrap_or(0);
+        self.worker.borrow_mut().body_watch.paused(self.id, host::now_ms, received);
         Action::Pause
     }
 
@@ -324,12 +344,27 @@ impl HttpContext for Chat {
         set_response_header("x-holysheep-cache", Some(label.cache.as_str()));
         set_response_header("x-holysheep-key", Some(&label.key));
         set_response_header("x-holysheep-model", Some(&label.model));
-        if sse && !label.include_usage {
-            // The usage event is taken out: the length changes.
+        let refusal = upstream::refused(status, &content_type, label.sent);
+        if (sse && !label.include_usage) || refusal.is_some() {
+            // The usage event is taken out, or the body replaced: the length changes.
             set_response_header("content-length", None);
         }
+        let retry_after = response_header("retry-after").map(|v| vec![("retry-after".to_owned(), v)]);
+        let other = match &refusal {
+            Some(e) => {
+                set_response_header(":status", Some(&e.status.to_string()));
+                set_response_header("content-type", Some("application/json"));
+                Response::json(e.status, e.body())
+            }
+            None => Response { status, content_type, headers: Vec::new(), body: Vec::new() },
+        };
+        if refusal.as_ref().is_some_and(|e| e.code == upstream::KEY_REFUSED) {
+            key_check::report_key_refused(&self.worker.borrow().config.upstream.api_key_env, status);
+        }
+        let other = Response { headers: retry_after.unwrap_or_default(), ..other };
         let events = sse.then(|| Reassembler::new(label.include_usage));
-        self.state = State::Teeing(Box::new(Tee { status, content_type, events, error_body: Vec::new() }));
+        let tee = Tee { events, other, replace: refusal.is_some(), written: false };
+        self.state = State::Teeing(Box::new(tee));
         if end_of_stream {
             self.end_stream(true);
         }
@@ -339,20 +374,8 @@ impl HttpContext for Chat {
     fn on_http_response_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
         let State::Teeing(tee) = &mut self.state else { return Action::Continue };
         let chunk = host::buffer(BufferType::HttpResponseBody, body_size);
-        match &mut tee.events {
-            Some(events) => {
-                let mut out = events.push(&chunk);
-                if end_of_stream {
-                    out.extend(events.flush());
-                }
-                if out != chunk {
-                    let _ = hostcalls::set_buffer(BufferType::HttpResponseBody, 0, body_size, &out);
-                }
-            }
-            None => {
-                let room = ERROR_BODY_LIMIT.saturating_sub(tee.error_body.len());
-                tee.error_body.extend_from_slice(&chunk[..chunk.len().min(room)]);
-            }
+        if let Some(out) = tee.pass(&chunk, end_of_stream) {
+            let _ = hostcalls::set_buffer(BufferType::HttpResponseBody, 0, body_size, &out);
         }
         if end_of_stream {
             self.end_stream(true);

@@ -2,15 +2,21 @@
 //! flag; never the canary VM), `GET /v1/models` with the configured key. The key is never
 //! logged.
 
+use super::abi as hostcalls;
 use super::host::{self, SharedData};
 use super::root::Root;
 use crate::core::store::claim;
-use proxy_wasm::traits::Context;
 use proxy_wasm::types::{LogLevel, MapType};
 use std::time::Duration;
 
 /// Shared-data key claimed by the one VM per Envoy process that checks the API key.
 const KEY_CHECK: &str = "holysheep/key-check";
+
+/// HolySheep refused the configured key (from `$env`) on a chat call: the client got the
+/// edge's own 502, and the log names where the key comes from (never the key).
+pub(super) fn report_key_refused(env: &str, status: u16) {
+    host::log(LogLevel::Error, &format!("holysheep: HolySheep refused the key from ${env} (status {status})"));
+}
 
 impl Root {
     /// Once per Envoy process (the first worker to claim it), ask HolySheep whether the
@@ -35,7 +41,7 @@ impl Root {
             ("authorization", bearer.as_str()),
         ];
         let timeout = Duration::from_millis(config.upstream.timeout_ms);
-        if let Ok(token) = self.dispatch_http_call(&config.upstream.cluster, headers, None, vec![], timeout) {
+        if let Ok(token) = hostcalls::dispatch_http_call(&config.upstream.cluster, headers, None, vec![], timeout) {
             self.worker.borrow_mut().key_check_token = Some(token);
         }
     }

@@ -1,5 +1,6 @@
 //! The proxy-wasm shell (Envoy, wasm32-wasip1): translates host callbacks into core calls.
 
+mod abi;
 mod body_watch;
 mod counters;
 mod flights;

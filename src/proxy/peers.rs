@@ -2,11 +2,11 @@
 //! and telling it how the call ended, by callouts to the fleet's consistently hashed
 //! cluster (Envoy hashes a callout on its `:authority`, which names the bucket).
 
+use super::abi as hostcalls;
 use super::host;
 use super::root::Root;
 use crate::core::peer::{Op, Verdict, SECRET_HEADER};
 use crate::core::request::PEER_PATH;
-use proxy_wasm::traits::Context;
 use proxy_wasm::types::{BufferType, LogLevel, MapType};
 use std::time::Duration;
 
@@ -30,7 +30,7 @@ impl Root {
             (SECRET_HEADER, secret.as_str()),
         ];
         let timeout = Duration::from_millis(timeout_ms.max(1));
-        match self.dispatch_http_call(&cluster, headers, Some(&op.to_json()), vec![], timeout) {
+        match hostcalls::dispatch_http_call(&cluster, headers, Some(&op.to_json()), vec![], timeout) {
             Ok(token) => Some(token),
             Err(status) => {
                 self.fleet_reached(false, &format!("callout to fleet cluster '{cluster}' refused: {status:?}"));

@@ -2,12 +2,12 @@
 //! survives its client), ticks, and receives the worker's queue. Each host callback starts
 //! a fresh batch of local replies and hands the work to flights, wake-ups or the key check.
 
+use super::abi as hostcalls;
 use super::host;
 use super::worker::{Shared, Worker, REPLY_BATCH};
 use crate::core::config::{Config, Role};
 use crate::core::hot::{self, Hot};
 use crate::core::upstream;
-use proxy_wasm::hostcalls;
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
 use proxy_wasm::types::{BufferType, ContextType, LogLevel};
 use std::cell::RefCell;
@@ -49,7 +49,7 @@ impl Context for Root {
         }
         let run = self.worker.borrow_mut().flights.remove(&token);
         if let Some(mut run) = run {
-            let (outcome, hints) = self.callout_response(num_headers, body_size);
+            let (outcome, hints) = self.callout_response(&run, num_headers, body_size);
             let action = self.on_outcome(&mut run, outcome, &hints);
             self.advance(run, action);
         }

@@ -2,6 +2,7 @@
 //! waking the other workers when a flight ends, and answering waiters in batches, each
 //! batch in a VM call of its own.
 
+use super::abi as hostcalls;
 use super::host::{self, SharedData};
 use super::root::Root;
 use super::worker::{Target, Worker};
@@ -9,7 +10,6 @@ use crate::core::engine::Step;
 use crate::core::request::Key;
 use crate::core::upstream::Outbound;
 use crate::core::wake;
-use proxy_wasm::hostcalls;
 use proxy_wasm::types::LogLevel;
 use std::rc::Rc;
 

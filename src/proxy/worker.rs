@@ -2,6 +2,7 @@
 //! and waiters it holds, the http contexts it may still answer, and how many local replies
 //! the current VM call may still send.
 
+use super::abi as hostcalls;
 use super::body_watch::{self, BodyWatch};
 use super::counters;
 use super::host::{self, Nonces, SharedData};
@@ -19,8 +20,7 @@ use crate::core::peer::Op;
 use crate::core::request::ChatRequest;
 use crate::core::request::Key;
 use crate::core::stream;
-use crate::core::upstream::{self, Outbound};
-use proxy_wasm::hostcalls;
+use crate::core::upstream::{self, Outbound, Sent};
 use proxy_wasm::types::LogLevel;
 use std::cell::RefCell;
 use std::collections::hash_map::RandomState;
@@ -126,6 +126,7 @@ pub struct StreamLabel {
     pub key: String,
     pub model: String,
     pub include_usage: bool,
+    pub sent: Sent,
 }
 
 impl Worker {
@@ -272,6 +273,7 @@ impl Worker {
             key: run.flight.call.key.hex().to_owned(),
             model: run.flight.model().to_owned(),
             include_usage: run.outbound.include_usage,
+            sent: Sent { stream: true, operator_key: self.bearer.is_some() },
         })
     }
 
@@ -323,9 +325,15 @@ impl Worker {
         }
     }
 
-    /// Answers the requests that never received their body (see `body_watch`) with a 500.
+    /// Answers the requests whose body Envoy received but never delivered (see
+    /// `body_watch`) with a 500.
     pub(super) fn answer_stalled(&mut self) {
-        let (ids, first) = self.body_watch.stalled(host::now_ms());
+        let live = &self.live;
+        let received = |id: u32| {
+            let current = live.contains(&id) && hostcalls::set_effective_context(id).is_ok();
+            current.then(host::received_bytes).flatten()
+        };
+        let (ids, first) = self.body_watch.stalled(host::now_ms(), received);
         if first {
             host::log(LogLevel::Error, &format!("holysheep: {}", body_watch::MESSAGE));
         }

@@ -24,6 +24,13 @@ use bindings::wasi::keyvalue::{atomics, batch, store};
 #[derive(Default)]
 pub struct Memory {
     inner: Mutex<Inner>,
+    /// A swap through a handle taken on a missing key writes whatever is there by then (an
+    /// upsert), as Spin's SQLite store does (`INSERT … ON CONFLICT DO UPDATE`), instead of
+    /// failing when someone created the key meanwhile.
+    swap_upserts: std::sync::atomic::AtomicBool,
+    /// With `swap_upserts`: handles taken on a missing key, by key, and their rendezvous.
+    missing_handles: Mutex<HashMap<String, usize>>,
+    arrived: std::sync::Condvar,
 }
 
 #[derive(Default)]
@@ -42,6 +49,28 @@ impl Memory {
     }
 
     /// How many keys the component has written (all buckets).
+    /// With `swap_upserts`, a handle taken on a missing key waits (up to 50 ms) for a second
+    /// one on the same key: two racers then both hold a handle that saw it missing, the
+    /// case an upserting swap gets wrong, instead of relying on the threads to interleave.
+    fn meet_on_missing(&self, key: &str) {
+        let mut handles = self.missing_handles.lock().unwrap_or_else(|e| e.into_inner());
+        *handles.entry(key.to_owned()).or_default() += 1;
+        self.arrived.notify_all();
+        let deadline = std::time::Instant::now() + std::time::Duration::from_millis(50);
+        while handles.get(key).is_some_and(|n| n % 2 == 1) {
+            let left = deadline.saturating_duration_since(std::time::Instant::now());
+            if left.is_zero() {
+                return;
+            }
+            handles = self.arrived.wait_timeout(handles, left).map_or_else(|e| e.into_inner().0, |(h, _)| h);
+        }
+    }
+
+    /// Makes a swap on a missing key an upsert from now on (see `swap_upserts`).
+    pub fn upsert_missing_keys(&self) {
+        self.swap_upserts.store(true, std::sync::atomic::Ordering::SeqCst);
+    }
+
     pub fn key_count(&self) -> usize {
         self.lock().map.len()
     }
@@ -94,6 +123,9 @@ impl KeyValue<'_> {
 
     fn snapshot(&mut self, bucket: String, key: String) -> Result<Resource<Cas>, store::Error> {
         let seen = self.memory.lock().map.get(&(bucket.clone(), key.clone())).cloned();
+        if seen.is_none() && self.memory.swap_upserts.load(std::sync::atomic::Ordering::SeqCst) {
+            self.memory.meet_on_missing(&key);
+        }
         self.table.push(Cas { bucket, key, seen }).map_err(other)
     }
 }
@@ -176,7 +208,8 @@ impl atomics::Host for KeyValue<'_> {
         {
             let mut inner = self.memory.lock();
             let now = inner.map.get(&(cas.bucket.clone(), cas.key.clone())).map(|(_, version)| *version);
-            if now == cas.seen.as_ref().map(|(_, version)| *version) {
+            let upsert = cas.seen.is_none() && self.memory.swap_upserts.load(std::sync::atomic::Ordering::SeqCst);
+            if upsert || now == cas.seen.as_ref().map(|(_, version)| *version) {
                 inner.write(&cas.bucket, &cas.key, value);
                 return Ok(());
             }

@@ -123,6 +123,14 @@ fn property(state: &VmState, path: &[u8]) -> Option<Vec<u8>> {
     match parts.as_slice() {
         [b"plugin_vm_id"] => Some(state.vm_id.clone().into_bytes()),
         [b"plugin_root_id"] | [b"plugin_name"] => Some(b"holysheep-edge".to_vec()),
+        // The route of every request passed on leads to `holysheep` (see `World::pass_through`).
+        [b"xds", b"cluster_name"] => Some(b"holysheep".to_vec()),
+        // Envoy's CEL int64, in the VM's (little-endian) byte order.
+        [b"request", b"total_size"] => {
+            let stream = state.streams.get(&state.effective)?;
+            let head: usize = stream.request_headers.iter().map(|(n, v)| n.len() + v.len()).sum();
+            Some(((head as u64 + stream.body_received) as i64).to_le_bytes().to_vec())
+        }
         _ => None,
     }
 }

@@ -93,6 +93,9 @@ pub fn lock(shared: &SharedRef) -> MutexGuard<'_, Shared> {
 pub struct Stream {
     pub request_headers: Headers,
     pub request_body: Vec<u8>,
+    /// Bytes of the request body the host has received (Envoy's `bytesReceived`): none
+    /// while the headers are delivered, all of it from then on.
+    pub body_received: u64,
     pub response_headers: Headers,
     pub response_body: Vec<u8>,
 }

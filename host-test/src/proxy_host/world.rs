@@ -655,6 +655,9 @@ async fn deliver(vm: &mut Vm, event: Event) -> wasmtime::Result<()> {
                 .insert(ctx, Stream { request_headers: headers, request_body: body.clone(), ..Stream::default() });
             call(vm, "proxy_on_context_create", ctx, &[i(ctx), i(ROOT)]).await?;
             let mut action = call(vm, "proxy_on_request_headers", ctx, &[i(ctx), i(n), i(u32::from(end))]).await?;
+            if let Some(stream) = vm.store.data_mut().streams.get_mut(&ctx) {
+                stream.body_received = body.len() as u64;
+            }
             let body_delivered = action != Some(1) || vm.store.data().allow_on_headers_stop_iteration;
             let body_ends = u32::from(trailers.is_none());
             if !end && !replied(vm, ctx) && body_delivered {

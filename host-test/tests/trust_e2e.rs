@@ -1,0 +1,193 @@
+//! Trust boundaries in real Envoy (2 workers) with the plugin: nothing a caller or an
+//! upstream chooses decides where the operator's key goes, what is cached or which tenant a
+//! request belongs to.
+
+use host_test::client::{Conn, Resp};
+use host_test::mock::{quoted, Fault, Running};
+use host_test::stack::{prompt, Stack, PATH};
+use serde_json::Value;
+
+const OPERATOR_KEY: &str = "sk-operator-7f3c9a1e5b2d";
+
+fn streamed(body: &str) -> String {
+    body.replacen('{', r#"{"stream":true,"#, 1)
+}
+
+fn code(r: &Resp) -> String {
+    r.json()["error"]["code"].as_str().unwrap_or("-").to_owned()
+}
+
+/// A chat request with these extra header lines (each ending in CRLF) and this `host`.
+fn raw_chat(host: &str, path: &str, extra: &str, body: &str) -> Vec<u8> {
+    format!(
+        "POST {path} HTTP/1.1\r\nhost: {host}\r\n{extra}content-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .into_bytes()
+}
+
+fn send_raw(s: &Stack, request: &[u8]) -> Resp {
+    Conn::open(s.envoy.edge).and_then(|mut c| c.raw(request)).expect("edge answers")
+}
+
+#[test]
+fn a_stream_whose_route_leads_elsewhere_is_refused_and_never_carries_the_key() {
+    let internal = Running::start(None, 0).expect("internal service");
+    let s = Stack::start_tuned(
+        "{}",
+        0,
+        |o| {
+            o.api_key = Some(OPERATOR_KEY.into());
+            o.internal_upstream = Some(internal.addr);
+        },
+        Some(OPERATOR_KEY),
+    );
+    let body = streamed(&prompt("route me elsewhere"));
+    let r = send_raw(&s, &raw_chat("internal.example", PATH, "authorization: Bearer sk-client\r\n", &body));
+    assert_eq!((r.status, code(&r)), (421, "misdirected_request".to_owned()), "{}", r.text());
+    assert_eq!(internal.mock.calls(), 0, "the other route's service got nothing");
+    assert_eq!(internal.mock.last_authorization(), None);
+    assert_eq!(s.calls(), 0, "nor HolySheep");
+    // The same request on HolySheep's own route streams.
+    let r = send_raw(&s, &raw_chat("edge", PATH, "authorization: Bearer sk-client\r\n", &body));
+    assert_eq!((r.status, r.cache()), (200, "MISS"), "{}", r.text());
+    // A plain request is a callout to `upstream.cluster` whatever its host: answered.
+    let plain = prompt("plain to elsewhere");
+    let r = send_raw(&s, &raw_chat("internal.example", PATH, "authorization: Bearer sk-client\r\n", &plain));
+    assert_eq!((r.status, r.cache()), (200, "MISS"));
+    assert_eq!(internal.mock.calls(), 0);
+    assert!(s.crashes().is_empty(), "{:?}", s.crashes());
+}
+
+#[test]
+fn a_forwarded_stream_carries_no_query_string_and_no_client_header() {
+    let s = Stack::start_with("{}", 0, Some(OPERATOR_KEY), Some(OPERATOR_KEY));
+    let body = streamed(&prompt("strip my extras"));
+    let extra = "authorization: Bearer sk-client\r\ncookie: session=secret\r\nx-internal-debug: 1\r\n\
+                 openai-organization: org-client\r\naccept-encoding: gzip\r\n";
+    let r = send_raw(&s, &raw_chat("edge", "/v1/chat/completions?api-version=1&debug=1", extra, &body));
+    assert_eq!((r.status, r.cache()), (200, "MISS"), "{}", r.text());
+    assert_eq!(s.mock.mock.last_target(), PATH, "no query string reaches HolySheep");
+    let names: Vec<String> = s.mock.mock.last_headers().into_iter().map(|(n, _)| n).collect();
+    for gone in ["cookie", "x-internal-debug", "openai-organization", "accept-encoding"] {
+        assert!(!names.iter().any(|n| n == gone), "{gone} reached HolySheep: {names:?}");
+    }
+    assert_eq!(s.mock.mock.last_authorization().as_deref(), Some(format!("Bearer {OPERATOR_KEY}").as_str()));
+}
+
+#[test]
+fn only_answers_that_are_what_they_claim_are_stored() {
+    let s = Stack::start(r#"{"retry":{"max_attempts":1}}"#, 0);
+    let cases = [
+        ("text/html", "<html><body>captive portal</body></html>"),
+        ("application/json", r#"{"error":{"message":"overloaded","type":"server_error"}}"#),
+    ];
+    for (i, (content_type, raw)) in cases.iter().enumerate() {
+        let body = prompt(&format!("an answer that is not one {i}"));
+        let fault = Fault { body: Some((*raw).into()), content_type: Some((*content_type).into()), ..Fault::default() };
+        s.mock.mock.plan(vec![fault]);
+        let first = s.chat(&body, &[("authorization", "Bearer sk-a")]);
+        assert_eq!((first.status, code(&first)), (502, "upstream_invalid_answer".to_owned()), "{}", first.text());
+        let again = s.chat(&body, &[("authorization", "Bearer sk-a")]);
+        assert_eq!((again.status, again.cache()), (200, "MISS"), "{content_type}: not served from the cache");
+        assert_eq!(again.json()["object"], "chat.completion");
+    }
+    assert_eq!(s.calls(), 4);
+    // A stream request answered with a JSON 200 is no stream: not stored, not replayed.
+    let body = streamed(&prompt("a stream answered in JSON"));
+    let json = r#"{"id":"x","object":"chat.completion","choices":[{"index":0,"message":{"role":"assistant","content":"j"},"finish_reason":"stop"}]}"#;
+    s.mock.mock.plan(vec![Fault {
+        body: Some(json.into()),
+        content_type: Some("application/json".into()),
+        ..Fault::default()
+    }]);
+    let first = s.chat(&body, &[("authorization", "Bearer sk-a")]);
+    assert_eq!((first.status, code(&first)), (502, "upstream_invalid_answer".to_owned()), "{}", first.text());
+    let again = s.chat(&body, &[("authorization", "Bearer sk-a")]);
+    assert_eq!((again.status, again.cache()), (200, "MISS"));
+    assert_eq!(again.header("content-type"), Some("text/event-stream"));
+    assert_eq!(s.calls(), 6);
+    assert!(s.crashes().is_empty(), "{:?}", s.crashes());
+}
+
+#[test]
+fn holysheep_refusing_the_operators_key_is_the_edges_502_without_any_of_the_key() {
+    // HolySheep accepts another key: it refuses the edge's, quoting part of it.
+    let s = Stack::start_with("{}", 0, Some("sk-the-right-key-0000"), Some(OPERATOR_KEY));
+    let fragment = quoted(OPERATOR_KEY);
+    let tail = &OPERATOR_KEY[OPERATOR_KEY.len() - 4..];
+    for body in [prompt("refused key plain"), streamed(&prompt("refused key stream"))] {
+        let r = s.chat(&body, &[("authorization", "Bearer sk-client")]);
+        assert_eq!((r.status, code(&r)), (502, "upstream_auth_failed".to_owned()), "{}", r.text());
+        assert!(!r.text().contains(tail) && !r.text().contains(&fragment), "{}", r.text());
+        assert_eq!(r.header("content-type"), Some("application/json"));
+    }
+    assert_eq!(s.calls(), 2, "no retry or failover can do better with the same key");
+    let log = s.envoy.log();
+    assert!(log.contains("refused the key from $HOLYSHEEP_API_KEY (status 401)"), "{log}");
+    assert!(!log.contains(tail), "the log holds no fragment of the key");
+}
+
+#[test]
+fn a_repeated_tenant_credential_is_refused_before_anything_else() {
+    let s = Stack::start(r#"{"cache":{"tenant_header":"x-tenant"}}"#, 0);
+    let body = prompt("who am i");
+    let twice = "x-tenant: verified-by-auth\r\nx-tenant: chosen-by-client\r\n";
+    let r = send_raw(&s, &raw_chat("edge", PATH, twice, &body));
+    assert_eq!((r.status, code(&r)), (400, "ambiguous_tenant".to_owned()), "{}", r.text());
+    // Served once under one tenant, a repeat with a second copy is still refused (no hot
+    // copy or cache answers it).
+    let once = s.chat(&body, &[("x-tenant", "verified-by-auth")]);
+    assert_eq!(once.cache(), "MISS");
+    let r = send_raw(&s, &raw_chat("edge", PATH, twice, &body));
+    assert_eq!((r.status, code(&r)), (400, "ambiguous_tenant".to_owned()));
+    assert_eq!(s.calls(), 1);
+
+    // Without a tenant header, `authorization` is the tenant.
+    let s = Stack::start("{}", 0);
+    let r = send_raw(&s, &raw_chat("edge", PATH, "authorization: Bearer a\r\nauthorization: Bearer b\r\n", &body));
+    assert_eq!((r.status, code(&r)), (400, "ambiguous_tenant".to_owned()), "{}", r.text());
+    assert_eq!(s.calls(), 0);
+}
+
+#[test]
+fn a_body_with_a_repeated_key_is_invalid_json_and_never_sent() {
+    let s = Stack::start("{}", 0);
+    for body in [
+        r#"{"model":"gpt-4.1","model":"deepseek-v3","messages":[{"role":"user","content":"hi"}]}"#,
+        r#"{"model":"gpt-4.1","messages":[{"role":"user","content":"hi","content":"other"}]}"#,
+    ] {
+        let r = s.chat(body, &[("authorization", "Bearer sk-a")]);
+        assert_eq!((r.status, code(&r)), (400, "invalid_json".to_owned()), "{body}: {}", r.text());
+        assert!(r.json()["error"]["message"].as_str().is_some_and(|m| m.contains("appears twice")));
+    }
+    assert_eq!(s.calls(), 0);
+}
+
+#[test]
+fn a_streamed_answer_keeps_its_logprobs_for_later_requests_in_both_forms() {
+    let s = Stack::start("{}", 0);
+    let plain = prompt("with logprobs").replacen('{', r#"{"logprobs":true,"#, 1);
+    let expected = {
+        let direct = host_test::client::request(s.mock.addr, "POST", PATH, &[], plain.as_bytes()).expect("mock");
+        direct.json()["choices"][0]["logprobs"].clone()
+    };
+    assert!(expected["content"].as_array().is_some_and(|t| t.len() > 3), "the mock sends logprobs: {expected}");
+    let calls = s.calls();
+    let first = s.chat(&streamed(&plain), &[("authorization", "Bearer sk-a")]);
+    assert_eq!((first.status, first.cache()), (200, "MISS"));
+    let hit = s.chat(&plain, &[("authorization", "Bearer sk-a")]);
+    assert_eq!(hit.cache(), "HIT");
+    assert_eq!(hit.json()["choices"][0]["logprobs"], expected, "the reassembled answer kept them");
+    let replayed = s.chat(&streamed(&plain), &[("authorization", "Bearer sk-a")]);
+    assert_eq!(replayed.cache(), "HIT");
+    let tokens: Vec<Value> = replayed
+        .text()
+        .split("\n\n")
+        .filter_map(|e| e.strip_prefix("data: "))
+        .filter_map(|d| serde_json::from_str::<Value>(d).ok())
+        .flat_map(|v| v["choices"][0]["logprobs"]["content"].as_array().cloned().unwrap_or_default())
+        .collect();
+    assert_eq!(Value::Array(tokens), expected["content"], "and the replayed stream sends them again");
+    assert_eq!(s.calls(), calls + 1);
+}

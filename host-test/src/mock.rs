@@ -80,6 +80,8 @@ struct State {
     /// The path (with its query) and the headers of the last chat call.
     last_target: String,
     last_headers: Vec<(String, String)>,
+    /// The HTTP version of the last chat call (`HTTP/1.1`, `HTTP/2.0`).
+    last_version: String,
 }
 
 /// Counts a chat-completion call as in flight until dropped.
@@ -145,6 +147,7 @@ impl Mock {
         if path == "/v1/chat/completions" {
             let mut s = self.state();
             s.last_framing = framing;
+            s.last_version = format!("{:?}", parts.version);
             s.last_target = parts.uri.path_and_query().map(|p| p.as_str().to_owned()).unwrap_or_default();
             s.last_headers = parts
                 .headers
@@ -576,6 +579,11 @@ impl Mock {
     /// The path and query of the last chat call.
     pub fn last_target(&self) -> String {
         self.state().last_target.clone()
+    }
+
+    /// The HTTP version of the last chat call, as `HTTP/1.1` or `HTTP/2.0`.
+    pub fn last_version(&self) -> String {
+        self.state().last_version.clone()
     }
 
     /// The header names and values of the last chat call.

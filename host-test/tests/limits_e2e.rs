@@ -227,7 +227,14 @@ fn a_day_long_provider_retry_after_holds_the_bucket_only_for_the_configured_boun
     let s = Stack::start(config, 0);
     s.mock.mock.plan(vec![Fault { status: Some(429), retry_after: Some("86400".into()), ..Fault::default() }]);
     let limited = s.chat(&prompt("a day"), &[]);
-    assert_eq!(limited.status, 429);
+    assert_eq!((limited.status, limited.header("retry-after")), (429, Some("86400")), "HolySheep's own 429");
+    // The bucket is held for the configured bound, not for HolySheep's day: the edge's own
+    // 429 says when it has room again.
+    let held = s.chat(&prompt("within the hold"), &[]);
+    assert_eq!((held.status, held.json()["error"]["code"].as_str()), (429, Some("rate_limit_exceeded")));
+    let wait_ms: u64 = held.header("retry-after-ms").and_then(|v| v.parse().ok()).expect("retry-after-ms");
+    assert!((1..=500).contains(&wait_ms), "held for at most max_provider_hold_ms: {wait_ms} ms");
+    assert_eq!(held.header("retry-after"), Some("1"));
     let mut n = 0;
     poll_until(
         || {

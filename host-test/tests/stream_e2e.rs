@@ -107,6 +107,12 @@ fn identical_streams_coalesce_and_mixed_forms_share_one_call() {
     }
     let texts: Vec<String> = resps.iter().map(|r| assembled(r).0).collect();
     assert!(texts.iter().all(|t| t == &texts[0] && t.contains("ten and ten")), "{texts:?}");
+    // Streams count like any request: two leaders and their 48 followers, two calls.
+    let stats = s.envoy.stats("wasmcustom.holysheep.other.");
+    let stat = |name: &str| stats.get(&format!("wasmcustom.holysheep.other.{name}")).copied();
+    let counted = ["requests_miss", "requests_coalesced", "requests_hit", "upstream_calls", "retries"].map(stat);
+    assert_eq!(counted, [Some(2), Some(48), Some(0), Some(2), Some(0)], "{stats:?}");
+    assert!(stat("completion_tokens").is_some_and(|t| t > 0), "the streams' usage is counted: {stats:?}");
 }
 
 #[test]

@@ -191,3 +191,29 @@ fn a_streamed_answer_keeps_its_logprobs_for_later_requests_in_both_forms() {
     assert_eq!(Value::Array(tokens), expected["content"], "and the replayed stream sends them again");
     assert_eq!(s.calls(), calls + 1);
 }
+
+#[test]
+fn over_http2_as_in_production_answers_keys_and_errors_are_the_same() {
+    let s = Stack::start_tuned(
+        r#"{"retry":{"max_attempts":1}}"#,
+        0,
+        |o| {
+            o.api_key = Some(OPERATOR_KEY.into());
+            o.upstream_h2 = true;
+        },
+        Some(OPERATOR_KEY),
+    );
+    let plain = s.chat(&prompt("over h2"), &[("authorization", "Bearer sk-client")]);
+    assert_eq!((plain.status, plain.cache()), (200, "MISS"), "{}", plain.text());
+    assert_eq!(s.mock.mock.last_version(), "HTTP/2.0");
+    let stream = s.chat(&streamed(&prompt("over h2 streamed")), &[("authorization", "Bearer sk-client")]);
+    assert_eq!((stream.status, stream.cache()), (200, "MISS"));
+    assert!(stream.text().ends_with("data: [DONE]\n\n"));
+    assert_eq!(s.mock.mock.last_version(), "HTTP/2.0");
+    assert_eq!(s.chat(&prompt("over h2"), &[("authorization", "Bearer sk-client")]).cache(), "HIT");
+    s.mock.mock.plan(vec![Fault { status: Some(429), retry_after: Some("7".into()), ..Fault::default() }]);
+    let limited = s.chat(&prompt("limited over h2"), &[("cache-control", "no-store")]);
+    assert_eq!((limited.status, limited.header("retry-after")), (429, Some("7")));
+    assert_eq!(s.calls(), 3);
+    assert!(s.crashes().is_empty(), "{:?}", s.crashes());
+}

@@ -2,43 +2,44 @@
 //! (an event may be split anywhere across chunks), hands back the complete events to pass
 //! on to the client (without the usage event when the client did not ask for it) and, when
 //! the stream ended properly (every choice finished, then `[DONE]`), the `chat.completion`
-//! it amounts to. `replay` turns a stored `chat.completion` into the event stream OpenAI
-//! sends for it.
+//! it amounts to, with every field the stream carried (`merge`). `replay` turns a stored
+//! `chat.completion` into the event stream OpenAI sends for it.
 
 use super::cache::Response;
 use serde_json::{json, Map, Value};
 use std::collections::BTreeMap;
+use std::mem::discriminant;
 
 pub const CONTENT_TYPE: &str = "text/event-stream";
 
 /// Characters of content (or tool-call arguments) per replayed event.
 pub const PIECE_CHARS: usize = 24;
 
-#[derive(Debug, Default)]
-struct ToolCall {
-    id: Option<String>,
-    kind: Option<String>,
-    name: String,
-    arguments: String,
-}
+/// Fields that name something rather than carry streamed text: a later value replaces the
+/// earlier one instead of extending it. `index` and `type` as in OpenAI's SDKs; `id` and
+/// `role` as in openai-node (a provider repeating the role in every chunk would otherwise
+/// build "assistantassistant").
+const NAMES: [&str; 4] = ["index", "type", "id", "role"];
 
-#[derive(Debug, Default)]
-struct Choice {
-    content: Option<String>,
-    refusal: Option<String>,
-    tool_calls: BTreeMap<u64, ToolCall>,
-    finish_reason: Option<Value>,
-}
+/// Two pieces of one field that do not merge (a string, then an object): the answer cannot
+/// be rebuilt without loss, so it is not stored.
+#[derive(Debug)]
+struct Conflict;
 
 /// One streamed answer being read.
 #[derive(Debug, Default)]
 pub struct Reassembler {
     forward_usage: bool,
     tail: Vec<u8>,
+    /// How far into `tail` no event separator starts (so a long event is scanned once).
+    searched: usize,
+    /// The chunks' fields but `choices`, `object` and `usage`: id, model, service_tier, ...
     head: Map<String, Value>,
-    choices: BTreeMap<u64, Choice>,
+    /// By index: the choice so far, its deltas merged into its `message`.
+    choices: BTreeMap<u64, Map<String, Value>>,
     usage: Option<Value>,
     done: bool,
+    /// An event was not JSON, or a field did not merge.
     malformed: bool,
     streamed_chars: u64,
 }
@@ -51,32 +52,45 @@ impl Reassembler {
 
     /// Feeds one chunk; returns the bytes to pass on now (the complete events in it).
     pub fn push(&mut self, chunk: &[u8]) -> Vec<u8> {
-        self.tail.extend_from_slice(chunk);
+        let mut tail = std::mem::take(&mut self.tail);
+        tail.extend_from_slice(chunk);
         let mut out = Vec::new();
-        while let Some((end, sep)) = event_end(&self.tail) {
-            let event: Vec<u8> = self.tail.drain(..end + sep).collect();
-            if self.read_event(&event[..end]) {
-                out.extend_from_slice(&event);
+        let mut start = 0;
+        while let Some((end, sep)) = event_end(&tail, self.searched.max(start)) {
+            if self.read_event(&tail[start..end]) {
+                out.extend_from_slice(&tail[start..end + sep]);
             }
+            start = end + sep;
         }
+        tail.drain(..start);
+        // A separator may yet start in the last three bytes, completed by the next chunk.
+        self.searched = tail.len().saturating_sub(3);
+        self.tail = tail;
         out
     }
 
     /// The stream ended: whatever incomplete event is left, passed on as it is.
     pub fn flush(&mut self) -> Vec<u8> {
+        self.searched = 0;
         std::mem::take(&mut self.tail)
     }
 
     /// The answer as a `chat.completion` (status 200, JSON), when the stream ended properly.
     pub fn completion(&self) -> Option<Response> {
-        let finished = !self.choices.is_empty() && self.choices.values().all(|c| c.finish_reason.is_some());
-        if !self.done || self.malformed || !finished {
+        let finished = |c: &Map<String, Value>| c.get("finish_reason").is_some_and(|f| !f.is_null());
+        if !self.done || self.malformed || self.choices.is_empty() || !self.choices.values().all(finished) {
             return None;
         }
         let mut v = self.head.clone();
         v.insert("object".into(), json!("chat.completion"));
-        let choices: Vec<Value> = self.choices.iter().map(|(i, c)| choice_json(*i, c)).collect();
-        v.insert("choices".into(), Value::Array(choices));
+        let choices = self.choices.values().map(|c| {
+            let mut c = c.clone();
+            if let Some(message) = c.get_mut("message") {
+                finish_message(message);
+            }
+            Value::Object(c)
+        });
+        v.insert("choices".into(), Value::Array(choices.collect()));
         v.insert("usage".into(), self.usage.clone().unwrap_or(Value::Null));
         Some(Response::json(200, serde_json::to_vec(&Value::Object(v)).unwrap_or_default()))
     }
@@ -113,81 +127,156 @@ impl Reassembler {
     }
 
     fn read_chunk(&mut self, mut chunk: Map<String, Value>) -> bool {
-        for field in ["id", "created", "model", "system_fingerprint"] {
-            if let Some(v) = chunk.get(field).filter(|v| !v.is_null()) {
-                self.head.entry(field).or_insert_with(|| v.clone());
-            }
-        }
         let usage = chunk.remove("usage").filter(|u| !u.is_null());
         let choices = match chunk.remove("choices") {
             Some(Value::Array(c)) => c,
-            _ => Vec::new(),
+            None | Some(Value::Null) => Vec::new(),
+            Some(_) => {
+                self.malformed = true;
+                Vec::new()
+            }
         };
-        for c in &choices {
-            self.read_choice(c);
+        // The usage event (no choices) reaches only clients that asked for it.
+        let forward = usage.is_none() || self.forward_usage || !choices.is_empty();
+        self.streamed_chars += choices.iter().map(|c| streamed_chars(&c["delta"])).sum::<u64>();
+        chunk.remove("object");
+        if self.read_fields(chunk, choices).is_err() {
+            self.malformed = true;
         }
-        match usage {
-            Some(u) => {
-                self.usage = Some(u);
-                // The usage event (no choices) reaches only clients that asked for it.
-                self.forward_usage || !choices.is_empty()
-            }
-            None => true,
+        if usage.is_some() {
+            self.usage = usage;
         }
+        forward
     }
 
-    fn read_choice(&mut self, c: &Value) {
-        let choice = self.choices.entry(c["index"].as_u64().unwrap_or(0)).or_default();
-        let delta = &c["delta"];
-        for (field, into) in [("content", &mut choice.content), ("refusal", &mut choice.refusal)] {
-            if let Some(s) = delta[field].as_str() {
-                self.streamed_chars += s.chars().count() as u64;
-                into.get_or_insert_with(String::new).push_str(s);
+    /// A chunk's fields (the latest value of each is the answer's) and its choices.
+    fn read_fields(&mut self, chunk: Map<String, Value>, choices: Vec<Value>) -> Result<(), Conflict> {
+        for (field, value) in chunk {
+            latest(self.head.entry(field).or_insert(Value::Null), value)?;
+        }
+        choices.into_iter().try_for_each(|c| self.read_choice(c))
+    }
+
+    /// One choice of a chunk: its `delta` merged into the message, its `logprobs` into the
+    /// choice's (token lists appended), the latest value of each other field kept.
+    fn read_choice(&mut self, choice: Value) -> Result<(), Conflict> {
+        let Value::Object(mut fields) = choice else { return Err(Conflict) };
+        if fields.contains_key("message") {
+            return Err(Conflict); // a chunk's choice has a delta: a message beside it is no known form
+        }
+        let index = fields.get("index").and_then(Value::as_u64).unwrap_or(0);
+        let into = self.choices.entry(index).or_insert_with(|| {
+            let fresh = [("index", json!(index)), ("message", json!({})), ("logprobs", Value::Null)];
+            fresh.into_iter().map(|(k, v)| (k.to_owned(), v)).collect()
+        });
+        if let Some(delta) = fields.remove("delta") {
+            merge(into.entry("message").or_insert(Value::Null), delta)?;
+        }
+        if let Some(logprobs) = fields.remove("logprobs") {
+            merge(into.entry("logprobs").or_insert(Value::Null), logprobs)?;
+        }
+        for (field, value) in fields {
+            latest(into.entry(field).or_insert(Value::Null), value)?;
+        }
+        Ok(())
+    }
+}
+
+/// Merges a later piece of a field into the value so far, as OpenAI's SDKs accumulate a
+/// stream (openai-python `accumulate_delta`, openai-node `ChatCompletionStream`): strings
+/// are appended, objects merged field by field, lists merged by `extend`; null changes
+/// nothing, and a number or bool replaces the one before (the python SDK adds numbers:
+/// no field streams a number in parts). Values of different kinds are a conflict.
+fn merge(into: &mut Value, from: Value) -> Result<(), Conflict> {
+    match (into, from) {
+        (Value::String(a), Value::String(b)) => a.push_str(&b),
+        (Value::Object(a), Value::Object(b)) => {
+            for (field, value) in b {
+                let named = NAMES.contains(&field.as_str());
+                let slot = a.entry(field).or_insert(Value::Null);
+                if named {
+                    latest(slot, value)?;
+                } else {
+                    merge(slot, value)?;
+                }
             }
         }
-        for t in delta["tool_calls"].as_array().into_iter().flatten() {
-            let call = choice.tool_calls.entry(t["index"].as_u64().unwrap_or(0)).or_default();
-            if let Some(id) = t["id"].as_str() {
-                call.id = Some(id.to_owned());
-            }
-            if let Some(kind) = t["type"].as_str() {
-                call.kind = Some(kind.to_owned());
-            }
-            call.name.push_str(t["function"]["name"].as_str().unwrap_or(""));
-            let args = t["function"]["arguments"].as_str().unwrap_or("");
-            self.streamed_chars += args.chars().count() as u64;
-            call.arguments.push_str(args);
+        (Value::Array(a), Value::Array(b)) => extend(a, b)?,
+        (into, from) => latest(into, from)?,
+    }
+    Ok(())
+}
+
+/// `from` replaces `into`, unless it is null; a value of another kind is a conflict.
+fn latest(into: &mut Value, from: Value) -> Result<(), Conflict> {
+    if !from.is_null() {
+        if !into.is_null() && discriminant(into) != discriminant(&from) {
+            return Err(Conflict);
         }
-        if let Some(f) = c.get("finish_reason").filter(|f| !f.is_null()) {
-            choice.finish_reason = Some(f.clone());
+        *into = from;
+    }
+    Ok(())
+}
+
+/// A list's later items: an object with an `index` merges into the item with that index
+/// (tool calls), any other item is appended (log-probability tokens). A list that would
+/// mix both is a conflict; so only the first item need be looked at, and appending to a
+/// long list costs nothing more than to a short one.
+fn extend(into: &mut Vec<Value>, from: Vec<Value>) -> Result<(), Conflict> {
+    for item in from {
+        let index = indexed(&item);
+        if into.first().is_some_and(|first| indexed(first).is_some() != index.is_some()) {
+            return Err(Conflict);
+        }
+        match index.and_then(|i| into.iter_mut().rev().find(|x| indexed(x) == Some(i))) {
+            Some(same) => merge(same, item)?,
+            None => into.push(item),
+        }
+    }
+    Ok(())
+}
+
+/// The `index` of a list item that is an object with one.
+fn indexed(item: &Value) -> Option<u64> {
+    item.as_object()?.get("index")?.as_u64()
+}
+
+/// Characters of content, refusal and tool-call arguments in a delta.
+fn streamed_chars(delta: &Value) -> u64 {
+    let calls = delta["tool_calls"].as_array().into_iter().flatten();
+    let texts = [&delta["content"], &delta["refusal"]].into_iter().chain(calls.map(|t| &t["function"]["arguments"]));
+    texts.filter_map(Value::as_str).map(|s| s.chars().count() as u64).sum()
+}
+
+/// The merged message as a non-streaming answer has it: role, content and refusal always
+/// there; tool calls in index order, without the `index` they were merged by, with their
+/// id, type, name and arguments.
+fn finish_message(message: &mut Value) {
+    let Some(m) = message.as_object_mut() else { return };
+    m.entry("role").or_insert_with(|| json!("assistant"));
+    m.entry("content").or_insert(Value::Null);
+    m.entry("refusal").or_insert(Value::Null);
+    let Some(calls) = m.get_mut("tool_calls").and_then(Value::as_array_mut) else { return };
+    calls.sort_by_key(indexed);
+    for call in calls.iter_mut().filter_map(Value::as_object_mut) {
+        call.remove("index");
+        call.entry("id").or_insert(Value::Null);
+        call.entry("type").or_insert_with(|| json!("function"));
+        if let Some(f) = call.entry("function").or_insert_with(|| json!({})).as_object_mut() {
+            f.entry("name").or_insert_with(|| json!(""));
+            f.entry("arguments").or_insert_with(|| json!(""));
         }
     }
 }
 
-/// Where the first complete event in `buf` ends, and its separator's length.
-fn event_end(buf: &[u8]) -> Option<(usize, usize)> {
-    let lf = buf.windows(2).position(|w| w == b"\n\n").map(|i| (i, 2));
-    let crlf = buf.windows(4).position(|w| w == b"\r\n\r\n").map(|i| (i, 4));
-    match (lf, crlf) {
-        (Some(a), Some(b)) => Some(if a.0 <= b.0 { a } else { b }),
-        (a, b) => a.or(b),
-    }
-}
-
-fn choice_json(index: u64, c: &Choice) -> Value {
-    let mut message = json!({"role": "assistant", "content": c.content, "refusal": c.refusal});
-    if !c.tool_calls.is_empty() {
-        let calls: Vec<Value> = c
-            .tool_calls
-            .values()
-            .map(|t| {
-                json!({"id": t.id, "type": t.kind.as_deref().unwrap_or("function"),
-                       "function": {"name": t.name, "arguments": t.arguments}})
-            })
-            .collect();
-        message["tool_calls"] = Value::Array(calls);
-    }
-    json!({"index": index, "message": message, "logprobs": null, "finish_reason": c.finish_reason})
+/// Where the first complete event in `buf` at or after `from` ends, and its separator's
+/// length.
+fn event_end(buf: &[u8], from: usize) -> Option<(usize, usize)> {
+    (from..buf.len()).find_map(|i| match &buf[i..] {
+        [b'\n', b'\n', ..] => Some((i, 2)),
+        [b'\r', b'\n', b'\r', b'\n', ..] => Some((i, 4)),
+        _ => None,
+    })
 }
 
 /// The answer in the form the client asked for: a 200 `chat.completion` becomes its event
@@ -203,20 +292,23 @@ pub fn for_client(response: Response, stream: bool, include_usage: bool) -> Resp
     }
 }
 
-/// The event stream of a stored `chat.completion`: per choice a first event with the role,
-/// the content (and refusal) in pieces of `PIECE_CHARS` characters, each tool call as
-/// OpenAI streams it (id, type and name, then argument pieces), a last event with the
-/// finish reason; then the usage event when asked for, then `[DONE]`.
+/// The event stream of a stored `chat.completion`, every field in it sent again: the
+/// completion's fields (but choices and usage) in every event; per choice its message's
+/// deltas (`deltas`), its log probabilities, a last event with the finish reason and the
+/// choice's other fields; then the usage event when asked for, then `[DONE]`.
+///
+/// The log probabilities go in one event of their own before the finish event. OpenAI
+/// sends each content piece's tokens with it, but the stored tokens do not line up with
+/// our `PIECE_CHARS` pieces, and the SDKs append whatever token list comes (openai-python
+/// extends `logprobs.content` and `.refusal`, openai-node pushes them).
 pub fn replay(completion: &[u8], include_usage: bool) -> Option<Vec<u8>> {
-    let v: Value = serde_json::from_slice(completion).ok()?;
-    let head: Map<String, Value> = ["id", "created", "model", "system_fingerprint"]
-        .iter()
-        .filter_map(|f| v.get(*f).map(|x| ((*f).to_owned(), x.clone())))
-        .collect();
+    let Value::Object(mut head) = serde_json::from_slice::<Value>(completion).ok()? else { return None };
+    let Some(Value::Array(choices)) = head.remove("choices") else { return None };
+    let usage = head.remove("usage").unwrap_or(Value::Null);
+    head.insert("object".into(), json!("chat.completion.chunk"));
     let mut out = Vec::new();
     let mut emit = |choices: Value, usage: Option<&Value>| {
         let mut chunk = head.clone();
-        chunk.insert("object".into(), json!("chat.completion.chunk"));
         chunk.insert("choices".into(), choices);
         if let Some(u) = usage {
             chunk.insert("usage".into(), u.clone());
@@ -225,31 +317,62 @@ pub fn replay(completion: &[u8], include_usage: bool) -> Option<Vec<u8>> {
         out.extend(serde_json::to_vec(&Value::Object(chunk)).unwrap_or_default());
         out.extend_from_slice(b"\n\n");
     };
-    for c in v["choices"].as_array()? {
+    for c in &choices {
         for delta in deltas(&c["message"]) {
             emit(json!([{"index": c["index"], "delta": delta, "logprobs": null, "finish_reason": null}]), None);
         }
-        emit(json!([{"index": c["index"], "delta": {}, "logprobs": null, "finish_reason": c["finish_reason"]}]), None);
+        if !c["logprobs"].is_null() {
+            emit(json!([{"index": c["index"], "delta": {}, "logprobs": c["logprobs"], "finish_reason": null}]), None);
+        }
+        let mut last = c.as_object().cloned().unwrap_or_default();
+        last.remove("message");
+        last.insert("delta".into(), json!({}));
+        last.insert("logprobs".into(), Value::Null);
+        emit(json!([last]), None);
     }
     if include_usage {
-        emit(json!([]), Some(&v["usage"]));
+        emit(json!([]), Some(&usage));
     }
     out.extend_from_slice(b"data: [DONE]\n\n");
     Some(out)
 }
 
-/// The deltas that rebuild one message.
+/// The deltas that rebuild one message: a first with the role, content "" (as OpenAI
+/// starts) and every field but content, refusal and tool calls whole (reasoning, audio,
+/// annotations: openai-node keeps the latest value of a field it does not know, so one
+/// piece is what both SDKs rebuild); content and refusal in pieces of `PIECE_CHARS`
+/// characters; each tool call as OpenAI streams it (all of it but its arguments, then
+/// argument pieces).
 fn deltas(message: &Value) -> Vec<Value> {
-    let mut out = vec![json!({"role": "assistant", "content": ""})];
-    for field in ["content", "refusal"] {
-        for piece in pieces(message[field].as_str().unwrap_or("")) {
-            out.push(json!({ field: piece }));
+    let mut first = Map::new();
+    first.insert("role".into(), json!("assistant"));
+    first.insert("content".into(), json!(""));
+    let mut texts = Vec::new();
+    let mut calls: &[Value] = &[];
+    for (field, value) in message.as_object().into_iter().flatten() {
+        match (field.as_str(), value) {
+            ("tool_calls", Value::Array(c)) if !c.is_empty() && c.iter().all(Value::is_object) => calls = c,
+            ("content" | "refusal", Value::String(s)) if !s.is_empty() => texts.push((field, s)),
+            _ => {
+                first.insert(field.clone(), value.clone());
+            }
         }
     }
-    for (i, t) in message["tool_calls"].as_array().into_iter().flatten().enumerate() {
-        out.push(json!({"tool_calls": [{"index": i, "id": t["id"], "type": t["type"],
-                                         "function": {"name": t["function"]["name"], "arguments": ""}}]}));
-        for piece in pieces(t["function"]["arguments"].as_str().unwrap_or("")) {
+    let mut out = vec![Value::Object(first)];
+    for (field, text) in texts {
+        out.extend(pieces(text).into_iter().map(|piece| json!({ field: piece })));
+    }
+    for (i, call) in calls.iter().enumerate() {
+        let mut call = call.clone();
+        let arguments = match call.pointer_mut("/function/arguments") {
+            Some(Value::String(a)) => std::mem::take(a),
+            _ => String::new(),
+        };
+        if let Some(c) = call.as_object_mut() {
+            c.insert("index".into(), json!(i));
+        }
+        out.push(json!({ "tool_calls": [call] }));
+        for piece in pieces(&arguments) {
             out.push(json!({"tool_calls": [{"index": i, "function": {"arguments": piece}}]}));
         }
     }
@@ -443,5 +566,403 @@ mod tests {
         let ok = Response::json(200, br#"{"id":"x","choices":[],"usage":null}"#.to_vec());
         assert_eq!(for_client(ok.clone(), true, false).content_type, CONTENT_TYPE);
         assert_eq!(for_client(ok.clone(), false, false), ok);
+    }
+
+    /// `chunk`, with more fields on its choice and on the chunk itself.
+    fn chunk_with(delta: Value, finish: Value, choice_fields: Value, chunk_fields: Value) -> Value {
+        let mut c = chunk(delta, finish);
+        for (k, v) in choice_fields.as_object().unwrap() {
+            c["choices"][0][k] = v.clone();
+        }
+        for (k, v) in chunk_fields.as_object().unwrap() {
+            c[k] = v.clone();
+        }
+        c
+    }
+
+    /// The log probabilities OpenAI streams beside the content piece made of `tokens`.
+    fn token_logprobs(tokens: &[&str]) -> Vec<Value> {
+        tokens
+            .iter()
+            .map(|t| {
+                json!({"token": t, "logprob": -0.25, "bytes": t.as_bytes(),
+                       "top_logprobs": [{"token": t, "logprob": -0.25, "bytes": t.as_bytes()}]})
+            })
+            .collect()
+    }
+
+    fn usage_chunk(extra: Value) -> Value {
+        let mut c = json!({"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 7, "model": "gpt-4.1",
+                           "choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": 9, "total_tokens": 14}});
+        for (k, v) in extra.as_object().unwrap() {
+            c[k] = v.clone();
+        }
+        c
+    }
+
+    /// A `logprobs: true` answer: choice 0 answers, choice 1 refuses.
+    fn logprobs_stream() -> Vec<u8> {
+        let lp = |tokens: &[&str]| json!({"logprobs": {"content": token_logprobs(tokens), "refusal": null}});
+        let refusal = |tokens: &[&str]| json!({"logprobs": {"content": null, "refusal": token_logprobs(tokens)}});
+        let second = |delta: Value, finish: Value, fields: Value| {
+            let mut c = chunk_with(delta, finish, fields, json!({}));
+            c["choices"][0]["index"] = json!(1);
+            c
+        };
+        sse(&[
+            chunk_with(
+                json!({"role": "assistant", "content": "", "refusal": null}),
+                Value::Null,
+                json!({"logprobs": {"content": [], "refusal": null}}),
+                json!({}),
+            ),
+            second(
+                json!({"role": "assistant", "content": null, "refusal": ""}),
+                Value::Null,
+                json!({"logprobs": null}),
+            ),
+            chunk_with(json!({"content": "Héllo"}), Value::Null, lp(&["H", "éllo"]), json!({})),
+            second(json!({"refusal": "I can't"}), Value::Null, refusal(&["I", " can't"])),
+            chunk_with(json!({"content": " 🐑"}), Value::Null, lp(&[" 🐑"]), json!({})),
+            second(json!({"refusal": " help."}), Value::Null, refusal(&[" help", "."])),
+            chunk_with(json!({}), json!("stop"), json!({"logprobs": null}), json!({})),
+            second(json!({}), json!("stop"), json!({"logprobs": null})),
+            usage_chunk(json!({})),
+        ])
+    }
+
+    fn completion_of(bytes: &[u8], split: usize) -> Value {
+        let (out, r) = reassemble(bytes, split, true);
+        assert_eq!(out, bytes, "split {split}: everything passed on unchanged");
+        serde_json::from_slice(&r.completion().expect("complete").body).unwrap()
+    }
+
+    #[test]
+    fn streamed_logprobs_are_appended_in_order() {
+        let bytes = logprobs_stream();
+        for split in [1, 5, 64, bytes.len()] {
+            let v = completion_of(&bytes, split);
+            assert_eq!(v["choices"][0]["message"]["content"], "Héllo 🐑");
+            assert_eq!(
+                v["choices"][0]["logprobs"],
+                json!({"content": token_logprobs(&["H", "éllo", " 🐑"]), "refusal": null}),
+                "split {split}"
+            );
+            assert_eq!(v["choices"][1]["message"]["refusal"], "I can't help.");
+            assert_eq!(
+                v["choices"][1]["logprobs"],
+                json!({"content": null, "refusal": token_logprobs(&["I", " can't", " help", "."])}),
+                "split {split}"
+            );
+        }
+        let plain = completion_of(&upstream_stream(), 1000);
+        let choice = plain["choices"][0].as_object().unwrap();
+        assert!(choice.get("logprobs").is_some_and(Value::is_null), "no logprobs streamed: null, as OpenAI answers");
+    }
+
+    /// Reasoning, audio, annotations, provider fields on choices and chunks: every field
+    /// streamed is in the completion, merged as OpenAI's SDKs accumulate a stream.
+    fn rich_stream() -> Vec<u8> {
+        let filter = json!({"hate": {"filtered": false, "severity": "safe"}});
+        let citation = |url: &str, start: u64| {
+            let at = json!({"url": url, "start_index": start, "end_index": start + 2});
+            json!({"type": "url_citation", "url_citation": at})
+        };
+        sse(&[
+            chunk_with(
+                json!({"role": "assistant", "content": "", "reasoning_content": "Let me "}),
+                Value::Null,
+                json!({"logprobs": null, "content_filter_results": {}, "stop_reason": null}),
+                json!({"service_tier": "default", "obfuscation": "q1"}),
+            ),
+            chunk_with(
+                json!({"reasoning_content": "think about the sheep first."}),
+                Value::Null,
+                json!({"content_filter_results": filter, "stop_reason": null}),
+                json!({"service_tier": "default", "obfuscation": "q2"}),
+            ),
+            chunk_with(
+                json!({"content": "Hi",
+                       "audio": {"id": "audio_1", "transcript": "Hi", "data": "AAA", "expires_at": 10}}),
+                Value::Null,
+                json!({}),
+                json!({"obfuscation": "q3"}),
+            ),
+            chunk_with(
+                json!({"content": " there", "audio": {"transcript": " there", "data": "BBB"},
+                       "annotations": [citation("https://a", 0)]}),
+                Value::Null,
+                json!({}),
+                json!({}),
+            ),
+            chunk_with(
+                json!({"annotations": [citation("https://b", 3)],
+                       "tool_calls": [{"index": 0, "id": "call_1", "type": "function",
+                                       "function": {"name": "lookup", "arguments": "{\"q\":"},
+                                       "extra_content": {"google": {"thought_signature": "c2ln"}}}]}),
+                Value::Null,
+                json!({}),
+                json!({}),
+            ),
+            chunk_with(
+                json!({"tool_calls": [{"index": 0, "function": {"arguments": "1}"}}]}),
+                Value::Null,
+                json!({}),
+                json!({}),
+            ),
+            chunk_with(
+                json!({}),
+                json!("stop"),
+                json!({"native_finish_reason": "STOP", "stop_reason": null}),
+                json!({"obfuscation": "q6", "service_tier": null}),
+            ),
+            usage_chunk(json!({"obfuscation": "q7"})),
+        ])
+    }
+
+    #[test]
+    fn unknown_fields_are_kept_and_merged_as_the_sdks_accumulate_them() {
+        let bytes = rich_stream();
+        let expected = json!({
+            "id": "chatcmpl-1", "object": "chat.completion", "created": 7, "model": "gpt-4.1",
+            "system_fingerprint": "fp", "service_tier": "default", "obfuscation": "q7",
+            "choices": [{
+                "index": 0, "finish_reason": "stop", "logprobs": null,
+                "content_filter_results": {"hate": {"filtered": false, "severity": "safe"}},
+                "stop_reason": null, "native_finish_reason": "STOP",
+                "message": {
+                    "role": "assistant", "content": "Hi there", "refusal": null,
+                    "reasoning_content": "Let me think about the sheep first.",
+                    "audio": {"id": "audio_1", "transcript": "Hi there", "data": "AAABBB", "expires_at": 10},
+                    "annotations": [
+                        {"type": "url_citation",
+                         "url_citation": {"url": "https://a", "start_index": 0, "end_index": 2}},
+                        {"type": "url_citation",
+                         "url_citation": {"url": "https://b", "start_index": 3, "end_index": 5}},
+                    ],
+                    "tool_calls": [{"id": "call_1", "type": "function",
+                                    "function": {"name": "lookup", "arguments": "{\"q\":1}"},
+                                    "extra_content": {"google": {"thought_signature": "c2ln"}}}],
+                },
+            }],
+            "usage": {"prompt_tokens": 5, "completion_tokens": 9, "total_tokens": 14},
+        });
+        for split in [1, 3, 64, bytes.len()] {
+            assert_eq!(completion_of(&bytes, split), expected, "split {split}");
+        }
+    }
+
+    /// A field whose pieces do not merge: the events still pass on unchanged, but the
+    /// answer is not stored (it could not be rebuilt without loss).
+    #[test]
+    fn fields_that_do_not_merge_pass_on_but_are_not_stored() {
+        let delta = |d: Value| chunk(d, Value::Null);
+        let on_choice = |f: Value| chunk_with(json!({}), Value::Null, f, json!({}));
+        let on_chunk = |f: Value| chunk_with(json!({}), Value::Null, json!({}), f);
+        let cases = [
+            ("string, then object", delta(json!({"audio": "x"})), delta(json!({"audio": {"data": "y"}}))),
+            ("text, then number", delta(json!({"content": "a"})), delta(json!({"content": 5}))),
+            (
+                "indexed list, then an item without index",
+                delta(json!({"tool_calls": [{"index": 0, "id": "a", "function": {"name": "f", "arguments": "{"}}]})),
+                delta(json!({"tool_calls": [{"function": {"arguments": "}"}}]})),
+            ),
+            (
+                "plain list, then an indexed item",
+                delta(json!({"annotations": [{"type": "a"}]})),
+                delta(json!({"annotations": [{"index": 0, "type": "b"}]})),
+            ),
+            (
+                "logprobs object, then string",
+                on_choice(json!({"logprobs": {"content": token_logprobs(&["a"]), "refusal": null}})),
+                on_choice(json!({"logprobs": "a"})),
+            ),
+            (
+                "choice field, text then number",
+                on_choice(json!({"stop_reason": "x"})),
+                on_choice(json!({"stop_reason": 3})),
+            ),
+            (
+                "chunk field, text then object",
+                on_chunk(json!({"service_tier": "default"})),
+                on_chunk(json!({"service_tier": {"tier": 1}})),
+            ),
+        ];
+        let finish = chunk(json!({}), json!("stop"));
+        for (case, first, second) in cases {
+            for alone in [&first, &second] {
+                let bytes = sse(&[alone.clone(), finish.clone()]);
+                assert!(reassemble(&bytes, 1000, true).1.completion().is_some(), "{case}: each alone is stored");
+            }
+            let bytes = sse(&[first, second, finish.clone()]);
+            for split in [1, 7, bytes.len()] {
+                let (out, r) = reassemble(&bytes, split, true);
+                assert_eq!(out, bytes, "{case}: passed on unchanged");
+                assert!(r.completion().is_none(), "{case}: not stored");
+            }
+        }
+    }
+
+    /// Replayed, an answer with log probabilities and unknown fields reassembles into
+    /// itself; its log probabilities come in one event right before the finish event.
+    #[test]
+    fn replay_sends_logprobs_and_unknown_fields_again() {
+        for bytes in [logprobs_stream(), rich_stream()] {
+            let stored = reassemble(&bytes, bytes.len(), true).1.completion().unwrap().body;
+            let original: Value = serde_json::from_slice(&stored).unwrap();
+            for include_usage in [true, false] {
+                let replayed = replay(&stored, include_usage).unwrap();
+                for split in [3, replayed.len()] {
+                    let mut expected = original.clone();
+                    if !include_usage {
+                        expected["usage"] = Value::Null;
+                    }
+                    assert_eq!(completion_of(&replayed, split), expected, "usage {include_usage}, split {split}");
+                }
+                let text = String::from_utf8(replayed).unwrap();
+                let events: Vec<Value> = text
+                    .split("\n\n")
+                    .filter_map(|e| e.strip_prefix("data: "))
+                    .filter_map(|d| serde_json::from_str(d).ok())
+                    .collect();
+                let reasoning: Vec<&Value> =
+                    events.iter().filter_map(|e| e["choices"][0]["delta"].get("reasoning_content")).collect();
+                let whole = &original["choices"][0]["message"]["reasoning_content"];
+                assert_eq!(reasoning, whole.as_str().map_or(vec![], |_| vec![whole]), "a field SDKs don't know: whole");
+                for (i, choice) in original["choices"].as_array().unwrap().iter().enumerate() {
+                    let mine: Vec<&Value> =
+                        events.iter().filter_map(|e| e["choices"].get(0)).filter(|c| c["index"] == i).collect();
+                    let with: Vec<usize> = (0..mine.len()).filter(|&n| !mine[n]["logprobs"].is_null()).collect();
+                    if choice["logprobs"].is_null() {
+                        assert!(with.is_empty());
+                        continue;
+                    }
+                    assert_eq!(with, [mine.len() - 2], "one logprobs event, right before the finish event");
+                    assert_eq!(mine[mine.len() - 2]["logprobs"], choice["logprobs"]);
+                    assert!(mine[mine.len() - 2]["finish_reason"].is_null());
+                    assert_eq!(mine[mine.len() - 1]["finish_reason"], choice["finish_reason"]);
+                }
+            }
+        }
+    }
+
+    /// Many events in one chunk, and one long event in many chunks: each byte is looked at
+    /// a bounded number of times (draining or rescanning the buffer per event was quadratic).
+    #[test]
+    fn long_streams_are_read_in_linear_time() {
+        let n = 20_000;
+        let mut events: Vec<Value> = vec![chunk(json!({"role": "assistant", "content": ""}), Value::Null)];
+        events.extend((0..n).map(|i| {
+            let piece = format!("w{i} ");
+            chunk_with(
+                json!({"content": piece}),
+                Value::Null,
+                json!({"logprobs": {"content": token_logprobs(&[&piece]), "refusal": null}}),
+                json!({}),
+            )
+        }));
+        events.push(chunk(json!({}), json!("stop")));
+        let many = sse(&events);
+        let v = completion_of(&many, many.len());
+        assert_eq!(v["choices"][0]["logprobs"]["content"].as_array().map(Vec::len), Some(n));
+        let pieces: Vec<String> = (0..n).map(|i| format!("w{i} ")).collect();
+        let long = sse(&[
+            chunk_with(
+                json!({"role": "assistant", "content": pieces.concat()}),
+                Value::Null,
+                json!({"logprobs": {"content": token_logprobs(&pieces.iter().map(String::as_str).collect::<Vec<_>>()),
+                                    "refusal": null}}),
+                json!({}),
+            ),
+            chunk(json!({}), json!("stop")),
+        ]);
+        assert!(long.len() > 1_000_000);
+        let v = completion_of(&long, 97);
+        assert_eq!(v["choices"][0]["message"]["content"], pieces.concat());
+    }
+
+    /// Streams of random fields of every kind (text, numbers, objects, indexed and plain
+    /// lists, nulls, names, clashing kinds): every byte passes on, and any completion they
+    /// make replays into events that reassemble to the same bytes (as fuzz/sse.rs checks).
+    #[test]
+    fn random_fields_survive_replay() {
+        let mut seed = 0xf1e1d5_u64;
+        let mut next = move |below: u64| {
+            seed = seed.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1_442_695_040_888_963_407);
+            (seed >> 33) % below.max(1)
+        };
+        fn value(next: &mut dyn FnMut(u64) -> u64, depth: u32) -> Value {
+            const KEYS: [&str; 10] = ["content", "index", "type", "id", "role", "text", "n", "tool_calls", "a", "b"];
+            match next(if depth == 0 { 5 } else { 8 }) {
+                0 => Value::Null,
+                1 => json!(next(2) == 0),
+                2 => json!(next(4)),
+                3 | 4 => json!(["", "x", "é🐑", "yz", "a text longer than one replayed piece 🐑"][next(5) as usize]),
+                5 | 6 => {
+                    let key = |next: &mut dyn FnMut(u64) -> u64| KEYS[next(10) as usize].to_owned();
+                    let fields = (0..next(4)).map(|_| (key(next), value(next, depth - 1)));
+                    Value::Object(fields.collect())
+                }
+                _ => {
+                    let keyed = next(3) == 0;
+                    let items = (0..next(4)).map(|_| {
+                        let mut item = value(next, depth - 1);
+                        if keyed && item.is_object() {
+                            item["index"] = json!(next(2));
+                        }
+                        item
+                    });
+                    Value::Array(items.collect())
+                }
+            }
+        }
+        let (mut stored, mut not_stored) = (0, 0);
+        for round in 0..1000 {
+            let mut chunks = Vec::new();
+            for _ in 0..1 + next(6) {
+                let mut c = json!({"id": "r", "object": "chat.completion.chunk"});
+                let mut choices = Vec::new();
+                for _ in 0..next(3) {
+                    let delta = (0..next(3)).map(|_| {
+                        (["content", "text", "tool_calls", "id", "role"][next(5) as usize], value(&mut next, 2))
+                    });
+                    let delta: Map<String, Value> = delta.map(|(k, v)| (k.to_owned(), v)).collect();
+                    let mut choice = json!({"index": next(2), "delta": delta});
+                    for field in ["logprobs", "finish_reason", "extra"] {
+                        if next(2) == 0 {
+                            choice[field] = value(&mut next, 2);
+                        }
+                    }
+                    choices.push(choice);
+                }
+                c["choices"] = Value::Array(choices);
+                for field in ["service_tier", "usage", "z"] {
+                    if next(3) == 0 {
+                        c[field] = value(&mut next, 2);
+                    }
+                }
+                chunks.push(c);
+            }
+            for i in 0..2 {
+                chunks.push(json!({"id": "r", "choices": [{"index": i, "delta": {}, "finish_reason": "stop"}]}));
+            }
+            let bytes = sse(&chunks);
+            let (out, r) = reassemble(&bytes, 1 + next(50) as usize, true);
+            assert_eq!(out, bytes, "round {round}");
+            let Some(completion) = r.completion() else {
+                not_stored += 1;
+                continue;
+            };
+            stored += 1;
+            let events = replay(&completion.body, true).unwrap();
+            let (_, again) = reassemble(&events, 1 + next(50) as usize, true);
+            assert_eq!(
+                again.completion().map(|c| String::from_utf8(c.body).unwrap()),
+                Some(String::from_utf8(completion.body).unwrap()),
+                "round {round}: {}",
+                String::from_utf8_lossy(&bytes)
+            );
+        }
+        assert!(stored > 150 && not_stored > 150, "{stored} stored, {not_stored} not");
     }
 }

@@ -589,3 +589,83 @@ fn max_age_and_ttl_follow_the_clock() {
     assert_eq!(ask(&mut w, "").0, "MISS", "past the TTL");
     assert_eq!(calls.load(Ordering::SeqCst), 3);
 }
+
+/// Host calls that fail with a status the proxy-wasm SDK's wrappers do not expect (they
+/// `panic!`, which kills the VM): the plugin takes every one as an error, whether they fail
+/// from the VM's start or in the middle of its flights. Only the call the SDK's own
+/// dispatcher makes around every callback (`proxy_set_effective_context`) keeps working.
+#[test]
+fn host_calls_failing_with_unexpected_statuses_never_trap_the_vm() {
+    const FAILING: [&str; 20] = [
+        "proxy_get_buffer_bytes",
+        "proxy_set_buffer_bytes",
+        "proxy_get_header_map_value",
+        "proxy_remove_header_map_value",
+        "proxy_replace_header_map_value",
+        "proxy_get_property",
+        "proxy_get_shared_data",
+        "proxy_set_shared_data",
+        "proxy_register_shared_queue",
+        "proxy_resolve_shared_queue",
+        "proxy_enqueue_shared_queue",
+        "proxy_dequeue_shared_queue",
+        "proxy_continue_stream",
+        "proxy_send_local_response",
+        "proxy_http_call",
+        "proxy_define_metric",
+        "proxy_increment_metric",
+        "proxy_get_current_time_nanoseconds",
+        "proxy_set_tick_period_milliseconds",
+        "proxy_log",
+    ];
+    let config = r#"{"models":{"gpt-4.1":{"requests_per_minute":600}}}"#;
+    for from_the_start in [false, true] {
+        let calls = Arc::new(AtomicU64::new(0));
+        let mut options = Options::new(2, config, 21);
+        if from_the_start {
+            options.shared.failing_calls = FAILING.into();
+        }
+        let mut w = World::start(plugin(), options, upstream(50, 200, calls.clone())).expect("world");
+        let streamed = prompt("odd host, streamed").replacen('{', r#"{"stream":true,"#, 1);
+        let mut ids = burst(&mut w, 6, &prompt("odd host"));
+        ids.extend(burst(&mut w, 4, &streamed));
+        // Flights in the air (callouts sent, streams forwarded, waiters paused), then the
+        // host's calls start failing.
+        w.run_until(20, |_| false);
+        w.shared().failing_calls = FAILING.into();
+        ids.push(w.request(0, "POST", PATH, &[], b"{"));
+        ids.push(w.request(1, "GET", "/v1/models", &[], b""));
+        ids.extend(burst(&mut w, 4, &prompt("odd host, later")));
+        w.run_until(5_000, all_answered(&ids));
+        assert!(w.traps.is_empty(), "from the start {from_the_start}: a VM died: {:?}", w.traps.first());
+    }
+}
+
+/// A leader waiting for the model owner's verdict longer than its lease keeps the lease
+/// (it is renewed like a call in flight): no waiter takes over and calls HolySheep again.
+#[test]
+fn a_lease_is_renewed_while_its_flight_waits_for_the_model_owners_verdict() {
+    let config = r#"{"fleet":{"cluster":"owners","nodes":2,"timeout_ms":1000},"lock":{"lease_ms":200},
+                     "models":{"gpt-4.1":{"requests_per_minute":600}}}"#;
+    let chat_calls = Arc::new(AtomicU64::new(0));
+    let counted = chat_calls.clone();
+    let upstream: Upstream = Box::new(move |call| {
+        if call.cluster == "owners" {
+            // The model owner answers after three lease periods.
+            let verdict = br#"{"admitted":true,"denial":null}"#.to_vec();
+            return Some((600, Some((vec![(":status".into(), "200".into())], verdict))));
+        }
+        let n = counted.fetch_add(1, Ordering::SeqCst) + 1;
+        Some((10, answer(n, 200, &call.body)))
+    });
+    let mut options = Options::new(2, config, 4);
+    options.env = vec![("HOLYSHEEP_PEER_SECRET".into(), "fleet-secret".into())];
+    let mut w = World::start(plugin(), options, upstream).expect("world");
+    let ids = burst(&mut w, 6, &prompt("a slow verdict"));
+    assert!(w.run_until(10_000, all_answered(&ids)), "{:?}", labels(&w, &ids));
+    assert!(w.traps.is_empty(), "{:?}", w.traps);
+    let statuses: Vec<u16> = ids.iter().filter_map(|id| w.answer(*id)).map(|a| a.status).collect();
+    let first = w.answer(ids[0]).map(|a| String::from_utf8_lossy(&a.body).into_owned());
+    assert_eq!(statuses, [200; 6], "{first:?}");
+    assert_eq!(chat_calls.load(Ordering::SeqCst), 1, "one flight: {:?}", labels(&w, &ids));
+}

@@ -4,7 +4,7 @@
 
 use host_test::client::{Conn, Resp};
 use host_test::mock::{quoted, Fault, Running};
-use host_test::stack::{prompt, Stack, PATH};
+use host_test::stack::{burst_at, prompt, prompt_for, Stack, PATH};
 use serde_json::Value;
 
 const OPERATOR_KEY: &str = "sk-operator-7f3c9a1e5b2d";
@@ -215,5 +215,50 @@ fn over_http2_as_in_production_answers_keys_and_errors_are_the_same() {
     let limited = s.chat(&prompt("limited over h2"), &[("cache-control", "no-store")]);
     assert_eq!((limited.status, limited.header("retry-after")), (429, Some("7")));
     assert_eq!(s.calls(), 3);
+    assert!(s.crashes().is_empty(), "{:?}", s.crashes());
+}
+
+#[test]
+fn every_waiter_of_a_failed_flight_gets_its_error_while_other_prompts_take_the_ways() {
+    // One group of four lease ways, each call slow: other prompts' flights hold the other
+    // three ways when the crowd's flight fails (an answer the cache does not hold).
+    let s = Stack::start(r#"{"lock":{"slots":4},"retry":{"max_attempts":1}}"#, 300);
+    s.mock.mock.plan(vec![Fault { status: Some(503), ..Fault::default() }]);
+    let crowd_body = prompt_for("deepseek-v3", "a crowd whose flight fails");
+    let edge = s.envoy.edge;
+    let crowd = std::thread::spawn(move || burst_at(edge, vec![crowd_body; 600], "Bearer a"));
+    s.await_calls(1);
+    // Meanwhile, a dense flow of other prompts: 32 clients, each one prompt after another.
+    let others: Vec<_> = (0..32)
+        .map(|c| {
+            std::thread::spawn(move || {
+                (0..6)
+                    .map(|i| {
+                        let body = prompt(&format!("another prompt {c}-{i}"));
+                        host_test::client::request(
+                            edge,
+                            "POST",
+                            PATH,
+                            &[("authorization", "Bearer b")],
+                            body.as_bytes(),
+                        )
+                        .expect("answer")
+                    })
+                    .collect::<Vec<Resp>>()
+            })
+        })
+        .collect();
+    let crowd = crowd.join().expect("crowd");
+    let others: Vec<Resp> = others.into_iter().flat_map(|t| t.join().expect("others")).collect();
+    let statuses: std::collections::BTreeMap<(u16, String), usize> =
+        crowd.iter().fold(Default::default(), |mut m, r| {
+            *m.entry((r.status, r.cache().to_owned())).or_default() += 1;
+            m
+        });
+    assert_eq!(statuses.values().sum::<usize>(), 600);
+    assert!(crowd.iter().all(|r| r.status == 503), "every waiter gets the flight's error: {statuses:?}");
+    let crowd_calls = s.mock.mock.log().iter().filter(|(model, _)| model == "deepseek-v3").count();
+    assert_eq!(crowd_calls, 1, "no waiter led a second flight: {statuses:?}");
+    assert!(others.iter().all(|r| r.status == 200));
     assert!(s.crashes().is_empty(), "{:?}", s.crashes());
 }

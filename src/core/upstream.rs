@@ -125,8 +125,7 @@ pub fn is_completion(content_type: &str, body: &[u8]) -> bool {
         choices: Vec<serde::de::IgnoredAny>,
     }
     let json = content_type.to_ascii_lowercase().contains("json");
-    json && serde_json::from_slice::<Shape<'_>>(body)
-        .is_ok_and(|s| s.object == "chat.completion" && !s.choices.is_empty())
+    json && serde_json::from_slice::<Shape<'_>>(body).is_ok_and(|s| s.object == "chat.completion")
 }
 
 /// The `x-ratelimit-*` headers of `model`'s bucket as it stands now: none, and neither the
@@ -224,6 +223,8 @@ mod tests {
     fn only_a_chat_completion_is_a_200_answer() {
         let plain = Sent::default();
         assert_eq!(answer(200, "application/json; charset=utf-8", COMPLETION, plain).body, COMPLETION);
+        let no_choices = br#"{"object":"chat.completion","choices":[]}"#;
+        assert_eq!(answer(200, "application/json", no_choices, plain).body, no_choices, "an empty list is a list");
         for (ct, body) in [
             ("text/html", &b"<html>portal</html>"[..]),
             ("text/html", COMPLETION),

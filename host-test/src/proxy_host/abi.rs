@@ -156,6 +156,9 @@ macro_rules! wrap {
                     let mut $caller = &mut $caller;
                     *$caller.data().shared().host_calls.entry($name).or_default() += 1;
                     trace_fuel($caller, $name);
+                    if $caller.data().shared().failing_calls.contains($name) {
+                        return status::INTERNAL_FAILURE;
+                    }
                     $body
                 })
             },

@@ -15,6 +15,7 @@ pub mod status {
     pub const BAD_ARGUMENT: i32 = 2;
     pub const EMPTY: i32 = 7;
     pub const CAS_MISMATCH: i32 = 8;
+    pub const INTERNAL_FAILURE: i32 = 10;
     pub const UNIMPLEMENTED: i32 = 12;
 }
 
@@ -66,6 +67,9 @@ pub struct Shared {
     /// With fuel metered and this set: every host call as (export being run, import
     /// called, fuel left when called), to see what the wasm did between two host calls.
     pub fuel_trace: Option<Vec<(String, &'static str, u64)>>,
+    /// Imports that answer `InternalFailure` whatever they are asked (a host whose calls
+    /// fail in ways the SDK's wrappers do not expect).
+    pub failing_calls: std::collections::BTreeSet<&'static str>,
 }
 
 impl Shared {

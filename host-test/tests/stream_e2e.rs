@@ -182,21 +182,58 @@ fn streams_are_held_to_the_buckets_before_any_byte() {
 
 #[test]
 fn a_stream_is_retried_by_the_route_before_its_first_byte_and_errors_reach_its_waiters() {
-    let s = Stack::start("{}", 0);
+    let config = r#"{"models":{"gpt-4.1":{"requests_per_minute":6,"burst":100}},"retry":{"max_attempts":2}}"#;
+    let s = Stack::start(config, 0);
+    let stat = |name: &str| s.envoy.stat(&format!("wasmcustom.holysheep.gpt-4.1.{name}"));
     s.mock.mock.plan(vec![Fault { status: Some(503), ..Fault::default() }]);
     let retried = s.chat(&streamed(&prompt("retry me")), &[]);
     assert_eq!((retried.status, retried.cache()), (200, "MISS"));
     assert!(assembled(&retried).0.contains("retry me"));
     assert_eq!(s.calls(), 2, "one 503, then the retry");
+    // The router's attempt is the edge's: counted, and charged to the bucket.
+    assert_eq!((stat("upstream_calls"), stat("retries")), (2, 1));
+    let hit = s.chat(&prompt("retry me"), &[]);
+    assert_eq!(hit.cache(), "HIT");
+    assert_eq!(hit.header("x-ratelimit-remaining-requests"), Some("98"), "two requests taken");
+    // The edge's attempts, not the route's two retries: two 503s end it.
+    s.mock.mock.plan(vec![Fault { status: Some(503), ..Fault::default() }; 3]);
+    let failed = s.chat(&streamed(&prompt("fail me twice")), &[]);
+    assert_eq!(failed.status, 503);
+    assert_eq!(s.calls(), 4, "retry.max_attempts: 2, whatever the route's retry_policy says");
+    assert_eq!((stat("upstream_calls"), stat("retries")), (4, 2));
+    s.mock.mock.plan(Vec::new());
 
     let refused = Fault { status: Some(400), delay_ms: 300, ..Fault::default() };
     s.mock.mock.plan(vec![refused]);
     let resps = burst_at(s.envoy.edge, vec![streamed(&prompt("refuse me")); 4], "Bearer t");
-    assert_eq!(s.calls(), 3, "a 400 is not retried, and the waiters share it");
+    assert_eq!(s.calls(), 5, "a 400 is not retried, and the waiters share it");
     for r in &resps {
         assert_eq!((r.status, r.header("content-type")), (400, Some("application/json")), "{}", r.text());
         assert_eq!(r.json()["error"]["code"], "mock_error");
     }
+}
+
+#[test]
+fn a_provider_429_on_a_stream_holds_the_bucket_and_its_waiters_get_the_retry_after() {
+    let config = r#"{"models":{"gpt-4.1":{"requests_per_minute":600}},"retry":{"max_attempts":1},
+                    "rate_limit":{"max_provider_hold_ms":3000}}"#;
+    let s = Stack::start(config, 0);
+    s.mock.mock.plan(vec![Fault {
+        status: Some(429),
+        retry_after: Some("2".into()),
+        delay_ms: 300,
+        ..Fault::default()
+    }]);
+    let resps = burst_at(s.envoy.edge, vec![streamed(&prompt("limit me")); 4], "Bearer t");
+    assert_eq!(s.calls(), 1, "a 429 is not retried by the router");
+    for r in &resps {
+        assert_eq!((r.status, r.header("retry-after")), (429, Some("2")), "leader and waiters: {}", r.text());
+    }
+    // The bucket holds for HolySheep's retry-after, as after a plain call's 429.
+    let held = s.chat(&streamed(&prompt("right after")), &[]);
+    assert_eq!((held.status, held.json()["error"]["code"].as_str()), (429, Some("rate_limit_exceeded")));
+    assert_eq!(s.calls(), 1, "refused by the edge, not sent");
+    assert_eq!(s.envoy.stat("wasmcustom.holysheep.gpt-4.1.provider_rate_limited"), 1);
 }
 
 fn component(mock: &Running) -> Serving {

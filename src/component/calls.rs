@@ -187,7 +187,7 @@ enum Body<'a> {
 }
 
 /// Header pairs with lower-case names (values that are not text are left out).
-fn header_pairs(fields: &Fields) -> Vec<(String, String)> {
+pub(super) fn header_pairs(fields: &Fields) -> Vec<(String, String)> {
     fields
         .entries()
         .into_iter()

@@ -227,6 +227,7 @@ impl Gateway {
             ("x-holysheep-model".to_owned(), flight.model().to_owned()),
         ];
         let mut events = Reassembler::new(outbound.include_usage);
+        let hints = ProviderHints::from_headers(200, &super::calls::header_pairs(&response.headers()));
         let client_body = host::start_response(out, 200, &headers);
         let to = client_body.as_ref().and_then(|b| b.write().ok());
         let complete = match response.consume() {
@@ -251,7 +252,8 @@ impl Gateway {
         // Shared before the client's stream ends, so its next request is a HIT.
         let now = host::now_ms();
         let cut_off = outbound.prompt_estimate() + events.streamed_tokens_estimate();
-        flight.on_stream_end(&self.kv, &self.config, events.usage(), cut_off, now);
+        // One attempt: the component's own loop made (and counted) any before it.
+        flight.on_stream_end(&self.kv, &self.config, events.usage(), cut_off, 1, &hints, now);
         match events.completion().filter(|_| complete) {
             Some(answer) => {
                 self.engine().complete(&call, Some(answer), now);

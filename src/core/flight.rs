@@ -213,22 +213,52 @@ impl Flight {
     }
 
     /// A stream forwarded along the route ended: its bytes went to the client as they came,
-    /// so there is no retry (the route retries before the first byte). Settles the bucket
-    /// from the stream's usage, or from `cut_off_tokens` (an estimate of what was streamed)
-    /// when the stream never reported one.
+    /// after `attempts` tries by Envoy's router before the first byte (on the edge's count
+    /// of attempts: see `STREAM_RETRY_ON`). Every attempt counts as an upstream call and
+    /// takes a request from the bucket; the bucket is settled from the stream's usage, or
+    /// from `cut_off_tokens` (an estimate of what was streamed) when the stream never
+    /// reported one, and adapts to what HolySheep's last answer said (`hints`).
+    #[allow(clippy::too_many_arguments)]
     pub fn on_stream_end(
         &mut self,
         store: &impl CasStore,
         config: &Config,
         usage: Option<(u64, u64)>,
         cut_off_tokens: u64,
+        attempts: u64,
+        hints: &ProviderHints,
         now_ms: u64,
     ) {
         let model = self.model().to_owned();
+        let retries = attempts.saturating_sub(1);
+        for _ in 0..retries {
+            self.events.push(Event::UpstreamCall { model: model.clone() });
+            self.events.push(Event::Retry { model: model.clone() });
+        }
+        self.charge_retries(store, config, retries, now_ms);
         let settled = usage.or(Some((cut_off_tokens, 0)));
-        self.settle(store, config, settled, &ProviderHints::default(), now_ms);
+        self.settle(store, config, settled, hints, now_ms);
         if let Some((prompt, completion)) = usage {
-            self.events.push(Event::Usage { model, prompt, completion });
+            self.events.push(Event::Usage { model: model.clone(), prompt, completion });
+        }
+        if hints.throttled {
+            self.events.push(Event::ProviderRateLimited { model });
+        }
+    }
+
+    /// Takes `retries` more requests from the bucket the call was admitted from. (A model
+    /// owner elsewhere in the fleet learns of them from HolySheep's own rate-limit headers
+    /// in the settlement.)
+    fn charge_retries(&self, store: &impl CasStore, config: &Config, retries: u64, now_ms: u64) {
+        let Some((bucket, m)) = config.model(self.model()) else { return };
+        let l = Limits::of(m);
+        match self.ticket {
+            Some(Ticket::Local(_)) => limits::charge_requests(store, bucket, &l, retries, now_ms),
+            Some(Ticket::Share(_)) => {
+                let share = l.share(config.fleet.nodes);
+                limits::charge_requests(store, &limits::share_bucket(bucket), &share, retries, now_ms);
+            }
+            Some(Ticket::Owner(_)) | None => {}
         }
     }
 
@@ -347,6 +377,14 @@ fn retryable(outcome: Option<&Response>) -> bool {
     outcome.is_none_or(|r| matches!(r.status, 429 | 500 | 502 | 503 | 504))
 }
 
+/// How Envoy's router may retry a stream leader before its first byte (set on the request
+/// as `x-envoy-retry-on` and `x-envoy-retriable-status-codes`, with `x-envoy-max-retries`
+/// from `retry.max_attempts`): what `retryable` retries, but for 429, which goes back to the
+/// flight so that the bucket adapts and the client and waiters get HolySheep's
+/// `retry-after`.
+pub const STREAM_RETRY_ON: &str = "reset,connect-failure,retriable-status-codes";
+pub const STREAM_RETRIABLE_STATUSES: &str = "500,502,503,504";
+
 /// `usage.prompt_tokens` and `usage.completion_tokens` of a chat completion.
 pub fn usage(body: &[u8]) -> Option<(u64, u64)> {
     #[derive(serde::Deserialize)]
@@ -437,6 +475,26 @@ mod tests {
         assert_eq!((r.status, r.header("x-holysheep-model")), (200, Some("gpt-4.1")));
         assert_eq!(f.events.iter().filter(|e| matches!(e, Event::Retry { .. })).count(), 2);
         assert!(f.events.contains(&Event::Usage { model: "gpt-4.1".into(), prompt: 7, completion: 5 }));
+    }
+
+    #[test]
+    fn a_streams_attempts_by_the_router_are_counted_and_charged_and_its_429_holds_the_bucket() {
+        let (s, c) = (MemStore::new(), config(r#"{"models":{"gpt-4.1":{"requests_per_minute":60,"burst":10}}}"#));
+        let l = Limits::of(&c.models["gpt-4.1"]);
+        let mut f = flight(&c, "gpt-4.1");
+        send(f.resume(&s, &c, 0, 1));
+        f.on_stream_end(&s, &c, Some((7, 5)), 0, 3, &ProviderHints::default(), 0);
+        let count = |f: &Flight, e: fn(&Event) -> bool| f.events.iter().filter(|x| e(x)).count();
+        assert_eq!(count(&f, |e| matches!(e, Event::UpstreamCall { .. })), 3, "the first and two router retries");
+        assert_eq!(count(&f, |e| matches!(e, Event::Retry { .. })), 2);
+        assert_eq!(limits::peek(&s, "gpt-4.1", &l, 0).requests, 7.0, "10 - 3 attempts");
+
+        let mut g = flight(&c, "gpt-4.1");
+        send(g.resume(&s, &c, 0, 2));
+        let throttled = ProviderHints { throttled: true, retry_after_ms: Some(5_000), ..Default::default() };
+        g.on_stream_end(&s, &c, None, 0, 1, &throttled, 0);
+        assert!(g.events.contains(&Event::ProviderRateLimited { model: "gpt-4.1".into() }));
+        assert!(limits::peek(&s, "gpt-4.1", &l, 0).requests < 1.0, "held like a plain call's 429");
     }
 
     #[test]

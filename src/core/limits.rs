@@ -382,6 +382,19 @@ pub fn settle(
     });
 }
 
+/// `n` more requests made for a call already admitted (a stream's attempts beyond its first,
+/// which Envoy's router made): taken from the request bucket, which may go below empty.
+pub fn charge_requests(store: &impl CasStore, bucket: &str, l: &Limits, n: u64, now_ms: u64) {
+    if n == 0 || l.rpm.is_none() {
+        return;
+    }
+    let _ = update(store, bucket, l, now_ms, |b| {
+        b.refill(l, now_ms);
+        b.requests -= n as f64;
+        ((), true)
+    });
+}
+
 /// The bucket a node admits its share from when the model's owner node is out of reach
 /// (one more key per configured model).
 pub fn share_bucket(bucket: &str) -> String {

@@ -11,7 +11,7 @@ use super::worker::{Run, StreamEnd, Target};
 use crate::core::cache::Response;
 use crate::core::engine::{Call, Reply};
 use crate::core::error::ApiError;
-use crate::core::flight::{Action, Flight};
+use crate::core::flight::{self, Action, Flight};
 use crate::core::limits::ProviderHints;
 use crate::core::metrics;
 use crate::core::request::Key;
@@ -79,7 +79,7 @@ impl Root {
                         action = self.on_outcome(&mut run, Some(refused), &ProviderHints::default());
                     }
                     Forwarded::Gone => {
-                        let end = StreamEnd { outcome: None, usage: None, streamed_tokens: 0 };
+                        let end = StreamEnd::broken();
                         let ended = self.worker.borrow_mut().complete_stream(run, end);
                         self.send_settlements();
                         if let Some((key, watched)) = ended {
@@ -160,7 +160,16 @@ impl Root {
         }
         let body = run.outbound.body_for(model);
         let length = body.len().to_string();
-        let mut set: Vec<(&str, &str)> = vec![(":path", CHAT_PATH), ("content-length", length.as_str())];
+        // Envoy's router retries before the first byte on the edge's terms, and says how
+        // many attempts it made (`host::upstream_attempts`), each counted and charged.
+        let retries = config.retry.max_attempts.saturating_sub(1).to_string();
+        let mut set: Vec<(&str, &str)> = vec![
+            (":path", CHAT_PATH),
+            ("content-length", length.as_str()),
+            ("x-envoy-max-retries", retries.as_str()),
+            ("x-envoy-retry-on", flight::STREAM_RETRY_ON),
+            ("x-envoy-retriable-status-codes", flight::STREAM_RETRIABLE_STATUSES),
+        ];
         set.extend(run.outbound.headers(bearer.as_deref()).into_iter().filter(|(n, _)| *n != "accept"));
         set.push(("accept", stream::CONTENT_TYPE));
         // Envoy's own: the request id, and the scheme (without which Envoy 1.40 finds no

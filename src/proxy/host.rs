@@ -48,6 +48,14 @@ pub fn received_bytes() -> Option<u64> {
     u64::try_from(i64::from_le_bytes(bytes)).ok()
 }
 
+/// How many times Envoy's router tried the current request upstream (its
+/// `upstream.request_attempt_count`, a uint64); 1 when it cannot tell.
+pub fn upstream_attempts() -> u64 {
+    let raw = hostcalls::get_property(vec!["upstream", "request_attempt_count"]).ok().flatten();
+    let bytes: Option<[u8; 8]> = raw.and_then(|r| r.as_slice().try_into().ok());
+    bytes.map_or(1, u64::from_le_bytes).max(1)
+}
+
 /// Unique-enough 64-bit nonces: a per-VM random seed (WASI `random_get` via std) hashed
 /// with a counter.
 pub struct Nonces {

@@ -16,6 +16,7 @@ use crate::core::engine::{CacheStatus, Engine, Reply, Step};
 use crate::core::error::ApiError;
 use crate::core::hot::{self, Raw};
 use crate::core::intake::{intake_or_known, Head, Intake, Route};
+use crate::core::limits::ProviderHints;
 use crate::core::pairs;
 use crate::core::peer;
 use crate::core::request::{Key, KEY_HEADER, PEER_PATH};
@@ -61,14 +62,12 @@ struct Tee {
     replace: bool,
     /// ... which has been written.
     written: bool,
+    /// Attempts Envoy's router made, and what HolySheep's answer said of its limits.
+    attempts: u64,
+    hints: ProviderHints,
 }
 
 impl Tee {
-    /// A forwarded stream that never got its answer's headers.
-    fn broken() -> StreamEnd {
-        StreamEnd { outcome: None, usage: None, streamed_tokens: 0 }
-    }
-
     fn end(self, complete: bool) -> StreamEnd {
         let streamed_tokens = self.events.as_ref().map_or(0, Reassembler::streamed_tokens_estimate);
         let usage = self.events.as_ref().and_then(Reassembler::usage);
@@ -77,7 +76,7 @@ impl Tee {
             (Some(r), true) => r.completion(),
             (None, true) => Some(self.other),
         };
-        StreamEnd { outcome, usage, streamed_tokens }
+        StreamEnd { outcome, usage, streamed_tokens, attempts: self.attempts, hints: self.hints }
     }
 
     /// The bytes the client gets for this chunk of HolySheep's answer (`None`: as they are).
@@ -257,10 +256,6 @@ fn strip_fleet_headers() {
     }
 }
 
-fn response_header(name: &str) -> Option<String> {
-    host::header(MapType::HttpResponseHeaders, name)
-}
-
 fn set_response_header(name: &str, value: Option<&str>) {
     let _ = hostcalls::set_map_value(MapType::HttpResponseHeaders, name, value);
 }
@@ -271,7 +266,7 @@ impl Context for Chat {
         self.end_stream(false);
         let mut w = self.worker.borrow_mut();
         if w.streams.contains_key(&self.id) {
-            w.stream_ended(self.id, Tee::broken());
+            w.stream_ended(self.id, StreamEnd::broken());
         }
         w.forget(self.id);
         true
@@ -338,8 +333,10 @@ impl HttpContext for Chat {
             return Action::Continue;
         }
         let Some(label) = self.worker.borrow().stream_label(self.id) else { return Action::Continue };
-        let status = response_header(":status").and_then(|s| s.parse().ok()).unwrap_or(502);
-        let content_type = response_header("content-type").unwrap_or_default();
+        let headers = host::headers(MapType::HttpResponseHeaders);
+        let header = |n: &str| headers.iter().find(|(k, _)| k == n).map(|(_, v)| v.clone());
+        let status = header(":status").and_then(|s| s.parse().ok()).unwrap_or(502);
+        let content_type = header("content-type").unwrap_or_default();
         let sse = status == 200 && content_type.contains(stream::CONTENT_TYPE);
         set_response_header("x-holysheep-cache", Some(label.cache.as_str()));
         set_response_header("x-holysheep-key", Some(&label.key));
@@ -349,7 +346,7 @@ impl HttpContext for Chat {
             // The usage event is taken out, or the body replaced: the length changes.
             set_response_header("content-length", None);
         }
-        let retry_after = response_header("retry-after").map(|v| vec![("retry-after".to_owned(), v)]);
+        let retry_after = header("retry-after").map(|v| vec![("retry-after".to_owned(), v)]);
         let other = match &refusal {
             Some(e) => {
                 set_response_header(":status", Some(&e.status.to_string()));
@@ -363,7 +360,8 @@ impl HttpContext for Chat {
         }
         let other = Response { headers: retry_after.unwrap_or_default(), ..other };
         let events = sse.then(|| Reassembler::new(label.include_usage));
-        let tee = Tee { events, other, replace: refusal.is_some(), written: false };
+        let (attempts, hints) = (host::upstream_attempts(), ProviderHints::from_headers(status, &headers));
+        let tee = Tee { events, other, replace: refusal.is_some(), written: false, attempts, hints };
         self.state = State::Teeing(Box::new(tee));
         if end_of_stream {
             self.end_stream(true);

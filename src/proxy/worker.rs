@@ -15,6 +15,7 @@ use crate::core::engine::{CacheStatus, Call, Engine, Reply, Wait};
 use crate::core::error::ApiError;
 use crate::core::flight::Flight;
 use crate::core::hot::{Hot, Raw, Seed};
+use crate::core::limits::ProviderHints;
 use crate::core::metrics::{self, LastUsage, PerCounter};
 use crate::core::peer::Op;
 use crate::core::request::ChatRequest;
@@ -109,6 +110,17 @@ pub struct StreamEnd {
     pub usage: Option<(u64, u64)>,
     /// Completion tokens streamed before the end, estimated.
     pub streamed_tokens: u64,
+    /// Attempts Envoy's router made (retries before the first byte), at least one.
+    pub attempts: u64,
+    /// What HolySheep's answer said about its limits.
+    pub hints: ProviderHints,
+}
+
+impl StreamEnd {
+    /// A forwarded stream that never got its answer's headers (or never left).
+    pub fn broken() -> StreamEnd {
+        StreamEnd { outcome: None, usage: None, streamed_tokens: 0, attempts: 1, hints: ProviderHints::default() }
+    }
 }
 
 /// A cache entry a worker keeps in its own memory, ready to be sent again: the reply (its
@@ -297,7 +309,7 @@ impl Worker {
     pub(super) fn complete_stream(&mut self, mut run: Run, end: StreamEnd) -> Option<(Key, bool)> {
         let now = host::now_ms();
         let cut_off = run.outbound.prompt_estimate() + end.streamed_tokens;
-        run.flight.on_stream_end(&SharedData, &self.config, end.usage, cut_off, now);
+        run.flight.on_stream_end(&SharedData, &self.config, end.usage, cut_off, end.attempts, &end.hints, now);
         self.outbox.append(&mut run.flight.outbox);
         let events = std::mem::take(&mut run.flight.events);
         self.count(events.iter().flat_map(|e| metrics::for_event(&self.config, e)).collect());

@@ -250,3 +250,47 @@ fn the_operator_key_goes_only_on_governed_calls() {
     let framing = mock.mock.last_framing().unwrap_or_default();
     assert!(framing.starts_with("content-length: "), "a body of known length says so, not chunked: {framing}");
 }
+
+/// The trust boundaries of the Envoy shell hold in the component: only real answers are
+/// stored, HolySheep's refusal of the operator's key is the edge's own 502, a repeated
+/// tenant credential and a repeated JSON key are refused before anything is sent.
+#[test]
+fn the_component_trusts_nothing_a_caller_or_the_upstream_chooses() {
+    let operator_key = "sk-operator-in-the-component-9f2e";
+    let refusing = Running::start(Some("sk-another-key-0000"), 0).expect("mock");
+    let s = start(ComponentOptions {
+        wasm: component_path(),
+        listen: ([127, 0, 0, 1], 0).into(),
+        upstream: refusing.addr,
+        env: vec![
+            ("HOLYSHEEP_CONFIG".to_owned(), r#"{"retry":{"max_attempts":1}}"#.to_owned()),
+            ("HOLYSHEEP_API_KEY".to_owned(), operator_key.to_owned()),
+        ],
+    })
+    .expect("component serves");
+    let streamed = prompt("refused in the component").replacen('{', r#"{"stream":true,"#, 1);
+    for body in [prompt("refused in the component"), streamed] {
+        let r = post(&s, &body, &[("authorization", "Bearer sk-client")]);
+        assert_eq!((r.status, r.json()["error"]["code"].as_str()), (502, Some("upstream_auth_failed")), "{}", r.text());
+        assert!(!r.text().contains(&operator_key[operator_key.len() - 4..]), "{}", r.text());
+    }
+    assert_eq!(refusing.mock.calls(), 2);
+
+    let mock = Running::start(None, 0).expect("mock");
+    let s = serve(&mock, r#"{"retry":{"max_attempts":1}}"#);
+    let body = prompt("a portal page in the component");
+    let html =
+        Fault { body: Some("<html>portal</html>".into()), content_type: Some("text/html".into()), ..Fault::default() };
+    mock.mock.plan(vec![html]);
+    let first = post(&s, &body, &[("authorization", "Bearer a")]);
+    assert_eq!((first.status, first.json()["error"]["code"].as_str()), (502, Some("upstream_invalid_answer")));
+    assert_eq!(post(&s, &body, &[("authorization", "Bearer a")]).cache(), "MISS", "nothing was stored");
+    let twice = [("authorization", "Bearer a"), ("authorization", "Bearer b")];
+    let r = post(&s, &body, &twice);
+    assert_eq!((r.status, r.json()["error"]["code"].as_str()), (400, Some("ambiguous_tenant")), "{}", r.text());
+    let repeated = r#"{"model":"gpt-4.1","model":"deepseek-v3","messages":[{"role":"user","content":"hi"}]}"#;
+    let r = post(&s, repeated, &[("authorization", "Bearer a")]);
+    assert_eq!((r.status, r.json()["error"]["code"].as_str()), (400, Some("invalid_json")));
+    assert_eq!(mock.mock.calls(), 2);
+    assert_eq!(s.failures(), 0);
+}

@@ -262,3 +262,12 @@ fn every_waiter_of_a_failed_flight_gets_its_error_while_other_prompts_take_the_w
     assert!(others.iter().all(|r| r.status == 200));
     assert!(s.crashes().is_empty(), "{:?}", s.crashes());
 }
+
+#[test]
+fn a_tenant_header_under_x_holysheep_is_refused_at_configuration() {
+    let mock = Running::start(None, 0).expect("mock");
+    let opts = host_test::envoy::Options::new(r#"{"cache":{"tenant_header":"x-holysheep-tenant"}}"#, mock.addr);
+    let refused = host_test::envoy::Envoy::start(&opts).err().expect("Envoy refuses the filter's configuration");
+    let log = refused.to_string();
+    assert!(log.contains("cache.tenant_header: must not start with x-holysheep-"), "{log}");
+}

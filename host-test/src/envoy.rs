@@ -55,6 +55,9 @@ pub struct Options {
     pub internal_upstream: Option<SocketAddr>,
     /// Envoy speaks HTTP/2 to the mock (as the production config does to HolySheep).
     pub upstream_h2: bool,
+    /// The edge's routes send a request to HolySheep only when it carries `x-tier: gold`,
+    /// and everything else to a cluster `internal` at this address.
+    pub gold_only_upstream: Option<SocketAddr>,
 }
 
 impl Options {
@@ -70,6 +73,7 @@ impl Options {
             edge_access_log: None,
             internal_upstream: None,
             upstream_h2: false,
+            gold_only_upstream: None,
         }
     }
 }
@@ -118,15 +122,34 @@ pub fn access_log(path: &Path) -> String {
 fn with_internal_vhost(yaml: &str, addr: SocketAddr) -> String {
     let vhost = "            - name: internal\n              domains: [\"internal.example\"]\n              \
                  routes: [{match: {prefix: \"/\"}, route: {cluster: internal}}]\n";
-    let cluster = format!(
+    let cluster = internal_cluster(addr);
+    let edge = "            - name: holysheep\n";
+    let yaml = yaml.replacen(edge, &format!("{vhost}{edge}"), 1);
+    format!("{yaml}{cluster}")
+}
+
+/// A cluster `internal` at `addr`, as YAML under `clusters`.
+fn internal_cluster(addr: SocketAddr) -> String {
+    format!(
         "  - name: internal\n    type: STATIC\n    connect_timeout: 2s\n    load_assignment:\n      \
          cluster_name: internal\n      endpoints: [{{lb_endpoints: [{{endpoint: {{address: {{socket_address: \
          {{address: 127.0.0.1, port_value: {}}}}}}}}}]}}]\n",
         addr.port()
-    );
-    let edge = "            - name: holysheep\n";
-    let yaml = yaml.replacen(edge, &format!("{vhost}{edge}"), 1);
-    format!("{yaml}{cluster}")
+    )
+}
+
+/// The edge's HolySheep route matched only with `x-tier: gold`, every other request routed
+/// to a cluster `internal` at `addr`.
+fn with_gold_only_route(yaml: &str, addr: SocketAddr) -> String {
+    let gold = "              - match: {prefix: \"/\", headers: [{name: x-tier, string_match: {exact: gold}}]}\n";
+    let rest = "              - match: {prefix: \"/\"}\n                route: {cluster: internal}\n";
+    let first =
+        "              - match: {prefix: \"/\"}\n                route:\n                  cluster: holysheep\n";
+    let routed = yaml.replacen(first, &first.replacen("              - match: {prefix: \"/\"}\n", gold, 1), 1);
+    let end = "          http_filters:\n";
+    let routed = routed.replacen(end, &format!("{rest}{end}"), 1);
+    let cluster = internal_cluster(addr);
+    format!("{routed}{cluster}")
 }
 
 /// The `holysheep` cluster speaking HTTP/2 (prior knowledge) to the mock.
@@ -172,6 +195,10 @@ impl Envoy {
             None => yaml,
         };
         let yaml = if opts.upstream_h2 { with_h2_upstream(&yaml) } else { yaml };
+        let yaml = match opts.gold_only_upstream {
+            Some(addr) => with_gold_only_route(&yaml, addr),
+            None => yaml,
+        };
         let yaml = if opts.allow_on_headers_stop_iteration {
             yaml
         } else {

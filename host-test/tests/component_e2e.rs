@@ -294,3 +294,21 @@ fn the_component_trusts_nothing_a_caller_or_the_upstream_chooses() {
     assert_eq!(mock.mock.calls(), 2);
     assert_eq!(s.failures(), 0);
 }
+
+/// A creator that took a key's creation claim and died before writing the key (its
+/// instance dropped between the two host calls) strands the claim: the claim is handed out
+/// again, so the model's bucket and the lease group are created and requests are served.
+#[test]
+fn a_creation_claim_stranded_by_a_dead_creator_is_handed_out_again() {
+    let mock = Running::start(None, 0).expect("mock");
+    let s = serve(&mock, r#"{"lock":{"slots":4},"models":{"gpt-4.1":{"requests_per_minute":600}}}"#);
+    for stranded in ["holysheep/bucket/gpt-4.1", "holysheep/lease/0"] {
+        s.memory.put("default", &format!("holysheep/created/{stranded}"), 1i64.to_le_bytes().to_vec());
+    }
+    let resps: Vec<Resp> = (0..8).map(|i| post(&s, &prompt(&format!("stranded {i}")), &[])).collect();
+    assert!(resps.iter().all(|r| r.status == 200), "{:?}", resps.iter().map(|r| r.status).collect::<Vec<_>>());
+    mock.mock.set_latency_ms(500);
+    let coalesced = burst_at(s.addr, vec![prompt("after the claims"); 10], "Bearer a");
+    assert_eq!((count(&coalesced, "MISS"), count(&coalesced, "COALESCED")), (1, 9), "the lease group exists again");
+    assert_eq!(s.failures(), 0);
+}

@@ -271,3 +271,33 @@ fn a_tenant_header_under_x_holysheep_is_refused_at_configuration() {
     let log = refused.to_string();
     assert!(log.contains("cache.tenant_header: must not start with x-holysheep-"), "{log}");
 }
+
+#[test]
+fn a_forwarded_stream_is_routed_by_nothing_the_client_sent_and_a_route_elsewhere_is_latched() {
+    // HolySheep's route needs `x-tier: gold`. A client that sends it passes the first check,
+    // but the stream that leaves carries none of the client's headers: Envoy routes it to
+    // `internal`, which the operator's configuration chose for such requests. The edge sees
+    // the answer come from there, refuses it and every stream after it.
+    let internal = Running::start(None, 0).expect("internal service");
+    let s = Stack::start_tuned(
+        "{}",
+        0,
+        |o| {
+            o.api_key = Some(OPERATOR_KEY.into());
+            o.gold_only_upstream = Some(internal.addr);
+        },
+        Some(OPERATOR_KEY),
+    );
+    let gold = "x-tier: gold\r\nauthorization: Bearer sk-client\r\n";
+    let r = send_raw(&s, &raw_chat("edge", PATH, gold, &streamed(&prompt("gold, then not"))));
+    assert_eq!((r.status, code(&r)), (421, "misdirected_request".to_owned()), "{}", r.text());
+    assert_eq!(internal.mock.calls(), 1, "the configuration's route for the edge's own streams");
+    let headers: Vec<String> = internal.mock.last_headers().into_iter().map(|(n, _)| n).collect();
+    assert!(!headers.iter().any(|n| n == "x-tier"), "nothing of the client's: {headers:?}");
+    assert!(s.envoy.log().contains("streams are refused until the configuration changes"));
+    let again = send_raw(&s, &raw_chat("edge", PATH, gold, &streamed(&prompt("gold again"))));
+    assert_eq!((again.status, code(&again)), (421, "misdirected_request".to_owned()));
+    assert_eq!(internal.mock.calls(), 1, "latched: no stream leaves any more");
+    assert_eq!(s.calls(), 0);
+    assert!(s.crashes().is_empty(), "{:?}", s.crashes());
+}

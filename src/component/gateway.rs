@@ -196,7 +196,7 @@ impl Gateway {
                     };
                     let events = response.status() == 200
                         && host::header(&response.headers(), "content-type")
-                            .is_some_and(|t| t.contains(stream::CONTENT_TYPE));
+                            .is_some_and(|t| stream::is_event_stream(&t));
                     if events {
                         return self.relay(flight, outbound, response, out);
                     }

@@ -34,14 +34,18 @@ impl Kv {
 /// The prefix of the keys that hand out the right to create a key (see `Kv::set`).
 const CREATION_CLAIMS: &str = "holysheep/created/";
 
+/// Claims taken on a key still missing before the right to create it is handed out again.
+const CLAIM_ROUNDS: i64 = 64;
+
 impl Kv {
-    /// Takes the right to create `key`: `true` for exactly one caller ever, by the host's
-    /// atomic increment of a claim key beside it (one per key, so as bounded as the keys).
-    /// A creator that died between its claim and its write leaves the key uncreated: its
-    /// conditional writes fail, and the core goes on without that lease way or slot.
+    /// Takes the right to create `key`, by the host's atomic increment of a claim key beside
+    /// it (one per key, so as bounded as the keys): the first claim wins, and, should the key
+    /// still be missing `CLAIM_ROUNDS` claims later (its creator died between its claim and
+    /// its write), the next one. Two creators then need 64 claims within one creator's two
+    /// host calls.
     fn claim_creation(&self, key: &str) -> Result<bool, StoreError> {
         let claim = format!("{CREATION_CLAIMS}{key}");
-        atomics::increment(&self.bucket, &claim, 1).map(|n| n == 1).map_err(kv_error)
+        atomics::increment(&self.bucket, &claim, 1).map(|n| (n - 1) % CLAIM_ROUNDS == 0).map_err(kv_error)
     }
 }
 

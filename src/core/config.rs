@@ -249,7 +249,7 @@ impl Config {
     }
 
     fn validate(&self) -> Result<(), ConfigError> {
-        let checks: [(bool, &str, &str); 18] = [
+        let checks: [(bool, &str, &str); 19] = [
             (self.cache.hot_bytes > 1 << 30, "cache.hot_bytes", "must be at most 1073741824"),
             (!(1..=1024).contains(&self.fleet.nodes), "fleet.nodes", "must be between 1 and 1024"),
             (self.fleet.peer_secret_env.is_empty(), "fleet.peer_secret_env", "must not be empty"),
@@ -272,6 +272,15 @@ impl Config {
                 self.cache.tenant_header.as_deref().is_some_and(|h| h.starts_with("x-holysheep-")),
                 "cache.tenant_header",
                 "must not start with x-holysheep- (the edge's own headers, removed from clients' requests)",
+            ),
+            (
+                // Headers the edge reads for another purpose: the tenant would never be set.
+                self.cache
+                    .tenant_header
+                    .as_deref()
+                    .is_some_and(|h| ["authorization", "cache-control", "content-length"].contains(&h)),
+                "cache.tenant_header",
+                "must not be authorization (the default scope), cache-control or content-length",
             ),
             (self.lock.lease_ms < 100, "lock.lease_ms", "must be at least 100"),
             (self.lock.wait_timeout_ms == 0, "lock.wait_timeout_ms", "must be at least 1"),
@@ -517,6 +526,8 @@ mod tests {
             (r#"{"upstream":{"cluster":""}}"#, "upstream.cluster"),
             (r#"{"cache":{"tenant_header":"X Tenant"}}"#, "cache.tenant_header"),
             (r#"{"cache":{"tenant_header":"x-holysheep-tenant"}}"#, "x-holysheep-"),
+            (r#"{"cache":{"tenant_header":"authorization"}}"#, "must not be authorization"),
+            (r#"{"cache":{"tenant_header":"cache-control"}}"#, "must not be authorization"),
             (r#"{"max_body_bytes":0}"#, "max_body_bytes"),
         ] {
             let e = Config::parse(raw.as_bytes()).unwrap_err();

@@ -383,12 +383,25 @@ impl<S: CasStore> Engine<'_, S> {
     /// itself, and its answer is not stored.
     fn keep_waiting(&self, wait: Wait, watched: bool, now_ms: u64, nonce: u64) -> Step {
         if !watched && !lease::watch(self.store, &wait.slot, wait.nonce).unwrap_or(true) {
-            return self.decide(&wait.key, wait.policy, now_ms, nonce, Some(wait.since_ms));
+            return self.after_flight(wait, now_ms, nonce);
         }
         if now_ms.saturating_sub(wait.since_ms) >= self.config.lock.wait_timeout_ms {
             Step::Call(self.call(&wait.key, None, wait.policy, false, CacheStatus::Miss, now_ms))
         } else {
             Step::Wait(wait)
+        }
+    }
+
+    /// The flight a waiter was about to mark ended meanwhile: the waiter takes its answer
+    /// from the flight's way (whatever the clocks of the two workers say), or looks again
+    /// from the top when the way holds another flight by now. Should the way still hold
+    /// that flight (the mark lost every race), it waits for the next look.
+    fn after_flight(&self, wait: Wait, now_ms: u64, nonce: u64) -> Step {
+        match lease::read(self.store, &wait.slot) {
+            Ok((State::Leading { nonce: n, expires_ms, .. }, _)) if n == wait.nonce && expires_ms > now_ms => {
+                Step::Wait(wait)
+            }
+            _ => self.poll_with(&wait, now_ms, nonce, &mut None),
         }
     }
 
@@ -568,6 +581,22 @@ mod tests {
         let step = waiter.admit(&k(4), READ, 1_005, 2);
         let r = expect_reply(step);
         assert_eq!((r.cache, r.response.body.as_slice()), (Some(CacheStatus::Coalesced), body.as_bytes()));
+    }
+
+    #[test]
+    fn a_flight_that_ends_before_the_mark_answers_its_waiter_whatever_the_clocks_say() {
+        let (store, config) = (MemStore::new(), Config::default());
+        let e = Engine { store: &store, config: &config };
+        let leader = expect_call(e.admit(&k(6), READ, 1_000, 1));
+        // The leader's worker stamps its end (an error, not stored) 2 ms before the
+        // waiter's clock says the waiter arrived.
+        let finish = || {
+            e.finish_flight(&leader, Some(Response::json(503, b"{}".to_vec())), 1_003);
+        };
+        let racing = AfterLeaseRead { inner: &store, then: std::cell::RefCell::new(Some(Box::new(finish))) };
+        let waiter = Engine { store: &racing, config: &config };
+        let r = expect_reply(waiter.admit(&k(6), READ, 1_005, 2));
+        assert_eq!((r.response.status, r.cache), (503, Some(CacheStatus::Coalesced)), "no second flight");
     }
 
     #[test]

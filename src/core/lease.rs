@@ -82,6 +82,10 @@ pub fn done_hold_ms(config: &Config) -> u64 {
     config.tick_ms().saturating_mul(2)
 }
 
+/// How far ahead of a node's clock another worker's may stamp a finished flight (Envoy's
+/// clock advances per event-loop turn).
+const DONE_CLOCK_SLACK_MS: u64 = 50;
+
 /// The group record `key` leads from, and how many ways it has (`lock.slots` in groups of
 /// four; fewer slots make one smaller group).
 pub fn group_of(config: &Config, key: &Key) -> (String, usize) {
@@ -115,14 +119,17 @@ pub fn acquire(
         let (ways, n) = split(r.value.as_deref().unwrap_or_default(), n);
         // Every way is looked at before one is taken: a live flight of this key, or its
         // answer, may be in any of them. Other keys' records are read in place. A way is
-        // taken in this order: free (never written, garbage, an expired leader), then the
-        // oldest finished flight past `done_hold_ms`; a younger one is still being read by
-        // its waiters.
-        let hold_from = now_ms.saturating_sub(done_hold_ms(config));
-        let mut free: Option<(u64, usize)> = None;
-        let mut offer = |way: usize, done_at: u64| {
-            if free.is_none_or(|(t, _)| done_at < t) {
-                free = Some((done_at, way));
+        // taken in this order: free (never written, garbage, an expired leader); this key's
+        // own finished flight (its waiters that have not read it look again and wait on the
+        // new one); another key's finished flight nobody waited on (`d`); another key's
+        // waited-on flight past `done_hold_ms`, oldest first. A younger one is still being
+        // read by its waiters (one dated in the future, by a clock stepped back, is not
+        // protected).
+        let (hold_from, hold_until) = (now_ms.saturating_sub(done_hold_ms(config)), now_ms + DONE_CLOCK_SLACK_MS);
+        let mut free: Option<((u8, u64), usize)> = None;
+        let mut offer = |way: usize, rank: (u8, u64)| {
+            if free.is_none_or(|(r, _)| rank < r) {
+                free = Some((rank, way));
             }
         };
         for (way, record) in ways[..n].iter().enumerate() {
@@ -139,24 +146,25 @@ pub fn acquire(
                     }
                     // Another key's live flight.
                     Some(p) if p.time > now_ms => {}
-                    _ => offer(way, 0),
+                    _ => offer(way, (0, 0)),
                 },
-                (b"D", true) => match decode(record) {
+                (b"D" | b"d", true) => match decode(record) {
                     Some(State::Done { response, done_at_ms, stale_from_ms, in_cache, .. })
                         if done_at_ms >= since_ms =>
                     {
                         return Ok(Acquire::Answered { response, done_at_ms, stale_from_ms, in_cache });
                     }
-                    Some(State::Done { done_at_ms, .. }) if done_at_ms > hold_from => {}
-                    Some(State::Done { done_at_ms, .. }) => offer(way, done_at_ms.max(1)),
-                    _ => offer(way, 0),
+                    Some(State::Done { done_at_ms, .. }) => offer(way, (1, done_at_ms)),
+                    _ => offer(way, (0, 0)),
                 },
                 (b"D", false) => match peek(record) {
-                    Some(p) if p.time > hold_from => {}
-                    Some(p) => offer(way, p.time.max(1)),
-                    None => offer(way, 0),
+                    Some(p) if p.time > hold_from && p.time <= hold_until => {}
+                    Some(p) => offer(way, (2, p.time)),
+                    None => offer(way, (0, 0)),
                 },
-                _ => offer(way, 0),
+                // Another key's flight that nobody waited on: as good as free.
+                (b"d", false) => offer(way, (0, 0)),
+                _ => offer(way, (0, 0)),
             }
         }
         let free = free.map(|(_, way)| way);
@@ -204,7 +212,11 @@ pub fn finish(
     in_cache: bool,
 ) -> Result<Option<bool>, StoreError> {
     let value = done(&lease.key, lease.nonce, now_ms, response, stale_from_ms, in_cache);
-    update_if_owner(store, lease, |_| Cow::Borrowed(&value[..]))
+    // A flight nobody waited on is marked so (`d`): no waiter needs its way kept.
+    update_if_owner(store, lease, |watched| match watched {
+        true => Cow::Borrowed(&value[..]),
+        false => Cow::Owned([&b"d"[..], value.get(1..).unwrap_or_default()].concat()),
+    })
 }
 
 /// Gives the lease up without an answer (a stream that broke off): the way reads as
@@ -327,7 +339,7 @@ fn peek(raw: &[u8]) -> Option<Peek<'_>> {
     let ([kind, key, nonce, time], rest) = codec::fields::<4>(raw)?;
     let kind = match kind {
         b"L" => b'L',
-        b"D" => b'D',
+        b"D" | b"d" => b'D',
         _ => return None,
     };
     Some(Peek { kind, key, nonce: codec::number(nonce)?, time: codec::number(time)?, rest })
@@ -372,7 +384,7 @@ fn decode(raw: &[u8]) -> Option<State> {
                 watched: body == b"w",
             })
         }
-        b'D' => {
+        b'D' | b'd' => {
             let (f, body) = codec::decode::<8>(raw)?;
             let (stale_from_ms, in_cache) = match f[7].strip_prefix("stale:") {
                 Some(t) => (Some(codec::number(t)?), false),
@@ -492,6 +504,7 @@ mod tests {
         let (s, mut c) = (MemStore::new(), Config::default());
         c.lock.slots = 1;
         let Acquire::Acquired(lease) = acquire(&s, &c, &key(1), 1, 0, 0).unwrap() else { panic!() };
+        assert!(watch(&s, &lease.slot, 1).unwrap(), "someone waits on it");
         finish(&s, &lease, &resp(200), 10, None, false).unwrap();
         let shared = acquire(&s, &c, &key(1), 2, 11, 5).unwrap();
         assert!(matches!(shared, Acquire::Answered { done_at_ms: 10, .. }), "{shared:?}");
@@ -499,6 +512,48 @@ mod tests {
         let before = held_until - 1;
         assert_eq!(acquire(&s, &c, &key(2), 3, before, before).unwrap(), Acquire::Busy, "still being read");
         assert!(matches!(acquire(&s, &c, &key(2), 3, held_until, held_until).unwrap(), Acquire::Acquired(_)));
+    }
+
+    #[test]
+    fn a_finished_flight_nobody_waited_on_frees_its_way_at_once() {
+        let (s, mut c) = (MemStore::new(), Config::default());
+        c.lock.slots = 1;
+        let Acquire::Acquired(lease) = acquire(&s, &c, &key(1), 1, 0, 0).unwrap() else { panic!() };
+        finish(&s, &lease, &resp(200), 10, None, false).unwrap();
+        assert!(matches!(read(&s, &lease.slot).unwrap().0, State::Done { nonce: 1, .. }), "still its answer");
+        assert!(matches!(acquire(&s, &c, &key(2), 2, 11, 11).unwrap(), Acquire::Acquired(_)));
+    }
+
+    #[test]
+    fn a_key_whose_answers_are_not_stored_reuses_its_own_finished_way_instead_of_going_alone() {
+        let (s, mut c) = (MemStore::new(), Config::default());
+        c.lock.slots = 4;
+        // One key's flights fail fast, one after another: four ways fill with its answers.
+        for i in 0..8u64 {
+            let now = i * 10;
+            match acquire(&s, &c, &key(1), i + 1, now, now).unwrap() {
+                Acquire::Acquired(l) => {
+                    watch(&s, &l.slot, i + 1).unwrap();
+                    finish(&s, &l, &resp(503), now + 5, None, false).unwrap()
+                }
+                other => panic!("flight {i}: {other:?}"),
+            };
+        }
+        // Another key still finds no way to spare while those answers are young.
+        let keys: Vec<Key> = (0..400u32).map(key).collect();
+        let home = group_of(&c, &key(1)).0;
+        let other = keys.iter().find(|k| group_of(&c, k).0 == home && **k != key(1)).unwrap();
+        assert_eq!(acquire(&s, &c, other, 99, 80, 80).unwrap(), Acquire::Busy);
+    }
+
+    #[test]
+    fn a_finished_flight_dated_in_the_future_is_not_protected() {
+        let (s, mut c) = (MemStore::new(), Config::default());
+        c.lock.slots = 1;
+        let Acquire::Acquired(l) = acquire(&s, &c, &key(1), 1, 0, 0).unwrap() else { panic!() };
+        // Stamped by a clock an hour ahead (this node's clock was stepped back).
+        finish(&s, &l, &resp(200), 3_600_000, None, false).unwrap();
+        assert!(matches!(acquire(&s, &c, &key(2), 2, 10, 10).unwrap(), Acquire::Acquired(_)));
     }
 
     #[test]
@@ -511,6 +566,7 @@ mod tests {
         // Two flights finish (at 10 and 20): a third prompt takes a never-used way.
         for (i, at) in [(0, 20), (1, 10)] {
             let Acquire::Acquired(l) = acquire(&s, &c, group[i], i as u64 + 1, 0, 0).unwrap() else { panic!() };
+            watch(&s, &l.slot, i as u64 + 1).unwrap();
             finish(&s, &l, &resp(200), at, None, false).unwrap();
         }
         let Acquire::Acquired(third) = acquire(&s, &c, group[2], 3, 30, 30).unwrap() else { panic!() };

@@ -97,6 +97,9 @@ pub struct ProviderHints {
     pub throttled: bool,
     pub retry_after_ms: Option<u64>,
     /// HolySheep refused the operator's key (401, 403): no other attempt can do better.
+    /// Not part of the fleet's settlement message (model owners of other versions
+    /// refuse fields they do not know).
+    #[serde(skip)]
     pub key_refused: bool,
 }
 

@@ -12,6 +12,18 @@ use std::mem::discriminant;
 
 pub const CONTENT_TYPE: &str = "text/event-stream";
 
+/// Whether a `content-type` names an event stream (media types are case-insensitive).
+pub fn is_event_stream(content_type: &str) -> bool {
+    content_type.to_ascii_lowercase().contains(CONTENT_TYPE)
+}
+
+/// Bytes of events past which the answer is no longer assembled (it could not be stored).
+const MAX_ANSWER_BYTES: usize = 16 << 20;
+/// An unfinished event longer than this is passed on as it is, and the answer not kept.
+const MAX_PENDING_BYTES: usize = MAX_ANSWER_BYTES;
+/// Items with an `index` one list may hold (tool calls): each later piece looks its item up.
+const MAX_INDEXED_ITEMS: usize = 1024;
+
 /// Characters of content (or tool-call arguments) per replayed event.
 pub const PIECE_CHARS: usize = 24;
 
@@ -39,8 +51,10 @@ pub struct Reassembler {
     choices: BTreeMap<u64, Map<String, Value>>,
     usage: Option<Value>,
     done: bool,
-    /// An event was not JSON, or a field did not merge.
+    /// An event was not JSON, or a field did not merge, or the answer grew past the bounds.
     malformed: bool,
+    /// Bytes of the events read so far.
+    read_bytes: usize,
     streamed_chars: u64,
 }
 
@@ -63,6 +77,11 @@ impl Reassembler {
             start = end + sep;
         }
         tail.drain(..start);
+        if tail.len() > MAX_PENDING_BYTES {
+            // No event is that long: pass it on, and keep nothing of this answer.
+            self.malformed = true;
+            out.append(&mut tail);
+        }
         // A separator may yet start in the last three bytes, completed by the next chunk.
         self.searched = tail.len().saturating_sub(3);
         self.tail = tail;
@@ -108,7 +127,12 @@ impl Reassembler {
 
     /// Reads one event (without its separator); `false` when it is not to be passed on.
     fn read_event(&mut self, event: &[u8]) -> bool {
-        let text = String::from_utf8_lossy(event);
+        self.read_bytes = self.read_bytes.saturating_add(event.len());
+        self.malformed |= self.read_bytes > MAX_ANSWER_BYTES;
+        let Ok(text) = std::str::from_utf8(event) else {
+            self.malformed = true;
+            return true;
+        };
         let data: Vec<&str> =
             text.lines().filter_map(|l| l.strip_prefix("data:")).map(|d| d.strip_prefix(' ').unwrap_or(d)).collect();
         if data.is_empty() {
@@ -140,7 +164,8 @@ impl Reassembler {
         let forward = usage.is_none() || self.forward_usage || !choices.is_empty();
         self.streamed_chars += choices.iter().map(|c| streamed_chars(&c["delta"])).sum::<u64>();
         chunk.remove("object");
-        if self.read_fields(chunk, choices).is_err() {
+        // An answer that cannot be kept is not assembled any further.
+        if !self.malformed && self.read_fields(chunk, choices).is_err() {
             self.malformed = true;
         }
         if usage.is_some() {
@@ -228,8 +253,10 @@ fn extend(into: &mut Vec<Value>, from: Vec<Value>) -> Result<(), Conflict> {
         if into.first().is_some_and(|first| indexed(first).is_some() != index.is_some()) {
             return Err(Conflict);
         }
+        let full = index.is_some() && into.len() >= MAX_INDEXED_ITEMS;
         match index.and_then(|i| into.iter_mut().rev().find(|x| indexed(x) == Some(i))) {
             Some(same) => merge(same, item)?,
+            None if full => return Err(Conflict),
             None => into.push(item),
         }
     }
@@ -388,6 +415,35 @@ fn pieces(text: &str) -> Vec<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn streams_past_the_bounds_pass_on_unchanged_and_are_not_kept() {
+        let done = b"data: [DONE]\n\n".to_vec();
+        let event = |v: Value| format!("data: {v}\n\n").into_bytes();
+        let finish =
+            event(json!({"id": "x", "choices": [{"index": 0, "delta": {"content": "hi"}, "finish_reason": "stop"}]}));
+        // Not UTF-8: passed on, no answer.
+        let mut r = Reassembler::new(false);
+        let bad = b"data: {\"id\":\"\xff\"}\n\n".to_vec();
+        assert_eq!(
+            r.push(&[bad.clone(), finish.clone(), done.clone()].concat()),
+            [bad, finish.clone(), done.clone()].concat()
+        );
+        assert!(r.completion().is_none());
+        // An event that never ends: its bytes go on, not into memory.
+        let mut r = Reassembler::new(false);
+        let endless = vec![b'x'; MAX_PENDING_BYTES + 1];
+        assert_eq!(r.push(&endless), endless);
+        r.push(&[finish.clone(), done.clone()].concat());
+        assert!(r.completion().is_none());
+        // More tool calls than a list may index.
+        let mut r = Reassembler::new(false);
+        for i in 0..=MAX_INDEXED_ITEMS {
+            r.push(&event(json!({"choices": [{"index": 0, "delta": {"tool_calls": [{"index": i, "id": "c"}]}}]})));
+        }
+        r.push(&[finish, done].concat());
+        assert!(r.completion().is_none());
+    }
 
     fn sse(chunks: &[Value]) -> Vec<u8> {
         let mut out: Vec<u8> = chunks.iter().flat_map(|c| format!("data: {c}\n\n").into_bytes()).collect();

@@ -7,7 +7,7 @@ use super::error::ApiError;
 use super::limits::{self, Limits, ProviderHints};
 use super::request::for_upstream;
 use super::store::CasStore;
-use super::stream::CONTENT_TYPE;
+use super::stream::is_event_stream;
 use std::borrow::Cow;
 
 /// What an upstream call needs from the client's request.
@@ -101,8 +101,7 @@ pub fn refused(status: u16, content_type: &str, sent: Sent) -> Option<ApiError> 
             KEY_REFUSED,
         ));
     }
-    let events = content_type.to_ascii_lowercase().contains(CONTENT_TYPE);
-    (sent.stream && status == 200 && !events).then(|| not_an_answer(content_type, sent))
+    (sent.stream && status == 200 && !is_event_stream(content_type)).then(|| not_an_answer(content_type, sent))
 }
 
 fn not_an_answer(content_type: &str, sent: Sent) -> ApiError {

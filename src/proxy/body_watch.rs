@@ -1,10 +1,11 @@
 //! Notices Envoy's missing `allow_on_headers_stop_iteration: true`. Without it Envoy never
 //! delivers the body to a filter that paused on request headers, and every chat request
 //! would hang. A VM that has never received a request body and holds a request paused on
-//! its headers for `STALL_MS` looks for evidence: Envoy has received bytes of that
-//! request's body (its `request.total_size` grew) that never reached the filter. Only then
-//! is the request answered with a 500 naming the setting (logged once); a slow client whose
-//! body has not arrived waits on. The first body that arrives proves the setting is on and
+//! its headers for `STALL_MS` looks for evidence that Envoy has body bytes the filter never
+//! got: the request's `request.total_size` grew since it paused, or already holds its whole
+//! declared body (a filter before this one held the headers while the body came). Only
+//! then is the request answered with a 500 naming the setting (logged once); a slow client
+//! whose body has not arrived waits on. The first body that arrives proves the setting is on and
 //! disarms the watch for good.
 
 use super::ids::IdMap;
@@ -18,18 +19,37 @@ pub const MESSAGE: &str = "the edge is misconfigured: the Envoy wasm filter need
 #[derive(Default)]
 pub struct BodyWatch {
     armed_off: bool,
-    /// Paused requests: since when, and the bytes Envoy had received of each then.
-    paused: IdMap<(u64, u64)>,
+    paused: IdMap<Paused>,
     reported: bool,
 }
 
+/// A request paused on its headers, as the watch knows it.
+#[derive(Debug, Clone, Copy)]
+pub struct Paused {
+    pub since_ms: u64,
+    /// Envoy's `request.total_size` then (`None`: it could not tell).
+    pub received: Option<u64>,
+    /// Bytes of the request's headers (names and values), and its declared body length.
+    pub header_bytes: u64,
+    pub declared: Option<u64>,
+}
+
+impl Paused {
+    /// Whether `total` (Envoy's `request.total_size` now) shows body bytes the filter
+    /// never got.
+    fn body_withheld(&self, total: u64) -> bool {
+        let grown = self.received.is_some_and(|before| total > before);
+        let whole = self.declared.is_some_and(|n| n > 0 && total.saturating_sub(self.header_bytes) >= n);
+        grown || whole
+    }
+}
+
 impl BodyWatch {
-    /// Request `id` paused on its headers at `now_ms()`, waiting for its body, when Envoy had
-    /// received `received()` bytes of it (both read only while the watch is armed: host
-    /// calls saved on every later request).
-    pub fn paused(&mut self, id: u32, now_ms: impl FnOnce() -> u64, received: impl FnOnce() -> u64) {
+    /// Request `id` paused on its headers, waiting for its body; `paused()` is asked only
+    /// while the watch is armed (host calls saved on every later request).
+    pub fn paused(&mut self, id: u32, paused: impl FnOnce() -> Paused) {
         if !self.armed_off {
-            self.paused.insert(id, (now_ms(), received()));
+            self.paused.insert(id, paused());
         }
     }
 
@@ -45,9 +65,9 @@ impl BodyWatch {
         self.paused.remove(&id);
     }
 
-    /// The requests that waited `STALL_MS` for a body Envoy has received part of since they
-    /// paused (`received(id)`: the bytes now; `None` when it cannot tell): no longer
-    /// watched. And whether this is the first time the watch reports any.
+    /// The requests that waited `STALL_MS` while Envoy withheld body bytes from the filter
+    /// (`received(id)`: its `request.total_size` now; `None` when it cannot tell): no
+    /// longer watched. And whether this is the first time the watch reports any.
     pub fn stalled(&mut self, now_ms: u64, mut received: impl FnMut(u32) -> Option<u64>) -> (Vec<u32>, bool) {
         if self.armed_off {
             return (Vec::new(), false);
@@ -55,8 +75,8 @@ impl BodyWatch {
         let ids: Vec<u32> = self
             .paused
             .iter()
-            .filter(|(_, (since, _))| now_ms.saturating_sub(*since) >= STALL_MS)
-            .filter(|(id, (_, before))| received(**id).is_some_and(|now| now > *before))
+            .filter(|(_, p)| now_ms.saturating_sub(p.since_ms) >= STALL_MS)
+            .filter(|(id, p)| received(**id).is_some_and(|total| p.body_withheld(total)))
             .map(|(id, _)| *id)
             .collect();
         for id in &ids {
@@ -72,19 +92,28 @@ impl BodyWatch {
 mod tests {
     use super::*;
 
+    fn paused(received: Option<u64>, declared: Option<u64>) -> impl FnOnce() -> Paused {
+        move || Paused { since_ms: 0, received, header_bytes: 100, declared }
+    }
+
     #[test]
     fn only_a_body_envoy_received_and_never_delivered_is_evidence() {
         let mut w = BodyWatch::default();
-        w.paused(1, || 0, || 300);
-        w.paused(2, || 0, || 300);
+        w.paused(1, paused(Some(300), Some(42)));
+        w.paused(2, paused(Some(300), Some(42)));
         let received = |id: u32| Some(if id == 1 { 300 + 42 } else { 300 });
         assert_eq!(w.stalled(STALL_MS - 1, received), (vec![], false), "not before STALL_MS");
         assert_eq!(w.stalled(STALL_MS, received), (vec![1], true), "2 is only a slow client");
         assert_eq!(w.stalled(10 * STALL_MS, received), (vec![], false), "2 waits on");
-        w.paused(3, || 0, || 10);
-        assert_eq!(w.stalled(STALL_MS, |_| Some(11)), (vec![3], false), "reported once");
-        w.paused(4, || 0, || 10);
+        // The whole body already at Envoy when the request paused (an earlier filter held
+        // its headers): 100 bytes of headers and 42 of body.
+        w.paused(3, paused(Some(142), Some(42)));
+        assert_eq!(w.stalled(STALL_MS, |_| Some(142)), (vec![3], false), "reported once");
+        // A total that cannot be read at first is no growth.
+        w.paused(4, paused(None, Some(42)));
+        assert_eq!(w.stalled(STALL_MS, |_| Some(120)), (vec![], false));
+        w.paused(5, paused(Some(100), None));
         w.body_arrived();
-        assert_eq!(w.stalled(STALL_MS, |_| Some(11)), (vec![], false), "disarmed by a body");
+        assert_eq!(w.stalled(STALL_MS, |_| Some(999)), (vec![], false), "disarmed by a body");
     }
 }

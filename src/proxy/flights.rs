@@ -135,29 +135,33 @@ impl Root {
     }
 
     /// A stream leader goes along the route (Envoy's router streams the answer back while
-    /// the http context tees it), when the route leads to `upstream.cluster`: its body asks
-    /// for the usage event, on `model`; its headers are the ones a callout sends (the
-    /// configured key, no compression: the tee reads the events), its path the canonical
-    /// one (no query string). Every other client header stays behind. (The route's own
-    /// `host_rewrite_literal` names HolySheep's host, as in `envoy/production.yaml`.)
+    /// the http context tees it), when the route Envoy chose for the client's request
+    /// leads to `upstream.cluster`. Envoy routes the request again once the filter changes
+    /// its headers, and tells the filter the new route only after it was taken, so the
+    /// request that leaves carries nothing of the client's that routing could look at: the
+    /// canonical path, `upstream.authority`, the scheme, Envoy's request id, and the
+    /// headers a callout sends (the configured key, no compression: the tee reads the
+    /// events). Its body asks for the usage event, on `model`. The route that answers is
+    /// checked again when its answer arrives (`Chat::on_http_response_headers`).
     fn forward(&self, run: &Run, model: &str) -> Forwarded {
         let id = run.context_id;
-        let (config, bearer) = {
+        let (config, bearer, latched) = {
             let w = self.worker.borrow();
-            (w.config.clone(), w.bearer.clone())
+            (w.config.clone(), w.bearer.clone(), w.streams_misrouted())
         };
         if !self.worker.borrow().is_live(id) || hostcalls::set_effective_context(id).is_err() {
             return Forwarded::Gone;
         }
-        // The cluster of the route Envoy chose (Envoy 1.40 answers `xds.cluster_name`; the
-        // older top-level `cluster_name` is empty before an upstream host is picked).
-        let cluster = hostcalls::get_property(vec!["xds", "cluster_name"]).ok().flatten();
-        if cluster.as_deref() != Some(config.upstream.cluster.as_bytes()) {
-            let shown = cluster.map_or_else(|| "none".to_owned(), |c| host::text(c).chars().take(128).collect());
-            let want = &config.upstream.cluster;
-            host::log(LogLevel::Warn, &format!("holysheep: a stream's route leads to cluster '{shown}', not '{want}'"));
+        if latched || !host::routed_to(&config.upstream.cluster) {
             return Forwarded::Misrouted;
         }
+        let head = host::headers(MapType::HttpRequestHeaders);
+        if head.is_empty() {
+            // Unreadable: the client's headers could not be taken off.
+            return Forwarded::Gone;
+        }
+        let value = |name: &str| head.iter().find(|(n, _)| n == name).map(|(_, v)| v.clone());
+        let scheme = value(":scheme").or_else(|| value("x-forwarded-proto")).unwrap_or_else(|| "http".into());
         let body = run.outbound.body_for(model);
         let length = body.len().to_string();
         // Envoy's router retries before the first byte on the edge's terms, and says how
@@ -165,6 +169,9 @@ impl Root {
         let retries = config.retry.max_attempts.saturating_sub(1).to_string();
         let mut set: Vec<(&str, &str)> = vec![
             (":path", CHAT_PATH),
+            (":authority", config.upstream.authority.as_str()),
+            // Without it Envoy 1.40 finds no route for the rewritten request.
+            ("x-forwarded-proto", scheme.as_str()),
             ("content-length", length.as_str()),
             ("x-envoy-max-retries", retries.as_str()),
             ("x-envoy-retry-on", flight::STREAM_RETRY_ON),
@@ -172,13 +179,12 @@ impl Root {
         ];
         set.extend(run.outbound.headers(bearer.as_deref()).into_iter().filter(|(n, _)| *n != "accept"));
         set.push(("accept", stream::CONTENT_TYPE));
-        // Envoy's own: the request id, and the scheme (without which Envoy 1.40 finds no
-        // route once the filter's header changes make it match the route again).
-        let stays = |n: &str| n.starts_with(':') || n == "x-request-id" || n == "x-forwarded-proto";
-        let gone: Vec<String> =
-            host::headers(MapType::HttpRequestHeaders).into_iter().map(|(n, _)| n).filter(|n| !stays(n)).collect();
+        let stays = |n: &str| n.starts_with(':') || n == "x-request-id";
+        let gone = head.iter().map(|(n, _)| n).filter(|n| !stays(n));
+        let trailers = host::headers(MapType::HttpRequestTrailers);
         let done = hostcalls::set_buffer(BufferType::HttpRequestBody, 0, usize::MAX, &body).is_ok()
-            && gone.iter().all(|n| hostcalls::set_map_value(MapType::HttpRequestHeaders, n, None).is_ok())
+            && gone.into_iter().all(|n| hostcalls::set_map_value(MapType::HttpRequestHeaders, n, None).is_ok())
+            && trailers.iter().all(|(n, _)| hostcalls::set_map_value(MapType::HttpRequestTrailers, n, None).is_ok())
             && set.iter().all(|(n, v)| hostcalls::set_map_value(MapType::HttpRequestHeaders, n, Some(v)).is_ok())
             && hostcalls::resume_http_request().is_ok();
         if done {
@@ -297,7 +303,7 @@ impl Root {
         let body = host::buffer(BufferType::HttpCallResponseBody, body_size);
         let (response, hints) = upstream::response(status, &headers, body, self.sent(&run.outbound));
         if hints.key_refused {
-            key_check::report_key_refused(&self.worker.borrow().config.upstream.api_key_env, status);
+            key_check::report_key_refused(&mut self.worker.borrow_mut(), status);
         }
         (Some(response), hints)
     }

@@ -48,6 +48,19 @@ pub fn received_bytes() -> Option<u64> {
     u64::try_from(i64::from_le_bytes(bytes)).ok()
 }
 
+/// Whether the route Envoy chose for the current request leads to `cluster` (its
+/// `xds.cluster_name`; logged when it does not). Envoy answers the route it last chose: a
+/// change of the request's headers routes it again only as it leaves.
+pub fn routed_to(cluster: &str) -> bool {
+    let routed = hostcalls::get_property(vec!["xds", "cluster_name"]).ok().flatten();
+    if routed.as_deref() == Some(cluster.as_bytes()) {
+        return true;
+    }
+    let shown: String = routed.map_or_else(|| "none".to_owned(), |c| text(c).chars().take(128).collect());
+    log(LogLevel::Warn, &format!("holysheep: a stream's route leads to cluster '{shown}', not '{cluster}'"));
+    false
+}
+
 /// How many times Envoy's router tried the current request upstream (its
 /// `upstream.request_attempt_count`, a uint64); 1 when it cannot tell.
 pub fn upstream_attempts() -> u64 {

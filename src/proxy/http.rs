@@ -7,9 +7,10 @@
 const ERROR_BODY_LIMIT: usize = 65_536;
 
 use super::abi as hostcalls;
+use super::body_watch::Paused;
 use super::host::{self, SharedData};
 use super::key_check;
-use super::worker::{Shared, StreamEnd, Target};
+use super::worker::{Shared, StreamEnd, Target, MISROUTED_KEY};
 use crate::core::cache::Response;
 use crate::core::config::Role;
 use crate::core::engine::{CacheStatus, Engine, Reply, Step};
@@ -20,10 +21,11 @@ use crate::core::limits::ProviderHints;
 use crate::core::pairs;
 use crate::core::peer;
 use crate::core::request::{Key, KEY_HEADER, PEER_PATH};
+use crate::core::store::CasStore;
 use crate::core::stream::{self, Reassembler};
 use crate::core::upstream::{self, Outbound};
 use proxy_wasm::traits::{Context, HttpContext};
-use proxy_wasm::types::{Action, BufferType, MapType};
+use proxy_wasm::types::{Action, BufferType, LogLevel, MapType};
 use std::rc::Rc;
 
 pub struct Chat {
@@ -238,6 +240,28 @@ impl Chat {
         Some(Action::Pause)
     }
 
+    /// The route that answered a forwarded stream leads elsewhere than `upstream.cluster`
+    /// (its route for `upstream.authority` does): the edge refuses this answer and every
+    /// stream from now on.
+    fn misrouted(&self) -> Option<ApiError> {
+        let cluster = self.worker.borrow().config.upstream.cluster.clone();
+        if host::routed_to(&cluster) {
+            return None;
+        }
+        self.worker.borrow_mut().streams_misrouted = true;
+        let latch = self.worker.borrow().misroute_latch();
+        let _ = SharedData.set(MISROUTED_KEY, latch.as_bytes(), None);
+        host::log(
+            LogLevel::Error,
+            &format!(
+                "holysheep: a stream went to another cluster than '{cluster}' with the configured key: the route \
+                 for upstream.authority must lead to it; streams are refused until the configuration changes \
+                 (or Envoy restarts)"
+            ),
+        );
+        Some(ApiError::misdirected())
+    }
+
     /// The forwarded stream ended (`complete`: the upstream finished its answer).
     fn end_stream(&mut self, complete: bool) {
         if let State::Teeing(tee) = std::mem::replace(&mut self.state, State::Ended) {
@@ -296,8 +320,13 @@ impl HttpContext for Chat {
         if end_of_stream {
             return self.handle(Vec::new());
         }
-        let received = || host::received_bytes().unwrap_or(0);
-        self.worker.borrow_mut().body_watch.paused(self.id, host::now_ms, received);
+        let declared = self.head.content_length;
+        let paused = || {
+            let pairs = pairs::parse(&raw).unwrap_or_default();
+            let header_bytes = pairs.iter().map(|(n, v)| (n.len() + v.len()) as u64).sum();
+            Paused { since_ms: host::now_ms(), received: host::received_bytes(), header_bytes, declared }
+        };
+        self.worker.borrow_mut().body_watch.paused(self.id, paused);
         Action::Pause
     }
 
@@ -337,11 +366,11 @@ impl HttpContext for Chat {
         let header = |n: &str| headers.iter().find(|(k, _)| k == n).map(|(_, v)| v.clone());
         let status = header(":status").and_then(|s| s.parse().ok()).unwrap_or(502);
         let content_type = header("content-type").unwrap_or_default();
-        let sse = status == 200 && content_type.contains(stream::CONTENT_TYPE);
+        let sse = status == 200 && stream::is_event_stream(&content_type);
         set_response_header("x-holysheep-cache", Some(label.cache.as_str()));
         set_response_header("x-holysheep-key", Some(&label.key));
         set_response_header("x-holysheep-model", Some(&label.model));
-        let refusal = upstream::refused(status, &content_type, label.sent);
+        let refusal = self.misrouted().or_else(|| upstream::refused(status, &content_type, label.sent));
         if (sse && !label.include_usage) || refusal.is_some() {
             // The usage event is taken out, or the body replaced: the length changes.
             set_response_header("content-length", None);
@@ -349,6 +378,11 @@ impl HttpContext for Chat {
         let retry_after = header("retry-after").map(|v| vec![("retry-after".to_owned(), v)]);
         let other = match &refusal {
             Some(e) => {
+                // The edge's own answer: none of what came with the body it replaces.
+                let kept = |n: &str| n.starts_with(':') || n.starts_with("x-holysheep-") || n == "retry-after";
+                for (name, _) in headers.iter().filter(|(n, _)| !kept(n)) {
+                    set_response_header(name, None);
+                }
                 set_response_header(":status", Some(&e.status.to_string()));
                 set_response_header("content-type", Some("application/json"));
                 Response::json(e.status, e.body())
@@ -356,10 +390,10 @@ impl HttpContext for Chat {
             None => Response { status, content_type, headers: Vec::new(), body: Vec::new() },
         };
         if refusal.as_ref().is_some_and(|e| e.code == upstream::KEY_REFUSED) {
-            key_check::report_key_refused(&self.worker.borrow().config.upstream.api_key_env, status);
+            key_check::report_key_refused(&mut self.worker.borrow_mut(), status);
         }
         let other = Response { headers: retry_after.unwrap_or_default(), ..other };
-        let events = sse.then(|| Reassembler::new(label.include_usage));
+        let events = (sse && refusal.is_none()).then(|| Reassembler::new(label.include_usage));
         let (attempts, hints) = (host::upstream_attempts(), ProviderHints::from_headers(status, &headers));
         let tee = Tee { events, other, replace: refusal.is_some(), written: false, attempts, hints };
         self.state = State::Teeing(Box::new(tee));

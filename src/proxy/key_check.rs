@@ -5,6 +5,7 @@
 use super::abi as hostcalls;
 use super::host::{self, SharedData};
 use super::root::Root;
+use super::worker::Worker;
 use crate::core::store::claim;
 use proxy_wasm::types::{LogLevel, MapType};
 use std::time::Duration;
@@ -12,9 +13,19 @@ use std::time::Duration;
 /// Shared-data key claimed by the one VM per Envoy process that checks the API key.
 const KEY_CHECK: &str = "holysheep/key-check";
 
-/// HolySheep refused the configured key (from `$env`) on a chat call: the client got the
-/// edge's own 502, and the log names where the key comes from (never the key).
-pub(super) fn report_key_refused(env: &str, status: u16) {
+/// How often a worker logs that HolySheep refuses the configured key.
+const KEY_REFUSED_LOG_MS: u64 = 10_000;
+
+/// HolySheep refused the configured key on a chat call: the client got the edge's own 502,
+/// and the log names where the key comes from (never the key), at most every
+/// `KEY_REFUSED_LOG_MS` per worker (clients must not be able to flood it).
+pub(super) fn report_key_refused(worker: &mut Worker, status: u16) {
+    let now = host::now_ms();
+    if now.saturating_sub(worker.key_refused_logged_ms) < KEY_REFUSED_LOG_MS {
+        return;
+    }
+    worker.key_refused_logged_ms = now;
+    let env = &worker.config.upstream.api_key_env;
     host::log(LogLevel::Error, &format!("holysheep: HolySheep refused the key from ${env} (status {status})"));
 }
 

@@ -20,6 +20,7 @@ use crate::core::metrics::{self, LastUsage, PerCounter};
 use crate::core::peer::Op;
 use crate::core::request::ChatRequest;
 use crate::core::request::Key;
+use crate::core::store::CasStore;
 use crate::core::stream;
 use crate::core::upstream::{self, Outbound, Sent};
 use proxy_wasm::types::LogLevel;
@@ -60,6 +61,11 @@ pub struct Worker {
     pub(super) last_beat_ms: u64,
     pub(super) tick_ms: u64,
     pub(super) key_checked: bool,
+    /// A stream's answer came from a cluster other than `upstream.cluster` (the route for
+    /// `upstream.authority` leads elsewhere): no stream is forwarded any more.
+    pub(super) streams_misrouted: bool,
+    /// When this worker last logged that HolySheep refuses the configured key.
+    pub(super) key_refused_logged_ms: u64,
     pub(super) key_check_token: Option<u32>,
     /// Calls decided in an http context, dispatched from the root on the next queue event.
     pub(super) pending: Vec<(u32, Call, Rc<Outbound>)>,
@@ -141,7 +147,24 @@ pub struct StreamLabel {
     pub sent: Sent,
 }
 
+/// Shared-data key that holds, once a stream's answer came from another cluster than
+/// `upstream.cluster`, the configuration it happened under (`Worker::misroute_latch`): every
+/// worker then refuses streams under that configuration.
+pub const MISROUTED_KEY: &str = "holysheep/streams-misrouted";
+
 impl Worker {
+    /// What `MISROUTED_KEY` holds when streams are refused under this configuration.
+    pub fn misroute_latch(&self) -> String {
+        format!("{} {}", self.config.upstream.cluster, self.config.upstream.authority)
+    }
+
+    /// Whether streams are refused: a stream's answer came from another cluster, on this
+    /// worker or another, under the same configuration.
+    pub fn streams_misrouted(&self) -> bool {
+        self.streams_misrouted
+            || SharedData.get(MISROUTED_KEY).is_ok_and(|r| r.value.as_deref() == Some(self.misroute_latch().as_bytes()))
+    }
+
     pub fn new() -> Self {
         Worker {
             config: Rc::new(Config::default()),
@@ -152,6 +175,8 @@ impl Worker {
             last_beat_ms: 0,
             tick_ms: 0,
             key_checked: false,
+            streams_misrouted: false,
+            key_refused_logged_ms: 0,
             key_check_token: None,
             pending: Vec::new(),
             live: Default::default(),

@@ -71,6 +71,11 @@ impl Memory {
         self.swap_upserts.store(true, std::sync::atomic::Ordering::SeqCst);
     }
 
+    /// Writes `value` under `key` of `bucket` directly (a state some earlier instance left).
+    pub fn put(&self, bucket: &str, key: &str, value: Vec<u8>) {
+        self.lock().write(bucket, key, value);
+    }
+
     pub fn key_count(&self) -> usize {
         self.lock().map.len()
     }

@@ -311,6 +311,8 @@ impl World {
             (":method".into(), method.into()),
             (":path".into(), path.into()),
             (":authority".into(), "edge".into()),
+            (":scheme".into(), "http".into()),
+            ("x-forwarded-proto".into(), "http".into()),
             ("content-length".into(), body.len().to_string()),
         ];
         all.extend(headers.iter().map(|(k, v)| ((*k).to_owned(), (*v).to_owned())));

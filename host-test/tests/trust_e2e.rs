@@ -26,6 +26,19 @@ fn raw_chat(host: &str, path: &str, extra: &str, body: &str) -> Vec<u8> {
     .into_bytes()
 }
 
+/// Envoy with the operator's key (which the mock requires), its options tuned.
+fn with_operator_key(config: &str, tune: impl FnOnce(&mut host_test::envoy::Options)) -> Stack {
+    Stack::start_tuned(
+        config,
+        0,
+        |o| {
+            o.api_key = Some(OPERATOR_KEY.into());
+            tune(o);
+        },
+        Some(OPERATOR_KEY),
+    )
+}
+
 fn send_raw(s: &Stack, request: &[u8]) -> Resp {
     Conn::open(s.envoy.edge).and_then(|mut c| c.raw(request)).expect("edge answers")
 }
@@ -33,15 +46,7 @@ fn send_raw(s: &Stack, request: &[u8]) -> Resp {
 #[test]
 fn a_stream_whose_route_leads_elsewhere_is_refused_and_never_carries_the_key() {
     let internal = Running::start(None, 0).expect("internal service");
-    let s = Stack::start_tuned(
-        "{}",
-        0,
-        |o| {
-            o.api_key = Some(OPERATOR_KEY.into());
-            o.internal_upstream = Some(internal.addr);
-        },
-        Some(OPERATOR_KEY),
-    );
+    let s = with_operator_key("{}", |o| o.internal_upstream = Some(internal.addr));
     let body = streamed(&prompt("route me elsewhere"));
     let r = send_raw(&s, &raw_chat("internal.example", PATH, "authorization: Bearer sk-client\r\n", &body));
     assert_eq!((r.status, code(&r)), (421, "misdirected_request".to_owned()), "{}", r.text());
@@ -194,15 +199,7 @@ fn a_streamed_answer_keeps_its_logprobs_for_later_requests_in_both_forms() {
 
 #[test]
 fn over_http2_as_in_production_answers_keys_and_errors_are_the_same() {
-    let s = Stack::start_tuned(
-        r#"{"retry":{"max_attempts":1}}"#,
-        0,
-        |o| {
-            o.api_key = Some(OPERATOR_KEY.into());
-            o.upstream_h2 = true;
-        },
-        Some(OPERATOR_KEY),
-    );
+    let s = with_operator_key(r#"{"retry":{"max_attempts":1}}"#, |o| o.upstream_h2 = true);
     let plain = s.chat(&prompt("over h2"), &[("authorization", "Bearer sk-client")]);
     assert_eq!((plain.status, plain.cache()), (200, "MISS"), "{}", plain.text());
     assert_eq!(s.mock.mock.last_version(), "HTTP/2.0");
@@ -279,15 +276,7 @@ fn a_forwarded_stream_is_routed_by_nothing_the_client_sent_and_a_route_elsewhere
     // `internal`, which the operator's configuration chose for such requests. The edge sees
     // the answer come from there, refuses it and every stream after it.
     let internal = Running::start(None, 0).expect("internal service");
-    let s = Stack::start_tuned(
-        "{}",
-        0,
-        |o| {
-            o.api_key = Some(OPERATOR_KEY.into());
-            o.gold_only_upstream = Some(internal.addr);
-        },
-        Some(OPERATOR_KEY),
-    );
+    let s = with_operator_key("{}", |o| o.gold_only_upstream = Some(internal.addr));
     let gold = "x-tier: gold\r\nauthorization: Bearer sk-client\r\n";
     let r = send_raw(&s, &raw_chat("edge", PATH, gold, &streamed(&prompt("gold, then not"))));
     assert_eq!((r.status, code(&r)), (421, "misdirected_request".to_owned()), "{}", r.text());

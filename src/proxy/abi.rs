@@ -322,7 +322,7 @@ pub(crate) fn increment_metric(metric_id: u32, offset: i64) -> Result<(), Status
 
 /// The SDK's own `dispatch_http_call`, on purpose. On `Ok` the SDK records the token against
 /// the active context in its dispatcher (`dispatcher::register_callout`, crate-private), and
-/// its exported `proxy_on_http_call_response` does `.expect("invalid token_id")`: a callout
+/// its exported `proxy_on_http_call_response` panics on a token it did not record: a callout
 /// made around the SDK would panic the VM when its answer arrives. So this cannot be
 /// replaced while the SDK's dispatcher owns the callbacks. Its remaining `panic!` is for
 /// statuses other than Ok, BadArgument and InternalFailure, which Envoy's `httpCall` does

@@ -226,7 +226,7 @@ impl Gateway {
             ("x-holysheep-key".to_owned(), call.key.hex().to_owned()),
             ("x-holysheep-model".to_owned(), flight.model().to_owned()),
         ];
-        let mut events = Reassembler::new(outbound.include_usage);
+        let (mut events, mut held) = (Reassembler::new(outbound.include_usage), Vec::new());
         let hints = ProviderHints::from_headers(200, &super::calls::header_pairs(&response.headers()));
         let client_body = host::start_response(out, 200, &headers);
         let to = client_body.as_ref().and_then(|b| b.write().ok());
@@ -237,7 +237,17 @@ impl Gateway {
                     loop {
                         let deadline = host::now_ms().saturating_add(idle_ms);
                         match host::read_chunk(&from, deadline, self.config.tick_ms(), &mut || self.renew(&call)) {
-                            Ok(Some(chunk)) => write(&to, &events.push(&chunk)),
+                            Ok(Some(chunk)) => {
+                                // From `[DONE]` on, the client waits until the answer is shared:
+                                // a client that stops reading at `[DONE]` (the SDKs do) sends its
+                                // next request only when that is a HIT.
+                                let out = events.push(&chunk);
+                                if held.is_empty() && !events.done() {
+                                    write(&to, &out);
+                                } else {
+                                    held.extend(out);
+                                }
+                            }
                             Ok(None) => break true,
                             Err(_) => break false,
                         }
@@ -248,8 +258,7 @@ impl Gateway {
             }
             Err(()) => false,
         };
-        write(&to, &events.flush());
-        // Shared before the client's stream ends, so its next request is a HIT.
+        held.extend(events.flush());
         let now = host::now_ms();
         let cut_off = outbound.prompt_estimate() + events.streamed_tokens_estimate();
         // One attempt: the component's own loop made (and counted) any before it.
@@ -262,6 +271,7 @@ impl Gateway {
                 self.engine().abandon(&call);
             }
         }
+        write(&to, &held);
         drop(to);
         if let Some(b) = client_body {
             let _ = OutgoingBody::finish(b, None);

@@ -88,6 +88,11 @@ impl Reassembler {
         out
     }
 
+    /// Whether the stream's `[DONE]` has been read.
+    pub fn done(&self) -> bool {
+        self.done
+    }
+
     /// The stream ended: whatever incomplete event is left, passed on as it is.
     pub fn flush(&mut self) -> Vec<u8> {
         self.searched = 0;

@@ -67,6 +67,8 @@ struct Tee {
     /// Attempts Envoy's router made, and what HolySheep's answer said of its limits.
     attempts: u64,
     hints: ProviderHints,
+    /// Events from `[DONE]` on, held until the stream's end.
+    held: Vec<u8>,
 }
 
 impl Tee {
@@ -87,6 +89,17 @@ impl Tee {
             let mut out = events.push(chunk);
             if end_of_stream {
                 out.extend(events.flush());
+            }
+            // From `[DONE]` on, the bytes wait for the stream's end, where the answer is
+            // shared first: a client that stops reading at `[DONE]` (the SDKs do) sends its
+            // next request only when that is a HIT.
+            if events.done() && !end_of_stream {
+                self.held.append(&mut out);
+                return Some(Vec::new());
+            }
+            if !self.held.is_empty() {
+                self.held.append(&mut out);
+                return Some(std::mem::take(&mut self.held));
             }
             return (out != chunk).then_some(out);
         }
@@ -395,7 +408,7 @@ impl HttpContext for Chat {
         let other = Response { headers: retry_after.unwrap_or_default(), ..other };
         let events = (sse && refusal.is_none()).then(|| Reassembler::new(label.include_usage));
         let (attempts, hints) = (host::upstream_attempts(), ProviderHints::from_headers(status, &headers));
-        let tee = Tee { events, other, replace: refusal.is_some(), written: false, attempts, hints };
+        let tee = Tee { events, other, replace: refusal.is_some(), written: false, attempts, hints, held: Vec::new() };
         self.state = State::Teeing(Box::new(tee));
         if end_of_stream {
             self.end_stream(true);

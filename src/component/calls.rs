@@ -16,7 +16,7 @@ use crate::core::error::ApiError;
 use crate::core::limits::ProviderHints;
 use crate::core::request::CHAT_PATH;
 use crate::core::stream;
-use crate::core::upstream::{self, Outbound, Sent};
+use crate::core::upstream::{self, Outbound};
 
 /// The most bytes read from one HolySheep answer.
 const MAX_UPSTREAM_BODY: usize = 16 * 1024 * 1024;
@@ -67,16 +67,11 @@ impl Gateway {
         drop(IncomingBody::finish(body));
         match read {
             Some(bytes) => {
-                let (r, hints) = upstream::response(status, &headers, bytes, self.sent(outbound));
+                let (r, hints) = upstream::response(status, &headers, bytes, outbound.sent(self.bearer.is_some()));
                 (Some(r), hints)
             }
             None => (None, ProviderHints::default()),
         }
-    }
-
-    /// How a call for `outbound` goes: with the operator's key when one is configured.
-    pub(super) fn sent(&self, outbound: &Outbound) -> Sent {
-        Sent { stream: outbound.stream, operator_key: self.bearer.is_some() }
     }
 
     /// Sends one call to HolySheep for `model` (with its `content-length`) and waits for

@@ -36,6 +36,11 @@ impl Outbound {
         }
     }
 
+    /// How a call for this request goes, with the operator's key or not.
+    pub fn sent(&self, operator_key: bool) -> Sent {
+        Sent { stream: self.stream, operator_key }
+    }
+
     /// Prompt tokens, estimated at four bytes of the request body a token.
     pub fn prompt_estimate(&self) -> u64 {
         (self.body.len() as u64).div_ceil(4)

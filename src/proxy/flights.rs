@@ -17,7 +17,7 @@ use crate::core::metrics;
 use crate::core::request::Key;
 use crate::core::request::CHAT_PATH;
 use crate::core::stream;
-use crate::core::upstream::{self, Outbound, Sent};
+use crate::core::upstream::{self, Outbound};
 use proxy_wasm::types::{BufferType, LogLevel, MapType};
 use std::rc::Rc;
 use std::time::Duration;
@@ -194,11 +194,6 @@ impl Root {
         }
     }
 
-    /// How a call for `outbound` goes: with the operator's key when one is configured.
-    pub(super) fn sent(&self, outbound: &Outbound) -> Sent {
-        Sent { stream: outbound.stream, operator_key: self.worker.borrow().bearer.is_some() }
-    }
-
     /// Lets the waiters of the streams that ended look at their flights.
     pub(super) fn complete_streams(&mut self) {
         self.send_settlements();
@@ -301,7 +296,8 @@ impl Root {
             return (None, ProviderHints::default());
         };
         let body = host::buffer(BufferType::HttpCallResponseBody, body_size);
-        let (response, hints) = upstream::response(status, &headers, body, self.sent(&run.outbound));
+        let (response, hints) =
+            upstream::response(status, &headers, body, run.outbound.sent(self.worker.borrow().bearer.is_some()));
         if hints.key_refused {
             key_check::report_key_refused(&mut self.worker.borrow_mut(), status);
         }

@@ -43,7 +43,13 @@ pub fn now_ms() -> u64 {
 /// The bytes Envoy has received of the current request so far, headers included
 /// (`request.total_size`, an int64 in the host's byte order).
 pub fn received_bytes() -> Option<u64> {
-    let raw = hostcalls::get_property(vec!["request", "total_size"]).ok().flatten()?;
+    property_u64(vec!["request", "total_size"])
+}
+
+/// A 64-bit integer property (Envoy passes `int` and `uint` attributes as 8 bytes in the
+/// host's byte order; a negative `int` is no count).
+fn property_u64(path: Vec<&str>) -> Option<u64> {
+    let raw = hostcalls::get_property(path).ok().flatten()?;
     let bytes: [u8; 8] = raw.as_slice().try_into().ok()?;
     u64::try_from(i64::from_le_bytes(bytes)).ok()
 }
@@ -64,9 +70,7 @@ pub fn routed_to(cluster: &str) -> bool {
 /// How many times Envoy's router tried the current request upstream (its
 /// `upstream.request_attempt_count`, a uint64); 1 when it cannot tell.
 pub fn upstream_attempts() -> u64 {
-    let raw = hostcalls::get_property(vec!["upstream", "request_attempt_count"]).ok().flatten();
-    let bytes: Option<[u8; 8]> = raw.and_then(|r| r.as_slice().try_into().ok());
-    bytes.map_or(1, u64::from_le_bytes).max(1)
+    property_u64(vec!["upstream", "request_attempt_count"]).unwrap_or(1).max(1)
 }
 
 /// Unique-enough 64-bit nonces: a per-VM random seed (WASI `random_get` via std) hashed

@@ -261,7 +261,6 @@ impl Chat {
         if host::routed_to(&cluster) {
             return None;
         }
-        self.worker.borrow_mut().streams_misrouted = true;
         let latch = self.worker.borrow().misroute_latch();
         let _ = SharedData.set(MISROUTED_KEY, latch.as_bytes(), None);
         host::log(

@@ -61,9 +61,6 @@ pub struct Worker {
     pub(super) last_beat_ms: u64,
     pub(super) tick_ms: u64,
     pub(super) key_checked: bool,
-    /// A stream's answer came from a cluster other than `upstream.cluster` (the route for
-    /// `upstream.authority` leads elsewhere): no stream is forwarded any more.
-    pub(super) streams_misrouted: bool,
     /// When this worker last logged that HolySheep refuses the configured key.
     pub(super) key_refused_logged_ms: u64,
     pub(super) key_check_token: Option<u32>,
@@ -161,8 +158,7 @@ impl Worker {
     /// Whether streams are refused: a stream's answer came from another cluster, on this
     /// worker or another, under the same configuration.
     pub fn streams_misrouted(&self) -> bool {
-        self.streams_misrouted
-            || SharedData.get(MISROUTED_KEY).is_ok_and(|r| r.value.as_deref() == Some(self.misroute_latch().as_bytes()))
+        SharedData.get(MISROUTED_KEY).is_ok_and(|r| r.value.as_deref() == Some(self.misroute_latch().as_bytes()))
     }
 
     pub fn new() -> Self {
@@ -175,7 +171,6 @@ impl Worker {
             last_beat_ms: 0,
             tick_ms: 0,
             key_checked: false,
-            streams_misrouted: false,
             key_refused_logged_ms: 0,
             key_check_token: None,
             pending: Vec::new(),
@@ -310,7 +305,7 @@ impl Worker {
             key: run.flight.call.key.hex().to_owned(),
             model: run.flight.model().to_owned(),
             include_usage: run.outbound.include_usage,
-            sent: Sent { stream: true, operator_key: self.bearer.is_some() },
+            sent: run.outbound.sent(self.bearer.is_some()),
         })
     }
 

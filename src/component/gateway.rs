@@ -12,8 +12,7 @@ use super::wasi::http::types::{
 use crate::core::engine::{poll_delay_ms, Call, Engine, Reply, Step};
 use crate::core::error::ApiError;
 use crate::core::flight::{Action, Flight};
-use crate::core::hot;
-use crate::core::intake::{intake_or_known, Head, Intake, Route};
+use crate::core::intake::{self, Decision, Head, Route};
 use crate::core::limits::ProviderHints;
 use crate::core::stream::{self, Reassembler};
 use crate::core::upstream::{self, Outbound};
@@ -88,28 +87,20 @@ impl Gateway {
             }
         };
         drop(request);
-        let tenant = hot::tenant_bytes(head.authorization.as_deref(), head.tenant.as_deref());
-        let raw = instance::raw(&tenant, &body);
+        let scope = head.scope_bytes();
+        let raw = instance::raw(&scope, &body);
         // Directives change what may be served: such requests are parsed every time.
-        let plain = head.plain();
-        let known = if plain { instance::parsed(&raw) } else { None };
-        let Intake { request: parsed, policy } = match intake_or_known(&self.config, &head, &body, known.as_deref()) {
-            Ok(i) => i,
-            Err(e) => return reply(out, &Reply::error(&e), &[]),
-        };
-        let step = self.engine().admit(&parsed.key, policy, host::now_ms(), host::nonce());
-        // A request answered from the cache, or waiting for one, is likely to come again.
-        if plain && known.is_none() && matches!(step, Step::Reply(_) | Step::Wait(_)) {
-            instance::keep_parsed(&raw, parsed.clone());
+        let known = if head.plain() { instance::parsed(&raw) } else { None };
+        let engine = self.engine();
+        let Decision { request: parsed, step, outbound, keep } =
+            match intake::decide(&engine, head, &body, known.as_deref(), host::now_ms(), host::nonce()) {
+                Ok(d) => d,
+                Err(e) => return reply(out, &Reply::error(&e), &[]),
+            };
+        // No answers are kept in an instance's memory: a HIT's parse stands in for its answer.
+        if keep.parse {
+            instance::keep_parsed(&raw, parsed);
         }
-        let outbound = Outbound {
-            stream: parsed.stream,
-            include_usage: parsed.include_usage,
-            body,
-            client_authorization: head.authorization,
-            model: parsed.model,
-            estimate_tokens: parsed.estimate_tokens,
-        };
         self.run(step, &outbound, out);
     }
 

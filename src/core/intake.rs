@@ -1,11 +1,16 @@
 //! Request intake, the same in both shells: the request headers the edge reads, which
 //! requests it governs, a declared length refused before the body is read, and the body
-//! parsed into a keyed chat request with the cache policy its directives ask for.
+//! parsed into a keyed chat request with the cache policy its directives ask for, then
+//! decided (`decide`): the step the engine takes and the call it would make.
 
 use crate::core::config::Config;
+use crate::core::engine::{CacheStatus, Engine, Step};
 use crate::core::error::ApiError;
+use crate::core::hot;
 use crate::core::peer;
 use crate::core::request::{is_chat_path, is_internal_path, CacheControl, ChatRequest, Policy, RequestMeta, CHAT_PATH};
+use crate::core::store::CasStore;
+use crate::core::upstream::Outbound;
 
 /// The request headers the edge reads; the first of repeated headers counts, except that a
 /// repeated tenant credential is remembered (`Head::check` refuses it).
@@ -40,6 +45,29 @@ pub enum Route {
 pub struct Intake {
     pub request: ChatRequest,
     pub policy: Policy,
+}
+
+/// A governed request decided: its parse, the engine's step, and the call it makes if it
+/// leads (or the form its answer takes if it waits or is answered).
+#[derive(Debug)]
+pub struct Decision {
+    pub request: ChatRequest,
+    pub step: Step,
+    pub outbound: Outbound,
+    pub keep: Keep,
+}
+
+/// What a shell keeps for the next request with the same bytes from the same tenant (it
+/// finds them by `Head::scope_bytes` and the body). Only requests without directives are
+/// kept: directives change what may be served.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Keep {
+    /// The request was a HIT: the same bytes are likely a HIT again, so a shell that keeps
+    /// answers in its own memory keeps this one.
+    pub answer: bool,
+    /// It was a HIT or waits for a flight (part of a crowd), and was parsed now: its parse
+    /// saves the next identical request the parse, canonical form and hash.
+    pub parse: bool,
 }
 
 impl Head {
@@ -119,6 +147,11 @@ impl Head {
         self.cache_control.is_none()
     }
 
+    /// The bytes of the caller's scope, which with the body's make a request's raw bytes.
+    pub fn scope_bytes(&self) -> Vec<u8> {
+        hot::tenant_bytes(self.authorization.as_deref(), self.tenant.as_deref())
+    }
+
     pub fn meta(&self) -> RequestMeta<'_> {
         RequestMeta {
             authorization: self.authorization.as_deref(),
@@ -154,6 +187,27 @@ pub fn intake_or_known(
         }
         None => intake(config, head, body),
     }
+}
+
+/// A governed request's whole body, with its head: parsed (or taken from `known`, the parse
+/// a shell kept for the same bytes), admitted by the engine at `now_ms`, and made into the
+/// call a leader sends, carrying the client's own `authorization` for when no operator key
+/// is configured.
+pub fn decide<S: CasStore>(
+    engine: &Engine<'_, S>,
+    head: Head,
+    body: &[u8],
+    known: Option<&ChatRequest>,
+    now_ms: u64,
+    nonce: u64,
+) -> Result<Decision, ApiError> {
+    let Intake { request, policy } = intake_or_known(engine.config, &head, body, known)?;
+    let step = engine.admit(&request.key, policy, now_ms, nonce);
+    let hit = matches!(&step, Step::Reply(r) if r.cache == Some(CacheStatus::Hit));
+    let plain = head.plain();
+    let keep = Keep { answer: plain && hit, parse: plain && known.is_none() && (hit || matches!(step, Step::Wait(_))) };
+    let outbound = Outbound::of(&request, body.to_vec(), head.authorization);
+    Ok(Decision { request, step, outbound, keep })
 }
 
 /// A header value as text. Envoy lets bytes that are not UTF-8 through (obs-text); they
@@ -271,5 +325,37 @@ mod tests {
         let no_store = Head { cache_control: Some("no-store".into()), ..alice };
         let p = intake_or_known(&config, &no_store, body, Some(&kept)).unwrap().policy;
         assert!(!p.read && !p.store, "directives are read from the request, not the memo");
+    }
+
+    #[test]
+    fn one_decision_says_what_leads_waits_or_hits_and_what_a_shell_keeps() {
+        let (store, config) = (crate::core::store::MemStore::new(), Config::default());
+        let engine = Engine { store: &store, config: &config };
+        let body = br#"{"model":"gpt-4.1","messages":[{"role":"user","content":"hi"}],"temperature":0}"#;
+        let alice = || Head { authorization: Some("Bearer alice".into()), ..Head::default() };
+        let lead = decide(&engine, alice(), body, None, 1_000, 1).unwrap();
+        let Step::Call(call) = &lead.step else { panic!("the first request leads: {:?}", lead.step) };
+        assert_eq!(lead.keep, Keep::default(), "a leader's bytes are not likely to come again yet");
+        assert_eq!(
+            (
+                lead.outbound.body.as_slice(),
+                lead.outbound.client_authorization.as_deref(),
+                lead.outbound.model.as_str()
+            ),
+            (&body[..], Some("Bearer alice"), "gpt-4.1")
+        );
+        let wait = decide(&engine, alice(), body, None, 1_001, 2).unwrap();
+        assert!(matches!(wait.step, Step::Wait(_)));
+        assert_eq!(wait.keep, Keep { answer: false, parse: true }, "part of a crowd: its parse is kept");
+        let known = decide(&engine, alice(), body, Some(&wait.request), 1_002, 3).unwrap();
+        assert_eq!(known.keep, Keep::default(), "a known parse is not kept twice");
+        engine.complete(call, Some(crate::core::cache::Response::json(200, b"{}".to_vec())), 1_010);
+        let hit = decide(&engine, alice(), body, None, 1_020, 4).unwrap();
+        assert!(matches!(&hit.step, Step::Reply(r) if r.cache == Some(CacheStatus::Hit)));
+        assert_eq!(hit.keep, Keep { answer: true, parse: true });
+        let directed = Head { cache_control: Some("max-age=60".into()), ..alice() };
+        assert_eq!(decide(&engine, directed, body, None, 1_030, 5).unwrap().keep, Keep::default(), "directives");
+        let e = decide(&engine, alice(), b"{", None, 1_040, 6).unwrap_err();
+        assert_eq!((e.status, e.code), (400, "invalid_json"));
     }
 }

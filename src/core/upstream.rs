@@ -5,7 +5,7 @@ use super::cache::Response;
 use super::config::Config;
 use super::error::ApiError;
 use super::limits::{self, Limits, ProviderHints};
-use super::request::for_upstream;
+use super::request::{for_upstream, ChatRequest};
 use super::store::CasStore;
 use super::stream::is_event_stream;
 use std::borrow::Cow;
@@ -26,6 +26,19 @@ pub struct Outbound {
 pub const USER_AGENT: &str = concat!("holysheep-edge/", env!("CARGO_PKG_VERSION"));
 
 impl Outbound {
+    /// The call for `request`, whose body is `body`; `client_authorization` is sent only
+    /// when no operator key is configured.
+    pub fn of(request: &ChatRequest, body: Vec<u8>, client_authorization: Option<String>) -> Outbound {
+        Outbound {
+            body,
+            client_authorization,
+            model: request.model.clone(),
+            estimate_tokens: request.estimate_tokens,
+            stream: request.stream,
+            include_usage: request.include_usage,
+        }
+    }
+
     /// The body for an attempt on `model` (rewritten when it is a fallback, and for a
     /// stream to ask for the usage event).
     pub fn body_for(&self, model: &str) -> Cow<'_, [u8]> {

@@ -13,17 +13,17 @@ use super::key_check;
 use super::worker::{Shared, StreamEnd, Target, MISROUTED_KEY};
 use crate::core::cache::Response;
 use crate::core::config::Role;
-use crate::core::engine::{CacheStatus, Engine, Reply, Step};
+use crate::core::engine::{Engine, Reply, Step};
 use crate::core::error::ApiError;
 use crate::core::hot::{self, Raw};
-use crate::core::intake::{intake_or_known, Head, Intake, Route};
+use crate::core::intake::{self, intake_or_known, Decision, Head, Intake, Route};
 use crate::core::limits::ProviderHints;
 use crate::core::pairs;
 use crate::core::peer;
 use crate::core::request::{Key, KEY_HEADER, PEER_PATH};
 use crate::core::store::CasStore;
 use crate::core::stream::{self, Reassembler};
-use crate::core::upstream::{self, Outbound};
+use crate::core::upstream;
 use proxy_wasm::traits::{Context, HttpContext};
 use proxy_wasm::types::{Action, BufferType, LogLevel, MapType};
 use std::rc::Rc;
@@ -131,9 +131,9 @@ impl Chat {
         let config = self.worker.borrow().config.clone();
         let head = std::mem::take(&mut self.head);
         let now = host::now_ms();
-        let tenant = hot::tenant_bytes(head.authorization.as_deref(), head.tenant.as_deref());
+        let scope = head.scope_bytes();
         // The raw bytes, hashed once for the worker's tables that keep things by them.
-        let raw = self.worker.borrow().seed.raw(&tenant, &body);
+        let raw = self.worker.borrow().seed.raw(&scope, &body);
         // Directives change what may be served: such requests take the whole path.
         let plain = head.plain();
         if plain {
@@ -142,31 +142,31 @@ impl Chat {
             }
         }
         let known = if plain { self.worker.borrow().parsed.get(&raw, now) } else { None };
-        let Intake { request, policy } = match intake_or_known(&config, &head, &body, known.as_deref()) {
-            Ok(i) => i,
-            Err(e) => return self.reject(&e),
-        };
         if config.role == Role::Forward {
-            self.worker.borrow_mut().parsed.put(&raw, u64::MAX, hot::PARSED_SIZE, request.clone());
-            return self.forward_to_owner(&request.key);
+            return match intake_or_known(&config, &head, &body, known.as_deref()) {
+                Ok(Intake { request, .. }) => {
+                    let key = request.key.clone();
+                    self.worker.borrow_mut().parsed.put(&raw, u64::MAX, hot::PARSED_SIZE, request);
+                    self.forward_to_owner(&key)
+                }
+                Err(e) => self.reject(&e),
+            };
         }
-        self.state = State::Handled;
         let nonce = self.worker.borrow_mut().nonce();
-        let step = Engine { store: &SharedData, config: &config }.admit(&request.key, policy, now, nonce);
-        if plain && matches!(&step, Step::Reply(r) if r.cache == Some(CacheStatus::Hit)) {
+        let engine = Engine { store: &SharedData, config: &config };
+        let Decision { request, step, outbound, keep } =
+            match intake::decide(&engine, head, &body, known.as_deref(), now, nonce) {
+                Ok(d) => d,
+                Err(e) => return self.reject(&e),
+            };
+        self.state = State::Handled;
+        if keep.answer {
             self.worker.borrow_mut().keep_hot(&raw, &request, now);
         }
-        if plain && known.is_none() && matches!(step, Step::Wait(_)) {
-            self.worker.borrow_mut().parsed.put(&raw, u64::MAX, hot::PARSED_SIZE, request.clone());
+        if keep.parse {
+            self.worker.borrow_mut().parsed.put(&raw, u64::MAX, hot::PARSED_SIZE, request);
         }
-        let outbound = Rc::new(Outbound {
-            body,
-            client_authorization: head.authorization,
-            model: request.model,
-            estimate_tokens: request.estimate_tokens,
-            stream: request.stream,
-            include_usage: request.include_usage,
-        });
+        let outbound = Rc::new(outbound);
         match step {
             Step::Reply(reply) => {
                 self.worker.borrow_mut().respond(Target::Current, &reply, &outbound);

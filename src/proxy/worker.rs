@@ -269,14 +269,7 @@ impl Worker {
             Reply { response: entry.response, cache: Some(CacheStatus::Hit), key: Some(entry.key), age_s: None };
         let increments = metrics::for_reply(&self.config, &request.model, &reply, &mut self.last_usage);
         let counters = self.counter_ids(increments);
-        let outbound = Outbound {
-            body: Vec::new(),
-            client_authorization: None,
-            model: request.model.clone(),
-            estimate_tokens: request.estimate_tokens,
-            stream: request.stream,
-            include_usage: request.include_usage,
-        };
+        let outbound = Outbound::of(request, Vec::new(), None);
         let answer = HotAnswer { reply, stored_at_ms: entry.stored_at_ms, outbound, counters };
         self.hot.put(raw, expires_ms, size, answer);
     }

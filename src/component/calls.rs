@@ -2,12 +2,11 @@
 //! whole answer, renewing the lease while it waits) and the requests it does not govern,
 //! forwarded with the client's own credentials and streamed back.
 
-use super::gateway::reply;
 use super::host;
 use super::instance::Gateway;
 use super::wasi::http::outgoing_handler;
 use super::wasi::http::types::{
-    Fields, IncomingBody, IncomingRequest, IncomingResponse, Method, OutgoingBody, OutgoingRequest, RequestOptions,
+    IncomingBody, IncomingRequest, IncomingResponse, Method, OutgoingBody, OutgoingRequest, RequestOptions,
     ResponseOutparam, Scheme,
 };
 use crate::core::cache::Response;
@@ -52,7 +51,7 @@ impl Gateway {
         deadline_ms: u64,
     ) -> (Option<Response>, ProviderHints) {
         let status = response.status();
-        let headers = header_pairs(&response.headers());
+        let headers = host::header_pairs(&response.headers());
         let Ok(body) = response.consume() else { return (None, ProviderHints::default()) };
         let read = body.stream().ok().and_then(|from| {
             let mut bytes = Vec::new();
@@ -143,7 +142,7 @@ impl Gateway {
     /// back. It carries the client's own credentials, never the operator's key: only calls
     /// that go through the cache, the single flight and the buckets use that.
     pub(super) fn forward(&self, request: IncomingRequest, out: ResponseOutparam) {
-        let received = header_pairs(&request.headers());
+        let received = host::header_pairs(&request.headers());
         let headers: Vec<(String, String)> =
             received.into_iter().filter(|(n, _)| !NOT_FORWARDED.contains(&n.as_str())).collect();
         let path = request.path_with_query().unwrap_or_else(|| "/".into());
@@ -153,10 +152,12 @@ impl Gateway {
             .and_then(|outgoing| self.send(outgoing, Body::From(&request), deadline, &mut || {}));
         let Some(answer) = answer else {
             let e = ApiError::upstream(502, "HolySheep could not be reached", "upstream_unavailable");
-            return reply(out, &Reply::error(&e), &[]);
+            return host::reply(out, &Reply::error(&e), &[]);
         };
-        let headers: Vec<(String, String)> =
-            header_pairs(&answer.headers()).into_iter().filter(|(n, _)| !NOT_RETURNED.contains(&n.as_str())).collect();
+        let headers: Vec<(String, String)> = host::header_pairs(&answer.headers())
+            .into_iter()
+            .filter(|(n, _)| !NOT_RETURNED.contains(&n.as_str()))
+            .collect();
         let Some(client_body) = host::start_response(out, answer.status(), &headers) else { return };
         if let (Ok(from_body), Ok(to)) = (answer.consume(), client_body.write()) {
             if let Ok(from) = from_body.stream() {
@@ -179,13 +180,4 @@ fn options(deadline_ms: u64) -> RequestOptions {
 enum Body<'a> {
     Bytes(&'a [u8]),
     From(&'a IncomingRequest),
-}
-
-/// Header pairs with lower-case names (values that are not text are left out).
-pub(super) fn header_pairs(fields: &Fields) -> Vec<(String, String)> {
-    fields
-        .entries()
-        .into_iter()
-        .filter_map(|(n, v)| Some((n.to_ascii_lowercase(), String::from_utf8(v).ok()?)))
-        .collect()
 }

@@ -20,7 +20,7 @@ use crate::core::upstream::{self, Outbound};
 pub fn handle(request: IncomingRequest, out: ResponseOutparam) {
     let gateway = match instance::gateway() {
         Ok(g) => g,
-        Err(e) => return reply(out, &Reply::error(&e), &[]),
+        Err(e) => return host::reply(out, &Reply::error(&e), &[]),
     };
     let head = gateway.head(&request);
     if head.route() == Route::Chat {
@@ -47,17 +47,6 @@ fn method_name(method: &Method) -> String {
     name.to_owned()
 }
 
-pub(super) fn reply(out: ResponseOutparam, reply: &Reply, extra: &[(&str, String)]) {
-    let headers: Vec<(String, String)> = reply
-        .headers()
-        .into_iter()
-        .map(|(n, v)| (n, v.into_owned()))
-        .chain(extra.iter().cloned())
-        .map(|(n, v)| (n.to_owned(), v))
-        .collect();
-    host::respond(out, reply.response.status, &headers, &reply.response.body);
-}
-
 impl Gateway {
     /// The request headers the core reads, in one call. Field names are case-insensitive and
     /// a host may keep the client's spelling: they are lowered, as `header_pairs` does. The
@@ -75,15 +64,15 @@ impl Gateway {
 
     fn chat(&self, request: IncomingRequest, head: Head, out: ResponseOutparam) {
         if let Err(e) = head.check(&self.config) {
-            return reply(out, &Reply::error(&e), &[]);
+            return host::reply(out, &Reply::error(&e), &[]);
         }
         let limit = self.config.max_body_bytes;
         let body = match request.consume().map_err(|()| BodyError::Broken).and_then(|b| host::consume(b, limit)) {
             Ok(b) => b,
-            Err(BodyError::TooLarge) => return reply(out, &Reply::error(&ApiError::too_large(limit)), &[]),
+            Err(BodyError::TooLarge) => return host::reply(out, &Reply::error(&ApiError::too_large(limit)), &[]),
             Err(BodyError::Broken) => {
                 let e = ApiError::invalid("the request body could not be read", None, "invalid_body");
-                return reply(out, &Reply::error(&e), &[]);
+                return host::reply(out, &Reply::error(&e), &[]);
             }
         };
         drop(request);
@@ -95,7 +84,7 @@ impl Gateway {
         let Decision { request: parsed, step, outbound, keep } =
             match intake::decide(&engine, head, &body, known.as_deref(), host::now_ms(), host::nonce()) {
                 Ok(d) => d,
-                Err(e) => return reply(out, &Reply::error(&e), &[]),
+                Err(e) => return host::reply(out, &Reply::error(&e), &[]),
             };
         // No answers are kept in an instance's memory: a HIT's parse stands in for its answer.
         if keep.parse {
@@ -109,7 +98,7 @@ impl Gateway {
     fn answer(&self, out: ResponseOutparam, r: Reply, outbound: &Outbound) {
         let rate = upstream::rate_headers(&self.kv, &self.config, &outbound.model, host::now_ms);
         let response = stream::for_client(r.response.clone(), outbound.stream, outbound.include_usage);
-        reply(out, &Reply { response, ..r }, &rate);
+        host::reply(out, &Reply { response, ..r }, &rate);
     }
 
     fn engine(&self) -> Engine<'_, Kv> {
@@ -218,7 +207,7 @@ impl Gateway {
             ("x-holysheep-model".to_owned(), flight.model().to_owned()),
         ];
         let (mut events, mut held) = (Reassembler::new(outbound.include_usage), Vec::new());
-        let hints = ProviderHints::from_headers(200, &super::calls::header_pairs(&response.headers()));
+        let hints = ProviderHints::from_headers(200, &host::header_pairs(&response.headers()));
         let client_body = host::start_response(out, 200, &headers);
         let to = client_body.as_ref().and_then(|b| b.write().ok());
         let complete = match response.consume() {

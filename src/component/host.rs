@@ -9,6 +9,7 @@ use super::wasi::io::poll::{poll, Pollable};
 use super::wasi::io::streams::StreamError;
 use super::wasi::keyvalue::atomics::{self, Cas, CasError};
 use super::wasi::keyvalue::store::{self, Bucket};
+use crate::core::engine::Reply;
 use crate::core::store::{versioned, CasStore, Read, StoreError};
 
 /// How many lost swaps an unconditional write retries before giving up.
@@ -234,4 +235,25 @@ pub fn respond(out: ResponseOutparam, status: u16, headers: &[(String, String)],
         write_all(&stream, body);
     }
     let _ = OutgoingBody::finish(outgoing, None);
+}
+
+/// Header pairs with lower-case names (values that are not text are left out).
+pub fn header_pairs(fields: &Fields) -> Vec<(String, String)> {
+    fields
+        .entries()
+        .into_iter()
+        .filter_map(|(n, v)| Some((n.to_ascii_lowercase(), String::from_utf8(v).ok()?)))
+        .collect()
+}
+
+/// Sends a reply of the core's to the client, with `extra` headers.
+pub fn reply(out: ResponseOutparam, reply: &Reply, extra: &[(&str, String)]) {
+    let headers: Vec<(String, String)> = reply
+        .headers()
+        .into_iter()
+        .map(|(n, v)| (n, v.into_owned()))
+        .chain(extra.iter().cloned())
+        .map(|(n, v)| (n.to_owned(), v))
+        .collect();
+    respond(out, reply.response.status, &headers, &reply.response.body);
 }

@@ -9,8 +9,8 @@ const ERROR_BODY_LIMIT: usize = 65_536;
 use super::abi as hostcalls;
 use super::body_watch::Paused;
 use super::host::{self, SharedData};
-use super::key_check;
-use super::worker::{Shared, StreamEnd, Target, MISROUTED_KEY};
+use super::runs::StreamEnd;
+use super::worker::{Target, WorkerRef, MISROUTED_KEY};
 use crate::core::cache::Response;
 use crate::core::config::Role;
 use crate::core::engine::{Engine, Reply, Step};
@@ -30,7 +30,7 @@ use std::rc::Rc;
 
 pub struct Chat {
     id: u32,
-    worker: Shared,
+    worker: WorkerRef,
     state: State,
     /// The body being read is a model owner call from a fleet peer.
     peer: bool,
@@ -114,7 +114,7 @@ impl Tee {
 }
 
 impl Chat {
-    pub fn new(id: u32, worker: Shared) -> Self {
+    pub fn new(id: u32, worker: WorkerRef) -> Self {
         Chat { id, worker, state: State::Ignored, peer: false, head: Head::default() }
     }
 
@@ -216,7 +216,7 @@ impl Chat {
     fn internal(&mut self, method: &str, path: &str) -> Action {
         let (role, secret) = {
             let w = self.worker.borrow();
-            (w.config.role, w.peer_secret.clone())
+            (w.config.role, w.fleet.secret.clone())
         };
         if role == Role::Forward {
             return self.reject(&ApiError::not_found(method, path));
@@ -301,7 +301,7 @@ impl Context for Chat {
         // A stream that had not ended broke off (client gone, upstream reset).
         self.end_stream(false);
         let mut w = self.worker.borrow_mut();
-        if w.streams.contains_key(&self.id) {
+        if w.runs.streaming.contains_key(&self.id) {
             w.stream_ended(self.id, StreamEnd::broken());
         }
         w.forget(self.id);
@@ -402,7 +402,7 @@ impl HttpContext for Chat {
             None => Response { status, content_type, headers: Vec::new(), body: Vec::new() },
         };
         if refusal.as_ref().is_some_and(|e| e.code == upstream::KEY_REFUSED) {
-            key_check::report_key_refused(&mut self.worker.borrow_mut(), status);
+            self.worker.borrow_mut().key_refused(status);
         }
         let other = Response { headers: retry_after.unwrap_or_default(), ..other };
         let events = (sse && refusal.is_none()).then(|| Reassembler::new(label.include_usage));

@@ -3,14 +3,14 @@
 mod abi;
 mod body_watch;
 mod counters;
-mod flights;
+mod fleet;
 mod host;
 mod http;
 mod ids;
 mod key_check;
-mod peers;
+mod queue;
 mod root;
-mod wakeups;
+mod runs;
 mod worker;
 
 proxy_wasm::main! {{

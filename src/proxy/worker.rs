@@ -1,23 +1,23 @@
 //! State shared by one worker thread's root context and its http contexts: the flights
-//! and waiters it holds, the http contexts it may still answer, and how many local replies
-//! the current VM call may still send.
+//! it leads and the waiters it holds, the http contexts it may still answer, how many local
+//! replies the current VM call may still send, and the parts each concern owns (wake
+//! queue, counters, key check, fleet).
 
 use super::abi as hostcalls;
 use super::body_watch::{self, BodyWatch};
-use super::counters;
+use super::counters::{self, Counters};
+use super::fleet::Fleet;
 use super::host::{self, Nonces, SharedData};
 use super::ids::{IdMap, IdSet};
-use super::wakeups::{DISPATCH, ENDED};
-use crate::core::cache::{self, Response};
+use super::key_check::KeyCheck;
+use super::queue::{WakeQueue, DISPATCH, ENDED};
+use super::runs::{Run, Runs, StreamEnd};
+use crate::core::cache;
 use crate::core::codec;
 use crate::core::config::Config;
 use crate::core::engine::{CacheStatus, Call, Engine, Reply, Wait};
 use crate::core::error::ApiError;
-use crate::core::flight::Flight;
 use crate::core::hot::{Hot, Raw, Seed};
-use crate::core::limits::ProviderHints;
-use crate::core::metrics::{self, LastUsage, PerCounter};
-use crate::core::peer::Op;
 use crate::core::request::ChatRequest;
 use crate::core::request::Key;
 use crate::core::store::CasStore;
@@ -43,88 +43,41 @@ pub enum Target {
     Context(u32),
 }
 
-/// A flight on its way, with the request it answers.
-pub struct Run {
-    pub context_id: u32,
-    pub flight: Flight,
-    pub outbound: Rc<Outbound>,
-}
-
 /// State shared by the root context and the http contexts of one VM.
 pub struct Worker {
     pub config: Rc<Config>,
     /// `Bearer <key>` when the key is in the VM environment; never logged.
-    pub(super) bearer: Option<String>,
-    pub(super) vm_id: String,
-    pub(super) queue: Option<(u32, String)>,
-    pub(super) nonces: Nonces,
-    pub(super) last_beat_ms: u64,
-    pub(super) tick_ms: u64,
-    pub(super) key_checked: bool,
-    /// When this worker last logged that HolySheep refuses the configured key.
-    pub(super) key_refused_logged_ms: u64,
-    pub(super) key_check_token: Option<u32>,
-    /// Calls decided in an http context, dispatched from the root on the next queue event.
-    pub(super) pending: Vec<(u32, Call, Rc<Outbound>)>,
+    pub bearer: Option<String>,
+    pub vm_id: String,
+    pub nonces: Nonces,
+    /// The tick period set last.
+    pub tick_ms: u64,
+    pub queue: WakeQueue,
+    pub counters: Counters,
+    pub key_check: KeyCheck,
+    pub fleet: Fleet,
+    pub runs: Runs,
+    pub waiters: IdMap<(Wait, Rc<Outbound>)>,
     /// Http contexts that may still be answered: created, not done, and not answered by
     /// the root on its own. (Envoy still resolves a reset stream's id until its deferred
     /// delete, and a reply sent there reaches the SDK for a context it already deleted: a
     /// panic.)
-    pub(super) live: IdSet,
+    pub live: IdSet,
     pub body_watch: BodyWatch,
     /// Local replies the current root-context VM call may still send (see REPLY_BATCH).
-    pub(super) replies_left: usize,
-    pub(super) waiters: IdMap<(Wait, Rc<Outbound>)>,
-    pub(super) flights: IdMap<Run>,
-    pub(super) sleeping: Vec<(u64, Run)>,
-    /// Stream flights forwarded along the route, by http context.
-    pub(super) streams: IdMap<Run>,
-    /// Keys of stream flights that ended, whose waiters the root wakes (here, and on
-    /// every worker when the flight was watched).
-    pub(super) ended: Vec<(Key, bool)>,
-    /// Flights waiting for a model owner node's verdict, by callout token.
-    pub(super) asking: IdMap<Run>,
-    /// Settlements for model owner nodes, sent by the root.
-    pub(super) outbox: Vec<Op>,
-    /// The fleet's shared secret (from the environment); never logged.
-    pub(super) peer_secret: Option<String>,
-    /// Whether the last model owner asked answered (for logging the changes only).
-    pub(super) fleet_reached: bool,
+    pub replies_left: usize,
     /// HIT answers by the requests' raw bytes.
-    pub(super) hot: Hot<HotAnswer>,
+    pub hot: Hot<HotAnswer>,
     /// Requests parsed before, by their raw bytes: every request on a forward node (its
     /// key routes it); on an owner, a request whose flight someone waits on, so that the
     /// rest of a crowd of identical requests is not parsed, canonicalised and hashed again.
-    pub(super) parsed: Hot<ChatRequest>,
+    pub parsed: Hot<ChatRequest>,
     /// What both tables hash the raw bytes with.
-    pub(super) seed: Seed,
-    pub(super) metrics: PerCounter<u32>,
-    /// The usage of the answer counted last (followers share one answer).
-    pub(super) last_usage: LastUsage,
+    pub seed: Seed,
 }
 
-pub type Shared = Rc<RefCell<Worker>>;
-
-/// How a stream forwarded along the route ended, as its http context saw it.
-pub struct StreamEnd {
-    /// The reassembled `chat.completion`, or HolySheep's error; `None` when the stream
-    /// broke off (reset, timeout, the client gone) before it finished.
-    pub outcome: Option<Response>,
-    pub usage: Option<(u64, u64)>,
-    /// Completion tokens streamed before the end, estimated.
-    pub streamed_tokens: u64,
-    /// Attempts Envoy's router made (retries before the first byte), at least one.
-    pub attempts: u64,
-    /// What HolySheep's answer said about its limits.
-    pub hints: ProviderHints,
-}
-
-impl StreamEnd {
-    /// A forwarded stream that never got its answer's headers (or never left).
-    pub fn broken() -> StreamEnd {
-        StreamEnd { outcome: None, usage: None, streamed_tokens: 0, attempts: 1, hints: ProviderHints::default() }
-    }
-}
+/// A worker's state, as its root context and http contexts each hold it.
+pub type WorkerRef = Rc<RefCell<Worker>>;
 
 /// A cache entry a worker keeps in its own memory, ready to be sent again: the reply (its
 /// `age` set when sent), the request's form, and the counters it adds.
@@ -166,32 +119,26 @@ impl Worker {
             config: Rc::new(Config::default()),
             bearer: None,
             vm_id: String::new(),
-            queue: None,
             nonces: Nonces::new(),
-            last_beat_ms: 0,
             tick_ms: 0,
-            key_checked: false,
-            key_refused_logged_ms: 0,
-            key_check_token: None,
-            pending: Vec::new(),
+            queue: WakeQueue::default(),
+            counters: Counters::default(),
+            key_check: KeyCheck::default(),
+            fleet: Fleet::default(),
+            runs: Runs::default(),
+            waiters: Default::default(),
             live: Default::default(),
             body_watch: BodyWatch::default(),
             replies_left: REPLY_BATCH,
-            waiters: Default::default(),
-            flights: Default::default(),
-            sleeping: Vec::new(),
-            streams: Default::default(),
-            ended: Vec::new(),
-            asking: Default::default(),
-            outbox: Vec::new(),
-            peer_secret: None,
-            fleet_reached: true,
             hot: Hot::new(0),
             parsed: Hot::new(0),
             seed: Seed::new(RandomState::new().hash_one(())),
-            metrics: PerCounter::default(),
-            last_usage: LastUsage::default(),
         }
+    }
+
+    /// HolySheep refused the configured key on a chat call (logged, rate-limited).
+    pub fn key_refused(&mut self, status: u16) {
+        self.key_check.refused(&self.config, status);
     }
 
     pub fn nonce(&mut self) -> u64 {
@@ -201,11 +148,9 @@ impl Worker {
     /// Hands a call to the root context, which dispatches it on its next queue event (or
     /// tick, before the worker's queue exists); the client's reply comes from there.
     pub fn defer_call(&mut self, context_id: u32, call: Call, outbound: Rc<Outbound>) {
-        self.pending.push((context_id, call, outbound));
-        if let (Some((queue, _)), 1) = (&self.queue, self.pending.len()) {
-            if hostcalls::enqueue_shared_queue(*queue, Some(DISPATCH)).is_err() {
-                host::log(LogLevel::Warn, "holysheep: wake queue refused a message; the tick will dispatch");
-            }
+        self.runs.pending.push((context_id, call, outbound));
+        if self.runs.pending.len() == 1 {
+            self.queue.continue_later(DISPATCH);
         }
     }
 
@@ -232,8 +177,7 @@ impl Worker {
         if matches!(target, Target::Context(id) if !self.live.contains(&id)) {
             return false;
         }
-        let increments = metrics::for_reply(&self.config, &outbound.model, reply, &mut self.last_usage);
-        self.count(increments);
+        self.counters.count_reply(&self.config, &outbound.model, reply);
         self.send_in_form(target, reply, outbound)
     }
 
@@ -267,8 +211,7 @@ impl Worker {
         let size = entry.response.body.len();
         let reply =
             Reply { response: entry.response, cache: Some(CacheStatus::Hit), key: Some(entry.key), age_s: None };
-        let increments = metrics::for_reply(&self.config, &request.model, &reply, &mut self.last_usage);
-        let counters = self.counter_ids(increments);
+        let counters = self.counters.ids_for_reply(&self.config, &request.model, &reply);
         let outbound = Outbound::of(request, Vec::new(), None);
         let answer = HotAnswer { reply, stored_at_ms: entry.stored_at_ms, outbound, counters };
         self.hot.put(raw, expires_ms, size, answer);
@@ -292,7 +235,7 @@ impl Worker {
 
     /// The headers of the stream forwarded for this http context, if it is one.
     pub fn stream_label(&self, context_id: u32) -> Option<StreamLabel> {
-        let run = self.streams.get(&context_id)?;
+        let run = self.runs.streaming.get(&context_id)?;
         Some(StreamLabel {
             cache: run.flight.call.label,
             key: run.flight.call.key.hex().to_owned(),
@@ -306,12 +249,12 @@ impl Worker {
     /// (before the last bytes reach the client, so its next request is a HIT), and the root
     /// wakes the waiters in a VM call of its own.
     pub fn stream_ended(&mut self, context_id: u32, end: StreamEnd) {
-        let Some(run) = self.streams.remove(&context_id) else { return };
+        let Some(run) = self.runs.streaming.remove(&context_id) else { return };
         if let Some(ended) = self.complete_stream(run, end) {
-            self.ended.push(ended);
+            self.runs.ended.push(ended);
         }
-        if !self.ended.is_empty() || !self.outbox.is_empty() {
-            self.continue_later(ENDED);
+        if !self.runs.ended.is_empty() || !self.fleet.outbox.is_empty() {
+            self.queue.continue_later(ENDED);
         }
     }
 
@@ -319,19 +262,17 @@ impl Worker {
     /// handed to its waiters in their own forms); after a stream that broke off, give the
     /// lease up so that one of its waiters leads a new flight. The leader's client already
     /// has its answer. Returns the key whose waiters should look again.
-    pub(super) fn complete_stream(&mut self, mut run: Run, end: StreamEnd) -> Option<(Key, bool)> {
+    pub fn complete_stream(&mut self, mut run: Run, end: StreamEnd) -> Option<(Key, bool)> {
         let now = host::now_ms();
         let cut_off = run.outbound.prompt_estimate() + end.streamed_tokens;
         run.flight.on_stream_end(&SharedData, &self.config, end.usage, cut_off, end.attempts, &end.hints, now);
-        self.outbox.append(&mut run.flight.outbox);
-        let events = std::mem::take(&mut run.flight.events);
-        self.count(events.iter().flat_map(|e| metrics::for_event(&self.config, e)).collect());
+        self.fleet.outbox.append(&mut run.flight.outbox);
+        self.counters.count_events(&self.config, &std::mem::take(&mut run.flight.events));
         let call = run.flight.call;
         let watched = match end.outcome {
             Some(outcome) => {
                 let (reply, watched) = self.engine().finish_flight(&call, Some(outcome), now);
-                let increments = metrics::for_reply(&self.config, &run.outbound.model, &reply, &mut self.last_usage);
-                self.count(increments);
+                self.counters.count_reply(&self.config, &run.outbound.model, &reply);
                 watched
             }
             None => self.engine().abandon(&call),
@@ -339,7 +280,7 @@ impl Worker {
         call.lease.map(|l| (l.key, watched))
     }
 
-    pub(super) fn send(&mut self, target: Target, reply: &Reply, extra: &[(&str, String)]) -> bool {
+    pub fn send(&mut self, target: Target, reply: &Reply, extra: &[(&str, String)]) -> bool {
         match target {
             Target::Current => host::send(reply, extra),
             Target::Context(id) if self.live.contains(&id) => {
@@ -352,7 +293,7 @@ impl Worker {
 
     /// Answers the requests whose body Envoy received but never delivered (see
     /// `body_watch`) with a 500.
-    pub(super) fn answer_stalled(&mut self) {
+    pub fn answer_stalled(&mut self) {
         let live = &self.live;
         let received = |id: u32| {
             let current = live.contains(&id) && hostcalls::set_effective_context(id).is_ok();
@@ -369,7 +310,7 @@ impl Worker {
         }
     }
 
-    pub(super) fn engine(&self) -> Engine<'_, SharedData> {
+    pub fn engine(&self) -> Engine<'_, SharedData> {
         Engine { store: &SharedData, config: &self.config }
     }
 }

@@ -1,10 +1,18 @@
 //! One worker thread's root context: it owns every upstream callout (so a leader's call
 //! survives its client), ticks, and receives the worker's queue. Each host callback starts
-//! a fresh batch of local replies and hands the work to flights, wake-ups or the key check.
+//! a fresh batch of local replies and hands the work on: to the flights this worker leads
+//! (`leaders`, and `route` for streams), to their waiters (`waiters`), or to the key check.
+
+mod leaders;
+mod route;
+mod waiters;
 
 use super::abi as hostcalls;
+use super::counters::Counters;
 use super::host;
-use super::worker::{Shared, Worker, REPLY_BATCH};
+use super::http::Chat;
+use super::key_check;
+use super::worker::{Worker, WorkerRef, REPLY_BATCH};
 use crate::core::config::{Config, Role};
 use crate::core::hot::{self, Hot};
 use crate::core::upstream;
@@ -20,7 +28,7 @@ const FIRST_TICK_MS: u64 = 20;
 const FORWARD_TICK_MS: u64 = 500;
 
 pub struct Root {
-    pub(super) worker: Shared,
+    worker: WorkerRef,
 }
 
 impl Root {
@@ -28,12 +36,27 @@ impl Root {
         Root { worker: Rc::new(RefCell::new(Worker::new())) }
     }
 
-    pub(super) fn out_of_replies(&self) -> bool {
+    fn out_of_replies(&self) -> bool {
         self.worker.borrow().replies_left == 0
     }
 
+    /// Once per VM, and once per Envoy process (`key_check::send`), asks HolySheep whether
+    /// the configured key is accepted.
+    fn check_key(&self) {
+        let (config, bearer) = {
+            let mut w = self.worker.borrow_mut();
+            if !w.key_check.due() {
+                return;
+            }
+            (w.config.clone(), w.bearer.clone())
+        };
+        if let Some(token) = bearer.and_then(|b| key_check::send(&config, &b)) {
+            self.worker.borrow_mut().key_check.sent(token);
+        }
+    }
+
     /// A root-context VM call starts: it may send a new batch of replies.
-    pub(super) fn begin_call(&self) {
+    fn begin_call(&self) {
         self.worker.borrow_mut().replies_left = REPLY_BATCH;
     }
 }
@@ -41,13 +64,16 @@ impl Root {
 impl Context for Root {
     fn on_http_call_response(&mut self, token: u32, num_headers: usize, body_size: usize, _trailers: usize) {
         self.begin_call();
-        if self.worker.borrow().key_check_token == Some(token) {
-            return self.report_key_check(num_headers);
+        {
+            let w = &mut *self.worker.borrow_mut();
+            if w.key_check.answered(&w.config, token, num_headers) {
+                return;
+            }
         }
         if self.on_verdict(token, num_headers, body_size) {
             return;
         }
-        let run = self.worker.borrow_mut().flights.remove(&token);
+        let run = self.worker.borrow_mut().runs.calling.remove(&token);
         if let Some(mut run) = run {
             let (outcome, hints) = self.callout_response(&run, num_headers, body_size);
             let action = self.on_outcome(&mut run, outcome, &hints);
@@ -70,8 +96,8 @@ impl RootContext for Root {
         let mut w = self.worker.borrow_mut();
         w.vm_id = String::from_utf8_lossy(&vm_id).into_owned();
         w.bearer = upstream::bearer(std::env::var(&config.upstream.api_key_env).ok());
-        w.peer_secret = std::env::var(&config.fleet.peer_secret_env).ok().filter(|s| !s.is_empty());
-        if config.fleet.shared_limits() && w.peer_secret.is_none() {
+        w.fleet.secret = std::env::var(&config.fleet.peer_secret_env).ok().filter(|s| !s.is_empty());
+        if config.fleet.shared_limits() && w.fleet.secret.is_none() {
             let env = &config.fleet.peer_secret_env;
             host::log(
                 LogLevel::Error,
@@ -88,11 +114,12 @@ impl RootContext for Root {
         );
         w.hot = Hot::new(config.cache.hot_bytes);
         w.parsed = Hot::new(config.cache.hot_bytes.min(hot::PARSED_BYTES));
+        w.counters = Counters::define(&config);
         w.config = Rc::new(config);
-        w.define_metrics();
         drop(w);
         // A short first tick registers the worker's queue (not here: the canary VM and
-        // the VM's thread binding make on_configure the wrong place, see ENVOY-FACTS).
+        // the VM's thread binding make on_configure the wrong place, see
+        // docs/envoy-facts.md).
         let first = if self.worker.borrow().config.role == Role::Forward { FORWARD_TICK_MS } else { FIRST_TICK_MS };
         let _ = hostcalls::set_tick_period(Duration::from_millis(first));
         true
@@ -105,10 +132,10 @@ impl RootContext for Root {
             // A forward node keeps no flights: no queue, no key check.
             return;
         }
-        self.register_queue();
+        self.worker.borrow_mut().queue.register();
         self.check_key();
         self.dispatch_pending();
-        self.heartbeat();
+        self.worker.borrow_mut().queue.heartbeat(host::now_ms());
         self.renew_leases();
         self.wake_sleepers();
         self.complete_streams();
@@ -127,7 +154,7 @@ impl RootContext for Root {
 
     fn create_http_context(&self, context_id: u32) -> Option<Box<dyn HttpContext>> {
         self.worker.borrow_mut().live.insert(context_id);
-        Some(Box::new(super::http::Chat::new(context_id, self.worker.clone())))
+        Some(Box::new(Chat::new(context_id, self.worker.clone())))
     }
 
     fn get_type(&self) -> Option<ContextType> {

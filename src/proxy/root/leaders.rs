@@ -1,0 +1,251 @@
+//! The flights this worker leads: a leader's call from dispatch through retries and sleeps
+//! to the reply, executed from the core's `flight::Action`s; a model owner's verdict when
+//! limits are fleet-wide; and the lease renewals that keep them alive.
+
+use super::route::Forwarded;
+use super::Root;
+use crate::core::cache::Response;
+use crate::core::engine::{Call, Reply};
+use crate::core::error::ApiError;
+use crate::core::flight::{self, Flight};
+use crate::core::limits::ProviderHints;
+use crate::core::peer::Op;
+use crate::core::request::CHAT_PATH;
+use crate::core::upstream::{self, Outbound};
+use crate::proxy::abi as hostcalls;
+use crate::proxy::fleet;
+use crate::proxy::host::{self, SharedData};
+use crate::proxy::queue::DISPATCH;
+use crate::proxy::runs::{Run, StreamEnd};
+use crate::proxy::worker::Target;
+use proxy_wasm::types::{BufferType, LogLevel, MapType};
+use std::rc::Rc;
+use std::time::Duration;
+
+/// Tick period while a flight sleeps (backoff, or held for its bucket).
+const SLEEP_TICK_MS: u64 = 10;
+
+impl Root {
+    pub(super) fn start(&mut self, context_id: u32, call: Call, outbound: Rc<Outbound>) {
+        let flight = Flight::new(&self.worker.borrow().config, call, &outbound.model, outbound.estimate_tokens);
+        let mut run = Run { context_id, flight, outbound };
+        let action = self.resume(&mut run);
+        self.advance(run, action);
+    }
+
+    pub(super) fn resume(&self, run: &mut Run) -> flight::Action {
+        let mut w = self.worker.borrow_mut();
+        let nonce = w.nonce();
+        run.flight.resume(&SharedData, &w.config, host::now_ms(), nonce)
+    }
+
+    /// Performs a flight's next action until it is waiting on the host.
+    pub(super) fn advance(&mut self, mut run: Run, mut action: flight::Action) {
+        loop {
+            {
+                let w = &mut *self.worker.borrow_mut();
+                w.counters.count_events(&w.config, &std::mem::take(&mut run.flight.events));
+                w.fleet.outbox.append(&mut run.flight.outbox);
+            }
+            self.send_settlements();
+            match action {
+                flight::Action::Ask { bucket, op, timeout_ms } => match self.ask(&bucket, &op, timeout_ms) {
+                    Some(token) => {
+                        self.worker.borrow_mut().runs.asking.insert(token, run);
+                        return;
+                    }
+                    None => {
+                        run.flight.on_verdict(None);
+                        action = self.resume(&mut run);
+                    }
+                },
+                flight::Action::Send { model, .. } if run.outbound.stream => match self.forward(&run, &model) {
+                    Forwarded::Sent => {
+                        self.worker.borrow_mut().runs.streaming.insert(run.context_id, run);
+                        return;
+                    }
+                    Forwarded::Misrouted => {
+                        let refused = Reply::error(&ApiError::misdirected()).response;
+                        action = self.on_outcome(&mut run, Some(refused), &ProviderHints::default());
+                    }
+                    Forwarded::Gone => {
+                        let end = StreamEnd::broken();
+                        let ended = self.worker.borrow_mut().complete_stream(run, end);
+                        self.send_settlements();
+                        if let Some((key, watched)) = ended {
+                            self.wake_waiters(&key, watched);
+                        }
+                        return;
+                    }
+                },
+                flight::Action::Send { model, timeout_ms } => match self.dispatch(&run, &model, timeout_ms) {
+                    Some(token) => {
+                        self.worker.borrow_mut().runs.calling.insert(token, run);
+                        return;
+                    }
+                    None => action = self.on_outcome(&mut run, None, &ProviderHints::default()),
+                },
+                flight::Action::Sleep { until_ms } => {
+                    self.worker.borrow_mut().runs.sleeping.push((until_ms, run));
+                    self.set_tick();
+                    return;
+                }
+                flight::Action::Finish(outcome) => return self.finish(run, outcome),
+            }
+        }
+    }
+
+    pub(super) fn on_outcome(&self, run: &mut Run, outcome: Option<Response>, hints: &ProviderHints) -> flight::Action {
+        let mut w = self.worker.borrow_mut();
+        let random = w.nonce();
+        run.flight.on_response(&SharedData, &w.config, outcome, hints, host::now_ms(), random)
+    }
+
+    pub(super) fn dispatch(&mut self, run: &Run, model: &str, timeout_ms: u64) -> Option<u32> {
+        let (config, bearer) = {
+            let w = self.worker.borrow();
+            (w.config.clone(), w.bearer.clone())
+        };
+        let out = &run.outbound;
+        let body = out.body_for(model);
+        let mut headers =
+            vec![(":method", "POST"), (":path", CHAT_PATH), (":authority", config.upstream.authority.as_str())];
+        headers.extend(out.headers(bearer.as_deref()));
+        let timeout = Duration::from_millis(timeout_ms.max(1));
+        match hostcalls::dispatch_http_call(&config.upstream.cluster, headers, Some(&body), vec![], timeout) {
+            // No debug line per callout: proxy_log crosses into Envoy even when it drops
+            // the line (the SDK's log-level getter panics on surprises, so it is not asked).
+            Ok(token) => Some(token),
+            Err(status) => {
+                let cluster = &config.upstream.cluster;
+                host::log(LogLevel::Error, &format!("holysheep: callout to cluster '{cluster}' refused: {status:?}"));
+                None
+            }
+        }
+    }
+
+    /// The flight ended: answer its caller, then its waiters here and on other workers.
+    pub(super) fn finish(&mut self, run: Run, outcome: Option<Response>) {
+        let call = run.flight.call;
+        let (reply, watched) = self.worker.borrow().engine().finish_flight(&call, outcome, host::now_ms());
+        self.worker.borrow_mut().respond(Target::Context(run.context_id), &reply, &run.outbound);
+        if call.lease.is_some() {
+            self.wake_waiters(&call.key, watched);
+        }
+    }
+
+    pub(super) fn dispatch_pending(&mut self) {
+        loop {
+            if self.out_of_replies() {
+                let w = self.worker.borrow();
+                if !w.runs.pending.is_empty() {
+                    w.queue.continue_later(DISPATCH);
+                }
+                return;
+            }
+            let next = self.worker.borrow_mut().runs.next_pending();
+            let Some((id, call, outbound)) = next else { return };
+            self.start(id, call, outbound);
+        }
+    }
+
+    /// Resumes the flights whose sleep is over (those beyond this call's replies wait for
+    /// the next tick, which is fast while any flight sleeps).
+    pub(super) fn wake_sleepers(&mut self) {
+        let now = host::now_ms();
+        while !self.out_of_replies() {
+            let due = self.worker.borrow_mut().runs.take_due(now);
+            let Some(mut run) = due else { break };
+            let action = self.resume(&mut run);
+            self.advance(run, action);
+        }
+        self.set_tick();
+    }
+
+    /// Fast ticks while a flight sleeps, the configured safety-net period otherwise.
+    pub(super) fn set_tick(&self) {
+        let mut w = self.worker.borrow_mut();
+        if !w.queue.is_registered() {
+            return;
+        }
+        let period = if w.runs.sleeping.is_empty() { w.config.tick_ms() } else { SLEEP_TICK_MS };
+        if period != w.tick_ms && hostcalls::set_tick_period(Duration::from_millis(period)).is_ok() {
+            w.tick_ms = period;
+        }
+    }
+
+    /// Renews the lease of every flight this worker leads, wherever it stands: in a call,
+    /// asleep, streaming, asking a fleet peer for a verdict, or not yet dispatched.
+    pub(super) fn renew_leases(&self) {
+        let w = self.worker.borrow();
+        let (engine, now) = (w.engine(), host::now_ms());
+        for call in w.runs.calls() {
+            engine.renew(call, now);
+        }
+    }
+
+    pub(super) fn callout_response(
+        &self,
+        run: &Run,
+        num_headers: usize,
+        body_size: usize,
+    ) -> (Option<Response>, ProviderHints) {
+        if num_headers == 0 {
+            return (None, ProviderHints::default());
+        }
+        let headers = host::headers(MapType::HttpCallResponseHeaders);
+        let status = headers.iter().find(|(k, _)| k == ":status").and_then(|(_, v)| v.parse().ok());
+        let Some(status) = status else {
+            return (None, ProviderHints::default());
+        };
+        let body = host::buffer(BufferType::HttpCallResponseBody, body_size);
+        let (response, hints) =
+            upstream::response(status, &headers, body, run.outbound.sent(self.worker.borrow().bearer.is_some()));
+        if hints.key_refused {
+            self.worker.borrow_mut().key_refused(status);
+        }
+        (Some(response), hints)
+    }
+
+    /// Sends `op` to the owner of `bucket`; `None` when it cannot be sent (no secret, no
+    /// cluster): the flight then admits from this node's share. No borrow of the worker is
+    /// held across a host call that may call back into it.
+    fn ask(&self, bucket: &str, op: &Op, timeout_ms: u64) -> Option<u32> {
+        let (config, secret) = {
+            let w = self.worker.borrow();
+            (w.config.clone(), w.fleet.secret.clone()?)
+        };
+        match fleet::ask(&config, &secret, bucket, op, timeout_ms) {
+            Ok(token) => Some(token),
+            Err(status) => {
+                let why = format!("callout to fleet cluster '{}' refused: {status:?}", config.fleet.cluster);
+                self.worker.borrow_mut().fleet.reached(false, &why);
+                None
+            }
+        }
+    }
+
+    /// Sends the settlements the flights left for model owners, without waiting for them.
+    pub(super) fn send_settlements(&self) {
+        let (config, ops) = {
+            let mut w = self.worker.borrow_mut();
+            (w.config.clone(), std::mem::take(&mut w.fleet.outbox))
+        };
+        for op in ops {
+            if let Some((bucket, _)) = config.model(op.model()) {
+                self.ask(bucket, &op, fleet::SETTLE_TIMEOUT_MS);
+            }
+        }
+    }
+
+    /// A model owner answered (or failed to): the flight that asked goes on. `false` when
+    /// `token` was not an admission.
+    pub(super) fn on_verdict(&mut self, token: u32, num_headers: usize, body_size: usize) -> bool {
+        let Some(mut run) = self.worker.borrow_mut().runs.asking.remove(&token) else { return false };
+        let verdict = self.worker.borrow_mut().fleet.verdict(num_headers, body_size);
+        run.flight.on_verdict(verdict);
+        let action = self.resume(&mut run);
+        self.advance(run, action);
+        true
+    }
+}

@@ -1,0 +1,91 @@
+//! A stream leader's call goes along the route: Envoy's router streams HolySheep's answer
+//! back while the leader's http context tees it (`Chat`), and reports how it ended.
+
+use super::Root;
+use crate::core::flight;
+use crate::core::request::CHAT_PATH;
+use crate::core::stream;
+use crate::proxy::abi as hostcalls;
+use crate::proxy::host;
+use crate::proxy::runs::Run;
+use proxy_wasm::types::{BufferType, MapType};
+
+/// How a stream leader's request went on along its route.
+pub(super) enum Forwarded {
+    Sent,
+    /// The request is gone (client reset) or could not be rewritten.
+    Gone,
+    /// Its route leads elsewhere than `upstream.cluster`: it is not sent with the key.
+    Misrouted,
+}
+
+impl Root {
+    /// A stream leader goes along the route (Envoy's router streams the answer back while
+    /// the http context tees it), when the route Envoy chose for the client's request
+    /// leads to `upstream.cluster`. Envoy routes the request again once the filter changes
+    /// its headers, and tells the filter the new route only after it was taken, so the
+    /// request that leaves carries nothing of the client's that routing could look at: the
+    /// canonical path, `upstream.authority`, the scheme, Envoy's request id, and the
+    /// headers a callout sends (the configured key, no compression: the tee reads the
+    /// events). Its body asks for the usage event, on `model`. The route that answers is
+    /// checked again when its answer arrives (`Chat::on_http_response_headers`).
+    pub(super) fn forward(&self, run: &Run, model: &str) -> Forwarded {
+        let id = run.context_id;
+        let (config, bearer, latched) = {
+            let w = self.worker.borrow();
+            (w.config.clone(), w.bearer.clone(), w.streams_misrouted())
+        };
+        if !self.worker.borrow().is_live(id) || hostcalls::set_effective_context(id).is_err() {
+            return Forwarded::Gone;
+        }
+        if latched || !host::routed_to(&config.upstream.cluster) {
+            return Forwarded::Misrouted;
+        }
+        let head = host::headers(MapType::HttpRequestHeaders);
+        if head.is_empty() {
+            // Unreadable: the client's headers could not be taken off.
+            return Forwarded::Gone;
+        }
+        let value = |name: &str| head.iter().find(|(n, _)| n == name).map(|(_, v)| v.clone());
+        let scheme = value(":scheme").or_else(|| value("x-forwarded-proto")).unwrap_or_else(|| "http".into());
+        let body = run.outbound.body_for(model);
+        let length = body.len().to_string();
+        // Envoy's router retries before the first byte on the edge's terms, and says how
+        // many attempts it made (`host::upstream_attempts`), each counted and charged.
+        let retries = config.retry.max_attempts.saturating_sub(1).to_string();
+        let mut set: Vec<(&str, &str)> = vec![
+            (":path", CHAT_PATH),
+            (":authority", config.upstream.authority.as_str()),
+            // Without it Envoy 1.40 finds no route for the rewritten request.
+            ("x-forwarded-proto", scheme.as_str()),
+            ("content-length", length.as_str()),
+            ("x-envoy-max-retries", retries.as_str()),
+            ("x-envoy-retry-on", flight::STREAM_RETRY_ON),
+            ("x-envoy-retriable-status-codes", flight::STREAM_RETRIABLE_STATUSES),
+        ];
+        set.extend(run.outbound.headers(bearer.as_deref()).into_iter().filter(|(n, _)| *n != "accept"));
+        set.push(("accept", stream::CONTENT_TYPE));
+        let stays = |n: &str| n.starts_with(':') || n == "x-request-id";
+        let gone = head.iter().map(|(n, _)| n).filter(|n| !stays(n));
+        let trailers = host::headers(MapType::HttpRequestTrailers);
+        let done = hostcalls::set_buffer(BufferType::HttpRequestBody, 0, usize::MAX, &body).is_ok()
+            && gone.into_iter().all(|n| hostcalls::set_map_value(MapType::HttpRequestHeaders, n, None).is_ok())
+            && trailers.iter().all(|(n, _)| hostcalls::set_map_value(MapType::HttpRequestTrailers, n, None).is_ok())
+            && set.iter().all(|(n, v)| hostcalls::set_map_value(MapType::HttpRequestHeaders, n, Some(v)).is_ok())
+            && hostcalls::resume_http_request().is_ok();
+        if done {
+            Forwarded::Sent
+        } else {
+            Forwarded::Gone
+        }
+    }
+
+    /// Lets the waiters of the streams that ended look at their flights.
+    pub(super) fn complete_streams(&mut self) {
+        self.send_settlements();
+        let ended = std::mem::take(&mut self.worker.borrow_mut().runs.ended);
+        for (key, watched) in ended {
+            self.wake_waiters(&key, watched);
+        }
+    }
+}

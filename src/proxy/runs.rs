@@ -1,0 +1,76 @@
+//! The flights one worker leads, wherever each stands: decided and not yet dispatched, in
+//! a callout, asleep (backoff, or held for its bucket), asking a model owner for a
+//! verdict, or streaming along the route.
+
+use super::ids::IdMap;
+use crate::core::cache::Response;
+use crate::core::engine::Call;
+use crate::core::flight::Flight;
+use crate::core::limits::ProviderHints;
+use crate::core::request::Key;
+use crate::core::upstream::Outbound;
+use std::rc::Rc;
+
+/// A flight on its way, with the request it answers.
+pub struct Run {
+    pub context_id: u32,
+    pub flight: Flight,
+    pub outbound: Rc<Outbound>,
+}
+
+/// How a stream forwarded along the route ended, as its http context saw it.
+pub struct StreamEnd {
+    /// The reassembled `chat.completion`, or HolySheep's error; `None` when the stream
+    /// broke off (reset, timeout, the client gone) before it finished.
+    pub outcome: Option<Response>,
+    pub usage: Option<(u64, u64)>,
+    /// Completion tokens streamed before the end, estimated.
+    pub streamed_tokens: u64,
+    /// Attempts Envoy's router made (retries before the first byte), at least one.
+    pub attempts: u64,
+    /// What HolySheep's answer said about its limits.
+    pub hints: ProviderHints,
+}
+
+impl StreamEnd {
+    /// A forwarded stream that never got its answer's headers (or never left).
+    pub fn broken() -> StreamEnd {
+        StreamEnd { outcome: None, usage: None, streamed_tokens: 0, attempts: 1, hints: ProviderHints::default() }
+    }
+}
+
+#[derive(Default)]
+pub struct Runs {
+    /// Calls decided in an http context, dispatched from the root on the next queue event.
+    pub pending: Vec<(u32, Call, Rc<Outbound>)>,
+    /// In a callout, by its token.
+    pub calling: IdMap<Run>,
+    /// Asleep until the time each carries.
+    pub sleeping: Vec<(u64, Run)>,
+    /// Waiting for a model owner node's verdict, by callout token.
+    pub asking: IdMap<Run>,
+    /// Stream flights forwarded along the route, by http context.
+    pub streaming: IdMap<Run>,
+    /// Keys of stream flights that ended, whose waiters the root wakes (here, and on every
+    /// worker when the flight was watched).
+    pub ended: Vec<(Key, bool)>,
+}
+
+impl Runs {
+    /// The calls of every flight this worker leads, for their lease renewals.
+    pub fn calls(&self) -> impl Iterator<Item = &Call> {
+        let runs = self.calling.values().chain(self.sleeping.iter().map(|(_, r)| r)).chain(self.streaming.values());
+        runs.chain(self.asking.values()).map(|r| &r.flight.call).chain(self.pending.iter().map(|(_, c, _)| c))
+    }
+
+    /// A sleeping flight whose time has come.
+    pub fn take_due(&mut self, now: u64) -> Option<Run> {
+        let at = self.sleeping.iter().position(|(until, _)| *until <= now)?;
+        Some(self.sleeping.swap_remove(at).1)
+    }
+
+    /// The next pending call, in the order they came.
+    pub fn next_pending(&mut self) -> Option<(u32, Call, Rc<Outbound>)> {
+        (!self.pending.is_empty()).then(|| self.pending.remove(0))
+    }
+}

@@ -140,7 +140,8 @@ impl Gateway {
     }
 
     /// An ask for a model owner's verdict has no one to go to: there is no fleet here, the
-    /// key-value store is this host's own (README). The flight goes on without a verdict.
+    /// key-value store is this host's own (docs/component.md). The flight goes on without
+    /// a verdict.
     fn without_owner(&self, flight: &mut Flight) -> Action {
         flight.on_verdict(None);
         flight.resume(&self.kv, &self.config, host::now_ms(), host::nonce())

@@ -70,9 +70,9 @@ enum Ticket {
     Share(u64),
 }
 
-/// What admitting a call for one model came to.
-enum Admission {
-    Admitted,
+/// What reserving capacity for a call on one model came to.
+enum Reservation {
+    Reserved,
     Denied(Denial),
     /// The model owner node must be asked.
     Ask(String, Op),
@@ -90,7 +90,7 @@ pub struct Flight {
     /// This flight's identity in the buckets (its first nonce): place in line, slot.
     id: Option<u64>,
     ticket: Option<Ticket>,
-    /// Admission asked of a model owner: the model it was for and the denials before it.
+    /// A reservation asked of a model owner: the model it was for and the denials before it.
     probe: Option<(usize, Vec<(usize, Denial)>)>,
     /// The model owner's answer (`Some(None)`: out of reach).
     verdict: Option<Option<Verdict>>,
@@ -141,8 +141,8 @@ impl Flight {
         }
         let (start, mut denials) = self.probe.take().unwrap_or((self.idx, Vec::new()));
         for i in start..self.models.len() {
-            match self.admit(store, config, i, now_ms, nonce) {
-                Admission::Admitted => {
+            match self.reserve(store, config, i, now_ms, nonce) {
+                Reservation::Reserved => {
                     if i != self.idx {
                         self.fail_over_to(i);
                     }
@@ -150,8 +150,8 @@ impl Flight {
                     self.events.push(Event::UpstreamCall { model: model.clone() });
                     return Action::Send { model, timeout_ms: self.deadline_ms - now_ms };
                 }
-                Admission::Denied(d) => denials.push((i, d)),
-                Admission::Ask(bucket, op) => {
+                Reservation::Denied(d) => denials.push((i, d)),
+                Reservation::Ask(bucket, op) => {
                     self.probe = Some((i, denials));
                     let timeout_ms = config.fleet.timeout_ms.min(self.deadline_ms - now_ms);
                     return Action::Ask { bucket, op, timeout_ms };
@@ -275,8 +275,8 @@ impl Flight {
         self.verdict = Some(verdict);
     }
 
-    fn admit(&mut self, store: &impl CasStore, config: &Config, i: usize, now_ms: u64, nonce: u64) -> Admission {
-        let Some((bucket, m)) = config.model(&self.models[i]) else { return Admission::Admitted };
+    fn reserve(&mut self, store: &impl CasStore, config: &Config, i: usize, now_ms: u64, nonce: u64) -> Reservation {
+        let Some((bucket, m)) = config.model(&self.models[i]) else { return Reservation::Reserved };
         let l = Limits::of(m);
         // A call holds its in-flight slot no longer than the flight can last.
         let hold = self.deadline_ms.saturating_sub(now_ms) + 1_000;
@@ -287,7 +287,7 @@ impl Flight {
             match self.verdict.take() {
                 None => {
                     let op = Op::Take { model: self.models[i].clone(), id, estimate, hold_ms: hold };
-                    return Admission::Ask(bucket.to_owned(), op);
+                    return Reservation::Ask(bucket.to_owned(), op);
                 }
                 Some(Some(verdict)) => (Ticket::Owner(id), verdict.result()),
                 Some(None) => {
@@ -303,9 +303,9 @@ impl Flight {
         match taken {
             Ok(()) => {
                 self.ticket = Some(ticket);
-                Admission::Admitted
+                Reservation::Reserved
             }
-            Err(d) => Admission::Denied(d),
+            Err(d) => Reservation::Denied(d),
         }
     }
 

@@ -263,7 +263,7 @@ mod tests {
             "cost_saved_microusd",
             "fleet_local_share",
         ];
-        assert_eq!(names, documented, "the README's counter names, each once");
+        assert_eq!(names, documented, "the counter names docs/operations.md lists, each once");
         assert!(COUNTERS.iter().enumerate().all(|(i, c)| c.index() == i), "index is the place in COUNTERS");
     }
 

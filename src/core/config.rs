@@ -548,4 +548,49 @@ mod tests {
         assert!(Config::parse(b"{} {}").is_err());
         assert!(Config::parse(b"[]").is_err());
     }
+
+    /// The configurations the docs show (```json blocks, and the filter's `value: '...'` in
+    /// ```yaml blocks), with where each stands.
+    fn documented_configurations() -> Vec<(String, String)> {
+        let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+        let mut pages = vec![root.join("README.md")];
+        let docs = std::fs::read_dir(root.join("docs")).unwrap();
+        pages.extend(docs.map(|e| e.unwrap().path()).filter(|p| p.extension().is_some_and(|x| x == "md")));
+        let mut found = Vec::new();
+        for page in pages {
+            let text = std::fs::read_to_string(&page).unwrap();
+            let mut lang: Option<(String, usize, String)> = None;
+            for (n, line) in text.lines().enumerate() {
+                let fence = line.trim_start().strip_prefix("```");
+                match (fence, lang.take()) {
+                    (Some(l), None) => lang = Some((l.trim().to_owned(), n + 1, String::new())),
+                    (Some(_), Some((l, start, block))) if l == "json" => {
+                        found.push((format!("{}:{start}", page.display()), block));
+                    }
+                    (Some(_), Some(_)) => {}
+                    (None, Some((l, start, mut block))) => {
+                        let value = line.trim().strip_prefix("value: '").and_then(|v| v.strip_suffix('\''));
+                        match value {
+                            Some(v) if l == "yaml" => found.push((format!("{}:{}", page.display(), n + 1), v.into())),
+                            _ => block.push_str(line),
+                        }
+                        lang = Some((l, start, block));
+                    }
+                    (None, None) => {}
+                }
+            }
+        }
+        found
+    }
+
+    #[test]
+    fn every_configuration_the_docs_show_is_accepted() {
+        let shown = documented_configurations();
+        assert!(shown.len() >= 5, "the docs show configurations: {shown:?}");
+        for (at, json) in shown {
+            if let Err(e) = Config::parse(json.as_bytes()) {
+                panic!("{at}: {e}");
+            }
+        }
+    }
 }

@@ -3,10 +3,8 @@
 //! shared state lives in a `wasi:keyvalue` bucket, HolySheep is called through
 //! `wasi:http/outgoing-handler`, and waiters poll the store.
 
-mod calls;
 mod gateway;
 mod host;
-mod instance;
 mod libc;
 
 wit_bindgen::generate!({

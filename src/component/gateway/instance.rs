@@ -3,7 +3,7 @@
 //! store, and the requests it parsed that came again (found by the tenant's and the body's
 //! exact bytes). On a host that makes an instance per request, each request sets it up.
 
-use super::host::{self, Kv};
+use crate::component::host::{self, Kv};
 use crate::core::config::Config;
 use crate::core::error::ApiError;
 use crate::core::hot::{self, Hot, Raw, Seed};

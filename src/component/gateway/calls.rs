@@ -2,10 +2,10 @@
 //! whole answer, renewing the lease while it waits) and the requests it does not govern,
 //! forwarded with the client's own credentials and streamed back.
 
-use super::host;
 use super::instance::Gateway;
-use super::wasi::http::outgoing_handler;
-use super::wasi::http::types::{
+use crate::component::host;
+use crate::component::wasi::http::outgoing_handler;
+use crate::component::wasi::http::types::{
     IncomingBody, IncomingRequest, IncomingResponse, Method, OutgoingBody, OutgoingRequest, RequestOptions,
     ResponseOutparam, Scheme,
 };

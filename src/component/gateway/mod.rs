@@ -4,8 +4,10 @@
 //! Everything else is forwarded to HolySheep with the client's own credentials and
 //! streamed back (`calls`). The shell only performs what the core decides.
 
+mod calls;
+mod instance;
+
 use super::host::{self, BodyError, Kv};
-use super::instance::{self, Gateway};
 use super::wasi::http::types::{
     IncomingBody, IncomingRequest, IncomingResponse, Method, OutgoingBody, ResponseOutparam,
 };
@@ -16,6 +18,7 @@ use crate::core::intake::{self, Decision, Head, Route};
 use crate::core::limits::ProviderHints;
 use crate::core::stream::{self, Reassembler};
 use crate::core::upstream::{self, Outbound};
+use instance::Gateway;
 
 pub fn handle(request: IncomingRequest, out: ResponseOutparam) {
     let gateway = match instance::gateway() {

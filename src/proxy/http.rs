@@ -3,13 +3,11 @@
 //! leader goes along the route; its http context tees the answer as it streams back,
 //! reassembling it in memory, and reports how it ended.
 
-/// Bytes of a streamed call's error answer kept for its waiters.
-const ERROR_BODY_LIMIT: usize = 65_536;
-
 use super::abi as hostcalls;
 use super::body_watch::Paused;
 use super::host::{self, SharedData};
 use super::runs::StreamEnd;
+use super::tee::Tee;
 use super::worker::{Target, WorkerRef, MISROUTED_KEY};
 use crate::core::cache::Response;
 use crate::core::config::Role;
@@ -50,67 +48,6 @@ enum State {
     Teeing(Box<Tee>),
     /// The tee reported the end.
     Ended,
-}
-
-/// What the tee keeps of a forwarded stream's answer.
-struct Tee {
-    /// Server-sent events (a 200): reassembled.
-    events: Option<Reassembler>,
-    /// Anything else: the answer as its waiters get it, its body gathered as it passes
-    /// (up to `ERROR_BODY_LIMIT`).
-    other: Response,
-    /// The client gets the edge's own error (`other`) in place of HolySheep's body (see
-    /// `upstream::refused`) ...
-    replace: bool,
-    /// ... which has been written.
-    written: bool,
-    /// Attempts Envoy's router made, and what HolySheep's answer said of its limits.
-    attempts: u64,
-    hints: ProviderHints,
-    /// Events from `[DONE]` on, held until the stream's end.
-    held: Vec<u8>,
-}
-
-impl Tee {
-    fn end(self, complete: bool) -> StreamEnd {
-        let streamed_tokens = self.events.as_ref().map_or(0, Reassembler::streamed_tokens_estimate);
-        let usage = self.events.as_ref().and_then(Reassembler::usage);
-        let outcome = match (&self.events, complete) {
-            (_, false) => None,
-            (Some(r), true) => r.completion(),
-            (None, true) => Some(self.other),
-        };
-        StreamEnd { outcome, usage, streamed_tokens, attempts: self.attempts, hints: self.hints }
-    }
-
-    /// The bytes the client gets for this chunk of HolySheep's answer (`None`: as they are).
-    fn pass(&mut self, chunk: &[u8], end_of_stream: bool) -> Option<Vec<u8>> {
-        if let Some(events) = &mut self.events {
-            let mut out = events.push(chunk);
-            if end_of_stream {
-                out.extend(events.flush());
-            }
-            // From `[DONE]` on, the bytes wait for the stream's end, where the answer is
-            // shared first: a client that stops reading at `[DONE]` (the SDKs do) sends its
-            // next request only when that is a HIT.
-            if events.done() && !end_of_stream {
-                self.held.append(&mut out);
-                return Some(Vec::new());
-            }
-            if !self.held.is_empty() {
-                self.held.append(&mut out);
-                return Some(std::mem::take(&mut self.held));
-            }
-            return (out != chunk).then_some(out);
-        }
-        if self.replace {
-            let first = !std::mem::replace(&mut self.written, true);
-            return Some(if first { self.other.body.clone() } else { Vec::new() });
-        }
-        let room = ERROR_BODY_LIMIT.saturating_sub(self.other.body.len());
-        self.other.body.extend_from_slice(&chunk[..chunk.len().min(room)]);
-        None
-    }
 }
 
 impl Chat {
@@ -407,7 +344,7 @@ impl HttpContext for Chat {
         let other = Response { headers: retry_after.unwrap_or_default(), ..other };
         let events = (sse && refusal.is_none()).then(|| Reassembler::new(label.include_usage));
         let (attempts, hints) = (host::upstream_attempts(), ProviderHints::from_headers(status, &headers));
-        let tee = Tee { events, other, replace: refusal.is_some(), written: false, attempts, hints, held: Vec::new() };
+        let tee = Tee::new(events, other, refusal.is_some(), attempts, hints);
         self.state = State::Teeing(Box::new(tee));
         if end_of_stream {
             self.end_stream(true);

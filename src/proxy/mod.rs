@@ -11,6 +11,7 @@ mod key_check;
 mod queue;
 mod root;
 mod runs;
+mod tee;
 mod worker;
 
 proxy_wasm::main! {{

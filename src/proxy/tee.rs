@@ -1,0 +1,84 @@
+//! The tee of a stream forwarded along the route: HolySheep's answer passes to the leader's
+//! client as it streams while it is reassembled (events) or gathered (anything else) for
+//! the cache and the flight's waiters.
+
+use super::runs::StreamEnd;
+use crate::core::cache::Response;
+use crate::core::limits::ProviderHints;
+use crate::core::stream::Reassembler;
+
+/// Bytes of a streamed call's error answer kept for its waiters.
+const ERROR_BODY_LIMIT: usize = 65_536;
+
+/// What the tee keeps of a forwarded stream's answer.
+pub struct Tee {
+    /// Server-sent events (a 200): reassembled.
+    events: Option<Reassembler>,
+    /// Anything else: the answer as its waiters get it, its body gathered as it passes
+    /// (up to `ERROR_BODY_LIMIT`).
+    other: Response,
+    /// The client gets the edge's own error (`other`) in place of HolySheep's body (see
+    /// `upstream::refused`) ...
+    replace: bool,
+    /// ... which has been written.
+    written: bool,
+    /// Attempts Envoy's router made, and what HolySheep's answer said of its limits.
+    attempts: u64,
+    hints: ProviderHints,
+    /// Events from `[DONE]` on, held until the stream's end.
+    held: Vec<u8>,
+}
+
+impl Tee {
+    /// `events` for an event stream; `other`, the answer as far as its headers, for anything
+    /// else, whose body is `replace`d by `other`'s when the edge refuses it.
+    pub fn new(
+        events: Option<Reassembler>,
+        other: Response,
+        replace: bool,
+        attempts: u64,
+        hints: ProviderHints,
+    ) -> Tee {
+        Tee { events, other, replace, written: false, attempts, hints, held: Vec::new() }
+    }
+
+    pub fn end(self, complete: bool) -> StreamEnd {
+        let streamed_tokens = self.events.as_ref().map_or(0, Reassembler::streamed_tokens_estimate);
+        let usage = self.events.as_ref().and_then(Reassembler::usage);
+        let outcome = match (&self.events, complete) {
+            (_, false) => None,
+            (Some(r), true) => r.completion(),
+            (None, true) => Some(self.other),
+        };
+        StreamEnd { outcome, usage, streamed_tokens, attempts: self.attempts, hints: self.hints }
+    }
+
+    /// The bytes the client gets for this chunk of HolySheep's answer (`None`: as they are).
+    pub fn pass(&mut self, chunk: &[u8], end_of_stream: bool) -> Option<Vec<u8>> {
+        if let Some(events) = &mut self.events {
+            let mut out = events.push(chunk);
+            if end_of_stream {
+                out.extend(events.flush());
+            }
+            // From `[DONE]` on, the bytes wait for the stream's end, where the answer is
+            // shared first: a client that stops reading at `[DONE]` (the SDKs do) sends its
+            // next request only when that is a HIT.
+            if events.done() && !end_of_stream {
+                self.held.append(&mut out);
+                return Some(Vec::new());
+            }
+            if !self.held.is_empty() {
+                self.held.append(&mut out);
+                return Some(std::mem::take(&mut self.held));
+            }
+            return (out != chunk).then_some(out);
+        }
+        if self.replace {
+            let first = !std::mem::replace(&mut self.written, true);
+            return Some(if first { self.other.body.clone() } else { Vec::new() });
+        }
+        let room = ERROR_BODY_LIMIT.saturating_sub(self.other.body.len());
+        self.other.body.extend_from_slice(&chunk[..chunk.len().min(room)]);
+        None
+    }
+}

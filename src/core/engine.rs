@@ -117,6 +117,9 @@ pub struct Call {
     /// Where in the cache the answer goes, chosen when the request read the cache on
     /// arrival (`None`: look when storing).
     pub place: Option<Place>,
+    /// The request waited for a flight whose lease way held another flight when it looked
+    /// again: that flight's answer, if it had one, was gone (counted as `waits_lost`).
+    pub wait_lost: bool,
 }
 
 /// Waiting for the flight whose lease carries `nonce`.
@@ -202,8 +205,16 @@ impl<S: CasStore> Engine<'_, S> {
                 self.keep_waiting(wait.clone(), watched, now_ms, nonce)
             }
             // Expired, replaced, or unreadable: look again from the top, remembering how
-            // long we have waited.
-            _ => self.decide(&wait.key, wait.policy, now_ms, nonce, Some(wait.since_ms)),
+            // long we have waited. A way that holds another flight by now may have held
+            // this one's answer: a call made for that reason is counted.
+            other => {
+                let lost = matches!(&other,
+                    Ok(State::Done { nonce: n, .. } | State::Leading { nonce: n, .. }) if *n != wait.nonce);
+                match self.decide(&wait.key, wait.policy, now_ms, nonce, Some(wait.since_ms)) {
+                    Step::Call(call) if lost => Step::Call(Call { wait_lost: true, ..call }),
+                    step => step,
+                }
+            }
         }
     }
 
@@ -442,7 +453,7 @@ impl<S: CasStore> Engine<'_, S> {
         label: CacheStatus,
         now_ms: u64,
     ) -> Call {
-        Call { key: key.clone(), lease, store, label, started_ms: now_ms, policy, place: None }
+        Call { key: key.clone(), lease, store, label, started_ms: now_ms, policy, place: None, wait_lost: false }
     }
 }
 
@@ -597,6 +608,31 @@ mod tests {
         let waiter = Engine { store: &racing, config: &config };
         let r = expect_reply(waiter.admit(&k(6), READ, 1_005, 2));
         assert_eq!((r.response.status, r.cache), (503, Some(CacheStatus::Coalesced)), "no second flight");
+    }
+
+    #[test]
+    fn a_waiter_whose_flights_way_another_flight_took_leads_anew_and_says_so() {
+        let (store, config) = (MemStore::new(), Config::parse(br#"{"lock":{"slots":4}}"#).unwrap());
+        let e = Engine { store: &store, config: &config };
+        let leader = expect_call(e.admit(&k(7), READ, 1_000, 1));
+        assert!(!leader.wait_lost);
+        let wait = expect_wait(e.admit(&k(7), READ, 1_001, 2));
+        // An error (not stored); then, past the hold, four other prompts fill the group.
+        e.complete(&leader, Some(Response::json(503, b"{}".to_vec())), 1_010);
+        let later = 1_010 + crate::core::lease::done_hold_ms(&config) + 1;
+        for i in 0..4 {
+            assert!(expect_call(e.admit(&k(20 + i), READ, later, 10 + u64::from(i))).lease.is_some());
+        }
+        let call = expect_call(e.poll(&wait, later + 1, 20));
+        assert!(call.wait_lost, "counted: its flight's answer was gone");
+        // A waiter whose leader is merely gone (its lease expired) is not a lost answer.
+        let store = MemStore::new();
+        let e = Engine { store: &store, config: &config };
+        let abandoned = expect_call(e.admit(&k(8), READ, 1_000, 30));
+        let w = expect_wait(e.admit(&k(8), READ, 1_001, 31));
+        let expired = 1_000 + config.lock.lease_ms + 1;
+        assert!(!expect_call(e.poll(&w, expired, 32)).wait_lost);
+        drop(abandoned);
     }
 
     #[test]

@@ -57,6 +57,11 @@ pub enum Event {
     LocalShare {
         model: String,
     },
+    /// The flight leads because the one its request waited for could not be read any
+    /// more (`Call::wait_lost`).
+    WaitLost {
+        model: String,
+    },
 }
 
 /// Which bucket admitted the call, so that it is settled where it was taken.
@@ -109,6 +114,7 @@ impl Flight {
             }
         }
         let started = call.started_ms;
+        let events = if call.wait_lost { vec![Event::WaitLost { model: model.to_owned() }] } else { Vec::new() };
         Flight {
             call,
             models,
@@ -122,7 +128,7 @@ impl Flight {
             probe: None,
             verdict: None,
             last: None,
-            events: Vec::new(),
+            events,
             outbox: Vec::new(),
         }
     }
@@ -440,6 +446,7 @@ mod tests {
             started_ms: 0,
             policy: crate::core::request::Policy { read: true, max_age: None, coalesce: true, store: true },
             place: None,
+            wait_lost: false,
         };
         Flight::new(c, call, model, 100)
     }

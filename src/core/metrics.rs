@@ -19,9 +19,10 @@ pub enum Counter {
     CostSpentMicroUsd,
     CostSavedMicroUsd,
     FleetLocalShare,
+    WaitsLost,
 }
 
-pub const COUNTERS: [Counter; 15] = [
+pub const COUNTERS: [Counter; 16] = [
     Counter::Requests(CacheStatus::Hit),
     Counter::Requests(CacheStatus::Miss),
     Counter::Requests(CacheStatus::Coalesced),
@@ -37,6 +38,7 @@ pub const COUNTERS: [Counter; 15] = [
     Counter::CostSpentMicroUsd,
     Counter::CostSavedMicroUsd,
     Counter::FleetLocalShare,
+    Counter::WaitsLost,
 ];
 
 impl Counter {
@@ -58,6 +60,7 @@ impl Counter {
             Counter::CostSpentMicroUsd => 12,
             Counter::CostSavedMicroUsd => 13,
             Counter::FleetLocalShare => 14,
+            Counter::WaitsLost => 15,
         }
     }
 
@@ -74,6 +77,7 @@ impl Counter {
             Counter::CostSpentMicroUsd => "cost_spent_microusd".into(),
             Counter::CostSavedMicroUsd => "cost_saved_microusd".into(),
             Counter::FleetLocalShare => "fleet_local_share".into(),
+            Counter::WaitsLost => "waits_lost".into(),
         }
     }
 }
@@ -158,6 +162,7 @@ pub fn for_event<'a>(config: &'a Config, event: &'a Event) -> Vec<(&'a str, Coun
         Event::RateLimited { model } => one(model, Counter::RateLimited),
         Event::ProviderRateLimited { model } => one(model, Counter::ProviderRateLimited),
         Event::LocalShare { model } => one(model, Counter::FleetLocalShare),
+        Event::WaitLost { model } => one(model, Counter::WaitsLost),
         Event::Usage { model, prompt, completion } => {
             let l = label(config, model);
             vec![
@@ -262,6 +267,7 @@ mod tests {
             "cost_spent_microusd",
             "cost_saved_microusd",
             "fleet_local_share",
+            "waits_lost",
         ];
         assert_eq!(names, documented, "the counter names docs/operations.md lists, each once");
         assert!(COUNTERS.iter().enumerate().all(|(i, c)| c.index() == i), "index is the place in COUNTERS");

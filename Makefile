@@ -26,18 +26,18 @@ test: setup
 	cargo clippy --quiet --release --target wasm32-wasip2 -- -D warnings
 	cargo test --workspace
 
-# The floors are tiny proxy-wasm filters (host-test/floors/) measured beside the plugin;
+# The floors are tiny proxy-wasm filters (host-test/bench/floors/) measured beside the plugin;
 # the charts need matplotlib, installed into ./.venv here (not for the tests).
 floors:
-	for f in reply callout; do (cd host-test/floors/$$f && \
-	  CARGO_TARGET_DIR=../../../target/floors cargo build --quiet --release --target wasm32-wasip1) || exit 1; done
+	for f in reply callout; do (cd host-test/bench/floors/$$f && \
+	  CARGO_TARGET_DIR=../../../../target/floors cargo build --quiet --release --target wasm32-wasip1) || exit 1; done
 
 # The native hosts run as built for speed (`--profile host`); RUST_LIB_BACKTRACE=0 because
 # with RUST_BACKTRACE set, wasmtime captures a backtrace for every store it drops.
 bench: setup floors
-	RUST_LIB_BACKTRACE=0 cargo run --quiet --profile host -p host-test --bin bench
+	RUST_LIB_BACKTRACE=0 cargo run --quiet --profile host -p holysheep-bench --bin bench
 	.venv/bin/pip install --quiet matplotlib==3.9.2
-	.venv/bin/python host-test/bench_charts.py target/bench
+	.venv/bin/python host-test/bench/bench_charts.py target/bench
 
 # Where the time goes (needs perf): the plugin, built with its function names, and the floors
 # in the wasmtime host under `perf record` -> target/bench/profile.md; then the bench with
@@ -45,14 +45,14 @@ bench: setup floors
 profile: setup floors
 	CARGO_PROFILE_RELEASE_STRIP=false cargo build --quiet --release --target wasm32-wasip1 --target-dir target/profile
 	envoy/wasm-opt.sh target/profile/wasm32-wasip1/release/holysheep_edge.wasm target/profile/plugin.wasm -g
-	RUST_LIB_BACKTRACE=0 cargo run --quiet --profile host -p host-test --bin wasm_profile -- \
+	RUST_LIB_BACKTRACE=0 cargo run --quiet --profile host -p holysheep-bench --bin wasm_profile -- \
 	  target/profile/plugin.wasm target/floors/wasm32-wasip1/release
 	BENCH_PROFILE=1 $(MAKE) --no-print-directory bench
 
 # 10 minutes of mixed traffic; passes when Envoy's RSS stays within 10 % after warm-up
 # and no VM crashed (SOAK_SECONDS to change the length). Not in CI.
 soak: setup
-	RUST_LIB_BACKTRACE=0 cargo run --quiet --profile host -p host-test --bin soak
+	RUST_LIB_BACKTRACE=0 cargo run --quiet --profile host -p holysheep-bench --bin soak
 
 # Fuzzing needs the nightly toolchain and cargo-fuzz (kept out of CI). FUZZ_SECONDS per target.
 FUZZ_SECONDS ?= 60

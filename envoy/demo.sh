@@ -4,20 +4,28 @@
 # The prompt every demo sends.
 DEMO_BODY='{"model":"gpt-4.1","messages":[{"role":"user","content":"Name three sheep breeds."}],"temperature":0}'
 
-# `prepare BIN...`: Envoy and the builds (envoy/setup.sh), the host-test binaries named, and
-# a .run/ with nothing of an earlier demo still running.
+# `prepare [serve]`: Envoy and the builds (envoy/setup.sh); the mock HolySheep and the
+# template renderer (target/debug/: small, no wasmtime); with `serve` also `host-test
+# serve`, the wasmtime host built for speed (target/host/); and a .run/ with nothing of an
+# earlier demo still running. Cargo shows its progress: a first build takes a while.
 prepare() {
   envoy/setup.sh
-  local bins=() b
-  for b in "$@"; do bins+=(--bin "$b"); done
-  cargo build --quiet --profile host -p host-test "${bins[@]}"
+  if [ ! -x target/debug/mock-holysheep ] || [ ! -x target/debug/envoy-render ]; then
+    echo "building the mock HolySheep and the template renderer (first run only: about 1 min, 10 s after make test)..."
+  fi
+  cargo build -p holysheep-mock -p envoy-render
+  if [ "${1:-}" = serve ]; then
+    [ -x target/host/host-test ] ||
+      echo "building host-test serve, the wasmtime host (first run only: wasmtime at opt-level 3, about 10 min)..."
+    cargo build --profile host -p host-test --bin host-test
+  fi
   mkdir -p .run
   envoy/stop.sh >/dev/null 2>&1 || true
 }
 
 # `start_mock ADDR`: the mock HolySheep in the background (.run/mock.log, .run/mock.pid).
 start_mock() {
-  ./target/host/mock-holysheep --listen "$1" --latency-ms "${MOCK_LATENCY_MS:-400}" > .run/mock.log 2>&1 &
+  ./target/debug/mock-holysheep --listen "$1" --latency-ms "${MOCK_LATENCY_MS:-400}" > .run/mock.log 2>&1 &
   echo $! > .run/mock.pid
 }
 

@@ -7,40 +7,19 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . envoy/demo.sh
-prepare mock-holysheep
+prepare
 
 CONFIG=${HOLYSHEEP_CONFIG:-'{"cache":{"ttl_seconds":600}}'}
 MOCK_PORT=${MOCK_PORT:-18000}
 # The fleet's shared secret for internal calls: every node must have the same one.
 export HOLYSHEEP_PEER_SECRET=${HOLYSHEEP_PEER_SECRET:-$(od -An -N16 -tx1 /dev/urandom | tr -d ' \n')}
-root=$(pwd)
-
-# One configuration for both listeners: the public one adds "role": "forward", the owner
-# one the ring of owners for fleet-wide limits.
-configs=$(python3 - "$CONFIG" <<'PY'
-import json, sys
-base = json.loads(sys.argv[1])
-forward = dict(base, role="forward")
-owner = dict(base)
-owner.setdefault("fleet", {"cluster": "owners", "nodes": 3})
-print(json.dumps(forward)); print(json.dumps(owner))
-PY
-)
-forward=$(sed -n 1p <<<"$configs") owner=$(sed -n 2p <<<"$configs")
-escape() { local s=${1//\'/\'\'}; s=${s//&/\\&}; s=${s//#/\\#}; printf '%s' "$s"; }
-endpoints=""
-for i in 0 1 2; do
-  endpoints+="        - endpoint: {address: {socket_address: {address: 127.0.0.1, port_value: 1002$i}}}\\n"
-done
 
 start_mock "127.0.0.1:$MOCK_PORT"
 for i in 0 1 2; do
-  sed -e "s#@ADMIN_PORT@#991$i#" -e "s#@PUBLIC_PORT@#1001$i#" -e "s#@OWNER_PORT@#1002$i#" \
-      -e "s#@NODE@#node-$i#" -e "s#@MOCK_PORT@#$MOCK_PORT#" \
-      -e "s#@WASM@#$root/target/plugin/holysheep_edge.wasm#" \
-      -e "s#@FORWARD_CONFIG@#$(escape "$forward")#" -e "s#@OWNER_CONFIG@#$(escape "$owner")#" \
-      -e "s#^@OWNER_ENDPOINTS@\$#${endpoints%\\n}#" \
-      envoy/fleet.yaml.tmpl > ".run/fleet-$i.yaml"
+  # The public listener's filter gets CONFIG with "role": "forward", the owner's CONFIG with
+  # the ring of owners for fleet-wide limits; each node is named by its owner listener.
+  target/debug/envoy-render fleet ".run/fleet-$i.yaml" --config "$CONFIG" --admin-port "991$i" \
+    --public-port "1001$i" --owner-port "1002$i" --owner-ports 10020,10021,10022 --mock-port "$MOCK_PORT"
   .venv/bin/envoy -c ".run/fleet-$i.yaml" --concurrency 2 --disable-hot-restart -l info \
     > ".run/fleet-$i.log" 2>&1 &
   echo $! > ".run/fleet-$i.pid"

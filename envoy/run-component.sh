@@ -5,7 +5,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . envoy/demo.sh
-prepare mock-holysheep host-test
+prepare serve
 
 CONFIG=${HOLYSHEEP_CONFIG:-'{"cache":{"ttl_seconds":600}}'}
 MOCK=127.0.0.1:${MOCK_PORT:-18000}

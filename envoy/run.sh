@@ -4,10 +4,13 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . envoy/demo.sh
-prepare mock-holysheep
+prepare
 
 CONFIG=${HOLYSHEEP_CONFIG:-'{"cache":{"ttl_seconds":600}}'}
-envoy/render.sh .run/envoy.yaml "$CONFIG"
+printf '{"ok":true}\n' > .run/direct.json
+target/debug/envoy-render local .run/envoy.yaml --config "$CONFIG" --admin-port "${ADMIN_PORT:-9901}" \
+  --listen-port "${EDGE_PORT:-10000}" --direct-port "${DIRECT_PORT:-10001}" --plain-port "${PLAIN_PORT:-10002}" \
+  --mock-port "${MOCK_PORT:-18000}" --direct-body .run/direct.json
 
 start_mock "127.0.0.1:${MOCK_PORT:-18000}"
 .venv/bin/envoy -c .run/envoy.yaml --concurrency "${CONCURRENCY:-2}" --disable-hot-restart -l info > .run/envoy.log 2>&1 &

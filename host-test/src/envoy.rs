@@ -1,7 +1,9 @@
 //! Runs a real Envoy (from the project's `.venv`) with the built plugin, rendered from
-//! `envoy/local.yaml.tmpl`, and stops it on drop.
+//! `envoy/local.yaml.tmpl` (by `envoy_render`), and stops it on drop. At most
+//! `HOLYSHEEP_TEST_ENVOYS` run at once ([`crate::limit`]).
 
 use crate::client;
+use crate::limit::Slots;
 use std::io;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -87,6 +89,8 @@ pub struct Envoy {
     pub dir: PathBuf,
     /// The admin `/listeners` answer.
     listeners: serde_json::Value,
+    /// Released after the drop has stopped Envoy.
+    _slots: Slots,
 }
 
 /// The edge listener of `yaml` again as `edge_logged`, with an access log at `path` (see
@@ -179,15 +183,18 @@ impl Envoy {
         // Port 0 everywhere: Envoy binds and reports its ports, so parallel tests never race
         // for a port someone else just took.
         let template = std::fs::read_to_string(workspace_root().join("envoy/local.yaml.tmpl"))?;
-        let yaml = template
-            .replace("@ADMIN_PORT@", "0")
-            .replace("@LISTEN_PORT@", "0")
-            .replace("@DIRECT_PORT@", "0")
-            .replace("@PLAIN_PORT@", "0")
-            .replace("@MOCK_PORT@", &opts.upstream.port().to_string())
-            .replace("@WASM@", &wasm.display().to_string())
-            .replace("@DIRECT_BODY@", &direct_body.display().to_string())
-            .replace("@CONFIG@", &opts.config.replace('\'', "''"));
+        let yaml = envoy_render::Local {
+            admin_port: 0,
+            listen_port: 0,
+            direct_port: 0,
+            plain_port: 0,
+            mock_port: opts.upstream.port(),
+            wasm,
+            direct_body,
+            config: opts.config.clone(),
+        }
+        .render(&template)
+        .map_err(io::Error::other)?;
         let logged = opts.edge_access_log.as_deref().map(|path| logged_edge(&yaml, path)).unwrap_or_default();
         let yaml = yaml.replace("  clusters:\n", &format!("{}{logged}  clusters:\n", opts.extra_listeners));
         let yaml = match opts.internal_upstream {
@@ -221,8 +228,20 @@ impl Envoy {
     }
 
     /// Starts Envoy on `yaml` in `dir` with `env` (and no `HOLYSHEEP_*` from the test's own
-    /// environment), and waits until it is ready.
+    /// environment), and waits until it is ready. It holds a slot of the process's limit
+    /// ([`crate::limit`]) until dropped: this may wait for another test's Envoy to stop.
     pub fn spawn(dir: PathBuf, yaml: &str, concurrency: u32, env: &[(&str, String)]) -> io::Result<Envoy> {
+        Envoy::spawn_in(Slots::take(1), dir, yaml, concurrency, env)
+    }
+
+    /// [`Envoy::spawn`] with `slots` already taken (none for a fleet's node: the fleet holds them).
+    pub(crate) fn spawn_in(
+        slots: Slots,
+        dir: PathBuf,
+        yaml: &str,
+        concurrency: u32,
+        env: &[(&str, String)],
+    ) -> io::Result<Envoy> {
         let config_path = dir.join("envoy.yaml");
         std::fs::write(&config_path, yaml)?;
         let mut cmd = Command::new(envoy_bin());
@@ -250,6 +269,7 @@ impl Envoy {
             plain: unbound,
             dir,
             listeners: serde_json::Value::Null,
+            _slots: slots,
         };
         envoy.wait_ready()?;
         Ok(envoy)

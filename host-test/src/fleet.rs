@@ -4,9 +4,9 @@
 
 use crate::client;
 use crate::envoy::{wasm_path, workspace_root, Envoy};
+use crate::limit::Slots;
 use crate::mock::Running;
 use crate::stack::poll_until;
-use serde_json::{json, Value};
 use std::io;
 use std::net::{SocketAddr, TcpListener};
 
@@ -23,6 +23,9 @@ pub struct Fleet {
     pub mock: Running,
     /// `None` once a node was killed.
     pub nodes: Vec<Option<Node>>,
+    /// Slots of the process's limit ([`crate::limit`]) for all the nodes, released after
+    /// they stopped.
+    _slots: Slots,
 }
 
 /// A port free right now (the fleet's nodes must know each other's ports beforehand).
@@ -30,46 +33,32 @@ fn free_port() -> io::Result<u16> {
     Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
 }
 
-/// The configurations of a node's two listeners: `config` with `role: forward`, and
-/// `config` with the fleet's ring for fleet-wide limits (unless it sets `fleet` itself).
-pub fn listener_configs(config: &str, nodes: usize) -> (String, String) {
-    let base: Value = serde_json::from_str(config).unwrap_or_else(|_| json!({}));
-    let mut forward = base.clone();
-    forward["role"] = json!("forward");
-    let mut owner = base;
-    if owner.get("fleet").is_none() {
-        owner["fleet"] = json!({"cluster": "owners", "nodes": nodes});
-    }
-    (forward.to_string(), owner.to_string())
-}
+/// The configurations of a node's two listeners (one meaning for the demo, the tests and
+/// the bench: see `envoy_render`).
+pub use envoy_render::listener_configs;
 
 /// `envoy/fleet.yaml.tmpl` for one node.
 pub fn render(ports: (u16, u16, u16), owners: &[u16], mock: u16, config: &str) -> io::Result<String> {
     let (admin, public, owner) = ports;
     let template = std::fs::read_to_string(workspace_root().join("envoy/fleet.yaml.tmpl"))?;
-    let endpoints: String = owners
-        .iter()
-        .map(|p| {
-            format!("        - endpoint: {{address: {{socket_address: {{address: 127.0.0.1, port_value: {p}}}}}}}\n")
-        })
-        .collect();
-    let (forward_config, owner_config) = listener_configs(config, owners.len());
-    Ok(template
-        .replace("@ADMIN_PORT@", &admin.to_string())
-        .replace("@PUBLIC_PORT@", &public.to_string())
-        .replace("@OWNER_PORT@", &owner.to_string())
-        .replace("@NODE@", &format!("127.0.0.1:{owner}"))
-        .replace("@OWNER_ENDPOINTS@\n", &endpoints)
-        .replace("@MOCK_PORT@", &mock.to_string())
-        .replace("@WASM@", &wasm_path().display().to_string())
-        .replace("@FORWARD_CONFIG@", &forward_config.replace('\'', "''"))
-        .replace("@OWNER_CONFIG@", &owner_config.replace('\'', "''")))
+    envoy_render::FleetNode {
+        admin_port: admin,
+        public_port: public,
+        owner_port: owner,
+        owner_ports: owners.to_vec(),
+        mock_port: mock,
+        wasm: wasm_path(),
+        config: config.to_owned(),
+    }
+    .render(&template)
+    .map_err(io::Error::other)
 }
 
 impl Fleet {
     /// `n` nodes with `--concurrency 2`, all up and seeing every owner healthy. Panics
     /// (test support) when they cannot start.
     pub fn start(n: usize, config: &str, latency_ms: u64) -> Fleet {
+        let slots = Slots::take(n);
         let mock = Running::start(None, latency_ms).expect("mock starts");
         let ports: Vec<(u16, u16, u16)> = (0..n)
             .map(|_| Ok((free_port()?, free_port()?, free_port()?)))
@@ -83,8 +72,14 @@ impl Fleet {
                     let yaml = render(p, &owners, mock.addr.port(), config).expect("template");
                     scope.spawn(move || {
                         let dir = Envoy::new_dir().expect("dir");
-                        let envoy = Envoy::spawn(dir, &yaml, 2, &[("HOLYSHEEP_PEER_SECRET", SECRET.to_owned())])
-                            .expect("envoy starts");
+                        let envoy = Envoy::spawn_in(
+                            Slots::none(),
+                            dir,
+                            &yaml,
+                            2,
+                            &[("HOLYSHEEP_PEER_SECRET", SECRET.to_owned())],
+                        )
+                        .expect("envoy starts");
                         let addr = |port| SocketAddr::from(([127, 0, 0, 1], port));
                         Some(Node { envoy, public: addr(p.1), owner: addr(p.2) })
                     })
@@ -92,7 +87,7 @@ impl Fleet {
                 .collect();
             started.into_iter().map(|h| h.join().expect("node thread")).collect()
         });
-        let fleet = Fleet { mock, nodes };
+        let fleet = Fleet { mock, nodes, _slots: slots };
         fleet.await_one_ring(n);
         fleet
     }

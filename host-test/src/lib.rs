@@ -1,12 +1,14 @@
-//! Test and benchmark support for holysheep-edge: the mock HolySheep, a small HTTP/1.1
-//! client, and a real Envoy runner.
+//! Test and benchmark support for holysheep-edge: the wasmtime hosts (proxy-wasm and
+//! wasi:http), a small HTTP/1.1 client, a real Envoy runner and a fleet of them, and the
+//! mock HolySheep (its own crate, `holysheep-mock`, so the demos build it alone).
 
 pub mod client;
 pub mod component_host;
 pub mod envoy;
 pub mod fleet;
-pub mod mock;
-pub mod profile;
+pub mod limit;
 pub mod proxy_host;
 pub mod serve;
 pub mod stack;
+
+pub use holysheep_mock as mock;

@@ -1,7 +1,7 @@
 //! `mock-holysheep [--listen ADDR] [--latency-ms N]`: the mock HolySheep upstream.
 //! `MOCK_API_KEY`, when set, is the bearer key the mock requires.
 
-use host_test::mock::{start, Mock};
+use holysheep_mock::{start, Mock};
 
 #[tokio::main]
 async fn main() -> std::io::Result<()> {

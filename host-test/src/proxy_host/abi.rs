@@ -1,5 +1,5 @@
 //! The proxy-wasm ABI 0.2.1 imports (module `env`), modelled on Envoy where
-//! `../shared/ENVOY-FACTS.md` says it matters. Imports we do not model answer
+//! `docs/envoy-facts.md` says it matters. Imports we do not model answer
 //! `Unimplemented`; nothing here traps on bad guest input (it answers `BadArgument`).
 
 use super::state::{status, Headers, LocalReply, Outgoing, Queue, Shared, VmState};

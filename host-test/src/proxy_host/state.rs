@@ -45,7 +45,7 @@ pub struct Queue {
     pub items: VecDeque<Vec<u8>>,
 }
 
-/// Envoy's process-wide state, modelled as `../shared/ENVOY-FACTS.md` describes it.
+/// Envoy's process-wide state, modelled as `docs/envoy-facts.md` describes it.
 #[derive(Default)]
 pub struct Shared {
     /// key → (value, cas). Keys are never removed.

@@ -1,4 +1,4 @@
-//! Load that once killed the VM in real Envoy (issue 9): clients that leave mid-flight
+//! Load the VM in real Envoy must survive: clients that leave mid-flight
 //! against a fast upstream, and a crowd of identical requests. Each runs a few seconds at
 //! most and fails on any sign of a crashed VM in Envoy's log.
 

@@ -1,4 +1,4 @@
-//! The wasi:http component (wasm32-wasip2) against the foundation's contract, on the
+//! The wasi:http component (wasm32-wasip2) held to what the Envoy plugin does, on the
 //! wasmtime + wasmtime-wasi-http host with our keyvalue draft2, the mock HolySheep as its
 //! upstream. Also: the component imports nothing outside `holysheep:edge/gateway`.
 

@@ -1,5 +1,5 @@
-//! `host-test serve` passes the same black-box checks as Envoy for the foundation's
-//! contract: the built plugin on the wasmtime host, behind a real HTTP server, with the
+//! `host-test serve` passes the same black-box checks as Envoy (coalescing, the cache,
+//! refusals): the built plugin on the wasmtime host, behind a real HTTP server, with the
 //! mock HolySheep as its cluster.
 
 use host_test::client::{request, Resp};

@@ -1,4 +1,4 @@
-//! `make bench` (`cargo run --profile host -p host-test --bin bench`): first numbers for holysheep-edge, all
+//! `make bench` (`cargo run --profile host -p holysheep-bench --bin bench`): numbers for holysheep-edge, all
 //! measured in one run on this machine against baselines served by the same Envoy:
 //! - HIT vs Envoy's own `direct_response` with the same body;
 //! - MISS (distinct prompts) vs plain Envoy proxying to the mock;
@@ -6,11 +6,11 @@
 //! - time to the first event of a streamed MISS through the edge vs plain proxying;
 //! - a fleet node (`envoy/fleet.yaml.tmpl`, one node): HIT through the forward hop vs HIT
 //!   on the owner listener;
-//! - floors: minimal proxy-wasm filters (`host-test/floors/`: a local reply, the same
+//! - floors: minimal proxy-wasm filters (`host-test/bench/floors/`: a local reply, the same
 //!   making the HIT's host calls and sending its headers, a callout, the same making the
 //!   MISS's host calls and sending its headers, the same also parsing and hashing the
 //!   request and parsing the answer as any governed MISS must) measured beside the plugin, with the
-//!   issue-13 goals as ratios; and the followers' floor: a crowd of requests held until
+//!   goals (printed beside each) as ratios; and the followers' floor: a crowd of requests held until
 //!   the last arrives, then released on every worker, alternating with the plugin's crowds;
 //! - the wasi:http component on the wasmtime host (running beside Envoy): HIT, alternating
 //!   with the plugin's HIT rounds, vs the Envoy plugin's HIT; its
@@ -23,14 +23,14 @@
 //! BENCH_CROWD (default 1000 identical requests for the follower delay), BENCH_CROWD_ROUNDS
 //! (default 3 crowds for the plugin and as many for the floor, alternating), BENCH_PROFILE=1
 //! (`perf record` on Envoy during each Envoy row: CPU per request in the filter's wasm code,
-//! in Envoy itself and in the kernel; see `host_test::profile`).
+//! in Envoy itself and in the kernel; see `holysheep_bench::profile`).
 
+use holysheep_bench::profile::{self, Split};
 use host_test::client::{request, Conn};
 use host_test::component_host::serve::{start as start_component, ComponentOptions};
 use host_test::envoy::{access_log as access_log_yaml, component_path, wasm_path, workspace_root, Envoy, Options};
 use host_test::fleet::Fleet;
 use host_test::mock::Running;
-use host_test::profile::{self, Split};
 use host_test::stack::prompt;
 use std::net::SocketAddr;
 use std::path::Path;
@@ -343,7 +343,7 @@ fn expect_all(s: Stats, label: &str) -> Stats {
     s
 }
 
-/// A floor filter's listener (`host-test/floors/`), added to the bench's Envoy.
+/// A floor filter's listener (`host-test/bench/floors/`), added to the bench's Envoy.
 fn floor_listener(name: &str, wasm: &Path, configuration: &str) -> String {
     format!(
         r#"  - name: {name}

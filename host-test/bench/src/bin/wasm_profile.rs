@@ -1,5 +1,5 @@
 //! `make profile`: where a request's time inside the wasm VM goes, for the plugin and the
-//! bench floors (`host-test/floors/`: a local reply, the same with a HIT's host calls, a
+//! bench floors (`host-test/bench/floors/`: a local reply, the same with a HIT's host calls, a
 //! callout, the same with a MISS's host calls (and with its parsing and hashing), 64 held requests released by the last,
 //! beside the plugin's crowd of 64), run in the wasmtime host (`host_test::proxy_host`,
 //! one worker) with a perf map, under `perf record` (cpu-clock). For each row: CPU in
@@ -15,8 +15,8 @@
 //! PROFILE_REQUESTS: requests per row (default 20000); TRACE_CROWD=1 also traces one batch of
 //! the crowd row (every request of it, interleaved). Writes target/bench/profile.md.
 
+use holysheep_bench::profile::{self, Samples, SAMPLE_US};
 use host_test::envoy::workspace_root;
-use host_test::profile::{self, Samples, SAMPLE_US};
 use host_test::proxy_host::state::Headers;
 use host_test::proxy_host::world::{Options, Plugin, UpstreamCall, World};
 use host_test::stack::prompt;

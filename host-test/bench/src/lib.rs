@@ -1,0 +1,3 @@
+//! The benchmarks' support: where the time goes, from `perf` recordings.
+
+pub mod profile;

@@ -1,0 +1,211 @@
+//! The one renderer of `envoy/*.yaml.tmpl`, for the demos (through the `envoy-render`
+//! binary), the end-to-end tests and the bench. Each placeholder has one meaning:
+//!
+//! | placeholder | value |
+//! |---|---|
+//! | `@ADMIN_PORT@`, `@LISTEN_PORT@`, `@DIRECT_PORT@`, `@PLAIN_PORT@`, `@PUBLIC_PORT@`, `@OWNER_PORT@` | a port on 127.0.0.1 for that listener (0: Envoy picks one) |
+//! | `@MOCK_PORT@` | the port of the mock HolySheep on 127.0.0.1 |
+//! | `@WASM@` | the path of the plugin Envoy loads |
+//! | `@DIRECT_BODY@` | the path of the file the `direct` listener answers with |
+//! | `@CONFIG@`, `@FORWARD_CONFIG@`, `@OWNER_CONFIG@` | the plugin's JSON configuration, inside a single-quoted YAML string (each `'` doubled) |
+//! | `@NODE@` | a fleet node's name in `x-holysheep-owner`: its owner listener's address, `127.0.0.1:PORT` |
+//! | `@OWNER_ENDPOINTS@` | a line of its own: one endpoint line per owner listener of the fleet |
+//!
+//! A placeholder left in the output (one the template has and the caller did not give) is
+//! an error, so a template and its renderer cannot drift apart.
+
+use serde_json::{json, Value};
+use std::fmt;
+use std::path::{Path, PathBuf};
+
+/// A placeholder the template still holds after rendering.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Unfilled(pub String);
+
+impl fmt::Display for Unfilled {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "the template's placeholder {} has no value", self.0)
+    }
+}
+
+impl std::error::Error for Unfilled {}
+
+/// `envoy/local.yaml.tmpl`: one Envoy with the `edge`, `direct` and `plain` listeners.
+#[derive(Debug, Clone)]
+pub struct Local {
+    pub admin_port: u16,
+    pub listen_port: u16,
+    pub direct_port: u16,
+    pub plain_port: u16,
+    pub mock_port: u16,
+    pub wasm: PathBuf,
+    pub direct_body: PathBuf,
+    /// The plugin configuration (JSON).
+    pub config: String,
+}
+
+impl Local {
+    pub fn render(&self, template: &str) -> Result<String, Unfilled> {
+        fill(
+            template,
+            &[
+                ("@ADMIN_PORT@", self.admin_port.to_string()),
+                ("@LISTEN_PORT@", self.listen_port.to_string()),
+                ("@DIRECT_PORT@", self.direct_port.to_string()),
+                ("@PLAIN_PORT@", self.plain_port.to_string()),
+                ("@MOCK_PORT@", self.mock_port.to_string()),
+                ("@WASM@", path(&self.wasm)),
+                ("@DIRECT_BODY@", path(&self.direct_body)),
+                ("@CONFIG@", quoted(&self.config)),
+            ],
+        )
+    }
+}
+
+/// `envoy/fleet.yaml.tmpl`: one node of a fleet, a public listener (filter role `forward`)
+/// and an owner listener (role `owner`) on the ring of every node's owner listener.
+#[derive(Debug, Clone)]
+pub struct FleetNode {
+    pub admin_port: u16,
+    pub public_port: u16,
+    pub owner_port: u16,
+    /// Every node's owner port, this node's included: the `owners` ring.
+    pub owner_ports: Vec<u16>,
+    pub mock_port: u16,
+    pub wasm: PathBuf,
+    /// The plugin configuration both listeners start from (see [`listener_configs`]).
+    pub config: String,
+}
+
+impl FleetNode {
+    pub fn render(&self, template: &str) -> Result<String, Unfilled> {
+        let endpoints: String = self
+            .owner_ports
+            .iter()
+            .map(|p| {
+                format!(
+                    "        - endpoint: {{address: {{socket_address: {{address: 127.0.0.1, port_value: {p}}}}}}}\n"
+                )
+            })
+            .collect();
+        let (forward, owner) = listener_configs(&self.config, self.owner_ports.len());
+        fill(
+            template,
+            &[
+                ("@OWNER_ENDPOINTS@\n", endpoints),
+                ("@ADMIN_PORT@", self.admin_port.to_string()),
+                ("@PUBLIC_PORT@", self.public_port.to_string()),
+                ("@OWNER_PORT@", self.owner_port.to_string()),
+                ("@NODE@", format!("127.0.0.1:{}", self.owner_port)),
+                ("@MOCK_PORT@", self.mock_port.to_string()),
+                ("@WASM@", path(&self.wasm)),
+                ("@FORWARD_CONFIG@", quoted(&forward)),
+                ("@OWNER_CONFIG@", quoted(&owner)),
+            ],
+        )
+    }
+}
+
+/// The configurations of a fleet node's two listeners: `config` with `role: forward`, and
+/// `config` with the fleet's ring of `nodes` owners for fleet-wide limits (unless it sets
+/// `fleet` itself). A `config` that is not a JSON object counts as `{}`.
+pub fn listener_configs(config: &str, nodes: usize) -> (String, String) {
+    let base = match serde_json::from_str::<Value>(config) {
+        Ok(v @ Value::Object(_)) => v,
+        _ => json!({}),
+    };
+    let mut forward = base.clone();
+    forward["role"] = json!("forward");
+    let mut owner = base;
+    if owner.get("fleet").is_none() {
+        owner["fleet"] = json!({"cluster": "owners", "nodes": nodes});
+    }
+    (forward.to_string(), owner.to_string())
+}
+
+/// `text` inside a single-quoted YAML string.
+fn quoted(text: &str) -> String {
+    text.replace('\'', "''")
+}
+
+fn path(p: &Path) -> String {
+    p.display().to_string()
+}
+
+/// Replaces each placeholder in turn, then checks that none is left. A value is inserted
+/// as it is: no later replacement reads it.
+fn fill(template: &str, values: &[(&str, String)]) -> Result<String, Unfilled> {
+    let mut out = String::with_capacity(template.len() + 1024);
+    let mut rest = template;
+    while let Some(at) = rest.find('@') {
+        out.push_str(&rest[..at]);
+        rest = &rest[at..];
+        match values.iter().find(|(name, _)| rest.starts_with(name)) {
+            Some((name, value)) => {
+                out.push_str(value);
+                rest = &rest[name.len()..];
+            }
+            None => {
+                if let Some(name) = placeholder(rest) {
+                    return Err(Unfilled(name.to_owned()));
+                }
+                out.push('@');
+                rest = &rest[1..];
+            }
+        }
+    }
+    out.push_str(rest);
+    Ok(out)
+}
+
+/// The placeholder `text` starts with: `@`, upper-case letters and `_`, `@`.
+fn placeholder(text: &str) -> Option<&str> {
+    let end = text[1..].find(|c: char| !(c.is_ascii_uppercase() || c == '_'))? + 1;
+    (end > 1 && text[end..].starts_with('@')).then(|| &text[..=end])
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn values_are_inserted_once_and_quotes_doubled() {
+        let local = Local {
+            admin_port: 1,
+            listen_port: 2,
+            direct_port: 3,
+            plain_port: 4,
+            mock_port: 5,
+            wasm: "/p.wasm".into(),
+            direct_body: "/d.json".into(),
+            config: r#"{"a":"it's @MOCK_PORT@ & #"}"#.into(),
+        };
+        let t = "\"@type\": x\n@ADMIN_PORT@ @LISTEN_PORT@ @DIRECT_PORT@ @PLAIN_PORT@ @MOCK_PORT@ @WASM@ @DIRECT_BODY@ '@CONFIG@'";
+        assert_eq!(
+            local.render(t),
+            Ok(r#""@type": x
+1 2 3 4 5 /p.wasm /d.json '{"a":"it''s @MOCK_PORT@ & #"}'"#
+                .to_owned())
+        );
+        assert_eq!(local.render("@NODE@"), Err(Unfilled("@NODE@".into())));
+    }
+
+    #[test]
+    fn a_fleet_node_is_named_by_its_owner_listener() {
+        let node = FleetNode {
+            admin_port: 9910,
+            public_port: 10010,
+            owner_port: 10020,
+            owner_ports: vec![10020, 10021],
+            mock_port: 18000,
+            wasm: "/p.wasm".into(),
+            config: "{}".into(),
+        };
+        let out = node.render("@NODE@\n@OWNER_ENDPOINTS@\nend '@FORWARD_CONFIG@' '@OWNER_CONFIG@'\n");
+        let out = out.unwrap_or_default();
+        assert!(out.starts_with("127.0.0.1:10020\n        - endpoint:"), "{out}");
+        assert!(out.contains("port_value: 10021}}}\nend"), "{out}");
+        assert!(out.contains(r#"end '{"role":"forward"}' '{"fleet":{"#), "{out}");
+        assert!(out.contains(r#""nodes":2"#), "{out}");
+    }
+}

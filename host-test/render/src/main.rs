@@ -1,0 +1,96 @@
+//! `envoy-render local OUT [--config JSON] [--admin-port 9901] [--listen-port 10000]
+//! [--direct-port 10001] [--plain-port 10002] [--mock-port 18000] [--wasm PATH]
+//! [--direct-body PATH]`: `envoy/local.yaml.tmpl` for the demo.
+//! `envoy-render fleet OUT --admin-port P --public-port P --owner-port P --owner-ports P,P,...
+//! [--config JSON] [--mock-port 18000] [--wasm PATH]`: `envoy/fleet.yaml.tmpl` for one node.
+//! Run from the repository root (the templates and the default paths are relative to it);
+//! `--wasm` defaults to `target/plugin/holysheep_edge.wasm`, `--direct-body` to
+//! `.run/direct.json`. The placeholders' meanings are in the library's documentation.
+
+use envoy_render::{FleetNode, Local};
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+fn usage() -> ! {
+    eprintln!(
+        "usage: envoy-render local OUT [--config JSON] [--admin-port N] [--listen-port N] [--direct-port N] \
+         [--plain-port N] [--mock-port N] [--wasm PATH] [--direct-body PATH]\n       \
+         envoy-render fleet OUT --admin-port N --public-port N --owner-port N --owner-ports N,N,... \
+         [--config JSON] [--mock-port N] [--wasm PATH]"
+    );
+    std::process::exit(2)
+}
+
+fn fail(what: impl std::fmt::Display) -> ! {
+    eprintln!("envoy-render: {what}");
+    std::process::exit(1)
+}
+
+struct Flags(HashMap<String, String>);
+
+impl Flags {
+    fn port(&self, name: &str, default: Option<u16>) -> u16 {
+        match self.0.get(name) {
+            Some(v) => v.parse().unwrap_or_else(|_| fail(format!("--{name} {v} is not a port"))),
+            None => default.unwrap_or_else(|| usage()),
+        }
+    }
+
+    /// An absolute path (Envoy resolves relative paths against its own working directory).
+    fn path(&self, name: &str, default: &str) -> PathBuf {
+        let p = self.0.get(name).map_or(default, String::as_str);
+        std::path::absolute(p).unwrap_or_else(|e| fail(format!("--{name} {p}: {e}")))
+    }
+
+    fn text(&self, name: &str, default: &str) -> String {
+        self.0.get(name).cloned().unwrap_or_else(|| default.to_owned())
+    }
+}
+
+fn main() {
+    let mut args = std::env::args().skip(1);
+    let (Some(kind), Some(out)) = (args.next(), args.next()) else { usage() };
+    let mut flags = HashMap::new();
+    while let Some(flag) = args.next() {
+        let (Some(name), Some(value)) = (flag.strip_prefix("--"), args.next()) else { usage() };
+        flags.insert(name.to_owned(), value);
+    }
+    let flags = Flags(flags);
+    let template = |name: &str| {
+        let path = Path::new("envoy").join(name);
+        std::fs::read_to_string(&path).unwrap_or_else(|e| fail(format!("{}: {e}", path.display())))
+    };
+    let rendered = match kind.as_str() {
+        "local" => Local {
+            admin_port: flags.port("admin-port", Some(9901)),
+            listen_port: flags.port("listen-port", Some(10000)),
+            direct_port: flags.port("direct-port", Some(10001)),
+            plain_port: flags.port("plain-port", Some(10002)),
+            mock_port: flags.port("mock-port", Some(18000)),
+            wasm: flags.path("wasm", "target/plugin/holysheep_edge.wasm"),
+            direct_body: flags.path("direct-body", ".run/direct.json"),
+            config: flags.text("config", "{}"),
+        }
+        .render(&template("local.yaml.tmpl")),
+        "fleet" => FleetNode {
+            admin_port: flags.port("admin-port", None),
+            public_port: flags.port("public-port", None),
+            owner_port: flags.port("owner-port", None),
+            owner_ports: flags
+                .text("owner-ports", "")
+                .split(',')
+                .map(|p| p.trim().parse().unwrap_or_else(|_| fail(format!("--owner-ports: {p} is not a port"))))
+                .collect(),
+            mock_port: flags.port("mock-port", Some(18000)),
+            wasm: flags.path("wasm", "target/plugin/holysheep_edge.wasm"),
+            config: flags.text("config", "{}"),
+        }
+        .render(&template("fleet.yaml.tmpl")),
+        _ => usage(),
+    };
+    let yaml = rendered.unwrap_or_else(|e| fail(e));
+    if let Some(dir) = Path::new(&out).parent().filter(|d| !d.as_os_str().is_empty()) {
+        std::fs::create_dir_all(dir).unwrap_or_else(|e| fail(format!("{}: {e}", dir.display())));
+    }
+    std::fs::write(&out, yaml).unwrap_or_else(|e| fail(format!("{out}: {e}")));
+}

@@ -1,0 +1,11 @@
+//! The end-to-end tests in real Envoy (and, beside the streams', the component's streams):
+//! one binary, one module per concern. The Envoys they start share the process's limit
+//! (`HOLYSHEEP_TEST_ENVOYS`, `host_test::limit`).
+
+mod envoy_e2e;
+mod fleet_e2e;
+mod hostile_e2e;
+mod limits_e2e;
+mod never_down;
+mod stream_e2e;
+mod trust_e2e;

@@ -3,8 +3,8 @@
 //! seeded scheduler that interleaves VMs at every shared-state call.
 
 use host_test::envoy::{wasm_path, workspace_root};
-use host_test::proxy_host::state::{Headers, Shared};
-use host_test::proxy_host::world::{Answer, Options, Plugin, ReqId, Upstream, World};
+use host_test::proxy_host::state::{Clock, Headers, Shared};
+use host_test::proxy_host::world::{Answer, Options, Plugin, ReqId, Upstream, UpstreamCall, World};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
 
@@ -668,4 +668,64 @@ fn a_lease_is_renewed_while_its_flight_waits_for_the_model_owners_verdict() {
     let first = w.answer(ids[0]).map(|a| String::from_utf8_lossy(&a.body).into_owned());
     assert_eq!(statuses, [200; 6], "{first:?}");
     assert_eq!(chat_calls.load(Ordering::SeqCst), 1, "one flight: {:?}", labels(&w, &ids));
+}
+
+/// A finished flight's way is kept for its waiters: a new prompt that finds no other way
+/// right after the flight ended goes upstream alone rather than take that way while the
+/// waiters (100 on the other worker: two batches, two VM calls) have yet to read it.
+#[test]
+fn a_finished_flights_answer_outlives_a_new_prompt_that_wants_its_way() {
+    const WAITERS: usize = 100;
+    for seed in 0..SEEDS / 4 {
+        let calls = Arc::new(AtomicU64::new(0));
+        // The failing prompt answers after 100 ms; three others hold the group's other ways.
+        let script = Box::new({
+            let calls = calls.clone();
+            move |call: &UpstreamCall| {
+                let n = calls.fetch_add(1, Ordering::SeqCst) + 1;
+                let failing = String::from_utf8_lossy(&call.body).contains("fails once");
+                let (delay, status) = if failing { (100, 503) } else { (5_000, 200) };
+                Some((delay, answer(n, status, &call.body)))
+            }
+        });
+        let config = r#"{"lock":{"slots":4,"lease_ms":10000},"retry":{"max_attempts":1}}"#;
+        let clock = Arc::new(AtomicU64::new(1_000_000));
+        let options = Options { clock: Clock::Virtual(clock.clone()), ..Options::new(2, config, seed) };
+        let mut w = World::start(plugin(), options, script).expect("world starts");
+        let auth = [("authorization", "Bearer t")];
+        for other in ["holds way a", "holds way b", "holds way c"] {
+            w.request(0, "POST", PATH, &auth, prompt(other).as_bytes());
+        }
+        let body = prompt("fails once");
+        let leader = w.request(0, "POST", PATH, &auth, body.as_bytes());
+        w.settle();
+        let waiters: Vec<ReqId> = (0..WAITERS).map(|_| w.request(1, "POST", PATH, &auth, body.as_bytes())).collect();
+        w.settle();
+        // Step by step until the leader has its answer; then a new prompt arrives at once.
+        let mut newcomer = None;
+        while !waiters.iter().all(|id| w.answer(*id).is_some()) {
+            if !w.step() {
+                let Some(next) = w.next_due() else { break };
+                clock.store(next.max(w.now()), Ordering::SeqCst);
+                w.release_due();
+                continue;
+            }
+            if newcomer.is_none() && w.answer(leader).is_some() {
+                newcomer = Some(w.request(0, "POST", PATH, &auth, prompt("wants a way").as_bytes()));
+            }
+        }
+        let failing_calls = w.upstream_calls.iter().filter(|c| String::from_utf8_lossy(&c.body).contains("fails once"));
+        assert_eq!(
+            failing_calls.count(),
+            1,
+            "seed {seed}: the waiters got the flight's answer, not calls of their own"
+        );
+        for id in &waiters {
+            let a = w.answer(*id).expect("answered");
+            assert_eq!((a.status, a.cache()), (503, "COALESCED"), "seed {seed}");
+        }
+        let lost = w.shared().metrics.get("wasmcustom.holysheep.other.waits_lost").copied().unwrap_or(0);
+        assert_eq!(lost, 0, "seed {seed}");
+        assert!(w.traps.is_empty(), "seed {seed}: {:?}", w.traps);
+    }
 }

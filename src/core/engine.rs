@@ -117,8 +117,9 @@ pub struct Call {
     /// Where in the cache the answer goes, chosen when the request read the cache on
     /// arrival (`None`: look when storing).
     pub place: Option<Place>,
-    /// The request waited for a flight whose lease way held another flight when it looked
-    /// again: that flight's answer, if it had one, was gone (counted as `waits_lost`).
+    /// The request waited for a flight whose answer was gone when it looked again: its
+    /// lease way held another finished flight, or the cache entry it referred to had been
+    /// replaced (counted as `waits_lost`).
     pub wait_lost: bool,
 }
 
@@ -189,7 +190,7 @@ impl<S: CasStore> Engine<'_, S> {
             {
                 let Some(response) = self.kept(&wait.key, response, in_cache, done_at_ms) else {
                     // The entry it refers to is gone already: look again from the top.
-                    return self.decide(&wait.key, wait.policy, now_ms, nonce, Some(wait.since_ms));
+                    return self.after_lost_answer(wait, now_ms, nonce);
                 };
                 *seen = Some(Finished {
                     slot: wait.slot.clone(),
@@ -204,17 +205,22 @@ impl<S: CasStore> Engine<'_, S> {
             Ok(State::Leading { nonce: n, expires_ms, watched, .. }) if n == wait.nonce && expires_ms > now_ms => {
                 self.keep_waiting(wait.clone(), watched, now_ms, nonce)
             }
-            // Expired, replaced, or unreadable: look again from the top, remembering how
-            // long we have waited. A way that holds another flight by now may have held
-            // this one's answer: a call made for that reason is counted.
-            other => {
-                let lost = matches!(&other,
-                    Ok(State::Done { nonce: n, .. } | State::Leading { nonce: n, .. }) if *n != wait.nonce);
-                match self.decide(&wait.key, wait.policy, now_ms, nonce, Some(wait.since_ms)) {
-                    Step::Call(call) if lost => Step::Call(Call { wait_lost: true, ..call }),
-                    step => step,
-                }
-            }
+            // Another flight finished in its way since: whatever this one left there is
+            // gone.
+            Ok(State::Done { nonce: n, .. }) if n != wait.nonce => self.after_lost_answer(wait, now_ms, nonce),
+            // Expired, released, taken by a flight still leading, or unreadable: look
+            // again from the top, remembering how long we have waited.
+            _ => self.decide(&wait.key, wait.policy, now_ms, nonce, Some(wait.since_ms)),
+        }
+    }
+
+    /// A waiter whose flight's answer is gone (its way holds another finished flight, or
+    /// the cache entry it referred to was replaced) looks again from the top; a call it
+    /// makes then carries `wait_lost`.
+    fn after_lost_answer(&self, wait: &Wait, now_ms: u64, nonce: u64) -> Step {
+        match self.decide(&wait.key, wait.policy, now_ms, nonce, Some(wait.since_ms)) {
+            Step::Call(call) => Step::Call(Call { wait_lost: true, ..call }),
+            step => step,
         }
     }
 
@@ -620,11 +626,15 @@ mod tests {
         // An error (not stored); then, past the hold, four other prompts fill the group.
         e.complete(&leader, Some(Response::json(503, b"{}".to_vec())), 1_010);
         let later = 1_010 + crate::core::lease::done_hold_ms(&config) + 1;
-        for i in 0..4 {
-            assert!(expect_call(e.admit(&k(20 + i), READ, later, 10 + u64::from(i))).lease.is_some());
+        let others: Vec<Call> =
+            (0..4).map(|i| expect_call(e.admit(&k(20 + i), READ, later, 10 + u64::from(i)))).collect();
+        assert!(others.iter().all(|c| c.lease.is_some()), "the four ways, the finished one last");
+        assert!(!expect_call(e.poll(&wait, later + 1, 20)).wait_lost, "a flight still leading there: not yet known");
+        for c in &others {
+            e.complete(c, ok("{}"), later + 2);
         }
-        let call = expect_call(e.poll(&wait, later + 1, 20));
-        assert!(call.wait_lost, "counted: its flight's answer was gone");
+        let call = expect_call(e.poll(&wait, later + 3, 21));
+        assert!(call.wait_lost, "counted: another finished flight holds its way");
         // A waiter whose leader is merely gone (its lease expired) is not a lost answer.
         let store = MemStore::new();
         let e = Engine { store: &store, config: &config };

@@ -206,7 +206,10 @@ pub fn decide<S: CasStore>(
     let hit = matches!(&step, Step::Reply(r) if r.cache == Some(CacheStatus::Hit));
     let plain = head.plain();
     let keep = Keep { answer: plain && hit, parse: plain && known.is_none() && (hit || matches!(step, Step::Wait(_))) };
-    let outbound = Outbound::of(&request, body.to_vec(), head.authorization);
+    // A reply needs the request's form, not its body; a call (now, or a waiter's later)
+    // sends it.
+    let body = if matches!(step, Step::Reply(_)) { Vec::new() } else { body.to_vec() };
+    let outbound = Outbound::of(&request, body, head.authorization);
     Ok(Decision { request, step, outbound, keep })
 }
 

@@ -35,7 +35,7 @@ impl Message {
     }
 }
 
-#[derive(Default)]
+#[derive(Clone, Default)]
 pub struct WakeQueue {
     /// The queue's id and claimed name, once registered.
     own: Option<(u32, String)>,
@@ -52,7 +52,7 @@ impl WakeQueue {
     pub fn continue_later(&self, message: &[u8]) {
         if let Some((queue, _)) = &self.own {
             if hostcalls::enqueue_shared_queue(*queue, Some(message)).is_err() {
-                host::log(LogLevel::Warn, "holysheep: wake queue refused a message; the tick will continue");
+                host::log(LogLevel::Warn, "holysheep: wake queue refused a message; the tick will do its work");
             }
         }
     }

@@ -69,8 +69,9 @@ pub struct Worker {
     /// HIT answers by the requests' raw bytes.
     pub hot: Hot<HotAnswer>,
     /// Requests parsed before, by their raw bytes: every request on a forward node (its
-    /// key routes it); on an owner, a request whose flight someone waits on, so that the
-    /// rest of a crowd of identical requests is not parsed, canonicalised and hashed again.
+    /// key routes it); on an owner, a HIT and a request that waits for a flight
+    /// (`intake::Keep`), so that the rest of a crowd of identical requests is not parsed,
+    /// canonicalised and hashed again.
     pub parsed: Hot<ChatRequest>,
     /// What both tables hash the raw bytes with.
     pub seed: Seed,

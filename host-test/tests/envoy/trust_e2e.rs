@@ -256,6 +256,8 @@ fn every_waiter_of_a_failed_flight_gets_its_error_while_other_prompts_take_the_w
     assert!(crowd.iter().all(|r| r.status == 503), "every waiter gets the flight's error: {statuses:?}");
     let crowd_calls = s.mock.mock.log().iter().filter(|(model, _)| model == "deepseek-v3").count();
     assert_eq!(crowd_calls, 1, "no waiter led a second flight: {statuses:?}");
+    let lost = s.envoy.stats("waits_lost");
+    assert_eq!(lost.get("wasmcustom.holysheep.other.waits_lost"), Some(&0), "no waiter found its answer gone");
     assert!(others.iter().all(|r| r.status == 200));
     assert!(s.crashes().is_empty(), "{:?}", s.crashes());
 }

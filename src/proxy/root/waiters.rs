@@ -28,8 +28,11 @@ impl Root {
     pub(super) fn wake_waiters(&mut self, key: &Key, watched: bool) {
         self.poll_waiters(Some(key));
         if watched {
-            let w = self.worker.borrow();
-            w.queue.wake_others(&w.vm_id, key, host::now_ms());
+            let (queue, vm_id) = {
+                let w = self.worker.borrow();
+                (w.queue.clone(), w.vm_id.clone())
+            };
+            queue.wake_others(&vm_id, key, host::now_ms());
         }
     }
 

@@ -190,7 +190,7 @@ impl Flight {
     ) -> Action {
         let model = self.model().to_owned();
         let usage = outcome.as_ref().filter(|r| r.status == 200).and_then(|r| usage(&r.body));
-        self.settle(store, config, usage, hints, now_ms);
+        self.settle(store, config, usage, 0, hints, now_ms);
         if let Some((prompt, completion)) = usage {
             self.events.push(Event::Usage { model: model.clone(), prompt, completion });
         }
@@ -243,7 +243,7 @@ impl Flight {
         }
         self.charge_retries(store, config, retries, now_ms);
         let settled = usage.or(Some((cut_off_tokens, 0)));
-        self.settle(store, config, settled, hints, now_ms);
+        self.settle(store, config, settled, retries, hints, now_ms);
         if let Some((prompt, completion)) = usage {
             self.events.push(Event::Usage { model: model.clone(), prompt, completion });
         }
@@ -252,9 +252,8 @@ impl Flight {
         }
     }
 
-    /// Takes `retries` more requests from the bucket the call was admitted from. (A model
-    /// owner elsewhere in the fleet learns of them from HolySheep's own rate-limit headers
-    /// in the settlement.)
+    /// Takes `retries` more requests from the bucket the call was admitted from here (a
+    /// model owner elsewhere in the fleet takes them when it settles the call).
     fn charge_retries(&self, store: &impl CasStore, config: &Config, retries: u64, now_ms: u64) {
         let Some((bucket, m)) = config.model(self.model()) else { return };
         let l = Limits::of(m);
@@ -316,11 +315,14 @@ impl Flight {
     }
 
     /// Settles the call where it was admitted.
+    /// Settles the reservation with what the call used; `retries`, requests made beyond
+    /// the first (already taken here from a local bucket), go to a model owner with it.
     fn settle(
         &mut self,
         store: &impl CasStore,
         config: &Config,
         usage: Option<(u64, u64)>,
+        retries: u64,
         hints: &ProviderHints,
         now_ms: u64,
     ) {
@@ -336,7 +338,7 @@ impl Flight {
                 limits::settle(store, &limits::share_bucket(bucket), &share, id, estimate, actual, &hints, now_ms);
             }
             Ticket::Owner(id) => {
-                self.outbox.push(Op::Settle { model: self.model().to_owned(), id, estimate, actual, hints });
+                self.outbox.push(Op::Settle { model: self.model().to_owned(), id, estimate, actual, hints, retries });
             }
         }
     }
@@ -566,8 +568,24 @@ mod tests {
             estimate: 100,
             actual: Some(12),
             hints: ProviderHints::default(),
+            retries: 0,
         };
         assert_eq!(f.outbox, [settle], "settled on the model owner, not here");
+        assert_eq!(s.get(&limits::bucket_key("gpt-4.1")).unwrap().value, None, "this node's bucket untouched");
+    }
+
+    #[test]
+    fn a_streams_router_retries_go_to_the_model_owner_with_its_settlement() {
+        let (s, c) = (MemStore::new(), fleet(""));
+        let mut f = flight(&c, "gpt-4.1");
+        ask(f.resume(&s, &c, 0, 9));
+        f.on_verdict(Some(Verdict { admitted: true, denial: None }));
+        send(f.resume(&s, &c, 1, 10));
+        f.on_stream_end(&s, &c, Some((10, 2)), 0, 3, &ProviderHints::default(), 5);
+        let [Op::Settle { retries, actual, .. }] = f.outbox.as_slice() else {
+            panic!("one settlement: {:?}", f.outbox)
+        };
+        assert_eq!((*retries, *actual), (2, Some(12)), "three attempts: two beyond the first");
         assert_eq!(s.get(&limits::bucket_key("gpt-4.1")).unwrap().value, None, "this node's bucket untouched");
     }
 

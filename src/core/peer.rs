@@ -12,14 +12,28 @@ use serde::{Deserialize, Serialize};
 /// The request header that carries the fleet's shared secret on internal calls.
 pub const SECRET_HEADER: &str = "x-holysheep-peer-secret";
 
+fn is_zero(n: &u64) -> bool {
+    *n == 0
+}
+
 /// What a key owner asks of a model owner.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase", deny_unknown_fields)]
 pub enum Op {
     /// Admit the call `id` (one request, `estimate` tokens, a slot held `hold_ms`).
     Take { model: String, id: u64, estimate: u64, hold_ms: u64 },
-    /// The call `id` ended having used `actual` tokens; what the provider said.
-    Settle { model: String, id: u64, estimate: u64, actual: Option<u64>, hints: ProviderHints },
+    /// The call `id` ended having used `actual` tokens, after `retries` requests beyond its
+    /// first (a stream's router retries); what the provider said. `retries` is left out
+    /// when 0, so nodes of the previous release still read the message.
+    Settle {
+        model: String,
+        id: u64,
+        estimate: u64,
+        actual: Option<u64>,
+        hints: ProviderHints,
+        #[serde(default, skip_serializing_if = "is_zero")]
+        retries: u64,
+    },
 }
 
 impl Op {
@@ -81,8 +95,9 @@ pub fn serve(store: &impl CasStore, config: &Config, body: &[u8], now_ms: u64) -
         Op::Take { id, estimate, hold_ms, .. } => {
             limits::take(store, bucket, &l, id, estimate, now_ms, hold_ms.min(super::config::MAX_MS))
         }
-        Op::Settle { id, estimate, actual, hints, .. } => {
+        Op::Settle { id, estimate, actual, hints, retries, .. } => {
             let hints = capped(config, &hints);
+            limits::charge_requests(store, bucket, &l, retries, now_ms);
             limits::settle(store, bucket, &l, id, estimate, actual, &hints, now_ms);
             Ok(())
         }
@@ -122,6 +137,32 @@ mod tests {
     }
 
     #[test]
+    fn a_settlement_takes_the_streams_retries_and_reads_as_before_without_them() {
+        let (s, c) = (MemStore::default(), config());
+        assert!(serve(&s, &c, &take(1), 0).unwrap().admitted);
+        let settle = |retries| Op::Settle {
+            model: "gpt-4.1".into(),
+            id: 1,
+            estimate: 10,
+            actual: Some(10),
+            hints: ProviderHints::default(),
+            retries,
+        };
+        assert!(
+            !String::from_utf8(settle(0).to_json()).unwrap().contains("retries"),
+            "as the previous release sends it"
+        );
+        let before: Op = serde_json::from_str(
+            r#"{"settle":{"model":"gpt-4.1","id":1,"estimate":10,"actual":10,"hints":{"throttled":false}}}"#,
+        )
+        .unwrap();
+        assert_eq!(before, settle(0));
+        assert!(serve(&s, &c, &settle(1).to_json(), 0).unwrap().admitted);
+        // A burst of 2: one for the call, one for its retry; none left.
+        assert!(!serve(&s, &c, &take(2), 0).unwrap().admitted);
+    }
+
+    #[test]
     fn a_verdict_survives_the_wire() {
         let (s, c) = (MemStore::default(), config());
         for id in 1..=3 {
@@ -138,7 +179,7 @@ mod tests {
                 .unwrap();
         let s = MemStore::default();
         let hints = ProviderHints { throttled: true, retry_after_ms: Some(86_400_000), ..Default::default() };
-        let op = Op::Settle { model: "m".into(), id: 1, estimate: 1, actual: None, hints };
+        let op = Op::Settle { model: "m".into(), id: 1, estimate: 1, actual: None, hints, retries: 0 };
         assert!(serve(&s, &c, &op.to_json(), 0).unwrap().admitted);
         let refused = serve(&s, &c, &Op::Take { model: "m".into(), id: 2, estimate: 1, hold_ms: 1 }.to_json(), 0);
         let wait = refused.unwrap().result().unwrap_err().wait_ms.unwrap();

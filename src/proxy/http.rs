@@ -239,7 +239,8 @@ impl Context for Chat {
         self.end_stream(false);
         let mut w = self.worker.borrow_mut();
         if w.runs.streaming.contains_key(&self.id) {
-            w.stream_ended(self.id, StreamEnd::broken());
+            // Gone before its answer's headers: the router may have made attempts already.
+            w.stream_ended(self.id, StreamEnd { attempts: host::upstream_attempts(), ..StreamEnd::broken() });
         }
         w.forget(self.id);
         true

@@ -214,6 +214,25 @@ fn a_stream_is_retried_by_the_route_before_its_first_byte_and_errors_reach_its_w
 }
 
 #[test]
+fn a_stream_whose_client_leaves_after_router_retries_counts_every_attempt() {
+    let config = r#"{"models":{"gpt-4.1":{"requests_per_minute":6,"burst":100}},"retry":{"max_attempts":3}}"#;
+    let s = Stack::start(config, 0);
+    let stat = |name: &str| s.envoy.stat(&format!("wasmcustom.holysheep.gpt-4.1.{name}"));
+    let hang = Fault { delay_ms: 10_000, ..Fault::default() };
+    s.mock.mock.plan(vec![Fault { status: Some(503), ..Fault::default() }; 2].into_iter().chain([hang]).collect());
+    let mut conn = Conn::open(s.envoy.edge).expect("connect");
+    let body = streamed(&prompt("left during the third attempt"));
+    conn.send_only("POST", PATH, &[("authorization", "Bearer t")], body.as_bytes()).expect("sent");
+    s.await_calls(3);
+    // The client leaves before any answer's headers came back.
+    drop(conn);
+    poll_until(|| stat("upstream_calls") == 3, "the three attempts were never counted");
+    assert_eq!(stat("retries"), 2);
+    let next = s.chat(&prompt("after the one that left"), &[]);
+    assert_eq!(next.header("x-ratelimit-remaining-requests"), Some("96"), "three requests taken, then this one");
+}
+
+#[test]
 fn a_provider_429_on_a_stream_holds_the_bucket_and_its_waiters_get_the_retry_after() {
     let config = r#"{"models":{"gpt-4.1":{"requests_per_minute":600}},"retry":{"max_attempts":1},
                     "rate_limit":{"max_provider_hold_ms":3000}}"#;

@@ -11,12 +11,12 @@ DEMO_BODY='{"model":"gpt-4.1","messages":[{"role":"user","content":"Name three s
 prepare() {
   envoy/setup.sh
   if [ ! -x target/debug/mock-holysheep ] || [ ! -x target/debug/envoy-render ]; then
-    echo "building the mock HolySheep and the template renderer (first run only: about 1 min, 10 s after make test)..."
+    echo "building the mock HolySheep and the template renderer (first run only, about 15 s)..."
   fi
   cargo build -p holysheep-mock -p envoy-render
   if [ "${1:-}" = serve ]; then
     [ -x target/host/host-test ] ||
-      echo "building host-test serve, the wasmtime host (first run only: wasmtime at opt-level 3, about 10 min)..."
+      echo "building host-test serve, the wasmtime host (first run only: wasmtime at opt-level 3, about 9 min on two cores)..."
     cargo build --profile host -p host-test --bin host-test
   fi
   mkdir -p .run

@@ -1,6 +1,7 @@
 //! Plugin configuration: JSON, every field optional, unknown fields and bad values rejected
 //! with a message that names the field.
 
+use super::tenants::{Keys, Tenant};
 use serde::de::DeserializeOwned;
 use serde::Deserialize;
 use serde_json::{Map, Value};
@@ -23,6 +24,12 @@ pub struct Config {
     pub retry: Retry,
     /// Serve an expired cache entry this much past its TTL when every attempt failed.
     pub stale_if_error_seconds: u64,
+    /// The callers this edge knows, by name. When set, every governed request must carry
+    /// one of their keys, and its tenant is its cache scope.
+    pub tenants: BTreeMap<String, Tenant>,
+    /// The tenants' key digests, collected from `tenants` when the configuration is read.
+    #[serde(skip)]
+    pub keys: Keys,
 }
 
 #[derive(Debug, Clone, PartialEq, Default, Deserialize)]
@@ -175,6 +182,8 @@ impl Default for Config {
             rate_limit: RateLimit::default(),
             retry: Retry::default(),
             stale_if_error_seconds: 0,
+            tenants: BTreeMap::new(),
+            keys: Keys::default(),
         }
     }
 }
@@ -240,11 +249,12 @@ impl Config {
             return Err(ConfigError("the configuration must be a JSON object".into()));
         }
         let value: Value = serde_json::from_slice(raw).map_err(|e| ConfigError(e.to_string()))?;
-        let config: Config = serde_json::from_value(value.clone()).map_err(|e| {
+        let mut config: Config = serde_json::from_value(value.clone()).map_err(|e| {
             let path = locate(&value).unwrap_or_else(|| "(the configuration itself)".into());
             ConfigError(format!("{path}: {e}"))
         })?;
         config.validate()?;
+        config.keys = Keys::of(&config.tenants).map_err(ConfigError)?;
         Ok(config)
     }
 
@@ -325,6 +335,13 @@ impl Config {
         if let Some((_, field, why)) = retry.iter().find(|(bad, _, _)| *bad) {
             return Err(ConfigError(format!("{field}: {why}")));
         }
+        if !self.tenants.is_empty() && (self.cache.scope == Scope::Global || self.cache.tenant_header.is_some()) {
+            return Err(ConfigError(
+                "tenants: the verified tenant is the cache scope; cache.scope global and cache.tenant_header \
+                 do not go with it"
+                    .into(),
+            ));
+        }
         if self.models.len() > MAX_MODELS {
             return Err(ConfigError(format!("models: at most {MAX_MODELS} entries")));
         }
@@ -356,6 +373,12 @@ fn locate(root: &Value) -> Option<String> {
         "lock" => refused_field::<Lock>(section),
         "rate_limit" => refused_field::<RateLimit>(section),
         "retry" => refused_field::<Retry>(section),
+        "tenants" => section.as_object().and_then(|tenants| {
+            tenants.iter().find_map(|(name, tenant)| match refused_field::<Tenant>(tenant) {
+                Some(field) => Some(format!("{name}.{field}")),
+                None => serde_json::from_value::<Tenant>(tenant.clone()).is_err().then(|| name.clone()),
+            })
+        }),
         "models" => section.as_object().and_then(|models| {
             models.iter().find_map(|(name, model)| match refused_field::<Model>(model) {
                 Some(field) => Some(format!("{name}.{field}")),

@@ -11,6 +11,7 @@ use super::error::ApiError;
 use super::limits::{self, duration, Denial, Kind, Limits, ProviderHints};
 use super::peer::{self, Op, Verdict};
 use super::store::CasStore;
+use super::upstream::Outbound;
 
 pub use super::limits::CONTENTION_RETRY_MS;
 
@@ -106,10 +107,14 @@ pub struct Flight {
 }
 
 impl Flight {
-    pub fn new(config: &Config, call: Call, model: &str, estimate: u64) -> Flight {
+    /// The flight for `outbound`'s call: its model, then the model's fallbacks that its
+    /// tenant (if any) may call.
+    pub fn new(config: &Config, call: Call, outbound: &Outbound) -> Flight {
+        let (model, estimate) = (outbound.model.as_str(), outbound.estimate_tokens);
+        let tenant = outbound.tenant.as_deref().and_then(|t| config.tenants.get(t));
         let mut models = vec![model.to_owned()];
         for f in config.model(model).map(|(_, m)| m.fallback.clone()).unwrap_or_default() {
-            if !models.contains(&f) {
+            if !models.contains(&f) && tenant.is_none_or(|t| t.allows(&f)) {
                 models.push(f);
             }
         }
@@ -450,7 +455,16 @@ mod tests {
             place: None,
             wait_lost: false,
         };
-        Flight::new(c, call, model, 100)
+        let outbound = Outbound {
+            body: Vec::new(),
+            client_authorization: None,
+            model: model.into(),
+            estimate_tokens: 100,
+            stream: false,
+            include_usage: false,
+            tenant: None,
+        };
+        Flight::new(c, call, &outbound)
     }
 
     fn status(s: u16) -> Option<Response> {

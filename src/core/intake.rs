@@ -3,6 +3,7 @@
 //! parsed into a keyed chat request with the cache policy its directives ask for, then
 //! decided (`decide`): the step the engine takes and the call it would make.
 
+use crate::core::cache::Response;
 use crate::core::config::Config;
 use crate::core::engine::{CacheStatus, Engine, Step};
 use crate::core::error::ApiError;
@@ -10,7 +11,9 @@ use crate::core::hot;
 use crate::core::peer;
 use crate::core::request::{is_chat_path, is_internal_path, CacheControl, ChatRequest, Policy, RequestMeta, CHAT_PATH};
 use crate::core::store::CasStore;
+use crate::core::tenants;
 use crate::core::upstream::Outbound;
+use serde_json::json;
 
 /// The request headers the edge reads; the first of repeated headers counts, except that a
 /// repeated tenant credential is remembered (`Head::check` refuses it).
@@ -27,6 +30,8 @@ pub struct Head {
     pub peer_secret: Option<String>,
     /// The header the tenant scope is read from came more than once.
     pub repeated_tenant: bool,
+    /// The tenant whose key `authorization` carries, set by `check` (with `tenants`).
+    pub verified: Option<String>,
 }
 
 /// What the edge does with a request, decided from its head.
@@ -123,8 +128,9 @@ impl Head {
 
     /// What the head alone refuses, before any of the body is read: a repeated tenant
     /// credential (an auth layer that appends a verified copy must not lose to the
-    /// client's own), and a body declared larger than `max_body_bytes`.
-    pub fn check(&self, config: &Config) -> Result<(), ApiError> {
+    /// client's own), a key no tenant holds (with `tenants`: the tenant it names is then
+    /// `verified`), and a body declared larger than `max_body_bytes`.
+    pub fn check(&mut self, config: &Config) -> Result<(), ApiError> {
         if self.repeated_tenant {
             let named = config.cache.tenant_header.as_deref().unwrap_or("authorization");
             return Err(ApiError::invalid(
@@ -132,6 +138,9 @@ impl Head {
                 None,
                 "ambiguous_tenant",
             ));
+        }
+        if !config.keys.is_empty() {
+            self.verified = Some(config.keys.verify(self.authorization.as_deref())?.to_owned());
         }
         match self.content_length {
             Some(declared) if declared > config.max_body_bytes as u64 => {
@@ -157,6 +166,7 @@ impl Head {
             authorization: self.authorization.as_deref(),
             tenant: self.tenant.as_deref(),
             cache_control: self.cache_control.as_deref(),
+            verified: self.verified.as_deref(),
         }
     }
 }
@@ -166,6 +176,7 @@ impl Head {
 pub fn intake(config: &Config, head: &Head, body: &[u8]) -> Result<Intake, ApiError> {
     let meta = head.meta();
     let request = ChatRequest::parse(config, &meta, body)?;
+    allowed(config, &request)?;
     let policy = request.policy(config, CacheControl::parse(meta.cache_control));
     Ok(Intake { request, policy })
 }
@@ -181,11 +192,48 @@ pub fn intake_or_known(
 ) -> Result<Intake, ApiError> {
     match known.filter(|_| head.plain()) {
         Some(request) => {
+            allowed(config, request)?;
             let request = request.clone();
             let policy = request.policy(config, CacheControl::default());
             Ok(Intake { request, policy })
         }
         None => intake(config, head, body),
+    }
+}
+
+/// With `tenants`, `GET /v1/models` is the edge's to answer: the verified tenant's models
+/// (so an SDK's `models.list()` tells the truth), or the 401 of a key no tenant holds.
+/// `None` for any other request, or without tenants.
+pub fn models_answer(config: &Config, head: &Head) -> Option<Result<Response, ApiError>> {
+    let listing = head.method == "GET" && (head.path == "/v1/models" || head.path.starts_with("/v1/models?"));
+    if !listing || config.keys.is_empty() {
+        return None;
+    }
+    let answer = config.keys.verify(head.authorization.as_deref()).map(|tenant| {
+        let body = models_list(config, tenant);
+        let mut response = Response::json(200, body);
+        response.headers.push((crate::core::upstream::TENANT_HEADER.to_owned(), tenant.to_owned()));
+        response
+    });
+    Some(answer)
+}
+
+/// The body of `GET /v1/models` for `tenant`: its models, or else every model the
+/// configuration names (not `default`), in OpenAI's list shape.
+fn models_list(config: &Config, tenant: &str) -> Vec<u8> {
+    let listed = config.tenants.get(tenant).and_then(|t| t.models.clone());
+    let names = listed.unwrap_or_else(|| config.models.keys().filter(|m| *m != "default").cloned().collect());
+    let data: Vec<_> =
+        names.iter().map(|id| json!({"id": id, "object": "model", "created": 0, "owned_by": "holysheep"})).collect();
+    serde_json::to_vec(&json!({"object": "list", "data": data})).unwrap_or_default()
+}
+
+/// A verified tenant may call the models its configuration lists.
+fn allowed(config: &Config, request: &ChatRequest) -> Result<(), ApiError> {
+    let tenant = request.tenant.as_deref().and_then(|t| config.tenants.get(t));
+    match tenant {
+        Some(t) if !t.allows(&request.model) => Err(tenants::model_not_found(&request.model)),
+        _ => Ok(()),
     }
 }
 
@@ -209,7 +257,9 @@ pub fn decide<S: CasStore>(
     // A reply needs the request's form, not its body; a call (now, or a waiter's later)
     // sends it.
     let body = if matches!(step, Step::Reply(_)) { Vec::new() } else { body.to_vec() };
-    let outbound = Outbound::of(&request, body, head.authorization);
+    // A tenant's token is the edge's to check, never HolySheep's to see.
+    let client_authorization = head.authorization.filter(|_| request.tenant.is_none());
+    let outbound = Outbound::of(&request, body, client_authorization);
     Ok(Decision { request, step, outbound, keep })
 }
 
@@ -260,17 +310,17 @@ mod tests {
     #[test]
     fn a_repeated_tenant_credential_is_refused_before_the_body() {
         let config = Config::default();
-        let twice = head(&[("authorization", b"Bearer a"), ("authorization", b"Bearer b")], None);
+        let mut twice = head(&[("authorization", b"Bearer a"), ("authorization", b"Bearer b")], None);
         let e = twice.check(&config).unwrap_err();
         assert_eq!((e.status, e.code), (400, "ambiguous_tenant"));
-        let joined = head(&[("authorization", b"Bearer a,Bearer b")], None);
+        let mut joined = head(&[("authorization", b"Bearer a,Bearer b")], None);
         assert_eq!(joined.check(&config).map_err(|e| e.code), Err("ambiguous_tenant"), "as Envoy joins them");
         assert!(head(&[("authorization", b"Bearer a.b_c-d~e+f/g=")], None).check(&config).is_ok());
         let tenant = Config {
             cache: crate::core::config::Cache { tenant_header: Some("x-tenant".into()), ..Config::default().cache },
             ..Config::default()
         };
-        let by_header =
+        let mut by_header =
             head(&[("x-tenant", b"a"), ("authorization", b"Bearer a"), ("x-tenant", b"a")], Some("x-tenant"));
         assert_eq!(by_header.check(&tenant).map_err(|e| e.code), Err("ambiguous_tenant"), "even the same value twice");
         assert!(head(&[("x-tenant", b"a"), ("authorization", b"x"), ("authorization", b"y")], Some("x-tenant"))

@@ -4,10 +4,10 @@
 use super::bytes;
 use super::codec;
 use super::config::{Config, Scope};
+use super::digest::sha256;
 use super::error::ApiError;
 use super::limits::DEFAULT_COMPLETION_ESTIMATE;
 use serde_json::{Map, Number, Value};
-use sha2::digest::generic_array::GenericArray;
 
 /// The only path the filter handles (query string ignored).
 pub const CHAT_PATH: &str = "/v1/chat/completions";
@@ -177,6 +177,8 @@ pub struct ChatRequest {
     /// Tokens reserved before the call: prompt ≈ body bytes / 4, plus the completion
     /// limit (`max_completion_tokens`, `max_tokens`, or a default) for each choice.
     pub estimate_tokens: u64,
+    /// The verified tenant (with `tenants` configured).
+    pub tenant: Option<String>,
 }
 
 /// The request headers the core needs; the shell reads them from its host.
@@ -185,6 +187,8 @@ pub struct RequestMeta<'a> {
     pub authorization: Option<&'a str>,
     pub tenant: Option<&'a str>,
     pub cache_control: Option<&'a str>,
+    /// The tenant whose key the request carries, verified (with `tenants` configured).
+    pub verified: Option<&'a str>,
 }
 
 impl ChatRequest {
@@ -212,6 +216,7 @@ impl ChatRequest {
             include_usage,
             deterministic,
             estimate_tokens,
+            tenant: meta.verified.map(str::to_owned),
         })
     }
 
@@ -396,6 +401,11 @@ pub fn for_upstream(body: &[u8], model: &str, stream: bool) -> Vec<u8> {
 /// SHA-256 per request, not two); it is never stored. Without `cache.require_tenant`,
 /// every caller without a credential shares one anonymous scope.
 fn scope(config: &Config, meta: &RequestMeta<'_>) -> Result<String, ApiError> {
+    if !config.keys.is_empty() {
+        // A verified tenant's own scope, apart from every credential's (`tenant:`).
+        let tenant = meta.verified.ok_or_else(crate::core::tenants::invalid_api_key)?;
+        return Ok(format!("verified:{tenant}"));
+    }
     let (credential, named) = match &config.cache.tenant_header {
         Some(h) => (meta.tenant, h.as_str()),
         None => (meta.authorization, "authorization"),
@@ -512,31 +522,6 @@ pub fn request_key(path: &str, scope: &str, canonical: &[u8]) -> Key {
     Key(hex(&sha256(message)))
 }
 
-/// SHA-256's initial state (FIPS 180-4, 5.3.3).
-const SHA256_INITIAL: [u32; 8] =
-    [0x6a09e667, 0xbb67ae85, 0x3c6ef372, 0xa54ff53a, 0x510e527f, 0x9b05688c, 0x1f83d9ab, 0x5be0cd19];
-
-/// SHA-256 of a whole message: padded here (FIPS 180-4, 5.1.1), its blocks compressed by
-/// sha2's block function. `Sha256`'s streaming buffer is generic code, compiled into this
-/// crate rather than with sha2's `opt-level = 3`; it cost a MISS thousands of operators.
-/// (`from_slice` cannot fail: `chunks_exact(64)` yields 64 bytes.)
-fn sha256(mut message: Vec<u8>) -> [u8; 32] {
-    let bits = (message.len() as u64).wrapping_mul(8);
-    message.push(0x80);
-    let padded = (message.len() + 8).next_multiple_of(64);
-    message.resize(padded - 8, 0);
-    message.extend_from_slice(&bits.to_be_bytes());
-    let mut state = SHA256_INITIAL;
-    for block in message.chunks_exact(64) {
-        sha2::compress256(&mut state, std::slice::from_ref(GenericArray::from_slice(block)));
-    }
-    let mut digest = [0; 32];
-    for (out, word) in digest.chunks_exact_mut(4).zip(state) {
-        out.copy_from_slice(&word.to_be_bytes());
-    }
-    digest
-}
-
 fn hex(bytes: &[u8]) -> String {
     let mut digits = vec![0; 2 * bytes.len()];
     for (pair, &b) in digits.chunks_exact_mut(2).zip(bytes) {
@@ -583,7 +568,7 @@ mod tests {
     }
 
     const AUTH_A: RequestMeta<'static> =
-        RequestMeta { authorization: Some("Bearer a"), tenant: None, cache_control: None };
+        RequestMeta { authorization: Some("Bearer a"), tenant: None, cache_control: None, verified: None };
 
     fn key(body: &str) -> Key {
         key_with(&Config::default(), &AUTH_A, body)

@@ -21,7 +21,12 @@ pub struct Outbound {
     pub stream: bool,
     /// ... with the usage event (`stream_options.include_usage`).
     pub include_usage: bool,
+    /// The verified tenant the call is made for.
+    pub tenant: Option<String>,
 }
+
+/// The response header naming the verified tenant an answer was for.
+pub const TENANT_HEADER: &str = "x-holysheep-tenant";
 
 pub const USER_AGENT: &str = concat!("holysheep-edge/", env!("CARGO_PKG_VERSION"));
 
@@ -36,6 +41,7 @@ impl Outbound {
             estimate_tokens: request.estimate_tokens,
             stream: request.stream,
             include_usage: request.include_usage,
+            tenant: request.tenant.clone(),
         }
     }
 
@@ -47,6 +53,11 @@ impl Outbound {
         } else {
             Cow::Owned(for_upstream(&self.body, model, self.stream))
         }
+    }
+
+    /// `x-holysheep-tenant`, for a verified tenant's request.
+    pub fn tenant_header(&self) -> Option<(&'static str, String)> {
+        self.tenant.clone().map(|t| (TENANT_HEADER, t))
     }
 
     /// How a call for this request goes, with the operator's key or not.
@@ -175,6 +186,7 @@ mod tests {
             estimate_tokens: 10,
             stream: false,
             include_usage: false,
+            tenant: None,
         }
     }
 

@@ -261,7 +261,15 @@ impl HttpContext for Chat {
             strip_fleet_headers();
         }
         if route != Route::Chat {
-            return Action::Continue;
+            return match intake::models_answer(&config, &self.head) {
+                Some(Ok(list)) => {
+                    self.state = State::Handled;
+                    host::send(&Reply::plain(list), &[]);
+                    Action::Pause
+                }
+                Some(Err(e)) => self.reject(&e),
+                None => Action::Continue,
+            };
         }
         self.state = State::Reading;
         if let Err(e) = self.head.check(&config) {
@@ -320,6 +328,9 @@ impl HttpContext for Chat {
         set_response_header("x-holysheep-cache", Some(label.cache.as_str()));
         set_response_header("x-holysheep-key", Some(&label.key));
         set_response_header("x-holysheep-model", Some(&label.model));
+        if let Some(tenant) = &label.tenant {
+            set_response_header(upstream::TENANT_HEADER, Some(tenant));
+        }
         let refusal = self.misrouted().or_else(|| upstream::refused(status, &content_type, label.sent));
         if (sse && !label.include_usage) || refusal.is_some() {
             // The usage event is taken out, or the body replaced: the length changes.

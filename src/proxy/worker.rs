@@ -96,6 +96,7 @@ pub struct StreamLabel {
     pub model: String,
     pub include_usage: bool,
     pub sent: Sent,
+    pub tenant: Option<String>,
 }
 
 /// Shared-data key that holds, once a stream's answer came from another cluster than
@@ -185,7 +186,8 @@ impl Worker {
     /// Sends `reply` as JSON or as events, as the request asked, with the model's
     /// `x-ratelimit-*` headers.
     fn send_in_form(&mut self, target: Target, reply: &Reply, outbound: &Outbound) -> bool {
-        let extra = self.rate_headers(&outbound.model, host::now_ms);
+        let mut extra = self.rate_headers(&outbound.model, host::now_ms);
+        extra.extend(outbound.tenant_header());
         if !outbound.stream {
             return self.send(target, reply, &extra);
         }
@@ -228,7 +230,8 @@ impl Worker {
             self.send_in_form(Target::Current, &reply, &hit.outbound);
             return;
         }
-        let rate = self.rate_headers(&hit.outbound.model, || now);
+        let mut rate = self.rate_headers(&hit.outbound.model, || now);
+        rate.extend(hit.outbound.tenant_header());
         let age = codec::decimal(age_s);
         let extra = rate.iter().map(|(n, v)| (*n, v.as_str())).chain([("age", age.as_str())]);
         host::send_with(&hit.reply, extra);
@@ -243,6 +246,7 @@ impl Worker {
             model: run.flight.model().to_owned(),
             include_usage: run.outbound.include_usage,
             sent: run.outbound.sent(self.bearer.is_some()),
+            tenant: run.outbound.tenant.clone(),
         })
     }
 

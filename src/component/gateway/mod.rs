@@ -27,9 +27,12 @@ pub fn handle(request: IncomingRequest, out: ResponseOutparam) {
     };
     let head = gateway.head(&request);
     if head.route() == Route::Chat {
-        gateway.chat(request, head, out);
-    } else {
-        gateway.forward(request, out);
+        return gateway.chat(request, head, out);
+    }
+    match intake::models_answer(&gateway.config, &head) {
+        Some(Ok(list)) => host::reply(out, &Reply::plain(list), &[]),
+        Some(Err(e)) => host::reply(out, &Reply::error(&e), &[]),
+        None => gateway.forward(request, out),
     }
 }
 
@@ -65,7 +68,7 @@ impl Gateway {
         head
     }
 
-    fn chat(&self, request: IncomingRequest, head: Head, out: ResponseOutparam) {
+    fn chat(&self, request: IncomingRequest, mut head: Head, out: ResponseOutparam) {
         if let Err(e) = head.check(&self.config) {
             return host::reply(out, &Reply::error(&e), &[]);
         }
@@ -99,9 +102,10 @@ impl Gateway {
     /// Answers in the form the client asked for (events for a stream), with the model's
     /// `x-ratelimit-*` headers.
     fn answer(&self, out: ResponseOutparam, r: Reply, outbound: &Outbound) {
-        let rate = upstream::rate_headers(&self.kv, &self.config, &outbound.model, host::now_ms);
+        let mut extra = upstream::rate_headers(&self.kv, &self.config, &outbound.model, host::now_ms);
+        extra.extend(outbound.tenant_header());
         let response = stream::for_client(r.response.clone(), outbound.stream, outbound.include_usage);
-        host::reply(out, &Reply { response, ..r }, &rate);
+        host::reply(out, &Reply { response, ..r }, &extra);
     }
 
     fn engine(&self) -> Engine<'_, Kv> {
@@ -127,7 +131,7 @@ impl Gateway {
 
     /// Performs one flight: attempts, backoff, failover, then completes the call.
     fn fly(&self, call: Call, outbound: &Outbound) -> Reply {
-        let mut flight = Flight::new(&self.config, call, &outbound.model, outbound.estimate_tokens);
+        let mut flight = Flight::new(&self.config, call, outbound);
         let mut action = flight.resume(&self.kv, &self.config, host::now_ms(), host::nonce());
         loop {
             action = match action {
@@ -160,7 +164,7 @@ impl Gateway {
     /// A stream's flight: like `fly` until HolySheep starts an event stream (errors before
     /// it are retried, failed over and answered as JSON); then the events are relayed.
     fn fly_stream(&self, call: Call, outbound: &Outbound, out: ResponseOutparam) {
-        let mut flight = Flight::new(&self.config, call, &outbound.model, outbound.estimate_tokens);
+        let mut flight = Flight::new(&self.config, call, outbound);
         let mut action = flight.resume(&self.kv, &self.config, host::now_ms(), host::nonce());
         loop {
             action = match action {
@@ -203,13 +207,14 @@ impl Gateway {
     /// client that leaves does not stop the reading: its waiters still get the answer.
     fn relay(&self, mut flight: Flight, outbound: &Outbound, response: IncomingResponse, out: ResponseOutparam) {
         let call = flight.call.clone();
-        let headers = vec![
+        let mut headers = vec![
             ("content-type".to_owned(), stream::CONTENT_TYPE.to_owned()),
             ("cache-control".to_owned(), "no-cache".to_owned()),
             ("x-holysheep-cache".to_owned(), call.label.as_str().to_owned()),
             ("x-holysheep-key".to_owned(), call.key.hex().to_owned()),
             ("x-holysheep-model".to_owned(), flight.model().to_owned()),
         ];
+        headers.extend(outbound.tenant_header().map(|(n, v)| (n.to_owned(), v)));
         let (mut events, mut held) = (Reassembler::new(outbound.include_usage), Vec::new());
         let hints = ProviderHints::from_headers(200, &host::header_pairs(&response.headers()));
         let client_body = host::start_response(out, 200, &headers);

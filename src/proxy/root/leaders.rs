@@ -27,7 +27,7 @@ const SLEEP_TICK_MS: u64 = 10;
 
 impl Root {
     pub(super) fn start(&mut self, context_id: u32, call: Call, outbound: Rc<Outbound>) {
-        let flight = Flight::new(&self.worker.borrow().config, call, &outbound.model, outbound.estimate_tokens);
+        let flight = Flight::new(&self.worker.borrow().config, call, &outbound);
         let mut run = Run { context_id, flight, outbound };
         let action = self.resume(&mut run);
         self.advance(run, action);

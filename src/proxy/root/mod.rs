@@ -97,6 +97,15 @@ impl RootContext for Root {
         w.vm_id = String::from_utf8_lossy(&vm_id).into_owned();
         w.bearer = upstream::bearer(std::env::var(&config.upstream.api_key_env).ok());
         w.fleet.secret = std::env::var(&config.fleet.peer_secret_env).ok().filter(|s| !s.is_empty());
+        if !config.keys.is_empty() && w.bearer.is_none() {
+            let env = &config.upstream.api_key_env;
+            host::log(
+                LogLevel::Error,
+                &format!(
+                    "holysheep: tenants are configured but ${env} is not set: calls go to HolySheep without a key"
+                ),
+            );
+        }
         if config.fleet.shared_limits() && w.fleet.secret.is_none() {
             let env = &config.fleet.peer_secret_env;
             host::log(

@@ -1,0 +1,207 @@
+//! Tenants: the callers an edge knows by their keys. A tenant's bearer tokens are
+//! configured only as SHA-256 digests; a request's token is hashed and compared with every
+//! configured digest in constant time. The verified tenant's name is then the request's
+//! cache scope, and its model list what it may call.
+
+use super::digest::sha256;
+use super::error::ApiError;
+use serde::Deserialize;
+use std::collections::BTreeMap;
+
+/// The most tenants a configuration may name: per-tenant state (shared-data keys and
+/// counters) is bounded by it.
+pub const MAX_TENANTS: usize = 1024;
+/// The most keys one tenant may have (rotation needs two).
+pub const MAX_KEYS: usize = 16;
+
+#[derive(Debug, Clone, PartialEq, Default, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Tenant {
+    /// SHA-256 digests (64 hex digits) of the tenant's bearer tokens.
+    pub keys_sha256: Vec<String>,
+    /// The models the tenant may call (`None`: any).
+    pub models: Option<Vec<String>>,
+}
+
+impl Tenant {
+    /// Whether the tenant may call `model`.
+    pub fn allows(&self, model: &str) -> bool {
+        self.models.as_ref().is_none_or(|m| m.iter().any(|a| a == model))
+    }
+}
+
+/// Every configured digest with the tenant it belongs to, read once from the
+/// configuration.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct Keys {
+    digests: Vec<([u8; 32], String)>,
+}
+
+impl Keys {
+    /// Checks the tenants' configuration and collects their digests.
+    pub fn of(tenants: &BTreeMap<String, Tenant>) -> Result<Keys, String> {
+        if tenants.len() > MAX_TENANTS {
+            return Err(format!("tenants: at most {MAX_TENANTS} entries"));
+        }
+        let mut digests: Vec<([u8; 32], String)> = Vec::new();
+        for (name, tenant) in tenants {
+            let field = |f: &str| format!("tenants.{name}.{f}");
+            if !valid_name(name) {
+                return Err(format!(
+                    "tenants.{}: a name is 1 to 64 of a-z, A-Z, 0-9, '-', '_' and '.'",
+                    name.chars().take(64).collect::<String>()
+                ));
+            }
+            if !(1..=MAX_KEYS).contains(&tenant.keys_sha256.len()) {
+                return Err(format!("{}: between 1 and {MAX_KEYS} digests", field("keys_sha256")));
+            }
+            if tenant.models.as_ref().is_some_and(|m| m.is_empty() || m.iter().any(String::is_empty)) {
+                return Err(format!("{}: model names, at least one", field("models")));
+            }
+            for hex in &tenant.keys_sha256 {
+                let Some(digest) = digest_of_hex(hex) else {
+                    return Err(format!(
+                        "{}: each is a SHA-256 digest, 64 hex digits (the token itself never goes here)",
+                        field("keys_sha256")
+                    ));
+                };
+                if digests.iter().any(|(d, _)| *d == digest) {
+                    return Err(format!("{}: a digest appears twice", field("keys_sha256")));
+                }
+                digests.push((digest, name.clone()));
+            }
+        }
+        Ok(Keys { digests })
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.digests.is_empty()
+    }
+
+    /// The tenant whose key `authorization` (`Bearer <token>`) carries. Every digest is
+    /// compared, each in constant time, so the time taken says nothing of which digest,
+    /// or how much of one, matched.
+    pub fn verify(&self, authorization: Option<&str>) -> Result<&str, ApiError> {
+        let token = authorization.and_then(bearer_token).ok_or_else(invalid_api_key)?;
+        let digest = sha256(token.as_bytes().to_vec());
+        let mut found = None;
+        for (d, name) in &self.digests {
+            if same(d, &digest) {
+                found = Some(name.as_str());
+            }
+        }
+        found.ok_or_else(invalid_api_key)
+    }
+}
+
+/// The token of `Bearer <token>` (the scheme in any case, RFC 7235).
+fn bearer_token(authorization: &str) -> Option<&str> {
+    let (scheme, token) = authorization.trim().split_once(' ')?;
+    let token = token.trim();
+    (scheme.eq_ignore_ascii_case("bearer") && !token.is_empty()).then_some(token)
+}
+
+/// Equal, in time that does not depend on where two digests differ.
+fn same(a: &[u8; 32], b: &[u8; 32]) -> bool {
+    let diff = a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y));
+    std::hint::black_box(diff) == 0
+}
+
+fn digest_of_hex(hex: &str) -> Option<[u8; 32]> {
+    let bytes = hex.as_bytes();
+    if bytes.len() != 64 {
+        return None;
+    }
+    let mut digest = [0; 32];
+    for (out, pair) in digest.iter_mut().zip(bytes.chunks_exact(2)) {
+        let digit = |b: u8| char::from(b).to_digit(16);
+        *out = u8::try_from(digit(pair[0])? * 16 + digit(pair[1])?).ok()?;
+    }
+    Some(digest)
+}
+
+fn valid_name(name: &str) -> bool {
+    (1..=64).contains(&name.len()) && name.bytes().all(|b| b.is_ascii_alphanumeric() || b"-_.".contains(&b))
+}
+
+/// OpenAI's 401 for a key it does not know; the token is never quoted.
+pub fn invalid_api_key() -> ApiError {
+    ApiError {
+        status: 401,
+        message: "Incorrect API key provided. Send the key this edge issued you as 'Authorization: Bearer <key>'."
+            .into(),
+        kind: "invalid_request_error",
+        param: None,
+        code: "invalid_api_key",
+    }
+}
+
+/// OpenAI's 404 for a model the caller may not use.
+pub fn model_not_found(model: &str) -> ApiError {
+    let model: String = model.chars().take(128).collect();
+    ApiError {
+        status: 404,
+        message: format!("The model `{model}` does not exist or you do not have access to it."),
+        kind: "invalid_request_error",
+        param: Some("model".into()),
+        code: "model_not_found",
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn hex_of(token: &str) -> String {
+        sha256(token.as_bytes().to_vec()).iter().map(|b| format!("{b:02x}")).collect()
+    }
+
+    fn tenants(pairs: &[(&str, &[&str])]) -> BTreeMap<String, Tenant> {
+        pairs
+            .iter()
+            .map(|(name, tokens)| {
+                let keys_sha256 = tokens.iter().map(|t| hex_of(t)).collect();
+                (name.to_string(), Tenant { keys_sha256, models: None })
+            })
+            .collect()
+    }
+
+    #[test]
+    fn a_token_is_known_by_its_digest_only() {
+        let keys = Keys::of(&tenants(&[("search", &["s-old", "s-new"]), ("batch", &["b-1"])])).unwrap();
+        assert_eq!(keys.verify(Some("Bearer s-old")), Ok("search"));
+        assert_eq!(keys.verify(Some("bearer  s-new ")), Ok("search"), "the scheme in any case");
+        assert_eq!(keys.verify(Some("Bearer b-1")), Ok("batch"));
+        for refused in [None, Some(""), Some("Bearer "), Some("Bearer s-ol"), Some("Basic s-old"), Some("s-old")] {
+            let e = keys.verify(refused).unwrap_err();
+            assert_eq!((e.status, e.code), (401, "invalid_api_key"), "{refused:?}");
+            assert!(!e.message.contains("s-ol"), "the token is never quoted");
+        }
+        let upper = hex_of("u").to_uppercase();
+        let keys = Keys::of(&BTreeMap::from([("u".into(), Tenant { keys_sha256: vec![upper], models: None })]));
+        assert_eq!(keys.unwrap().verify(Some("Bearer u")), Ok("u"), "hex in either case");
+    }
+
+    #[test]
+    fn the_tenants_configuration_is_checked() {
+        let refused = |t: BTreeMap<String, Tenant>| Keys::of(&t).unwrap_err();
+        assert!(refused(tenants(&[("a b", &["x"])])).starts_with("tenants.a b:"));
+        assert!(refused(tenants(&[("a", &[])])).starts_with("tenants.a.keys_sha256:"));
+        assert!(refused(tenants(&[("a", &["x"]), ("b", &["x"])])).contains("twice"));
+        let clear = BTreeMap::from([("a".into(), Tenant { keys_sha256: vec!["sk-live-123".into()], models: None })]);
+        assert!(refused(clear).contains("never goes here"));
+        let no_models =
+            BTreeMap::from([("a".into(), Tenant { keys_sha256: vec![hex_of("x")], models: Some(Vec::new()) })]);
+        assert!(refused(no_models).starts_with("tenants.a.models:"));
+        assert!(Keys::of(&BTreeMap::new()).unwrap().is_empty());
+    }
+
+    #[test]
+    fn a_tenant_may_call_its_models_only() {
+        let t = Tenant { keys_sha256: Vec::new(), models: Some(vec!["gpt-4.1".into()]) };
+        assert!(t.allows("gpt-4.1") && !t.allows("deepseek-v3"));
+        assert!(Tenant::default().allows("anything"));
+        let e = model_not_found("deepseek-v3");
+        assert_eq!((e.status, e.code, e.param.as_deref()), (404, "model_not_found", Some("model")));
+    }
+}

@@ -8,4 +8,5 @@ mod hostile_e2e;
 mod limits_e2e;
 mod never_down;
 mod stream_e2e;
+mod tenants_e2e;
 mod trust_e2e;

@@ -312,3 +312,35 @@ fn a_creation_claim_stranded_by_a_dead_creator_is_handed_out_again() {
     assert_eq!((count(&coalesced, "MISS"), count(&coalesced, "COALESCED")), (1, 9), "the lease group exists again");
     assert_eq!(s.failures(), 0);
 }
+
+#[test]
+fn the_component_knows_tenants_by_their_keys_as_the_plugin_does() {
+    let mock = Running::start(Some("sk-operator-c0"), 0).expect("mock");
+    let (a, b) = (sha256_hex(b"hs-a-1"), sha256_hex(b"hs-b-1"));
+    let config = format!(
+        r#"{{"tenants":{{"a":{{"keys_sha256":["{a}"],"models":["gpt-4.1"]}},"b":{{"keys_sha256":["{b}"]}}}}}}"#
+    );
+    let s = start(ComponentOptions {
+        wasm: component_path(),
+        listen: ([127, 0, 0, 1], 0).into(),
+        upstream: mock.addr,
+        env: vec![
+            ("HOLYSHEEP_CONFIG".to_owned(), config),
+            ("HOLYSHEEP_API_KEY".to_owned(), "sk-operator-c0".to_owned()),
+        ],
+    })
+    .expect("component serves");
+    let body = prompt("tenants on the component");
+    let unknown = post(&s, &body, &[("authorization", "Bearer hs-a-2")]);
+    assert_eq!((unknown.status, unknown.json()["error"]["code"].as_str()), (401, Some("invalid_api_key")));
+    let first = post(&s, &body, &[("authorization", "Bearer hs-a-1")]);
+    assert_eq!((first.status, first.cache(), first.header("x-holysheep-tenant")), (200, "MISS", Some("a")));
+    assert_eq!(mock.mock.last_authorization().as_deref(), Some("Bearer sk-operator-c0"));
+    assert_eq!(post(&s, &body, &[("authorization", "Bearer hs-a-1")]).cache(), "HIT");
+    assert_eq!(post(&s, &body, &[("authorization", "Bearer hs-b-1")]).cache(), "MISS", "another tenant's scope");
+    let not_listed = post(&s, &prompt_for("deepseek-v3", "no"), &[("authorization", "Bearer hs-a-1")]);
+    assert_eq!((not_listed.status, not_listed.json()["error"]["code"].as_str()), (404, Some("model_not_found")));
+    let models = request(s.addr, "GET", "/v1/models", &[("authorization", "Bearer hs-a-1")], b"").expect("answer");
+    assert_eq!(models.json()["data"][0]["id"], "gpt-4.1");
+    assert_eq!(mock.mock.calls(), 2);
+}

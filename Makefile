@@ -1,5 +1,5 @@
 # The two commands: `make run` (demo on the mock) and `make test` (everything CI runs).
-.PHONY: run run-cluster run-component test bench profile floors soak stop setup clean wit-lock fuzz
+.PHONY: run run-cluster run-component test bench profile floors soak stop setup clean wit-lock fuzz tenant-key docs-check
 
 setup:
 	envoy/setup.sh
@@ -16,10 +16,21 @@ run-component: setup
 wit-lock:
 	wit/lock.sh
 
+# A new tenant key: the token to hand to the tenant (shown once), and the SHA-256 that goes
+# into `tenants.<name>.keys_sha256` (docs/tenants.md).
+tenant-key:
+	@python3 -c 'import hashlib, secrets; t = "hs-" + secrets.token_urlsafe(32); \
+	  print("token:      " + t); print("keys_sha256: " + hashlib.sha256(t.encode()).hexdigest())'
+
+# Links, make targets and paths in README.md and docs/ (docs/check.sh); the configurations
+# they show are parsed by a unit test in src/core/config.rs.
+docs-check:
+	docs/check.sh
+
 stop:
 	envoy/stop.sh
 
-test: setup
+test: setup docs-check
 	cargo fmt --all --check
 	cargo clippy --quiet --workspace --all-targets -- -D warnings
 	cargo clippy --quiet --release --target wasm32-wasip1 -- -D warnings

@@ -342,6 +342,9 @@ impl Config {
                     .into(),
             ));
         }
+        if self.models.keys().any(|m| m.starts_with("tenant:")) {
+            return Err(ConfigError("models: a model name does not start with tenant: (tenants' own buckets)".into()));
+        }
         if self.models.len() > MAX_MODELS {
             return Err(ConfigError(format!("models: at most {MAX_MODELS} entries")));
         }
@@ -352,6 +355,14 @@ impl Config {
     /// (no limits, no prices). The name returned is the bucket's name.
     pub fn model<'a>(&'a self, model: &'a str) -> Option<(&'a str, &'a Model)> {
         self.models.get_key_value(model).or_else(|| self.models.get_key_value("default")).map(|(k, v)| (k.as_str(), v))
+    }
+
+    /// Micro-dollars `prompt` and `completion` tokens cost on `model` at its configured
+    /// prices (a price per million tokens is a price in micro-dollars per token).
+    pub fn cost_micro_usd(&self, model: &str, prompt: u64, completion: u64) -> u64 {
+        self.model(model).map_or(0, |(_, m)| {
+            (prompt as f64 * m.usd_per_mtok_input + completion as f64 * m.usd_per_mtok_output).round() as u64
+        })
     }
 
     /// Tick period of each worker: the safety net for wake-ups and the lease renewal clock.

@@ -11,6 +11,7 @@ use super::error::ApiError;
 use super::limits::{self, duration, Denial, Kind, Limits, ProviderHints};
 use super::peer::{self, Op, Verdict};
 use super::store::CasStore;
+use super::tenant_gate::{self, Refusal, TenantHold};
 use super::upstream::Outbound;
 
 pub use super::limits::CONTENTION_RETRY_MS;
@@ -101,6 +102,9 @@ pub struct Flight {
     /// The model owner's answer (`Some(None)`: out of reach).
     verdict: Option<Option<Verdict>>,
     last: Option<Response>,
+    /// The verified tenant the flight is for, and what it holds of that tenant's limits.
+    tenant: Option<String>,
+    tenant_hold: Option<TenantHold>,
     pub events: Vec<Event>,
     /// Settlements for model owner nodes, sent by the shell without waiting.
     pub outbox: Vec<Op>,
@@ -133,6 +137,8 @@ impl Flight {
             probe: None,
             verdict: None,
             last: None,
+            tenant: outbound.tenant.clone(),
+            tenant_hold: None,
             events,
             outbox: Vec::new(),
         }
@@ -148,7 +154,11 @@ impl Flight {
     /// is asked first (`Action::Ask`), and the probe goes on from its verdict.
     pub fn resume(&mut self, store: &impl CasStore, config: &Config, now_ms: u64, nonce: u64) -> Action {
         if now_ms >= self.deadline_ms {
-            return Action::Finish(self.last.take());
+            let last = self.last.take();
+            return self.end(store, last, now_ms);
+        }
+        if let Some(refused) = self.reserve_tenant(store, config, now_ms, nonce) {
+            return refused;
         }
         let (start, mut denials) = self.probe.take().unwrap_or((self.idx, Vec::new()));
         for i in start..self.models.len() {
@@ -179,7 +189,42 @@ impl Flight {
         let model = self.model().to_owned();
         self.events.push(Event::RateLimited { model: model.clone() });
         let denial = denials.first().map(|(_, d)| *d).unwrap_or(Denial { kind: Kind::Requests, wait_ms: None });
-        Action::Finish(Some(self.rate_limited(config, &model, denial)))
+        let limited = self.rate_limited(config, &model, denial);
+        self.end(store, Some(limited), now_ms)
+    }
+
+    /// Takes the call's share of its tenant's own limits, once per flight; `Some` when they
+    /// refuse it (a wait for the bucket, or the 429).
+    fn reserve_tenant(&mut self, store: &impl CasStore, config: &Config, now_ms: u64, nonce: u64) -> Option<Action> {
+        let tenant = self.tenant.clone().filter(|_| self.tenant_hold.is_none())?;
+        let id = *self.id.get_or_insert(nonce);
+        let hold_ms = self.deadline_ms.saturating_sub(now_ms) + 1_000;
+        match tenant_gate::reserve(store, config, &tenant, &self.models, id, self.estimate, now_ms, hold_ms) {
+            Ok(hold) => {
+                self.tenant_hold = hold;
+                None
+            }
+            Err(refusal) => {
+                if let Refusal::Bucket(d) = refusal {
+                    let until = now_ms.saturating_add(d.wait_ms.unwrap_or(CONCURRENCY_POLL_MS));
+                    let contended = d.kind == Kind::Contended;
+                    if (until <= self.hold_until_ms || contended) && until < self.deadline_ms {
+                        return Some(Action::Sleep { until_ms: until });
+                    }
+                }
+                let model = self.model().to_owned();
+                self.events.push(Event::RateLimited { model: model.clone() });
+                Some(Action::Finish(Some(tenant_gate::refused(config, &tenant, &model, refusal))))
+            }
+        }
+    }
+
+    /// The flight ends with `outcome`: what it holds of its tenant's limits is settled.
+    fn end(&mut self, store: &impl CasStore, outcome: Option<Response>, now_ms: u64) -> Action {
+        if let Some(hold) = self.tenant_hold.take() {
+            hold.settle(store, now_ms);
+        }
+        Action::Finish(outcome)
     }
 
     /// The call for the current model ended (`None`: reset or timeout). `random` draws
@@ -204,7 +249,7 @@ impl Flight {
         }
         let outcome = outcome.map(|r| r.with_header("x-holysheep-model", model.clone()));
         if !retryable(outcome.as_ref()) || hints.key_refused {
-            return Action::Finish(outcome);
+            return self.end(store, outcome, now_ms);
         }
         self.attempt += 1;
         self.last = outcome;
@@ -220,7 +265,8 @@ impl Flight {
             self.fail_over_to(self.idx + 1);
             return self.resume(store, config, now_ms, random);
         }
-        Action::Finish(self.last.take())
+        let last = self.last.take();
+        self.end(store, last, now_ms)
     }
 
     /// A stream forwarded along the route ended: its bytes went to the client as they came,
@@ -254,6 +300,9 @@ impl Flight {
         }
         if hints.throttled {
             self.events.push(Event::ProviderRateLimited { model });
+        }
+        if let Some(hold) = self.tenant_hold.take() {
+            hold.settle(store, now_ms);
         }
     }
 
@@ -319,7 +368,6 @@ impl Flight {
         }
     }
 
-    /// Settles the call where it was admitted.
     /// Settles the reservation with what the call used; `retries`, requests made beyond
     /// the first (already taken here from a local bucket), go to a model owner with it.
     fn settle(
@@ -331,6 +379,10 @@ impl Flight {
         hints: &ProviderHints,
         now_ms: u64,
     ) {
+        let model = self.model().to_owned();
+        if let Some(hold) = &mut self.tenant_hold {
+            hold.used(config, &model, usage);
+        }
         let Some(ticket) = self.ticket.take() else { return };
         let Some((bucket, m)) = config.model(self.model()) else { return };
         let l = Limits::of(m);
@@ -549,6 +601,74 @@ mod tests {
         assert_eq!(send(next), "deepseek-v3");
         assert!(!f.call.store, "a fallback answer is not stored under the requested key");
         assert!(f.events.contains(&Event::Failover { from: "gpt-4.1".into(), to: "deepseek-v3".into() }));
+    }
+
+    /// A flight of tenant `t` (whose limits are `tenant`) on gpt-4.1 at $10/$30 per Mtok.
+    fn tenant_flight(c: &Config) -> Flight {
+        let call = flight(c, "gpt-4.1").call;
+        let outbound = Outbound {
+            body: Vec::new(),
+            client_authorization: None,
+            model: "gpt-4.1".into(),
+            estimate_tokens: 100,
+            stream: false,
+            include_usage: false,
+            tenant: Some("t".into()),
+        };
+        Flight::new(c, call, &outbound)
+    }
+
+    fn tenant_config(tenant: &str, model: &str) -> Config {
+        config(&format!(
+            r#"{{"models":{{"gpt-4.1":{{"usd_per_mtok_input":10,"usd_per_mtok_output":30{model}}}}},
+                "tenants":{{"t":{{"keys_sha256":["{}"]{tenant}}}}}}}"#,
+            "a".repeat(64)
+        ))
+    }
+
+    #[test]
+    fn a_tenants_budget_holds_the_worst_case_of_every_call_in_flight_and_keeps_what_was_spent() {
+        // Worst case: 100 tokens at $30/Mtok = 3000 micro-dollars; the day allows 7000.
+        let (s, c) = (MemStore::new(), tenant_config(r#","usd_per_day":0.007"#, ""));
+        let mut flights: Vec<Flight> = (0..3).map(|_| tenant_flight(&c)).collect();
+        assert_eq!(send(flights[0].resume(&s, &c, 0, 1)), "gpt-4.1");
+        assert_eq!(send(flights[1].resume(&s, &c, 0, 2)), "gpt-4.1");
+        let Action::Finish(Some(r)) = flights[2].resume(&s, &c, 0, 3) else { panic!("refused") };
+        let v: serde_json::Value = serde_json::from_slice(&r.body).unwrap();
+        assert_eq!((r.status, v["error"]["code"].as_str()), (429, Some("insufficient_quota")));
+        assert!(r.header("retry-after").is_some());
+        assert_eq!(crate::core::budget::spent(&s, "t", 0), (6000, 6000), "two worst cases held");
+        // The first ends: 7 prompt and 5 completion tokens cost 70 + 150 micro-dollars.
+        assert!(matches!(
+            flights[0].on_response(&s, &c, status(200), &ProviderHints::default(), 5, 0),
+            Action::Finish(_)
+        ));
+        assert_eq!(crate::core::budget::spent(&s, "t", 5), (3220, 3220));
+        let mut again = tenant_flight(&c);
+        assert_eq!(send(again.resume(&s, &c, 6, 4)), "gpt-4.1", "room again");
+        // An error costs nothing: its hold is given back.
+        assert!(matches!(
+            flights[1].on_response(&s, &c, status(400), &ProviderHints::default(), 7, 0),
+            Action::Finish(_)
+        ));
+        assert_eq!(crate::core::budget::spent(&s, "t", 7), (3220, 3220));
+    }
+
+    #[test]
+    fn a_tenants_own_bucket_refuses_before_the_models_and_a_refused_model_gives_the_tenant_back() {
+        let (s, c) = (MemStore::new(), tenant_config(r#","requests_per_minute":1"#, ""));
+        let mut first = tenant_flight(&c);
+        assert_eq!(send(first.resume(&s, &c, 0, 1)), "gpt-4.1");
+        let Action::Finish(Some(r)) = tenant_flight(&c).resume(&s, &c, 1, 2) else { panic!("refused") };
+        let v: serde_json::Value = serde_json::from_slice(&r.body).unwrap();
+        assert_eq!((r.status, v["error"]["code"].as_str()), (429, Some("rate_limit_exceeded")));
+        assert!(v["error"]["message"].as_str().unwrap().contains("tenant t"), "{v}");
+        // The model's bucket refuses: the tenant's budget is given back at once.
+        let (s, c) = (MemStore::new(), tenant_config(r#","usd_per_day":1"#, r#","requests_per_minute":1,"burst":1"#));
+        send(tenant_flight(&c).resume(&s, &c, 0, 1));
+        let Action::Finish(Some(r)) = tenant_flight(&c).resume(&s, &c, 1, 2) else { panic!("refused") };
+        assert_eq!(r.status, 429);
+        assert_eq!(crate::core::budget::spent(&s, "t", 1), (3000, 3000), "only the call that left holds");
     }
 
     fn fleet(extra: &str) -> Config {

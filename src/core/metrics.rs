@@ -141,13 +141,6 @@ pub fn metric_name(label: &str, counter: Counter) -> String {
     format!("holysheep.{label}.{}", counter.name())
 }
 
-/// Micro-dollars for this usage at the model's configured prices.
-pub fn cost_micro_usd(config: &Config, model: &str, prompt: u64, completion: u64) -> u64 {
-    config.model(model).map_or(0, |(_, m)| {
-        (prompt as f64 * m.usd_per_mtok_input + completion as f64 * m.usd_per_mtok_output).round() as u64
-    })
-}
-
 fn priced(config: &Config, model: &str) -> bool {
     config.model(model).is_some_and(|(_, m)| m.usd_per_mtok_input > 0.0 || m.usd_per_mtok_output > 0.0)
 }
@@ -168,7 +161,7 @@ pub fn for_event<'a>(config: &'a Config, event: &'a Event) -> Vec<(&'a str, Coun
             vec![
                 (l, Counter::PromptTokens, *prompt),
                 (l, Counter::CompletionTokens, *completion),
-                (l, Counter::CostSpentMicroUsd, cost_micro_usd(config, model, *prompt, *completion)),
+                (l, Counter::CostSpentMicroUsd, config.cost_micro_usd(model, *prompt, *completion)),
             ]
         }
     }
@@ -208,7 +201,7 @@ pub fn for_reply<'a>(
         // Parsing the answer is the only cost on a HIT; skip it when nothing is priced.
         if priced(config, served) {
             if let Some((p, c)) = last.of(&reply.response.body) {
-                out.push((l, Counter::CostSavedMicroUsd, cost_micro_usd(config, served, p, c)));
+                out.push((l, Counter::CostSavedMicroUsd, config.cost_micro_usd(served, p, c)));
             }
         }
     }

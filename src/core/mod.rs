@@ -1,6 +1,7 @@
 //! The host-agnostic core: request keys, cache, lease and the decisions built on them.
 //! Nothing here knows proxy-wasm or WASI; time and nonces are passed in.
 
+pub mod budget;
 pub mod bytes;
 pub mod cache;
 pub mod codec;
@@ -20,6 +21,7 @@ pub mod peer;
 pub mod request;
 pub mod store;
 pub mod stream;
+pub mod tenant_gate;
 pub mod tenants;
 pub mod upstream;
 pub mod wake;

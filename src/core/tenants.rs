@@ -3,6 +3,7 @@
 //! configured digest in constant time. The verified tenant's name is then the request's
 //! cache scope, and its model list what it may call.
 
+use super::budget::Caps;
 use super::digest::sha256;
 use super::error::ApiError;
 use serde::Deserialize;
@@ -21,9 +22,28 @@ pub struct Tenant {
     pub keys_sha256: Vec<String>,
     /// The models the tenant may call (`None`: any).
     pub models: Option<Vec<String>>,
+    /// The tenant's own request and token buckets, beside each model's.
+    pub requests_per_minute: Option<u32>,
+    pub tokens_per_minute: Option<u64>,
+    /// Request-bucket capacity; defaults to `requests_per_minute`.
+    pub burst: Option<u32>,
+    /// Dollars the tenant's upstream calls may cost per UTC day and per UTC month.
+    pub usd_per_day: Option<f64>,
+    pub usd_per_month: Option<f64>,
 }
 
 impl Tenant {
+    /// The dollar caps, in micro-dollars.
+    pub fn caps(&self) -> Caps {
+        let micro = |usd: Option<f64>| usd.map(|d| (d * 1e6).round() as u64);
+        Caps { per_day: micro(self.usd_per_day), per_month: micro(self.usd_per_month) }
+    }
+
+    /// Whether the tenant has limits of its own (buckets or budgets).
+    pub fn is_limited(&self) -> bool {
+        self.requests_per_minute.is_some() || self.tokens_per_minute.is_some() || !self.caps().is_none()
+    }
+
     /// Whether the tenant may call `model`.
     pub fn allows(&self, model: &str) -> bool {
         self.models.as_ref().is_none_or(|m| m.iter().any(|a| a == model))
@@ -54,6 +74,19 @@ impl Keys {
             }
             if !(1..=MAX_KEYS).contains(&tenant.keys_sha256.len()) {
                 return Err(format!("{}: between 1 and {MAX_KEYS} digests", field("keys_sha256")));
+            }
+            let counts = [
+                ("requests_per_minute", tenant.requests_per_minute.map(u64::from)),
+                ("tokens_per_minute", tenant.tokens_per_minute),
+                ("burst", tenant.burst.map(u64::from)),
+            ];
+            if let Some((f, _)) = counts.iter().find(|(_, v)| *v == Some(0)) {
+                return Err(format!("{}: must be at least 1", field(f)));
+            }
+            for (f, usd) in [("usd_per_day", tenant.usd_per_day), ("usd_per_month", tenant.usd_per_month)] {
+                if usd.is_some_and(|d| !d.is_finite() || !(0.0..=1e9).contains(&d)) {
+                    return Err(format!("{}: dollars, between 0 and 1000000000", field(f)));
+                }
             }
             if tenant.models.as_ref().is_some_and(|m| m.is_empty() || m.iter().any(String::is_empty)) {
                 return Err(format!("{}: model names, at least one", field("models")));
@@ -161,7 +194,7 @@ mod tests {
             .iter()
             .map(|(name, tokens)| {
                 let keys_sha256 = tokens.iter().map(|t| hex_of(t)).collect();
-                (name.to_string(), Tenant { keys_sha256, models: None })
+                (name.to_string(), Tenant { keys_sha256, ..Tenant::default() })
             })
             .collect()
     }
@@ -178,7 +211,7 @@ mod tests {
             assert!(!e.message.contains("s-ol"), "the token is never quoted");
         }
         let upper = hex_of("u").to_uppercase();
-        let keys = Keys::of(&BTreeMap::from([("u".into(), Tenant { keys_sha256: vec![upper], models: None })]));
+        let keys = Keys::of(&BTreeMap::from([("u".into(), Tenant { keys_sha256: vec![upper], ..Tenant::default() })]));
         assert_eq!(keys.unwrap().verify(Some("Bearer u")), Ok("u"), "hex in either case");
     }
 
@@ -188,17 +221,20 @@ mod tests {
         assert!(refused(tenants(&[("a b", &["x"])])).starts_with("tenants.a b:"));
         assert!(refused(tenants(&[("a", &[])])).starts_with("tenants.a.keys_sha256:"));
         assert!(refused(tenants(&[("a", &["x"]), ("b", &["x"])])).contains("twice"));
-        let clear = BTreeMap::from([("a".into(), Tenant { keys_sha256: vec!["sk-live-123".into()], models: None })]);
+        let clear =
+            BTreeMap::from([("a".into(), Tenant { keys_sha256: vec!["sk-live-123".into()], ..Tenant::default() })]);
         assert!(refused(clear).contains("never goes here"));
-        let no_models =
-            BTreeMap::from([("a".into(), Tenant { keys_sha256: vec![hex_of("x")], models: Some(Vec::new()) })]);
+        let no_models = BTreeMap::from([(
+            "a".into(),
+            Tenant { keys_sha256: vec![hex_of("x")], models: Some(Vec::new()), ..Tenant::default() },
+        )]);
         assert!(refused(no_models).starts_with("tenants.a.models:"));
         assert!(Keys::of(&BTreeMap::new()).unwrap().is_empty());
     }
 
     #[test]
     fn a_tenant_may_call_its_models_only() {
-        let t = Tenant { keys_sha256: Vec::new(), models: Some(vec!["gpt-4.1".into()]) };
+        let t = Tenant { models: Some(vec!["gpt-4.1".into()]), ..Tenant::default() };
         assert!(t.allows("gpt-4.1") && !t.allows("deepseek-v3"));
         assert!(Tenant::default().allows("anything"));
         let e = model_not_found("deepseek-v3");

@@ -3,7 +3,7 @@
 
 use host_test::client::{request, Resp};
 use host_test::mock::Fault;
-use host_test::stack::{prompt, prompt_for, Stack};
+use host_test::stack::{burst_at, prompt, prompt_for, Stack};
 use sha2::{Digest, Sha256};
 
 const OPERATOR_KEY: &str = "sk-operator-5e1d7c3b9a";
@@ -119,4 +119,52 @@ fn the_models_list_is_the_tenants_own() {
     let unknown = list("hs-nobody");
     assert_eq!((unknown.status, code(&unknown).as_str()), (401, "invalid_api_key"));
     assert_eq!(s.calls(), 0, "answered by the edge");
+}
+
+/// gpt-4.1 at $10 / $30 per million prompt / completion tokens.
+const PRICES: &str = r#""usd_per_mtok_input":10,"usd_per_mtok_output":30"#;
+
+fn budgeted(body: &str, max_tokens: u64) -> String {
+    body.replacen('{', &format!(r#"{{"max_tokens":{max_tokens},"#), 1)
+}
+
+#[test]
+fn concurrent_calls_of_a_tenant_never_spend_more_than_its_daily_budget() {
+    let max_tokens = 20;
+    let bodies: Vec<String> = (0..50).map(|i| budgeted(&prompt(&format!("budget {i:02}")), max_tokens)).collect();
+    // Each call's worst case: its estimate (body / 4 + max_tokens) at the dearer price, $30.
+    let worst_micro = (bodies[0].len() as u64).div_ceil(4) + max_tokens;
+    let worst_micro = worst_micro * 30;
+    // Room for eight worst cases and a half.
+    let budget_micro = 8 * worst_micro + worst_micro / 2;
+    let config = format!(
+        r#"{{"models":{{"gpt-4.1":{{{PRICES}}}}},
+            "tenants":{{"batch":{{"keys_sha256":["{}"],"usd_per_day":{}}}}}}}"#,
+        digest(BATCH),
+        budget_micro as f64 / 1e6
+    );
+    let s = Stack::start_with(&config, 300, Some(OPERATOR_KEY), Some(OPERATOR_KEY));
+    let answers = burst_at(s.envoy.edge, bodies.clone(), &bearer(BATCH));
+    let served: Vec<&Resp> = answers.iter().filter(|r| r.status == 200).collect();
+    let spent: u64 = served
+        .iter()
+        .map(|r| {
+            let u = &r.json()["usage"];
+            u["prompt_tokens"].as_u64().unwrap_or(0) * 10 + u["completion_tokens"].as_u64().unwrap_or(0) * 30
+        })
+        .sum();
+    assert_eq!(served.len(), 8, "eight worst cases fit in the budget at once");
+    assert_eq!(s.calls(), 8);
+    assert!(spent <= budget_micro, "spent {spent} of {budget_micro} micro-dollars");
+    for r in answers.iter().filter(|r| r.status != 200) {
+        assert_eq!((r.status, code(r).as_str()), (429, "insufficient_quota"), "{}", r.text());
+        let retry_after: u64 = r.header("retry-after").and_then(|v| v.parse().ok()).unwrap_or(0);
+        assert!((1..=86_400).contains(&retry_after), "until the UTC day ends: {retry_after}");
+    }
+    assert_eq!(s.envoy.stat("wasmcustom.holysheep.gpt-4.1.cost_spent_microusd"), spent, "the counter agrees");
+    // Its answers are still served from the cache: a HIT costs nothing.
+    let first_served = answers.iter().position(|r| r.status == 200).expect("one served");
+    let hit = s.chat(&bodies[first_served], &[("authorization", &bearer(BATCH))]);
+    assert_eq!((hit.status, hit.cache()), (200, "HIT"));
+    assert_eq!(s.calls(), 8);
 }

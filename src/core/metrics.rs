@@ -91,10 +91,15 @@ pub fn label<'a>(config: &'a Config, model: &'a str) -> &'a str {
     }
 }
 
-/// Every label that can appear: the configured models and `other`.
+/// Every label that can appear: the configured models, `other`, and each tenant's
+/// (`tenant.<name>`: every counter of a tenant's requests, whatever their model).
 pub fn labels(config: &Config) -> Vec<String> {
-    config.models.keys().cloned().chain(std::iter::once("other".to_owned())).collect()
+    let models = config.models.keys().cloned().chain(std::iter::once("other".to_owned()));
+    models.chain(config.tenants.keys().map(|t| format!("{TENANT_PREFIX}{t}"))).collect()
 }
+
+/// What a tenant's label starts with.
+pub const TENANT_PREFIX: &str = "tenant.";
 
 /// A value for each (label, counter) of a configuration (a host's metric ids), found
 /// without hashing or allocating: labels are few and compared in place.
@@ -128,6 +133,12 @@ impl<T: Copy> PerCounter<T> {
 
     pub fn get(&self, label: &str, counter: Counter) -> Option<T> {
         self.values.get(self.slot(label, counter)?).copied().flatten()
+    }
+
+    /// The value for `tenant`'s label (`tenant.<name>`), found without building the label.
+    pub fn get_tenant(&self, tenant: &str, counter: Counter) -> Option<T> {
+        let l = self.labels.iter().position(|l| l.strip_prefix(TENANT_PREFIX) == Some(tenant))?;
+        self.values.get(l * COUNTERS.len() + counter.index()).copied().flatten()
     }
 
     fn slot(&self, label: &str, counter: Counter) -> Option<usize> {
@@ -264,6 +275,24 @@ mod tests {
         ];
         assert_eq!(names, documented, "the counter names docs/operations.md lists, each once");
         assert!(COUNTERS.iter().enumerate().all(|(i, c)| c.index() == i), "index is the place in COUNTERS");
+    }
+
+    #[test]
+    fn each_tenant_has_its_own_labels_found_without_building_them() {
+        let c = Config::parse(
+            format!(
+                r#"{{"models":{{"gpt-4.1":{{}}}},"tenants":{{"search":{{"keys_sha256":["{}"]}}}}}}"#,
+                "b".repeat(64)
+            )
+            .as_bytes(),
+        )
+        .unwrap();
+        assert_eq!(labels(&c), ["gpt-4.1", "other", "tenant.search"]);
+        let mut ids = PerCounter::new(&c);
+        ids.set("tenant.search", Counter::UpstreamCalls, 7u32);
+        assert_eq!(ids.get_tenant("search", Counter::UpstreamCalls), Some(7));
+        assert_eq!(ids.get_tenant("search", Counter::Retries), None);
+        assert_eq!(ids.get_tenant("gpt-4.1", Counter::UpstreamCalls), None, "a model is no tenant");
     }
 
     #[test]

@@ -29,34 +29,42 @@ impl Counters {
         Counters { ids, last_usage: LastUsage::default() }
     }
 
-    pub fn count(&self, increments: Vec<(&str, Counter, u64)>) {
-        for (label, counter, n) in increments {
-            if let Some((id, n)) = self.id_of(label, counter, n) {
-                let _ = hostcalls::increment_metric(id, n);
-            }
-        }
+    /// Adds `increments` to their model's counters, and to `tenant`'s when there is one.
+    pub fn count(&self, increments: Vec<(&str, Counter, u64)>, tenant: Option<&str>) {
+        bump(&self.resolve(increments, tenant));
     }
 
-    /// Counts a reply to a request for `model`.
-    pub fn count_reply(&mut self, config: &Config, model: &str, reply: &Reply) {
+    /// Counts a reply to a request for `model` (of `tenant`).
+    pub fn count_reply(&mut self, config: &Config, model: &str, reply: &Reply, tenant: Option<&str>) {
         let increments = metrics::for_reply(config, model, reply, &mut self.last_usage);
-        self.count(increments);
+        self.count(increments, tenant);
     }
 
-    /// Counts what a flight did.
-    pub fn count_events(&self, config: &Config, events: &[Event]) {
-        self.count(events.iter().flat_map(|e| metrics::for_event(config, e)).collect());
+    /// Counts what a flight (of `tenant`) did.
+    pub fn count_events(&self, config: &Config, events: &[Event], tenant: Option<&str>) {
+        self.count(events.iter().flat_map(|e| metrics::for_event(config, e)).collect(), tenant);
     }
 
     /// The metric ids and amounts a reply adds, resolved once (for kept answers, `bump`).
-    pub fn ids_for_reply(&mut self, config: &Config, model: &str, reply: &Reply) -> Vec<(u32, i64)> {
+    pub fn ids_for_reply(
+        &mut self,
+        config: &Config,
+        model: &str,
+        reply: &Reply,
+        tenant: Option<&str>,
+    ) -> Vec<(u32, i64)> {
         let increments = metrics::for_reply(config, model, reply, &mut self.last_usage);
-        increments.into_iter().filter_map(|(label, counter, n)| self.id_of(label, counter, n)).collect()
+        self.resolve(increments, tenant)
     }
 
-    fn id_of(&self, label: &str, counter: Counter, n: u64) -> Option<(u32, i64)> {
-        let id = self.ids.get(label, counter)?;
-        i64::try_from(n).ok().filter(|n| *n > 0).map(|n| (id, n))
+    fn resolve(&self, increments: Vec<(&str, Counter, u64)>, tenant: Option<&str>) -> Vec<(u32, i64)> {
+        let mut ids = Vec::with_capacity(increments.len() * 2);
+        for (label, counter, n) in increments {
+            let Some(n) = i64::try_from(n).ok().filter(|n| *n > 0) else { continue };
+            ids.extend(self.ids.get(label, counter).map(|id| (id, n)));
+            ids.extend(tenant.and_then(|t| self.ids.get_tenant(t, counter)).map(|id| (id, n)));
+        }
+        ids
     }
 }
 

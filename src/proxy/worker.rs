@@ -179,7 +179,7 @@ impl Worker {
         if matches!(target, Target::Context(id) if !self.live.contains(&id)) {
             return false;
         }
-        self.counters.count_reply(&self.config, &outbound.model, reply);
+        self.counters.count_reply(&self.config, &outbound.model, reply, outbound.tenant.as_deref());
         self.send_in_form(target, reply, outbound)
     }
 
@@ -214,7 +214,7 @@ impl Worker {
         let size = entry.response.body.len();
         let reply =
             Reply { response: entry.response, cache: Some(CacheStatus::Hit), key: Some(entry.key), age_s: None };
-        let counters = self.counters.ids_for_reply(&self.config, &request.model, &reply);
+        let counters = self.counters.ids_for_reply(&self.config, &request.model, &reply, request.tenant.as_deref());
         let outbound = Outbound::of(request, Vec::new(), None);
         let answer = HotAnswer { reply, stored_at_ms: entry.stored_at_ms, outbound, counters };
         self.hot.put(raw, expires_ms, size, answer);
@@ -272,12 +272,16 @@ impl Worker {
         let cut_off = run.outbound.prompt_estimate() + end.streamed_tokens;
         run.flight.on_stream_end(&SharedData, &self.config, end.usage, cut_off, end.attempts, &end.hints, now);
         self.fleet.outbox.append(&mut run.flight.outbox);
-        self.counters.count_events(&self.config, &std::mem::take(&mut run.flight.events));
+        self.counters.count_events(
+            &self.config,
+            &std::mem::take(&mut run.flight.events),
+            run.outbound.tenant.as_deref(),
+        );
         let call = run.flight.call;
         let watched = match end.outcome {
             Some(outcome) => {
                 let (reply, watched) = self.engine().finish_flight(&call, Some(outcome), now);
-                self.counters.count_reply(&self.config, &run.outbound.model, &reply);
+                self.counters.count_reply(&self.config, &run.outbound.model, &reply, run.outbound.tenant.as_deref());
                 watched
             }
             None => self.engine().abandon(&call),

@@ -80,6 +80,11 @@ fn keys_of_one_tenant_share_its_answers_and_two_tenants_never_do() {
     let streamed = s.chat(&body.replacen('{', r#"{"stream":true,"#, 1), &[("authorization", &bearer(SEARCH_NEW))]);
     assert_eq!((streamed.cache(), streamed.header("x-holysheep-tenant")), ("HIT", Some("search")));
     assert_eq!(s.calls(), 2);
+    // Each tenant's counters: its answers by cache status and its calls.
+    let stat = |tenant: &str, name: &str| s.envoy.stat(&format!("wasmcustom.holysheep.tenant.{tenant}.{name}"));
+    let counted = |t: &str| (stat(t, "requests_miss"), stat(t, "requests_hit"), stat(t, "upstream_calls"));
+    assert_eq!(counted("search"), (1, 2, 1));
+    assert_eq!(counted("batch"), (1, 1, 1));
 }
 
 #[test]
@@ -162,6 +167,8 @@ fn concurrent_calls_of_a_tenant_never_spend_more_than_its_daily_budget() {
         assert!((1..=86_400).contains(&retry_after), "until the UTC day ends: {retry_after}");
     }
     assert_eq!(s.envoy.stat("wasmcustom.holysheep.gpt-4.1.cost_spent_microusd"), spent, "the counter agrees");
+    let stat = |name: &str| s.envoy.stat(&format!("wasmcustom.holysheep.tenant.batch.{name}"));
+    assert_eq!((stat("cost_spent_microusd"), stat("upstream_calls"), stat("rate_limited")), (spent, 8, 42));
     // Its answers are still served from the cache: a HIT costs nothing.
     let first_served = answers.iter().position(|r| r.status == 200).expect("one served");
     let hit = s.chat(&bodies[first_served], &[("authorization", &bearer(BATCH))]);

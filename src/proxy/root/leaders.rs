@@ -44,7 +44,11 @@ impl Root {
         loop {
             {
                 let w = &mut *self.worker.borrow_mut();
-                w.counters.count_events(&w.config, &std::mem::take(&mut run.flight.events));
+                w.counters.count_events(
+                    &w.config,
+                    &std::mem::take(&mut run.flight.events),
+                    run.outbound.tenant.as_deref(),
+                );
                 w.fleet.outbox.append(&mut run.flight.outbox);
             }
             self.send_settlements();

@@ -10,7 +10,9 @@
 #      plugin's configuration parser;
 #   e. every ```yaml block that is a whole Envoy bootstrap is written to OUT_DIR/yaml/ for
 #      `envoy --mode validate`;
-#   f. every code fence names its language (sh, json, jsonc, yaml or text).
+#   f. every code fence names its language (sh, json, jsonc, yaml or text);
+#   g. every `cargo ... -p PKG` in a ```sh block names a workspace package, and its
+#      `--test` and `--bin` targets exist.
 #
 # OUT_DIR defaults to target/docs-check/ (relative to the repository root). It also gets
 # MANIFEST, one line per extracted file: "<file> <source>:<line>". Exits 1 on any failure.
@@ -88,6 +90,35 @@ targets.discard(".PHONY")
 LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
 PATH = re.compile(r"(?<![\w./-])((?:\.ci|docs|envoy|fuzz|host-test|src|wit)/[\w./-]*|[\w-]+\.(?:sh|yaml|tmpl|toml|py))(?![\w/])")
 
+def workspace_packages():
+    """Each workspace package's name -> its integration tests and binaries, from the tree."""
+    found = {}
+    for d, _, files in os.walk("."):
+        if "Cargo.toml" not in files or "/target" in d or "/." in d[1:] or d.startswith("./fuzz"):
+            continue
+        toml = open(os.path.join(d, "Cargo.toml"), encoding="utf-8").read()
+        m = re.search(r'^\[package\][^\[]*?^name\s*=\s*"([^"]+)"', toml, re.M | re.S)
+        if not m:
+            continue
+        tests = set()
+        tdir = os.path.join(d, "tests")
+        if os.path.isdir(tdir):
+            for e in os.listdir(tdir):
+                if e.endswith(".rs"):
+                    tests.add(e[:-3])
+                elif os.path.exists(os.path.join(tdir, e, "main.rs")):
+                    tests.add(e)
+        bins = set(re.findall(r'^\[\[bin\]\][^\[]*?^name\s*=\s*"([^"]+)"', toml, re.M | re.S))
+        bdir = os.path.join(d, "src", "bin")
+        if os.path.isdir(bdir):
+            bins |= {e[:-3] for e in os.listdir(bdir) if e.endswith(".rs")}
+        if os.path.exists(os.path.join(d, "src", "main.rs")):
+            bins.add(m.group(1))
+        found[m.group(1)] = {"tests": tests, "bin": bins}
+    return found
+
+packages = workspace_packages()
+
 os.makedirs(os.path.join(out, "json"), exist_ok=True)
 os.makedirs(os.path.join(out, "yaml"), exist_ok=True)
 for sub in ("json", "yaml"):
@@ -123,6 +154,22 @@ for page in pages:
                 p = p.rstrip(".")
                 if not os.path.exists(p) and not os.path.exists(os.path.join(here, p)):
                     fail(where, f"{p}: no such file in the repository")
+            # (g) every `cargo ... -p PKG [--test T] [--bin B]` names a package and target that exist.
+            for line in text.replace("\\\n", " ").splitlines():
+                if "cargo " not in line:
+                    continue
+                words = line.split()
+                pkg = words[words.index("-p") + 1] if "-p" in words[:-1] else None
+                if pkg is None:
+                    continue
+                if pkg not in packages:
+                    fail(where, f"cargo -p {pkg}: no such package in the workspace")
+                    continue
+                for flag, kind in (("--test", "tests"), ("--bin", "bin")):
+                    if flag in words[:-1]:
+                        t = words[words.index(flag) + 1]
+                        if t not in packages[pkg][kind]:
+                            fail(where, f"cargo -p {pkg} {flag} {t}: no such target")
         elif lang == "json":
             try:
                 value = json.loads(text)

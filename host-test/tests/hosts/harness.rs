@@ -729,3 +729,48 @@ fn a_finished_flights_answer_outlives_a_new_prompt_that_wants_its_way() {
         assert!(w.traps.is_empty(), "seed {seed}: {:?}", w.traps);
     }
 }
+
+/// A reload that rotates a tenant's key (the old one removed) refuses the old key at once
+/// and keeps what the tenant spent: the budget is shared data, keyed by the tenant.
+#[test]
+fn a_reload_that_rotates_a_tenants_key_keeps_its_spend() {
+    use sha2::Digest;
+    let digest =
+        |t: &str| -> String { sha2::Sha256::digest(t.as_bytes()).iter().map(|b| format!("{b:02x}")).collect() };
+    let body = prompt("spend once");
+    // The call's worst case: (body / 4 + 256 completion tokens) at $30 per million tokens.
+    let worst = ((body.len() as u64).div_ceil(4) + 256) * 30;
+    // Room for one worst case; the call then costs 3 * 10 + 2 * 30 = 90 micro-dollars.
+    let budget = (worst + 50) as f64 / 1e6;
+    let config = |key: &str| {
+        format!(
+            r#"{{"models":{{"gpt-4.1":{{"usd_per_mtok_input":10,"usd_per_mtok_output":30}}}},
+                "tenants":{{"t":{{"keys_sha256":["{}"],"usd_per_day":{budget}}}}}}}"#,
+            digest(key)
+        )
+    };
+    let clock = Arc::new(AtomicU64::new(1_000_000));
+    let calls = Arc::new(AtomicU64::new(0));
+    let ask = |w: &mut World, token: &str, text: &str| {
+        let auth = format!("Bearer {token}");
+        let id = w.request(0, "POST", PATH, &[("authorization", &auth)], prompt(text).as_bytes());
+        assert!(w.run_until(60_000, |w| w.answer(id).is_some()));
+        let a = w.answer(id).expect("answered");
+        let code = serde_json::from_slice::<serde_json::Value>(&a.body).ok().map(|v| v["error"]["code"].clone());
+        (a.status, code.and_then(|c| c.as_str().map(str::to_owned)))
+    };
+    let mut options = Options::new(2, &config("hs-old"), 1);
+    options.clock = Clock::Virtual(clock.clone());
+    let mut w = World::start(plugin(), options, upstream(10, 200, calls.clone())).expect("world");
+    assert_eq!(ask(&mut w, "hs-old", "spend once"), (200, None));
+    let shared = w.stop();
+    let mut options = Options::new(2, &config("hs-new"), 2);
+    options.clock = Clock::Virtual(clock.clone());
+    options.shared = shared;
+    let mut w = World::start(plugin(), options, upstream(10, 200, calls.clone())).expect("world");
+    assert_eq!(ask(&mut w, "hs-old", "spend twice"), (401, Some("invalid_api_key".into())), "removed: refused");
+    assert_eq!(ask(&mut w, "hs-new", "spend twice"), (429, Some("insufficient_quota".into())), "the spend is kept");
+    assert_eq!(ask(&mut w, "hs-new", "spend once").0, 200, "its cached answer is free");
+    assert_eq!(calls.load(Ordering::SeqCst), 1);
+    assert!(w.traps.is_empty(), "{:?}", w.traps);
+}

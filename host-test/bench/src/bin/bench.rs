@@ -685,6 +685,30 @@ fn main() -> std::io::Result<()> {
         "streamed MISS, whole stream (p50): edge {edge_whole} us, plain proxy {plain_whole} us (5 ms between events)"
     ));
 
+    // HIT with 100 tenants configured (the key's digest checked on every request, the
+    // tenant's counters counted) against HIT without, alternating in the same run. The
+    // load's `Bearer bench` is the first tenant's key.
+    let tenants: Vec<String> = (0..100)
+        .map(|i| {
+            let token = if i == 0 { "bench".to_owned() } else { format!("bench-tenant-{i}") };
+            format!(r#""t{i}":{{"keys_sha256":["{}"]}}"#, sha256_hex(token.as_bytes()))
+        })
+        .collect();
+    let tenant_envoy = Envoy::start(&Options::new(&format!(r#"{{"tenants":{{{}}}}}"#, tenants.join(",")), mock.addr))?;
+    request(tenant_envoy.edge, "POST", PATH, &[("authorization", "Bearer bench")], hit_prompt.as_bytes())?;
+    println!();
+    let tenant_rounds = alternate(
+        rounds,
+        &mut [&mut || expect_all(repeat(envoy.edge), "HIT"), &mut || expect_all(repeat(tenant_envoy.edge), "HIT")],
+    );
+    let [without_r, with_r] = &tenant_rounds[..] else { unreachable!("two rows") };
+    let tenants_over_none = paired(with_r, without_r, throughput);
+    let mut medians = tenant_rounds.into_iter().map(median);
+    r.row("edge HIT, no tenants (paired)", medians.next().expect("a row"));
+    r.row("edge HIT, 100 tenants", medians.next().expect("a row"));
+    r.ratio("HIT with 100 tenants / HIT without", tenants_over_none, "");
+    drop(tenant_envoy);
+
     drop(envoy);
     let fleet = Fleet::start(1, "{}", 0);
     let node = fleet.live().next().expect("the fleet's node");
@@ -726,4 +750,9 @@ fn main() -> std::io::Result<()> {
     r.write(&dir)?;
     println!("\nwritten: {}/results.md, results.json", dir.display());
     Ok(())
+}
+
+fn sha256_hex(data: &[u8]) -> String {
+    use sha2::Digest;
+    sha2::Sha256::digest(data).iter().map(|b| format!("{b:02x}")).collect()
 }

@@ -28,6 +28,17 @@ pub struct Hold {
     pub micro: u64,
     day: u64,
     month: u64,
+    /// Whether the reservation is in the record (not when the store failed, or there are
+    /// no caps): only then does settling take it out again.
+    written: bool,
+}
+
+/// Why a reservation was not made.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Refused {
+    Exhausted(Exhausted),
+    /// Every compare-and-swap lost a race: look again shortly.
+    Contended,
 }
 
 /// Why a reservation was refused: the budget it would exceed and when that period ends.
@@ -77,9 +88,9 @@ pub fn key(tenant: &str) -> String {
 }
 
 /// Reserves `micro` for a call of `tenant` at `now_ms`, if both periods have room.
-pub fn reserve(store: &impl CasStore, tenant: &str, caps: Caps, micro: u64, now_ms: u64) -> Result<Hold, Exhausted> {
+pub fn reserve(store: &impl CasStore, tenant: &str, caps: Caps, micro: u64, now_ms: u64) -> Result<Hold, Refused> {
     let (day, month) = periods(now_ms);
-    let hold = Hold { micro, day, month };
+    let hold = Hold { micro, day, month, written: false };
     if caps.is_none() {
         return Ok(hold);
     }
@@ -88,22 +99,23 @@ pub fn reserve(store: &impl CasStore, tenant: &str, caps: Caps, micro: u64, now_
         let Ok(read) = store.get(&key) else { return Ok(hold) };
         let spend = read.value.as_deref().and_then(Spend::decode).unwrap_or_default().at(now_ms);
         if let Some(cap) = caps.per_day.filter(|c| spend.day_micro.saturating_add(micro) > *c) {
-            return Err(Exhausted { period: "day", cap_micro: cap, retry_after_ms: next_day_ms(now_ms) - now_ms });
+            let retry_after_ms = next_day_ms(now_ms) - now_ms;
+            return Err(Refused::Exhausted(Exhausted { period: "day", cap_micro: cap, retry_after_ms }));
         }
         if let Some(cap) = caps.per_month.filter(|c| spend.month_micro.saturating_add(micro) > *c) {
             let retry_after_ms = next_month_ms(now_ms) - now_ms;
-            return Err(Exhausted { period: "month", cap_micro: cap, retry_after_ms });
+            return Err(Refused::Exhausted(Exhausted { period: "month", cap_micro: cap, retry_after_ms }));
         }
-        let taken =
-            Spend { day_micro: spend.day_micro + micro, month_micro: spend.month_micro + micro, ..spend }.encode();
+        let (day_micro, month_micro) = (spend.day_micro.saturating_add(micro), spend.month_micro.saturating_add(micro));
+        let taken = Spend { day_micro, month_micro, ..spend }.encode();
         match store.set(&key, &taken, cas_after(&read)) {
-            Ok(()) => return Ok(hold),
+            Ok(()) => return Ok(Hold { written: true, ..hold }),
             Err(StoreError::CasMismatch) => continue,
             // A broken store admits: the edge must not go down with it.
             Err(StoreError::Host(_)) => return Ok(hold),
         }
     }
-    Err(Exhausted { period: "moment (contended)", cap_micro: 0, retry_after_ms: 5 })
+    Err(Refused::Contended)
 }
 
 /// The call ended having cost `actual` micro-dollars: its reservation is replaced by that,
@@ -117,7 +129,7 @@ pub fn settle(store: &impl CasStore, tenant: &str, caps: Caps, hold: &Hold, actu
     for _ in 0..MAX_RACES {
         let Ok(read) = store.get(&key) else { return };
         let mut s = read.value.as_deref().and_then(Spend::decode).unwrap_or_default().at(now_ms);
-        let held = |period: u64, current: u64| if period == current { hold.micro } else { 0 };
+        let held = |period: u64, current: u64| if hold.written && period == current { hold.micro } else { 0 };
         s.day_micro = s.day_micro.saturating_sub(held(hold.day, s.day)).saturating_add(actual);
         s.month_micro = s.month_micro.saturating_sub(held(hold.month, s.month)).saturating_add(actual);
         match store.set(&key, &s.encode(), cas_after(&read)) {
@@ -193,7 +205,7 @@ mod tests {
         let s = MemStore::new();
         let caps = Caps { per_day: Some(100), per_month: Some(100) };
         let a = reserve(&s, "t", caps, 60, DEC_1).unwrap();
-        let refused = reserve(&s, "t", caps, 60, DEC_1).unwrap_err();
+        let Err(Refused::Exhausted(refused)) = reserve(&s, "t", caps, 60, DEC_1) else { panic!("refused") };
         assert_eq!((refused.period, refused.cap_micro, refused.retry_after_ms), ("day", 100, DAY_MS));
         settle(&s, "t", caps, &a, 10, DEC_1 + 1);
         assert_eq!(spent(&s, "t", DEC_1 + 1), (10, 10), "the reservation is replaced by the cost");
@@ -203,7 +215,7 @@ mod tests {
         let tomorrow = DEC_1 + DAY_MS;
         settle(&s, "t", caps, &b, 60, tomorrow);
         assert_eq!(spent(&s, "t", tomorrow), (60, 70), "charged to today, in the month once");
-        let month = reserve(&s, "t", caps, 35, tomorrow).unwrap_err();
+        let Err(Refused::Exhausted(month)) = reserve(&s, "t", caps, 35, tomorrow) else { panic!("refused") };
         assert_eq!((month.period, month.retry_after_ms), ("month", 30 * DAY_MS));
         assert!(reserve(&s, "t", Caps::default(), u64::MAX, DEC_1).is_ok(), "no caps, no record");
     }

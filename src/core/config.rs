@@ -342,8 +342,11 @@ impl Config {
                     .into(),
             ));
         }
-        if self.models.keys().any(|m| m.starts_with("tenant:")) {
-            return Err(ConfigError("models: a model name does not start with tenant: (tenants' own buckets)".into()));
+        if self.models.keys().any(|m| m.starts_with("tenant:") || m.starts_with("tenant.")) {
+            return Err(ConfigError(
+                "models: a model name does not start with tenant: or tenant. (tenants' own buckets and counters)"
+                    .into(),
+            ));
         }
         if self.models.len() > MAX_MODELS {
             return Err(ConfigError(format!("models: at most {MAX_MODELS} entries")));

@@ -11,7 +11,7 @@ use super::error::ApiError;
 use super::limits::{self, duration, Denial, Kind, Limits, ProviderHints};
 use super::peer::{self, Op, Verdict};
 use super::store::CasStore;
-use super::tenant_gate::{self, Refusal, TenantHold};
+use super::tenant_gate::{self, Billed, Refusal, TenantHold};
 use super::upstream::Outbound;
 
 pub use super::limits::CONTENTION_RETRY_MS;
@@ -105,6 +105,8 @@ pub struct Flight {
     /// The verified tenant the flight is for, and what it holds of that tenant's limits.
     tenant: Option<String>,
     tenant_hold: Option<TenantHold>,
+    /// The most tokens the call can be billed (`Outbound::worst_tokens`).
+    worst_tokens: u64,
     pub events: Vec<Event>,
     /// Settlements for model owner nodes, sent by the shell without waiting.
     pub outbox: Vec<Op>,
@@ -139,6 +141,7 @@ impl Flight {
             last: None,
             tenant: outbound.tenant.clone(),
             tenant_hold: None,
+            worst_tokens: outbound.worst_tokens(),
             events,
             outbox: Vec::new(),
         }
@@ -199,7 +202,8 @@ impl Flight {
         let tenant = self.tenant.clone().filter(|_| self.tenant_hold.is_none())?;
         let id = *self.id.get_or_insert(nonce);
         let hold_ms = self.deadline_ms.saturating_sub(now_ms) + 1_000;
-        match tenant_gate::reserve(store, config, &tenant, &self.models, id, self.estimate, now_ms, hold_ms) {
+        let tokens = (self.estimate, self.worst_tokens);
+        match tenant_gate::reserve(store, config, &tenant, &self.models, id, tokens, now_ms, hold_ms) {
             Ok(hold) => {
                 self.tenant_hold = hold;
                 None
@@ -216,6 +220,14 @@ impl Flight {
                 self.events.push(Event::RateLimited { model: model.clone() });
                 Some(Action::Finish(Some(tenant_gate::refused(config, &tenant, &model, refusal))))
             }
+        }
+    }
+
+    /// What the current attempt is billed goes on the tenant's account.
+    fn bill_tenant(&mut self, config: &Config, billed: Billed) {
+        let model = self.model().to_owned();
+        if let Some(hold) = &mut self.tenant_hold {
+            hold.bill(config, &model, billed);
         }
     }
 
@@ -240,6 +252,12 @@ impl Flight {
     ) -> Action {
         let model = self.model().to_owned();
         let usage = outcome.as_ref().filter(|r| r.status == 200).and_then(|r| usage(&r.body));
+        let billed = match (&outcome, usage) {
+            (Some(_), Some((p, c))) => Billed::Known(p, c),
+            (Some(r), None) if r.status != 200 => Billed::Nothing,
+            _ => Billed::Unknown,
+        };
+        self.bill_tenant(config, billed);
         self.settle(store, config, usage, 0, hints, now_ms);
         if let Some((prompt, completion)) = usage {
             self.events.push(Event::Usage { model: model.clone(), prompt, completion });
@@ -294,6 +312,7 @@ impl Flight {
         }
         self.charge_retries(store, config, retries, now_ms);
         let settled = usage.or(Some((cut_off_tokens, 0)));
+        self.bill_tenant(config, usage.map_or(Billed::Unknown, |(p, c)| Billed::Known(p, c)));
         self.settle(store, config, settled, retries, hints, now_ms);
         if let Some((prompt, completion)) = usage {
             self.events.push(Event::Usage { model: model.clone(), prompt, completion });
@@ -379,10 +398,6 @@ impl Flight {
         hints: &ProviderHints,
         now_ms: u64,
     ) {
-        let model = self.model().to_owned();
-        if let Some(hold) = &mut self.tenant_hold {
-            hold.used(config, &model, usage);
-        }
         let Some(ticket) = self.ticket.take() else { return };
         let Some((bucket, m)) = config.model(self.model()) else { return };
         let l = Limits::of(m);
@@ -515,6 +530,8 @@ mod tests {
             stream: false,
             include_usage: false,
             tenant: None,
+            completion_limit: None,
+            completion_cap: None,
         };
         Flight::new(c, call, &outbound)
     }
@@ -614,6 +631,8 @@ mod tests {
             stream: false,
             include_usage: false,
             tenant: Some("t".into()),
+            completion_limit: Some(100),
+            completion_cap: None,
         };
         Flight::new(c, call, &outbound)
     }
@@ -652,6 +671,20 @@ mod tests {
             Action::Finish(_)
         ));
         assert_eq!(crate::core::budget::spent(&s, "t", 7), (3220, 3220));
+        // No answer at all (a reset, a timeout) may have been billed: each such attempt is
+        // charged the call's worst case.
+        let none = ProviderHints::default();
+        assert!(matches!(again.on_response(&s, &c, None, &none, 8, 0), Action::Sleep { .. }), "retried");
+        assert_eq!(crate::core::budget::spent(&s, "t", 8), (3220, 3220), "its hold stays while it retries");
+        send(again.resume(&s, &c, 9_000, 5));
+        assert!(matches!(again.on_response(&s, &c, None, &none, 9_001, 0), Action::Sleep { .. }));
+        send(again.resume(&s, &c, 20_000, 6));
+        assert!(matches!(again.on_response(&s, &c, None, &none, 20_001, 0), Action::Finish(_)));
+        assert_eq!(
+            crate::core::budget::spent(&s, "t", 20_002),
+            (220 + 9000, 220 + 9000),
+            "three unknown attempts, three worst cases"
+        );
     }
 
     #[test]

@@ -9,7 +9,9 @@ use crate::core::engine::{CacheStatus, Engine, Step};
 use crate::core::error::ApiError;
 use crate::core::hot;
 use crate::core::peer;
-use crate::core::request::{is_chat_path, is_internal_path, CacheControl, ChatRequest, Policy, RequestMeta, CHAT_PATH};
+use crate::core::request::{
+    is_chat_path, is_internal_path, is_models_path, CacheControl, ChatRequest, Policy, RequestMeta, CHAT_PATH,
+};
 use crate::core::store::CasStore;
 use crate::core::tenants;
 use crate::core::upstream::Outbound;
@@ -205,7 +207,7 @@ pub fn intake_or_known(
 /// (so an SDK's `models.list()` tells the truth), or the 401 of a key no tenant holds.
 /// `None` for any other request, or without tenants.
 pub fn models_answer(config: &Config, head: &Head) -> Option<Result<Response, ApiError>> {
-    let listing = head.method == "GET" && (head.path == "/v1/models" || head.path.starts_with("/v1/models?"));
+    let listing = head.method == "GET" && is_models_path(&head.path);
     if !listing || config.keys.is_empty() {
         return None;
     }
@@ -228,12 +230,22 @@ fn models_list(config: &Config, tenant: &str) -> Vec<u8> {
     serde_json::to_vec(&json!({"object": "list", "data": data})).unwrap_or_default()
 }
 
+/// Whether a request the edge does not govern carries a tenant's key in `authorization`:
+/// the edge's own credential, which it takes off before the request passes on (it would
+/// mean nothing beyond the edge, and must not travel).
+pub fn carries_tenant_key(config: &Config, head: &Head) -> bool {
+    !config.keys.is_empty() && config.keys.verify(head.authorization.as_deref()).is_ok()
+}
+
 /// A verified tenant may call the models its configuration lists.
+/// A tenant verified under a configuration reloaded since (its body still arriving) is
+/// held to the configuration now in force: gone, it is unknown.
 fn allowed(config: &Config, request: &ChatRequest) -> Result<(), ApiError> {
-    let tenant = request.tenant.as_deref().and_then(|t| config.tenants.get(t));
-    match tenant {
+    let Some(name) = request.tenant.as_deref() else { return Ok(()) };
+    match config.tenants.get(name) {
+        None => Err(tenants::invalid_api_key()),
         Some(t) if !t.allows(&request.model) => Err(tenants::model_not_found(&request.model)),
-        _ => Ok(()),
+        Some(_) => Ok(()),
     }
 }
 
@@ -259,7 +271,14 @@ pub fn decide<S: CasStore>(
     let body = if matches!(step, Step::Reply(_)) { Vec::new() } else { body.to_vec() };
     // A tenant's token is the edge's to check, never HolySheep's to see.
     let client_authorization = head.authorization.filter(|_| request.tenant.is_none());
-    let outbound = Outbound::of(&request, body, client_authorization);
+    let mut outbound = Outbound::of(&request, body, client_authorization);
+    // A call that must stay within a dollar budget is bounded: without a completion limit
+    // of its own it is sent with one.
+    let budgeted =
+        request.tenant.as_deref().and_then(|t| engine.config.tenants.get(t)).is_some_and(|t| !t.caps().is_none());
+    if budgeted && request.completion_limit.is_none() {
+        outbound.completion_cap = Some(tenants::BUDGET_COMPLETION_TOKENS);
+    }
     Ok(Decision { request, step, outbound, keep })
 }
 
@@ -378,6 +397,34 @@ mod tests {
         let no_store = Head { cache_control: Some("no-store".into()), ..alice };
         let p = intake_or_known(&config, &no_store, body, Some(&kept)).unwrap().policy;
         assert!(!p.read && !p.store, "directives are read from the request, not the memo");
+    }
+
+    #[test]
+    fn a_budgeted_tenants_call_without_a_completion_limit_is_sent_with_one() {
+        let (t, u) = ("c".repeat(64), "d".repeat(64));
+        let raw =
+            format!(r#"{{"tenants":{{"t":{{"keys_sha256":["{t}"],"usd_per_day":1}},"u":{{"keys_sha256":["{u}"]}}}}}}"#);
+        let config = Config::parse(raw.as_bytes()).unwrap();
+        let store = crate::core::store::MemStore::new();
+        let engine = Engine { store: &store, config: &config };
+        let head = |t: &str| Head { verified: Some(t.into()), ..Head::default() };
+        let open = br#"{"model":"gpt-4.1","messages":[{"role":"user","content":"hi"}]}"#;
+        let d = decide(&engine, head("t"), open, None, 0, 1).unwrap();
+        assert_eq!(d.outbound.completion_cap, Some(crate::core::tenants::BUDGET_COMPLETION_TOKENS));
+        let sent: serde_json::Value = serde_json::from_slice(&d.outbound.body_for("gpt-4.1")).unwrap();
+        assert_eq!(sent["max_tokens"], 4096);
+        assert_eq!(d.outbound.worst_tokens(), open.len() as u64 + 4096);
+        let limited = br#"{"model":"gpt-4.1","messages":[{"role":"user","content":"hi"}],"max_tokens":9,"max_completion_tokens":20,"n":2}"#;
+        let d = decide(&engine, head("t"), limited, None, 0, 2).unwrap();
+        assert_eq!(
+            (d.outbound.completion_cap, d.outbound.completion_limit),
+            (None, Some(40)),
+            "the larger, per choice"
+        );
+        assert_eq!(&d.outbound.body_for("gpt-4.1")[..], &limited[..], "sent as it came");
+        assert_eq!(decide(&engine, head("u"), open, None, 0, 3).unwrap().outbound.completion_cap, None, "no budget");
+        let gone = decide(&engine, head("gone"), open, None, 0, 4).unwrap_err();
+        assert_eq!((gone.status, gone.code), (401, "invalid_api_key"), "a tenant removed by a reload");
     }
 
     #[test]

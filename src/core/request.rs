@@ -22,6 +22,11 @@ pub fn is_chat_path(path: &str) -> bool {
     segments(path) == ["v1", "chat", "completions"]
 }
 
+/// `/v1/models` in any spelling (the list, not one model).
+pub fn is_models_path(path: &str) -> bool {
+    segments(path) == ["v1", "models"]
+}
+
 /// The request header a forward node sets to the key, for the fleet's ring to hash.
 pub const KEY_HEADER: &str = "x-holysheep-key";
 
@@ -179,6 +184,9 @@ pub struct ChatRequest {
     pub estimate_tokens: u64,
     /// The verified tenant (with `tenants` configured).
     pub tenant: Option<String>,
+    /// The completion tokens the request allows (its `max_completion_tokens` or
+    /// `max_tokens`, the larger, for each choice); `None` when it sets neither.
+    pub completion_limit: Option<u64>,
 }
 
 /// The request headers the core needs; the shell reads them from its host.
@@ -207,6 +215,7 @@ impl ChatRequest {
             map.get("stream_options").and_then(|o| o.get("include_usage")).and_then(Value::as_bool).unwrap_or(false);
         let deterministic = is_deterministic(&map);
         let estimate_tokens = estimate_tokens(&map, body.len());
+        let completion_limit = completion_limit(&map);
         let scope = scope(config, meta)?;
         let canonical = canonical_body(map);
         Ok(ChatRequest {
@@ -217,6 +226,7 @@ impl ChatRequest {
             deterministic,
             estimate_tokens,
             tenant: meta.verified.map(str::to_owned),
+            completion_limit,
         })
     }
 
@@ -371,17 +381,28 @@ fn estimate_tokens(map: &Map<String, Value>, body_len: usize) -> u64 {
     (body_len as u64).div_ceil(4).saturating_add(completion.saturating_mul(choices))
 }
 
-/// The same request for another model (failover): the body with `model` replaced.
-pub fn with_model(body: &[u8], model: &str) -> Vec<u8> {
-    for_upstream(body, model, false)
+/// The larger of `max_completion_tokens` and `max_tokens`, for each choice.
+fn completion_limit(map: &Map<String, Value>) -> Option<u64> {
+    let set = ["max_completion_tokens", "max_tokens"].iter().filter_map(|f| map.get(*f).and_then(Value::as_u64));
+    let choices = map.get("n").and_then(Value::as_u64).unwrap_or(1);
+    set.max().map(|limit| limit.saturating_mul(choices))
 }
 
-/// The body an upstream call sends: the client's, on `model`, and for a stream with
-/// `stream_options.include_usage: true`, so the edge always learns the usage.
-pub fn for_upstream(body: &[u8], model: &str, stream: bool) -> Vec<u8> {
+/// The same request for another model (failover): the body with `model` replaced.
+pub fn with_model(body: &[u8], model: &str) -> Vec<u8> {
+    for_upstream(body, model, false, None)
+}
+
+/// The body an upstream call sends: the client's, on `model`, for a stream with
+/// `stream_options.include_usage: true`, so the edge always learns the usage, and with
+/// `max_tokens: completion_cap` when that is set (a budgeted call without a limit).
+pub fn for_upstream(body: &[u8], model: &str, stream: bool, completion_cap: Option<u64>) -> Vec<u8> {
     match serde_json::from_slice::<Value>(body) {
         Ok(Value::Object(mut map)) => {
             map.insert("model".into(), Value::String(model.to_owned()));
+            if let Some(cap) = completion_cap {
+                map.insert("max_tokens".into(), Value::from(cap));
+            }
             if stream {
                 let options = map.entry("stream_options").or_insert_with(|| Value::Object(Map::new()));
                 if !options.is_object() {

@@ -3,7 +3,7 @@
 //! before the model's buckets and settled once, when the flight ends, with what its
 //! attempts used.
 
-use super::budget::{self, Caps, Exhausted, Hold};
+use super::budget::{self, Caps, Exhausted, Hold, Refused};
 use super::cache::Response;
 use super::config::Config;
 use super::error::ApiError;
@@ -22,6 +22,18 @@ pub struct TenantHold {
     dollars: Hold,
     used_tokens: u64,
     used_micro: u64,
+}
+
+/// What one attempt is billed, as far as the edge can tell.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Billed {
+    /// HolySheep's `usage`: (prompt, completion) tokens.
+    Known(u64, u64),
+    /// An error answer: nothing.
+    Nothing,
+    /// No answer, a cut-off stream or an answer without `usage`: it may have cost its
+    /// worst case, and is charged that.
+    Unknown,
 }
 
 /// Why a tenant's limits refused a call.
@@ -48,12 +60,12 @@ fn limits_of(t: &Tenant) -> Option<Limits> {
     })
 }
 
-/// The most `estimate` tokens can cost on any of `models`: each token at the dearer of
-/// its input and output prices.
-fn worst_micro(config: &Config, models: &[String], estimate: u64) -> u64 {
+/// The most `tokens` can cost on any of `models`: each token at the dearer of its input
+/// and output prices.
+fn worst_micro(config: &Config, models: &[String], tokens: u64) -> u64 {
     let price = |m: &String| config.model(m).map_or(0.0, |(_, m)| m.usd_per_mtok_input.max(m.usd_per_mtok_output));
     let dearest = models.iter().map(price).fold(0.0, f64::max);
-    (estimate as f64 * dearest).ceil() as u64
+    (tokens as f64 * dearest).ceil() as u64
 }
 
 /// Takes the call's share of `tenant`'s limits (`None`: it has none). The bucket is
@@ -65,7 +77,7 @@ pub fn reserve(
     tenant: &str,
     models: &[String],
     id: u64,
-    estimate: u64,
+    (estimate, worst_tokens): (u64, u64),
     now_ms: u64,
     hold_ms: u64,
 ) -> Result<Option<TenantHold>, Refusal> {
@@ -74,13 +86,18 @@ pub fn reserve(
     if let Some(l) = &bucket_limits {
         limits::take(store, &bucket(tenant), l, id, estimate, now_ms, hold_ms).map_err(Refusal::Bucket)?;
     }
-    let dollars = match budget::reserve(store, tenant, caps, worst_micro(config, models, estimate), now_ms) {
+    let dollars = match budget::reserve(store, tenant, caps, worst_micro(config, models, worst_tokens), now_ms) {
         Ok(hold) => hold,
-        Err(e) => {
+        Err(refused) => {
             if let Some(l) = &bucket_limits {
                 limits::settle(store, &bucket(tenant), l, id, estimate, Some(0), &ProviderHints::default(), now_ms);
             }
-            return Err(Refusal::Budget(e));
+            return Err(match refused {
+                Refused::Exhausted(e) => Refusal::Budget(e),
+                Refused::Contended => {
+                    Refusal::Bucket(Denial { kind: Kind::Contended, wait_ms: Some(limits::CONTENTION_RETRY_MS) })
+                }
+            });
         }
     };
     let hold = TenantHold {
@@ -97,12 +114,15 @@ pub fn reserve(
 }
 
 impl TenantHold {
-    /// An attempt on `model` used `usage` (prompt, completion) tokens.
-    pub fn used(&mut self, config: &Config, model: &str, usage: Option<(u64, u64)>) {
-        if let Some((p, c)) = usage {
-            self.used_tokens += p + c;
-            self.used_micro += config.cost_micro_usd(model, p, c);
-        }
+    /// An attempt on `model` was billed `billed`.
+    pub fn bill(&mut self, config: &Config, model: &str, billed: Billed) {
+        let (tokens, micro) = match billed {
+            Billed::Known(p, c) => (p.saturating_add(c), config.cost_micro_usd(model, p, c)),
+            Billed::Nothing => (0, 0),
+            Billed::Unknown => (self.estimate, self.dollars.micro),
+        };
+        self.used_tokens = self.used_tokens.saturating_add(tokens);
+        self.used_micro = self.used_micro.saturating_add(micro);
     }
 
     /// The flight ended: its reservations become what its attempts used.

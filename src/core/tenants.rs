@@ -12,6 +12,9 @@ use std::collections::BTreeMap;
 /// The most tenants a configuration may name: per-tenant state (shared-data keys and
 /// counters) is bounded by it.
 pub const MAX_TENANTS: usize = 1024;
+/// The `max_tokens` a call of a tenant with a dollar budget is sent with when it sets no
+/// completion limit of its own (so that its worst case is known before it leaves).
+pub const BUDGET_COMPLETION_TOKENS: u64 = 4096;
 /// The most keys one tenant may have (rotation needs two).
 pub const MAX_KEYS: usize = 16;
 
@@ -68,9 +71,15 @@ impl Keys {
             let field = |f: &str| format!("tenants.{name}.{f}");
             if !valid_name(name) {
                 return Err(format!(
-                    "tenants.{}: a name is 1 to 64 of a-z, A-Z, 0-9, '-', '_' and '.'",
+                    "tenants.{}: a name is 1 to 64 of a-z, A-Z, 0-9, '-' and '_'",
                     name.chars().take(64).collect::<String>()
                 ));
+            }
+            // Prometheus names turn '-' into '_' (and are compared as written): two
+            // tenants must not share one.
+            let stat = |n: &str| n.to_ascii_lowercase().replace('-', "_");
+            if let Some(other) = tenants.keys().find(|o| *o != name && stat(o) == stat(name)) {
+                return Err(format!("tenants.{name}: its counters would be {other}'s"));
             }
             if !(1..=MAX_KEYS).contains(&tenant.keys_sha256.len()) {
                 return Err(format!("{}: between 1 and {MAX_KEYS} digests", field("keys_sha256")));
@@ -154,7 +163,7 @@ fn digest_of_hex(hex: &str) -> Option<[u8; 32]> {
 }
 
 fn valid_name(name: &str) -> bool {
-    (1..=64).contains(&name.len()) && name.bytes().all(|b| b.is_ascii_alphanumeric() || b"-_.".contains(&b))
+    (1..=64).contains(&name.len()) && name.bytes().all(|b| b.is_ascii_alphanumeric() || b"-_".contains(&b))
 }
 
 /// OpenAI's 401 for a key it does not know; the token is never quoted.
@@ -219,6 +228,8 @@ mod tests {
     fn the_tenants_configuration_is_checked() {
         let refused = |t: BTreeMap<String, Tenant>| Keys::of(&t).unwrap_err();
         assert!(refused(tenants(&[("a b", &["x"])])).starts_with("tenants.a b:"));
+        assert!(refused(tenants(&[("a.b", &["x"])])).starts_with("tenants.a.b:"), "a dot would split its counters");
+        assert!(refused(tenants(&[("a-b", &["x"]), ("a_b", &["y"])])).contains("counters would be"));
         assert!(refused(tenants(&[("a", &[])])).starts_with("tenants.a.keys_sha256:"));
         assert!(refused(tenants(&[("a", &["x"]), ("b", &["x"])])).contains("twice"));
         let clear =

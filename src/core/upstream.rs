@@ -4,7 +4,7 @@
 use super::cache::Response;
 use super::config::Config;
 use super::error::ApiError;
-use super::limits::{self, Limits, ProviderHints};
+use super::limits::{self, Limits, ProviderHints, DEFAULT_COMPLETION_ESTIMATE};
 use super::request::{for_upstream, ChatRequest};
 use super::store::CasStore;
 use super::stream::is_event_stream;
@@ -23,6 +23,11 @@ pub struct Outbound {
     pub include_usage: bool,
     /// The verified tenant the call is made for.
     pub tenant: Option<String>,
+    /// The completion tokens the request allows (see `ChatRequest::completion_limit`).
+    pub completion_limit: Option<u64>,
+    /// Set for a call that must stay within a tenant's budget but sets no completion
+    /// limit: it is sent with `max_tokens` of this.
+    pub completion_cap: Option<u64>,
 }
 
 /// The response header naming the verified tenant an answer was for.
@@ -42,16 +47,25 @@ impl Outbound {
             stream: request.stream,
             include_usage: request.include_usage,
             tenant: request.tenant.clone(),
+            completion_limit: request.completion_limit,
+            completion_cap: None,
         }
+    }
+
+    /// The most tokens the call can be billed: every byte of the body a prompt token (a
+    /// token is at least one byte of text; images aside), and the completion limit.
+    pub fn worst_tokens(&self) -> u64 {
+        let completion = self.completion_limit.or(self.completion_cap).unwrap_or(DEFAULT_COMPLETION_ESTIMATE);
+        (self.body.len() as u64).saturating_add(completion)
     }
 
     /// The body for an attempt on `model` (rewritten when it is a fallback, and for a
     /// stream to ask for the usage event).
     pub fn body_for(&self, model: &str) -> Cow<'_, [u8]> {
-        if model == self.model && !self.stream {
+        if model == self.model && !self.stream && self.completion_cap.is_none() {
             Cow::Borrowed(&self.body)
         } else {
-            Cow::Owned(for_upstream(&self.body, model, self.stream))
+            Cow::Owned(for_upstream(&self.body, model, self.stream, self.completion_cap))
         }
     }
 
@@ -187,6 +201,8 @@ mod tests {
             stream: false,
             include_usage: false,
             tenant: None,
+            completion_limit: None,
+            completion_cap: None,
         }
     }
 

@@ -268,7 +268,12 @@ impl HttpContext for Chat {
                     Action::Pause
                 }
                 Some(Err(e)) => self.reject(&e),
-                None => Action::Continue,
+                None => {
+                    if intake::carries_tenant_key(&config, &self.head) {
+                        let _ = hostcalls::set_map_value(MapType::HttpRequestHeaders, "authorization", None);
+                    }
+                    Action::Continue
+                }
             };
         }
         self.state = State::Reading;

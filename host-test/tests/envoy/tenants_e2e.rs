@@ -123,7 +123,22 @@ fn the_models_list_is_the_tenants_own() {
     assert_eq!(ids(&list(BATCH)), ["deepseek-v3", "gpt-4.1"], "every configured model");
     let unknown = list("hs-nobody");
     assert_eq!((unknown.status, code(&unknown).as_str()), (401, "invalid_api_key"));
+    let slash =
+        request(s.envoy.edge, "GET", "/v1//models/", &[("authorization", &bearer(BATCH))], b"").expect("answer");
+    assert_eq!(ids(&slash), ["deepseek-v3", "gpt-4.1"], "in any spelling");
     assert_eq!(s.calls(), 0, "answered by the edge");
+}
+
+#[test]
+fn a_request_the_edge_does_not_govern_passes_on_without_the_tenants_key() {
+    let s = start("");
+    let other = [("authorization", bearer(BATCH)), ("x-other", "kept".to_owned())];
+    let headers: Vec<(&str, &str)> = other.iter().map(|(n, v)| (*n, v.as_str())).collect();
+    let passed = request(s.envoy.edge, "GET", "/v1/chat/completions", &headers, b"").expect("answer");
+    assert_eq!(passed.status, 404, "HolySheep's own answer: {}", passed.text());
+    let seen = s.mock.mock.last_headers();
+    assert!(seen.iter().any(|(n, v)| n == "x-other" && v == "kept"), "the rest passes untouched: {seen:?}");
+    assert!(!seen.iter().any(|(n, _)| n == "authorization"), "the tenant's key stays at the edge: {seen:?}");
 }
 
 /// gpt-4.1 at $10 / $30 per million prompt / completion tokens.
@@ -137,8 +152,9 @@ fn budgeted(body: &str, max_tokens: u64) -> String {
 fn concurrent_calls_of_a_tenant_never_spend_more_than_its_daily_budget() {
     let max_tokens = 20;
     let bodies: Vec<String> = (0..50).map(|i| budgeted(&prompt(&format!("budget {i:02}")), max_tokens)).collect();
-    // Each call's worst case: its estimate (body / 4 + max_tokens) at the dearer price, $30.
-    let worst_micro = (bodies[0].len() as u64).div_ceil(4) + max_tokens;
+    // Each call's worst case: every body byte a prompt token, and max_tokens, at the dearer
+    // price, $30 per million.
+    let worst_micro = bodies[0].len() as u64 + max_tokens;
     let worst_micro = worst_micro * 30;
     // Room for eight worst cases and a half.
     let budget_micro = 8 * worst_micro + worst_micro / 2;

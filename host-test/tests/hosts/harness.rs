@@ -738,8 +738,9 @@ fn a_reload_that_rotates_a_tenants_key_keeps_its_spend() {
     let digest =
         |t: &str| -> String { sha2::Sha256::digest(t.as_bytes()).iter().map(|b| format!("{b:02x}")).collect() };
     let body = prompt("spend once");
-    // The call's worst case: (body / 4 + 256 completion tokens) at $30 per million tokens.
-    let worst = ((body.len() as u64).div_ceil(4) + 256) * 30;
+    // The call's worst case: every body byte a prompt token, and the 4096 completion tokens
+    // it is sent with (it sets no limit), at $30 per million tokens.
+    let worst = (body.len() as u64 + 4096) * 30;
     // Room for one worst case; the call then costs 3 * 10 + 2 * 30 = 90 micro-dollars.
     let budget = (worst + 50) as f64 / 1e6;
     let config = |key: &str| {

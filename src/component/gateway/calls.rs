@@ -141,10 +141,12 @@ impl Gateway {
     /// Passes a request the gateway does not govern to HolySheep and streams the answer
     /// back. It carries the client's own credentials, never the operator's key: only calls
     /// that go through the cache, the single flight and the buckets use that.
-    pub(super) fn forward(&self, request: IncomingRequest, out: ResponseOutparam) {
+    /// `without_authorization`: the request carries a tenant's key, the edge's own, which
+    /// does not pass on.
+    pub(super) fn forward(&self, request: IncomingRequest, without_authorization: bool, out: ResponseOutparam) {
         let received = host::header_pairs(&request.headers());
-        let headers: Vec<(String, String)> =
-            received.into_iter().filter(|(n, _)| !NOT_FORWARDED.contains(&n.as_str())).collect();
+        let kept = |n: &str| !NOT_FORWARDED.contains(&n) && !(without_authorization && n == "authorization");
+        let headers: Vec<(String, String)> = received.into_iter().filter(|(n, _)| kept(n)).collect();
         let path = request.path_with_query().unwrap_or_else(|| "/".into());
         let deadline = host::now_ms().saturating_add(self.config.upstream.timeout_ms);
         let answer = self

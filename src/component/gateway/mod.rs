@@ -32,7 +32,7 @@ pub fn handle(request: IncomingRequest, out: ResponseOutparam) {
     match intake::models_answer(&gateway.config, &head) {
         Some(Ok(list)) => host::reply(out, &Reply::plain(list), &[]),
         Some(Err(e)) => host::reply(out, &Reply::error(&e), &[]),
-        None => gateway.forward(request, out),
+        None => gateway.forward(request, intake::carries_tenant_key(&gateway.config, &head), out),
     }
 }
 

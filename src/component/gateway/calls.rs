@@ -145,7 +145,7 @@ impl Gateway {
     /// does not pass on.
     pub(super) fn forward(&self, request: IncomingRequest, without_authorization: bool, out: ResponseOutparam) {
         let received = host::header_pairs(&request.headers());
-        let kept = |n: &str| !NOT_FORWARDED.contains(&n) && !(without_authorization && n == "authorization");
+        let kept = |n: &str| !NOT_FORWARDED.contains(&n) && (!without_authorization || n != "authorization");
         let headers: Vec<(String, String)> = received.into_iter().filter(|(n, _)| kept(n)).collect();
         let path = request.path_with_query().unwrap_or_else(|| "/".into());
         let deadline = host::now_ms().saturating_add(self.config.upstream.timeout_ms);

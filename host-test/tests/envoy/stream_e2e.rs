@@ -214,6 +214,15 @@ fn a_stream_is_retried_by_the_route_before_its_first_byte_and_errors_reach_its_w
 }
 
 #[test]
+fn the_shipped_route_does_not_retry_a_providers_429_on_a_stream() {
+    let s = Stack::start(r#"{"retry":{"max_attempts":3}}"#, 0);
+    s.mock.mock.plan(vec![Fault { status: Some(429), ..Fault::default() }]);
+    let limited = s.chat(&streamed(&prompt("limited by the provider")), &[]);
+    assert_eq!(limited.status, 429, "HolySheep's 429 reaches the client: {}", limited.text());
+    assert_eq!(s.calls(), 1, "the chat route's retry_policy adds no 429 of its own");
+}
+
+#[test]
 fn a_stream_whose_client_leaves_after_router_retries_counts_every_attempt() {
     let config = r#"{"models":{"gpt-4.1":{"requests_per_minute":6,"burst":100}},"retry":{"max_attempts":3}}"#;
     let s = Stack::start(config, 0);

@@ -23,7 +23,7 @@ impl Caps {
 }
 
 /// What a call reserved, and in which periods.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct Hold {
     pub micro: u64,
     day: u64,

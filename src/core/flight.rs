@@ -11,7 +11,7 @@ use super::error::ApiError;
 use super::limits::{self, duration, Denial, Kind, Limits, ProviderHints};
 use super::peer::{self, Op, Verdict};
 use super::store::CasStore;
-use super::tenant_gate::{self, Billed, Refusal, TenantHold};
+use super::tenant_gate::{self, Ask, Billed, Refusal, TenantHold};
 use super::upstream::Outbound;
 
 pub use super::limits::CONTENTION_RETRY_MS;
@@ -105,6 +105,10 @@ pub struct Flight {
     /// The verified tenant the flight is for, and what it holds of that tenant's limits.
     tenant: Option<String>,
     tenant_hold: Option<TenantHold>,
+    /// The flight's last `Action::Ask` went to its tenant's owner node, whose answer ...
+    asking_tenant: bool,
+    /// ... is this (`Some(None)`: out of reach).
+    tenant_verdict: Option<Option<Verdict>>,
     /// The most tokens the call can be billed (`Outbound::worst_tokens`).
     worst_tokens: u64,
     pub events: Vec<Event>,
@@ -141,6 +145,8 @@ impl Flight {
             last: None,
             tenant: outbound.tenant.clone(),
             tenant_hold: None,
+            asking_tenant: false,
+            tenant_verdict: None,
             worst_tokens: outbound.worst_tokens(),
             events,
             outbox: Vec::new(),
@@ -199,11 +205,38 @@ impl Flight {
     /// Takes the call's share of its tenant's own limits, once per flight; `Some` when they
     /// refuse it (a wait for the bucket, or the 429).
     fn reserve_tenant(&mut self, store: &impl CasStore, config: &Config, now_ms: u64, nonce: u64) -> Option<Action> {
-        let tenant = self.tenant.clone().filter(|_| self.tenant_hold.is_none())?;
+        let tenant =
+            self.tenant.clone().filter(|t| self.tenant_hold.is_none() && tenant_gate::is_limited(config, t))?;
         let id = *self.id.get_or_insert(nonce);
         let hold_ms = self.deadline_ms.saturating_sub(now_ms) + 1_000;
-        let tokens = (self.estimate, self.worst_tokens);
-        match tenant_gate::reserve(store, config, &tenant, &self.models, id, tokens, now_ms, hold_ms) {
+        let worst_micro = tenant_gate::worst_micro(config, &self.models, self.worst_tokens);
+        let ask = Ask { tenant: tenant.clone(), id, estimate: self.estimate, worst_micro, hold_ms };
+        let taken = if !config.fleet.shared_limits() {
+            tenant_gate::take(store, config, &ask, None, now_ms)
+        } else {
+            // The tenant's limits live on its owner node: asked first, as a model's are.
+            match self.tenant_verdict.take() {
+                None => {
+                    self.asking_tenant = true;
+                    let timeout_ms = config.fleet.timeout_ms.min(self.deadline_ms - now_ms);
+                    return Some(Action::Ask {
+                        bucket: tenant_gate::bucket(&tenant),
+                        op: Op::TenantTake(ask),
+                        timeout_ms,
+                    });
+                }
+                Some(Some(v)) => match (v.result(), v.hold) {
+                    (Ok(()), Some(dollars)) => Ok(Some(TenantHold::on_owner(&ask, dollars))),
+                    (Ok(()), None) => Ok(None),
+                    (Err(d), _) => Err(Refusal::of(config, &tenant, d)),
+                },
+                Some(None) => {
+                    self.events.push(Event::LocalShare { model: self.model().to_owned() });
+                    tenant_gate::take(store, config, &ask, Some(config.fleet.nodes), now_ms)
+                }
+            }
+        };
+        match taken {
             Ok(hold) => {
                 self.tenant_hold = hold;
                 None
@@ -223,6 +256,14 @@ impl Flight {
         }
     }
 
+    /// The flight is over: what it holds of its tenant's limits is settled, here or (a
+    /// settlement in the outbox) on the tenant's owner node.
+    fn end_tenant(&mut self, store: &impl CasStore, now_ms: u64) {
+        if let Some(settlement) = self.tenant_hold.take().and_then(|hold| hold.end(store, now_ms)) {
+            self.outbox.push(Op::TenantSettle(settlement));
+        }
+    }
+
     /// What the current attempt is billed goes on the tenant's account.
     fn bill_tenant(&mut self, config: &Config, billed: Billed) {
         let model = self.model().to_owned();
@@ -233,9 +274,7 @@ impl Flight {
 
     /// The flight ends with `outcome`: what it holds of its tenant's limits is settled.
     fn end(&mut self, store: &impl CasStore, outcome: Option<Response>, now_ms: u64) -> Action {
-        if let Some(hold) = self.tenant_hold.take() {
-            hold.settle(store, now_ms);
-        }
+        self.end_tenant(store, now_ms);
         Action::Finish(outcome)
     }
 
@@ -320,9 +359,7 @@ impl Flight {
         if hints.throttled {
             self.events.push(Event::ProviderRateLimited { model });
         }
-        if let Some(hold) = self.tenant_hold.take() {
-            hold.settle(store, now_ms);
-        }
+        self.end_tenant(store, now_ms);
     }
 
     /// Takes `retries` more requests from the bucket the call was admitted from here (a
@@ -350,7 +387,11 @@ impl Flight {
 
     /// The model owner's answer to `Action::Ask` (`None`: no answer in time).
     pub fn on_verdict(&mut self, verdict: Option<Verdict>) {
-        self.verdict = Some(verdict);
+        if std::mem::take(&mut self.asking_tenant) {
+            self.tenant_verdict = Some(verdict);
+        } else {
+            self.verdict = Some(verdict);
+        }
     }
 
     fn reserve(&mut self, store: &impl CasStore, config: &Config, i: usize, now_ms: u64, nonce: u64) -> Reservation {
@@ -704,6 +745,51 @@ mod tests {
         assert_eq!(crate::core::budget::spent(&s, "t", 1), (3000, 3000), "only the call that left holds");
     }
 
+    #[test]
+    fn in_a_fleet_a_tenants_share_is_taken_and_settled_on_its_owner_node() {
+        let c = config(&format!(
+            r#"{{"fleet":{{"cluster":"owners","nodes":4}},
+                "models":{{"gpt-4.1":{{"usd_per_mtok_input":10,"usd_per_mtok_output":30}}}},
+                "tenants":{{"t":{{"keys_sha256":["{}"],"usd_per_day":0.003}}}}}}"#,
+            "a".repeat(64)
+        ));
+        let (here, owner) = (MemStore::new(), MemStore::new());
+        let mut f = tenant_flight(&c);
+        let Action::Ask { bucket, op, .. } = f.resume(&here, &c, 0, 1) else { panic!("asks the tenant's owner") };
+        assert_eq!(bucket, "tenant.t");
+        let verdict = peer::serve(&owner, &c, &op.to_json(), 0).unwrap();
+        assert_eq!(crate::core::budget::spent(&owner, "t", 0), (3000, 3000), "held on the owner");
+        f.on_verdict(Some(verdict));
+        // Then the model's owner, as without tenants.
+        let Action::Ask { op, .. } = f.resume(&here, &c, 1, 1) else { panic!("asks the model's owner") };
+        assert!(matches!(op, Op::Take { .. }));
+        f.on_verdict(Some(peer::serve(&owner, &c, &op.to_json(), 1).unwrap()));
+        assert_eq!(send(f.resume(&here, &c, 1, 1)), "gpt-4.1");
+        assert!(matches!(f.on_response(&here, &c, status(200), &ProviderHints::default(), 5, 0), Action::Finish(_)));
+        let [Op::Settle { .. }, settle @ Op::TenantSettle(s)] = f.outbox.as_slice() else {
+            panic!("the model's and the tenant's settlements: {:?}", f.outbox)
+        };
+        assert_eq!(s.micro, 220);
+        peer::serve(&owner, &c, &settle.to_json(), 6).unwrap();
+        assert_eq!(crate::core::budget::spent(&owner, "t", 6), (220, 220), "settled on the owner");
+        assert_eq!(crate::core::budget::spent(&here, "t", 6), (0, 0), "nothing here");
+        // A second call the owner refuses (220 + 3000 > 3000) is a 429 with nothing held.
+        let mut g = tenant_flight(&c);
+        let Action::Ask { op, .. } = g.resume(&here, &c, 7, 2) else { panic!("asks") };
+        g.on_verdict(Some(peer::serve(&owner, &c, &op.to_json(), 7).unwrap()));
+        let Action::Finish(Some(r)) = g.resume(&here, &c, 8, 2) else { panic!("refused") };
+        assert_eq!((r.status, r.header("retry-after").is_some()), (429, true));
+        assert!(String::from_utf8_lossy(&r.body).contains("insufficient_quota"));
+        assert!(g.outbox.is_empty());
+        // The owner out of reach: this node's share of the budget (750 of 3000) cannot hold it.
+        let mut h = tenant_flight(&c);
+        assert!(matches!(h.resume(&here, &c, 9, 3), Action::Ask { .. }));
+        h.on_verdict(None);
+        let Action::Finish(Some(r)) = h.resume(&here, &c, 10, 3) else { panic!("the share is too small") };
+        assert_eq!(r.status, 429);
+        assert!(h.events.contains(&Event::LocalShare { model: "gpt-4.1".into() }));
+    }
+
     fn fleet(extra: &str) -> Config {
         config(&format!(
             r#"{{"fleet":{{"cluster":"owners","nodes":3}},"models":{{"gpt-4.1":{{"requests_per_minute":1,"burst":6{extra}}}}}}}"#
@@ -726,7 +812,7 @@ mod tests {
         let mut f = flight(&c, "gpt-4.1");
         let Op::Take { id, estimate, .. } = ask(f.resume(&s, &c, 0, 9)) else { panic!("a take") };
         assert_eq!((id, estimate), (9, 100));
-        f.on_verdict(Some(Verdict { admitted: true, denial: None }));
+        f.on_verdict(Some(Verdict { admitted: true, denial: None, hold: None }));
         assert_eq!(send(f.resume(&s, &c, 1, 10)), "gpt-4.1");
         assert!(matches!(f.on_response(&s, &c, status(200), &ProviderHints::default(), 5, 0), Action::Finish(_)));
         let settle = Op::Settle {
@@ -746,7 +832,7 @@ mod tests {
         let (s, c) = (MemStore::new(), fleet(""));
         let mut f = flight(&c, "gpt-4.1");
         ask(f.resume(&s, &c, 0, 9));
-        f.on_verdict(Some(Verdict { admitted: true, denial: None }));
+        f.on_verdict(Some(Verdict { admitted: true, denial: None, hold: None }));
         send(f.resume(&s, &c, 1, 10));
         f.on_stream_end(&s, &c, Some((10, 2)), 0, 3, &ProviderHints::default(), 5);
         let [Op::Settle { retries, actual, .. }] = f.outbox.as_slice() else {
@@ -764,6 +850,7 @@ mod tests {
         f.on_verdict(Some(Verdict {
             admitted: false,
             denial: Some(Denial { kind: Kind::Requests, wait_ms: Some(9_000) }),
+            hold: None,
         }));
         let Action::Finish(Some(r)) = f.resume(&s, &c, 1, 2) else { panic!("a 429") };
         assert_eq!((r.status, r.header("retry-after")), (429, Some("9")));
@@ -802,10 +889,11 @@ mod tests {
         f.on_verdict(Some(Verdict {
             admitted: false,
             denial: Some(Denial { kind: Kind::Requests, wait_ms: Some(60_000) }),
+            hold: None,
         }));
         let Action::Ask { bucket, .. } = f.resume(&s, &c, 0, 2) else { panic!("asks the fallback's owner") };
         assert_eq!(bucket, "deepseek-v3");
-        f.on_verdict(Some(Verdict { admitted: true, denial: None }));
+        f.on_verdict(Some(Verdict { admitted: true, denial: None, hold: None }));
         assert_eq!(send(f.resume(&s, &c, 0, 3)), "deepseek-v3");
     }
 

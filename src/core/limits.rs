@@ -69,6 +69,11 @@ pub enum Kind {
     /// The bucket could not be read and written without losing every race: nothing was
     /// decided, look again at once.
     Contended,
+    /// A tenant's dollar budget for the UTC day (or month) is spent.
+    #[serde(rename = "quota_day")]
+    QuotaDay,
+    #[serde(rename = "quota_month")]
+    QuotaMonth,
 }
 
 impl Kind {
@@ -77,6 +82,7 @@ impl Kind {
         match self {
             Kind::Requests | Kind::Concurrency | Kind::Contended => "requests",
             Kind::Tokens => "tokens",
+            Kind::QuotaDay | Kind::QuotaMonth => "insufficient_quota",
         }
     }
 }

@@ -3,10 +3,12 @@
 //! take capacity before calling HolySheep and tells it how the call ended. These are the
 //! messages and the model owner's side, over its own store.
 
+use super::budget::Hold;
 use super::config::Config;
 use super::error::ApiError;
 use super::limits::{self, Denial, Limits, ProviderHints};
 use super::store::CasStore;
+use super::tenant_gate::{self, Ask, Settlement};
 use serde::{Deserialize, Serialize};
 
 /// The request header that carries the fleet's shared secret on internal calls.
@@ -34,12 +36,22 @@ pub enum Op {
         #[serde(default, skip_serializing_if = "is_zero")]
         retries: u64,
     },
+    /// Take a tenant's share for a call, on the tenant's owner node.
+    #[serde(rename = "tenant_take")]
+    TenantTake(Ask),
+    /// A tenant's call ended: settle it on the tenant's owner node.
+    #[serde(rename = "tenant_settle")]
+    TenantSettle(Settlement),
 }
 
 impl Op {
-    pub fn model(&self) -> &str {
+    /// The bucket whose owner node this goes to (`None`: a model without limits).
+    pub fn bucket(&self, config: &Config) -> Option<String> {
         match self {
-            Op::Take { model, .. } | Op::Settle { model, .. } => model,
+            Op::Take { model, .. } | Op::Settle { model, .. } => config.model(model).map(|(b, _)| b.to_owned()),
+            Op::TenantTake(Ask { tenant, .. }) | Op::TenantSettle(Settlement { tenant, .. }) => {
+                Some(tenant_gate::bucket(tenant))
+            }
         }
     }
 
@@ -54,11 +66,14 @@ impl Op {
     }
 }
 
-/// A model owner's answer to `Take` (`Settle` is answered with an admitted verdict).
+/// A model owner's answer to `Take` (`Settle` is answered with an admitted verdict); to
+/// `TenantTake`, also what the tenant's budget holds for the call.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 pub struct Verdict {
     pub admitted: bool,
     pub denial: Option<Denial>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub hold: Option<Hold>,
 }
 
 impl Verdict {
@@ -87,9 +102,22 @@ pub fn secret_matches(secret: Option<&str>, offered: Option<&str>) -> bool {
 pub fn serve(store: &impl CasStore, config: &Config, body: &[u8], now_ms: u64) -> Result<Verdict, ApiError> {
     let op: Op = serde_json::from_slice(body)
         .map_err(|_| ApiError::invalid("not a holysheep peer operation", None, "invalid_json"))?;
-    let Some((bucket, m)) = config.model(op.model()) else {
-        return Ok(Verdict { admitted: true, denial: None });
+    let admitted = Verdict { admitted: true, denial: None, hold: None };
+    let model = match &op {
+        Op::Take { model, .. } | Op::Settle { model, .. } => model,
+        Op::TenantTake(ask) => {
+            let ask = Ask { hold_ms: ask.hold_ms.min(super::config::MAX_MS), ..ask.clone() };
+            return Ok(match tenant_gate::take(store, config, &ask, None, now_ms) {
+                Ok(hold) => Verdict { hold: hold.map(|h| h.dollars()), ..admitted },
+                Err(refusal) => Verdict { admitted: false, denial: Some(refusal.denial()), hold: None },
+            });
+        }
+        Op::TenantSettle(s) => {
+            tenant_gate::settle_reported(store, config, s, now_ms);
+            return Ok(admitted);
+        }
     };
+    let Some((bucket, m)) = config.model(model) else { return Ok(admitted) };
     let l = Limits::of(m);
     let result = match op {
         Op::Take { id, estimate, hold_ms, .. } => {
@@ -101,8 +129,9 @@ pub fn serve(store: &impl CasStore, config: &Config, body: &[u8], now_ms: u64) -
             limits::settle(store, bucket, &l, id, estimate, actual, &hints, now_ms);
             Ok(())
         }
+        Op::TenantTake(_) | Op::TenantSettle(_) => Ok(()),
     };
-    Ok(Verdict { admitted: result.is_ok(), denial: result.err() })
+    Ok(Verdict { admitted: result.is_ok(), denial: result.err(), hold: None })
 }
 
 /// A provider's word empties a bucket for `rate_limit.max_provider_hold_ms` at most.

@@ -10,6 +10,7 @@ use super::error::ApiError;
 use super::limits::{self, duration, Denial, Kind, Limits, ProviderHints};
 use super::store::CasStore;
 use super::tenants::Tenant;
+use serde::{Deserialize, Serialize};
 
 /// What a flight took from its tenant.
 #[derive(Debug, Clone)]
@@ -17,11 +18,60 @@ pub struct TenantHold {
     tenant: String,
     id: u64,
     estimate: u64,
-    bucket: Option<Limits>,
-    caps: Caps,
     dollars: Hold,
+    /// Where it was taken: `None` on the tenant's owner node (settled by a message),
+    /// else the ledger here (the tenant's own, or this node's share of it).
+    here: Option<Ledger>,
     used_tokens: u64,
     used_micro: u64,
+}
+
+/// A tenant's limits as one node keeps them: the whole, or this node's share.
+#[derive(Debug, Clone)]
+struct Ledger {
+    name: String,
+    bucket: Option<Limits>,
+    caps: Caps,
+}
+
+impl Ledger {
+    /// `tenant`'s ledger (`share`: this node's part of it in a fleet of that many nodes,
+    /// the tenant's owner node being out of reach).
+    fn of(t: &Tenant, tenant: &str, share: Option<u32>) -> Ledger {
+        let (bucket, caps) = (limits_of(t), t.caps());
+        match share {
+            None => Ledger { name: tenant.to_owned(), bucket, caps },
+            Some(nodes) => {
+                let part = |micro: Option<u64>| micro.map(|m| m / u64::from(nodes.max(1)));
+                Ledger {
+                    name: format!("{tenant}#share"),
+                    bucket: bucket.map(|l| l.share(nodes)),
+                    caps: Caps { per_day: part(caps.per_day), per_month: part(caps.per_month) },
+                }
+            }
+        }
+    }
+}
+
+/// A call's request of its tenant's limits, as a key owner sends it to the tenant's owner.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Ask {
+    pub tenant: String,
+    pub id: u64,
+    pub estimate: u64,
+    pub worst_micro: u64,
+    pub hold_ms: u64,
+}
+
+/// How a call ended, for the tenant's owner node to settle.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Settlement {
+    pub tenant: String,
+    pub id: u64,
+    pub estimate: u64,
+    pub tokens: u64,
+    pub micro: u64,
+    pub hold: Hold,
 }
 
 /// What one attempt is billed, as far as the edge can tell.
@@ -45,9 +95,39 @@ pub enum Refusal {
     Budget(Exhausted),
 }
 
-/// The bucket name of a tenant's own limits (model names cannot start with `tenant:`).
+impl Refusal {
+    /// As a model owner's verdict carries it.
+    pub fn denial(self) -> Denial {
+        match self {
+            Refusal::Bucket(d) => d,
+            Refusal::Budget(x) => {
+                let kind = if x.period == "month" { Kind::QuotaMonth } else { Kind::QuotaDay };
+                Denial { kind, wait_ms: Some(x.retry_after_ms) }
+            }
+        }
+    }
+
+    /// From a verdict's denial, for `tenant`.
+    pub fn of(config: &Config, tenant: &str, d: Denial) -> Refusal {
+        let caps = config.tenants.get(tenant).map(Tenant::caps).unwrap_or_default();
+        let retry_after_ms = d.wait_ms.unwrap_or(1_000);
+        match d.kind {
+            Kind::QuotaDay => {
+                Refusal::Budget(Exhausted { period: "day", cap_micro: caps.per_day.unwrap_or(0), retry_after_ms })
+            }
+            Kind::QuotaMonth => {
+                Refusal::Budget(Exhausted { period: "month", cap_micro: caps.per_month.unwrap_or(0), retry_after_ms })
+            }
+            _ => Refusal::Bucket(d),
+        }
+    }
+}
+
+/// The bucket name of a tenant's own limits (model names cannot start with `tenant.`):
+/// also the name the fleet's ring places the tenant's owner node by, in a callout's
+/// `:authority` (so nothing but a host name's characters).
 pub fn bucket(tenant: &str) -> String {
-    format!("tenant:{tenant}")
+    format!("tenant.{tenant}")
 }
 
 fn limits_of(t: &Tenant) -> Option<Limits> {
@@ -60,37 +140,41 @@ fn limits_of(t: &Tenant) -> Option<Limits> {
     })
 }
 
+/// Whether `tenant` has limits of its own.
+pub fn is_limited(config: &Config, tenant: &str) -> bool {
+    config.tenants.get(tenant).is_some_and(Tenant::is_limited)
+}
+
 /// The most `tokens` can cost on any of `models`: each token at the dearer of its input
 /// and output prices.
-fn worst_micro(config: &Config, models: &[String], tokens: u64) -> u64 {
+pub fn worst_micro(config: &Config, models: &[String], tokens: u64) -> u64 {
     let price = |m: &String| config.model(m).map_or(0.0, |(_, m)| m.usd_per_mtok_input.max(m.usd_per_mtok_output));
     let dearest = models.iter().map(price).fold(0.0, f64::max);
     (tokens as f64 * dearest).ceil() as u64
 }
 
-/// Takes the call's share of `tenant`'s limits (`None`: it has none). The bucket is
-/// given back when the budget refuses.
-#[allow(clippy::too_many_arguments)]
-pub fn reserve(
+/// Takes the call's share of its tenant's limits from this node's store (`share`: this
+/// node's part, in a fleet of that many nodes). `None`: the tenant has no limits. The
+/// bucket is given back when the budget refuses.
+pub fn take(
     store: &impl CasStore,
     config: &Config,
-    tenant: &str,
-    models: &[String],
-    id: u64,
-    (estimate, worst_tokens): (u64, u64),
+    ask: &Ask,
+    share: Option<u32>,
     now_ms: u64,
-    hold_ms: u64,
 ) -> Result<Option<TenantHold>, Refusal> {
-    let Some(t) = config.tenants.get(tenant).filter(|t| t.is_limited()) else { return Ok(None) };
-    let (bucket_limits, caps) = (limits_of(t), t.caps());
-    if let Some(l) = &bucket_limits {
-        limits::take(store, &bucket(tenant), l, id, estimate, now_ms, hold_ms).map_err(Refusal::Bucket)?;
+    let Some(t) = config.tenants.get(&ask.tenant).filter(|t| t.is_limited()) else { return Ok(None) };
+    let ledger = Ledger::of(t, &ask.tenant, share);
+    let (id, estimate) = (ask.id, ask.estimate);
+    if let Some(l) = &ledger.bucket {
+        limits::take(store, &bucket(&ledger.name), l, id, estimate, now_ms, ask.hold_ms).map_err(Refusal::Bucket)?;
     }
-    let dollars = match budget::reserve(store, tenant, caps, worst_micro(config, models, worst_tokens), now_ms) {
+    let dollars = match budget::reserve(store, &ledger.name, ledger.caps, ask.worst_micro, now_ms) {
         Ok(hold) => hold,
         Err(refused) => {
-            if let Some(l) = &bucket_limits {
-                limits::settle(store, &bucket(tenant), l, id, estimate, Some(0), &ProviderHints::default(), now_ms);
+            if let Some(l) = &ledger.bucket {
+                let hints = ProviderHints::default();
+                limits::settle(store, &bucket(&ledger.name), l, id, estimate, Some(0), &hints, now_ms);
             }
             return Err(match refused {
                 Refused::Exhausted(e) => Refusal::Budget(e),
@@ -101,19 +185,50 @@ pub fn reserve(
         }
     };
     let hold = TenantHold {
-        tenant: tenant.to_owned(),
+        tenant: ask.tenant.clone(),
         id,
         estimate,
-        bucket: bucket_limits,
-        caps,
         dollars,
+        here: Some(ledger),
         used_tokens: 0,
         used_micro: 0,
     };
     Ok(Some(hold))
 }
 
+/// The tenant's owner node settles a call that a key owner reports ended.
+pub fn settle_reported(store: &impl CasStore, config: &Config, s: &Settlement, now_ms: u64) {
+    let Some(t) = config.tenants.get(&s.tenant) else { return };
+    let hold = TenantHold {
+        tenant: s.tenant.clone(),
+        id: s.id,
+        estimate: s.estimate,
+        dollars: s.hold,
+        here: Some(Ledger::of(t, &s.tenant, None)),
+        used_tokens: s.tokens,
+        used_micro: s.micro,
+    };
+    let _ = hold.end(store, now_ms);
+}
+
 impl TenantHold {
+    /// What the tenant's owner node took for `ask` (its verdict's `hold`).
+    pub fn on_owner(ask: &Ask, dollars: Hold) -> TenantHold {
+        TenantHold {
+            tenant: ask.tenant.clone(),
+            id: ask.id,
+            estimate: ask.estimate,
+            dollars,
+            here: None,
+            used_tokens: 0,
+            used_micro: 0,
+        }
+    }
+
+    pub fn dollars(&self) -> Hold {
+        self.dollars
+    }
+
     /// An attempt on `model` was billed `billed`.
     pub fn bill(&mut self, config: &Config, model: &str, billed: Billed) {
         let (tokens, micro) = match billed {
@@ -125,14 +240,25 @@ impl TenantHold {
         self.used_micro = self.used_micro.saturating_add(micro);
     }
 
-    /// The flight ended: its reservations become what its attempts used.
-    pub fn settle(self, store: &impl CasStore, now_ms: u64) {
-        if let Some(l) = &self.bucket {
-            let hints = ProviderHints::default();
-            let tokens = Some(self.used_tokens);
-            limits::settle(store, &bucket(&self.tenant), l, self.id, self.estimate, tokens, &hints, now_ms);
+    /// The flight ended: its reservations become what its attempts used, here, or (the
+    /// `Settlement` returned) on the tenant's owner node.
+    pub fn end(self, store: &impl CasStore, now_ms: u64) -> Option<Settlement> {
+        let Some(ledger) = &self.here else {
+            return Some(Settlement {
+                tenant: self.tenant,
+                id: self.id,
+                estimate: self.estimate,
+                tokens: self.used_tokens,
+                micro: self.used_micro,
+                hold: self.dollars,
+            });
+        };
+        if let Some(l) = &ledger.bucket {
+            let (hints, tokens) = (ProviderHints::default(), Some(self.used_tokens));
+            limits::settle(store, &bucket(&ledger.name), l, self.id, self.estimate, tokens, &hints, now_ms);
         }
-        budget::settle(store, &self.tenant, self.caps, &self.dollars, self.used_micro, now_ms);
+        budget::settle(store, &ledger.name, ledger.caps, &self.dollars, self.used_micro, now_ms);
+        None
     }
 }
 
@@ -141,6 +267,7 @@ pub fn refused(config: &Config, tenant: &str, model: &str, refusal: Refusal) -> 
     let (e, wait) = match refusal {
         Refusal::Bucket(d) => {
             let l = config.tenants.get(tenant).and_then(limits_of);
+            let d = Denial { kind: if d.kind == Kind::Tokens { Kind::Tokens } else { Kind::Requests }, ..d };
             let what = match (d.kind, l) {
                 (Kind::Tokens, Some(l)) => {
                     format!("tokens per min (TPM): Limit {}", limits::whole(l.tpm.unwrap_or(0.0)))

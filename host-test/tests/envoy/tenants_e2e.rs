@@ -191,3 +191,57 @@ fn concurrent_calls_of_a_tenant_never_spend_more_than_its_daily_budget() {
     assert_eq!((hit.status, hit.cache()), (200, "HIT"));
     assert_eq!(s.calls(), 8);
 }
+
+#[test]
+fn over_three_nodes_a_tenants_budget_is_one_budget() {
+    use host_test::client::Conn;
+    use host_test::fleet::Fleet;
+    use std::sync::{Arc, Barrier};
+    let max_tokens = 20;
+    let bodies: Vec<String> = (0..48).map(|i| budgeted(&prompt(&format!("fleet budget {i:02}")), max_tokens)).collect();
+    let worst_micro = (bodies[0].len() as u64 + max_tokens) * 30;
+    let budget_micro = 8 * worst_micro + worst_micro / 2;
+    // `probe`: the key the fleet's start-up probes of its ring carry.
+    let config = format!(
+        r#"{{"models":{{"gpt-4.1":{{{PRICES}}}}},
+            "tenants":{{"batch":{{"keys_sha256":["{}"],"usd_per_day":{}}},"probe":{{"keys_sha256":["{}"]}}}}}}"#,
+        digest(BATCH),
+        budget_micro as f64 / 1e6,
+        digest("probe")
+    );
+    let fleet = Fleet::start(3, &config, 300);
+    let publics = fleet.publics();
+    let probes = fleet.calls();
+    // Sixteen prompts on each node's public listener, all released together.
+    let barrier = Arc::new(Barrier::new(bodies.len()));
+    let handles: Vec<_> = bodies
+        .into_iter()
+        .enumerate()
+        .map(|(i, body)| {
+            let (addr, b) = (publics[i % publics.len()], barrier.clone());
+            std::thread::spawn(move || {
+                let mut conn = Conn::open(addr).expect("connect");
+                b.wait();
+                conn.request("POST", host_test::stack::PATH, &[("authorization", &bearer(BATCH))], body.as_bytes())
+                    .expect("answer")
+            })
+        })
+        .collect();
+    let answers: Vec<Resp> = handles.into_iter().map(|h| h.join().expect("thread")).collect();
+    let served: Vec<&Resp> = answers.iter().filter(|r| r.status == 200).collect();
+    assert_eq!(served.len(), 8, "one budget for the fleet: {:?}", answers.iter().map(|r| r.status).collect::<Vec<_>>());
+    assert_eq!(fleet.calls() - probes, 8);
+    let spent: u64 = served
+        .iter()
+        .map(|r| {
+            let u = &r.json()["usage"];
+            u["prompt_tokens"].as_u64().unwrap_or(0) * 10 + u["completion_tokens"].as_u64().unwrap_or(0) * 30
+        })
+        .sum();
+    assert!(spent <= budget_micro, "spent {spent} of {budget_micro} micro-dollars");
+    for r in answers.iter().filter(|r| r.status != 200) {
+        assert_eq!((r.status, code(r).as_str()), (429, "insufficient_quota"), "{}", r.text());
+    }
+    assert_eq!(fleet.stat("wasmcustom.holysheep.tenant.batch.fleet_local_share"), 0, "the tenant's owner was reached");
+    assert_eq!(fleet.stat("wasmcustom.holysheep.tenant.batch.upstream_calls"), 8);
+}

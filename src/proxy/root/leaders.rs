@@ -236,8 +236,8 @@ impl Root {
             (w.config.clone(), std::mem::take(&mut w.fleet.outbox))
         };
         for op in ops {
-            if let Some((bucket, _)) = config.model(op.model()) {
-                self.ask(bucket, &op, fleet::SETTLE_TIMEOUT_MS);
+            if let Some(bucket) = op.bucket(&config) {
+                self.ask(&bucket, &op, fleet::SETTLE_TIMEOUT_MS);
             }
         }
     }

@@ -342,10 +342,9 @@ impl Config {
                     .into(),
             ));
         }
-        if self.models.keys().any(|m| m.starts_with("tenant:") || m.starts_with("tenant.")) {
+        if self.models.keys().any(|m| m.starts_with("tenant")) {
             return Err(ConfigError(
-                "models: a model name does not start with tenant: or tenant. (tenants' own buckets and counters)"
-                    .into(),
+                "models: a model name does not start with tenant (tenants' own buckets and counters)".into(),
             ));
         }
         if self.models.len() > MAX_MODELS {

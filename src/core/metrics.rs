@@ -20,9 +20,11 @@ pub enum Counter {
     CostSavedMicroUsd,
     FleetLocalShare,
     WaitsLost,
+    Unauthorized,
+    ModelRefused,
 }
 
-pub const COUNTERS: [Counter; 16] = [
+pub const COUNTERS: [Counter; 18] = [
     Counter::Requests(CacheStatus::Hit),
     Counter::Requests(CacheStatus::Miss),
     Counter::Requests(CacheStatus::Coalesced),
@@ -39,6 +41,8 @@ pub const COUNTERS: [Counter; 16] = [
     Counter::CostSavedMicroUsd,
     Counter::FleetLocalShare,
     Counter::WaitsLost,
+    Counter::Unauthorized,
+    Counter::ModelRefused,
 ];
 
 impl Counter {
@@ -61,6 +65,8 @@ impl Counter {
             Counter::CostSavedMicroUsd => 13,
             Counter::FleetLocalShare => 14,
             Counter::WaitsLost => 15,
+            Counter::Unauthorized => 16,
+            Counter::ModelRefused => 17,
         }
     }
 
@@ -78,6 +84,8 @@ impl Counter {
             Counter::CostSavedMicroUsd => "cost_saved_microusd".into(),
             Counter::FleetLocalShare => "fleet_local_share".into(),
             Counter::WaitsLost => "waits_lost".into(),
+            Counter::Unauthorized => "unauthorized".into(),
+            Counter::ModelRefused => "model_refused".into(),
         }
     }
 }
@@ -91,12 +99,18 @@ pub fn label<'a>(config: &'a Config, model: &'a str) -> &'a str {
     }
 }
 
-/// Every label that can appear: the configured models, `other`, and each tenant's
-/// (`tenant.<name>`: every counter of a tenant's requests, whatever their model).
+/// Every label that can appear: the configured models, `other`, and with tenants each
+/// tenant's (`tenant.<name>`: every counter of a tenant's requests, whatever their model)
+/// and `tenants` (the table as a whole: keys no tenant holds).
 pub fn labels(config: &Config) -> Vec<String> {
     let models = config.models.keys().cloned().chain(std::iter::once("other".to_owned()));
-    models.chain(config.tenants.keys().map(|t| format!("{TENANT_PREFIX}{t}"))).collect()
+    let tenants = config.tenants.keys().map(|t| format!("{TENANT_PREFIX}{t}"));
+    let table = (!config.tenants.is_empty()).then(|| TENANTS_LABEL.to_owned());
+    models.chain(tenants).chain(table).collect()
 }
+
+/// The label of what no one tenant is counted for (a key no tenant holds).
+pub const TENANTS_LABEL: &str = "tenants";
 
 /// What a tenant's label starts with.
 pub const TENANT_PREFIX: &str = "tenant.";
@@ -272,6 +286,8 @@ mod tests {
             "cost_saved_microusd",
             "fleet_local_share",
             "waits_lost",
+            "unauthorized",
+            "model_refused",
         ];
         assert_eq!(names, documented, "the counter names docs/operations.md lists, each once");
         assert!(COUNTERS.iter().enumerate().all(|(i, c)| c.index() == i), "index is the place in COUNTERS");
@@ -287,7 +303,7 @@ mod tests {
             .as_bytes(),
         )
         .unwrap();
-        assert_eq!(labels(&c), ["gpt-4.1", "other", "tenant.search"]);
+        assert_eq!(labels(&c), ["gpt-4.1", "other", "tenant.search", "tenants"]);
         let mut ids = PerCounter::new(&c);
         ids.set("tenant.search", Counter::UpstreamCalls, 7u32);
         assert_eq!(ids.get_tenant("search", Counter::UpstreamCalls), Some(7));

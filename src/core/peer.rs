@@ -134,6 +134,14 @@ pub fn serve(store: &impl CasStore, config: &Config, body: &[u8], now_ms: u64) -
     Ok(Verdict { admitted: result.is_ok(), denial: result.err(), hold: None })
 }
 
+/// The tenant an operation is about, if it is a tenant's.
+pub fn tenant_of(body: &[u8]) -> Option<String> {
+    match serde_json::from_slice::<Op>(body).ok()? {
+        Op::TenantTake(Ask { tenant, .. }) | Op::TenantSettle(Settlement { tenant, .. }) => Some(tenant),
+        _ => None,
+    }
+}
+
 /// A provider's word empties a bucket for `rate_limit.max_provider_hold_ms` at most.
 pub fn capped(config: &Config, hints: &ProviderHints) -> ProviderHints {
     let hold = config.rate_limit.max_provider_hold_ms;

@@ -133,6 +133,7 @@ extern "C" {
     fn proxy_define_metric(metric_type: MetricType, name_data: *const u8, name_size: usize, return_id: *mut u32)
         -> u32;
     fn proxy_increment_metric(metric_id: u32, offset: i64) -> u32;
+    fn proxy_record_metric(metric_id: u32, value: u64) -> u32;
 }
 
 /// `StreamType::HttpRequest` (the SDK's `StreamType`, as the raw value the import takes).
@@ -318,6 +319,11 @@ pub(crate) fn define_metric(metric_type: MetricType, name: &str) -> Result<u32, 
 pub(crate) fn increment_metric(metric_id: u32, offset: i64) -> Result<(), Status> {
     // SAFETY: no pointers cross; a plain value call.
     done(unsafe { proxy_increment_metric(metric_id, offset) })
+}
+
+pub(crate) fn record_metric(metric_id: u32, value: u64) -> Result<(), Status> {
+    // SAFETY: no pointers cross; a plain value call.
+    done(unsafe { proxy_record_metric(metric_id, value) })
 }
 
 /// The SDK's own `dispatch_http_call`, on purpose. On `Ok` the SDK records the token against

@@ -1,7 +1,10 @@
 //! The worker's Envoy counters: defined once per VM (ids are per VM), incremented by the
-//! core's labelled increments.
+//! core's labelled increments; and the gauges of each tenant's budget left, set from the
+//! shared-data record every worker reads (one stat per name for the whole process).
 
 use super::abi as hostcalls;
+use super::host::SharedData;
+use crate::core::budget;
 use crate::core::config::Config;
 use crate::core::engine::Reply;
 use crate::core::flight::Event;
@@ -13,6 +16,8 @@ pub struct Counters {
     ids: PerCounter<u32>,
     /// The usage of the answer counted last (followers share one answer).
     last_usage: LastUsage,
+    /// Per tenant with a dollar budget: the ids of its day's and month's gauges.
+    budget_gauges: Vec<(String, Option<u32>, Option<u32>)>,
 }
 
 impl Counters {
@@ -26,7 +31,46 @@ impl Counters {
                 }
             }
         }
-        Counters { ids, last_usage: LastUsage::default() }
+        let gauge = |tenant: &str, period: &str, cap: Option<u64>| {
+            let name = format!("holysheep.{}{tenant}.budget_{period}_left_microusd", metrics::TENANT_PREFIX);
+            cap.and_then(|_| hostcalls::define_metric(MetricType::Gauge, &name).ok())
+        };
+        let budget_gauges = config
+            .tenants
+            .iter()
+            .filter(|(_, t)| !t.caps().is_none())
+            .map(|(name, t)| {
+                (name.clone(), gauge(name, "day", t.caps().per_day), gauge(name, "month", t.caps().per_month))
+            })
+            .collect();
+        Counters { ids, last_usage: LastUsage::default(), budget_gauges }
+    }
+
+    /// A refusal at intake: a key no tenant holds, or a model outside the tenant's list.
+    pub fn count_refusal(&self, code: &str, tenant: Option<&str>, model: Option<&str>) {
+        let counter = match code {
+            "invalid_api_key" => Counter::Unauthorized,
+            "model_not_found" => Counter::ModelRefused,
+            _ => return,
+        };
+        let ids = [
+            (code == "invalid_api_key").then(|| self.ids.get(metrics::TENANTS_LABEL, counter)).flatten(),
+            model.and_then(|m| self.ids.get(m, counter)).or_else(|| model.and_then(|_| self.ids.get("other", counter))),
+            tenant.and_then(|t| self.ids.get_tenant(t, counter)),
+        ];
+        bump(&ids.into_iter().flatten().map(|id| (id, 1)).collect::<Vec<_>>());
+    }
+
+    /// Sets `tenant`'s budget gauges to what its record says is left now.
+    pub fn record_budget(&self, config: &Config, tenant: &str, now_ms: u64) {
+        let Some((_, day, month)) = self.budget_gauges.iter().find(|(t, _, _)| t == tenant) else { return };
+        let Some(caps) = config.tenants.get(tenant).map(|t| t.caps()) else { return };
+        let (spent_day, spent_month) = budget::spent(&SharedData, tenant, now_ms);
+        for (id, cap, spent) in [(day, caps.per_day, spent_day), (month, caps.per_month, spent_month)] {
+            if let (Some(id), Some(cap)) = (id, cap) {
+                let _ = hostcalls::record_metric(*id, cap.saturating_sub(spent));
+            }
+        }
     }
 
     /// Adds `increments` to their model's counters, and to `tenant`'s when there is one.

@@ -91,10 +91,14 @@ impl Chat {
         }
         let nonce = self.worker.borrow_mut().nonce();
         let engine = Engine { store: &SharedData, config: &config };
+        let tenant = head.verified.clone();
         let Decision { request, step, outbound, keep } =
             match intake::decide(&engine, head, &body, known.as_deref(), now, nonce) {
                 Ok(d) => d,
-                Err(e) => return self.reject(&e),
+                Err(e) => {
+                    self.worker.borrow().counters.count_refusal(e.code, tenant.as_deref(), None);
+                    return self.reject(&e);
+                }
             };
         self.state = State::Handled;
         if keep.answer {
@@ -139,6 +143,9 @@ impl Chat {
         let config = self.worker.borrow().config.clone();
         match peer::serve(&SharedData, &config, body, host::now_ms()) {
             Ok(verdict) => {
+                if let Some(tenant) = peer::tenant_of(body) {
+                    self.worker.borrow().counters.record_budget(&config, &tenant, host::now_ms());
+                }
                 self.state = State::Handled;
                 let body = serde_json::to_vec(&verdict).unwrap_or_default();
                 host::send(&Reply::plain(Response::json(200, body)), &[]);
@@ -267,7 +274,10 @@ impl HttpContext for Chat {
                     host::send(&Reply::plain(list), &[]);
                     Action::Pause
                 }
-                Some(Err(e)) => self.reject(&e),
+                Some(Err(e)) => {
+                    self.worker.borrow().counters.count_refusal(e.code, None, None);
+                    self.reject(&e)
+                }
                 None => {
                     if intake::carries_tenant_key(&config, &self.head) {
                         let _ = hostcalls::set_map_value(MapType::HttpRequestHeaders, "authorization", None);
@@ -278,6 +288,7 @@ impl HttpContext for Chat {
         }
         self.state = State::Reading;
         if let Err(e) = self.head.check(&config) {
+            self.worker.borrow().counters.count_refusal(e.code, None, None);
             return self.reject(&e);
         }
         if end_of_stream {

@@ -272,6 +272,9 @@ impl Worker {
         let cut_off = run.outbound.prompt_estimate() + end.streamed_tokens;
         run.flight.on_stream_end(&SharedData, &self.config, end.usage, cut_off, end.attempts, &end.hints, now);
         self.fleet.outbox.append(&mut run.flight.outbox);
+        if let Some(t) = run.outbound.tenant.as_deref().filter(|_| !self.config.fleet.shared_limits()) {
+            self.counters.record_budget(&self.config, t, now);
+        }
         self.counters.count_events(
             &self.config,
             &std::mem::take(&mut run.flight.events),

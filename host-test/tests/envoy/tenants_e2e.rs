@@ -56,6 +56,7 @@ fn an_unknown_or_missing_key_is_a_401_and_nothing_goes_upstream() {
         assert_eq!(r.header("x-holysheep-tenant"), None);
     }
     assert_eq!(s.calls(), 0, "nothing reached HolySheep");
+    assert_eq!(s.envoy.stat("wasmcustom.holysheep.tenants.unauthorized"), 4, "each counted");
     assert!(s.crashes().is_empty(), "{:?}", s.crashes());
 }
 
@@ -94,6 +95,7 @@ fn a_model_outside_the_tenants_list_is_a_404_and_its_fallback_is_skipped() {
     assert_eq!((not_listed.status, code(&not_listed).as_str()), (404, "model_not_found"), "{}", not_listed.text());
     assert_eq!(not_listed.json()["error"]["param"], "model");
     assert_eq!(s.calls(), 0);
+    assert_eq!(s.envoy.stat("wasmcustom.holysheep.tenant.search.model_refused"), 1);
     // gpt-4.1 fails: batch may fail over to deepseek-v3, search may not.
     s.mock.mock.plan(vec![Fault { status: Some(503), ..Fault::default() }; 2]);
     let search = s.chat(&prompt("fails for search"), &[("authorization", &bearer(SEARCH_OLD))]);
@@ -185,11 +187,20 @@ fn concurrent_calls_of_a_tenant_never_spend_more_than_its_daily_budget() {
     assert_eq!(s.envoy.stat("wasmcustom.holysheep.gpt-4.1.cost_spent_microusd"), spent, "the counter agrees");
     let stat = |name: &str| s.envoy.stat(&format!("wasmcustom.holysheep.tenant.batch.{name}"));
     assert_eq!((stat("cost_spent_microusd"), stat("upstream_calls"), stat("rate_limited")), (spent, 8, 42));
+
     // Its answers are still served from the cache: a HIT costs nothing.
     let first_served = answers.iter().position(|r| r.status == 200).expect("one served");
     let hit = s.chat(&bodies[first_served], &[("authorization", &bearer(BATCH))]);
     assert_eq!((hit.status, hit.cache()), (200, "HIT"));
     assert_eq!(s.calls(), 8);
+    // The settled calls left room for one more; sent alone, the gauge then says exactly
+    // what is left of the day.
+    let late = s.chat(&budgeted(&prompt("budget 50"), max_tokens), &[("authorization", &bearer(BATCH))]);
+    assert_eq!((late.status, s.calls()), (200, 9), "{}", late.text());
+    let u = &late.json()["usage"];
+    let late_cost = u["prompt_tokens"].as_u64().unwrap_or(0) * 10 + u["completion_tokens"].as_u64().unwrap_or(0) * 30;
+    let stat = |name: &str| s.envoy.stat(&format!("wasmcustom.holysheep.tenant.batch.{name}"));
+    assert_eq!(stat("budget_day_left_microusd"), budget_micro - spent - late_cost);
 }
 
 #[test]

@@ -44,12 +44,13 @@ impl Root {
         loop {
             {
                 let w = &mut *self.worker.borrow_mut();
-                w.counters.count_events(
-                    &w.config,
-                    &std::mem::take(&mut run.flight.events),
-                    run.outbound.tenant.as_deref(),
-                );
+                let tenant = run.outbound.tenant.as_deref();
+                w.counters.count_events(&w.config, &std::mem::take(&mut run.flight.events), tenant);
                 w.fleet.outbox.append(&mut run.flight.outbox);
+                // The tenant's budget record is this node's (not its owner node's elsewhere).
+                if let Some(t) = tenant.filter(|_| !w.config.fleet.shared_limits()) {
+                    w.counters.record_budget(&w.config, t, host::now_ms());
+                }
             }
             self.send_settlements();
             match action {

@@ -124,6 +124,12 @@ impl RootContext for Root {
         w.hot = Hot::new(config.cache.hot_bytes);
         w.parsed = Hot::new(config.cache.hot_bytes.min(hot::PARSED_BYTES));
         w.counters = Counters::define(&config);
+        if !config.fleet.shared_limits() {
+            // The gauges start from the budget records as they stand (kept across reloads).
+            for tenant in config.tenants.keys() {
+                w.counters.record_budget(&config, tenant, host::now_ms());
+            }
+        }
         w.config = Rc::new(config);
         drop(w);
         // A short first tick registers the worker's queue (not here: the canary VM and

@@ -60,6 +60,10 @@ pub struct Options {
     /// The edge's routes send a request to HolySheep only when it carries `x-tier: gold`,
     /// and everything else to a cluster `internal` at this address.
     pub gold_only_upstream: Option<SocketAddr>,
+    /// The edge listener comes from a file Envoy watches (`lds.yaml`, dynamic resources),
+    /// so that `Envoy::reconfigure` reloads the filter's configuration in the running
+    /// process, as an operator's xDS update does.
+    pub edge_by_lds: bool,
 }
 
 impl Options {
@@ -76,6 +80,7 @@ impl Options {
             internal_upstream: None,
             upstream_h2: false,
             gold_only_upstream: None,
+            edge_by_lds: false,
         }
     }
 }
@@ -160,6 +165,26 @@ fn with_gold_only_route(yaml: &str, addr: SocketAddr) -> String {
     format!("{routed}{cluster}")
 }
 
+/// The bootstrap `yaml` with its edge listener moved to `dir/lds.yaml`, which Envoy reads
+/// as a listener discovery response and watches.
+fn with_edge_by_lds(yaml: &str, dir: &Path) -> io::Result<String> {
+    let start = yaml.find("  - name: edge\n").ok_or_else(|| io::Error::other("no edge listener"))?;
+    let end = yaml[start..].find("  - name: direct\n").map_or(yaml.len(), |e| start + e);
+    let listener: String =
+        yaml[start..end].lines().map(|l| l.strip_prefix("  ").unwrap_or(l)).collect::<Vec<_>>().join("\n").replacen(
+            "- name: edge",
+            "- \"@type\": type.googleapis.com/envoy.config.listener.v3.Listener\n  name: edge",
+            1,
+        );
+    std::fs::write(dir.join("lds.yaml"), format!("resources:\n{listener}\n"))?;
+    let lds = format!(
+        "node: {{id: edge, cluster: edge}}\ndynamic_resources:\n  lds_config:\n    resource_api_version: V3\n    \
+         path_config_source: {{path: \"{}\"}}\n",
+        dir.join("lds.yaml").display()
+    );
+    Ok(format!("{lds}{}{}", &yaml[..start], &yaml[end..]))
+}
+
 /// The `holysheep` cluster speaking HTTP/2 (prior knowledge) to the mock.
 fn with_h2_upstream(yaml: &str) -> String {
     let options = "    typed_extension_protocol_options:\n      \
@@ -215,6 +240,7 @@ impl Envoy {
         } else {
             yaml.replace("allow_on_headers_stop_iteration: true", "")
         };
+        let yaml = if opts.edge_by_lds { with_edge_by_lds(&yaml, &dir)? } else { yaml };
         let env: Vec<(&str, String)> = opts.api_key.iter().map(|k| ("HOLYSHEEP_API_KEY", k.clone())).collect();
         Envoy::spawn(dir, &yaml, opts.concurrency, &env)
     }
@@ -277,6 +303,18 @@ impl Envoy {
         };
         envoy.wait_ready()?;
         Ok(envoy)
+    }
+
+    /// Replaces the plugin configuration `old` by `new` in the edge listener Envoy watches
+    /// (`Options::edge_by_lds`): written beside it and moved into place, as Envoy expects.
+    pub fn reconfigure(&self, old: &str, new: &str) -> io::Result<()> {
+        let quoted = |c: &str| format!("'{}'", c.replace('\'', "''"));
+        let lds = std::fs::read_to_string(self.dir.join("lds.yaml"))?;
+        if !lds.contains(&quoted(old)) {
+            return Err(io::Error::other("the edge listener does not carry that configuration"));
+        }
+        std::fs::write(self.dir.join("lds.next.yaml"), lds.replacen(&quoted(old), &quoted(new), 1))?;
+        std::fs::rename(self.dir.join("lds.next.yaml"), self.dir.join("lds.yaml"))
     }
 
     /// Envoy's process id.

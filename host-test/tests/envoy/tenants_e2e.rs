@@ -256,3 +256,45 @@ fn over_three_nodes_a_tenants_budget_is_one_budget() {
     assert_eq!(fleet.stat("wasmcustom.holysheep.tenant.batch.fleet_local_share"), 0, "the tenant's owner was reached");
     assert_eq!(fleet.stat("wasmcustom.holysheep.tenant.batch.upstream_calls"), 8);
 }
+
+#[test]
+fn a_reload_in_envoy_that_rotates_a_key_keeps_the_spend() {
+    use host_test::envoy::{Envoy, Options};
+    use host_test::mock::Running;
+    use host_test::stack::poll_until;
+    let body = budgeted(&prompt("spent before the reload"), 20);
+    // Room for one worst case (every body byte a token, and max_tokens, at $30 per million).
+    let budget_micro = (body.len() as u64 + 20) * 30 + 100;
+    let config = |key: &str| {
+        format!(
+            r#"{{"models":{{"gpt-4.1":{{{PRICES}}}}},"tenants":{{"batch":{{"keys_sha256":["{}"],"usd_per_day":{}}}}}}}"#,
+            digest(key),
+            budget_micro as f64 / 1e6
+        )
+    };
+    let mock = Running::start(Some(OPERATOR_KEY), 0).expect("mock");
+    let mut opts = Options::new(&config(BATCH), mock.addr);
+    opts.api_key = Some(OPERATOR_KEY.into());
+    opts.edge_by_lds = true;
+    let envoy = Envoy::start(&opts).expect("envoy starts");
+    let chat = |token: &str, body: &str| {
+        request(envoy.edge, "POST", host_test::stack::PATH, &[("authorization", &bearer(token))], body.as_bytes())
+            .expect("answer")
+    };
+    assert_eq!(chat(BATCH, &body).status, 200);
+    // The key rotated: the old one removed, a new one added, the budget unchanged.
+    const ROTATED: &str = "hs-batch-rotated-7c6b5a";
+    envoy.reconfigure(&config(BATCH), &config(ROTATED)).expect("reconfigured");
+    poll_until(|| chat(BATCH, &prompt("after the reload")).status == 401, "the reload never took effect");
+    let after = chat(ROTATED, &budgeted(&prompt("spent after the reload"), 20));
+    assert_eq!(
+        (after.status, code(&after).as_str()),
+        (429, "insufficient_quota"),
+        "the spend is kept: {}",
+        after.text()
+    );
+    let cached = chat(ROTATED, &body);
+    assert_eq!((cached.status, cached.cache()), (200, "HIT"), "the tenant's answers too");
+    assert_eq!(mock.mock.calls(), 1);
+    assert!(envoy.crashes().is_empty(), "{:?}", envoy.crashes());
+}

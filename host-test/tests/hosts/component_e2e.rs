@@ -344,3 +344,33 @@ fn the_component_knows_tenants_by_their_keys_as_the_plugin_does() {
     assert_eq!(models.json()["data"][0]["id"], "gpt-4.1");
     assert_eq!(mock.mock.calls(), 2);
 }
+
+#[test]
+fn the_component_holds_a_tenants_budget_as_the_plugin_does() {
+    let mock = Running::start(Some("sk-operator-c1"), 0).expect("mock");
+    let first = prompt("budgeted on the component").replacen('{', r#"{"max_tokens":20,"#, 1);
+    // Room for one worst case (every body byte a token, and max_tokens, at $30 per million).
+    let budget = ((first.len() as u64 + 20) * 30 + 100) as f64 / 1e6;
+    let config = format!(
+        r#"{{"models":{{"gpt-4.1":{{"usd_per_mtok_input":10,"usd_per_mtok_output":30}}}},
+            "tenants":{{"a":{{"keys_sha256":["{}"],"usd_per_day":{budget}}}}}}}"#,
+        sha256_hex(b"hs-a-1")
+    );
+    let s = start(ComponentOptions {
+        wasm: component_path(),
+        listen: ([127, 0, 0, 1], 0).into(),
+        upstream: mock.addr,
+        env: vec![
+            ("HOLYSHEEP_CONFIG".to_owned(), config),
+            ("HOLYSHEEP_API_KEY".to_owned(), "sk-operator-c1".to_owned()),
+        ],
+    })
+    .expect("component serves");
+    let auth = [("authorization", "Bearer hs-a-1")];
+    assert_eq!(post(&s, &first, &auth).status, 200);
+    let second = post(&s, &prompt("budgeted on the componenT").replacen('{', r#"{"max_tokens":20,"#, 1), &auth);
+    assert_eq!((second.status, second.json()["error"]["code"].as_str()), (429, Some("insufficient_quota")));
+    assert!(second.header("retry-after").is_some());
+    assert_eq!(post(&s, &first, &auth).cache(), "HIT", "a HIT is free");
+    assert_eq!(mock.mock.calls(), 1);
+}

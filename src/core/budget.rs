@@ -1,13 +1,18 @@
 //! A tenant's dollar budgets, per UTC day and per UTC month, in one shared-data record per
 //! tenant (`holysheep/budget/<tenant>`: a bounded set of keys, kept across reloads). A call
 //! reserves its worst case before it leaves and settles with what it cost, so concurrent
-//! calls can never spend more than the budget. Amounts are micro-dollars.
+//! calls can never spend more than the budget. The record lists the reservations in flight
+//! by call, each until its deadline: a settlement takes out only a reservation it finds (a
+//! late one, a repeated one or one sent to another node takes nothing out), and one never
+//! settled stays charged, its entry dropped at its deadline. Amounts are micro-dollars.
 
 use super::store::{cas_after, CasStore, StoreError};
 
 const DAY_MS: u64 = 86_400_000;
 /// Attempts at a compare-and-swap before a reservation is refused as contended.
 const MAX_RACES: usize = 16;
+/// The most reservations a record lists; beyond it the oldest is dropped (it stays charged).
+pub const MAX_IN_FLIGHT: usize = 256;
 
 /// A tenant's caps, in micro-dollars (`None`: no cap for that period).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -28,17 +33,14 @@ pub struct Hold {
     pub micro: u64,
     day: u64,
     month: u64,
-    /// Whether the reservation is in the record (not when the store failed, or there are
-    /// no caps): only then does settling take it out again.
-    written: bool,
 }
 
-/// Why a reservation was not made.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Refused {
-    Exhausted(Exhausted),
-    /// Every compare-and-swap lost a race: look again shortly.
-    Contended,
+impl Hold {
+    /// A reservation of `micro` made at `now_ms`.
+    pub fn at(micro: u64, now_ms: u64) -> Hold {
+        let (day, month) = periods(now_ms);
+        Hold { micro, day, month }
+    }
 }
 
 /// Why a reservation was refused: the budget it would exceed and when that period ends.
@@ -49,28 +51,56 @@ pub struct Exhausted {
     pub retry_after_ms: u64,
 }
 
-/// Spend in the current day and month: reserved (in flight) plus settled.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+/// Why a reservation was not made.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Refused {
+    Exhausted(Exhausted),
+    /// Every compare-and-swap lost a race: look again shortly.
+    Contended,
+}
+
+/// A reservation in flight: the call's id, its amount and periods, and its deadline.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Entry {
+    id: u64,
+    micro: u64,
+    day: u64,
+    month: u64,
+    until_ms: u64,
+}
+
+/// Spend in the current day and month (reserved and settled), and the reservations listed.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
 struct Spend {
     day: u64,
     day_micro: u64,
     month: u64,
     month_micro: u64,
+    held: Vec<Entry>,
 }
 
 impl Spend {
+    /// `day day_micro month month_micro`, then after `|` entries `id:micro:day:month:until`
+    /// separated by `,`.
     fn decode(raw: &[u8]) -> Option<Spend> {
         let text = std::str::from_utf8(raw).ok()?;
-        let mut n = text.split(' ').map(|f| f.parse::<u64>().ok());
-        let spend = Spend { day: n.next()??, day_micro: n.next()??, month: n.next()??, month_micro: n.next()?? };
-        n.next().is_none().then_some(spend)
+        let (totals, held) = text.split_once('|').unwrap_or((text, ""));
+        let mut n = totals.split(' ').map(|f| f.parse::<u64>().ok());
+        let (day, day_micro, month, month_micro) = (n.next()??, n.next()??, n.next()??, n.next()??);
+        if n.next().is_some() {
+            return None;
+        }
+        let held = held.split(',').filter(|e| !e.is_empty()).map(Entry::decode).collect::<Option<Vec<_>>>()?;
+        Some(Spend { day, day_micro, month, month_micro, held })
     }
 
     fn encode(&self) -> Vec<u8> {
-        format!("{} {} {} {}", self.day, self.day_micro, self.month, self.month_micro).into_bytes()
+        let held: Vec<String> = self.held.iter().map(Entry::encode).collect();
+        format!("{} {} {} {}|{}", self.day, self.day_micro, self.month, self.month_micro, held.join(",")).into_bytes()
     }
 
-    /// The spend as of `now_ms`: a new day or month starts from nothing.
+    /// The spend as of `now_ms`: a new day or month starts from nothing, and reservations
+    /// past their deadline are no longer listed (they stay charged).
     fn at(mut self, now_ms: u64) -> Spend {
         let (day, month) = periods(now_ms);
         if self.day != day {
@@ -79,7 +109,34 @@ impl Spend {
         if self.month != month {
             (self.month, self.month_micro) = (month, 0);
         }
+        self.held.retain(|e| e.until_ms > now_ms);
         self
+    }
+
+    /// Takes out the reservation of call `id`, if it is listed, from the periods it is
+    /// still in.
+    fn release(&mut self, id: u64) {
+        let Some(at) = self.held.iter().position(|e| e.id == id) else { return };
+        let e = self.held.remove(at);
+        if e.day == self.day {
+            self.day_micro = self.day_micro.saturating_sub(e.micro);
+        }
+        if e.month == self.month {
+            self.month_micro = self.month_micro.saturating_sub(e.micro);
+        }
+    }
+}
+
+impl Entry {
+    fn decode(e: &str) -> Option<Entry> {
+        let mut f = e.split(':').map(|f| f.parse::<u64>().ok());
+        let entry =
+            Entry { id: f.next()??, micro: f.next()??, day: f.next()??, month: f.next()??, until_ms: f.next()?? };
+        f.next().is_none().then_some(entry)
+    }
+
+    fn encode(&self) -> String {
+        format!("{}:{}:{}:{}:{}", self.id, self.micro, self.day, self.month, self.until_ms)
     }
 }
 
@@ -87,17 +144,24 @@ pub fn key(tenant: &str) -> String {
     format!("holysheep/budget/{tenant}")
 }
 
-/// Reserves `micro` for a call of `tenant` at `now_ms`, if both periods have room.
-pub fn reserve(store: &impl CasStore, tenant: &str, caps: Caps, micro: u64, now_ms: u64) -> Result<Hold, Refused> {
-    let (day, month) = periods(now_ms);
-    let hold = Hold { micro, day, month, written: false };
+/// Reserves `micro` for the call `id` of `tenant` at `now_ms`, listed until `until_ms`, if
+/// both periods have room.
+pub fn reserve(
+    store: &impl CasStore,
+    tenant: &str,
+    caps: Caps,
+    (id, micro, until_ms): (u64, u64, u64),
+    now_ms: u64,
+) -> Result<Hold, Refused> {
+    let hold = Hold::at(micro, now_ms);
     if caps.is_none() {
         return Ok(hold);
     }
     let key = key(tenant);
     for _ in 0..MAX_RACES {
+        // A broken store admits: the edge must not go down with it.
         let Ok(read) = store.get(&key) else { return Ok(hold) };
-        let spend = read.value.as_deref().and_then(Spend::decode).unwrap_or_default().at(now_ms);
+        let mut spend = read.value.as_deref().and_then(Spend::decode).unwrap_or_default().at(now_ms);
         if let Some(cap) = caps.per_day.filter(|c| spend.day_micro.saturating_add(micro) > *c) {
             let retry_after_ms = next_day_ms(now_ms) - now_ms;
             return Err(Refused::Exhausted(Exhausted { period: "day", cap_micro: cap, retry_after_ms }));
@@ -106,22 +170,26 @@ pub fn reserve(store: &impl CasStore, tenant: &str, caps: Caps, micro: u64, now_
             let retry_after_ms = next_month_ms(now_ms) - now_ms;
             return Err(Refused::Exhausted(Exhausted { period: "month", cap_micro: cap, retry_after_ms }));
         }
-        let (day_micro, month_micro) = (spend.day_micro.saturating_add(micro), spend.month_micro.saturating_add(micro));
-        let taken = Spend { day_micro, month_micro, ..spend }.encode();
-        match store.set(&key, &taken, cas_after(&read)) {
-            Ok(()) => return Ok(Hold { written: true, ..hold }),
+        spend.day_micro = spend.day_micro.saturating_add(micro);
+        spend.month_micro = spend.month_micro.saturating_add(micro);
+        spend.held.retain(|e| e.id != id);
+        if spend.held.len() >= MAX_IN_FLIGHT {
+            spend.held.remove(0);
+        }
+        spend.held.push(Entry { id, micro, day: hold.day, month: hold.month, until_ms });
+        match store.set(&key, &spend.encode(), cas_after(&read)) {
+            Ok(()) => return Ok(hold),
             Err(StoreError::CasMismatch) => continue,
-            // A broken store admits: the edge must not go down with it.
             Err(StoreError::Host(_)) => return Ok(hold),
         }
     }
     Err(Refused::Contended)
 }
 
-/// The call ended having cost `actual` micro-dollars: its reservation is replaced by that,
-/// in the periods it was taken in (a period that ended since is not touched; a new one
-/// is charged what the call cost).
-pub fn settle(store: &impl CasStore, tenant: &str, caps: Caps, hold: &Hold, actual: u64, now_ms: u64) {
+/// The call `id` ended having cost `actual` micro-dollars: its reservation, if the record
+/// still lists it, is taken out of the periods it was made in (a period that ended since
+/// is not touched), and the current ones are charged what the call cost.
+pub fn settle(store: &impl CasStore, tenant: &str, caps: Caps, id: u64, actual: u64, now_ms: u64) {
     if caps.is_none() {
         return;
     }
@@ -129,9 +197,9 @@ pub fn settle(store: &impl CasStore, tenant: &str, caps: Caps, hold: &Hold, actu
     for _ in 0..MAX_RACES {
         let Ok(read) = store.get(&key) else { return };
         let mut s = read.value.as_deref().and_then(Spend::decode).unwrap_or_default().at(now_ms);
-        let held = |period: u64, current: u64| if hold.written && period == current { hold.micro } else { 0 };
-        s.day_micro = s.day_micro.saturating_sub(held(hold.day, s.day)).saturating_add(actual);
-        s.month_micro = s.month_micro.saturating_sub(held(hold.month, s.month)).saturating_add(actual);
+        s.release(id);
+        s.day_micro = s.day_micro.saturating_add(actual);
+        s.month_micro = s.month_micro.saturating_add(actual);
         match store.set(&key, &s.encode(), cas_after(&read)) {
             Err(StoreError::CasMismatch) => continue,
             _ => return,
@@ -204,20 +272,43 @@ mod tests {
     fn reservations_never_pass_the_cap_and_settle_to_what_was_spent() {
         let s = MemStore::new();
         let caps = Caps { per_day: Some(100), per_month: Some(100) };
-        let a = reserve(&s, "t", caps, 60, DEC_1).unwrap();
-        let Err(Refused::Exhausted(refused)) = reserve(&s, "t", caps, 60, DEC_1) else { panic!("refused") };
+        let far = DEC_1 + 10 * DAY_MS;
+        reserve(&s, "t", caps, (1, 60, far), DEC_1).unwrap();
+        let Err(Refused::Exhausted(refused)) = reserve(&s, "t", caps, (2, 60, far), DEC_1) else { panic!("refused") };
         assert_eq!((refused.period, refused.cap_micro, refused.retry_after_ms), ("day", 100, DAY_MS));
-        settle(&s, "t", caps, &a, 10, DEC_1 + 1);
+        settle(&s, "t", caps, 1, 10, DEC_1 + 1);
         assert_eq!(spent(&s, "t", DEC_1 + 1), (10, 10), "the reservation is replaced by the cost");
-        let b = reserve(&s, "t", caps, 60, DEC_1 + 2).unwrap();
+        settle(&s, "t", caps, 1, 0, DEC_1 + 1);
+        assert_eq!(spent(&s, "t", DEC_1 + 1), (10, 10), "a settlement repeated takes nothing out");
+        settle(&s, "t", caps, 2, 0, DEC_1 + 1);
+        assert_eq!(spent(&s, "t", DEC_1 + 1), (10, 10), "nor one for a reservation that was refused");
+        reserve(&s, "t", caps, (3, 60, far), DEC_1 + 2).unwrap();
         assert_eq!(spent(&s, "t", DEC_1 + 2), (70, 70));
         // The next day: a fresh day, the same month; the call reserved yesterday settles.
         let tomorrow = DEC_1 + DAY_MS;
-        settle(&s, "t", caps, &b, 60, tomorrow);
+        settle(&s, "t", caps, 3, 60, tomorrow);
         assert_eq!(spent(&s, "t", tomorrow), (60, 70), "charged to today, in the month once");
-        let Err(Refused::Exhausted(month)) = reserve(&s, "t", caps, 35, tomorrow) else { panic!("refused") };
+        let Err(Refused::Exhausted(month)) = reserve(&s, "t", caps, (4, 35, far), tomorrow) else { panic!("refused") };
         assert_eq!((month.period, month.retry_after_ms), ("month", 30 * DAY_MS));
-        assert!(reserve(&s, "t", Caps::default(), u64::MAX, DEC_1).is_ok(), "no caps, no record");
+        assert!(reserve(&s, "t", Caps::default(), (5, u64::MAX, far), DEC_1).is_ok(), "no caps, no record");
+    }
+
+    #[test]
+    fn a_reservation_never_settled_stays_charged_and_leaves_the_list_at_its_deadline() {
+        let s = MemStore::new();
+        let caps = Caps { per_day: Some(1_000), per_month: None };
+        reserve(&s, "t", caps, (1, 100, DEC_1 + 50), DEC_1).unwrap();
+        reserve(&s, "t", caps, (2, 100, DEC_1 + 500), DEC_1 + 60).unwrap();
+        let listed = |s: &MemStore| Spend::decode(&s.get(&key("t")).unwrap().value.unwrap()).unwrap().held.len();
+        assert_eq!(listed(&s), 1, "the first is past its deadline: no longer listed, still charged");
+        assert_eq!(spent(&s, "t", DEC_1 + 60), (200, 200));
+        settle(&s, "t", caps, 1, 30, DEC_1 + 70);
+        assert_eq!(spent(&s, "t", DEC_1 + 70), (230, 230), "too late to take it out: its cost is added");
+        let open = Caps { per_day: Some(u64::MAX), per_month: None };
+        for id in 10..10 + MAX_IN_FLIGHT as u64 + 5 {
+            reserve(&s, "t", open, (id, 1, DEC_1 + DAY_MS), DEC_1 + 80).unwrap();
+        }
+        assert_eq!(listed(&s), MAX_IN_FLIGHT, "bounded");
     }
 
     #[test]
@@ -225,6 +316,9 @@ mod tests {
         let s = MemStore::new();
         s.set(&key("t"), b"not a spend", None).unwrap();
         assert_eq!(spent(&s, "t", DEC_1), (0, 0));
-        assert!(reserve(&s, "t", Caps { per_day: Some(5), per_month: None }, 5, DEC_1).is_ok());
+        assert!(reserve(&s, "t", Caps { per_day: Some(5), per_month: None }, (1, 5, DEC_1 + 1), DEC_1).is_ok());
+        let (day, month) = periods(DEC_1);
+        s.set(&key("t"), format!("{day} 2 {month} 4").as_bytes(), None).unwrap();
+        assert_eq!(spent(&s, "t", DEC_1), (2, 4), "a record of the previous release reads as it was");
     }
 }

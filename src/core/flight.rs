@@ -11,7 +11,7 @@ use super::error::ApiError;
 use super::limits::{self, duration, Denial, Kind, Limits, ProviderHints};
 use super::peer::{self, Op, Verdict};
 use super::store::CasStore;
-use super::tenant_gate::{self, Ask, Billed, Refusal, TenantHold};
+use super::tenant_gate::{self, Ask, Billed, Refusal, Settlement, TenantHold};
 use super::upstream::Outbound;
 
 pub use super::limits::CONTENTION_RETRY_MS;
@@ -105,6 +105,8 @@ pub struct Flight {
     /// The verified tenant the flight is for, and what it holds of that tenant's limits.
     tenant: Option<String>,
     tenant_hold: Option<TenantHold>,
+    /// The tenant's share was taken (or it has none to take).
+    tenant_taken: bool,
     /// The flight's last `Action::Ask` went to its tenant's owner node, whose answer ...
     asking_tenant: bool,
     /// ... is this (`Some(None)`: out of reach).
@@ -145,6 +147,7 @@ impl Flight {
             last: None,
             tenant: outbound.tenant.clone(),
             tenant_hold: None,
+            tenant_taken: false,
             asking_tenant: false,
             tenant_verdict: None,
             worst_tokens: outbound.worst_tokens(),
@@ -163,6 +166,7 @@ impl Flight {
     /// is asked first (`Action::Ask`), and the probe goes on from its verdict.
     pub fn resume(&mut self, store: &impl CasStore, config: &Config, now_ms: u64, nonce: u64) -> Action {
         if now_ms >= self.deadline_ms {
+            self.release_tenant_verdict(config, now_ms);
             let last = self.last.take();
             return self.end(store, last, now_ms);
         }
@@ -205,8 +209,7 @@ impl Flight {
     /// Takes the call's share of its tenant's own limits, once per flight; `Some` when they
     /// refuse it (a wait for the bucket, or the 429).
     fn reserve_tenant(&mut self, store: &impl CasStore, config: &Config, now_ms: u64, nonce: u64) -> Option<Action> {
-        let tenant =
-            self.tenant.clone().filter(|t| self.tenant_hold.is_none() && tenant_gate::is_limited(config, t))?;
+        let tenant = self.tenant.clone().filter(|t| !self.tenant_taken && tenant_gate::is_limited(config, t))?;
         let id = *self.id.get_or_insert(nonce);
         let hold_ms = self.deadline_ms.saturating_sub(now_ms) + 1_000;
         let worst_micro = tenant_gate::worst_micro(config, &self.models, self.worst_tokens);
@@ -231,6 +234,9 @@ impl Flight {
                     (Err(d), _) => Err(Refusal::of(config, &tenant, d)),
                 },
                 Some(None) => {
+                    // The ask may have reached the owner all the same: what it reserved is
+                    // given back, and this node admits from its share.
+                    self.outbox.push(Op::TenantSettle(Settlement::release(&ask, now_ms)));
                     self.events.push(Event::LocalShare { model: self.model().to_owned() });
                     tenant_gate::take(store, config, &ask, Some(config.fleet.nodes), now_ms)
                 }
@@ -238,7 +244,7 @@ impl Flight {
         };
         match taken {
             Ok(hold) => {
-                self.tenant_hold = hold;
+                (self.tenant_hold, self.tenant_taken) = (hold, true);
                 None
             }
             Err(refusal) => {
@@ -254,6 +260,22 @@ impl Flight {
                 Some(Action::Finish(Some(tenant_gate::refused(config, &tenant, &model, refusal))))
             }
         }
+    }
+
+    /// The flight ends at its deadline with its tenant's owner's verdict unread: what the
+    /// owner reserved is given back.
+    fn release_tenant_verdict(&mut self, config: &Config, now_ms: u64) {
+        let (Some(Some(v)), Some(tenant)) = (self.tenant_verdict.take(), self.tenant.clone()) else { return };
+        if v.hold.is_some() {
+            let worst_micro = tenant_gate::worst_micro(config, &self.models, self.worst_tokens);
+            let ask = Ask { tenant, id: self.id.unwrap_or(0), estimate: self.estimate, worst_micro, hold_ms: 0 };
+            self.outbox.push(Op::TenantSettle(Settlement::release(&ask, now_ms)));
+        }
+    }
+
+    /// Whether the flight's last `Action::Ask` went to its tenant's owner node.
+    pub fn asking_tenant(&self) -> bool {
+        self.asking_tenant
     }
 
     /// The flight is over: what it holds of its tenant's limits is settled, here or (a
@@ -788,6 +810,32 @@ mod tests {
         let Action::Finish(Some(r)) = h.resume(&here, &c, 10, 3) else { panic!("the share is too small") };
         assert_eq!(r.status, 429);
         assert!(h.events.contains(&Event::LocalShare { model: "gpt-4.1".into() }));
+    }
+
+    #[test]
+    fn a_tenant_owners_late_verdict_is_given_back_and_its_repeat_takes_nothing() {
+        let c = config(&format!(
+            r#"{{"fleet":{{"cluster":"owners","nodes":4}},
+                "models":{{"gpt-4.1":{{"usd_per_mtok_input":10,"usd_per_mtok_output":30}}}},
+                "tenants":{{"t":{{"keys_sha256":["{}"],"usd_per_day":0.01}}}}}}"#,
+            "a".repeat(64)
+        ));
+        let (here, owner) = (MemStore::new(), MemStore::new());
+        let mut h = tenant_flight(&c);
+        let Action::Ask { op, .. } = h.resume(&here, &c, 0, 1) else { panic!("asks") };
+        assert!(peer::serve(&owner, &c, &op.to_json(), 0).unwrap().admitted);
+        assert_eq!(crate::core::budget::spent(&owner, "t", 0), (3000, 3000), "reserved on the owner");
+        // Its verdict came too late: this node takes its share (2500 of 10000: too small).
+        h.on_verdict(None);
+        let Action::Finish(Some(r)) = h.resume(&here, &c, 1, 1) else { panic!("the share is too small") };
+        assert_eq!(r.status, 429);
+        let [release @ Op::TenantSettle(Settlement { release: true, .. })] = h.outbox.as_slice() else {
+            panic!("a release for the owner: {:?}", h.outbox)
+        };
+        peer::serve(&owner, &c, &release.to_json(), 2).unwrap();
+        assert_eq!(crate::core::budget::spent(&owner, "t", 2), (0, 0), "the late reservation is given back");
+        peer::serve(&owner, &c, &release.to_json(), 3).unwrap();
+        assert_eq!(crate::core::budget::spent(&owner, "t", 3), (0, 0), "twice changes nothing");
     }
 
     fn fleet(extra: &str) -> Config {

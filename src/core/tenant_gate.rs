@@ -72,6 +72,25 @@ pub struct Settlement {
     pub tokens: u64,
     pub micro: u64,
     pub hold: Hold,
+    /// The key owner never heard the owner's verdict (or gave up on it at its deadline):
+    /// a reservation the owner may have made for the call is given back, nothing else.
+    #[serde(default)]
+    pub release: bool,
+}
+
+impl Settlement {
+    /// Gives back what the tenant's owner may have reserved for `ask`.
+    pub fn release(ask: &Ask, now_ms: u64) -> Settlement {
+        Settlement {
+            tenant: ask.tenant.clone(),
+            id: ask.id,
+            estimate: ask.estimate,
+            tokens: 0,
+            micro: 0,
+            hold: Hold::at(ask.worst_micro, now_ms),
+            release: true,
+        }
+    }
 }
 
 /// What one attempt is billed, as far as the edge can tell.
@@ -169,7 +188,8 @@ pub fn take(
     if let Some(l) = &ledger.bucket {
         limits::take(store, &bucket(&ledger.name), l, id, estimate, now_ms, ask.hold_ms).map_err(Refusal::Bucket)?;
     }
-    let dollars = match budget::reserve(store, &ledger.name, ledger.caps, ask.worst_micro, now_ms) {
+    let listed = (id, ask.worst_micro, now_ms.saturating_add(ask.hold_ms));
+    let dollars = match budget::reserve(store, &ledger.name, ledger.caps, listed, now_ms) {
         Ok(hold) => hold,
         Err(refused) => {
             if let Some(l) = &ledger.bucket {
@@ -199,6 +219,10 @@ pub fn take(
 /// The tenant's owner node settles a call that a key owner reports ended.
 pub fn settle_reported(store: &impl CasStore, config: &Config, s: &Settlement, now_ms: u64) {
     let Some(t) = config.tenants.get(&s.tenant) else { return };
+    if s.release {
+        // Only the dollars are listed by call; the bucket refills on its own.
+        return budget::settle(store, &s.tenant, t.caps(), s.id, 0, now_ms);
+    }
     let hold = TenantHold {
         tenant: s.tenant.clone(),
         id: s.id,
@@ -251,13 +275,14 @@ impl TenantHold {
                 tokens: self.used_tokens,
                 micro: self.used_micro,
                 hold: self.dollars,
+                release: false,
             });
         };
         if let Some(l) = &ledger.bucket {
             let (hints, tokens) = (ProviderHints::default(), Some(self.used_tokens));
             limits::settle(store, &bucket(&ledger.name), l, self.id, self.estimate, tokens, &hints, now_ms);
         }
-        budget::settle(store, &ledger.name, ledger.caps, &self.dollars, self.used_micro, now_ms);
+        budget::settle(store, &ledger.name, ledger.caps, self.id, self.used_micro, now_ms);
         None
     }
 }

@@ -45,14 +45,17 @@ pub fn ask(config: &Config, secret: &str, bucket: &str, op: &Op, timeout_ms: u64
 
 impl Fleet {
     /// The verdict a model owner's answer carries (`None`: it failed), logged when owners
-    /// stop or start answering.
-    pub fn verdict(&mut self, num_headers: usize, body_size: usize) -> Option<Verdict> {
+    /// stop or start answering (a tenant's owner is not: a node of the previous release
+    /// refuses tenants' calls, and its model answers must not flap the log).
+    pub fn verdict(&mut self, num_headers: usize, body_size: usize, for_tenant: bool) -> Option<Verdict> {
         let status = host::header(MapType::HttpCallResponseHeaders, ":status");
         let verdict = (num_headers > 0 && status.as_deref() == Some("200"))
             .then(|| Verdict::parse(&host::buffer(BufferType::HttpCallResponseBody, body_size)))
             .flatten();
         let status = status.unwrap_or_else(|| "none".into());
-        self.reached(verdict.is_some(), &format!("a model owner did not answer (status {status})"));
+        if !for_tenant {
+            self.reached(verdict.is_some(), &format!("a model owner did not answer (status {status})"));
+        }
         verdict
     }
 

@@ -247,7 +247,8 @@ impl Root {
     /// `token` was not an admission.
     pub(super) fn on_verdict(&mut self, token: u32, num_headers: usize, body_size: usize) -> bool {
         let Some(mut run) = self.worker.borrow_mut().runs.asking.remove(&token) else { return false };
-        let verdict = self.worker.borrow_mut().fleet.verdict(num_headers, body_size);
+        let for_tenant = run.flight.asking_tenant();
+        let verdict = self.worker.borrow_mut().fleet.verdict(num_headers, body_size, for_tenant);
         run.flight.on_verdict(verdict);
         let action = self.resume(&mut run);
         self.advance(run, action);

@@ -146,6 +146,12 @@ fn a_request_the_edge_does_not_govern_passes_on_without_the_tenants_key() {
 /// gpt-4.1 at $10 / $30 per million prompt / completion tokens.
 const PRICES: &str = r#""usd_per_mtok_input":10,"usd_per_mtok_output":30"#;
 
+/// What an answer cost at `PRICES`, from the mock's own `usage`, in micro-dollars.
+fn cost_micro(r: &Resp) -> u64 {
+    let u = &r.json()["usage"];
+    u["prompt_tokens"].as_u64().unwrap_or(0) * 10 + u["completion_tokens"].as_u64().unwrap_or(0) * 30
+}
+
 fn budgeted(body: &str, max_tokens: u64) -> String {
     body.replacen('{', &format!(r#"{{"max_tokens":{max_tokens},"#), 1)
 }
@@ -169,13 +175,7 @@ fn concurrent_calls_of_a_tenant_never_spend_more_than_its_daily_budget() {
     let s = Stack::start_with(&config, 300, Some(OPERATOR_KEY), Some(OPERATOR_KEY));
     let answers = burst_at(s.envoy.edge, bodies.clone(), &bearer(BATCH));
     let served: Vec<&Resp> = answers.iter().filter(|r| r.status == 200).collect();
-    let spent: u64 = served
-        .iter()
-        .map(|r| {
-            let u = &r.json()["usage"];
-            u["prompt_tokens"].as_u64().unwrap_or(0) * 10 + u["completion_tokens"].as_u64().unwrap_or(0) * 30
-        })
-        .sum();
+    let spent: u64 = served.iter().map(|r| cost_micro(r)).sum();
     assert_eq!(served.len(), 8, "eight worst cases fit in the budget at once");
     assert_eq!(s.calls(), 8);
     assert!(spent <= budget_micro, "spent {spent} of {budget_micro} micro-dollars");
@@ -197,8 +197,7 @@ fn concurrent_calls_of_a_tenant_never_spend_more_than_its_daily_budget() {
     // what is left of the day.
     let late = s.chat(&budgeted(&prompt("budget 50"), max_tokens), &[("authorization", &bearer(BATCH))]);
     assert_eq!((late.status, s.calls()), (200, 9), "{}", late.text());
-    let u = &late.json()["usage"];
-    let late_cost = u["prompt_tokens"].as_u64().unwrap_or(0) * 10 + u["completion_tokens"].as_u64().unwrap_or(0) * 30;
+    let late_cost = cost_micro(&late);
     let stat = |name: &str| s.envoy.stat(&format!("wasmcustom.holysheep.tenant.batch.{name}"));
     assert_eq!(stat("budget_day_left_microusd"), budget_micro - spent - late_cost);
 }
@@ -242,13 +241,7 @@ fn over_three_nodes_a_tenants_budget_is_one_budget() {
     let served: Vec<&Resp> = answers.iter().filter(|r| r.status == 200).collect();
     assert_eq!(served.len(), 8, "one budget for the fleet: {:?}", answers.iter().map(|r| r.status).collect::<Vec<_>>());
     assert_eq!(fleet.calls() - probes, 8);
-    let spent: u64 = served
-        .iter()
-        .map(|r| {
-            let u = &r.json()["usage"];
-            u["prompt_tokens"].as_u64().unwrap_or(0) * 10 + u["completion_tokens"].as_u64().unwrap_or(0) * 30
-        })
-        .sum();
+    let spent: u64 = served.iter().map(|r| cost_micro(r)).sum();
     assert!(spent <= budget_micro, "spent {spent} of {budget_micro} micro-dollars");
     for r in answers.iter().filter(|r| r.status != 200) {
         assert_eq!((r.status, code(r).as_str()), (429, "insufficient_quota"), "{}", r.text());

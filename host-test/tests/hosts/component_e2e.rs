@@ -20,6 +20,17 @@ fn serve(mock: &Running, config: &str) -> Serving {
     .expect("component serves")
 }
 
+/// The component with `config` and the operator's `key`, in front of `mock`.
+fn serve_keyed(mock: &Running, config: &str, key: &str) -> Serving {
+    start(ComponentOptions {
+        wasm: component_path(),
+        listen: ([127, 0, 0, 1], 0).into(),
+        upstream: mock.addr,
+        env: vec![("HOLYSHEEP_CONFIG".to_owned(), config.to_owned()), ("HOLYSHEEP_API_KEY".to_owned(), key.to_owned())],
+    })
+    .expect("component serves")
+}
+
 fn post(s: &Serving, body: &str, headers: &[(&str, &str)]) -> Resp {
     request(s.addr, "POST", PATH, headers, body.as_bytes()).expect("answer")
 }
@@ -320,16 +331,7 @@ fn the_component_knows_tenants_by_their_keys_as_the_plugin_does() {
     let config = format!(
         r#"{{"tenants":{{"a":{{"keys_sha256":["{a}"],"models":["gpt-4.1"]}},"b":{{"keys_sha256":["{b}"]}}}}}}"#
     );
-    let s = start(ComponentOptions {
-        wasm: component_path(),
-        listen: ([127, 0, 0, 1], 0).into(),
-        upstream: mock.addr,
-        env: vec![
-            ("HOLYSHEEP_CONFIG".to_owned(), config),
-            ("HOLYSHEEP_API_KEY".to_owned(), "sk-operator-c0".to_owned()),
-        ],
-    })
-    .expect("component serves");
+    let s = serve_keyed(&mock, &config, "sk-operator-c0");
     let body = prompt("tenants on the component");
     let unknown = post(&s, &body, &[("authorization", "Bearer hs-a-2")]);
     assert_eq!((unknown.status, unknown.json()["error"]["code"].as_str()), (401, Some("invalid_api_key")));
@@ -356,16 +358,7 @@ fn the_component_holds_a_tenants_budget_as_the_plugin_does() {
             "tenants":{{"a":{{"keys_sha256":["{}"],"usd_per_day":{budget}}}}}}}"#,
         sha256_hex(b"hs-a-1")
     );
-    let s = start(ComponentOptions {
-        wasm: component_path(),
-        listen: ([127, 0, 0, 1], 0).into(),
-        upstream: mock.addr,
-        env: vec![
-            ("HOLYSHEEP_CONFIG".to_owned(), config),
-            ("HOLYSHEEP_API_KEY".to_owned(), "sk-operator-c1".to_owned()),
-        ],
-    })
-    .expect("component serves");
+    let s = serve_keyed(&mock, &config, "sk-operator-c1");
     let auth = [("authorization", "Bearer hs-a-1")];
     assert_eq!(post(&s, &first, &auth).status, 200);
     let second = post(&s, &prompt("budgeted on the componenT").replacen('{', r#"{"max_tokens":20,"#, 1), &auth);

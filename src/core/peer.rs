@@ -45,13 +45,25 @@ pub enum Op {
 }
 
 impl Op {
+    pub fn parse(body: &[u8]) -> Result<Op, ApiError> {
+        serde_json::from_slice(body)
+            .map_err(|_| ApiError::invalid("not a holysheep peer operation", None, "invalid_json"))
+    }
+
+    /// The tenant a tenant's operation is about.
+    pub fn tenant(&self) -> Option<&str> {
+        match self {
+            Op::TenantTake(Ask { tenant, .. }) | Op::TenantSettle(Settlement { tenant, .. }) => Some(tenant),
+            Op::Take { .. } | Op::Settle { .. } => None,
+        }
+    }
+
     /// The bucket whose owner node this goes to (`None`: a model without limits).
     pub fn bucket(&self, config: &Config) -> Option<String> {
-        match self {
-            Op::Take { model, .. } | Op::Settle { model, .. } => config.model(model).map(|(b, _)| b.to_owned()),
-            Op::TenantTake(Ask { tenant, .. }) | Op::TenantSettle(Settlement { tenant, .. }) => {
-                Some(tenant_gate::bucket(tenant))
-            }
+        match (self, self.tenant()) {
+            (_, Some(tenant)) => Some(tenant_gate::bucket(tenant)),
+            (Op::Take { model, .. } | Op::Settle { model, .. }, None) => config.model(model).map(|(b, _)| b.to_owned()),
+            _ => None,
         }
     }
 
@@ -100,24 +112,27 @@ pub fn secret_matches(secret: Option<&str>, offered: Option<&str>) -> bool {
 
 /// The model owner's side: applies `body` (an `Op`) to this node's buckets and answers.
 pub fn serve(store: &impl CasStore, config: &Config, body: &[u8], now_ms: u64) -> Result<Verdict, ApiError> {
-    let op: Op = serde_json::from_slice(body)
-        .map_err(|_| ApiError::invalid("not a holysheep peer operation", None, "invalid_json"))?;
+    Ok(serve_op(store, config, Op::parse(body)?, now_ms))
+}
+
+/// `serve` for an operation already read.
+pub fn serve_op(store: &impl CasStore, config: &Config, op: Op, now_ms: u64) -> Verdict {
     let admitted = Verdict { admitted: true, denial: None, hold: None };
     let model = match &op {
         Op::Take { model, .. } | Op::Settle { model, .. } => model,
         Op::TenantTake(ask) => {
             let ask = Ask { hold_ms: ask.hold_ms.min(super::config::MAX_MS), ..ask.clone() };
-            return Ok(match tenant_gate::take(store, config, &ask, None, now_ms) {
+            return match tenant_gate::take(store, config, &ask, None, now_ms) {
                 Ok(hold) => Verdict { hold: hold.map(|h| h.dollars()), ..admitted },
                 Err(refusal) => Verdict { admitted: false, denial: Some(refusal.denial()), hold: None },
-            });
+            };
         }
         Op::TenantSettle(s) => {
             tenant_gate::settle_reported(store, config, s, now_ms);
-            return Ok(admitted);
+            return admitted;
         }
     };
-    let Some((bucket, m)) = config.model(model) else { return Ok(admitted) };
+    let Some((bucket, m)) = config.model(model) else { return admitted };
     let l = Limits::of(m);
     let result = match op {
         Op::Take { id, estimate, hold_ms, .. } => {
@@ -131,15 +146,7 @@ pub fn serve(store: &impl CasStore, config: &Config, body: &[u8], now_ms: u64) -
         }
         Op::TenantTake(_) | Op::TenantSettle(_) => Ok(()),
     };
-    Ok(Verdict { admitted: result.is_ok(), denial: result.err(), hold: None })
-}
-
-/// The tenant an operation is about, if it is a tenant's.
-pub fn tenant_of(body: &[u8]) -> Option<String> {
-    match serde_json::from_slice::<Op>(body).ok()? {
-        Op::TenantTake(Ask { tenant, .. }) | Op::TenantSettle(Settlement { tenant, .. }) => Some(tenant),
-        _ => None,
-    }
+    Verdict { admitted: result.is_ok(), denial: result.err(), hold: None }
 }
 
 /// A provider's word empties a bucket for `rate_limit.max_provider_hold_ms` at most.

@@ -46,8 +46,9 @@ impl Counters {
         Counters { ids, last_usage: LastUsage::default(), budget_gauges }
     }
 
-    /// A refusal at intake: a key no tenant holds, or a model outside the tenant's list.
-    pub fn count_refusal(&self, code: &str, tenant: Option<&str>, model: Option<&str>) {
+    /// A refusal at intake: a key no tenant holds (counted for the table), or a model
+    /// outside the tenant's list (counted for the tenant).
+    pub fn count_refusal(&self, code: &str, tenant: Option<&str>) {
         let counter = match code {
             "invalid_api_key" => Counter::Unauthorized,
             "model_not_found" => Counter::ModelRefused,
@@ -55,7 +56,6 @@ impl Counters {
         };
         let ids = [
             (code == "invalid_api_key").then(|| self.ids.get(metrics::TENANTS_LABEL, counter)).flatten(),
-            model.and_then(|m| self.ids.get(m, counter)).or_else(|| model.and_then(|_| self.ids.get("other", counter))),
             tenant.and_then(|t| self.ids.get_tenant(t, counter)),
         ];
         bump(&ids.into_iter().flatten().map(|id| (id, 1)).collect::<Vec<_>>());

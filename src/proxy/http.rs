@@ -96,7 +96,7 @@ impl Chat {
             match intake::decide(&engine, head, &body, known.as_deref(), now, nonce) {
                 Ok(d) => d,
                 Err(e) => {
-                    self.worker.borrow().counters.count_refusal(e.code, tenant.as_deref(), None);
+                    self.worker.borrow().counters.count_refusal(e.code, tenant.as_deref());
                     return self.reject(&e);
                 }
             };
@@ -141,10 +141,13 @@ impl Chat {
     /// A fleet peer's call to this node's buckets, its secret checked.
     fn serve_peer(&mut self, body: &[u8]) -> Action {
         let config = self.worker.borrow().config.clone();
-        match peer::serve(&SharedData, &config, body, host::now_ms()) {
-            Ok(verdict) => {
-                if let Some(tenant) = peer::tenant_of(body) {
-                    self.worker.borrow().counters.record_budget(&config, &tenant, host::now_ms());
+        let now = host::now_ms();
+        match peer::Op::parse(body) {
+            Ok(op) => {
+                let tenant = op.tenant().map(str::to_owned);
+                let verdict = peer::serve_op(&SharedData, &config, op, now);
+                if let Some(tenant) = tenant {
+                    self.worker.borrow().counters.record_budget(&config, &tenant, now);
                 }
                 self.state = State::Handled;
                 let body = serde_json::to_vec(&verdict).unwrap_or_default();
@@ -275,7 +278,7 @@ impl HttpContext for Chat {
                     Action::Pause
                 }
                 Some(Err(e)) => {
-                    self.worker.borrow().counters.count_refusal(e.code, None, None);
+                    self.worker.borrow().counters.count_refusal(e.code, None);
                     self.reject(&e)
                 }
                 None => {
@@ -288,7 +291,7 @@ impl HttpContext for Chat {
         }
         self.state = State::Reading;
         if let Err(e) = self.head.check(&config) {
-            self.worker.borrow().counters.count_refusal(e.code, None, None);
+            self.worker.borrow().counters.count_refusal(e.code, None);
             return self.reject(&e);
         }
         if end_of_stream {

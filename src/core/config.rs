@@ -93,11 +93,17 @@ pub struct RateLimit {
     pub max_wait_ms: u64,
     /// The longest a provider's 429 `retry-after` may empty a model's request bucket.
     pub max_provider_hold_ms: u64,
+    /// The fraction of each bucket and of each in-flight cap that `sheddable` calls may not
+    /// take (it is kept for `standard` and `critical` ones).
+    pub reserve: f64,
+    /// The most calls waiting in one bucket's admission line; a full line refuses its
+    /// lowest class first.
+    pub max_queue: usize,
 }
 
 impl Default for RateLimit {
     fn default() -> Self {
-        RateLimit { max_wait_ms: 0, max_provider_hold_ms: 60_000 }
+        RateLimit { max_wait_ms: 0, max_provider_hold_ms: 60_000, reserve: 0.2, max_queue: 1_024 }
     }
 }
 
@@ -306,6 +312,13 @@ impl Config {
         }
         if self.rate_limit.max_provider_hold_ms == 0 {
             return Err(ConfigError("rate_limit.max_provider_hold_ms: must be at least 1".into()));
+        }
+        if !(0.0..=1.0).contains(&self.rate_limit.reserve) {
+            return Err(ConfigError("rate_limit.reserve: a fraction, between 0 and 1".into()));
+        }
+        if !(1..=super::line::MAX_LINE).contains(&self.rate_limit.max_queue) {
+            let max = super::line::MAX_LINE;
+            return Err(ConfigError(format!("rate_limit.max_queue: must be between 1 and {max}")));
         }
         // Every duration is bounded, so no `now + duration` can overflow.
         let durations: [(u64, &str, u64); 10] = [

@@ -6,6 +6,7 @@ use super::cache::{self, Place, Response};
 use super::config::Config;
 use super::error::ApiError;
 use super::lease::{self, Acquire, Lease, Slot, State};
+use super::priority;
 use super::request::{Key, Policy};
 use super::store::CasStore;
 use std::borrow::Cow;
@@ -487,6 +488,9 @@ fn shared(
     if stale_from.is_some() && !stale_allowed(policy, age_s) {
         return None;
     }
+    if !priority::may_share(&response, policy.class) {
+        return None;
+    }
     Some(Reply { response, cache: Some(cache), key: Some(key.clone()), age_s: Some(age_s) })
 }
 
@@ -496,7 +500,13 @@ mod tests {
     use crate::core::request::{request_key, CacheControl};
     use crate::core::store::{Counting, MemStore};
 
-    const READ: Policy = Policy { read: true, max_age: None, coalesce: true, store: true };
+    const READ: Policy = Policy {
+        read: true,
+        max_age: None,
+        coalesce: true,
+        store: true,
+        class: crate::core::priority::Class::Standard,
+    };
 
     fn ok(body: &str) -> Option<Response> {
         Some(Response::json(200, body.into()))
@@ -614,6 +624,23 @@ mod tests {
         let waiter = Engine { store: &racing, config: &config };
         let r = expect_reply(waiter.admit(&k(6), READ, 1_005, 2));
         assert_eq!((r.response.status, r.cache), (503, Some(CacheStatus::Coalesced)), "no second flight");
+    }
+
+    #[test]
+    fn a_refusal_for_priority_answers_only_waiters_of_its_class_or_below() {
+        use crate::core::priority::Class;
+        let (store, config) = (MemStore::new(), Config::default());
+        let e = Engine { store: &store, config: &config };
+        let shedding = Policy { class: Class::Sheddable, ..READ };
+        let leader = expect_call(e.admit(&k(7), shedding, 0, 1));
+        let critical = expect_wait(e.admit(&k(7), Policy { class: Class::Critical, ..READ }, 1, 2));
+        let sheddable = expect_wait(e.admit(&k(7), shedding, 1, 3));
+        let shed = crate::core::priority::shed(Response::json(429, b"{}".to_vec()), "priority", Class::Sheddable);
+        e.complete(&leader, Some(shed), 2);
+        let r = expect_reply(e.poll(&sheddable, 3, 4));
+        assert_eq!((r.response.status, r.cache), (429, Some(CacheStatus::Coalesced)));
+        let again = expect_call(e.poll(&critical, 3, 5));
+        assert!(again.lease.is_some(), "the critical request leads a flight of its own");
     }
 
     #[test]
@@ -843,6 +870,7 @@ mod tests {
                 max_age: cc.max_age,
                 coalesce: !cc.no_store,
                 store: !cc.no_store,
+                ..READ
             }
         };
         let bypass = expect_call(e.admit(&k(1), policy("no-store"), 1_000, 2));

@@ -9,7 +9,9 @@ use super::config::Config;
 use super::engine::Call;
 use super::error::ApiError;
 use super::limits::{self, duration, Denial, Kind, Limits, ProviderHints};
+use super::line::{Who, POLL_CAP_MS};
 use super::peer::{self, Op, Verdict};
+use super::priority::{self, Class};
 use super::store::CasStore;
 use super::tenant_gate::{self, Ask, Billed, Refusal, Settlement, TenantHold};
 use super::upstream::Outbound;
@@ -64,6 +66,22 @@ pub enum Event {
     WaitLost {
         model: String,
     },
+    /// The flight took a place in a model's admission line (once per flight).
+    Queued {
+        class: Class,
+    },
+    /// The flight was admitted to its first call after waiting `waited_ms` since it began.
+    Admitted {
+        class: Class,
+        waited_ms: u64,
+    },
+    /// The flight was refused for priority: the bucket's reserve (`full`: false) or a full
+    /// admission line.
+    Shed {
+        model: String,
+        class: Class,
+        full: bool,
+    },
 }
 
 /// Which bucket admitted the call, so that it is settled where it was taken.
@@ -113,6 +131,14 @@ pub struct Flight {
     tenant_verdict: Option<Option<Verdict>>,
     /// The most tokens the call can be billed (`Outbound::worst_tokens`).
     worst_tokens: u64,
+    /// The flight's class, and its tenant's `priority::tenant_tag`, in the models' lines.
+    class: Class,
+    tenant_tag: u64,
+    /// The models whose lines the flight stands in, and where each line is.
+    lined: Vec<(usize, Ticket)>,
+    /// It has stood in a line; it has been admitted to a call.
+    queued: bool,
+    admitted: bool,
     pub events: Vec<Event>,
     /// Settlements for model owner nodes, sent by the shell without waiting.
     pub outbox: Vec<Op>,
@@ -151,6 +177,11 @@ impl Flight {
             asking_tenant: false,
             tenant_verdict: None,
             worst_tokens: outbound.worst_tokens(),
+            class: outbound.class,
+            tenant_tag: priority::tenant_tag(outbound.tenant.as_deref()),
+            lined: Vec::new(),
+            queued: false,
+            admitted: false,
             events,
             outbox: Vec::new(),
         }
@@ -168,7 +199,7 @@ impl Flight {
         if now_ms >= self.deadline_ms {
             self.release_tenant_verdict(config, now_ms);
             let last = self.last.take();
-            return self.end(store, last, now_ms);
+            return self.end(store, config, last, now_ms);
         }
         if let Some(refused) = self.reserve_tenant(store, config, now_ms, nonce) {
             return refused;
@@ -180,7 +211,12 @@ impl Flight {
                     if i != self.idx {
                         self.fail_over_to(i);
                     }
+                    self.leave_lines(store, config, now_ms);
                     let model = self.model().to_owned();
+                    if !std::mem::replace(&mut self.admitted, true) {
+                        let waited_ms = now_ms.saturating_sub(self.call.started_ms);
+                        self.events.push(Event::Admitted { class: self.class, waited_ms });
+                    }
                     self.events.push(Event::UpstreamCall { model: model.clone() });
                     return Action::Send { model, timeout_ms: self.deadline_ms - now_ms };
                 }
@@ -192,18 +228,27 @@ impl Flight {
                 }
             }
         }
-        let soonest = denials.iter().map(|(_, d)| d.wait_ms.unwrap_or(CONCURRENCY_POLL_MS)).min().unwrap_or(0);
-        let until = now_ms.saturating_add(soonest);
-        // Contention is no refusal: it waits past `max_wait_ms` (within the deadline).
-        let contended = denials.iter().any(|(_, d)| d.kind == Kind::Contended);
-        if (until <= self.hold_until_ms || contended) && until < self.deadline_ms {
-            return Action::Sleep { until_ms: until };
+        // A refusal for priority is no reason to wait: only the other models' denials are.
+        let waits = denials.iter().filter(|(_, d)| !is_final(d.kind));
+        if let Some(soonest) = waits.clone().map(|(_, d)| d.wait_ms.unwrap_or(CONCURRENCY_POLL_MS)).min() {
+            let until = now_ms.saturating_add(soonest);
+            // Contention is no refusal: it waits past `max_wait_ms` (within the deadline).
+            let contended = waits.clone().any(|(_, d)| d.kind == Kind::Contended);
+            if (until <= self.hold_until_ms || contended) && until < self.deadline_ms {
+                // A place in line lapses unless its caller comes back in time.
+                let poll = if self.lined.is_empty() { soonest } else { soonest.min(POLL_CAP_MS) };
+                return Action::Sleep { until_ms: now_ms.saturating_add(poll) };
+            }
         }
         let model = self.model().to_owned();
         self.events.push(Event::RateLimited { model: model.clone() });
         let denial = denials.first().map(|(_, d)| *d).unwrap_or(Denial { kind: Kind::Requests, wait_ms: None });
+        if is_final(denial.kind) {
+            let full = denial.kind == Kind::QueueFull;
+            self.events.push(Event::Shed { model: model.clone(), class: self.class, full });
+        }
         let limited = self.rate_limited(config, &model, denial);
-        self.end(store, Some(limited), now_ms)
+        self.end(store, config, Some(limited), now_ms)
     }
 
     /// Takes the call's share of its tenant's own limits, once per flight; `Some` when they
@@ -294,9 +339,11 @@ impl Flight {
         }
     }
 
-    /// The flight ends with `outcome`: what it holds of its tenant's limits is settled.
-    fn end(&mut self, store: &impl CasStore, outcome: Option<Response>, now_ms: u64) -> Action {
+    /// The flight ends with `outcome`: what it holds of its tenant's limits is settled,
+    /// and its places in line are given up.
+    fn end(&mut self, store: &impl CasStore, config: &Config, outcome: Option<Response>, now_ms: u64) -> Action {
         self.end_tenant(store, now_ms);
+        self.leave_lines(store, config, now_ms);
         Action::Finish(outcome)
     }
 
@@ -328,7 +375,7 @@ impl Flight {
         }
         let outcome = outcome.map(|r| r.with_header("x-holysheep-model", model.clone()));
         if !retryable(outcome.as_ref()) || hints.key_refused {
-            return self.end(store, outcome, now_ms);
+            return self.end(store, config, outcome, now_ms);
         }
         self.attempt += 1;
         self.last = outcome;
@@ -345,7 +392,7 @@ impl Flight {
             return self.resume(store, config, now_ms, random);
         }
         let last = self.last.take();
-        self.end(store, last, now_ms)
+        self.end(store, config, last, now_ms)
     }
 
     /// A stream forwarded along the route ended: its bytes went to the client as they came,
@@ -388,7 +435,7 @@ impl Flight {
     /// model owner elsewhere in the fleet takes them when it settles the call).
     fn charge_retries(&self, store: &impl CasStore, config: &Config, retries: u64, now_ms: u64) {
         let Some((bucket, m)) = config.model(self.model()) else { return };
-        let l = Limits::of(m);
+        let l = Limits::of(m, &config.rate_limit);
         match self.ticket {
             Some(Ticket::Local(_)) => limits::charge_requests(store, bucket, &l, retries, now_ms),
             Some(Ticket::Share(_)) => {
@@ -418,16 +465,20 @@ impl Flight {
 
     fn reserve(&mut self, store: &impl CasStore, config: &Config, i: usize, now_ms: u64, nonce: u64) -> Reservation {
         let Some((bucket, m)) = config.model(&self.models[i]) else { return Reservation::Reserved };
-        let l = Limits::of(m);
+        let l = Limits::of(m, &config.rate_limit);
         // A call holds its in-flight slot no longer than the flight can last.
         let hold = self.deadline_ms.saturating_sub(now_ms) + 1_000;
         let (estimate, id) = (self.estimate, *self.id.get_or_insert(nonce));
+        let who = Who { id, estimate, class: self.class, tenant: self.tenant_tag };
+        // A call that may still wait keeps a place in line while it is refused.
+        let waits = now_ms < self.hold_until_ms;
         let (ticket, taken) = if !config.fleet.shared_limits() {
-            (Ticket::Local(id), limits::take(store, bucket, &l, id, estimate, now_ms, hold))
+            (Ticket::Local(id), limits::take(store, bucket, &l, &who, now_ms, hold, waits))
         } else {
             match self.verdict.take() {
                 None => {
-                    let op = Op::Take { model: self.models[i].clone(), id, estimate, hold_ms: hold };
+                    let (model, class, tenant) = (self.models[i].clone(), self.class, self.tenant_tag);
+                    let op = Op::Take { model, id, estimate, hold_ms: hold, class, tenant, waits };
                     return Reservation::Ask(bucket.to_owned(), op);
                 }
                 Some(Some(verdict)) => (Ticket::Owner(id), verdict.result()),
@@ -436,17 +487,46 @@ impl Flight {
                     let share = l.share(config.fleet.nodes);
                     (
                         Ticket::Share(id),
-                        limits::take(store, &limits::share_bucket(bucket), &share, id, estimate, now_ms, hold),
+                        limits::take(store, &limits::share_bucket(bucket), &share, &who, now_ms, hold, waits),
                     )
                 }
             }
         };
+        self.lined.retain(|(m, _)| *m != i);
         match taken {
             Ok(()) => {
                 self.ticket = Some(ticket);
                 Reservation::Reserved
             }
-            Err(d) => Reservation::Denied(d),
+            Err(d) => {
+                if waits && matches!(d.kind, Kind::Concurrency | Kind::Requests | Kind::Tokens) {
+                    self.lined.push((i, ticket));
+                    if !std::mem::replace(&mut self.queued, true) {
+                        self.events.push(Event::Queued { class: self.class });
+                    }
+                }
+                Reservation::Denied(d)
+            }
+        }
+    }
+
+    /// Gives up the flight's places in the lines of models it was not admitted to.
+    fn leave_lines(&mut self, store: &impl CasStore, config: &Config, now_ms: u64) {
+        let hints = ProviderHints::default();
+        for (i, ticket) in std::mem::take(&mut self.lined) {
+            let Some((bucket, m)) = self.models.get(i).and_then(|name| config.model(name)) else { continue };
+            let l = Limits::of(m, &config.rate_limit);
+            match ticket {
+                Ticket::Local(id) => limits::settle(store, bucket, &l, id, self.estimate, None, &hints, now_ms),
+                Ticket::Share(id) => {
+                    let (share, bucket) = (l.share(config.fleet.nodes), limits::share_bucket(bucket));
+                    limits::settle(store, &bucket, &share, id, self.estimate, None, &hints, now_ms);
+                }
+                Ticket::Owner(id) => {
+                    let (model, estimate) = (self.models[i].clone(), self.estimate);
+                    self.outbox.push(Op::Settle { model, id, estimate, actual: None, hints, retries: 0 });
+                }
+            }
         }
     }
 
@@ -463,7 +543,7 @@ impl Flight {
     ) {
         let Some(ticket) = self.ticket.take() else { return };
         let Some((bucket, m)) = config.model(self.model()) else { return };
-        let l = Limits::of(m);
+        let l = Limits::of(m, &config.rate_limit);
         let hints = peer::capped(config, hints);
         let (estimate, actual) = (self.estimate, usage.map(|(p, c)| p + c));
         match ticket {
@@ -492,16 +572,23 @@ impl Flight {
     }
 
     fn rate_limited(&self, config: &Config, model: &str, d: Denial) -> Response {
-        let l = config.model(model).map(|(_, m)| Limits::of(m));
+        let l = config.model(model).map(|(_, m)| Limits::of(m, &config.rate_limit));
         let what = match (d.kind, l) {
             (Kind::Requests, Some(l)) => {
                 format!("requests per min (RPM): Limit {}", limits::whole(l.rpm.unwrap_or(0.0)))
             }
             (Kind::Tokens, Some(l)) => format!("tokens per min (TPM): Limit {}", limits::whole(l.tpm.unwrap_or(0.0))),
             (Kind::Concurrency, Some(l)) => format!("requests in flight: Limit {}", l.max_in_flight.unwrap_or(0)),
+            (Kind::Shed, _) => format!("{} requests: the rest is kept for higher priorities", self.class.as_str()),
+            (Kind::QueueFull, _) => format!("{} requests: the waiting line is full", self.class.as_str()),
             _ => "requests".to_owned(),
         };
         let wait = d.wait_ms.unwrap_or(1_000).max(1);
+        let shed = match d.kind {
+            Kind::Shed => Some("priority"),
+            Kind::QueueFull => Some("queue-full"),
+            _ => None,
+        };
         let e = ApiError {
             status: 429,
             message: format!("Rate limit reached for {model} on {what}. Please try again in {}.", duration(wait)),
@@ -509,11 +596,20 @@ impl Flight {
             param: None,
             code: "rate_limit_exceeded",
         };
-        Response::json(429, e.body())
+        let limited = Response::json(429, e.body())
             .with_header("retry-after", wait.div_ceil(1000).to_string())
             .with_header("retry-after-ms", wait.to_string())
-            .with_header("x-holysheep-model", model.to_owned())
+            .with_header("x-holysheep-model", model.to_owned());
+        match shed {
+            Some(why) => priority::shed(limited, why, self.class),
+            None => limited,
+        }
     }
+}
+
+/// A refusal for priority: final, never waited out.
+fn is_final(kind: Kind) -> bool {
+    matches!(kind, Kind::Shed | Kind::QueueFull)
 }
 
 fn retryable(outcome: Option<&Response>) -> bool {
@@ -581,7 +677,13 @@ mod tests {
             store: true,
             label: CacheStatus::Miss,
             started_ms: 0,
-            policy: crate::core::request::Policy { read: true, max_age: None, coalesce: true, store: true },
+            policy: crate::core::request::Policy {
+                read: true,
+                max_age: None,
+                coalesce: true,
+                store: true,
+                class: Class::Standard,
+            },
             place: None,
             wait_lost: false,
         };
@@ -595,6 +697,7 @@ mod tests {
             tenant: None,
             completion_limit: None,
             completion_cap: None,
+            class: Default::default(),
         };
         Flight::new(c, call, &outbound)
     }
@@ -635,7 +738,7 @@ mod tests {
     #[test]
     fn a_streams_attempts_by_the_router_are_counted_and_charged_and_its_429_holds_the_bucket() {
         let (s, c) = (MemStore::new(), config(r#"{"models":{"gpt-4.1":{"requests_per_minute":60,"burst":10}}}"#));
-        let l = Limits::of(&c.models["gpt-4.1"]);
+        let l = Limits::of(&c.models["gpt-4.1"], &c.rate_limit);
         let mut f = flight(&c, "gpt-4.1");
         send(f.resume(&s, &c, 0, 1));
         f.on_stream_end(&s, &c, Some((7, 5)), 0, 3, &ProviderHints::default(), 0);
@@ -696,6 +799,7 @@ mod tests {
             tenant: Some("t".into()),
             completion_limit: Some(100),
             completion_cap: None,
+            class: Default::default(),
         };
         Flight::new(c, call, &outbound)
     }
@@ -967,9 +1071,9 @@ mod tests {
         let mut f = flight(&c, "gpt-4.1");
         let a = f.resume(&s, &c, 0, 1);
         assert_eq!(a, Action::Sleep { until_ms: CONTENTION_RETRY_MS }, "held, not sent uncharged");
-        let before = limits::peek(&s, "gpt-4.1", &Limits::of(c.model("gpt-4.1").unwrap().1), 10);
+        let before = limits::peek(&s, "gpt-4.1", &Limits::of(c.model("gpt-4.1").unwrap().1, &c.rate_limit), 10);
         f.on_response(&s, &c, status(200), &ProviderHints::default(), 10, 0);
-        let after = limits::peek(&s, "gpt-4.1", &Limits::of(c.model("gpt-4.1").unwrap().1), 10);
+        let after = limits::peek(&s, "gpt-4.1", &Limits::of(c.model("gpt-4.1").unwrap().1, &c.rate_limit), 10);
         assert_eq!(before, after, "no refund for what was never taken");
     }
 
@@ -1038,8 +1142,89 @@ mod tests {
             r#"{"models":{"gpt-4.1":{"requests_per_minute":1}},"rate_limit":{"max_wait_ms":61000},"upstream":{"timeout_ms":120000}}"#,
         );
         let mut f = flight(&held, "gpt-4.1");
-        assert_eq!(f.resume(&s, &held, 0, 3), Action::Sleep { until_ms: 60_000 });
+        // It comes back often enough to keep its place in line.
+        assert_eq!(f.resume(&s, &held, 0, 3), Action::Sleep { until_ms: POLL_CAP_MS });
+        assert_eq!(f.resume(&s, &held, 59_800, 3), Action::Sleep { until_ms: 60_000 });
         assert_eq!(send(f.resume(&s, &held, 60_000, 3)), "gpt-4.1");
+    }
+
+    /// A flight of `class` for tenant `tenant` on `model`.
+    fn classed(c: &Config, model: &str, class: Class, tenant: &str) -> Flight {
+        let f = flight(c, model);
+        let outbound = Outbound {
+            body: Vec::new(),
+            client_authorization: None,
+            model: model.into(),
+            estimate_tokens: 100,
+            stream: false,
+            include_usage: false,
+            tenant: Some(tenant.into()),
+            completion_limit: None,
+            completion_cap: None,
+            class,
+        };
+        Flight::new(c, f.call, &outbound)
+    }
+
+    #[test]
+    fn a_critical_call_is_admitted_before_a_queue_of_sheddable_ones() {
+        let s = MemStore::new();
+        let c = config(r#"{"models":{"m":{"max_in_flight":1}},"rate_limit":{"max_wait_ms":10000}}"#);
+        let mut first = classed(&c, "m", Class::Sheddable, "batch");
+        send(first.resume(&s, &c, 0, 1));
+        let mut queued: Vec<Flight> = (0..10).map(|_| classed(&c, "m", Class::Sheddable, "batch")).collect();
+        for (i, f) in queued.iter_mut().enumerate() {
+            assert!(matches!(f.resume(&s, &c, 1, 10 + i as u64), Action::Sleep { .. }));
+            assert!(f.events.contains(&Event::Queued { class: Class::Sheddable }));
+        }
+        let mut critical = classed(&c, "m", Class::Critical, "search");
+        assert!(matches!(critical.resume(&s, &c, 2, 99), Action::Sleep { .. }));
+        first.on_response(&s, &c, None, &ProviderHints::default(), 3, 0);
+        // Every sheddable call looks before the critical one does: none is admitted.
+        for (i, f) in queued.iter_mut().enumerate() {
+            assert!(matches!(f.resume(&s, &c, 4, 10 + i as u64), Action::Sleep { .. }));
+        }
+        assert_eq!(send(critical.resume(&s, &c, 5, 99)), "m");
+        assert!(critical.events.contains(&Event::Admitted { class: Class::Critical, waited_ms: 5 }));
+    }
+
+    #[test]
+    fn a_sheddable_call_is_refused_at_once_where_the_reserve_begins() {
+        let s = MemStore::new();
+        let c = config(
+            r#"{"models":{"m":{"requests_per_minute":60,"burst":10}},"rate_limit":{"reserve":0.5,"max_wait_ms":10000}}"#,
+        );
+        let outcomes: Vec<Action> =
+            (0..10).map(|i| classed(&c, "m", Class::Sheddable, "batch").resume(&s, &c, 0, i)).collect();
+        assert_eq!(outcomes.iter().filter(|a| matches!(a, Action::Send { .. })).count(), 5);
+        let Some(Action::Finish(Some(shed))) = outcomes.last() else { panic!("{outcomes:?}") };
+        assert_eq!(shed.status, 429);
+        assert_eq!(
+            (shed.header("x-holysheep-shed"), shed.header("x-holysheep-priority")),
+            (Some("priority"), Some("sheddable"))
+        );
+        // One request a second: the sixth is above the reserve again in one second.
+        assert_eq!(shed.header("retry-after-ms"), Some("1000"));
+        let critical: Vec<Action> =
+            (0..5).map(|i| classed(&c, "m", Class::Critical, "search").resume(&s, &c, 0, 100 + i)).collect();
+        assert!(critical.iter().all(|a| matches!(a, Action::Send { .. })), "{critical:?}");
+    }
+
+    #[test]
+    fn a_flight_that_gives_up_or_fails_over_leaves_the_line() {
+        let s = MemStore::new();
+        let c = config(
+            r#"{"models":{"m":{"max_in_flight":1,"fallback":["f"]},"f":{"max_in_flight":1}},"rate_limit":{"max_wait_ms":100}}"#,
+        );
+        send(classed(&c, "m", Class::Standard, "a").resume(&s, &c, 0, 1));
+        send(classed(&c, "f", Class::Standard, "a").resume(&s, &c, 0, 2));
+        let mut waiting = classed(&c, "m", Class::Standard, "a");
+        assert!(matches!(waiting.resume(&s, &c, 0, 3), Action::Sleep { .. }));
+        let l = Limits::of(&c.models["m"], &c.rate_limit);
+        assert_eq!(limits::peek(&s, "m", &l, 0).line.len(), 1);
+        assert!(matches!(waiting.resume(&s, &c, 200, 3), Action::Finish(Some(_))), "past max_wait_ms");
+        assert!(limits::peek(&s, "m", &l, 200).line.is_empty(), "its place is given up at once");
+        assert!(limits::peek(&s, "f", &l, 200).line.is_empty());
     }
 
     #[test]
@@ -1058,7 +1243,7 @@ mod tests {
         let c = config(r#"{"models":{"m":{"tokens_per_minute":1000}}}"#);
         let mut f = flight(&c, "m");
         send(f.resume(&s, &c, 0, 1));
-        let l = Limits::of(&c.models["m"]);
+        let l = Limits::of(&c.models["m"], &c.rate_limit);
         assert_eq!(limits::peek(&s, "m", &l, 0).tokens, 900.0);
         f.on_response(&s, &c, status(200), &ProviderHints::default(), 0, 0);
         assert_eq!(limits::peek(&s, "m", &l, 0).tokens, 988.0, "charged 12 real tokens, not 100");

@@ -9,6 +9,7 @@ use crate::core::engine::{CacheStatus, Engine, Step};
 use crate::core::error::ApiError;
 use crate::core::hot;
 use crate::core::peer;
+use crate::core::priority::{self, Class};
 use crate::core::request::{
     is_chat_path, is_internal_path, is_models_path, CacheControl, ChatRequest, Policy, RequestMeta, CHAT_PATH,
 };
@@ -34,6 +35,8 @@ pub struct Head {
     pub repeated_tenant: bool,
     /// The tenant whose key `authorization` carries, set by `check` (with `tenants`).
     pub verified: Option<String>,
+    /// `x-holysheep-priority`: the class the request asks for (it may only lower its own).
+    pub priority: Option<String>,
 }
 
 /// What the edge does with a request, decided from its head.
@@ -101,6 +104,7 @@ impl Head {
                 }
                 b"authorization" => &mut h.authorization,
                 b"cache-control" => &mut h.cache_control,
+                n if n == priority::HEADER.as_bytes() => &mut h.priority,
                 n if n == peer::SECRET_HEADER.as_bytes() => &mut h.peer_secret,
                 n if Some(n) == tenant_header.map(str::as_bytes) => &mut h.tenant,
                 _ => continue,
@@ -179,7 +183,8 @@ pub fn intake(config: &Config, head: &Head, body: &[u8]) -> Result<Intake, ApiEr
     let meta = head.meta();
     let request = ChatRequest::parse(config, &meta, body)?;
     allowed(config, &request)?;
-    let policy = request.policy(config, CacheControl::parse(meta.cache_control));
+    let class = Class::of(config, request.tenant.as_deref(), head.priority.as_deref())?;
+    let policy = Policy { class, ..request.policy(config, CacheControl::parse(meta.cache_control)) };
     Ok(Intake { request, policy })
 }
 
@@ -195,8 +200,9 @@ pub fn intake_or_known(
     match known.filter(|_| head.plain()) {
         Some(request) => {
             allowed(config, request)?;
+            let class = Class::of(config, request.tenant.as_deref(), head.priority.as_deref())?;
             let request = request.clone();
-            let policy = request.policy(config, CacheControl::default());
+            let policy = Policy { class, ..request.policy(config, CacheControl::default()) };
             Ok(Intake { request, policy })
         }
         None => intake(config, head, body),
@@ -271,7 +277,7 @@ pub fn decide<S: CasStore>(
     let body = if matches!(step, Step::Reply(_)) { Vec::new() } else { body.to_vec() };
     // A tenant's token is the edge's to check, never HolySheep's to see.
     let client_authorization = head.authorization.filter(|_| request.tenant.is_none());
-    let mut outbound = Outbound::of(&request, body, client_authorization);
+    let mut outbound = Outbound { class: policy.class, ..Outbound::of(&request, body, client_authorization) };
     // A call that must stay within a dollar budget is bounded: without a completion limit
     // of its own it is sent with one.
     let budgeted =

@@ -6,17 +6,12 @@
 //! with the answer's `usage`; the provider's own limit headers only ever lower the buckets.
 
 use super::codec;
-use super::config::Model;
+use super::config::{Model, RateLimit};
+use super::line::{Full, Line, Who};
 use super::store::{cas_after, CasStore, StoreError};
 
 /// Completion tokens assumed when a request sets no `max_tokens`/`max_completion_tokens`.
 pub const DEFAULT_COMPLETION_ESTIMATE: u64 = 256;
-/// A place in the `max_in_flight` line lapses unless renewed this often (a waiter whose
-/// worker died must not block the line).
-pub const LINE_HOLD_MS: u64 = 1_000;
-/// The longest line kept per model; later callers are refused without a place.
-pub const MAX_LINE: usize = 1_024;
-
 const MAX_RACES: usize = 16;
 
 /// A model's configured limits (per minute; `req_per_ms`/`tok_per_ms` give the rates).
@@ -26,16 +21,23 @@ pub struct Limits {
     pub tpm: Option<f64>,
     pub burst: f64,
     pub max_in_flight: Option<usize>,
+    /// The fraction of each bucket (and of the in-flight cap) kept for classes above
+    /// `sheddable` (`rate_limit.reserve`).
+    pub reserve: f64,
+    /// The longest admission line (`rate_limit.max_queue`).
+    pub max_line: usize,
 }
 
 impl Limits {
-    pub fn of(m: &Model) -> Limits {
+    pub fn of(m: &Model, rules: &RateLimit) -> Limits {
         let rpm = m.requests_per_minute.map(f64::from);
         Limits {
             rpm,
             tpm: m.tokens_per_minute.map(|t| t as f64),
             burst: m.burst.map(f64::from).or(rpm).unwrap_or(1.0),
             max_in_flight: m.max_in_flight.map(|n| n as usize),
+            reserve: rules.reserve,
+            max_line: rules.max_queue,
         }
     }
 
@@ -48,6 +50,7 @@ impl Limits {
             tpm: self.tpm.map(|t| t / n),
             burst: (self.burst / n).floor().max(1.0),
             max_in_flight: self.max_in_flight.map(|m| (m / nodes.max(1) as usize).max(1)),
+            ..*self
         }
     }
 
@@ -74,13 +77,18 @@ pub enum Kind {
     QuotaDay,
     #[serde(rename = "quota_month")]
     QuotaMonth,
+    /// A `sheddable` call would have taken from the bucket's reserve: refused at once.
+    Shed,
+    /// The admission line is full, and the call is of its lowest class.
+    #[serde(rename = "queue_full")]
+    QueueFull,
 }
 
 impl Kind {
     /// OpenAI's error `type` for a rate-limit answer.
     pub fn as_str(self) -> &'static str {
         match self {
-            Kind::Requests | Kind::Concurrency | Kind::Contended => "requests",
+            Kind::Requests | Kind::Concurrency | Kind::Contended | Kind::Shed | Kind::QueueFull => "requests",
             Kind::Tokens => "tokens",
             Kind::QuotaDay | Kind::QuotaMonth => "insufficient_quota",
         }
@@ -137,8 +145,8 @@ pub struct Bucket {
     pub at_ms: u64,
     /// (nonce, expiry) of calls in flight; expiry bounds a call whose worker died.
     pub in_flight: Vec<(u64, u64)>,
-    /// (nonce, expiry) of calls waiting for an in-flight slot, first come first served.
-    pub line: Vec<(u64, u64)>,
+    /// The calls waiting for this bucket, in the order they are admitted.
+    pub line: Line,
 }
 
 impl Bucket {
@@ -148,7 +156,7 @@ impl Bucket {
             tokens: l.tpm.unwrap_or(0.0),
             at_ms: now_ms,
             in_flight: Vec::new(),
-            line: Vec::new(),
+            line: Line::default(),
         }
     }
 
@@ -161,49 +169,80 @@ impl Bucket {
             self.at_ms = now_ms;
         }
         self.in_flight.retain(|(_, expires)| *expires > now_ms);
-        self.line.retain(|(_, expires)| *expires > now_ms);
+        self.line.lapse(now_ms);
     }
 
-    /// Takes one request and `estimate` tokens for the call `nonce`, held at most `hold_ms`.
-    /// A call refused an in-flight slot takes (or keeps) its place in line: a slot goes to
-    /// the calls ahead of it first.
-    pub fn take(&mut self, l: &Limits, nonce: u64, estimate: u64, now_ms: u64, hold_ms: u64) -> Result<(), Denial> {
+    /// Takes one request and `who.estimate` tokens for the call `who.id`, its slot held at
+    /// most `hold_ms`, if the bucket has them after every call ahead of it in line (and,
+    /// for a `sheddable` call, above the reserve). Otherwise a call that `waits` takes (or
+    /// keeps) its place in line. Also says whether the bucket changed (must be written).
+    pub fn take(
+        &mut self,
+        l: &Limits,
+        who: &Who,
+        now_ms: u64,
+        hold_ms: u64,
+        waits: bool,
+    ) -> (Result<(), Denial>, bool) {
         self.refill(l, now_ms);
+        let place = self.line.place_of(who, now_ms);
+        let ahead = self.line.ahead(&place, l.tpm.unwrap_or(f64::INFINITY));
+        match self.lacks(l, who, ahead.calls, ahead.tokens) {
+            None => {
+                self.charge(l, who, now_ms, hold_ms);
+                self.line.leave(who.id, true);
+                (Ok(()), true)
+            }
+            Some((d, true)) => {
+                let left = self.line.leave(who.id, false);
+                (Err(Denial { kind: Kind::Shed, ..d }), left)
+            }
+            Some((d, false)) if !waits => (Err(d), self.line.leave(who.id, false)),
+            Some((d, false)) => match self.line.stand(place, l.max_line, now_ms) {
+                Ok(changed) => (Err(d), changed),
+                Err(Full) => (Err(Denial { kind: Kind::QueueFull, wait_ms: None }), false),
+            },
+        }
+    }
+
+    /// What the bucket lacks for `who` behind `calls` calls asking for `tokens` in all, and
+    /// whether what it lacks is the reserve kept for higher classes.
+    fn lacks(&self, l: &Limits, who: &Who, calls: usize, tokens: f64) -> Option<(Denial, bool)> {
+        let keeps = who.class.keeps_reserve();
         if let Some(max) = l.max_in_flight {
-            let ahead = self.line.iter().position(|(n, _)| *n == nonce).unwrap_or(self.line.len());
-            if self.in_flight.len() + ahead >= max {
-                self.stand_in_line(nonce, now_ms);
-                return Err(Denial { kind: Kind::Concurrency, wait_ms: None });
+            let kept = if keeps { (l.reserve * max as f64).floor() as usize } else { 0 };
+            if self.in_flight.len() + calls + 1 + kept > max {
+                return Some((Denial { kind: Kind::Concurrency, wait_ms: None }, kept > 0));
             }
         }
-        if l.rpm.is_some() && self.requests < 1.0 {
-            let wait = ((1.0 - self.requests) / l.req_per_ms()).ceil() as u64;
-            return Err(Denial { kind: Kind::Requests, wait_ms: Some(wait.max(1)) });
+        if l.rpm.is_some() {
+            let kept = if keeps { (l.reserve * l.burst).floor() } else { 0.0 };
+            let need = calls as f64 + 1.0 + kept;
+            if self.requests < need {
+                let wait = ((need - self.requests) / l.req_per_ms()).ceil() as u64;
+                return Some((Denial { kind: Kind::Requests, wait_ms: Some(wait.max(1)) }, kept > 0.0));
+            }
         }
-        let need = self.estimate_within_capacity(l, estimate);
-        if l.tpm.is_some() && self.tokens < need {
-            let wait = ((need - self.tokens) / l.tok_per_ms()).ceil() as u64;
-            return Err(Denial { kind: Kind::Tokens, wait_ms: Some(wait.max(1)) });
+        if let Some(tpm) = l.tpm {
+            let kept = if keeps { l.reserve * tpm } else { 0.0 };
+            let need = tokens + self.estimate_within_capacity(l, who.estimate) + kept;
+            if self.tokens < need {
+                let wait = ((need - self.tokens) / l.tok_per_ms()).ceil() as u64;
+                return Some((Denial { kind: Kind::Tokens, wait_ms: Some(wait.max(1)) }, kept > 0.0));
+            }
         }
+        None
+    }
+
+    fn charge(&mut self, l: &Limits, who: &Who, now_ms: u64, hold_ms: u64) {
         if l.rpm.is_some() {
             self.requests -= 1.0;
         }
         if l.tpm.is_some() {
-            self.tokens -= need;
+            self.tokens -= self.estimate_within_capacity(l, who.estimate);
         }
         if l.max_in_flight.is_some() {
-            self.line.retain(|(n, _)| *n != nonce);
-            self.in_flight.push((nonce, now_ms.saturating_add(hold_ms)));
-        }
-        Ok(())
-    }
-
-    fn stand_in_line(&mut self, nonce: u64, now_ms: u64) {
-        let expires = now_ms.saturating_add(LINE_HOLD_MS);
-        if let Some(place) = self.line.iter_mut().find(|(n, _)| *n == nonce) {
-            place.1 = expires;
-        } else if self.line.len() < MAX_LINE {
-            self.line.push((nonce, expires));
+            self.in_flight.push((who.id, now_ms.saturating_add(hold_ms)));
         }
     }
 
@@ -212,11 +251,13 @@ impl Bucket {
         (estimate as f64).min(l.tpm.unwrap_or(f64::INFINITY))
     }
 
-    /// The call ended: free its slot and replace the estimate by the real usage (a refund,
-    /// or a charge that may leave the bucket in debt).
+    /// The call ended: free its slot (or its place in line, if it was never admitted) and
+    /// replace the estimate by the real usage (a refund, or a charge that may leave the
+    /// bucket in debt).
     pub fn settle(&mut self, l: &Limits, nonce: u64, estimate: u64, actual: Option<u64>, now_ms: u64) {
         self.refill(l, now_ms);
         self.in_flight.retain(|(n, _)| *n != nonce);
+        self.line.leave(nonce, false);
         if let (Some(actual), Some(cap)) = (actual, l.tpm) {
             self.tokens = (self.tokens + self.estimate_within_capacity(l, estimate) - actual as f64).min(cap);
         }
@@ -257,9 +298,8 @@ impl Bucket {
     }
 
     fn encode(&self) -> Vec<u8> {
-        let flights = self.in_flight.iter().map(|(n, e)| format!("f {n} {e}\n"));
-        let line = self.line.iter().map(|(n, e)| format!("q {n} {e}\n"));
-        let flights: String = flights.chain(line).collect();
+        let mut flights: String = self.in_flight.iter().map(|(n, e)| format!("f {n} {e}\n")).collect();
+        self.line.encode(&mut flights);
         codec::encode(&["B", &bits(self.requests), &bits(self.tokens), &self.at_ms.to_string()], flights.as_bytes())
     }
 
@@ -268,15 +308,18 @@ impl Bucket {
         if f[0] != "B" {
             return None;
         }
-        let (mut in_flight, mut line) = (Vec::new(), Vec::new());
+        let (mut in_flight, mut line) = (Vec::new(), Line::default());
         for l in std::str::from_utf8(rest).ok()?.lines() {
-            let mut parts = l.split(' ');
-            let (Some(kind), Some(n), Some(e)) = (parts.next(), parts.next(), parts.next()) else { continue };
-            let (Some(n), Some(e)) = (codec::number(n), codec::number(e)) else { continue };
-            match kind {
-                "f" => in_flight.push((n, e)),
-                "q" => line.push((n, e)),
-                _ => {}
+            let fields: Vec<&str> = l.split(' ').collect();
+            if line.decode_line(&fields) {
+                continue;
+            }
+            if let [kind, n, e] = fields[..] {
+                if let (Some(n), Some(e)) = (codec::number(n), codec::number(e)) {
+                    if kind == "f" {
+                        in_flight.push((n, e));
+                    }
+                }
             }
         }
         let requests = f64::from_bits(codec::hex_number(f[1])?);
@@ -342,22 +385,18 @@ pub fn update<R>(
     Err(StoreError::CasMismatch)
 }
 
-/// Takes one request and `estimate` tokens from the bucket for the call `id` (see
-/// `Bucket::take`). A call refused a slot keeps its place in line.
+/// Takes one request and `who.estimate` tokens from the bucket for the call `who.id` (see
+/// `Bucket::take`). A refused call that `waits` keeps its place in line.
 pub fn take(
     store: &impl CasStore,
     bucket: &str,
     l: &Limits,
-    id: u64,
-    estimate: u64,
+    who: &Who,
     now_ms: u64,
     hold_ms: u64,
+    waits: bool,
 ) -> Result<(), Denial> {
-    let taken = update(store, bucket, l, now_ms, |b| match b.take(l, id, estimate, now_ms, hold_ms) {
-        Ok(()) => (Ok(()), true),
-        // A place in line is written; other refusals change nothing.
-        Err(d) => (Err(d), d.kind == Kind::Concurrency),
-    });
+    let taken = update(store, bucket, l, now_ms, |b| b.take(l, who, now_ms, hold_ms, waits));
     match taken {
         Ok(admitted) => admitted,
         // Races lost to other workers all along: nothing was taken, so nothing is
@@ -423,14 +462,21 @@ mod tests {
     use super::*;
     use crate::core::store::MemStore;
 
+    fn take_one(b: &mut Bucket, l: &Limits, id: u64, estimate: u64, now_ms: u64, hold_ms: u64) -> Result<(), Denial> {
+        b.take(l, &Who::standard(id, estimate), now_ms, hold_ms, true).0
+    }
+
     fn limits(rpm: u32, tpm: u64, burst: Option<u32>, inflight: Option<u32>) -> Limits {
-        Limits::of(&Model {
-            requests_per_minute: Some(rpm),
-            tokens_per_minute: Some(tpm),
-            burst,
-            max_in_flight: inflight,
-            ..Model::default()
-        })
+        Limits::of(
+            &Model {
+                requests_per_minute: Some(rpm),
+                tokens_per_minute: Some(tpm),
+                burst,
+                max_in_flight: inflight,
+                ..Model::default()
+            },
+            &RateLimit::default(),
+        )
     }
 
     #[test]
@@ -438,11 +484,11 @@ mod tests {
         let l = limits(3, 1_000_000, None, None);
         let mut b = Bucket::full(&l, 0);
         for i in 0..3 {
-            assert!(b.take(&l, i, 10, 0, 60_000).is_ok());
+            assert!(take_one(&mut b, &l, i, 10, 0, 60_000).is_ok());
         }
-        assert_eq!(b.take(&l, 9, 10, 0, 60_000), Err(Denial { kind: Kind::Requests, wait_ms: Some(20_000) }));
-        assert_eq!(b.take(&l, 9, 10, 15_000, 60_000).unwrap_err().wait_ms, Some(5_000));
-        assert!(b.take(&l, 9, 10, 20_000, 60_000).is_ok());
+        assert_eq!(take_one(&mut b, &l, 9, 10, 0, 60_000), Err(Denial { kind: Kind::Requests, wait_ms: Some(20_000) }));
+        assert_eq!(take_one(&mut b, &l, 9, 10, 15_000, 60_000).unwrap_err().wait_ms, Some(5_000));
+        assert!(take_one(&mut b, &l, 9, 10, 20_000, 60_000).is_ok());
     }
 
     #[test]
@@ -451,7 +497,7 @@ mod tests {
         let mut b = Bucket::full(&l, 1_000_000);
         b.refill(&l, 9_000_000);
         assert_eq!((b.requests, b.tokens), (5.0, 600.0));
-        b.take(&l, 1, 100, 9_000_000, 1).unwrap();
+        take_one(&mut b, &l, 1, 100, 9_000_000, 1).unwrap();
         b.refill(&l, 1_000);
         assert_eq!((b.requests, b.tokens, b.at_ms), (4.0, 500.0, 9_000_000));
     }
@@ -460,21 +506,21 @@ mod tests {
     fn tokens_are_reserved_then_reconciled() {
         let l = limits(1000, 1000, None, None);
         let mut b = Bucket::full(&l, 0);
-        b.take(&l, 1, 600, 0, 1).unwrap();
-        assert_eq!(b.take(&l, 2, 600, 0, 1).unwrap_err().kind, Kind::Tokens);
+        take_one(&mut b, &l, 1, 600, 0, 1).unwrap();
+        assert_eq!(take_one(&mut b, &l, 2, 600, 0, 1).unwrap_err().kind, Kind::Tokens);
         b.settle(&l, 1, 600, Some(100), 0);
         assert_eq!(b.tokens, 900.0, "refunded the difference");
-        b.take(&l, 2, 100, 0, 1).unwrap();
+        take_one(&mut b, &l, 2, 100, 0, 1).unwrap();
         b.settle(&l, 2, 100, Some(1_300), 0);
         assert_eq!(b.tokens, -400.0, "charged the difference: a debt");
-        assert_eq!(b.take(&l, 3, 1, 0, 1).unwrap_err().wait_ms, Some(24_060));
+        assert_eq!(take_one(&mut b, &l, 3, 1, 0, 1).unwrap_err().wait_ms, Some(24_060));
     }
 
     #[test]
     fn an_estimate_over_capacity_is_charged_as_a_full_bucket() {
         let l = limits(1000, 100, None, None);
         let mut b = Bucket::full(&l, 0);
-        assert!(b.take(&l, 1, 5_000, 0, 1).is_ok());
+        assert!(take_one(&mut b, &l, 1, 5_000, 0, 1).is_ok());
         assert_eq!(b.tokens, 0.0);
     }
 
@@ -482,33 +528,33 @@ mod tests {
     fn in_flight_is_capped_and_expires() {
         let l = limits(1000, 1_000_000, None, Some(2));
         let mut b = Bucket::full(&l, 0);
-        b.take(&l, 1, 1, 0, 100).unwrap();
-        b.take(&l, 2, 1, 0, 10_000).unwrap();
-        assert_eq!(b.take(&l, 3, 1, 0, 100).unwrap_err().kind, Kind::Concurrency);
+        take_one(&mut b, &l, 1, 1, 0, 100).unwrap();
+        take_one(&mut b, &l, 2, 1, 0, 10_000).unwrap();
+        assert_eq!(take_one(&mut b, &l, 3, 1, 0, 100).unwrap_err().kind, Kind::Concurrency);
         b.settle(&l, 2, 1, None, 1);
-        assert!(b.take(&l, 3, 1, 1, 100).is_ok());
-        assert!(b.take(&l, 4, 1, 1, 100).is_err());
-        assert!(b.take(&l, 4, 1, 100, 100).is_ok(), "call 1's worker is presumed dead after its hold");
+        assert!(take_one(&mut b, &l, 3, 1, 1, 100).is_ok());
+        assert!(take_one(&mut b, &l, 4, 1, 1, 100).is_err());
+        assert!(take_one(&mut b, &l, 4, 1, 100, 100).is_ok(), "call 1's worker is presumed dead after its hold");
     }
 
     #[test]
     fn in_flight_slots_go_first_come_first_served() {
         let l = limits(1000, 1_000_000, None, Some(1));
         let mut b = Bucket::full(&l, 0);
-        b.take(&l, 1, 1, 0, 60_000).unwrap();
-        assert!(b.take(&l, 2, 1, 0, 60_000).is_err(), "2 stands in line");
-        assert!(b.take(&l, 3, 1, 1, 60_000).is_err(), "3 behind 2");
+        take_one(&mut b, &l, 1, 1, 0, 60_000).unwrap();
+        assert!(take_one(&mut b, &l, 2, 1, 0, 60_000).is_err(), "2 stands in line");
+        assert!(take_one(&mut b, &l, 3, 1, 1, 60_000).is_err(), "3 behind 2");
         b.settle(&l, 1, 1, None, 2);
-        assert!(b.take(&l, 3, 1, 3, 60_000).is_err(), "3 may not overtake 2");
-        assert!(b.take(&l, 2, 1, 4, 60_000).is_ok());
+        assert!(take_one(&mut b, &l, 3, 1, 3, 60_000).is_err(), "3 may not overtake 2");
+        assert!(take_one(&mut b, &l, 2, 1, 4, 60_000).is_ok());
         b.settle(&l, 2, 1, None, 5);
-        assert!(b.take(&l, 3, 1, 6, 60_000).is_ok());
+        assert!(take_one(&mut b, &l, 3, 1, 6, 60_000).is_ok());
         // A place not renewed lapses: 5 is not blocked by 4, whose worker went away.
         b.settle(&l, 3, 1, None, 7);
-        b.take(&l, 9, 1, 7, 60_000).unwrap();
-        assert!(b.take(&l, 4, 1, 8, 60_000).is_err());
+        take_one(&mut b, &l, 9, 1, 7, 60_000).unwrap();
+        assert!(take_one(&mut b, &l, 4, 1, 8, 60_000).is_err());
         b.settle(&l, 9, 1, None, 9);
-        assert!(b.take(&l, 5, 1, 9 + LINE_HOLD_MS, 60_000).is_ok());
+        assert!(take_one(&mut b, &l, 5, 1, 9 + crate::core::line::LINE_HOLD_MS, 60_000).is_ok());
         let round_trip = Bucket::decode(&b.encode()).unwrap();
         assert_eq!(round_trip, b);
     }
@@ -524,15 +570,15 @@ mod tests {
         );
         assert_eq!((b.requests, b.tokens), (2.0, 6000.0));
         b.adapt(&l, &ProviderHints { throttled: true, retry_after_ms: Some(3_000), ..Default::default() }, 0);
-        assert_eq!(b.take(&l, 1, 1, 0, 1).unwrap_err().wait_ms, Some(3_000));
-        assert!(b.take(&l, 1, 1, 3_000, 1).is_ok());
+        assert_eq!(take_one(&mut b, &l, 1, 1, 0, 1).unwrap_err().wait_ms, Some(3_000));
+        assert!(take_one(&mut b, &l, 1, 1, 3_000, 1).is_ok());
     }
 
     #[test]
     fn headers_and_durations() {
         let l = limits(3, 1000, None, None);
         let mut b = Bucket::full(&l, 0);
-        b.take(&l, 1, 250, 0, 1).unwrap();
+        take_one(&mut b, &l, 1, 250, 0, 1).unwrap();
         let h = b.headers(&l);
         assert_eq!(h[0], ("x-ratelimit-limit-requests", "3".into()));
         assert_eq!(h[1], ("x-ratelimit-remaining-requests", "2".into()));
@@ -566,7 +612,7 @@ mod tests {
                 std::thread::spawn(move || {
                     (0..10u64)
                         .filter(|i| {
-                            update(&*s, "m", &l, 0, |b| match b.take(&l, t * 100 + i, 1, 0, 1) {
+                            update(&*s, "m", &l, 0, |b| match take_one(b, &l, t * 100 + i, 1, 0, 1) {
                                 Ok(()) => (true, true),
                                 Err(_) => (false, false),
                             })

@@ -5,6 +5,7 @@ use super::bytes;
 use super::config::Config;
 use super::engine::{CacheStatus, Reply};
 use super::flight::{usage, Event};
+use super::priority::Class;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum Counter {
@@ -181,6 +182,8 @@ pub fn for_event<'a>(config: &'a Config, event: &'a Event) -> Vec<(&'a str, Coun
         Event::ProviderRateLimited { model } => one(model, Counter::ProviderRateLimited),
         Event::LocalShare { model } => one(model, Counter::FleetLocalShare),
         Event::WaitLost { model } => one(model, Counter::WaitsLost),
+        // Counted per class (`for_class`).
+        Event::Queued { .. } | Event::Admitted { .. } | Event::Shed { .. } => Vec::new(),
         Event::Usage { model, prompt, completion } => {
             let l = label(config, model);
             vec![
@@ -189,6 +192,56 @@ pub fn for_event<'a>(config: &'a Config, event: &'a Event) -> Vec<(&'a str, Coun
                 (l, Counter::CostSpentMicroUsd, config.cost_micro_usd(model, *prompt, *completion)),
             ]
         }
+    }
+}
+
+/// A priority class's stats: counters of flights that stood in a line, were shed (the
+/// reserve) or refused (a full line), and a histogram of the time flights waited for
+/// admission, from their start to their first call.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ClassStat {
+    Queued,
+    Shed,
+    QueueFull,
+    AdmissionWaitMs,
+}
+
+pub const CLASS_STATS: [ClassStat; 4] =
+    [ClassStat::Queued, ClassStat::Shed, ClassStat::QueueFull, ClassStat::AdmissionWaitMs];
+
+impl ClassStat {
+    pub fn name(self) -> &'static str {
+        match self {
+            ClassStat::Queued => "queued",
+            ClassStat::Shed => "shed",
+            ClassStat::QueueFull => "queue_full",
+            ClassStat::AdmissionWaitMs => "admission_wait_ms",
+        }
+    }
+
+    /// A histogram (a recorded value), not a counter.
+    pub fn is_histogram(self) -> bool {
+        self == ClassStat::AdmissionWaitMs
+    }
+
+    pub fn index(self) -> usize {
+        self as usize
+    }
+
+    /// Envoy stat name (Envoy adds the `wasmcustom.` prefix).
+    pub fn metric_name(self, class: Class) -> String {
+        format!("holysheep.priority.{}.{}", class.as_str(), self.name())
+    }
+}
+
+/// What one flight event adds to its class's stats: (class, stat, amount or value).
+pub fn for_class(event: &Event) -> Option<(Class, ClassStat, u64)> {
+    match event {
+        Event::Queued { class } => Some((*class, ClassStat::Queued, 1)),
+        Event::Shed { class, full: false, .. } => Some((*class, ClassStat::Shed, 1)),
+        Event::Shed { class, full: true, .. } => Some((*class, ClassStat::QueueFull, 1)),
+        Event::Admitted { class, waited_ms } => Some((*class, ClassStat::AdmissionWaitMs, *waited_ms)),
+        _ => None,
     }
 }
 

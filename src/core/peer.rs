@@ -7,6 +7,8 @@ use super::budget::Hold;
 use super::config::Config;
 use super::error::ApiError;
 use super::limits::{self, Denial, Limits, ProviderHints};
+use super::line::Who;
+use super::priority::Class;
 use super::store::CasStore;
 use super::tenant_gate::{self, Ask, Settlement};
 use serde::{Deserialize, Serialize};
@@ -18,12 +20,38 @@ fn is_zero(n: &u64) -> bool {
     *n == 0
 }
 
+fn is_standard(c: &Class) -> bool {
+    *c == Class::Standard
+}
+
+fn yes() -> bool {
+    true
+}
+
+fn is_true(b: &bool) -> bool {
+    *b
+}
+
 /// What a key owner asks of a model owner.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase", deny_unknown_fields)]
 pub enum Op {
-    /// Admit the call `id` (one request, `estimate` tokens, a slot held `hold_ms`).
-    Take { model: String, id: u64, estimate: u64, hold_ms: u64 },
+    /// Admit the call `id` (one request, `estimate` tokens, a slot held `hold_ms`) of
+    /// `class` for the tenant `tenant` (`priority::tenant_tag`); refused, it keeps its
+    /// place in the owner's line if it `waits`. The three are left out at their defaults,
+    /// so nodes of the previous release still read the message.
+    Take {
+        model: String,
+        id: u64,
+        estimate: u64,
+        hold_ms: u64,
+        #[serde(default, skip_serializing_if = "is_standard")]
+        class: Class,
+        #[serde(default, skip_serializing_if = "is_zero")]
+        tenant: u64,
+        #[serde(default = "yes", skip_serializing_if = "is_true")]
+        waits: bool,
+    },
     /// The call `id` ended having used `actual` tokens, after `retries` requests beyond its
     /// first (a stream's router retries); what the provider said. `retries` is left out
     /// when 0, so nodes of the previous release still read the message.
@@ -133,10 +161,11 @@ pub fn serve_op(store: &impl CasStore, config: &Config, op: Op, now_ms: u64) -> 
         }
     };
     let Some((bucket, m)) = config.model(model) else { return admitted };
-    let l = Limits::of(m);
+    let l = Limits::of(m, &config.rate_limit);
     let result = match op {
-        Op::Take { id, estimate, hold_ms, .. } => {
-            limits::take(store, bucket, &l, id, estimate, now_ms, hold_ms.min(super::config::MAX_MS))
+        Op::Take { id, estimate, hold_ms, class, tenant, waits, .. } => {
+            let who = Who { id, estimate, class, tenant };
+            limits::take(store, bucket, &l, &who, now_ms, hold_ms.min(super::config::MAX_MS), waits)
         }
         Op::Settle { id, estimate, actual, hints, retries, .. } => {
             let hints = capped(config, &hints);
@@ -165,16 +194,25 @@ mod tests {
         Config::parse(br#"{"models":{"gpt-4.1":{"requests_per_minute":1,"burst":2}}}"#).unwrap()
     }
 
-    fn take(id: u64) -> Vec<u8> {
-        Op::Take { model: "gpt-4.1".into(), id, estimate: 10, hold_ms: 1000 }.to_json()
+    fn take(model: &str, id: u64) -> Op {
+        take_of(model, id, 10, 1000)
+    }
+
+    fn take_of(model: &str, id: u64, estimate: u64, hold_ms: u64) -> Op {
+        let (class, tenant, waits) = (Class::Standard, 0, true);
+        Op::Take { model: model.into(), id, estimate, hold_ms, class, tenant, waits }
+    }
+
+    fn take_json(id: u64) -> Vec<u8> {
+        take("gpt-4.1", id).to_json()
     }
 
     #[test]
     fn a_model_owner_admits_up_to_the_burst_for_every_node_together() {
         let (s, c) = (MemStore::default(), config());
-        assert!(serve(&s, &c, &take(1), 0).unwrap().admitted);
-        assert!(serve(&s, &c, &take(2), 0).unwrap().admitted);
-        let third = serve(&s, &c, &take(3), 0).unwrap();
+        assert!(serve(&s, &c, &take_json(1), 0).unwrap().admitted);
+        assert!(serve(&s, &c, &take_json(2), 0).unwrap().admitted);
+        let third = serve(&s, &c, &take_json(3), 0).unwrap();
         assert!(!third.admitted);
         assert_eq!(third.result().unwrap_err().kind, Kind::Requests);
         assert_eq!(third.result().unwrap_err().wait_ms, Some(60_000));
@@ -183,7 +221,7 @@ mod tests {
     #[test]
     fn a_settlement_takes_the_streams_retries_and_reads_as_before_without_them() {
         let (s, c) = (MemStore::default(), config());
-        assert!(serve(&s, &c, &take(1), 0).unwrap().admitted);
+        assert!(serve(&s, &c, &take_json(1), 0).unwrap().admitted);
         let settle = |retries| Op::Settle {
             model: "gpt-4.1".into(),
             id: 1,
@@ -203,14 +241,28 @@ mod tests {
         assert_eq!(before, settle(0));
         assert!(serve(&s, &c, &settle(1).to_json(), 0).unwrap().admitted);
         // A burst of 2: one for the call, one for its retry; none left.
-        assert!(!serve(&s, &c, &take(2), 0).unwrap().admitted);
+        assert!(!serve(&s, &c, &take_json(2), 0).unwrap().admitted);
+    }
+
+    #[test]
+    fn a_take_reads_as_the_previous_release_sends_it_and_carries_its_class() {
+        let before: Op =
+            serde_json::from_str(r#"{"take":{"model":"gpt-4.1","id":1,"estimate":10,"hold_ms":1000}}"#).unwrap();
+        assert_eq!(before, take("gpt-4.1", 1));
+        assert_eq!(
+            String::from_utf8(take_json(1)).unwrap(),
+            r#"{"take":{"model":"gpt-4.1","id":1,"estimate":10,"hold_ms":1000}}"#
+        );
+        let (class, tenant, waits) = (Class::Critical, 7, false);
+        let critical = Op::Take { model: "gpt-4.1".into(), id: 1, estimate: 10, hold_ms: 1000, class, tenant, waits };
+        assert_eq!(Op::parse(&critical.to_json()).unwrap(), critical);
     }
 
     #[test]
     fn a_verdict_survives_the_wire() {
         let (s, c) = (MemStore::default(), config());
         for id in 1..=3 {
-            let v = serve(&s, &c, &take(id), 0).unwrap();
+            let v = serve(&s, &c, &take_json(id), 0).unwrap();
             let wire = serde_json::to_vec(&v).unwrap();
             assert_eq!(Verdict::parse(&wire), Some(v));
         }
@@ -225,7 +277,7 @@ mod tests {
         let hints = ProviderHints { throttled: true, retry_after_ms: Some(86_400_000), ..Default::default() };
         let op = Op::Settle { model: "m".into(), id: 1, estimate: 1, actual: None, hints, retries: 0 };
         assert!(serve(&s, &c, &op.to_json(), 0).unwrap().admitted);
-        let refused = serve(&s, &c, &Op::Take { model: "m".into(), id: 2, estimate: 1, hold_ms: 1 }.to_json(), 0);
+        let refused = serve(&s, &c, &take_of("m", 2, 1, 1).to_json(), 0);
         let wait = refused.unwrap().result().unwrap_err().wait_ms.unwrap();
         assert!(wait <= 2_000, "held {wait} ms, not a day");
     }
@@ -234,7 +286,7 @@ mod tests {
     fn garbage_is_refused_and_unlisted_models_are_unlimited() {
         let (s, c) = (MemStore::default(), config());
         assert_eq!(serve(&s, &c, b"{\"op\":\"steal\"}", 0).unwrap_err().status, 400);
-        let other = Op::Take { model: "deepseek-v3".into(), id: 1, estimate: 1, hold_ms: 1 }.to_json();
+        let other = take_of("deepseek-v3", 1, 1, 1).to_json();
         assert!(serve(&s, &c, &other, 0).unwrap().admitted);
     }
 

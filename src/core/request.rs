@@ -7,6 +7,7 @@ use super::config::{Config, Scope};
 use super::digest::sha256;
 use super::error::ApiError;
 use super::limits::DEFAULT_COMPLETION_ESTIMATE;
+use super::priority::Class;
 use serde_json::{Map, Number, Value};
 
 /// The only path the filter handles (query string ignored).
@@ -166,6 +167,9 @@ pub struct Policy {
     pub coalesce: bool,
     /// Store a 200 answer.
     pub store: bool,
+    /// The request's priority class: a waiter takes a flight's refusal for priority only
+    /// if it was given at its own class or a higher one.
+    pub class: Class,
 }
 
 /// A parsed, validated chat-completion request.
@@ -236,6 +240,7 @@ impl ChatRequest {
             max_age: cc.max_age,
             coalesce: !cc.no_store,
             store: !cc.no_store && (self.deterministic || !config.cache.only_deterministic),
+            class: Class::Standard,
         }
     }
 }

@@ -5,9 +5,10 @@
 
 use super::budget::{self, Caps, Exhausted, Hold, Refused};
 use super::cache::Response;
-use super::config::Config;
+use super::config::{Config, RateLimit};
 use super::error::ApiError;
 use super::limits::{self, duration, Denial, Kind, Limits, ProviderHints};
+use super::line::Who;
 use super::store::CasStore;
 use super::tenants::Tenant;
 use serde::{Deserialize, Serialize};
@@ -37,8 +38,8 @@ struct Ledger {
 impl Ledger {
     /// `tenant`'s ledger (`share`: this node's part of it in a fleet of that many nodes,
     /// the tenant's owner node being out of reach).
-    fn of(t: &Tenant, tenant: &str, share: Option<u32>) -> Ledger {
-        let (bucket, caps) = (limits_of(t), t.caps());
+    fn of(config: &Config, t: &Tenant, tenant: &str, share: Option<u32>) -> Ledger {
+        let (bucket, caps) = (limits_of(t, &config.rate_limit), t.caps());
         match share {
             None => Ledger { name: tenant.to_owned(), bucket, caps },
             Some(nodes) => {
@@ -149,13 +150,17 @@ pub fn bucket(tenant: &str) -> String {
     format!("tenant.{tenant}")
 }
 
-fn limits_of(t: &Tenant) -> Option<Limits> {
+/// The tenant's own buckets. Priority classes order the models' lines, not these: a
+/// tenant's own limits are first come, first served, without a line or a reserve.
+fn limits_of(t: &Tenant, rules: &RateLimit) -> Option<Limits> {
     let rpm = t.requests_per_minute.map(f64::from);
     (rpm.is_some() || t.tokens_per_minute.is_some()).then(|| Limits {
         rpm,
         tpm: t.tokens_per_minute.map(|n| n as f64),
         burst: t.burst.map(f64::from).or(rpm).unwrap_or(1.0),
         max_in_flight: None,
+        reserve: 0.0,
+        max_line: rules.max_queue,
     })
 }
 
@@ -183,10 +188,11 @@ pub fn take(
     now_ms: u64,
 ) -> Result<Option<TenantHold>, Refusal> {
     let Some(t) = config.tenants.get(&ask.tenant).filter(|t| t.is_limited()) else { return Ok(None) };
-    let ledger = Ledger::of(t, &ask.tenant, share);
+    let ledger = Ledger::of(config, t, &ask.tenant, share);
     let (id, estimate) = (ask.id, ask.estimate);
     if let Some(l) = &ledger.bucket {
-        limits::take(store, &bucket(&ledger.name), l, id, estimate, now_ms, ask.hold_ms).map_err(Refusal::Bucket)?;
+        let who = Who::standard(id, estimate);
+        limits::take(store, &bucket(&ledger.name), l, &who, now_ms, ask.hold_ms, false).map_err(Refusal::Bucket)?;
     }
     let listed = (id, ask.worst_micro, now_ms.saturating_add(ask.hold_ms));
     let dollars = match budget::reserve(store, &ledger.name, ledger.caps, listed, now_ms) {
@@ -228,7 +234,7 @@ pub fn settle_reported(store: &impl CasStore, config: &Config, s: &Settlement, n
         id: s.id,
         estimate: s.estimate,
         dollars: s.hold,
-        here: Some(Ledger::of(t, &s.tenant, None)),
+        here: Some(Ledger::of(config, t, &s.tenant, None)),
         used_tokens: s.tokens,
         used_micro: s.micro,
     };
@@ -291,7 +297,7 @@ impl TenantHold {
 pub fn refused(config: &Config, tenant: &str, model: &str, refusal: Refusal) -> Response {
     let (e, wait) = match refusal {
         Refusal::Bucket(d) => {
-            let l = config.tenants.get(tenant).and_then(limits_of);
+            let l = config.tenants.get(tenant).and_then(|t| limits_of(t, &config.rate_limit));
             let d = Denial { kind: if d.kind == Kind::Tokens { Kind::Tokens } else { Kind::Requests }, ..d };
             let what = match (d.kind, l) {
                 (Kind::Tokens, Some(l)) => {

@@ -6,6 +6,7 @@
 use super::budget::Caps;
 use super::digest::sha256;
 use super::error::ApiError;
+use super::priority::Class;
 use serde::Deserialize;
 use std::collections::BTreeMap;
 
@@ -33,6 +34,8 @@ pub struct Tenant {
     /// Dollars the tenant's upstream calls may cost per UTC day and per UTC month.
     pub usd_per_day: Option<f64>,
     pub usd_per_month: Option<f64>,
+    /// The class of the tenant's requests (`standard` by default); a request may lower it.
+    pub priority: Class,
 }
 
 impl Tenant {

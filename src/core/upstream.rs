@@ -5,6 +5,7 @@ use super::cache::Response;
 use super::config::Config;
 use super::error::ApiError;
 use super::limits::{self, Limits, ProviderHints, DEFAULT_COMPLETION_ESTIMATE};
+use super::priority::Class;
 use super::request::{for_upstream, ChatRequest};
 use super::store::CasStore;
 use super::stream::is_event_stream;
@@ -28,6 +29,8 @@ pub struct Outbound {
     /// Set for a call that must stay within a tenant's budget but sets no completion
     /// limit: it is sent with `max_tokens` of this.
     pub completion_cap: Option<u64>,
+    /// The request's priority class, which orders the models' admission lines.
+    pub class: Class,
 }
 
 /// The response header naming the verified tenant an answer was for.
@@ -49,6 +52,7 @@ impl Outbound {
             tenant: request.tenant.clone(),
             completion_limit: request.completion_limit,
             completion_cap: None,
+            class: Class::Standard,
         }
     }
 
@@ -180,7 +184,7 @@ pub fn rate_headers(
     now_ms: impl FnOnce() -> u64,
 ) -> Vec<(&'static str, String)> {
     let Some((bucket, m)) = config.model(model) else { return Vec::new() };
-    let l = Limits::of(m);
+    let l = Limits::of(m, &config.rate_limit);
     if l.rpm.is_none() && l.tpm.is_none() {
         return Vec::new();
     }
@@ -203,6 +207,7 @@ mod tests {
             tenant: None,
             completion_limit: None,
             completion_cap: None,
+            class: Default::default(),
         }
     }
 

@@ -8,7 +8,8 @@ use crate::core::budget;
 use crate::core::config::Config;
 use crate::core::engine::Reply;
 use crate::core::flight::Event;
-use crate::core::metrics::{self, Counter, LastUsage, PerCounter, COUNTERS};
+use crate::core::metrics::{self, ClassStat, Counter, LastUsage, PerCounter, CLASS_STATS, COUNTERS};
+use crate::core::priority::CLASSES;
 use proxy_wasm::types::MetricType;
 
 #[derive(Default)]
@@ -18,6 +19,8 @@ pub struct Counters {
     last_usage: LastUsage,
     /// Per tenant with a dollar budget: the ids of its day's and month's gauges.
     budget_gauges: Vec<(String, Option<u32>, Option<u32>)>,
+    /// Per priority class (by rank), the ids of its stats (by `ClassStat::index`).
+    class_ids: [[Option<u32>; CLASS_STATS.len()]; CLASSES.len()],
 }
 
 impl Counters {
@@ -43,7 +46,14 @@ impl Counters {
                 (name.clone(), gauge(name, "day", t.caps().per_day), gauge(name, "month", t.caps().per_month))
             })
             .collect();
-        Counters { ids, last_usage: LastUsage::default(), budget_gauges }
+        let mut class_ids = [[None; CLASS_STATS.len()]; CLASSES.len()];
+        for class in CLASSES {
+            for stat in CLASS_STATS {
+                let kind = if stat.is_histogram() { MetricType::Histogram } else { MetricType::Counter };
+                class_ids[class.rank()][stat.index()] = hostcalls::define_metric(kind, &stat.metric_name(class)).ok();
+            }
+        }
+        Counters { ids, last_usage: LastUsage::default(), budget_gauges, class_ids }
     }
 
     /// A refusal at intake: a key no tenant holds (counted for the table), or a model
@@ -86,7 +96,17 @@ impl Counters {
 
     /// Counts what a flight (of `tenant`) did.
     pub fn count_events(&self, config: &Config, events: &[Event], tenant: Option<&str>) {
+        if events.is_empty() {
+            return;
+        }
         self.count(events.iter().flat_map(|e| metrics::for_event(config, e)).collect(), tenant);
+        for (class, stat, n) in events.iter().filter_map(metrics::for_class) {
+            let Some(id) = self.class_ids[class.rank()][stat.index()] else { continue };
+            let _ = match stat {
+                ClassStat::AdmissionWaitMs => hostcalls::record_metric(id, n),
+                _ => hostcalls::increment_metric(id, n as i64),
+            };
+        }
     }
 
     /// The metric ids and amounts a reply adds, resolved once (for kept answers, `bump`).

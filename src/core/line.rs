@@ -1,0 +1,292 @@
+//! The admission line of one bucket: the calls waiting for it, in the order they are
+//! admitted. By class first; within a class, tenants take turns (each place carries a turn,
+//! one past the tenant's last place in line or the class's last admitted turn, whichever
+//! is later: start-time fair queueing with equal weights); then by arrival. The line is
+//! bounded: a full line refuses the lowest class first. A place lapses unless its caller
+//! comes back within `LINE_HOLD_MS`, so a caller whose worker died holds no one up.
+
+use super::codec;
+use super::priority::{Class, CLASSES};
+
+/// A place in line lapses unless renewed this often.
+pub const LINE_HOLD_MS: u64 = 2_000;
+/// A place is written again (renewed) once less than this is left of its hold; a caller
+/// looks again more often than this (`POLL_CAP_MS`).
+const RENEW_BELOW_MS: u64 = 1_000;
+/// The longest a caller in line waits before looking again.
+pub const POLL_CAP_MS: u64 = 500;
+/// The longest line a configuration may ask for.
+pub const MAX_LINE: usize = 4_096;
+
+/// Who asks a bucket for admission.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Who {
+    pub id: u64,
+    pub estimate: u64,
+    pub class: Class,
+    /// `priority::tenant_tag` of the verified tenant (0: none).
+    pub tenant: u64,
+}
+
+impl Who {
+    pub fn standard(id: u64, estimate: u64) -> Who {
+        Who { id, estimate, class: Class::Standard, tenant: 0 }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Place {
+    pub id: u64,
+    pub until_ms: u64,
+    pub class: Class,
+    pub tenant: u64,
+    pub turn: u64,
+    pub since_ms: u64,
+    pub estimate: u64,
+}
+
+impl Place {
+    fn order(&self) -> (usize, u64, u64, u64) {
+        (self.class.rank(), self.turn, self.since_ms, self.id)
+    }
+}
+
+/// What stands ahead of a place: how many calls, and the tokens they asked for.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct Ahead {
+    pub calls: usize,
+    pub tokens: f64,
+}
+
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct Line {
+    places: Vec<Place>,
+    /// Per class, the turn of the last place admitted from the line.
+    turns: [u64; 3],
+}
+
+/// The line is full and the caller is of its lowest class.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Full;
+
+impl Line {
+    pub fn len(&self) -> usize {
+        self.places.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.places.is_empty()
+    }
+
+    pub fn lapse(&mut self, now_ms: u64) {
+        self.places.retain(|p| p.until_ms > now_ms);
+    }
+
+    /// The caller's place: the one it holds, or the one it would take now.
+    pub fn place_of(&self, who: &Who, now_ms: u64) -> Place {
+        if let Some(p) = self.places.iter().find(|p| p.id == who.id) {
+            return *p;
+        }
+        let last = self.places.iter().filter(|p| p.class == who.class && p.tenant == who.tenant).map(|p| p.turn);
+        let turn = last.max().unwrap_or(0).max(self.turns[who.class.rank()]) + 1;
+        Place {
+            id: who.id,
+            until_ms: now_ms.saturating_add(LINE_HOLD_MS),
+            class: who.class,
+            tenant: who.tenant,
+            turn,
+            since_ms: now_ms,
+            estimate: who.estimate,
+        }
+    }
+
+    /// The calls in line before `place` (`cap`: the most tokens one call is charged).
+    pub fn ahead(&self, place: &Place, cap: f64) -> Ahead {
+        let key = place.order();
+        self.places.iter().filter(|p| p.id != place.id && p.order() < key).fold(Ahead::default(), |a, p| Ahead {
+            calls: a.calls + 1,
+            tokens: a.tokens + (p.estimate as f64).min(cap),
+        })
+    }
+
+    /// Takes (or keeps) `place` in a line of at most `max`; whether the line changed. A full
+    /// line gives the last place of its lowest class to a caller of a higher class.
+    pub fn stand(&mut self, place: Place, max: usize, now_ms: u64) -> Result<bool, Full> {
+        if let Some(p) = self.places.iter_mut().find(|p| p.id == place.id) {
+            let renew = p.until_ms.saturating_sub(now_ms) < RENEW_BELOW_MS;
+            if renew {
+                p.until_ms = now_ms.saturating_add(LINE_HOLD_MS);
+            }
+            return Ok(renew);
+        }
+        if self.places.len() >= max.max(1) {
+            let last = self.places.iter().enumerate().max_by_key(|(_, p)| p.order()).map(|(i, p)| (i, p.class));
+            match last {
+                Some((i, class)) if class > place.class => {
+                    self.places.swap_remove(i);
+                }
+                _ => return Err(Full),
+            }
+        }
+        self.places.push(place);
+        Ok(true)
+    }
+
+    /// The call `id` leaves the line; `admitted`: its class's turn moves on to its own.
+    pub fn leave(&mut self, id: u64, admitted: bool) -> bool {
+        let Some(i) = self.places.iter().position(|p| p.id == id) else { return false };
+        let p = self.places.swap_remove(i);
+        if admitted {
+            let t = &mut self.turns[p.class.rank()];
+            *t = (*t).max(p.turn);
+        }
+        true
+    }
+
+    /// The line's lines in a bucket record: `t` for the turns, `p` for each place.
+    pub fn encode(&self, out: &mut String) {
+        if self.turns != [0; 3] {
+            out.push_str(&format!("t {} {} {}\n", self.turns[0], self.turns[1], self.turns[2]));
+        }
+        for p in &self.places {
+            out.push_str(&format!(
+                "p {} {} {} {} {} {} {}\n",
+                p.id,
+                p.until_ms,
+                p.class.rank(),
+                p.tenant,
+                p.turn,
+                p.since_ms,
+                p.estimate
+            ));
+        }
+    }
+
+    /// Reads one line of a bucket record; `false` if it is not the line's.
+    pub fn decode_line(&mut self, fields: &[&str]) -> bool {
+        let n = |i: usize| fields.get(i).and_then(codec::number);
+        match fields.first() {
+            Some(&"t") => {
+                if let (Some(a), Some(b), Some(c)) = (n(1), n(2), n(3)) {
+                    self.turns = [a, b, c];
+                }
+            }
+            Some(&"p") => {
+                let class = n(3).and_then(|r| CLASSES.get(r as usize).copied());
+                if let (
+                    Some(id),
+                    Some(until_ms),
+                    Some(class),
+                    Some(tenant),
+                    Some(turn),
+                    Some(since_ms),
+                    Some(estimate),
+                ) = (n(1), n(2), class, n(4), n(5), n(6), n(7))
+                {
+                    self.places.push(Place { id, until_ms, class, tenant, turn, since_ms, estimate });
+                }
+            }
+            _ => return false,
+        }
+        true
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn who(id: u64, class: Class, tenant: u64) -> Who {
+        Who { id, estimate: 10, class, tenant }
+    }
+
+    /// Stands each caller in line, then admits the head until the line is empty.
+    fn admitted_order(arrivals: &[Who]) -> Vec<u64> {
+        let mut line = Line::default();
+        for (t, w) in arrivals.iter().enumerate() {
+            let p = line.place_of(w, t as u64);
+            line.stand(p, MAX_LINE, t as u64).unwrap();
+        }
+        let mut order = Vec::new();
+        while let Some(head) = line.places.iter().min_by_key(|p| p.order()).copied() {
+            assert_eq!(line.ahead(&head, f64::INFINITY).calls, 0);
+            line.leave(head.id, true);
+            order.push(head.id);
+        }
+        order
+    }
+
+    #[test]
+    fn classes_first_then_tenants_take_turns_then_arrival() {
+        let mut arrivals: Vec<Who> = (0..10).map(|i| who(i, Class::Sheddable, 1)).collect();
+        arrivals.extend((10..20).map(|i| who(i, Class::Standard, 2)));
+        arrivals.extend([who(20, Class::Standard, 3), who(21, Class::Standard, 3), who(22, Class::Critical, 4)]);
+        let order = admitted_order(&arrivals);
+        assert_eq!(order[0], 22, "critical first, though it came last");
+        assert_eq!(&order[1..5], &[10, 20, 11, 21], "tenant 3's two take turns with tenant 2's ten");
+        assert_eq!(&order[13..], &(0..10).collect::<Vec<_>>()[..], "sheddable last, by arrival");
+    }
+
+    #[test]
+    fn a_tenant_arriving_late_is_not_behind_anothers_backlog() {
+        let mut line = Line::default();
+        for i in 0..100 {
+            let p = line.place_of(&who(i, Class::Standard, 1), 0);
+            line.stand(p, MAX_LINE, 0).unwrap();
+        }
+        // Fifty of tenant 1's calls are admitted before tenant 2 arrives.
+        for i in 0..50 {
+            line.leave(i, true);
+        }
+        let late = line.place_of(&who(500, Class::Standard, 2), 10);
+        assert_eq!(line.ahead(&late, f64::INFINITY).calls, 1, "behind tenant 1's next call only");
+    }
+
+    #[test]
+    fn a_full_line_refuses_its_lowest_class_first() {
+        let mut line = Line::default();
+        for i in 0..3 {
+            let p = line.place_of(&who(i, Class::Sheddable, 1), i);
+            line.stand(p, 3, i).unwrap();
+        }
+        let p = line.place_of(&who(7, Class::Sheddable, 2), 5);
+        assert_eq!(line.stand(p, 3, 5), Err(Full), "no place for another sheddable call");
+        let p = line.place_of(&who(8, Class::Critical, 2), 5);
+        assert_eq!(line.stand(p, 3, 5), Ok(true), "a critical call takes the last sheddable place");
+        assert_eq!(line.len(), 3);
+        assert!(line.places.iter().all(|p| p.id != 2), "the latest sheddable place went");
+        // The caller that lost its place finds the line full when it comes back.
+        let back = line.place_of(&who(2, Class::Sheddable, 1), 6);
+        assert_eq!(line.stand(back, 3, 6), Err(Full));
+    }
+
+    #[test]
+    fn a_place_is_renewed_only_when_its_hold_runs_low_and_lapses_otherwise() {
+        let mut line = Line::default();
+        let p = line.place_of(&who(1, Class::Standard, 0), 0);
+        assert_eq!(line.stand(p, 8, 0), Ok(true));
+        assert_eq!(line.stand(line.place_of(&who(1, Class::Standard, 0), 500), 8, 500), Ok(false), "nothing to write");
+        assert_eq!(line.stand(line.place_of(&who(1, Class::Standard, 0), 1_500), 8, 1_500), Ok(true), "renewed");
+        line.lapse(3_400);
+        assert_eq!(line.len(), 1);
+        line.lapse(3_500);
+        assert!(line.is_empty(), "not renewed: lapsed");
+    }
+
+    #[test]
+    fn the_line_round_trips_through_its_record_lines() {
+        let mut line = Line::default();
+        for i in 0..3 {
+            let p = line.place_of(&who(i, CLASSES[i as usize], i * 7), i);
+            line.stand(p, 8, i).unwrap();
+        }
+        line.leave(0, true);
+        let mut text = String::new();
+        line.encode(&mut text);
+        let mut back = Line::default();
+        for l in text.lines() {
+            assert!(back.decode_line(&l.split(' ').collect::<Vec<_>>()));
+        }
+        assert_eq!(back, line);
+    }
+}

@@ -1,0 +1,120 @@
+//! Priority classes. A verified tenant's configuration sets its class; a request may lower
+//! its own with `x-holysheep-priority`, never raise it. The class orders the admission line
+//! (`line`) and decides whether a call may dip into the part of a bucket kept for
+//! interactive traffic (`rate_limit.reserve`).
+
+use super::cache::Response;
+use super::config::Config;
+use super::error::ApiError;
+use serde::{Deserialize, Serialize};
+
+/// The request header a caller lowers its class with.
+pub const HEADER: &str = "x-holysheep-priority";
+/// The response header of a 429 the edge gave for priority: `priority` (the bucket's
+/// reserve is kept for higher classes) or `queue-full` (the waiting line is full).
+pub const SHED_HEADER: &str = "x-holysheep-shed";
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Class {
+    Critical,
+    #[default]
+    Standard,
+    Sheddable,
+}
+
+/// Every class, highest first.
+pub const CLASSES: [Class; 3] = [Class::Critical, Class::Standard, Class::Sheddable];
+
+impl Class {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Class::Critical => "critical",
+            Class::Standard => "standard",
+            Class::Sheddable => "sheddable",
+        }
+    }
+
+    pub fn parse(s: &str) -> Option<Class> {
+        CLASSES.into_iter().find(|c| s.trim().eq_ignore_ascii_case(c.as_str()))
+    }
+
+    /// Its place in `CLASSES`: 0 is admitted first.
+    pub fn rank(self) -> usize {
+        self as usize
+    }
+
+    /// Whether a call of this class may only use what lies above the bucket's reserve.
+    pub fn keeps_reserve(self) -> bool {
+        self == Class::Sheddable
+    }
+
+    /// The class of a request from `tenant` (`None`: not verified, which is `standard`)
+    /// asking for `requested`: the lower of the two. An unknown value is refused.
+    pub fn of(config: &Config, tenant: Option<&str>, requested: Option<&str>) -> Result<Class, ApiError> {
+        let granted = tenant.and_then(|t| config.tenants.get(t)).map_or(Class::Standard, |t| t.priority);
+        let Some(value) = requested else { return Ok(granted) };
+        let asked = Class::parse(value).ok_or_else(|| {
+            ApiError::invalid(
+                format!("{HEADER} must be critical, standard or sheddable"),
+                Some(HEADER),
+                "invalid_priority",
+            )
+        })?;
+        Ok(granted.max(asked))
+    }
+}
+
+/// A 429 refused for priority (`why`: `priority` or `queue-full`), marked with the class it
+/// was refused at: waiters of a higher class do not take it as their answer.
+pub fn shed(response: Response, why: &str, class: Class) -> Response {
+    response.with_header(SHED_HEADER, why.to_owned()).with_header(HEADER, class.as_str().to_owned())
+}
+
+/// Whether a waiter of `class` may take `response` as its answer: not a refusal for
+/// priority given at a lower class than its own.
+pub fn may_share(response: &Response, class: Class) -> bool {
+    let header = |name: &str| response.headers.iter().find(|(k, _)| k.eq_ignore_ascii_case(name)).map(|(_, v)| v);
+    match (header(SHED_HEADER), header(HEADER).and_then(|v| Class::parse(v))) {
+        (Some(_), Some(refused)) => refused <= class,
+        (Some(_), None) => false,
+        (None, _) => true,
+    }
+}
+
+/// A stable number for a tenant's name (0: no verified tenant), the same on every node:
+/// the admission line takes turns between these.
+pub fn tenant_tag(tenant: Option<&str>) -> u64 {
+    let Some(name) = tenant else { return 0 };
+    let d = super::digest::sha256(name.as_bytes().to_vec());
+    u64::from_be_bytes([d[0], d[1], d[2], d[3], d[4], d[5], d[6], d[7]]).max(1)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_request_lowers_its_class_and_never_raises_it() {
+        let c = Config::parse(
+            br#"{"tenants":{"search":{"keys_sha256":["0000000000000000000000000000000000000000000000000000000000000001"],"priority":"critical"},
+                "batch":{"keys_sha256":["0000000000000000000000000000000000000000000000000000000000000002"],"priority":"sheddable"}}}"#,
+        )
+        .unwrap();
+        assert_eq!(Class::of(&c, Some("search"), None), Ok(Class::Critical));
+        assert_eq!(Class::of(&c, Some("search"), Some("Sheddable")), Ok(Class::Sheddable));
+        assert_eq!(Class::of(&c, Some("batch"), Some("critical")), Ok(Class::Sheddable), "never raised");
+        assert_eq!(Class::of(&c, None, Some("critical")), Ok(Class::Standard), "unverified: standard at most");
+        assert_eq!(Class::of(&c, None, Some("sheddable")), Ok(Class::Sheddable));
+        let e = Class::of(&c, None, Some("urgent")).unwrap_err();
+        assert_eq!((e.status, e.code), (400, "invalid_priority"));
+    }
+
+    #[test]
+    fn tenant_tags_are_stable_and_distinct() {
+        assert_eq!(tenant_tag(None), 0);
+        assert_eq!(tenant_tag(Some("a")), tenant_tag(Some("a")));
+        assert_ne!(tenant_tag(Some("a")), tenant_tag(Some("b")));
+        assert_ne!(tenant_tag(Some("a")), 0);
+    }
+}

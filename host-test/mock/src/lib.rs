@@ -33,6 +33,8 @@ pub struct Fault {
     pub slow_body_ms: u64,
     /// Streams: after this many events, wait until `Mock::release` before the rest.
     pub hold_after_events: Option<usize>,
+    /// Wait until `Mock::release` before answering at all.
+    pub hold: bool,
     /// Streams: after this many events, reset the connection (the stream is cut off).
     pub cut_after_events: Option<usize>,
     /// Answer with this body (and `content_type`, `status` or 200) instead of a completion.
@@ -52,6 +54,7 @@ impl Fault {
             delay_ms: v["delay_ms"].as_u64().unwrap_or(0),
             slow_body_ms: v["slow_body_ms"].as_u64().unwrap_or(0),
             hold_after_events: v["hold_after_events"].as_u64().map(|n| n as usize),
+            hold: v["hold"].as_bool().unwrap_or(false),
             cut_after_events: v["cut_after_events"].as_u64().map(|n| n as usize),
             body: v["body"].as_str().map(str::to_owned),
             content_type: v["content_type"].as_str().map(str::to_owned),
@@ -69,6 +72,8 @@ struct State {
     last_framing: Option<String>,
     /// Model and arrival time of every chat-completion call.
     log: Vec<(String, std::time::Instant)>,
+    /// The last message's text of every chat-completion call, in arrival order.
+    prompts: Vec<String>,
     in_flight: u64,
     max_in_flight: u64,
     /// Delay between a stream's events.
@@ -180,6 +185,7 @@ impl Mock {
                 let mut s = self.state();
                 s.calls = 0;
                 s.log.clear();
+                s.prompts.clear();
                 s.plan.clear();
                 s.last_authorization = None;
                 json_response(StatusCode::OK, &json!({"ok": true}))
@@ -205,16 +211,22 @@ impl Mock {
     }
 
     async fn chat(self, auth: Option<String>, body: &[u8]) -> Result<Response<Body>, std::io::Error> {
-        let model = serde_json::from_slice::<Value>(body).ok().and_then(|v| v["model"].as_str().map(str::to_owned));
+        let parsed = serde_json::from_slice::<Value>(body).unwrap_or(Value::Null);
+        let model = parsed["model"].as_str().map(str::to_owned);
+        let last = parsed["messages"].as_array().and_then(|m| m.last()).map(|m| m["content"].clone());
         let _in_flight = InFlight::new(&self.state);
         let (fault, latency, calls) = {
             let mut s = self.state();
             s.calls += 1;
             s.log.push((model.unwrap_or_default(), std::time::Instant::now()));
+            s.prompts.push(last.and_then(|c| c.as_str().map(str::to_owned)).unwrap_or_default());
             s.last_authorization.clone_from(&auth);
             s.last_body = body.to_vec();
             (s.plan.pop_front().unwrap_or_default(), s.latency_ms, s.calls)
         };
+        if fault.hold {
+            self.release.notified().await;
+        }
         let delay = latency + fault.delay_ms;
         if delay > 0 {
             tokio::time::sleep(Duration::from_millis(delay)).await;
@@ -542,6 +554,11 @@ impl Mock {
         self.state().log.clone()
     }
 
+    /// The last message's text of every chat-completion call so far, in arrival order.
+    pub fn prompts(&self) -> Vec<String> {
+        self.state().prompts.clone()
+    }
+
     pub fn last_authorization(&self) -> Option<String> {
         self.state().last_authorization.clone()
     }
@@ -566,7 +583,8 @@ impl Mock {
         self.state().event_delay_ms = ms;
     }
 
-    /// Lets one stream held by `Fault::hold_after_events` go on (or the next one to hold).
+    /// Lets one answer held by `Fault::hold` or `Fault::hold_after_events` go on (or the
+    /// next one to hold).
     pub fn release(&self) {
         self.release.notify_one();
     }

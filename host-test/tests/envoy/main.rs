@@ -7,6 +7,7 @@ mod fleet_e2e;
 mod hostile_e2e;
 mod limits_e2e;
 mod never_down;
+mod priority_e2e;
 mod stream_e2e;
 mod tenants_e2e;
 mod trust_e2e;

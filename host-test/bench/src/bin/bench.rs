@@ -15,6 +15,8 @@
 //! - the wasi:http component on the wasmtime host (running beside Envoy): HIT, alternating
 //!   with the plugin's HIT rounds, vs the Envoy plugin's HIT; its
 //!   (polling) followers;
+//! - a critical request's wait behind a backlog of sheddable ones (BENCH_BACKLOG, default
+//!   1000), with priority classes and with today's first-come line;
 //! - the plugin's and the component's sizes.
 //!
 //! Options (environment): BENCH_SECONDS (default 3), BENCH_CONNECTIONS (default 16),
@@ -709,6 +711,23 @@ fn main() -> std::io::Result<()> {
     r.ratio("HIT with 100 tenants / HIT without", tenants_over_none, "");
     drop(tenant_envoy);
 
+    // A critical request's wait behind a backlog of sheddable ones, against today's
+    // first-come line (every request standard), in the same run.
+    println!();
+    let backlog = env_or("BENCH_BACKLOG", 1000) as usize;
+    for (name, classes) in [("priority classes", true), ("first come, first served", false)] {
+        let waits = backlog_waits(backlog, classes)?;
+        let (p50, p99) = (percentile(&waits, 0.50), percentile(&waits, 0.99));
+        r.note(format!(
+            "{name}: {} critical requests behind {backlog} queued sheddable ones (max_in_flight 8, 10 ms upstream), \
+             answered after capacity returned: p50 {} ms, p99 {} ms",
+            waits.len(),
+            p50 / 1000,
+            p99 / 1000
+        ));
+        r.series.push((format!("critical waits, {name}"), waits));
+    }
+
     drop(envoy);
     let fleet = Fleet::start(1, "{}", 0);
     let node = fleet.live().next().expect("the fleet's node");
@@ -750,6 +769,62 @@ fn main() -> std::io::Result<()> {
     r.write(&dir)?;
     println!("\nwritten: {}/results.md, results.json", dir.display());
     Ok(())
+}
+
+/// Queues `backlog` requests of a sheddable tenant behind 8 held calls (`max_in_flight: 8`),
+/// then 20 of a critical tenant (`classes: false`: both tenants standard, today's one
+/// first-come line); releases the held calls and returns, sorted, how long after the release
+/// each critical request was answered (µs).
+fn backlog_waits(backlog: usize, classes: bool) -> std::io::Result<Vec<u64>> {
+    const SLOTS: usize = 8;
+    const CRITICAL: usize = 20;
+    let mock = Running::start(None, 10)?;
+    let (low, high) = if classes { ("sheddable", "critical") } else { ("standard", "standard") };
+    let config = format!(
+        r#"{{"models":{{"gpt-4.1":{{"max_in_flight":{SLOTS}}}}},"upstream":{{"timeout_ms":120000}},
+            "rate_limit":{{"max_wait_ms":120000,"reserve":0,"max_queue":4096}},
+            "tenants":{{"batch":{{"keys_sha256":["{}"],"priority":"{low}"}},
+                        "search":{{"keys_sha256":["{}"],"priority":"{high}"}}}}}}"#,
+        sha256_hex(b"bench-batch"),
+        sha256_hex(b"bench-search")
+    );
+    let envoy = Envoy::start(&Options::new(&config, mock.addr))?;
+    let held = host_test::mock::Fault { hold: true, ..Default::default() };
+    mock.mock.plan(vec![held; SLOTS]);
+    let queued = |class: &str| envoy.stat(&format!("wasmcustom.holysheep.priority.{class}.queued"));
+    let send = |tenant: &'static str, text: String| {
+        let edge = envoy.edge;
+        std::thread::Builder::new().stack_size(64 * 1024).spawn(move || {
+            let auth = format!("Bearer bench-{tenant}");
+            let r = request(edge, "POST", PATH, &[("authorization", &auth)], prompt(&text).as_bytes());
+            (r.map(|r| r.status).unwrap_or(0), Instant::now())
+        })
+    };
+    let batch: Vec<_> = (0..backlog).map(|i| send("batch", format!("backlog {i}"))).collect::<Result<_, _>>()?;
+    let until = |done: &dyn Fn() -> bool| {
+        while !done() {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    };
+    until(&|| mock.mock.calls() >= SLOTS as u64 && queued(low) >= (backlog - SLOTS) as u64);
+    let critical: Vec<_> = (0..CRITICAL).map(|i| send("search", format!("urgent {i}"))).collect::<Result<_, _>>()?;
+    until(&|| queued(high) >= (CRITICAL + if classes { 0 } else { backlog - SLOTS }) as u64);
+    let released = Instant::now();
+    for _ in 0..SLOTS {
+        mock.mock.release();
+    }
+    let mut waits = Vec::new();
+    for h in critical {
+        let (status, at) = h.join().map_err(|_| std::io::Error::other("a client thread panicked"))?;
+        assert_eq!(status, 200, "a critical request was answered");
+        waits.push(at.duration_since(released).as_micros() as u64);
+    }
+    for h in batch {
+        let (status, _) = h.join().map_err(|_| std::io::Error::other("a client thread panicked"))?;
+        assert_eq!(status, 200, "a backlog request was answered");
+    }
+    waits.sort_unstable();
+    Ok(waits)
 }
 
 fn sha256_hex(data: &[u8]) -> String {

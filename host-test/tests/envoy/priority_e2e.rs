@@ -1,0 +1,190 @@
+//! Priority classes in real Envoy (2 workers): a model's admission line ordered by class,
+//! then by turns between tenants; sheddable calls kept off the bucket's reserve; and
+//! coalescing and HITs untouched by priority.
+
+use host_test::client::{request, Conn, Resp};
+use host_test::mock::Fault;
+use host_test::stack::{poll_until, prompt, Stack, PATH};
+use sha2::{Digest, Sha256};
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+const OPERATOR_KEY: &str = "sk-operator-77c1e0b2d4";
+/// (tenant, token, class) of every test's tenants.
+const TENANTS: [(&str, &str, &str); 4] = [
+    ("search", "hs-search-1f2e3d4c5b", "critical"),
+    ("batch", "hs-batch-6a7b8c9d0e", "sheddable"),
+    ("alpha", "hs-alpha-0a1b2c3d4e", "standard"),
+    ("beta", "hs-beta-5f6a7b8c9d", "standard"),
+];
+
+fn token(tenant: &str) -> String {
+    let (_, token, _) = TENANTS.iter().find(|(t, _, _)| *t == tenant).expect("a test tenant");
+    format!("Bearer {token}")
+}
+
+/// gpt-4.1 with `limits` and the tenants above; `rate_limit` the section of that name.
+fn start(limits: &str, rate_limit: &str) -> Stack {
+    let tenants: Vec<String> = TENANTS
+        .iter()
+        .map(|(name, token, class)| {
+            let digest: String = Sha256::digest(token.as_bytes()).iter().map(|b| format!("{b:02x}")).collect();
+            format!(r#""{name}":{{"keys_sha256":["{digest}"],"priority":"{class}"}}"#)
+        })
+        .collect();
+    let config = format!(
+        r#"{{"models":{{"gpt-4.1":{limits}}},"rate_limit":{rate_limit},"tenants":{{{}}}}}"#,
+        tenants.join(",")
+    );
+    Stack::start_with(&config, 0, Some(OPERATOR_KEY), Some(OPERATOR_KEY))
+}
+
+/// Sends a chat request from `tenant` on its own thread.
+fn send(s: &Stack, tenant: &str, text: &str, headers: &[(&str, &str)]) -> JoinHandle<Resp> {
+    let (edge, body, auth) = (s.envoy.edge, prompt(text), token(tenant));
+    let mut headers: Vec<(String, String)> = headers.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+    headers.push(("authorization".into(), auth));
+    std::thread::spawn(move || {
+        let h: Vec<(&str, &str)> = headers.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
+        request(edge, "POST", PATH, &h, body.as_bytes()).expect("edge answers")
+    })
+}
+
+fn stat(s: &Stack, class: &str, name: &str) -> u64 {
+    s.envoy.stat(&format!("wasmcustom.holysheep.priority.{class}.{name}"))
+}
+
+/// Waits until `n` calls of `class` have stood in the model's line.
+fn await_queued(s: &Stack, class: &str, n: u64) {
+    poll_until(|| stat(s, class, "queued") >= n, &format!("{n} {class} calls never stood in line"));
+}
+
+fn join(handles: Vec<JoinHandle<Resp>>) -> Vec<Resp> {
+    handles.into_iter().map(|h| h.join().expect("thread")).collect()
+}
+
+#[test]
+fn a_critical_request_is_the_next_call_after_ten_queued_sheddable_ones() {
+    let s = start(r#"{"max_in_flight":1}"#, r#"{"max_wait_ms":30000}"#);
+    s.mock.mock.plan(vec![Fault { hold: true, ..Fault::default() }]);
+    let mut handles: Vec<_> = (0..10).map(|i| send(&s, "batch", &format!("batch {i}"), &[])).collect();
+    s.await_calls(1);
+    await_queued(&s, "sheddable", 9);
+    handles.push(send(&s, "search", "search now", &[]));
+    await_queued(&s, "critical", 1);
+    s.mock.mock.release();
+    let answers = join(handles);
+    assert!(answers.iter().all(|r| r.status == 200), "{:?}", answers.iter().map(|r| r.status).collect::<Vec<_>>());
+    let prompts = s.mock.mock.prompts();
+    assert_eq!(prompts.len(), 11);
+    assert!(prompts[0].starts_with("batch"), "{prompts:?}");
+    assert_eq!(prompts[1], "search now", "the critical call went next: {prompts:?}");
+    assert_eq!(s.mock.mock.max_in_flight(), 1);
+    assert_eq!(stat(&s, "sheddable", "shed"), 0, "no reserve in a cap of one: they waited");
+    // Histograms reach the admin endpoint at Envoy's next stats flush.
+    let series = "holysheep_priority_critical_admission_wait_ms_count";
+    poll_until(|| prometheus_has(&s, series), "the critical wait was never recorded");
+    assert!(s.crashes().is_empty(), "{:?}", s.crashes());
+}
+
+fn prometheus_has(s: &Stack, series: &str) -> bool {
+    let text = request(s.envoy.admin, "GET", "/stats/prometheus", &[], b"").map(|r| r.text()).unwrap_or_default();
+    text.lines().any(|l| l.starts_with(series) && !l.ends_with(" 0"))
+}
+
+#[test]
+fn a_tenant_with_two_requests_is_not_stuck_behind_another_tenants_ten() {
+    let s = start(r#"{"max_in_flight":1}"#, r#"{"max_wait_ms":30000}"#);
+    s.mock.mock.plan(vec![Fault { hold: true, ..Fault::default() }]);
+    let mut handles: Vec<_> = (0..10).map(|i| send(&s, "alpha", &format!("alpha {i}"), &[])).collect();
+    s.await_calls(1);
+    await_queued(&s, "standard", 9);
+    handles.extend((0..2).map(|i| send(&s, "beta", &format!("beta {i}"), &[])));
+    await_queued(&s, "standard", 11);
+    s.mock.mock.release();
+    assert!(join(handles).iter().all(|r| r.status == 200));
+    let prompts = s.mock.mock.prompts();
+    let first_five: Vec<&String> = prompts.iter().take(5).collect();
+    assert_eq!(first_five.iter().filter(|p| p.starts_with("beta")).count(), 2, "{prompts:?}");
+}
+
+#[test]
+fn sheddable_calls_are_refused_at_once_above_the_reserve_and_critical_ones_get_it() {
+    let s = start(r#"{"requests_per_minute":60,"burst":10}"#, r#"{"reserve":0.5,"max_wait_ms":30000}"#);
+    let batch = join((0..10).map(|i| send(&s, "batch", &format!("bulk {i}"), &[])).collect());
+    let admitted = batch.iter().filter(|r| r.status == 200).count();
+    assert!(admitted <= 5, "{admitted} sheddable calls took from the reserve");
+    for r in batch.iter().filter(|r| r.status != 200) {
+        assert_eq!(r.status, 429, "{}", r.text());
+        assert_eq!(r.header("x-holysheep-shed"), Some("priority"));
+        assert_eq!(r.header("x-holysheep-priority"), Some("sheddable"));
+        assert!(r.header("retry-after").is_some() && r.header("retry-after-ms").is_some());
+        assert_eq!(r.json()["error"]["code"], "rate_limit_exceeded");
+    }
+    assert_eq!(stat(&s, "sheddable", "shed"), (10 - admitted) as u64);
+    assert_eq!(stat(&s, "sheddable", "queued"), 0, "none of them waited");
+    let critical = join((0..5).map(|i| send(&s, "search", &format!("urgent {i}"), &[])).collect());
+    assert!(critical.iter().all(|r| r.status == 200), "{:?}", critical.iter().map(Resp::text).collect::<Vec<_>>());
+    assert_eq!(s.calls(), admitted as u64 + 5, "a shed call never reached HolySheep");
+}
+
+#[test]
+fn a_request_may_lower_its_class_but_not_raise_it() {
+    // The whole bucket is the reserve: no sheddable call is admitted.
+    let s = start(r#"{"requests_per_minute":60,"burst":1}"#, r#"{"reserve":1.0}"#);
+    // batch is sheddable: asking for critical changes nothing.
+    let raised = s.chat(&prompt("raise me"), &[("authorization", &token("batch")), ("x-holysheep-priority", "critical")]);
+    assert_eq!(raised.status, 429, "{}", raised.text());
+    assert_eq!(raised.header("x-holysheep-priority"), Some("sheddable"));
+    // search is critical and may lower itself: then it is shed like any sheddable call.
+    let lowered =
+        s.chat(&prompt("lower me"), &[("authorization", &token("search")), ("x-holysheep-priority", "sheddable")]);
+    assert_eq!((lowered.status, lowered.header("x-holysheep-shed")), (429, Some("priority")));
+    let bad = s.chat(&prompt("typo"), &[("authorization", &token("search")), ("x-holysheep-priority", "urgent")]);
+    assert_eq!((bad.status, bad.json()["error"]["code"].as_str()), (400, Some("invalid_priority")));
+    assert_eq!(s.calls(), 0);
+    assert_eq!(s.chat(&prompt("as is"), &[("authorization", &token("search"))]).status, 200);
+}
+
+/// Reads a stream's first event: the request is then on its way (a leader's call, or a
+/// waiter attached to one).
+fn open_stream(s: &Stack, tenant: &str, text: &str, headers: &[(&str, &str)]) -> (Conn, String) {
+    let body = prompt(text).replacen('{', r#"{"stream":true,"#, 1);
+    let auth = token(tenant);
+    let mut h = vec![("authorization", auth.as_str())];
+    h.extend_from_slice(headers);
+    let mut conn = Conn::open(s.envoy.edge).and_then(|c| c.read_timeout(Duration::from_secs(20))).expect("connect");
+    conn.send_only("POST", PATH, &h, body.as_bytes()).expect("send");
+    let head = conn.read_until("\"role\":\"assistant\"").expect("the first event");
+    (conn, head)
+}
+
+#[test]
+fn a_sheddable_request_identical_to_a_critical_one_in_flight_is_coalesced_and_a_hit_is_never_shed() {
+    // Two slots, one kept from sheddable calls: with one call in flight a sheddable call
+    // would be shed.
+    let s = start(r#"{"max_in_flight":2}"#, r#"{"reserve":0.5,"max_wait_ms":30000}"#);
+    s.mock.mock.plan(vec![Fault { hold_after_events: Some(2), ..Fault::default() }]);
+    let (mut leader, head) = open_stream(&s, "search", "the same question", &[]);
+    assert!(head.contains("x-holysheep-cache: MISS"), "{head}");
+    let lowered = [("x-holysheep-priority", "sheddable")];
+    // In Envoy a stream's waiter gets its answer whole when the leader's stream ends; it
+    // is waiting once Envoy holds its request beside the leader's.
+    let follower = send(&s, "search", "the same question", &lowered);
+    poll_until(|| s.envoy.stat("http.edge.downstream_rq_active") >= 2, "the follower never arrived");
+    let other = s.chat(&prompt("another question"), &[("authorization", &token("search")), lowered[0]]);
+    assert_eq!((other.status, other.header("x-holysheep-shed")), (429, Some("priority")), "the slot is reserved");
+    s.mock.mock.release();
+    leader.read_until("data: [DONE]").expect("the leader's stream");
+    let follower = follower.join().expect("thread");
+    assert_eq!((follower.status, follower.cache()), (200, "COALESCED"), "{}", follower.text());
+    // The answer is cached: a sheddable request for it is a HIT, whatever the buckets say.
+    s.mock.mock.plan(vec![Fault { hold_after_events: Some(2), ..Fault::default() }]);
+    let (mut busy, _) = open_stream(&s, "search", "something else", &[]);
+    let hit = s.chat(&prompt("the same question"), &[("authorization", &token("search")), lowered[0]]);
+    assert_eq!((hit.status, hit.cache()), (200, "HIT"), "{}", hit.text());
+    s.mock.mock.release();
+    busy.read_until("data: [DONE]").expect("the other stream");
+    assert_eq!(s.calls(), 2);
+    assert!(s.crashes().is_empty(), "{:?}", s.crashes());
+}

@@ -19,7 +19,7 @@ use super::upstream::Outbound;
 pub use super::limits::CONTENTION_RETRY_MS;
 
 /// How often a request held for a concurrency slot looks again.
-pub const CONCURRENCY_POLL_MS: u64 = 50;
+pub const CONCURRENCY_POLL_MS: u64 = 20;
 
 #[derive(Debug, Clone, PartialEq)]
 pub enum Action {
@@ -134,8 +134,9 @@ pub struct Flight {
     /// The flight's class, and its tenant's `priority::tenant_tag`, in the models' lines.
     class: Class,
     tenant_tag: u64,
-    /// The models whose lines the flight stands in, and where each line is.
-    lined: Vec<(usize, Ticket)>,
+    /// The buckets whose lines the flight stands in: the bucket, a model it stands there
+    /// for, and where that line is.
+    lined: Vec<(String, usize, Ticket)>,
     /// It has stood in a line; it has been admitted to a call.
     queued: bool,
     admitted: bool,
@@ -230,7 +231,9 @@ impl Flight {
         }
         // A refusal for priority is no reason to wait: only the other models' denials are.
         let waits = denials.iter().filter(|(_, d)| !is_final(d.kind));
-        if let Some(soonest) = waits.clone().map(|(_, d)| d.wait_ms.unwrap_or(CONCURRENCY_POLL_MS)).min() {
+        if let Some(soonest) =
+            waits.clone().map(|(i, d)| d.wait_ms.unwrap_or_else(|| self.slot_poll(config, *i, d))).min()
+        {
             let until = now_ms.saturating_add(soonest);
             // Contention is no refusal: it waits past `max_wait_ms` (within the deadline).
             let contended = waits.clone().any(|(_, d)| d.kind == Kind::Contended);
@@ -242,13 +245,22 @@ impl Flight {
         }
         let model = self.model().to_owned();
         self.events.push(Event::RateLimited { model: model.clone() });
-        let denial = denials.first().map(|(_, d)| *d).unwrap_or(Denial { kind: Kind::Requests, wait_ms: None });
+        let denial = denials.first().map(|(_, d)| *d).unwrap_or(Denial::of(Kind::Requests, None));
         if is_final(denial.kind) {
             let full = denial.kind == Kind::QueueFull;
             self.events.push(Event::Shed { model: model.clone(), class: self.class, full });
         }
         let limited = self.rate_limited(config, &model, denial);
         self.end(store, config, Some(limited), now_ms)
+    }
+
+    /// How soon a call refused a slot of model `i` looks again: every `CONCURRENCY_POLL_MS`
+    /// near the head of the line, less often the more slots must free before its turn
+    /// (every waiter reads the whole line when it looks).
+    fn slot_poll(&self, config: &Config, i: usize, d: &Denial) -> u64 {
+        let slots = self.models.get(i).and_then(|m| config.model(m)).and_then(|(_, m)| m.max_in_flight);
+        let rounds = d.ahead / u64::from(slots.unwrap_or(1).max(1));
+        CONCURRENCY_POLL_MS.saturating_mul(1 + rounds).min(POLL_CAP_MS)
     }
 
     /// Takes the call's share of its tenant's own limits, once per flight; `Some` when they
@@ -464,7 +476,8 @@ impl Flight {
     }
 
     fn reserve(&mut self, store: &impl CasStore, config: &Config, i: usize, now_ms: u64, nonce: u64) -> Reservation {
-        let Some((bucket, m)) = config.model(&self.models[i]) else { return Reservation::Reserved };
+        let name = self.models[i].clone();
+        let Some((bucket, m)) = config.model(&name) else { return Reservation::Reserved };
         let l = Limits::of(m, &config.rate_limit);
         // A call holds its in-flight slot no longer than the flight can last.
         let hold = self.deadline_ms.saturating_sub(now_ms) + 1_000;
@@ -492,16 +505,24 @@ impl Flight {
                 }
             }
         };
-        self.lined.retain(|(m, _)| *m != i);
+        // One place per bucket (fallbacks may share one): a place held elsewhere (the
+        // owner's line, or this node's share) is given up there.
+        if let Some(at) = self.lined.iter().position(|(b, _, _)| b == bucket) {
+            let (_, j, held) = self.lined.swap_remove(at);
+            if std::mem::discriminant(&held) != std::mem::discriminant(&ticket) {
+                self.leave(store, config, j, held, now_ms);
+            }
+        }
         match taken {
             Ok(()) => {
                 self.ticket = Some(ticket);
                 Reservation::Reserved
             }
             Err(d) => {
-                if waits && matches!(d.kind, Kind::Concurrency | Kind::Requests | Kind::Tokens) {
-                    self.lined.push((i, ticket));
-                    if !std::mem::replace(&mut self.queued, true) {
+                // A call that lost every race may hold a place from before: it is kept to leave.
+                if waits && !is_final(d.kind) {
+                    self.lined.push((bucket.to_owned(), i, ticket));
+                    if d.kind != Kind::Contended && !std::mem::replace(&mut self.queued, true) {
                         self.events.push(Event::Queued { class: self.class });
                     }
                 }
@@ -512,20 +533,26 @@ impl Flight {
 
     /// Gives up the flight's places in the lines of models it was not admitted to.
     fn leave_lines(&mut self, store: &impl CasStore, config: &Config, now_ms: u64) {
+        for (_, i, ticket) in std::mem::take(&mut self.lined) {
+            self.leave(store, config, i, ticket, now_ms);
+        }
+    }
+
+    /// Gives up the place `ticket` names in the line of model `i`'s bucket (settling a call
+    /// that was never admitted frees its place).
+    fn leave(&mut self, store: &impl CasStore, config: &Config, i: usize, ticket: Ticket, now_ms: u64) {
         let hints = ProviderHints::default();
-        for (i, ticket) in std::mem::take(&mut self.lined) {
-            let Some((bucket, m)) = self.models.get(i).and_then(|name| config.model(name)) else { continue };
-            let l = Limits::of(m, &config.rate_limit);
-            match ticket {
-                Ticket::Local(id) => limits::settle(store, bucket, &l, id, self.estimate, None, &hints, now_ms),
-                Ticket::Share(id) => {
-                    let (share, bucket) = (l.share(config.fleet.nodes), limits::share_bucket(bucket));
-                    limits::settle(store, &bucket, &share, id, self.estimate, None, &hints, now_ms);
-                }
-                Ticket::Owner(id) => {
-                    let (model, estimate) = (self.models[i].clone(), self.estimate);
-                    self.outbox.push(Op::Settle { model, id, estimate, actual: None, hints, retries: 0 });
-                }
+        let Some((bucket, m)) = self.models.get(i).and_then(|name| config.model(name)) else { return };
+        let l = Limits::of(m, &config.rate_limit);
+        match ticket {
+            Ticket::Local(id) => limits::settle(store, bucket, &l, id, self.estimate, None, &hints, now_ms),
+            Ticket::Share(id) => {
+                let (share, bucket) = (l.share(config.fleet.nodes), limits::share_bucket(bucket));
+                limits::settle(store, &bucket, &share, id, self.estimate, None, &hints, now_ms);
+            }
+            Ticket::Owner(id) => {
+                let (model, estimate) = (self.models[i].clone(), self.estimate);
+                self.outbox.push(Op::Settle { model, id, estimate, actual: None, hints, retries: 0 });
             }
         }
     }
@@ -600,9 +627,10 @@ impl Flight {
             .with_header("retry-after", wait.div_ceil(1000).to_string())
             .with_header("retry-after-ms", wait.to_string())
             .with_header("x-holysheep-model", model.to_owned());
+        // Marked with its class: a waiter of a higher class does not take it as its answer.
         match shed {
             Some(why) => priority::shed(limited, why, self.class),
-            None => limited,
+            None => limited.with_header(priority::HEADER, self.class.as_str().to_owned()),
         }
     }
 }
@@ -1001,7 +1029,7 @@ mod tests {
         ask(f.resume(&s, &c, 0, 1));
         f.on_verdict(Some(Verdict {
             admitted: false,
-            denial: Some(Denial { kind: Kind::Requests, wait_ms: Some(9_000) }),
+            denial: Some(Denial::of(Kind::Requests, Some(9_000))),
             hold: None,
         }));
         let Action::Finish(Some(r)) = f.resume(&s, &c, 1, 2) else { panic!("a 429") };
@@ -1040,7 +1068,7 @@ mod tests {
         ask(f.resume(&s, &c, 0, 1));
         f.on_verdict(Some(Verdict {
             admitted: false,
-            denial: Some(Denial { kind: Kind::Requests, wait_ms: Some(60_000) }),
+            denial: Some(Denial::of(Kind::Requests, Some(60_000))),
             hold: None,
         }));
         let Action::Ask { bucket, .. } = f.resume(&s, &c, 0, 2) else { panic!("asks the fallback's owner") };
@@ -1225,6 +1253,28 @@ mod tests {
         assert!(matches!(waiting.resume(&s, &c, 200, 3), Action::Finish(Some(_))), "past max_wait_ms");
         assert!(limits::peek(&s, "m", &l, 200).line.is_empty(), "its place is given up at once");
         assert!(limits::peek(&s, "f", &l, 200).line.is_empty());
+    }
+
+    #[test]
+    fn fallbacks_that_share_a_bucket_hold_one_place_and_keep_the_slot_they_take() {
+        let s = MemStore::new();
+        let c = config(
+            r#"{"models":{"gpt-4.1":{"max_in_flight":1,"fallback":["deepseek-v3","qwen"]},"default":{"max_in_flight":1}},
+                "rate_limit":{"max_wait_ms":10000}}"#,
+        );
+        send(classed(&c, "gpt-4.1", Class::Standard, "a").resume(&s, &c, 0, 1));
+        let mut other = classed(&c, "qwen", Class::Standard, "a");
+        send(other.resume(&s, &c, 0, 2));
+        let mut f = classed(&c, "gpt-4.1", Class::Standard, "a");
+        assert!(matches!(f.resume(&s, &c, 0, 3), Action::Sleep { .. }));
+        let default = Limits::of(&c.models["default"], &c.rate_limit);
+        assert_eq!(limits::peek(&s, "default", &default, 0).line.len(), 1, "one place for both fallbacks");
+        other.on_response(&s, &c, None, &ProviderHints::default(), 1, 0);
+        assert_eq!(send(f.resume(&s, &c, 2, 3)), "deepseek-v3");
+        let b = limits::peek(&s, "default", &default, 2);
+        assert_eq!((b.in_flight.len(), b.line.len()), (1, 0), "the slot it took is still held");
+        let gpt = Limits::of(&c.models["gpt-4.1"], &c.rate_limit);
+        assert!(limits::peek(&s, "gpt-4.1", &gpt, 2).line.is_empty(), "its first model's place is given up");
     }
 
     #[test]

@@ -100,6 +100,19 @@ impl Kind {
 pub struct Denial {
     pub kind: Kind,
     pub wait_ms: Option<u64>,
+    /// The calls ahead of this one in the bucket's line (left out when none).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub ahead: u64,
+}
+
+fn is_zero(n: &u64) -> bool {
+    *n == 0
+}
+
+impl Denial {
+    pub fn of(kind: Kind, wait_ms: Option<u64>) -> Denial {
+        Denial { kind, wait_ms, ahead: 0 }
+    }
 }
 
 /// What the provider said about its own limits.
@@ -187,7 +200,8 @@ impl Bucket {
         self.refill(l, now_ms);
         let place = self.line.place_of(who, now_ms);
         let ahead = self.line.ahead(&place, l.tpm.unwrap_or(f64::INFINITY));
-        match self.lacks(l, who, ahead.calls, ahead.tokens) {
+        let lacks = self.lacks(l, who, ahead.calls, ahead.tokens);
+        match lacks.map(|(d, kept)| (Denial { ahead: ahead.calls as u64, ..d }, kept)) {
             None => {
                 self.charge(l, who, now_ms, hold_ms);
                 self.line.leave(who.id, true);
@@ -200,7 +214,7 @@ impl Bucket {
             Some((d, false)) if !waits => (Err(d), self.line.leave(who.id, false)),
             Some((d, false)) => match self.line.stand(place, l.max_line, now_ms) {
                 Ok(changed) => (Err(d), changed),
-                Err(Full) => (Err(Denial { kind: Kind::QueueFull, wait_ms: None }), false),
+                Err(Full) => (Err(Denial::of(Kind::QueueFull, None)), false),
             },
         }
     }
@@ -212,7 +226,7 @@ impl Bucket {
         if let Some(max) = l.max_in_flight {
             let kept = if keeps { (l.reserve * max as f64).floor() as usize } else { 0 };
             if self.in_flight.len() + calls + 1 + kept > max {
-                return Some((Denial { kind: Kind::Concurrency, wait_ms: None }, kept > 0));
+                return Some((Denial::of(Kind::Concurrency, None), kept > 0));
             }
         }
         if l.rpm.is_some() {
@@ -220,15 +234,18 @@ impl Bucket {
             let need = calls as f64 + 1.0 + kept;
             if self.requests < need {
                 let wait = ((need - self.requests) / l.req_per_ms()).ceil() as u64;
-                return Some((Denial { kind: Kind::Requests, wait_ms: Some(wait.max(1)) }, kept > 0.0));
+                return Some((Denial::of(Kind::Requests, Some(wait.max(1))), kept > 0.0));
             }
         }
         if let Some(tpm) = l.tpm {
             let kept = if keeps { l.reserve * tpm } else { 0.0 };
-            let need = tokens + self.estimate_within_capacity(l, who.estimate) + kept;
+            // A call larger than what lies above the reserve waits for all of it (it is
+            // charged its estimate, as any call is).
+            let own = self.estimate_within_capacity(l, who.estimate).min((tpm - kept).max(1.0));
+            let need = tokens + own + kept;
             if self.tokens < need {
                 let wait = ((need - self.tokens) / l.tok_per_ms()).ceil() as u64;
-                return Some((Denial { kind: Kind::Tokens, wait_ms: Some(wait.max(1)) }, kept > 0.0));
+                return Some((Denial::of(Kind::Tokens, Some(wait.max(1))), kept > 0.0));
             }
         }
         None
@@ -298,9 +315,13 @@ impl Bucket {
     }
 
     fn encode(&self) -> Vec<u8> {
-        let mut flights: String = self.in_flight.iter().map(|(n, e)| format!("f {n} {e}\n")).collect();
-        self.line.encode(&mut flights);
-        codec::encode(&["B", &bits(self.requests), &bits(self.tokens), &self.at_ms.to_string()], flights.as_bytes())
+        let flights: String = self.in_flight.iter().map(|(n, e)| format!("f {n} {e}\n")).collect();
+        let mut body = flights.into_bytes();
+        if self.line != Line::default() {
+            body.extend_from_slice(LINE_MARK);
+            self.line.encode(&mut body);
+        }
+        codec::encode(&["B", &bits(self.requests), &bits(self.tokens), &self.at_ms.to_string()], &body)
     }
 
     fn decode(raw: &[u8]) -> Option<Bucket> {
@@ -308,19 +329,21 @@ impl Bucket {
         if f[0] != "B" {
             return None;
         }
-        let (mut in_flight, mut line) = (Vec::new(), Line::default());
-        for l in std::str::from_utf8(rest).ok()?.lines() {
-            let fields: Vec<&str> = l.split(' ').collect();
-            if line.decode_line(&fields) {
-                continue;
+        // The calls in flight, a line each, then (after `LINE_MARK`) the line in binary.
+        let (mut in_flight, mut line, mut at) = (Vec::new(), Line::default(), 0);
+        while at < rest.len() {
+            if rest[at..].starts_with(LINE_MARK) {
+                line = Line::decode(&rest[at + LINE_MARK.len()..])?;
+                break;
             }
-            if let [kind, n, e] = fields[..] {
+            let end = rest[at..].iter().position(|&b| b == b'\n').map_or(rest.len(), |n| at + n);
+            let mut parts = rest[at..end].split(|&b| b == b' ');
+            if let (Some(b"f"), Some(n), Some(e)) = (parts.next(), parts.next(), parts.next()) {
                 if let (Some(n), Some(e)) = (codec::number(n), codec::number(e)) {
-                    if kind == "f" {
-                        in_flight.push((n, e));
-                    }
+                    in_flight.push((n, e));
                 }
             }
+            at = end + 1;
         }
         let requests = f64::from_bits(codec::hex_number(f[1])?);
         let tokens = f64::from_bits(codec::hex_number(f[2])?);
@@ -333,6 +356,10 @@ impl Bucket {
         })
     }
 }
+
+/// Where a bucket record's admission line begins (a line of its own after the calls in
+/// flight; the line itself is binary).
+const LINE_MARK: &[u8] = b"L\n";
 
 /// `250ms`, `20s`, `1.5s`, `6m0s`: the form OpenAI uses in `x-ratelimit-reset-*`.
 pub fn duration(ms: u64) -> String {
@@ -401,7 +428,7 @@ pub fn take(
         Ok(admitted) => admitted,
         // Races lost to other workers all along: nothing was taken, so nothing is
         // admitted; look again shortly (the contention is the moment limits matter).
-        Err(StoreError::CasMismatch) => Err(Denial { kind: Kind::Contended, wait_ms: Some(CONTENTION_RETRY_MS) }),
+        Err(StoreError::CasMismatch) => Err(Denial::of(Kind::Contended, Some(CONTENTION_RETRY_MS))),
         // A broken store admits, uncharged: the limiter must not take the edge down with it.
         Err(StoreError::Host(_)) => Ok(()),
     }
@@ -486,7 +513,7 @@ mod tests {
         for i in 0..3 {
             assert!(take_one(&mut b, &l, i, 10, 0, 60_000).is_ok());
         }
-        assert_eq!(take_one(&mut b, &l, 9, 10, 0, 60_000), Err(Denial { kind: Kind::Requests, wait_ms: Some(20_000) }));
+        assert_eq!(take_one(&mut b, &l, 9, 10, 0, 60_000), Err(Denial::of(Kind::Requests, Some(20_000))));
         assert_eq!(take_one(&mut b, &l, 9, 10, 15_000, 60_000).unwrap_err().wait_ms, Some(5_000));
         assert!(take_one(&mut b, &l, 9, 10, 20_000, 60_000).is_ok());
     }

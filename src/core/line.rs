@@ -5,14 +5,13 @@
 //! bounded: a full line refuses the lowest class first. A place lapses unless its caller
 //! comes back within `LINE_HOLD_MS`, so a caller whose worker died holds no one up.
 
-use super::codec;
 use super::priority::{Class, CLASSES};
 
 /// A place in line lapses unless renewed this often.
-pub const LINE_HOLD_MS: u64 = 2_000;
+pub const LINE_HOLD_MS: u64 = 3_000;
 /// A place is written again (renewed) once less than this is left of its hold; a caller
-/// looks again more often than this (`POLL_CAP_MS`).
-const RENEW_BELOW_MS: u64 = 1_000;
+/// looks again at least every `POLL_CAP_MS`, so it may come back up to a second late.
+const RENEW_BELOW_MS: u64 = 1_500;
 /// The longest a caller in line waits before looking again.
 pub const POLL_CAP_MS: u64 = 500;
 /// The longest line a configuration may ask for.
@@ -143,54 +142,54 @@ impl Line {
         true
     }
 
-    /// The line's lines in a bucket record: `t` for the turns, `p` for each place.
-    pub fn encode(&self, out: &mut String) {
-        if self.turns != [0; 3] {
-            out.push_str(&format!("t {} {} {}\n", self.turns[0], self.turns[1], self.turns[2]));
+    /// The line in a bucket record: the turns, then each place, in fixed-width binary
+    /// (every waiter reads the whole line each time it looks: text cost a long line's
+    /// every read).
+    pub fn encode(&self, out: &mut Vec<u8>) {
+        out.reserve(TURNS_BYTES + self.places.len() * PLACE_BYTES);
+        for t in self.turns {
+            out.extend_from_slice(&t.to_le_bytes());
         }
         for p in &self.places {
-            out.push_str(&format!(
-                "p {} {} {} {} {} {} {}\n",
-                p.id,
-                p.until_ms,
-                p.class.rank(),
-                p.tenant,
-                p.turn,
-                p.since_ms,
-                p.estimate
-            ));
+            for n in [p.id, p.until_ms] {
+                out.extend_from_slice(&n.to_le_bytes());
+            }
+            out.push(p.class.rank() as u8);
+            for n in [p.tenant, p.turn, p.since_ms, p.estimate] {
+                out.extend_from_slice(&n.to_le_bytes());
+            }
         }
     }
 
-    /// Reads one line of a bucket record; `false` if it is not the line's.
-    pub fn decode_line(&mut self, fields: &[&str]) -> bool {
-        let n = |i: usize| fields.get(i).and_then(codec::number);
-        match fields.first() {
-            Some(&"t") => {
-                if let (Some(a), Some(b), Some(c)) = (n(1), n(2), n(3)) {
-                    self.turns = [a, b, c];
-                }
-            }
-            Some(&"p") => {
-                let class = n(3).and_then(|r| CLASSES.get(r as usize).copied());
-                if let (
-                    Some(id),
-                    Some(until_ms),
-                    Some(class),
-                    Some(tenant),
-                    Some(turn),
-                    Some(since_ms),
-                    Some(estimate),
-                ) = (n(1), n(2), class, n(4), n(5), n(6), n(7))
-                {
-                    self.places.push(Place { id, until_ms, class, tenant, turn, since_ms, estimate });
-                }
-            }
-            _ => return false,
+    /// The line `encode` wrote (`None`: not one).
+    pub fn decode(raw: &[u8]) -> Option<Line> {
+        let (turns, places) = raw.split_at_checked(TURNS_BYTES)?;
+        if !places.len().is_multiple_of(PLACE_BYTES) {
+            return None;
         }
-        true
+        let word = |b: &[u8], at: usize| b.get(at..at + 8).and_then(|w| w.try_into().ok()).map(u64::from_le_bytes);
+        let mut line = Line { places: Vec::with_capacity(places.len() / PLACE_BYTES), turns: [0; 3] };
+        for (i, t) in line.turns.iter_mut().enumerate() {
+            *t = word(turns, 8 * i)?;
+        }
+        for p in places.chunks_exact(PLACE_BYTES) {
+            line.places.push(Place {
+                id: word(p, 0)?,
+                until_ms: word(p, 8)?,
+                class: CLASSES.get(usize::from(*p.get(16)?)).copied()?,
+                tenant: word(p, 17)?,
+                turn: word(p, 25)?,
+                since_ms: word(p, 33)?,
+                estimate: word(p, 41)?,
+            });
+        }
+        Some(line)
     }
 }
+
+const TURNS_BYTES: usize = 3 * 8;
+/// A place: six numbers of 8 bytes and its class's byte.
+const PLACE_BYTES: usize = 6 * 8 + 1;
 
 #[cfg(test)]
 mod tests {
@@ -263,30 +262,29 @@ mod tests {
     #[test]
     fn a_place_is_renewed_only_when_its_hold_runs_low_and_lapses_otherwise() {
         let mut line = Line::default();
-        let p = line.place_of(&who(1, Class::Standard, 0), 0);
-        assert_eq!(line.stand(p, 8, 0), Ok(true));
-        assert_eq!(line.stand(line.place_of(&who(1, Class::Standard, 0), 500), 8, 500), Ok(false), "nothing to write");
-        assert_eq!(line.stand(line.place_of(&who(1, Class::Standard, 0), 1_500), 8, 1_500), Ok(true), "renewed");
-        line.lapse(3_400);
+        let me = who(1, Class::Standard, 0);
+        assert_eq!(line.stand(line.place_of(&me, 0), 8, 0), Ok(true));
+        let early = LINE_HOLD_MS - RENEW_BELOW_MS;
+        assert_eq!(line.stand(line.place_of(&me, early), 8, early), Ok(false), "nothing to write");
+        let late = early + 1;
+        assert_eq!(line.stand(line.place_of(&me, late), 8, late), Ok(true), "renewed");
+        line.lapse(late + LINE_HOLD_MS - 1);
         assert_eq!(line.len(), 1);
-        line.lapse(3_500);
+        line.lapse(late + LINE_HOLD_MS);
         assert!(line.is_empty(), "not renewed: lapsed");
     }
 
     #[test]
-    fn the_line_round_trips_through_its_record_lines() {
+    fn the_line_round_trips_through_its_record_bytes() {
         let mut line = Line::default();
         for i in 0..3 {
-            let p = line.place_of(&who(i, CLASSES[i as usize], i * 7), i);
+            let p = line.place_of(&Who { id: u64::MAX - i, ..who(i, CLASSES[i as usize], i * 7) }, i);
             line.stand(p, 8, i).unwrap();
         }
-        line.leave(0, true);
-        let mut text = String::new();
-        line.encode(&mut text);
-        let mut back = Line::default();
-        for l in text.lines() {
-            assert!(back.decode_line(&l.split(' ').collect::<Vec<_>>()));
-        }
-        assert_eq!(back, line);
+        line.leave(u64::MAX, true);
+        let mut raw = Vec::new();
+        line.encode(&mut raw);
+        assert_eq!(Line::decode(&raw), Some(line));
+        assert_eq!(Line::decode(&raw[..raw.len() - 1]), None, "a torn record is no line");
     }
 }

@@ -24,12 +24,8 @@ fn is_standard(c: &Class) -> bool {
     *c == Class::Standard
 }
 
-fn yes() -> bool {
-    true
-}
-
-fn is_true(b: &bool) -> bool {
-    *b
+fn is_false(b: &bool) -> bool {
+    !*b
 }
 
 /// What a key owner asks of a model owner.
@@ -38,8 +34,8 @@ fn is_true(b: &bool) -> bool {
 pub enum Op {
     /// Admit the call `id` (one request, `estimate` tokens, a slot held `hold_ms`) of
     /// `class` for the tenant `tenant` (`priority::tenant_tag`); refused, it keeps its
-    /// place in the owner's line if it `waits`. The three are left out at their defaults,
-    /// so nodes of the previous release still read the message.
+    /// place in the owner's line if it `waits`. The three are left out at their defaults
+    /// (a take without them, from a node of the previous release, holds no place).
     Take {
         model: String,
         id: u64,
@@ -49,7 +45,7 @@ pub enum Op {
         class: Class,
         #[serde(default, skip_serializing_if = "is_zero")]
         tenant: u64,
-        #[serde(default = "yes", skip_serializing_if = "is_true")]
+        #[serde(default, skip_serializing_if = "is_false")]
         waits: bool,
     },
     /// The call `id` ended having used `actual` tokens, after `retries` requests beyond its
@@ -199,7 +195,7 @@ mod tests {
     }
 
     fn take_of(model: &str, id: u64, estimate: u64, hold_ms: u64) -> Op {
-        let (class, tenant, waits) = (Class::Standard, 0, true);
+        let (class, tenant, waits) = (Class::Standard, 0, false);
         Op::Take { model: model.into(), id, estimate, hold_ms, class, tenant, waits }
     }
 
@@ -245,7 +241,7 @@ mod tests {
     }
 
     #[test]
-    fn a_take_reads_as_the_previous_release_sends_it_and_carries_its_class() {
+    fn a_take_of_the_previous_release_holds_no_place_and_a_new_one_carries_its_class() {
         let before: Op =
             serde_json::from_str(r#"{"take":{"model":"gpt-4.1","id":1,"estimate":10,"hold_ms":1000}}"#).unwrap();
         assert_eq!(before, take("gpt-4.1", 1));
@@ -253,9 +249,33 @@ mod tests {
             String::from_utf8(take_json(1)).unwrap(),
             r#"{"take":{"model":"gpt-4.1","id":1,"estimate":10,"hold_ms":1000}}"#
         );
-        let (class, tenant, waits) = (Class::Critical, 7, false);
+        let (class, tenant, waits) = (Class::Critical, 7, true);
         let critical = Op::Take { model: "gpt-4.1".into(), id: 1, estimate: 10, hold_ms: 1000, class, tenant, waits };
         assert_eq!(Op::parse(&critical.to_json()).unwrap(), critical);
+    }
+
+    #[test]
+    fn a_model_owner_orders_every_nodes_waiting_calls_by_class() {
+        let c = Config::parse(br#"{"models":{"m":{"max_in_flight":1}}}"#).unwrap();
+        let s = MemStore::default();
+        let take = |id: u64, class: Class, tenant: u64| {
+            let op = Op::Take { model: "m".into(), id, estimate: 1, hold_ms: 60_000, class, tenant, waits: true };
+            serve(&s, &c, &op.to_json(), 0).unwrap().admitted
+        };
+        assert!(take(1, Class::Standard, 1));
+        assert!(!take(2, Class::Sheddable, 1), "node A's sheddable call waits");
+        assert!(!take(3, Class::Critical, 2), "node B's critical call waits");
+        let settle = Op::Settle {
+            model: "m".into(),
+            id: 1,
+            estimate: 1,
+            actual: None,
+            hints: ProviderHints::default(),
+            retries: 0,
+        };
+        assert!(serve(&s, &c, &settle.to_json(), 0).unwrap().admitted);
+        assert!(!take(2, Class::Sheddable, 1), "it asked first, but the critical call is ahead");
+        assert!(take(3, Class::Critical, 2));
     }
 
     #[test]

@@ -71,14 +71,17 @@ pub fn shed(response: Response, why: &str, class: Class) -> Response {
     response.with_header(SHED_HEADER, why.to_owned()).with_header(HEADER, class.as_str().to_owned())
 }
 
-/// Whether a waiter of `class` may take `response` as its answer: not a refusal for
-/// priority given at a lower class than its own.
+/// Whether a waiter of `class` may take `response` as its answer: not a 429 the edge gave
+/// a flight of a lower class (which a call of its own class might not get).
 pub fn may_share(response: &Response, class: Class) -> bool {
-    let header = |name: &str| response.headers.iter().find(|(k, _)| k.eq_ignore_ascii_case(name)).map(|(_, v)| v);
-    match (header(SHED_HEADER), header(HEADER).and_then(|v| Class::parse(v))) {
-        (Some(_), Some(refused)) => refused <= class,
-        (Some(_), None) => false,
-        (None, _) => true,
+    if response.status != 429 {
+        return true;
+    }
+    let refused = response.headers.iter().find(|(k, _)| k.eq_ignore_ascii_case(HEADER)).map(|(_, v)| Class::parse(v));
+    match refused {
+        Some(Some(refused)) => refused <= class,
+        Some(None) => false,
+        None => true,
     }
 }
 

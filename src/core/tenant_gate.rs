@@ -122,7 +122,7 @@ impl Refusal {
             Refusal::Bucket(d) => d,
             Refusal::Budget(x) => {
                 let kind = if x.period == "month" { Kind::QuotaMonth } else { Kind::QuotaDay };
-                Denial { kind, wait_ms: Some(x.retry_after_ms) }
+                Denial::of(kind, Some(x.retry_after_ms))
             }
         }
     }
@@ -204,9 +204,7 @@ pub fn take(
             }
             return Err(match refused {
                 Refused::Exhausted(e) => Refusal::Budget(e),
-                Refused::Contended => {
-                    Refusal::Bucket(Denial { kind: Kind::Contended, wait_ms: Some(limits::CONTENTION_RETRY_MS) })
-                }
+                Refused::Contended => Refusal::Bucket(Denial::of(Kind::Contended, Some(limits::CONTENTION_RETRY_MS))),
             });
         }
     };

@@ -18,6 +18,7 @@ use crate::core::intake::{self, intake_or_known, Decision, Head, Intake, Route};
 use crate::core::limits::ProviderHints;
 use crate::core::pairs;
 use crate::core::peer;
+use crate::core::priority;
 use crate::core::request::{Key, KEY_HEADER, PEER_PATH};
 use crate::core::store::CasStore;
 use crate::core::stream::{self, Reassembler};
@@ -230,10 +231,11 @@ impl Chat {
 }
 
 /// A client's `x-holysheep-*` request headers never reach the owner nodes: the key
-/// header routes, the secret header authenticates.
+/// header routes, the secret header authenticates. `x-holysheep-priority` goes on: it can
+/// only lower the class the owner gives the verified tenant.
 fn strip_fleet_headers() {
     for (name, _) in host::headers(MapType::HttpRequestHeaders) {
-        if name.starts_with("x-holysheep-") {
+        if name.starts_with("x-holysheep-") && name != priority::HEADER {
             let _ = hostcalls::set_map_value(MapType::HttpRequestHeaders, &name, None);
         }
     }

@@ -32,10 +32,8 @@ fn start(limits: &str, rate_limit: &str) -> Stack {
             format!(r#""{name}":{{"keys_sha256":["{digest}"],"priority":"{class}"}}"#)
         })
         .collect();
-    let config = format!(
-        r#"{{"models":{{"gpt-4.1":{limits}}},"rate_limit":{rate_limit},"tenants":{{{}}}}}"#,
-        tenants.join(",")
-    );
+    let config =
+        format!(r#"{{"models":{{"gpt-4.1":{limits}}},"rate_limit":{rate_limit},"tenants":{{{}}}}}"#, tenants.join(","));
     Stack::start_with(&config, 0, Some(OPERATOR_KEY), Some(OPERATOR_KEY))
 }
 
@@ -133,7 +131,8 @@ fn a_request_may_lower_its_class_but_not_raise_it() {
     // The whole bucket is the reserve: no sheddable call is admitted.
     let s = start(r#"{"requests_per_minute":60,"burst":1}"#, r#"{"reserve":1.0}"#);
     // batch is sheddable: asking for critical changes nothing.
-    let raised = s.chat(&prompt("raise me"), &[("authorization", &token("batch")), ("x-holysheep-priority", "critical")]);
+    let raised =
+        s.chat(&prompt("raise me"), &[("authorization", &token("batch")), ("x-holysheep-priority", "critical")]);
     assert_eq!(raised.status, 429, "{}", raised.text());
     assert_eq!(raised.header("x-holysheep-priority"), Some("sheddable"));
     // search is critical and may lower itself: then it is shed like any sheddable call.

@@ -22,6 +22,7 @@
 //! Options (environment): BENCH_SECONDS (default 3), BENCH_CONNECTIONS (default 16),
 //! BENCH_ROUNDS (default 5: floor and plugin rows alternate; a row's median round is its
 //! line, and a ratio of two alternating rows is the median of their rounds' ratios),
+//! BENCH_ONLY=priority (only the backlog rows, into target/bench/priority/),
 //! BENCH_CROWD (default 1000 identical requests for the follower delay), BENCH_CROWD_ROUNDS
 //! (default 3 crowds for the plugin and as many for the floor, alternating), BENCH_PROFILE=1
 //! (`perf record` on Envoy during each Envoy row: CPU per request in the filter's wasm code,
@@ -486,6 +487,11 @@ fn main() -> std::io::Result<()> {
     let conns = env_or("BENCH_CONNECTIONS", 16) as usize;
     let crowd = env_or("BENCH_CROWD", 1000) as usize;
     let rounds = env_or("BENCH_ROUNDS", 5) as usize;
+    if std::env::var("BENCH_ONLY").as_deref() == Ok("priority") {
+        let mut r = Report::default();
+        backlog_rows(&mut r)?;
+        return r.write(&workspace_root().join("target/bench/priority"));
+    }
     let wasm_bytes = std::fs::metadata(wasm_path())?.len();
     let mock = Running::start(None, 0)?;
     let hit_prompt = prompt("benchmark prompt");
@@ -711,22 +717,7 @@ fn main() -> std::io::Result<()> {
     r.ratio("HIT with 100 tenants / HIT without", tenants_over_none, "");
     drop(tenant_envoy);
 
-    // A critical request's wait behind a backlog of sheddable ones, against today's
-    // first-come line (every request standard), in the same run.
-    println!();
-    let backlog = env_or("BENCH_BACKLOG", 1000) as usize;
-    for (name, classes) in [("priority classes", true), ("first come, first served", false)] {
-        let waits = backlog_waits(backlog, classes)?;
-        let (p50, p99) = (percentile(&waits, 0.50), percentile(&waits, 0.99));
-        r.note(format!(
-            "{name}: {} critical requests behind {backlog} queued sheddable ones (max_in_flight 8, 10 ms upstream), \
-             answered after capacity returned: p50 {} ms, p99 {} ms",
-            waits.len(),
-            p50 / 1000,
-            p99 / 1000
-        ));
-        r.series.push((format!("critical waits, {name}"), waits));
-    }
+    backlog_rows(&mut r)?;
 
     drop(envoy);
     let fleet = Fleet::start(1, "{}", 0);
@@ -771,9 +762,29 @@ fn main() -> std::io::Result<()> {
     Ok(())
 }
 
+/// A critical request's wait behind a backlog of sheddable ones, against the first-come
+/// line (every request standard), in the same run.
+fn backlog_rows(r: &mut Report) -> std::io::Result<()> {
+    println!();
+    let backlog = env_or("BENCH_BACKLOG", 1000) as usize;
+    for (name, classes) in [("priority classes", true), ("one first-come line", false)] {
+        let waits = backlog_waits(backlog, classes)?;
+        let (p50, p99) = (percentile(&waits, 0.50), percentile(&waits, 0.99));
+        r.note(format!(
+            "{name}: {} urgent requests behind {backlog} queued ones (max_in_flight 8, 10 ms upstream), \
+             answered after capacity returned: p50 {} ms, p99 {} ms",
+            waits.len(),
+            p50 / 1000,
+            p99 / 1000
+        ));
+        r.series.push((format!("critical waits, {name}"), waits));
+    }
+    Ok(())
+}
+
 /// Queues `backlog` requests of a sheddable tenant behind 8 held calls (`max_in_flight: 8`),
-/// then 20 of a critical tenant (`classes: false`: both tenants standard, today's one
-/// first-come line); releases the held calls and returns, sorted, how long after the release
+/// then 20 of a critical tenant (`classes: false`: 20 more of the backlog's tenant, every
+/// request standard: one first-come line, the order before classes); releases the held calls and returns, sorted, how long after the release
 /// each critical request was answered (µs).
 fn backlog_waits(backlog: usize, classes: bool) -> std::io::Result<Vec<u64>> {
     const SLOTS: usize = 8;
@@ -797,7 +808,12 @@ fn backlog_waits(backlog: usize, classes: bool) -> std::io::Result<Vec<u64>> {
         std::thread::Builder::new().stack_size(64 * 1024).spawn(move || {
             let auth = format!("Bearer bench-{tenant}");
             let r = request(edge, "POST", PATH, &[("authorization", &auth)], prompt(&text).as_bytes());
-            (r.map(|r| r.status).unwrap_or(0), Instant::now())
+            let at = Instant::now();
+            match r {
+                Ok(r) if r.status == 200 => (200, at),
+                Ok(r) => panic!("{tenant}: {} {}", r.status, r.text()),
+                Err(e) => panic!("{tenant}: {e}"),
+            }
         })
     };
     let batch: Vec<_> = (0..backlog).map(|i| send("batch", format!("backlog {i}"))).collect::<Result<_, _>>()?;
@@ -807,7 +823,10 @@ fn backlog_waits(backlog: usize, classes: bool) -> std::io::Result<Vec<u64>> {
         }
     };
     until(&|| mock.mock.calls() >= SLOTS as u64 && queued(low) >= (backlog - SLOTS) as u64);
-    let critical: Vec<_> = (0..CRITICAL).map(|i| send("search", format!("urgent {i}"))).collect::<Result<_, _>>()?;
+    // Without classes the urgent requests come from the backlog's own tenant: one line in
+    // arrival order, as before classes.
+    let urgent = if classes { "search" } else { "batch" };
+    let critical: Vec<_> = (0..CRITICAL).map(|i| send(urgent, format!("urgent {i}"))).collect::<Result<_, _>>()?;
     until(&|| queued(high) >= (CRITICAL + if classes { 0 } else { backlog - SLOTS }) as u64);
     let released = Instant::now();
     for _ in 0..SLOTS {

@@ -3,15 +3,18 @@
 //! coalescing and HITs untouched by priority.
 
 use host_test::client::{request, Conn, Resp};
+use host_test::fleet::Fleet;
 use host_test::mock::Fault;
-use host_test::stack::{poll_until, prompt, Stack, PATH};
+use host_test::stack::{poll_until, prompt, prompt_for, Stack, PATH};
 use sha2::{Digest, Sha256};
+use std::net::SocketAddr;
 use std::thread::JoinHandle;
 use std::time::Duration;
 
 const OPERATOR_KEY: &str = "sk-operator-77c1e0b2d4";
-/// (tenant, token, class) of every test's tenants.
-const TENANTS: [(&str, &str, &str); 4] = [
+/// (tenant, token, class) of every test's tenants (`probe`: the fleet's ring probes).
+const TENANTS: [(&str, &str, &str); 5] = [
+    ("probe", "probe", "standard"),
     ("search", "hs-search-1f2e3d4c5b", "critical"),
     ("batch", "hs-batch-6a7b8c9d0e", "sheddable"),
     ("alpha", "hs-alpha-0a1b2c3d4e", "standard"),
@@ -25,15 +28,7 @@ fn token(tenant: &str) -> String {
 
 /// gpt-4.1 with `limits` and the tenants above; `rate_limit` the section of that name.
 fn start(limits: &str, rate_limit: &str) -> Stack {
-    let tenants: Vec<String> = TENANTS
-        .iter()
-        .map(|(name, token, class)| {
-            let digest: String = Sha256::digest(token.as_bytes()).iter().map(|b| format!("{b:02x}")).collect();
-            format!(r#""{name}":{{"keys_sha256":["{digest}"],"priority":"{class}"}}"#)
-        })
-        .collect();
-    let config =
-        format!(r#"{{"models":{{"gpt-4.1":{limits}}},"rate_limit":{rate_limit},"tenants":{{{}}}}}"#, tenants.join(","));
+    let config = tenants_config(&format!(r#"{{"gpt-4.1":{limits}}}"#), rate_limit);
     Stack::start_with(&config, 0, Some(OPERATOR_KEY), Some(OPERATOR_KEY))
 }
 
@@ -186,4 +181,60 @@ fn a_sheddable_request_identical_to_a_critical_one_in_flight_is_coalesced_and_a_
     busy.read_until("data: [DONE]").expect("the other stream");
     assert_eq!(s.calls(), 2);
     assert!(s.crashes().is_empty(), "{:?}", s.crashes());
+}
+
+/// The tenants above and `models` as one configuration (no operator key: the mock asks for
+/// none).
+fn tenants_config(models: &str, rate_limit: &str) -> String {
+    let tenants: Vec<String> = TENANTS
+        .iter()
+        .map(|(name, token, class)| {
+            let digest: String = Sha256::digest(token.as_bytes()).iter().map(|b| format!("{b:02x}")).collect();
+            format!(r#""{name}":{{"keys_sha256":["{digest}"],"priority":"{class}"}}"#)
+        })
+        .collect();
+    format!(r#"{{"models":{models},"rate_limit":{rate_limit},"tenants":{{{}}}}}"#, tenants.join(","))
+}
+
+#[test]
+fn a_fleets_model_owner_orders_every_nodes_waiting_calls_and_a_forward_node_passes_the_class_on() {
+    let models = r#"{"gpt-4.1":{"max_in_flight":1},"deepseek-v3":{"requests_per_minute":1,"burst":2}}"#;
+    let fleet = Fleet::start(3, &tenants_config(models, r#"{"reserve":0.5,"max_wait_ms":30000}"#), 0);
+    let publics = fleet.publics();
+    let probes = fleet.calls();
+    let queued = |class: &str| fleet.stat(&format!("wasmcustom.holysheep.priority.{class}.queued"));
+    let chat = |public: SocketAddr, tenant: &str, body: String, lowered: bool| {
+        let auth = token(tenant);
+        std::thread::spawn(move || {
+            let mut h = vec![("authorization", auth.as_str())];
+            if lowered {
+                h.push(("x-holysheep-priority", "sheddable"));
+            }
+            request(public, "POST", PATH, &h, body.as_bytes()).expect("edge answers")
+        })
+    };
+    // Six sheddable calls through every node's public listener (their keys have different
+    // owners), the first held upstream; then one critical call.
+    fleet.mock.mock.plan(vec![Fault { hold: true, ..Fault::default() }]);
+    let mut handles: Vec<_> =
+        (0..6).map(|i| chat(publics[i % 3], "batch", prompt(&format!("fleet batch {i}")), false)).collect();
+    poll_until(|| fleet.calls() > probes && queued("sheddable") >= 5, "the sheddable calls never stood in line");
+    handles.push(chat(publics[1], "search", prompt("fleet search"), false));
+    poll_until(|| queued("critical") >= 1, "the critical call never stood in line");
+    fleet.mock.mock.release();
+    assert!(join(handles).iter().all(|r| r.status == 200));
+    let prompts: Vec<String> = fleet.mock.mock.prompts().into_iter().filter(|p| p.starts_with("fleet")).collect();
+    assert_eq!(prompts.len(), 7, "{prompts:?}");
+    assert_eq!(prompts[1], "fleet search", "the owner's line put it first: {prompts:?}");
+    assert_eq!(fleet.stat("wasmcustom.holysheep.gpt-4.1.fleet_local_share"), 0, "the model owner was reached");
+
+    // A burst of 2 with half kept: a request that lowered itself on a forward node is
+    // sheddable on the owner; the first is admitted, the second shed.
+    let lowered = |i: usize| chat(publics[2], "search", prompt_for("deepseek-v3", &format!("lowered {i}")), true);
+    let first = lowered(0).join().expect("thread");
+    assert_eq!(first.status, 200, "{}", first.text());
+    let second = lowered(1).join().expect("thread");
+    assert_eq!((second.status, second.header("x-holysheep-shed")), (429, Some("priority")), "{}", second.text());
+    assert_eq!(second.header("x-holysheep-priority"), Some("sheddable"));
+    assert!(fleet.crashes().is_empty(), "{:?}", fleet.crashes());
 }

@@ -5,7 +5,7 @@
 use super::cache::{self, Place, Response};
 use super::config::Config;
 use super::error::ApiError;
-use super::lease::{self, Acquire, Lease, Slot, State};
+use super::lease::{self, Acquire, Lease, Mark, Slot, State};
 use super::priority;
 use super::request::{Key, Policy};
 use super::store::CasStore;
@@ -203,8 +203,10 @@ impl<S: CasStore> Engine<'_, S> {
                 });
                 self.answer_waiter(wait, response, done_at_ms, stale_from_ms, now_ms, nonce)
             }
-            Ok(State::Leading { nonce: n, expires_ms, watched, .. }) if n == wait.nonce && expires_ms > now_ms => {
-                self.keep_waiting(wait.clone(), watched, now_ms, nonce)
+            Ok(State::Leading { nonce: n, expires_ms, watched, best, .. })
+                if n == wait.nonce && expires_ms > now_ms =>
+            {
+                self.keep_waiting(wait.clone(), Mark { watched, best }, now_ms, nonce)
             }
             // Another flight finished in its way since: whatever this one left there is
             // gone.
@@ -373,9 +375,9 @@ impl<S: CasStore> Engine<'_, S> {
             Ok(Acquire::Acquired(l)) => {
                 Step::Call(self.call(key, Some(l), policy, policy.store, CacheStatus::Miss, now_ms))
             }
-            Ok(Acquire::Held { nonce: n, slot, watched }) => {
+            Ok(Acquire::Held { nonce: n, slot, watched, best }) => {
                 let wait = Wait { key: key.clone(), slot, nonce: n, since_ms, policy };
-                self.keep_waiting(wait, watched, now_ms, nonce)
+                self.keep_waiting(wait, Mark { watched, best }, now_ms, nonce)
             }
             Ok(Acquire::Answered { in_cache: false, .. }) if take == TakeDone::Stored => {
                 self.take_lease(key, policy, now_ms, nonce, now_ms, TakeDone::None)
@@ -394,13 +396,16 @@ impl<S: CasStore> Engine<'_, S> {
         }
     }
 
-    /// Waits on a live flight, first marking it waited on (`watched` says whether someone
-    /// already did), so that its end wakes every worker; a flight that ended before the
-    /// mark wakes no one, so the waiter looks again now (`nonce`: should it lead). Like
+    /// Waits on a live flight, first marking it waited on (`mark` says whether someone
+    /// already did, and the highest class of the waiters that said theirs), so that its end
+    /// wakes every worker and its leader, waiting for its bucket, takes the class of its
+    /// most urgent waiter; a flight that ended before the mark wakes no one, so the waiter
+    /// looks again now (`nonce`: should it lead). Like
     /// nginx after `proxy_cache_lock_timeout`, a waiter that waited too long goes upstream
     /// itself, and its answer is not stored.
-    fn keep_waiting(&self, wait: Wait, watched: bool, now_ms: u64, nonce: u64) -> Step {
-        if !watched && !lease::watch(self.store, &wait.slot, wait.nonce).unwrap_or(true) {
+    fn keep_waiting(&self, wait: Wait, mark: Mark, now_ms: u64, nonce: u64) -> Step {
+        let class = wait.policy.class;
+        if mark.lacks(class) && !lease::watch(self.store, &wait.slot, wait.nonce, class).unwrap_or(true) {
             return self.after_flight(wait, now_ms, nonce);
         }
         if now_ms.saturating_sub(wait.since_ms) >= self.config.lock.wait_timeout_ms {

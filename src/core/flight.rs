@@ -8,6 +8,7 @@ use super::cache::Response;
 use super::config::Config;
 use super::engine::Call;
 use super::error::ApiError;
+use super::lease;
 use super::limits::{self, duration, Denial, Kind, Limits, ProviderHints};
 use super::line::{Who, POLL_CAP_MS};
 use super::peer::{self, Op, Verdict};
@@ -205,6 +206,7 @@ impl Flight {
         if let Some(refused) = self.reserve_tenant(store, config, now_ms, nonce) {
             return refused;
         }
+        self.raise_to_waiters(store);
         let (start, mut denials) = self.probe.take().unwrap_or((self.idx, Vec::new()));
         for i in start..self.models.len() {
             match self.reserve(store, config, i, now_ms, nonce) {
@@ -252,6 +254,21 @@ impl Flight {
         }
         let limited = self.rate_limited(config, &model, denial);
         self.end(store, config, Some(limited), now_ms)
+    }
+
+    /// Each time it looks again from its place in line, the flight looks for waiters of a
+    /// higher class than its own, and then waits at the highest of theirs (and counts as
+    /// queued in that class): a critical request coalesced on a sheddable leader does not
+    /// wait behind the sheddable line.
+    fn raise_to_waiters(&mut self, store: &impl CasStore) {
+        if self.lined.is_empty() || self.class == Class::Critical {
+            return;
+        }
+        let Some(lease) = &self.call.lease else { return };
+        if let Some(best) = lease::waiting_class(store, lease).filter(|b| *b < self.class) {
+            self.class = best;
+            self.events.push(Event::Queued { class: best });
+        }
     }
 
     /// How soon a call refused a slot of model `i` looks again: every `CONCURRENCY_POLL_MS`
@@ -1214,6 +1231,33 @@ mod tests {
         }
         assert_eq!(send(critical.resume(&s, &c, 5, 99)), "m");
         assert!(critical.events.contains(&Event::Admitted { class: Class::Critical, waited_ms: 5 }));
+    }
+
+    #[test]
+    fn a_leader_in_line_takes_the_class_of_its_most_urgent_waiter() {
+        use crate::core::engine::{Engine, Step};
+        let s = MemStore::new();
+        let c = config(r#"{"models":{"m":{"max_in_flight":1}},"rate_limit":{"max_wait_ms":10000}}"#);
+        let mut busy = classed(&c, "m", Class::Standard, "a");
+        send(busy.resume(&s, &c, 0, 1));
+        let mut backlog: Vec<Flight> = (0..3).map(|_| classed(&c, "m", Class::Sheddable, "batch")).collect();
+        for (i, f) in backlog.iter_mut().enumerate() {
+            assert!(matches!(f.resume(&s, &c, 1, 10 + i as u64), Action::Sleep { .. }));
+        }
+        // A sheddable leader with a lease, last in line.
+        let e = Engine { store: &s, config: &c };
+        let key = request_key("/p", "s", b"the same");
+        let policy = |class| crate::core::request::Policy { class, ..flight(&c, "m").call.policy };
+        let Step::Call(call) = e.admit(&key, policy(Class::Sheddable), 2, 50) else { panic!("leads") };
+        let mut leader = Flight { call, ..classed(&c, "m", Class::Sheddable, "search") };
+        assert!(matches!(leader.resume(&s, &c, 2, 60), Action::Sleep { .. }));
+        // A critical request for the same answer waits on it, and says so.
+        assert!(matches!(e.admit(&key, policy(Class::Critical), 3, 70), Step::Wait(_)));
+        busy.on_response(&s, &c, None, &ProviderHints::default(), 4, 0);
+        assert!(matches!(leader.resume(&s, &c, 600, 60), Action::Send { .. }), "ahead of the sheddable line");
+        for (i, f) in backlog.iter_mut().enumerate() {
+            assert!(matches!(f.resume(&s, &c, 601, 10 + i as u64), Action::Sleep { .. }));
+        }
     }
 
     #[test]

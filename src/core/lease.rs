@@ -9,6 +9,7 @@
 use super::cache::Response;
 use super::codec;
 use super::config::Config;
+use super::priority::{Class, CLASSES};
 use super::request::Key;
 use super::store::{self, cas_after, CasStore, Read, StoreError};
 use std::borrow::Cow;
@@ -39,6 +40,8 @@ pub enum State {
         expires_ms: u64,
         /// A waiter is waiting on this flight (so its end must wake the other workers).
         watched: bool,
+        /// The highest class among its waiters that are above `sheddable`.
+        best: Option<Class>,
     },
     Done {
         key: String,
@@ -59,7 +62,7 @@ pub enum Acquire {
     Acquired(Lease),
     /// A live leader holds this key in `slot`: wait for the flight with this nonce
     /// (`watched`: someone already does).
-    Held { nonce: u64, slot: Slot, watched: bool },
+    Held { nonce: u64, slot: Slot, watched: bool, best: Option<Class> },
     /// Every way of this key's group is leased to other keys (collisions).
     Busy,
     /// A flight on this key finished since the request arrived: its answer is this
@@ -142,7 +145,8 @@ pub fn acquire(
                 (b"L", _) => match peek(record) {
                     Some(p) if p.time > now_ms && ours => {
                         let slot = Slot { group, way };
-                        return Ok(Acquire::Held { nonce: p.nonce, slot, watched: p.rest == b"w" });
+                        let Mark { watched, best } = Mark::of(p.rest);
+                        return Ok(Acquire::Held { nonce: p.nonce, slot, watched, best });
                     }
                     // Another key's live flight.
                     Some(p) if p.time > now_ms => {}
@@ -169,7 +173,7 @@ pub fn acquire(
         }
         let free = free.map(|(_, way)| way);
         let Some(way) = free else { return Ok(Acquire::Busy) };
-        let value = join(&ways[..n], way, &leading(key.hex(), nonce, now_ms + config.lock.lease_ms, false));
+        let value = join(&ways[..n], way, &leading(key.hex(), nonce, now_ms + config.lock.lease_ms, b""));
         // The whole group is written by CAS: whoever changed any way since our read makes
         // us read again, so two racers can never both take a way for one key. The
         // test-only `broken-lock` build writes without CAS, to prove the harness catches
@@ -194,7 +198,7 @@ fn write(store: &impl CasStore, group: &str, value: &[u8], r: &Read) -> Result<(
 /// Pushes the expiry forward; `false` when the lease is no longer ours.
 pub fn renew(store: &impl CasStore, config: &Config, lease: &Lease, now_ms: u64) -> Result<bool, StoreError> {
     let expires_ms = now_ms + config.lock.lease_ms;
-    let record = |watched| Cow::Owned(leading(lease.key.hex(), lease.nonce, expires_ms, watched));
+    let record = |mark: &[u8]| Cow::Owned(leading(lease.key.hex(), lease.nonce, expires_ms, mark));
     Ok(update_if_owner(store, lease, record)?.is_some())
 }
 
@@ -213,7 +217,7 @@ pub fn finish(
 ) -> Result<Option<bool>, StoreError> {
     let value = done(&lease.key, lease.nonce, now_ms, response, stale_from_ms, in_cache);
     // A flight nobody waited on is marked so (`d`): no waiter needs its way kept.
-    update_if_owner(store, lease, |watched| match watched {
+    update_if_owner(store, lease, |mark| match Mark::of(mark).watched {
         true => Cow::Borrowed(&value[..]),
         false => Cow::Owned([&b"d"[..], value.get(1..).unwrap_or_default()].concat()),
     })
@@ -222,18 +226,64 @@ pub fn finish(
 /// Gives the lease up without an answer (a stream that broke off): the way reads as
 /// expired, so a waiter takes it and leads a new flight. `None` when it was not ours.
 pub fn release(store: &impl CasStore, lease: &Lease) -> Result<Option<bool>, StoreError> {
-    update_if_owner(store, lease, |watched| Cow::Owned(leading(lease.key.hex(), lease.nonce, 0, watched)))
+    update_if_owner(store, lease, |mark| Cow::Owned(leading(lease.key.hex(), lease.nonce, 0, mark)))
 }
 
-/// Marks the flight `nonce` in `slot` as waited on, so that its end wakes every worker; a
-/// no-op once marked. `false` when the flight is no longer in flight there (it ended
-/// between the waiter's read and this mark, so no wake-up will come for it).
-pub fn watch(store: &impl CasStore, slot: &Slot, nonce: u64) -> Result<bool, StoreError> {
+/// Marks the flight `nonce` in `slot` as waited on, so that its end wakes every worker, by
+/// a waiter of `class` (a leader waiting for its bucket takes the highest class of its
+/// waiters); a no-op once marked so. `false` when the flight is no longer in flight there
+/// (it ended between the waiter's read and this mark, so no wake-up will come for it).
+pub fn watch(store: &impl CasStore, slot: &Slot, nonce: u64, class: Class) -> Result<bool, StoreError> {
     rewrite_leader(store, slot, nonce, |p| {
-        let key = std::str::from_utf8(p.key).ok().filter(|_| p.rest != b"w")?;
-        Some(Cow::Owned(leading(key, nonce, p.time, true)))
+        let mark = Mark::of(p.rest);
+        let key = std::str::from_utf8(p.key).ok().filter(|_| mark.lacks(class))?;
+        Some(Cow::Owned(leading(key, nonce, p.time, &mark.with(class).bytes())))
     })
     .map(|leading| leading.is_some())
+}
+
+/// The highest class among the waiters of the flight `lease` leads, above `sheddable`.
+pub fn waiting_class(store: &impl CasStore, lease: &Lease) -> Option<Class> {
+    let r = store.get(&lease.slot.group).ok()?;
+    let (ways, _) = split(r.value.as_deref().unwrap_or_default(), lease.slot.way + 1);
+    let p = ways.get(lease.slot.way).and_then(|w| peek(w)).filter(|p| p.kind == b'L' && p.nonce == lease.nonce)?;
+    Mark::of(p.rest).best
+}
+
+/// Who waits on a leading flight, as its record's body says: `w` once anyone does,
+/// followed by the rank of the highest class above `sheddable` among them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Mark {
+    pub watched: bool,
+    pub best: Option<Class>,
+}
+
+impl Mark {
+    fn of(rest: &[u8]) -> Mark {
+        let best = rest.get(1).and_then(|d| CLASSES.get(usize::from(d.wrapping_sub(b'0')))).copied();
+        Mark { watched: rest.first() == Some(&b'w'), best }
+    }
+
+    fn bytes(self) -> Vec<u8> {
+        let mut out = Vec::with_capacity(2);
+        if self.watched {
+            out.push(b'w');
+            if let Some(c) = self.best {
+                out.push(b'0' + c.rank() as u8);
+            }
+        }
+        out
+    }
+
+    /// Whether a waiter of `class` has something to write: the mark, or a higher class.
+    pub fn lacks(self, class: Class) -> bool {
+        !self.watched || (class < Class::Sheddable && self.best.is_none_or(|b| class < b))
+    }
+
+    fn with(self, class: Class) -> Mark {
+        let best = if class < Class::Sheddable { Some(self.best.map_or(class, |b| b.min(class))) } else { self.best };
+        Mark { watched: true, best }
+    }
 }
 
 /// Writes `record(watched)` into the lease's way if the lease is still ours; `None` when
@@ -241,9 +291,9 @@ pub fn watch(store: &impl CasStore, slot: &Slot, nonce: u64) -> Result<bool, Sto
 fn update_if_owner<'a>(
     store: &impl CasStore,
     lease: &Lease,
-    record: impl Fn(bool) -> Cow<'a, [u8]>,
+    record: impl Fn(&[u8]) -> Cow<'a, [u8]>,
 ) -> Result<Option<bool>, StoreError> {
-    rewrite_leader(store, &lease.slot, lease.nonce, |p| Some(record(p.rest == b"w")))
+    rewrite_leader(store, &lease.slot, lease.nonce, |p| Some(record(p.rest)))
 }
 
 /// Rewrites `slot` with `record(leader)` while it holds the leader of flight `nonce`
@@ -261,7 +311,7 @@ fn rewrite_leader<'a>(
         let Some(p) = ways.get(slot.way).and_then(|w| peek(w)).filter(|p| p.kind == b'L' && p.nonce == nonce) else {
             return Ok(None);
         };
-        let watched = p.rest == b"w";
+        let watched = Mark::of(p.rest).watched;
         let Some(record) = record(&p) else { return Ok(Some(watched)) };
         // Only the owner writes a Leading value with this nonce, but a waiter may take the
         // way over (or mark it watched), or another key change its own way, between our
@@ -318,10 +368,9 @@ fn join(ways: &[&[u8]], at: usize, record: &[u8]) -> Vec<u8> {
     out
 }
 
-/// A leader's record; a watched flight has the body `w`.
-fn leading(key_hex: &str, nonce: u64, expires_ms: u64, watched: bool) -> Vec<u8> {
-    let body: &[u8] = if watched { b"w" } else { b"" };
-    codec::encode(&["L", key_hex, codec::decimal(nonce).as_str(), codec::decimal(expires_ms).as_str()], body)
+/// A leader's record; its body is its `Mark` (empty until someone waits).
+fn leading(key_hex: &str, nonce: u64, expires_ms: u64, mark: &[u8]) -> Vec<u8> {
+    codec::encode(&["L", key_hex, codec::decimal(nonce).as_str(), codec::decimal(expires_ms).as_str()], mark)
 }
 
 /// A way's record read in place, without copying: its kind (`L` leading, `D` done), key,
@@ -381,7 +430,8 @@ fn decode(raw: &[u8]) -> Option<State> {
                 key: f[1].to_owned(),
                 nonce: codec::number(f[2])?,
                 expires_ms: codec::number(f[3])?,
-                watched: body == b"w",
+                watched: Mark::of(body).watched,
+                best: Mark::of(body).best,
             })
         }
         b'D' | b'd' => {
@@ -446,14 +496,30 @@ mod tests {
         let Acquire::Held { slot, watched: false, .. } = acquire(&s, &c, &key(1), 22, 1, 1).unwrap() else {
             panic!("unwatched at first")
         };
-        assert!(watch(&s, &slot, 11).unwrap());
+        assert!(watch(&s, &slot, 11, Class::Sheddable).unwrap());
         assert!(matches!(acquire(&s, &c, &key(1), 33, 2, 2).unwrap(), Acquire::Held { watched: true, .. }));
         assert!(renew(&s, &c, &lease, 3).unwrap());
         assert!(matches!(acquire(&s, &c, &key(1), 44, 4, 4).unwrap(), Acquire::Held { watched: true, .. }));
-        assert!(!watch(&s, &slot, 99).unwrap(), "not that flight");
+        assert!(!watch(&s, &slot, 99, Class::Sheddable).unwrap(), "not that flight");
         assert_eq!(finish(&s, &lease, &resp(200), 5, None, false).unwrap(), Some(true), "the leader learns it");
-        assert!(!watch(&s, &slot, 11).unwrap(), "over: no wake-up will come");
+        assert!(!watch(&s, &slot, 11, Class::Sheddable).unwrap(), "over: no wake-up will come");
         assert!(matches!(read(&s, &slot).unwrap().0, State::Done { .. }), "a finished flight stays finished");
+    }
+
+    #[test]
+    fn a_leaders_mark_keeps_its_most_urgent_waiters_class_through_renewals() {
+        let (s, c) = (MemStore::new(), Config::default());
+        let Acquire::Acquired(lease) = acquire(&s, &c, &key(1), 11, 0, 0).unwrap() else { panic!() };
+        let Acquire::Held { slot, .. } = acquire(&s, &c, &key(1), 22, 1, 1).unwrap() else { panic!() };
+        assert!(watch(&s, &slot, 11, Class::Sheddable).unwrap());
+        assert_eq!(waiting_class(&s, &lease), None, "a sheddable waiter raises nothing");
+        assert!(watch(&s, &slot, 11, Class::Standard).unwrap());
+        assert!(watch(&s, &slot, 11, Class::Critical).unwrap());
+        assert!(watch(&s, &slot, 11, Class::Standard).unwrap());
+        assert!(renew(&s, &c, &lease, 3).unwrap());
+        assert_eq!(waiting_class(&s, &lease), Some(Class::Critical));
+        let Acquire::Held { watched, best, .. } = acquire(&s, &c, &key(1), 33, 4, 4).unwrap() else { panic!() };
+        assert_eq!((watched, best), (true, Some(Class::Critical)));
     }
 
     #[test]
@@ -504,7 +570,7 @@ mod tests {
         let (s, mut c) = (MemStore::new(), Config::default());
         c.lock.slots = 1;
         let Acquire::Acquired(lease) = acquire(&s, &c, &key(1), 1, 0, 0).unwrap() else { panic!() };
-        assert!(watch(&s, &lease.slot, 1).unwrap(), "someone waits on it");
+        assert!(watch(&s, &lease.slot, 1, Class::Sheddable).unwrap(), "someone waits on it");
         finish(&s, &lease, &resp(200), 10, None, false).unwrap();
         let shared = acquire(&s, &c, &key(1), 2, 11, 5).unwrap();
         assert!(matches!(shared, Acquire::Answered { done_at_ms: 10, .. }), "{shared:?}");
@@ -533,7 +599,7 @@ mod tests {
             let now = i * 10;
             match acquire(&s, &c, &key(1), i + 1, now, now).unwrap() {
                 Acquire::Acquired(l) => {
-                    watch(&s, &l.slot, i + 1).unwrap();
+                    watch(&s, &l.slot, i + 1, Class::Sheddable).unwrap();
                     finish(&s, &l, &resp(503), now + 5, None, false).unwrap()
                 }
                 other => panic!("flight {i}: {other:?}"),
@@ -566,7 +632,7 @@ mod tests {
         // Two flights finish (at 10 and 20): a third prompt takes a never-used way.
         for (i, at) in [(0, 20), (1, 10)] {
             let Acquire::Acquired(l) = acquire(&s, &c, group[i], i as u64 + 1, 0, 0).unwrap() else { panic!() };
-            watch(&s, &l.slot, i as u64 + 1).unwrap();
+            watch(&s, &l.slot, i as u64 + 1, Class::Sheddable).unwrap();
             finish(&s, &l, &resp(200), at, None, false).unwrap();
         }
         let Acquire::Acquired(third) = acquire(&s, &c, group[2], 3, 30, 30).unwrap() else { panic!() };

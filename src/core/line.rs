@@ -81,9 +81,10 @@ impl Line {
         self.places.retain(|p| p.until_ms > now_ms);
     }
 
-    /// The caller's place: the one it holds, or the one it would take now.
+    /// The caller's place: the one it holds, or the one it would take now (a caller whose
+    /// class was raised since it took its place takes one in its new class).
     pub fn place_of(&self, who: &Who, now_ms: u64) -> Place {
-        if let Some(p) = self.places.iter().find(|p| p.id == who.id) {
+        if let Some(p) = self.places.iter().find(|p| p.id == who.id && p.class == who.class) {
             return *p;
         }
         let last = self.places.iter().filter(|p| p.class == who.class && p.tenant == who.tenant).map(|p| p.turn);
@@ -111,13 +112,15 @@ impl Line {
     /// Takes (or keeps) `place` in a line of at most `max`; whether the line changed. A full
     /// line gives the last place of its lowest class to a caller of a higher class.
     pub fn stand(&mut self, place: Place, max: usize, now_ms: u64) -> Result<bool, Full> {
-        if let Some(p) = self.places.iter_mut().find(|p| p.id == place.id) {
+        if let Some(p) = self.places.iter_mut().find(|p| p.id == place.id && p.class == place.class) {
             let renew = p.until_ms.saturating_sub(now_ms) < RENEW_BELOW_MS;
             if renew {
                 p.until_ms = now_ms.saturating_add(LINE_HOLD_MS);
             }
             return Ok(renew);
         }
+        // Its place in another class is given up for this one.
+        self.places.retain(|p| p.id != place.id);
         if self.places.len() >= max.max(1) {
             let last = self.places.iter().enumerate().max_by_key(|(_, p)| p.order()).map(|(i, p)| (i, p.class));
             match last {
@@ -272,6 +275,22 @@ mod tests {
         assert_eq!(line.len(), 1);
         line.lapse(late + LINE_HOLD_MS);
         assert!(line.is_empty(), "not renewed: lapsed");
+    }
+
+    #[test]
+    fn a_caller_raised_to_a_higher_class_moves_ahead_of_the_class_it_left() {
+        let mut line = Line::default();
+        for i in 0..5 {
+            let p = line.place_of(&who(i, Class::Sheddable, 1), i);
+            line.stand(p, 8, i).unwrap();
+        }
+        let raised = who(4, Class::Critical, 1);
+        let p = line.place_of(&raised, 10);
+        assert_eq!((p.class, line.ahead(&p, f64::INFINITY).calls), (Class::Critical, 0));
+        assert_eq!(line.stand(p, 8, 10), Ok(true));
+        assert_eq!(line.len(), 5, "one place, in its new class");
+        let last = line.place_of(&who(0, Class::Sheddable, 1), 11);
+        assert_eq!(line.ahead(&last, f64::INFINITY).calls, 1, "the raised caller is ahead of every sheddable one");
     }
 
     #[test]

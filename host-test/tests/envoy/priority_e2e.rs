@@ -140,6 +140,29 @@ fn a_request_may_lower_its_class_but_not_raise_it() {
     assert_eq!(s.chat(&prompt("as is"), &[("authorization", &token("search"))]).status, 200);
 }
 
+#[test]
+fn a_critical_request_coalesced_on_a_queued_sheddable_leader_takes_it_to_the_front() {
+    let s = start(r#"{"max_in_flight":1}"#, r#"{"max_wait_ms":30000}"#);
+    s.mock.mock.plan(vec![Fault { hold: true, ..Fault::default() }]);
+    let mut handles: Vec<_> = (0..5).map(|i| send(&s, "batch", &format!("queued {i}"), &[])).collect();
+    s.await_calls(1);
+    await_queued(&s, "sheddable", 4);
+    // search asks as sheddable: its call waits last in line ...
+    handles.push(send(&s, "search", "the question", &[("x-holysheep-priority", "sheddable")]));
+    await_queued(&s, "sheddable", 5);
+    // ... until the same question comes from search as critical, and waits on that call.
+    let critical = send(&s, "search", "the question", &[]);
+    // The leader takes its waiter's class the next time it looks from its place.
+    await_queued(&s, "critical", 1);
+    s.mock.mock.release();
+    let critical = critical.join().expect("thread");
+    assert_eq!((critical.status, critical.cache()), (200, "COALESCED"), "{}", critical.text());
+    assert!(join(handles).iter().all(|r| r.status == 200));
+    let prompts = s.mock.mock.prompts();
+    assert_eq!(prompts[1], "the question", "the coalesced call went next: {prompts:?}");
+    assert_eq!(prompts.len(), 6);
+}
+
 /// Reads a stream's first event: the request is then on its way (a leader's call, or a
 /// waiter attached to one).
 fn open_stream(s: &Stack, tenant: &str, text: &str, headers: &[(&str, &str)]) -> (Conn, String) {

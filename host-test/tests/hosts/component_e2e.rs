@@ -367,3 +367,22 @@ fn the_component_holds_a_tenants_budget_as_the_plugin_does() {
     assert_eq!(post(&s, &first, &auth).cache(), "HIT", "a HIT is free");
     assert_eq!(mock.mock.calls(), 1);
 }
+
+#[test]
+fn the_component_keeps_the_reserve_from_sheddable_calls_as_the_plugin_does() {
+    let mock = Running::start(None, 0).expect("mock");
+    let config = r#"{"models":{"gpt-4.1":{"requests_per_minute":1,"burst":2}},"rate_limit":{"reserve":0.5}}"#;
+    let s = serve(&mock, config);
+    let lowered = [("authorization", "Bearer sk-c"), ("x-holysheep-priority", "sheddable")];
+    assert_eq!(post(&s, &prompt("shed one"), &lowered).status, 200, "above the reserve");
+    let shed = post(&s, &prompt("shed two"), &lowered);
+    assert_eq!(shed.status, 429, "{}", shed.text());
+    assert_eq!(
+        (shed.header("x-holysheep-shed"), shed.header("x-holysheep-priority")),
+        (Some("priority"), Some("sheddable"))
+    );
+    assert_eq!(post(&s, &prompt("standard"), &[("authorization", "Bearer sk-c")]).status, 200, "the reserve is kept");
+    let bad = post(&s, &prompt("typo"), &[("authorization", "Bearer sk-c"), ("x-holysheep-priority", "urgent")]);
+    assert_eq!((bad.status, bad.json()["error"]["code"].as_str()), (400, Some("invalid_priority")));
+    assert_eq!(mock.mock.calls(), 2);
+}

@@ -261,12 +261,14 @@ impl Flight {
     /// queued in that class): a critical request coalesced on a sheddable leader does not
     /// wait behind the sheddable line.
     fn raise_to_waiters(&mut self, store: &impl CasStore) {
-        if self.lined.is_empty() || self.class == Class::Critical {
+        // Not between a model owner's verdict and its reading: it was given at the class
+        // the flight asked with.
+        if self.lined.is_empty() || self.class == Class::Critical || self.probe.is_some() {
             return;
         }
         let Some(lease) = &self.call.lease else { return };
         if let Some(best) = lease::waiting_class(store, lease).filter(|b| *b < self.class) {
-            self.class = best;
+            (self.class, self.queued) = (best, true);
             self.events.push(Event::Queued { class: best });
         }
     }
@@ -277,7 +279,7 @@ impl Flight {
     fn slot_poll(&self, config: &Config, i: usize, d: &Denial) -> u64 {
         let slots = self.models.get(i).and_then(|m| config.model(m)).and_then(|(_, m)| m.max_in_flight);
         let rounds = d.ahead / u64::from(slots.unwrap_or(1).max(1));
-        CONCURRENCY_POLL_MS.saturating_mul(1 + rounds).min(POLL_CAP_MS)
+        CONCURRENCY_POLL_MS.saturating_mul(rounds.saturating_add(1)).min(POLL_CAP_MS)
     }
 
     /// Takes the call's share of its tenant's own limits, once per flight; `Some` when they

@@ -204,14 +204,14 @@ impl Bucket {
         match lacks.map(|(d, kept)| (Denial { ahead: ahead.calls as u64, ..d }, kept)) {
             None => {
                 self.charge(l, who, now_ms, hold_ms);
-                self.line.leave(who.id, true);
+                self.line.leave(who.id, Some(who.class));
                 (Ok(()), true)
             }
             Some((d, true)) => {
-                let left = self.line.leave(who.id, false);
+                let left = self.line.leave(who.id, None);
                 (Err(Denial { kind: Kind::Shed, ..d }), left)
             }
-            Some((d, false)) if !waits => (Err(d), self.line.leave(who.id, false)),
+            Some((d, false)) if !waits => (Err(d), self.line.leave(who.id, None)),
             Some((d, false)) => match self.line.stand(place, l.max_line, now_ms) {
                 Ok(changed) => (Err(d), changed),
                 Err(Full) => (Err(Denial::of(Kind::QueueFull, None)), false),
@@ -274,7 +274,7 @@ impl Bucket {
     pub fn settle(&mut self, l: &Limits, nonce: u64, estimate: u64, actual: Option<u64>, now_ms: u64) {
         self.refill(l, now_ms);
         self.in_flight.retain(|(n, _)| *n != nonce);
-        self.line.leave(nonce, false);
+        self.line.leave(nonce, None);
         if let (Some(actual), Some(cap)) = (actual, l.tpm) {
             self.tokens = (self.tokens + self.estimate_within_capacity(l, estimate) - actual as f64).min(cap);
         }
@@ -333,7 +333,8 @@ impl Bucket {
         let (mut in_flight, mut line, mut at) = (Vec::new(), Line::default(), 0);
         while at < rest.len() {
             if rest[at..].starts_with(LINE_MARK) {
-                line = Line::decode(&rest[at + LINE_MARK.len()..])?;
+                // A torn line is no reason to forget the calls in flight.
+                line = Line::decode(&rest[at + LINE_MARK.len()..]).unwrap_or_default();
                 break;
             }
             let end = rest[at..].iter().position(|&b| b == b'\n').map_or(rest.len(), |n| at + n);

@@ -134,11 +134,13 @@ impl Line {
         Ok(true)
     }
 
-    /// The call `id` leaves the line; `admitted`: its class's turn moves on to its own.
-    pub fn leave(&mut self, id: u64, admitted: bool) -> bool {
+    /// The call `id` leaves the line; `admitted` in a class: that class's turn moves on to
+    /// the call's (a call raised to another class since it took its place moves no turn of
+    /// the class it left).
+    pub fn leave(&mut self, id: u64, admitted: Option<Class>) -> bool {
         let Some(i) = self.places.iter().position(|p| p.id == id) else { return false };
         let p = self.places.swap_remove(i);
-        if admitted {
+        if admitted == Some(p.class) {
             let t = &mut self.turns[p.class.rank()];
             *t = (*t).max(p.turn);
         }
@@ -212,7 +214,7 @@ mod tests {
         let mut order = Vec::new();
         while let Some(head) = line.places.iter().min_by_key(|p| p.order()).copied() {
             assert_eq!(line.ahead(&head, f64::INFINITY).calls, 0);
-            line.leave(head.id, true);
+            line.leave(head.id, Some(head.class));
             order.push(head.id);
         }
         order
@@ -238,7 +240,7 @@ mod tests {
         }
         // Fifty of tenant 1's calls are admitted before tenant 2 arrives.
         for i in 0..50 {
-            line.leave(i, true);
+            line.leave(i, Some(Class::Standard));
         }
         let late = line.place_of(&who(500, Class::Standard, 2), 10);
         assert_eq!(line.ahead(&late, f64::INFINITY).calls, 1, "behind tenant 1's next call only");
@@ -291,6 +293,16 @@ mod tests {
         assert_eq!(line.len(), 5, "one place, in its new class");
         let last = line.place_of(&who(0, Class::Sheddable, 1), 11);
         assert_eq!(line.ahead(&last, f64::INFINITY).calls, 1, "the raised caller is ahead of every sheddable one");
+        // Raised and admitted at once (its new place never written), it leaves its old one
+        // and moves no turn of the class it left.
+        let mut line = Line::default();
+        for i in 0..5 {
+            let p = line.place_of(&who(i, Class::Sheddable, 1), i);
+            line.stand(p, 8, i).unwrap();
+        }
+        assert!(line.leave(4, Some(Class::Critical)));
+        let other = line.place_of(&who(9, Class::Sheddable, 2), 12);
+        assert_eq!(other.turn, 1, "another tenant's first sheddable call is not sent behind the first's");
     }
 
     #[test]
@@ -300,7 +312,7 @@ mod tests {
             let p = line.place_of(&Who { id: u64::MAX - i, ..who(i, CLASSES[i as usize], i * 7) }, i);
             line.stand(p, 8, i).unwrap();
         }
-        line.leave(u64::MAX, true);
+        line.leave(u64::MAX, Some(Class::Critical));
         let mut raw = Vec::new();
         line.encode(&mut raw);
         assert_eq!(Line::decode(&raw), Some(line));

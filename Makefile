@@ -47,8 +47,8 @@ floors:
 # with RUST_BACKTRACE set, wasmtime captures a backtrace for every store it drops.
 bench: setup floors
 	RUST_LIB_BACKTRACE=0 cargo run --quiet --profile host -p holysheep-bench --bin bench
-	.venv/bin/pip install --quiet matplotlib==3.9.2
-	.venv/bin/python host-test/bench/bench_charts.py target/bench
+	if [ -z "$$BENCH_ONLY" ]; then .venv/bin/pip install --quiet matplotlib==3.9.2 && \
+	  .venv/bin/python host-test/bench/bench_charts.py target/bench; fi
 
 # Where the time goes (needs perf): the plugin, built with its function names, and the floors
 # in the wasmtime host under `perf record` -> target/bench/profile.md; then the bench with

@@ -122,6 +122,31 @@ fn sheddable_calls_are_refused_at_once_above_the_reserve_and_critical_ones_get_i
 }
 
 #[test]
+fn a_full_line_refuses_its_lowest_class_first() {
+    let s = start(r#"{"max_in_flight":1}"#, r#"{"max_wait_ms":30000,"max_queue":3}"#);
+    s.mock.mock.plan(vec![Fault { hold: true, ..Fault::default() }]);
+    let mut handles: Vec<_> = (0..4).map(|i| send(&s, "batch", &format!("line {i}"), &[])).collect();
+    s.await_calls(1);
+    await_queued(&s, "sheddable", 3);
+    // The line is full: another sheddable call is refused at once ...
+    let refused = send(&s, "batch", "one too many", &[]).join().expect("thread");
+    assert_eq!((refused.status, refused.header("x-holysheep-shed")), (429, Some("queue-full")), "{}", refused.text());
+    assert_eq!(refused.header("x-holysheep-priority"), Some("sheddable"));
+    // ... and a critical one takes the last sheddable place, whose caller is refused.
+    handles.push(send(&s, "search", "important", &[]));
+    await_queued(&s, "critical", 1);
+    poll_until(|| stat(&s, "sheddable", "queue_full") >= 2, "the displaced call was never refused");
+    s.mock.mock.release();
+    let answers = join(handles);
+    assert_eq!(answers.iter().filter(|r| r.status == 200).count(), 4, "the held call, two queued, the critical one");
+    let displaced: Vec<&Resp> = answers.iter().filter(|r| r.status == 429).collect();
+    assert_eq!(displaced.len(), 1);
+    assert_eq!(displaced[0].header("x-holysheep-shed"), Some("queue-full"));
+    assert_eq!(s.mock.mock.prompts()[1], "important");
+    assert_eq!(stat(&s, "sheddable", "queue_full"), 2);
+}
+
+#[test]
 fn a_request_may_lower_its_class_but_not_raise_it() {
     // The whole bucket is the reserve: no sheddable call is admitted.
     let s = start(r#"{"requests_per_minute":60,"burst":1}"#, r#"{"reserve":1.0}"#);

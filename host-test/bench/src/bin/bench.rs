@@ -16,7 +16,7 @@
 //!   with the plugin's HIT rounds, vs the Envoy plugin's HIT; its
 //!   (polling) followers;
 //! - a critical request's wait behind a backlog of sheddable ones (BENCH_BACKLOG, default
-//!   1000), with priority classes and with today's first-come line;
+//!   1000), with priority classes and in one first-come line (every request standard);
 //! - the plugin's and the component's sizes.
 //!
 //! Options (environment): BENCH_SECONDS (default 3), BENCH_CONNECTIONS (default 16),
@@ -784,7 +784,7 @@ fn backlog_rows(r: &mut Report) -> std::io::Result<()> {
 
 /// Queues `backlog` requests of a sheddable tenant behind 8 held calls (`max_in_flight: 8`),
 /// then 20 of a critical tenant (`classes: false`: 20 more of the backlog's tenant, every
-/// request standard: one first-come line, the order before classes); releases the held calls and returns, sorted, how long after the release
+/// request standard: one first-come line, plain arrival order); releases the held calls and returns, sorted, how long after the release
 /// each critical request was answered (µs).
 fn backlog_waits(backlog: usize, classes: bool) -> std::io::Result<Vec<u64>> {
     const SLOTS: usize = 8;
@@ -824,7 +824,7 @@ fn backlog_waits(backlog: usize, classes: bool) -> std::io::Result<Vec<u64>> {
     };
     until(&|| mock.mock.calls() >= SLOTS as u64 && queued(low) >= (backlog - SLOTS) as u64);
     // Without classes the urgent requests come from the backlog's own tenant: one line in
-    // arrival order, as before classes.
+    // arrival order, in plain arrival order.
     let urgent = if classes { "search" } else { "batch" };
     let critical: Vec<_> = (0..CRITICAL).map(|i| send(urgent, format!("urgent {i}"))).collect::<Result<_, _>>()?;
     until(&|| queued(high) >= (CRITICAL + if classes { 0 } else { backlog - SLOTS }) as u64);

@@ -734,19 +734,23 @@ mod tests {
             place: None,
             wait_lost: false,
         };
-        let outbound = Outbound {
+        Flight::new(c, call, &outbound(model, None, Class::Standard))
+    }
+
+    /// The call a flight on `model` makes, for `tenant`, of `class`.
+    fn outbound(model: &str, tenant: Option<&str>, class: Class) -> Outbound {
+        Outbound {
             body: Vec::new(),
             client_authorization: None,
             model: model.into(),
             estimate_tokens: 100,
             stream: false,
             include_usage: false,
-            tenant: None,
+            tenant: tenant.map(str::to_owned),
             completion_limit: None,
             completion_cap: None,
-            class: Default::default(),
-        };
-        Flight::new(c, call, &outbound)
+            class,
+        }
     }
 
     fn status(s: u16) -> Option<Response> {
@@ -1197,20 +1201,16 @@ mod tests {
 
     /// A flight of `class` for tenant `tenant` on `model`.
     fn classed(c: &Config, model: &str, class: Class, tenant: &str) -> Flight {
-        let f = flight(c, model);
-        let outbound = Outbound {
-            body: Vec::new(),
-            client_authorization: None,
-            model: model.into(),
-            estimate_tokens: 100,
-            stream: false,
-            include_usage: false,
-            tenant: Some(tenant.into()),
-            completion_limit: None,
-            completion_cap: None,
-            class,
-        };
-        Flight::new(c, f.call, &outbound)
+        Flight::new(c, flight(c, model).call, &outbound(model, Some(tenant), class))
+    }
+
+    /// `n` flights of `class` for `tenant` on `model`, each refused and standing in line.
+    fn standing(s: &MemStore, c: &Config, n: u64, class: Class, tenant: &str) -> Vec<Flight> {
+        let mut flights: Vec<Flight> = (0..n).map(|_| classed(c, "m", class, tenant)).collect();
+        for (i, f) in flights.iter_mut().enumerate() {
+            assert!(matches!(f.resume(s, c, 1, 10 + i as u64), Action::Sleep { .. }));
+        }
+        flights
     }
 
     #[test]
@@ -1219,11 +1219,8 @@ mod tests {
         let c = config(r#"{"models":{"m":{"max_in_flight":1}},"rate_limit":{"max_wait_ms":10000}}"#);
         let mut first = classed(&c, "m", Class::Sheddable, "batch");
         send(first.resume(&s, &c, 0, 1));
-        let mut queued: Vec<Flight> = (0..10).map(|_| classed(&c, "m", Class::Sheddable, "batch")).collect();
-        for (i, f) in queued.iter_mut().enumerate() {
-            assert!(matches!(f.resume(&s, &c, 1, 10 + i as u64), Action::Sleep { .. }));
-            assert!(f.events.contains(&Event::Queued { class: Class::Sheddable }));
-        }
+        let mut queued = standing(&s, &c, 10, Class::Sheddable, "batch");
+        assert!(queued.iter().all(|f| f.events.contains(&Event::Queued { class: Class::Sheddable })));
         let mut critical = classed(&c, "m", Class::Critical, "search");
         assert!(matches!(critical.resume(&s, &c, 2, 99), Action::Sleep { .. }));
         first.on_response(&s, &c, None, &ProviderHints::default(), 3, 0);
@@ -1242,10 +1239,7 @@ mod tests {
         let c = config(r#"{"models":{"m":{"max_in_flight":1}},"rate_limit":{"max_wait_ms":10000}}"#);
         let mut busy = classed(&c, "m", Class::Standard, "a");
         send(busy.resume(&s, &c, 0, 1));
-        let mut backlog: Vec<Flight> = (0..3).map(|_| classed(&c, "m", Class::Sheddable, "batch")).collect();
-        for (i, f) in backlog.iter_mut().enumerate() {
-            assert!(matches!(f.resume(&s, &c, 1, 10 + i as u64), Action::Sleep { .. }));
-        }
+        let mut backlog = standing(&s, &c, 3, Class::Sheddable, "batch");
         // A sheddable leader with a lease, last in line.
         let e = Engine { store: &s, config: &c };
         let key = request_key("/p", "s", b"the same");

@@ -204,6 +204,16 @@ mod tests {
         Who { id, estimate: 10, class, tenant }
     }
 
+    /// A line of at most `max` with `n` callers of `class` from `tenant`, ids 0.., one per ms.
+    fn line_of(n: u64, class: Class, tenant: u64, max: usize) -> Line {
+        let mut line = Line::default();
+        for i in 0..n {
+            let p = line.place_of(&who(i, class, tenant), i);
+            line.stand(p, max, i).unwrap();
+        }
+        line
+    }
+
     /// Stands each caller in line, then admits the head until the line is empty.
     fn admitted_order(arrivals: &[Who]) -> Vec<u64> {
         let mut line = Line::default();
@@ -233,26 +243,18 @@ mod tests {
 
     #[test]
     fn a_tenant_arriving_late_is_not_behind_anothers_backlog() {
-        let mut line = Line::default();
-        for i in 0..100 {
-            let p = line.place_of(&who(i, Class::Standard, 1), 0);
-            line.stand(p, MAX_LINE, 0).unwrap();
-        }
+        let mut line = line_of(100, Class::Standard, 1, MAX_LINE);
         // Fifty of tenant 1's calls are admitted before tenant 2 arrives.
         for i in 0..50 {
             line.leave(i, Some(Class::Standard));
         }
-        let late = line.place_of(&who(500, Class::Standard, 2), 10);
+        let late = line.place_of(&who(500, Class::Standard, 2), 200);
         assert_eq!(line.ahead(&late, f64::INFINITY).calls, 1, "behind tenant 1's next call only");
     }
 
     #[test]
     fn a_full_line_refuses_its_lowest_class_first() {
-        let mut line = Line::default();
-        for i in 0..3 {
-            let p = line.place_of(&who(i, Class::Sheddable, 1), i);
-            line.stand(p, 3, i).unwrap();
-        }
+        let mut line = line_of(3, Class::Sheddable, 1, 3);
         let p = line.place_of(&who(7, Class::Sheddable, 2), 5);
         assert_eq!(line.stand(p, 3, 5), Err(Full), "no place for another sheddable call");
         let p = line.place_of(&who(8, Class::Critical, 2), 5);
@@ -281,11 +283,7 @@ mod tests {
 
     #[test]
     fn a_caller_raised_to_a_higher_class_moves_ahead_of_the_class_it_left() {
-        let mut line = Line::default();
-        for i in 0..5 {
-            let p = line.place_of(&who(i, Class::Sheddable, 1), i);
-            line.stand(p, 8, i).unwrap();
-        }
+        let mut line = line_of(5, Class::Sheddable, 1, 8);
         let raised = who(4, Class::Critical, 1);
         let p = line.place_of(&raised, 10);
         assert_eq!((p.class, line.ahead(&p, f64::INFINITY).calls), (Class::Critical, 0));
@@ -295,11 +293,7 @@ mod tests {
         assert_eq!(line.ahead(&last, f64::INFINITY).calls, 1, "the raised caller is ahead of every sheddable one");
         // Raised and admitted at once (its new place never written), it leaves its old one
         // and moves no turn of the class it left.
-        let mut line = Line::default();
-        for i in 0..5 {
-            let p = line.place_of(&who(i, Class::Sheddable, 1), i);
-            line.stand(p, 8, i).unwrap();
-        }
+        let mut line = line_of(5, Class::Sheddable, 1, 8);
         assert!(line.leave(4, Some(Class::Critical)));
         let other = line.place_of(&who(9, Class::Sheddable, 2), 12);
         assert_eq!(other.turn, 1, "another tenant's first sheddable call is not sent behind the first's");

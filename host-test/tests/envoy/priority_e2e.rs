@@ -52,6 +52,16 @@ fn await_queued(s: &Stack, class: &str, n: u64) {
     poll_until(|| stat(s, class, "queued") >= n, &format!("{n} {class} calls never stood in line"));
 }
 
+/// With the first call held upstream, `n` requests of `tenant` (prompts `<tag> <i>`): one
+/// call in flight, the other `n - 1` of `class` waiting in line.
+fn queue_behind_a_held_call(s: &Stack, tenant: &str, class: &str, tag: &str, n: usize) -> Vec<JoinHandle<Resp>> {
+    s.mock.mock.plan(vec![Fault { hold: true, ..Fault::default() }]);
+    let handles = (0..n).map(|i| send(s, tenant, &format!("{tag} {i}"), &[])).collect();
+    s.await_calls(1);
+    await_queued(s, class, n as u64 - 1);
+    handles
+}
+
 fn join(handles: Vec<JoinHandle<Resp>>) -> Vec<Resp> {
     handles.into_iter().map(|h| h.join().expect("thread")).collect()
 }
@@ -59,10 +69,7 @@ fn join(handles: Vec<JoinHandle<Resp>>) -> Vec<Resp> {
 #[test]
 fn a_critical_request_is_the_next_call_after_ten_queued_sheddable_ones() {
     let s = start(r#"{"max_in_flight":1}"#, r#"{"max_wait_ms":30000}"#);
-    s.mock.mock.plan(vec![Fault { hold: true, ..Fault::default() }]);
-    let mut handles: Vec<_> = (0..10).map(|i| send(&s, "batch", &format!("batch {i}"), &[])).collect();
-    s.await_calls(1);
-    await_queued(&s, "sheddable", 9);
+    let mut handles = queue_behind_a_held_call(&s, "batch", "sheddable", "batch", 10);
     handles.push(send(&s, "search", "search now", &[]));
     await_queued(&s, "critical", 1);
     s.mock.mock.release();
@@ -88,10 +95,7 @@ fn prometheus_has(s: &Stack, series: &str) -> bool {
 #[test]
 fn a_tenant_with_two_requests_is_not_stuck_behind_another_tenants_ten() {
     let s = start(r#"{"max_in_flight":1}"#, r#"{"max_wait_ms":30000}"#);
-    s.mock.mock.plan(vec![Fault { hold: true, ..Fault::default() }]);
-    let mut handles: Vec<_> = (0..10).map(|i| send(&s, "alpha", &format!("alpha {i}"), &[])).collect();
-    s.await_calls(1);
-    await_queued(&s, "standard", 9);
+    let mut handles = queue_behind_a_held_call(&s, "alpha", "standard", "alpha", 10);
     handles.extend((0..2).map(|i| send(&s, "beta", &format!("beta {i}"), &[])));
     await_queued(&s, "standard", 11);
     s.mock.mock.release();
@@ -124,10 +128,7 @@ fn sheddable_calls_are_refused_at_once_above_the_reserve_and_critical_ones_get_i
 #[test]
 fn a_full_line_refuses_its_lowest_class_first() {
     let s = start(r#"{"max_in_flight":1}"#, r#"{"max_wait_ms":30000,"max_queue":3}"#);
-    s.mock.mock.plan(vec![Fault { hold: true, ..Fault::default() }]);
-    let mut handles: Vec<_> = (0..4).map(|i| send(&s, "batch", &format!("line {i}"), &[])).collect();
-    s.await_calls(1);
-    await_queued(&s, "sheddable", 3);
+    let mut handles = queue_behind_a_held_call(&s, "batch", "sheddable", "line", 4);
     // The line is full: another sheddable call is refused at once ...
     let refused = send(&s, "batch", "one too many", &[]).join().expect("thread");
     assert_eq!((refused.status, refused.header("x-holysheep-shed")), (429, Some("queue-full")), "{}", refused.text());
@@ -168,10 +169,7 @@ fn a_request_may_lower_its_class_but_not_raise_it() {
 #[test]
 fn a_critical_request_coalesced_on_a_queued_sheddable_leader_takes_it_to_the_front() {
     let s = start(r#"{"max_in_flight":1}"#, r#"{"max_wait_ms":30000}"#);
-    s.mock.mock.plan(vec![Fault { hold: true, ..Fault::default() }]);
-    let mut handles: Vec<_> = (0..5).map(|i| send(&s, "batch", &format!("queued {i}"), &[])).collect();
-    s.await_calls(1);
-    await_queued(&s, "sheddable", 4);
+    let mut handles = queue_behind_a_held_call(&s, "batch", "sheddable", "queued", 5);
     // search asks as sheddable: its call waits last in line ...
     handles.push(send(&s, "search", "the question", &[("x-holysheep-priority", "sheddable")]));
     await_queued(&s, "sheddable", 5);

@@ -47,8 +47,10 @@ impl Root {
                 let tenant = run.outbound.tenant.as_deref();
                 w.counters.count_events(&w.config, &std::mem::take(&mut run.flight.events), tenant);
                 w.fleet.outbox.append(&mut run.flight.outbox);
-                // The tenant's budget record is this node's (not its owner node's elsewhere).
-                if let Some(t) = tenant.filter(|_| !w.config.fleet.shared_limits()) {
+                // The tenant's budget record is this node's (not its owner node's elsewhere),
+                // read when a call is sent or ends: not on every look from a place in line.
+                let changed = matches!(action, flight::Action::Send { .. } | flight::Action::Finish(_));
+                if let Some(t) = tenant.filter(|_| changed && !w.config.fleet.shared_limits()) {
                     w.counters.record_budget(&w.config, t, host::now_ms());
                 }
             }

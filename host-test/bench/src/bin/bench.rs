@@ -22,7 +22,8 @@
 //! Options (environment): BENCH_SECONDS (default 3), BENCH_CONNECTIONS (default 16),
 //! BENCH_ROUNDS (default 5: floor and plugin rows alternate; a row's median round is its
 //! line, and a ratio of two alternating rows is the median of their rounds' ratios),
-//! BENCH_ONLY=priority (only the backlog rows, into target/bench/priority/),
+//! BENCH_ONLY=priority (only the backlog rows, into target/bench/priority/), BENCH_ONLY=crowd
+//! (only the followers' rows, into target/bench/crowd/),
 //! BENCH_CROWD (default 1000 identical requests for the follower delay), BENCH_CROWD_ROUNDS
 //! (default 3 crowds for the plugin and as many for the floor, alternating), BENCH_PROFILE=1
 //! (`perf record` on Envoy during each Envoy row: CPU per request in the filter's wasm code,
@@ -551,6 +552,11 @@ fn main() -> std::io::Result<()> {
     assert_eq!((miss.cache(), like.body == miss.body), ("MISS", true), "the floor with the MISS's calls answers alike");
     assert_eq!(names(&like), names(&miss), "the floor with the MISS's host calls sends the MISS's headers");
 
+    if std::env::var("BENCH_ONLY").as_deref() == Ok("crowd") {
+        let mut r = Report::default();
+        crowd_rows(&mut r, &envoy, &mock, (log_of(&opts), &held_log), (crowd, &hit_prompt));
+        return r.write(&workspace_root().join("target/bench/crowd"));
+    }
     // The component host runs beside Envoy (idle while the other is measured), so that its
     // HIT alternates with the plugin's in the same rounds.
     let component = start_component(ComponentOptions {
@@ -644,41 +650,7 @@ fn main() -> std::io::Result<()> {
     for (a, b) in [(hit, hit_calls), (miss, miss_calls), (miss_work, miss_calls), (miss, miss_work)] {
         r.compare_functions(a, b);
     }
-    let logged = envoy.listener("edge_logged").expect("edge_logged listener");
-    let floor_held = envoy.listener("floor_held").expect("floor_held listener");
-    let log = opts.edge_access_log.as_deref().expect("the edge's access log");
-    let (mut floor_rounds, mut edge_rounds) = (Vec::new(), Vec::new());
-    let crowd_rounds = env_or("BENCH_CROWD_ROUNDS", 3);
-    for round in 0..crowd_rounds {
-        let before = access_log(&held_log).len();
-        let floor = follower_delay(floor_held, &mock, (crowd, &hit_prompt), |_| {
-            Some(edge_ends(&logged_after(&held_log, before, crowd)))
-        });
-        let before = access_log(log).len();
-        let probe = prompt(&format!("follower delay probe {round}"));
-        let edge =
-            follower_delay(logged, &mock, (crowd, &probe), |_| Some(edge_ends(&logged_after(log, before, crowd))));
-        assert_eq!(edge.calls, 1, "a crowd of identical requests makes one upstream call");
-        floor_rounds.push(floor.server.expect("the floor's access log"));
-        edge_rounds.push(edge.server.expect("the edge's access log"));
-    }
-    let p99_ratio = paired(&edge_rounds, &floor_rounds, |e, f| e.p99_us as f64 / f.p99_us.max(1) as f64);
-    let (floor, edge) = (median_p99(floor_rounds), median_p99(edge_rounds));
-    // Envoy's own clock: the one client thread reads 1000 answers one after another, so
-    // its timestamps trail the edge's by up to the time that takes.
-    r.note(format!(
-        "{crowd} identical requests (300 ms upstream, 1 upstream call each), {} followers; last byte sent after the leader's (Envoy's access log), median round of {}: edge {} (goal p99 <= 5 ms); floor of {crowd} held requests released by the last: {}",
-        edge.followers,
-        crowd_rounds,
-        edge.line(),
-        floor.line()
-    ));
-    r.ratio("Envoy followers p99 / held-requests floor p99", p99_ratio, "");
-    r.series.push(("Envoy followers".into(), edge.sorted_us));
-    r.series.push(("floor: held requests".into(), floor.sorted_us));
-    for l in [log, held_log.as_path()] {
-        let _ = std::fs::remove_file(l);
-    }
+    crowd_rows(&mut r, &envoy, &mock, (log_of(&opts), &held_log), (crowd, &hit_prompt));
     r.note(format!("plugin size: {wasm_bytes} bytes (goal <= 524288)"));
 
     mock.mock.set_event_delay_ms(5);
@@ -760,6 +732,56 @@ fn main() -> std::io::Result<()> {
     r.write(&dir)?;
     println!("\nwritten: {}/results.md, results.json", dir.display());
     Ok(())
+}
+
+/// The edge's access log (the bench's options always set one).
+fn log_of(opts: &Options) -> &Path {
+    opts.edge_access_log.as_deref().expect("the edge's access log")
+}
+
+/// How long after their leader a crowd of `crowd` identical requests is answered, alternating
+/// with the followers' floor (`floor_held`), by Envoy's access logs (`log`, `held_log`).
+fn crowd_rows(
+    r: &mut Report,
+    envoy: &Envoy,
+    mock: &Running,
+    (log, held_log): (&Path, &Path),
+    (crowd, hit_prompt): (usize, &str),
+) {
+    let logged = envoy.listener("edge_logged").expect("edge_logged listener");
+    let floor_held = envoy.listener("floor_held").expect("floor_held listener");
+    let (mut floor_rounds, mut edge_rounds) = (Vec::new(), Vec::new());
+    let crowd_rounds = env_or("BENCH_CROWD_ROUNDS", 3);
+    for round in 0..crowd_rounds {
+        let before = access_log(held_log).len();
+        let floor = follower_delay(floor_held, mock, (crowd, hit_prompt), |_| {
+            Some(edge_ends(&logged_after(held_log, before, crowd)))
+        });
+        let before = access_log(log).len();
+        let probe = prompt(&format!("follower delay probe {round}"));
+        let edge =
+            follower_delay(logged, mock, (crowd, &probe), |_| Some(edge_ends(&logged_after(log, before, crowd))));
+        assert_eq!(edge.calls, 1, "a crowd of identical requests makes one upstream call");
+        floor_rounds.push(floor.server.expect("the floor's access log"));
+        edge_rounds.push(edge.server.expect("the edge's access log"));
+    }
+    let p99_ratio = paired(&edge_rounds, &floor_rounds, |e, f| e.p99_us as f64 / f.p99_us.max(1) as f64);
+    let (floor, edge) = (median_p99(floor_rounds), median_p99(edge_rounds));
+    // Envoy's own clock: the one client thread reads 1000 answers one after another, so
+    // its timestamps trail the edge's by up to the time that takes.
+    r.note(format!(
+        "{crowd} identical requests (300 ms upstream, 1 upstream call each), {} followers; last byte sent after the leader's (Envoy's access log), median round of {}: edge {} (goal p99 <= 5 ms); floor of {crowd} held requests released by the last: {}",
+        edge.followers,
+        crowd_rounds,
+        edge.line(),
+        floor.line()
+    ));
+    r.ratio("Envoy followers p99 / held-requests floor p99", p99_ratio, "");
+    r.series.push(("Envoy followers".into(), edge.sorted_us));
+    r.series.push(("floor: held requests".into(), floor.sorted_us));
+    for l in [log, held_log] {
+        let _ = std::fs::remove_file(l);
+    }
 }
 
 /// A critical request's wait behind a backlog of sheddable ones, against the first-come

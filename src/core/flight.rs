@@ -560,20 +560,7 @@ impl Flight {
     /// Gives up the place `ticket` names in the line of model `i`'s bucket (settling a call
     /// that was never admitted frees its place).
     fn leave(&mut self, store: &impl CasStore, config: &Config, i: usize, ticket: Ticket, now_ms: u64) {
-        let hints = ProviderHints::default();
-        let Some((bucket, m)) = self.models.get(i).and_then(|name| config.model(name)) else { return };
-        let l = Limits::of(m, &config.rate_limit);
-        match ticket {
-            Ticket::Local(id) => limits::settle(store, bucket, &l, id, self.estimate, None, &hints, now_ms),
-            Ticket::Share(id) => {
-                let (share, bucket) = (l.share(config.fleet.nodes), limits::share_bucket(bucket));
-                limits::settle(store, &bucket, &share, id, self.estimate, None, &hints, now_ms);
-            }
-            Ticket::Owner(id) => {
-                let (model, estimate) = (self.models[i].clone(), self.estimate);
-                self.outbox.push(Op::Settle { model, id, estimate, actual: None, hints, retries: 0 });
-            }
-        }
+        self.settle_at(store, config, i, ticket, (None, ProviderHints::default(), 0), now_ms);
     }
 
     /// Settles the reservation with what the call used; `retries`, requests made beyond
@@ -588,19 +575,32 @@ impl Flight {
         now_ms: u64,
     ) {
         let Some(ticket) = self.ticket.take() else { return };
-        let Some((bucket, m)) = config.model(self.model()) else { return };
-        let l = Limits::of(m, &config.rate_limit);
-        let hints = peer::capped(config, hints);
-        let (estimate, actual) = (self.estimate, usage.map(|(p, c)| p + c));
+        let ended = (usage.map(|(p, c)| p + c), peer::capped(config, hints), retries);
+        self.settle_at(store, config, self.idx, ticket, ended, now_ms);
+    }
+
+    /// Settles what `ticket` holds in model `i`'s bucket, where it was taken: the call used
+    /// `actual` tokens (`None`: unknown, or it was never admitted and only leaves the line),
+    /// the provider said `hints`, and `retries` more requests went to a model owner.
+    fn settle_at(
+        &mut self,
+        store: &impl CasStore,
+        config: &Config,
+        i: usize,
+        ticket: Ticket,
+        (actual, hints, retries): (Option<u64>, ProviderHints, u64),
+        now_ms: u64,
+    ) {
+        let Some(name) = self.models.get(i).cloned() else { return };
+        let Some((bucket, m)) = config.model(&name) else { return };
+        let (l, estimate) = (Limits::of(m, &config.rate_limit), self.estimate);
         match ticket {
             Ticket::Local(id) => limits::settle(store, bucket, &l, id, estimate, actual, &hints, now_ms),
             Ticket::Share(id) => {
                 let share = l.share(config.fleet.nodes);
                 limits::settle(store, &limits::share_bucket(bucket), &share, id, estimate, actual, &hints, now_ms);
             }
-            Ticket::Owner(id) => {
-                self.outbox.push(Op::Settle { model: self.model().to_owned(), id, estimate, actual, hints, retries });
-            }
+            Ticket::Owner(id) => self.outbox.push(Op::Settle { model: name, id, estimate, actual, hints, retries }),
         }
     }
 
@@ -922,14 +922,19 @@ mod tests {
         assert_eq!(crate::core::budget::spent(&s, "t", 1), (3000, 3000), "only the call that left holds");
     }
 
-    #[test]
-    fn in_a_fleet_a_tenants_share_is_taken_and_settled_on_its_owner_node() {
-        let c = config(&format!(
+    /// A fleet of 4 nodes, gpt-4.1 at $10/$30 per Mtok, and tenant `t` with `usd_per_day`.
+    fn fleet_tenant_config(usd_per_day: f64) -> Config {
+        config(&format!(
             r#"{{"fleet":{{"cluster":"owners","nodes":4}},
                 "models":{{"gpt-4.1":{{"usd_per_mtok_input":10,"usd_per_mtok_output":30}}}},
-                "tenants":{{"t":{{"keys_sha256":["{}"],"usd_per_day":0.003}}}}}}"#,
+                "tenants":{{"t":{{"keys_sha256":["{}"],"usd_per_day":{usd_per_day}}}}}}}"#,
             "a".repeat(64)
-        ));
+        ))
+    }
+
+    #[test]
+    fn in_a_fleet_a_tenants_share_is_taken_and_settled_on_its_owner_node() {
+        let c = fleet_tenant_config(0.003);
         let (here, owner) = (MemStore::new(), MemStore::new());
         let mut f = tenant_flight(&c);
         let Action::Ask { bucket, op, .. } = f.resume(&here, &c, 0, 1) else { panic!("asks the tenant's owner") };
@@ -969,12 +974,7 @@ mod tests {
 
     #[test]
     fn a_tenant_owners_late_verdict_is_given_back_and_its_repeat_takes_nothing() {
-        let c = config(&format!(
-            r#"{{"fleet":{{"cluster":"owners","nodes":4}},
-                "models":{{"gpt-4.1":{{"usd_per_mtok_input":10,"usd_per_mtok_output":30}}}},
-                "tenants":{{"t":{{"keys_sha256":["{}"],"usd_per_day":0.01}}}}}}"#,
-            "a".repeat(64)
-        ));
+        let c = fleet_tenant_config(0.01);
         let (here, owner) = (MemStore::new(), MemStore::new());
         let mut h = tenant_flight(&c);
         let Action::Ask { op, .. } = h.resume(&here, &c, 0, 1) else { panic!("asks") };

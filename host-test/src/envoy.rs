@@ -52,6 +52,13 @@ pub struct Options {
     /// byte was sent, and its `x-holysheep-cache` label (the bench times followers there;
     /// the other listeners log nothing, so their rows do not pay for it).
     pub edge_access_log: Option<PathBuf>,
+    /// The edge listener logs as `envoy/production.yaml` does (its JSON access log), to
+    /// this path instead of stdout.
+    pub shipped_access_log: Option<PathBuf>,
+    /// The wasm filter's `code` (YAML, from its `code:` line on) in place of the local file.
+    pub wasm_code: Option<String>,
+    /// More clusters (YAML list items), added to the template's.
+    pub extra_clusters: String,
     /// A second virtual host on the edge listener, `internal.example`, routed to a
     /// cluster `internal` at this address (another service behind the same listener).
     pub internal_upstream: Option<SocketAddr>,
@@ -77,6 +84,9 @@ impl Options {
             allow_on_headers_stop_iteration: true,
             extra_listeners: String::new(),
             edge_access_log: None,
+            shipped_access_log: None,
+            wasm_code: None,
+            extra_clusters: String::new(),
             internal_upstream: None,
             upstream_h2: false,
             gold_only_upstream: None,
@@ -108,6 +118,29 @@ fn logged_edge(yaml: &str, path: &Path) -> String {
         &format!("stat_prefix: edge_logged\n{}", access_log(path)),
         1,
     )
+}
+
+/// The access log of `envoy/production.yaml` (its lines from `# access-log: begin` to
+/// `# access-log: end`), writing to `path` instead of stdout.
+pub fn shipped_access_log(path: &Path) -> io::Result<String> {
+    let production = std::fs::read_to_string(workspace_root().join("envoy/production.yaml"))?;
+    let block = production
+        .split_once("# access-log: begin\n")
+        .and_then(|(_, rest)| rest.split_once("          # access-log: end"))
+        .map(|(block, _)| block.to_owned())
+        .ok_or_else(|| io::Error::other("envoy/production.yaml has no access-log block"))?;
+    Ok(block.replacen("path: /dev/stdout", &format!("path: \"{}\"", path.display()), 1))
+}
+
+/// `yaml` with the wasm filter's `code: {local: ...}` line replaced by `code` (YAML starting
+/// at `code:`), indented as that line was.
+fn with_code(yaml: &str, code: &str) -> String {
+    let Some(at) = yaml.find("code: {local: {filename:") else { return yaml.to_owned() };
+    let line_start = yaml[..at].rfind('\n').map_or(0, |i| i + 1);
+    let indent = &yaml[line_start..at];
+    let end = yaml[at..].find('\n').map_or(yaml.len(), |i| at + i);
+    let block: Vec<String> = code.trim_end().lines().map(|l| format!("{indent}{l}")).collect();
+    format!("{}{}{}", &yaml[..line_start], block.join("\n"), &yaml[end..])
 }
 
 /// A file access log, as YAML under a connection manager.
@@ -225,7 +258,18 @@ impl Envoy {
         .render(&template)
         .map_err(io::Error::other)?;
         let logged = opts.edge_access_log.as_deref().map(|path| logged_edge(&yaml, path)).unwrap_or_default();
-        let yaml = yaml.replace("  clusters:\n", &format!("{}{logged}  clusters:\n", opts.extra_listeners));
+        let yaml = match &opts.shipped_access_log {
+            Some(path) => {
+                yaml.replacen("stat_prefix: edge\n", &format!("stat_prefix: edge\n{}", shipped_access_log(path)?), 1)
+            }
+            None => yaml,
+        };
+        let yaml = yaml
+            .replace("  clusters:\n", &format!("{}{logged}  clusters:\n{}", opts.extra_listeners, opts.extra_clusters));
+        let yaml = match &opts.wasm_code {
+            Some(code) => with_code(&yaml, code),
+            None => yaml,
+        };
         let yaml = match opts.internal_upstream {
             Some(addr) => with_internal_vhost(&yaml, addr),
             None => yaml,

@@ -1,14 +1,18 @@
 //! A fleet of real Envoys on one machine, rendered from `envoy/fleet.yaml.tmpl`: each node
 //! has a public listener (filter role `forward`) and an owner listener (role `owner`), and
-//! every node's `owners` ring holds every owner listener. One mock HolySheep behind them.
+//! every node's `owners` ring holds every owner listener. In two tiers, edge nodes
+//! (`envoy/edge.yaml.tmpl`, a public listener only) forward to such nodes as their shields.
+//! One mock HolySheep behind them.
 
-use crate::client;
+use crate::client::{self, Conn, Resp};
 use crate::envoy::{wasm_path, workspace_root, Envoy};
 use crate::limit::Slots;
 use crate::mock::Running;
-use crate::stack::poll_until;
+use crate::stack::{poll_until, PATH};
 use std::io;
-use std::net::{SocketAddr, TcpListener};
+use std::net::SocketAddr;
+use std::sync::{Arc, Barrier};
+use std::time::Duration;
 
 /// The shared secret of the test fleet's internal calls.
 pub const SECRET: &str = "fleet-secret-for-tests";
@@ -19,18 +23,50 @@ pub struct Node {
     pub owner: SocketAddr,
 }
 
+/// An edge node of two tiers: a public listener only.
+pub struct EdgeNode {
+    pub envoy: Envoy,
+    pub public: SocketAddr,
+}
+
 pub struct Fleet {
     pub mock: Running,
-    /// `None` once a node was killed.
+    /// `None` once a node was killed. In two tiers, the shields.
     pub nodes: Vec<Option<Node>>,
+    /// In two tiers, the edge nodes in front of the shields (clients come to them).
+    pub edges: Vec<EdgeNode>,
     /// Slots of the process's limit ([`crate::limit`]) for all the nodes, released after
     /// they stopped.
     _slots: Slots,
 }
 
-/// A port free right now (the fleet's nodes must know each other's ports beforehand).
-fn free_port() -> io::Result<u16> {
-    Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
+/// One request per (address, body) with `authorization`, each on its own connection, all
+/// released together.
+pub fn spread(targets: Vec<(SocketAddr, String)>, authorization: &str) -> Vec<Resp> {
+    let barrier = Arc::new(Barrier::new(targets.len()));
+    let handles: Vec<_> = targets
+        .into_iter()
+        .map(|(addr, body)| {
+            let (b, authorization) = (barrier.clone(), authorization.to_owned());
+            std::thread::spawn(move || {
+                let mut conn = Conn::open(addr).and_then(|c| c.read_timeout(Duration::from_secs(30))).expect("connect");
+                b.wait();
+                conn.request("POST", PATH, &[("authorization", &authorization)], body.as_bytes()).expect("answer")
+            })
+        })
+        .collect();
+    handles.into_iter().map(|h| h.join().expect("thread")).collect()
+}
+
+/// `bodies` dealt over `publics` in turn.
+pub fn round_robin(publics: &[SocketAddr], bodies: Vec<String>) -> Vec<(SocketAddr, String)> {
+    bodies.into_iter().enumerate().map(|(i, b)| (publics[i % publics.len()], b)).collect()
+}
+
+/// What tells one answer from another: its id and its text.
+pub fn content(r: &Resp) -> String {
+    let v = r.json();
+    format!("{} {}", v["id"], v["choices"][0]["message"]["content"])
 }
 
 /// The configurations of a node's two listeners (one meaning for the demo, the tests and
@@ -54,41 +90,71 @@ pub fn render(ports: (u16, u16, u16), owners: &[u16], mock: u16, config: &str) -
     .map_err(io::Error::other)
 }
 
+/// `envoy/edge.yaml.tmpl` for an edge node in front of the shields' owner listeners.
+pub fn render_edge(ports: (u16, u16), shields: &[u16], config: &str) -> io::Result<String> {
+    let template = std::fs::read_to_string(workspace_root().join("envoy/edge.yaml.tmpl"))?;
+    let (admin_port, public_port) = ports;
+    let node = envoy_render::EdgeNode {
+        admin_port,
+        public_port,
+        owner_ports: shields.to_vec(),
+        wasm: wasm_path(),
+        config: config.to_owned(),
+    };
+    node.render(&template).map_err(io::Error::other)
+}
+
+/// Starts an Envoy with `--concurrency 2` and the fleet's secret on each rendered file, all
+/// at once.
+fn spawn_all(yamls: Vec<String>) -> Vec<Envoy> {
+    std::thread::scope(|scope| {
+        let started: Vec<_> = yamls
+            .into_iter()
+            .map(|yaml| {
+                scope.spawn(move || {
+                    let dir = Envoy::new_dir().expect("dir");
+                    let env = [("HOLYSHEEP_PEER_SECRET", SECRET.to_owned())];
+                    Envoy::spawn_in(Slots::none(), dir, &yaml, 2, &env).expect("envoy starts")
+                })
+            })
+            .collect();
+        started.into_iter().map(|h| h.join().expect("node thread")).collect()
+    })
+}
+
+fn addr(port: u16) -> SocketAddr {
+    SocketAddr::from(([127, 0, 0, 1], port))
+}
+
 impl Fleet {
     /// `n` nodes with `--concurrency 2`, all up and seeing every owner healthy. Panics
     /// (test support) when they cannot start.
     pub fn start(n: usize, config: &str, latency_ms: u64) -> Fleet {
-        let slots = Slots::take(n);
+        Fleet::tiers(0, n, config, latency_ms)
+    }
+
+    /// Two tiers: `edges` edge nodes in front of `shields` fleet nodes (one tier when
+    /// `edges` is 0), every edge's ring holding the shields' owner listeners.
+    pub fn tiers(edges: usize, shields: usize, config: &str, latency_ms: u64) -> Fleet {
+        let slots = Slots::take(edges + shields);
         let mock = Running::start(None, latency_ms).expect("mock starts");
-        let ports: Vec<(u16, u16, u16)> = (0..n)
-            .map(|_| Ok((free_port()?, free_port()?, free_port()?)))
-            .collect::<io::Result<_>>()
-            .expect("free ports");
+        // The nodes must know each other's ports beforehand.
+        let free = crate::ports::free(3 * shields + 2 * edges).expect("free ports");
+        let ports: Vec<(u16, u16, u16)> = free.chunks(3).take(shields).map(|p| (p[0], p[1], p[2])).collect();
+        let edge_ports: Vec<(u16, u16)> = free[3 * shields..].chunks(2).map(|p| (p[0], p[1])).collect();
         let owners: Vec<u16> = ports.iter().map(|p| p.2).collect();
-        let nodes = std::thread::scope(|scope| {
-            let started: Vec<_> = ports
-                .iter()
-                .map(|&p| {
-                    let yaml = render(p, &owners, mock.addr.port(), config).expect("template");
-                    scope.spawn(move || {
-                        let dir = Envoy::new_dir().expect("dir");
-                        let envoy = Envoy::spawn_in(
-                            Slots::none(),
-                            dir,
-                            &yaml,
-                            2,
-                            &[("HOLYSHEEP_PEER_SECRET", SECRET.to_owned())],
-                        )
-                        .expect("envoy starts");
-                        let addr = |port| SocketAddr::from(([127, 0, 0, 1], port));
-                        Some(Node { envoy, public: addr(p.1), owner: addr(p.2) })
-                    })
-                })
-                .collect();
-            started.into_iter().map(|h| h.join().expect("node thread")).collect()
-        });
-        let fleet = Fleet { mock, nodes, _slots: slots };
-        fleet.await_one_ring(n);
+        let mut yamls: Vec<String> =
+            ports.iter().map(|&p| render(p, &owners, mock.addr.port(), config).expect("template")).collect();
+        yamls.extend(edge_ports.iter().map(|&p| render_edge(p, &owners, config).expect("template")));
+        let mut envoys = spawn_all(yamls).into_iter();
+        let nodes = ports
+            .iter()
+            .zip(envoys.by_ref())
+            .map(|(p, envoy)| Some(Node { envoy, public: addr(p.1), owner: addr(p.2) }))
+            .collect();
+        let edges = edge_ports.iter().zip(envoys).map(|(p, envoy)| EdgeNode { envoy, public: addr(p.1) }).collect();
+        let fleet = Fleet { mock, nodes, edges, _slots: slots };
+        fleet.await_one_ring(shields);
         fleet
     }
 
@@ -97,8 +163,8 @@ impl Fleet {
     /// health-check interval later): agreement is checked with probe prompts (upstream
     /// calls in a tenant of their own), each node naming the owner in `x-holysheep-owner`.
     pub fn await_one_ring(&self, healthy: usize) {
-        for node in self.live() {
-            poll_until(|| node.healthy_owners() == healthy, "the fleet's owners never became healthy");
+        for envoy in self.envoys() {
+            poll_until(|| healthy_owners(envoy) == healthy, "the fleet's owners never became healthy");
         }
         let mut agreed = 0;
         let mut probe = 0;
@@ -127,15 +193,38 @@ impl Fleet {
             },
             "the fleet's nodes never agreed on the owners",
         );
+        // The probes reach one worker each: another's ring may still lack a host for up to a
+        // health-check interval (1 s), and its callouts (a model owner's verdict) then go to
+        // another node. Nothing outside shows when every worker's ring has them all.
+        std::thread::sleep(std::time::Duration::from_millis(1_200));
     }
 
     pub fn live(&self) -> impl Iterator<Item = &Node> {
         self.nodes.iter().flatten()
     }
 
-    /// The public listeners of the live nodes.
+    /// The public listeners clients come to: the edge nodes', or else the live nodes'.
     pub fn publics(&self) -> Vec<SocketAddr> {
+        if !self.edges.is_empty() {
+            return self.edges.iter().map(|e| e.public).collect();
+        }
         self.live().map(|n| n.public).collect()
+    }
+
+    /// Every running Envoy: the live nodes and the edge nodes.
+    pub fn envoys(&self) -> impl Iterator<Item = &Envoy> {
+        self.live().map(|n| &n.envoy).chain(self.edges.iter().map(|e| &e.envoy))
+    }
+
+    /// Chat requests the owner listeners answered (their filter's per-model request
+    /// counters, of every cache status, summed over the owners; a tenant's counters count
+    /// the same requests again).
+    pub fn owner_requests(&self) -> u64 {
+        let owner_counter = |name: &str| {
+            name.contains(".requests_") && ![".edge.", ".tenant.", ".tenants."].iter().any(|l| name.contains(l))
+        };
+        let stats = self.live().flat_map(|n| n.envoy.stats("wasmcustom.holysheep."));
+        stats.filter(|(name, _)| owner_counter(name)).map(|(_, v)| v).sum()
     }
 
     /// Kills node `i` with SIGKILL.
@@ -151,20 +240,17 @@ impl Fleet {
 
     /// Log lines of any node that say a VM crashed.
     pub fn crashes(&self) -> Vec<String> {
-        self.live().flat_map(|n| n.envoy.crashes()).collect()
+        self.envoys().flat_map(Envoy::crashes).collect()
     }
 
-    /// A counter summed over the live nodes.
+    /// A counter summed over every running Envoy.
     pub fn stat(&self, name: &str) -> u64 {
-        self.live().map(|n| n.envoy.stat(name)).sum()
+        self.envoys().map(|e| e.stat(name)).sum()
     }
 }
 
-impl Node {
-    /// Owners this node's ring sees healthy (from the admin `/clusters`).
-    pub fn healthy_owners(&self) -> usize {
-        let text =
-            client::request(self.envoy.admin, "GET", "/clusters", &[], b"").map(|r| r.text()).unwrap_or_default();
-        text.lines().filter(|l| l.starts_with("owners::") && l.ends_with("::health_flags::healthy")).count()
-    }
+/// Owners an Envoy's ring sees healthy (from the admin `/clusters`).
+pub fn healthy_owners(envoy: &Envoy) -> usize {
+    let text = client::request(envoy.admin, "GET", "/clusters", &[], b"").map(|r| r.text()).unwrap_or_default();
+    text.lines().filter(|l| l.starts_with("owners::") && l.ends_with("::health_flags::healthy")).count()
 }

@@ -7,6 +7,7 @@ pub mod component_host;
 pub mod envoy;
 pub mod fleet;
 pub mod limit;
+pub mod ports;
 pub mod proxy_host;
 pub mod serve;
 pub mod stack;

@@ -99,6 +99,13 @@ impl Place {
         self.index.get(at..at + 16) == Some(key.tag().as_bytes())
     }
 
+    /// Whether this place's way holds another key's answer, fresh at `now_ms`.
+    fn holds_fresh_other(&self, key: &Key, now_ms: u64) -> bool {
+        let at = self.way * WAY_BYTES;
+        let Some(way) = self.index.get(at..at + 32) else { return false };
+        way[..16] != *key.tag().as_bytes() && codec::hex_number(&way[16..32]).is_some_and(|e| e > now_ms)
+    }
+
     /// The index with `key` in this place's way.
     fn with(&self, key: &Key, expires_ms: u64) -> Vec<u8> {
         let mut index = self.index.clone();
@@ -189,10 +196,31 @@ fn decode(raw: &[u8]) -> Option<Entry> {
     })
 }
 
-/// Stores a 200 answer unless it is larger than `cache.max_entry_bytes`, at `place` when
-/// the caller already read the group (a MISS read it when it arrived), else where the
-/// index says now. The index is written first, by CAS (a lost race reads it again and
-/// picks again), then the entry. Last writer wins.
+/// When an answer stored in the cache was produced, and how long it is fresh from then.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Fresh {
+    pub stored_at_ms: u64,
+    pub ttl_ms: u64,
+}
+
+impl Fresh {
+    /// The cache's own: produced now, fresh for `cache.ttl_seconds`.
+    pub fn of(config: &Config, now_ms: u64) -> Fresh {
+        Fresh { stored_at_ms: now_ms, ttl_ms: config.cache.ttl_seconds.saturating_mul(1000) }
+    }
+
+    pub fn expires_ms(self) -> u64 {
+        self.stored_at_ms.saturating_add(self.ttl_ms)
+    }
+}
+
+/// An answer was stored; `evicted`: over another key's answer that was still fresh.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Stored {
+    pub evicted: bool,
+}
+
+/// Stores a 200 answer produced now, fresh for `cache.ttl_seconds` (see `store_fresh`).
 pub fn put(
     store: &impl CasStore,
     config: &Config,
@@ -201,16 +229,31 @@ pub fn put(
     now_ms: u64,
     place: Option<&Place>,
 ) -> bool {
+    store_fresh(store, config, key, response, Fresh::of(config, now_ms), now_ms, place).is_some()
+}
+
+/// Stores a 200 answer unless it is larger than `cache.max_entry_bytes`, at `place` when
+/// the caller already read the group (a MISS read it when it arrived), else where the
+/// index says now. The index is written first, by CAS (a lost race reads it again and
+/// picks again), then the entry. Last writer wins.
+pub fn store_fresh(
+    store: &impl CasStore,
+    config: &Config,
+    key: &Key,
+    response: &Response,
+    fresh: Fresh,
+    now_ms: u64,
+    place: Option<&Place>,
+) -> Option<Stored> {
     if response.status != 200 || response.body.len() > config.cache.max_entry_bytes {
-        return false;
+        return None;
     }
-    let ttl_ms = config.cache.ttl_seconds.saturating_mul(1000);
     let value = codec::encode(
         &[
             "C",
             key.hex(),
-            codec::decimal(now_ms).as_str(),
-            codec::decimal(ttl_ms).as_str(),
+            codec::decimal(fresh.stored_at_ms).as_str(),
+            codec::decimal(fresh.ttl_ms).as_str(),
             &codec::field(&response.content_type),
             &codec::headers_field(&response.headers),
         ],
@@ -218,13 +261,14 @@ pub fn put(
     );
     let mut at = place.cloned().unwrap_or_else(|| self::place(store, config, key));
     for _ in 0..MAX_RACES {
-        match store.set(&index_name(at.group), &at.with(key, now_ms.saturating_add(ttl_ms)), at.cas) {
-            Ok(()) => return store.set(&at.entry_name(), &value, None).is_ok(),
+        let evicted = at.holds_fresh_other(key, now_ms);
+        match store.set(&index_name(at.group), &at.with(key, fresh.expires_ms()), at.cas) {
+            Ok(()) => return store.set(&at.entry_name(), &value, None).is_ok().then_some(Stored { evicted }),
             Err(StoreError::CasMismatch) => at = self::place(store, config, key),
-            Err(_) => return false,
+            Err(_) => return None,
         }
     }
-    false
+    None
 }
 
 #[cfg(test)]
@@ -312,6 +356,21 @@ mod tests {
         assert_eq!(e.response, ok("{}"));
         assert!(e.is_fresh(1000 + 3_599_999));
         assert!(!e.is_fresh(1000 + 3_600_000));
+    }
+
+    #[test]
+    fn an_answer_keeps_the_freshness_it_was_given_and_evicting_a_fresh_one_is_told() {
+        let (s, c) = (MemStore::new(), Config::parse(br#"{"cache":{"max_entries":1}}"#).unwrap());
+        let (a, b) = (request_key("/p", "s", b"a"), request_key("/p", "s", b"b"));
+        let fresh = Fresh { stored_at_ms: 400, ttl_ms: 1_600 };
+        assert_eq!(store_fresh(&s, &c, &a, &ok("a"), fresh, 1_000, None), Some(Stored { evicted: false }));
+        let e = get(&s, &c, &a).unwrap();
+        assert_eq!((e.stored_at_ms, e.ttl_ms, e.age_ms(1_000)), (400, 1_600, 600), "produced before it was stored");
+        assert!(e.is_fresh(1_999) && !e.is_fresh(2_000));
+        assert_eq!(store_fresh(&s, &c, &a, &ok("a2"), fresh, 1_500, None), Some(Stored { evicted: false }), "itself");
+        let later = Fresh { stored_at_ms: 1_900, ttl_ms: 1_000 };
+        assert_eq!(store_fresh(&s, &c, &b, &ok("b"), later, 1_900, None), Some(Stored { evicted: true }));
+        assert_eq!(store_fresh(&s, &c, &a, &ok("a"), fresh, 3_000, None), Some(Stored { evicted: false }), "b expired");
     }
 
     #[test]

@@ -14,6 +14,8 @@ pub struct Config {
     /// and pass it on to the key's owner node (`forward`).
     pub role: Role,
     pub fleet: Fleet,
+    /// A forward node's near copies (read by `role: forward` only).
+    pub edge: Edge,
     pub upstream: Upstream,
     pub cache: Cache,
     pub lock: Lock,
@@ -24,6 +26,9 @@ pub struct Config {
     pub retry: Retry,
     /// Serve an expired cache entry this much past its TTL when every attempt failed.
     pub stale_if_error_seconds: u64,
+    /// Publish each governed answer's access-log values (`log_fields::NAMES`); off by
+    /// default, as setting them costs host calls per answer (docs/operations.md#access-log).
+    pub log_fields: bool,
     /// The callers this edge knows, by name. When set, every governed request must carry
     /// one of their keys, and its tenant is its cache scope.
     pub tenants: BTreeMap<String, Tenant>,
@@ -78,6 +83,24 @@ impl Fleet {
     /// Whether model buckets live on their owner nodes.
     pub fn shared_limits(&self) -> bool {
         !self.cluster.is_empty()
+    }
+}
+
+/// A forward node's near copies: the answers it forwarded that their owner declared
+/// storable (`cache-control: max-age`), kept in its own shared data.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Edge {
+    /// The longest a near copy is served after it was copied, however long its owner keeps
+    /// the answer (0: no near copies; identical requests still share one hop).
+    pub max_age_seconds: u64,
+    /// Near copies a forward node keeps (its cache's slots in place of `cache.max_entries`).
+    pub max_entries: u32,
+}
+
+impl Default for Edge {
+    fn default() -> Self {
+        Edge { max_age_seconds: 60, max_entries: 1024 }
     }
 }
 
@@ -180,6 +203,7 @@ impl Default for Config {
         Config {
             role: Role::default(),
             fleet: Fleet::default(),
+            edge: Edge::default(),
             upstream: Upstream::default(),
             cache: Cache::default(),
             lock: Lock::default(),
@@ -188,6 +212,7 @@ impl Default for Config {
             rate_limit: RateLimit::default(),
             retry: Retry::default(),
             stale_if_error_seconds: 0,
+            log_fields: false,
             tenants: BTreeMap::new(),
             keys: Keys::default(),
         }
@@ -260,12 +285,16 @@ impl Config {
             ConfigError(format!("{path}: {e}"))
         })?;
         config.validate()?;
+        if config.role == Role::Forward {
+            // A forward node's cache holds its near copies.
+            config.cache.max_entries = config.edge.max_entries;
+        }
         config.keys = Keys::of(&config.tenants).map_err(ConfigError)?;
         Ok(config)
     }
 
     fn validate(&self) -> Result<(), ConfigError> {
-        let checks: [(bool, &str, &str); 19] = [
+        let checks: [(bool, &str, &str); 20] = [
             (self.cache.hot_bytes > 1 << 30, "cache.hot_bytes", "must be at most 1073741824"),
             (!(1..=1024).contains(&self.fleet.nodes), "fleet.nodes", "must be between 1 and 1024"),
             (self.fleet.peer_secret_env.is_empty(), "fleet.peer_secret_env", "must not be empty"),
@@ -277,6 +306,7 @@ impl Config {
             (self.upstream.api_key_env.is_empty(), "upstream.api_key_env", "must not be empty"),
             (self.cache.ttl_seconds == 0, "cache.ttl_seconds", "must be at least 1"),
             (!(1..=1_000_000).contains(&self.cache.max_entries), "cache.max_entries", "must be between 1 and 1000000"),
+            (!(1..=1_000_000).contains(&self.edge.max_entries), "edge.max_entries", "must be between 1 and 1000000"),
             (self.cache.max_entry_bytes == 0, "cache.max_entry_bytes", "must be at least 1"),
             (
                 self.cache.tenant_header.as_deref().is_some_and(|h| !valid_header_name(h)),
@@ -321,7 +351,7 @@ impl Config {
             return Err(ConfigError(format!("rate_limit.max_queue: must be between 1 and {max}")));
         }
         // Every duration is bounded, so no `now + duration` can overflow.
-        let durations: [(u64, &str, u64); 10] = [
+        let durations: [(u64, &str, u64); 11] = [
             (self.fleet.timeout_ms, "fleet.timeout_ms", MAX_MS),
             (self.upstream.timeout_ms, "upstream.timeout_ms", MAX_MS),
             (self.lock.lease_ms, "lock.lease_ms", MAX_MS),
@@ -332,6 +362,7 @@ impl Config {
             (self.retry.max_delay_ms, "retry.max_delay_ms", MAX_MS),
             (self.cache.ttl_seconds, "cache.ttl_seconds", MAX_SECONDS),
             (self.stale_if_error_seconds, "stale_if_error_seconds", MAX_SECONDS),
+            (self.edge.max_age_seconds, "edge.max_age_seconds", MAX_SECONDS),
         ];
         if let Some((_, field, max)) = durations.iter().find(|(v, _, max)| v > max) {
             return Err(ConfigError(format!("{field}: must be at most {max}")));
@@ -355,9 +386,11 @@ impl Config {
                     .into(),
             ));
         }
-        if self.models.keys().any(|m| m.starts_with("tenant")) {
+        if self.models.keys().any(|m| ["tenant", "edge", "priority"].iter().any(|p| m.starts_with(p))) {
             return Err(ConfigError(
-                "models: a model name does not start with tenant (tenants' own buckets and counters)".into(),
+                "models: a model name does not start with tenant, edge or priority (the names of tenants' own \
+                 buckets and counters, and of forward nodes' and priority classes' counters)"
+                    .into(),
             ));
         }
         if self.models.len() > MAX_MODELS {
@@ -493,6 +526,24 @@ mod tests {
         ] {
             let e = Config::parse(json.as_bytes()).expect_err(json);
             assert_eq!(e.field(), field, "{json}: {e}");
+        }
+    }
+
+    #[test]
+    fn a_forward_nodes_cache_is_bounded_by_its_near_copies() {
+        let json = br#"{"role":"forward","cache":{"max_entries":9000},"edge":{"max_entries":64,"max_age_seconds":5}}"#;
+        let c = Config::parse(json).unwrap();
+        assert_eq!((c.cache.max_entries, c.edge.max_age_seconds), (64, 5));
+        let owner = Config::parse(br#"{"cache":{"max_entries":9000},"edge":{"max_entries":64}}"#).unwrap();
+        assert_eq!(owner.cache.max_entries, 9000, "an owner keeps its own bound");
+        assert_eq!((Config::default().edge.max_age_seconds, Config::default().edge.max_entries), (60, 1024));
+        for (json, field) in [
+            (r#"{"edge":{"max_entries":0}}"#, "edge.max_entries"),
+            (r#"{"edge":{"max_age_seconds":31536001}}"#, "edge.max_age_seconds"),
+            (r#"{"edge":{"ttl":1}}"#, "edge"),
+        ] {
+            let e = Config::parse(json.as_bytes()).expect_err(json);
+            assert!(e.field().starts_with(field), "{json}: {e}");
         }
     }
 

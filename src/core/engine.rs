@@ -2,8 +2,9 @@
 //! (serve this now), `Call` (go upstream, with or without the lease) or `Wait` (another
 //! flight has the lease). The shell executes them and reports back; it decides nothing.
 
-use super::cache::{self, Place, Response};
-use super::config::Config;
+use super::cache::{self, Fresh, Place, Response};
+use super::config::{Config, Role};
+use super::edge;
 use super::error::ApiError;
 use super::lease::{self, Acquire, Lease, Mark, Slot, State};
 use super::priority;
@@ -49,6 +50,9 @@ pub struct Reply {
     pub cache: Option<CacheStatus>,
     pub key: Option<Key>,
     pub age_s: Option<u64>,
+    /// Seconds the answer stays fresh in the cache that served or stored it (`None`: it is
+    /// in none), which its `cache-control` declares.
+    pub fresh_s: Option<u64>,
 }
 
 impl Reply {
@@ -58,15 +62,18 @@ impl Reply {
 
     /// A response that is no answer to a chat request (no cache status, no key).
     pub fn plain(response: Response) -> Reply {
-        Reply { response, cache: None, key: None, age_s: None }
+        Reply { response, cache: None, key: None, age_s: None, fresh_s: None }
     }
 
-    /// The reply's headers; only `age` is built, the others are borrowed.
+    /// The reply's headers; only `age` and `cache-control` are built, the others are
+    /// borrowed. An answer to a chat request (one with a cache status) says how long it
+    /// stays fresh (see `edge::directive`).
     pub fn headers(&self) -> Vec<(&str, Cow<'_, str>)> {
-        let mut h = Vec::with_capacity(4 + self.response.headers.len());
+        let mut h = Vec::with_capacity(5 + self.response.headers.len());
         h.push(("content-type", Cow::Borrowed(self.response.content_type.as_str())));
         if let Some(c) = self.cache {
             h.push(("x-holysheep-cache", Cow::Borrowed(c.as_str())));
+            h.push(("cache-control", edge::directive(self.fresh_s)));
         }
         if let Some(k) = &self.key {
             h.push(("x-holysheep-key", Cow::Borrowed(k.hex())));
@@ -135,6 +142,15 @@ pub struct Wait {
     pub policy: Policy,
 }
 
+/// How a flight ended: the caller's reply, whether anyone waited on the flight (whose end
+/// must then wake every worker), and whether storing its answer evicted another fresh one.
+#[derive(Debug, Clone)]
+pub struct Ended {
+    pub reply: Reply,
+    pub watched: bool,
+    pub evicted: bool,
+}
+
 /// A finished flight's answer, read once for all its waiters answered together (see
 /// `Engine::poll_with`).
 #[derive(Debug, Clone)]
@@ -145,6 +161,8 @@ pub struct Finished {
     response: Response,
     done_at_ms: u64,
     stale_from_ms: Option<u64>,
+    /// When the cache entry the answer is expires (`None`: it is in the flight's record).
+    expires_ms: Option<u64>,
 }
 
 impl Finished {
@@ -182,14 +200,15 @@ impl<S: CasStore> Engine<'_, S> {
     /// of one prompt are one read, not 1000).
     pub fn poll_with(&self, wait: &Wait, now_ms: u64, nonce: u64, seen: &mut Option<Finished>) -> Step {
         if let Some(f) = seen.as_ref().filter(|f| f.is_for(wait)) {
-            return self.answer_waiter(wait, f.response.clone(), f.done_at_ms, f.stale_from_ms, now_ms, nonce);
+            let done = Done { at_ms: f.done_at_ms, stale_from_ms: f.stale_from_ms, expires_ms: f.expires_ms };
+            return self.answer_waiter(wait, f.response.clone(), done, now_ms, nonce);
         }
         let state = lease::read(self.store, &wait.slot).map(|(s, _)| s);
         match state {
             Ok(State::Done { key, nonce: n, done_at_ms, response, stale_from_ms, in_cache })
                 if n == wait.nonce && wait.key.is(&key) =>
             {
-                let Some(response) = self.kept(&wait.key, response, in_cache, done_at_ms) else {
+                let Some((response, expires_ms)) = self.kept(&wait.key, response, in_cache, done_at_ms) else {
                     // The entry it refers to is gone already: look again from the top.
                     return self.after_lost_answer(wait, now_ms, nonce);
                 };
@@ -200,8 +219,10 @@ impl<S: CasStore> Engine<'_, S> {
                     response: response.clone(),
                     done_at_ms,
                     stale_from_ms,
+                    expires_ms,
                 });
-                self.answer_waiter(wait, response, done_at_ms, stale_from_ms, now_ms, nonce)
+                let done = Done { at_ms: done_at_ms, stale_from_ms, expires_ms };
+                self.answer_waiter(wait, response, done, now_ms, nonce)
             }
             Ok(State::Leading { nonce: n, expires_ms, watched, best, .. })
                 if n == wait.nonce && expires_ms > now_ms =>
@@ -228,16 +249,8 @@ impl<S: CasStore> Engine<'_, S> {
     }
 
     /// The finished flight's answer for one of its waiters.
-    fn answer_waiter(
-        &self,
-        wait: &Wait,
-        response: Response,
-        done_at_ms: u64,
-        stale_from_ms: Option<u64>,
-        now_ms: u64,
-        nonce: u64,
-    ) -> Step {
-        match shared(&wait.key, response, done_at_ms, stale_from_ms, wait.policy, now_ms) {
+    fn answer_waiter(&self, wait: &Wait, response: Response, done: Done, now_ms: u64, nonce: u64) -> Step {
+        match shared(&wait.key, response, done, wait.policy, now_ms) {
             Some(reply) => Step::Reply(reply),
             // A stale answer this waiter's directives refuse: it looks again itself.
             None => self.take_lease(&wait.key, wait.policy, now_ms, nonce, now_ms, TakeDone::None),
@@ -261,19 +274,35 @@ impl<S: CasStore> Engine<'_, S> {
     /// `complete`, and whether anyone waited on the flight (whose end must then wake
     /// every worker).
     pub fn finish_flight(&self, call: &Call, outcome: Option<Response>, now_ms: u64) -> (Reply, bool) {
+        let ended = self.end_flight(call, outcome, now_ms, Some(Fresh::of(self.config, now_ms)));
+        (ended.reply, ended.watched)
+    }
+
+    /// `finish_flight` for an answer that, when stored, is `fresh` as given (`None`: it
+    /// may not be stored), such as a forward node's near copy of its owner's answer.
+    pub fn end_flight(&self, call: &Call, outcome: Option<Response>, now_ms: u64, fresh: Option<Fresh>) -> Ended {
         let response = outcome.map_or_else(|| self.failure(call, now_ms), openai_shaped);
         if response.status == 429 || response.status >= 500 {
             if let Some((stale, produced_ms)) = self.stale(&call.key, now_ms) {
                 let watched = self.finish_lease(call, &stale.response, now_ms, Some(produced_ms), false);
                 if stale_allowed(call.policy, stale.age_s.unwrap_or(0)) {
-                    return (stale, watched);
+                    return Ended { reply: stale, watched, evicted: false };
                 }
             }
         }
         let place = call.place.as_ref();
-        let in_cache = call.store && cache::put(self.store, self.config, &call.key, &response, now_ms, place);
-        let watched = self.finish_lease(call, &response, now_ms, None, in_cache);
-        (Reply { response, cache: Some(call.label), key: Some(call.key.clone()), age_s: None }, watched)
+        // An answer whose freshness ran out on its way (a long stream) is not stored.
+        let stored = fresh.filter(|f| call.store && f.expires_ms() > now_ms).and_then(|f| {
+            let stored = cache::store_fresh(self.store, self.config, &call.key, &response, f, now_ms, place);
+            stored.map(|s| (s, f))
+        });
+        // The flight's record refers to the entry only when it was stamped now (the record's
+        // time names the entry); an answer dated back by its owner is repeated there.
+        let by_reference = stored.is_some_and(|(_, f)| f.stored_at_ms == now_ms);
+        let watched = self.finish_lease(call, &response, now_ms, None, by_reference);
+        let fresh_s = stored.map(|(_, f)| f.expires_ms().saturating_sub(now_ms) / 1000);
+        let reply = Reply { response, cache: Some(call.label), key: Some(call.key.clone()), age_s: None, fresh_s };
+        Ended { reply, watched, evicted: stored.is_some_and(|(s, _)| s.evicted) }
     }
 
     /// The call ended without an answer worth sharing (a stream cut off): its waiters look
@@ -300,17 +329,23 @@ impl<S: CasStore> Engine<'_, S> {
     }
 
     /// A finished flight's answer: the one in its record, or the cache entry the record
-    /// refers to (`None` when that entry has been replaced since).
-    fn kept(&self, key: &Key, response: Response, in_cache: bool, done_at_ms: u64) -> Option<Response> {
+    /// refers to, with its expiry (`None` when that entry has been replaced since).
+    fn kept(&self, key: &Key, response: Response, in_cache: bool, done_at_ms: u64) -> Option<(Response, Option<u64>)> {
         if !in_cache {
-            return Some(response);
+            return Some((response, None));
         }
-        cache::get(self.store, self.config, key).filter(|e| e.stored_at_ms == done_at_ms).map(|e| e.response)
+        let entry = cache::get(self.store, self.config, key).filter(|e| e.stored_at_ms == done_at_ms)?;
+        let expires_ms = entry.stored_at_ms.saturating_add(entry.ttl_ms);
+        Some((entry.response, Some(expires_ms)))
     }
 
     /// An expired entry at most `stale_if_error_seconds` past its TTL, and when it was
-    /// produced. (Whether a request may have it is `stale_allowed`'s to say.)
+    /// produced. (Whether a request may have it is `stale_allowed`'s to say.) A forward
+    /// node has none: a near copy is never served past its owner's TTL.
     fn stale(&self, key: &Key, now_ms: u64) -> Option<(Reply, u64)> {
+        if self.config.role == Role::Forward {
+            return None;
+        }
         let grace_ms = self.config.stale_if_error_seconds.saturating_mul(1000);
         let entry = cache::get(self.store, self.config, key)
             .filter(|e| grace_ms > 0 && e.age_ms(now_ms) < e.ttl_ms.saturating_add(grace_ms))?;
@@ -319,6 +354,7 @@ impl<S: CasStore> Engine<'_, S> {
             cache: Some(CacheStatus::Stale),
             key: Some(key.clone()),
             response: entry.response,
+            fresh_s: None,
         };
         Some((reply, entry.stored_at_ms))
     }
@@ -384,7 +420,10 @@ impl<S: CasStore> Engine<'_, S> {
             }
             Ok(Acquire::Answered { response, done_at_ms, stale_from_ms, in_cache }) => {
                 let kept = self.kept(key, response, in_cache, done_at_ms);
-                match kept.and_then(|r| shared(key, r, done_at_ms, stale_from_ms, policy, now_ms)) {
+                let shared = kept.and_then(|(r, expires_ms)| {
+                    shared(key, r, Done { at_ms: done_at_ms, stale_from_ms, expires_ms }, policy, now_ms)
+                });
+                match shared {
                     Some(reply) => Step::Reply(reply),
                     None => self.take_lease(key, policy, now_ms, nonce, now_ms, TakeDone::None),
                 }
@@ -447,11 +486,13 @@ impl<S: CasStore> Engine<'_, S> {
             Some(since) => entry.stored_at_ms >= since || policy.read,
             None => true,
         } && policy.max_age.is_none_or(|max| age_ms / 1000 <= max);
+        let fresh_s = entry.ttl_ms.saturating_sub(age_ms) / 1000;
         let reply = allowed.then(|| Reply {
             age_s: Some(age_ms / 1000),
             cache: Some(if waited_since.is_some() { CacheStatus::Coalesced } else { CacheStatus::Hit }),
             key: Some(key.clone()),
             response: entry.response,
+            fresh_s: Some(fresh_s),
         });
         (reply, Some(probe.place))
     }
@@ -475,28 +516,31 @@ fn stale_allowed(policy: Policy, age_s: u64) -> bool {
     policy.read && policy.max_age.is_none_or(|max| age_s <= max)
 }
 
+/// When and how a finished flight's answer was produced, and until when the cache entry
+/// it is (if it is one) stays fresh.
+#[derive(Debug, Clone, Copy)]
+struct Done {
+    at_ms: u64,
+    stale_from_ms: Option<u64>,
+    expires_ms: Option<u64>,
+}
+
 /// A finished flight's answer for a request that shared it: COALESCED, or STALE with the
 /// stale answer's own age (`None` when the request's directives refuse it).
-fn shared(
-    key: &Key,
-    response: Response,
-    done_at_ms: u64,
-    stale_from: Option<u64>,
-    policy: Policy,
-    now_ms: u64,
-) -> Option<Reply> {
-    let (cache, produced_ms) = match stale_from {
+fn shared(key: &Key, response: Response, done: Done, policy: Policy, now_ms: u64) -> Option<Reply> {
+    let (cache, produced_ms) = match done.stale_from_ms {
         Some(t) => (CacheStatus::Stale, t),
-        None => (CacheStatus::Coalesced, done_at_ms),
+        None => (CacheStatus::Coalesced, done.at_ms),
     };
     let age_s = now_ms.saturating_sub(produced_ms) / 1000;
-    if stale_from.is_some() && !stale_allowed(policy, age_s) {
+    if done.stale_from_ms.is_some() && !stale_allowed(policy, age_s) {
         return None;
     }
     if !priority::may_share(&response, policy.class) {
         return None;
     }
-    Some(Reply { response, cache: Some(cache), key: Some(key.clone()), age_s: Some(age_s) })
+    let fresh_s = done.expires_ms.filter(|_| done.stale_from_ms.is_none()).map(|e| e.saturating_sub(now_ms) / 1000);
+    Some(Reply { response, cache: Some(cache), key: Some(key.clone()), age_s: Some(age_s), fresh_s })
 }
 
 #[cfg(test)]
@@ -754,16 +798,71 @@ mod tests {
         assert_eq!(w.nonce, 1);
         expect_wait(e.poll(&w, 10, 3));
         let mine = e.complete(&lead, ok("A"), 1_000);
-        assert_eq!(mine.cache, Some(CacheStatus::Miss));
+        assert_eq!((mine.cache, mine.fresh_s), (Some(CacheStatus::Miss), Some(3_600)), "stored for the TTL");
         let theirs = expect_reply(e.poll(&w, 1_500, 4));
         assert_eq!(theirs.cache, Some(CacheStatus::Coalesced));
         assert_eq!(theirs.response.body, b"A");
-        assert_eq!(theirs.age_s, Some(0));
+        assert_eq!((theirs.age_s, theirs.fresh_s), (Some(0), Some(3_599)));
         let hit = expect_reply(e.admit(&k(1), READ, 3_200, 5));
         assert_eq!(hit.cache, Some(CacheStatus::Hit));
         assert_eq!(hit.age_s, Some(2));
-        let names: Vec<_> = hit.headers().into_iter().map(|(n, _)| n).collect();
-        assert_eq!(names, ["content-type", "x-holysheep-cache", "x-holysheep-key", "age"]);
+        let headers: Vec<_> = hit.headers().into_iter().map(|(n, v)| (n, v.into_owned())).collect();
+        let names: Vec<_> = headers.iter().map(|(n, _)| *n).collect();
+        assert_eq!(names, ["content-type", "x-holysheep-cache", "cache-control", "x-holysheep-key", "age"]);
+        assert_eq!(headers[2].1, "max-age=3597", "what is left of its TTL, in whole seconds");
+    }
+
+    #[test]
+    fn an_answer_not_stored_says_so() {
+        let (s, c) = (MemStore::new(), Config::default());
+        let e = Engine { store: &s, config: &c };
+        let bypass = Policy { read: false, coalesce: false, store: false, ..READ };
+        let call = expect_call(e.admit(&k(1), bypass, 0, 1));
+        let reply = e.complete(&call, ok("A"), 10);
+        assert_eq!((reply.cache, reply.fresh_s), (Some(CacheStatus::Bypass), None));
+        assert!(reply.headers().contains(&("cache-control", "no-store".into())));
+        assert!(!Reply::plain(Response::json(404, vec![])).headers().iter().any(|(n, _)| *n == "cache-control"));
+    }
+
+    #[test]
+    fn an_answer_dated_back_by_its_owner_is_kept_for_its_own_time_and_reaches_its_waiters() {
+        let (s, c) = (MemStore::new(), Config::parse(br#"{"role":"forward"}"#).unwrap());
+        let e = Engine { store: &s, config: &c };
+        let lead = expect_call(e.admit(&k(1), READ, 100_000, 1));
+        let w = expect_wait(e.admit(&k(1), READ, 100_005, 2));
+        // The owner produced it 30 s ago and keeps it 10 s more.
+        let fresh = Fresh { stored_at_ms: 70_000, ttl_ms: 40_000 };
+        let ended = e.end_flight(&lead, ok("A"), 100_010, Some(fresh));
+        assert_eq!((ended.reply.fresh_s, ended.watched, ended.evicted), (Some(9), true, false));
+        let theirs = expect_reply(e.poll(&w, 100_020, 3));
+        assert_eq!((theirs.cache, theirs.response.body.as_slice()), (Some(CacheStatus::Coalesced), &b"A"[..]));
+        let hit = expect_reply(e.admit(&k(1), READ, 105_000, 4));
+        assert_eq!((hit.age_s, hit.fresh_s), (Some(35), Some(5)), "its age counts from the owner's answer");
+        assert!(matches!(e.admit(&k(1), READ, 110_000, 5), Step::Call(_)), "gone when the owner's copy is");
+        let lead = expect_call(e.admit(&k(2), READ, 0, 6));
+        let ended = e.end_flight(&lead, ok("B"), 10, None);
+        assert_eq!(ended.reply.fresh_s, None, "not declared storable: not kept");
+        assert!(matches!(e.admit(&k(2), READ, 20, 7), Step::Call(_)));
+        let lead = expect_call(e.admit(&k(3), READ, 0, 8));
+        let ended = e.end_flight(&lead, ok("C"), 5_000, Some(Fresh { stored_at_ms: 0, ttl_ms: 5_000 }));
+        assert_eq!(ended.reply.fresh_s, None, "fresh no more when it arrived: not stored");
+    }
+
+    #[test]
+    fn a_forward_node_serves_no_copy_past_its_owners_ttl_when_the_owner_fails() {
+        let (s, c) = (MemStore::new(), Config::parse(br#"{"role":"forward","stale_if_error_seconds":600}"#).unwrap());
+        let e = Engine { store: &s, config: &c };
+        let lead = expect_call(e.admit(&k(1), READ, 0, 1));
+        e.end_flight(&lead, ok("A"), 0, Some(Fresh { stored_at_ms: 0, ttl_ms: 1_000 }));
+        let lead = expect_call(e.admit(&k(1), READ, 2_000, 2));
+        let mut failed = ok("{}").unwrap();
+        failed.status = 503;
+        let reply = e.end_flight(&lead, Some(failed), 2_010, None).reply;
+        assert_eq!(
+            (reply.response.status, reply.cache),
+            (503, Some(CacheStatus::Miss)),
+            "the owner's error, not STALE"
+        );
     }
 
     #[test]

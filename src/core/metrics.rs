@@ -2,7 +2,7 @@
 //! the configuration get their own counters; every other model counts under `other`.
 
 use super::bytes;
-use super::config::Config;
+use super::config::{Config, Role};
 use super::engine::{CacheStatus, Reply};
 use super::flight::{usage, Event};
 use super::priority::Class;
@@ -23,9 +23,13 @@ pub enum Counter {
     WaitsLost,
     Unauthorized,
     ModelRefused,
+    /// A forward node sent a request on to its key's owner.
+    Hops,
+    /// Storing an answer took the place of another key's answer that was still fresh.
+    Evicted,
 }
 
-pub const COUNTERS: [Counter; 18] = [
+pub const COUNTERS: [Counter; 20] = [
     Counter::Requests(CacheStatus::Hit),
     Counter::Requests(CacheStatus::Miss),
     Counter::Requests(CacheStatus::Coalesced),
@@ -44,6 +48,8 @@ pub const COUNTERS: [Counter; 18] = [
     Counter::WaitsLost,
     Counter::Unauthorized,
     Counter::ModelRefused,
+    Counter::Hops,
+    Counter::Evicted,
 ];
 
 impl Counter {
@@ -68,6 +74,8 @@ impl Counter {
             Counter::WaitsLost => 15,
             Counter::Unauthorized => 16,
             Counter::ModelRefused => 17,
+            Counter::Hops => 18,
+            Counter::Evicted => 19,
         }
     }
 
@@ -87,6 +95,8 @@ impl Counter {
             Counter::WaitsLost => "waits_lost".into(),
             Counter::Unauthorized => "unauthorized".into(),
             Counter::ModelRefused => "model_refused".into(),
+            Counter::Hops => "hops".into(),
+            Counter::Evicted => "evicted".into(),
         }
     }
 }
@@ -163,8 +173,14 @@ impl<T: Copy> PerCounter<T> {
 }
 
 /// Envoy stat name (Envoy adds the `wasmcustom.` prefix).
-pub fn metric_name(label: &str, counter: Counter) -> String {
-    format!("holysheep.{label}.{}", counter.name())
+/// A counter's name in Envoy: `holysheep.<label>.<counter>` on an owner, and
+/// `holysheep.edge.<label>.<counter>` on a forward node (whose VM shares the process's
+/// stats with an owner's on the same Envoy).
+pub fn metric_name(config: &Config, label: &str, counter: Counter) -> String {
+    match config.role {
+        Role::Owner => format!("holysheep.{label}.{}", counter.name()),
+        Role::Forward => format!("holysheep.edge.{label}.{}", counter.name()),
+    }
 }
 
 fn priced(config: &Config, model: &str) -> bool {
@@ -310,13 +326,15 @@ mod tests {
         let c =
             Config::parse(br#"{"models":{"gpt-4.1":{"usd_per_mtok_input":2.0,"usd_per_mtok_output":8.0}}}"#).unwrap();
         assert_eq!(labels(&c), ["gpt-4.1", "other"]);
-        assert_eq!(metric_name("gpt-4.1", Counter::Requests(CacheStatus::Hit)), "holysheep.gpt-4.1.requests_hit");
+        assert_eq!(metric_name(&c, "gpt-4.1", Counter::Requests(CacheStatus::Hit)), "holysheep.gpt-4.1.requests_hit");
+        let forward = Config::parse(br#"{"role":"forward"}"#).unwrap();
+        assert_eq!(metric_name(&forward, "other", Counter::Hops), "holysheep.edge.other.hops");
         let usage = Event::Usage { model: "gpt-4.1".into(), prompt: 1000, completion: 500 };
         assert!(for_event(&c, &usage).contains(&("gpt-4.1", Counter::CostSpentMicroUsd, 6000)));
         assert_eq!(for_event(&c, &Event::Retry { model: "unknown".into() }), [("other", Counter::Retries, 1)]);
         let body = br#"{"usage":{"prompt_tokens":1000,"completion_tokens":500}}"#.to_vec();
-        let hit =
-            Reply { response: Response::json(200, body), cache: Some(CacheStatus::Hit), key: None, age_s: Some(1) };
+        let (cache, age_s) = (Some(CacheStatus::Hit), Some(1));
+        let hit = Reply { response: Response::json(200, body), cache, key: None, age_s, fresh_s: Some(5) };
         assert_eq!(
             for_reply(&c, "gpt-4.1", &hit, &mut LastUsage::default()),
             [("gpt-4.1", Counter::Requests(CacheStatus::Hit), 1), ("gpt-4.1", Counter::CostSavedMicroUsd, 6000)]
@@ -341,6 +359,8 @@ mod tests {
             "waits_lost",
             "unauthorized",
             "model_refused",
+            "hops",
+            "evicted",
         ];
         assert_eq!(names, documented, "the counter names docs/operations.md lists, each once");
         assert!(COUNTERS.iter().enumerate().all(|(i, c)| c.index() == i), "index is the place in COUNTERS");

@@ -103,6 +103,7 @@ extern "C" {
         return_value_data: *mut *mut u8,
         return_value_size: *mut usize,
     ) -> u32;
+    fn proxy_set_property(path_data: *const u8, path_size: usize, value_data: *const u8, value_size: usize) -> u32;
     fn proxy_get_shared_data(
         key_data: *const u8,
         key_size: usize,
@@ -221,6 +222,12 @@ pub(crate) fn get_property(path: Vec<&str>) -> Result<Option<Bytes>, Status> {
             other => Err(status(other)),
         }
     }
+}
+
+/// Sets a property of the current stream (in Envoy, the filter state `wasm.<path>`).
+pub(crate) fn set_property(path: &str, value: &[u8]) -> Result<(), Status> {
+    // SAFETY: both slices are live for the call; nothing is handed back.
+    done(unsafe { proxy_set_property(path.as_ptr(), path.len(), value.as_ptr(), value.len()) })
 }
 
 /// `(None, None)` for a missing key; `(None, cas)` for an empty value; a cas of 0 is `None`.

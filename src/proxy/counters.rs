@@ -29,7 +29,9 @@ impl Counters {
         let mut ids = PerCounter::new(config);
         for label in ids.labels().to_vec() {
             for counter in COUNTERS {
-                if let Ok(id) = hostcalls::define_metric(MetricType::Counter, &metrics::metric_name(&label, counter)) {
+                if let Ok(id) =
+                    hostcalls::define_metric(MetricType::Counter, &metrics::metric_name(config, &label, counter))
+                {
                     ids.set(&label, counter, id);
                 }
             }

@@ -11,18 +11,20 @@ use super::tee::Tee;
 use super::worker::{Target, WorkerRef, MISROUTED_KEY};
 use crate::core::cache::Response;
 use crate::core::config::Role;
-use crate::core::engine::{Engine, Reply, Step};
+use crate::core::edge;
+use crate::core::engine::{Call, Engine, Reply, Step};
 use crate::core::error::ApiError;
 use crate::core::hot::{self, Raw};
-use crate::core::intake::{self, intake_or_known, Decision, Head, Intake, Route};
+use crate::core::intake::{self, Decision, Head, Route};
 use crate::core::limits::ProviderHints;
+use crate::core::log_fields::Served;
 use crate::core::pairs;
 use crate::core::peer;
 use crate::core::priority;
-use crate::core::request::{Key, KEY_HEADER, PEER_PATH};
+use crate::core::request::PEER_PATH;
 use crate::core::store::CasStore;
 use crate::core::stream::{self, Reassembler};
-use crate::core::upstream;
+use crate::core::upstream::{self, Outbound};
 use proxy_wasm::traits::{Context, HttpContext};
 use proxy_wasm::types::{Action, BufferType, LogLevel, MapType};
 use std::rc::Rc;
@@ -45,7 +47,9 @@ enum State {
     Reading,
     /// Answered, or handed to the root context.
     Handled,
-    /// A stream leader's answer coming back along the route.
+    /// A forward node's call on its way to the owner, its answer's headers not back yet.
+    Hopping,
+    /// A stream leader's (or a hop's) answer coming back along the route.
     Teeing(Box<Tee>),
     /// The tee reported the end.
     Ended,
@@ -74,22 +78,13 @@ impl Chat {
         let raw = self.worker.borrow().seed.raw(&scope, &body);
         // Directives change what may be served: such requests take the whole path.
         let plain = head.plain();
-        if plain {
+        // A kept answer is the class of its tenant: one that lowers its own goes the whole way.
+        if plain && head.priority.is_none() {
             if let Some(action) = self.answer_from_hot(&raw, now) {
                 return action;
             }
         }
         let known = if plain { self.worker.borrow().parsed.get(&raw, now) } else { None };
-        if config.role == Role::Forward {
-            return match intake_or_known(&config, &head, &body, known.as_deref()) {
-                Ok(Intake { request, .. }) => {
-                    let key = request.key.clone();
-                    self.worker.borrow_mut().parsed.put(&raw, u64::MAX, hot::PARSED_SIZE, request);
-                    self.forward_to_owner(&key)
-                }
-                Err(e) => self.reject(&e),
-            };
-        }
         let nonce = self.worker.borrow_mut().nonce();
         let engine = Engine { store: &SharedData, config: &config };
         let tenant = head.verified.clone();
@@ -111,31 +106,59 @@ impl Chat {
         let outbound = Rc::new(outbound);
         match step {
             Step::Reply(reply) => {
-                self.worker.borrow_mut().respond(Target::Current, &reply, &outbound);
+                self.worker.borrow_mut().respond(Target::Current, &reply, &outbound, Served::default());
             }
+            Step::Call(call) if config.role == Role::Forward => return self.hop(call, outbound),
             Step::Call(call) => self.worker.borrow_mut().defer_call(self.id, call, outbound),
             Step::Wait(wait) => self.worker.borrow_mut().wait(self.id, wait, outbound),
         }
         Action::Pause
     }
 
-    /// A request whose exact bytes this worker answered (or, forwarding, keyed) before:
-    /// answered again without parsing. `None` when it has not seen them.
+    /// A request whose exact bytes this worker answered before: answered again without
+    /// parsing. `None` when it has not seen them.
     fn answer_from_hot(&mut self, raw: &Raw<'_>, now: u64) -> Option<Action> {
-        if self.worker.borrow().config.role == Role::Forward {
-            let request = self.worker.borrow().parsed.get(raw, now)?;
-            return Some(self.forward_to_owner(&request.key));
-        }
         let hit = self.worker.borrow().hot.get(raw, now)?;
         self.state = State::Handled;
         self.worker.borrow_mut().respond_hot(&hit, now);
         Some(Action::Pause)
     }
 
-    /// Validated and keyed: on to the key's owner node, which recomputes the key.
-    fn forward_to_owner(&mut self, key: &Key) -> Action {
-        self.state = State::Ignored;
-        let _ = hostcalls::set_map_value(MapType::HttpRequestHeaders, KEY_HEADER, Some(key.hex()));
+    /// A forward node's call: on to the key's owner node (`Worker::hop`).
+    fn hop(&mut self, call: Call, outbound: Rc<Outbound>) -> Action {
+        self.worker.borrow_mut().hop(self.id, call, outbound);
+        self.state = State::Hopping;
+        Action::Continue
+    }
+
+    /// The owner's answer to this forward node's hop arrives: it passes to the client as it
+    /// is (marked `x-holysheep-tier: owner`), teed for the flight's waiters and, when the
+    /// owner declared it storable, the near copy.
+    fn hop_answer(&mut self, end_of_stream: bool) -> Action {
+        let headers = host::headers(MapType::HttpResponseHeaders);
+        let header = |n: &str| headers.iter().find(|(k, _)| k == n).map(|(_, v)| v.clone());
+        let status = header(":status").and_then(|s| s.parse().ok()).unwrap_or(502);
+        let content_type = header("content-type").unwrap_or_default();
+        set_response_header(edge::TIER_HEADER, Some(edge::OWNER));
+        let tee = {
+            let mut w = self.worker.borrow_mut();
+            let config = w.config.clone();
+            let Some(hop) = w.runs.hops.get_mut(&self.id) else { return Action::Continue };
+            hop.fresh = edge::declared(&config, &hop.call.key, status, &headers, host::now_ms());
+            hop.kept = edge::kept(&headers);
+            let sse = status == 200 && stream::is_event_stream(&content_type);
+            if sse && !hop.outbound.include_usage {
+                // The usage event is taken out: the length changes.
+                set_response_header("content-length", None);
+            }
+            let events = sse.then(|| Reassembler::new(hop.outbound.include_usage));
+            let other = Response { status, content_type, headers: Vec::new(), body: Vec::new() };
+            Tee::hop(events, other, config.cache.max_entry_bytes)
+        };
+        self.state = State::Teeing(Box::new(tee));
+        if end_of_stream {
+            self.end_stream(true);
+        }
         Action::Continue
     }
 
@@ -222,7 +245,7 @@ impl Chat {
         Some(ApiError::misdirected())
     }
 
-    /// The forwarded stream ended (`complete`: the upstream finished its answer).
+    /// The forwarded stream (or hop) ended (`complete`: the upstream finished its answer).
     fn end_stream(&mut self, complete: bool) {
         if let State::Teeing(tee) = std::mem::replace(&mut self.state, State::Ended) {
             self.worker.borrow_mut().stream_ended(self.id, tee.end(complete));
@@ -250,7 +273,7 @@ impl Context for Chat {
         // A stream that had not ended broke off (client gone, upstream reset).
         self.end_stream(false);
         let mut w = self.worker.borrow_mut();
-        if w.runs.streaming.contains_key(&self.id) {
+        if w.runs.streaming.contains_key(&self.id) || w.runs.hops.contains_key(&self.id) {
             // Gone before its answer's headers: the router may have made attempts already.
             w.stream_ended(self.id, StreamEnd { attempts: host::upstream_attempts(), ..StreamEnd::broken() });
         }
@@ -337,6 +360,10 @@ impl HttpContext for Chat {
     /// Only a forwarded stream's own answer is teed; the filter's local replies (which
     /// Envoy also runs through here) pass untouched.
     fn on_http_response_headers(&mut self, _num_headers: usize, end_of_stream: bool) -> Action {
+        // A hop sent from here, or from the root for a waiter that came to lead.
+        if self.worker.borrow().runs.hops.contains_key(&self.id) && !matches!(self.state, State::Teeing(_)) {
+            return self.hop_answer(end_of_stream);
+        }
         if !matches!(self.state, State::Handled) {
             return Action::Continue;
         }
@@ -349,6 +376,8 @@ impl HttpContext for Chat {
         set_response_header("x-holysheep-cache", Some(label.cache.as_str()));
         set_response_header("x-holysheep-key", Some(&label.key));
         set_response_header("x-holysheep-model", Some(&label.model));
+        // The edge's own answer: HolySheep's age means nothing here (a MISS is new).
+        set_response_header("age", None);
         if let Some(tenant) = &label.tenant {
             set_response_header(upstream::TENANT_HEADER, Some(tenant));
         }
@@ -374,6 +403,9 @@ impl HttpContext for Chat {
         if refusal.as_ref().is_some_and(|e| e.code == upstream::KEY_REFUSED) {
             self.worker.borrow_mut().key_refused(status);
         }
+        // The edge's word on how long the answer is kept, never HolySheep's.
+        let stored = (sse && refusal.is_none()).then_some(label.fresh_s).flatten();
+        set_response_header("cache-control", Some(&edge::directive(stored)));
         let other = Response { headers: retry_after.unwrap_or_default(), ..other };
         let events = (sse && refusal.is_none()).then(|| Reassembler::new(label.include_usage));
         let (attempts, hints) = (host::upstream_attempts(), ProviderHints::from_headers(status, &headers));

@@ -1,12 +1,13 @@
 //! The flights one worker leads, wherever each stands: decided and not yet dispatched, in
 //! a callout, asleep (backoff, or held for its bucket), asking a model owner for a
-//! verdict, or streaming along the route.
+//! verdict, streaming along the route, or (on a forward node) on their way to the owner.
 
 use super::ids::IdMap;
-use crate::core::cache::Response;
+use crate::core::cache::{Fresh, Response};
 use crate::core::engine::Call;
 use crate::core::flight::Flight;
 use crate::core::limits::ProviderHints;
+use crate::core::log_fields::Spent;
 use crate::core::request::Key;
 use crate::core::upstream::Outbound;
 use std::rc::Rc;
@@ -16,6 +17,19 @@ pub struct Run {
     pub context_id: u32,
     pub flight: Flight,
     pub outbound: Rc<Outbound>,
+    /// What the flight has spent so far, for its request's access-log line.
+    pub spent: Spent,
+}
+
+/// A forward node's flight: its leader's request on its way to the key's owner along the
+/// route, whose answer its http context tees for the near copy and the flight's waiters.
+pub struct Hop {
+    pub call: Call,
+    pub outbound: Rc<Outbound>,
+    /// How long the owner's answer may be kept, once its headers said (`None`: not at all).
+    pub fresh: Option<Fresh>,
+    /// The owner's headers its answer keeps for the flight's waiters (see `edge::kept`).
+    pub kept: Vec<(String, String)>,
 }
 
 /// How a stream forwarded along the route ended, as its http context saw it.
@@ -51,6 +65,8 @@ pub struct Runs {
     pub asking: IdMap<Run>,
     /// Stream flights forwarded along the route, by http context.
     pub streaming: IdMap<Run>,
+    /// A forward node's flights on their way to their owners, by http context.
+    pub hops: IdMap<Hop>,
     /// Keys of stream flights that ended, whose waiters the root wakes (here, and on every
     /// worker when the flight was watched).
     pub ended: Vec<(Key, bool)>,
@@ -60,7 +76,8 @@ impl Runs {
     /// The calls of every flight this worker leads, for their lease renewals.
     pub fn calls(&self) -> impl Iterator<Item = &Call> {
         let runs = self.calling.values().chain(self.sleeping.iter().map(|(_, r)| r)).chain(self.streaming.values());
-        runs.chain(self.asking.values()).map(|r| &r.flight.call).chain(self.pending.iter().map(|(_, c, _)| c))
+        let calls = runs.chain(self.asking.values()).map(|r| &r.flight.call);
+        calls.chain(self.pending.iter().map(|(_, c, _)| c)).chain(self.hops.values().map(|h| &h.call))
     }
 
     /// A sleeping flight whose time has come.

@@ -15,8 +15,10 @@ pub struct Tee {
     /// Server-sent events (a 200): reassembled.
     events: Option<Reassembler>,
     /// Anything else: the answer as its waiters get it, its body gathered as it passes
-    /// (up to `ERROR_BODY_LIMIT`).
+    /// (up to `limit`; a 200 cut there is no answer to share).
     other: Response,
+    limit: usize,
+    cut: bool,
     /// The client gets the edge's own error (`other`) in place of HolySheep's body (see
     /// `upstream::refused`) ...
     replace: bool,
@@ -39,7 +41,24 @@ impl Tee {
         attempts: u64,
         hints: ProviderHints,
     ) -> Tee {
-        Tee { events, other, replace, written: false, attempts, hints, held: Vec::new() }
+        Tee {
+            events,
+            other,
+            limit: ERROR_BODY_LIMIT,
+            cut: false,
+            replace,
+            written: false,
+            attempts,
+            hints,
+            held: Vec::new(),
+        }
+    }
+
+    /// The tee of a forward node's hop: the owner's answer passes untouched, and a body
+    /// that is not events is gathered up to `limit` bytes (the largest answer kept).
+    pub fn hop(events: Option<Reassembler>, other: Response, limit: usize) -> Tee {
+        let tee = Tee::new(events, other, false, 1, ProviderHints::default());
+        Tee { limit, ..tee }
     }
 
     pub fn end(self, complete: bool) -> StreamEnd {
@@ -48,6 +67,7 @@ impl Tee {
         let outcome = match (&self.events, complete) {
             (_, false) => None,
             (Some(r), true) => r.completion(),
+            (None, true) if self.cut && self.other.status == 200 => None,
             (None, true) => Some(self.other),
         };
         StreamEnd { outcome, usage, streamed_tokens, attempts: self.attempts, hints: self.hints }
@@ -77,7 +97,8 @@ impl Tee {
             let first = !std::mem::replace(&mut self.written, true);
             return Some(if first { self.other.body.clone() } else { Vec::new() });
         }
-        let room = ERROR_BODY_LIMIT.saturating_sub(self.other.body.len());
+        let room = self.limit.saturating_sub(self.other.body.len());
+        self.cut |= chunk.len() > room;
         self.other.body.extend_from_slice(&chunk[..chunk.len().min(room)]);
         None
     }

@@ -11,19 +11,23 @@ use super::host::{self, Nonces, SharedData};
 use super::ids::{IdMap, IdSet};
 use super::key_check::KeyCheck;
 use super::queue::{WakeQueue, DISPATCH, ENDED};
-use super::runs::{Run, Runs, StreamEnd};
-use crate::core::cache;
+use super::runs::{Hop, Run, Runs, StreamEnd};
+use crate::core::cache::{self, Fresh, Response};
 use crate::core::codec;
-use crate::core::config::Config;
-use crate::core::engine::{CacheStatus, Call, Engine, Reply, Wait};
+use crate::core::config::{Config, Role};
+use crate::core::edge;
+use crate::core::engine::{CacheStatus, Call, Ended, Engine, Reply, Wait};
 use crate::core::error::ApiError;
+use crate::core::flight;
 use crate::core::hot::{Hot, Raw, Seed};
-use crate::core::request::ChatRequest;
-use crate::core::request::Key;
+use crate::core::log_fields::{self, Answered, Served};
+use crate::core::metrics::{self, Counter, LastUsage};
+use crate::core::priority;
+use crate::core::request::{self, ChatRequest, Key, KEY_HEADER};
 use crate::core::store::CasStore;
 use crate::core::stream;
 use crate::core::upstream::{self, Outbound, Sent};
-use proxy_wasm::types::LogLevel;
+use proxy_wasm::types::{BufferType, LogLevel, MapType};
 use std::cell::RefCell;
 use std::collections::hash_map::RandomState;
 use std::hash::BuildHasher;
@@ -68,25 +72,52 @@ pub struct Worker {
     pub replies_left: usize,
     /// HIT answers by the requests' raw bytes.
     pub hot: Hot<HotAnswer>,
-    /// Requests parsed before, by their raw bytes: every request on a forward node (its
-    /// key routes it); on an owner, a HIT and a request that waits for a flight
-    /// (`intake::Keep`), so that the rest of a crowd of identical requests is not parsed,
-    /// canonicalised and hashed again.
+    /// Requests parsed before, by their raw bytes: a HIT and a request that waits for a
+    /// flight (`intake::Keep`), so that the rest of a crowd of identical requests is not
+    /// parsed, canonicalised and hashed again.
     pub parsed: Hot<ChatRequest>,
     /// What both tables hash the raw bytes with.
     pub seed: Seed,
+    /// The usage of the answer logged last (followers share one answer).
+    pub log_usage: LastUsage,
 }
 
 /// A worker's state, as its root context and http contexts each hold it.
 pub type WorkerRef = Rc<RefCell<Worker>>;
 
 /// A cache entry a worker keeps in its own memory, ready to be sent again: the reply (its
-/// `age` set when sent), the request's form, and the counters it adds.
+/// cache status, `age` and `cache-control` set when sent), the request's form, and the
+/// counters it adds.
 pub struct HotAnswer {
     reply: Reply,
     stored_at_ms: u64,
+    expires_ms: u64,
+    /// The answer's usage, for the access log.
+    usage: Option<(u64, u64)>,
     outbound: Outbound,
     counters: Vec<(u32, i64)>,
+}
+
+/// The access-log values of a request of `outbound`'s form, its answer's own left blank.
+fn answered(outbound: &Outbound, served: Served, usage: Option<(u64, u64)>) -> Answered<'_> {
+    Answered {
+        cache: None,
+        key: None,
+        response_model: None,
+        requested_model: &outbound.model,
+        tenant: outbound.tenant.as_deref(),
+        class: outbound.class,
+        served,
+        usage,
+    }
+}
+
+/// Publishes `answered` on the current http context (the values of `log_fields::NAMES`,
+/// as filter state `wasm.<name>`).
+fn publish(answered: &Answered<'_>) {
+    for (name, value) in log_fields::values(answered) {
+        let _ = hostcalls::set_property(name, value.as_bytes());
+    }
 }
 
 /// What a forwarded stream's response carries in its `x-holysheep-*` headers.
@@ -97,6 +128,8 @@ pub struct StreamLabel {
     pub include_usage: bool,
     pub sent: Sent,
     pub tenant: Option<String>,
+    /// How long a whole answer stays fresh in the cache, when it is to be stored.
+    pub fresh_s: Option<u64>,
 }
 
 /// Shared-data key that holds, once a stream's answer came from another cluster than
@@ -135,6 +168,7 @@ impl Worker {
             hot: Hot::new(0),
             parsed: Hot::new(0),
             seed: Seed::new(RandomState::new().hash_one(())),
+            log_usage: LastUsage::default(),
         }
     }
 
@@ -175,12 +209,31 @@ impl Worker {
     /// Sends `reply` in the form the request asked for (JSON, or events for a stream) with
     /// the model's `x-ratelimit-*` headers, and counts it. Another context is answered only
     /// while it lives, and uses up one of this VM call's replies.
-    pub fn respond(&mut self, target: Target, reply: &Reply, outbound: &Outbound) -> bool {
+    pub fn respond(&mut self, target: Target, reply: &Reply, outbound: &Outbound, served: Served) -> bool {
         if matches!(target, Target::Context(id) if !self.live.contains(&id)) {
             return false;
         }
         self.counters.count_reply(&self.config, &outbound.model, reply, outbound.tenant.as_deref());
+        if self.config.log_fields {
+            let usage = (reply.response.status == 200).then(|| self.log_usage.of(&reply.response.body)).flatten();
+            self.publish(target, reply, outbound, served, usage);
+        }
         self.send_in_form(target, reply, outbound)
+    }
+
+    /// Publishes what the access log shows of the request of `target` (the values of
+    /// `log_fields::NAMES`, as filter state `wasm.<name>`).
+    fn publish(&self, target: Target, reply: &Reply, outbound: &Outbound, served: Served, usage: Option<(u64, u64)>) {
+        if !self.config.log_fields {
+            return;
+        }
+        if let Target::Context(id) = target {
+            if hostcalls::set_effective_context(id).is_err() {
+                return;
+            }
+        }
+        let (cache, key, response_model) = (reply.cache, reply.key.as_ref(), log_fields::response_model(reply));
+        publish(&Answered { cache, key, response_model, ..answered(outbound, served, usage) });
     }
 
     /// Sends `reply` as JSON or as events, as the request asked, with the model's
@@ -188,6 +241,7 @@ impl Worker {
     fn send_in_form(&mut self, target: Target, reply: &Reply, outbound: &Outbound) -> bool {
         let mut extra = self.rate_headers(&outbound.model, host::now_ms);
         extra.extend(outbound.tenant_header());
+        extra.extend(self.tier_header().filter(|_| reply.cache.is_some()));
         if !outbound.stream {
             return self.send(target, reply, &extra);
         }
@@ -196,10 +250,10 @@ impl Worker {
     }
 
     /// The model's `x-ratelimit-*` headers: none for a model without limits (the clock is
-    /// read only for one with them, see `upstream::rate_headers`) or with fleet-wide limits
-    /// (the buckets live on their owner nodes).
+    /// read only for one with them, see `upstream::rate_headers`), with fleet-wide limits
+    /// (the buckets live on their owner nodes), or on a forward node (which has none).
     fn rate_headers(&self, model: &str, now_ms: impl FnOnce() -> u64) -> Vec<(&'static str, String)> {
-        if self.config.fleet.shared_limits() {
+        if self.config.fleet.shared_limits() || self.config.role == Role::Forward {
             return Vec::new();
         }
         upstream::rate_headers(&SharedData, &self.config, model, now_ms)
@@ -212,11 +266,16 @@ impl Worker {
         };
         let expires_ms = entry.stored_at_ms.saturating_add(entry.ttl_ms);
         let size = entry.response.body.len();
-        let reply =
-            Reply { response: entry.response, cache: Some(CacheStatus::Hit), key: Some(entry.key), age_s: None };
-        let counters = self.counters.ids_for_reply(&self.config, &request.model, &reply, request.tenant.as_deref());
-        let outbound = Outbound::of(request, Vec::new(), None);
-        let answer = HotAnswer { reply, stored_at_ms: entry.stored_at_ms, outbound, counters };
+        let (cache, key) = (Some(CacheStatus::Hit), Some(entry.key));
+        let hit = Reply { response: entry.response, cache, key, age_s: None, fresh_s: None };
+        let counters = self.counters.ids_for_reply(&self.config, &request.model, &hit, request.tenant.as_deref());
+        // The class of its tenant (a request that lowers its own is never answered from here).
+        let class = priority::Class::of(&self.config, request.tenant.as_deref(), None).unwrap_or_default();
+        let outbound = Outbound { class, ..Outbound::of(request, Vec::new(), None) };
+        // Its status goes with the headers built when it is sent.
+        let reply = Reply { cache: None, ..hit };
+        let usage = self.config.log_fields.then(|| flight::usage(&reply.response.body)).flatten();
+        let answer = HotAnswer { reply, stored_at_ms: entry.stored_at_ms, expires_ms, usage, outbound, counters };
         self.hot.put(raw, expires_ms, size, answer);
     }
 
@@ -225,16 +284,30 @@ impl Worker {
     pub fn respond_hot(&mut self, hit: &HotAnswer, now: u64) {
         counters::bump(&hit.counters);
         let age_s = now.saturating_sub(hit.stored_at_ms) / 1000;
+        let fresh_s = hit.expires_ms.saturating_sub(now) / 1000;
+        let (age, fresh, cache) = (Some(age_s), Some(fresh_s), Some(CacheStatus::Hit));
         if hit.outbound.stream {
-            let reply = Reply { age_s: Some(age_s), ..hit.reply.clone() };
+            let reply = Reply { age_s: age, fresh_s: fresh, cache, ..hit.reply.clone() };
+            self.publish(Target::Current, &reply, &hit.outbound, Served::default(), hit.usage);
             self.send_in_form(Target::Current, &reply, &hit.outbound);
             return;
         }
-        let mut rate = self.rate_headers(&hit.outbound.model, || now);
-        rate.extend(hit.outbound.tenant_header());
-        let age = codec::decimal(age_s);
-        let extra = rate.iter().map(|(n, v)| (*n, v.as_str())).chain([("age", age.as_str())]);
-        host::send_with(&hit.reply, extra);
+        // What the log shows of it: a HIT (the reply kept has no status of its own).
+        if self.config.log_fields {
+            let (key, response_model) = (hit.reply.key.as_ref(), log_fields::response_model(&hit.reply));
+            publish(&Answered { cache, key, response_model, ..answered(&hit.outbound, Served::default(), hit.usage) });
+        }
+        let mut extra = self.rate_headers(&hit.outbound.model, || now);
+        extra.extend(hit.outbound.tenant_header());
+        extra.extend(self.tier_header());
+        let (age, directive) = (codec::decimal(age_s), edge::directive(Some(fresh_s)));
+        let own = [("x-holysheep-cache", "HIT"), ("cache-control", directive.as_ref()), ("age", age.as_str())];
+        host::send_with(&hit.reply, own.into_iter().chain(extra.iter().map(|(n, v)| (*n, v.as_str()))));
+    }
+
+    /// `x-holysheep-tier: edge` on a forward node's own answers.
+    fn tier_header(&self) -> Option<(&'static str, String)> {
+        (self.config.role == Role::Forward).then(|| (edge::TIER_HEADER, edge::EDGE.to_owned()))
     }
 
     /// The headers of the stream forwarded for this http context, if it is one.
@@ -247,15 +320,27 @@ impl Worker {
             include_usage: run.outbound.include_usage,
             sent: run.outbound.sent(self.bearer.is_some()),
             tenant: run.outbound.tenant.clone(),
+            fresh_s: run.flight.call.store.then_some(self.config.cache.ttl_seconds),
         })
+    }
+
+    /// A hop that could not go on (its request could not be resumed) ends now, broken:
+    /// the key whose waiters should look again.
+    pub fn stream_ended_now(&mut self, context_id: u32) -> Option<(Key, bool)> {
+        let hop = self.runs.hops.remove(&context_id)?;
+        self.complete_hop(hop, StreamEnd::broken())
     }
 
     /// The forwarded stream of this http context ended: its flight is completed now
     /// (before the last bytes reach the client, so its next request is a HIT), and the root
     /// wakes the waiters in a VM call of its own.
     pub fn stream_ended(&mut self, context_id: u32, end: StreamEnd) {
-        let Some(run) = self.runs.streaming.remove(&context_id) else { return };
-        if let Some(ended) = self.complete_stream(run, end) {
+        let ended = match (self.runs.streaming.remove(&context_id), self.runs.hops.remove(&context_id)) {
+            (Some(run), _) => self.complete_stream(run, end),
+            (None, Some(hop)) => self.complete_hop(hop, end),
+            (None, None) => return,
+        };
+        if let Some(ended) = ended {
             self.runs.ended.push(ended);
         }
         if !self.runs.ended.is_empty() || !self.fleet.outbox.is_empty() {
@@ -275,21 +360,81 @@ impl Worker {
         if let Some(t) = run.outbound.tenant.as_deref().filter(|_| !self.config.fleet.shared_limits()) {
             self.counters.record_budget(&self.config, t, now);
         }
-        self.counters.count_events(
-            &self.config,
-            &std::mem::take(&mut run.flight.events),
-            run.outbound.tenant.as_deref(),
-        );
+        self.take_events(&mut run);
+        let model = run.flight.model().to_owned();
         let call = run.flight.call;
         let watched = match end.outcome {
             Some(outcome) => {
-                let (reply, watched) = self.engine().finish_flight(&call, Some(outcome), now);
-                self.counters.count_reply(&self.config, &run.outbound.model, &reply, run.outbound.tenant.as_deref());
-                watched
+                let outcome = outcome.with_header("x-holysheep-model", model);
+                let ended = self.engine().end_flight(&call, Some(outcome), now, Some(Fresh::of(&self.config, now)));
+                let tenant = run.outbound.tenant.as_deref();
+                self.counters.count_reply(&self.config, &run.outbound.model, &ended.reply, tenant);
+                // The stream's own http context is the current one (its end is seen there).
+                let usage = end.usage;
+                self.publish(Target::Current, &ended.reply, &run.outbound, Served::by_flight(run.spent), usage);
+                self.count_evicted(&ended, &run.outbound);
+                ended.watched
             }
             None => self.engine().abandon(&call),
         };
         call.lease.map(|l| (l.key, watched))
+    }
+
+    /// A forward node's call goes on to the key's owner node (which recomputes the key) on
+    /// the http context `context_id` (the current one): keyed for the route, a stream's
+    /// body asking for the usage event so that a copy of it is whole (the tee takes the
+    /// event out again for a client that did not ask). Its answer is teed on its way back.
+    pub fn hop(&mut self, context_id: u32, call: Call, outbound: Rc<Outbound>) {
+        let _ = hostcalls::set_map_value(MapType::HttpRequestHeaders, KEY_HEADER, Some(call.key.hex()));
+        if outbound.stream && !outbound.include_usage {
+            let body = request::for_upstream(&outbound.body, &outbound.model, true, None);
+            let length = body.len().to_string();
+            // The body is whole and of a known length now: the client's framing goes.
+            for (name, _) in host::headers(MapType::HttpRequestTrailers) {
+                let _ = hostcalls::set_map_value(MapType::HttpRequestTrailers, &name, None);
+            }
+            let _ = hostcalls::set_map_value(MapType::HttpRequestHeaders, "transfer-encoding", None);
+            let _ = hostcalls::set_buffer(BufferType::HttpRequestBody, 0, usize::MAX, &body);
+            let _ = hostcalls::set_map_value(MapType::HttpRequestHeaders, "content-length", Some(&length));
+        }
+        let label = metrics::label(&self.config, &outbound.model);
+        self.counters.count(vec![(label, Counter::Hops, 1)], outbound.tenant.as_deref());
+        self.runs.hops.insert(context_id, Hop { call, outbound, fresh: None, kept: Vec::new() });
+    }
+
+    /// A forward node's hop ended: its answer (with the owner's headers its sharers need)
+    /// is kept as a near copy when the owner declared it storable, and handed to the
+    /// flight's waiters; after a hop that broke off, the lease is given up so that a waiter
+    /// leads a new one. The leader's client already has its answer. Returns the key whose
+    /// waiters should look again.
+    pub fn complete_hop(&mut self, hop: Hop, end: StreamEnd) -> Option<(Key, bool)> {
+        let engine = self.engine();
+        let watched = match end.outcome {
+            Some(outcome) => {
+                let outcome = Response { headers: hop.kept, ..outcome };
+                let ended = engine.end_flight(&hop.call, Some(outcome), host::now_ms(), hop.fresh);
+                self.count_evicted(&ended, &hop.outbound);
+                ended.watched
+            }
+            None => engine.abandon(&hop.call),
+        };
+        hop.call.lease.map(|l| (l.key, watched))
+    }
+
+    /// Takes the events a flight left since it was last looked at: counted, and added to
+    /// what it spent (for its request's access-log line).
+    pub fn take_events(&self, run: &mut Run) {
+        let events = std::mem::take(&mut run.flight.events);
+        run.spent.add(&events, |m, p, c| self.config.cost_micro_usd(m, p, c));
+        self.counters.count_events(&self.config, &events, run.outbound.tenant.as_deref());
+    }
+
+    /// Counts a flight's answer stored over another key's fresh one.
+    pub fn count_evicted(&self, ended: &Ended, outbound: &Outbound) {
+        if ended.evicted {
+            let label = metrics::label(&self.config, &outbound.model);
+            self.counters.count(vec![(label, Counter::Evicted, 1)], outbound.tenant.as_deref());
+        }
     }
 
     pub fn send(&mut self, target: Target, reply: &Reply, extra: &[(&str, String)]) -> bool {

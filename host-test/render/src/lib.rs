@@ -9,7 +9,7 @@
 //! | `@DIRECT_BODY@` | the path of the file the `direct` listener answers with |
 //! | `@CONFIG@`, `@FORWARD_CONFIG@`, `@OWNER_CONFIG@` | the plugin's JSON configuration, inside a single-quoted YAML string (each `'` doubled) |
 //! | `@NODE@` | a fleet node's name in `x-holysheep-owner`: its owner listener's address, `127.0.0.1:PORT` |
-//! | `@OWNER_ENDPOINTS@` | a line of its own: one endpoint line per owner listener of the fleet |
+//! | `@OWNER_ENDPOINTS@` | a line of its own: one endpoint line per owner listener of the fleet (of the shield tier, for an edge node) |
 //!
 //! A placeholder left in the output (one the template has and the caller did not give) is
 //! an error, so a template and its renderer cannot drift apart.
@@ -79,20 +79,11 @@ pub struct FleetNode {
 
 impl FleetNode {
     pub fn render(&self, template: &str) -> Result<String, Unfilled> {
-        let endpoints: String = self
-            .owner_ports
-            .iter()
-            .map(|p| {
-                format!(
-                    "        - endpoint: {{address: {{socket_address: {{address: 127.0.0.1, port_value: {p}}}}}}}\n"
-                )
-            })
-            .collect();
         let (forward, owner) = listener_configs(&self.config, self.owner_ports.len());
         fill(
             template,
             &[
-                ("@OWNER_ENDPOINTS@\n", endpoints),
+                ("@OWNER_ENDPOINTS@\n", endpoints(&self.owner_ports)),
                 ("@ADMIN_PORT@", self.admin_port.to_string()),
                 ("@PUBLIC_PORT@", self.public_port.to_string()),
                 ("@OWNER_PORT@", self.owner_port.to_string()),
@@ -104,6 +95,42 @@ impl FleetNode {
             ],
         )
     }
+}
+
+/// `envoy/edge.yaml.tmpl`: an edge node of a two-tier fleet, a public listener only (filter
+/// role `forward`) on the ring of the shield tier's owner listeners.
+#[derive(Debug, Clone)]
+pub struct EdgeNode {
+    pub admin_port: u16,
+    pub public_port: u16,
+    /// Every shield's owner port: the `owners` ring.
+    pub owner_ports: Vec<u16>,
+    pub wasm: PathBuf,
+    /// The plugin configuration the public listener's starts from (see [`listener_configs`]).
+    pub config: String,
+}
+
+impl EdgeNode {
+    pub fn render(&self, template: &str) -> Result<String, Unfilled> {
+        let (forward, _) = listener_configs(&self.config, self.owner_ports.len());
+        fill(
+            template,
+            &[
+                ("@OWNER_ENDPOINTS@\n", endpoints(&self.owner_ports)),
+                ("@ADMIN_PORT@", self.admin_port.to_string()),
+                ("@PUBLIC_PORT@", self.public_port.to_string()),
+                ("@WASM@", path(&self.wasm)),
+                ("@FORWARD_CONFIG@", quoted(&forward)),
+            ],
+        )
+    }
+}
+
+/// One endpoint line per owner listener of the `owners` ring.
+fn endpoints(ports: &[u16]) -> String {
+    let line =
+        |p| format!("        - endpoint: {{address: {{socket_address: {{address: 127.0.0.1, port_value: {p}}}}}}}\n");
+    ports.iter().map(line).collect()
 }
 
 /// The configurations of a fleet node's two listeners: `config` with `role: forward`, and
@@ -207,5 +234,26 @@ mod tests {
         assert!(out.contains("port_value: 10021}}}\nend"), "{out}");
         assert!(out.contains(r#"end '{"role":"forward"}' '{"fleet":{"#), "{out}");
         assert!(out.contains(r#""nodes":2"#), "{out}");
+    }
+
+    #[test]
+    fn an_edge_node_has_only_the_forward_listener_on_the_shields_ring() {
+        let node = EdgeNode {
+            admin_port: 9930,
+            public_port: 10030,
+            owner_ports: vec![10020, 10021],
+            wasm: "/p.wasm".into(),
+            config: r#"{"edge":{"max_age_seconds":5}}"#.into(),
+        };
+        let out = node.render("@PUBLIC_PORT@\n@OWNER_ENDPOINTS@\n'@FORWARD_CONFIG@'").unwrap_or_default();
+        assert!(out.starts_with("10030\n        - endpoint:"), "{out}");
+        assert!(
+            out.ends_with(
+                r#"port_value: 10021}}}
+'{"edge":{"max_age_seconds":5},"role":"forward"}'"#
+            ),
+            "{out}"
+        );
+        assert_eq!(node.render("@OWNER_PORT@"), Err(Unfilled("@OWNER_PORT@".into())));
     }
 }

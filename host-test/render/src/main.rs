@@ -3,11 +3,13 @@
 //! [--direct-body PATH]`: `envoy/local.yaml.tmpl` for the demo.
 //! `envoy-render fleet OUT --admin-port P --public-port P --owner-port P --owner-ports P,P,...
 //! [--config JSON] [--mock-port 18000] [--wasm PATH]`: `envoy/fleet.yaml.tmpl` for one node.
+//! `envoy-render edge OUT --admin-port P --public-port P --owner-ports P,P,... [--config JSON]
+//! [--wasm PATH]`: `envoy/edge.yaml.tmpl` for an edge node in front of a shield tier.
 //! Run from the repository root (the templates and the default paths are relative to it);
 //! `--wasm` defaults to `target/plugin/holysheep_edge.wasm`, `--direct-body` to
 //! `.run/direct.json`. The placeholders' meanings are in the library's documentation.
 
-use envoy_render::{FleetNode, Local};
+use envoy_render::{EdgeNode, FleetNode, Local};
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
@@ -16,7 +18,8 @@ fn usage() -> ! {
         "usage: envoy-render local OUT [--config JSON] [--admin-port N] [--listen-port N] [--direct-port N] \
          [--plain-port N] [--mock-port N] [--wasm PATH] [--direct-body PATH]\n       \
          envoy-render fleet OUT --admin-port N --public-port N --owner-port N --owner-ports N,N,... \
-         [--config JSON] [--mock-port N] [--wasm PATH]"
+         [--config JSON] [--mock-port N] [--wasm PATH]\n       \
+         envoy-render edge OUT --admin-port N --public-port N --owner-ports N,N,... [--config JSON] [--wasm PATH]"
     );
     std::process::exit(2)
 }
@@ -40,6 +43,14 @@ impl Flags {
     fn path(&self, name: &str, default: &str) -> PathBuf {
         let p = self.0.get(name).map_or(default, String::as_str);
         std::path::absolute(p).unwrap_or_else(|e| fail(format!("--{name} {p}: {e}")))
+    }
+
+    /// A comma-separated list of ports.
+    fn ports(&self, name: &str) -> Vec<u16> {
+        let list = self.0.get(name).unwrap_or_else(|| usage());
+        list.split(',')
+            .map(|p| p.trim().parse().unwrap_or_else(|_| fail(format!("--{name}: {p} is not a port"))))
+            .collect()
     }
 
     fn text(&self, name: &str, default: &str) -> String {
@@ -76,16 +87,20 @@ fn main() {
             admin_port: flags.port("admin-port", None),
             public_port: flags.port("public-port", None),
             owner_port: flags.port("owner-port", None),
-            owner_ports: flags
-                .text("owner-ports", "")
-                .split(',')
-                .map(|p| p.trim().parse().unwrap_or_else(|_| fail(format!("--owner-ports: {p} is not a port"))))
-                .collect(),
+            owner_ports: flags.ports("owner-ports"),
             mock_port: flags.port("mock-port", Some(18000)),
             wasm: flags.path("wasm", "target/plugin/holysheep_edge.wasm"),
             config: flags.text("config", "{}"),
         }
         .render(&template("fleet.yaml.tmpl")),
+        "edge" => EdgeNode {
+            admin_port: flags.port("admin-port", None),
+            public_port: flags.port("public-port", None),
+            owner_ports: flags.ports("owner-ports"),
+            wasm: flags.path("wasm", "target/plugin/holysheep_edge.wasm"),
+            config: flags.text("config", "{}"),
+        }
+        .render(&template("edge.yaml.tmpl")),
         _ => usage(),
     };
     let yaml = rendered.unwrap_or_else(|e| fail(e));

@@ -3,39 +3,18 @@
 //! consistent-hash ring, in front of one mock HolySheep.
 
 use host_test::client::{request, Conn, Resp};
-use host_test::fleet::{Fleet, SECRET};
+use host_test::fleet::{content, round_robin, Fleet, SECRET};
 use host_test::mock::Fault;
 use host_test::stack::{count, prompt, prompt_for, PATH};
 use std::net::SocketAddr;
-use std::sync::{Arc, Barrier};
 use std::time::Duration;
 
-const CONFIG: &str = r#"{"models":{"deepseek-v3":{"requests_per_minute":1,"burst":6}}}"#;
+/// Near copies off: these tests are about the owners (edge_e2e has the near copies).
+const CONFIG: &str = r#"{"models":{"deepseek-v3":{"requests_per_minute":1,"burst":6}},"edge":{"max_age_seconds":0}}"#;
 
-/// One request per (address, body), each on its own connection, all released together.
+/// One request per (address, body) with the fleet tests' key.
 fn spread(targets: Vec<(SocketAddr, String)>) -> Vec<Resp> {
-    let barrier = Arc::new(Barrier::new(targets.len()));
-    let handles: Vec<_> = targets
-        .into_iter()
-        .map(|(addr, body)| {
-            let b = barrier.clone();
-            std::thread::spawn(move || {
-                let mut conn = Conn::open(addr).and_then(|c| c.read_timeout(Duration::from_secs(30))).expect("connect");
-                b.wait();
-                conn.request("POST", PATH, &[("authorization", "Bearer sk-fleet")], body.as_bytes()).expect("answer")
-            })
-        })
-        .collect();
-    handles.into_iter().map(|h| h.join().expect("thread")).collect()
-}
-
-fn round_robin(publics: &[SocketAddr], bodies: Vec<String>) -> Vec<(SocketAddr, String)> {
-    bodies.into_iter().enumerate().map(|(i, b)| (publics[i % publics.len()], b)).collect()
-}
-
-fn content(r: &Resp) -> String {
-    let v = r.json();
-    format!("{} {}", v["id"], v["choices"][0]["message"]["content"])
+    host_test::fleet::spread(targets, "Bearer sk-fleet")
 }
 
 fn peer_call(addr: SocketAddr, path: &str, secret: Option<&str>) -> Resp {
@@ -108,7 +87,7 @@ fn three_nodes_act_as_one_edge() {
 
 #[test]
 fn a_node_lost_is_routed_around_and_no_client_hangs() {
-    let mut fleet = Fleet::start(3, "{}", 1_500);
+    let mut fleet = Fleet::start(3, r#"{"edge":{"max_age_seconds":0}}"#, 1_500);
     let survivors: Vec<SocketAddr> = fleet.publics()[..2].to_vec();
     // Nine prompts in flight through node 0, spread over the owners; node 2 dies while
     // HolySheep is still answering: the requests it owned are retried on another owner.

@@ -2,12 +2,17 @@
 //! one binary, one module per concern. The Envoys they start share the process's limit
 //! (`HOLYSHEEP_TEST_ENVOYS`, `host_test::limit`).
 
+mod access_log_e2e;
+mod deploy_e2e;
+mod edge_e2e;
 mod envoy_e2e;
 mod fleet_e2e;
 mod hostile_e2e;
 mod limits_e2e;
 mod never_down;
 mod priority_e2e;
+mod production_e2e;
+mod prometheus_e2e;
 mod stream_e2e;
 mod tenants_e2e;
 mod trust_e2e;

@@ -4,11 +4,12 @@
 
 use super::route::Forwarded;
 use super::Root;
-use crate::core::cache::Response;
+use crate::core::cache::{Fresh, Response};
 use crate::core::engine::{Call, Reply};
 use crate::core::error::ApiError;
 use crate::core::flight::{self, Flight};
 use crate::core::limits::ProviderHints;
+use crate::core::log_fields::{Served, Spent};
 use crate::core::peer::Op;
 use crate::core::request::CHAT_PATH;
 use crate::core::upstream::{self, Outbound};
@@ -28,7 +29,7 @@ const SLEEP_TICK_MS: u64 = 10;
 impl Root {
     pub(super) fn start(&mut self, context_id: u32, call: Call, outbound: Rc<Outbound>) {
         let flight = Flight::new(&self.worker.borrow().config, call, &outbound);
-        let mut run = Run { context_id, flight, outbound };
+        let mut run = Run { context_id, flight, outbound, spent: Spent::default() };
         let action = self.resume(&mut run);
         self.advance(run, action);
     }
@@ -44,8 +45,8 @@ impl Root {
         loop {
             {
                 let w = &mut *self.worker.borrow_mut();
+                w.take_events(&mut run);
                 let tenant = run.outbound.tenant.as_deref();
-                w.counters.count_events(&w.config, &std::mem::take(&mut run.flight.events), tenant);
                 w.fleet.outbox.append(&mut run.flight.outbox);
                 // The tenant's budget record is this node's (not its owner node's elsewhere),
                 // read when a call is sent or ends: not on every look from a place in line.
@@ -134,8 +135,21 @@ impl Root {
     /// The flight ended: answer its caller, then its waiters here and on other workers.
     pub(super) fn finish(&mut self, run: Run, outcome: Option<Response>) {
         let call = run.flight.call;
-        let (reply, watched) = self.worker.borrow().engine().finish_flight(&call, outcome, host::now_ms());
-        self.worker.borrow_mut().respond(Target::Context(run.context_id), &reply, &run.outbound);
+        let now = host::now_ms();
+        let ended = {
+            let w = self.worker.borrow();
+            let ended = w.engine().end_flight(&call, outcome, now, Some(Fresh::of(&w.config, now)));
+            w.count_evicted(&ended, &run.outbound);
+            ended
+        };
+        let watched = ended.watched;
+        // A flight that never called (refused for its bucket, perhaps after waiting in line)
+        // waited all its time.
+        let served = match run.spent.attempts {
+            0 => Served { spent: run.spent, wait_ms: now.saturating_sub(call.started_ms) },
+            _ => Served::by_flight(run.spent),
+        };
+        self.worker.borrow_mut().respond(Target::Context(run.context_id), &ended.reply, &run.outbound, served);
         if call.lease.is_some() {
             self.wake_waiters(&call.key, watched);
         }

@@ -24,8 +24,6 @@ use std::time::Duration;
 
 /// Period of the first tick, which registers the worker's wake queue.
 const FIRST_TICK_MS: u64 = 20;
-/// Tick period of a forward node's VM: it only looks for requests whose body never came.
-const FORWARD_TICK_MS: u64 = 500;
 
 pub struct Root {
     worker: WorkerRef,
@@ -97,7 +95,8 @@ impl RootContext for Root {
         w.vm_id = String::from_utf8_lossy(&vm_id).into_owned();
         w.bearer = upstream::bearer(std::env::var(&config.upstream.api_key_env).ok());
         w.fleet.secret = std::env::var(&config.fleet.peer_secret_env).ok().filter(|s| !s.is_empty());
-        if !config.keys.is_empty() && w.bearer.is_none() {
+        let owner = config.role == Role::Owner;
+        if owner && !config.keys.is_empty() && w.bearer.is_none() {
             let env = &config.upstream.api_key_env;
             host::log(
                 LogLevel::Error,
@@ -106,7 +105,7 @@ impl RootContext for Root {
                 ),
             );
         }
-        if config.fleet.shared_limits() && w.fleet.secret.is_none() {
+        if owner && config.fleet.shared_limits() && w.fleet.secret.is_none() {
             let env = &config.fleet.peer_secret_env;
             host::log(
                 LogLevel::Error,
@@ -124,7 +123,7 @@ impl RootContext for Root {
         w.hot = Hot::new(config.cache.hot_bytes);
         w.parsed = Hot::new(config.cache.hot_bytes.min(hot::PARSED_BYTES));
         w.counters = Counters::define(&config);
-        if !config.fleet.shared_limits() {
+        if !config.fleet.shared_limits() && config.role == Role::Owner {
             // The gauges start from the budget records as they stand (kept across reloads).
             for tenant in config.tenants.keys() {
                 w.counters.record_budget(&config, tenant, host::now_ms());
@@ -135,20 +134,18 @@ impl RootContext for Root {
         // A short first tick registers the worker's queue (not here: the canary VM and
         // the VM's thread binding make on_configure the wrong place, see
         // docs/envoy-facts.md).
-        let first = if self.worker.borrow().config.role == Role::Forward { FORWARD_TICK_MS } else { FIRST_TICK_MS };
-        let _ = hostcalls::set_tick_period(Duration::from_millis(first));
+        let _ = hostcalls::set_tick_period(Duration::from_millis(FIRST_TICK_MS));
         true
     }
 
     fn on_tick(&mut self) {
         self.begin_call();
         self.worker.borrow_mut().answer_stalled();
-        if self.worker.borrow().config.role == Role::Forward {
-            // A forward node keeps no flights: no queue, no key check.
-            return;
-        }
         self.worker.borrow_mut().queue.register();
-        self.check_key();
+        if self.worker.borrow().config.role == Role::Owner {
+            // A forward node calls no HolySheep: it has no key to check.
+            self.check_key();
+        }
         self.dispatch_pending();
         self.worker.borrow_mut().queue.heartbeat(host::now_ms());
         self.renew_leases();

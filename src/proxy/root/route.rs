@@ -2,13 +2,16 @@
 //! back while the leader's http context tees it (`Chat`), and reports how it ended.
 
 use super::Root;
+use crate::core::engine::Call;
 use crate::core::flight;
 use crate::core::request::CHAT_PATH;
 use crate::core::stream;
+use crate::core::upstream::Outbound;
 use crate::proxy::abi as hostcalls;
 use crate::proxy::host;
 use crate::proxy::runs::Run;
 use proxy_wasm::types::{BufferType, MapType};
+use std::rc::Rc;
 
 /// How a stream leader's request went on along its route.
 pub(super) enum Forwarded {
@@ -77,6 +80,27 @@ impl Root {
             Forwarded::Sent
         } else {
             Forwarded::Gone
+        }
+    }
+
+    /// A forward node's waiter that came to lead (its flight's hop broke off, or it waited
+    /// too long) makes its own hop. When its request is gone, the lease goes back at once.
+    pub(super) fn hop(&mut self, id: u32, call: Call, outbound: Rc<Outbound>) {
+        let live = self.worker.borrow().is_live(id) && hostcalls::set_effective_context(id).is_ok();
+        if live {
+            self.worker.borrow_mut().hop(id, call, outbound);
+            if hostcalls::resume_http_request().is_ok() {
+                return;
+            }
+            let ended = self.worker.borrow_mut().stream_ended_now(id);
+            if let Some((key, watched)) = ended {
+                self.wake_waiters(&key, watched);
+            }
+            return;
+        }
+        let watched = self.worker.borrow().engine().abandon(&call);
+        if let Some(l) = call.lease {
+            self.wake_waiters(&l.key, watched);
         }
     }
 

@@ -3,7 +3,9 @@
 //! queues), in batches, each batch in a VM call of its own.
 
 use super::Root;
+use crate::core::config::Role;
 use crate::core::engine::Step;
+use crate::core::log_fields::Served;
 use crate::core::request::Key;
 use crate::core::upstream::Outbound;
 use crate::proxy::host;
@@ -13,10 +15,13 @@ use std::rc::Rc;
 
 impl Root {
     /// Carries out the engine's step for the http context `context_id`.
-    pub(super) fn execute(&mut self, context_id: u32, step: Step, outbound: Rc<Outbound>) {
+    pub(super) fn execute(&mut self, context_id: u32, step: Step, outbound: Rc<Outbound>, served: Served) {
         match step {
             Step::Reply(reply) => {
-                self.worker.borrow_mut().respond(Target::Context(context_id), &reply, &outbound);
+                self.worker.borrow_mut().respond(Target::Context(context_id), &reply, &outbound, served);
+            }
+            Step::Call(call) if self.worker.borrow().config.role == Role::Forward => {
+                self.hop(context_id, call, outbound)
             }
             Step::Call(call) => self.start(context_id, call, outbound),
             Step::Wait(wait) => self.worker.borrow_mut().wait(context_id, wait, outbound),
@@ -65,7 +70,7 @@ impl Root {
                 let nonce = w.nonce();
                 w.engine().poll_with(&wait, now, nonce, &mut seen)
             };
-            self.execute(id, step, outbound);
+            self.execute(id, step, outbound, Served::waited(now.saturating_sub(wait.since_ms)));
         }
     }
 

@@ -4,8 +4,9 @@
 //! - MISS (distinct prompts) vs plain Envoy proxying to the mock;
 //! - how long coalesced followers trail their leader;
 //! - time to the first event of a streamed MISS through the edge vs plain proxying;
-//! - a fleet node (`envoy/fleet.yaml.tmpl`, one node): HIT through the forward hop vs HIT
-//!   on the owner listener;
+//! - a fleet node (`envoy/fleet.yaml.tmpl`, one node): HIT on the owner listener vs HIT
+//!   from the forward listener's near copy vs HIT through the forward hop (a node without
+//!   near copies), alternating;
 //! - floors: minimal proxy-wasm filters (`host-test/bench/floors/`: a local reply, the same
 //!   making the HIT's host calls and sending its headers, a callout, the same making the
 //!   MISS's host calls and sending its headers, the same also parsing and hashing the
@@ -23,7 +24,8 @@
 //! BENCH_ROUNDS (default 5: floor and plugin rows alternate; a row's median round is its
 //! line, and a ratio of two alternating rows is the median of their rounds' ratios),
 //! BENCH_ONLY=priority (only the backlog rows, into target/bench/priority/), BENCH_ONLY=crowd
-//! (only the followers' rows, into target/bench/crowd/),
+//! (only the followers' rows, into target/bench/crowd/), BENCH_ONLY=fleet (only the fleet
+//! node's rows, into target/bench/fleet/),
 //! BENCH_CROWD (default 1000 identical requests for the follower delay), BENCH_CROWD_ROUNDS
 //! (default 3 crowds for the plugin and as many for the floor, alternating), BENCH_PROFILE=1
 //! (`perf record` on Envoy during each Envoy row: CPU per request in the filter's wasm code,
@@ -343,7 +345,8 @@ fn median_p99(mut rounds: Vec<Delays>) -> Delays {
 
 /// Fails the bench unless every answer of the row carried this cache label.
 fn expect_all(s: Stats, label: &str) -> Stats {
-    assert!(s.labels.iter().all(|l| l == label), "every answer of the row was a {label}");
+    let other = s.labels.iter().find(|l| *l != label);
+    assert!(other.is_none(), "every answer of the row was a {label}, not {other:?}");
     s
 }
 
@@ -492,6 +495,11 @@ fn main() -> std::io::Result<()> {
         let mut r = Report::default();
         backlog_rows(&mut r)?;
         return r.write(&workspace_root().join("target/bench/priority"));
+    }
+    if std::env::var("BENCH_ONLY").as_deref() == Ok("fleet") {
+        let mut r = Report::default();
+        fleet_rows(&mut r, rounds, (conns, secs), &prompt("benchmark prompt"))?;
+        return r.write(&workspace_root().join("target/bench/fleet"));
     }
     let wasm_bytes = std::fs::metadata(wasm_path())?.len();
     let mock = Running::start(None, 0)?;
@@ -689,30 +697,27 @@ fn main() -> std::io::Result<()> {
     r.ratio("HIT with 100 tenants / HIT without", tenants_over_none, "");
     drop(tenant_envoy);
 
+    // HIT publishing the access-log values (`log_fields: true`) against HIT without,
+    // alternating in the same run.
+    let logging = Envoy::start(&Options::new(r#"{"log_fields":true}"#, mock.addr))?;
+    request(logging.edge, "POST", PATH, &[("authorization", "Bearer bench")], hit_prompt.as_bytes())?;
+    println!();
+    let log_rounds = alternate(
+        rounds,
+        &mut [&mut || expect_all(repeat(envoy.edge), "HIT"), &mut || expect_all(repeat(logging.edge), "HIT")],
+    );
+    let [quiet_r, logged_r] = &log_rounds[..] else { unreachable!("two rows") };
+    let logged_over_quiet = paired(logged_r, quiet_r, throughput);
+    let mut medians = log_rounds.into_iter().map(median);
+    r.row("edge HIT, no log fields (paired)", medians.next().expect("a row"));
+    r.row("edge HIT, log_fields: true", medians.next().expect("a row"));
+    r.ratio("HIT with log fields / HIT without", logged_over_quiet, "");
+    drop(logging);
+
     backlog_rows(&mut r)?;
 
     drop(envoy);
-    let fleet = Fleet::start(1, "{}", 0);
-    let node = fleet.live().next().expect("the fleet's node");
-    request(node.public, "POST", PATH, &[("authorization", "Bearer bench")], hit_prompt.as_bytes())?;
-    println!();
-    let same = hit_prompt.clone();
-    let owner_hit =
-        r.row("fleet HIT on the owner listener", load(node.owner, conns, secs, Arc::new(move || same.clone())));
-    let same = hit_prompt.clone();
-    let hop_hit =
-        r.row("fleet HIT through a forward hop", load(node.public, conns, secs, Arc::new(move || same.clone())));
-    assert!(
-        r.rows[owner_hit].1.labels.iter().chain(&r.rows[hop_hit].1.labels).all(|l| l == "HIT"),
-        "every fleet-row answer was a HIT"
-    );
-    r.ratio("forward hop HIT / owner HIT throughput", r.rps(hop_hit) / r.rps(owner_hit), "");
-    r.ratio(
-        "forward hop HIT / owner HIT p50",
-        r.rows[hop_hit].1.p50_us as f64 / r.rows[owner_hit].1.p50_us.max(1) as f64,
-        "",
-    );
-    drop(fleet);
+    fleet_rows(&mut r, rounds, (conns, secs), &hit_prompt)?;
 
     println!();
     r.row("component HIT (wasmtime host)", component_stats);
@@ -731,6 +736,49 @@ fn main() -> std::io::Result<()> {
     let dir = workspace_root().join("target/bench");
     r.write(&dir)?;
     println!("\nwritten: {}/results.md, results.json", dir.display());
+    Ok(())
+}
+
+/// A fleet node's HIT three ways, alternating in one run: on the owner listener, through
+/// the forward listener from its near copy, and through the forward listener of a node
+/// without near copies (one hop to the owner listener).
+fn fleet_rows(r: &mut Report, rounds: usize, (conns, secs): (usize, u64), hit_prompt: &str) -> std::io::Result<()> {
+    let near = Fleet::start(1, "{}", 0);
+    let hop = Fleet::start(1, r#"{"edge":{"max_age_seconds":0}}"#, 0);
+    let (near, hop) = (near.live().next().expect("a node"), hop.live().next().expect("a node"));
+    for public in [near.public, hop.public] {
+        request(public, "POST", PATH, &[("authorization", "Bearer bench")], hit_prompt.as_bytes())?;
+    }
+    let hit = |addr: SocketAddr| {
+        let same = hit_prompt.to_owned();
+        load(addr, conns, secs, Arc::new(move || same.clone()))
+    };
+    // Without near copies, the forward node's concurrent repeats share one hop: the owner's
+    // HIT reaches one of them and the others are COALESCED there.
+    let hop_hit = || {
+        let s = hit(hop.public);
+        assert!(s.labels.iter().all(|l| l == "HIT" || l == "COALESCED"), "every answer was the owner's HIT");
+        s
+    };
+    println!();
+    let rows = alternate(
+        rounds,
+        &mut [&mut || expect_all(hit(near.owner), "HIT"), &mut || expect_all(hit(near.public), "HIT"), &mut || {
+            hop_hit()
+        }],
+    );
+    let [owner_r, near_r, hop_r] = &rows[..] else { unreachable!("three rows") };
+    let (near_over_owner, hop_over_owner) = (paired(near_r, owner_r, throughput), paired(hop_r, owner_r, throughput));
+    let mut medians = rows.into_iter().map(median);
+    let owner_hit = r.row("fleet HIT on the owner listener", medians.next().expect("a row"));
+    let near_hit = r.row("fleet HIT from a near copy (forward listener)", medians.next().expect("a row"));
+    let hop_hit = r.row("fleet HIT through a forward hop", medians.next().expect("a row"));
+    r.ratio("near-copy HIT / owner HIT throughput", near_over_owner, "goal >= 0.90");
+    r.ratio("forward hop HIT / owner HIT throughput", hop_over_owner, "");
+    let p50 = |row: usize| r.rows[row].1.p50_us as f64;
+    let (near_p50, hop_p50) = (p50(near_hit) / p50(owner_hit).max(1.0), p50(hop_hit) / p50(owner_hit).max(1.0));
+    r.ratio("near-copy HIT / owner HIT p50", near_p50, "");
+    r.ratio("forward hop HIT / owner HIT p50", hop_p50, "");
     Ok(())
 }
 

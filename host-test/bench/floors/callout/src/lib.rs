@@ -82,7 +82,12 @@ impl Context for Root {
         let _ = hostcalls::increment_metric(metric, 1);
         if hostcalls::set_effective_context(context).is_ok() {
             let mut headers = vec![("content-type", "application/json")];
-            headers.extend([("x-holysheep-cache", "MISS"), ("x-holysheep-key", KEY), ("x-holysheep-model", "gpt-4.1")]);
+            headers.extend([
+                ("x-holysheep-cache", "MISS"),
+                ("cache-control", "max-age=3600"),
+                ("x-holysheep-key", KEY),
+                ("x-holysheep-model", "gpt-4.1"),
+            ]);
             let _ = hostcalls::send_http_response(200, headers, Some(&body));
         }
     }

@@ -170,6 +170,7 @@ impl Reply {
             let _ = hostcalls::increment_metric(metric, 1);
             let hit = [
                 ("x-holysheep-cache", "HIT"),
+                ("cache-control", "max-age=3600"),
                 ("x-holysheep-key", KEY),
                 ("x-holysheep-model", "gpt-4.1"),
                 ("age", "0"),
@@ -218,6 +219,7 @@ fn reply_headers(cache: &str) -> Vec<(&str, &str)> {
     vec![
         ("content-type", "application/json"),
         ("x-holysheep-cache", cache),
+        ("cache-control", "max-age=3600"),
         ("x-holysheep-key", KEY),
         ("x-holysheep-model", "gpt-4.1"),
     ]

@@ -1,0 +1,170 @@
+//! A real Prometheus (Debian's `prometheus`) scraping a real Envoy with the plugin, with the
+//! scrape configuration and rules `deploy/prometheus/` ships; its HTTP API must return the
+//! counts the mock saw, load every rule, and answer every query of the Grafana dashboard.
+
+use host_test::client::request;
+use host_test::envoy::workspace_root;
+use host_test::stack::{poll_until, prompt, prompt_for, Stack};
+use serde_json::Value;
+use std::net::{SocketAddr, TcpListener};
+use std::process::{Child, Command, Stdio};
+
+struct Prometheus {
+    child: Child,
+    addr: SocketAddr,
+    _dir: PathGuard,
+}
+
+impl Drop for Prometheus {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// A directory removed when dropped.
+struct PathGuard(std::path::PathBuf);
+
+impl Drop for PathGuard {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// `deploy/prometheus/prometheus.yml` as shipped, scraping `admin` every second (and
+/// evaluating the rules every second) instead of every 15 s at 127.0.0.1:9901.
+fn start_prometheus(admin: SocketAddr) -> Prometheus {
+    let deploy = workspace_root().join("deploy/prometheus");
+    let dir = std::env::temp_dir().join(format!("holysheep-prometheus-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("dir");
+    let shipped = std::fs::read_to_string(deploy.join("prometheus.yml")).expect("prometheus.yml");
+    // The rules as shipped, evaluated every second.
+    let rules = std::fs::read_to_string(deploy.join("holysheep.rules.yml")).expect("rules");
+    let rules_copy = dir.join("holysheep.rules.yml");
+    std::fs::write(&rules_copy, rules.replacen("  interval: 30s", "  interval: 1s", 1)).expect("rules copy");
+    let config = shipped
+        .replacen("targets: [\"127.0.0.1:9901\"]", &format!("targets: [\"{admin}\"]"), 1)
+        .replacen("scrape_interval: 15s", "scrape_interval: 1s", 1)
+        .replacen("evaluation_interval: 30s", "evaluation_interval: 1s", 1)
+        .replacen("- holysheep.rules.yml", &format!("- {}", rules_copy.display()), 1);
+    assert_eq!(config.matches("1s").count(), 2, "the shipped file changed: this test's substitutions must follow");
+    std::fs::write(dir.join("prometheus.yml"), config).expect("config");
+    let port = TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).expect("a port").port();
+    let addr = SocketAddr::from(([127, 0, 0, 1], port));
+    let child = Command::new("prometheus")
+        .arg(format!("--config.file={}", dir.join("prometheus.yml").display()))
+        .arg(format!("--storage.tsdb.path={}", dir.join("data").display()))
+        .arg(format!("--web.listen-address={addr}"))
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(dir.join("prometheus.log")).expect("log"))
+        .spawn()
+        .expect("prometheus starts (Debian's prometheus package; envoy/setup.sh installs it)");
+    let p = Prometheus { child, addr, _dir: PathGuard(dir) };
+    poll_until(
+        || request(addr, "GET", "/-/ready", &[], b"").is_ok_and(|r| r.status == 200),
+        "prometheus never got ready",
+    );
+    p
+}
+
+fn encode(q: &str) -> String {
+    q.bytes()
+        .map(|b| match b {
+            b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'-' | b'_' | b'.' | b'~' => (b as char).to_string(),
+            _ => format!("%{b:02X}"),
+        })
+        .collect()
+}
+
+/// An instant query's result (`data.result`), or the error Prometheus gave.
+fn query(p: &Prometheus, q: &str) -> Result<Vec<Value>, String> {
+    let r =
+        request(p.addr, "GET", &format!("/api/v1/query?query={}", encode(q)), &[], b"").map_err(|e| e.to_string())?;
+    let v = r.json();
+    match v["status"].as_str() {
+        Some("success") => Ok(v["data"]["result"].as_array().cloned().unwrap_or_default()),
+        _ => Err(format!("{q}: {}", r.text())),
+    }
+}
+
+/// The single value of a query (`None` while it has none).
+fn scalar(p: &Prometheus, q: &str) -> Option<f64> {
+    let result = query(p, q).ok()?;
+    let [one] = &result[..] else { return None };
+    one["value"][1].as_str()?.parse().ok()
+}
+
+#[test]
+fn prometheus_sees_the_hits_calls_and_dollars_the_mock_saw() {
+    let config = r#"{"models":{"gpt-4.1":{"usd_per_mtok_input":2.0,"usd_per_mtok_output":8.0},
+                                "deepseek-v3":{"requests_per_minute":1,"burst":1}}}"#;
+    let s = Stack::start(config, 0);
+    let auth = [("authorization", "Bearer sk-prometheus")];
+    let body = prompt("counted by prometheus");
+    let miss = s.chat(&body, &auth);
+    for _ in 0..4 {
+        assert_eq!(s.chat(&body, &auth).cache(), "HIT");
+    }
+    assert_eq!(s.chat(&prompt_for("deepseek-v3", "one"), &auth).status, 200);
+    assert_eq!(s.chat(&prompt_for("deepseek-v3", "two"), &auth).status, 429);
+    let usage = &miss.json()["usage"];
+    let (input, output) =
+        (usage["prompt_tokens"].as_u64().unwrap_or(0), usage["completion_tokens"].as_u64().unwrap_or(0));
+    let calls = s.calls();
+    assert_eq!(calls, 2);
+
+    let p = start_prometheus(s.envoy.admin);
+    poll_until(
+        || scalar(&p, r#"sum(holysheep_requests{model="gpt_4_1"})"#) == Some(5.0),
+        "prometheus never saw the five gpt-4.1 requests",
+    );
+    assert_eq!(scalar(&p, r#"holysheep_requests{model="gpt_4_1", cache="hit"}"#), Some(4.0));
+    assert_eq!(scalar(&p, r#"holysheep_requests{model="deepseek_v3", cache="miss"}"#), Some(2.0), "the 429 is a miss");
+    assert_eq!(scalar(&p, "sum(holysheep_upstream_calls)"), Some(calls as f64), "the calls the mock saw");
+    assert_eq!(scalar(&p, r#"holysheep_rate_limited{model="deepseek_v3"}"#), Some(1.0));
+    let hit_ratio = r#"sum(holysheep_requests{cache=~"hit|coalesced"}) / sum(holysheep_requests)"#;
+    assert_eq!(scalar(&p, hit_ratio), Some(4.0 / 7.0));
+    let spent = (input * 2 + output * 8) as f64;
+    assert_eq!(scalar(&p, r#"holysheep_cost_spent_microusd{model="gpt_4_1"}"#), Some(spent), "dollars, in millionths");
+    assert_eq!(
+        scalar(&p, r#"holysheep_cost_saved_microusd{model="gpt_4_1"}"#),
+        Some(spent * 4.0),
+        "four HITs saved it"
+    );
+    assert!(
+        scalar(&p, "sum(envoy_wasm_envoy_wasm_runtime_v8_created)").is_some_and(|n| n >= 1.0),
+        "the reload alert's series"
+    );
+
+    // Every rule loads and evaluates without error.
+    poll_until(
+        || {
+            let r = request(p.addr, "GET", "/api/v1/rules", &[], b"").map(|r| r.json()).unwrap_or_default();
+            let rules: Vec<&Value> = r["data"]["groups"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .flat_map(|g| g["rules"].as_array().into_iter().flatten())
+                .collect();
+            rules.len() == 12 && rules.iter().all(|r| r["health"] == "ok")
+        },
+        "the shipped rules never all evaluated",
+    );
+    // Every query of the dashboard is one Prometheus accepts.
+    let dashboard: Value = serde_json::from_str(
+        &std::fs::read_to_string(workspace_root().join("deploy/grafana/holysheep-edge.json")).expect("dashboard"),
+    )
+    .expect("dashboard JSON");
+    let exprs: Vec<&str> = dashboard["panels"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .flat_map(|p| p["targets"].as_array().into_iter().flatten())
+        .filter_map(|t| t["expr"].as_str())
+        .collect();
+    assert_eq!(exprs.len(), 10);
+    for e in exprs {
+        query(&p, e).unwrap_or_else(|err| panic!("the dashboard's query is refused: {err}"));
+    }
+    assert!(s.crashes().is_empty());
+}

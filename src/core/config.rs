@@ -29,6 +29,9 @@ pub struct Config {
     /// Publish each governed answer's access-log values (`log_fields::NAMES`); off by
     /// default, as setting them costs host calls per answer (docs/operations.md#access-log).
     pub log_fields: bool,
+    /// The semantic tier: a deterministic request that missed the exact cache may be
+    /// answered with the stored answer of a close paraphrase (off by default).
+    pub semantic: Semantic,
     /// The callers this edge knows, by name. When set, every governed request must carry
     /// one of their keys, and its tenant is its cache scope.
     pub tenants: BTreeMap<String, Tenant>,
@@ -101,6 +104,69 @@ pub struct Edge {
 impl Default for Edge {
     fn default() -> Self {
         Edge { max_age_seconds: 60, max_entries: 1024 }
+    }
+}
+
+/// The semantic tier (docs/semantic.md): everything but the last user message's text must
+/// match exactly; that text is compared by its embedding.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Semantic {
+    pub enabled: bool,
+    /// The model HolySheep's `/v1/embeddings` embeds the last user message with.
+    pub embedding_model: String,
+    /// Sent as `dimensions` (text-embedding-3 models shorten their vectors); `None`: the
+    /// model's own length.
+    pub dimensions: Option<u32>,
+    /// The least cosine similarity that serves a stored answer.
+    pub threshold: f64,
+    /// Vectors kept in shared data, all partitions together.
+    pub max_entries: u32,
+    /// Chat models whose requests take part (empty: every model).
+    pub models: Vec<String>,
+    /// Requests that offer tools take part too (their tools are part of the partition).
+    pub allow_tools: bool,
+    /// The longest the embedding call may take before the request goes on as a MISS.
+    pub timeout_ms: u64,
+}
+
+impl Default for Semantic {
+    fn default() -> Self {
+        Semantic {
+            enabled: false,
+            embedding_model: "text-embedding-3-small".into(),
+            dimensions: None,
+            threshold: 0.95,
+            max_entries: 4096,
+            models: Vec::new(),
+            allow_tools: false,
+            timeout_ms: 500,
+        }
+    }
+}
+
+impl Semantic {
+    /// Whether requests for `model` take part.
+    pub fn covers(&self, model: &str) -> bool {
+        self.enabled && (self.models.is_empty() || self.models.iter().any(|m| m == model))
+    }
+
+    fn validate(&self) -> Result<(), ConfigError> {
+        let checks: [(bool, &str, &str); 5] = [
+            (self.embedding_model.is_empty(), "embedding_model", "must not be empty"),
+            (!(0.5..=1.0).contains(&self.threshold), "threshold", "must be between 0.5 and 1"),
+            (!(1..=1_000_000).contains(&self.max_entries), "max_entries", "must be between 1 and 1000000"),
+            (!(1..=10_000).contains(&self.timeout_ms), "timeout_ms", "must be between 1 and 10000"),
+            (
+                self.dimensions.is_some_and(|d| !(1..=super::semantic::MAX_DIMENSIONS).contains(&d)),
+                "dimensions",
+                "must be between 1 and 4096",
+            ),
+        ];
+        match checks.iter().find(|(bad, _, _)| *bad) {
+            Some((_, field, why)) => Err(ConfigError(format!("semantic.{field}: {why}"))),
+            None => Ok(()),
+        }
     }
 }
 
@@ -213,6 +279,7 @@ impl Default for Config {
             retry: Retry::default(),
             stale_if_error_seconds: 0,
             log_fields: false,
+            semantic: Semantic::default(),
             tenants: BTreeMap::new(),
             keys: Keys::default(),
         }
@@ -393,6 +460,7 @@ impl Config {
                     .into(),
             ));
         }
+        self.semantic.validate()?;
         if self.models.len() > MAX_MODELS {
             return Err(ConfigError(format!("models: at most {MAX_MODELS} entries")));
         }
@@ -432,6 +500,7 @@ fn locate(root: &Value) -> Option<String> {
         "lock" => refused_field::<Lock>(section),
         "rate_limit" => refused_field::<RateLimit>(section),
         "retry" => refused_field::<Retry>(section),
+        "semantic" => refused_field::<Semantic>(section),
         "tenants" => section.as_object().and_then(|tenants| {
             tenants.iter().find_map(|(name, tenant)| match refused_field::<Tenant>(tenant) {
                 Some(field) => Some(format!("{name}.{field}")),

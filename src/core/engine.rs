@@ -9,6 +9,7 @@ use super::error::ApiError;
 use super::lease::{self, Acquire, Lease, Mark, Slot, State};
 use super::priority;
 use super::request::{Key, Policy};
+use super::semantic::{Similar, SIMILARITY_HEADER};
 use super::store::CasStore;
 use std::borrow::Cow;
 
@@ -29,6 +30,8 @@ pub enum CacheStatus {
     Bypass,
     /// An expired entry served because every attempt failed (`stale_if_error_seconds`).
     Stale,
+    /// The fresh answer of a paraphrase, from the semantic tier.
+    Semantic,
 }
 
 impl CacheStatus {
@@ -39,6 +42,7 @@ impl CacheStatus {
             CacheStatus::Coalesced => "COALESCED",
             CacheStatus::Bypass => "BYPASS",
             CacheStatus::Stale => "STALE",
+            CacheStatus::Semantic => "SEMANTIC",
         }
     }
 }
@@ -303,6 +307,25 @@ impl<S: CasStore> Engine<'_, S> {
         let fresh_s = stored.map(|(_, f)| f.expires_ms().saturating_sub(now_ms) / 1000);
         let reply = Reply { response, cache: Some(call.label), key: Some(call.key.clone()), age_s: None, fresh_s };
         Ended { reply, watched, evicted: stored.is_some_and(|(s, _)| s.evicted) }
+    }
+
+    /// A flight that found paraphrases of its question (`similar`, the closest first) ends
+    /// with the answer of the first whose exact cache entry is still fresh and no older
+    /// than the request allows: SEMANTIC, with its similarity, and stored under no key of
+    /// its own (`cache-control: no-store`), so it is never kept past the answer it is. Its
+    /// waiters share it. `None` when no such answer is left: the flight goes upstream.
+    pub fn end_similar(&self, call: &Call, similar: &[Similar], now_ms: u64) -> Option<Ended> {
+        let (entry, similarity) = similar.iter().find_map(|s| {
+            let e = cache::get(self.store, self.config, &s.key).filter(|e| e.is_fresh(now_ms))?;
+            let young = call.policy.max_age.is_none_or(|max| e.age_ms(now_ms) / 1000 <= max);
+            young.then_some((e, s.similarity))
+        })?;
+        let age_s = Some(entry.age_ms(now_ms) / 1000);
+        let response = entry.response.with_header(SIMILARITY_HEADER, format!("{similarity:.4}"));
+        let watched = self.finish_lease(call, &response, now_ms, None, false);
+        let cache = Some(CacheStatus::Semantic);
+        let reply = Reply { response, cache, key: Some(call.key.clone()), age_s, fresh_s: None };
+        Some(Ended { reply, watched, evicted: false })
     }
 
     /// The call ended without an answer worth sharing (a stream cut off): its waiters look
@@ -785,6 +808,40 @@ mod tests {
         let delays: Vec<u64> = (0..5).map(poll_delay_ms).collect();
         assert_eq!(delays, [2, 4, 8, 8, 8]);
         assert_eq!(poll_delay_ms(u32::MAX), 8);
+    }
+
+    #[test]
+    fn a_paraphrases_fresh_answer_ends_the_flight_as_semantic_and_is_stored_under_no_key() {
+        let (s, c) = (MemStore::new(), Config::default());
+        let e = Engine { store: &s, config: &c };
+        let asked = expect_call(e.admit(&k(1), READ, 0, 1));
+        e.complete(&asked, ok(r#"{"a":"Paris"}"#), 1_000);
+        let paraphrase = expect_call(e.admit(&k(2), READ, 3_000, 2));
+        let waiter = expect_wait(e.admit(&k(2), READ, 3_001, 3));
+        let similar = [Similar { key: k(9), similarity: 0.99 }, Similar { key: k(1), similarity: 0.97 }];
+        let ended = e.end_similar(&paraphrase, &similar, 3_500).expect("the second is fresh");
+        let r = &ended.reply;
+        assert_eq!((r.cache, r.age_s, r.fresh_s), (Some(CacheStatus::Semantic), Some(2), None));
+        assert_eq!((r.key.as_ref(), r.response.body.as_slice()), (Some(&k(2)), br#"{"a":"Paris"}"#.as_slice()));
+        assert_eq!(r.response.header(SIMILARITY_HEADER), Some("0.9700"));
+        assert!(ended.watched);
+        let shared = expect_reply(e.poll(&waiter, 3_600, 4));
+        assert_eq!((shared.cache, &shared.response.body), (Some(CacheStatus::Coalesced), &r.response.body));
+        assert!(matches!(e.admit(&k(2), READ, 9_000, 5), Step::Call(_)), "the paraphrase's own key holds nothing");
+    }
+
+    #[test]
+    fn a_paraphrase_whose_answer_is_gone_or_too_old_for_the_request_does_not_end_the_flight() {
+        let (s, c) = (MemStore::new(), Config::parse(br#"{"cache":{"ttl_seconds":10}}"#).unwrap());
+        let e = Engine { store: &s, config: &c };
+        let asked = expect_call(e.admit(&k(1), READ, 0, 1));
+        e.complete(&asked, ok("{}"), 0);
+        let similar = [Similar { key: k(1), similarity: 1.0 }];
+        let young = Policy { max_age: Some(5), ..READ };
+        let picky = expect_call(e.admit(&k(2), young, 6_000, 2));
+        assert!(e.end_similar(&picky, &similar, 6_000).is_none(), "older than max-age=5");
+        let late = expect_call(e.admit(&k(3), READ, 10_001, 3));
+        assert!(e.end_similar(&late, &similar, 10_001).is_none(), "expired");
     }
 
     #[test]

@@ -750,6 +750,7 @@ mod tests {
             completion_limit: None,
             completion_cap: None,
             class,
+            semantic: None,
         }
     }
 
@@ -851,6 +852,7 @@ mod tests {
             completion_limit: Some(100),
             completion_cap: None,
             class: Default::default(),
+            semantic: None,
         };
         Flight::new(c, call, &outbound)
     }

@@ -27,9 +27,17 @@ pub enum Counter {
     Hops,
     /// Storing an answer took the place of another key's answer that was still fresh.
     Evicted,
+    /// The semantic tier's calls to `/v1/embeddings`, those that gave no vector (an
+    /// error, a timeout), the tokens they were billed and what those cost.
+    EmbeddingCalls,
+    EmbeddingFailures,
+    EmbeddingTokens,
+    EmbeddingCostMicroUsd,
+    /// A question's partition held stored questions, none close enough.
+    SemanticNearMisses,
 }
 
-pub const COUNTERS: [Counter; 20] = [
+pub const COUNTERS: [Counter; 26] = [
     Counter::Requests(CacheStatus::Hit),
     Counter::Requests(CacheStatus::Miss),
     Counter::Requests(CacheStatus::Coalesced),
@@ -50,6 +58,12 @@ pub const COUNTERS: [Counter; 20] = [
     Counter::ModelRefused,
     Counter::Hops,
     Counter::Evicted,
+    Counter::Requests(CacheStatus::Semantic),
+    Counter::EmbeddingCalls,
+    Counter::EmbeddingFailures,
+    Counter::EmbeddingTokens,
+    Counter::EmbeddingCostMicroUsd,
+    Counter::SemanticNearMisses,
 ];
 
 impl Counter {
@@ -76,6 +90,12 @@ impl Counter {
             Counter::ModelRefused => 17,
             Counter::Hops => 18,
             Counter::Evicted => 19,
+            Counter::Requests(CacheStatus::Semantic) => 20,
+            Counter::EmbeddingCalls => 21,
+            Counter::EmbeddingFailures => 22,
+            Counter::EmbeddingTokens => 23,
+            Counter::EmbeddingCostMicroUsd => 24,
+            Counter::SemanticNearMisses => 25,
         }
     }
 
@@ -97,6 +117,11 @@ impl Counter {
             Counter::ModelRefused => "model_refused".into(),
             Counter::Hops => "hops".into(),
             Counter::Evicted => "evicted".into(),
+            Counter::EmbeddingCalls => "embedding_calls".into(),
+            Counter::EmbeddingFailures => "embedding_failures".into(),
+            Counter::EmbeddingTokens => "embedding_tokens".into(),
+            Counter::EmbeddingCostMicroUsd => "embedding_cost_microusd".into(),
+            Counter::SemanticNearMisses => "semantic_near_misses".into(),
         }
     }
 }
@@ -211,6 +236,30 @@ pub fn for_event<'a>(config: &'a Config, event: &'a Event) -> Vec<(&'a str, Coun
     }
 }
 
+/// What one look for a paraphrase adds to the counters of `model` (the chat model): the
+/// embedding call, billed `tokens` (`None`: it gave no vector) at the embedding model's
+/// prices, and whether the partition held only questions not close enough.
+pub fn for_embedding<'a>(
+    config: &'a Config,
+    model: &'a str,
+    tokens: Option<u64>,
+    near_miss: bool,
+) -> Vec<(&'a str, Counter, u64)> {
+    let l = label(config, model);
+    let mut out = vec![(l, Counter::EmbeddingCalls, 1)];
+    match tokens {
+        None => out.push((l, Counter::EmbeddingFailures, 1)),
+        Some(t) => {
+            let cost = config.cost_micro_usd(&config.semantic.embedding_model, t, 0);
+            out.extend([(l, Counter::EmbeddingTokens, t), (l, Counter::EmbeddingCostMicroUsd, cost)]);
+        }
+    }
+    if near_miss {
+        out.push((l, Counter::SemanticNearMisses, 1));
+    }
+    out
+}
+
 /// A priority class's stats: counters of flights that stood in a line, were shed (the
 /// reserve) or refused (a full line), and a histogram of the time flights waited for
 /// admission, from their start to their first call.
@@ -290,7 +339,9 @@ pub fn for_reply<'a>(
     let Some(status) = reply.cache else { return Vec::new() };
     let l = label(config, requested_model);
     let mut out = vec![(l, Counter::Requests(status), 1)];
-    if matches!(status, CacheStatus::Hit | CacheStatus::Coalesced) && reply.response.status == 200 {
+    if matches!(status, CacheStatus::Hit | CacheStatus::Coalesced | CacheStatus::Semantic)
+        && reply.response.status == 200
+    {
         let served = reply.response.header("x-holysheep-model").unwrap_or(requested_model);
         // Parsing the answer is the only cost on a HIT; skip it when nothing is priced.
         if priced(config, served) {
@@ -361,6 +412,12 @@ mod tests {
             "model_refused",
             "hops",
             "evicted",
+            "requests_semantic",
+            "embedding_calls",
+            "embedding_failures",
+            "embedding_tokens",
+            "embedding_cost_microusd",
+            "semantic_near_misses",
         ];
         assert_eq!(names, documented, "the counter names docs/operations.md lists, each once");
         assert!(COUNTERS.iter().enumerate().all(|(i, c)| c.index() == i), "index is the place in COUNTERS");

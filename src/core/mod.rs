@@ -23,6 +23,7 @@ pub mod pairs;
 pub mod peer;
 pub mod priority;
 pub mod request;
+pub mod semantic;
 pub mod store;
 pub mod stream;
 pub mod tenant_gate;

@@ -8,6 +8,7 @@ use super::digest::sha256;
 use super::error::ApiError;
 use super::limits::DEFAULT_COMPLETION_ESTIMATE;
 use super::priority::Class;
+use super::semantic::{self, Probe};
 use serde_json::{Map, Number, Value};
 
 /// The only path the filter handles (query string ignored).
@@ -191,6 +192,8 @@ pub struct ChatRequest {
     /// The completion tokens the request allows (its `max_completion_tokens` or
     /// `max_tokens`, the larger, for each choice); `None` when it sets neither.
     pub completion_limit: Option<u64>,
+    /// Its question and partition, when it takes part in the semantic tier.
+    pub semantic: Option<Probe>,
 }
 
 /// The request headers the core needs; the shell reads them from its host.
@@ -221,6 +224,7 @@ impl ChatRequest {
         let estimate_tokens = estimate_tokens(&map, body.len());
         let completion_limit = completion_limit(&map);
         let scope = scope(config, meta)?;
+        let semantic = config.semantic.enabled.then(|| semantic::probe(config, &map, &scope, deterministic)).flatten();
         let canonical = canonical_body(map);
         Ok(ChatRequest {
             key: request_key(CHAT_PATH, &scope, &canonical),
@@ -231,6 +235,7 @@ impl ChatRequest {
             estimate_tokens,
             tenant: meta.verified.map(str::to_owned),
             completion_limit,
+            semantic,
         })
     }
 

@@ -7,6 +7,7 @@ use super::error::ApiError;
 use super::limits::{self, Limits, ProviderHints, DEFAULT_COMPLETION_ESTIMATE};
 use super::priority::Class;
 use super::request::{for_upstream, ChatRequest};
+use super::semantic::Probe;
 use super::store::CasStore;
 use super::stream::is_event_stream;
 use std::borrow::Cow;
@@ -31,6 +32,8 @@ pub struct Outbound {
     pub completion_cap: Option<u64>,
     /// The request's priority class, which orders the models' admission lines.
     pub class: Class,
+    /// Its question and partition, when it takes part in the semantic tier.
+    pub semantic: Option<Probe>,
 }
 
 /// The response header naming the verified tenant an answer was for.
@@ -53,6 +56,7 @@ impl Outbound {
             completion_limit: request.completion_limit,
             completion_cap: None,
             class: Class::Standard,
+            semantic: request.semantic.clone(),
         }
     }
 
@@ -208,6 +212,7 @@ mod tests {
             completion_limit: None,
             completion_cap: None,
             class: Default::default(),
+            semantic: None,
         }
     }
 

@@ -9,6 +9,7 @@ use crate::core::flight::Flight;
 use crate::core::limits::ProviderHints;
 use crate::core::log_fields::Spent;
 use crate::core::request::Key;
+use crate::core::semantic::Learned;
 use crate::core::upstream::Outbound;
 use std::rc::Rc;
 
@@ -19,6 +20,15 @@ pub struct Run {
     pub outbound: Rc<Outbound>,
     /// What the flight has spent so far, for its request's access-log line.
     pub spent: Spent,
+    /// Its question's vector, which joins the semantic index when its answer is stored.
+    pub learned: Option<Learned>,
+}
+
+/// A flight's leader waiting for its question's embedding before it goes upstream.
+pub struct Probing {
+    pub context_id: u32,
+    pub call: Call,
+    pub outbound: Rc<Outbound>,
 }
 
 /// A forward node's flight: its leader's request on its way to the key's owner along the
@@ -57,6 +67,8 @@ impl StreamEnd {
 pub struct Runs {
     /// Calls decided in an http context, dispatched from the root on the next queue event.
     pub pending: Vec<(u32, Call, Rc<Outbound>)>,
+    /// Leaders waiting for their question's embedding, by callout token.
+    pub probing: IdMap<Probing>,
     /// In a callout, by its token.
     pub calling: IdMap<Run>,
     /// Asleep until the time each carries.
@@ -77,7 +89,8 @@ impl Runs {
     pub fn calls(&self) -> impl Iterator<Item = &Call> {
         let runs = self.calling.values().chain(self.sleeping.iter().map(|(_, r)| r)).chain(self.streaming.values());
         let calls = runs.chain(self.asking.values()).map(|r| &r.flight.call);
-        calls.chain(self.pending.iter().map(|(_, c, _)| c)).chain(self.hops.values().map(|h| &h.call))
+        let waiting = self.pending.iter().map(|(_, c, _)| c).chain(self.probing.values().map(|p| &p.call));
+        calls.chain(waiting).chain(self.hops.values().map(|h| &h.call))
     }
 
     /// A sleeping flight whose time has come.

@@ -24,6 +24,7 @@ use crate::core::log_fields::{self, Answered, Served};
 use crate::core::metrics::{self, Counter, LastUsage};
 use crate::core::priority;
 use crate::core::request::{self, ChatRequest, Key, KEY_HEADER};
+use crate::core::semantic::{self, Learned};
 use crate::core::store::CasStore;
 use crate::core::stream;
 use crate::core::upstream::{self, Outbound, Sent};
@@ -367,6 +368,7 @@ impl Worker {
             Some(outcome) => {
                 let outcome = outcome.with_header("x-holysheep-model", model);
                 let ended = self.engine().end_flight(&call, Some(outcome), now, Some(Fresh::of(&self.config, now)));
+                self.learn(run.learned.as_ref(), &ended, &call.key, now);
                 let tenant = run.outbound.tenant.as_deref();
                 self.counters.count_reply(&self.config, &run.outbound.model, &ended.reply, tenant);
                 // The stream's own http context is the current one (its end is seen there).
@@ -427,6 +429,15 @@ impl Worker {
         let events = std::mem::take(&mut run.flight.events);
         run.spent.add(&events, |m, p, c| self.config.cost_micro_usd(m, p, c));
         self.counters.count_events(&self.config, &events, run.outbound.tenant.as_deref());
+    }
+
+    /// A flight that looked for a paraphrase of its question and found none adds the
+    /// question to the semantic index, once its answer is stored under `key`.
+    pub fn learn(&self, learned: Option<&Learned>, ended: &Ended, key: &Key, now: u64) {
+        let stored = ended.reply.fresh_s.is_some() && ended.reply.response.status == 200;
+        if let Some(l) = learned.filter(|_| stored) {
+            semantic::learn(&SharedData, &self.config, &l.partition, &l.vector, key, now);
+        }
     }
 
     /// Counts a flight's answer stored over another key's fresh one.

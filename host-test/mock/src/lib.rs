@@ -18,6 +18,8 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tokio::net::TcpListener;
 
+pub mod embeddings;
+
 type Body = Either<Full<Bytes>, Channel<Bytes, std::io::Error>>;
 
 /// One planned answer for the next chat-completion call.
@@ -87,6 +89,11 @@ struct State {
     last_headers: Vec<(String, String)>,
     /// The HTTP version of the last chat call (`HTTP/1.1`, `HTTP/2.0`).
     last_version: String,
+    /// Embedding calls received (including planned failures), their inputs, and the
+    /// faults planned for the next ones.
+    embeddings: u64,
+    embedding_inputs: Vec<String>,
+    embedding_plan: VecDeque<Fault>,
 }
 
 /// Counts a chat-completion call as in flight until dropped.
@@ -162,18 +169,27 @@ impl Mock {
         }
         Ok(match (parts.method, path.as_str()) {
             (Method::POST, "/v1/chat/completions") => return self.chat(auth, &body).await,
+            (Method::POST, "/v1/embeddings") => return self.embed(auth, &body).await,
             (Method::GET, "/v1/models") => match self.check_key(auth.as_deref()) {
                 Some(denied) => denied,
                 None => json_response(StatusCode::OK, &models()),
             },
             (Method::GET, "/mock/calls") => {
                 let s = self.state();
-                json_response(StatusCode::OK, &json!({"calls": s.calls, "last_authorization": s.last_authorization}))
+                let body =
+                    json!({"calls": s.calls, "embeddings": s.embeddings, "last_authorization": s.last_authorization});
+                json_response(StatusCode::OK, &body)
             }
             (Method::POST, "/mock/plan") => {
                 let plan: Value = serde_json::from_slice(&body).unwrap_or(Value::Null);
                 let faults = plan.as_array().map(|a| a.iter().map(Fault::from_json).collect()).unwrap_or_default();
                 self.state().plan = faults;
+                json_response(StatusCode::OK, &json!({"ok": true}))
+            }
+            (Method::POST, "/mock/embeddings/plan") => {
+                let plan: Value = serde_json::from_slice(&body).unwrap_or(Value::Null);
+                let faults = plan.as_array().map(|a| a.iter().map(Fault::from_json).collect()).unwrap_or_default();
+                self.state().embedding_plan = faults;
                 json_response(StatusCode::OK, &json!({"ok": true}))
             }
             (Method::POST, "/mock/latency") => {
@@ -184,6 +200,9 @@ impl Mock {
             (Method::POST, "/mock/reset") => {
                 let mut s = self.state();
                 s.calls = 0;
+                s.embeddings = 0;
+                s.embedding_inputs.clear();
+                s.embedding_plan.clear();
                 s.log.clear();
                 s.prompts.clear();
                 s.plan.clear();
@@ -257,6 +276,38 @@ impl Mock {
             return Ok(slow(resp, fault.slow_body_ms));
         }
         Ok(resp)
+    }
+}
+
+impl Mock {
+    /// `/v1/embeddings` (see `embeddings`), with the key checked, the latency and the
+    /// planned faults (`status`, `delay_ms`, `reset`, `body`) as for chat calls.
+    async fn embed(self, auth: Option<String>, body: &[u8]) -> Result<Response<Body>, std::io::Error> {
+        let req = serde_json::from_slice::<Value>(body).unwrap_or(Value::Null);
+        let (fault, latency) = {
+            let mut s = self.state();
+            s.embeddings += 1;
+            s.embedding_inputs.push(req["input"].as_str().unwrap_or_default().to_owned());
+            (s.embedding_plan.pop_front().unwrap_or_default(), s.latency_ms)
+        };
+        let delay = latency + fault.delay_ms;
+        if delay > 0 {
+            tokio::time::sleep(Duration::from_millis(delay)).await;
+        }
+        if fault.reset {
+            return Err(std::io::Error::new(std::io::ErrorKind::ConnectionReset, "planned reset"));
+        }
+        if let Some(denied) = self.check_key(auth.as_deref()) {
+            return Ok(denied);
+        }
+        Ok(match (fault.status.filter(|s| *s != 200), &fault.body) {
+            (status, Some(raw)) => planned_body(status.unwrap_or(200), raw, fault.content_type.as_deref()),
+            (Some(status), None) => planned_error(status),
+            (None, None) => match embeddings::answer(&req) {
+                Ok(v) => json_response(StatusCode::OK, &v),
+                Err(m) => error(StatusCode::BAD_REQUEST, &m, "invalid_request_error", "invalid_value", Some("input")),
+            },
+        })
     }
 }
 
@@ -567,6 +618,21 @@ impl Mock {
     /// `transfer-encoding: chunked`).
     pub fn last_framing(&self) -> Option<String> {
         self.state().last_framing.clone()
+    }
+
+    /// Embedding calls received (including planned failures).
+    pub fn embeddings(&self) -> u64 {
+        self.state().embeddings
+    }
+
+    /// The `input` of every embedding call so far, in arrival order.
+    pub fn embedding_inputs(&self) -> Vec<String> {
+        self.state().embedding_inputs.clone()
+    }
+
+    /// The next embedding calls answer with these faults, one each, in order.
+    pub fn plan_embeddings(&self, faults: Vec<Fault>) {
+        self.state().embedding_plan = faults.into();
     }
 
     /// The next calls answer with these faults, one each, in order.

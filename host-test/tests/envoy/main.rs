@@ -13,6 +13,7 @@ mod never_down;
 mod priority_e2e;
 mod production_e2e;
 mod prometheus_e2e;
+mod semantic_e2e;
 mod stream_e2e;
 mod tenants_e2e;
 mod trust_e2e;

@@ -5,31 +5,34 @@
 use super::route::Forwarded;
 use super::Root;
 use crate::core::cache::{Fresh, Response};
-use crate::core::engine::{Call, Reply};
+use crate::core::engine::Reply;
 use crate::core::error::ApiError;
 use crate::core::flight::{self, Flight};
 use crate::core::limits::ProviderHints;
 use crate::core::log_fields::{Served, Spent};
 use crate::core::peer::Op;
 use crate::core::request::CHAT_PATH;
-use crate::core::upstream::{self, Outbound};
+use crate::core::semantic::Learned;
+use crate::core::upstream;
 use crate::proxy::abi as hostcalls;
 use crate::proxy::fleet;
 use crate::proxy::host::{self, SharedData};
 use crate::proxy::queue::DISPATCH;
-use crate::proxy::runs::{Run, StreamEnd};
+use crate::proxy::runs::{Probing, Run, StreamEnd};
 use crate::proxy::worker::Target;
 use proxy_wasm::types::{BufferType, LogLevel, MapType};
-use std::rc::Rc;
 use std::time::Duration;
 
 /// Tick period while a flight sleeps (backoff, or held for its bucket).
 const SLEEP_TICK_MS: u64 = 10;
 
 impl Root {
-    pub(super) fn start(&mut self, context_id: u32, call: Call, outbound: Rc<Outbound>) {
+    /// The flight of a leader's call (that looked for a paraphrase first when `learned`,
+    /// which spent `spent` on it).
+    pub(super) fn start(&mut self, probing: Probing, learned: Option<Learned>, spent: Spent) {
+        let Probing { context_id, call, outbound } = probing;
         let flight = Flight::new(&self.worker.borrow().config, call, &outbound);
-        let mut run = Run { context_id, flight, outbound, spent: Spent::default() };
+        let mut run = Run { context_id, flight, outbound, spent, learned };
         let action = self.resume(&mut run);
         self.advance(run, action);
     }
@@ -140,6 +143,7 @@ impl Root {
             let w = self.worker.borrow();
             let ended = w.engine().end_flight(&call, outcome, now, Some(Fresh::of(&w.config, now)));
             w.count_evicted(&ended, &run.outbound);
+            w.learn(run.learned.as_ref(), &ended, &call.key, now);
             ended
         };
         let watched = ended.watched;
@@ -165,8 +169,8 @@ impl Root {
                 return;
             }
             let next = self.worker.borrow_mut().runs.next_pending();
-            let Some((id, call, outbound)) = next else { return };
-            self.start(id, call, outbound);
+            let Some((context_id, call, outbound)) = next else { return };
+            self.begin(Probing { context_id, call, outbound });
         }
     }
 

@@ -5,6 +5,7 @@
 
 mod leaders;
 mod route;
+mod semantic;
 mod waiters;
 
 use super::abi as hostcalls;
@@ -68,7 +69,7 @@ impl Context for Root {
                 return;
             }
         }
-        if self.on_verdict(token, num_headers, body_size) {
+        if self.on_verdict(token, num_headers, body_size) || self.on_embedding(token, num_headers, body_size) {
             return;
         }
         let run = self.worker.borrow_mut().runs.calling.remove(&token);
@@ -120,6 +121,13 @@ impl RootContext for Root {
                 if w.bearer.is_some() { "from environment" } else { "absent: forwarding client authorization" }
             ),
         );
+        if owner && config.semantic.enabled && w.bearer.is_none() {
+            let env = &config.upstream.api_key_env;
+            host::log(
+                LogLevel::Error,
+                &format!("holysheep: semantic.enabled is set but ${env} is not: the semantic tier is off (it embeds with the operator's key only)"),
+            );
+        }
         w.hot = Hot::new(config.cache.hot_bytes);
         w.parsed = Hot::new(config.cache.hot_bytes.min(hot::PARSED_BYTES));
         w.counters = Counters::define(&config);

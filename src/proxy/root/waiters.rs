@@ -10,6 +10,7 @@ use crate::core::request::Key;
 use crate::core::upstream::Outbound;
 use crate::proxy::host;
 use crate::proxy::queue::{Message, POLL_ALL};
+use crate::proxy::runs::Probing;
 use crate::proxy::worker::Target;
 use std::rc::Rc;
 
@@ -23,7 +24,7 @@ impl Root {
             Step::Call(call) if self.worker.borrow().config.role == Role::Forward => {
                 self.hop(context_id, call, outbound)
             }
-            Step::Call(call) => self.start(context_id, call, outbound),
+            Step::Call(call) => self.begin(Probing { context_id, call, outbound }),
             Step::Wait(wait) => self.worker.borrow_mut().wait(context_id, wait, outbound),
         }
     }

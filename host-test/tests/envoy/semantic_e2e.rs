@@ -1,0 +1,165 @@
+//! The semantic tier in real Envoy (2 workers) with the plugin: a paraphrase of a stored
+//! question is answered from it (SEMANTIC) only when everything else about the request is
+//! the same; a question not close enough is an ordinary MISS; a failed or slow embedding
+//! still answers; and the counters say what the mock saw.
+
+use host_test::client::Resp;
+use host_test::mock::embeddings::similarity;
+use host_test::mock::Fault;
+use host_test::stack::{count, Stack};
+use serde_json::{json, Value};
+
+const OPERATOR_KEY: &str = "sk-operator-semantic-41c7";
+/// The embedding model's price in the tests' configurations: 100 micro-dollars a token.
+const EMBEDDING_USD_PER_MTOK: u64 = 100;
+
+fn config(extra: &str) -> String {
+    format!(
+        r#"{{"semantic":{{"enabled":true,"models":["gpt-4.1","deepseek-v3"]{extra}}},
+            "models":{{"gpt-4.1":{{"usd_per_mtok_input":2,"usd_per_mtok_output":8}},
+                       "text-embedding-3-small":{{"usd_per_mtok_input":{EMBEDDING_USD_PER_MTOK}}}}}}}"#
+    )
+}
+
+fn stack(extra: &str) -> Stack {
+    Stack::start_tuned(&config(extra), 0, |o| o.api_key = Some(OPERATOR_KEY.into()), Some(OPERATOR_KEY))
+}
+
+/// A chat request: `system`, then `turns` (earlier user/assistant text), then `question`.
+fn ask(model: &str, system: &str, turns: &[&str], question: &str) -> Value {
+    let mut messages = vec![json!({"role": "system", "content": system})];
+    for (i, t) in turns.iter().enumerate() {
+        messages.push(json!({"role": if i % 2 == 0 { "user" } else { "assistant" }, "content": t}));
+    }
+    messages.push(json!({"role": "user", "content": question}));
+    json!({"model": model, "temperature": 0, "messages": messages})
+}
+
+fn send(s: &Stack, body: &Value, tenant: &str) -> Resp {
+    s.chat(&body.to_string(), &[("authorization", tenant)])
+}
+
+fn content(r: &Resp) -> String {
+    r.json()["choices"][0]["message"]["content"].as_str().unwrap_or_default().to_owned()
+}
+
+fn stat(s: &Stack, counter: &str) -> u64 {
+    s.envoy.stat(&format!("wasmcustom.holysheep.gpt-4.1.{counter}"))
+}
+
+const SYSTEM: &str = "Answer in one word.";
+const ASKED: &str = "What is the capital of France?";
+const PARAPHRASE: &str = "what is the capital of france";
+
+#[test]
+fn a_paraphrase_is_semantic_and_the_same_paraphrase_in_any_other_request_is_not() {
+    assert!((similarity(ASKED, PARAPHRASE, 1536) - 1.0).abs() < 1e-6, "the mock's paraphrase");
+    let s = stack("");
+    let first = send(&s, &ask("gpt-4.1", SYSTEM, &[], ASKED), "Bearer a");
+    assert_eq!((first.status, first.cache()), (200, "MISS"), "{}", first.text());
+    assert_eq!((s.calls(), s.mock.mock.embeddings()), (1, 1), "embedded once, after the exact miss");
+    let same = send(&s, &ask("gpt-4.1", SYSTEM, &[], PARAPHRASE), "Bearer a");
+    assert_eq!((same.status, same.cache()), (200, "SEMANTIC"), "{}", same.text());
+    assert_eq!(same.header("x-holysheep-similarity"), Some("1.0000"));
+    assert_eq!(same.header("cache-control"), Some("no-store"), "kept under no key of its own");
+    assert_eq!(content(&same), content(&first), "the stored answer");
+    assert_eq!(s.calls(), 1, "no chat call for it");
+    // A stream of the paraphrase is served from the same answer, as events.
+    let mut streamed = ask("gpt-4.1", SYSTEM, &[], PARAPHRASE);
+    streamed["stream"] = json!(true);
+    let events = send(&s, &streamed, "Bearer a");
+    assert_eq!((events.cache(), events.header("content-type")), ("SEMANTIC", Some("text/event-stream")));
+    assert!(events.text().ends_with("data: [DONE]\n\n"), "{}", events.text());
+    // The same paraphrase anywhere else: another system prompt, model, tenant, earlier turn.
+    let elsewhere = [
+        ("another system prompt", ask("gpt-4.1", "Answer at length.", &[], PARAPHRASE), "Bearer a"),
+        ("another model", ask("deepseek-v3", SYSTEM, &[], PARAPHRASE), "Bearer a"),
+        ("another tenant", ask("gpt-4.1", SYSTEM, &[], PARAPHRASE), "Bearer b"),
+        ("another earlier turn", ask("gpt-4.1", SYSTEM, &["Hi", "Hello!"], PARAPHRASE), "Bearer a"),
+    ];
+    for (what, body, tenant) in &elsewhere {
+        let r = send(&s, body, tenant);
+        assert_eq!((r.status, r.cache()), (200, "MISS"), "{what}: {}", r.text());
+        assert!(r.header("x-holysheep-similarity").is_none(), "{what}");
+    }
+    let mut warm = ask("gpt-4.1", SYSTEM, &[], PARAPHRASE);
+    warm["temperature"] = json!(0.9);
+    let embedded = s.mock.mock.embeddings();
+    assert_eq!(send(&s, &warm, "Bearer a").cache(), "MISS", "temperature 0.9 without a seed");
+    assert_eq!(s.mock.mock.embeddings(), embedded, "not deterministic: not embedded");
+    assert_eq!(s.calls(), 1 + elsewhere.len() as u64 + 1);
+    // Counters match what the mock saw.
+    assert_eq!(stat(&s, "requests_semantic"), 2);
+    assert_eq!(
+        stat(&s, "embedding_calls") + s.envoy.stat("wasmcustom.holysheep.other.embedding_calls"),
+        s.mock.mock.embeddings()
+    );
+    assert_eq!(stat(&s, "upstream_calls") + s.envoy.stat("wasmcustom.holysheep.other.upstream_calls"), s.calls());
+    let inputs = s.mock.mock.embedding_inputs();
+    let words: u64 = inputs.iter().map(|t| host_test::mock::embeddings::words(t).len() as u64).sum();
+    let tokens = stat(&s, "embedding_tokens") + s.envoy.stat("wasmcustom.holysheep.other.embedding_tokens");
+    assert_eq!(tokens, words, "one token a word: {inputs:?}");
+    let cost = stat(&s, "embedding_cost_microusd") + s.envoy.stat("wasmcustom.holysheep.other.embedding_cost_microusd");
+    assert_eq!(cost, words * EMBEDDING_USD_PER_MTOK);
+    assert_eq!(s.mock.mock.last_authorization().as_deref(), Some(format!("Bearer {OPERATOR_KEY}").as_str()));
+    assert!(s.crashes().is_empty(), "{:?}", s.crashes());
+}
+
+#[test]
+fn a_question_below_the_threshold_is_a_miss_and_then_an_exact_hit() {
+    let s = stack("");
+    assert_eq!(send(&s, &ask("gpt-4.1", SYSTEM, &[], ASKED), "Bearer a").cache(), "MISS");
+    let polite = "What is the capital of France, please?";
+    assert!(similarity(ASKED, polite, 1536) < 0.95, "the mock puts it at 6/sqrt(42)");
+    let near = send(&s, &ask("gpt-4.1", SYSTEM, &[], polite), "Bearer a");
+    assert_eq!((near.status, near.cache()), (200, "MISS"), "{}", near.text());
+    assert!(content(&near).contains("please"), "its own answer: {}", content(&near));
+    assert_eq!(stat(&s, "semantic_near_misses"), 1);
+    let again = send(&s, &ask("gpt-4.1", SYSTEM, &[], polite), "Bearer a");
+    assert_eq!((again.cache(), content(&again)), ("HIT", content(&near)));
+    assert_eq!((s.calls(), s.mock.mock.embeddings()), (2, 2), "a HIT embeds nothing");
+    // Both questions are in the partition now: each paraphrase finds its own.
+    let r = send(&s, &ask("gpt-4.1", SYSTEM, &[], "PLEASE: what is the capital of France"), "Bearer a");
+    assert_eq!((r.cache(), content(&r)), ("SEMANTIC", content(&near)));
+    assert!(s.crashes().is_empty(), "{:?}", s.crashes());
+}
+
+#[test]
+fn a_failed_or_slow_embedding_still_answers_as_a_miss_and_teaches_nothing() {
+    let s = stack(r#","timeout_ms":200"#);
+    s.mock.mock.plan_embeddings(vec![Fault { status: Some(503), ..Fault::default() }]);
+    let failed = send(&s, &ask("gpt-4.1", SYSTEM, &[], ASKED), "Bearer a");
+    assert_eq!((failed.status, failed.cache()), (200, "MISS"), "{}", failed.text());
+    s.mock.mock.plan_embeddings(vec![Fault { delay_ms: 5_000, ..Fault::default() }]);
+    let slow = send(&s, &ask("gpt-4.1", SYSTEM, &[], "Name the largest ocean."), "Bearer a");
+    assert_eq!((slow.status, slow.cache()), (200, "MISS"), "{}", slow.text());
+    assert_eq!(stat(&s, "embedding_failures"), 2);
+    assert_eq!(stat(&s, "embedding_calls"), 2);
+    // Neither question joined the index: their paraphrases are misses too.
+    let r = send(&s, &ask("gpt-4.1", SYSTEM, &[], PARAPHRASE), "Bearer a");
+    assert_eq!(r.cache(), "MISS");
+    assert_eq!(s.calls(), 3);
+    assert!(s.crashes().is_empty(), "{:?}", s.crashes());
+}
+
+#[test]
+fn request_directives_are_honoured_and_a_crowd_embeds_once_per_flight() {
+    let s = stack("");
+    assert_eq!(send(&s, &ask("gpt-4.1", SYSTEM, &[], ASKED), "Bearer a").cache(), "MISS");
+    let paraphrase = ask("gpt-4.1", SYSTEM, &[], PARAPHRASE).to_string();
+    let embedded = s.mock.mock.embeddings();
+    for (directive, want) in [("no-store", "BYPASS"), ("no-cache", "MISS")] {
+        let r = s.chat(&paraphrase, &[("authorization", "Bearer a"), ("cache-control", directive)]);
+        assert_eq!((r.status, r.cache()), (200, want), "{directive}");
+    }
+    assert_eq!(s.mock.mock.embeddings(), embedded, "a request that may not read the cache looks for no paraphrase");
+    // A crowd of one new paraphrase: the flights' leaders embed, everyone else waits.
+    s.mock.mock.plan_embeddings(vec![Fault { delay_ms: 150, ..Fault::default() }]);
+    let before = s.mock.mock.embeddings();
+    let crowd = s.burst(100, &ask("gpt-4.1", SYSTEM, &[], "The capital of France is what?").to_string(), "Bearer a");
+    let led = count(&crowd, "SEMANTIC") as u64;
+    assert_eq!(led + count(&crowd, "COALESCED") as u64, 100, "{:?}", crowd.iter().map(Resp::cache).collect::<Vec<_>>());
+    assert_eq!(s.mock.mock.embeddings() - before, led, "one embedding per flight");
+    assert!(crowd.iter().all(|r| content(r) == content(&crowd[0])));
+    assert!(s.crashes().is_empty(), "{:?}", s.crashes());
+}

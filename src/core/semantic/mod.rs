@@ -1,0 +1,40 @@
+//! The semantic tier: a deterministic request that missed the exact cache may take the
+//! stored answer of a paraphrase. Everything that changes the answer except the last user
+//! message's text must match exactly (its `partition`); that text is compared by the cosine
+//! similarity of its embedding, which HolySheep's `/v1/embeddings` computes once per
+//! flight. The vectors live in bounded shared data, and point at exact cache entries: a
+//! semantic answer is never older, nor kept longer, than the exact answer it is.
+
+mod index;
+mod probe;
+mod vector;
+
+pub use index::{find, learn, page_count, Found, Similar, WAYS};
+pub use probe::{probe, Probe};
+pub use vector::{embedding_body, parse_embedding, Embedding, Vector, MAX_DIMENSIONS};
+
+use super::config::{Config, Role};
+use super::engine::{CacheStatus, Call};
+
+/// The response header with the similarity of the question a SEMANTIC answer answered.
+pub const SIMILARITY_HEADER: &str = "x-holysheep-similarity";
+
+/// The path of the embedding call.
+pub const EMBEDDINGS_PATH: &str = "/v1/embeddings";
+
+/// What a flight that looked for a paraphrase keeps for its end: its partition and the
+/// question's vector, which join the index once its answer is stored.
+#[derive(Debug, Clone)]
+pub struct Learned {
+    pub partition: [u8; 32],
+    pub vector: Vector,
+}
+
+/// Whether a call looks for a paraphrase before it goes upstream: the tier is on, this
+/// node owns its answers, the call leads a flight of a MISS that read the cache and may
+/// store its answer, and the request takes part (`probe`).
+pub fn wanted<'a>(config: &Config, call: &Call, probe: Option<&'a Probe>) -> Option<&'a Probe> {
+    let leads_a_miss = call.lease.is_some() && call.label == CacheStatus::Miss;
+    let ok = config.semantic.enabled && config.role == Role::Owner && leads_a_miss && call.policy.read && call.store;
+    probe.filter(|_| ok)
+}

@@ -106,14 +106,15 @@ pub fn render_edge(ports: (u16, u16), shields: &[u16], config: &str) -> io::Resu
 
 /// Starts an Envoy with `--concurrency 2` and the fleet's secret on each rendered file, all
 /// at once.
-fn spawn_all(yamls: Vec<String>) -> Vec<Envoy> {
+fn spawn_all(yamls: Vec<String>, api_key: Option<&str>) -> Vec<Envoy> {
     std::thread::scope(|scope| {
         let started: Vec<_> = yamls
             .into_iter()
             .map(|yaml| {
                 scope.spawn(move || {
                     let dir = Envoy::new_dir().expect("dir");
-                    let env = [("HOLYSHEEP_PEER_SECRET", SECRET.to_owned())];
+                    let mut env = vec![("HOLYSHEEP_PEER_SECRET", SECRET.to_owned())];
+                    env.extend(api_key.map(|k| ("HOLYSHEEP_API_KEY", k.to_owned())));
                     Envoy::spawn_in(Slots::none(), dir, &yaml, 2, &env).expect("envoy starts")
                 })
             })
@@ -136,8 +137,14 @@ impl Fleet {
     /// Two tiers: `edges` edge nodes in front of `shields` fleet nodes (one tier when
     /// `edges` is 0), every edge's ring holding the shields' owner listeners.
     pub fn tiers(edges: usize, shields: usize, config: &str, latency_ms: u64) -> Fleet {
+        Fleet::keyed(edges, shields, config, latency_ms, None)
+    }
+
+    /// `tiers` with the operator's key `api_key` in every node's environment (and required
+    /// by the mock).
+    pub fn keyed(edges: usize, shields: usize, config: &str, latency_ms: u64, api_key: Option<&str>) -> Fleet {
         let slots = Slots::take(edges + shields);
-        let mock = Running::start(None, latency_ms).expect("mock starts");
+        let mock = Running::start(api_key, latency_ms).expect("mock starts");
         // The nodes must know each other's ports beforehand.
         let free = crate::ports::free(3 * shields + 2 * edges).expect("free ports");
         let ports: Vec<(u16, u16, u16)> = free.chunks(3).take(shields).map(|p| (p[0], p[1], p[2])).collect();
@@ -146,7 +153,7 @@ impl Fleet {
         let mut yamls: Vec<String> =
             ports.iter().map(|&p| render(p, &owners, mock.addr.port(), config).expect("template")).collect();
         yamls.extend(edge_ports.iter().map(|&p| render_edge(p, &owners, config).expect("template")));
-        let mut envoys = spawn_all(yamls).into_iter();
+        let mut envoys = spawn_all(yamls, api_key).into_iter();
         let nodes = ports
             .iter()
             .zip(envoys.by_ref())

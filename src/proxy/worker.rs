@@ -382,12 +382,14 @@ impl Worker {
         call.lease.map(|l| (l.key, watched))
     }
 
-    /// A forward node's call goes on to the key's owner node (which recomputes the key) on
+    /// A forward node's call goes on to the key's owner node (which recomputes the key; a
+    /// request of the semantic tier goes to its partition's owner instead) on
     /// the http context `context_id` (the current one): keyed for the route, a stream's
     /// body asking for the usage event so that a copy of it is whole (the tee takes the
     /// event out again for a client that did not ask). Its answer is teed on its way back.
     pub fn hop(&mut self, context_id: u32, call: Call, outbound: Rc<Outbound>) {
-        let _ = hostcalls::set_map_value(MapType::HttpRequestHeaders, KEY_HEADER, Some(call.key.hex()));
+        let route = semantic::route(&self.config, &call.key, outbound.semantic.as_ref());
+        let _ = hostcalls::set_map_value(MapType::HttpRequestHeaders, KEY_HEADER, Some(&route));
         if outbound.stream && !outbound.include_usage {
             let body = request::for_upstream(&outbound.body, &outbound.model, true, None);
             let length = body.len().to_string();
@@ -434,10 +436,7 @@ impl Worker {
     /// A flight that looked for a paraphrase of its question and found none adds the
     /// question to the semantic index, once its answer is stored under `key`.
     pub fn learn(&self, learned: Option<&Learned>, ended: &Ended, key: &Key, now: u64) {
-        let stored = ended.reply.fresh_s.is_some() && ended.reply.response.status == 200;
-        if let Some(l) = learned.filter(|_| stored) {
-            semantic::learn(&SharedData, &self.config, &l.partition, &l.vector, key, now);
-        }
+        semantic::keep(&SharedData, &self.config, learned, &ended.reply, key, now);
     }
 
     /// Counts a flight's answer stored over another key's fresh one.

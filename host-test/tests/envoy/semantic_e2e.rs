@@ -163,3 +163,32 @@ fn request_directives_are_honoured_and_a_crowd_embeds_once_per_flight() {
     assert!(crowd.iter().all(|r| content(r) == content(&crowd[0])));
     assert!(s.crashes().is_empty(), "{:?}", s.crashes());
 }
+
+#[test]
+fn in_a_fleet_a_paraphrase_through_any_node_meets_its_question() {
+    let fleet = host_test::fleet::Fleet::keyed(0, 3, &config(""), 0, Some(OPERATOR_KEY));
+    let publics = fleet.publics();
+    let calls = fleet.calls();
+    let on = |i: usize, question: &str| {
+        let body = ask("gpt-4.1", SYSTEM, &[], question).to_string();
+        host_test::client::request(
+            publics[i],
+            "POST",
+            host_test::stack::PATH,
+            &[("authorization", "Bearer a")],
+            body.as_bytes(),
+        )
+        .expect("answer")
+    };
+    let first = on(0, ASKED);
+    assert_eq!((first.status, first.cache()), (200, "MISS"), "{}", first.text());
+    // Each paraphrase has a key of its own, owned by any node: the partition routes them.
+    for (i, paraphrase) in
+        [(1, PARAPHRASE), (2, "The capital of France is what?"), (0, "WHAT IS THE CAPITAL OF FRANCE")]
+    {
+        let r = on(i, paraphrase);
+        assert_eq!((r.cache(), content(&r)), ("SEMANTIC", content(&first)), "{paraphrase} through node {i}");
+    }
+    assert_eq!(fleet.calls() - calls, 1, "one chat call for the fleet");
+    assert!(fleet.crashes().is_empty(), "{:?}", fleet.crashes());
+}

@@ -386,3 +386,25 @@ fn the_component_keeps_the_reserve_from_sheddable_calls_as_the_plugin_does() {
     assert_eq!((bad.status, bad.json()["error"]["code"].as_str()), (400, Some("invalid_priority")));
     assert_eq!(mock.mock.calls(), 2);
 }
+
+#[test]
+fn the_component_answers_a_paraphrase_from_its_question_and_a_failed_embedding_as_a_miss() {
+    let key = "sk-operator-component-semantic";
+    let mock = Running::start(Some(key), 0).expect("mock");
+    let s = serve_keyed(&mock, r#"{"semantic":{"enabled":true}}"#, key);
+    let ask =
+        |q: &str| format!(r#"{{"model":"gpt-4.1","temperature":0,"messages":[{{"role":"user","content":"{q}"}}]}}"#);
+    let first = post(&s, &ask("What is the capital of France?"), &[]);
+    assert_eq!((first.status, first.cache()), (200, "MISS"), "{}", first.text());
+    let same = post(&s, &ask("what is the capital of france"), &[]);
+    assert_eq!((same.cache(), same.header("x-holysheep-similarity")), ("SEMANTIC", Some("1.0000")), "{}", same.text());
+    assert_eq!(same.json()["choices"], first.json()["choices"]);
+    let streamed = ask("The capital of France is what?").replacen('{', r#"{"stream":true,"#, 1);
+    let events = post(&s, &streamed, &[]);
+    assert_eq!(events.cache(), "SEMANTIC");
+    assert!(events.text().ends_with("data: [DONE]\n\n"), "{}", events.text());
+    mock.mock.plan_embeddings(vec![Fault { status: Some(500), ..Fault::default() }]);
+    let failed = post(&s, &ask("Name the largest ocean."), &[]);
+    assert_eq!((failed.status, failed.cache()), (200, "MISS"));
+    assert_eq!((mock.mock.calls(), mock.mock.embeddings()), (2, 4));
+}

@@ -14,11 +14,14 @@ use crate::core::engine::{Call, Reply};
 use crate::core::error::ApiError;
 use crate::core::limits::ProviderHints;
 use crate::core::request::CHAT_PATH;
+use crate::core::semantic::{self, Embedding, EMBEDDINGS_PATH};
 use crate::core::stream;
 use crate::core::upstream::{self, Outbound};
 
 /// The most bytes read from one HolySheep answer.
 const MAX_UPSTREAM_BODY: usize = 16 * 1024 * 1024;
+/// The most bytes read from one embedding answer (3 072 floats as JSON are about 60 KB).
+const MAX_EMBEDDING_BODY: usize = 1024 * 1024;
 /// Request headers never forwarded (hop-by-hop, or set by the gateway).
 const NOT_FORWARDED: [&str; 8] =
     ["host", "connection", "keep-alive", "proxy-connection", "transfer-encoding", "upgrade", "te", "content-length"];
@@ -52,25 +55,53 @@ impl Gateway {
     ) -> (Option<Response>, ProviderHints) {
         let status = response.status();
         let headers = host::header_pairs(&response.headers());
-        let Ok(body) = response.consume() else { return (None, ProviderHints::default()) };
-        let read = body.stream().ok().and_then(|from| {
-            let mut bytes = Vec::new();
-            loop {
-                match host::read_chunk(&from, deadline_ms, self.config.tick_ms(), &mut || self.renew(call)) {
-                    Ok(Some(chunk)) if bytes.len() + chunk.len() <= MAX_UPSTREAM_BODY => bytes.extend(chunk),
-                    Ok(None) => return Some(bytes),
-                    Ok(Some(_)) | Err(_) => return None,
-                }
-            }
-        });
-        drop(IncomingBody::finish(body));
-        match read {
+        match self.read_whole(response, call, deadline_ms, MAX_UPSTREAM_BODY) {
             Some(bytes) => {
                 let (r, hints) = upstream::response(status, &headers, bytes, outbound.sent(self.bearer.is_some()));
                 (Some(r), hints)
             }
             None => (None, ProviderHints::default()),
         }
+    }
+
+    /// A response's whole body, at most `max` bytes, read by `deadline_ms` while renewing
+    /// the lease of `call`.
+    fn read_whole(&self, response: IncomingResponse, call: &Call, deadline_ms: u64, max: usize) -> Option<Vec<u8>> {
+        let body = response.consume().ok()?;
+        let read = body.stream().ok().and_then(|from| {
+            let mut bytes = Vec::new();
+            loop {
+                match host::read_chunk(&from, deadline_ms, self.config.tick_ms(), &mut || self.renew(call)) {
+                    Ok(Some(chunk)) if bytes.len() + chunk.len() <= max => bytes.extend(chunk),
+                    Ok(None) => return Some(bytes),
+                    Ok(Some(_)) | Err(_) => return None,
+                }
+            }
+        });
+        drop(IncomingBody::finish(body));
+        read
+    }
+
+    /// The embedding of the question of `call`'s request, asked of HolySheep with the
+    /// operator's key (`bearer`) within `semantic.timeout_ms`; `None` on any failure.
+    pub(super) fn embed(&self, call: &Call, text: &str, bearer: &str) -> Option<Embedding> {
+        let body = semantic::embedding_body(&self.config, text);
+        let headers: Vec<(String, String)> = [
+            ("content-type", "application/json"),
+            ("accept", "application/json"),
+            ("user-agent", upstream::USER_AGENT),
+            ("authorization", bearer),
+            ("content-length", &body.len().to_string()),
+        ]
+        .iter()
+        .map(|(n, v)| ((*n).to_owned(), (*v).to_owned()))
+        .collect();
+        let deadline = host::now_ms().saturating_add(self.config.semantic.timeout_ms);
+        let request = self.outgoing(Method::Post, EMBEDDINGS_PATH, &headers)?;
+        let response = self.send(request, Body::Bytes(&body), deadline, &mut || self.renew(call))?;
+        let status = response.status();
+        let bytes = self.read_whole(response, call, deadline, MAX_EMBEDDING_BODY)?;
+        semantic::parse_embedding(&self.config, status, &bytes)
     }
 
     /// Sends one call to HolySheep for `model` (with its `content-length`) and waits for

@@ -6,6 +6,7 @@
 
 mod calls;
 mod instance;
+mod semantic;
 
 use super::host::{self, BodyError, Kv};
 use super::wasi::http::types::{
@@ -16,9 +17,11 @@ use crate::core::error::ApiError;
 use crate::core::flight::{Action, Flight};
 use crate::core::intake::{self, Decision, Head, Route};
 use crate::core::limits::ProviderHints;
+use crate::core::semantic::Learned;
 use crate::core::stream::{self, Reassembler};
 use crate::core::upstream::{self, Outbound};
 use instance::Gateway;
+use semantic::Looked;
 
 pub fn handle(request: IncomingRequest, out: ResponseOutparam) {
     let gateway = match instance::gateway() {
@@ -118,8 +121,7 @@ impl Gateway {
         loop {
             step = match step {
                 Step::Reply(r) => return self.answer(out, r, outbound),
-                Step::Call(call) if outbound.stream => return self.fly_stream(call, outbound, out),
-                Step::Call(call) => return self.answer(out, self.fly(call, outbound), outbound),
+                Step::Call(call) => return self.lead(call, outbound, out),
                 Step::Wait(wait) => {
                     host::sleep_ms(poll_delay_ms(polls));
                     polls += 1;
@@ -129,8 +131,29 @@ impl Gateway {
         }
     }
 
+    /// A leader's call: answered from a paraphrase when the semantic tier finds one, else
+    /// its flight (which teaches the index its question when it looked).
+    fn lead(&self, call: Call, outbound: &Outbound, out: ResponseOutparam) {
+        let (call, learned) = match self.look_for_paraphrase(call, outbound) {
+            Looked::Answered(reply) => return self.answer(out, reply, outbound),
+            Looked::Go(call, learned) => (call, learned),
+        };
+        if outbound.stream {
+            return self.fly_stream(call, learned, outbound, out);
+        }
+        self.answer(out, self.fly(call, learned.as_ref(), outbound), outbound)
+    }
+
+    /// The call's answer shared (cache and waiters), and its question learned.
+    fn complete(&self, call: &Call, outcome: Option<crate::core::cache::Response>, learned: Option<&Learned>) -> Reply {
+        let now = host::now_ms();
+        let reply = self.engine().complete(call, outcome, now);
+        crate::core::semantic::keep(&self.kv, &self.config, learned, &reply, &call.key, now);
+        reply
+    }
+
     /// Performs one flight: attempts, backoff, failover, then completes the call.
-    fn fly(&self, call: Call, outbound: &Outbound) -> Reply {
+    fn fly(&self, call: Call, learned: Option<&Learned>, outbound: &Outbound) -> Reply {
         let mut flight = Flight::new(&self.config, call, outbound);
         let mut action = flight.resume(&self.kv, &self.config, host::now_ms(), host::nonce());
         loop {
@@ -141,7 +164,7 @@ impl Gateway {
                 }
                 Action::Ask { .. } => self.without_owner(&mut flight),
                 Action::Sleep { until_ms } => self.back_off(&mut flight, until_ms),
-                Action::Finish(outcome) => return self.engine().complete(&flight.call, outcome, host::now_ms()),
+                Action::Finish(outcome) => return self.complete(&flight.call, outcome, learned),
             }
         }
     }
@@ -163,7 +186,7 @@ impl Gateway {
 
     /// A stream's flight: like `fly` until HolySheep starts an event stream (errors before
     /// it are retried, failed over and answered as JSON); then the events are relayed.
-    fn fly_stream(&self, call: Call, outbound: &Outbound, out: ResponseOutparam) {
+    fn fly_stream(&self, call: Call, learned: Option<Learned>, outbound: &Outbound, out: ResponseOutparam) {
         let mut flight = Flight::new(&self.config, call, outbound);
         let mut action = flight.resume(&self.kv, &self.config, host::now_ms(), host::nonce());
         loop {
@@ -186,7 +209,7 @@ impl Gateway {
                         && host::header(&response.headers(), "content-type")
                             .is_some_and(|t| stream::is_event_stream(&t));
                     if events {
-                        return self.relay(flight, outbound, response, out);
+                        return self.relay(flight, learned.as_ref(), outbound, response, out);
                     }
                     let (outcome, hints) = self.read_answer(response, &flight.call, outbound, deadline);
                     flight.on_response(&self.kv, &self.config, outcome, &hints, host::now_ms(), host::nonce())
@@ -194,7 +217,7 @@ impl Gateway {
                 Action::Ask { .. } => self.without_owner(&mut flight),
                 Action::Sleep { until_ms } => self.back_off(&mut flight, until_ms),
                 Action::Finish(outcome) => {
-                    let r = self.engine().complete(&flight.call, outcome, host::now_ms());
+                    let r = self.complete(&flight.call, outcome, learned.as_ref());
                     return self.answer(out, r, outbound);
                 }
             }
@@ -205,7 +228,14 @@ impl Gateway {
     /// unless asked for) while reassembling them; then shares a finished answer (cache and
     /// waiters) or, for a stream cut off, gives the lease up so a waiter leads anew. A
     /// client that leaves does not stop the reading: its waiters still get the answer.
-    fn relay(&self, mut flight: Flight, outbound: &Outbound, response: IncomingResponse, out: ResponseOutparam) {
+    fn relay(
+        &self,
+        mut flight: Flight,
+        learned: Option<&Learned>,
+        outbound: &Outbound,
+        response: IncomingResponse,
+        out: ResponseOutparam,
+    ) {
         let call = flight.call.clone();
         let mut headers = vec![
             ("content-type".to_owned(), stream::CONTENT_TYPE.to_owned()),
@@ -254,7 +284,7 @@ impl Gateway {
         flight.on_stream_end(&self.kv, &self.config, events.usage(), cut_off, 1, &hints, now);
         match events.completion().filter(|_| complete) {
             Some(answer) => {
-                self.engine().complete(&call, Some(answer), now);
+                self.complete(&call, Some(answer), learned);
             }
             None => {
                 self.engine().abandon(&call);

@@ -14,7 +14,9 @@ pub use probe::{probe, Probe};
 pub use vector::{embedding_body, parse_embedding, Embedding, Vector, MAX_DIMENSIONS};
 
 use super::config::{Config, Role};
-use super::engine::{CacheStatus, Call};
+use super::engine::{CacheStatus, Call, Reply};
+use super::request::Key;
+use super::store::CasStore;
 
 /// The response header with the similarity of the question a SEMANTIC answer answered.
 pub const SIMILARITY_HEADER: &str = "x-holysheep-similarity";
@@ -37,4 +39,23 @@ pub fn wanted<'a>(config: &Config, call: &Call, probe: Option<&'a Probe>) -> Opt
     let leads_a_miss = call.lease.is_some() && call.label == CacheStatus::Miss;
     let ok = config.semantic.enabled && config.role == Role::Owner && leads_a_miss && call.policy.read && call.store;
     probe.filter(|_| ok)
+}
+
+/// What a forward node routes a call by (`x-holysheep-key`, hashed on the owners' ring):
+/// a request that takes part in the semantic tier goes to its partition's owner, where its
+/// paraphrases' vectors are; any other to its key's.
+pub fn route(config: &Config, key: &Key, probe: Option<&Probe>) -> String {
+    match probe.filter(|_| config.semantic.enabled) {
+        Some(p) => p.partition.iter().map(|b| format!("{b:02x}")).collect(),
+        None => key.hex().to_owned(),
+    }
+}
+
+/// After a flight that looked for a paraphrase of its question and found none: the
+/// question joins the index once its answer (`reply`) is stored under `key`.
+pub fn keep(store: &impl CasStore, config: &Config, learned: Option<&Learned>, reply: &Reply, key: &Key, now_ms: u64) {
+    let stored = reply.fresh_s.is_some() && reply.response.status == 200;
+    if let Some(l) = learned.filter(|_| stored) {
+        learn(store, config, &l.partition, &l.vector, key, now_ms);
+    }
 }

@@ -1,0 +1,30 @@
+//! A leader's look for a paraphrase before its flight, as in the Envoy shell: the
+//! question's embedding (`Gateway::embed`), then the semantic index; a close paraphrase's
+//! fresh answer ends the flight (SEMANTIC), anything else lets it go upstream.
+
+use super::instance::Gateway;
+use crate::component::host;
+use crate::core::engine::{Call, Reply};
+use crate::core::semantic::{self, Learned};
+use crate::core::upstream::Outbound;
+
+/// What the look came to.
+pub(super) enum Looked {
+    /// A paraphrase's answer.
+    Answered(Reply),
+    /// The call goes upstream, with the question's vector when it was embedded.
+    Go(Call, Option<Learned>),
+}
+
+impl Gateway {
+    pub(super) fn look_for_paraphrase(&self, call: Call, outbound: &Outbound) -> Looked {
+        let probe = semantic::wanted(&self.config, &call, outbound.semantic.as_ref());
+        let (Some(probe), Some(bearer)) = (probe, self.bearer.as_deref()) else { return Looked::Go(call, None) };
+        let Some(embedding) = self.embed(&call, &probe.text, bearer) else { return Looked::Go(call, None) };
+        let found = semantic::find(&self.kv, &self.config, &probe.partition, &embedding.vector);
+        match self.engine().end_similar(&call, &found.matches, host::now_ms()) {
+            Some(ended) => Looked::Answered(ended.reply),
+            None => Looked::Go(call, Some(Learned { partition: probe.partition, vector: embedding.vector })),
+        }
+    }
+}

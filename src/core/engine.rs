@@ -322,7 +322,8 @@ impl<S: CasStore> Engine<'_, S> {
         })?;
         let age_s = Some(entry.age_ms(now_ms) / 1000);
         let response = entry.response.with_header(SIMILARITY_HEADER, format!("{similarity:.4}"));
-        let watched = self.finish_lease(call, &response, now_ms, None, false);
+        // Dated when the answer was produced: a waiter's own directives may refuse it.
+        let watched = self.finish_lease(call, &response, now_ms, Some(entry.stored_at_ms), false);
         let cache = Some(CacheStatus::Semantic);
         let reply = Reply { response, cache, key: Some(call.key.clone()), age_s, fresh_s: None };
         Some(Ended { reply, watched, evicted: false })
@@ -549,9 +550,13 @@ struct Done {
 }
 
 /// A finished flight's answer for a request that shared it: COALESCED, or STALE with the
-/// stale answer's own age (`None` when the request's directives refuse it).
+/// stale answer's own age (`None` when the request's directives refuse it). An answer the
+/// flight did not produce (a stale one, or a paraphrase's, which carries its similarity) is
+/// dated when it was, and is refused by `no-cache` and a `max-age` it exceeds.
 fn shared(key: &Key, response: Response, done: Done, policy: Policy, now_ms: u64) -> Option<Reply> {
+    let paraphrase = response.header(SIMILARITY_HEADER).is_some();
     let (cache, produced_ms) = match done.stale_from_ms {
+        Some(t) if paraphrase => (CacheStatus::Coalesced, t),
         Some(t) => (CacheStatus::Stale, t),
         None => (CacheStatus::Coalesced, done.at_ms),
     };
@@ -827,7 +832,24 @@ mod tests {
         assert!(ended.watched);
         let shared = expect_reply(e.poll(&waiter, 3_600, 4));
         assert_eq!((shared.cache, &shared.response.body), (Some(CacheStatus::Coalesced), &r.response.body));
+        assert_eq!(shared.age_s, Some(2), "the age of the answer it is");
         assert!(matches!(e.admit(&k(2), READ, 9_000, 5), Step::Call(_)), "the paraphrase's own key holds nothing");
+    }
+
+    #[test]
+    fn a_waiter_whose_directives_refuse_a_paraphrases_answer_leads_its_own_flight() {
+        let (s, c) = (MemStore::new(), Config::default());
+        let e = Engine { store: &s, config: &c };
+        let asked = expect_call(e.admit(&k(1), READ, 0, 1));
+        e.complete(&asked, ok("{}"), 0);
+        let paraphrase = expect_call(e.admit(&k(2), READ, 9_000, 2));
+        let no_cache = expect_wait(e.admit(&k(2), Policy { read: false, ..READ }, 9_001, 3));
+        let young = expect_wait(e.admit(&k(2), Policy { max_age: Some(5), ..READ }, 9_001, 4));
+        let fine = expect_wait(e.admit(&k(2), READ, 9_001, 5));
+        e.end_similar(&paraphrase, &[Similar { key: k(1), similarity: 0.96 }], 9_010).expect("fresh");
+        assert!(expect_call(e.poll(&no_cache, 9_020, 6)).lease.is_some(), "no-cache: leads a flight of its own");
+        assert_eq!(expect_wait(e.poll(&young, 9_020, 7)).nonce, 6, "max-age=5: waits for that flight instead");
+        assert_eq!(expect_reply(e.poll(&fine, 9_020, 8)).age_s, Some(9));
     }
 
     #[test]

@@ -237,20 +237,25 @@ pub fn for_event<'a>(config: &'a Config, event: &'a Event) -> Vec<(&'a str, Coun
 }
 
 /// What one look for a paraphrase adds to the counters of `model` (the chat model): the
-/// embedding call, billed `tokens` (`None`: it gave no vector) at the embedding model's
-/// prices, and whether the partition held only questions not close enough.
+/// embedding call when it was `sent`, the `tokens` it was billed (`None`: it gave no
+/// vector) at the embedding model's prices (`semantic::cost_micro_usd`), and whether the
+/// partition held only questions not close enough.
 pub fn for_embedding<'a>(
     config: &'a Config,
     model: &'a str,
+    sent: bool,
     tokens: Option<u64>,
     near_miss: bool,
 ) -> Vec<(&'a str, Counter, u64)> {
     let l = label(config, model);
-    let mut out = vec![(l, Counter::EmbeddingCalls, 1)];
+    let mut out = Vec::with_capacity(3);
+    if sent {
+        out.push((l, Counter::EmbeddingCalls, 1));
+    }
     match tokens {
         None => out.push((l, Counter::EmbeddingFailures, 1)),
         Some(t) => {
-            let cost = config.cost_micro_usd(&config.semantic.embedding_model, t, 0);
+            let cost = super::semantic::cost_micro_usd(config, t);
             out.extend([(l, Counter::EmbeddingTokens, t), (l, Counter::EmbeddingCostMicroUsd, cost)]);
         }
     }
@@ -328,8 +333,8 @@ impl LastUsage {
     }
 }
 
-/// What one answer to a client adds: its cache status, and for HIT and COALESCED answers
-/// the cost of the original usage, saved.
+/// What one answer to a client adds: its cache status, and for HIT, COALESCED and SEMANTIC
+/// answers the cost of the original usage, saved.
 pub fn for_reply<'a>(
     config: &'a Config,
     requested_model: &'a str,

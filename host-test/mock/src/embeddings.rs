@@ -45,8 +45,8 @@ pub fn similarity(a: &str, b: &str, dims: usize) -> f32 {
     embed(a, dims).iter().zip(embed(b, dims)).map(|(x, y)| x * y).sum()
 }
 
-/// The answer to an embeddings request: OpenAI's list shape, one token per word in
-/// `usage`; `Err` with a message for a request OpenAI would refuse (400).
+/// The answer to an embeddings request: OpenAI's list shape, one token per distinct word
+/// of each input (at least one) in `usage`; `Err` with a message for a request OpenAI would refuse (400).
 pub fn answer(req: &Value) -> Result<Value, String> {
     let model = req["model"].as_str().ok_or("missing required parameter: 'model'")?;
     let inputs: Vec<&str> = match &req["input"] {

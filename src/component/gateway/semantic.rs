@@ -20,7 +20,10 @@ impl Gateway {
     pub(super) fn look_for_paraphrase(&self, call: Call, outbound: &Outbound) -> Looked {
         let probe = semantic::wanted(&self.config, &call, outbound.semantic.as_ref());
         let (Some(probe), Some(bearer)) = (probe, self.bearer.as_deref()) else { return Looked::Go(call, None) };
-        let Some(embedding) = self.embed(&call, &probe.text, bearer) else { return Looked::Go(call, None) };
+        let embedding = self.embed(&call, &probe.text, bearer);
+        // The flight's own time (its deadline, its wait for a bucket) starts now.
+        let call = Call { started_ms: host::now_ms(), ..call };
+        let Some(embedding) = embedding else { return Looked::Go(call, None) };
         let found = semantic::find(&self.kv, &self.config, &probe.partition, &embedding.vector);
         match self.engine().end_similar(&call, &found.matches, host::now_ms()) {
             Some(ended) => Looked::Answered(ended.reply),

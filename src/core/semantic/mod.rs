@@ -41,6 +41,14 @@ pub fn wanted<'a>(config: &Config, call: &Call, probe: Option<&'a Probe>) -> Opt
     probe.filter(|_| ok)
 }
 
+/// Micro-dollars an embedding call billed `tokens` costs: at the embedding model's own
+/// prices in `models`, and nothing when it is not listed there (`models.default` holds a
+/// chat model's prices, no embedding model's).
+pub fn cost_micro_usd(config: &Config, tokens: u64) -> u64 {
+    let model = &config.semantic.embedding_model;
+    config.models.get(model).map_or(0, |m| (tokens as f64 * m.usd_per_mtok_input).round() as u64)
+}
+
 /// What a forward node routes a call by (`x-holysheep-key`, hashed on the owners' ring):
 /// a request that takes part in the semantic tier goes to its partition's owner, where its
 /// paraphrases' vectors are; any other to its key's.

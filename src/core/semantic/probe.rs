@@ -17,12 +17,14 @@ pub struct Probe {
 }
 
 /// The request's probe, when it takes part: its model is covered, it is deterministic
-/// (temperature 0 or a seed, one choice), it offers no tools unless `allow_tools`, and it
-/// ends with a user message of text. `scope` is its tenant scope, as in its key.
+/// (temperature 0 or a seed, one choice), asks for no log probabilities, offers no tools
+/// unless `allow_tools`, and ends with a user message of text. `scope` is its tenant scope, as in its key.
 pub fn probe(config: &Config, map: &Map<String, Value>, scope: &str, deterministic: bool) -> Option<Probe> {
     let s = &config.semantic;
     let model = map.get("model").and_then(Value::as_str)?;
-    if !deterministic || !s.covers(model) || (!s.allow_tools && offers_tools(map)) {
+    // Log probabilities are the stored question's, not this one's.
+    let logprobs = map.get("logprobs").is_some_and(|l| l.as_bool() == Some(true));
+    if !deterministic || logprobs || !s.covers(model) || (!s.allow_tools && offers_tools(map)) {
         return None;
     }
     let messages = map.get("messages").and_then(Value::as_array)?;
@@ -155,7 +157,16 @@ mod tests {
         image["messages"][1]["content"] = json!([{"type": "image_url", "image_url": {"url": "x"}}]);
         let mut assistant_last = chat("s", "q");
         assistant_last["messages"][1]["role"] = json!("assistant");
-        for (what, body) in [("warm", warm), ("tools", tools), ("image", image), ("assistant last", assistant_last)] {
+        let mut logprobs = chat("s", "q");
+        logprobs["logprobs"] = json!(true);
+        let cases = [
+            ("warm", warm),
+            ("tools", tools),
+            ("image", image),
+            ("assistant last", assistant_last),
+            ("logprobs", logprobs),
+        ];
+        for (what, body) in cases {
             assert!(probe_of(body, "t").is_none(), "{what}");
         }
         let mut parts = chat("s", "q");

@@ -49,7 +49,7 @@ impl Root {
                 let cluster = &config.upstream.cluster;
                 let why = format!("holysheep: embedding callout to cluster '{cluster}' refused: {status:?}");
                 host::log(LogLevel::Error, &why);
-                self.count_embedding(&probing, None, false);
+                self.count_embedding(&probing, false, None, false);
                 self.start(probing, None, Spent::default());
             }
         }
@@ -59,18 +59,20 @@ impl Root {
     /// or its flight starts, with its question's vector to learn. `false` when `token` was
     /// not an embedding call.
     pub(super) fn on_embedding(&mut self, token: u32, num_headers: usize, body_size: usize) -> bool {
-        let Some(probing) = self.worker.borrow_mut().runs.probing.remove(&token) else { return false };
+        let Some(mut probing) = self.worker.borrow_mut().runs.probing.remove(&token) else { return false };
         let config = self.worker.borrow().config.clone();
         let embedding = embedding_answer(&config, num_headers, body_size);
+        let now = host::now_ms();
+        // The flight's own time (its deadline, its wait for a bucket) starts now.
+        probing.call.started_ms = now;
         let (Some(probe), Some(Embedding { vector, tokens })) = (probing.outbound.semantic.as_ref(), embedding) else {
-            self.count_embedding(&probing, None, false);
+            self.count_embedding(&probing, true, None, false);
             self.start(probing, None, Spent::default());
             return true;
         };
-        let now = host::now_ms();
         let found = semantic::find(&SharedData, &config, &probe.partition, &vector);
-        self.count_embedding(&probing, Some(tokens), found.near_miss());
-        let cost = config.cost_micro_usd(&config.semantic.embedding_model, tokens, 0);
+        self.count_embedding(&probing, true, Some(tokens), found.near_miss());
+        let cost = semantic::cost_micro_usd(&config, tokens);
         let spent = Spent { cost_micro_usd: cost, ..Spent::default() };
         let ended = self.worker.borrow().engine().end_similar(&probing.call, &found.matches, now);
         let Some(ended) = ended else {
@@ -84,11 +86,12 @@ impl Root {
         true
     }
 
-    /// Counts an embedding call for the request's model (and tenant).
-    fn count_embedding(&self, probing: &Probing, tokens: Option<u64>, near_miss: bool) {
+    /// Counts an embedding call (`sent`, or refused by the host) for the request's model
+    /// (and tenant).
+    fn count_embedding(&self, probing: &Probing, sent: bool, tokens: Option<u64>, near_miss: bool) {
         let w = self.worker.borrow();
-        let out = &probing.outbound;
-        w.counters.count(metrics::for_embedding(&w.config, &out.model, tokens, near_miss), out.tenant.as_deref());
+        let (out, config) = (&probing.outbound, &w.config);
+        w.counters.count(metrics::for_embedding(config, &out.model, sent, tokens, near_miss), out.tenant.as_deref());
     }
 }
 

@@ -18,12 +18,17 @@
 //!   (polling) followers;
 //! - a critical request's wait behind a backlog of sheddable ones (BENCH_BACKLOG, default
 //!   1000), with priority classes and in one first-come line (every request standard);
+//! - the semantic tier (its own Envoy beside one without it): a MISS with the tier on
+//!   (embedding, lookup, learning) vs an exact MISS, and a SEMANTIC answer (a paraphrase:
+//!   exact miss, embedding, lookup) vs an exact HIT, the lookup over a partition of one
+//!   question vs a full page of 64;
 //! - the plugin's and the component's sizes.
 //!
 //! Options (environment): BENCH_SECONDS (default 3), BENCH_CONNECTIONS (default 16),
 //! BENCH_ROUNDS (default 5: floor and plugin rows alternate; a row's median round is its
 //! line, and a ratio of two alternating rows is the median of their rounds' ratios),
-//! BENCH_ONLY=priority (only the backlog rows, into target/bench/priority/), BENCH_ONLY=crowd
+//! BENCH_ONLY=priority (only the backlog rows, into target/bench/priority/), BENCH_ONLY=semantic
+//! (only the semantic tier's rows, into target/bench/semantic/), BENCH_ONLY=crowd
 //! (only the followers' rows, into target/bench/crowd/), BENCH_ONLY=fleet (only the fleet
 //! node's rows, into target/bench/fleet/),
 //! BENCH_CROWD (default 1000 identical requests for the follower delay), BENCH_CROWD_ROUNDS
@@ -496,6 +501,11 @@ fn main() -> std::io::Result<()> {
         backlog_rows(&mut r)?;
         return r.write(&workspace_root().join("target/bench/priority"));
     }
+    if std::env::var("BENCH_ONLY").as_deref() == Ok("semantic") {
+        let mut r = Report::default();
+        semantic_rows(&mut r, rounds, (conns, secs))?;
+        return r.write(&workspace_root().join("target/bench/semantic"));
+    }
     if std::env::var("BENCH_ONLY").as_deref() == Ok("fleet") {
         let mut r = Report::default();
         fleet_rows(&mut r, rounds, (conns, secs), &prompt("benchmark prompt"))?;
@@ -717,6 +727,7 @@ fn main() -> std::io::Result<()> {
     backlog_rows(&mut r)?;
 
     drop(envoy);
+    semantic_rows(&mut r, rounds, (conns, secs))?;
     fleet_rows(&mut r, rounds, (conns, secs), &hit_prompt)?;
 
     println!();
@@ -781,6 +792,99 @@ fn fleet_rows(r: &mut Report, rounds: usize, (conns, secs): (usize, u64), hit_pr
     r.ratio("forward hop HIT / owner HIT p50", hop_p50, "");
     Ok(())
 }
+
+/// A chat body asking `question` under `system`, at temperature 0.
+fn asked(system: &str, question: &str) -> String {
+    serde_json::json!({"model": "gpt-4.1", "temperature": 0,
+        "messages": [{"role": "system", "content": system}, {"role": "user", "content": question}]})
+    .to_string()
+}
+
+/// A new paraphrase of "what is the capital of france" at each call: the same words (the
+/// mock's embedding ignores case), capitalised after the bits of a counter.
+fn paraphrases(system: &'static str) -> Arc<dyn Fn() -> String + Send + Sync> {
+    let n = Arc::new(AtomicU64::new(1));
+    Arc::new(move || {
+        let bits = n.fetch_add(1, Ordering::Relaxed);
+        let mut letter = 0;
+        let text: String = "what is the capital of france"
+            .chars()
+            .map(|c| {
+                if !c.is_alphabetic() {
+                    return c;
+                }
+                letter += 1;
+                if bits >> (letter - 1) & 1 == 1 {
+                    c.to_ascii_uppercase()
+                } else {
+                    c
+                }
+            })
+            .collect();
+        asked(system, &text)
+    })
+}
+
+/// The semantic tier, alternating in one run with an Envoy without it (same mock, the
+/// embedding model's own 1536 dimensions): MISS with the tier vs exact MISS, SEMANTIC vs
+/// exact HIT, and SEMANTIC in a partition of one question vs in one of a full page.
+fn semantic_rows(r: &mut Report, rounds: usize, (conns, secs): (usize, u64)) -> std::io::Result<()> {
+    let mock = Running::start(None, 0)?;
+    let plain = Envoy::start(&Options::new("{}", mock.addr))?;
+    let mut opts = Options::new(r#"{"semantic":{"enabled":true}}"#, mock.addr);
+    opts.api_key = Some("sk-bench-semantic".into());
+    let tier = Envoy::start(&opts)?;
+    let (one, full) = ("One question here.", "A full page here.");
+    let question = "What is the capital of France?";
+    for e in [&plain, &tier] {
+        request(e.edge, "POST", PATH, &[("authorization", "Bearer bench")], asked(one, question).as_bytes())?;
+    }
+    for i in 0..SEMANTIC_PAGE {
+        let other = if i == 0 { question.to_owned() } else { format!("Question number {i} about something else?") };
+        request(tier.edge, "POST", PATH, &[("authorization", "Bearer bench")], asked(full, &other).as_bytes())?;
+    }
+    let run = |addr: SocketAddr, body: Arc<dyn Fn() -> String + Send + Sync>, label: &'static str| {
+        expect_all(load(addr, conns, secs, body), label)
+    };
+    println!();
+    let rows = alternate(
+        rounds,
+        &mut [
+            &mut || run(plain.edge, unique_prompts("exact miss"), "MISS"),
+            &mut || run(tier.edge, unique_prompts("semantic miss"), "MISS"),
+            &mut || {
+                let same = asked(one, question);
+                run(plain.edge, Arc::new(move || same.clone()), "HIT")
+            },
+            &mut || run(tier.edge, paraphrases(one), "SEMANTIC"),
+            &mut || run(tier.edge, paraphrases(full), "SEMANTIC"),
+        ],
+    );
+    let [exact_miss, tier_miss, hit, semantic, semantic_full] = &rows[..] else { unreachable!("five rows") };
+    let ratios = [
+        ("MISS with the semantic tier / exact MISS throughput", paired(tier_miss, exact_miss, throughput)),
+        ("SEMANTIC / exact HIT throughput", paired(semantic, hit, throughput)),
+        ("SEMANTIC, full page / one question throughput", paired(semantic_full, semantic, throughput)),
+    ];
+    let mut medians = rows.into_iter().map(median);
+    for name in [
+        "exact MISS (tier off)",
+        "MISS with the semantic tier",
+        "exact HIT (tier off)",
+        "SEMANTIC, partition of one question",
+        "SEMANTIC, partition of 64 questions",
+    ] {
+        r.row(name, medians.next().expect("a row"));
+    }
+    for (what, value) in ratios {
+        r.ratio(what, value, "");
+    }
+    r.note(format!("semantic tier: mock embeddings answered {}", mock.mock.embeddings()));
+    Ok(())
+}
+
+/// Questions a full page of the semantic index holds (`semantic::WAYS`).
+const SEMANTIC_PAGE: usize = 64;
 
 /// The edge's access log (the bench's options always set one).
 fn log_of(opts: &Options) -> &Path {

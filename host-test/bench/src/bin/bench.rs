@@ -800,6 +800,16 @@ fn asked(system: &str, question: &str) -> String {
     .to_string()
 }
 
+/// A new question at each call, sharing no word with any other (the mock's embedding puts
+/// each word on one of its dimensions: questions that share a word or two can collide).
+fn unrelated_questions() -> Arc<dyn Fn() -> String + Send + Sync> {
+    let n = Arc::new(AtomicU64::new(0));
+    Arc::new(move || {
+        let i = n.fetch_add(1, Ordering::Relaxed);
+        prompt(&format!("q{i}a q{i}b q{i}c q{i}d q{i}e q{i}f"))
+    })
+}
+
 /// A new paraphrase of "what is the capital of france" at each call: the same words (the
 /// mock's embedding ignores case), capitalised after the bits of a counter.
 fn paraphrases(system: &'static str) -> Arc<dyn Fn() -> String + Send + Sync> {
@@ -830,34 +840,47 @@ fn paraphrases(system: &'static str) -> Arc<dyn Fn() -> String + Send + Sync> {
 /// exact HIT, and SEMANTIC in a partition of one question vs in one of a full page.
 fn semantic_rows(r: &mut Report, rounds: usize, (conns, secs): (usize, u64)) -> std::io::Result<()> {
     let mock = Running::start(None, 0)?;
-    let plain = Envoy::start(&Options::new("{}", mock.addr))?;
-    let mut opts = Options::new(r#"{"semantic":{"enabled":true}}"#, mock.addr);
+    // Room for every MISS of the rows: no answer a HIT or SEMANTIC row needs is evicted.
+    let cache = r#""cache":{"max_entries":400000}"#;
+    let plain = Envoy::start(&Options::new(&format!("{{{cache}}}"), mock.addr))?;
+    let mut opts = Options::new(&format!(r#"{{{cache},"semantic":{{"enabled":true}}}}"#), mock.addr);
     opts.api_key = Some("sk-bench-semantic".into());
     let tier = Envoy::start(&opts)?;
     let (one, full) = ("One question here.", "A full page here.");
     let question = "What is the capital of France?";
-    for e in [&plain, &tier] {
-        request(e.edge, "POST", PATH, &[("authorization", "Bearer bench")], asked(one, question).as_bytes())?;
-    }
-    for i in 0..SEMANTIC_PAGE {
-        let other = if i == 0 { question.to_owned() } else { format!("Question number {i} about something else?") };
-        request(tier.edge, "POST", PATH, &[("authorization", "Bearer bench")], asked(full, &other).as_bytes())?;
-    }
+    // The questions the HIT and SEMANTIC rows are answered from, asked again before each
+    // round (a page shared with the MISS row's partition may have let them go).
+    let warm = |e: &Envoy, system: &str, n: usize| -> std::io::Result<()> {
+        for i in 0..n {
+            let other = if i == 0 { question.to_owned() } else { format!("Question number {i} about something else?") };
+            request(e.edge, "POST", PATH, &[("authorization", "Bearer bench")], asked(system, &other).as_bytes())?;
+        }
+        Ok(())
+    };
     let run = |addr: SocketAddr, body: Arc<dyn Fn() -> String + Send + Sync>, label: &'static str| {
         expect_all(load(addr, conns, secs, body), label)
     };
+    // One sequence of new questions for all rounds: a later round's are new too.
+    let (exact_misses, tier_misses) = (unique_prompts("exact miss"), unrelated_questions());
     println!();
     let rows = alternate(
         rounds,
         &mut [
-            &mut || run(plain.edge, unique_prompts("exact miss"), "MISS"),
-            &mut || run(tier.edge, unique_prompts("semantic miss"), "MISS"),
+            &mut || run(plain.edge, exact_misses.clone(), "MISS"),
+            &mut || run(tier.edge, tier_misses.clone(), "MISS"),
             &mut || {
+                warm(&plain, one, 1).expect("warm");
                 let same = asked(one, question);
                 run(plain.edge, Arc::new(move || same.clone()), "HIT")
             },
-            &mut || run(tier.edge, paraphrases(one), "SEMANTIC"),
-            &mut || run(tier.edge, paraphrases(full), "SEMANTIC"),
+            &mut || {
+                warm(&tier, one, 1).expect("warm");
+                run(tier.edge, paraphrases(one), "SEMANTIC")
+            },
+            &mut || {
+                warm(&tier, full, SEMANTIC_PAGE).expect("warm");
+                run(tier.edge, paraphrases(full), "SEMANTIC")
+            },
         ],
     );
     let [exact_miss, tier_miss, hit, semantic, semantic_full] = &rows[..] else { unreachable!("five rows") };

@@ -64,13 +64,34 @@ pub fn answer(req: &Value) -> Result<Value, String> {
         None => DEFAULT_DIMENSIONS,
     };
     let tokens: usize = inputs.iter().map(|t| words(t).len().max(1)).sum();
+    let base64 = req["encoding_format"].as_str() == Some("base64");
     let data: Vec<Value> = inputs
         .iter()
         .enumerate()
-        .map(|(i, t)| json!({"object": "embedding", "index": i, "embedding": embed(t, dims)}))
+        .map(|(i, t)| {
+            let v = embed(t, dims);
+            let embedding = if base64 { json!(base64_of(&v)) } else { json!(v) };
+            json!({"object": "embedding", "index": i, "embedding": embedding})
+        })
         .collect();
     Ok(json!({"object": "list", "data": data, "model": model,
         "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}))
+}
+
+/// A vector as OpenAI's `encoding_format: base64` sends it: its little-endian `f32`s in
+/// standard base64 with padding.
+fn base64_of(v: &[f32]) -> String {
+    const DIGITS: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+    let bytes: Vec<u8> = v.iter().flat_map(|x| x.to_le_bytes()).collect();
+    let mut out = String::with_capacity(bytes.len().div_ceil(3) * 4);
+    for chunk in bytes.chunks(3) {
+        let n = chunk.iter().enumerate().fold(0u32, |n, (i, &b)| n | u32::from(b) << (16 - 8 * i));
+        for i in 0..4 {
+            let digit = DIGITS[(n >> (18 - 6 * i) & 63) as usize] as char;
+            out.push(if i <= chunk.len() { digit } else { '=' });
+        }
+    }
+    out
 }
 
 #[cfg(test)]
@@ -88,5 +109,9 @@ mod tests {
         let a = answer(&json!({"model": "text-embedding-3-small", "input": "a b", "dimensions": 8})).unwrap();
         assert_eq!((a["data"][0]["embedding"].as_array().unwrap().len(), &a["usage"]["prompt_tokens"]), (8, &json!(2)));
         assert!(answer(&json!({"model": "m", "input": ""})).is_err());
+        assert_eq!(base64_of(&[0.5, -2.0, 1.0]), "AAAAPwAAAMAAAIA/");
+        assert_eq!(base64_of(&[]), "");
+        let b = answer(&json!({"model": "m", "input": "a", "dimensions": 2, "encoding_format": "base64"})).unwrap();
+        assert_eq!(b["data"][0]["embedding"].as_str().map(str::len), Some(12), "two f32s, padded");
     }
 }

@@ -66,10 +66,12 @@ impl Vector {
     }
 }
 
-/// The body of the embedding call for `text`.
+/// The body of the embedding call for `text`. The vector comes back as base64 of
+/// little-endian `f32`s (OpenAI's `encoding_format: base64`, which its SDKs ask for):
+/// a quarter of the bytes of the JSON numbers, and no float parsing.
 pub fn embedding_body(config: &Config, text: &str) -> Vec<u8> {
     let s = &config.semantic;
-    let mut body = json!({"model": s.embedding_model, "input": text, "encoding_format": "float"});
+    let mut body = json!({"model": s.embedding_model, "input": text, "encoding_format": "base64"});
     if let Some(d) = s.dimensions {
         body["dimensions"] = json!(d);
     }
@@ -92,7 +94,58 @@ struct List {
 
 #[derive(Deserialize)]
 struct Item {
-    embedding: Vec<f32>,
+    embedding: Values,
+}
+
+/// A vector as JSON numbers, or as base64 of little-endian `f32`s.
+#[derive(Deserialize)]
+#[serde(untagged)]
+enum Values {
+    Floats(Vec<f32>),
+    Base64(String),
+}
+
+impl Values {
+    fn floats(self) -> Option<Vec<f32>> {
+        match self {
+            Values::Floats(v) => Some(v),
+            Values::Base64(text) => {
+                let bytes = base64(&text)?;
+                let floats = bytes.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]));
+                (bytes.len() % 4 == 0).then(|| floats.collect())
+            }
+        }
+    }
+}
+
+/// Standard base64 (RFC 4648, `=` padding optional); `None` for anything else.
+fn base64(text: &str) -> Option<Vec<u8>> {
+    let digits = text.trim_end_matches('=').as_bytes();
+    let value = |c: u8| -> Option<u32> {
+        Some(u32::from(match c {
+            b'A'..=b'Z' => c - b'A',
+            b'a'..=b'z' => c - b'a' + 26,
+            b'0'..=b'9' => c - b'0' + 52,
+            b'+' => 62,
+            b'/' => 63,
+            _ => return None,
+        }))
+    };
+    let mut out = Vec::with_capacity(digits.len() * 3 / 4);
+    for chunk in digits.chunks(4) {
+        let mut n = 0u32;
+        for (i, &c) in chunk.iter().enumerate() {
+            n |= value(c)? << (18 - 6 * i);
+        }
+        let bytes = n.to_be_bytes();
+        match chunk.len() {
+            4 => out.extend_from_slice(&bytes[1..4]),
+            3 => out.extend_from_slice(&bytes[1..3]),
+            2 => out.push(bytes[1]),
+            _ => return None,
+        }
+    }
+    Some(out)
 }
 
 #[derive(Deserialize, Default)]
@@ -109,11 +162,12 @@ pub fn parse_embedding(config: &Config, status: u16, body: &[u8]) -> Option<Embe
     }
     let list: List = serde_json::from_slice(body).ok()?;
     let [item] = <[Item; 1]>::try_from(list.data).ok()?;
+    let values = item.embedding.floats()?;
     let wanted = config.semantic.dimensions.map(|d| d as usize);
-    if wanted.is_some_and(|d| d != item.embedding.len()) {
+    if wanted.is_some_and(|d| d != values.len()) {
         return None;
     }
-    Some(Embedding { vector: Vector::quantize(&item.embedding)?, tokens: list.usage.prompt_tokens })
+    Some(Embedding { vector: Vector::quantize(&values)?, tokens: list.usage.prompt_tokens })
 }
 
 #[cfg(test)]
@@ -169,8 +223,16 @@ mod tests {
         let body: serde_json::Value = serde_json::from_slice(&embedding_body(&c, "hi")).unwrap();
         assert_eq!(
             body,
-            json!({"model": "text-embedding-3-small", "input": "hi", "encoding_format": "float",
+            json!({"model": "text-embedding-3-small", "input": "hi", "encoding_format": "base64",
             "dimensions": 3})
         );
+        // [0.5, -2.0, 1.0] as little-endian f32s, in base64 (as OpenAI sends them).
+        let b64 = br#"{"data":[{"embedding":"AAAAPwAAAMAAAIA/"}],"usage":{"prompt_tokens":1}}"#;
+        let e = parse_embedding(&c, 200, b64).unwrap();
+        assert_eq!(e.vector.values(), [32, -127, 64]);
+        for bad in ["AAAAPwAAAMAAAIA", "AAAA*wAAAMAAAIA/", "AAAAPwAAAMA"] {
+            let body = format!(r#"{{"data":[{{"embedding":"{bad}"}}]}}"#);
+            assert!(parse_embedding(&c, 200, body.as_bytes()).is_none(), "{bad}");
+        }
     }
 }

@@ -20,9 +20,15 @@ pub const OWNER: &str = "owner";
 pub const CACHE_HEADER: &str = "x-holysheep-cache";
 
 /// An owner's response headers a forward node keeps with its answer: they are replayed to
-/// the requests that share it (the model that answered, and what a 429 says of its
-/// class and when to come back).
-const KEPT: [&str; 4] = ["x-holysheep-model", "retry-after", priority::HEADER, priority::SHED_HEADER];
+/// the requests that share it (the model that answered, a paraphrase's similarity, and
+/// what a 429 says of its class and when to come back).
+const KEPT: [&str; 5] = [
+    "x-holysheep-model",
+    crate::core::semantic::SIMILARITY_HEADER,
+    "retry-after",
+    priority::HEADER,
+    priority::SHED_HEADER,
+];
 
 /// The `cache-control` an answer carries: fresh for `fresh_s` more seconds in the cache
 /// that served or stored it, or `no-store` when it is in none.

@@ -239,6 +239,12 @@ impl ChatRequest {
         })
     }
 
+    /// What this parse adds to a table of parsed requests beyond the request's raw bytes:
+    /// `hot::PARSED_SIZE`, and the question it keeps for the semantic tier.
+    pub fn kept_size(&self) -> usize {
+        super::hot::PARSED_SIZE + self.semantic.as_ref().map_or(0, |p| p.text.len())
+    }
+
     pub fn policy(&self, config: &Config, cc: CacheControl) -> Policy {
         Policy {
             read: !cc.no_store && !cc.no_cache,

@@ -14,7 +14,7 @@ use crate::core::config::Role;
 use crate::core::edge;
 use crate::core::engine::{Call, Engine, Reply, Step};
 use crate::core::error::ApiError;
-use crate::core::hot::{self, Raw};
+use crate::core::hot::Raw;
 use crate::core::intake::{self, Decision, Head, Route};
 use crate::core::limits::ProviderHints;
 use crate::core::log_fields::Served;
@@ -101,7 +101,7 @@ impl Chat {
             self.worker.borrow_mut().keep_hot(&raw, &request, now);
         }
         if keep.parse {
-            self.worker.borrow_mut().parsed.put(&raw, u64::MAX, hot::PARSED_SIZE, request);
+            self.worker.borrow_mut().parsed.put(&raw, u64::MAX, request.kept_size(), request);
         }
         let outbound = Rc::new(outbound);
         match step {
@@ -373,6 +373,10 @@ impl HttpContext for Chat {
         let status = header(":status").and_then(|s| s.parse().ok()).unwrap_or(502);
         let content_type = header("content-type").unwrap_or_default();
         let sse = status == 200 && stream::is_event_stream(&content_type);
+        // The edge's own headers are the edge's to set: none of HolySheep's passes.
+        for (name, _) in headers.iter().filter(|(n, _)| n.starts_with("x-holysheep-")) {
+            set_response_header(name, None);
+        }
         set_response_header("x-holysheep-cache", Some(label.cache.as_str()));
         set_response_header("x-holysheep-key", Some(&label.key));
         set_response_header("x-holysheep-model", Some(&label.model));

@@ -57,7 +57,7 @@ pub(super) fn parsed(raw: &Raw<'_>) -> Option<Rc<ChatRequest>> {
 
 /// Keeps a request's parse for the next time the same bytes come.
 pub(super) fn keep_parsed(raw: &Raw<'_>, request: ChatRequest) {
-    KEPT.with_borrow_mut(|k| k.parsed.put(raw, u64::MAX, hot::PARSED_SIZE, request));
+    KEPT.with_borrow_mut(|k| k.parsed.put(raw, u64::MAX, request.kept_size(), request));
 }
 
 /// Reads the configuration (`HOLYSHEEP_CONFIG`), the key and the bucket (once an instance

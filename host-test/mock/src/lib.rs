@@ -229,6 +229,24 @@ impl Mock {
         })
     }
 
+    /// What every call goes through before its answer: the latency and the planned delay,
+    /// then a planned reset or the key's refusal (`Some`: the call ends with that).
+    async fn before_answer(
+        &self,
+        fault: &Fault,
+        latency: u64,
+        auth: Option<&str>,
+    ) -> Option<Result<Response<Body>, std::io::Error>> {
+        let delay = latency + fault.delay_ms;
+        if delay > 0 {
+            tokio::time::sleep(Duration::from_millis(delay)).await;
+        }
+        if fault.reset {
+            return Some(Err(std::io::Error::new(std::io::ErrorKind::ConnectionReset, "planned reset")));
+        }
+        self.check_key(auth).map(Ok)
+    }
+
     async fn chat(self, auth: Option<String>, body: &[u8]) -> Result<Response<Body>, std::io::Error> {
         let parsed = serde_json::from_slice::<Value>(body).unwrap_or(Value::Null);
         let model = parsed["model"].as_str().map(str::to_owned);
@@ -246,15 +264,8 @@ impl Mock {
         if fault.hold {
             self.release.notified().await;
         }
-        let delay = latency + fault.delay_ms;
-        if delay > 0 {
-            tokio::time::sleep(Duration::from_millis(delay)).await;
-        }
-        if fault.reset {
-            return Err(std::io::Error::new(std::io::ErrorKind::ConnectionReset, "planned reset"));
-        }
-        if let Some(denied) = self.check_key(auth.as_deref()) {
-            return Ok(denied);
+        if let Some(early) = self.before_answer(&fault, latency, auth.as_deref()).await {
+            return early;
         }
         let mut resp = match (fault.status.filter(|s| *s != 200), &fault.body) {
             (status, Some(raw)) => planned_body(status.unwrap_or(200), raw, fault.content_type.as_deref()),
@@ -290,15 +301,8 @@ impl Mock {
             s.embedding_inputs.push(req["input"].as_str().unwrap_or_default().to_owned());
             (s.embedding_plan.pop_front().unwrap_or_default(), s.latency_ms)
         };
-        let delay = latency + fault.delay_ms;
-        if delay > 0 {
-            tokio::time::sleep(Duration::from_millis(delay)).await;
-        }
-        if fault.reset {
-            return Err(std::io::Error::new(std::io::ErrorKind::ConnectionReset, "planned reset"));
-        }
-        if let Some(denied) = self.check_key(auth.as_deref()) {
-            return Ok(denied);
+        if let Some(early) = self.before_answer(&fault, latency, auth.as_deref()).await {
+            return early;
         }
         Ok(match (fault.status.filter(|s| *s != 200), &fault.body) {
             (status, Some(raw)) => planned_body(status.unwrap_or(200), raw, fault.content_type.as_deref()),

@@ -192,3 +192,27 @@ fn in_a_fleet_a_paraphrase_through_any_node_meets_its_question() {
     assert_eq!(fleet.calls() - calls, 1, "one chat call for the fleet");
     assert!(fleet.crashes().is_empty(), "{:?}", fleet.crashes());
 }
+
+#[test]
+fn clients_that_leave_while_their_question_is_embedded_disturb_nothing() {
+    let s = stack("");
+    let leaving = 10;
+    s.mock.mock.plan_embeddings(vec![Fault { delay_ms: 200, ..Fault::default() }; leaving]);
+    for i in 0..leaving {
+        let body = ask("gpt-4.1", SYSTEM, &[], &format!("Which river runs through city number {i}?")).to_string();
+        let mut conn = host_test::client::Conn::open(s.envoy.edge).expect("connect");
+        conn.send_only("POST", host_test::stack::PATH, &[("authorization", "Bearer a")], body.as_bytes())
+            .expect("send");
+        let embedded = i as u64 + 1;
+        host_test::stack::poll_until(|| s.mock.mock.embeddings() >= embedded, "the question was never embedded");
+        drop(conn);
+    }
+    // Each leader's flight outlives its client: its answer is stored and its question learned.
+    s.await_calls(leaving as u64);
+    let again = send(&s, &ask("gpt-4.1", SYSTEM, &[], "Which river runs through city number 3?"), "Bearer a");
+    assert_eq!(again.cache(), "HIT");
+    let paraphrase = send(&s, &ask("gpt-4.1", SYSTEM, &[], "which river runs through CITY number 7"), "Bearer a");
+    assert_eq!(paraphrase.cache(), "SEMANTIC", "{}", paraphrase.text());
+    assert_eq!(s.calls(), leaving as u64);
+    assert!(s.crashes().is_empty(), "{:?}", s.crashes());
+}

@@ -2,6 +2,7 @@
 //! with a message that names the field.
 
 use super::tenants::{Keys, Tenant};
+use super::usage::Usage;
 use serde::de::DeserializeOwned;
 use serde::Deserialize;
 use serde_json::{Map, Value};
@@ -49,8 +50,12 @@ pub struct Model {
     pub burst: Option<u32>,
     pub max_in_flight: Option<u32>,
     pub fallback: Vec<String>,
-    pub usd_per_mtok_input: f64,
-    pub usd_per_mtok_output: f64,
+    /// Prices in dollars per million tokens: prompt tokens, completion tokens, and prompt
+    /// tokens served from the provider's prompt cache (the input price when not set). A
+    /// model with neither of the first two is unpriced: no budgeted tenant may reach it.
+    pub usd_per_mtok_input: Option<f64>,
+    pub usd_per_mtok_output: Option<f64>,
+    pub usd_per_mtok_cached_input: Option<f64>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
@@ -461,10 +466,50 @@ impl Config {
             ));
         }
         self.semantic.validate()?;
+        self.tenants.iter().try_for_each(|(name, t)| self.priced_for(name, t))?;
         if self.models.len() > MAX_MODELS {
             return Err(ConfigError(format!("models: at most {MAX_MODELS} entries")));
         }
         self.models.iter().try_for_each(|(name, m)| m.validate(name))
+    }
+
+    /// A tenant with a dollar budget reaches only priced models: each model it lists (or,
+    /// listing none, `default`, which answers for every name not listed), and each of their
+    /// fallbacks it may call.
+    fn priced_for(&self, name: &str, t: &Tenant) -> Result<(), ConfigError> {
+        if t.caps().is_none() {
+            return Ok(());
+        }
+        let listed: Vec<&str> = match &t.models {
+            Some(models) => models.iter().map(String::as_str).collect(),
+            None => self.models.keys().map(String::as_str).collect(),
+        };
+        let mut reached: Vec<&str> = Vec::new();
+        for m in listed {
+            let fallbacks = self.model(m).map(|(_, e)| e.fallback.as_slice()).unwrap_or_default();
+            let allowed = fallbacks.iter().map(String::as_str).filter(|f| t.allows(f));
+            reached.extend(std::iter::once(m).chain(allowed));
+        }
+        let unpriced = reached.into_iter().find(|m| match self.model(m) {
+            Some((_, entry)) => !entry.priced(),
+            // A name nothing prices is refused to the tenant at the request (404); a listed
+            // one it could never call is a mistake of the configuration.
+            None => t.models.is_some(),
+        });
+        match unpriced {
+            Some(m) => Err(ConfigError(format!(
+                "tenants.{name}: it has a dollar budget, and the model {m} it can reach has no price \
+                 (models.{m}.usd_per_mtok_input / usd_per_mtok_output{})",
+                if self.models.contains_key(m) { "" } else { ", or a priced models.default" }
+            ))),
+            None => Ok(()),
+        }
+    }
+
+    /// Whether a tenant may call `model` at a price the edge knows: always, unless the
+    /// tenant has a dollar budget and nothing prices the model.
+    pub fn prices_for(&self, tenant: &Tenant, model: &str) -> bool {
+        tenant.caps().is_none() || self.model(model).is_some_and(|(_, m)| m.priced())
     }
 
     /// The configuration entry that governs `model`: its own, else `default`, else none
@@ -473,12 +518,10 @@ impl Config {
         self.models.get_key_value(model).or_else(|| self.models.get_key_value("default")).map(|(k, v)| (k.as_str(), v))
     }
 
-    /// Micro-dollars `prompt` and `completion` tokens cost on `model` at its configured
-    /// prices (a price per million tokens is a price in micro-dollars per token).
-    pub fn cost_micro_usd(&self, model: &str, prompt: u64, completion: u64) -> u64 {
-        self.model(model).map_or(0, |(_, m)| {
-            (prompt as f64 * m.usd_per_mtok_input + completion as f64 * m.usd_per_mtok_output).round() as u64
-        })
+    /// Micro-dollars an answer's `usage` costs on `model` at its configured prices (a
+    /// price per million tokens is a price in micro-dollars per token).
+    pub fn cost_micro_usd(&self, model: &str, usage: &Usage) -> u64 {
+        self.model(model).map_or(0, |(_, m)| m.cost_micro_usd(usage))
     }
 
     /// Tick period of each worker: the safety net for wake-ups and the lease renewal clock.
@@ -527,6 +570,36 @@ fn refused_field<T: DeserializeOwned>(v: &Value) -> Option<String> {
 }
 
 impl Model {
+    /// Whether the model has a price (for prompt or completion tokens).
+    pub fn priced(&self) -> bool {
+        self.usd_per_mtok_input.is_some() || self.usd_per_mtok_output.is_some()
+    }
+
+    pub fn input_price(&self) -> f64 {
+        self.usd_per_mtok_input.unwrap_or(0.0)
+    }
+
+    pub fn output_price(&self) -> f64 {
+        self.usd_per_mtok_output.unwrap_or(0.0)
+    }
+
+    /// The price of a prompt token served from the provider's prompt cache.
+    pub fn cached_input_price(&self) -> f64 {
+        self.usd_per_mtok_cached_input.unwrap_or(self.input_price())
+    }
+
+    /// The dearest any token can be billed.
+    pub fn dearest_price(&self) -> f64 {
+        self.input_price().max(self.output_price()).max(self.cached_input_price())
+    }
+
+    /// Micro-dollars `usage` costs at this model's prices.
+    pub fn cost_micro_usd(&self, u: &Usage) -> u64 {
+        let fresh = u.fresh_prompt() as f64 * self.input_price();
+        let cached = u.cached as f64 * self.cached_input_price();
+        (fresh + cached + u.completion as f64 * self.output_price()).round() as u64
+    }
+
     fn validate(&self, name: &str) -> Result<(), ConfigError> {
         let field = |f: &str| format!("models.{name}.{f}");
         let positive = [
@@ -541,10 +614,12 @@ impl Model {
         if self.max_in_flight.is_some_and(|m| m > 10_000) {
             return Err(ConfigError(format!("{}: must be at most 10000", field("max_in_flight"))));
         }
-        for (f, price) in
-            [("usd_per_mtok_input", self.usd_per_mtok_input), ("usd_per_mtok_output", self.usd_per_mtok_output)]
-        {
-            if !price.is_finite() || price < 0.0 {
+        for (f, price) in [
+            ("usd_per_mtok_input", self.usd_per_mtok_input),
+            ("usd_per_mtok_output", self.usd_per_mtok_output),
+            ("usd_per_mtok_cached_input", self.usd_per_mtok_cached_input),
+        ] {
+            if price.is_some_and(|p| !p.is_finite() || p < 0.0) {
                 return Err(ConfigError(format!("{}: must be a price of at least 0", field(f))));
             }
         }

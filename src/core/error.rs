@@ -35,6 +35,19 @@ impl ApiError {
         }
     }
 
+    /// A 400: the call's tokens (its prompt, and `max_tokens` for each choice) are more than
+    /// the `what` allows in a minute, so it could never be admitted.
+    pub fn too_many_tokens(what: &str, estimate: u64, tpm: u64) -> Self {
+        ApiError::invalid(
+            format!(
+                "This request may use up to {estimate} tokens (its prompt, and max_tokens for each choice), more \
+                 than the {tpm} tokens per minute {what} allows: it could never be sent. Lower max_tokens (or n)."
+            ),
+            Some("max_tokens"),
+            "tokens_over_limit",
+        )
+    }
+
     /// A 404 for a path the edge does not serve (OpenAI's wording and code).
     pub fn not_found(method: &str, path: &str) -> Self {
         let path: String = path.chars().take(256).collect();

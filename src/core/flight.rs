@@ -3,7 +3,6 @@
 //! jitter honouring the provider's `retry-after`, and failover to the model's fallbacks,
 //! all within `upstream.timeout_ms`. The shell performs each `Action` and reports back.
 
-use super::bytes;
 use super::cache::Response;
 use super::config::Config;
 use super::engine::Call;
@@ -16,6 +15,7 @@ use super::priority::{self, Class};
 use super::store::CasStore;
 use super::tenant_gate::{self, Ask, Billed, Refusal, Settlement, TenantHold};
 use super::upstream::Outbound;
+use super::usage::{self, Usage};
 
 pub use super::limits::CONTENTION_RETRY_MS;
 
@@ -55,8 +55,7 @@ pub enum Event {
     },
     Usage {
         model: String,
-        prompt: u64,
-        completion: u64,
+        usage: Usage,
     },
     /// The model's owner node was out of reach: this node admitted from its own share.
     LocalShare {
@@ -83,6 +82,18 @@ pub enum Event {
         class: Class,
         full: bool,
     },
+}
+
+/// How a stream forwarded along the route ended, as its shell saw it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct StreamOutcome {
+    /// The status of HolySheep's answer (`None`: no answer head came).
+    pub status: Option<u16>,
+    pub usage: Option<Usage>,
+    /// The tokens a stream cut off before its usage may have cost (prompt and streamed).
+    pub cut_off_tokens: u64,
+    /// The attempts Envoy's router made (0: the request never left).
+    pub attempts: u64,
 }
 
 /// Which bucket admitted the call, so that it is settled where it was taken.
@@ -246,9 +257,15 @@ impl Flight {
             }
         }
         let model = self.model().to_owned();
-        self.events.push(Event::RateLimited { model: model.clone() });
         let denial = denials.first().map(|(_, d)| *d).unwrap_or(Denial::of(Kind::Requests, None));
-        if is_final(denial.kind) {
+        if denial.kind == Kind::TooLarge {
+            let tpm = config.model(&model).and_then(|(_, m)| m.tokens_per_minute).unwrap_or(0);
+            let refused = ApiError::too_many_tokens(&format!("model {model}"), self.estimate, tpm);
+            let refused = Response::json(400, refused.body()).with_header("x-holysheep-model", model);
+            return self.end(store, config, Some(refused), now_ms);
+        }
+        self.events.push(Event::RateLimited { model: model.clone() });
+        if matches!(denial.kind, Kind::Shed | Kind::QueueFull) {
             let full = denial.kind == Kind::QueueFull;
             self.events.push(Event::Shed { model: model.clone(), class: self.class, full });
         }
@@ -332,8 +349,10 @@ impl Flight {
                     }
                 }
                 let model = self.model().to_owned();
-                self.events.push(Event::RateLimited { model: model.clone() });
-                Some(Action::Finish(Some(tenant_gate::refused(config, &tenant, &model, refusal))))
+                if refusal != Refusal::TooLarge {
+                    self.events.push(Event::RateLimited { model: model.clone() });
+                }
+                Some(Action::Finish(Some(tenant_gate::refused(config, &tenant, &model, refusal, self.estimate))))
             }
         }
     }
@@ -390,16 +409,19 @@ impl Flight {
         random: u64,
     ) -> Action {
         let model = self.model().to_owned();
-        let usage = outcome.as_ref().filter(|r| r.status == 200).and_then(|r| usage(&r.body));
+        let usage = outcome.as_ref().filter(|r| r.status == 200).and_then(|r| usage::of_answer(&r.body));
         let billed = match (&outcome, usage) {
-            (Some(_), Some((p, c))) => Billed::Known(p, c),
+            (_, Some(u)) => Billed::Known(u),
             (Some(r), None) if r.status != 200 => Billed::Nothing,
             _ => Billed::Unknown,
         };
         self.bill_tenant(config, billed);
-        self.settle(store, config, usage, 0, hints, now_ms);
-        if let Some((prompt, completion)) = usage {
-            self.events.push(Event::Usage { model: model.clone(), prompt, completion });
+        // HolySheep's 4xx used no tokens: the estimate goes back to the bucket.
+        let rejected = outcome.as_ref().is_some_and(|r| (400..500).contains(&r.status));
+        let actual = usage.map(|u| u.total()).or(rejected.then_some(0));
+        self.settle(store, config, actual, 0, hints, now_ms);
+        if let Some(usage) = usage {
+            self.events.push(Event::Usage { model: model.clone(), usage });
         }
         if hints.throttled {
             self.events.push(Event::ProviderRateLimited { model: model.clone() });
@@ -427,34 +449,37 @@ impl Flight {
     }
 
     /// A stream forwarded along the route ended: its bytes went to the client as they came,
-    /// after `attempts` tries by Envoy's router before the first byte (on the edge's count
-    /// of attempts: see `STREAM_RETRY_ON`). Every attempt counts as an upstream call and
-    /// takes a request from the bucket; the bucket is settled from the stream's usage, or
-    /// from `cut_off_tokens` (an estimate of what was streamed) when the stream never
-    /// reported one, and adapts to what HolySheep's last answer said (`hints`).
-    #[allow(clippy::too_many_arguments)]
+    /// after `end.attempts` tries by Envoy's router before the first byte (on the edge's
+    /// count of attempts: see `STREAM_RETRY_ON`). Every attempt counts as an upstream call
+    /// and takes a request from the bucket; the bucket is settled from the stream's usage,
+    /// or from `end.cut_off_tokens` (an estimate of what was streamed) when the stream never
+    /// reported one, and adapts to what HolySheep's last answer said (`hints`). A stream
+    /// HolySheep answered with an error, or one that never left, costs its tenant nothing.
     pub fn on_stream_end(
         &mut self,
         store: &impl CasStore,
         config: &Config,
-        usage: Option<(u64, u64)>,
-        cut_off_tokens: u64,
-        attempts: u64,
+        end: &StreamOutcome,
         hints: &ProviderHints,
         now_ms: u64,
     ) {
         let model = self.model().to_owned();
-        let retries = attempts.saturating_sub(1);
+        let retries = end.attempts.saturating_sub(1);
         for _ in 0..retries {
             self.events.push(Event::UpstreamCall { model: model.clone() });
             self.events.push(Event::Retry { model: model.clone() });
         }
         self.charge_retries(store, config, retries, now_ms);
-        let settled = usage.or(Some((cut_off_tokens, 0)));
-        self.bill_tenant(config, usage.map_or(Billed::Unknown, |(p, c)| Billed::Known(p, c)));
-        self.settle(store, config, settled, retries, hints, now_ms);
-        if let Some((prompt, completion)) = usage {
-            self.events.push(Event::Usage { model: model.clone(), prompt, completion });
+        let refused = end.attempts == 0 || end.status.is_some_and(|s| s != 200);
+        let (billed, actual) = match (end.usage, refused) {
+            (Some(u), _) => (Billed::Known(u), u.total()),
+            (None, true) => (Billed::Nothing, 0),
+            (None, false) => (Billed::Unknown, end.cut_off_tokens),
+        };
+        self.bill_tenant(config, billed);
+        self.settle(store, config, Some(actual), retries, hints, now_ms);
+        if let Some(usage) = end.usage {
+            self.events.push(Event::Usage { model: model.clone(), usage });
         }
         if hints.throttled {
             self.events.push(Event::ProviderRateLimited { model });
@@ -498,6 +523,10 @@ impl Flight {
         let name = self.models[i].clone();
         let Some((bucket, m)) = config.model(&name) else { return Reservation::Reserved };
         let l = Limits::of(m, &config.rate_limit);
+        if !l.fits(self.estimate) {
+            // Never: it must not wait at its place, nor take the whole bucket.
+            return Reservation::Denied(Denial::of(Kind::TooLarge, None));
+        }
         // A call holds its in-flight slot no longer than the flight can last.
         let hold = self.deadline_ms.saturating_sub(now_ms) + 1_000;
         let (estimate, id) = (self.estimate, *self.id.get_or_insert(nonce));
@@ -563,19 +592,19 @@ impl Flight {
         self.settle_at(store, config, i, ticket, (None, ProviderHints::default(), 0), now_ms);
     }
 
-    /// Settles the reservation with what the call used; `retries`, requests made beyond
+    /// Settles the reservation with the tokens the call used (`None`: unknown); `retries`, requests made beyond
     /// the first (already taken here from a local bucket), go to a model owner with it.
     fn settle(
         &mut self,
         store: &impl CasStore,
         config: &Config,
-        usage: Option<(u64, u64)>,
+        actual: Option<u64>,
         retries: u64,
         hints: &ProviderHints,
         now_ms: u64,
     ) {
         let Some(ticket) = self.ticket.take() else { return };
-        let ended = (usage.map(|(p, c)| p + c), peer::capped(config, hints), retries);
+        let ended = (actual, peer::capped(config, hints), retries);
         self.settle_at(store, config, self.idx, ticket, ended, now_ms);
     }
 
@@ -654,9 +683,9 @@ impl Flight {
     }
 }
 
-/// A refusal for priority: final, never waited out.
+/// A refusal for priority, or for a call larger than the bucket: final, never waited out.
 fn is_final(kind: Kind) -> bool {
-    matches!(kind, Kind::Shed | Kind::QueueFull)
+    matches!(kind, Kind::Shed | Kind::QueueFull | Kind::TooLarge)
 }
 
 fn retryable(outcome: Option<&Response>) -> bool {
@@ -670,40 +699,6 @@ fn retryable(outcome: Option<&Response>) -> bool {
 /// `retry-after`.
 pub const STREAM_RETRY_ON: &str = "reset,connect-failure,retriable-status-codes";
 pub const STREAM_RETRIABLE_STATUSES: &str = "500,502,503,504";
-
-/// `usage.prompt_tokens` and `usage.completion_tokens` of a chat completion.
-pub fn usage(body: &[u8]) -> Option<(u64, u64)> {
-    #[derive(serde::Deserialize)]
-    struct Completion {
-        usage: Usage,
-    }
-    if let Some(usage) = trailing_usage(body) {
-        return Some(usage);
-    }
-    let c: Completion = serde_json::from_slice(body).ok()?;
-    Some((c.usage.prompt_tokens, c.usage.completion_tokens))
-}
-
-#[derive(serde::Deserialize)]
-struct Usage {
-    prompt_tokens: u64,
-    completion_tokens: u64,
-}
-
-/// `usage` when it is the last member of the answer's top-level object, where
-/// OpenAI-compatible APIs put it: read from the end, without walking the choices. In JSON
-/// the bytes `"usage"` followed by `:` can only be a member name (a quote inside a string
-/// is escaped), and a member followed by nothing but the one closing brace is a member of
-/// the outermost object.
-fn trailing_usage(body: &[u8]) -> Option<(u64, u64)> {
-    const NAME: &[u8] = b"\"usage\"";
-    let at = body.windows(NAME.len()).rposition(|w| w[0] == b'"' && bytes::same(w, NAME))?;
-    let value = body[at + NAME.len()..].trim_ascii_start().strip_prefix(b":")?;
-    let mut values = serde_json::Deserializer::from_slice(value).into_iter::<Usage>();
-    let u = values.next()?.ok()?;
-    let tail = value.get(values.byte_offset()..)?;
-    (tail.trim_ascii() == b"}").then_some((u.prompt_tokens, u.completion_tokens))
-}
 
 #[cfg(test)]
 mod tests {
@@ -749,9 +744,16 @@ mod tests {
             tenant: tenant.map(str::to_owned),
             completion_limit: None,
             completion_cap: None,
+            choices: 1,
             class,
             semantic: None,
         }
+    }
+
+    /// A stream that HolySheep answered 200, ending with `usage` (or cut off).
+    fn streamed(usage: Option<(u64, u64)>, cut_off_tokens: u64, attempts: u64) -> StreamOutcome {
+        let usage = usage.map(|(p, c)| Usage::new(p, c));
+        StreamOutcome { status: Some(200), usage, cut_off_tokens, attempts }
     }
 
     fn status(s: u16) -> Option<Response> {
@@ -784,7 +786,7 @@ mod tests {
         let Action::Finish(Some(r)) = a else { panic!("{a:?}") };
         assert_eq!((r.status, r.header("x-holysheep-model")), (200, Some("gpt-4.1")));
         assert_eq!(f.events.iter().filter(|e| matches!(e, Event::Retry { .. })).count(), 2);
-        assert!(f.events.contains(&Event::Usage { model: "gpt-4.1".into(), prompt: 7, completion: 5 }));
+        assert!(f.events.contains(&Event::Usage { model: "gpt-4.1".into(), usage: Usage::new(7, 5) }));
     }
 
     #[test]
@@ -793,7 +795,7 @@ mod tests {
         let l = Limits::of(&c.models["gpt-4.1"], &c.rate_limit);
         let mut f = flight(&c, "gpt-4.1");
         send(f.resume(&s, &c, 0, 1));
-        f.on_stream_end(&s, &c, Some((7, 5)), 0, 3, &ProviderHints::default(), 0);
+        f.on_stream_end(&s, &c, &streamed(Some((7, 5)), 0, 3), &ProviderHints::default(), 0);
         let count = |f: &Flight, e: fn(&Event) -> bool| f.events.iter().filter(|x| e(x)).count();
         assert_eq!(count(&f, |e| matches!(e, Event::UpstreamCall { .. })), 3, "the first and two router retries");
         assert_eq!(count(&f, |e| matches!(e, Event::Retry { .. })), 2);
@@ -802,7 +804,7 @@ mod tests {
         let mut g = flight(&c, "gpt-4.1");
         send(g.resume(&s, &c, 0, 2));
         let throttled = ProviderHints { throttled: true, retry_after_ms: Some(5_000), ..Default::default() };
-        g.on_stream_end(&s, &c, None, 0, 1, &throttled, 0);
+        g.on_stream_end(&s, &c, &StreamOutcome { status: Some(429), ..streamed(None, 0, 1) }, &throttled, 0);
         assert!(g.events.contains(&Event::ProviderRateLimited { model: "gpt-4.1".into() }));
         assert!(limits::peek(&s, "gpt-4.1", &l, 0).requests < 1.0, "held like a plain call's 429");
     }
@@ -851,6 +853,7 @@ mod tests {
             tenant: Some("t".into()),
             completion_limit: Some(100),
             completion_cap: None,
+            choices: 1,
             class: Default::default(),
             semantic: None,
         };
@@ -1039,7 +1042,7 @@ mod tests {
         ask(f.resume(&s, &c, 0, 9));
         f.on_verdict(Some(Verdict { admitted: true, denial: None, hold: None }));
         send(f.resume(&s, &c, 1, 10));
-        f.on_stream_end(&s, &c, Some((10, 2)), 0, 3, &ProviderHints::default(), 5);
+        f.on_stream_end(&s, &c, &streamed(Some((10, 2)), 0, 3), &ProviderHints::default(), 5);
         let [Op::Settle { retries, actual, .. }] = f.outbox.as_slice() else {
             panic!("one settlement: {:?}", f.outbox)
         };
@@ -1339,27 +1342,5 @@ mod tests {
         assert_eq!(limits::peek(&s, "m", &l, 0).tokens, 900.0);
         f.on_response(&s, &c, status(200), &ProviderHints::default(), 0, 0);
         assert_eq!(limits::peek(&s, "m", &l, 0).tokens, 988.0, "charged 12 real tokens, not 100");
-    }
-
-    #[test]
-    fn usage_is_read_from_the_answer() {
-        assert_eq!(
-            usage(br#"{"id":"x","usage":{"prompt_tokens":3,"completion_tokens":4,"total_tokens":7}}"#),
-            Some((3, 4))
-        );
-        assert_eq!(usage(b"{}"), None);
-    }
-
-    #[test]
-    fn usage_is_the_top_level_one_wherever_it_stands() {
-        let u = r#""usage":{"prompt_tokens":3,"completion_tokens":4}"#;
-        // Last, read from the end; first, or followed by another member, parsed whole.
-        assert_eq!(usage(format!(r#"{{"id":"x", {u} }}"#).as_bytes()), Some((3, 4)));
-        assert_eq!(usage(format!(r#"{{{u},"id":"x"}}"#).as_bytes()), Some((3, 4)));
-        // A nested `usage` (or one quoted in the content) is never taken for the answer's.
-        let nested = r#""choices":[{"message":{"content":"\"usage\":{\"prompt_tokens\":9,\"completion_tokens\":9}}","usage":{"prompt_tokens":8,"completion_tokens":8}}}]"#;
-        assert_eq!(usage(format!(r#"{{{u},{nested}}}"#).as_bytes()), Some((3, 4)));
-        assert_eq!(usage(format!(r#"{{{nested}}}"#).as_bytes()), None);
-        assert_eq!(usage(br#"{"usage":{"prompt_tokens":3}}"#), None, "incomplete usage");
     }
 }

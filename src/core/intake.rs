@@ -243,14 +243,17 @@ pub fn carries_tenant_key(config: &Config, head: &Head) -> bool {
     !config.keys.is_empty() && config.keys.verify(head.authorization.as_deref()).is_ok()
 }
 
-/// A verified tenant may call the models its configuration lists.
+/// A verified tenant may call the models its configuration lists, and a tenant with a
+/// dollar budget only models with a price (any other name is unknown to it).
 /// A tenant verified under a configuration reloaded since (its body still arriving) is
 /// held to the configuration now in force: gone, it is unknown.
 fn allowed(config: &Config, request: &ChatRequest) -> Result<(), ApiError> {
     let Some(name) = request.tenant.as_deref() else { return Ok(()) };
     match config.tenants.get(name) {
         None => Err(tenants::invalid_api_key()),
-        Some(t) if !t.allows(&request.model) => Err(tenants::model_not_found(&request.model)),
+        Some(t) if !t.allows(&request.model) || !config.prices_for(t, &request.model) => {
+            Err(tenants::model_not_found(&request.model))
+        }
         Some(_) => Ok(()),
     }
 }
@@ -408,8 +411,10 @@ mod tests {
     #[test]
     fn a_budgeted_tenants_call_without_a_completion_limit_is_sent_with_one() {
         let (t, u) = ("c".repeat(64), "d".repeat(64));
-        let raw =
-            format!(r#"{{"tenants":{{"t":{{"keys_sha256":["{t}"],"usd_per_day":1}},"u":{{"keys_sha256":["{u}"]}}}}}}"#);
+        let raw = format!(
+            r#"{{"models":{{"gpt-4.1":{{"usd_per_mtok_input":2}}}},
+                "tenants":{{"t":{{"keys_sha256":["{t}"],"usd_per_day":1}},"u":{{"keys_sha256":["{u}"]}}}}}}"#
+        );
         let config = Config::parse(raw.as_bytes()).unwrap();
         let store = crate::core::store::MemStore::new();
         let engine = Engine { store: &store, config: &config };
@@ -420,6 +425,11 @@ mod tests {
         let sent: serde_json::Value = serde_json::from_slice(&d.outbound.body_for("gpt-4.1")).unwrap();
         assert_eq!(sent["max_tokens"], 4096);
         assert_eq!(d.outbound.worst_tokens(), open.len() as u64 + 4096);
+        let many = br#"{"model":"gpt-4.1","messages":[{"role":"user","content":"hi"}],"n":128}"#;
+        let d = decide(&engine, head("t"), many, None, 0, 5).unwrap();
+        let sent: serde_json::Value = serde_json::from_slice(&d.outbound.body_for("gpt-4.1")).unwrap();
+        assert_eq!(sent["max_tokens"], 4096, "per choice");
+        assert_eq!(d.outbound.worst_tokens(), many.len() as u64 + 128 * 4096, "every choice's cap");
         let limited = br#"{"model":"gpt-4.1","messages":[{"role":"user","content":"hi"}],"max_tokens":9,"max_completion_tokens":20,"n":2}"#;
         let d = decide(&engine, head("t"), limited, None, 0, 2).unwrap();
         assert_eq!(
@@ -431,6 +441,10 @@ mod tests {
         assert_eq!(decide(&engine, head("u"), open, None, 0, 3).unwrap().outbound.completion_cap, None, "no budget");
         let gone = decide(&engine, head("gone"), open, None, 0, 4).unwrap_err();
         assert_eq!((gone.status, gone.code), (401, "invalid_api_key"), "a tenant removed by a reload");
+        let unpriced = br#"{"model":"deepseek-v3","messages":[{"role":"user","content":"hi"}]}"#;
+        let e = decide(&engine, head("t"), unpriced, None, 0, 6).unwrap_err();
+        assert_eq!((e.status, e.code), (404, "model_not_found"), "nothing prices it: a budget could not hold it");
+        assert!(decide(&engine, head("u"), unpriced, None, 0, 7).is_ok(), "a tenant without a budget may call it");
     }
 
     #[test]

@@ -54,6 +54,12 @@ impl Limits {
         }
     }
 
+    /// Whether a call of `estimate` tokens could ever be admitted: no more than the token
+    /// bucket holds when full.
+    pub fn fits(&self, estimate: u64) -> bool {
+        self.tpm.is_none_or(|tpm| estimate as f64 <= tpm)
+    }
+
     fn req_per_ms(&self) -> f64 {
         self.rpm.unwrap_or(0.0) / 60_000.0
     }
@@ -82,13 +88,18 @@ pub enum Kind {
     /// The admission line is full, and the call is of its lowest class.
     #[serde(rename = "queue_full")]
     QueueFull,
+    /// The call's token estimate is more than the bucket holds: it could never be admitted.
+    #[serde(rename = "too_large")]
+    TooLarge,
 }
 
 impl Kind {
     /// OpenAI's error `type` for a rate-limit answer.
     pub fn as_str(self) -> &'static str {
         match self {
-            Kind::Requests | Kind::Concurrency | Kind::Contended | Kind::Shed | Kind::QueueFull => "requests",
+            Kind::Requests | Kind::Concurrency | Kind::Contended | Kind::Shed | Kind::QueueFull | Kind::TooLarge => {
+                "requests"
+            }
             Kind::Tokens => "tokens",
             Kind::QuotaDay | Kind::QuotaMonth => "insufficient_quota",
         }

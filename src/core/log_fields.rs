@@ -6,11 +6,12 @@ use super::engine::{CacheStatus, Reply};
 use super::flight;
 use super::priority::Class;
 use super::request::Key;
+use super::usage::Usage;
 
 /// The names, in the order they are published. (`gen_ai.operation.name` is `chat` and
 /// `gen_ai.provider.name` is `holysheep` for every governed request: an access log writes
 /// them as text, no value needs setting.)
-pub const NAMES: [&str; 11] = [
+pub const NAMES: [&str; 12] = [
     "gen_ai.request.model",
     "gen_ai.response.model",
     "gen_ai.usage.input_tokens",
@@ -22,6 +23,7 @@ pub const NAMES: [&str; 11] = [
     "holysheep.upstream_attempts",
     "holysheep.wait_ms",
     "holysheep.priority",
+    "gen_ai.usage.cache_read.input_tokens",
 ];
 
 /// What a flight did for the request it answers: upstream attempts, the dollars they
@@ -35,12 +37,12 @@ pub struct Spent {
 
 impl Spent {
     /// Adds what a flight's events say (calls, their usage's price, the admission wait).
-    pub fn add(&mut self, events: &[flight::Event], price: impl Fn(&str, u64, u64) -> u64) {
+    pub fn add(&mut self, events: &[flight::Event], price: impl Fn(&str, &Usage) -> u64) {
         for e in events {
             match e {
                 flight::Event::UpstreamCall { .. } => self.attempts += 1,
-                flight::Event::Usage { model, prompt, completion } => {
-                    self.cost_micro_usd += price(model, *prompt, *completion);
+                flight::Event::Usage { model, usage } => {
+                    self.cost_micro_usd += price(model, usage);
                 }
                 flight::Event::Admitted { waited_ms, .. } => self.queued_ms += waited_ms,
                 _ => {}
@@ -80,8 +82,8 @@ pub struct Answered<'a> {
     pub tenant: Option<&'a str>,
     pub class: Class,
     pub served: Served,
-    /// The answer's usage (prompt, completion tokens), if it has one.
-    pub usage: Option<(u64, u64)>,
+    /// The answer's usage, if it has one.
+    pub usage: Option<Usage>,
 }
 
 /// The model that produced `reply`, when it is an answer (a 200).
@@ -96,8 +98,8 @@ pub fn values(a: &Answered<'_>) -> Vec<(&'static str, String)> {
     let values = [
         Some(a.requested_model.to_owned()),
         a.response_model.map(str::to_owned),
-        a.usage.map(|(p, _)| p.to_string()),
-        a.usage.map(|(_, c)| c.to_string()),
+        a.usage.map(|u| u.prompt.to_string()),
+        a.usage.map(|u| u.completion.to_string()),
         a.cache.map(|c| CacheStatus::as_str(c).to_owned()),
         a.key.map(|k| k.hex().to_owned()),
         a.tenant.map(str::to_owned),
@@ -105,6 +107,7 @@ pub fn values(a: &Answered<'_>) -> Vec<(&'static str, String)> {
         Some(a.served.spent.attempts.to_string()),
         Some(a.served.wait_ms.to_string()),
         Some(a.class.as_str().to_owned()),
+        a.usage.map(|u| u.cached.to_string()),
     ];
     NAMES.into_iter().zip(values).filter_map(|(n, v)| Some((n, v?))).collect()
 }
@@ -126,9 +129,9 @@ mod tests {
             flight::Event::UpstreamCall { model: "gpt-4.1".into() },
             flight::Event::UpstreamCall { model: "deepseek-v3".into() },
             flight::Event::Admitted { class: Class::Standard, waited_ms: 40 },
-            flight::Event::Usage { model: "deepseek-v3".into(), prompt: 10, completion: 5 },
+            flight::Event::Usage { model: "deepseek-v3".into(), usage: Usage::new(10, 5) },
         ];
-        spent.add(&events, |_, p, c| p * 1000 + c);
+        spent.add(&events, |_, u| u.prompt * 1000 + u.completion);
         assert_eq!(spent, Spent { attempts: 2, cost_micro_usd: 10_005, queued_ms: 40 });
         let a = Answered {
             cache: reply.cache,
@@ -138,7 +141,7 @@ mod tests {
             tenant: Some("search"),
             class: Class::Critical,
             served: Served::by_flight(spent),
-            usage: Some((10, 5)),
+            usage: Some(Usage::new(10, 5).with_cached(4)),
         };
         let v: Vec<String> = values(&a).iter().map(|(n, v)| format!("{n}={v}")).collect();
         assert_eq!(
@@ -155,6 +158,7 @@ mod tests {
                 "holysheep.upstream_attempts=2",
                 "holysheep.wait_ms=40",
                 "holysheep.priority=critical",
+                "gen_ai.usage.cache_read.input_tokens=4",
             ]
         );
     }

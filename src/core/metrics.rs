@@ -4,7 +4,8 @@
 use super::bytes;
 use super::config::{Config, Role};
 use super::engine::{CacheStatus, Reply};
-use super::flight::{usage, Event};
+use super::flight::Event;
+use super::usage::{self, Usage};
 use super::priority::Class;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -35,9 +36,11 @@ pub enum Counter {
     EmbeddingCostMicroUsd,
     /// A question's partition held stored questions, none close enough.
     SemanticNearMisses,
+    /// Prompt tokens HolySheep served from its prompt cache (part of `PromptTokens`).
+    CachedTokens,
 }
 
-pub const COUNTERS: [Counter; 26] = [
+pub const COUNTERS: [Counter; 27] = [
     Counter::Requests(CacheStatus::Hit),
     Counter::Requests(CacheStatus::Miss),
     Counter::Requests(CacheStatus::Coalesced),
@@ -64,6 +67,7 @@ pub const COUNTERS: [Counter; 26] = [
     Counter::EmbeddingTokens,
     Counter::EmbeddingCostMicroUsd,
     Counter::SemanticNearMisses,
+    Counter::CachedTokens,
 ];
 
 impl Counter {
@@ -96,6 +100,7 @@ impl Counter {
             Counter::EmbeddingTokens => 23,
             Counter::EmbeddingCostMicroUsd => 24,
             Counter::SemanticNearMisses => 25,
+            Counter::CachedTokens => 26,
         }
     }
 
@@ -122,6 +127,7 @@ impl Counter {
             Counter::EmbeddingTokens => "embedding_tokens".into(),
             Counter::EmbeddingCostMicroUsd => "embedding_cost_microusd".into(),
             Counter::SemanticNearMisses => "semantic_near_misses".into(),
+            Counter::CachedTokens => "cached_tokens".into(),
         }
     }
 }
@@ -209,7 +215,7 @@ pub fn metric_name(config: &Config, label: &str, counter: Counter) -> String {
 }
 
 fn priced(config: &Config, model: &str) -> bool {
-    config.model(model).is_some_and(|(_, m)| m.usd_per_mtok_input > 0.0 || m.usd_per_mtok_output > 0.0)
+    config.model(model).is_some_and(|(_, m)| m.input_price() > 0.0 || m.output_price() > 0.0)
 }
 
 /// What one flight event adds, as (model label, counter, amount).
@@ -225,12 +231,13 @@ pub fn for_event<'a>(config: &'a Config, event: &'a Event) -> Vec<(&'a str, Coun
         Event::WaitLost { model } => one(model, Counter::WaitsLost),
         // Counted per class (`for_class`).
         Event::Queued { .. } | Event::Admitted { .. } | Event::Shed { .. } => Vec::new(),
-        Event::Usage { model, prompt, completion } => {
+        Event::Usage { model, usage } => {
             let l = label(config, model);
             vec![
-                (l, Counter::PromptTokens, *prompt),
-                (l, Counter::CompletionTokens, *completion),
-                (l, Counter::CostSpentMicroUsd, config.cost_micro_usd(model, *prompt, *completion)),
+                (l, Counter::PromptTokens, usage.prompt),
+                (l, Counter::CompletionTokens, usage.completion),
+                (l, Counter::CachedTokens, usage.cached),
+                (l, Counter::CostSpentMicroUsd, config.cost_micro_usd(model, usage)),
             ]
         }
     }
@@ -320,13 +327,13 @@ pub fn for_class(event: &Event) -> Option<(Class, ClassStat, u64)> {
 #[derive(Default)]
 pub struct LastUsage {
     body: Vec<u8>,
-    usage: Option<(u64, u64)>,
+    usage: Option<Usage>,
 }
 
 impl LastUsage {
-    pub fn of(&mut self, body: &[u8]) -> Option<(u64, u64)> {
+    pub fn of(&mut self, body: &[u8]) -> Option<Usage> {
         if !bytes::same(&self.body, body) {
-            self.usage = usage(body);
+            self.usage = usage::of_answer(body);
             self.body = body.to_vec();
         }
         self.usage
@@ -350,8 +357,8 @@ pub fn for_reply<'a>(
         let served = reply.response.header("x-holysheep-model").unwrap_or(requested_model);
         // Parsing the answer is the only cost on a HIT; skip it when nothing is priced.
         if priced(config, served) {
-            if let Some((p, c)) = last.of(&reply.response.body) {
-                out.push((l, Counter::CostSavedMicroUsd, config.cost_micro_usd(served, p, c)));
+            if let Some(u) = last.of(&reply.response.body) {
+                out.push((l, Counter::CostSavedMicroUsd, config.cost_micro_usd(served, &u)));
             }
         }
     }
@@ -369,12 +376,13 @@ mod tests {
         let body = |p: u64| format!(r#"{{"usage":{{"prompt_tokens":{p},"completion_tokens":2}}}}"#).into_bytes();
         let mut last = LastUsage::default();
         assert_eq!(last.of(b""), None);
-        assert_eq!(last.of(&body(10)), Some((10, 2)));
-        assert_eq!(last.of(&body(10)), Some((10, 2)));
+        let u = |p| Some(Usage::new(p, 2));
+        assert_eq!(last.of(&body(10)), u(10));
+        assert_eq!(last.of(&body(10)), u(10));
         // Same length, other bytes: parsed again, never the kept answer's usage.
-        assert_eq!(last.of(&body(11)), Some((11, 2)));
+        assert_eq!(last.of(&body(11)), u(11));
         assert_eq!(last.of(b"{}"), None);
-        assert_eq!(last.of(&body(10)), Some((10, 2)));
+        assert_eq!(last.of(&body(10)), u(10));
     }
 
     #[test]
@@ -385,7 +393,7 @@ mod tests {
         assert_eq!(metric_name(&c, "gpt-4.1", Counter::Requests(CacheStatus::Hit)), "holysheep.gpt-4.1.requests_hit");
         let forward = Config::parse(br#"{"role":"forward"}"#).unwrap();
         assert_eq!(metric_name(&forward, "other", Counter::Hops), "holysheep.edge.other.hops");
-        let usage = Event::Usage { model: "gpt-4.1".into(), prompt: 1000, completion: 500 };
+        let usage = Event::Usage { model: "gpt-4.1".into(), usage: Usage::new(1000, 500) };
         assert!(for_event(&c, &usage).contains(&("gpt-4.1", Counter::CostSpentMicroUsd, 6000)));
         assert_eq!(for_event(&c, &Event::Retry { model: "unknown".into() }), [("other", Counter::Retries, 1)]);
         let body = br#"{"usage":{"prompt_tokens":1000,"completion_tokens":500}}"#.to_vec();
@@ -423,6 +431,7 @@ mod tests {
             "embedding_tokens",
             "embedding_cost_microusd",
             "semantic_near_misses",
+            "cached_tokens",
         ];
         assert_eq!(names, documented, "the counter names docs/operations.md lists, each once");
         assert!(COUNTERS.iter().enumerate().all(|(i, c)| c.index() == i), "index is the place in COUNTERS");

@@ -29,4 +29,5 @@ pub mod stream;
 pub mod tenant_gate;
 pub mod tenants;
 pub mod upstream;
+pub mod usage;
 pub mod wake;

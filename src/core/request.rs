@@ -192,6 +192,8 @@ pub struct ChatRequest {
     /// The completion tokens the request allows (its `max_completion_tokens` or
     /// `max_tokens`, the larger, for each choice); `None` when it sets neither.
     pub completion_limit: Option<u64>,
+    /// The choices it asks for (`n`, 1 by default).
+    pub choices: u64,
     /// Its question and partition, when it takes part in the semantic tier.
     pub semantic: Option<Probe>,
 }
@@ -223,6 +225,7 @@ impl ChatRequest {
         let deterministic = is_deterministic(&map);
         let estimate_tokens = estimate_tokens(&map, body.len());
         let completion_limit = completion_limit(&map);
+        let choices = choices(&map);
         let scope = scope(config, meta)?;
         let semantic = config.semantic.enabled.then(|| semantic::probe(config, &map, &scope, deterministic)).flatten();
         let canonical = canonical_body(map);
@@ -235,6 +238,7 @@ impl ChatRequest {
             estimate_tokens,
             tenant: meta.verified.map(str::to_owned),
             completion_limit,
+            choices,
             semantic,
         })
     }
@@ -400,8 +404,12 @@ fn estimate_tokens(map: &Map<String, Value>, body_len: usize) -> u64 {
 /// The larger of `max_completion_tokens` and `max_tokens`, for each choice.
 fn completion_limit(map: &Map<String, Value>) -> Option<u64> {
     let set = ["max_completion_tokens", "max_tokens"].iter().filter_map(|f| map.get(*f).and_then(Value::as_u64));
-    let choices = map.get("n").and_then(Value::as_u64).unwrap_or(1);
-    set.max().map(|limit| limit.saturating_mul(choices))
+    set.max().map(|limit| limit.saturating_mul(choices(map)))
+}
+
+/// `n`, the choices asked for (validated: 1 to 128).
+fn choices(map: &Map<String, Value>) -> u64 {
+    map.get("n").and_then(Value::as_u64).unwrap_or(1).max(1)
 }
 
 /// The same request for another model (failover): the body with `model` replaced.

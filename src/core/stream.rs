@@ -6,6 +6,7 @@
 //! `chat.completion` into the event stream OpenAI sends for it.
 
 use super::cache::Response;
+use super::usage::Usage;
 use serde_json::{json, Map, Value};
 use std::collections::BTreeMap;
 use std::mem::discriminant;
@@ -120,9 +121,8 @@ impl Reassembler {
     }
 
     /// The `usage` the stream reported, if any.
-    pub fn usage(&self) -> Option<(u64, u64)> {
-        let u = self.usage.as_ref()?;
-        Some((u["prompt_tokens"].as_u64()?, u["completion_tokens"].as_u64()?))
+    pub fn usage(&self) -> Option<Usage> {
+        super::usage::of_value(self.usage.as_ref()?)
     }
 
     /// Completion tokens streamed so far, estimated at four characters a token.
@@ -519,7 +519,7 @@ mod tests {
         let text = String::from_utf8(out).unwrap();
         assert!(!text.contains("\"choices\":[]"), "{text}");
         assert!(text.ends_with("data: [DONE]\n\n"));
-        assert_eq!(r.usage(), Some((5, 9)), "the edge still learns the usage");
+        assert_eq!(r.usage(), Some(Usage::new(5, 9)), "the edge still learns the usage");
     }
 
     #[test]

@@ -11,6 +11,7 @@ use super::limits::{self, duration, Denial, Kind, Limits, ProviderHints};
 use super::line::Who;
 use super::store::CasStore;
 use super::tenants::Tenant;
+use super::usage::Usage;
 use serde::{Deserialize, Serialize};
 
 /// What a flight took from its tenant.
@@ -97,8 +98,8 @@ impl Settlement {
 /// What one attempt is billed, as far as the edge can tell.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Billed {
-    /// HolySheep's `usage`: (prompt, completion) tokens.
-    Known(u64, u64),
+    /// HolySheep's `usage`.
+    Known(Usage),
     /// An error answer: nothing.
     Nothing,
     /// No answer, a cut-off stream or an answer without `usage`: it may have cost its
@@ -113,6 +114,8 @@ pub enum Refusal {
     Bucket(Denial),
     /// Its budget for the day or the month is spent.
     Budget(Exhausted),
+    /// Its token estimate is more than the tenant's token bucket holds: never admitted.
+    TooLarge,
 }
 
 impl Refusal {
@@ -120,6 +123,7 @@ impl Refusal {
     pub fn denial(self) -> Denial {
         match self {
             Refusal::Bucket(d) => d,
+            Refusal::TooLarge => Denial::of(Kind::TooLarge, None),
             Refusal::Budget(x) => {
                 let kind = if x.period == "month" { Kind::QuotaMonth } else { Kind::QuotaDay };
                 Denial::of(kind, Some(x.retry_after_ms))
@@ -138,6 +142,7 @@ impl Refusal {
             Kind::QuotaMonth => {
                 Refusal::Budget(Exhausted { period: "month", cap_micro: caps.per_month.unwrap_or(0), retry_after_ms })
             }
+            Kind::TooLarge => Refusal::TooLarge,
             _ => Refusal::Bucket(d),
         }
     }
@@ -172,7 +177,7 @@ pub fn is_limited(config: &Config, tenant: &str) -> bool {
 /// The most `tokens` can cost on any of `models`: each token at the dearer of its input
 /// and output prices.
 pub fn worst_micro(config: &Config, models: &[String], tokens: u64) -> u64 {
-    let price = |m: &String| config.model(m).map_or(0.0, |(_, m)| m.usd_per_mtok_input.max(m.usd_per_mtok_output));
+    let price = |m: &String| config.model(m).map_or(0.0, |(_, m)| m.dearest_price());
     let dearest = models.iter().map(price).fold(0.0, f64::max);
     (tokens as f64 * dearest).ceil() as u64
 }
@@ -188,6 +193,9 @@ pub fn take(
     now_ms: u64,
 ) -> Result<Option<TenantHold>, Refusal> {
     let Some(t) = config.tenants.get(&ask.tenant).filter(|t| t.is_limited()) else { return Ok(None) };
+    if limits_of(t, &config.rate_limit).is_some_and(|l| !l.fits(ask.estimate)) {
+        return Err(Refusal::TooLarge);
+    }
     let ledger = Ledger::of(config, t, &ask.tenant, share);
     let (id, estimate) = (ask.id, ask.estimate);
     if let Some(l) = &ledger.bucket {
@@ -260,7 +268,7 @@ impl TenantHold {
     /// An attempt on `model` was billed `billed`.
     pub fn bill(&mut self, config: &Config, model: &str, billed: Billed) {
         let (tokens, micro) = match billed {
-            Billed::Known(p, c) => (p.saturating_add(c), config.cost_micro_usd(model, p, c)),
+            Billed::Known(u) => (u.total(), config.cost_micro_usd(model, &u)),
             Billed::Nothing => (0, 0),
             Billed::Unknown => (self.estimate, self.dollars.micro),
         };
@@ -291,9 +299,15 @@ impl TenantHold {
     }
 }
 
-/// The 429 for a tenant's refusal, for a request on `model`.
-pub fn refused(config: &Config, tenant: &str, model: &str, refusal: Refusal) -> Response {
+/// The answer to a tenant's refusal of a call of `estimate` tokens on `model`: a 429, or
+/// the 400 of a call its bucket could never admit.
+pub fn refused(config: &Config, tenant: &str, model: &str, refusal: Refusal, estimate: u64) -> Response {
     let (e, wait) = match refusal {
+        Refusal::TooLarge => {
+            let tpm = config.tenants.get(tenant).and_then(|t| t.tokens_per_minute).unwrap_or(0);
+            let e = ApiError::too_many_tokens(&format!("tenant {tenant}"), estimate, tpm);
+            return Response::json(400, e.body()).with_header("x-holysheep-model", model.to_owned());
+        }
         Refusal::Bucket(d) => {
             let l = config.tenants.get(tenant).and_then(|t| limits_of(t, &config.rate_limit));
             let d = Denial { kind: if d.kind == Kind::Tokens { Kind::Tokens } else { Kind::Requests }, ..d };

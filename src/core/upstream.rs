@@ -28,8 +28,10 @@ pub struct Outbound {
     /// The completion tokens the request allows (see `ChatRequest::completion_limit`).
     pub completion_limit: Option<u64>,
     /// Set for a call that must stay within a tenant's budget but sets no completion
-    /// limit: it is sent with `max_tokens` of this.
+    /// limit: it is sent with `max_tokens` of this (for each choice).
     pub completion_cap: Option<u64>,
+    /// The choices the request asks for (`n`).
+    pub choices: u64,
     /// The request's priority class, which orders the models' admission lines.
     pub class: Class,
     /// Its question and partition, when it takes part in the semantic tier.
@@ -55,15 +57,18 @@ impl Outbound {
             tenant: request.tenant.clone(),
             completion_limit: request.completion_limit,
             completion_cap: None,
+            choices: request.choices,
             class: Class::Standard,
             semantic: request.semantic.clone(),
         }
     }
 
     /// The most tokens the call can be billed: every byte of the body a prompt token (a
-    /// token is at least one byte of text; images aside), and the completion limit.
+    /// token is at least one byte of text; images aside), and the completion limit of
+    /// every choice (the request's own, else the cap the edge sends it with).
     pub fn worst_tokens(&self) -> u64 {
-        let completion = self.completion_limit.or(self.completion_cap).unwrap_or(DEFAULT_COMPLETION_ESTIMATE);
+        let per_choice = self.completion_cap.unwrap_or(DEFAULT_COMPLETION_ESTIMATE);
+        let completion = self.completion_limit.unwrap_or(per_choice.saturating_mul(self.choices.max(1)));
         (self.body.len() as u64).saturating_add(completion)
     }
 
@@ -211,6 +216,7 @@ mod tests {
             tenant: None,
             completion_limit: None,
             completion_cap: None,
+            choices: 1,
             class: Default::default(),
             semantic: None,
         }

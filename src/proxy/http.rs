@@ -413,7 +413,7 @@ impl HttpContext for Chat {
         let other = Response { headers: retry_after.unwrap_or_default(), ..other };
         let events = (sse && refusal.is_none()).then(|| Reassembler::new(label.include_usage));
         let (attempts, hints) = (host::upstream_attempts(), ProviderHints::from_headers(status, &headers));
-        let tee = Tee::new(events, other, refusal.is_some(), attempts, hints);
+        let tee = Tee::new(events, other, refusal.is_some(), (status, attempts), hints);
         self.state = State::Teeing(Box::new(tee));
         if end_of_stream {
             self.end_stream(true);

@@ -11,6 +11,7 @@ use crate::core::log_fields::Spent;
 use crate::core::request::Key;
 use crate::core::semantic::Learned;
 use crate::core::upstream::Outbound;
+use crate::core::usage::Usage;
 use std::rc::Rc;
 
 /// A flight on its way, with the request it answers.
@@ -47,10 +48,13 @@ pub struct StreamEnd {
     /// The reassembled `chat.completion`, or HolySheep's error; `None` when the stream
     /// broke off (reset, timeout, the client gone) before it finished.
     pub outcome: Option<Response>,
-    pub usage: Option<(u64, u64)>,
+    pub usage: Option<Usage>,
     /// Completion tokens streamed before the end, estimated.
     pub streamed_tokens: u64,
-    /// Attempts Envoy's router made (retries before the first byte), at least one.
+    /// HolySheep's status (`None`: its answer's headers never came).
+    pub status: Option<u16>,
+    /// Attempts Envoy's router made (retries before the first byte); 0 when the request
+    /// never left.
     pub attempts: u64,
     /// What HolySheep's answer said about its limits.
     pub hints: ProviderHints,
@@ -59,7 +63,13 @@ pub struct StreamEnd {
 impl StreamEnd {
     /// A forwarded stream that never got its answer's headers (or never left).
     pub fn broken() -> StreamEnd {
-        StreamEnd { outcome: None, usage: None, streamed_tokens: 0, attempts: 1, hints: ProviderHints::default() }
+        let hints = ProviderHints::default();
+        StreamEnd { outcome: None, usage: None, streamed_tokens: 0, status: None, attempts: 1, hints }
+    }
+
+    /// A stream whose request never left (its client gone while it was held).
+    pub fn never_sent() -> StreamEnd {
+        StreamEnd { attempts: 0, ..StreamEnd::broken() }
     }
 }
 

@@ -24,7 +24,9 @@ pub struct Tee {
     replace: bool,
     /// ... which has been written.
     written: bool,
-    /// Attempts Envoy's router made, and what HolySheep's answer said of its limits.
+    /// HolySheep's status, the attempts Envoy's router made, and what HolySheep's answer
+    /// said of its limits.
+    status: u16,
     attempts: u64,
     hints: ProviderHints,
     /// Events from `[DONE]` on, held until the stream's end.
@@ -38,7 +40,7 @@ impl Tee {
         events: Option<Reassembler>,
         other: Response,
         replace: bool,
-        attempts: u64,
+        (status, attempts): (u16, u64),
         hints: ProviderHints,
     ) -> Tee {
         Tee {
@@ -48,6 +50,7 @@ impl Tee {
             cut: false,
             replace,
             written: false,
+            status,
             attempts,
             hints,
             held: Vec::new(),
@@ -57,7 +60,8 @@ impl Tee {
     /// The tee of a forward node's hop: the owner's answer passes untouched, and a body
     /// that is not events is gathered up to `limit` bytes (the largest answer kept).
     pub fn hop(events: Option<Reassembler>, other: Response, limit: usize) -> Tee {
-        let tee = Tee::new(events, other, false, 1, ProviderHints::default());
+        let status = other.status;
+        let tee = Tee::new(events, other, false, (status, 1), ProviderHints::default());
         Tee { limit, ..tee }
     }
 
@@ -70,7 +74,14 @@ impl Tee {
             (None, true) if self.cut && self.other.status == 200 => None,
             (None, true) => Some(self.other),
         };
-        StreamEnd { outcome, usage, streamed_tokens, attempts: self.attempts, hints: self.hints }
+        StreamEnd {
+            outcome,
+            usage,
+            streamed_tokens,
+            status: Some(self.status),
+            attempts: self.attempts,
+            hints: self.hints,
+        }
     }
 
     /// The bytes the client gets for this chunk of HolySheep's answer (`None`: as they are).

@@ -18,7 +18,7 @@ use crate::core::config::{Config, Role};
 use crate::core::edge;
 use crate::core::engine::{CacheStatus, Call, Ended, Engine, Reply, Wait};
 use crate::core::error::ApiError;
-use crate::core::flight;
+use crate::core::flight::StreamOutcome;
 use crate::core::hot::{Hot, Raw, Seed};
 use crate::core::log_fields::{self, Answered, Served};
 use crate::core::metrics::{self, Counter, LastUsage};
@@ -28,6 +28,7 @@ use crate::core::semantic::{self, Learned};
 use crate::core::store::CasStore;
 use crate::core::stream;
 use crate::core::upstream::{self, Outbound, Sent};
+use crate::core::usage::{self, Usage};
 use proxy_wasm::types::{BufferType, LogLevel, MapType};
 use std::cell::RefCell;
 use std::collections::hash_map::RandomState;
@@ -94,13 +95,13 @@ pub struct HotAnswer {
     stored_at_ms: u64,
     expires_ms: u64,
     /// The answer's usage, for the access log.
-    usage: Option<(u64, u64)>,
+    usage: Option<Usage>,
     outbound: Outbound,
     counters: Vec<(u32, i64)>,
 }
 
 /// The access-log values of a request of `outbound`'s form, its answer's own left blank.
-fn answered(outbound: &Outbound, served: Served, usage: Option<(u64, u64)>) -> Answered<'_> {
+fn answered(outbound: &Outbound, served: Served, usage: Option<Usage>) -> Answered<'_> {
     Answered {
         cache: None,
         key: None,
@@ -224,7 +225,7 @@ impl Worker {
 
     /// Publishes what the access log shows of the request of `target` (the values of
     /// `log_fields::NAMES`, as filter state `wasm.<name>`).
-    fn publish(&self, target: Target, reply: &Reply, outbound: &Outbound, served: Served, usage: Option<(u64, u64)>) {
+    fn publish(&self, target: Target, reply: &Reply, outbound: &Outbound, served: Served, usage: Option<Usage>) {
         if !self.config.log_fields {
             return;
         }
@@ -275,7 +276,7 @@ impl Worker {
         let outbound = Outbound { class, ..Outbound::of(request, Vec::new(), None) };
         // Its status goes with the headers built when it is sent.
         let reply = Reply { cache: None, ..hit };
-        let usage = self.config.log_fields.then(|| flight::usage(&reply.response.body)).flatten();
+        let usage = self.config.log_fields.then(|| usage::of_answer(&reply.response.body)).flatten();
         let answer = HotAnswer { reply, stored_at_ms: entry.stored_at_ms, expires_ms, usage, outbound, counters };
         self.hot.put(raw, expires_ms, size, answer);
     }
@@ -355,8 +356,9 @@ impl Worker {
     /// has its answer. Returns the key whose waiters should look again.
     pub fn complete_stream(&mut self, mut run: Run, end: StreamEnd) -> Option<(Key, bool)> {
         let now = host::now_ms();
-        let cut_off = run.outbound.prompt_estimate() + end.streamed_tokens;
-        run.flight.on_stream_end(&SharedData, &self.config, end.usage, cut_off, end.attempts, &end.hints, now);
+        let cut_off_tokens = run.outbound.prompt_estimate() + end.streamed_tokens;
+        let outcome = StreamOutcome { status: end.status, usage: end.usage, cut_off_tokens, attempts: end.attempts };
+        run.flight.on_stream_end(&SharedData, &self.config, &outcome, &end.hints, now);
         self.fleet.outbox.append(&mut run.flight.outbox);
         if let Some(t) = run.outbound.tenant.as_deref().filter(|_| !self.config.fleet.shared_limits()) {
             self.counters.record_budget(&self.config, t, now);
@@ -429,7 +431,7 @@ impl Worker {
     /// what it spent (for its request's access-log line).
     pub fn take_events(&self, run: &mut Run) {
         let events = std::mem::take(&mut run.flight.events);
-        run.spent.add(&events, |m, p, c| self.config.cost_micro_usd(m, p, c));
+        run.spent.add(&events, |m, u| self.config.cost_micro_usd(m, u));
         self.counters.count_events(&self.config, &events, run.outbound.tenant.as_deref());
     }
 

@@ -14,7 +14,7 @@ use super::wasi::http::types::{
 };
 use crate::core::engine::{poll_delay_ms, Call, Engine, Reply, Step};
 use crate::core::error::ApiError;
-use crate::core::flight::{Action, Flight};
+use crate::core::flight::{Action, Flight, StreamOutcome};
 use crate::core::intake::{self, Decision, Head, Route};
 use crate::core::limits::ProviderHints;
 use crate::core::semantic::Learned;
@@ -279,9 +279,10 @@ impl Gateway {
         };
         held.extend(events.flush());
         let now = host::now_ms();
-        let cut_off = outbound.prompt_estimate() + events.streamed_tokens_estimate();
+        let cut_off_tokens = outbound.prompt_estimate() + events.streamed_tokens_estimate();
         // One attempt: the component's own loop made (and counted) any before it.
-        flight.on_stream_end(&self.kv, &self.config, events.usage(), cut_off, 1, &hints, now);
+        let end = StreamOutcome { status: Some(200), usage: events.usage(), cut_off_tokens, attempts: 1 };
+        flight.on_stream_end(&self.kv, &self.config, &end, &hints, now);
         match events.completion().filter(|_| complete) {
             Some(answer) => {
                 self.complete(&call, Some(answer), learned);

@@ -14,6 +14,7 @@ pub use probe::{probe, Probe};
 pub use vector::{embedding_body, parse_embedding, Embedding, Vector, MAX_DIMENSIONS};
 
 use super::config::{Config, Role};
+use super::usage::Usage;
 use super::engine::{CacheStatus, Call, Reply};
 use super::request::Key;
 use super::store::CasStore;
@@ -46,7 +47,7 @@ pub fn wanted<'a>(config: &Config, call: &Call, probe: Option<&'a Probe>) -> Opt
 /// chat model's prices, no embedding model's).
 pub fn cost_micro_usd(config: &Config, tokens: u64) -> u64 {
     let model = &config.semantic.embedding_model;
-    config.models.get(model).map_or(0, |m| (tokens as f64 * m.usd_per_mtok_input).round() as u64)
+    config.models.get(model).map_or(0, |m| m.cost_micro_usd(&Usage::new(tokens, 0)))
 }
 
 /// What a forward node routes a call by (`x-holysheep-key`, hashed on the owners' ring):

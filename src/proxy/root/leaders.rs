@@ -80,7 +80,7 @@ impl Root {
                         action = self.on_outcome(&mut run, Some(refused), &ProviderHints::default());
                     }
                     Forwarded::Gone => {
-                        let end = StreamEnd::broken();
+                        let end = StreamEnd::never_sent();
                         let ended = self.worker.borrow_mut().complete_stream(run, end);
                         self.send_settlements();
                         if let Some((key, watched)) = ended {

@@ -54,7 +54,10 @@ pub struct Exhausted {
 /// Why a reservation was not made.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Refused {
+    /// What was settled leaves no room for the call's worst case: not before the period ends.
     Exhausted(Exhausted),
+    /// There is room once other calls in flight settle: their reservations hold it now.
+    Held,
     /// Every compare-and-swap lost a race: look again shortly.
     Contended,
 }
@@ -113,6 +116,33 @@ impl Spend {
         self
     }
 
+    /// What a call of `micro` finds: room, room only once the reservations listed are
+    /// settled, or no room until `caps`' period ends. A reservation past its deadline is no
+    /// longer listed, so it counts as settled (at its worst case).
+    fn room(&self, caps: Caps, micro: u64, now_ms: u64) -> Result<(), Refused> {
+        let held = |current: &dyn Fn(&Entry) -> bool| -> u64 {
+            self.held.iter().filter(|e| current(e)).map(|e| e.micro).sum()
+        };
+        let periods = [
+            (caps.per_day, self.day_micro, held(&|e| e.day == self.day), "day", next_day_ms(now_ms)),
+            (caps.per_month, self.month_micro, held(&|e| e.month == self.month), "month", next_month_ms(now_ms)),
+        ];
+        let mut busy = false;
+        for (cap, charged, held, period, ends_ms) in periods {
+            let Some(cap) = cap else { continue };
+            if charged.saturating_sub(held).saturating_add(micro) > cap {
+                let retry_after_ms = ends_ms - now_ms;
+                return Err(Refused::Exhausted(Exhausted { period, cap_micro: cap, retry_after_ms }));
+            }
+            busy |= charged.saturating_add(micro) > cap;
+        }
+        if busy {
+            Err(Refused::Held)
+        } else {
+            Ok(())
+        }
+    }
+
     /// Takes out the reservation of call `id`, if it is listed, from the periods it is
     /// still in.
     fn release(&mut self, id: u64) {
@@ -162,17 +192,10 @@ pub fn reserve(
         // A broken store admits: the edge must not go down with it.
         let Ok(read) = store.get(&key) else { return Ok(hold) };
         let mut spend = read.value.as_deref().and_then(Spend::decode).unwrap_or_default().at(now_ms);
-        if let Some(cap) = caps.per_day.filter(|c| spend.day_micro.saturating_add(micro) > *c) {
-            let retry_after_ms = next_day_ms(now_ms) - now_ms;
-            return Err(Refused::Exhausted(Exhausted { period: "day", cap_micro: cap, retry_after_ms }));
-        }
-        if let Some(cap) = caps.per_month.filter(|c| spend.month_micro.saturating_add(micro) > *c) {
-            let retry_after_ms = next_month_ms(now_ms) - now_ms;
-            return Err(Refused::Exhausted(Exhausted { period: "month", cap_micro: cap, retry_after_ms }));
-        }
+        spend.held.retain(|e| e.id != id);
+        spend.room(caps, micro, now_ms)?;
         spend.day_micro = spend.day_micro.saturating_add(micro);
         spend.month_micro = spend.month_micro.saturating_add(micro);
-        spend.held.retain(|e| e.id != id);
         if spend.held.len() >= MAX_IN_FLIGHT {
             spend.held.remove(0);
         }
@@ -205,6 +228,17 @@ pub fn settle(store: &impl CasStore, tenant: &str, caps: Caps, id: u64, actual: 
             _ => return,
         }
     }
+}
+
+/// Whether a call of `micro` would be admitted now, as `reserve` decides, without
+/// reserving (a broken store admits).
+pub fn check(store: &impl CasStore, tenant: &str, caps: Caps, micro: u64, now_ms: u64) -> Result<(), Refused> {
+    if caps.is_none() {
+        return Ok(());
+    }
+    let Ok(read) = store.get(&key(tenant)) else { return Ok(()) };
+    let spend = read.value.as_deref().and_then(Spend::decode).unwrap_or_default().at(now_ms);
+    spend.room(caps, micro, now_ms)
 }
 
 /// Micro-dollars spent (and reserved) today and this month.
@@ -274,8 +308,9 @@ mod tests {
         let caps = Caps { per_day: Some(100), per_month: Some(100) };
         let far = DEC_1 + 10 * DAY_MS;
         reserve(&s, "t", caps, (1, 60, far), DEC_1).unwrap();
-        let Err(Refused::Exhausted(refused)) = reserve(&s, "t", caps, (2, 60, far), DEC_1) else { panic!("refused") };
-        assert_eq!((refused.period, refused.cap_micro, refused.retry_after_ms), ("day", 100, DAY_MS));
+        assert_eq!(reserve(&s, "t", caps, (2, 60, far), DEC_1), Err(Refused::Held), "room once the first settles");
+        assert_eq!(check(&s, "t", caps, 60, DEC_1), Err(Refused::Held), "as the check without reserving sees it");
+        assert_eq!(check(&s, "t", caps, 40, DEC_1), Ok(()));
         settle(&s, "t", caps, 1, 10, DEC_1 + 1);
         assert_eq!(spent(&s, "t", DEC_1 + 1), (10, 10), "the reservation is replaced by the cost");
         settle(&s, "t", caps, 1, 0, DEC_1 + 1);
@@ -284,6 +319,10 @@ mod tests {
         assert_eq!(spent(&s, "t", DEC_1 + 1), (10, 10), "nor one for a reservation that was refused");
         reserve(&s, "t", caps, (3, 60, far), DEC_1 + 2).unwrap();
         assert_eq!(spent(&s, "t", DEC_1 + 2), (70, 70));
+        // With 10 settled and 60 held, a call of 91 could never fit: exhausted, not held.
+        let Err(Refused::Exhausted(refused)) = reserve(&s, "t", caps, (9, 91, far), DEC_1 + 2) else { panic!("refused") };
+        assert_eq!((refused.period, refused.cap_micro, refused.retry_after_ms), ("day", 100, DAY_MS - 2));
+        assert_eq!(reserve(&s, "t", caps, (9, 90, far), DEC_1 + 2), Err(Refused::Held), "90 fits what is settled");
         // The next day: a fresh day, the same month; the call reserved yesterday settles.
         let tomorrow = DEC_1 + DAY_MS;
         settle(&s, "t", caps, 3, 60, tomorrow);

@@ -869,16 +869,67 @@ mod tests {
     }
 
     #[test]
+    fn a_call_that_fits_once_others_settle_waits_for_them_and_one_that_never_fits_is_refused() {
+        // Worst case 3000 micro-dollars a call; the day allows 7000.
+        let raw = r#","usd_per_day":0.007"#;
+        let c = config(&format!(
+            r#"{{"rate_limit":{{"max_wait_ms":5000}},"models":{{"gpt-4.1":{{"usd_per_mtok_input":10,"usd_per_mtok_output":30}}}},
+                "tenants":{{"t":{{"keys_sha256":["{}"]{raw}}}}}}}"#,
+            "a".repeat(64)
+        ));
+        let s = MemStore::new();
+        let mut flights: Vec<Flight> = (0..4).map(|_| tenant_flight(&c)).collect();
+        send(flights[0].resume(&s, &c, 0, 1));
+        send(flights[1].resume(&s, &c, 0, 2));
+        let Action::Sleep { until_ms } = flights[2].resume(&s, &c, 0, 3) else { panic!("it waits") };
+        assert_eq!(until_ms, tenant_gate::BUDGET_POLL_MS);
+        flights[0].on_response(&s, &c, status(200), &ProviderHints::default(), 10, 0);
+        assert_eq!(send(flights[2].resume(&s, &c, 60, 3)), "gpt-4.1", "the first settled at 220: room");
+        // Settled 220 + 3000 held twice: 220 + 3000 fits, so the fourth waits too ...
+        assert!(matches!(flights[3].resume(&s, &c, 70, 4), Action::Sleep { .. }));
+        for (f, at) in [(1, 80), (2, 90)] {
+            flights[f].on_response(&s, &c, status(200), &ProviderHints::default(), at, 0);
+        }
+        assert_eq!(send(flights[3].resume(&s, &c, 120, 4)), "gpt-4.1");
+        // ... and a call past what is settled is told so at once, not held.
+        let spent = crate::core::budget::spent(&s, "t", 120).0;
+        assert_eq!(spent, 3 * 220 + 3000);
+        flights[3].on_response(&s, &c, status(200), &ProviderHints::default(), 130, 0);
+        let mut many = (0..20).map(|_| tenant_flight(&c)).collect::<Vec<_>>();
+        let ends: Vec<String> = many
+            .iter_mut()
+            .enumerate()
+            .map(|(i, f)| match f.resume(&s, &c, 140, 10 + i as u64) {
+                Action::Send { .. } => {
+                    f.on_response(&s, &c, status(200), &ProviderHints::default(), 141, 0);
+                    "served".to_owned()
+                }
+                Action::Finish(Some(r)) => {
+                    let v: serde_json::Value = serde_json::from_slice(&r.body).unwrap();
+                    v["error"]["code"].as_str().unwrap_or_default().to_owned()
+                }
+                other => panic!("{other:?}"),
+            })
+            .collect();
+        // Admitted while 880 settled + 220 each leaves room for a 3000 worst case: 15 more.
+        assert_eq!(ends.iter().filter(|e| *e == "served").count(), 15);
+        assert!(ends[15..].iter().all(|e| e == "insufficient_quota"), "{ends:?}");
+        assert_eq!(crate::core::budget::spent(&s, "t", 150).0, 19 * 220);
+    }
+
+    #[test]
     fn a_tenants_budget_holds_the_worst_case_of_every_call_in_flight_and_keeps_what_was_spent() {
         // Worst case: 100 tokens at $30/Mtok = 3000 micro-dollars; the day allows 7000.
         let (s, c) = (MemStore::new(), tenant_config(r#","usd_per_day":0.007"#, ""));
         let mut flights: Vec<Flight> = (0..3).map(|_| tenant_flight(&c)).collect();
         assert_eq!(send(flights[0].resume(&s, &c, 0, 1)), "gpt-4.1");
         assert_eq!(send(flights[1].resume(&s, &c, 0, 2)), "gpt-4.1");
+        // Nothing is settled yet: the third fits once the others settle, so it is told to
+        // come back (a retryable 429), never that the budget is spent.
         let Action::Finish(Some(r)) = flights[2].resume(&s, &c, 0, 3) else { panic!("refused") };
         let v: serde_json::Value = serde_json::from_slice(&r.body).unwrap();
-        assert_eq!((r.status, v["error"]["code"].as_str()), (429, Some("insufficient_quota")));
-        assert!(r.header("retry-after").is_some());
+        assert_eq!((r.status, v["error"]["code"].as_str()), (429, Some("rate_limit_exceeded")));
+        assert_eq!(r.header("retry-after"), Some("1"));
         assert_eq!(crate::core::budget::spent(&s, "t", 0), (6000, 6000), "two worst cases held");
         // The first ends: 7 prompt and 5 completion tokens cost 70 + 150 micro-dollars.
         assert!(matches!(

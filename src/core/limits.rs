@@ -91,15 +91,22 @@ pub enum Kind {
     /// The call's token estimate is more than the bucket holds: it could never be admitted.
     #[serde(rename = "too_large")]
     TooLarge,
+    /// A tenant's budget has room for the call only once its calls in flight settle.
+    #[serde(rename = "budget_held")]
+    BudgetHeld,
 }
 
 impl Kind {
     /// OpenAI's error `type` for a rate-limit answer.
     pub fn as_str(self) -> &'static str {
         match self {
-            Kind::Requests | Kind::Concurrency | Kind::Contended | Kind::Shed | Kind::QueueFull | Kind::TooLarge => {
-                "requests"
-            }
+            Kind::Requests
+            | Kind::Concurrency
+            | Kind::Contended
+            | Kind::Shed
+            | Kind::QueueFull
+            | Kind::TooLarge
+            | Kind::BudgetHeld => "requests",
             Kind::Tokens => "tokens",
             Kind::QuotaDay | Kind::QuotaMonth => "insufficient_quota",
         }

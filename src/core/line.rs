@@ -64,7 +64,7 @@ pub struct Line {
     turns: [u64; 3],
 }
 
-/// The line is full and the caller is of its lowest class.
+/// The line is full and the caller orders after every place in it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Full;
 
@@ -110,7 +110,9 @@ impl Line {
     }
 
     /// Takes (or keeps) `place` in a line of at most `max`; whether the line changed. A full
-    /// line gives the last place of its lowest class to a caller of a higher class.
+    /// line gives its last place (of the lowest class, the latest turn) to a caller that
+    /// orders before it: a higher class, or an earlier turn of the same class (another
+    /// tenant's, whose fair share the full line would otherwise shut out).
     pub fn stand(&mut self, place: Place, max: usize, now_ms: u64) -> Result<bool, Full> {
         if let Some(p) = self.places.iter_mut().find(|p| p.id == place.id && p.class == place.class) {
             let renew = p.until_ms.saturating_sub(now_ms) < RENEW_BELOW_MS;
@@ -122,9 +124,9 @@ impl Line {
         // Its place in another class is given up for this one.
         self.places.retain(|p| p.id != place.id);
         if self.places.len() >= max.max(1) {
-            let last = self.places.iter().enumerate().max_by_key(|(_, p)| p.order()).map(|(i, p)| (i, p.class));
+            let last = self.places.iter().enumerate().max_by_key(|(_, p)| p.order()).map(|(i, p)| (i, p.order()));
             match last {
-                Some((i, class)) if class > place.class => {
+                Some((i, order)) if order > place.order() => {
                     self.places.swap_remove(i);
                 }
                 _ => return Err(Full),
@@ -255,8 +257,8 @@ mod tests {
     #[test]
     fn a_full_line_refuses_its_lowest_class_first() {
         let mut line = line_of(3, Class::Sheddable, 1, 3);
-        let p = line.place_of(&who(7, Class::Sheddable, 2), 5);
-        assert_eq!(line.stand(p, 3, 5), Err(Full), "no place for another sheddable call");
+        let p = line.place_of(&who(7, Class::Sheddable, 1), 5);
+        assert_eq!(line.stand(p, 3, 5), Err(Full), "no place for another sheddable call of the same tenant");
         let p = line.place_of(&who(8, Class::Critical, 2), 5);
         assert_eq!(line.stand(p, 3, 5), Ok(true), "a critical call takes the last sheddable place");
         assert_eq!(line.len(), 3);
@@ -264,6 +266,21 @@ mod tests {
         // The caller that lost its place finds the line full when it comes back.
         let back = line.place_of(&who(2, Class::Sheddable, 1), 6);
         assert_eq!(line.stand(back, 3, 6), Err(Full));
+    }
+
+    #[test]
+    fn a_full_line_gives_its_last_turn_to_another_tenant_whose_turn_comes_first() {
+        let mut line = line_of(4, Class::Standard, 1, 4);
+        let other = line.place_of(&who(9, Class::Standard, 2), 10);
+        assert_eq!(other.turn, 1, "its first turn, beside tenant 1's first");
+        assert_eq!(line.stand(other, 4, 10), Ok(true), "a place, not a refusal");
+        assert_eq!(line.len(), 4);
+        assert!(line.places.iter().all(|p| p.id != 3), "tenant 1's fourth turn gave way");
+        assert_eq!(line.ahead(&other, f64::INFINITY).calls, 1, "behind tenant 1's first turn only");
+        let again = line.place_of(&who(10, Class::Standard, 2), 11);
+        assert_eq!(line.stand(again, 4, 11), Ok(true), "its second turn orders before tenant 1's third");
+        let third = line.place_of(&who(11, Class::Standard, 2), 12);
+        assert_eq!(line.stand(third, 4, 12), Err(Full), "its third comes after tenant 1's second: full");
     }
 
     #[test]

@@ -198,6 +198,9 @@ pub fn take(
     }
     let ledger = Ledger::of(config, t, &ask.tenant, share);
     let (id, estimate) = (ask.id, ask.estimate);
+    // A call the budget refuses takes nothing from the buckets (a call waiting for other
+    // calls' settlements looks again and again).
+    budget::check(store, &ledger.name, ledger.caps, ask.worst_micro, now_ms).map_err(refusal)?;
     if let Some(l) = &ledger.bucket {
         let who = Who::standard(id, estimate);
         limits::take(store, &bucket(&ledger.name), l, &who, now_ms, ask.hold_ms, false).map_err(Refusal::Bucket)?;
@@ -210,10 +213,7 @@ pub fn take(
                 let hints = ProviderHints::default();
                 limits::settle(store, &bucket(&ledger.name), l, id, estimate, Some(0), &hints, now_ms);
             }
-            return Err(match refused {
-                Refused::Exhausted(e) => Refusal::Budget(e),
-                Refused::Contended => Refusal::Bucket(Denial::of(Kind::Contended, Some(limits::CONTENTION_RETRY_MS))),
-            });
+            return Err(refusal(refused));
         }
     };
     let hold = TenantHold {
@@ -227,6 +227,18 @@ pub fn take(
     };
     Ok(Some(hold))
 }
+
+/// How a budget's refusal stands for the call.
+fn refusal(refused: Refused) -> Refusal {
+    match refused {
+        Refused::Exhausted(e) => Refusal::Budget(e),
+        Refused::Held => Refusal::Bucket(Denial::of(Kind::BudgetHeld, Some(BUDGET_POLL_MS))),
+        Refused::Contended => Refusal::Bucket(Denial::of(Kind::Contended, Some(limits::CONTENTION_RETRY_MS))),
+    }
+}
+
+/// How often a call that waits for its tenant's calls in flight to settle looks again.
+pub const BUDGET_POLL_MS: u64 = 50;
 
 /// The tenant's owner node settles a call that a key owner reports ended.
 pub fn settle_reported(store: &impl CasStore, config: &Config, s: &Settlement, now_ms: u64) {
@@ -303,6 +315,15 @@ impl TenantHold {
 /// the 400 of a call its bucket could never admit.
 pub fn refused(config: &Config, tenant: &str, model: &str, refusal: Refusal, estimate: u64) -> Response {
     let (e, wait) = match refusal {
+        Refusal::Bucket(d) if d.kind == Kind::BudgetHeld => {
+            let wait = d.wait_ms.unwrap_or(BUDGET_POLL_MS).max(1_000);
+            let message = format!(
+                "Tenant {tenant}'s budget is held by its calls in flight; it has room for this call once they \
+                 settle. Please try again in {}.",
+                duration(wait)
+            );
+            (ApiError { status: 429, message, kind: "requests", param: None, code: "rate_limit_exceeded" }, wait)
+        }
         Refusal::TooLarge => {
             let tpm = config.tenants.get(tenant).and_then(|t| t.tokens_per_minute).unwrap_or(0);
             let e = ApiError::too_many_tokens(&format!("tenant {tenant}"), estimate, tpm);

@@ -320,7 +320,9 @@ mod tests {
         reserve(&s, "t", caps, (3, 60, far), DEC_1 + 2).unwrap();
         assert_eq!(spent(&s, "t", DEC_1 + 2), (70, 70));
         // With 10 settled and 60 held, a call of 91 could never fit: exhausted, not held.
-        let Err(Refused::Exhausted(refused)) = reserve(&s, "t", caps, (9, 91, far), DEC_1 + 2) else { panic!("refused") };
+        let Err(Refused::Exhausted(refused)) = reserve(&s, "t", caps, (9, 91, far), DEC_1 + 2) else {
+            panic!("refused")
+        };
         assert_eq!((refused.period, refused.cap_micro, refused.retry_after_ms), ("day", 100, DAY_MS - 2));
         assert_eq!(reserve(&s, "t", caps, (9, 90, far), DEC_1 + 2), Err(Refused::Held), "90 fits what is settled");
         // The next day: a fresh day, the same month; the call reserved yesterday settles.

@@ -484,19 +484,21 @@ impl Config {
             Some(models) => models.iter().map(String::as_str).collect(),
             None => self.models.keys().map(String::as_str).collect(),
         };
-        let mut reached: Vec<&str> = Vec::new();
+        // (model, whether the tenant reaches it whatever the request names): a name the
+        // request itself names that nothing prices is refused at the request (404), but a
+        // model the tenant lists, or a fallback, must have a price.
+        let mut reached: Vec<(&str, bool)> = Vec::new();
         for m in listed {
             let fallbacks = self.model(m).map(|(_, e)| e.fallback.as_slice()).unwrap_or_default();
             let allowed = fallbacks.iter().map(String::as_str).filter(|f| t.allows(f));
-            reached.extend(std::iter::once(m).chain(allowed));
+            reached.push((m, t.models.is_some()));
+            reached.extend(allowed.map(|f| (f, true)));
         }
-        let unpriced = reached.into_iter().find(|m| match self.model(m) {
+        let unpriced = reached.into_iter().find(|(m, surely)| match self.model(m) {
             Some((_, entry)) => !entry.priced(),
-            // A name nothing prices is refused to the tenant at the request (404); a listed
-            // one it could never call is a mistake of the configuration.
-            None => t.models.is_some(),
+            None => *surely,
         });
-        match unpriced {
+        match unpriced.map(|(m, _)| m) {
             Some(m) => Err(ConfigError(format!(
                 "tenants.{name}: it has a dollar budget, and the model {m} it can reach has no price \
                  (models.{m}.usd_per_mtok_input / usd_per_mtok_output{})",
@@ -791,6 +793,38 @@ mod tests {
         }
         assert!(Config::parse(b"{} {}").is_err());
         assert!(Config::parse(b"[]").is_err());
+    }
+
+    #[test]
+    fn a_budgeted_tenant_reaches_only_priced_models() {
+        let key = "e".repeat(64);
+        let with = |models: &str, tenant: &str| {
+            Config::parse(
+                format!(
+                    r#"{{"models":{models},"tenants":{{"t":{{"keys_sha256":["{key}"],"usd_per_day":1{tenant}}}}}}}"#
+                )
+                .as_bytes(),
+            )
+        };
+        let priced = r#""usd_per_mtok_input":1"#;
+        for (models, tenant, unpriced) in [
+            (format!(r#"{{"a":{{{priced}}},"b":{{}}}}"#), "", "b"),
+            (format!(r#"{{"a":{{{priced}}},"default":{{"requests_per_minute":5}}}}"#), "", "default"),
+            (format!(r#"{{"a":{{{priced},"fallback":["c"]}}}}"#), "", "c"),
+            (format!(r#"{{"a":{{{priced}}}}}"#), r#","models":["a","d"]"#, "d"),
+        ] {
+            let e = with(&models, tenant).expect_err(&models).to_string();
+            assert!(e.contains("tenants.t:") && e.contains(&format!("model {unpriced} it can reach")), "{models}: {e}");
+        }
+        for (models, tenant) in [
+            (format!(r#"{{"a":{{{priced},"fallback":["b"]}},"b":{{}}}}"#), r#","models":["a"]"#),
+            (format!(r#"{{"a":{{{priced}}}}}"#), ""),
+            (format!(r#"{{"default":{{"usd_per_mtok_output":3}}}}"#), ""),
+        ] {
+            assert!(with(&models, tenant).is_ok(), "{models} {tenant}: a fallback it may not call, a name not listed");
+        }
+        let free = Config::parse(br#"{"models":{"b":{}},"tenants":{"t":{"keys_sha256":["eeee"]}}}"#);
+        assert!(free.is_err_and(|e| !e.0.contains("price")), "no budget: no price needed (the digest is refused)");
     }
 
     /// The configurations the docs show (```json blocks, and the filter's `value: '...'` in

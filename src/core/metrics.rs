@@ -5,8 +5,8 @@ use super::bytes;
 use super::config::{Config, Role};
 use super::engine::{CacheStatus, Reply};
 use super::flight::Event;
-use super::usage::{self, Usage};
 use super::priority::Class;
+use super::usage::{self, Usage};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum Counter {

@@ -94,6 +94,12 @@ struct State {
     embeddings: u64,
     embedding_inputs: Vec<String>,
     embedding_plan: VecDeque<Fault>,
+    /// The prompt prefixes (model and every message but the last) answered so far: a
+    /// later prompt that starts with one is served partly from the prompt cache.
+    prefixes: std::collections::HashSet<[u8; 32]>,
+    /// The `usage` of every answer the mock produced (a stream's too, whether or not the
+    /// client read it to the end): what the account was billed.
+    billed: Vec<Value>,
 }
 
 /// Counts a chat-completion call as in flight until dropped.
@@ -200,6 +206,8 @@ impl Mock {
             (Method::POST, "/mock/reset") => {
                 let mut s = self.state();
                 s.calls = 0;
+                s.billed.clear();
+                s.prefixes.clear();
                 s.embeddings = 0;
                 s.embedding_inputs.clear();
                 s.embedding_plan.clear();
@@ -270,10 +278,13 @@ impl Mock {
         let mut resp = match (fault.status.filter(|s| *s != 200), &fault.body) {
             (status, Some(raw)) => planned_body(status.unwrap_or(200), raw, fault.content_type.as_deref()),
             (Some(status), None) => planned_error(status),
-            (None, None) => match answer(body) {
-                Answer::Json(r) => r,
-                Answer::Events(events) => self.stream(events, &fault),
-            },
+            (None, None) => {
+                let answered = answer(body, &mut self.state());
+                match answered {
+                    Answer::Json(r) => r,
+                    Answer::Events(events) => self.stream(events, &fault),
+                }
+            }
         };
         if resp.status() == StatusCode::OK {
             rate_limit_headers(&mut resp, calls);
@@ -380,14 +391,37 @@ impl Mock {
     }
 }
 
-fn answer(body: &[u8]) -> Answer {
+/// The answer to a chat call, billed to `state`.
+fn answer(body: &[u8], state: &mut State) -> Answer {
     let req: Value = serde_json::from_slice(body).unwrap_or(Value::Null);
-    match completion(&req) {
+    let cached = cached_tokens(&req, &mut state.prefixes);
+    let completion = completion(&req).map(|mut c| {
+        c["usage"]["prompt_tokens_details"] = json!({"cached_tokens": cached, "audio_tokens": 0});
+        state.billed.push(c["usage"].clone());
+        c
+    });
+    match completion {
         Err(e) => Answer::Json(*e),
         Ok(c) if req["stream"].as_bool() == Some(true) => {
             Answer::Events(events(&c, req["stream_options"]["include_usage"].as_bool() == Some(true)))
         }
         Ok(c) => Answer::Json(json_response(StatusCode::OK, &c)),
+    }
+}
+
+/// Prompt caching as OpenAI bills it: a prompt whose prefix (the model and every message
+/// but the last) was answered before, and is at least 1024 tokens long, has that prefix
+/// served from the cache in whole blocks of 128 tokens. Remembers the prefix.
+fn cached_tokens(req: &Value, seen: &mut std::collections::HashSet<[u8; 32]>) -> u64 {
+    let Some(messages) = req["messages"].as_array().filter(|m| m.len() > 1) else { return 0 };
+    let prefix = &messages[..messages.len() - 1];
+    let tokens = (prefix.iter().map(|m| m["content"].as_str().map_or(0, str::len) + 4).sum::<usize>() / 4) as u64;
+    let digest: [u8; 32] = Sha256::digest(json!([req["model"], prefix]).to_string().as_bytes()).into();
+    let hit = !seen.insert(digest);
+    if hit && tokens >= 1024 {
+        tokens / 128 * 128
+    } else {
+        0
     }
 }
 
@@ -682,6 +716,11 @@ impl Mock {
     /// The body of the last chat call.
     pub fn last_body(&self) -> Vec<u8> {
         self.state().last_body.clone()
+    }
+
+    /// The `usage` of every chat answer produced so far (what HolySheep billed), in order.
+    pub fn billed(&self) -> Vec<Value> {
+        self.state().billed.clone()
     }
 }
 

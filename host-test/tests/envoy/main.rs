@@ -9,6 +9,7 @@ mod envoy_e2e;
 mod fleet_e2e;
 mod hostile_e2e;
 mod limits_e2e;
+mod money_e2e;
 mod never_down;
 mod priority_e2e;
 mod production_e2e;

@@ -14,10 +14,10 @@ pub use probe::{probe, Probe};
 pub use vector::{embedding_body, parse_embedding, Embedding, Vector, MAX_DIMENSIONS};
 
 use super::config::{Config, Role};
-use super::usage::Usage;
 use super::engine::{CacheStatus, Call, Reply};
 use super::request::Key;
 use super::store::CasStore;
+use super::usage::Usage;
 
 /// The response header with the similarity of the question a SEMANTIC answer answered.
 pub const SIMILARITY_HEADER: &str = "x-holysheep-similarity";

@@ -1,0 +1,305 @@
+//! Money that holds, in real Envoy (2 workers), tried as a careless or hostile tenant
+//! would: worst cases that count every choice, only priced models for a budgeted tenant, no
+//! token bucket one call can take, errors that cost nothing, a full line that keeps every
+//! tenant's turn, prompt-cache prices, and budgets that are used, not only held.
+
+use host_test::client::{request, Conn, Resp};
+use host_test::mock::{Fault, Running};
+use host_test::stack::{burst_at, poll_until, prompt, prompt_for, Stack, PATH};
+use sha2::{Digest, Sha256};
+use std::thread::JoinHandle;
+
+const OPERATOR_KEY: &str = "sk-operator-4b1d9e7c2a";
+/// (tenant, token) of every test's tenants.
+const TOKENS: [(&str, &str); 4] = [
+    ("batch", "hs-batch-9c8b7a6f5e"),
+    ("search", "hs-search-1d2c3b4a5f"),
+    ("alpha", "hs-alpha-6e5d4c3b2a"),
+    ("beta", "hs-beta-0f1e2d3c4b"),
+];
+/// gpt-4.1 at $10 / $30 per million prompt / completion tokens, $2.50 for cached prompt tokens.
+const PRICES: &str = r#""usd_per_mtok_input":10,"usd_per_mtok_output":30,"usd_per_mtok_cached_input":2.5"#;
+
+fn digest(token: &str) -> String {
+    Sha256::digest(token.as_bytes()).iter().map(|b| format!("{b:02x}")).collect()
+}
+
+fn bearer(tenant: &str) -> String {
+    let (_, token) = TOKENS.iter().find(|(t, _)| *t == tenant).expect("a test tenant");
+    format!("Bearer {token}")
+}
+
+/// `models` and `rate_limit` as given, and the tenants with `limits.<tenant>` (more fields).
+fn config(models: &str, rate_limit: &str, limits: &[(&str, &str)]) -> String {
+    let tenants: Vec<String> = TOKENS
+        .iter()
+        .map(|(t, token)| {
+            let extra = limits.iter().find(|(n, _)| n == t).map_or(String::new(), |(_, e)| format!(",{e}"));
+            format!(r#""{t}":{{"keys_sha256":["{}"]{extra}}}"#, digest(token))
+        })
+        .collect();
+    format!(
+        r#"{{"models":{models},"rate_limit":{rate_limit},"retry":{{"max_attempts":1}},"tenants":{{{}}}}}"#,
+        tenants.join(",")
+    )
+}
+
+fn start(config: &str, latency_ms: u64) -> Stack {
+    Stack::start_with(config, latency_ms, Some(OPERATOR_KEY), Some(OPERATOR_KEY))
+}
+
+fn chat(s: &Stack, tenant: &str, body: &str) -> Resp {
+    s.chat(body, &[("authorization", &bearer(tenant))])
+}
+
+fn code(r: &Resp) -> String {
+    r.json()["error"]["code"].as_str().unwrap_or("-").to_owned()
+}
+
+/// `body` with these fields first.
+fn with(body: &str, fields: &str) -> String {
+    body.replacen('{', &format!("{{{fields},"), 1)
+}
+
+/// What HolySheep billed for one `usage`, in micro-dollars, at `PRICES`: 10 per fresh prompt
+/// token, 2.5 per cached one, 30 per completion token (as the edge rounds it).
+fn billed_micro(u: &serde_json::Value) -> u64 {
+    let prompt = u["prompt_tokens"].as_u64().unwrap_or(0);
+    let cached = u["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap_or(0);
+    let completion = u["completion_tokens"].as_u64().unwrap_or(0);
+    ((prompt - cached) as f64 * 10.0 + cached as f64 * 2.5 + completion as f64 * 30.0).round() as u64
+}
+
+/// Everything the mock billed so far, in micro-dollars.
+fn mock_billed(s: &Stack) -> u64 {
+    s.mock.mock.billed().iter().map(billed_micro).sum()
+}
+
+fn tenant_stat(s: &Stack, tenant: &str, name: &str) -> u64 {
+    s.envoy.stat(&format!("wasmcustom.holysheep.tenant.{tenant}.{name}"))
+}
+
+#[test]
+fn a_budgeted_call_reserves_the_completion_cap_of_every_choice() {
+    let s = start(&config(&format!(r#"{{"gpt-4.1":{{{PRICES}}}}}"#), "{}", &[("batch", r#""usd_per_day":1"#)]), 0);
+    // 128 choices of up to 4096 tokens each at $30 per million: about $15.7, far past $1.
+    let many = with(&prompt("one hundred and twenty-eight answers"), r#""n":128"#);
+    let r = chat(&s, "batch", &many);
+    assert_eq!((r.status, code(&r).as_str()), (429, "insufficient_quota"), "{}", r.text());
+    assert_eq!(s.calls(), 0, "nothing reached HolySheep");
+    // Two choices: (body + 2 × 4096) tokens at $30 per million fit in $1.
+    let two = with(&prompt("two answers"), r#""n":2"#);
+    let r = chat(&s, "batch", &two);
+    assert_eq!(r.status, 200, "{}", r.text());
+    let sent: serde_json::Value = serde_json::from_slice(&s.mock.mock.last_body()).expect("json");
+    assert_eq!((sent["max_tokens"].as_u64(), sent["n"].as_u64()), (Some(4096), Some(2)), "the cap, per choice");
+    assert_eq!(tenant_stat(&s, "batch", "cost_spent_microusd"), mock_billed(&s));
+    assert_eq!(tenant_stat(&s, "batch", "budget_day_left_microusd"), 1_000_000 - mock_billed(&s));
+    assert!(s.crashes().is_empty(), "{:?}", s.crashes());
+}
+
+#[test]
+fn a_budgeted_tenant_reaches_only_priced_models() {
+    let mock = Running::start(None, 0).expect("mock");
+    // Nothing prices deepseek-v3 (no entry, no default), and the budgeted tenant reaches it
+    // as gpt-4.1's fallback.
+    let unpriced = config(
+        &format!(r#"{{"gpt-4.1":{{{PRICES},"fallback":["deepseek-v3"]}}}}"#),
+        "{}",
+        &[("batch", r#""usd_per_day":1"#)],
+    );
+    let refused = host_test::envoy::Envoy::start(&host_test::envoy::Options::new(&unpriced, mock.addr))
+        .err()
+        .expect("Envoy refuses the filter's configuration");
+    let log = refused.to_string();
+    assert!(log.contains("tenants.batch") && log.contains("deepseek-v3 it can reach has no price"), "{log}");
+
+    // Without `default`, a name the configuration does not list has no price: unknown to a
+    // budgeted tenant, callable by one without a budget.
+    let s = start(&config(&format!(r#"{{"gpt-4.1":{{{PRICES}}}}}"#), "{}", &[("batch", r#""usd_per_day":1"#)]), 0);
+    let other = prompt_for("claude-sonnet-4", "priced by nothing");
+    let r = chat(&s, "batch", &other);
+    assert_eq!((r.status, code(&r).as_str()), (404, "model_not_found"), "{}", r.text());
+    assert_eq!(s.calls(), 0);
+    assert_eq!(chat(&s, "search", &other).status, 200, "no budget, no price needed");
+    assert_eq!(chat(&s, "batch", &prompt("priced")).status, 200);
+    assert!(s.crashes().is_empty(), "{:?}", s.crashes());
+}
+
+#[test]
+fn no_call_can_take_a_models_or_a_tenants_token_bucket() {
+    let models = format!(r#"{{"gpt-4.1":{{"tokens_per_minute":10000,{PRICES}}}}}"#);
+    let s = start(&config(&models, r#"{"max_wait_ms":2000}"#, &[("alpha", r#""tokens_per_minute":1000"#)]), 0);
+    let huge = with(&prompt("as long as it likes"), r#""max_tokens":1000000000"#);
+    let r = chat(&s, "batch", &huge);
+    assert_eq!((r.status, r.json()["error"]["param"].as_str()), (400, Some("max_tokens")), "{}", r.text());
+    assert!(r.json()["error"]["message"].as_str().unwrap_or("").contains("10000 tokens per minute model gpt-4.1"));
+    assert_eq!(s.calls(), 0, "refused at once, never sent");
+    // HolySheep refuses a call of 8000 tokens (no tokens used): its estimate goes back, so
+    // the next one of 8000 is admitted at once (the bucket refills only 167 a second).
+    s.mock.mock.plan(vec![Fault { status: Some(400), ..Fault::default() }]);
+    let big = |text: &str| with(&prompt(text), r#""max_tokens":8000"#);
+    assert_eq!(chat(&s, "batch", &big("refused by HolySheep")).status, 400);
+    let r = chat(&s, "batch", &big("after the refusal"));
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(s.calls(), 2);
+    // A tenant's own bucket: 1000 tokens a minute can never hold a call of 2000.
+    let r = chat(&s, "alpha", &with(&prompt("past the tenant's bucket"), r#""max_tokens":2000"#));
+    assert_eq!((r.status, r.json()["error"]["param"].as_str()), (400, Some("max_tokens")), "{}", r.text());
+    assert!(r.json()["error"]["message"].as_str().unwrap_or("").contains("tenant alpha"), "{}", r.text());
+    assert_eq!(s.calls(), 2);
+    assert!(s.crashes().is_empty(), "{:?}", s.crashes());
+}
+
+fn streamed(body: &str) -> String {
+    with(body, r#""stream":true"#)
+}
+
+#[test]
+fn errors_to_streams_and_streams_never_sent_cost_the_tenant_nothing() {
+    let models = format!(r#"{{"gpt-4.1":{{"max_in_flight":1,{PRICES}}}}}"#);
+    let s = start(&config(&models, r#"{"max_wait_ms":30000}"#, &[("batch", r#""usd_per_day":1"#)]), 0);
+    let left = || tenant_stat(&s, "batch", "budget_day_left_microusd");
+    for status in [400, 503] {
+        s.mock.mock.plan(vec![Fault { status: Some(status), ..Fault::default() }]);
+        let r = chat(&s, "batch", &streamed(&prompt(&format!("a stream HolySheep answers {status}"))));
+        assert_eq!(r.status, status, "{}", r.text());
+        assert_eq!(left(), 1_000_000, "an error to a stream costs nothing");
+    }
+    // A stream that waits for the only slot, whose client leaves before it gets it.
+    s.mock.mock.plan(vec![Fault { hold: true, ..Fault::default() }]);
+    let held = std::thread::spawn({
+        let (edge, auth) = (s.envoy.edge, bearer("batch"));
+        move || request(edge, "POST", PATH, &[("authorization", &auth)], prompt("held").as_bytes()).expect("answer")
+    });
+    s.await_calls(3);
+    let mut leaving = Conn::open(s.envoy.edge).expect("connect");
+    let body = streamed(&prompt("a stream whose client leaves"));
+    leaving.send_only("POST", PATH, &[("authorization", &bearer("batch"))], body.as_bytes()).expect("sent");
+    poll_until(|| s.envoy.stat("wasmcustom.holysheep.priority.standard.queued") >= 1, "the stream never stood in line");
+    drop(leaving);
+    s.mock.mock.release();
+    let held = held.join().expect("thread");
+    assert_eq!(held.status, 200);
+    // The stream in line finds its client gone when its turn comes: it never leaves.
+    let spent = billed_micro(&held.json()["usage"]);
+    poll_until(|| left() == 1_000_000 - spent, "the stream that never left was charged");
+    assert_eq!(s.calls(), 3, "the stream was never sent");
+    assert_eq!(tenant_stat(&s, "batch", "cost_spent_microusd"), spent);
+    assert!(s.crashes().is_empty(), "{:?}", s.crashes());
+}
+
+fn send(s: &Stack, tenant: &str, text: &str) -> JoinHandle<Resp> {
+    let (edge, body, auth) = (s.envoy.edge, prompt(text), bearer(tenant));
+    std::thread::spawn(move || {
+        request(edge, "POST", PATH, &[("authorization", &auth)], body.as_bytes()).expect("answer")
+    })
+}
+
+#[test]
+fn a_full_line_gives_its_last_place_to_another_tenant_whose_turn_comes_first() {
+    let models = r#"{"gpt-4.1":{"max_in_flight":1}}"#;
+    let s = start(&config(models, r#"{"max_wait_ms":30000,"max_queue":2}"#, &[]), 0);
+    let queued = || s.envoy.stat("wasmcustom.holysheep.priority.standard.queued");
+    s.mock.mock.plan(vec![Fault { hold: true, ..Fault::default() }]);
+    let mut alpha = vec![send(&s, "alpha", "alpha 0")];
+    s.await_calls(1);
+    alpha.extend((1..3).map(|i| send(&s, "alpha", &format!("alpha {i}"))));
+    poll_until(|| queued() >= 2, "alpha's calls never stood in line");
+    // The line is full of alpha's turns 1 and 2; beta's first turn orders before alpha's 2nd.
+    let beta = send(&s, "beta", "beta 0");
+    poll_until(|| queued() >= 3, "beta never stood in line");
+    // Alpha's second turn lost its place: it finds the line full when it looks again.
+    let full = || s.envoy.stat("wasmcustom.holysheep.priority.standard.queue_full");
+    poll_until(|| full() == 1, "alpha's last turn was never refused");
+    s.mock.mock.release();
+    let beta = beta.join().expect("thread");
+    assert_eq!(beta.status, 200, "a place, not a refusal: {}", beta.text());
+    let alpha: Vec<Resp> = alpha.into_iter().map(|h| h.join().expect("thread")).collect();
+    let refused: Vec<&Resp> = alpha.iter().filter(|r| r.status != 200).collect();
+    assert_eq!(refused.len(), 1, "alpha's last turn gave way");
+    assert_eq!((refused[0].status, refused[0].header("x-holysheep-shed")), (429, Some("queue-full")));
+    assert_eq!(s.calls(), 3);
+    assert_eq!(s.mock.mock.prompts(), ["alpha 0", "alpha 1", "beta 0"], "turn 1 of each, by arrival");
+    assert!(s.crashes().is_empty(), "{:?}", s.crashes());
+}
+
+#[test]
+fn prompt_tokens_served_from_the_providers_cache_are_priced_as_cached() {
+    let s = start(&config(&format!(r#"{{"gpt-4.1":{{{PRICES}}}}}"#), "{}", &[("batch", r#""usd_per_day":5"#)]), 0);
+    // An agent's long system prompt (about 1500 tokens), then two different questions.
+    let system = "You are a careful agent. ".repeat(240);
+    let turn = |q: &str| {
+        format!(
+            r#"{{"model":"gpt-4.1","max_tokens":50,"messages":[{{"role":"system","content":"{system}"}},{{"role":"user","content":"{q}"}}]}}"#
+        )
+    };
+    for q in ["first question", "second question"] {
+        assert_eq!(chat(&s, "batch", &turn(q)).status, 200);
+    }
+    let billed = s.mock.mock.billed();
+    let cached: Vec<u64> =
+        billed.iter().map(|u| u["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap_or(0)).collect();
+    assert_eq!(cached, [0, 1408], "the second prompt's prefix came from the cache: {billed:?}");
+    let stat = |n: &str| s.envoy.stat(&format!("wasmcustom.holysheep.gpt-4.1.{n}"));
+    assert_eq!(stat("cached_tokens"), 1408);
+    assert_eq!(tenant_stat(&s, "batch", "cached_tokens"), 1408);
+    assert_eq!(stat("cost_spent_microusd"), mock_billed(&s), "cached tokens at $2.50, not $10");
+    assert_eq!(tenant_stat(&s, "batch", "budget_day_left_microusd"), 5_000_000 - mock_billed(&s));
+    assert!(s.crashes().is_empty(), "{:?}", s.crashes());
+}
+
+/// Fifty different prompts of equal length and cost, and a budget that holds ten and a half
+/// of their worst cases (less than the fifty cost): (bodies, worst case, budget) in
+/// micro-dollars.
+fn burst_of_fifty(tag: &str) -> (Vec<String>, u64, u64) {
+    let words: String = (0..100).map(|w| format!("w{w:02} ")).collect();
+    let bodies: Vec<String> =
+        (0..50).map(|i| with(&prompt(&format!("{tag} {i:02} {}", words.trim_end())), r#""max_tokens":150"#)).collect();
+    // Every body byte a prompt token and max_tokens, at the dearest price, $30 per million.
+    let worst = (bodies[0].len() as u64 + 150) * 30;
+    (bodies, worst, 10 * worst + worst / 2)
+}
+
+fn budget_config(budget_micro: u64, max_wait_ms: u64) -> String {
+    let budget = format!(r#""usd_per_day":{}"#, budget_micro as f64 / 1e6);
+    config(
+        &format!(r#"{{"gpt-4.1":{{{PRICES}}}}}"#),
+        &format!(r#"{{"max_wait_ms":{max_wait_ms}}}"#),
+        &[("batch", &budget)],
+    )
+}
+
+#[test]
+fn a_burst_spends_its_budget_and_is_never_told_it_has_none_while_it_has() {
+    let (bodies, worst, budget) = burst_of_fifty("burst");
+    // Held while others settle: the burst uses the budget, and never passes it.
+    let s = start(&budget_config(budget, 20_000), 100);
+    let answers = burst_at(s.envoy.edge, bodies.clone(), &bearer("batch"));
+    let spent = mock_billed(&s);
+    let one = billed_micro(&s.mock.mock.billed()[0]);
+    assert!(50 * one > budget, "the burst asks for more than the budget: {one} a call, {budget} in all");
+    assert!(spent <= budget, "spent {spent} of {budget}");
+    assert!(spent * 10 >= budget * 9, "spent {spent} of {budget}: less than 90 %");
+    let served = answers.iter().filter(|r| r.status == 200).count() as u64;
+    assert_eq!(s.calls(), served);
+    for r in answers.iter().filter(|r| r.status != 200) {
+        assert_eq!((r.status, code(r).as_str()), (429, "insufficient_quota"), "{}", r.text());
+    }
+    // Refused only once what was settled left no room for a worst case.
+    assert!(budget - spent < worst, "{spent} of {budget}");
+    assert_eq!(tenant_stat(&s, "batch", "cost_spent_microusd"), spent);
+    assert!(s.crashes().is_empty(), "{:?}", s.crashes());
+
+    // Not held: ten worst cases fit at once, and the others are told to come back (a
+    // retryable 429), never that the budget is spent: nothing is settled yet.
+    let s = start(&budget_config(budget, 0), 300);
+    let answers = burst_at(s.envoy.edge, bodies, &bearer("batch"));
+    assert_eq!(answers.iter().filter(|r| r.status == 200).count(), 10);
+    for r in answers.iter().filter(|r| r.status != 200) {
+        assert_eq!((r.status, code(r).as_str()), (429, "rate_limit_exceeded"), "{}", r.text());
+        assert_eq!(r.header("retry-after"), Some("1"));
+    }
+    assert!(mock_billed(&s) <= budget);
+    assert!(s.crashes().is_empty(), "{:?}", s.crashes());
+}

@@ -819,7 +819,7 @@ mod tests {
         for (models, tenant) in [
             (format!(r#"{{"a":{{{priced},"fallback":["b"]}},"b":{{}}}}"#), r#","models":["a"]"#),
             (format!(r#"{{"a":{{{priced}}}}}"#), ""),
-            (format!(r#"{{"default":{{"usd_per_mtok_output":3}}}}"#), ""),
+            (r#"{"default":{"usd_per_mtok_output":3}}"#.to_owned(), ""),
         ] {
             assert!(with(&models, tenant).is_ok(), "{models} {tenant}: a fallback it may not call, a name not listed");
         }

@@ -36,9 +36,63 @@ pub struct Config {
     /// The callers this edge knows, by name. When set, every governed request must carry
     /// one of their keys, and its tenant is its cache scope.
     pub tenants: BTreeMap<String, Tenant>,
+    /// Where tenants' spend is kept beyond this process (docs/tenants.md#where-spend-is-kept).
+    pub budget_store: BudgetStore,
     /// The tenants' key digests, collected from `tenants` when the configuration is read.
     #[serde(skip)]
     pub keys: Keys,
+}
+
+/// The spend store: etcd (v3), reached through its JSON gateway by callouts to an Envoy
+/// cluster. Tenants' settled spend is written behind, and read by a node before it admits
+/// a tenant's first call.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct BudgetStore {
+    /// The Envoy cluster that reaches etcd's client port (empty: spend is kept in this
+    /// Envoy's memory only).
+    pub cluster: String,
+    /// `:authority` of the calls to etcd.
+    pub authority: String,
+    /// The etcd keys are `<prefix>/budget/<tenant>`.
+    pub prefix: String,
+    /// How often settled spend is written behind (the most a crash can lose, beside the
+    /// calls in flight).
+    pub flush_ms: u64,
+    /// The longest a call to etcd may take.
+    pub timeout_ms: u64,
+}
+
+impl Default for BudgetStore {
+    fn default() -> Self {
+        BudgetStore {
+            cluster: String::new(),
+            authority: "etcd".into(),
+            prefix: "holysheep".into(),
+            flush_ms: 1_000,
+            timeout_ms: 1_000,
+        }
+    }
+}
+
+impl BudgetStore {
+    pub fn enabled(&self) -> bool {
+        !self.cluster.is_empty()
+    }
+
+    fn validate(&self) -> Result<(), ConfigError> {
+        let plain = |s: &str| !s.is_empty() && s.bytes().all(|b| b.is_ascii_alphanumeric() || b"-_./".contains(&b));
+        let checks: [(bool, &str, &str); 4] = [
+            (!plain(&self.prefix), "prefix", "1 or more of a-z, A-Z, 0-9, '-', '_', '.' and '/'"),
+            (self.authority.is_empty(), "authority", "must not be empty"),
+            (!(50..=60_000).contains(&self.flush_ms), "flush_ms", "must be between 50 and 60000"),
+            (!(1..=10_000).contains(&self.timeout_ms), "timeout_ms", "must be between 1 and 10000"),
+        ];
+        match checks.iter().find(|(bad, _, _)| *bad) {
+            Some((_, field, why)) => Err(ConfigError(format!("budget_store.{field}: {why}"))),
+            None => Ok(()),
+        }
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, Default, Deserialize)]
@@ -286,6 +340,7 @@ impl Default for Config {
             log_fields: false,
             semantic: Semantic::default(),
             tenants: BTreeMap::new(),
+            budget_store: BudgetStore::default(),
             keys: Keys::default(),
         }
     }
@@ -466,6 +521,7 @@ impl Config {
             ));
         }
         self.semantic.validate()?;
+        self.budget_store.validate()?;
         self.tenants.iter().try_for_each(|(name, t)| self.priced_for(name, t))?;
         if self.models.len() > MAX_MODELS {
             return Err(ConfigError(format!("models: at most {MAX_MODELS} entries")));
@@ -546,6 +602,7 @@ fn locate(root: &Value) -> Option<String> {
         "rate_limit" => refused_field::<RateLimit>(section),
         "retry" => refused_field::<Retry>(section),
         "semantic" => refused_field::<Semantic>(section),
+        "budget_store" => refused_field::<BudgetStore>(section),
         "tenants" => section.as_object().and_then(|tenants| {
             tenants.iter().find_map(|(name, tenant)| match refused_field::<Tenant>(tenant) {
                 Some(field) => Some(format!("{name}.{field}")),

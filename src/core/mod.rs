@@ -1,7 +1,9 @@
 //! The host-agnostic core: request keys, cache, lease and the decisions built on them.
 //! Nothing here knows proxy-wasm or WASI; time and nonces are passed in.
 
+pub mod base64;
 pub mod budget;
+pub mod budget_store;
 pub mod bytes;
 pub mod cache;
 pub mod codec;

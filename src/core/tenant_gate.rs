@@ -3,7 +3,8 @@
 //! before the model's buckets and settled once, when the flight ends, with what its
 //! attempts used.
 
-use super::budget::{self, Caps, Exhausted, Hold, Refused};
+use super::budget::{self, Backing, Caps, Exhausted, Hold, Refused};
+use super::budget_store;
 use super::cache::Response;
 use super::config::{Config, RateLimit};
 use super::error::ApiError;
@@ -37,23 +38,30 @@ struct Ledger {
 }
 
 impl Ledger {
+    /// How its budget is backed: by the spend store when one is configured, but for a
+    /// node's share (kept here alone while the tenant's owner is out of reach).
+    fn backing(&self, config: &Config) -> Backing {
+        let store = config.budget_store.enabled() && !self.name.ends_with(SHARE);
+        Backing { store, nodes: config.fleet.nodes }
+    }
+
     /// `tenant`'s ledger (`share`: this node's part of it in a fleet of that many nodes,
     /// the tenant's owner node being out of reach).
     fn of(config: &Config, t: &Tenant, tenant: &str, share: Option<u32>) -> Ledger {
         let (bucket, caps) = (limits_of(t, &config.rate_limit), t.caps());
         match share {
             None => Ledger { name: tenant.to_owned(), bucket, caps },
-            Some(nodes) => {
-                let part = |micro: Option<u64>| micro.map(|m| m / u64::from(nodes.max(1)));
-                Ledger {
-                    name: format!("{tenant}#share"),
-                    bucket: bucket.map(|l| l.share(nodes)),
-                    caps: Caps { per_day: part(caps.per_day), per_month: part(caps.per_month) },
-                }
-            }
+            Some(nodes) => Ledger {
+                name: format!("{tenant}{SHARE}"),
+                bucket: bucket.map(|l| l.share(nodes)),
+                caps: caps.share(nodes),
+            },
         }
     }
 }
+
+/// The end of a node's share ledger's name.
+const SHARE: &str = "#share";
 
 /// A call's request of its tenant's limits, as a key owner sends it to the tenant's owner.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -200,20 +208,21 @@ pub fn take(
     let (id, estimate) = (ask.id, ask.estimate);
     // A call the budget refuses takes nothing from the buckets (a call waiting for other
     // calls' settlements looks again and again).
-    budget::check(store, &ledger.name, ledger.caps, ask.worst_micro, now_ms).map_err(refusal)?;
+    let backed = (ledger.caps, ledger.backing(config));
+    budget::check(store, &ledger.name, backed, ask.worst_micro, now_ms).map_err(|r| refusal(store, &ledger, r))?;
     if let Some(l) = &ledger.bucket {
         let who = Who::standard(id, estimate);
         limits::take(store, &bucket(&ledger.name), l, &who, now_ms, ask.hold_ms, false).map_err(Refusal::Bucket)?;
     }
     let listed = (id, ask.worst_micro, now_ms.saturating_add(ask.hold_ms));
-    let dollars = match budget::reserve(store, &ledger.name, ledger.caps, listed, now_ms) {
+    let dollars = match budget::reserve(store, &ledger.name, backed, listed, now_ms) {
         Ok(hold) => hold,
         Err(refused) => {
             if let Some(l) = &ledger.bucket {
                 let hints = ProviderHints::default();
                 limits::settle(store, &bucket(&ledger.name), l, id, estimate, Some(0), &hints, now_ms);
             }
-            return Err(refusal(refused));
+            return Err(refusal(store, &ledger, refused));
         }
     };
     let hold = TenantHold {
@@ -228,12 +237,17 @@ pub fn take(
     Ok(Some(hold))
 }
 
-/// How a budget's refusal stands for the call.
-fn refusal(refused: Refused) -> Refusal {
+/// How a budget's refusal stands for the call. A record not read from the spend store yet
+/// is asked for (`budget_store::want`), and the call looks again shortly.
+fn refusal(store: &impl CasStore, ledger: &Ledger, refused: Refused) -> Refusal {
     match refused {
         Refused::Exhausted(e) => Refusal::Budget(e),
         Refused::Held => Refusal::Bucket(Denial::of(Kind::BudgetHeld, Some(BUDGET_POLL_MS))),
         Refused::Contended => Refusal::Bucket(Denial::of(Kind::Contended, Some(limits::CONTENTION_RETRY_MS))),
+        Refused::Unread => {
+            budget_store::want(store, &ledger.name);
+            Refusal::Bucket(Denial::of(Kind::Contended, Some(budget_store::READ_POLL_MS)))
+        }
     }
 }
 

@@ -11,6 +11,7 @@ mod key_check;
 mod queue;
 mod root;
 mod runs;
+mod spend_store;
 mod tee;
 mod worker;
 

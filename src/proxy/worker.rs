@@ -12,6 +12,7 @@ use super::ids::{IdMap, IdSet};
 use super::key_check::KeyCheck;
 use super::queue::{WakeQueue, DISPATCH, ENDED};
 use super::runs::{Hop, Run, Runs, StreamEnd};
+use super::spend_store::SpendStore;
 use crate::core::cache::{self, Fresh, Response};
 use crate::core::codec;
 use crate::core::config::{Config, Role};
@@ -62,6 +63,7 @@ pub struct Worker {
     pub counters: Counters,
     pub key_check: KeyCheck,
     pub fleet: Fleet,
+    pub spend_store: SpendStore,
     pub runs: Runs,
     pub waiters: IdMap<(Wait, Rc<Outbound>)>,
     /// Http contexts that may still be answered: created, not done, and not answered by
@@ -162,6 +164,7 @@ impl Worker {
             counters: Counters::default(),
             key_check: KeyCheck::default(),
             fleet: Fleet::default(),
+            spend_store: SpendStore::default(),
             runs: Runs::default(),
             waiters: Default::default(),
             live: Default::default(),

@@ -71,6 +71,12 @@ fn setup() -> Result<Gateway, ApiError> {
         let message = format!("the gateway's configuration is invalid at '{}' (details in its log)", e.field());
         ApiError::server(message, "invalid_configuration")
     })?;
+    let mut config = config;
+    if config.budget_store.enabled() {
+        // The component keeps spend in its key-value bucket: it does not call etcd.
+        eprintln!("holysheep: budget_store is not used by the component: budgets are kept in its wasi:keyvalue bucket");
+        config.budget_store.cluster.clear();
+    }
     let bearer = upstream::bearer(env.get(&config.upstream.api_key_env));
     let bucket = env.get("HOLYSHEEP_KV_BUCKET").unwrap_or_else(|| "default".into());
     let kv = Kv::open(&bucket).map_err(|e| {

@@ -110,42 +110,12 @@ impl Values {
         match self {
             Values::Floats(v) => Some(v),
             Values::Base64(text) => {
-                let bytes = base64(&text)?;
+                let bytes = crate::core::base64::decode(&text)?;
                 let floats = bytes.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]));
                 (bytes.len() % 4 == 0).then(|| floats.collect())
             }
         }
     }
-}
-
-/// Standard base64 (RFC 4648, `=` padding optional); `None` for anything else.
-fn base64(text: &str) -> Option<Vec<u8>> {
-    let digits = text.trim_end_matches('=').as_bytes();
-    let value = |c: u8| -> Option<u32> {
-        Some(u32::from(match c {
-            b'A'..=b'Z' => c - b'A',
-            b'a'..=b'z' => c - b'a' + 26,
-            b'0'..=b'9' => c - b'0' + 52,
-            b'+' => 62,
-            b'/' => 63,
-            _ => return None,
-        }))
-    };
-    let mut out = Vec::with_capacity(digits.len() * 3 / 4);
-    for chunk in digits.chunks(4) {
-        let mut n = 0u32;
-        for (i, &c) in chunk.iter().enumerate() {
-            n |= value(c)? << (18 - 6 * i);
-        }
-        let bytes = n.to_be_bytes();
-        match chunk.len() {
-            4 => out.extend_from_slice(&bytes[1..4]),
-            3 => out.extend_from_slice(&bytes[1..3]),
-            2 => out.push(bytes[1]),
-            _ => return None,
-        }
-    }
-    Some(out)
 }
 
 #[derive(Deserialize, Default)]

@@ -65,7 +65,9 @@ impl Context for Root {
         self.begin_call();
         {
             let w = &mut *self.worker.borrow_mut();
-            if w.key_check.answered(&w.config, token, num_headers) {
+            if w.key_check.answered(&w.config, token, num_headers)
+                || w.spend_store.answered(token, num_headers, body_size)
+            {
                 return;
             }
         }
@@ -155,6 +157,12 @@ impl RootContext for Root {
             self.check_key();
         }
         self.dispatch_pending();
+        {
+            let w = &mut *self.worker.borrow_mut();
+            if w.config.role == Role::Owner {
+                w.spend_store.tick(&w.config, host::now_ms());
+            }
+        }
         self.worker.borrow_mut().queue.heartbeat(host::now_ms());
         self.renew_leases();
         self.wake_sleepers();

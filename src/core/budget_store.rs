@@ -1,0 +1,322 @@
+//! The spend store, sans-IO: tenants' settled spend kept in etcd (v3, through its JSON
+//! gateway), so that a restart, a deploy or an owner move does not reset it. A node reads a
+//! tenant's record from the store before it admits the tenant's first call (calls wait,
+//! `want`); what it settles is written behind, once per `budget_store.flush_ms`, as an
+//! addition to what the store holds (compare-and-swap on the key's revision, so writers on
+//! several nodes add up); a write that finds the key changed learns what others spent.
+//! When the store cannot be read, a node admits from its share of the budget for
+//! `UNREACHABLE_MS`, then tries again. The shells make the calls and report the answers.
+
+use super::base64;
+use super::budget::{self, Mark, Spend, Stored};
+use super::config::Config;
+use super::store::{cas_after, CasStore, StoreError};
+use serde_json::{json, Value};
+
+/// The tenants whose records wait to be read from the store (a list of names; bounded by
+/// the tenants configured).
+pub const WANTED_KEY: &str = "holysheep/budget-store/wanted";
+/// When the last round of writes began (one worker of the process claims each round).
+pub const ROUND_KEY: &str = "holysheep/budget-store/round";
+/// How often a call waiting for its tenant's record to be read looks again.
+pub const READ_POLL_MS: u64 = 20;
+/// How long a node admits from its share after the store could not be read.
+pub const UNREACHABLE_MS: u64 = 5_000;
+
+/// A call to etcd's JSON gateway: `POST path` with `body`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EtcdCall {
+    pub path: &'static str,
+    pub body: Vec<u8>,
+}
+
+/// What etcd holds for a tenant: its spend (`None`: no key) at `revision` (0: no key).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Found {
+    pub stored: Option<Stored>,
+    pub revision: u64,
+}
+
+/// The etcd key of `tenant`'s spend.
+pub fn store_key(config: &Config, tenant: &str) -> String {
+    format!("{}/budget/{tenant}", config.budget_store.prefix)
+}
+
+/// Reads `tenant`'s key.
+pub fn range(config: &Config, tenant: &str) -> EtcdCall {
+    let key = base64::encode(store_key(config, tenant).as_bytes());
+    EtcdCall { path: "/v3/kv/range", body: json!({ "key": key }).to_string().into_bytes() }
+}
+
+/// Writes `value` to `tenant`'s key if it is still at `revision` (0: absent); otherwise
+/// reads it.
+pub fn txn(config: &Config, tenant: &str, revision: u64, value: &Stored) -> EtcdCall {
+    let key = base64::encode(store_key(config, tenant).as_bytes());
+    let value = base64::encode(&serde_json::to_vec(value).unwrap_or_default());
+    let body = json!({
+        "compare": [{"key": key, "target": "MOD", "result": "EQUAL", "mod_revision": revision.to_string()}],
+        "success": [{"request_put": {"key": key, "value": value}}],
+        "failure": [{"request_range": {"key": key}}],
+    });
+    EtcdCall { path: "/v3/kv/txn", body: body.to_string().into_bytes() }
+}
+
+/// The answer to `range` (`None`: not etcd's answer).
+pub fn read_range(status: u16, body: &[u8]) -> Option<Found> {
+    let v: Value = serde_json::from_slice(body).ok().filter(|_| status == 200)?;
+    found(&v)
+}
+
+/// The answer to `txn`: `Ok` with the key's new revision, or `Err` with what the key holds
+/// now (`None`: not etcd's answer).
+pub fn read_txn(status: u16, body: &[u8]) -> Option<Result<u64, Found>> {
+    let v: Value = serde_json::from_slice(body).ok().filter(|_| status == 200)?;
+    if v["succeeded"].as_bool() == Some(true) {
+        return number(&v["header"]["revision"]).map(Ok);
+    }
+    found(&v["responses"][0]["response_range"]).map(Err)
+}
+
+/// A range response's key (etcd's JSON writes 64-bit numbers as strings).
+fn found(v: &Value) -> Option<Found> {
+    v.get("header")?;
+    let Some(kv) = v["kvs"].get(0) else { return Some(Found { stored: None, revision: 0 }) };
+    let raw = base64::decode(kv["value"].as_str()?)?;
+    Some(Found { stored: Some(serde_json::from_slice(&raw).ok()?), revision: number(&kv["mod_revision"])? })
+}
+
+fn number(v: &Value) -> Option<u64> {
+    v.as_str().and_then(|s| s.parse().ok()).or_else(|| v.as_u64())
+}
+
+/// `tenant`'s record must be read from the store before its calls are admitted.
+pub fn want(store: &impl CasStore, tenant: &str) {
+    let _ = update_wanted(store, |names| {
+        let known = names.iter().any(|n| n == tenant);
+        if !known {
+            names.push(tenant.to_owned());
+        }
+        !known
+    });
+}
+
+/// Takes every name off the wanted list: the records this worker reads now.
+pub fn take_wanted(store: &impl CasStore) -> Vec<String> {
+    let mut taken = Vec::new();
+    let _ = update_wanted(store, |names| {
+        taken = std::mem::take(names);
+        !taken.is_empty()
+    });
+    taken
+}
+
+fn update_wanted(store: &impl CasStore, mut f: impl FnMut(&mut Vec<String>) -> bool) -> Result<(), StoreError> {
+    for _ in 0..16 {
+        let read = store.get(WANTED_KEY)?;
+        let text = read.value.as_deref().map(String::from_utf8_lossy).unwrap_or_default();
+        let mut names: Vec<String> = text.split(' ').filter(|n| !n.is_empty()).map(str::to_owned).collect();
+        if !f(&mut names) {
+            return Ok(());
+        }
+        match store.set(WANTED_KEY, names.join(" ").as_bytes(), cas_after(&read)) {
+            Err(StoreError::CasMismatch) => continue,
+            other => return other,
+        }
+    }
+    Err(StoreError::CasMismatch)
+}
+
+/// What reading `tenant`'s key came to (`None`: the store could not be reached): the
+/// record, if it was not read yet, takes what the store holds beside what was settled here
+/// (and is then admitted against); unreachable, it admits from this node's share for a
+/// while. Whether the store was reached.
+pub fn read(store: &impl CasStore, tenant: &str, found: Option<Found>, now_ms: u64) -> bool {
+    let _ = budget::update(store, tenant, now_ms, |s| match (s.mark, found) {
+        (Mark::Read { .. }, _) => false,
+        (_, Some(f)) => {
+            learn(s, f);
+            true
+        }
+        (_, None) => {
+            s.mark = Mark::Unreachable { until_ms: now_ms.saturating_add(UNREACHABLE_MS) };
+            true
+        }
+    });
+    found.is_some()
+}
+
+fn learn(s: &mut Spend, f: Found) {
+    s.stored = f.stored.unwrap_or_default();
+    s.mark = Mark::Read { revision: f.revision };
+    s.recharge();
+}
+
+/// A write behind of what a node settled for a tenant: the store's value at `revision`
+/// with `sent` added, for the periods `day` and `month`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Flush {
+    pub tenant: String,
+    pub revision: u64,
+    pub value: Stored,
+    sent: (u64, u64),
+    day: u64,
+    month: u64,
+}
+
+/// The write `tenant`'s record is due, if it has settled spend not yet written.
+pub fn due(store: &impl CasStore, tenant: &str, now_ms: u64) -> Option<Flush> {
+    let raw = store.get(&budget::key(tenant)).ok()?.value?;
+    let s = Spend::decode(&raw)?.at(now_ms);
+    let Mark::Read { revision } = s.mark else { return None };
+    (s.unsent != (0, 0)).then(|| Flush {
+        tenant: tenant.to_owned(),
+        revision,
+        value: s.stored.plus(s.day, s.month, s.unsent),
+        sent: s.unsent,
+        day: s.day,
+        month: s.month,
+    })
+}
+
+/// What writing `flush` came to (`None`: no answer; it is tried again next round): written,
+/// the record's store value is the one written and what was sent is no longer unsent;
+/// refused (the key changed), the record learns what the store holds now, others' spend
+/// included, and writes again next round.
+pub fn flushed(store: &impl CasStore, flush: &Flush, answer: Option<Result<u64, Found>>, now_ms: u64) {
+    let Some(answer) = answer else { return };
+    let _ = budget::update(store, &flush.tenant, now_ms, |s| {
+        if s.mark != (Mark::Read { revision: flush.revision }) {
+            return false;
+        }
+        match answer {
+            Ok(revision) => {
+                let same_day = s.day == flush.day;
+                let same_month = s.month == flush.month;
+                s.unsent.0 = if same_day { s.unsent.0.saturating_sub(flush.sent.0) } else { s.unsent.0 };
+                s.unsent.1 = if same_month { s.unsent.1.saturating_sub(flush.sent.1) } else { s.unsent.1 };
+                learn(s, Found { stored: Some(flush.value), revision });
+            }
+            Err(now) => learn(s, now),
+        }
+        true
+    });
+}
+
+/// Whether this worker runs the round of writes due at `now_ms` (at most one a
+/// `budget_store.flush_ms` per process).
+pub fn round_due(store: &impl CasStore, config: &Config, now_ms: u64) -> bool {
+    let Ok(read) = store.get(ROUND_KEY) else { return false };
+    let last = read.value.as_deref().and_then(|v| std::str::from_utf8(v).ok()?.parse::<u64>().ok()).unwrap_or(0);
+    now_ms.saturating_sub(last) >= config.budget_store.flush_ms
+        && store.set(ROUND_KEY, now_ms.to_string().as_bytes(), cas_after(&read)).is_ok()
+}
+
+/// The tenants whose spend the store keeps: those with a budget.
+pub fn budgeted(config: &Config) -> impl Iterator<Item = &str> {
+    config.tenants.iter().filter(|(_, t)| !t.caps().is_none()).map(|(n, _)| n.as_str())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::core::budget::{reserve, settle, spent, Backing, Caps, Refused};
+    use crate::core::store::MemStore;
+
+    const DEC_1: u64 = 1_796_083_200_000;
+    const BACKED: Backing = Backing { store: true, nodes: 2 };
+
+    fn config() -> Config {
+        Config::parse(br#"{"budget_store":{"cluster":"etcd","prefix":"edge/prod"}}"#).unwrap()
+    }
+
+    fn caps() -> (Caps, Backing) {
+        (Caps { per_day: Some(1_000), per_month: None }, BACKED)
+    }
+
+    #[test]
+    fn the_calls_are_etcds_and_its_answers_are_read() {
+        let c = config();
+        let r = range(&c, "t");
+        let v: Value = serde_json::from_slice(&r.body).unwrap();
+        assert_eq!(
+            (r.path, base64::decode(v["key"].as_str().unwrap()).unwrap()),
+            ("/v3/kv/range", b"edge/prod/budget/t".to_vec())
+        );
+        let t = txn(&c, "t", 7, &Stored { day: 1, day_micro: 2, month: 3, month_micro: 4 });
+        let v: Value = serde_json::from_slice(&t.body).unwrap();
+        assert_eq!(v["compare"][0]["mod_revision"], "7");
+        let value = base64::decode(v["success"][0]["request_put"]["value"].as_str().unwrap()).unwrap();
+        assert_eq!(serde_json::from_slice::<Stored>(&value).unwrap().month_micro, 4);
+        let none = br#"{"header":{"revision":"1"}}"#;
+        assert_eq!(read_range(200, none), Some(Found { stored: None, revision: 0 }));
+        let kv = format!(
+            r#"{{"header":{{"revision":"9"}},"kvs":[{{"key":"x","mod_revision":"8","value":"{}"}}],"count":"1"}}"#,
+            base64::encode(br#"{"day":1,"day_micro":5,"month":2,"month_micro":6}"#)
+        );
+        let found = read_range(200, kv.as_bytes()).unwrap();
+        assert_eq!((found.revision, found.stored.map(|s| s.day_micro)), (8, Some(5)));
+        assert_eq!(read_range(503, kv.as_bytes()), None);
+        assert_eq!(read_range(200, b"<html>"), None);
+        assert_eq!(read_txn(200, br#"{"header":{"revision":"12"},"succeeded":true}"#), Some(Ok(12)));
+        let refused = format!(r#"{{"header":{{"revision":"9"}},"responses":[{{"response_range":{kv}}}]}}"#);
+        assert_eq!(read_txn(200, refused.as_bytes()), Some(Err(found)));
+    }
+
+    #[test]
+    fn no_call_is_admitted_before_the_record_is_read_then_the_stores_spend_counts() {
+        let s = MemStore::new();
+        assert_eq!(reserve(&s, "t", caps(), (1, 100, DEC_1 + 9_000), DEC_1), Err(Refused::Unread));
+        want(&s, "t");
+        want(&s, "t");
+        assert_eq!(take_wanted(&s), ["t"], "asked for once");
+        assert!(take_wanted(&s).is_empty());
+        // The store holds 800 of today's 1000 (spent before a restart).
+        let held = Stored { day: DEC_1 / 86_400_000, day_micro: 800, month: 0, month_micro: 0 };
+        assert!(read(&s, "t", Some(Found { stored: Some(held), revision: 4 }), DEC_1));
+        assert_eq!(spent(&s, "t", DEC_1).0, 800);
+        let over = reserve(&s, "t", caps(), (1, 300, DEC_1 + 9_000), DEC_1);
+        assert!(matches!(over, Err(Refused::Exhausted(_))), "800 + 300 > 1000: {over:?}");
+        reserve(&s, "t", caps(), (2, 150, DEC_1 + 9_000), DEC_1).unwrap();
+        settle(&s, "t", caps().0, 2, 40, DEC_1 + 1);
+        assert_eq!(spent(&s, "t", DEC_1 + 1).0, 840);
+        // Written behind: 800 + 40, at the revision read.
+        let flush = due(&s, "t", DEC_1 + 2).unwrap();
+        assert_eq!((flush.revision, flush.value.day_micro), (4, 840));
+        settle(&s, "t", caps().0, 3, 10, DEC_1 + 3);
+        flushed(&s, &flush, Some(Ok(5)), DEC_1 + 4);
+        assert_eq!(spent(&s, "t", DEC_1 + 4).0, 850, "the 10 settled meanwhile is still counted");
+        let next = due(&s, "t", DEC_1 + 5).unwrap();
+        assert_eq!((next.revision, next.value.day_micro), (5, 850));
+        // Another node wrote meanwhile: the write is refused and the record learns its spend.
+        let elsewhere = Stored { day_micro: 900, ..held };
+        flushed(&s, &next, Some(Err(Found { stored: Some(elsewhere), revision: 6 })), DEC_1 + 6);
+        assert_eq!(spent(&s, "t", DEC_1 + 6).0, 910, "900 in the store and 10 not yet written");
+        assert_eq!(due(&s, "t", DEC_1 + 7).map(|f| (f.revision, f.value.day_micro)), Some((6, 910)));
+    }
+
+    #[test]
+    fn an_unreachable_store_admits_from_the_nodes_share_for_a_while_then_is_read_again() {
+        let s = MemStore::new();
+        assert!(!read(&s, "t", None, DEC_1));
+        let Err(Refused::Exhausted(share)) = reserve(&s, "t", caps(), (1, 600, DEC_1 + 9_000), DEC_1) else {
+            panic!("held to the share")
+        };
+        assert_eq!(share.cap_micro, 500, "half of 1000 on a node of two");
+        reserve(&s, "t", caps(), (2, 400, DEC_1 + 9_000), DEC_1).unwrap();
+        settle(&s, "t", caps().0, 2, 100, DEC_1 + 1);
+        assert_eq!(due(&s, "t", DEC_1 + 2), None, "nothing is written before the store is read");
+        let later = DEC_1 + UNREACHABLE_MS;
+        assert_eq!(reserve(&s, "t", caps(), (3, 1, later + 9_000), later), Err(Refused::Unread), "read again");
+        assert!(read(&s, "t", Some(Found { stored: None, revision: 0 }), later));
+        assert_eq!(spent(&s, "t", later).0, 100, "what was settled meanwhile is kept");
+        assert_eq!(due(&s, "t", later).map(|f| (f.revision, f.value.day_micro)), Some((0, 100)));
+    }
+
+    #[test]
+    fn one_worker_a_round() {
+        let (s, c) = (MemStore::new(), config());
+        assert!(round_due(&s, &c, DEC_1));
+        assert!(!round_due(&s, &c, DEC_1 + 999));
+        assert!(round_due(&s, &c, DEC_1 + 1_000));
+    }
+}

@@ -1,0 +1,115 @@
+//! The spend store, the shell's side: reads a tenant's record from etcd when a call asks
+//! for it (`budget_store::want`), and writes settled spend behind once a round, by callouts
+//! to the `budget_store.cluster`. What the answers mean is `budget_store`'s.
+
+use super::abi as hostcalls;
+use super::host::{self, SharedData};
+use super::ids::IdMap;
+use crate::core::budget_store::{self, EtcdCall, Flush};
+use crate::core::config::Config;
+use proxy_wasm::types::{BufferType, LogLevel, MapType};
+use std::time::Duration;
+
+pub struct SpendStore {
+    /// Reads out, by callout token: the tenant.
+    reading: IdMap<String>,
+    /// Writes out, by callout token.
+    writing: IdMap<Flush>,
+    /// Whether the store answered last (for logging the changes only).
+    reached: bool,
+}
+
+impl Default for SpendStore {
+    fn default() -> Self {
+        SpendStore { reading: IdMap::default(), writing: IdMap::default(), reached: true }
+    }
+}
+
+impl SpendStore {
+    /// Reads the records calls wait for, and, when this worker's round is due, writes what
+    /// was settled since the last.
+    pub fn tick(&mut self, config: &Config, now_ms: u64) {
+        if !config.budget_store.enabled() {
+            return;
+        }
+        for tenant in budget_store::take_wanted(&SharedData) {
+            if self.reading.values().any(|t| *t == tenant) {
+                continue;
+            }
+            match send(config, &budget_store::range(config, &tenant)) {
+                Some(token) => {
+                    self.reading.insert(token, tenant);
+                }
+                None => self.read(&tenant, None, now_ms),
+            }
+        }
+        if !budget_store::round_due(&SharedData, config, now_ms) {
+            return;
+        }
+        for tenant in budget_store::budgeted(config) {
+            let Some(flush) = budget_store::due(&SharedData, tenant, now_ms) else { continue };
+            if self.writing.values().any(|f| f.tenant == flush.tenant) {
+                continue;
+            }
+            if let Some(token) = send(config, &budget_store::txn(config, tenant, flush.revision, &flush.value)) {
+                self.writing.insert(token, flush);
+            }
+        }
+    }
+
+    /// Whether the callout answered under `token` was the store's; if so, its answer is
+    /// taken.
+    pub fn answered(&mut self, token: u32, num_headers: usize, body_size: usize) -> bool {
+        let now = host::now_ms();
+        if let Some(tenant) = self.reading.remove(&token) {
+            let found = answer(num_headers, body_size).and_then(|(s, b)| budget_store::read_range(s, &b));
+            self.read(&tenant, found, now);
+            return true;
+        }
+        let Some(flush) = self.writing.remove(&token) else { return false };
+        let written = answer(num_headers, body_size).and_then(|(s, b)| budget_store::read_txn(s, &b));
+        self.reached(written.is_some());
+        budget_store::flushed(&SharedData, &flush, written, now);
+        true
+    }
+
+    fn read(&mut self, tenant: &str, found: Option<budget_store::Found>, now_ms: u64) {
+        let reached = budget_store::read(&SharedData, tenant, found, now_ms);
+        self.reached(reached);
+    }
+
+    /// Logs when the store stops answering (once, not per request) and when it answers again.
+    fn reached(&mut self, reached: bool) {
+        if std::mem::replace(&mut self.reached, reached) == reached {
+            return;
+        }
+        if reached {
+            host::log(LogLevel::Info, "holysheep: the spend store answers again");
+        } else {
+            host::log(
+                LogLevel::Warn,
+                "holysheep: the spend store (budget_store) does not answer: tenants' budgets are admitted from this \
+                 node's share and settled spend waits to be written",
+            );
+        }
+    }
+}
+
+/// Sends `call` to etcd; the callout's token.
+fn send(config: &Config, call: &EtcdCall) -> Option<u32> {
+    let store = &config.budget_store;
+    let headers = vec![
+        (":method", "POST"),
+        (":path", call.path),
+        (":authority", store.authority.as_str()),
+        ("content-type", "application/json"),
+    ];
+    let timeout = Duration::from_millis(store.timeout_ms);
+    hostcalls::dispatch_http_call(&store.cluster, headers, Some(&call.body), vec![], timeout).ok()
+}
+
+/// The callout's status and body (`None`: no answer).
+fn answer(num_headers: usize, body_size: usize) -> Option<(u16, Vec<u8>)> {
+    let status = host::header(MapType::HttpCallResponseHeaders, ":status").filter(|_| num_headers > 0)?;
+    Some((status.parse().ok()?, host::buffer(BufferType::HttpCallResponseBody, body_size)))
+}

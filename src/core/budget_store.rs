@@ -18,6 +18,9 @@ use serde_json::{json, Value};
 pub const WANTED_KEY: &str = "holysheep/budget-store/wanted";
 /// When the last round of writes began (one worker of the process claims each round).
 pub const ROUND_KEY: &str = "holysheep/budget-store/round";
+/// Whether the store answered last, for the whole process (`1`, `0`): its silence is
+/// logged once.
+pub const REACHED_KEY: &str = "holysheep/budget-store/reached";
 /// How often a call waiting for its tenant's record to be read looks again.
 pub const READ_POLL_MS: u64 = 20;
 /// How long a node admits from its share after the store could not be read.

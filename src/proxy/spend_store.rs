@@ -7,6 +7,7 @@ use super::host::{self, SharedData};
 use super::ids::IdMap;
 use crate::core::budget_store::{self, EtcdCall, Flush};
 use crate::core::config::Config;
+use crate::core::store::{cas_after, CasStore};
 use proxy_wasm::types::{BufferType, LogLevel, MapType};
 use std::time::Duration;
 
@@ -78,9 +79,16 @@ impl SpendStore {
         self.reached(reached);
     }
 
-    /// Logs when the store stops answering (once, not per request) and when it answers again.
+    /// Logs when the store stops answering and when it answers again: once per change in
+    /// the process (the workers share a flag), not per request.
     fn reached(&mut self, reached: bool) {
-        if std::mem::replace(&mut self.reached, reached) == reached {
+        if std::mem::replace(&mut self.reached, reached) == reached && reached {
+            return;
+        }
+        let flag: &[u8] = if reached { b"1" } else { b"0" };
+        let Ok(read) = SharedData.get(budget_store::REACHED_KEY) else { return };
+        let was = read.value.as_deref().unwrap_or(b"1");
+        if was == flag || SharedData.set(budget_store::REACHED_KEY, flag, cas_after(&read)).is_err() {
             return;
         }
         if reached {

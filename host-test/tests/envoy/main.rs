@@ -15,6 +15,7 @@ mod priority_e2e;
 mod production_e2e;
 mod prometheus_e2e;
 mod semantic_e2e;
+mod store_e2e;
 mod stream_e2e;
 mod tenants_e2e;
 mod trust_e2e;

@@ -1,0 +1,107 @@
+//! Spend kept in a real etcd (Debian's 3.4) in real Envoy: a tenant's budget holds across a
+//! `kill -9` and a restart of Envoy, and a store that does not answer is logged once while
+//! calls are admitted from the node's share.
+
+use host_test::client::{request, Resp};
+use host_test::envoy::{Envoy, Options};
+use host_test::etcd::Etcd;
+use host_test::mock::Running;
+use host_test::stack::{poll_until, prompt, PATH};
+use sha2::{Digest, Sha256};
+
+const OPERATOR_KEY: &str = "sk-operator-6d5c4b3a21";
+const BATCH: &str = "hs-batch-store-8e7f6a5b4c";
+
+fn digest(token: &str) -> String {
+    Sha256::digest(token.as_bytes()).iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// gpt-4.1 at $10 / $30 per million tokens; `batch` with `budget_micro` a day; the spend
+/// store written every 50 ms.
+fn config(budget_micro: u64) -> String {
+    format!(
+        r#"{{"models":{{"gpt-4.1":{{"usd_per_mtok_input":10,"usd_per_mtok_output":30}}}},
+            "budget_store":{{"cluster":"etcd","flush_ms":50,"timeout_ms":500}},
+            "tenants":{{"batch":{{"keys_sha256":["{}"],"usd_per_day":{}}}}}}}"#,
+        digest(BATCH),
+        budget_micro as f64 / 1e6
+    )
+}
+
+fn envoy(config: &str, mock: &Running, clusters: String) -> Envoy {
+    let mut opts = Options::new(config, mock.addr);
+    opts.api_key = Some(OPERATOR_KEY.into());
+    opts.extra_clusters = clusters;
+    Envoy::start(&opts).expect("envoy starts")
+}
+
+fn chat(envoy: &Envoy, text: &str) -> Resp {
+    let body = prompt(text).replacen('{', r#"{"max_tokens":20,"#, 1);
+    let auth = format!("Bearer {BATCH}");
+    request(envoy.edge, "POST", PATH, &[("authorization", &auth)], body.as_bytes()).expect("answer")
+}
+
+fn cost(r: &Resp) -> u64 {
+    let u = &r.json()["usage"];
+    u["prompt_tokens"].as_u64().unwrap_or(0) * 10 + u["completion_tokens"].as_u64().unwrap_or(0) * 30
+}
+
+/// The day's spend etcd holds for `batch`.
+fn stored_day(etcd: &Etcd) -> u64 {
+    let value = etcd.get("holysheep/budget/batch").unwrap_or_default();
+    serde_json::from_str::<serde_json::Value>(&value).ok().and_then(|v| v["day_micro"].as_u64()).unwrap_or(0)
+}
+
+#[test]
+fn a_tenants_spend_survives_a_kill_and_a_restart_of_envoy() {
+    let etcd = Etcd::start().expect("etcd starts");
+    let mock = Running::start(Some(OPERATOR_KEY), 0).expect("mock");
+    // A call's worst case: every body byte a token and max_tokens, at $30 per million.
+    let worst = (prompt("spent before the kill 00").replacen('{', r#"{"max_tokens":20,"#, 1).len() as u64 + 20) * 30;
+    let budget = 3 * worst;
+    let mut first = envoy(&config(budget), &mock, etcd.cluster());
+    // Calls one at a time until what is settled leaves no room for another worst case.
+    let mut spent = 0;
+    for i in 0.. {
+        let r = chat(&first, &format!("spent before the kill {i:02}"));
+        if r.status != 200 {
+            assert_eq!((r.status, r.json()["error"]["code"].as_str()), (429, Some("insufficient_quota")), "{}", r.text());
+            break;
+        }
+        spent += cost(&r);
+    }
+    assert!(spent + worst > budget && spent > 0, "{spent} of {budget}");
+    // Written behind within a round: then the Envoy dies without a word.
+    poll_until(|| stored_day(&etcd) == spent, "the spend never reached etcd");
+    first.kill();
+    let calls = mock.mock.calls();
+
+    // A new Envoy, with nothing in memory, reads the tenant's spend before its first call.
+    let second = envoy(&config(budget), &mock, etcd.cluster());
+    let r = chat(&second, "after the restart");
+    assert_eq!((r.status, r.json()["error"]["code"].as_str()), (429, Some("insufficient_quota")), "{}", r.text());
+    assert_eq!(mock.mock.calls(), calls, "nothing was spent past the budget");
+    assert_eq!(stored_day(&etcd), spent);
+    assert!(second.crashes().is_empty(), "{:?}", second.crashes());
+}
+
+#[test]
+fn a_store_that_does_not_answer_is_logged_once_and_the_node_admits_from_its_share() {
+    let mock = Running::start(Some(OPERATOR_KEY), 0).expect("mock");
+    // A cluster `etcd` at a port nobody listens on.
+    let dead = host_test::ports::free(1).expect("port")[0];
+    let cluster = format!(
+        "  - name: etcd\n    type: STATIC\n    connect_timeout: 0.2s\n    load_assignment:\n      cluster_name: etcd\n      \
+         endpoints: [{{lb_endpoints: [{{endpoint: {{address: {{socket_address: {{address: 127.0.0.1, port_value: {dead}}}}}}}}}]}}]\n"
+    );
+    let envoy = envoy(&config(1_000_000), &mock, cluster);
+    for i in 0..5 {
+        let r = chat(&envoy, &format!("while etcd is away {i}"));
+        assert_eq!(r.status, 200, "admitted from the node's share: {}", r.text());
+    }
+    assert_eq!(mock.mock.calls(), 5);
+    let said = "the spend store (budget_store) does not answer";
+    poll_until(|| envoy.log().contains(said), "the store's silence was never logged");
+    assert_eq!(envoy.log().matches(said).count(), 1, "logged once, not per request");
+    assert!(envoy.crashes().is_empty(), "{:?}", envoy.crashes());
+}

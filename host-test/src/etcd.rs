@@ -41,7 +41,8 @@ impl Etcd {
             .spawn()?;
         let etcd = Etcd { child, addr: SocketAddr::from(([127, 0, 0, 1], ports[0])), dir };
         let deadline = Instant::now() + Duration::from_secs(30);
-        while request(etcd.addr, "POST", "/v3/kv/range", &[], br#"{"key":"AA=="}"#).map(|r| r.status).ok() != Some(200) {
+        while request(etcd.addr, "POST", "/v3/kv/range", &[], br#"{"key":"AA=="}"#).map(|r| r.status).ok() != Some(200)
+        {
             if Instant::now() > deadline {
                 return Err(io::Error::other(format!("etcd never answered: {}", etcd.log())));
             }

@@ -35,6 +35,10 @@ pub struct Fleet {
     pub nodes: Vec<Option<Node>>,
     /// In two tiers, the edge nodes in front of the shields (clients come to them).
     pub edges: Vec<EdgeNode>,
+    /// Each node's rendered configuration and its ports (admin, public, owner), to start it
+    /// again; the operator's key.
+    configs: Vec<(String, (u16, u16, u16))>,
+    api_key: Option<String>,
     /// Slots of the process's limit ([`crate::limit`]) for all the nodes, released after
     /// they stopped.
     _slots: Slots,
@@ -143,6 +147,18 @@ impl Fleet {
     /// `tiers` with the operator's key `api_key` in every node's environment (and required
     /// by the mock).
     pub fn keyed(edges: usize, shields: usize, config: &str, latency_ms: u64, api_key: Option<&str>) -> Fleet {
+        Fleet::with_clusters(edges, shields, config, latency_ms, api_key, "")
+    }
+
+    /// `keyed`, with `clusters` (YAML list items) added to every node's (a spend store's).
+    pub fn with_clusters(
+        edges: usize,
+        shields: usize,
+        config: &str,
+        latency_ms: u64,
+        api_key: Option<&str>,
+        clusters: &str,
+    ) -> Fleet {
         let slots = Slots::take(edges + shields);
         let mock = Running::start(api_key, latency_ms).expect("mock starts");
         // The nodes must know each other's ports beforehand.
@@ -151,7 +167,8 @@ impl Fleet {
         let edge_ports: Vec<(u16, u16)> = free[3 * shields..].chunks(2).map(|p| (p[0], p[1])).collect();
         let owners: Vec<u16> = ports.iter().map(|p| p.2).collect();
         let mut yamls: Vec<String> =
-            ports.iter().map(|&p| render(p, &owners, mock.addr.port(), config).expect("template")).collect();
+            ports.iter().map(|&p| render(p, &owners, mock.addr.port(), config).expect("template") + clusters).collect();
+        let configs = yamls.iter().cloned().zip(ports.iter().copied()).collect();
         yamls.extend(edge_ports.iter().map(|&p| render_edge(p, &owners, config).expect("template")));
         let mut envoys = spawn_all(yamls, api_key).into_iter();
         let nodes = ports
@@ -160,7 +177,8 @@ impl Fleet {
             .map(|(p, envoy)| Some(Node { envoy, public: addr(p.1), owner: addr(p.2) }))
             .collect();
         let edges = edge_ports.iter().zip(envoys).map(|(p, envoy)| EdgeNode { envoy, public: addr(p.1) }).collect();
-        let fleet = Fleet { mock, nodes, edges, _slots: slots };
+        let api_key = api_key.map(str::to_owned);
+        let fleet = Fleet { mock, nodes, edges, configs, api_key, _slots: slots };
         fleet.await_one_ring(shields);
         fleet
     }
@@ -232,6 +250,15 @@ impl Fleet {
         };
         let stats = self.live().flat_map(|n| n.envoy.stats("wasmcustom.holysheep."));
         stats.filter(|(name, _)| owner_counter(name)).map(|(_, v)| v).sum()
+    }
+
+    /// Starts node `i` again (after `kill`), on its ports and configuration, with nothing of
+    /// its memory; waits until every node sees all `healthy` owners again.
+    pub fn restart(&mut self, i: usize, healthy: usize) {
+        let (yaml, p) = self.configs[i].clone();
+        let envoy = spawn_all(vec![yaml], self.api_key.as_deref()).pop().expect("one node");
+        self.nodes[i] = Some(Node { envoy, public: addr(p.1), owner: addr(p.2) });
+        self.await_one_ring(healthy);
     }
 
     /// Kills node `i` with SIGKILL.

@@ -97,9 +97,9 @@ struct State {
     /// The prompt prefixes (model and every message but the last) answered so far: a
     /// later prompt that starts with one is served partly from the prompt cache.
     prefixes: std::collections::HashSet<[u8; 32]>,
-    /// The `usage` of every answer the mock produced (a stream's too, whether or not the
-    /// client read it to the end): what the account was billed.
-    billed: Vec<Value>,
+    /// The model and `usage` of every answer the mock produced (a stream's too, whether or
+    /// not the client read it to the end): what the account was billed.
+    billed: Vec<(String, Value)>,
 }
 
 /// Counts a chat-completion call as in flight until dropped.
@@ -397,7 +397,7 @@ fn answer(body: &[u8], state: &mut State) -> Answer {
     let cached = cached_tokens(&req, &mut state.prefixes);
     let completion = completion(&req).map(|mut c| {
         c["usage"]["prompt_tokens_details"] = json!({"cached_tokens": cached, "audio_tokens": 0});
-        state.billed.push(c["usage"].clone());
+        state.billed.push((c["model"].as_str().unwrap_or_default().to_owned(), c["usage"].clone()));
         c
     });
     match completion {
@@ -720,7 +720,12 @@ impl Mock {
 
     /// The `usage` of every chat answer produced so far (what HolySheep billed), in order.
     pub fn billed(&self) -> Vec<Value> {
-        self.state().billed.clone()
+        self.state().billed.iter().map(|(_, u)| u.clone()).collect()
+    }
+
+    /// The same for the answers of `model` only.
+    pub fn billed_for(&self, model: &str) -> Vec<Value> {
+        self.state().billed.iter().filter(|(m, _)| m == model).map(|(_, u)| u.clone()).collect()
     }
 }
 

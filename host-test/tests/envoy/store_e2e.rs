@@ -65,7 +65,12 @@ fn a_tenants_spend_survives_a_kill_and_a_restart_of_envoy() {
     for i in 0.. {
         let r = chat(&first, &format!("spent before the kill {i:02}"));
         if r.status != 200 {
-            assert_eq!((r.status, r.json()["error"]["code"].as_str()), (429, Some("insufficient_quota")), "{}", r.text());
+            assert_eq!(
+                (r.status, r.json()["error"]["code"].as_str()),
+                (429, Some("insufficient_quota")),
+                "{}",
+                r.text()
+            );
             break;
         }
         spent += cost(&r);
@@ -104,4 +109,64 @@ fn a_store_that_does_not_answer_is_logged_once_and_the_node_admits_from_its_shar
     poll_until(|| envoy.log().contains(said), "the store's silence was never logged");
     assert_eq!(envoy.log().matches(said).count(), 1, "logged once, not per request");
     assert!(envoy.crashes().is_empty(), "{:?}", envoy.crashes());
+}
+
+#[test]
+fn over_three_nodes_a_budget_survives_a_rolling_restart_with_every_node_killed() {
+    use host_test::fleet::{round_robin, spread, Fleet};
+    let etcd = Etcd::start().expect("etcd starts");
+    let bodies = |tag: &str| -> Vec<String> {
+        (0..60).map(|i| prompt(&format!("{tag} {i:02}")).replacen('{', r#"{"max_tokens":20,"#, 1)).collect()
+    };
+    let (before, after) = (bodies("before the deploy"), bodies("after the deploy!"));
+    // What the mock bills one of these (its prompt at four characters a token, plus four;
+    // its answer's words), and a call's worst case.
+    let call = (("before the deploy 00".len() as u64 + 4).div_ceil(4)) * 10 + (5 + 4) * 30;
+    let worst = (before[0].len() as u64 + 20) * 30;
+    // Ninety calls' worth: the sixty before the deploy fit, and the budget binds after.
+    let budget = 90 * call;
+    // `probe`: the key the fleet's start-up probes of its ring carry (no budget).
+    let config = format!(
+        r#"{{"models":{{"gpt-4.1":{{"usd_per_mtok_input":10,"usd_per_mtok_output":30}}}},
+            "rate_limit":{{"max_wait_ms":20000}},
+            "budget_store":{{"cluster":"etcd","flush_ms":50,"timeout_ms":500}},
+            "tenants":{{"batch":{{"keys_sha256":["{}"],"usd_per_day":{}}},"probe":{{"keys_sha256":["{}"]}}}}}}"#,
+        digest(BATCH),
+        budget as f64 / 1e6,
+        digest("probe")
+    );
+    let mut fleet = Fleet::with_clusters(0, 3, &config, 50, Some(OPERATOR_KEY), &etcd.cluster());
+    let auth = format!("Bearer {BATCH}");
+    let first = spread(round_robin(&fleet.publics(), before), &auth);
+    assert!(first.iter().all(|r| r.status == 200), "{:?}", first.iter().map(|r| r.status).collect::<Vec<_>>());
+    let spent_before: u64 = first.iter().map(cost).sum();
+    assert_eq!(spent_before, 60 * call);
+    poll_until(|| stored_day(&etcd) == spent_before, "the spend never reached etcd");
+    // A rolling deploy done the hard way: every node killed in turn (the tenant's owner
+    // among them), then started again with nothing in memory.
+    for i in 0..3 {
+        fleet.kill(i);
+        fleet.restart(i, 3);
+    }
+    let second = spread(round_robin(&fleet.publics(), after), &auth);
+    let served: Vec<&Resp> = second.iter().filter(|r| r.status == 200).collect();
+    for r in second.iter().filter(|r| r.status != 200) {
+        assert_eq!((r.status, r.json()["error"]["code"].as_str()), (429, Some("insufficient_quota")), "{}", r.text());
+    }
+    let billed: u64 = fleet
+        .mock
+        .mock
+        .billed_for("gpt-4.1")
+        .iter()
+        .map(|u| u["prompt_tokens"].as_u64().unwrap_or(0) * 10 + u["completion_tokens"].as_u64().unwrap_or(0) * 30)
+        .sum();
+    assert_eq!(
+        billed,
+        spent_before + served.iter().map(|r| cost(r)).sum::<u64>(),
+        "HolySheep billed what was answered"
+    );
+    assert!(billed <= budget, "HolySheep billed {billed} of a budget of {budget}");
+    assert!(served.len() < 60, "the budget bound after the deploy: {} of 60 served", served.len());
+    assert!(billed + worst > budget, "refused only when no worst case fitted: {billed} of {budget}");
+    assert!(fleet.crashes().is_empty(), "{:?}", fleet.crashes());
 }

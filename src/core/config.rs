@@ -550,10 +550,16 @@ impl Config {
             reached.push((m, t.models.is_some()));
             reached.extend(allowed.map(|f| (f, true)));
         }
-        let unpriced = reached.into_iter().find(|(m, surely)| match self.model(m) {
+        let mut unpriced = reached.into_iter().find(|(m, surely)| match self.model(m) {
             Some((_, entry)) => !entry.priced(),
             None => *surely,
         });
+        // The semantic tier's embeddings are charged to the tenant too, at the embedding
+        // model's own prices (never `default`'s, a chat model's).
+        let embedding = self.semantic.embedding_model.as_str();
+        if self.semantic.enabled && !self.models.get(embedding).is_some_and(Model::priced) {
+            unpriced = unpriced.or(Some((embedding, true)));
+        }
         match unpriced.map(|(m, _)| m) {
             Some(m) => Err(ConfigError(format!(
                 "tenants.{name}: it has a dollar budget, and the model {m} it can reach has no price \

@@ -216,3 +216,52 @@ fn clients_that_leave_while_their_question_is_embedded_disturb_nothing() {
     assert_eq!(s.calls(), leaving as u64);
     assert!(s.crashes().is_empty(), "{:?}", s.crashes());
 }
+
+#[test]
+fn embeddings_are_inside_the_tenants_budget_and_the_embedding_models_bucket() {
+    use sha2::{Digest, Sha256};
+    let digest = |t: &str| -> String { Sha256::digest(t.as_bytes()).iter().map(|b| format!("{b:02x}")).collect() };
+    // A question's worst case: every body byte a token at gpt-4.1's dearest price ($8 per
+    // million) and 4096 completion tokens; its embedding's: its bytes at $100 per million.
+    let body = ask("gpt-4.1", SYSTEM, &[], ASKED);
+    let chat_worst = (body.to_string().len() as u64 + 4096) * 8;
+    let embedding_worst = ASKED.len() as u64 * EMBEDDING_USD_PER_MTOK;
+    // `batch` has room for both and a hundred micro-dollars; `poor` not even for the call.
+    let budget = chat_worst + embedding_worst + 100;
+    let raw = format!(
+        r#"{{"semantic":{{"enabled":true}},
+            "models":{{"gpt-4.1":{{"usd_per_mtok_input":2,"usd_per_mtok_output":8}},
+                       "text-embedding-3-small":{{"usd_per_mtok_input":{EMBEDDING_USD_PER_MTOK},"requests_per_minute":60,"burst":1}}}},
+            "tenants":{{"batch":{{"keys_sha256":["{}"],"usd_per_day":{}}},"poor":{{"keys_sha256":["{}"],"usd_per_day":{}}},
+                        "free":{{"keys_sha256":["{}"]}}}}}}"#,
+        digest("batch-key"),
+        budget as f64 / 1e6,
+        digest("poor-key"),
+        (chat_worst / 2) as f64 / 1e6,
+        digest("free-key")
+    );
+    let s = Stack::start_tuned(&raw, 0, |o| o.api_key = Some(OPERATOR_KEY.into()), Some(OPERATOR_KEY));
+    let poor = send(&s, &body, "Bearer poor-key");
+    assert_eq!((poor.status, poor.json()["error"]["code"].as_str()), (429, Some("insufficient_quota")));
+    assert_eq!((s.calls(), s.mock.mock.embeddings()), (0, 0), "a tenant that cannot afford the call embeds nothing");
+    let first = send(&s, &body, "Bearer batch-key");
+    assert_eq!((first.status, first.cache()), (200, "MISS"), "{}", first.text());
+    assert_eq!(s.mock.mock.embeddings(), 1);
+    // The chat call and its embedding are both charged to the tenant.
+    let usage = &first.json()["usage"];
+    let chat = usage["prompt_tokens"].as_u64().unwrap_or(0) * 2 + usage["completion_tokens"].as_u64().unwrap_or(0) * 8;
+    let embedded = stat(&s, "embedding_tokens") * EMBEDDING_USD_PER_MTOK;
+    let left = s.envoy.stat("wasmcustom.holysheep.tenant.batch.budget_day_left_microusd");
+    assert_eq!(left, budget - chat - embedded, "chat {chat} and embedding {embedded} of {budget}");
+    assert!(chat + embedded > 100, "the first call spent more than the room beside the two worst cases");
+    // What is left holds the next call's worst case, not its embedding's beside it: the call
+    // goes on as an ordinary MISS, without an embedding.
+    let again = send(&s, &ask("gpt-4.1", SYSTEM, &[], "What is the capital of Spain?"), "Bearer batch-key");
+    assert_eq!((again.status, again.cache()), (200, "MISS"), "{}", again.text());
+    assert_eq!(s.mock.mock.embeddings(), 1, "no embedding past the budget");
+    // The embedding model's bucket (a burst of one) is spent: no embedding for anyone.
+    let other = send(&s, &ask("gpt-4.1", SYSTEM, &[], "What is the capital of Italy?"), "Bearer free-key");
+    assert_eq!((other.status, other.cache()), (200, "MISS"), "{}", other.text());
+    assert_eq!(s.mock.mock.embeddings(), 1, "the embedding model's bucket admitted no second embedding");
+    assert!(s.crashes().is_empty(), "{:?}", s.crashes());
+}

@@ -5,7 +5,7 @@
 use super::instance::Gateway;
 use crate::component::host;
 use crate::core::engine::{Call, Reply};
-use crate::core::semantic::{self, Learned};
+use crate::core::semantic::{self, spend, Learned};
 use crate::core::upstream::Outbound;
 
 /// What the look came to.
@@ -20,7 +20,21 @@ impl Gateway {
     pub(super) fn look_for_paraphrase(&self, call: Call, outbound: &Outbound) -> Looked {
         let probe = semantic::wanted(&self.config, &call, outbound.semantic.as_ref());
         let (Some(probe), Some(bearer)) = (probe, self.bearer.as_deref()) else { return Looked::Go(call, None) };
+        // Within the tenant's budget and the embedding model's bucket, or not at all.
+        if !spend::admit(&self.kv, &self.config, &call.key, probe, outbound, host::now_ms()) {
+            return Looked::Go(call, None);
+        }
         let embedding = self.embed(&call, &probe.text, bearer);
+        // The component's tenants are its own (no fleet): the charge is made here.
+        let tokens = embedding.as_ref().map(|e| e.tokens);
+        let _ = spend::charge(
+            &self.kv,
+            &self.config,
+            (&call.key, probe),
+            outbound.tenant.as_deref(),
+            tokens,
+            host::now_ms(),
+        );
         // The flight's own time (its deadline, its wait for a bucket) starts now.
         let call = Call { started_ms: host::now_ms(), ..call };
         let Some(embedding) = embedding else { return Looked::Go(call, None) };

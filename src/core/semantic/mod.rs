@@ -7,6 +7,7 @@
 
 mod index;
 mod probe;
+pub mod spend;
 mod vector;
 
 pub use index::{find, learn, page_count, Found, Similar, WAYS};

@@ -6,7 +6,7 @@
 use super::Root;
 use crate::core::log_fields::{Served, Spent};
 use crate::core::metrics;
-use crate::core::semantic::{self, Embedding, Learned, EMBEDDINGS_PATH};
+use crate::core::semantic::{self, spend, Embedding, Learned, EMBEDDINGS_PATH};
 use crate::core::upstream::USER_AGENT;
 use crate::proxy::abi as hostcalls;
 use crate::proxy::host::{self, SharedData};
@@ -27,9 +27,13 @@ impl Root {
             (w.config.clone(), w.bearer.clone())
         };
         let probe = semantic::wanted(&config, &probing.call, probing.outbound.semantic.as_ref());
-        let (Some(probe), Some(bearer)) = (probe, bearer) else {
+        let (Some(probe), Some(bearer)) = (probe.cloned(), bearer) else {
             return self.start(probing, None, Spent::default());
         };
+        // Within the tenant's budget and the embedding model's bucket, or not at all.
+        if !spend::admit(&SharedData, &config, &probing.call.key, &probe, &probing.outbound, host::now_ms()) {
+            return self.start(probing, None, Spent::default());
+        }
         let body = semantic::embedding_body(&config, &probe.text);
         let headers = vec![
             (":method", "POST"),
@@ -49,6 +53,7 @@ impl Root {
                 let cluster = &config.upstream.cluster;
                 let why = format!("holysheep: embedding callout to cluster '{cluster}' refused: {status:?}");
                 host::log(LogLevel::Error, &why);
+                self.charge_embedding(&probing, &probe, Some(0));
                 self.count_embedding(&probing, false, None, false);
                 self.start(probing, None, Spent::default());
             }
@@ -62,6 +67,11 @@ impl Root {
         let Some(mut probing) = self.worker.borrow_mut().runs.probing.remove(&token) else { return false };
         let config = self.worker.borrow().config.clone();
         let embedding = embedding_answer(&config, num_headers, body_size);
+        if let Some(probe) = probing.outbound.semantic.clone() {
+            // An error answer costs nothing; no answer at all may have cost its estimate.
+            let billed = embedding.as_ref().map(|e| e.tokens).or((num_headers > 0).then_some(0));
+            self.charge_embedding(&probing, &probe, billed);
+        }
         let now = host::now_ms();
         // The flight's own time (its deadline, its wait for a bucket) starts now.
         probing.call.started_ms = now;
@@ -84,6 +94,18 @@ impl Root {
         self.worker.borrow_mut().respond(Target::Context(probing.context_id), &ended.reply, &probing.outbound, served);
         self.wake_waiters(&probing.call.key, ended.watched);
         true
+    }
+
+    /// What an embedding was billed goes on the embedding model's bucket and the tenant's
+    /// budget (on its owner node, in a fleet).
+    fn charge_embedding(&self, probing: &Probing, probe: &semantic::Probe, tokens: Option<u64>) {
+        let mut w = self.worker.borrow_mut();
+        let config = w.config.clone();
+        let tenant = probing.outbound.tenant.as_deref();
+        let key = &probing.call.key;
+        if let Some(s) = spend::charge(&SharedData, &config, (key, probe), tenant, tokens, host::now_ms()) {
+            w.fleet.outbox.push(crate::core::peer::Op::TenantSettle(s));
+        }
     }
 
     /// Counts an embedding call (`sent`, or refused by the host) for the request's model

@@ -7,14 +7,20 @@
 # everything.
 #
 # Fleet node i: public :1001i, owner :1002i, admin :991i. Edge node j: public :1003j, admin
-# :993j. Mock :18000.
+# :993j. Mock :18000. With Debian's etcd installed (apt-get install etcd-server), one etcd
+# member on :12379 keeps tenants' spend (budget_store), its data in .run/etcd.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . envoy/demo.sh
 prepare
 
 MODE=${1:-one}
-CONFIG=${HOLYSHEEP_CONFIG:-'{"cache":{"ttl_seconds":600}}'}
+ETCD_PORT=${ETCD_PORT:-12379}
+if command -v etcd >/dev/null; then
+  CONFIG=${HOLYSHEEP_CONFIG:-'{"cache":{"ttl_seconds":600},"budget_store":{"cluster":"etcd"}}'}
+else
+  CONFIG=${HOLYSHEEP_CONFIG:-'{"cache":{"ttl_seconds":600}}'}
+fi
 MOCK_PORT=${MOCK_PORT:-18000}
 # The fleet's shared secret for internal calls: every node must have the same one.
 export HOLYSHEEP_PEER_SECRET=${HOLYSHEEP_PEER_SECRET:-$(od -An -N16 -tx1 /dev/urandom | tr -d ' \n')}
@@ -33,11 +39,31 @@ start() {
 }
 
 start_mock "127.0.0.1:$MOCK_PORT"
+if command -v etcd >/dev/null; then
+  etcd --name demo --data-dir .run/etcd --listen-client-urls "http://127.0.0.1:$ETCD_PORT" \
+    --advertise-client-urls "http://127.0.0.1:$ETCD_PORT" --listen-peer-urls "http://127.0.0.1:$((ETCD_PORT + 1))" \
+    --initial-advertise-peer-urls "http://127.0.0.1:$((ETCD_PORT + 1))" \
+    --initial-cluster "demo=http://127.0.0.1:$((ETCD_PORT + 1))" > .run/etcd.log 2>&1 &
+  echo $! > .run/etcd.pid
+fi
+# The spend store's cluster, added to each fleet node's.
+etcd_cluster() {
+  command -v etcd >/dev/null || return 0
+  cat <<YAML
+  - name: etcd
+    type: STATIC
+    connect_timeout: 1s
+    load_assignment:
+      cluster_name: etcd
+      endpoints: [{lb_endpoints: [{endpoint: {address: {socket_address: {address: 127.0.0.1, port_value: $ETCD_PORT}}}}]}]
+YAML
+}
 for i in $nodes; do
   # The public listener's filter gets CONFIG with "role": "forward", the owner's CONFIG with
   # the ring of owners for fleet-wide limits; each node is named by its owner listener.
   target/debug/envoy-render fleet ".run/fleet-$i.yaml" --config "$CONFIG" --admin-port "991$i" \
     --public-port "1001$i" --owner-port "1002$i" --owner-ports "$owner_ports" --mock-port "$MOCK_PORT"
+  etcd_cluster >> ".run/fleet-$i.yaml"
   start "fleet-$i"
 done
 for j in $edges; do
@@ -82,6 +108,7 @@ else
   what="public listeners :10010 :10011 :10012, owners :10020-:10022, admin :9910-:9912"
   logs=".run/fleet-{0,1,2}.log .run/mock.log"
 fi
+[ -f .run/etcd.pid ] && logs="$logs .run/etcd.log" && what="$what, etcd :$ETCD_PORT (budget_store)"
 set -- $publics
 body=$DEMO_BODY
 cat <<MSG

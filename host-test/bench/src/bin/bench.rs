@@ -501,6 +501,12 @@ fn main() -> std::io::Result<()> {
         backlog_rows(&mut r)?;
         return r.write(&workspace_root().join("target/bench/priority"));
     }
+    if std::env::var("BENCH_ONLY").as_deref() == Ok("budget") {
+        let mut r = Report::default();
+        let mock = Running::start(None, 0)?;
+        budget_rows(&mut r, &mock, rounds, (conns, secs), &prompt("bench: a budgeted HIT"))?;
+        return r.write(&workspace_root().join("target/bench/budget"));
+    }
     if std::env::var("BENCH_ONLY").as_deref() == Ok("semantic") {
         let mut r = Report::default();
         semantic_rows(&mut r, rounds, (conns, secs))?;
@@ -724,6 +730,7 @@ fn main() -> std::io::Result<()> {
     r.ratio("HIT with log fields / HIT without", logged_over_quiet, "");
     drop(logging);
 
+    budget_rows(&mut r, &mock, rounds, (conns, secs), &hit_prompt)?;
     backlog_rows(&mut r)?;
 
     drop(envoy);
@@ -747,6 +754,69 @@ fn main() -> std::io::Result<()> {
     let dir = workspace_root().join("target/bench");
     r.write(&dir)?;
     println!("\nwritten: {}/results.md, results.json", dir.display());
+    Ok(())
+}
+
+/// The same prompt again and again, from `conns` connections for `secs`.
+fn repeat_at(addr: SocketAddr, conns: usize, secs: u64, prompt: &str) -> Stats {
+    let same = prompt.to_owned();
+    load(addr, conns, secs, Arc::new(move || same.clone()))
+}
+
+/// What a budget kept in etcd costs, alternating in one run: the load's tenant (`Bearer
+/// bench`) without a budget on one Envoy, and with a dollar budget whose spend the spend
+/// store (a real etcd) keeps on another. A HIT never touches the budget nor the store; a
+/// MISS reserves and settles in shared data, and its spend is written behind once a round.
+fn budget_rows(
+    r: &mut Report,
+    mock: &Running,
+    rounds: usize,
+    (conns, secs): (usize, u64),
+    hit_prompt: &str,
+) -> std::io::Result<()> {
+    let etcd = host_test::etcd::Etcd::start()?;
+    let tenant = |extra: &str| {
+        format!(
+            r#"{{"models":{{"default":{{"usd_per_mtok_input":2,"usd_per_mtok_output":8}}}},{extra}
+                "tenants":{{"t":{{"keys_sha256":["{}"]{}}}}}}}"#,
+            sha256_hex(b"bench"),
+            if extra.is_empty() { "" } else { r#","usd_per_day":1000000"# }
+        )
+    };
+    let plain = Envoy::start(&Options::new(&tenant(""), mock.addr))?;
+    let mut opts = Options::new(&tenant(r#""budget_store":{"cluster":"etcd"},"#), mock.addr);
+    opts.extra_clusters = etcd.cluster();
+    let budgeted = Envoy::start(&opts)?;
+    for e in [&plain, &budgeted] {
+        request(e.edge, "POST", PATH, &[("authorization", "Bearer bench")], hit_prompt.as_bytes())?;
+    }
+    println!();
+    let hits = alternate(
+        rounds,
+        &mut [&mut || expect_all(repeat_at(plain.edge, conns, secs, hit_prompt), "HIT"), &mut || {
+            expect_all(repeat_at(budgeted.edge, conns, secs, hit_prompt), "HIT")
+        }],
+    );
+    let [plain_hit, budget_hit] = &hits[..] else { unreachable!("two rows") };
+    let hit_ratio = paired(budget_hit, plain_hit, throughput);
+    let (plain_prompts, budget_prompts) = (unique_prompts("unbudgeted"), unique_prompts("budgeted"));
+    let misses = alternate(
+        rounds,
+        &mut [&mut || expect_all(load(plain.edge, conns, secs, plain_prompts.clone()), "MISS"), &mut || {
+            expect_all(load(budgeted.edge, conns, secs, budget_prompts.clone()), "MISS")
+        }],
+    );
+    let [plain_miss, budget_miss] = &misses[..] else { unreachable!("two rows") };
+    let miss_ratio = paired(budget_miss, plain_miss, throughput);
+    for (label, rows) in [("HIT", hits), ("MISS", misses)] {
+        let mut medians = rows.into_iter().map(median);
+        r.row(&format!("edge {label}, tenant without a budget"), medians.next().expect("a row"));
+        r.row(&format!("edge {label}, budgeted tenant, spend in etcd"), medians.next().expect("a row"));
+    }
+    r.ratio("budgeted HIT (spend store) / unbudgeted HIT", hit_ratio, "no store call on a HIT");
+    r.ratio("budgeted MISS (spend store) / unbudgeted MISS", miss_ratio, "goal >= 0.95");
+    let stored = etcd.get("holysheep/budget/t").unwrap_or_default();
+    r.note(format!("spend store after the budgeted rows: {stored}"));
     Ok(())
 }
 

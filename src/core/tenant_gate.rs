@@ -207,9 +207,11 @@ pub fn take(
     let ledger = Ledger::of(config, t, &ask.tenant, share);
     let (id, estimate) = (ask.id, ask.estimate);
     // A call the budget refuses takes nothing from the buckets (a call waiting for other
-    // calls' settlements looks again and again).
+    // calls' settlements looks again and again); without buckets, the reservation decides.
     let backed = (ledger.caps, ledger.backing(config));
-    budget::check(store, &ledger.name, backed, ask.worst_micro, now_ms).map_err(|r| refusal(store, &ledger, r))?;
+    if ledger.bucket.is_some() {
+        budget::check(store, &ledger.name, backed, ask.worst_micro, now_ms).map_err(|r| refusal(store, &ledger, r))?;
+    }
     if let Some(l) = &ledger.bucket {
         let who = Who::standard(id, estimate);
         limits::take(store, &bucket(&ledger.name), l, &who, now_ms, ask.hold_ms, false).map_err(Refusal::Bucket)?;

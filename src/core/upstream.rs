@@ -75,10 +75,14 @@ impl Outbound {
     /// The body for an attempt on `model` (rewritten when it is a fallback, and for a
     /// stream to ask for the usage event).
     pub fn body_for(&self, model: &str) -> Cow<'_, [u8]> {
-        if model == self.model && !self.stream && self.completion_cap.is_none() {
-            Cow::Borrowed(&self.body)
-        } else {
-            Cow::Owned(for_upstream(&self.body, model, self.stream, self.completion_cap))
+        let same = model == self.model && !self.stream;
+        match self.completion_cap {
+            None if same => Cow::Borrowed(&self.body),
+            Some(cap) if same => match with_cap(&self.body, cap) {
+                Some(body) => Cow::Owned(body),
+                None => Cow::Owned(for_upstream(&self.body, model, false, Some(cap))),
+            },
+            _ => Cow::Owned(for_upstream(&self.body, model, self.stream, self.completion_cap)),
         }
     }
 
@@ -107,6 +111,27 @@ impl Outbound {
         }
         headers
     }
+}
+
+/// The body with `"max_tokens":cap` as the first member of its object, without parsing
+/// it again, when the bytes `"max_tokens"` appear nowhere in it (so no member of that name
+/// can follow and win); `None` otherwise, or for a body that is not a non-empty object.
+fn with_cap(body: &[u8], cap: u64) -> Option<Vec<u8>> {
+    const NAME: &[u8] = b"\"max_tokens\"";
+    if body.windows(NAME.len()).any(|w| w == NAME) {
+        return None;
+    }
+    let open = body.iter().position(|b| !b.is_ascii_whitespace()).filter(|&i| body[i] == b'{')?;
+    let next = body[open + 1..].iter().find(|b| !b.is_ascii_whitespace())?;
+    if *next == b'}' {
+        return None;
+    }
+    let member = format!("\"max_tokens\":{cap},");
+    let mut out = Vec::with_capacity(body.len() + member.len());
+    out.extend_from_slice(&body[..=open]);
+    out.extend_from_slice(member.as_bytes());
+    out.extend_from_slice(&body[open + 1..]);
+    Some(out)
 }
 
 /// `Bearer <key>` for a non-empty key.
@@ -244,6 +269,22 @@ mod tests {
         assert_eq!(auth(o.headers(Some("Bearer edge"))).as_deref(), Some("Bearer edge"));
         assert_eq!(auth(o.headers(None)).as_deref(), Some("Bearer client"));
         assert_eq!(bearer(Some(String::new())), None);
+    }
+
+    #[test]
+    fn the_edges_completion_cap_is_added_without_a_rewrite_and_never_loses_to_the_clients() {
+        let capped = |body: &str| Outbound { body: body.as_bytes().to_vec(), completion_cap: Some(7), ..outbound() };
+        let fast = capped(r#" {"model":"gpt-4.1","messages":[]}"#);
+        assert_eq!(&*fast.body_for("gpt-4.1"), br#" {"max_tokens":7,"model":"gpt-4.1","messages":[]}"#);
+        // A member named max_tokens anywhere (a null one is no limit): parsed and rewritten.
+        let null = capped(r#"{"model":"gpt-4.1","messages":[],"max_tokens":null}"#);
+        let v: serde_json::Value = serde_json::from_slice(&null.body_for("gpt-4.1")).unwrap();
+        assert_eq!(v["max_tokens"], 7);
+        let quoted = capped(r#"{"model":"gpt-4.1","messages":[{"role":"user","content":"\"max_tokens\""}]}"#);
+        let v: serde_json::Value = serde_json::from_slice(&quoted.body_for("gpt-4.1")).unwrap();
+        assert_eq!((v["max_tokens"].as_u64(), v["messages"][0]["content"].as_str()), (Some(7), Some("\"max_tokens\"")));
+        let v: serde_json::Value = serde_json::from_slice(&fast.body_for("deepseek-v3")).unwrap();
+        assert_eq!((v["max_tokens"].as_u64(), v["model"].as_str()), (Some(7), Some("deepseek-v3")), "a fallback too");
     }
 
     #[test]

@@ -52,8 +52,9 @@ impl Root {
                 let tenant = run.outbound.tenant.as_deref();
                 w.fleet.outbox.append(&mut run.flight.outbox);
                 // The tenant's budget record is this node's (not its owner node's elsewhere),
-                // read when a call is sent or ends: not on every look from a place in line.
-                let changed = matches!(action, flight::Action::Send { .. } | flight::Action::Finish(_));
+                // read when a call ends: not when it is sent, nor on every look from a place
+                // in line.
+                let changed = matches!(action, flight::Action::Finish(_));
                 if let Some(t) = tenant.filter(|_| changed && !w.config.fleet.shared_limits()) {
                     w.counters.record_budget(&w.config, t, host::now_ms());
                 }

@@ -114,7 +114,8 @@ pub enum Mark {
     Unread,
     /// Read (or last written) at the store's `revision`.
     Read { revision: u64 },
-    /// The store could not be read: calls are admitted from this node's share until then.
+    /// The store could not be read: calls are admitted from this node's share, and a round
+    /// of writes from this time on reads it again.
     Unreachable { until_ms: u64 },
 }
 
@@ -235,8 +236,9 @@ impl Spend {
         match self.mark {
             _ if !backing.store => Ok(caps),
             Mark::Read { .. } => Ok(caps),
-            Mark::Unreachable { until_ms } if now_ms < until_ms => Ok(caps.share(backing.nodes)),
-            Mark::Unread | Mark::Unreachable { .. } => Err(Refused::Unread),
+            // Until a round's read again reaches the store (`budget_store::due`).
+            Mark::Unreachable { .. } => Ok(caps.share(backing.nodes)),
+            Mark::Unread => Err(Refused::Unread),
         }
     }
 

@@ -4,8 +4,9 @@
 //! `want`); what it settles is written behind, once per `budget_store.flush_ms`, as an
 //! addition to what the store holds (compare-and-swap on the key's revision, so writers on
 //! several nodes add up); a write that finds the key changed learns what others spent.
-//! When the store cannot be read, a node admits from its share of the budget for
-//! `UNREACHABLE_MS`, then tries again. The shells make the calls and report the answers.
+//! When the store cannot be read, a node admits from its share of the budget, and a round
+//! of writes `UNREACHABLE_MS` on reads it again. The shells make the calls and report the
+//! answers.
 
 use super::base64;
 use super::budget::{self, Mark, Spend, Stored};
@@ -23,7 +24,8 @@ pub const ROUND_KEY: &str = "holysheep/budget-store/round";
 pub const REACHED_KEY: &str = "holysheep/budget-store/reached";
 /// How often a call waiting for its tenant's record to be read looks again.
 pub const READ_POLL_MS: u64 = 20;
-/// How long a node admits from its share after the store could not be read.
+/// How long after the store could not be read a round of writes reads it again (the node
+/// admits from its share meanwhile).
 pub const UNREACHABLE_MS: u64 = 5_000;
 
 /// A call to etcd's JSON gateway: `POST path` with `body`.
@@ -166,19 +168,34 @@ pub struct Flush {
     month: u64,
 }
 
-/// The write `tenant`'s record is due, if it has settled spend not yet written.
-pub fn due(store: &impl CasStore, tenant: &str, now_ms: u64) -> Option<Flush> {
+/// What a round of writes does for a tenant's record.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Due {
+    /// Write what was settled and not yet written.
+    Write(Flush),
+    /// Read the key again: it could not be read before (calls are admitted from the node's
+    /// share meanwhile, and what they settle is written once it is read).
+    Read,
+}
+
+/// What `tenant`'s record is due in a round, if anything.
+pub fn due(store: &impl CasStore, tenant: &str, now_ms: u64) -> Option<Due> {
     let raw = store.get(&budget::key(tenant)).ok()?.value?;
     let s = Spend::decode(&raw)?.at(now_ms);
-    let Mark::Read { revision } = s.mark else { return None };
-    (s.unsent != (0, 0)).then(|| Flush {
-        tenant: tenant.to_owned(),
-        revision,
-        value: s.stored.plus(s.day, s.month, s.unsent),
-        sent: s.unsent,
-        day: s.day,
-        month: s.month,
-    })
+    match s.mark {
+        Mark::Read { revision } => (s.unsent != (0, 0)).then(|| {
+            Due::Write(Flush {
+                tenant: tenant.to_owned(),
+                revision,
+                value: s.stored.plus(s.day, s.month, s.unsent),
+                sent: s.unsent,
+                day: s.day,
+                month: s.month,
+            })
+        }),
+        Mark::Unreachable { until_ms } if now_ms >= until_ms => Some(Due::Read),
+        Mark::Unreachable { .. } | Mark::Unread => None,
+    }
 }
 
 /// What writing `flush` came to (`None`: no answer; it is tried again next round): written,
@@ -283,22 +300,30 @@ mod tests {
         settle(&s, "t", caps().0, 2, 40, DEC_1 + 1);
         assert_eq!(spent(&s, "t", DEC_1 + 1).0, 840);
         // Written behind: 800 + 40, at the revision read.
-        let flush = due(&s, "t", DEC_1 + 2).unwrap();
+        let flush = write_due(&s, DEC_1 + 2).unwrap();
         assert_eq!((flush.revision, flush.value.day_micro), (4, 840));
         settle(&s, "t", caps().0, 3, 10, DEC_1 + 3);
         flushed(&s, &flush, Some(Ok(5)), DEC_1 + 4);
         assert_eq!(spent(&s, "t", DEC_1 + 4).0, 850, "the 10 settled meanwhile is still counted");
-        let next = due(&s, "t", DEC_1 + 5).unwrap();
+        let next = write_due(&s, DEC_1 + 5).unwrap();
         assert_eq!((next.revision, next.value.day_micro), (5, 850));
         // Another node wrote meanwhile: the write is refused and the record learns its spend.
         let elsewhere = Stored { day_micro: 900, ..held };
         flushed(&s, &next, Some(Err(Found { stored: Some(elsewhere), revision: 6 })), DEC_1 + 6);
         assert_eq!(spent(&s, "t", DEC_1 + 6).0, 910, "900 in the store and 10 not yet written");
-        assert_eq!(due(&s, "t", DEC_1 + 7).map(|f| (f.revision, f.value.day_micro)), Some((6, 910)));
+        assert_eq!(write_due(&s, DEC_1 + 7).map(|f| (f.revision, f.value.day_micro)), Some((6, 910)));
+    }
+
+    /// The write due for `t`, if a write is.
+    fn write_due(s: &MemStore, now_ms: u64) -> Option<Flush> {
+        match due(s, "t", now_ms) {
+            Some(Due::Write(f)) => Some(f),
+            _ => None,
+        }
     }
 
     #[test]
-    fn an_unreachable_store_admits_from_the_nodes_share_for_a_while_then_is_read_again() {
+    fn an_unreachable_store_admits_from_the_nodes_share_until_a_round_reads_it_again() {
         let s = MemStore::new();
         assert!(!read(&s, "t", None, DEC_1));
         let Err(Refused::Exhausted(share)) = reserve(&s, "t", caps(), (1, 600, DEC_1 + 9_000), DEC_1) else {
@@ -309,10 +334,12 @@ mod tests {
         settle(&s, "t", caps().0, 2, 100, DEC_1 + 1);
         assert_eq!(due(&s, "t", DEC_1 + 2), None, "nothing is written before the store is read");
         let later = DEC_1 + UNREACHABLE_MS;
-        assert_eq!(reserve(&s, "t", caps(), (3, 1, later + 9_000), later), Err(Refused::Unread), "read again");
+        reserve(&s, "t", caps(), (3, 1, later + 9_000), later).expect("still admitted from the share");
+        settle(&s, "t", caps().0, 3, 1, later);
+        assert_eq!(due(&s, "t", later), Some(Due::Read), "a round reads it again");
         assert!(read(&s, "t", Some(Found { stored: None, revision: 0 }), later));
-        assert_eq!(spent(&s, "t", later).0, 100, "what was settled meanwhile is kept");
-        assert_eq!(due(&s, "t", later).map(|f| (f.revision, f.value.day_micro)), Some((0, 100)));
+        assert_eq!(spent(&s, "t", later).0, 101, "what was settled meanwhile is kept");
+        assert_eq!(write_due(&s, later).map(|f| (f.revision, f.value.day_micro)), Some((0, 101)));
     }
 
     #[test]

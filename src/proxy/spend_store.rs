@@ -5,7 +5,7 @@
 use super::abi as hostcalls;
 use super::host::{self, SharedData};
 use super::ids::IdMap;
-use crate::core::budget_store::{self, EtcdCall, Flush};
+use crate::core::budget_store::{self, Due, EtcdCall, Flush};
 use crate::core::config::Config;
 use crate::core::store::{cas_after, CasStore};
 use proxy_wasm::types::{BufferType, LogLevel, MapType};
@@ -34,26 +34,23 @@ impl SpendStore {
             return;
         }
         for tenant in budget_store::take_wanted(&SharedData) {
-            if self.reading.values().any(|t| *t == tenant) {
-                continue;
-            }
-            match send(config, &budget_store::range(config, &tenant)) {
-                Some(token) => {
-                    self.reading.insert(token, tenant);
-                }
-                None => self.read(&tenant, None, now_ms),
+            if !self.reading.values().any(|t| *t == tenant) {
+                self.start_read(config, &tenant, now_ms);
             }
         }
         if !budget_store::round_due(&SharedData, config, now_ms) {
             return;
         }
         for tenant in budget_store::budgeted(config) {
-            let Some(flush) = budget_store::due(&SharedData, tenant, now_ms) else { continue };
-            if self.writing.values().any(|f| f.tenant == flush.tenant) {
-                continue;
-            }
-            if let Some(token) = send(config, &budget_store::txn(config, tenant, flush.revision, &flush.value)) {
-                self.writing.insert(token, flush);
+            let busy = self.reading.values().any(|t| t == tenant) || self.writing.values().any(|f| f.tenant == tenant);
+            match budget_store::due(&SharedData, tenant, now_ms).filter(|_| !busy) {
+                Some(Due::Write(flush)) => {
+                    if let Some(token) = send(config, &budget_store::txn(config, tenant, flush.revision, &flush.value)) {
+                        self.writing.insert(token, flush);
+                    }
+                }
+                Some(Due::Read) => self.start_read(config, tenant, now_ms),
+                None => {}
             }
         }
     }
@@ -72,6 +69,15 @@ impl SpendStore {
         self.reached(written.is_some());
         budget_store::flushed(&SharedData, &flush, written, now);
         true
+    }
+
+    fn start_read(&mut self, config: &Config, tenant: &str, now_ms: u64) {
+        match send(config, &budget_store::range(config, tenant)) {
+            Some(token) => {
+                self.reading.insert(token, tenant.to_owned());
+            }
+            None => self.read(tenant, None, now_ms),
+        }
     }
 
     fn read(&mut self, tenant: &str, found: Option<budget_store::Found>, now_ms: u64) {

@@ -143,6 +143,8 @@ pub(super) struct Spend {
     pub(super) mark: Mark,
     pub(super) stored: Stored,
     pub(super) unsent: (u64, u64),
+    /// When the store's value was last learned (read, or written).
+    pub(super) learned_ms: u64,
 }
 
 impl Spend {
@@ -160,9 +162,18 @@ impl Spend {
         }
         let held = held.split(',').filter(|e| !e.is_empty()).map(Entry::decode).collect::<Option<Vec<_>>>()?;
         let mut spend = Spend { day, day_micro, month, month_micro, held, ..Spend::default() };
-        if let Some(backed) = backed {
+        let Some(backed) = backed else {
+            // A record of a release without the store: what it charged beyond its
+            // reservations was settled, and is the store's to be told.
+            let held_d: u64 = spend.held.iter().filter(|e| e.day == day).map(|e| e.micro).sum();
+            let held_m: u64 = spend.held.iter().filter(|e| e.month == month).map(|e| e.micro).sum();
+            spend.unsent = (day_micro.saturating_sub(held_d), month_micro.saturating_sub(held_m));
+            return Some(spend);
+        };
+        {
             let f: Vec<u64> = backed.split(' ').map(str::parse).collect::<Result<_, _>>().ok()?;
-            let [mark, number, sd, sdm, sm, smm, ud, um] = f[..] else { return None };
+            let [mark, number, sd, sdm, sm, smm, ud, um, learned_ms] = f[..] else { return None };
+            spend.learned_ms = learned_ms;
             spend.mark = match mark {
                 0 => Mark::Unread,
                 1 => Mark::Read { revision: number },
@@ -184,7 +195,7 @@ impl Spend {
         };
         let s = &self.stored;
         format!(
-            "{} {} {} {}|{}|{mark} {number} {} {} {} {} {} {}",
+            "{} {} {} {}|{}|{mark} {number} {} {} {} {} {} {} {}",
             self.day,
             self.day_micro,
             self.month,
@@ -195,7 +206,8 @@ impl Spend {
             s.month,
             s.month_micro,
             self.unsent.0,
-            self.unsent.1
+            self.unsent.1,
+            self.learned_ms
         )
         .into_bytes()
     }
@@ -232,7 +244,7 @@ impl Spend {
 
     /// The caps a call is held to as the record stands with the store (`Refused::Unread`:
     /// none yet).
-    fn caps_now(&self, caps: Caps, backing: Backing, now_ms: u64) -> Result<Caps, Refused> {
+    fn caps_now(&self, caps: Caps, backing: Backing) -> Result<Caps, Refused> {
         match self.mark {
             _ if !backing.store => Ok(caps),
             Mark::Read { .. } => Ok(caps),
@@ -319,11 +331,14 @@ pub fn reserve(
         let Ok(read) = store.get(&key) else { return Ok(hold) };
         let mut spend = read.value.as_deref().and_then(Spend::decode).unwrap_or_default().at(now_ms);
         spend.held.retain(|e| e.id != id);
-        spend.room(spend.caps_now(caps, backing, now_ms)?, micro, now_ms)?;
+        spend.room(spend.caps_now(caps, backing)?, micro, now_ms)?;
         spend.day_micro = spend.day_micro.saturating_add(micro);
         spend.month_micro = spend.month_micro.saturating_add(micro);
         if spend.held.len() >= MAX_IN_FLIGHT {
-            spend.held.remove(0);
+            // No longer listed, still charged: as settled at its worst case.
+            let e = spend.held.remove(0);
+            spend.unsent.0 += if e.day == spend.day { e.micro } else { 0 };
+            spend.unsent.1 += if e.month == spend.month { e.micro } else { 0 };
         }
         spend.held.push(Entry { id, micro, day: hold.day, month: hold.month, until_ms });
         match store.set(&key, &spend.encode(), cas_after(&read)) {
@@ -391,7 +406,7 @@ pub fn check(
     }
     let Ok(read) = store.get(&key(tenant)) else { return Ok(()) };
     let spend = read.value.as_deref().and_then(Spend::decode).unwrap_or_default().at(now_ms);
-    spend.room(spend.caps_now(caps, backing, now_ms)?, micro, now_ms)
+    spend.room(spend.caps_now(caps, backing)?, micro, now_ms)
 }
 
 /// Micro-dollars spent (and reserved) today and this month.

@@ -28,6 +28,9 @@ pub const READ_POLL_MS: u64 = 20;
 /// admits from its share meanwhile).
 pub const UNREACHABLE_MS: u64 = 5_000;
 
+/// How long a record with nothing to write goes without reading the store again.
+pub const REFRESH_MS: u64 = 5_000;
+
 /// A call to etcd's JSON gateway: `POST path` with `body`.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct EtcdCall {
@@ -132,16 +135,19 @@ fn update_wanted(store: &impl CasStore, mut f: impl FnMut(&mut Vec<String>) -> b
 }
 
 /// What reading `tenant`'s key came to (`None`: the store could not be reached): the
-/// record, if it was not read yet, takes what the store holds beside what was settled here
-/// (and is then admitted against); unreachable, it admits from this node's share for a
-/// while. Whether the store was reached.
+/// record takes what the store holds beside what was settled here and not yet written (a
+/// record read before learns what other nodes spent since; an answer older than what it
+/// knows is dropped); a record never read, unreachable, admits from this node's share for
+/// a while (one read before keeps deciding from what it knows). Whether the store was
+/// reached.
 pub fn read(store: &impl CasStore, tenant: &str, found: Option<Found>, now_ms: u64) -> bool {
     let _ = budget::update(store, tenant, now_ms, |s| match (s.mark, found) {
-        (Mark::Read { .. }, _) => false,
+        (Mark::Read { revision }, Some(f)) if f.revision < revision => false,
         (_, Some(f)) => {
-            learn(s, f);
+            learn(s, f, now_ms);
             true
         }
+        (Mark::Read { .. }, None) => false,
         (_, None) => {
             s.mark = Mark::Unreachable { until_ms: now_ms.saturating_add(UNREACHABLE_MS) };
             true
@@ -150,9 +156,10 @@ pub fn read(store: &impl CasStore, tenant: &str, found: Option<Found>, now_ms: u
     found.is_some()
 }
 
-fn learn(s: &mut Spend, f: Found) {
+fn learn(s: &mut Spend, f: Found, now_ms: u64) {
     s.stored = f.stored.unwrap_or_default();
     s.mark = Mark::Read { revision: f.revision };
+    s.learned_ms = now_ms;
     s.recharge();
 }
 
@@ -174,7 +181,8 @@ pub enum Due {
     /// Write what was settled and not yet written.
     Write(Flush),
     /// Read the key again: it could not be read before (calls are admitted from the node's
-    /// share meanwhile, and what they settle is written once it is read).
+    /// share meanwhile, and what they settle is written once it is read), or it was not
+    /// read for `REFRESH_MS`.
     Read,
 }
 
@@ -183,16 +191,17 @@ pub fn due(store: &impl CasStore, tenant: &str, now_ms: u64) -> Option<Due> {
     let raw = store.get(&budget::key(tenant)).ok()?.value?;
     let s = Spend::decode(&raw)?.at(now_ms);
     match s.mark {
-        Mark::Read { revision } => (s.unsent != (0, 0)).then(|| {
-            Due::Write(Flush {
-                tenant: tenant.to_owned(),
-                revision,
-                value: s.stored.plus(s.day, s.month, s.unsent),
-                sent: s.unsent,
-                day: s.day,
-                month: s.month,
-            })
-        }),
+        Mark::Read { revision } if s.unsent != (0, 0) => Some(Due::Write(Flush {
+            tenant: tenant.to_owned(),
+            revision,
+            value: s.stored.plus(s.day, s.month, s.unsent),
+            sent: s.unsent,
+            day: s.day,
+            month: s.month,
+        })),
+        // Nothing to write, and not learned for a while: read again, for what other nodes
+        // spent (the tenant may have been theirs meanwhile).
+        Mark::Read { .. } => (now_ms.saturating_sub(s.learned_ms) >= REFRESH_MS).then_some(Due::Read),
         Mark::Unreachable { until_ms } if now_ms >= until_ms => Some(Due::Read),
         Mark::Unreachable { .. } | Mark::Unread => None,
     }
@@ -203,22 +212,36 @@ pub fn due(store: &impl CasStore, tenant: &str, now_ms: u64) -> Option<Due> {
 /// refused (the key changed), the record learns what the store holds now, others' spend
 /// included, and writes again next round.
 pub fn flushed(store: &impl CasStore, flush: &Flush, answer: Option<Result<u64, Found>>, now_ms: u64) {
-    let Some(answer) = answer else { return };
+    // A refusal that finds the key holding exactly what was written says the write landed
+    // (its answer was lost, or another worker sent the same write).
+    let answer = match answer {
+        Some(Err(now)) if now.stored == Some(flush.value) => Ok(now.revision),
+        Some(answer) => answer,
+        None => return,
+    };
     let _ = budget::update(store, &flush.tenant, now_ms, |s| {
-        if s.mark != (Mark::Read { revision: flush.revision }) {
-            return false;
-        }
+        let Mark::Read { revision: known } = s.mark else { return false };
         match answer {
-            Ok(revision) => {
+            // Written: what was sent is no longer unsent, and the store holds the value
+            // written (or, learned since by a read, a later one that includes it).
+            Ok(revision) if known == flush.revision || known >= revision => {
                 let same_day = s.day == flush.day;
                 let same_month = s.month == flush.month;
                 s.unsent.0 = if same_day { s.unsent.0.saturating_sub(flush.sent.0) } else { s.unsent.0 };
                 s.unsent.1 = if same_month { s.unsent.1.saturating_sub(flush.sent.1) } else { s.unsent.1 };
-                learn(s, Found { stored: Some(flush.value), revision });
+                if known == flush.revision {
+                    learn(s, Found { stored: Some(flush.value), revision }, now_ms);
+                } else {
+                    s.recharge();
+                }
+                true
             }
-            Err(now) => learn(s, now),
+            Err(now) if known == flush.revision => {
+                learn(s, now, now_ms);
+                true
+            }
+            _ => false,
         }
-        true
     });
 }
 
@@ -340,6 +363,53 @@ mod tests {
         assert!(read(&s, "t", Some(Found { stored: None, revision: 0 }), later));
         assert_eq!(spent(&s, "t", later).0, 101, "what was settled meanwhile is kept");
         assert_eq!(write_due(&s, later).map(|f| (f.revision, f.value.day_micro)), Some((0, 101)));
+    }
+
+    #[test]
+    fn a_write_counts_once_whatever_order_its_answers_and_reads_come_in() {
+        let s = MemStore::new();
+        let today = DEC_1 / 86_400_000;
+        let base = Stored { day: today, day_micro: 100, month: 0, month_micro: 0 };
+        read(&s, "t", Some(Found { stored: Some(base), revision: 3 }), DEC_1);
+        settle(&s, "t", caps().0, 1, 20, DEC_1);
+        let flush = write_due(&s, DEC_1).unwrap();
+        // The answer was lost; the key holds what was written: it landed.
+        flushed(&s, &flush, Some(Err(Found { stored: Some(flush.value), revision: 4 })), DEC_1 + 1);
+        assert_eq!((spent(&s, "t", DEC_1 + 1).0, write_due(&s, DEC_1 + 1)), (120, None), "counted once");
+        // A read that learned the write before its answer came: the answer takes out what was
+        // sent, and nothing is counted twice.
+        settle(&s, "t", caps().0, 2, 5, DEC_1 + 2);
+        let flush = write_due(&s, DEC_1 + 2).unwrap();
+        read(&s, "t", Some(Found { stored: Some(flush.value), revision: 5 }), DEC_1 + 3);
+        assert_eq!(spent(&s, "t", DEC_1 + 3).0, 130, "until the answer, the write looks unsent");
+        flushed(&s, &flush, Some(Ok(5)), DEC_1 + 4);
+        assert_eq!((spent(&s, "t", DEC_1 + 4).0, write_due(&s, DEC_1 + 4)), (125, None));
+        // Not learned for a while: read again, and what another node spent counts here.
+        assert_eq!(due(&s, "t", DEC_1 + 4 + REFRESH_MS), Some(Due::Read));
+        let elsewhere = Stored { day_micro: 400, ..base };
+        read(&s, "t", Some(Found { stored: Some(elsewhere), revision: 9 }), DEC_1 + 5 + REFRESH_MS);
+        assert_eq!(spent(&s, "t", DEC_1 + 5 + REFRESH_MS).0, 400);
+        read(&s, "t", Some(Found { stored: Some(base), revision: 8 }), DEC_1 + 6 + REFRESH_MS);
+        assert_eq!(spent(&s, "t", DEC_1 + 6 + REFRESH_MS).0, 400, "an older answer is dropped");
+    }
+
+    #[test]
+    fn reservations_past_the_list_and_a_previous_releases_spend_are_written_not_lost() {
+        let s = MemStore::new();
+        let open = (Caps { per_day: Some(u64::MAX), per_month: None }, BACKED);
+        read(&s, "t", Some(Found { stored: None, revision: 0 }), DEC_1);
+        for id in 0..crate::core::budget::MAX_IN_FLIGHT as u64 + 2 {
+            reserve(&s, "t", open, (id, 10, DEC_1 + 9_000), DEC_1).unwrap();
+        }
+        let flush = write_due(&s, DEC_1).unwrap();
+        assert_eq!(flush.value.day_micro, 20, "the two no longer listed, as settled at their worst case");
+        flushed(&s, &flush, Some(Ok(1)), DEC_1);
+        assert_eq!(spent(&s, "t", DEC_1).0, 10 * (crate::core::budget::MAX_IN_FLIGHT as u64 + 2), "still charged");
+        // A record written before the store: its settled spend is the store's to be told.
+        let (day, month) = (DEC_1 / 86_400_000, 2026 * 12 + 11);
+        s.set(&crate::core::budget::key("old"), format!("{day} 70 {month} 90|").as_bytes(), None).unwrap();
+        read(&s, "old", Some(Found { stored: None, revision: 0 }), DEC_1);
+        assert_eq!(spent(&s, "old", DEC_1), (70, 90));
     }
 
     #[test]

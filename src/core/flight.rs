@@ -257,7 +257,14 @@ impl Flight {
             }
         }
         let model = self.model().to_owned();
-        let denial = denials.first().map(|(_, d)| *d).unwrap_or(Denial::of(Kind::Requests, None));
+        // A call too large for one model but refused by another only for now is that one's
+        // refusal (a 429 to come back with), not a 400.
+        let denial = denials
+            .iter()
+            .map(|(_, d)| *d)
+            .find(|d| d.kind != Kind::TooLarge)
+            .or(denials.first().map(|(_, d)| *d))
+            .unwrap_or(Denial::of(Kind::Requests, None));
         if denial.kind == Kind::TooLarge {
             let tpm = config.model(&model).and_then(|(_, m)| m.tokens_per_minute).unwrap_or(0);
             let refused = ApiError::too_many_tokens(&format!("model {model}"), self.estimate, tpm);
@@ -470,14 +477,18 @@ impl Flight {
             self.events.push(Event::Retry { model: model.clone() });
         }
         self.charge_retries(store, config, retries, now_ms);
-        let refused = end.attempts == 0 || end.status.is_some_and(|s| s != 200);
-        let (billed, actual) = match (end.usage, refused) {
-            (Some(u), _) => (Billed::Known(u), u.total()),
-            (None, true) => (Billed::Nothing, 0),
-            (None, false) => (Billed::Unknown, end.cut_off_tokens),
+        // A 4xx, or a stream that never left, used no tokens; a 5xx keeps its estimate in
+        // the bucket, as a call's does; an answer that is not HolySheep's (Envoy's own 504
+        // or 503, `status: None`) may have been billed.
+        let (billed, actual) = match (end.usage, end.attempts, end.status) {
+            (Some(u), _, _) => (Billed::Known(u), Some(u.total())),
+            (None, 0, _) => (Billed::Nothing, Some(0)),
+            (None, _, Some(s)) if (400..500).contains(&s) => (Billed::Nothing, Some(0)),
+            (None, _, Some(s)) if s != 200 => (Billed::Nothing, None),
+            (None, _, _) => (Billed::Unknown, Some(end.cut_off_tokens)),
         };
         self.bill_tenant(config, billed);
-        self.settle(store, config, Some(actual), retries, hints, now_ms);
+        self.settle(store, config, actual, retries, hints, now_ms);
         if let Some(usage) = end.usage {
             self.events.push(Event::Usage { model: model.clone(), usage });
         }
@@ -745,6 +756,7 @@ mod tests {
             completion_limit: None,
             completion_cap: None,
             choices: 1,
+            limit_named: false,
             class,
             semantic: None,
         }
@@ -854,6 +866,7 @@ mod tests {
             completion_limit: Some(100),
             completion_cap: None,
             choices: 1,
+            limit_named: false,
             class: Default::default(),
             semantic: None,
         };

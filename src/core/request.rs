@@ -194,6 +194,9 @@ pub struct ChatRequest {
     pub completion_limit: Option<u64>,
     /// The choices it asks for (`n`, 1 by default).
     pub choices: u64,
+    /// It has a member `max_tokens` or `max_completion_tokens`, of any value (`null`
+    /// included, which sets no limit).
+    pub limit_named: bool,
     /// Its question and partition, when it takes part in the semantic tier.
     pub semantic: Option<Probe>,
 }
@@ -226,6 +229,7 @@ impl ChatRequest {
         let estimate_tokens = estimate_tokens(&map, body.len());
         let completion_limit = completion_limit(&map);
         let choices = choices(&map);
+        let limit_named = map.contains_key("max_tokens") || map.contains_key("max_completion_tokens");
         let scope = scope(config, meta)?;
         let semantic = config.semantic.enabled.then(|| semantic::probe(config, &map, &scope, deterministic)).flatten();
         let canonical = canonical_body(map);
@@ -239,6 +243,7 @@ impl ChatRequest {
             tenant: meta.verified.map(str::to_owned),
             completion_limit,
             choices,
+            limit_named,
             semantic,
         })
     }
@@ -425,6 +430,8 @@ pub fn for_upstream(body: &[u8], model: &str, stream: bool, completion_cap: Opti
         Ok(Value::Object(mut map)) => {
             map.insert("model".into(), Value::String(model.to_owned()));
             if let Some(cap) = completion_cap {
+                // The cap is the call's only limit (a null `max_completion_tokens` sets none).
+                map.remove("max_completion_tokens");
                 map.insert("max_tokens".into(), Value::from(cap));
             }
             if stream {

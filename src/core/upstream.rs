@@ -32,6 +32,8 @@ pub struct Outbound {
     pub completion_cap: Option<u64>,
     /// The choices the request asks for (`n`).
     pub choices: u64,
+    /// The request names a completion limit, of any value (`ChatRequest::limit_named`).
+    pub limit_named: bool,
     /// The request's priority class, which orders the models' admission lines.
     pub class: Class,
     /// Its question and partition, when it takes part in the semantic tier.
@@ -58,6 +60,7 @@ impl Outbound {
             completion_limit: request.completion_limit,
             completion_cap: None,
             choices: request.choices,
+            limit_named: request.limit_named,
             class: Class::Standard,
             semantic: request.semantic.clone(),
         }
@@ -78,7 +81,7 @@ impl Outbound {
         let same = model == self.model && !self.stream;
         match self.completion_cap {
             None if same => Cow::Borrowed(&self.body),
-            Some(cap) if same => match with_cap(&self.body, cap) {
+            Some(cap) if same && !self.limit_named => match with_cap(&self.body, cap) {
                 Some(body) => Cow::Owned(body),
                 None => Cow::Owned(for_upstream(&self.body, model, false, Some(cap))),
             },
@@ -114,13 +117,10 @@ impl Outbound {
 }
 
 /// The body with `"max_tokens":cap` as the first member of its object, without parsing
-/// it again, when the bytes `"max_tokens"` appear nowhere in it (so no member of that name
-/// can follow and win); `None` otherwise, or for a body that is not a non-empty object.
+/// it again: only for a request with no member of that name (or `max_completion_tokens`),
+/// in any spelling, so that none can follow and win (`ChatRequest::limit_named`); `None`
+/// for a body that is not a non-empty object.
 fn with_cap(body: &[u8], cap: u64) -> Option<Vec<u8>> {
-    const NAME: &[u8] = b"\"max_tokens\"";
-    if body.windows(NAME.len()).any(|w| w == NAME) {
-        return None;
-    }
     let open = body.iter().position(|b| !b.is_ascii_whitespace()).filter(|&i| body[i] == b'{')?;
     let next = body[open + 1..].iter().find(|b| !b.is_ascii_whitespace())?;
     if *next == b'}' {
@@ -242,6 +242,7 @@ mod tests {
             completion_limit: None,
             completion_cap: None,
             choices: 1,
+            limit_named: false,
             class: Default::default(),
             semantic: None,
         }
@@ -273,16 +274,23 @@ mod tests {
 
     #[test]
     fn the_edges_completion_cap_is_added_without_a_rewrite_and_never_loses_to_the_clients() {
-        let capped = |body: &str| Outbound { body: body.as_bytes().to_vec(), completion_cap: Some(7), ..outbound() };
-        let fast = capped(r#" {"model":"gpt-4.1","messages":[]}"#);
-        assert_eq!(&*fast.body_for("gpt-4.1"), br#" {"max_tokens":7,"model":"gpt-4.1","messages":[]}"#);
-        // A member named max_tokens anywhere (a null one is no limit): parsed and rewritten.
-        let null = capped(r#"{"model":"gpt-4.1","messages":[],"max_tokens":null}"#);
-        let v: serde_json::Value = serde_json::from_slice(&null.body_for("gpt-4.1")).unwrap();
-        assert_eq!(v["max_tokens"], 7);
-        let quoted = capped(r#"{"model":"gpt-4.1","messages":[{"role":"user","content":"\"max_tokens\""}]}"#);
-        let v: serde_json::Value = serde_json::from_slice(&quoted.body_for("gpt-4.1")).unwrap();
-        assert_eq!((v["max_tokens"].as_u64(), v["messages"][0]["content"].as_str()), (Some(7), Some("\"max_tokens\"")));
+        let config = Config::default();
+        let capped = |body: &str| {
+            let request = ChatRequest::parse(&config, &Default::default(), body.as_bytes()).unwrap();
+            Outbound { completion_cap: Some(7), ..Outbound::of(&request, body.as_bytes().to_vec(), None) }
+        };
+        let fast = capped(r#" {"model":"gpt-4.1","messages":[{"role":"user","content":"hi"}]}"#);
+        assert_eq!(
+            &*fast.body_for("gpt-4.1"),
+            br#" {"max_tokens":7,"model":"gpt-4.1","messages":[{"role":"user","content":"hi"}]}"#
+        );
+        // A member of that name in any spelling (a null one is no limit): parsed and rewritten,
+        // so that the cap is the only limit sent.
+        for named in [r#""max_tokens":null"#, r#""max\u005ftokens":null"#, r#""max_completion_tokens":null"#] {
+            let body = format!(r#"{{"model":"gpt-4.1","messages":[{{"role":"user","content":"hi"}}],{named}}}"#);
+            let v: serde_json::Value = serde_json::from_slice(&capped(&body).body_for("gpt-4.1")).unwrap();
+            assert_eq!((v["max_tokens"].as_u64(), v.get("max_completion_tokens")), (Some(7), None), "{named}");
+        }
         let v: serde_json::Value = serde_json::from_slice(&fast.body_for("deepseek-v3")).unwrap();
         assert_eq!((v["max_tokens"].as_u64(), v["model"].as_str()), (Some(7), Some("deepseek-v3")), "a fallback too");
     }

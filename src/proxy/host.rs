@@ -48,6 +48,13 @@ pub fn received_bytes() -> Option<u64> {
 
 /// A 64-bit integer property (Envoy passes `int` and `uint` attributes as 8 bytes in the
 /// host's byte order; a negative `int` is no count).
+/// Whether the current response's headers came from the upstream (`response.code_details`
+/// is `via_upstream`), not from Envoy itself (a route timeout's 504, a reset's 503).
+pub fn response_via_upstream() -> bool {
+    let details = hostcalls::get_property(vec!["response", "code_details"]).ok().flatten();
+    details.as_deref() == Some(b"via_upstream".as_slice())
+}
+
 fn property_u64(path: Vec<&str>) -> Option<u64> {
     let raw = hostcalls::get_property(path).ok().flatten()?;
     let bytes: [u8; 8] = raw.as_slice().try_into().ok()?;

@@ -413,7 +413,8 @@ impl HttpContext for Chat {
         let other = Response { headers: retry_after.unwrap_or_default(), ..other };
         let events = (sse && refusal.is_none()).then(|| Reassembler::new(label.include_usage));
         let (attempts, hints) = (host::upstream_attempts(), ProviderHints::from_headers(status, &headers));
-        let tee = Tee::new(events, other, refusal.is_some(), (status, attempts), hints);
+        let holysheeps = host::response_via_upstream().then_some(status);
+        let tee = Tee::new(events, other, refusal.is_some(), (holysheeps, attempts), hints);
         self.state = State::Teeing(Box::new(tee));
         if end_of_stream {
             self.end_stream(true);

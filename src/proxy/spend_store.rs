@@ -12,17 +12,19 @@ use proxy_wasm::types::{BufferType, LogLevel, MapType};
 use std::time::Duration;
 
 pub struct SpendStore {
-    /// Reads out, by callout token: the tenant.
-    reading: IdMap<String>,
+    /// Reads out, by callout token: the tenant, and when it was sent.
+    reading: IdMap<(String, u64)>,
     /// Writes out, by callout token.
-    writing: IdMap<Flush>,
+    writing: IdMap<(Flush, u64)>,
+    /// Reads after a write that got no answer, to learn whether it landed.
+    checking: IdMap<(Flush, u64)>,
     /// Whether the store answered last (for logging the changes only).
     reached: bool,
 }
 
 impl Default for SpendStore {
     fn default() -> Self {
-        SpendStore { reading: IdMap::default(), writing: IdMap::default(), reached: true }
+        SpendStore { reading: IdMap::default(), writing: IdMap::default(), checking: IdMap::default(), reached: true }
     }
 }
 
@@ -33,8 +35,13 @@ impl SpendStore {
         if !config.budget_store.enabled() {
             return;
         }
+        // Envoy answers every callout by its timeout; one it never answered is forgotten.
+        let stale = |sent: u64| now_ms.saturating_sub(sent) > config.budget_store.timeout_ms.saturating_mul(2) + 1_000;
+        self.reading.retain(|_, (_, sent)| !stale(*sent));
+        self.writing.retain(|_, (_, sent)| !stale(*sent));
+        self.checking.retain(|_, (_, sent)| !stale(*sent));
         for tenant in budget_store::take_wanted(&SharedData) {
-            if !self.reading.values().any(|t| *t == tenant) {
+            if !self.reading.values().any(|(t, _)| *t == tenant) {
                 self.start_read(config, &tenant, now_ms);
             }
         }
@@ -42,11 +49,11 @@ impl SpendStore {
             return;
         }
         for tenant in budget_store::budgeted(config) {
-            let busy = self.reading.values().any(|t| t == tenant) || self.writing.values().any(|f| f.tenant == tenant);
-            match budget_store::due(&SharedData, tenant, now_ms).filter(|_| !busy) {
+            match budget_store::due(&SharedData, tenant, now_ms).filter(|_| !self.busy(tenant)) {
                 Some(Due::Write(flush)) => {
-                    if let Some(token) = send(config, &budget_store::txn(config, tenant, flush.revision, &flush.value)) {
-                        self.writing.insert(token, flush);
+                    if let Some(token) = send(config, &budget_store::txn(config, tenant, flush.revision, &flush.value))
+                    {
+                        self.writing.insert(token, (flush, now_ms));
                     }
                 }
                 Some(Due::Read) => self.start_read(config, tenant, now_ms),
@@ -57,24 +64,44 @@ impl SpendStore {
 
     /// Whether the callout answered under `token` was the store's; if so, its answer is
     /// taken.
-    pub fn answered(&mut self, token: u32, num_headers: usize, body_size: usize) -> bool {
+    pub fn answered(&mut self, config: &Config, token: u32, num_headers: usize, body_size: usize) -> bool {
         let now = host::now_ms();
-        if let Some(tenant) = self.reading.remove(&token) {
+        if let Some((tenant, _)) = self.reading.remove(&token) {
             let found = answer(num_headers, body_size).and_then(|(s, b)| budget_store::read_range(s, &b));
             self.read(&tenant, found, now);
             return true;
         }
-        let Some(flush) = self.writing.remove(&token) else { return false };
+        if let Some((flush, _)) = self.checking.remove(&token) {
+            let found = answer(num_headers, body_size).and_then(|(s, b)| budget_store::read_range(s, &b));
+            self.reached(found.is_some());
+            budget_store::flushed(&SharedData, &flush, found.map(Err), now);
+            return true;
+        }
+        let Some((flush, _)) = self.writing.remove(&token) else { return false };
         let written = answer(num_headers, body_size).and_then(|(s, b)| budget_store::read_txn(s, &b));
         self.reached(written.is_some());
+        if written.is_none() {
+            // It may have landed: the key says (a refusal that finds what was written is
+            // taken as written).
+            if let Some(token) = send(config, &budget_store::range(config, &flush.tenant)) {
+                self.checking.insert(token, (flush, now));
+            }
+            return true;
+        }
         budget_store::flushed(&SharedData, &flush, written, now);
         true
+    }
+
+    /// Whether a read or a write of `tenant`'s key is out.
+    fn busy(&self, tenant: &str) -> bool {
+        self.reading.values().any(|(t, _)| t == tenant)
+            || self.writing.values().chain(self.checking.values()).any(|(f, _)| f.tenant == tenant)
     }
 
     fn start_read(&mut self, config: &Config, tenant: &str, now_ms: u64) {
         match send(config, &budget_store::range(config, tenant)) {
             Some(token) => {
-                self.reading.insert(token, tenant.to_owned());
+                self.reading.insert(token, (tenant.to_owned(), now_ms));
             }
             None => self.read(tenant, None, now_ms),
         }

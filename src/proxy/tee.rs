@@ -24,9 +24,10 @@ pub struct Tee {
     replace: bool,
     /// ... which has been written.
     written: bool,
-    /// HolySheep's status, the attempts Envoy's router made, and what HolySheep's answer
-    /// said of its limits.
-    status: u16,
+    /// HolySheep's status (`None`: Envoy's own answer, a timeout or a reset: not
+    /// HolySheep's), the attempts Envoy's router made, and what HolySheep's answer said of
+    /// its limits.
+    status: Option<u16>,
     attempts: u64,
     hints: ProviderHints,
     /// Events from `[DONE]` on, held until the stream's end.
@@ -40,7 +41,7 @@ impl Tee {
         events: Option<Reassembler>,
         other: Response,
         replace: bool,
-        (status, attempts): (u16, u64),
+        (status, attempts): (Option<u16>, u64),
         hints: ProviderHints,
     ) -> Tee {
         Tee {
@@ -60,7 +61,7 @@ impl Tee {
     /// The tee of a forward node's hop: the owner's answer passes untouched, and a body
     /// that is not events is gathered up to `limit` bytes (the largest answer kept).
     pub fn hop(events: Option<Reassembler>, other: Response, limit: usize) -> Tee {
-        let status = other.status;
+        let status = Some(other.status);
         let tee = Tee::new(events, other, false, (status, 1), ProviderHints::default());
         Tee { limit, ..tee }
     }
@@ -74,14 +75,7 @@ impl Tee {
             (None, true) if self.cut && self.other.status == 200 => None,
             (None, true) => Some(self.other),
         };
-        StreamEnd {
-            outcome,
-            usage,
-            streamed_tokens,
-            status: Some(self.status),
-            attempts: self.attempts,
-            hints: self.hints,
-        }
+        StreamEnd { outcome, usage, streamed_tokens, status: self.status, attempts: self.attempts, hints: self.hints }
     }
 
     /// The bytes the client gets for this chunk of HolySheep's answer (`None`: as they are).

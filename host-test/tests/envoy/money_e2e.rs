@@ -166,13 +166,21 @@ fn errors_to_streams_and_streams_never_sent_cost_the_tenant_nothing() {
         assert_eq!(r.status, status, "{}", r.text());
         assert_eq!(left(), 1_000_000, "an error to a stream costs nothing");
     }
+    // A reset before any answer is Envoy's 503, not HolySheep's: the call may have been
+    // billed, and is charged its worst case (every body byte a token, and 4096, at $30).
+    s.mock.mock.plan(vec![Fault { reset: true, ..Fault::default() }]);
+    let reset = streamed(&prompt("a stream whose connection resets"));
+    let r = chat(&s, "batch", &reset);
+    assert_eq!(r.status, 503, "{}", r.text());
+    let worst = (reset.len() as u64 + 4096) * 30;
+    assert_eq!(left(), 1_000_000 - worst, "Envoy's own error is no proof of nothing billed");
     // A stream that waits for the only slot, whose client leaves before it gets it.
     s.mock.mock.plan(vec![Fault { hold: true, ..Fault::default() }]);
     let held = std::thread::spawn({
         let (edge, auth) = (s.envoy.edge, bearer("batch"));
         move || request(edge, "POST", PATH, &[("authorization", &auth)], prompt("held").as_bytes()).expect("answer")
     });
-    s.await_calls(3);
+    s.await_calls(4);
     let mut leaving = Conn::open(s.envoy.edge).expect("connect");
     let body = streamed(&prompt("a stream whose client leaves"));
     leaving.send_only("POST", PATH, &[("authorization", &bearer("batch"))], body.as_bytes()).expect("sent");
@@ -183,8 +191,8 @@ fn errors_to_streams_and_streams_never_sent_cost_the_tenant_nothing() {
     assert_eq!(held.status, 200);
     // The stream in line finds its client gone when its turn comes: it never leaves.
     let spent = billed_micro(&held.json()["usage"]);
-    poll_until(|| left() == 1_000_000 - spent, "the stream that never left was charged");
-    assert_eq!(s.calls(), 3, "the stream was never sent");
+    poll_until(|| left() == 1_000_000 - worst - spent, "the stream that never left was charged");
+    assert_eq!(s.calls(), 4, "the stream was never sent");
     assert_eq!(tenant_stat(&s, "batch", "cost_spent_microusd"), spent);
     assert!(s.crashes().is_empty(), "{:?}", s.crashes());
 }

@@ -65,8 +65,9 @@ impl Context for Root {
         self.begin_call();
         {
             let w = &mut *self.worker.borrow_mut();
-            if w.key_check.answered(&w.config, token, num_headers)
-                || w.spend_store.answered(token, num_headers, body_size)
+            let config = w.config.clone();
+            if w.key_check.answered(&config, token, num_headers)
+                || w.spend_store.answered(&config, token, num_headers, body_size)
             {
                 return;
             }

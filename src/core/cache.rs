@@ -7,6 +7,7 @@
 
 use super::codec;
 use super::config::Config;
+use super::priority::{self, Class};
 use super::request::Key;
 use super::store::{self, cas_after, CasStore, Read, StoreError};
 
@@ -33,6 +34,25 @@ impl Response {
         self.headers.retain(|(n, _)| !n.eq_ignore_ascii_case(name));
         self.headers.push((name.to_owned(), value));
         self
+    }
+
+    /// A 429 refused for priority (`why`: `priority` or `queue-full`), marked with the class
+    /// it was refused at: waiters of a higher class do not take it as their answer.
+    pub fn shed(self, why: &str, class: Class) -> Response {
+        self.with_header(priority::SHED_HEADER, why.to_owned()).with_header(priority::HEADER, class.as_str().to_owned())
+    }
+
+    /// Whether a waiter of `class` may take this as its answer: not a 429 the edge gave a
+    /// flight of a lower class (which a call of its own class might not get).
+    pub fn may_share(&self, class: Class) -> bool {
+        if self.status != 429 {
+            return true;
+        }
+        match self.header(priority::HEADER).map(Class::parse) {
+            Some(Some(refused)) => refused <= class,
+            Some(None) => false,
+            None => true,
+        }
     }
 }
 

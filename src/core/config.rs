@@ -1,6 +1,7 @@
 //! Plugin configuration: JSON, every field optional, unknown fields and bad values rejected
 //! with a message that names the field.
 
+use super::priority::Class;
 use super::tenants::{Keys, Tenant};
 use super::usage::Usage;
 use serde::de::DeserializeOwned;
@@ -217,7 +218,7 @@ impl Semantic {
             (!(1..=1_000_000).contains(&self.max_entries), "max_entries", "must be between 1 and 1000000"),
             (!(1..=10_000).contains(&self.timeout_ms), "timeout_ms", "must be between 1 and 10000"),
             (
-                self.dimensions.is_some_and(|d| !(1..=super::semantic::MAX_DIMENSIONS).contains(&d)),
+                self.dimensions.is_some_and(|d| !(1..=MAX_DIMENSIONS).contains(&d)),
                 "dimensions",
                 "must be between 1 and 4096",
             ),
@@ -228,6 +229,12 @@ impl Semantic {
         }
     }
 }
+
+/// The longest admission line a configuration may ask for (`rate_limit.max_queue`).
+pub const MAX_LINE: usize = 4_096;
+/// The longest vector the semantic tier keeps (`semantic.dimensions`; text-embedding-3-large
+/// has 3 072).
+pub const MAX_DIMENSIONS: u32 = 4096;
 
 /// The longest duration in milliseconds any setting accepts: one day.
 pub const MAX_MS: u64 = 86_400_000;
@@ -473,8 +480,8 @@ impl Config {
         if !(0.0..=1.0).contains(&self.rate_limit.reserve) {
             return Err(ConfigError("rate_limit.reserve: a fraction, between 0 and 1".into()));
         }
-        if !(1..=super::line::MAX_LINE).contains(&self.rate_limit.max_queue) {
-            let max = super::line::MAX_LINE;
+        if !(1..=MAX_LINE).contains(&self.rate_limit.max_queue) {
+            let max = MAX_LINE;
             return Err(ConfigError(format!("rate_limit.max_queue: must be between 1 and {max}")));
         }
         // Every duration is bounded, so no `now + duration` can overflow.
@@ -574,6 +581,12 @@ impl Config {
     /// tenant has a dollar budget and nothing prices the model.
     pub fn prices_for(&self, tenant: &Tenant, model: &str) -> bool {
         tenant.caps().is_none() || self.model(model).is_some_and(|(_, m)| m.priced())
+    }
+
+    /// The class a request of `tenant` is granted (`None`: not verified, `standard`); a
+    /// request may lower it (`Class::of`).
+    pub fn class_of(&self, tenant: Option<&str>) -> Class {
+        tenant.and_then(|t| self.tenants.get(t)).map_or(Class::Standard, |t| t.priority)
     }
 
     /// The configuration entry that governs `model`: its own, else `default`, else none

@@ -7,9 +7,8 @@ use super::config::{Config, Role};
 use super::edge;
 use super::error::ApiError;
 use super::lease::{self, Acquire, Lease, Mark, Slot, State};
-use super::priority;
 use super::request::{Key, Policy};
-use super::semantic::{Similar, SIMILARITY_HEADER};
+use super::semantic::{Probe, Similar, SIMILARITY_HEADER};
 use super::store::CasStore;
 use std::borrow::Cow;
 
@@ -60,6 +59,11 @@ pub struct Reply {
 }
 
 impl Reply {
+    /// Whether this is an answer now stored in the cache (a fresh 200).
+    pub fn stored_answer(&self) -> bool {
+        self.fresh_s.is_some() && self.response.status == 200
+    }
+
     pub fn error(e: &ApiError) -> Reply {
         Reply::plain(error_response(e))
     }
@@ -133,6 +137,18 @@ pub struct Call {
     /// lease way held another finished flight, or the cache entry it referred to had been
     /// replaced (counted as `waits_lost`).
     pub wait_lost: bool,
+}
+
+impl Call {
+    /// Whether the call looks for a paraphrase before it goes upstream: the semantic tier
+    /// is on, this node owns its answers, the call leads a flight of a MISS that read the
+    /// cache and may store its answer, and the request takes part (`probe`).
+    pub fn looks_for_paraphrase<'a>(&self, config: &Config, probe: Option<&'a Probe>) -> Option<&'a Probe> {
+        let leads_a_miss = self.lease.is_some() && self.label == CacheStatus::Miss;
+        let ok =
+            config.semantic.enabled && config.role == Role::Owner && leads_a_miss && self.policy.read && self.store;
+        probe.filter(|_| ok)
+    }
 }
 
 /// Waiting for the flight whose lease carries `nonce`.
@@ -564,7 +580,7 @@ fn shared(key: &Key, response: Response, done: Done, policy: Policy, now_ms: u64
     if done.stale_from_ms.is_some() && !stale_allowed(policy, age_s) {
         return None;
     }
-    if !priority::may_share(&response, policy.class) {
+    if !response.may_share(policy.class) {
         return None;
     }
     let fresh_s = done.expires_ms.filter(|_| done.stale_from_ms.is_none()).map(|e| e.saturating_sub(now_ms) / 1000);
@@ -712,7 +728,7 @@ mod tests {
         let leader = expect_call(e.admit(&k(7), shedding, 0, 1));
         let critical = expect_wait(e.admit(&k(7), Policy { class: Class::Critical, ..READ }, 1, 2));
         let sheddable = expect_wait(e.admit(&k(7), shedding, 1, 3));
-        let shed = crate::core::priority::shed(Response::json(429, b"{}".to_vec()), "priority", Class::Sheddable);
+        let shed = Response::json(429, b"{}".to_vec()).shed("priority", Class::Sheddable);
         e.complete(&leader, Some(shed), 2);
         let r = expect_reply(e.poll(&sheddable, 3, 4));
         assert_eq!((r.response.status, r.cache), (429, Some(CacheStatus::Coalesced)));

@@ -688,7 +688,7 @@ impl Flight {
             .with_header("x-holysheep-model", model.to_owned());
         // Marked with its class: a waiter of a higher class does not take it as its answer.
         match shed {
-            Some(why) => priority::shed(limited, why, self.class),
+            Some(why) => limited.shed(why, self.class),
             None => limited.with_header(priority::HEADER, self.class.as_str().to_owned()),
         }
     }

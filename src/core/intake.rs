@@ -183,7 +183,7 @@ pub fn intake(config: &Config, head: &Head, body: &[u8]) -> Result<Intake, ApiEr
     let meta = head.meta();
     let request = ChatRequest::parse(config, &meta, body)?;
     allowed(config, &request)?;
-    let class = Class::of(config, request.tenant.as_deref(), head.priority.as_deref())?;
+    let class = Class::of(config.class_of(request.tenant.as_deref()), head.priority.as_deref())?;
     let policy = Policy { class, ..request.policy(config, CacheControl::parse(meta.cache_control)) };
     Ok(Intake { request, policy })
 }
@@ -200,7 +200,7 @@ pub fn intake_or_known(
     match known.filter(|_| head.plain()) {
         Some(request) => {
             allowed(config, request)?;
-            let class = Class::of(config, request.tenant.as_deref(), head.priority.as_deref())?;
+            let class = Class::of(config.class_of(request.tenant.as_deref()), head.priority.as_deref())?;
             let request = request.clone();
             let policy = Policy { class, ..request.policy(config, CacheControl::default()) };
             Ok(Intake { request, policy })

@@ -14,8 +14,6 @@ pub const LINE_HOLD_MS: u64 = 3_000;
 const RENEW_BELOW_MS: u64 = 1_500;
 /// The longest a caller in line waits before looking again.
 pub const POLL_CAP_MS: u64 = 500;
-/// The longest line a configuration may ask for.
-pub const MAX_LINE: usize = 4_096;
 
 /// Who asks a bucket for admission.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -201,6 +199,7 @@ const PLACE_BYTES: usize = 6 * 8 + 1;
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::core::config::MAX_LINE;
 
     fn who(id: u64, class: Class, tenant: u64) -> Who {
         Who { id, estimate: 10, class, tenant }

@@ -6,6 +6,7 @@ pub mod budget;
 pub mod budget_store;
 pub mod bytes;
 pub mod cache;
+pub mod canonical;
 pub mod codec;
 pub mod config;
 pub mod digest;

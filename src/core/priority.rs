@@ -3,8 +3,6 @@
 //! (`line`) and decides whether a call may dip into the part of a bucket kept for
 //! interactive traffic (`rate_limit.reserve`).
 
-use super::cache::Response;
-use super::config::Config;
 use super::error::ApiError;
 use serde::{Deserialize, Serialize};
 
@@ -49,10 +47,9 @@ impl Class {
         self == Class::Sheddable
     }
 
-    /// The class of a request from `tenant` (`None`: not verified, which is `standard`)
+    /// The class of a request whose tenant is granted `granted` (`Config::class_of`)
     /// asking for `requested`: the lower of the two. An unknown value is refused.
-    pub fn of(config: &Config, tenant: Option<&str>, requested: Option<&str>) -> Result<Class, ApiError> {
-        let granted = tenant.and_then(|t| config.tenants.get(t)).map_or(Class::Standard, |t| t.priority);
+    pub fn of(granted: Class, requested: Option<&str>) -> Result<Class, ApiError> {
         let Some(value) = requested else { return Ok(granted) };
         let asked = Class::parse(value).ok_or_else(|| {
             ApiError::invalid(
@@ -62,26 +59,6 @@ impl Class {
             )
         })?;
         Ok(granted.max(asked))
-    }
-}
-
-/// A 429 refused for priority (`why`: `priority` or `queue-full`), marked with the class it
-/// was refused at: waiters of a higher class do not take it as their answer.
-pub fn shed(response: Response, why: &str, class: Class) -> Response {
-    response.with_header(SHED_HEADER, why.to_owned()).with_header(HEADER, class.as_str().to_owned())
-}
-
-/// Whether a waiter of `class` may take `response` as its answer: not a 429 the edge gave
-/// a flight of a lower class (which a call of its own class might not get).
-pub fn may_share(response: &Response, class: Class) -> bool {
-    if response.status != 429 {
-        return true;
-    }
-    let refused = response.headers.iter().find(|(k, _)| k.eq_ignore_ascii_case(HEADER)).map(|(_, v)| Class::parse(v));
-    match refused {
-        Some(Some(refused)) => refused <= class,
-        Some(None) => false,
-        None => true,
     }
 }
 
@@ -96,6 +73,7 @@ pub fn tenant_tag(tenant: Option<&str>) -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::core::config::Config;
 
     #[test]
     fn a_request_lowers_its_class_and_never_raises_it() {
@@ -104,12 +82,13 @@ mod tests {
                 "batch":{"keys_sha256":["0000000000000000000000000000000000000000000000000000000000000002"],"priority":"sheddable"}}}"#,
         )
         .unwrap();
-        assert_eq!(Class::of(&c, Some("search"), None), Ok(Class::Critical));
-        assert_eq!(Class::of(&c, Some("search"), Some("Sheddable")), Ok(Class::Sheddable));
-        assert_eq!(Class::of(&c, Some("batch"), Some("critical")), Ok(Class::Sheddable), "never raised");
-        assert_eq!(Class::of(&c, None, Some("critical")), Ok(Class::Standard), "unverified: standard at most");
-        assert_eq!(Class::of(&c, None, Some("sheddable")), Ok(Class::Sheddable));
-        let e = Class::of(&c, None, Some("urgent")).unwrap_err();
+        let of = |tenant: Option<&str>, asked| Class::of(c.class_of(tenant), asked);
+        assert_eq!(of(Some("search"), None), Ok(Class::Critical));
+        assert_eq!(of(Some("search"), Some("Sheddable")), Ok(Class::Sheddable));
+        assert_eq!(of(Some("batch"), Some("critical")), Ok(Class::Sheddable), "never raised");
+        assert_eq!(of(None, Some("critical")), Ok(Class::Standard), "unverified: standard at most");
+        assert_eq!(of(None, Some("sheddable")), Ok(Class::Sheddable));
+        let e = of(None, Some("urgent")).unwrap_err();
         assert_eq!((e.status, e.code), (400, "invalid_priority"));
     }
 

@@ -23,7 +23,6 @@ use crate::core::flight::StreamOutcome;
 use crate::core::hot::{Hot, Raw, Seed};
 use crate::core::log_fields::{self, Answered, Served};
 use crate::core::metrics::{self, Counter, LastUsage};
-use crate::core::priority;
 use crate::core::request::{self, ChatRequest, Key, KEY_HEADER};
 use crate::core::semantic::{self, Learned};
 use crate::core::store::CasStore;
@@ -275,7 +274,7 @@ impl Worker {
         let hit = Reply { response: entry.response, cache, key, age_s: None, fresh_s: None };
         let counters = self.counters.ids_for_reply(&self.config, &request.model, &hit, request.tenant.as_deref());
         // The class of its tenant (a request that lowers its own is never answered from here).
-        let class = priority::Class::of(&self.config, request.tenant.as_deref(), None).unwrap_or_default();
+        let class = self.config.class_of(request.tenant.as_deref());
         let outbound = Outbound { class, ..Outbound::of(request, Vec::new(), None) };
         // Its status goes with the headers built when it is sent.
         let reply = Reply { cache: None, ..hit };
@@ -441,7 +440,7 @@ impl Worker {
     /// A flight that looked for a paraphrase of its question and found none adds the
     /// question to the semantic index, once its answer is stored under `key`.
     pub fn learn(&self, learned: Option<&Learned>, ended: &Ended, key: &Key, now: u64) {
-        semantic::keep(&SharedData, &self.config, learned, &ended.reply, key, now);
+        semantic::keep(&SharedData, &self.config, learned, ended.reply.stored_answer(), key, now);
     }
 
     /// Counts a flight's answer stored over another key's fresh one.

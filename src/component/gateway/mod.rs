@@ -148,7 +148,7 @@ impl Gateway {
     fn complete(&self, call: &Call, outcome: Option<crate::core::cache::Response>, learned: Option<&Learned>) -> Reply {
         let now = host::now_ms();
         let reply = self.engine().complete(call, outcome, now);
-        crate::core::semantic::keep(&self.kv, &self.config, learned, &reply, &call.key, now);
+        crate::core::semantic::keep(&self.kv, &self.config, learned, reply.stored_answer(), &call.key, now);
         reply
     }
 

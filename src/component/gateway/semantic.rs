@@ -18,7 +18,7 @@ pub(super) enum Looked {
 
 impl Gateway {
     pub(super) fn look_for_paraphrase(&self, call: Call, outbound: &Outbound) -> Looked {
-        let probe = semantic::wanted(&self.config, &call, outbound.semantic.as_ref());
+        let probe = call.looks_for_paraphrase(&self.config, outbound.semantic.as_ref());
         let (Some(probe), Some(bearer)) = (probe, self.bearer.as_deref()) else { return Looked::Go(call, None) };
         // Within the tenant's budget and the embedding model's bucket, or not at all.
         if !spend::admit(&self.kv, &self.config, &call.key, probe, outbound, host::now_ms()) {

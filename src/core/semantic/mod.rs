@@ -6,16 +6,15 @@
 //! semantic answer is never older, nor kept longer, than the exact answer it is.
 
 mod index;
-mod probe;
+pub mod probe;
 pub mod spend;
 mod vector;
 
 pub use index::{find, learn, page_count, Found, Similar, WAYS};
 pub use probe::{probe, Probe};
-pub use vector::{embedding_body, parse_embedding, Embedding, Vector, MAX_DIMENSIONS};
+pub use vector::{embedding_body, parse_embedding, Embedding, Vector};
 
-use super::config::{Config, Role};
-use super::engine::{CacheStatus, Call, Reply};
+use super::config::Config;
 use super::request::Key;
 use super::store::CasStore;
 use super::usage::Usage;
@@ -32,15 +31,6 @@ pub const EMBEDDINGS_PATH: &str = "/v1/embeddings";
 pub struct Learned {
     pub partition: [u8; 32],
     pub vector: Vector,
-}
-
-/// Whether a call looks for a paraphrase before it goes upstream: the tier is on, this
-/// node owns its answers, the call leads a flight of a MISS that read the cache and may
-/// store its answer, and the request takes part (`probe`).
-pub fn wanted<'a>(config: &Config, call: &Call, probe: Option<&'a Probe>) -> Option<&'a Probe> {
-    let leads_a_miss = call.lease.is_some() && call.label == CacheStatus::Miss;
-    let ok = config.semantic.enabled && config.role == Role::Owner && leads_a_miss && call.policy.read && call.store;
-    probe.filter(|_| ok)
 }
 
 /// Micro-dollars an embedding call billed `tokens` costs: at the embedding model's own
@@ -62,9 +52,9 @@ pub fn route(config: &Config, key: &Key, probe: Option<&Probe>) -> String {
 }
 
 /// After a flight that looked for a paraphrase of its question and found none: the
-/// question joins the index once its answer (`reply`) is stored under `key`.
-pub fn keep(store: &impl CasStore, config: &Config, learned: Option<&Learned>, reply: &Reply, key: &Key, now_ms: u64) {
-    let stored = reply.fresh_s.is_some() && reply.response.status == 200;
+/// question joins the index once its answer is `stored` under `key`
+/// (`Reply::stored_answer`).
+pub fn keep(store: &impl CasStore, config: &Config, learned: Option<&Learned>, stored: bool, key: &Key, now_ms: u64) {
     if let Some(l) = learned.filter(|_| stored) {
         learn(store, config, &l.partition, &l.vector, key, now_ms);
     }

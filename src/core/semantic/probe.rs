@@ -1,8 +1,8 @@
 //! Which requests take part in the semantic tier, and the partition each belongs to.
 
+use crate::core::canonical::canonical_body;
 use crate::core::config::Config;
 use crate::core::digest::sha256;
-use crate::core::request::{canonical_body, CHAT_PATH};
 use serde_json::{Map, Value};
 
 /// The longest question embedded, in bytes (an embedding model reads about 8 000 tokens).
@@ -18,8 +18,14 @@ pub struct Probe {
 
 /// The request's probe, when it takes part: its model is covered, it is deterministic
 /// (temperature 0 or a seed, one choice), asks for no log probabilities, offers no tools
-/// unless `allow_tools`, and ends with a user message of text. `scope` is its tenant scope, as in its key.
-pub fn probe(config: &Config, map: &Map<String, Value>, scope: &str, deterministic: bool) -> Option<Probe> {
+/// unless `allow_tools`, and ends with a user message of text. `scope` and `path` are its
+/// tenant scope and path, as in its key.
+pub fn probe(
+    config: &Config,
+    map: &Map<String, Value>,
+    (scope, path): (&str, &str),
+    deterministic: bool,
+) -> Option<Probe> {
     let s = &config.semantic;
     let model = map.get("model").and_then(Value::as_str)?;
     // Log probabilities are the stored question's, not this one's.
@@ -40,7 +46,7 @@ pub fn probe(config: &Config, map: &Map<String, Value>, scope: &str, determinist
     if let Some(Value::Object(m)) = rest.get_mut("messages").and_then(Value::as_array_mut).and_then(|m| m.last_mut()) {
         m.insert("content".into(), Value::Null);
     }
-    Some(Probe { partition: partition(config, scope, &canonical_body(rest)), text })
+    Some(Probe { partition: partition(config, (scope, path), &canonical_body(rest)), text })
 }
 
 /// `tools` or `functions` offered, or a tool call asked for.
@@ -71,10 +77,10 @@ fn text_of(content: &Value) -> Option<String> {
 
 /// The partition: the path, the tenant scope, the embedding model and its length (vectors
 /// of two models are not comparable) and the canonical body without the question.
-fn partition(config: &Config, scope: &str, canonical: &[u8]) -> [u8; 32] {
+fn partition(config: &Config, (scope, path): (&str, &str), canonical: &[u8]) -> [u8; 32] {
     let s = &config.semantic;
     let dims = s.dimensions.map(|d| d.to_string()).unwrap_or_default();
-    let parts = [b"semantic".as_slice(), CHAT_PATH.as_bytes(), scope.as_bytes(), s.embedding_model.as_bytes()];
+    let parts = [b"semantic".as_slice(), path.as_bytes(), scope.as_bytes(), s.embedding_model.as_bytes()];
     let mut message = Vec::with_capacity(128 + canonical.len());
     for part in parts.into_iter().chain([dims.as_bytes(), canonical]) {
         message.extend_from_slice(&(part.len() as u64).to_be_bytes());
@@ -95,7 +101,7 @@ mod tests {
     fn probe_of(body: Value, scope: &str) -> Option<Probe> {
         let map = body.as_object().unwrap().clone();
         let deterministic = map.get("temperature").and_then(Value::as_f64) == Some(0.0) || map.contains_key("seed");
-        probe(&config(), &map, scope, deterministic)
+        probe(&config(), &map, (scope, "/v1/chat/completions"), deterministic)
     }
 
     fn chat(system: &str, question: &str) -> Value {
@@ -176,6 +182,6 @@ mod tests {
         allowed.semantic.allow_tools = true;
         let mut tools = chat("s", "q");
         tools["tools"] = json!([{"type": "function", "function": {"name": "f"}}]);
-        assert!(probe(&allowed, tools.as_object().unwrap(), "t", true).is_some());
+        assert!(probe(&allowed, tools.as_object().unwrap(), ("t", "/v1/chat/completions"), true).is_some());
     }
 }

@@ -5,8 +5,7 @@ use crate::core::config::Config;
 use serde::Deserialize;
 use serde_json::json;
 
-/// The longest vector kept (text-embedding-3-large has 3 072 dimensions).
-pub const MAX_DIMENSIONS: u32 = 4096;
+use crate::core::config::MAX_DIMENSIONS;
 
 /// A unit direction quantized to `i8` per dimension (its largest component at ±127), with
 /// the length of the quantized vector. Cosine similarity ignores scale, so the quantized

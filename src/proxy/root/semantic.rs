@@ -26,7 +26,7 @@ impl Root {
             let w = self.worker.borrow();
             (w.config.clone(), w.bearer.clone())
         };
-        let probe = semantic::wanted(&config, &probing.call, probing.outbound.semantic.as_ref());
+        let probe = probing.call.looks_for_paraphrase(&config, probing.outbound.semantic.as_ref());
         let (Some(probe), Some(bearer)) = (probe.cloned(), bearer) else {
             return self.start(probing, None, Spent::default());
         };

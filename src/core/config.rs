@@ -601,6 +601,12 @@ impl Config {
         self.model(model).map_or(0, |(_, m)| m.cost_micro_usd(usage))
     }
 
+    /// The longest an answer stays fresh after it is stored: the cache's TTL, or on a
+    /// forward node the longest a near copy is kept.
+    pub fn longest_fresh_ms(&self) -> u64 {
+        self.cache.ttl_seconds.max(self.edge.max_age_seconds).saturating_mul(1000)
+    }
+
     /// Tick period of each worker: the safety net for wake-ups and the lease renewal clock.
     pub fn tick_ms(&self) -> u64 {
         (self.lock.lease_ms / 4).clamp(25, 500)

@@ -446,7 +446,15 @@ impl<S: CasStore> Engine<'_, S> {
     /// since `since_ms` when `take` allows it. A stale answer this request's directives
     /// refuse, or one `take` does not allow, makes it take the lease after all.
     fn take_lease(&self, key: &Key, policy: Policy, now_ms: u64, nonce: u64, since_ms: u64, take: TakeDone) -> Step {
-        let done_since = if take == TakeDone::None { u64::MAX } else { since_ms };
+        // A request that read the cache may also take a flight that ended (just) before it
+        // arrived, as long as that flight's entry can still be fresh: the leader dates its
+        // end before it writes, so a request whose cache read came just before the write may
+        // have arrived after that date. The cache, read again, says whether it may have it.
+        let done_since = match take {
+            TakeDone::None => u64::MAX,
+            TakeDone::Stored => since_ms.saturating_add(1).saturating_sub(self.config.longest_fresh_ms()),
+            TakeDone::Any => since_ms,
+        };
         match lease::acquire(self.store, self.config, key, nonce, now_ms, done_since) {
             Ok(Acquire::Acquired(l)) => {
                 Step::Call(self.call(key, Some(l), policy, policy.store, CacheStatus::Miss, now_ms))
@@ -457,6 +465,12 @@ impl<S: CasStore> Engine<'_, S> {
             }
             Ok(Acquire::Answered { in_cache: false, .. }) if take == TakeDone::Stored => {
                 self.take_lease(key, policy, now_ms, nonce, now_ms, TakeDone::None)
+            }
+            Ok(Acquire::Answered { done_at_ms, .. }) if done_at_ms < since_ms => {
+                match self.cached(key, policy, now_ms, None).0 {
+                    Some(reply) => Step::Reply(reply),
+                    None => self.take_lease(key, policy, now_ms, nonce, now_ms, TakeDone::None),
+                }
             }
             Ok(Acquire::Answered { response, done_at_ms, stale_from_ms, in_cache }) => {
                 let kept = self.kept(key, response, in_cache, done_at_ms);
@@ -817,11 +831,37 @@ mod tests {
         store.seen.set(false);
         let r = expect_reply(e.admit(&k(1), READ, 1_200, 2));
         assert_eq!((r.cache, r.response.body.as_slice()), (Some(CacheStatus::Coalesced), br#"{"a":1}"#.as_slice()));
+    }
+
+    #[test]
+    fn a_request_that_read_the_cache_just_before_a_leader_that_dated_its_end_earlier_wrote_takes_its_answer() {
+        let config = Config::default();
+        let store = CacheReadTooEarly { inner: MemStore::new(), seen: std::cell::Cell::new(true) };
+        let e = Engine { store: &store, config: &config };
+        let leader = expect_call(e.admit(&k(1), READ, 1_000, 1));
+        // The leader dates its end at 1 200 and writes after the request (arrived at 1 250)
+        // read the cache: the request takes the stored answer, not a second call.
+        e.complete(&leader, ok(r#"{"a":1}"#), 1_200);
         store.seen.set(false);
-        assert!(
-            matches!(e.admit(&k(1), READ, 1_300, 3), Step::Call(_)),
-            "an older flight is no answer for a later request"
-        );
+        let r = expect_reply(e.admit(&k(1), READ, 1_250, 2));
+        assert_eq!((r.cache, r.response.body.as_slice()), (Some(CacheStatus::Hit), br#"{"a":1}"#.as_slice()));
+        // A request whose max-age refuses the entry is not handed it this way either.
+        store.seen.set(false);
+        let strict = Policy { max_age: Some(0), ..READ };
+        assert!(matches!(e.admit(&k(1), strict, 2_300, 3), Step::Call(_)), "max-age=0 refuses a 1 s old answer");
+    }
+
+    #[test]
+    fn a_flight_whose_entry_can_no_longer_be_fresh_is_taken_over_without_reading_the_cache_again() {
+        let config = Config::default();
+        let store = Counting::of_keys_starting("holysheep/cache/");
+        let e = Engine { store: &store, config: &config };
+        let leader = expect_call(e.admit(&k(1), READ, 1_000, 1));
+        e.complete(&leader, ok(r#"{"a":1}"#), 1_200);
+        let later = 1_200 + config.longest_fresh_ms();
+        let reads = store.reads();
+        assert!(matches!(e.admit(&k(1), READ, later, 2), Step::Call(_)), "the entry has expired");
+        assert_eq!(store.reads() - reads, 2, "the arrival's reads only (its group and the expired entry)");
     }
 
     #[test]

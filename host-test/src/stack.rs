@@ -71,6 +71,11 @@ impl Stack {
 /// One chat request per body to `addr`, each on its own connection, all released together;
 /// answers in the bodies' order.
 pub fn burst_at(addr: SocketAddr, bodies: Vec<String>, auth: &str) -> Vec<Resp> {
+    burst_to(addr, PATH, bodies, auth)
+}
+
+/// `burst_at` on `path`.
+pub fn burst_to(addr: SocketAddr, path: &'static str, bodies: Vec<String>, auth: &str) -> Vec<Resp> {
     let barrier = Arc::new(Barrier::new(bodies.len()));
     let handles: Vec<_> = bodies
         .into_iter()
@@ -79,7 +84,7 @@ pub fn burst_at(addr: SocketAddr, bodies: Vec<String>, auth: &str) -> Vec<Resp> 
             std::thread::spawn(move || {
                 let mut conn = Conn::open(addr).expect("connect");
                 b.wait();
-                conn.request("POST", PATH, &[("authorization", &auth)], body.as_bytes()).expect("answer")
+                conn.request("POST", path, &[("authorization", &auth)], body.as_bytes()).expect("answer")
             })
         })
         .collect();

@@ -9,6 +9,9 @@ use serde::Deserialize;
 use serde_json::{Map, Value};
 use std::collections::BTreeMap;
 
+/// The most `passthrough_paths` a configuration lists.
+pub const MAX_PASSTHROUGH: usize = 64;
+
 #[derive(Debug, Clone, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct Config {
@@ -39,6 +42,10 @@ pub struct Config {
     pub tenants: BTreeMap<String, Tenant>,
     /// Where tenants' spend is kept beyond this process (docs/tenants.md#where-spend-is-kept).
     pub budget_store: BudgetStore,
+    /// With `tenants`: the paths (and everything under them) a verified tenant's request
+    /// may take to HolySheep ungoverned, with the operator's key. Every other path the
+    /// edge does not govern is a 404 (docs/tenants.md#other-paths).
+    pub passthrough_paths: Vec<String>,
     /// The tenants' key digests, collected from `tenants` when the configuration is read.
     #[serde(skip)]
     pub keys: Keys,
@@ -348,6 +355,7 @@ impl Default for Config {
             semantic: Semantic::default(),
             tenants: BTreeMap::new(),
             budget_store: BudgetStore::default(),
+            passthrough_paths: Vec::new(),
             keys: Keys::default(),
         }
     }
@@ -474,6 +482,7 @@ impl Config {
         if let Some((_, field, why)) = checks.iter().find(|(bad, _, _)| *bad) {
             return Err(ConfigError(format!("{field}: {why}")));
         }
+        self.check_passthrough()?;
         if self.rate_limit.max_provider_hold_ms == 0 {
             return Err(ConfigError("rate_limit.max_provider_hold_ms: must be at least 1".into()));
         }
@@ -599,6 +608,35 @@ impl Config {
     /// price per million tokens is a price in micro-dollars per token).
     pub fn cost_micro_usd(&self, model: &str, usage: &Usage) -> u64 {
         self.model(model).map_or(0, |(_, m)| m.cost_micro_usd(usage))
+    }
+
+    /// Whether `path` (in any spelling) is one of `passthrough_paths` or under one.
+    pub fn passes_through(&self, path: &str) -> bool {
+        let segments = super::request::segments(path);
+        self.passthrough_paths.iter().any(|p| {
+            let listed: Vec<&str> = p.split('/').filter(|s| !s.is_empty()).collect();
+            segments.len() >= listed.len() && listed.iter().zip(&segments).all(|(a, b)| a == b)
+        })
+    }
+
+    /// At most `MAX_PASSTHROUGH` paths under `/v1/`, none a governed endpoint's (or above
+    /// one: it would pass around the edge) and none spelled other than as it is read.
+    fn check_passthrough(&self) -> Result<(), ConfigError> {
+        if self.passthrough_paths.len() > MAX_PASSTHROUGH {
+            return Err(ConfigError(format!("passthrough_paths: at most {MAX_PASSTHROUGH} paths")));
+        }
+        for p in &self.passthrough_paths {
+            let segments = super::request::segments(p);
+            let canonical = format!("/{}", segments.join("/"));
+            let governed = super::endpoint::ALL.iter().any(|e| e.path().starts_with(&canonical));
+            if !p.starts_with("/v1/") || canonical != *p || segments.len() < 2 || governed {
+                return Err(ConfigError(format!(
+                    "passthrough_paths: '{p}' must be a path under /v1/ as written (no query, no trailing slash), \
+                     not a governed endpoint's"
+                )));
+            }
+        }
+        Ok(())
     }
 
     /// The longest an answer stays fresh after it is stored: the cache's TTL, or on a

@@ -60,6 +60,22 @@ impl ApiError {
         }
     }
 
+    /// A 404 for a path a tenant sent that the edge neither governs nor lets pass
+    /// (`passthrough_paths`).
+    pub fn not_served(method: &str, path: &str) -> Self {
+        let path: String = path.chars().filter(|c| !c.is_control()).take(256).collect();
+        ApiError {
+            status: 404,
+            message: format!(
+                "{method} {path} is not served through this edge: it governs chat completions, completions, \
+                 embeddings and responses (POST), and lists models."
+            ),
+            kind: "invalid_request_error",
+            param: None,
+            code: "unknown_url",
+        }
+    }
+
     /// A 403: the caller may not do this.
     pub fn forbidden(message: impl Into<String>) -> Self {
         ApiError { status: 403, message: message.into(), kind: "invalid_request_error", param: None, code: "forbidden" }

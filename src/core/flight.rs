@@ -746,6 +746,7 @@ mod tests {
     /// The call a flight on `model` makes, for `tenant`, of `class`.
     fn outbound(model: &str, tenant: Option<&str>, class: Class) -> Outbound {
         Outbound {
+            endpoint: Default::default(),
             body: Vec::new(),
             client_authorization: None,
             model: model.into(),
@@ -856,6 +857,7 @@ mod tests {
     fn tenant_flight(c: &Config) -> Flight {
         let call = flight(c, "gpt-4.1").call;
         let outbound = Outbound {
+            endpoint: Default::default(),
             body: Vec::new(),
             client_authorization: None,
             model: "gpt-4.1".into(),

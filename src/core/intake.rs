@@ -1,18 +1,18 @@
 //! Request intake, the same in both shells: the request headers the edge reads, which
-//! requests it governs, a declared length refused before the body is read, and the body
-//! parsed into a keyed chat request with the cache policy its directives ask for, then
-//! decided (`decide`): the step the engine takes and the call it would make.
+//! requests it governs (one `Endpoint` each), what it does with the others, a declared
+//! length refused before the body is read, and the body parsed into a keyed request with
+//! the cache policy its directives ask for, then decided (`decide`): the step the engine
+//! takes and the call it would make.
 
 use crate::core::cache::Response;
 use crate::core::config::Config;
+use crate::core::endpoint::Endpoint;
 use crate::core::engine::{CacheStatus, Engine, Step};
 use crate::core::error::ApiError;
 use crate::core::hot;
 use crate::core::peer;
 use crate::core::priority::{self, Class};
-use crate::core::request::{
-    is_chat_path, is_internal_path, is_models_path, CacheControl, ChatRequest, Policy, RequestMeta, CHAT_PATH,
-};
+use crate::core::request::{is_internal_path, is_models_path, ApiRequest, CacheControl, Policy, RequestMeta};
 use crate::core::store::CasStore;
 use crate::core::tenants;
 use crate::core::upstream::Outbound;
@@ -42,18 +42,30 @@ pub struct Head {
 /// What the edge does with a request, decided from its head.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Route {
-    /// `POST /v1/chat/completions` in any spelling: governed.
-    Chat,
+    /// `POST` to a governed endpoint's path, in any spelling.
+    Governed(Endpoint),
     /// `/holysheep/...` in any spelling: the fleet's own calls, never a client's.
     Internal,
-    /// Everything else passes untouched, with the client's own credentials.
+    /// Everything else: see `Head::ungoverned`.
     Other,
+}
+
+/// What becomes of a request the edge does not govern.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Ungoverned {
+    /// It passes untouched, with the client's own credentials (no `tenants`).
+    Pass,
+    /// It passes with the tenant's key taken off and the operator's put on: a path the
+    /// operator lists in `passthrough_paths`, for a verified tenant.
+    WithOperatorKey,
+    /// The edge answers it: `GET /v1/models` for a tenant, or an error.
+    Answer(Result<Response, ApiError>),
 }
 
 /// A chat request as the core takes it.
 #[derive(Debug)]
 pub struct Intake {
-    pub request: ChatRequest,
+    pub request: ApiRequest,
     pub policy: Policy,
 }
 
@@ -61,7 +73,7 @@ pub struct Intake {
 /// leads (or the form its answer takes if it waits or is answered).
 #[derive(Debug)]
 pub struct Decision {
-    pub request: ChatRequest,
+    pub request: ApiRequest,
     pub step: Step,
     pub outbound: Outbound,
     pub keep: Keep,
@@ -123,12 +135,37 @@ impl Head {
     }
 
     pub fn route(&self) -> Route {
-        if self.path != CHAT_PATH && is_internal_path(&self.path) {
-            Route::Internal
-        } else if self.method == "POST" && (self.path == CHAT_PATH || is_chat_path(&self.path)) {
-            Route::Chat
-        } else {
-            Route::Other
+        match self.endpoint() {
+            Some(e) if self.method == "POST" => Route::Governed(e),
+            Some(_) => Route::Other,
+            None if is_internal_path(&self.path) => Route::Internal,
+            None => Route::Other,
+        }
+    }
+
+    /// The governed endpoint its path names, whatever the method.
+    pub fn endpoint(&self) -> Option<Endpoint> {
+        Endpoint::of_path(&self.path)
+    }
+
+    /// What the edge does with a request it does not govern. Without `tenants` it passes
+    /// as it came. With them the edge answers `GET /v1/models`; a path the operator
+    /// lists in `passthrough_paths` passes for a verified tenant with the operator's key;
+    /// any other request is refused here, so no tenant's call reaches HolySheep without a
+    /// key or outside the edge's accounts.
+    pub fn ungoverned(&self, config: &Config) -> Ungoverned {
+        if config.keys.is_empty() {
+            return Ungoverned::Pass;
+        }
+        if let Some(answer) = models_answer(config, self) {
+            return Ungoverned::Answer(answer);
+        }
+        if !config.passes_through(&self.path) {
+            return Ungoverned::Answer(Err(ApiError::not_served(&self.method, &self.path)));
+        }
+        match config.keys.verify(self.authorization.as_deref()) {
+            Ok(_) => Ungoverned::WithOperatorKey,
+            Err(e) => Ungoverned::Answer(Err(e)),
         }
     }
 
@@ -163,8 +200,11 @@ impl Head {
     }
 
     /// The bytes of the caller's scope, which with the body's make a request's raw bytes.
+    /// The endpoint is part of them: one body sent to two endpoints is two requests.
     pub fn scope_bytes(&self) -> Vec<u8> {
-        hot::tenant_bytes(self.authorization.as_deref(), self.tenant.as_deref())
+        let mut bytes = hot::tenant_bytes(self.authorization.as_deref(), self.tenant.as_deref());
+        bytes.push(self.endpoint().unwrap_or_default() as u8);
+        bytes
     }
 
     pub fn meta(&self) -> RequestMeta<'_> {
@@ -177,11 +217,11 @@ impl Head {
     }
 }
 
-/// The whole body of a `Route::Chat` request: parsed, keyed (scoped to the tenant), with
-/// its cache policy.
+/// The whole body of a `Route::Governed` request: parsed, keyed (scoped to the tenant and
+/// the endpoint), with its cache policy.
 pub fn intake(config: &Config, head: &Head, body: &[u8]) -> Result<Intake, ApiError> {
     let meta = head.meta();
-    let request = ChatRequest::parse(config, &meta, body)?;
+    let request = ApiRequest::parse(config, &meta, head.endpoint().unwrap_or_default(), body)?;
     allowed(config, &request)?;
     let class = Class::of(config.class_of(request.tenant.as_deref()), head.priority.as_deref())?;
     let policy = Policy { class, ..request.policy(config, CacheControl::parse(meta.cache_control)) };
@@ -195,9 +235,9 @@ pub fn intake_or_known(
     config: &Config,
     head: &Head,
     body: &[u8],
-    known: Option<&ChatRequest>,
+    known: Option<&ApiRequest>,
 ) -> Result<Intake, ApiError> {
-    match known.filter(|_| head.plain()) {
+    match known.filter(|k| head.plain() && k.endpoint == head.endpoint().unwrap_or_default()) {
         Some(request) => {
             allowed(config, request)?;
             let class = Class::of(config.class_of(request.tenant.as_deref()), head.priority.as_deref())?;
@@ -212,7 +252,7 @@ pub fn intake_or_known(
 /// With `tenants`, `GET /v1/models` is the edge's to answer: the verified tenant's models
 /// (so an SDK's `models.list()` tells the truth), or the 401 of a key no tenant holds.
 /// `None` for any other request, or without tenants.
-pub fn models_answer(config: &Config, head: &Head) -> Option<Result<Response, ApiError>> {
+fn models_answer(config: &Config, head: &Head) -> Option<Result<Response, ApiError>> {
     let listing = head.method == "GET" && is_models_path(&head.path);
     if !listing || config.keys.is_empty() {
         return None;
@@ -236,18 +276,11 @@ fn models_list(config: &Config, tenant: &str) -> Vec<u8> {
     serde_json::to_vec(&json!({"object": "list", "data": data})).unwrap_or_default()
 }
 
-/// Whether a request the edge does not govern carries a tenant's key in `authorization`:
-/// the edge's own credential, which it takes off before the request passes on (it would
-/// mean nothing beyond the edge, and must not travel).
-pub fn carries_tenant_key(config: &Config, head: &Head) -> bool {
-    !config.keys.is_empty() && config.keys.verify(head.authorization.as_deref()).is_ok()
-}
-
 /// A verified tenant may call the models its configuration lists, and a tenant with a
 /// dollar budget only models with a price (any other name is unknown to it).
 /// A tenant verified under a configuration reloaded since (its body still arriving) is
 /// held to the configuration now in force: gone, it is unknown.
-fn allowed(config: &Config, request: &ChatRequest) -> Result<(), ApiError> {
+fn allowed(config: &Config, request: &ApiRequest) -> Result<(), ApiError> {
     let Some(name) = request.tenant.as_deref() else { return Ok(()) };
     match config.tenants.get(name) {
         None => Err(tenants::invalid_api_key()),
@@ -266,7 +299,7 @@ pub fn decide<S: CasStore>(
     engine: &Engine<'_, S>,
     head: Head,
     body: &[u8],
-    known: Option<&ChatRequest>,
+    known: Option<&ApiRequest>,
     now_ms: u64,
     nonce: u64,
 ) -> Result<Decision, ApiError> {
@@ -285,7 +318,7 @@ pub fn decide<S: CasStore>(
     // of its own it is sent with one.
     let budgeted =
         request.tenant.as_deref().and_then(|t| engine.config.tenants.get(t)).is_some_and(|t| !t.caps().is_none());
-    if budgeted && request.completion_limit.is_none() {
+    if budgeted && request.completion_limit.is_none() && request.endpoint.cap_field().is_some() {
         outbound.completion_cap = Some(tenants::BUDGET_COMPLETION_TOKENS);
     }
     Ok(Decision { request, step, outbound, keep })
@@ -360,8 +393,8 @@ mod tests {
     fn routes_chat_in_any_spelling_and_internal_paths_before_methods() {
         let route =
             |method: &str, path: &str| Head { method: method.into(), path: path.into(), ..Head::default() }.route();
-        assert_eq!(route("POST", "/v1/chat/completions"), Route::Chat);
-        assert_eq!(route("POST", "//v1/./chat/%63ompletions?x=1"), Route::Chat);
+        assert_eq!(route("POST", "/v1/chat/completions"), Route::Governed(Endpoint::Chat));
+        assert_eq!(route("POST", "//v1/./chat/%63ompletions?x=1"), Route::Governed(Endpoint::Chat));
         assert_eq!(route("GET", "/v1/chat/completions"), Route::Other);
         assert_eq!(route("POST", "/v1/models"), Route::Other);
         assert_eq!(route("GET", "/HolySheep/peer/bucket"), Route::Internal);

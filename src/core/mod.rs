@@ -11,6 +11,7 @@ pub mod codec;
 pub mod config;
 pub mod digest;
 pub mod edge;
+pub mod endpoint;
 pub mod engine;
 pub mod error;
 pub mod flight;

@@ -1,18 +1,20 @@
-//! Chat-completion requests: validation, the canonical form of every field that changes
-//! the answer, and the SHA-256 request key scoped to the tenant.
+//! Governed requests (chat, completions, embeddings, Responses): validation, the
+//! canonical form of every field that changes the answer, and the SHA-256 request key
+//! scoped to the tenant and the endpoint.
 
 use super::bytes;
 use super::canonical::canonical_body;
 use super::codec;
 use super::config::{Config, Scope};
 use super::digest::sha256;
+use super::endpoint::Endpoint;
 use super::error::ApiError;
 use super::limits::DEFAULT_COMPLETION_ESTIMATE;
 use super::priority::Class;
 use super::semantic::probe::{probe, Probe};
 use serde_json::{Map, Value};
 
-/// The only path the filter handles (query string ignored).
+/// The chat completions path, the first endpoint the edge governed.
 pub const CHAT_PATH: &str = "/v1/chat/completions";
 
 /// Longest `model` accepted (it is echoed in a response header).
@@ -43,7 +45,7 @@ pub fn is_internal_path(path: &str) -> bool {
 }
 
 /// The path's segments as a server would resolve them (see `is_chat_path`).
-fn segments(path: &str) -> Vec<String> {
+pub(crate) fn segments(path: &str) -> Vec<String> {
     let path = path.split(['?', '#']).next().unwrap_or("");
     let mut segments: Vec<String> = Vec::new();
     for segment in decode_unreserved(path).split('/') {
@@ -170,10 +172,14 @@ pub struct Policy {
     pub class: Class,
 }
 
-/// A parsed, validated chat-completion request.
+/// A parsed, validated request to a governed endpoint.
 #[derive(Debug, Clone)]
-pub struct ChatRequest {
+pub struct ApiRequest {
     pub key: Key,
+    pub endpoint: Endpoint,
+    /// It may be shared with other callers: cached and coalesced (see
+    /// `Endpoint::shareable`; a stream only where the edge reassembles it).
+    pub shared: bool,
     pub model: String,
     /// `stream: true`: answered as server-sent events (from the same cache entry).
     pub stream: bool,
@@ -208,8 +214,13 @@ pub struct RequestMeta<'a> {
     pub verified: Option<&'a str>,
 }
 
-impl ChatRequest {
-    pub fn parse(config: &Config, meta: &RequestMeta<'_>, body: &[u8]) -> Result<ChatRequest, ApiError> {
+impl ApiRequest {
+    pub fn parse(
+        config: &Config,
+        meta: &RequestMeta<'_>,
+        endpoint: Endpoint,
+        body: &[u8],
+    ) -> Result<ApiRequest, ApiError> {
         if body.len() > config.max_body_bytes {
             return Err(ApiError::too_large(config.max_body_bytes));
         }
@@ -217,22 +228,26 @@ impl ChatRequest {
         let Value::Object(map) = value else {
             return Err(ApiError::invalid("request body must be a JSON object", None, "invalid_type"));
         };
-        validate(&map)?;
+        validate(endpoint, &map)?;
         let model = map.get("model").and_then(Value::as_str).unwrap_or_default().to_owned();
         let stream = map.get("stream").and_then(Value::as_bool).unwrap_or(false);
         let include_usage =
             map.get("stream_options").and_then(|o| o.get("include_usage")).and_then(Value::as_bool).unwrap_or(false);
-        let deterministic = is_deterministic(&map);
-        let estimate_tokens = estimate_tokens(&map, body.len());
-        let completion_limit = completion_limit(&map);
-        let choices = choices(&map);
-        let limit_named = map.contains_key("max_tokens") || map.contains_key("max_completion_tokens");
+        let deterministic = endpoint == Endpoint::Embeddings || is_deterministic(&map);
+        let choices = choices(endpoint, &map);
+        let completion_limit = completion_limit(endpoint, &map, choices);
+        let estimate_tokens = estimate_tokens(endpoint, &map, body.len(), choices);
+        let limit_named = endpoint.limit_fields().iter().any(|f| map.contains_key(*f));
+        let shared = endpoint.shareable(&map) && (!stream || endpoint.streams_shared());
         let scope = scope(config, meta)?;
-        let semantic =
-            config.semantic.enabled.then(|| probe(config, &map, (&scope, CHAT_PATH), deterministic)).flatten();
+        let semantic = (config.semantic.enabled && endpoint == Endpoint::Chat)
+            .then(|| probe(config, &map, (&scope, CHAT_PATH), deterministic))
+            .flatten();
         let canonical = canonical_body(map);
-        Ok(ChatRequest {
-            key: request_key(CHAT_PATH, &scope, &canonical),
+        Ok(ApiRequest {
+            key: request_key(endpoint.path(), &scope, &canonical),
+            endpoint,
+            shared,
             model,
             stream,
             include_usage,
@@ -253,11 +268,13 @@ impl ChatRequest {
     }
 
     pub fn policy(&self, config: &Config, cc: CacheControl) -> Policy {
+        // A request that may not be shared is as one that asks `no-store`.
+        let no_store = cc.no_store || !self.shared;
         Policy {
-            read: !cc.no_store && !cc.no_cache,
+            read: !no_store && !cc.no_cache,
             max_age: cc.max_age,
-            coalesce: !cc.no_store,
-            store: !cc.no_store && (self.deterministic || !config.cache.only_deterministic),
+            coalesce: !no_store,
+            store: !no_store && (self.deterministic || !config.cache.only_deterministic),
             class: Class::Standard,
         }
     }
@@ -319,7 +336,14 @@ fn nesting_depth(text: &str) -> usize {
 type Check = fn(&Value) -> bool;
 
 /// Known fields and the JSON types they must have (OpenAI's contract).
-const FIELD_TYPES: [(&str, &str, Check); 14] = [
+const FIELD_TYPES: [(&str, &str, Check); 21] = [
+    ("best_of", "an integer between 1 and 20", |v| v.as_u64().is_some_and(|n| (1..=20).contains(&n))),
+    ("max_output_tokens", "a positive integer", |v| v.as_u64().is_some_and(|n| n >= 1)),
+    ("dimensions", "a positive integer", |v| v.as_u64().is_some_and(|n| n >= 1)),
+    ("encoding_format", "'float' or 'base64'", |v| matches!(v.as_str(), Some("float" | "base64"))),
+    ("store", "a boolean", Value::is_boolean),
+    ("background", "a boolean", Value::is_boolean),
+    ("previous_response_id", "a string", Value::is_string),
     ("temperature", "a number between 0 and 2", |v| v.as_f64().is_some_and(|t| (0.0..=2.0).contains(&t))),
     ("top_p", "a number between 0 and 1", |v| v.as_f64().is_some_and(|t| (0.0..=1.0).contains(&t))),
     ("n", "an integer between 1 and 128", |v| v.as_u64().is_some_and(|n| (1..=128).contains(&n))),
@@ -338,7 +362,7 @@ const FIELD_TYPES: [(&str, &str, Check); 14] = [
     ("logit_bias", "an object", Value::is_object),
 ];
 
-fn validate(map: &Map<String, Value>) -> Result<(), ApiError> {
+fn validate(endpoint: Endpoint, map: &Map<String, Value>) -> Result<(), ApiError> {
     match map.get("model") {
         None => {
             return Err(ApiError::invalid(
@@ -357,6 +381,33 @@ fn validate(map: &Map<String, Value>) -> Result<(), ApiError> {
         Some(Value::String(m)) if !m.trim().is_empty() => {}
         Some(_) => return Err(wrong_type("model", "a non-empty string")),
     }
+    if endpoint == Endpoint::Chat {
+        validate_messages(map)?;
+    }
+    if let Some((name, expected, ok)) = endpoint.required() {
+        match map.get(name) {
+            None => {
+                return Err(ApiError::invalid(
+                    format!("missing required parameter: '{name}'"),
+                    Some(name),
+                    "missing_required_parameter",
+                ))
+            }
+            Some(v) if !ok(v) => return Err(wrong_type(name, expected)),
+            Some(_) => {}
+        }
+    }
+    // One pass over the body's fields (a handful) rather than a map lookup per known field.
+    for (field, v) in map {
+        let Some((name, expected, ok)) = FIELD_TYPES.iter().find(|(name, ..)| name == field) else { continue };
+        if !v.is_null() && !ok(v) {
+            return Err(wrong_type(name, expected));
+        }
+    }
+    Ok(())
+}
+
+fn validate_messages(map: &Map<String, Value>) -> Result<(), ApiError> {
     match map.get("messages") {
         None => {
             return Err(ApiError::invalid(
@@ -374,13 +425,6 @@ fn validate(map: &Map<String, Value>) -> Result<(), ApiError> {
         }
         Some(_) => return Err(wrong_type("messages", "a non-empty array")),
     }
-    // One pass over the body's fields (a handful) rather than a map lookup per known field.
-    for (field, v) in map {
-        let Some((name, expected, ok)) = FIELD_TYPES.iter().find(|(name, ..)| name == field) else { continue };
-        if !v.is_null() && !ok(v) {
-            return Err(wrong_type(name, expected));
-        }
-    }
     Ok(())
 }
 
@@ -395,44 +439,62 @@ fn is_deterministic(map: &Map<String, Value>) -> bool {
     one_choice && (cold || seeded)
 }
 
-fn estimate_tokens(map: &Map<String, Value>, body_len: usize) -> u64 {
-    let completion = ["max_completion_tokens", "max_tokens"]
+/// Prompt tokens at four bytes of the body a token, plus each choice's completion limit
+/// (or a default) for an endpoint that completes.
+fn estimate_tokens(endpoint: Endpoint, map: &Map<String, Value>, body_len: usize, choices: u64) -> u64 {
+    let prompt = (body_len as u64).div_ceil(4);
+    if !endpoint.completes() {
+        return prompt;
+    }
+    let completion = endpoint
+        .limit_fields()
         .iter()
         .find_map(|f| map.get(*f).and_then(Value::as_u64))
         .unwrap_or(DEFAULT_COMPLETION_ESTIMATE);
-    let choices = map.get("n").and_then(Value::as_u64).unwrap_or(1);
-    (body_len as u64).div_ceil(4).saturating_add(completion.saturating_mul(choices))
+    prompt.saturating_add(completion.saturating_mul(choices))
 }
 
-/// The larger of `max_completion_tokens` and `max_tokens`, for each choice.
-fn completion_limit(map: &Map<String, Value>) -> Option<u64> {
-    let set = ["max_completion_tokens", "max_tokens"].iter().filter_map(|f| map.get(*f).and_then(Value::as_u64));
-    set.max().map(|limit| limit.saturating_mul(choices(map)))
+/// The largest of the endpoint's limit fields, for each choice; an endpoint that
+/// completes nothing is limited to none.
+fn completion_limit(endpoint: Endpoint, map: &Map<String, Value>, choices: u64) -> Option<u64> {
+    if !endpoint.completes() {
+        return Some(0);
+    }
+    let set = endpoint.limit_fields().iter().filter_map(|f| map.get(*f).and_then(Value::as_u64));
+    set.max().map(|limit| limit.saturating_mul(choices))
 }
 
-/// `n`, the choices asked for (validated: 1 to 128).
-fn choices(map: &Map<String, Value>) -> u64 {
-    map.get("n").and_then(Value::as_u64).unwrap_or(1).max(1)
+/// The choices HolySheep generates: `n` (validated: 1 to 128), and for completions
+/// `best_of` when larger (each is billed).
+fn choices(endpoint: Endpoint, map: &Map<String, Value>) -> u64 {
+    let n = |f: &str| map.get(f).and_then(Value::as_u64).unwrap_or(1).max(1);
+    match endpoint {
+        Endpoint::Chat => n("n"),
+        Endpoint::Completions => n("n").max(n("best_of")),
+        Endpoint::Embeddings | Endpoint::Responses => 1,
+    }
 }
 
 /// The same request for another model (failover): the body with `model` replaced.
+#[cfg(test)]
 pub fn with_model(body: &[u8], model: &str) -> Vec<u8> {
     for_upstream(body, model, false, None)
 }
 
-/// The body an upstream call sends: the client's, on `model`, for a stream with
-/// `stream_options.include_usage: true`, so the edge always learns the usage, and with
-/// `max_tokens: completion_cap` when that is set (a budgeted call without a limit).
-pub fn for_upstream(body: &[u8], model: &str, stream: bool, completion_cap: Option<u64>) -> Vec<u8> {
+/// The body an upstream call sends: the client's, on `model`; with
+/// `stream_options.include_usage: true` when `stream_usage` (a stream of an endpoint that
+/// asks for it), so the edge always learns the usage; and with `cap` (the endpoint's limit
+/// member and its value) when set, for a budgeted call without a limit.
+pub fn for_upstream(body: &[u8], model: &str, stream_usage: bool, cap: Option<(&str, u64)>) -> Vec<u8> {
     match serde_json::from_slice::<Value>(body) {
         Ok(Value::Object(mut map)) => {
             map.insert("model".into(), Value::String(model.to_owned()));
-            if let Some(cap) = completion_cap {
+            if let Some((field, cap)) = cap {
                 // The cap is the call's only limit (a null `max_completion_tokens` sets none).
                 map.remove("max_completion_tokens");
-                map.insert("max_tokens".into(), Value::from(cap));
+                map.insert(field.into(), Value::from(cap));
             }
-            if stream {
+            if stream_usage {
                 let options = map.entry("stream_options").or_insert_with(|| Value::Object(Map::new()));
                 if !options.is_object() {
                     *options = Value::Object(Map::new());
@@ -497,6 +559,7 @@ fn hex(bytes: &[u8]) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::core::endpoint::Endpoint;
     use serde_json::Number;
 
     #[test]
@@ -526,7 +589,7 @@ mod tests {
         let meta = RequestMeta::default();
         for model in [r"a\u0000b", r"a\r\nx-evil: 1", &"m".repeat(MAX_MODEL_LEN + 1)] {
             let body = format!(r#"{{"model":"{model}","messages":[{{"role":"user","content":"x"}}]}}"#);
-            let e = ChatRequest::parse(&c, &meta, body.as_bytes()).expect_err(model);
+            let e = ApiRequest::parse(&c, &meta, Endpoint::Chat, body.as_bytes()).expect_err(model);
             assert_eq!((e.status, e.param.as_deref()), (400, Some("model")), "{model}");
         }
     }
@@ -539,11 +602,11 @@ mod tests {
     }
 
     fn key_with(c: &Config, meta: &RequestMeta<'_>, body: &str) -> Key {
-        ChatRequest::parse(c, meta, body.as_bytes()).unwrap().key
+        ApiRequest::parse(c, meta, Endpoint::Chat, body.as_bytes()).unwrap().key
     }
 
     fn err(body: &[u8]) -> ApiError {
-        ChatRequest::parse(&Config::default(), &AUTH_A, body).unwrap_err()
+        ApiRequest::parse(&Config::default(), &AUTH_A, Endpoint::Chat, body).unwrap_err()
     }
 
     const BASE: &str = r#"{"model":"gpt-4.1","messages":[{"role":"user","content":"hi"}],"temperature":0}"#;
@@ -632,15 +695,15 @@ mod tests {
             assert_eq!(e.param.as_deref(), param, "{}", String::from_utf8_lossy(body));
         }
         let small = Config { max_body_bytes: 10, ..Config::default() };
-        assert_eq!(ChatRequest::parse(&small, &AUTH_A, BASE.as_bytes()).unwrap_err().status, 413);
+        assert_eq!(ApiRequest::parse(&small, &AUTH_A, Endpoint::Chat, BASE.as_bytes()).unwrap_err().status, 413);
     }
 
     #[test]
     fn token_estimate_and_model_rewrite() {
-        let r = ChatRequest::parse(&Config::default(), &AUTH_A, BASE.as_bytes()).unwrap();
+        let r = ApiRequest::parse(&Config::default(), &AUTH_A, Endpoint::Chat, BASE.as_bytes()).unwrap();
         assert_eq!(r.estimate_tokens, (BASE.len() as u64).div_ceil(4) + 256);
         let capped = BASE.replacen('{', r#"{"max_tokens":10,"n":3,"#, 1);
-        let r = ChatRequest::parse(&Config::default(), &AUTH_A, capped.as_bytes()).unwrap();
+        let r = ApiRequest::parse(&Config::default(), &AUTH_A, Endpoint::Chat, capped.as_bytes()).unwrap();
         assert_eq!(r.estimate_tokens, (capped.len() as u64).div_ceil(4) + 30);
         let v: Value = serde_json::from_slice(&with_model(BASE.as_bytes(), "deepseek-v3")).unwrap();
         assert_eq!((v["model"].as_str(), v["temperature"].as_i64()), (Some("deepseek-v3"), Some(0)));
@@ -765,11 +828,11 @@ mod tests {
     fn only_real_nesting_is_too_deep() {
         let c = Config::default();
         let deep = BASE.replace(r#""temperature":0"#, &format!(r#""x":{}1{}"#, "[".repeat(65), "]".repeat(65)));
-        let e = ChatRequest::parse(&c, &AUTH_A, deep.as_bytes()).unwrap_err();
+        let e = ApiRequest::parse(&c, &AUTH_A, Endpoint::Chat, deep.as_bytes()).unwrap_err();
         assert_eq!((e.status, e.message.as_str()), (400, "request body nests deeper than 64 levels"));
         // Many brackets side by side (more than the limit, so they are followed) nest two deep.
         let wide = BASE.replace(r#""temperature":0"#, &format!(r#""x":[{}[]]"#, "[],".repeat(100)));
-        assert!(ChatRequest::parse(&c, &AUTH_A, wide.as_bytes()).is_ok());
+        assert!(ApiRequest::parse(&c, &AUTH_A, Endpoint::Chat, wide.as_bytes()).is_ok());
         assert!(!too_deep(&"{".repeat(64)) && too_deep(&"[".repeat(65)));
     }
 
@@ -779,7 +842,7 @@ mod tests {
         assert!(cc.no_cache && !cc.no_store);
         assert_eq!(cc.max_age, Some(30));
         assert!(CacheControl::parse(Some("no-store")).no_store);
-        let req = ChatRequest::parse(&Config::default(), &AUTH_A, BASE.as_bytes()).unwrap();
+        let req = ApiRequest::parse(&Config::default(), &AUTH_A, Endpoint::Chat, BASE.as_bytes()).unwrap();
         assert!(req.deterministic);
         let c = Config::default();
         let p = req.policy(&c, CacheControl::parse(Some("no-store")));
@@ -788,7 +851,7 @@ mod tests {
         assert!(!p.read && p.coalesce && p.store);
 
         let hot = BASE.replace(r#""temperature":0"#, r#""temperature":0.7"#);
-        let hot = ChatRequest::parse(&c, &AUTH_A, hot.as_bytes()).unwrap();
+        let hot = ApiRequest::parse(&c, &AUTH_A, Endpoint::Chat, hot.as_bytes()).unwrap();
         assert!(!hot.deterministic);
         assert!(hot.policy(&c, CacheControl::default()).store);
         let mut only = Config::default();

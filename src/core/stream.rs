@@ -6,6 +6,7 @@
 //! `chat.completion` into the event stream OpenAI sends for it.
 
 use super::cache::Response;
+use super::endpoint::Endpoint;
 use super::usage::Usage;
 use serde_json::{json, Map, Value};
 use std::collections::BTreeMap;
@@ -43,6 +44,12 @@ struct Conflict;
 #[derive(Debug, Default)]
 pub struct Reassembler {
     forward_usage: bool,
+    /// The endpoint's streams are chat's: an answer is assembled. Others (completions,
+    /// Responses) are only read for their usage and their end.
+    assemble: bool,
+    /// Typed events (the Responses API): the usage is `response.usage` of the event that
+    /// ends the stream (`response.completed`, `.incomplete`, `.failed`), which is its end.
+    typed: bool,
     tail: Vec<u8>,
     /// How far into `tail` no event separator starts (so a long event is scanned once).
     searched: usize,
@@ -62,7 +69,17 @@ pub struct Reassembler {
 impl Reassembler {
     /// `forward_usage`: pass the usage event on (the client asked for `include_usage`).
     pub fn new(forward_usage: bool) -> Reassembler {
-        Reassembler { forward_usage, ..Reassembler::default() }
+        Reassembler { forward_usage, assemble: true, ..Reassembler::default() }
+    }
+
+    /// A stream of `endpoint`: chat's is assembled, the others are read for their usage.
+    pub fn of(endpoint: Endpoint, forward_usage: bool) -> Reassembler {
+        Reassembler {
+            forward_usage,
+            assemble: endpoint.streams_shared(),
+            typed: endpoint == Endpoint::Responses,
+            ..Reassembler::default()
+        }
     }
 
     /// Feeds one chunk; returns the bytes to pass on now (the complete events in it).
@@ -103,7 +120,12 @@ impl Reassembler {
     /// The answer as a `chat.completion` (status 200, JSON), when the stream ended properly.
     pub fn completion(&self) -> Option<Response> {
         let finished = |c: &Map<String, Value>| c.get("finish_reason").is_some_and(|f| !f.is_null());
-        if !self.done || self.malformed || self.choices.is_empty() || !self.choices.values().all(finished) {
+        if !self.assemble
+            || !self.done
+            || self.malformed
+            || self.choices.is_empty()
+            || !self.choices.values().all(finished)
+        {
             return None;
         }
         let mut v = self.head.clone();
@@ -156,6 +178,10 @@ impl Reassembler {
     }
 
     fn read_chunk(&mut self, mut chunk: Map<String, Value>) -> bool {
+        if self.typed {
+            self.read_typed(&chunk);
+            return true;
+        }
         let usage = chunk.remove("usage").filter(|u| !u.is_null());
         let choices = match chunk.remove("choices") {
             Some(Value::Array(c)) => c,
@@ -167,16 +193,32 @@ impl Reassembler {
         };
         // The usage event (no choices) reaches only clients that asked for it.
         let forward = usage.is_none() || self.forward_usage || !choices.is_empty();
-        self.streamed_chars += choices.iter().map(|c| streamed_chars(&c["delta"])).sum::<u64>();
+        self.streamed_chars +=
+            choices.iter().map(|c| streamed_chars(&c["delta"]) + text_chars(&c["text"])).sum::<u64>();
         chunk.remove("object");
         // An answer that cannot be kept is not assembled any further.
-        if !self.malformed && self.read_fields(chunk, choices).is_err() {
+        if self.assemble && !self.malformed && self.read_fields(chunk, choices).is_err() {
             self.malformed = true;
         }
         if usage.is_some() {
             self.usage = usage;
         }
         forward
+    }
+
+    /// One typed event of the Responses API: text deltas counted, and the usage and the
+    /// end read from the event that ends the stream.
+    fn read_typed(&mut self, event: &Map<String, Value>) {
+        let kind = event.get("type").and_then(Value::as_str).unwrap_or_default();
+        match kind {
+            "response.completed" | "response.incomplete" | "response.failed" => {
+                let usage = event.get("response").and_then(|r| r.get("usage")).filter(|u| !u.is_null());
+                self.usage = usage.cloned();
+                self.done = true;
+            }
+            _ if kind.ends_with(".delta") => self.streamed_chars += text_chars(&event["delta"]),
+            _ => {}
+        }
     }
 
     /// A chunk's fields (the latest value of each is the answer's) and its choices.
@@ -274,6 +316,10 @@ fn indexed(item: &Value) -> Option<u64> {
 }
 
 /// Characters of content, refusal and tool-call arguments in a delta.
+fn text_chars(text: &Value) -> u64 {
+    text.as_str().map_or(0, |s| s.chars().count() as u64)
+}
+
 fn streamed_chars(delta: &Value) -> u64 {
     let calls = delta["tool_calls"].as_array().into_iter().flatten();
     let texts = [&delta["content"], &delta["refusal"]].into_iter().chain(calls.map(|t| &t["function"]["arguments"]));

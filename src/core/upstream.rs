@@ -3,10 +3,11 @@
 
 use super::cache::Response;
 use super::config::Config;
+use super::endpoint::Endpoint;
 use super::error::ApiError;
 use super::limits::{self, Limits, ProviderHints, DEFAULT_COMPLETION_ESTIMATE};
 use super::priority::Class;
-use super::request::{for_upstream, ChatRequest};
+use super::request::{for_upstream, ApiRequest};
 use super::semantic::Probe;
 use super::store::CasStore;
 use super::stream::is_event_stream;
@@ -15,6 +16,7 @@ use std::borrow::Cow;
 /// What an upstream call needs from the client's request.
 #[derive(Debug, Clone)]
 pub struct Outbound {
+    pub endpoint: Endpoint,
     pub body: Vec<u8>,
     pub client_authorization: Option<String>,
     pub model: String,
@@ -25,14 +27,14 @@ pub struct Outbound {
     pub include_usage: bool,
     /// The verified tenant the call is made for.
     pub tenant: Option<String>,
-    /// The completion tokens the request allows (see `ChatRequest::completion_limit`).
+    /// The completion tokens the request allows (see `ApiRequest::completion_limit`).
     pub completion_limit: Option<u64>,
     /// Set for a call that must stay within a tenant's budget but sets no completion
     /// limit: it is sent with `max_tokens` of this (for each choice).
     pub completion_cap: Option<u64>,
     /// The choices the request asks for (`n`).
     pub choices: u64,
-    /// The request names a completion limit, of any value (`ChatRequest::limit_named`).
+    /// The request names a completion limit, of any value (`ApiRequest::limit_named`).
     pub limit_named: bool,
     /// The request's priority class, which orders the models' admission lines.
     pub class: Class,
@@ -48,8 +50,9 @@ pub const USER_AGENT: &str = concat!("holysheep-edge/", env!("CARGO_PKG_VERSION"
 impl Outbound {
     /// The call for `request`, whose body is `body`; `client_authorization` is sent only
     /// when no operator key is configured.
-    pub fn of(request: &ChatRequest, body: Vec<u8>, client_authorization: Option<String>) -> Outbound {
+    pub fn of(request: &ApiRequest, body: Vec<u8>, client_authorization: Option<String>) -> Outbound {
         Outbound {
+            endpoint: request.endpoint,
             body,
             client_authorization,
             model: request.model.clone(),
@@ -78,14 +81,16 @@ impl Outbound {
     /// The body for an attempt on `model` (rewritten when it is a fallback, and for a
     /// stream to ask for the usage event).
     pub fn body_for(&self, model: &str) -> Cow<'_, [u8]> {
-        let same = model == self.model && !self.stream;
-        match self.completion_cap {
+        let stream_usage = self.stream && self.endpoint.asks_stream_usage();
+        let same = model == self.model && !stream_usage;
+        let cap = self.completion_cap.zip(self.endpoint.cap_field()).map(|(cap, field)| (field, cap));
+        match cap {
             None if same => Cow::Borrowed(&self.body),
-            Some(cap) if same && !self.limit_named => match with_cap(&self.body, cap) {
+            Some((field, cap)) if same && !self.limit_named => match with_cap(&self.body, field, cap) {
                 Some(body) => Cow::Owned(body),
-                None => Cow::Owned(for_upstream(&self.body, model, false, Some(cap))),
+                None => Cow::Owned(for_upstream(&self.body, model, false, Some((field, cap)))),
             },
-            _ => Cow::Owned(for_upstream(&self.body, model, self.stream, self.completion_cap)),
+            _ => Cow::Owned(for_upstream(&self.body, model, stream_usage, cap)),
         }
     }
 
@@ -96,7 +101,7 @@ impl Outbound {
 
     /// How a call for this request goes, with the operator's key or not.
     pub fn sent(&self, operator_key: bool) -> Sent {
-        Sent { stream: self.stream, operator_key }
+        Sent { endpoint: self.endpoint, stream: self.stream, operator_key }
     }
 
     /// Prompt tokens, estimated at four bytes of the request body a token.
@@ -116,17 +121,17 @@ impl Outbound {
     }
 }
 
-/// The body with `"max_tokens":cap` as the first member of its object, without parsing
-/// it again: only for a request with no member of that name (or `max_completion_tokens`),
-/// in any spelling, so that none can follow and win (`ChatRequest::limit_named`); `None`
-/// for a body that is not a non-empty object.
-fn with_cap(body: &[u8], cap: u64) -> Option<Vec<u8>> {
+/// The body with `"<field>":cap` as the first member of its object, without parsing it
+/// again: only for a request with no member of the endpoint's limit names, in any
+/// spelling, so that none can follow and win (`ApiRequest::limit_named`); `None` for a
+/// body that is not a non-empty object.
+fn with_cap(body: &[u8], field: &str, cap: u64) -> Option<Vec<u8>> {
     let open = body.iter().position(|b| !b.is_ascii_whitespace()).filter(|&i| body[i] == b'{')?;
     let next = body[open + 1..].iter().find(|b| !b.is_ascii_whitespace())?;
     if *next == b'}' {
         return None;
     }
-    let member = format!("\"max_tokens\":{cap},");
+    let member = format!("\"{field}\":{cap},");
     let mut out = Vec::with_capacity(body.len() + member.len());
     out.extend_from_slice(&body[..=open]);
     out.extend_from_slice(member.as_bytes());
@@ -142,6 +147,8 @@ pub fn bearer(key: Option<String>) -> Option<String> {
 /// How a call was made, which decides what of its answer the edge may pass on.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Sent {
+    /// The endpoint it went to, whose answers are of one kind.
+    pub endpoint: Endpoint,
     /// It asked for a stream: only server-sent events are an answer.
     pub stream: bool,
     /// It carried the operator's key (not the client's own).
@@ -150,14 +157,14 @@ pub struct Sent {
 
 /// HolySheep's answer as the core keeps it, and what it said about its limits.
 /// `headers` are the response headers (names lower-case or not). An answer the edge must
-/// not pass on (see `refused`, `is_completion`) is the edge's own error in its place.
+/// not pass on (see `refused`, `Endpoint::is_answer`) is the edge's own error in its place.
 pub fn response(status: u16, headers: &[(String, String)], body: Vec<u8>, sent: Sent) -> (Response, ProviderHints) {
     let header = |n: &str| headers.iter().find(|(k, _)| k.eq_ignore_ascii_case(n)).map(|(_, v)| v.clone());
     let mut hints = ProviderHints::from_headers(status, headers);
     let content_type = header("content-type").unwrap_or_else(|| "application/json".into());
     let retry_after = header("retry-after").map(|v| vec![("retry-after".to_owned(), v)]).unwrap_or_default();
     let refusal = refused(status, &content_type, sent).or_else(|| {
-        (status == 200 && !is_completion(&content_type, &body)).then(|| not_an_answer(&content_type, sent))
+        (status == 200 && !sent.endpoint.is_answer(&content_type, &body)).then(|| not_an_answer(&content_type, sent))
     });
     hints.key_refused = refusal.as_ref().is_some_and(|e| e.code == KEY_REFUSED);
     let response = match refusal {
@@ -187,25 +194,8 @@ pub fn refused(status: u16, content_type: &str, sent: Sent) -> Option<ApiError> 
 
 fn not_an_answer(content_type: &str, sent: Sent) -> ApiError {
     let shown: String = content_type.chars().filter(|c| !c.is_control()).take(64).collect();
-    let wanted = if sent.stream { "an event stream" } else { "a chat.completion" };
+    let wanted = if sent.stream { "an event stream" } else { sent.endpoint.object() };
     ApiError::upstream(502, format!("HolySheep answered 200 with '{shown}', not {wanted}"), "upstream_invalid_answer")
-}
-
-/// Whether a 200 body is what a chat request asks for: JSON (by its content type) holding
-/// an object whose `object` is `chat.completion` and whose `choices` is an array. Read
-/// without building the value (serde skips every other field, and a field named twice is
-/// refused).
-pub fn is_completion(content_type: &str, body: &[u8]) -> bool {
-    #[derive(serde::Deserialize)]
-    struct Shape<'a> {
-        #[serde(borrow)]
-        object: std::borrow::Cow<'a, str>,
-        // Only its presence, as an array, is checked.
-        #[allow(dead_code)]
-        choices: Vec<serde::de::IgnoredAny>,
-    }
-    let json = content_type.to_ascii_lowercase().contains("json");
-    json && serde_json::from_slice::<Shape<'_>>(body).is_ok_and(|s| s.object == "chat.completion")
 }
 
 /// The `x-ratelimit-*` headers of `model`'s bucket as it stands now: none, and neither the
@@ -232,6 +222,7 @@ mod tests {
 
     fn outbound() -> Outbound {
         Outbound {
+            endpoint: Endpoint::Chat,
             body: br#"{"model":"gpt-4.1","messages":[]}"#.to_vec(),
             client_authorization: Some("Bearer client".into()),
             model: "gpt-4.1".into(),
@@ -276,7 +267,7 @@ mod tests {
     fn the_edges_completion_cap_is_added_without_a_rewrite_and_never_loses_to_the_clients() {
         let config = Config::default();
         let capped = |body: &str| {
-            let request = ChatRequest::parse(&config, &Default::default(), body.as_bytes()).unwrap();
+            let request = ApiRequest::parse(&config, &Default::default(), Endpoint::Chat, body.as_bytes()).unwrap();
             Outbound { completion_cap: Some(7), ..Outbound::of(&request, body.as_bytes().to_vec(), None) }
         };
         let fast = capped(r#" {"model":"gpt-4.1","messages":[{"role":"user","content":"hi"}]}"#);
@@ -347,7 +338,8 @@ mod tests {
             let r = answer(200, ct, body, plain);
             assert_eq!((r.status, code(&r)), (502, "upstream_invalid_answer".to_owned()), "{ct} {body:?}");
         }
-        let r = answer(200, "application/json", COMPLETION, Sent { stream: true, operator_key: false });
+        let r =
+            answer(200, "application/json", COMPLETION, Sent { stream: true, operator_key: false, ..Sent::default() });
         assert_eq!((r.status, code(&r)), (502, "upstream_invalid_answer".to_owned()), "a stream asked for events");
         assert_eq!(answer(500, "text/html", b"<html>", plain).body, b"<html>", "errors stay errors");
     }
@@ -355,7 +347,7 @@ mod tests {
     #[test]
     fn the_operators_key_refused_is_the_edges_own_502_without_holysheeps_body() {
         let body = br#"{"error":{"message":"Incorrect API key provided: sk-live-****cret","code":"invalid_api_key"}}"#;
-        let with_key = Sent { stream: false, operator_key: true };
+        let with_key = Sent { stream: false, operator_key: true, ..Sent::default() };
         for status in [401, 403] {
             let (r, hints) =
                 response(status, &[("content-type".into(), "application/json".into())], body.to_vec(), with_key);

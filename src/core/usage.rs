@@ -34,12 +34,18 @@ impl Usage {
     }
 }
 
-/// `usage` as OpenAI-compatible APIs write it.
+/// `usage` as OpenAI-compatible APIs write it: chat and completions (`prompt_tokens`,
+/// `completion_tokens`), embeddings (`prompt_tokens`, `total_tokens`) and the Responses
+/// API (`input_tokens`, `output_tokens`, `input_tokens_details`).
 #[derive(serde::Deserialize)]
 struct Raw {
+    #[serde(alias = "input_tokens")]
     prompt_tokens: u64,
-    completion_tokens: u64,
+    #[serde(default, alias = "output_tokens")]
+    completion_tokens: Option<u64>,
     #[serde(default)]
+    total_tokens: Option<u64>,
+    #[serde(default, alias = "input_tokens_details")]
     prompt_tokens_details: Option<Details>,
 }
 
@@ -50,15 +56,17 @@ struct Details {
 }
 
 impl Raw {
-    fn usage(self) -> Usage {
+    /// `None` when it says nothing of the completion (neither its tokens nor a total).
+    fn usage(self) -> Option<Usage> {
+        let completion = self.completion_tokens.or_else(|| self.total_tokens?.checked_sub(self.prompt_tokens))?;
         let cached = self.prompt_tokens_details.and_then(|d| d.cached_tokens).unwrap_or(0);
-        Usage::new(self.prompt_tokens, self.completion_tokens).with_cached(cached)
+        Some(Usage::new(self.prompt_tokens, completion).with_cached(cached))
     }
 }
 
 /// The `usage` value of an answer or of a stream's usage event.
 pub fn of_value(v: &serde_json::Value) -> Option<Usage> {
-    <Raw as serde::Deserialize>::deserialize(v).ok().map(Raw::usage)
+    <Raw as serde::Deserialize>::deserialize(v).ok().and_then(Raw::usage)
 }
 
 /// The top-level `usage` of a chat completion.
@@ -71,7 +79,7 @@ pub fn of_answer(body: &[u8]) -> Option<Usage> {
         return Some(usage);
     }
     let c: Completion = serde_json::from_slice(body).ok()?;
-    Some(c.usage.usage())
+    c.usage.usage()
 }
 
 /// `usage` when it is the last member of the answer's top-level object, where
@@ -86,7 +94,7 @@ fn trailing(body: &[u8]) -> Option<Usage> {
     let mut values = serde_json::Deserializer::from_slice(value).into_iter::<Raw>();
     let u = values.next()?.ok()?;
     let tail = value.get(values.byte_offset()..)?;
-    (tail.trim_ascii() == b"}").then(|| u.usage())
+    (tail.trim_ascii() == b"}").then(|| u.usage()).flatten()
 }
 
 #[cfg(test)]
@@ -119,5 +127,16 @@ mod tests {
         assert_eq!(of_answer(format!(r#"{{{u},{nested}}}"#).as_bytes()), three_four);
         assert_eq!(of_answer(format!(r#"{{{nested}}}"#).as_bytes()), None);
         assert_eq!(of_answer(br#"{"usage":{"prompt_tokens":3}}"#), None, "incomplete usage");
+    }
+
+    #[test]
+    fn embeddings_and_responses_usage_read_as_chats() {
+        let embeddings = br#"{"object":"list","data":[],"usage":{"prompt_tokens":8,"total_tokens":8}}"#;
+        assert_eq!(of_answer(embeddings), Some(Usage::new(8, 0)));
+        let responses =
+            br#"{"object":"response","usage":{"input_tokens":2000,"input_tokens_details":{"cached_tokens":1024},
+            "output_tokens":7,"output_tokens_details":{"reasoning_tokens":0},"total_tokens":2007},"user":null}"#;
+        assert_eq!(of_answer(responses), Some(Usage { prompt: 2000, completion: 7, cached: 1024 }));
+        assert_eq!(of_answer(br#"{"usage":{"prompt_tokens":9,"total_tokens":3}}"#), None, "a total below the prompt");
     }
 }

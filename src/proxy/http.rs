@@ -1,5 +1,6 @@
-//! The http context: recognises `POST /v1/chat/completions`, buffers the body, asks the
-//! core what to do and does it. Every other request passes through untouched. A stream
+//! The http context: recognises a governed endpoint's `POST`, buffers the body, asks the
+//! core what to do and does it. What becomes of every other request the core says
+//! (`Head::ungoverned`). A stream
 //! leader goes along the route; its http context tees the answer as it streams back,
 //! reassembling it in memory, and reports how it ended.
 
@@ -15,7 +16,7 @@ use crate::core::edge;
 use crate::core::engine::{Call, Engine, Reply, Step};
 use crate::core::error::ApiError;
 use crate::core::hot::Raw;
-use crate::core::intake::{self, Decision, Head, Route};
+use crate::core::intake::{self, Decision, Head, Route, Ungoverned};
 use crate::core::limits::ProviderHints;
 use crate::core::log_fields::Served;
 use crate::core::pairs;
@@ -151,7 +152,7 @@ impl Chat {
                 // The usage event is taken out: the length changes.
                 set_response_header("content-length", None);
             }
-            let events = sse.then(|| Reassembler::new(hop.outbound.include_usage));
+            let events = sse.then(|| Reassembler::of(hop.outbound.endpoint, hop.outbound.include_usage));
             let other = Response { status, content_type, headers: Vec::new(), body: Vec::new() };
             Tee::hop(events, other, config.cache.max_entry_bytes)
         };
@@ -201,6 +202,33 @@ impl Chat {
         self.peer = true;
         self.state = State::Reading;
         Action::Pause
+    }
+
+    /// A request the edge does not govern: passed as it came, answered (the models list,
+    /// an error), or passed with the operator's key for a path `passthrough_paths` lists,
+    /// only along a route to `upstream.cluster` (a forward node leaves that to the owner).
+    fn ungoverned(&mut self, config: &crate::core::config::Config) -> Action {
+        match self.head.ungoverned(config) {
+            Ungoverned::Pass => Action::Continue,
+            Ungoverned::WithOperatorKey if config.role == Role::Forward => Action::Continue,
+            Ungoverned::WithOperatorKey => {
+                let bearer = self.worker.borrow().bearer.clone();
+                if !host::routed_to(&config.upstream.cluster) {
+                    return self.reject(&ApiError::misdirected());
+                }
+                let _ = hostcalls::set_map_value(MapType::HttpRequestHeaders, "authorization", bearer.as_deref());
+                Action::Continue
+            }
+            Ungoverned::Answer(Ok(list)) => {
+                self.state = State::Handled;
+                host::send(&Reply::plain(list), &[]);
+                Action::Pause
+            }
+            Ungoverned::Answer(Err(e)) => {
+                self.worker.borrow().counters.count_refusal(e.code, None);
+                self.reject(&e)
+            }
+        }
     }
 
     /// A body callback (data or trailers): `Some(action)` when this request is not being
@@ -295,24 +323,8 @@ impl HttpContext for Chat {
         if config.role == Role::Forward {
             strip_fleet_headers();
         }
-        if route != Route::Chat {
-            return match intake::models_answer(&config, &self.head) {
-                Some(Ok(list)) => {
-                    self.state = State::Handled;
-                    host::send(&Reply::plain(list), &[]);
-                    Action::Pause
-                }
-                Some(Err(e)) => {
-                    self.worker.borrow().counters.count_refusal(e.code, None);
-                    self.reject(&e)
-                }
-                None => {
-                    if intake::carries_tenant_key(&config, &self.head) {
-                        let _ = hostcalls::set_map_value(MapType::HttpRequestHeaders, "authorization", None);
-                    }
-                    Action::Continue
-                }
-            };
+        if !matches!(route, Route::Governed(_)) {
+            return self.ungoverned(&config);
         }
         self.state = State::Reading;
         if let Err(e) = self.head.check(&config) {
@@ -411,7 +423,7 @@ impl HttpContext for Chat {
         let stored = (sse && refusal.is_none()).then_some(label.fresh_s).flatten();
         set_response_header("cache-control", Some(&edge::directive(stored)));
         let other = Response { headers: retry_after.unwrap_or_default(), ..other };
-        let events = (sse && refusal.is_none()).then(|| Reassembler::new(label.include_usage));
+        let events = (sse && refusal.is_none()).then(|| Reassembler::of(label.sent.endpoint, label.include_usage));
         let (attempts, hints) = (host::upstream_attempts(), ProviderHints::from_headers(status, &headers));
         let holysheeps = host::response_via_upstream().then_some(status);
         let tee = Tee::new(events, other, refusal.is_some(), (holysheeps, attempts), hints);

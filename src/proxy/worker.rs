@@ -23,7 +23,7 @@ use crate::core::flight::StreamOutcome;
 use crate::core::hot::{Hot, Raw, Seed};
 use crate::core::log_fields::{self, Answered, Served};
 use crate::core::metrics::{self, Counter, LastUsage};
-use crate::core::request::{self, ChatRequest, Key, KEY_HEADER};
+use crate::core::request::{self, ApiRequest, Key, KEY_HEADER};
 use crate::core::semantic::{self, Learned};
 use crate::core::store::CasStore;
 use crate::core::stream;
@@ -78,7 +78,7 @@ pub struct Worker {
     /// Requests parsed before, by their raw bytes: a HIT and a request that waits for a
     /// flight (`intake::Keep`), so that the rest of a crowd of identical requests is not
     /// parsed, canonicalised and hashed again.
-    pub parsed: Hot<ChatRequest>,
+    pub parsed: Hot<ApiRequest>,
     /// What both tables hash the raw bytes with.
     pub seed: Seed,
     /// The usage of the answer logged last (followers share one answer).
@@ -264,7 +264,7 @@ impl Worker {
     }
 
     /// Keeps the entry `request` was just served from, for the same bytes next time.
-    pub fn keep_hot(&mut self, raw: &Raw<'_>, request: &ChatRequest, now: u64) {
+    pub fn keep_hot(&mut self, raw: &Raw<'_>, request: &ApiRequest, now: u64) {
         let Some(entry) = cache::get(&SharedData, &self.config, &request.key).filter(|e| e.is_fresh(now)) else {
             return;
         };
@@ -395,7 +395,8 @@ impl Worker {
         let route = semantic::route(&self.config, &call.key, outbound.semantic.as_ref());
         let _ = hostcalls::set_map_value(MapType::HttpRequestHeaders, KEY_HEADER, Some(&route));
         if outbound.stream && !outbound.include_usage {
-            let body = request::for_upstream(&outbound.body, &outbound.model, true, None);
+            let usage = outbound.endpoint.asks_stream_usage();
+            let body = request::for_upstream(&outbound.body, &outbound.model, usage, None);
             let length = body.len().to_string();
             // The body is whole and of a known length now: the client's framing goes.
             for (name, _) in host::headers(MapType::HttpRequestTrailers) {

@@ -18,6 +18,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tokio::net::TcpListener;
 
+pub mod apis;
 pub mod embeddings;
 
 type Body = Either<Full<Bytes>, Channel<Bytes, std::io::Error>>;
@@ -100,6 +101,10 @@ struct State {
     /// The model and `usage` of every answer the mock produced (a stream's too, whether or
     /// not the client read it to the end): what the account was billed.
     billed: Vec<(String, Value)>,
+    /// Calls to `/v1/completions` and `/v1/responses`, by path.
+    api_calls: std::collections::HashMap<String, u64>,
+    /// The path and `usage` of every answer to completions, Responses and embeddings.
+    billed_at: Vec<(String, Value)>,
 }
 
 /// Counts a chat-completion call as in flight until dropped.
@@ -176,6 +181,7 @@ impl Mock {
         Ok(match (parts.method, path.as_str()) {
             (Method::POST, "/v1/chat/completions") => return self.chat(auth, &body).await,
             (Method::POST, "/v1/embeddings") => return self.embed(auth, &body).await,
+            (Method::POST, "/v1/completions" | "/v1/responses") => return self.api(&path, auth, &body).await,
             (Method::GET, "/v1/models") => match self.check_key(auth.as_deref()) {
                 Some(denied) => denied,
                 None => json_response(StatusCode::OK, &models()),
@@ -211,13 +217,20 @@ impl Mock {
                 s.embeddings = 0;
                 s.embedding_inputs.clear();
                 s.embedding_plan.clear();
+                s.api_calls.clear();
+                s.billed_at.clear();
                 s.log.clear();
                 s.prompts.clear();
                 s.plan.clear();
                 s.last_authorization = None;
                 json_response(StatusCode::OK, &json!({"ok": true}))
             }
-            _ => error(StatusCode::NOT_FOUND, "Unknown request URL", "invalid_request_error", "unknown_url", None),
+            _ => {
+                let mut s = self.state();
+                *s.api_calls.entry(path.clone()).or_default() += 1;
+                s.last_authorization = auth;
+                error(StatusCode::NOT_FOUND, "Unknown request URL", "invalid_request_error", "unknown_url", None)
+            }
         })
     }
 
@@ -319,10 +332,55 @@ impl Mock {
             (status, Some(raw)) => planned_body(status.unwrap_or(200), raw, fault.content_type.as_deref()),
             (Some(status), None) => planned_error(status),
             (None, None) => match embeddings::answer(&req) {
-                Ok(v) => json_response(StatusCode::OK, &v),
+                Ok(v) => {
+                    self.state().billed_at.push(("/v1/embeddings".to_owned(), v["usage"].clone()));
+                    json_response(StatusCode::OK, &v)
+                }
                 Err(m) => error(StatusCode::BAD_REQUEST, &m, "invalid_request_error", "invalid_value", Some("input")),
             },
         })
+    }
+}
+
+impl Mock {
+    /// `/v1/completions` and `/v1/responses` (see `apis`), with the key checked and the
+    /// latency, JSON or streamed as asked; every answer billed.
+    async fn api(self, path: &str, auth: Option<String>, body: &[u8]) -> Result<Response<Body>, std::io::Error> {
+        let req = serde_json::from_slice::<Value>(body).unwrap_or(Value::Null);
+        let latency = {
+            let mut s = self.state();
+            *s.api_calls.entry(path.to_owned()).or_default() += 1;
+            s.last_authorization.clone_from(&auth);
+            s.latency_ms
+        };
+        if let Some(early) = self.before_answer(&Fault::default(), latency, auth.as_deref()).await {
+            return early;
+        }
+        let answer = if path == "/v1/completions" { apis::completion(&req) } else { apis::response(&req) };
+        let answer = match answer {
+            Ok(a) => a,
+            Err(m) => return Ok(error(StatusCode::BAD_REQUEST, &m, "invalid_request_error", "invalid_value", None)),
+        };
+        self.state().billed_at.push((path.to_owned(), answer["usage"].clone()));
+        if req["stream"].as_bool() != Some(true) {
+            return Ok(json_response(StatusCode::OK, &answer));
+        }
+        let events = if path == "/v1/completions" {
+            apis::completion_events(&answer, req["stream_options"]["include_usage"].as_bool() == Some(true))
+        } else {
+            apis::response_events(&answer)
+        };
+        Ok(self.stream(events, &Fault::default()))
+    }
+
+    /// Calls to `/v1/completions`, `/v1/responses`, or a path the mock does not serve.
+    pub fn calls_to(&self, path: &str) -> u64 {
+        self.state().api_calls.get(path).copied().unwrap_or(0)
+    }
+
+    /// The `usage` of every answer to `path` (completions, Responses, embeddings).
+    pub fn billed_at(&self, path: &str) -> Vec<Value> {
+        self.state().billed_at.iter().filter(|(p, _)| p == path).map(|(_, u)| u.clone()).collect()
     }
 }
 

@@ -13,7 +13,6 @@ use crate::core::cache::Response;
 use crate::core::engine::{Call, Reply};
 use crate::core::error::ApiError;
 use crate::core::limits::ProviderHints;
-use crate::core::request::CHAT_PATH;
 use crate::core::semantic::{self, Embedding, EMBEDDINGS_PATH};
 use crate::core::stream;
 use crate::core::upstream::{self, Outbound};
@@ -121,7 +120,7 @@ impl Gateway {
             headers.retain(|(n, _)| n != "accept");
             headers.push(("accept".to_owned(), stream::CONTENT_TYPE.to_owned()));
         }
-        self.outgoing(Method::Post, CHAT_PATH, &headers)
+        self.outgoing(Method::Post, outbound.endpoint.path(), &headers)
             .and_then(|request| self.send(request, Body::Bytes(&body), deadline_ms, &mut || self.renew(call)))
     }
 
@@ -170,14 +169,16 @@ impl Gateway {
     }
 
     /// Passes a request the gateway does not govern to HolySheep and streams the answer
-    /// back. It carries the client's own credentials, never the operator's key: only calls
-    /// that go through the cache, the single flight and the buckets use that.
-    /// `without_authorization`: the request carries a tenant's key, the edge's own, which
-    /// does not pass on.
-    pub(super) fn forward(&self, request: IncomingRequest, without_authorization: bool, out: ResponseOutparam) {
+    /// back. Without `operator_key` it carries the client's own credentials; with it (a
+    /// verified tenant on a path `passthrough_paths` lists) the operator's key in place of
+    /// the tenant's, which is the edge's own and never passes on.
+    pub(super) fn forward(&self, request: IncomingRequest, operator_key: bool, out: ResponseOutparam) {
         let received = host::header_pairs(&request.headers());
-        let kept = |n: &str| !NOT_FORWARDED.contains(&n) && (!without_authorization || n != "authorization");
-        let headers: Vec<(String, String)> = received.into_iter().filter(|(n, _)| kept(n)).collect();
+        let kept = |n: &str| !NOT_FORWARDED.contains(&n) && (!operator_key || n != "authorization");
+        let mut headers: Vec<(String, String)> = received.into_iter().filter(|(n, _)| kept(n)).collect();
+        if let Some(bearer) = self.bearer.as_ref().filter(|_| operator_key) {
+            headers.push(("authorization".to_owned(), bearer.clone()));
+        }
         let path = request.path_with_query().unwrap_or_else(|| "/".into());
         let deadline = host::now_ms().saturating_add(self.config.upstream.timeout_ms);
         let answer = self

@@ -7,7 +7,7 @@ use crate::component::host::{self, Kv};
 use crate::core::config::Config;
 use crate::core::error::ApiError;
 use crate::core::hot::{self, Hot, Raw, Seed};
-use crate::core::request::ChatRequest;
+use crate::core::request::ApiRequest;
 use crate::core::upstream;
 use std::cell::RefCell;
 use std::rc::Rc;
@@ -24,7 +24,7 @@ pub(super) struct Gateway {
 struct Kept {
     gateway: Option<Rc<Gateway>>,
     seed: Seed,
-    parsed: Hot<ChatRequest>,
+    parsed: Hot<ApiRequest>,
 }
 
 thread_local! {
@@ -51,12 +51,12 @@ pub(super) fn raw<'a>(tenant: &'a [u8], body: &'a [u8]) -> Raw<'a> {
 }
 
 /// The parse this instance kept for exactly these bytes.
-pub(super) fn parsed(raw: &Raw<'_>) -> Option<Rc<ChatRequest>> {
+pub(super) fn parsed(raw: &Raw<'_>) -> Option<Rc<ApiRequest>> {
     KEPT.with_borrow(|k| k.parsed.get(raw, host::now_ms()))
 }
 
 /// Keeps a request's parse for the next time the same bytes come.
-pub(super) fn keep_parsed(raw: &Raw<'_>, request: ChatRequest) {
+pub(super) fn keep_parsed(raw: &Raw<'_>, request: ApiRequest) {
     KEPT.with_borrow_mut(|k| k.parsed.put(raw, u64::MAX, request.kept_size(), request));
 }
 

@@ -1,8 +1,9 @@
-//! One request through the gateway: `POST /v1/chat/completions` goes through the core
-//! (cache, lease, buckets, retries), streams too: a stream leader writes HolySheep's events
-//! to its client as they arrive while reassembling them for the cache and its waiters.
-//! Everything else is forwarded to HolySheep with the client's own credentials and
-//! streamed back (`calls`). The shell only performs what the core decides.
+//! One request through the gateway: a governed endpoint's `POST` (chat, completions,
+//! embeddings, Responses) goes through the core (cache, lease, buckets, retries), streams
+//! too: a stream leader writes HolySheep's events to its client as they arrive while
+//! reading them for the cache, its waiters and the bill. What becomes of every other
+//! request the core says (`Head::ungoverned`): forwarded to HolySheep and streamed back
+//! (`calls`), or answered here. The shell only performs what the core decides.
 
 mod calls;
 mod instance;
@@ -15,7 +16,7 @@ use super::wasi::http::types::{
 use crate::core::engine::{poll_delay_ms, Call, Engine, Reply, Step};
 use crate::core::error::ApiError;
 use crate::core::flight::{Action, Flight, StreamOutcome};
-use crate::core::intake::{self, Decision, Head, Route};
+use crate::core::intake::{self, Decision, Head, Route, Ungoverned};
 use crate::core::limits::ProviderHints;
 use crate::core::semantic::Learned;
 use crate::core::stream::{self, Reassembler};
@@ -29,13 +30,14 @@ pub fn handle(request: IncomingRequest, out: ResponseOutparam) {
         Err(e) => return host::reply(out, &Reply::error(&e), &[]),
     };
     let head = gateway.head(&request);
-    if head.route() == Route::Chat {
-        return gateway.chat(request, head, out);
+    if matches!(head.route(), Route::Governed(_)) {
+        return gateway.governed(request, head, out);
     }
-    match intake::models_answer(&gateway.config, &head) {
-        Some(Ok(list)) => host::reply(out, &Reply::plain(list), &[]),
-        Some(Err(e)) => host::reply(out, &Reply::error(&e), &[]),
-        None => gateway.forward(request, intake::carries_tenant_key(&gateway.config, &head), out),
+    match head.ungoverned(&gateway.config) {
+        Ungoverned::Pass => gateway.forward(request, false, out),
+        Ungoverned::WithOperatorKey => gateway.forward(request, true, out),
+        Ungoverned::Answer(Ok(list)) => host::reply(out, &Reply::plain(list), &[]),
+        Ungoverned::Answer(Err(e)) => host::reply(out, &Reply::error(&e), &[]),
     }
 }
 
@@ -71,7 +73,7 @@ impl Gateway {
         head
     }
 
-    fn chat(&self, request: IncomingRequest, mut head: Head, out: ResponseOutparam) {
+    fn governed(&self, request: IncomingRequest, mut head: Head, out: ResponseOutparam) {
         if let Err(e) = head.check(&self.config) {
             return host::reply(out, &Reply::error(&e), &[]);
         }
@@ -245,7 +247,7 @@ impl Gateway {
             ("x-holysheep-model".to_owned(), flight.model().to_owned()),
         ];
         headers.extend(outbound.tenant_header().map(|(n, v)| (n.to_owned(), v)));
-        let (mut events, mut held) = (Reassembler::new(outbound.include_usage), Vec::new());
+        let (mut events, mut held) = (Reassembler::of(outbound.endpoint, outbound.include_usage), Vec::new());
         let hints = ProviderHints::from_headers(200, &host::header_pairs(&response.headers()));
         let client_body = host::start_response(out, 200, &headers);
         let to = client_body.as_ref().and_then(|b| b.write().ok());

@@ -11,7 +11,6 @@ use crate::core::flight::{self, Flight};
 use crate::core::limits::ProviderHints;
 use crate::core::log_fields::{Served, Spent};
 use crate::core::peer::Op;
-use crate::core::request::CHAT_PATH;
 use crate::core::semantic::Learned;
 use crate::core::upstream;
 use crate::proxy::abi as hostcalls;
@@ -120,8 +119,11 @@ impl Root {
         };
         let out = &run.outbound;
         let body = out.body_for(model);
-        let mut headers =
-            vec![(":method", "POST"), (":path", CHAT_PATH), (":authority", config.upstream.authority.as_str())];
+        let mut headers = vec![
+            (":method", "POST"),
+            (":path", out.endpoint.path()),
+            (":authority", config.upstream.authority.as_str()),
+        ];
         headers.extend(out.headers(bearer.as_deref()));
         let timeout = Duration::from_millis(timeout_ms.max(1));
         match hostcalls::dispatch_http_call(&config.upstream.cluster, headers, Some(&body), vec![], timeout) {

@@ -4,7 +4,6 @@
 use super::Root;
 use crate::core::engine::Call;
 use crate::core::flight;
-use crate::core::request::CHAT_PATH;
 use crate::core::stream;
 use crate::core::upstream::Outbound;
 use crate::proxy::abi as hostcalls;
@@ -57,7 +56,7 @@ impl Root {
         // many attempts it made (`host::upstream_attempts`), each counted and charged.
         let retries = config.retry.max_attempts.saturating_sub(1).to_string();
         let mut set: Vec<(&str, &str)> = vec![
-            (":path", CHAT_PATH),
+            (":path", run.outbound.endpoint.path()),
             (":authority", config.upstream.authority.as_str()),
             // Without it Envoy 1.40 finds no route for the rewritten request.
             ("x-forwarded-proto", scheme.as_str()),

@@ -6,7 +6,7 @@ use host_test::client::request;
 use host_test::envoy::workspace_root;
 use host_test::stack::{poll_until, prompt, prompt_for, Stack};
 use serde_json::Value;
-use std::net::{SocketAddr, TcpListener};
+use std::net::SocketAddr;
 use std::process::{Child, Command, Stdio};
 
 struct Prometheus {
@@ -49,7 +49,7 @@ fn start_prometheus(admin: SocketAddr) -> Prometheus {
         .replacen("- holysheep.rules.yml", &format!("- {}", rules_copy.display()), 1);
     assert_eq!(config.matches("1s").count(), 2, "the shipped file changed: this test's substitutions must follow");
     std::fs::write(dir.join("prometheus.yml"), config).expect("config");
-    let port = TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).expect("a port").port();
+    let port = host_test::ports::free(1).expect("a port")[0];
     let addr = SocketAddr::from(([127, 0, 0, 1], port));
     let child = Command::new("prometheus")
         .arg(format!("--config.file={}", dir.join("prometheus.yml").display()))

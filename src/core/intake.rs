@@ -151,14 +151,19 @@ impl Head {
     /// What the edge does with a request it does not govern. Without `tenants` it passes
     /// as it came. With them the edge answers `GET /v1/models`; a path the operator
     /// lists in `passthrough_paths` passes for a verified tenant with the operator's key;
-    /// any other request is refused here, so no tenant's call reaches HolySheep without a
-    /// key or outside the edge's accounts.
+    /// any other request of the API (under `/v1/`) or with a tenant's key is refused here,
+    /// so no tenant's call reaches HolySheep without a key or outside the edge's accounts.
+    /// The rest (a health check, say) passes as it came.
     pub fn ungoverned(&self, config: &Config) -> Ungoverned {
         if config.keys.is_empty() {
             return Ungoverned::Pass;
         }
         if let Some(answer) = models_answer(config, self) {
             return Ungoverned::Answer(answer);
+        }
+        let api = crate::core::request::segments(&self.path).first().is_some_and(|s| s == "v1");
+        if !api && config.keys.verify(self.authorization.as_deref()).is_err() {
+            return Ungoverned::Pass;
         }
         if !config.passes_through(&self.path) {
             return Ungoverned::Answer(Err(ApiError::not_served(&self.method, &self.path)));
@@ -399,6 +404,35 @@ mod tests {
         assert_eq!(route("POST", "/v1/models"), Route::Other);
         assert_eq!(route("GET", "/HolySheep/peer/bucket"), Route::Internal);
         assert_eq!(route("POST", "/v1/../holysheep/x"), Route::Internal);
+    }
+
+    #[test]
+    fn with_tenants_only_listed_paths_pass_and_with_the_operators_key() {
+        let token = "hs-t";
+        let digest: String =
+            crate::core::digest::sha256(token.as_bytes().to_vec()).iter().map(|b| format!("{b:02x}")).collect();
+        let raw = format!(r#"{{"tenants":{{"t":{{"keys_sha256":["{digest}"]}}}},"passthrough_paths":["/v1/files"]}}"#);
+        let config = Config::parse(raw.as_bytes()).unwrap();
+        let head = |method: &str, path: &str, auth: Option<&str>| Head {
+            method: method.into(),
+            path: path.into(),
+            authorization: auth.map(str::to_owned),
+            ..Head::default()
+        };
+        let tenant = Some("Bearer hs-t");
+        let refused = |h: Head| match h.ungoverned(&config) {
+            Ungoverned::Answer(Err(e)) => (e.status, e.code),
+            other => panic!("{other:?}"),
+        };
+        assert_eq!(refused(head("GET", "/v1/batches", tenant)), (404, "unknown_url"));
+        assert_eq!(refused(head("POST", "/v1/images/generations", None)), (404, "unknown_url"), "the API, any key");
+        assert_eq!(refused(head("GET", "/metrics", tenant)), (404, "unknown_url"), "a tenant's key never travels");
+        assert_eq!(head("GET", "/v1//files/file-1", tenant).ungoverned(&config), Ungoverned::WithOperatorKey);
+        assert_eq!(refused(head("GET", "/v1/files", Some("Bearer other"))), (401, "invalid_api_key"));
+        assert_eq!(head("GET", "/healthz", None).ungoverned(&config), Ungoverned::Pass, "not the API, no tenant");
+        assert!(matches!(head("GET", "/v1/models", tenant).ungoverned(&config), Ungoverned::Answer(Ok(_))));
+        let open = Config::default();
+        assert_eq!(head("GET", "/v1/files", Some("Bearer sk-own")).ungoverned(&open), Ungoverned::Pass);
     }
 
     #[test]

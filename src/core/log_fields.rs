@@ -8,9 +8,9 @@ use super::priority::Class;
 use super::request::Key;
 use super::usage::Usage;
 
-/// The names, in the order they are published. (`gen_ai.operation.name` is `chat` and
-/// `gen_ai.provider.name` is `holysheep` for every governed request: an access log writes
-/// them as text, no value needs setting.)
+/// The names, in the order they are published. (`gen_ai.provider.name` is `holysheep` for
+/// every governed request: an access log writes it as text, no value needs setting. The
+/// operation, `Endpoint::operation`, is the request path's to tell.)
 pub const NAMES: [&str; 12] = [
     "gen_ai.request.model",
     "gen_ai.response.model",

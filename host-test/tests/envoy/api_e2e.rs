@@ -215,3 +215,30 @@ fn a_path_the_edge_does_not_serve_is_refused_without_an_upstream_call_unless_lis
     assert_eq!(unknown.status, 401, "a listed path still needs a tenant's key");
     assert_eq!(listed.mock.mock.calls_to("/v1/files"), 0);
 }
+
+#[test]
+fn the_openai_node_sdk_embeds_responds_and_completes_through_the_edge_too() {
+    let s = start(&config(&[], ""));
+    let root = host_test::envoy::workspace_root();
+    let (_, token) = TOKENS[0];
+    let out = std::process::Command::new("node")
+        .arg(root.join("host-test/sdk-node/openai_api.mjs"))
+        .arg(format!("http://{}/v1", s.envoy.edge))
+        .arg(token)
+        .output()
+        .expect("node (make test installs the client into host-test/sdk-node)");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
+    let r: Vec<Value> =
+        serde_json::from_str::<Value>(stdout.trim()).expect("json line").as_array().cloned().unwrap_or_default();
+    assert_eq!(caches(&r), ["MISS", "HIT", "MISS", "HIT", "BYPASS", "MISS", "HIT"], "{r:#?}");
+    assert_eq!(r[0]["vectors"], json!([1536]));
+    assert!(r[2]["text"].as_str().is_some_and(|t| t.ends_with("to: node says hello")), "{}", r[2]);
+    assert_eq!(r[2]["usage"], r[3]["usage"]);
+    assert!(r[4]["text"].as_str().is_some_and(|t| t.ends_with("to: node streams")), "{}", r[4]);
+    assert!(r[5]["text"].as_str().is_some_and(|t| t.ends_with("of: node completes")), "{}", r[5]);
+    assert_eq!(
+        (s.mock.mock.embeddings(), s.mock.mock.calls_to("/v1/responses"), s.mock.mock.calls_to("/v1/completions")),
+        (1, 2, 1)
+    );
+}

@@ -408,3 +408,39 @@ fn the_component_answers_a_paraphrase_from_its_question_and_a_failed_embedding_a
     assert_eq!((failed.status, failed.cache()), (200, "MISS"));
     assert_eq!((mock.mock.calls(), mock.mock.embeddings()), (2, 4));
 }
+
+#[test]
+fn the_component_governs_embeddings_responses_and_completions_and_refuses_other_paths() {
+    let mock = Running::start(Some("sk-operator"), 0).expect("mock");
+    let token = "hs-component-tenant";
+    let config = format!(r#"{{"tenants":{{"a":{{"keys_sha256":["{}"]}}}}}}"#, sha256_hex(token.as_bytes()));
+    let c = serve_keyed(&mock, &config, "sk-operator");
+    let auth = format!("Bearer {token}");
+    let headers = [("authorization", auth.as_str())];
+    let calls = [
+        ("/v1/embeddings", r#"{"model":"text-embedding-3-small","input":["one","two"]}"#),
+        ("/v1/responses", r#"{"model":"gpt-4.1","input":"hi","store":false,"temperature":0}"#),
+        ("/v1/completions", r#"{"model":"gpt-4.1","prompt":"once","temperature":0}"#),
+    ];
+    for (path, body) in calls {
+        let first = request(c.addr, "POST", path, &headers, body.as_bytes()).expect("answer");
+        let again = request(c.addr, "POST", path, &headers, body.as_bytes()).expect("answer");
+        assert_eq!((first.status, first.header("x-holysheep-cache")), (200, Some("MISS")), "{path}: {}", first.text());
+        assert_eq!((again.header("x-holysheep-cache"), again.json()), (Some("HIT"), first.json()), "{path}");
+        assert_eq!(first.header("x-holysheep-tenant"), Some("a"));
+    }
+    assert_eq!(
+        (mock.mock.embeddings(), mock.mock.calls_to("/v1/responses"), mock.mock.calls_to("/v1/completions")),
+        (1, 1, 1)
+    );
+    assert_eq!(mock.mock.last_authorization().as_deref(), Some("Bearer sk-operator"));
+    let kept = r#"{"model":"gpt-4.1","input":"keep me"}"#;
+    for _ in 0..2 {
+        let r = request(c.addr, "POST", "/v1/responses", &headers, kept.as_bytes()).expect("answer");
+        assert_eq!(r.header("x-holysheep-cache"), Some("BYPASS"), "store defaults to true");
+    }
+    assert_eq!(mock.mock.calls_to("/v1/responses"), 3);
+    let files = request(c.addr, "GET", "/v1/files", &headers, b"").expect("answer");
+    assert_eq!((files.status, files.json()["error"]["code"].as_str()), (404, Some("unknown_url")));
+    assert_eq!(mock.mock.calls_to("/v1/files"), 0, "never reached HolySheep");
+}

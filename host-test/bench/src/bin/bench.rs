@@ -75,6 +75,17 @@ fn env_or(name: &str, default: u64) -> u64 {
 
 /// `conns` keep-alive connections, each sending `body(i)` back to back for `secs`.
 fn load(addr: SocketAddr, conns: usize, secs: u64, body: Arc<dyn Fn() -> String + Send + Sync>) -> Stats {
+    load_on(addr, PATH, conns, secs, body)
+}
+
+/// `load` on another endpoint's `path`.
+fn load_on(
+    addr: SocketAddr,
+    path: &'static str,
+    conns: usize,
+    secs: u64,
+    body: Arc<dyn Fn() -> String + Send + Sync>,
+) -> Stats {
     let start = Arc::new(Barrier::new(conns + 1));
     let handles: Vec<_> = (0..conns)
         .map(|_| {
@@ -88,7 +99,7 @@ fn load(addr: SocketAddr, conns: usize, secs: u64, body: Arc<dyn Fn() -> String 
                     let b = body();
                     let t = Instant::now();
                     let r =
-                        conn.request("POST", PATH, &[("authorization", "Bearer bench")], b.as_bytes()).expect("answer");
+                        conn.request("POST", path, &[("authorization", "Bearer bench")], b.as_bytes()).expect("answer");
                     lat.push(t.elapsed().as_micros() as u64);
                     assert_eq!(r.status, 200, "{}", r.text());
                     labels.push(r.cache().to_owned());
@@ -507,6 +518,12 @@ fn main() -> std::io::Result<()> {
         budget_rows(&mut r, &mock, rounds, (conns, secs), &prompt("bench: a budgeted HIT"))?;
         return r.write(&workspace_root().join("target/bench/budget"));
     }
+    if std::env::var("BENCH_ONLY").as_deref() == Ok("endpoints") {
+        let mut r = Report::default();
+        let mock = Running::start(None, 0)?;
+        endpoint_rows(&mut r, &mock, rounds, (conns, secs))?;
+        return r.write(&workspace_root().join("target/bench/endpoints"));
+    }
     if std::env::var("BENCH_ONLY").as_deref() == Ok("semantic") {
         let mut r = Report::default();
         semantic_rows(&mut r, rounds, (conns, secs))?;
@@ -731,6 +748,7 @@ fn main() -> std::io::Result<()> {
     drop(logging);
 
     budget_rows(&mut r, &mock, rounds, (conns, secs), &hit_prompt)?;
+    endpoint_rows(&mut r, &mock, rounds, (conns, secs))?;
     backlog_rows(&mut r)?;
 
     drop(envoy);
@@ -827,6 +845,45 @@ fn budget_rows(
     r.ratio("budgeted MISS (spend store) / budgeted MISS (per process)", store_ratio, "the store's cost");
     let stored = etcd.get("holysheep/budget/t").unwrap_or_default();
     r.note(format!("spend store after the budgeted rows: {stored}"));
+    Ok(())
+}
+
+/// Embeddings beside chat, alternating in one run on one Envoy: a HIT of each (the same
+/// request again), then a MISS of each (distinct requests, the mock answering at once).
+fn endpoint_rows(r: &mut Report, mock: &Running, rounds: usize, (conns, secs): (usize, u64)) -> std::io::Result<()> {
+    const EMBEDDINGS: &str = "/v1/embeddings";
+    let envoy = Envoy::start(&Options::new("{}", mock.addr))?;
+    let embedding = |text: String| format!(r#"{{"model":"text-embedding-3-small","input":"{text}"}}"#);
+    let (chat_hit, embedding_hit) = (prompt("bench: a chat HIT"), embedding("bench: an embeddings HIT".into()));
+    request(envoy.edge, "POST", PATH, &[("authorization", "Bearer bench")], chat_hit.as_bytes())?;
+    request(envoy.edge, "POST", EMBEDDINGS, &[("authorization", "Bearer bench")], embedding_hit.as_bytes())?;
+    let same = |body: &str| -> Arc<dyn Fn() -> String + Send + Sync> {
+        let body = body.to_owned();
+        Arc::new(move || body.clone())
+    };
+    let n = Arc::new(AtomicU64::new(0));
+    let distinct: Arc<dyn Fn() -> String + Send + Sync> =
+        Arc::new(move || embedding(format!("bench embeddings miss {}", n.fetch_add(1, Ordering::Relaxed))));
+    let chat_misses = unique_prompts("endpoint rows");
+    println!();
+    let rows = alternate(
+        rounds,
+        &mut [
+            &mut || expect_all(load(envoy.edge, conns, secs, same(&chat_hit)), "HIT"),
+            &mut || expect_all(load_on(envoy.edge, EMBEDDINGS, conns, secs, same(&embedding_hit)), "HIT"),
+            &mut || expect_all(load(envoy.edge, conns, secs, chat_misses.clone()), "MISS"),
+            &mut || expect_all(load_on(envoy.edge, EMBEDDINGS, conns, secs, distinct.clone()), "MISS"),
+        ],
+    );
+    let [chat_h, emb_h, chat_m, emb_m] = &rows[..] else { unreachable!("four rows") };
+    let (hit_ratio, miss_ratio) = (paired(emb_h, chat_h, throughput), paired(emb_m, chat_m, throughput));
+    let mut medians = rows.into_iter().map(median);
+    r.row("edge HIT, chat completions (paired)", medians.next().expect("a row"));
+    r.row("edge HIT, embeddings", medians.next().expect("a row"));
+    r.row("edge MISS, chat completions (paired)", medians.next().expect("a row"));
+    r.row("edge MISS, embeddings", medians.next().expect("a row"));
+    r.ratio("embeddings HIT / chat HIT", hit_ratio, "one intake for every endpoint");
+    r.ratio("embeddings MISS / chat MISS", miss_ratio, "the mock's embedding is larger than its chat answer");
     Ok(())
 }
 

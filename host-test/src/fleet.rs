@@ -47,6 +47,11 @@ pub struct Fleet {
 /// One request per (address, body) with `authorization`, each on its own connection, all
 /// released together.
 pub fn spread(targets: Vec<(SocketAddr, String)>, authorization: &str) -> Vec<Resp> {
+    spread_to(targets, PATH, authorization)
+}
+
+/// `spread` on another endpoint's `path`.
+pub fn spread_to(targets: Vec<(SocketAddr, String)>, path: &'static str, authorization: &str) -> Vec<Resp> {
     let barrier = Arc::new(Barrier::new(targets.len()));
     let handles: Vec<_> = targets
         .into_iter()
@@ -55,7 +60,7 @@ pub fn spread(targets: Vec<(SocketAddr, String)>, authorization: &str) -> Vec<Re
             std::thread::spawn(move || {
                 let mut conn = Conn::open(addr).and_then(|c| c.read_timeout(Duration::from_secs(30))).expect("connect");
                 b.wait();
-                conn.request("POST", PATH, &[("authorization", &authorization)], body.as_bytes()).expect("answer")
+                conn.request("POST", path, &[("authorization", &authorization)], body.as_bytes()).expect("answer")
             })
         })
         .collect();

@@ -121,15 +121,19 @@ impl Endpoint {
 
     /// Whether a request may be shared with other callers (cached, coalesced): a Responses
     /// call that asks HolySheep to keep state (`store` true or absent,
-    /// `previous_response_id`, `background`) makes an object only its caller may use.
+    /// `previous_response_id`, `conversation`, `background`) makes an object only its
+    /// caller may use, and one on a stored `prompt` without a pinned `version` may change
+    /// with the template.
     pub fn shareable(self, map: &Map<String, Value>) -> bool {
         if self != Endpoint::Responses {
             return true;
         }
+        let set = |f: &str| map.get(f).is_some_and(|v| !v.is_null());
         let stored = map.get("store").and_then(Value::as_bool).unwrap_or(true);
         let background = map.get("background").and_then(Value::as_bool).unwrap_or(false);
-        let previous = map.get("previous_response_id").is_some_and(|p| !p.is_null());
-        !stored && !background && !previous
+        let floating_prompt =
+            map.get("prompt").is_some_and(|p| !p.is_null() && p.get("version").is_none_or(Value::is_null));
+        !stored && !background && !set("previous_response_id") && !set("conversation") && !floating_prompt
     }
 
     /// Whether a 200 body is what this endpoint answers: JSON (by its content type)
@@ -192,6 +196,11 @@ mod tests {
         assert!(Endpoint::Responses.shareable(&map(json!({"input": "hi", "store": false}))));
         assert!(!Endpoint::Responses.shareable(&map(json!({"store": false, "previous_response_id": "resp_1"}))));
         assert!(!Endpoint::Responses.shareable(&map(json!({"store": false, "background": true}))));
+        assert!(!Endpoint::Responses.shareable(&map(json!({"store": false, "conversation": "conv_1"}))));
+        assert!(!Endpoint::Responses.shareable(&map(json!({"store": false, "prompt": {"id": "pmpt_1"}}))));
+        assert!(
+            Endpoint::Responses.shareable(&map(json!({"store": false, "prompt": {"id": "pmpt_1", "version": "2"}})))
+        );
         assert!(Endpoint::Embeddings.shareable(&map(json!({"input": "hi"}))));
     }
 

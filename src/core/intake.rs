@@ -50,6 +50,10 @@ pub enum Route {
     Other,
 }
 
+/// Request headers a passed-through request loses with the tenant's token: they would
+/// choose an organization or project of the operator's account.
+pub const NOT_PASSED_WITH_OPERATOR_KEY: [&str; 2] = ["openai-organization", "openai-project"];
+
 /// What becomes of a request the edge does not govern.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Ungoverned {
@@ -158,10 +162,14 @@ impl Head {
         if config.keys.is_empty() {
             return Ungoverned::Pass;
         }
+        if self.repeated_tenant {
+            // Two credentials: the edge cannot say which one is the tenant's.
+            return Ungoverned::Answer(Err(ambiguous_tenant(config)));
+        }
         if let Some(answer) = models_answer(config, self) {
             return Ungoverned::Answer(answer);
         }
-        let api = crate::core::request::segments(&self.path).first().is_some_and(|s| s == "v1");
+        let api = crate::core::request::segments(&self.path).first().is_some_and(|s| s.eq_ignore_ascii_case("v1"));
         if !api && config.keys.verify(self.authorization.as_deref()).is_err() {
             return Ungoverned::Pass;
         }
@@ -180,12 +188,7 @@ impl Head {
     /// `verified`), and a body declared larger than `max_body_bytes`.
     pub fn check(&mut self, config: &Config) -> Result<(), ApiError> {
         if self.repeated_tenant {
-            let named = config.cache.tenant_header.as_deref().unwrap_or("authorization");
-            return Err(ApiError::invalid(
-                format!("the '{named}' header, which names the tenant, must appear once"),
-                None,
-                "ambiguous_tenant",
-            ));
+            return Err(ambiguous_tenant(config));
         }
         if !config.keys.is_empty() {
             self.verified = Some(config.keys.verify(self.authorization.as_deref())?.to_owned());
@@ -329,6 +332,16 @@ pub fn decide<S: CasStore>(
     Ok(Decision { request, step, outbound, keep })
 }
 
+/// The 400 of a request whose tenant credential came more than once.
+fn ambiguous_tenant(config: &Config) -> ApiError {
+    let named = config.cache.tenant_header.as_deref().unwrap_or("authorization");
+    ApiError::invalid(
+        format!("the '{named}' header, which names the tenant, must appear once"),
+        None,
+        "ambiguous_tenant",
+    )
+}
+
 /// A header value as text. Envoy lets bytes that are not UTF-8 through (obs-text); they
 /// are kept as `%XX` escapes, so no reader of headers can fail on them.
 pub fn text(bytes: Vec<u8>) -> String {
@@ -430,6 +443,9 @@ mod tests {
         assert_eq!(head("GET", "/v1//files/file-1", tenant).ungoverned(&config), Ungoverned::WithOperatorKey);
         assert_eq!(refused(head("GET", "/v1/files", Some("Bearer other"))), (401, "invalid_api_key"));
         assert_eq!(head("GET", "/healthz", None).ungoverned(&config), Ungoverned::Pass, "not the API, no tenant");
+        assert_eq!(refused(head("GET", "/V1/Files", None)), (404, "unknown_url"), "the API in any case");
+        let twice = Head { repeated_tenant: true, ..head("GET", "/healthz", Some("Bearer x,Bearer hs-t")) };
+        assert_eq!(refused(twice), (400, "ambiguous_tenant"), "a tenant's key may hide second");
         assert!(matches!(head("GET", "/v1/models", tenant).ungoverned(&config), Ungoverned::Answer(Ok(_))));
         let open = Config::default();
         assert_eq!(head("GET", "/v1/files", Some("Bearer sk-own")).ungoverned(&open), Ungoverned::Pass);

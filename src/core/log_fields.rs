@@ -9,9 +9,8 @@ use super::request::Key;
 use super::usage::Usage;
 
 /// The names, in the order they are published. (`gen_ai.provider.name` is `holysheep` for
-/// every governed request: an access log writes it as text, no value needs setting. The
-/// operation, `Endpoint::operation`, is the request path's to tell.)
-pub const NAMES: [&str; 12] = [
+/// every governed request: an access log writes it as text, no value needs setting.)
+pub const NAMES: [&str; 13] = [
     "gen_ai.request.model",
     "gen_ai.response.model",
     "gen_ai.usage.input_tokens",
@@ -24,6 +23,7 @@ pub const NAMES: [&str; 12] = [
     "holysheep.wait_ms",
     "holysheep.priority",
     "gen_ai.usage.cache_read.input_tokens",
+    "gen_ai.operation.name",
 ];
 
 /// What a flight did for the request it answers: upstream attempts, the dollars they
@@ -79,6 +79,8 @@ pub struct Answered<'a> {
     /// The model that produced the answer (a 200's `x-holysheep-model`).
     pub response_model: Option<&'a str>,
     pub requested_model: &'a str,
+    /// The endpoint's GenAI operation (`Endpoint::operation`).
+    pub operation: &'static str,
     pub tenant: Option<&'a str>,
     pub class: Class,
     pub served: Served,
@@ -108,6 +110,7 @@ pub fn values(a: &Answered<'_>) -> Vec<(&'static str, String)> {
         Some(a.served.wait_ms.to_string()),
         Some(a.class.as_str().to_owned()),
         a.usage.map(|u| u.cached.to_string()),
+        Some(a.operation.to_owned()),
     ];
     NAMES.into_iter().zip(values).filter_map(|(n, v)| Some((n, v?))).collect()
 }
@@ -138,6 +141,7 @@ mod tests {
             key: reply.key.as_ref(),
             response_model: response_model(&reply),
             requested_model: "gpt-4.1",
+            operation: "chat",
             tenant: Some("search"),
             class: Class::Critical,
             served: Served::by_flight(spent),
@@ -159,6 +163,7 @@ mod tests {
                 "holysheep.wait_ms=40",
                 "holysheep.priority=critical",
                 "gen_ai.usage.cache_read.input_tokens=4",
+                "gen_ai.operation.name=chat",
             ]
         );
     }
@@ -171,6 +176,7 @@ mod tests {
             key: reply.key.as_ref(),
             response_model: response_model(&reply),
             requested_model: "gpt-4.1",
+            operation: "embeddings",
             tenant: None,
             class: Class::Standard,
             served: Served::default(),
@@ -184,7 +190,8 @@ mod tests {
                 "holysheep.cost_usd",
                 "holysheep.upstream_attempts",
                 "holysheep.wait_ms",
-                "holysheep.priority"
+                "holysheep.priority",
+                "gen_ai.operation.name"
             ],
             "no answering model, tokens, cache status, key or tenant"
         );

@@ -464,14 +464,23 @@ fn completion_limit(endpoint: Endpoint, map: &Map<String, Value>, choices: u64) 
     set.max().map(|limit| limit.saturating_mul(choices))
 }
 
-/// The choices HolySheep generates: `n` (validated: 1 to 128), and for completions
-/// `best_of` when larger (each is billed).
+/// The completions HolySheep generates: `n` (validated: 1 to 128); for completions
+/// `best_of` when larger (each is billed), for each prompt of a list.
 fn choices(endpoint: Endpoint, map: &Map<String, Value>) -> u64 {
     let n = |f: &str| map.get(f).and_then(Value::as_u64).unwrap_or(1).max(1);
     match endpoint {
         Endpoint::Chat => n("n"),
-        Endpoint::Completions => n("n").max(n("best_of")),
+        Endpoint::Completions => n("n").max(n("best_of")).saturating_mul(prompts(map)),
         Endpoint::Embeddings | Endpoint::Responses => 1,
+    }
+}
+
+/// The prompts of a completions request: one for a string or a list of token numbers,
+/// else one per item of the list (strings, or lists of token numbers).
+fn prompts(map: &Map<String, Value>) -> u64 {
+    match map.get("prompt") {
+        Some(Value::Array(items)) if !items.iter().all(Value::is_u64) => items.len().max(1) as u64,
+        _ => 1,
     }
 }
 
@@ -885,5 +894,22 @@ mod tests {
             let message: Vec<u8> = (0..len).map(|i| (i * 7 % 251) as u8).collect();
             assert_eq!(sha256(message.clone()), <[u8; 32]>::from(sha2::Sha256::digest(&message)), "length {len}");
         }
+    }
+
+    #[test]
+    fn a_completions_worst_case_counts_every_choice_of_every_prompt() {
+        let parse = |body: &str| ApiRequest::parse(&Config::default(), &AUTH_A, Endpoint::Completions, body.as_bytes());
+        let many = parse(r#"{"model":"m","prompt":["a","b","c"],"max_tokens":10,"n":2}"#).unwrap();
+        assert_eq!((many.choices, many.completion_limit), (6, Some(60)), "three prompts, two choices each");
+        let best = parse(r#"{"model":"m","prompt":"a","max_tokens":10,"n":2,"best_of":5}"#).unwrap();
+        assert_eq!(best.completion_limit, Some(50), "best_of are all billed");
+        let tokens = parse(r#"{"model":"m","prompt":[1,2,3],"max_tokens":10}"#).unwrap();
+        assert_eq!(tokens.completion_limit, Some(10), "a list of token numbers is one prompt");
+        assert_eq!(parse(r#"{"model":"m"}"#).unwrap_err().code, "missing_required_parameter");
+        let e = ApiRequest::parse(&Config::default(), &AUTH_A, Endpoint::Embeddings, br#"{"model":"m","input":[]}"#);
+        assert_eq!(e.unwrap_err().param.as_deref(), Some("input"), "an empty list embeds nothing");
+        let emb = ApiRequest::parse(&Config::default(), &AUTH_A, Endpoint::Embeddings, br#"{"model":"m","input":"x"}"#)
+            .unwrap();
+        assert_eq!((emb.completion_limit, emb.deterministic, emb.shared), (Some(0), true, true));
     }
 }

@@ -216,7 +216,9 @@ impl Reassembler {
                 self.usage = usage.cloned();
                 self.done = true;
             }
-            _ if kind.ends_with(".delta") => self.streamed_chars += text_chars(&event["delta"]),
+            _ if kind.ends_with(".delta") => {
+                self.streamed_chars += event.get("delta").map_or(0, text_chars);
+            }
             _ => {}
         }
     }

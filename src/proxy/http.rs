@@ -54,6 +54,11 @@ enum State {
     Teeing(Box<Tee>),
     /// The tee reported the end.
     Ended,
+    /// Passed on with the operator's key (`passthrough_paths`).
+    Passed,
+    /// ... and HolySheep refused the key: its body, which may quote part of the key, is
+    /// replaced by the edge's error.
+    PassedRefused(u16),
 }
 
 impl Chat {
@@ -216,7 +221,11 @@ impl Chat {
                 if !host::routed_to(&config.upstream.cluster) {
                     return self.reject(&ApiError::misdirected());
                 }
+                for name in intake::NOT_PASSED_WITH_OPERATOR_KEY {
+                    let _ = hostcalls::set_map_value(MapType::HttpRequestHeaders, name, None);
+                }
                 let _ = hostcalls::set_map_value(MapType::HttpRequestHeaders, "authorization", bearer.as_deref());
+                self.state = State::Passed;
                 Action::Continue
             }
             Ungoverned::Answer(Ok(list)) => {
@@ -229,6 +238,25 @@ impl Chat {
                 self.reject(&e)
             }
         }
+    }
+
+    /// HolySheep's answer to a request passed with the operator's key: as it is, unless it
+    /// refuses the key (then the edge's 502, its body replaced as it comes).
+    fn passed_answer(&mut self) -> Action {
+        let status = host::headers(MapType::HttpResponseHeaders)
+            .into_iter()
+            .find(|(n, _)| n == ":status")
+            .and_then(|(_, v)| v.parse::<u16>().ok())
+            .unwrap_or(0);
+        if !matches!(status, 401 | 403) {
+            return Action::Continue;
+        }
+        self.worker.borrow_mut().key_refused(status);
+        self.state = State::PassedRefused(status);
+        set_response_header("content-length", None);
+        set_response_header("content-type", Some("application/json"));
+        set_response_header(":status", Some("502"));
+        Action::Continue
     }
 
     /// A body callback (data or trailers): `Some(action)` when this request is not being
@@ -292,6 +320,12 @@ fn strip_fleet_headers() {
     }
 }
 
+/// The edge's error in place of HolySheep's refusal of the operator's key.
+fn key_refused_error(status: u16) -> ApiError {
+    upstream::refused(status, "application/json", upstream::Sent { operator_key: true, ..Default::default() })
+        .unwrap_or_else(|| ApiError::upstream(502, "HolySheep refused the edge's API key", upstream::KEY_REFUSED))
+}
+
 fn set_response_header(name: &str, value: Option<&str>) {
     let _ = hostcalls::set_map_value(MapType::HttpResponseHeaders, name, value);
 }
@@ -315,6 +349,10 @@ impl HttpContext for Chat {
         let config = self.worker.borrow().config.clone();
         let raw = host::header_map(MapType::HttpRequestHeaders);
         self.head = Head::read(pairs::parse(&raw).unwrap_or_default(), config.cache.tenant_header.as_deref());
+        if self.head.method.is_empty() {
+            // Unreadable headers: nothing can be said of the request, so it goes nowhere.
+            return self.reject(&ApiError::invalid("the request headers could not be read", None, "invalid_headers"));
+        }
         let route = self.head.route();
         if route == Route::Internal {
             let (method, path) = (std::mem::take(&mut self.head.method), std::mem::take(&mut self.head.path));
@@ -372,6 +410,9 @@ impl HttpContext for Chat {
     /// Only a forwarded stream's own answer is teed; the filter's local replies (which
     /// Envoy also runs through here) pass untouched.
     fn on_http_response_headers(&mut self, _num_headers: usize, end_of_stream: bool) -> Action {
+        if matches!(self.state, State::Passed) {
+            return self.passed_answer();
+        }
         // A hop sent from here, or from the root for a waiter that came to lead.
         if self.worker.borrow().runs.hops.contains_key(&self.id) && !matches!(self.state, State::Teeing(_)) {
             return self.hop_answer(end_of_stream);
@@ -435,6 +476,11 @@ impl HttpContext for Chat {
     }
 
     fn on_http_response_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
+        if let State::PassedRefused(status) = self.state {
+            let out = if end_of_stream { key_refused_error(status).body() } else { Vec::new() };
+            let _ = hostcalls::set_buffer(BufferType::HttpResponseBody, 0, body_size, &out);
+            return Action::Continue;
+        }
         let State::Teeing(tee) = &mut self.state else { return Action::Continue };
         let chunk = host::buffer(BufferType::HttpResponseBody, body_size);
         if let Some(out) = tee.pass(&chunk, end_of_stream) {

@@ -108,6 +108,7 @@ fn answered(outbound: &Outbound, served: Served, usage: Option<Usage>) -> Answer
         key: None,
         response_model: None,
         requested_model: &outbound.model,
+        operation: outbound.endpoint.operation(),
         tenant: outbound.tenant.as_deref(),
         class: outbound.class,
         served,

@@ -228,13 +228,24 @@ impl Mock {
             _ => {
                 let mut s = self.state();
                 *s.api_calls.entry(path.clone()).or_default() += 1;
-                s.last_authorization = auth;
+                s.last_authorization.clone_from(&auth);
                 s.last_headers = parts
                     .headers
                     .iter()
                     .map(|(n, v)| (n.as_str().to_owned(), String::from_utf8_lossy(v.as_bytes()).into_owned()))
                     .collect();
-                error(StatusCode::NOT_FOUND, "Unknown request URL", "invalid_request_error", "unknown_url", None)
+                drop(s);
+                // As OpenAI does: the key is checked before the path.
+                match self.check_key(auth.as_deref()) {
+                    Some(denied) => denied,
+                    None => error(
+                        StatusCode::NOT_FOUND,
+                        "Unknown request URL",
+                        "invalid_request_error",
+                        "unknown_url",
+                        None,
+                    ),
+                }
             }
         })
     }

@@ -84,7 +84,7 @@ fn the_access_log_shows_each_answers_cache_models_tokens_cost_and_wait() {
     let miss = by("MISS", "gpt-4.1");
     assert_eq!(miss.len(), 1, "{logged:#?}");
     let miss = miss[0];
-    assert_eq!(field(miss, "status"), "200");
+    assert_eq!((field(miss, "status"), field(miss, "gen_ai.operation.name")), ("200".into(), "chat".into()));
     assert_eq!((field(miss, "gen_ai.response.model"), field(miss, "holysheep.key")), ("gpt-4.1".into(), key.clone()));
     assert_eq!(
         (field(miss, "gen_ai.usage.input_tokens"), field(miss, "gen_ai.usage.output_tokens")),
@@ -139,6 +139,18 @@ fn the_access_log_shows_each_answers_cache_models_tokens_cost_and_wait() {
     assert_eq!(
         (field(r, "holysheep.upstream_attempts"), field(r, "holysheep.cost_usd")),
         ("0".into(), "0.000000".into())
+    );
+
+    // Another endpoint is logged as its own operation, with its input tokens.
+    let embedding = br#"{"model":"text-embedding-3-small","input":"three little words"}"#;
+    let e = host_test::client::request(s.envoy.edge, "POST", "/v1/embeddings", &[("authorization", &auth)], embedding)
+        .expect("an answer");
+    assert_eq!(e.status, 200, "{}", e.text());
+    poll_until(|| lines(&log).len() >= 7, "the embedding's access-log line never came");
+    let line = lines(&log).pop().expect("a line");
+    assert_eq!(
+        (field(&line, "gen_ai.operation.name"), field(&line, "path"), field(&line, "gen_ai.usage.input_tokens")),
+        ("embeddings".into(), "/v1/embeddings".into(), "3".into())
     );
     assert!(s.crashes().is_empty(), "{:?}", s.crashes());
 }

@@ -136,6 +136,19 @@ fn a_crowd_of_fifty_identical_embeddings_makes_one_upstream_call() {
 }
 
 #[test]
+fn over_three_nodes_a_crowd_of_identical_embeddings_makes_one_upstream_call() {
+    let fleet = host_test::fleet::Fleet::start(3, r#"{"edge":{"max_age_seconds":0}}"#, 300);
+    let body = json!({"model": "text-embedding-3-small", "input": "one owner for every node"}).to_string();
+    let targets = host_test::fleet::round_robin(&fleet.publics(), vec![body; 90]);
+    let answers = host_test::fleet::spread_to(targets, "/v1/embeddings", "Bearer sk-fleet");
+    assert!(answers.iter().all(|a| a.status == 200), "{:?}", answers.iter().map(|a| a.status).collect::<Vec<_>>());
+    assert_eq!(fleet.mock.mock.embeddings(), 1, "one upstream call for the fleet");
+    let bodies: Vec<Value> = answers.iter().map(Resp::json).collect();
+    assert!(bodies.iter().all(|b| b == &bodies[0]), "the same answer on every node");
+    assert_eq!(fleet.crashes(), Vec::<String>::new());
+}
+
+#[test]
 fn a_tenants_budget_binds_on_embeddings() {
     // $0.01 a day; a call's worst case is every byte of its body a token, at 100 µ$ each.
     let s = start(&config(&[("index", r#""usd_per_day":0.01"#)], ""));
@@ -201,7 +214,8 @@ fn a_path_the_edge_does_not_serve_is_refused_without_an_upstream_call_unless_lis
     }
     assert_eq!(s.mock.mock.last_authorization(), None, "nothing reached HolySheep");
     let listed = start(&config(&[], r#","passthrough_paths":["/v1/files"]"#));
-    let r = request(listed.envoy.edge, "GET", "/v1/files/file-1", &[("authorization", &auth)], b"").expect("answers");
+    let org = [("authorization", auth.as_str()), ("openai-organization", "org-other"), ("x-trace", "kept")];
+    let r = request(listed.envoy.edge, "GET", "/v1/files/file-1", &org, b"").expect("answers");
     assert_eq!(r.status, 404, "the mock's own answer: {}", r.text());
     assert_eq!(listed.mock.mock.calls_to("/v1/files/file-1"), 1);
     let sent = listed.mock.mock.last_authorization();
@@ -210,10 +224,21 @@ fn a_path_the_edge_does_not_serve_is_refused_without_an_upstream_call_unless_lis
         Some(format!("Bearer {OPERATOR_KEY}").as_str()),
         "the operator's key, not the tenant's"
     );
+    let seen = listed.mock.mock.last_headers();
+    assert!(seen.iter().any(|(n, v)| n == "x-trace" && v == "kept"), "{seen:?}");
+    assert!(!seen.iter().any(|(n, _)| n == "openai-organization"), "no tenant picks the operator's organization");
     let unknown =
         request(listed.envoy.edge, "GET", "/v1/files", &[("authorization", "Bearer hs-nobody")], b"").expect("answers");
     assert_eq!(unknown.status, 401, "a listed path still needs a tenant's key");
     assert_eq!(listed.mock.mock.calls_to("/v1/files"), 0);
+    // HolySheep refusing the operator's key on a passed request: the edge's 502, without
+    // the 401's quote of the key.
+    let stale_key = "sk-operator-revoked-0042";
+    let passthrough = config(&[], r#","passthrough_paths":["/v1/files"]"#);
+    let refused = Stack::start_with(&passthrough, 0, Some(OPERATOR_KEY), Some(stale_key));
+    let r = request(refused.envoy.edge, "GET", "/v1/files", &[("authorization", &auth)], b"").expect("answers");
+    assert_eq!((r.status, r.json()["error"]["code"].as_str()), (502, Some("upstream_auth_failed")), "{}", r.text());
+    assert!(!r.text().contains("0042") && !r.text().contains("sk-"), "no fragment of the key: {}", r.text());
 }
 
 #[test]

@@ -144,7 +144,7 @@ fn a_request_the_edge_does_not_govern_never_carries_the_tenants_key_on() {
     // Outside the API and without a tenant's key (a health check, say), a request passes
     // untouched.
     let probe = request(s.envoy.edge, "GET", "/status", &[("x-other", "kept")], b"").expect("answer");
-    assert_eq!(probe.status, 404, "HolySheep's own answer: {}", probe.text());
+    assert_eq!(probe.status, 401, "HolySheep's own answer, to no key: {}", probe.text());
     assert_eq!(s.mock.mock.calls_to("/status"), 1);
     let seen = s.mock.mock.last_headers();
     assert!(seen.iter().any(|(n, v)| n == "x-other" && v == "kept"), "the rest passes untouched: {seen:?}");

@@ -174,7 +174,8 @@ impl Gateway {
     /// the tenant's, which is the edge's own and never passes on.
     pub(super) fn forward(&self, request: IncomingRequest, operator_key: bool, out: ResponseOutparam) {
         let received = host::header_pairs(&request.headers());
-        let kept = |n: &str| !NOT_FORWARDED.contains(&n) && (!operator_key || n != "authorization");
+        let swapped = |n: &str| n == "authorization" || crate::core::intake::NOT_PASSED_WITH_OPERATOR_KEY.contains(&n);
+        let kept = |n: &str| !(NOT_FORWARDED.contains(&n) || operator_key && swapped(n));
         let mut headers: Vec<(String, String)> = received.into_iter().filter(|(n, _)| kept(n)).collect();
         if let Some(bearer) = self.bearer.as_ref().filter(|_| operator_key) {
             headers.push(("authorization".to_owned(), bearer.clone()));
@@ -188,6 +189,12 @@ impl Gateway {
             let e = ApiError::upstream(502, "HolySheep could not be reached", "upstream_unavailable");
             return host::reply(out, &Reply::error(&e), &[]);
         };
+        // HolySheep refusing the operator's key: its body may quote part of the key.
+        let sent = crate::core::upstream::Sent { operator_key, ..Default::default() };
+        if let Some(e) = crate::core::upstream::refused(answer.status(), "application/json", sent) {
+            drop(answer);
+            return host::reply(out, &Reply::error(&e), &[]);
+        }
         let headers: Vec<(String, String)> = host::header_pairs(&answer.headers())
             .into_iter()
             .filter(|(n, _)| !NOT_RETURNED.contains(&n.as_str()))

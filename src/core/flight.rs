@@ -3,6 +3,7 @@
 //! jitter honouring the provider's `retry-after`, and failover to the model's fallbacks,
 //! all within `upstream.timeout_ms`. The shell performs each `Action` and reports back.
 
+use super::batch::Batch;
 use super::cache::Response;
 use super::config::Config;
 use super::engine::Call;
@@ -155,6 +156,9 @@ pub struct Flight {
     pub events: Vec<Event>,
     /// Settlements for model owner nodes, sent by the shell without waiting.
     pub outbox: Vec<Op>,
+    /// An embeddings list answered item by item: HolySheep's answer is completed with the
+    /// cached items (`Batch::finish`).
+    batch: Option<Batch>,
 }
 
 impl Flight {
@@ -197,6 +201,7 @@ impl Flight {
             admitted: false,
             events,
             outbox: Vec::new(),
+            batch: outbound.batch.clone(),
         }
     }
 
@@ -433,6 +438,10 @@ impl Flight {
         if hints.throttled {
             self.events.push(Event::ProviderRateLimited { model: model.clone() });
         }
+        let outcome = match (&self.batch, outcome) {
+            (Some(batch), Some(r)) if r.status == 200 => Some(batch.finish(store, config, r, now_ms)),
+            (_, outcome) => outcome,
+        };
         let outcome = outcome.map(|r| r.with_header("x-holysheep-model", model.clone()));
         if !retryable(outcome.as_ref()) || hints.key_refused {
             return self.end(store, config, outcome, now_ms);
@@ -760,6 +769,7 @@ mod tests {
             limit_named: false,
             class,
             semantic: None,
+            batch: None,
         }
     }
 
@@ -871,6 +881,7 @@ mod tests {
             limit_named: false,
             class: Default::default(),
             semantic: None,
+            batch: None,
         };
         Flight::new(c, call, &outbound)
     }

@@ -4,10 +4,12 @@
 //! the cache policy its directives ask for, then decided (`decide`): the step the engine
 //! takes and the call it would make.
 
+use crate::core::batch::{self, Plan};
 use crate::core::cache::Response;
 use crate::core::config::Config;
+use crate::core::config::Role;
 use crate::core::endpoint::Endpoint;
-use crate::core::engine::{CacheStatus, Engine, Step};
+use crate::core::engine::{CacheStatus, Engine, Reply, Step};
 use crate::core::error::ApiError;
 use crate::core::hot;
 use crate::core::peer;
@@ -313,15 +315,30 @@ pub fn decide<S: CasStore>(
 ) -> Result<Decision, ApiError> {
     let Intake { request, policy } = intake_or_known(engine.config, &head, body, known)?;
     let step = engine.admit(&request.key, policy, now_ms, nonce);
+    let (step, batch) = match step {
+        Step::Call(call) => by_item(engine, &request, call, body, now_ms),
+        step => (step, None),
+    };
     let hit = matches!(&step, Step::Reply(r) if r.cache == Some(CacheStatus::Hit));
     let plain = head.plain();
     let keep = Keep { answer: plain && hit, parse: plain && known.is_none() && (hit || matches!(step, Step::Wait(_))) };
     // A reply needs the request's form, not its body; a call (now, or a waiter's later)
     // sends it.
-    let body = if matches!(step, Step::Reply(_)) { Vec::new() } else { body.to_vec() };
+    let body = match (&step, &batch) {
+        (Step::Reply(_), _) => Vec::new(),
+        (_, Some(Plan::Call(_, Some(fewer)))) => fewer.clone(),
+        _ => body.to_vec(),
+    };
     // A tenant's token is the edge's to check, never HolySheep's to see.
     let client_authorization = head.authorization.filter(|_| request.tenant.is_none());
     let mut outbound = Outbound { class: policy.class, ..Outbound::of(&request, body, client_authorization) };
+    if let Some(Plan::Call(batch, fewer)) = batch {
+        if fewer.is_some() {
+            // Only the items the cache does not hold are sent, estimated, and billed.
+            outbound.estimate_tokens = outbound.prompt_estimate();
+        }
+        outbound.batch = Some(batch);
+    }
     // A call that must stay within a dollar budget is bounded: without a completion limit
     // of its own it is sent with one.
     let budgeted =
@@ -340,6 +357,32 @@ fn ambiguous_tenant(config: &Config) -> ApiError {
         None,
         "ambiguous_tenant",
     )
+}
+
+/// A leader of an embeddings list: answered from the cached items when they make the
+/// whole answer exactly (the flight ends at once, a HIT), else the call it makes embeds
+/// only the items the cache does not hold (`batch::plan`). Only on a model owner, for a
+/// model without fallbacks (another model's vectors would not mix with these).
+fn by_item<S: CasStore>(
+    engine: &Engine<'_, S>,
+    request: &ApiRequest,
+    call: crate::core::engine::Call,
+    body: &[u8],
+    now_ms: u64,
+) -> (Step, Option<Plan>) {
+    let config = engine.config;
+    let alone = config.model(&request.model).is_none_or(|(_, m)| m.fallback.is_empty());
+    let Some(keys) = request.items.as_ref().filter(|_| alone && config.role == Role::Owner) else {
+        return (Step::Call(call), None);
+    };
+    let read = call.policy.read;
+    match batch::plan(engine.store, config, keys, body, (read, call.store), now_ms) {
+        Some(Plan::Answered(answer)) => {
+            let reply = engine.complete(&call, Some(answer), now_ms);
+            (Step::Reply(Reply { cache: Some(CacheStatus::Hit), age_s: Some(0), ..reply }), None)
+        }
+        plan => (Step::Call(call), plan),
+    }
 }
 
 /// A header value as text. Envoy lets bytes that are not UTF-8 through (obs-text); they

@@ -2,6 +2,7 @@
 //! Nothing here knows proxy-wasm or WASI; time and nonces are passed in.
 
 pub mod base64;
+pub mod batch;
 pub mod budget;
 pub mod budget_store;
 pub mod bytes;

@@ -202,6 +202,8 @@ pub struct ApiRequest {
     pub limit_named: bool,
     /// Its question and partition, when it takes part in the semantic tier.
     pub semantic: Option<Probe>,
+    /// An embeddings request's items, keyed one by one (`batch::item_keys`).
+    pub items: Option<Vec<Key>>,
 }
 
 /// The request headers the core needs; the shell reads them from its host.
@@ -243,6 +245,7 @@ impl ApiRequest {
         let semantic = (config.semantic.enabled && endpoint == Endpoint::Chat)
             .then(|| probe(config, &map, (&scope, CHAT_PATH), deterministic))
             .flatten();
+        let items = (endpoint == Endpoint::Embeddings).then(|| super::batch::item_keys(&map, &scope)).flatten();
         let canonical = canonical_body(map);
         Ok(ApiRequest {
             key: request_key(endpoint.path(), &scope, &canonical),
@@ -258,13 +261,15 @@ impl ApiRequest {
             choices,
             limit_named,
             semantic,
+            items,
         })
     }
 
     /// What this parse adds to a table of parsed requests beyond the request's raw bytes:
     /// `hot::PARSED_SIZE`, and the question it keeps for the semantic tier.
     pub fn kept_size(&self) -> usize {
-        super::hot::PARSED_SIZE + self.semantic.as_ref().map_or(0, |p| p.text.len())
+        let items = self.items.as_ref().map_or(0, |k| k.len() * std::mem::size_of::<Key>() + k.len() * 64);
+        super::hot::PARSED_SIZE + self.semantic.as_ref().map_or(0, |p| p.text.len()) + items
     }
 
     pub fn policy(&self, config: &Config, cc: CacheControl) -> Policy {

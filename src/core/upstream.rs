@@ -1,6 +1,7 @@
 //! The HolySheep request and response as both shells send and read them: the request a
 //! flight's attempt makes (body, headers) and the `Response` + `ProviderHints` read back.
 
+use super::batch::Batch;
 use super::cache::Response;
 use super::config::Config;
 use super::endpoint::Endpoint;
@@ -40,6 +41,8 @@ pub struct Outbound {
     pub class: Class,
     /// Its question and partition, when it takes part in the semantic tier.
     pub semantic: Option<Probe>,
+    /// An embeddings list answered item by item: what the cache holds of it.
+    pub batch: Option<Batch>,
 }
 
 /// The response header naming the verified tenant an answer was for.
@@ -66,6 +69,7 @@ impl Outbound {
             limit_named: request.limit_named,
             class: Class::Standard,
             semantic: request.semantic.clone(),
+            batch: None,
         }
     }
 
@@ -236,6 +240,7 @@ mod tests {
             limit_named: false,
             class: Default::default(),
             semantic: None,
+            batch: None,
         }
     }
 

@@ -94,6 +94,8 @@ struct State {
     /// faults planned for the next ones.
     embeddings: u64,
     embedding_inputs: Vec<String>,
+    /// How many inputs each embedding call carried.
+    embedding_batches: Vec<usize>,
     embedding_plan: VecDeque<Fault>,
     /// The prompt prefixes (model and every message but the last) answered so far: a
     /// later prompt that starts with one is served partly from the prompt cache.
@@ -216,6 +218,7 @@ impl Mock {
                 s.prefixes.clear();
                 s.embeddings = 0;
                 s.embedding_inputs.clear();
+                s.embedding_batches.clear();
                 s.embedding_plan.clear();
                 s.api_calls.clear();
                 s.billed_at.clear();
@@ -339,6 +342,8 @@ impl Mock {
             let mut s = self.state();
             s.embeddings += 1;
             s.embedding_inputs.push(req["input"].as_str().unwrap_or_default().to_owned());
+            let count = req["input"].as_array().map_or(1, |a| if a.iter().all(Value::is_u64) { 1 } else { a.len() });
+            s.embedding_batches.push(count);
             (s.embedding_plan.pop_front().unwrap_or_default(), s.latency_ms)
         };
         if let Some(early) = self.before_answer(&fault, latency, auth.as_deref()).await {
@@ -387,6 +392,11 @@ impl Mock {
             apis::response_events(&answer)
         };
         Ok(self.stream(events, &Fault::default()))
+    }
+
+    /// How many inputs each embedding call carried, in order.
+    pub fn embedding_batches(&self) -> Vec<usize> {
+        self.state().embedding_batches.clone()
     }
 
     /// Calls to `/v1/completions`, `/v1/responses`, or a path the mock does not serve.

@@ -149,6 +149,43 @@ fn over_three_nodes_a_crowd_of_identical_embeddings_makes_one_upstream_call() {
 }
 
 #[test]
+fn a_list_of_a_hundred_inputs_of_which_ninety_were_embedded_before_makes_one_call_for_ten() {
+    let s = start(&config(&[("index", r#""usd_per_day":5"#)], ""));
+    let ninety: Vec<String> = (0..90).map(|i| format!("paragraph {i} of the handbook")).collect();
+    let indexed = post(&s, "/v1/embeddings", "index", &json!({"model": "text-embedding-3-small", "input": ninety}));
+    assert_eq!((indexed.status, indexed.header("x-holysheep-cache")), (200, Some("MISS")), "{}", indexed.text());
+    // The corpus again, with ten new paragraphs among the ninety.
+    let mut hundred = ninety.clone();
+    for i in 0..10 {
+        hundred.insert(i * 11, format!("new paragraph {i}"));
+    }
+    let request = json!({"model": "text-embedding-3-small", "input": hundred});
+    let reindexed = post(&s, "/v1/embeddings", "index", &request);
+    assert_eq!((reindexed.status, reindexed.header("x-holysheep-cache")), (200, Some("MISS")));
+    assert_eq!(s.mock.mock.embedding_batches(), [90, 10], "one call, for the ten new items only");
+    // The tenant pays what HolySheep billed: the ninety once, the ten once.
+    let billed_now = billed(&s, "/v1/embeddings");
+    assert_eq!(tenant_stat(&s, "index", "cost_spent_microusd"), billed_now);
+    let again = post(&s, "/v1/embeddings", "index", &request);
+    assert_eq!((again.header("x-holysheep-cache"), again.json()), (Some("HIT"), reindexed.json()));
+    // What HolySheep itself answers the whole list: the same vectors at the same indices,
+    // and the same usage.
+    let auth = format!("Bearer {OPERATOR_KEY}");
+    let direct = request_direct(&s, &auth, &request);
+    let (edge, holysheep) = (reindexed.json(), direct.json());
+    assert_eq!(edge["data"], holysheep["data"]);
+    assert_eq!(
+        (edge["usage"].clone(), edge["model"].clone()),
+        (holysheep["usage"].clone(), holysheep["model"].clone())
+    );
+}
+
+fn request_direct(s: &Stack, auth: &str, body: &Value) -> Resp {
+    request(s.mock.addr, "POST", "/v1/embeddings", &[("authorization", auth)], body.to_string().as_bytes())
+        .expect("the mock answers")
+}
+
+#[test]
 fn a_tenants_budget_binds_on_embeddings() {
     // $0.01 a day; a call's worst case is every byte of its body a token, at 100 µ$ each.
     let s = start(&config(&[("index", r#""usd_per_day":0.01"#)], ""));

@@ -21,7 +21,7 @@ use super::error::ApiError;
 use super::request::{request_key, Key};
 use super::store::CasStore;
 use serde_json::{json, Map, Value};
-use std::collections::HashMap;
+use std::collections::BTreeMap;
 
 /// The path items are keyed under (never a request's own).
 pub const ITEM_PATH: &str = "/v1/embeddings#item";
@@ -246,11 +246,11 @@ pub fn plan(
 /// The cached items that can be used: those of groups present whole in the request, each
 /// member once, and all of one model; the others are left to the call.
 fn whole_groups(keys: &[Key], found: Vec<Option<Item>>) -> Vec<Option<Item>> {
-    let mut seen: HashMap<&str, usize> = HashMap::new();
+    let mut seen: BTreeMap<&str, usize> = BTreeMap::new();
     for k in keys {
         *seen.entry(k.hex()).or_default() += 1;
     }
-    let mut members: HashMap<String, usize> = HashMap::new();
+    let mut members: BTreeMap<String, usize> = BTreeMap::new();
     for (k, item) in keys.iter().zip(&found) {
         if let Some(i) = item.as_ref().filter(|_| seen.get(k.hex()) == Some(&1)) {
             *members.entry(i.group.clone()).or_default() += 1;
@@ -271,7 +271,7 @@ fn whole_groups(keys: &[Key], found: Vec<Option<Item>>) -> Vec<Option<Item>> {
 
 /// The tokens of the groups the cached items belong to, each group once.
 fn tokens_of(cached: &[Option<Item>]) -> u64 {
-    let mut groups: HashMap<&str, u64> = HashMap::new();
+    let mut groups: BTreeMap<&str, u64> = BTreeMap::new();
     for i in cached.iter().flatten() {
         groups.insert(&i.group, i.tokens);
     }

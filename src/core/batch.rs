@@ -13,15 +13,16 @@
 //! So the answer is the one HolySheep would have given the whole list: every vector at
 //! its index, and `usage` the groups' totals plus what the call for the rest was billed.
 
-use super::cache::{self, Response};
+use super::cache::{self, Fresh, Response};
 use super::canonical::canonical_body;
 use super::config::Config;
 use super::digest::sha256;
 use super::error::ApiError;
 use super::request::{request_key, Key};
 use super::store::CasStore;
-use serde_json::{json, Map, Value};
+use serde_json::{Map, Value};
 use std::collections::BTreeMap;
+use std::rc::Rc;
 
 /// The path items are keyed under (never a request's own).
 pub const ITEM_PATH: &str = "/v1/embeddings#item";
@@ -59,11 +60,25 @@ fn items(input: &Value) -> Option<Vec<&Value>> {
     }
 }
 
-/// One cached item: its vector (as the answer wrote it), the model that made it, and the
-/// call it came from.
+/// The most bytes of cached vectors one list takes from the cache; items past it are
+/// embedded again (a bound on what one request holds in memory).
+const MAX_CACHED_BYTES: usize = 8 << 20;
+
+/// One cached item: its vector (the JSON text the answer wrote, never parsed), the model
+/// that made it, the call it came from, and when it was stored.
 #[derive(Debug, Clone, PartialEq)]
 struct Item {
-    embedding: Value,
+    embedding: String,
+    model: String,
+    group: String,
+    size: usize,
+    tokens: u64,
+    stored_at_ms: u64,
+}
+
+/// What an item entry says besides its vector, which follows it after a newline.
+#[derive(serde::Serialize, serde::Deserialize)]
+struct Head {
     model: String,
     group: String,
     size: usize,
@@ -71,32 +86,31 @@ struct Item {
 }
 
 impl Item {
-    fn read(body: &[u8]) -> Option<Item> {
-        let v: Value = serde_json::from_slice(body).ok()?;
-        Some(Item {
-            embedding: v.get("embedding")?.clone(),
-            model: v.get("model")?.as_str()?.to_owned(),
-            group: v.get("group")?.as_str()?.to_owned(),
-            size: usize::try_from(v.get("size")?.as_u64()?).ok()?,
-            tokens: v.get("tokens")?.as_u64()?,
-        })
+    fn read(body: &[u8], stored_at_ms: u64) -> Option<Item> {
+        let at = body.iter().position(|&b| b == b'\n')?;
+        let head: Head = serde_json::from_slice(&body[..at]).ok()?;
+        let embedding = String::from_utf8(body[at + 1..].to_vec()).ok()?;
+        let Head { model, group, size, tokens } = head;
+        Some(Item { embedding, model, group, size, tokens, stored_at_ms })
     }
 
-    fn body(&self) -> Vec<u8> {
-        let v = json!({"embedding": self.embedding, "model": self.model, "group": self.group,
-            "size": self.size, "tokens": self.tokens});
-        serde_json::to_vec(&v).unwrap_or_default()
+    fn body(head: &Head, embedding: &str) -> Vec<u8> {
+        let mut out = serde_json::to_vec(head).unwrap_or_default();
+        out.push(b'\n');
+        out.extend_from_slice(embedding.as_bytes());
+        out
     }
 }
 
 /// What a leader of a list request does.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Plan {
-    /// Every item is cached, exactly: the whole answer, with no call.
-    Answered(Response),
+    /// Every item is cached, exactly: the whole answer with no call, as old as its oldest
+    /// item (`Fresh`: when that one was stored, and the cache's TTL).
+    Answered(Response, Fresh),
     /// A call embeds the items `Batch` does not hold (with this body, when that is fewer
     /// than all of them); its answer is completed and its items learned by `Batch::finish`.
-    Call(Batch, Option<Vec<u8>>),
+    Call(Rc<Batch>, Option<Vec<u8>>),
 }
 
 /// A list request's items, what the cache holds of them, and whether answered ones are kept.
@@ -116,11 +130,20 @@ impl Batch {
         self.cached.iter().enumerate().filter(|(_, c)| c.is_none()).map(|(i, _)| i)
     }
 
-    /// HolySheep's answer to the call: the whole list's answer (the cached items at their
-    /// indices, `usage` theirs and the call's together), its new items kept. An answer that
-    /// does not fit the items asked for is the edge's 502.
+    /// HolySheep's answer to the call: for a call that sent every item, that answer as it
+    /// is (its items kept when it can be read); else the whole list's answer, the cached
+    /// items at their indices and `usage` theirs and the call's together. An answer that
+    /// does not fit the items sent cannot be completed: it is the edge's 502.
     pub fn finish(&self, store: &impl CasStore, config: &Config, answer: Response, now_ms: u64) -> Response {
-        let Some((new, model, tokens)) = read_answer(&answer.body, self.missing().count()) else {
+        let missing: Vec<usize> = self.missing().collect();
+        let read = read_answer(&answer.body, missing.len());
+        if let Some(new) = read.as_ref().filter(|_| self.learn) {
+            self.keep(store, config, &missing, new, now_ms);
+        }
+        if missing.len() == self.keys.len() {
+            return answer;
+        }
+        let Some(new) = read else {
             let e = ApiError::upstream(
                 502,
                 "HolySheep's embeddings do not match the inputs sent",
@@ -128,119 +151,151 @@ impl Batch {
             );
             return Response::json(e.status, e.body());
         };
-        let missing: Vec<usize> = self.missing().collect();
-        if self.learn {
-            self.keep(store, config, &missing, &new, (&model, tokens), now_ms);
-        }
-        if missing.len() == self.keys.len() {
-            // The call was the request itself: its answer is HolySheep's own.
-            return answer;
-        }
-        let mut new = new.into_iter();
-        let data: Vec<Value> = self
+        let mut vectors = new.vectors.iter();
+        let data: Vec<&str> = self
             .cached
             .iter()
-            .map(|c| c.as_ref().map(|i| i.embedding.clone()).or_else(|| new.next()).unwrap_or(Value::Null))
+            .map(|c| {
+                c.as_ref()
+                    .map(|i| i.embedding.as_str())
+                    .or_else(|| vectors.next().map(String::as_str))
+                    .unwrap_or("null")
+            })
             .collect();
-        list(data, &model, self.cached_tokens.saturating_add(tokens))
+        list(&data, &new.model, self.cached_tokens.saturating_add(new.tokens))
     }
 
     /// The call's items, kept as one group (unless an item came twice: its share of the
     /// total could not be told).
-    fn keep(
-        &self,
-        store: &impl CasStore,
-        config: &Config,
-        missing: &[usize],
-        new: &[Value],
-        (model, tokens): (&str, u64),
-        now_ms: u64,
-    ) {
+    fn keep(&self, store: &impl CasStore, config: &Config, missing: &[usize], new: &Answer, now_ms: u64) {
         let keys: Vec<&Key> = missing.iter().filter_map(|&i| self.keys.get(i)).collect();
         let mut distinct: Vec<&str> = keys.iter().map(|k| k.hex()).collect();
         distinct.sort_unstable();
         distinct.dedup();
-        if distinct.len() != keys.len() {
+        if distinct.len() != keys.len() || keys.len() != new.vectors.len() {
             return;
         }
-        let group = group_id(&keys);
-        for (key, embedding) in keys.iter().zip(new) {
-            let item = Item {
-                embedding: embedding.clone(),
-                model: model.to_owned(),
-                group: group.clone(),
-                size: keys.len(),
-                tokens,
-            };
-            cache::put(store, config, key, &Response::json(200, item.body()), now_ms, None);
+        let head = Head { model: new.model.clone(), group: group_id(&keys), size: keys.len(), tokens: new.tokens };
+        for (key, embedding) in keys.iter().zip(&new.vectors) {
+            cache::put(store, config, key, &Response::json(200, Item::body(&head, embedding)), now_ms, None);
         }
     }
 }
 
-/// An id for the group of `keys` (the same items in the same order make the same group).
+/// An id for the group of `keys` (the same items in the same order make the same group):
+/// 128 bits of SHA-256, so no two groups share one.
 fn group_id(keys: &[&Key]) -> String {
     let joined: Vec<u8> = keys.iter().flat_map(|k| k.hex().bytes()).collect();
-    sha256(joined).iter().take(8).map(|b| format!("{b:02x}")).collect()
+    sha256(joined).iter().take(16).map(|b| format!("{b:02x}")).collect()
 }
 
-/// An embeddings answer's vectors in index order, its model and its tokens, when it has
-/// exactly `count` of them, indexed 0 to `count - 1`.
-fn read_answer(body: &[u8], count: usize) -> Option<(Vec<Value>, String, u64)> {
-    let v: Value = serde_json::from_slice(body).ok()?;
-    let data = v.get("data")?.as_array()?;
-    let mut vectors: Vec<Option<Value>> = vec![None; count];
-    for d in data {
-        let index = usize::try_from(d.get("index")?.as_u64()?).ok()?;
-        let slot = vectors.get_mut(index).filter(|s| s.is_none())?;
-        *slot = Some(d.get("embedding")?.clone());
+/// An embeddings answer read: its vectors (their JSON text) in index order, its model and
+/// the tokens it was billed.
+struct Answer {
+    vectors: Vec<String>,
+    model: String,
+    tokens: u64,
+}
+
+/// The answer's parts, when it has exactly `count` vectors, indexed 0 to `count - 1`.
+fn read_answer(body: &[u8], count: usize) -> Option<Answer> {
+    #[derive(serde::Deserialize)]
+    struct Datum<'a> {
+        index: usize,
+        #[serde(borrow)]
+        embedding: &'a serde_json::value::RawValue,
     }
-    let vectors: Option<Vec<Value>> = vectors.into_iter().collect();
-    let model = v.get("model").and_then(Value::as_str).unwrap_or_default().to_owned();
-    let tokens = v.get("usage")?.get("prompt_tokens")?.as_u64()?;
-    Some((vectors?, model, tokens))
+    #[derive(serde::Deserialize)]
+    struct Usage {
+        prompt_tokens: u64,
+    }
+    #[derive(serde::Deserialize)]
+    struct Whole<'a> {
+        #[serde(borrow)]
+        data: Vec<Datum<'a>>,
+        #[serde(default)]
+        model: Option<String>,
+        usage: Usage,
+    }
+    let whole: Whole<'_> = serde_json::from_slice(body).ok()?;
+    let mut vectors: Vec<Option<String>> = vec![None; count];
+    for d in &whole.data {
+        let slot = vectors.get_mut(d.index).filter(|s| s.is_none())?;
+        *slot = Some(d.embedding.get().to_owned());
+    }
+    let vectors: Option<Vec<String>> = vectors.into_iter().collect();
+    Some(Answer { vectors: vectors?, model: whole.model.unwrap_or_default(), tokens: whole.usage.prompt_tokens })
 }
 
-/// The list answer OpenAI writes for `data`.
-fn list(data: Vec<Value>, model: &str, tokens: u64) -> Response {
-    let data: Vec<Value> =
-        data.into_iter().enumerate().map(|(i, e)| json!({"object": "embedding", "index": i, "embedding": e})).collect();
-    let v = json!({"object": "list", "data": data, "model": model,
-        "usage": {"prompt_tokens": tokens, "total_tokens": tokens}});
-    Response::json(200, serde_json::to_vec(&v).unwrap_or_default())
+/// The list answer OpenAI writes for `data` (each vector's JSON text).
+fn list(data: &[&str], model: &str, tokens: u64) -> Response {
+    let mut out = Vec::with_capacity(64 + data.iter().map(|d| d.len() + 48).sum::<usize>());
+    out.extend_from_slice(br#"{"object":"list","data":["#);
+    for (i, embedding) in data.iter().enumerate() {
+        if i > 0 {
+            out.push(b',');
+        }
+        out.extend_from_slice(format!(r#"{{"object":"embedding","index":{i},"embedding":"#).as_bytes());
+        out.extend_from_slice(embedding.as_bytes());
+        out.push(b'}');
+    }
+    let model = serde_json::to_string(model).unwrap_or_else(|_| "\"\"".to_owned());
+    out.extend_from_slice(
+        format!(r#"],"model":{model},"usage":{{"prompt_tokens":{tokens},"total_tokens":{tokens}}}}}"#).as_bytes(),
+    );
+    Response::json(200, out)
 }
 
-/// What the leader of a list request whose items are `keys` does: `read` says whether it
-/// may take cached items, `learn` whether it may keep new ones; `body` is the request's.
-/// `None` when the items change nothing (none cached, none to keep).
+/// How a list request may use the items: take cached ones (`read`, no older than
+/// `max_age_s` seconds when set) and keep new ones (`learn`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Use {
+    pub read: bool,
+    pub max_age_s: Option<u64>,
+    pub learn: bool,
+}
+
+/// What the leader of a list request whose items are `keys` does; `body` is the
+/// request's. `None` when the items change nothing: a list of one (its whole answer is
+/// its item's), or none cached and none to keep.
 pub fn plan(
     store: &impl CasStore,
     config: &Config,
     keys: &[Key],
     body: &[u8],
-    (read, learn): (bool, bool),
+    using: Use,
     now_ms: u64,
 ) -> Option<Plan> {
+    if keys.len() < 2 {
+        return None;
+    }
+    let mut budget = MAX_CACHED_BYTES;
     let found: Vec<Option<Item>> = keys
         .iter()
         .map(|k| {
-            let entry = cache::get(store, config, k).filter(|e| read && e.is_fresh(now_ms))?;
-            Item::read(&entry.response.body)
+            let young = |e: &cache::Entry| using.max_age_s.is_none_or(|m| e.age_ms(now_ms) <= m.saturating_mul(1000));
+            let entry = cache::get(store, config, k).filter(|e| using.read && e.is_fresh(now_ms) && young(e))?;
+            budget = budget.checked_sub(entry.response.body.len())?;
+            Item::read(&entry.response.body, entry.stored_at_ms)
         })
         .collect();
     let cached = whole_groups(keys, found);
     let cached_tokens = tokens_of(&cached);
-    let batch = Batch { keys: keys.to_vec(), cached, cached_tokens, learn };
+    let batch = Batch { keys: keys.to_vec(), cached, cached_tokens, learn: using.learn };
     let missing: Vec<usize> = batch.missing().collect();
     if missing.is_empty() {
-        let model = batch.cached.iter().flatten().map(|i| i.model.clone()).next().unwrap_or_default();
-        let data = batch.cached.iter().flatten().map(|i| i.embedding.clone()).collect();
-        return Some(Plan::Answered(list(data, &model, cached_tokens)));
+        let items: Vec<&Item> = batch.cached.iter().flatten().collect();
+        let oldest = items.iter().map(|i| i.stored_at_ms).min().unwrap_or(now_ms);
+        let model = items.first().map(|i| i.model.as_str()).unwrap_or_default();
+        let data: Vec<&str> = items.iter().map(|i| i.embedding.as_str()).collect();
+        let fresh = Fresh { stored_at_ms: oldest, ttl_ms: config.cache.ttl_seconds.saturating_mul(1000) };
+        return Some(Plan::Answered(list(&data, model, cached_tokens), fresh));
     }
     if missing.len() == keys.len() {
-        return learn.then_some(Plan::Call(batch, None));
+        return using.learn.then(|| Plan::Call(Rc::new(batch), None));
     }
     let rewritten = subset(body, &missing)?;
-    Some(Plan::Call(batch, Some(rewritten)))
+    Some(Plan::Call(Rc::new(batch), Some(rewritten)))
 }
 
 /// The cached items that can be used: those of groups present whole in the request, each
@@ -250,23 +305,16 @@ fn whole_groups(keys: &[Key], found: Vec<Option<Item>>) -> Vec<Option<Item>> {
     for k in keys {
         *seen.entry(k.hex()).or_default() += 1;
     }
+    let once = |k: &Key| seen.get(k.hex()) == Some(&1);
     let mut members: BTreeMap<String, usize> = BTreeMap::new();
     for (k, item) in keys.iter().zip(&found) {
-        if let Some(i) = item.as_ref().filter(|_| seen.get(k.hex()) == Some(&1)) {
+        if let Some(i) = item.as_ref().filter(|_| once(k)) {
             *members.entry(i.group.clone()).or_default() += 1;
         }
     }
-    let model = found.iter().flatten().map(|i| i.model.clone()).next();
-    keys.iter()
-        .zip(found)
-        .map(|(k, item)| {
-            item.filter(|i| {
-                seen.get(k.hex()) == Some(&1)
-                    && members.get(&i.group) == Some(&i.size)
-                    && Some(&i.model) == model.as_ref()
-            })
-        })
-        .collect()
+    let whole = |k: &Key, i: &Item| once(k) && members.get(&i.group) == Some(&i.size);
+    let model = keys.iter().zip(&found).find_map(|(k, i)| i.as_ref().filter(|i| whole(k, i)).map(|i| i.model.clone()));
+    keys.iter().zip(found).map(|(k, item)| item.filter(|i| whole(k, i) && Some(&i.model) == model.as_ref())).collect()
 }
 
 /// The tokens of the groups the cached items belong to, each group once.
@@ -291,6 +339,9 @@ fn subset(body: &[u8], positions: &[usize]) -> Option<Vec<u8>> {
 mod tests {
     use super::*;
     use crate::core::store::MemStore;
+    use serde_json::json;
+
+    const ALL: Use = Use { read: true, max_age_s: None, learn: true };
 
     fn map(v: Value) -> Map<String, Value> {
         v.as_object().cloned().unwrap_or_default()
@@ -338,22 +389,20 @@ mod tests {
     fn a_list_whose_earlier_call_comes_again_whole_is_answered_with_one_call_for_the_rest() {
         let (store, config) = (MemStore::new(), Config::default());
         let first = ["alpha", "beta", "gamma"];
-        let Some(Plan::Call(batch, None)) = plan(&store, &config, &keys(&first), &body(&first), (true, true), 0) else {
+        let Some(Plan::Call(batch, None)) = plan(&store, &config, &keys(&first), &body(&first), ALL, 0) else {
             panic!("nothing cached: the whole request goes")
         };
         let whole = answer(&first);
         assert_eq!(batch.finish(&store, &config, whole.clone(), 0), whole, "HolySheep's own answer");
         let second = ["alpha", "new", "beta", "gamma"];
-        let Some(Plan::Call(batch, Some(sent))) =
-            plan(&store, &config, &keys(&second), &body(&second), (true, true), 1)
-        else {
+        let Some(Plan::Call(batch, Some(sent))) = plan(&store, &config, &keys(&second), &body(&second), ALL, 1) else {
             panic!("three cached, one to embed")
         };
         assert_eq!(sent, body(&["new"]), "only the new item is sent");
         let assembled = batch.finish(&store, &config, answer(&["new"]), 1);
         assert_eq!(read(&assembled), read(&answer(&second)), "vectors at their indices, usage of the whole list");
         // Both calls' items are cached now: the list again needs no call.
-        let Some(Plan::Answered(r)) = plan(&store, &config, &keys(&second), &body(&second), (true, true), 2) else {
+        let Some(Plan::Answered(r, _)) = plan(&store, &config, &keys(&second), &body(&second), ALL, 2) else {
             panic!("all cached")
         };
         assert_eq!(read(&r), read(&answer(&second)));
@@ -363,44 +412,70 @@ mod tests {
     fn cached_items_whose_group_is_not_whole_are_embedded_again() {
         let (store, config) = (MemStore::new(), Config::default());
         let first = ["alpha", "beta", "gamma"];
-        let Some(Plan::Call(batch, _)) = plan(&store, &config, &keys(&first), &body(&first), (true, true), 0) else {
-            panic!()
-        };
+        let Some(Plan::Call(batch, _)) = plan(&store, &config, &keys(&first), &body(&first), ALL, 0) else { panic!() };
         batch.finish(&store, &config, answer(&first), 0);
         // Only two of the group's three: their share of its tokens cannot be told.
         let part = ["alpha", "beta", "delta"];
-        let Some(Plan::Call(batch, None)) = plan(&store, &config, &keys(&part), &body(&part), (true, true), 1) else {
+        let Some(Plan::Call(batch, None)) = plan(&store, &config, &keys(&part), &body(&part), ALL, 1) else {
             panic!("the whole list goes")
         };
         assert_eq!(read(&batch.finish(&store, &config, answer(&part), 1)), read(&answer(&part)));
         // An item twice: HolySheep bills it twice, which no group says, so its group is not
         // whole once and the list goes as it is (and is not learned: alpha's share is unknown).
         let (fresh, twice) = (MemStore::new(), ["alpha", "beta", "gamma", "alpha"]);
-        let Some(Plan::Call(batch, _)) = plan(&fresh, &config, &keys(&first), &body(&first), (true, true), 0) else {
-            panic!()
-        };
+        let Some(Plan::Call(batch, _)) = plan(&fresh, &config, &keys(&first), &body(&first), ALL, 0) else { panic!() };
         batch.finish(&fresh, &config, answer(&first), 0);
-        assert!(matches!(
-            plan(&fresh, &config, &keys(&twice), &body(&twice), (true, true), 2),
-            Some(Plan::Call(_, None))
-        ));
+        assert!(matches!(plan(&fresh, &config, &keys(&twice), &body(&twice), ALL, 2), Some(Plan::Call(_, None))));
         // No read (no-cache): nothing is taken from the cache.
         assert!(matches!(
-            plan(&store, &config, &keys(&first), &body(&first), (false, true), 3),
+            plan(&store, &config, &keys(&first), &body(&first), Use { read: false, ..ALL }, 3),
             Some(Plan::Call(_, None))
         ));
-        assert_eq!(plan(&store, &config, &keys(&["zeta", "eta"]), &body(&["zeta", "eta"]), (true, false), 3), None);
+        assert_eq!(
+            plan(&store, &config, &keys(&["zeta", "eta"]), &body(&["zeta", "eta"]), Use { learn: false, ..ALL }, 3),
+            None
+        );
     }
 
     #[test]
-    fn an_answer_that_does_not_fit_the_items_sent_is_refused() {
+    fn an_answer_that_does_not_fit_the_items_sent_is_refused_and_a_whole_one_passes_as_it_is() {
         let (store, config) = (MemStore::new(), Config::default());
         let first = ["alpha", "beta"];
-        let Some(Plan::Call(batch, None)) = plan(&store, &config, &keys(&first), &body(&first), (true, true), 0) else {
+        let Some(Plan::Call(batch, None)) = plan(&store, &config, &keys(&first), &body(&first), ALL, 0) else {
             panic!()
         };
-        let short = batch.finish(&store, &config, answer(&["alpha"]), 0);
-        assert_eq!(short.status, 502);
+        let odd = Response::json(200, br#"{"object":"list","data":[],"model":"e"}"#.to_vec());
+        assert_eq!(batch.finish(&store, &config, odd.clone(), 0), odd, "the request itself: HolySheep's answer");
         assert!(cache::get(&store, &config, &keys(&first)[0]).is_none(), "nothing learned from it");
+        batch.finish(&store, &config, answer(&first), 0);
+        let more = ["alpha", "beta", "gamma"];
+        let Some(Plan::Call(batch, Some(_))) = plan(&store, &config, &keys(&more), &body(&more), ALL, 1) else {
+            panic!()
+        };
+        assert_eq!(batch.finish(&store, &config, answer(&["gamma", "delta"]), 1).status, 502, "two vectors for one");
+    }
+
+    #[test]
+    fn a_cached_item_older_than_the_requests_max_age_is_embedded_again() {
+        let (store, config) = (MemStore::new(), Config::default());
+        let first = ["alpha", "beta"];
+        let Some(Plan::Call(batch, None)) = plan(&store, &config, &keys(&first), &body(&first), ALL, 0) else {
+            panic!()
+        };
+        batch.finish(&store, &config, answer(&first), 0);
+        let Some(Plan::Answered(r, fresh)) = plan(&store, &config, &keys(&first), &body(&first), ALL, 5_000) else {
+            panic!()
+        };
+        assert_eq!((read(&r), fresh.stored_at_ms), (read(&answer(&first)), 0), "as old as its items");
+        let strict = Use { max_age_s: Some(4), ..ALL };
+        assert!(matches!(
+            plan(&store, &config, &keys(&first), &body(&first), strict, 5_000),
+            Some(Plan::Call(_, None))
+        ));
+        assert_eq!(
+            plan(&store, &config, &keys(&["one"]), &body(&["one"]), ALL, 0),
+            None,
+            "a list of one is its own entry"
+        );
     }
 }

@@ -158,7 +158,7 @@ pub struct Flight {
     pub outbox: Vec<Op>,
     /// An embeddings list answered item by item: HolySheep's answer is completed with the
     /// cached items (`Batch::finish`).
-    batch: Option<Batch>,
+    batch: Option<std::rc::Rc<Batch>>,
 }
 
 impl Flight {

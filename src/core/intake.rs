@@ -83,6 +83,9 @@ pub struct Decision {
     pub step: Step,
     pub outbound: Outbound,
     pub keep: Keep,
+    /// A flight this decision ended at once (an embeddings list wholly cached item by
+    /// item): its key, and whether anyone waited on it (then every worker is woken).
+    pub ended: Option<(crate::core::request::Key, bool)>,
 }
 
 /// What a shell keeps for the next request with the same bytes from the same tenant (it
@@ -315,9 +318,9 @@ pub fn decide<S: CasStore>(
 ) -> Result<Decision, ApiError> {
     let Intake { request, policy } = intake_or_known(engine.config, &head, body, known)?;
     let step = engine.admit(&request.key, policy, now_ms, nonce);
-    let (step, batch) = match step {
+    let (step, batch, ended) = match step {
         Step::Call(call) => by_item(engine, &request, call, body, now_ms),
-        step => (step, None),
+        step => (step, None, None),
     };
     let hit = matches!(&step, Step::Reply(r) if r.cache == Some(CacheStatus::Hit));
     let plain = head.plain();
@@ -346,7 +349,7 @@ pub fn decide<S: CasStore>(
     if budgeted && request.completion_limit.is_none() && request.endpoint.cap_field().is_some() {
         outbound.completion_cap = Some(tenants::BUDGET_COMPLETION_TOKENS);
     }
-    Ok(Decision { request, step, outbound, keep })
+    Ok(Decision { request, step, outbound, keep, ended })
 }
 
 /// The 400 of a request whose tenant credential came more than once.
@@ -369,19 +372,22 @@ fn by_item<S: CasStore>(
     call: crate::core::engine::Call,
     body: &[u8],
     now_ms: u64,
-) -> (Step, Option<Plan>) {
+) -> (Step, Option<Plan>, Option<(crate::core::request::Key, bool)>) {
     let config = engine.config;
     let alone = config.model(&request.model).is_none_or(|(_, m)| m.fallback.is_empty());
     let Some(keys) = request.items.as_ref().filter(|_| alone && config.role == Role::Owner) else {
-        return (Step::Call(call), None);
+        return (Step::Call(call), None, None);
     };
-    let read = call.policy.read;
-    match batch::plan(engine.store, config, keys, body, (read, call.store), now_ms) {
-        Some(Plan::Answered(answer)) => {
-            let reply = engine.complete(&call, Some(answer), now_ms);
-            (Step::Reply(Reply { cache: Some(CacheStatus::Hit), age_s: Some(0), ..reply }), None)
+    let using = batch::Use { read: call.policy.read, max_age_s: call.policy.max_age, learn: call.store };
+    match batch::plan(engine.store, config, keys, body, using, now_ms) {
+        Some(Plan::Answered(answer, fresh)) => {
+            let answer = answer.with_header("x-holysheep-model", request.model.clone());
+            let ended = engine.end_flight(&call, Some(answer), now_ms, Some(fresh));
+            let age_s = Some(now_ms.saturating_sub(fresh.stored_at_ms) / 1000);
+            let reply = Reply { cache: Some(CacheStatus::Hit), age_s, ..ended.reply };
+            (Step::Reply(reply), None, Some((call.key, ended.watched)))
         }
-        plan => (Step::Call(call), plan),
+        plan => (Step::Call(call), plan, None),
     }
 }
 

@@ -42,7 +42,7 @@ pub struct Outbound {
     /// Its question and partition, when it takes part in the semantic tier.
     pub semantic: Option<Probe>,
     /// An embeddings list answered item by item: what the cache holds of it.
-    pub batch: Option<Batch>,
+    pub batch: Option<std::rc::Rc<Batch>>,
 }
 
 /// The response header naming the verified tenant an answer was for.

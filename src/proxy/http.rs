@@ -94,7 +94,7 @@ impl Chat {
         let nonce = self.worker.borrow_mut().nonce();
         let engine = Engine { store: &SharedData, config: &config };
         let tenant = head.verified.clone();
-        let Decision { request, step, outbound, keep } =
+        let Decision { request, step, outbound, keep, ended } =
             match intake::decide(&engine, head, &body, known.as_deref(), now, nonce) {
                 Ok(d) => d,
                 Err(e) => {
@@ -103,6 +103,9 @@ impl Chat {
                 }
             };
         self.state = State::Handled;
+        if let Some((key, watched)) = ended {
+            self.worker.borrow_mut().flight_ended(key, watched);
+        }
         if keep.answer {
             self.worker.borrow_mut().keep_hot(&raw, &request, now);
         }

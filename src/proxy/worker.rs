@@ -336,6 +336,13 @@ impl Worker {
         self.complete_hop(hop, StreamEnd::broken())
     }
 
+    /// A flight the intake ended at once (an embeddings list answered from its cached
+    /// items): the root wakes its waiters in a VM call of its own.
+    pub fn flight_ended(&mut self, key: Key, watched: bool) {
+        self.runs.ended.push((key, watched));
+        self.queue.continue_later(ENDED);
+    }
+
     /// The forwarded stream of this http context ended: its flight is completed now
     /// (before the last bytes reach the client, so its next request is a HIT), and the root
     /// wakes the waiters in a VM call of its own.

@@ -170,14 +170,23 @@ fn a_list_of_a_hundred_inputs_of_which_ninety_were_embedded_before_makes_one_cal
     assert_eq!((again.header("x-holysheep-cache"), again.json()), (Some("HIT"), reindexed.json()));
     // What HolySheep itself answers the whole list: the same vectors at the same indices,
     // and the same usage.
+    // The same hundred in another order: a list never seen, every item cached by whole
+    // calls, so a HIT with no call at all.
+    let mut reversed = hundred.clone();
+    reversed.reverse();
+    let shuffled = json!({"model": "text-embedding-3-small", "input": reversed});
+    let assembled = post(&s, "/v1/embeddings", "index", &shuffled);
+    assert_eq!((assembled.status, assembled.header("x-holysheep-cache")), (200, Some("HIT")), "{}", assembled.text());
+    assert_eq!(s.mock.mock.embedding_batches(), [90, 10], "no call");
+    assert_eq!(tenant_stat(&s, "index", "cost_spent_microusd"), billed_now, "a HIT costs nothing");
+    // What HolySheep itself answers each whole list: the same vectors at the same
+    // indices, and the same usage.
     let auth = format!("Bearer {OPERATOR_KEY}");
-    let direct = request_direct(&s, &auth, &request);
-    let (edge, holysheep) = (reindexed.json(), direct.json());
-    assert_eq!(edge["data"], holysheep["data"]);
-    assert_eq!(
-        (edge["usage"].clone(), edge["model"].clone()),
-        (holysheep["usage"].clone(), holysheep["model"].clone())
-    );
+    for (edge, asked) in [(reindexed.json(), &request), (assembled.json(), &shuffled)] {
+        let holysheep = request_direct(&s, &auth, asked).json();
+        assert_eq!(edge["data"], holysheep["data"]);
+        assert_eq!((&edge["usage"], &edge["model"]), (&holysheep["usage"], &holysheep["model"]));
+    }
 }
 
 fn request_direct(s: &Stack, auth: &str, body: &Value) -> Resp {

@@ -92,7 +92,8 @@ impl Gateway {
         // Directives change what may be served: such requests are parsed every time.
         let known = if head.plain() { instance::parsed(&raw) } else { None };
         let engine = self.engine();
-        let Decision { request: parsed, step, outbound, keep } =
+        // A flight the intake ended at once has no waiter to wake here: waiters poll.
+        let Decision { request: parsed, step, outbound, keep, ended: _ } =
             match intake::decide(&engine, head, &body, known.as_deref(), host::now_ms(), host::nonce()) {
                 Ok(d) => d,
                 Err(e) => return host::reply(out, &Reply::error(&e), &[]),

@@ -188,10 +188,12 @@ fn with_gold_only_route(yaml: &str, addr: SocketAddr) -> String {
     let first =
         "              - match: {prefix: \"/\"}\n                route:\n                  cluster: holysheep\n";
     let routed = yaml.replacen(first, &first.replacen("              - match: {prefix: \"/\"}\n", gold, 1), 1);
-    let chat = "              - match: {path: \"/v1/chat/completions\"}\n";
+    let governed = "{safe_regex: {regex: \"/v1/(chat/completions|completions|embeddings|responses)\"}";
+    let chat = format!("              - match: {governed}}}\n");
     let gold_chat =
-        "              - match: {path: \"/v1/chat/completions\", headers: [{name: x-tier, string_match: {exact: gold}}]}\n";
-    let routed = routed.replacen(chat, gold_chat, 1);
+        format!("              - match: {governed}, headers: [{{name: x-tier, string_match: {{exact: gold}}}}]}}\n");
+    assert!(routed.contains(&chat), "the template's route for governed endpoints changed");
+    let routed = routed.replacen(&chat, &gold_chat, 1);
     let end = "          http_filters:\n";
     let routed = routed.replacen(end, &format!("{rest}{end}"), 1);
     let cluster = internal_cluster(addr);

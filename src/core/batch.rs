@@ -1,5 +1,5 @@
 //! Embeddings item by item. A `/v1/embeddings` request's items (each string or token list
-//! of its `input`) are keyed as each would be alone, and every answered item is kept in
+//! of its `input`) are keyed as each would be alone (`request::item_keys`), and every answered item is kept in
 //! the cache with the call it came from: its group, the group's size and the tokens the
 //! group was billed. A list that misses the cache as a whole is then answered from the
 //! cached items where that is exact, and only the rest is embedded:
@@ -14,51 +14,14 @@
 //! its index, and `usage` the groups' totals plus what the call for the rest was billed.
 
 use super::cache::{self, Fresh, Response};
-use super::canonical::canonical_body;
 use super::config::Config;
 use super::digest::sha256;
 use super::error::ApiError;
-use super::request::{request_key, Key};
+use super::request::Key;
 use super::store::CasStore;
-use serde_json::{Map, Value};
+use serde_json::Value;
 use std::collections::BTreeMap;
 use std::rc::Rc;
-
-/// The path items are keyed under (never a request's own).
-pub const ITEM_PATH: &str = "/v1/embeddings#item";
-
-/// The most items of one list the edge keys one by one (OpenAI takes 2048).
-pub const MAX_ITEMS: usize = 2048;
-
-/// The keys of a request's items, in order: each is the key of the request with that item
-/// alone as its `input`. `None` for an `input` that is no list of items.
-pub fn item_keys(map: &Map<String, Value>, scope: &str) -> Option<Vec<Key>> {
-    let items = items(map.get("input")?)?;
-    let mut rest = map.clone();
-    rest.remove("input");
-    let keys = items
-        .iter()
-        .map(|item| {
-            let mut one = rest.clone();
-            one.insert("input".into(), (*item).clone());
-            request_key(ITEM_PATH, scope, &canonical_body(one))
-        })
-        .collect();
-    Some(keys)
-}
-
-/// An `input`'s items: a string or a list of token numbers is one; a list of strings or
-/// of token lists is one per member.
-fn items(input: &Value) -> Option<Vec<&Value>> {
-    match input {
-        Value::String(_) => Some(vec![input]),
-        Value::Array(a) if !a.is_empty() && a.iter().all(Value::is_u64) => Some(vec![input]),
-        Value::Array(a) if (1..=MAX_ITEMS).contains(&a.len()) && a.iter().all(|i| i.is_string() || i.is_array()) => {
-            Some(a.iter().collect())
-        }
-        _ => None,
-    }
-}
 
 /// The most bytes of cached vectors one list takes from the cache; items past it are
 /// embedded again (a bound on what one request holds in memory).
@@ -338,8 +301,10 @@ fn subset(body: &[u8], positions: &[usize]) -> Option<Vec<u8>> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::core::request::item_keys;
     use crate::core::store::MemStore;
     use serde_json::json;
+    use serde_json::Map;
 
     const ALL: Use = Use { read: true, max_age_s: None, learn: true };
 

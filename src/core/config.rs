@@ -612,7 +612,7 @@ impl Config {
 
     /// Whether `path` (in any spelling) is one of `passthrough_paths` or under one.
     pub fn passes_through(&self, path: &str) -> bool {
-        let segments = super::request::segments(path);
+        let segments = super::path::segments(path);
         self.passthrough_paths.iter().any(|p| {
             let listed: Vec<&str> = p.split('/').filter(|s| !s.is_empty()).collect();
             segments.len() >= listed.len() && listed.iter().zip(&segments).all(|(a, b)| a == b)
@@ -626,7 +626,7 @@ impl Config {
             return Err(ConfigError(format!("passthrough_paths: at most {MAX_PASSTHROUGH} paths")));
         }
         for p in &self.passthrough_paths {
-            let segments = super::request::segments(p);
+            let segments = super::path::segments(p);
             let canonical = format!("/{}", segments.join("/"));
             let governed = super::endpoint::ALL.iter().any(|e| e.path().starts_with(&canonical));
             if !p.starts_with("/v1/") || canonical != *p || segments.len() < 2 || governed {

@@ -36,12 +36,12 @@ impl Endpoint {
     }
 
     /// The endpoint a request path names, as a server behind nginx would read it (see
-    /// `request::segments`); `None` for every other path.
+    /// `path::segments`); `None` for every other path.
     pub fn of_path(path: &str) -> Option<Endpoint> {
         if let Some(e) = ALL.into_iter().find(|e| e.path() == path) {
             return Some(e);
         }
-        let segments = super::request::segments(path);
+        let segments = super::path::segments(path);
         ALL.into_iter().find(|e| e.path().split('/').skip(1).eq(segments.iter().map(String::as_str)))
     }
 

@@ -174,7 +174,7 @@ impl Head {
         if let Some(answer) = models_answer(config, self) {
             return Ungoverned::Answer(answer);
         }
-        let api = crate::core::request::segments(&self.path).first().is_some_and(|s| s.eq_ignore_ascii_case("v1"));
+        let api = crate::core::path::segments(&self.path).first().is_some_and(|s| s.eq_ignore_ascii_case("v1"));
         if !api && config.keys.verify(self.authorization.as_deref()).is_err() {
             return Ungoverned::Pass;
         }

@@ -25,6 +25,7 @@ pub mod line;
 pub mod log_fields;
 pub mod metrics;
 pub mod pairs;
+pub mod path;
 pub mod peer;
 pub mod priority;
 pub mod request;

@@ -10,6 +10,7 @@ use super::digest::sha256;
 use super::endpoint::Endpoint;
 use super::error::ApiError;
 use super::limits::DEFAULT_COMPLETION_ESTIMATE;
+use super::path::segments;
 use super::priority::Class;
 use super::semantic::probe::{probe, Probe};
 use serde_json::{Map, Value};
@@ -42,45 +43,6 @@ pub const PEER_PATH: &str = "/holysheep/peer/bucket";
 /// accepted from a client on a public listener.
 pub fn is_internal_path(path: &str) -> bool {
     segments(path).first().is_some_and(|s| s.eq_ignore_ascii_case("holysheep"))
-}
-
-/// The path's segments as a server would resolve them (see `is_chat_path`).
-pub(crate) fn segments(path: &str) -> Vec<String> {
-    let path = path.split(['?', '#']).next().unwrap_or("");
-    let mut segments: Vec<String> = Vec::new();
-    for segment in decode_unreserved(path).split('/') {
-        match segment {
-            "" | "." => {}
-            ".." => {
-                segments.pop();
-            }
-            s => segments.push(s.to_owned()),
-        }
-    }
-    segments
-}
-
-/// Decodes `%XX` escapes of unreserved characters (RFC 3986: letters, digits, `-._~`) and
-/// of `/`, which servers commonly decode before routing; others stay as they are.
-fn decode_unreserved(path: &str) -> String {
-    let bytes = path.as_bytes();
-    let mut out = String::with_capacity(path.len());
-    let mut i = 0;
-    while i < bytes.len() {
-        let hex = bytes.get(i + 1..i + 3).and_then(|h| std::str::from_utf8(h).ok());
-        let decoded = hex.and_then(|h| u8::from_str_radix(h, 16).ok()).map(char::from);
-        match decoded.filter(|c| bytes[i] == b'%' && (c.is_ascii_alphanumeric() || "-._~/".contains(*c))) {
-            Some(c) => {
-                out.push(c);
-                i += 3;
-            }
-            None => {
-                out.push(char::from(bytes[i]));
-                i += 1;
-            }
-        }
-    }
-    out
 }
 
 /// serde_json refuses nesting deeper than 128; we refuse earlier, with a clear message.
@@ -245,7 +207,7 @@ impl ApiRequest {
         let semantic = (config.semantic.enabled && endpoint == Endpoint::Chat)
             .then(|| probe(config, &map, (&scope, CHAT_PATH), deterministic))
             .flatten();
-        let items = (endpoint == Endpoint::Embeddings).then(|| super::batch::item_keys(&map, &scope)).flatten();
+        let items = (endpoint == Endpoint::Embeddings).then(|| item_keys(&map, &scope)).flatten();
         let canonical = canonical_body(map);
         Ok(ApiRequest {
             key: request_key(endpoint.path(), &scope, &canonical),
@@ -520,6 +482,42 @@ pub fn for_upstream(body: &[u8], model: &str, stream_usage: bool, cap: Option<(&
             serde_json::to_vec(&Value::Object(map)).unwrap_or_default()
         }
         _ => body.to_vec(),
+    }
+}
+
+/// The path items are keyed under (never a request's own).
+pub const ITEM_PATH: &str = "/v1/embeddings#item";
+
+/// The most items of one list the edge keys one by one (OpenAI takes 2048).
+pub const MAX_ITEMS: usize = 2048;
+
+/// The keys of a request's items, in order: each is the key of the request with that item
+/// alone as its `input`. `None` for an `input` that is no list of items.
+pub fn item_keys(map: &Map<String, Value>, scope: &str) -> Option<Vec<Key>> {
+    let items = items(map.get("input")?)?;
+    let mut rest = map.clone();
+    rest.remove("input");
+    let keys = items
+        .iter()
+        .map(|item| {
+            let mut one = rest.clone();
+            one.insert("input".into(), (*item).clone());
+            request_key(ITEM_PATH, scope, &canonical_body(one))
+        })
+        .collect();
+    Some(keys)
+}
+
+/// An `input`'s items: a string or a list of token numbers is one; a list of strings or
+/// of token lists is one per member.
+fn items(input: &Value) -> Option<Vec<&Value>> {
+    match input {
+        Value::String(_) => Some(vec![input]),
+        Value::Array(a) if !a.is_empty() && a.iter().all(Value::is_u64) => Some(vec![input]),
+        Value::Array(a) if (1..=MAX_ITEMS).contains(&a.len()) && a.iter().all(|i| i.is_string() || i.is_array()) => {
+            Some(a.iter().collect())
+        }
+        _ => None,
     }
 }
 

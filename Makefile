@@ -1,8 +1,9 @@
 # The two commands: `make run` (demo on the mock) and `make test` (everything CI runs).
-.PHONY: k8s-check oci rules-check run run-cluster run-tiers run-component test bench profile floors soak stop setup clean wit-lock fuzz tenant-key docs-check
+.PHONY: k8s-check oci rules-check run run-cluster run-tiers run-component test check imports-check fuzz-check bench profile floors soak stop setup clean wit-lock fuzz tenant-key docs-check
 
+# What the tests need (`make run` and the other demos install only what they use).
 setup:
-	envoy/setup.sh
+	envoy/setup.sh test
 
 run:
 	envoy/run.sh
@@ -13,7 +14,7 @@ run-cluster:
 run-tiers:
 	envoy/run-cluster.sh tiers
 
-run-component: setup
+run-component:
 	envoy/run-component.sh
 
 wit-lock:
@@ -50,7 +51,23 @@ rules-check: setup
 stop:
 	envoy/stop.sh
 
-test: setup docs-check rules-check k8s-check oci
+# The quick level (a minute or two after a first build): format, clippy, the core's unit
+# tests, the docs, the module graph and the fuzz targets' types. `make test` runs all of it.
+check: docs-check imports-check fuzz-check
+	cargo fmt --all --check
+	cargo clippy --quiet --workspace --all-targets -- -D warnings
+	cargo test --quiet -p holysheep-edge --lib
+
+# No import circle anywhere in src/ (tools/imports.py prints the graph's figures).
+imports-check:
+	python3 tools/imports.py src
+
+# The fuzz targets type-check on stable, so they cannot drift from the core (running them
+# needs nightly: `make fuzz`).
+fuzz-check:
+	cd fuzz && cargo check --quiet --locked --target-dir ../target/fuzz-check
+
+test: setup docs-check imports-check fuzz-check rules-check k8s-check oci
 	cargo fmt --all --check
 	cargo clippy --quiet --workspace --all-targets -- -D warnings
 	cargo clippy --quiet --release --target wasm32-wasip1 -- -D warnings

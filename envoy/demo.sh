@@ -15,6 +15,8 @@ prepare() {
   fi
   cargo build -p holysheep-mock -p envoy-render
   if [ "${1:-}" = serve ]; then
+    rustup target add wasm32-wasip2 >/dev/null
+    cargo build --release --target wasm32-wasip2
     [ -x target/host/host-test ] ||
       echo "building host-test serve, the wasmtime host (first run only: wasmtime at opt-level 3, about 9 min on two cores)..."
     cargo build --profile host -p host-test --bin host-test

@@ -29,7 +29,7 @@ fuzz_target!(|data: &[u8]| {
         let _ = lease::read(&store, &lease::Slot { group: group.clone(), way });
     }
     let _ = lease::acquire(&store, &config, &key, 1, 1_000, 1_000);
-    let limits = limits::Limits::of(&Default::default());
+    let limits = limits::Limits::of(&Default::default(), &Default::default());
     let _ = limits::peek(&store, "gpt-4.1", &limits, 1_000);
     let _ = wake::live(&store, 1_000);
 });

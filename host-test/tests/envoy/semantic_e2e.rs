@@ -159,6 +159,7 @@ fn request_directives_are_honoured_and_a_crowd_embeds_once_per_flight() {
     let crowd = s.burst(100, &ask("gpt-4.1", SYSTEM, &[], "The capital of France is what?").to_string(), "Bearer a");
     let led = count(&crowd, "SEMANTIC") as u64;
     assert_eq!(led + count(&crowd, "COALESCED") as u64, 100, "{:?}", crowd.iter().map(Resp::cache).collect::<Vec<_>>());
+    assert_eq!(led, 1, "one flight for the crowd: {:?}", crowd.iter().map(Resp::cache).collect::<Vec<_>>());
     assert_eq!(s.mock.mock.embeddings() - before, led, "one embedding per flight");
     assert!(crowd.iter().all(|r| content(r) == content(&crowd[0])));
     assert!(s.crashes().is_empty(), "{:?}", s.crashes());

@@ -1,8 +1,7 @@
 //! The http context: recognises a governed endpoint's `POST`, buffers the body, asks the
 //! core what to do and does it. What becomes of every other request the core says
-//! (`Head::ungoverned`). A stream
-//! leader goes along the route; its http context tees the answer as it streams back,
-//! reassembling it in memory, and reports how it ended.
+//! (`Head::ungoverned`). A stream leader goes along the route; its http context tees the
+//! answer as it streams back, reassembling it in memory, and reports how it ended.
 
 use super::abi as hostcalls;
 use super::body_watch::Paused;

@@ -284,6 +284,7 @@ fn the_component_streams_a_miss_live_and_serves_every_form_from_one_entry() {
     conn.send_only("POST", PATH, &[("authorization", "Bearer sk-client")], body.as_bytes()).expect("send");
     let head = conn.read_until("\"role\":\"assistant\"").expect("the first event before the mock sent the rest");
     assert!(head.contains("x-holysheep-cache: MISS"), "{head}");
+    assert!(head.contains("cache-control: max-age=3600"), "kept for the cache's TTL, as the plugin says: {head}");
     mock.mock.release();
     conn.read_until("data: [DONE]").expect("the rest of the stream");
     let results = openai_at(

@@ -13,6 +13,7 @@ use super::host::{self, BodyError, Kv};
 use super::wasi::http::types::{
     IncomingBody, IncomingRequest, IncomingResponse, Method, OutgoingBody, ResponseOutparam,
 };
+use crate::core::edge;
 use crate::core::engine::{poll_delay_ms, Call, Engine, Reply, Step};
 use crate::core::error::ApiError;
 use crate::core::flight::{Action, Flight, StreamOutcome};
@@ -242,7 +243,11 @@ impl Gateway {
         let call = flight.call.clone();
         let mut headers = vec![
             ("content-type".to_owned(), stream::CONTENT_TYPE.to_owned()),
-            ("cache-control".to_owned(), "no-cache".to_owned()),
+            // The edge's word on how long the answer is kept, as on every governed answer.
+            (
+                "cache-control".to_owned(),
+                edge::directive(call.store.then_some(self.config.cache.ttl_seconds)).into_owned(),
+            ),
             ("x-holysheep-cache".to_owned(), call.label.as_str().to_owned()),
             ("x-holysheep-key".to_owned(), call.key.hex().to_owned()),
             ("x-holysheep-model".to_owned(), flight.model().to_owned()),

@@ -518,6 +518,12 @@ fn main() -> std::io::Result<()> {
         budget_rows(&mut r, &mock, rounds, (conns, secs), &prompt("bench: a budgeted HIT"))?;
         return r.write(&workspace_root().join("target/bench/budget"));
     }
+    if std::env::var("BENCH_ONLY").as_deref() == Ok("tenants") {
+        let mut r = Report::default();
+        let mock = Running::start(None, 0)?;
+        tenant_rows(&mut r, &mock, rounds, (conns, secs), &prompt("bench: a tenant's HIT"))?;
+        return r.write(&workspace_root().join("target/bench/tenants"));
+    }
     if std::env::var("BENCH_ONLY").as_deref() == Ok("endpoints") {
         let mut r = Report::default();
         let mock = Running::start(None, 0)?;
@@ -706,29 +712,7 @@ fn main() -> std::io::Result<()> {
         "streamed MISS, whole stream (p50): edge {edge_whole} us, plain proxy {plain_whole} us (5 ms between events)"
     ));
 
-    // HIT with 100 tenants configured (the key's digest checked on every request, the
-    // tenant's counters counted) against HIT without, alternating in the same run. The
-    // load's `Bearer bench` is the first tenant's key.
-    let tenants: Vec<String> = (0..100)
-        .map(|i| {
-            let token = if i == 0 { "bench".to_owned() } else { format!("bench-tenant-{i}") };
-            format!(r#""t{i}":{{"keys_sha256":["{}"]}}"#, sha256_hex(token.as_bytes()))
-        })
-        .collect();
-    let tenant_envoy = Envoy::start(&Options::new(&format!(r#"{{"tenants":{{{}}}}}"#, tenants.join(",")), mock.addr))?;
-    request(tenant_envoy.edge, "POST", PATH, &[("authorization", "Bearer bench")], hit_prompt.as_bytes())?;
-    println!();
-    let tenant_rounds = alternate(
-        rounds,
-        &mut [&mut || expect_all(repeat(envoy.edge), "HIT"), &mut || expect_all(repeat(tenant_envoy.edge), "HIT")],
-    );
-    let [without_r, with_r] = &tenant_rounds[..] else { unreachable!("two rows") };
-    let tenants_over_none = paired(with_r, without_r, throughput);
-    let mut medians = tenant_rounds.into_iter().map(median);
-    r.row("edge HIT, no tenants (paired)", medians.next().expect("a row"));
-    r.row("edge HIT, 100 tenants", medians.next().expect("a row"));
-    r.ratio("HIT with 100 tenants / HIT without", tenants_over_none, "");
-    drop(tenant_envoy);
+    tenant_rows(&mut r, &mock, rounds, (conns, secs), &hit_prompt)?;
 
     // HIT publishing the access-log values (`log_fields: true`) against HIT without,
     // alternating in the same run.
@@ -779,6 +763,45 @@ fn main() -> std::io::Result<()> {
 fn repeat_at(addr: SocketAddr, conns: usize, secs: u64, prompt: &str) -> Stats {
     let same = prompt.to_owned();
     load(addr, conns, secs, Arc::new(move || same.clone()))
+}
+
+/// A HIT with 100 and with 1,000 tenants configured (the key's digest looked up on every
+/// request, the tenant's counters counted) against a HIT without tenants, alternating in
+/// one run. The load's `Bearer bench` is the first tenant's key.
+fn tenant_rows(
+    r: &mut Report,
+    mock: &Running,
+    rounds: usize,
+    load: (usize, u64),
+    hit_prompt: &str,
+) -> std::io::Result<()> {
+    let (conns, secs) = load;
+    let with = |n: usize| {
+        let tenants: Vec<String> = (0..n)
+            .map(|i| {
+                let token = if i == 0 { "bench".to_owned() } else { format!("bench-tenant-{i}") };
+                format!(r#""t{i}":{{"keys_sha256":["{}"]}}"#, sha256_hex(token.as_bytes()))
+            })
+            .collect();
+        Envoy::start(&Options::new(&format!(r#"{{"tenants":{{{}}}}}"#, tenants.join(",")), mock.addr))
+    };
+    let (none, hundred, thousand) = (Envoy::start(&Options::new("{}", mock.addr))?, with(100)?, with(1000)?);
+    for e in [&none, &hundred, &thousand] {
+        request(e.edge, "POST", PATH, &[("authorization", "Bearer bench")], hit_prompt.as_bytes())?;
+    }
+    println!();
+    let hit = |addr: SocketAddr| expect_all(repeat_at(addr, conns, secs, hit_prompt), "HIT");
+    let rows = alternate(rounds, &mut [&mut || hit(none.edge), &mut || hit(hundred.edge), &mut || hit(thousand.edge)]);
+    let [none_r, hundred_r, thousand_r] = &rows[..] else { unreachable!("three rows") };
+    let (hundred_ratio, thousand_ratio) =
+        (paired(hundred_r, none_r, throughput), paired(thousand_r, none_r, throughput));
+    let mut medians = rows.into_iter().map(median);
+    r.row("edge HIT, no tenants (paired)", medians.next().expect("a row"));
+    r.row("edge HIT, 100 tenants", medians.next().expect("a row"));
+    r.row("edge HIT, 1,000 tenants", medians.next().expect("a row"));
+    r.ratio("HIT with 100 tenants / HIT without", hundred_ratio, "");
+    r.ratio("HIT with 1,000 tenants / HIT without", thousand_ratio, "goal >= 0.95");
+    Ok(())
 }
 
 /// What a budget kept in etcd costs, alternating in one run: the load's tenant (`Bearer

@@ -91,6 +91,15 @@ pub fn burst_to(addr: SocketAddr, path: &'static str, bodies: Vec<String>, auth:
     handles.into_iter().map(|h| h.join().expect("thread")).collect()
 }
 
+/// Runs a client script (an SDK driven through the edge) and reads the one JSON list it
+/// prints; fails with its output when it fails.
+pub fn results_of(command: &mut std::process::Command) -> Vec<serde_json::Value> {
+    let out = command.output().expect("the client runs (make test installs the SDKs)");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
+    serde_json::from_str::<serde_json::Value>(stdout.trim()).expect("json line").as_array().cloned().unwrap_or_default()
+}
+
 /// Waits for a condition no event announces (a counter, a log line), looking every few
 /// milliseconds so the wait does not take the CPU from Envoy; fails after 30 s.
 pub fn poll_until(mut done: impl FnMut() -> bool, what: &str) {

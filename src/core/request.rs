@@ -207,7 +207,9 @@ impl ApiRequest {
         let semantic = (config.semantic.enabled && endpoint == Endpoint::Chat)
             .then(|| probe(config, &map, (&scope, CHAT_PATH), deterministic))
             .flatten();
-        let items = (endpoint == Endpoint::Embeddings).then(|| item_keys(&map, &scope)).flatten();
+        // Only a list of two or more is answered item by item (`batch::plan`).
+        let listed = map.get("input").and_then(Value::as_array).is_some_and(|a| a.len() >= 2);
+        let items = (endpoint == Endpoint::Embeddings && listed).then(|| item_keys(&map, &scope)).flatten();
         let canonical = canonical_body(map);
         Ok(ApiRequest {
             key: request_key(endpoint.path(), &scope, &canonical),

@@ -68,14 +68,8 @@ pub fn completion_events(c: &Value, include_usage: bool) -> Vec<String> {
         }
         out.push(chunk(json!([{"text": "", "index": choice["index"], "logprobs": null, "finish_reason": "stop"}])));
     }
-    if include_usage {
-        let mut u = chunk(json!([]));
-        u["usage"] = c["usage"].clone();
-        out.push(u);
-    }
-    let mut events: Vec<String> = out.iter().map(|v| format!("data: {v}\n\n")).collect();
-    events.push("data: [DONE]\n\n".to_owned());
-    events
+    let usage = include_usage.then(|| chunk(json!([])));
+    crate::data_events(out, usage, &c["usage"])
 }
 
 /// The input text of a Responses request (a string, or the text of its items).

@@ -631,12 +631,18 @@ fn events(c: &Value, include_usage: bool) -> Vec<String> {
         }
         out.push(chunk(json!([{"index": i, "delta": {}, "logprobs": null, "finish_reason": choice["finish_reason"]}])));
     }
-    if include_usage {
-        let mut u = chunk(json!([]));
-        u["usage"] = c["usage"].clone();
-        out.push(u);
+    let usage = include_usage.then(|| chunk(json!([])));
+    crate::data_events(out, usage, &c["usage"])
+}
+
+/// `chunks` as `data:` events, then the usage event (`usage_chunk` carrying `usage`) when
+/// the client asked for it, then `[DONE]`.
+pub(crate) fn data_events(mut chunks: Vec<Value>, usage_chunk: Option<Value>, usage: &Value) -> Vec<String> {
+    if let Some(mut u) = usage_chunk {
+        u["usage"] = usage.clone();
+        chunks.push(u);
     }
-    let mut events: Vec<String> = out.iter().map(|v| format!("data: {v}\n\n")).collect();
+    let mut events: Vec<String> = chunks.iter().map(|v| format!("data: {v}\n\n")).collect();
     events.push("data: [DONE]\n\n".to_owned());
     events
 }

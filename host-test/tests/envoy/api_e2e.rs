@@ -4,7 +4,7 @@
 //! shared, and every other path refused unless the operator lets it pass.
 
 use host_test::client::{request, Resp};
-use host_test::stack::{burst_to, Stack};
+use host_test::stack::{burst_to, results_of, Stack};
 use serde_json::{json, Value};
 use sha2::{Digest, Sha256};
 
@@ -64,16 +64,13 @@ fn billed(s: &Stack, path: &str) -> u64 {
 fn sdk(s: &Stack, tenant: &str, calls: Value) -> Vec<Value> {
     let root = host_test::envoy::workspace_root();
     let (_, token) = TOKENS.iter().find(|(t, _)| *t == tenant).expect("a test tenant");
-    let out = std::process::Command::new(root.join(".venv/bin/python"))
-        .arg(root.join("host-test/tests/openai_api.py"))
-        .arg(format!("http://{}/v1", s.envoy.edge))
-        .arg(token)
-        .arg(calls.to_string())
-        .output()
-        .expect("python from .venv (make test installs it)");
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(out.status.success(), "{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
-    serde_json::from_str::<Value>(stdout.trim()).expect("json line").as_array().cloned().unwrap_or_default()
+    results_of(
+        std::process::Command::new(root.join(".venv/bin/python"))
+            .arg(root.join("host-test/tests/openai_api.py"))
+            .arg(format!("http://{}/v1", s.envoy.edge))
+            .arg(token)
+            .arg(calls.to_string()),
+    )
 }
 
 fn caches(results: &[Value]) -> Vec<&str> {
@@ -292,16 +289,12 @@ fn the_openai_node_sdk_embeds_responds_and_completes_through_the_edge_too() {
     let s = start(&config(&[], ""));
     let root = host_test::envoy::workspace_root();
     let (_, token) = TOKENS[0];
-    let out = std::process::Command::new("node")
-        .arg(root.join("host-test/sdk-node/openai_api.mjs"))
-        .arg(format!("http://{}/v1", s.envoy.edge))
-        .arg(token)
-        .output()
-        .expect("node (make test installs the client into host-test/sdk-node)");
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(out.status.success(), "{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
-    let r: Vec<Value> =
-        serde_json::from_str::<Value>(stdout.trim()).expect("json line").as_array().cloned().unwrap_or_default();
+    let r = results_of(
+        std::process::Command::new("node")
+            .arg(root.join("host-test/sdk-node/openai_api.mjs"))
+            .arg(format!("http://{}/v1", s.envoy.edge))
+            .arg(token),
+    );
     assert_eq!(caches(&r), ["MISS", "HIT", "MISS", "HIT", "BYPASS", "MISS", "HIT"], "{r:#?}");
     assert_eq!(r[0]["vectors"], json!([1536]));
     assert!(r[2]["text"].as_str().is_some_and(|t| t.ends_with("to: node says hello")), "{}", r[2]);

@@ -39,15 +39,12 @@ fn openai(s: &Stack, calls: Value) -> Vec<Value> {
 
 fn openai_at(edge: SocketAddr, calls: Value) -> Vec<Value> {
     let root = host_test::envoy::workspace_root();
-    let out = std::process::Command::new(root.join(".venv/bin/python"))
-        .arg(root.join("host-test/tests/openai_stream.py"))
-        .arg(format!("http://{edge}/v1"))
-        .arg(calls.to_string())
-        .output()
-        .expect("python from .venv (make test installs it)");
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(out.status.success(), "{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
-    serde_json::from_str::<Value>(stdout.trim()).expect("json line").as_array().cloned().unwrap_or_default()
+    host_test::stack::results_of(
+        std::process::Command::new(root.join(".venv/bin/python"))
+            .arg(root.join("host-test/tests/openai_stream.py"))
+            .arg(format!("http://{edge}/v1"))
+            .arg(calls.to_string()),
+    )
 }
 
 #[test]

@@ -27,7 +27,7 @@ tenant-key:
 	  print("token:      " + t); print("keys_sha256: " + hashlib.sha256(t.encode()).hexdigest())'
 
 # Links, make targets and paths in README.md and docs/ (docs/check.sh); the configurations
-# they show are parsed by a unit test in src/core/config.rs.
+# they show are parsed by a unit test in src/core/config/mod.rs.
 docs-check:
 	docs/check.sh
 

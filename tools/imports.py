@@ -1,6 +1,8 @@
 #!/usr/bin/env python3
 """The crate's module graph from its paths (`use` lines and `crate::`/`super::` paths in
-code, tests left out): prints its figures and fails on any import circle.
+code, tests left out): prints its figures and fails on any import circle, and on an arrow
+up the core's floors (the order `src/core/mod.rs` lists after "Floors, bottom-up:") whose
+line, or the line above it, carries no `// up:` comment saying why.
 
 usage: tools/imports.py [SRC_DIR]   (default: src)
 """
@@ -42,7 +44,26 @@ def resolve(here, root, rest, modules):
     return best
 
 
-def graph(src):
+def refs_of(text):
+    """Each path the code names, with the line it starts on."""
+    out = []
+    for m in GROUP.finditer(text):
+        root, prefix, inner = m.groups()
+        line = text.count("\n", 0, m.start())
+        for item in inner.split(","):
+            item = item.strip().split(" as ")[0].strip()
+            if item == "self":
+                out.append((root, prefix, line))
+            elif item:
+                out.append((root, prefix + "::" + item, line))
+    for m in PATH.finditer(text):
+        out.append((m.group(1), m.group(2), text.count("\n", 0, m.start())))
+    return out
+
+
+def graph(src, lines=None):
+    """module -> the modules it uses; with `lines`, also fills lines[(m, t)] with
+    (file, line number, raw line) of each use."""
     files = {}
     for dirpath, _, names in os.walk(src):
         for n in names:
@@ -52,22 +73,16 @@ def graph(src):
     modules = set(files)
     edges = {m: set() for m in modules}
     for m, p in files.items():
-        text = code(open(p, encoding="utf-8").read())
-        refs = []
-        for root, prefix, inner in GROUP.findall(text):
-            for item in inner.split(","):
-                item = item.strip().split(" as ")[0].strip()
-                if item and item != "self":
-                    refs.append((root, prefix + "::" + item))
-                elif item == "self":
-                    refs.append((root, prefix))
-        refs += PATH.findall(text)
-        for root, rest in refs:
+        raw = open(p, encoding="utf-8").read()
+        text, rows = code(raw), raw.splitlines()
+        for root, rest, line in refs_of(text):
             t = resolve(m, root, rest, modules)
             # A module's own children are its to declare; a path into an ancestor's own
             # items (its mod.rs) is an arrow up, counted.
             if t and t != m and t[: len(m)] != m:
                 edges[m].add(t)
+                if lines is not None:
+                    lines.setdefault((m, t), []).append((p, line + 1, rows[line - 1 : line + 1]))
     return edges
 
 
@@ -103,15 +118,53 @@ def circles(edges):
     return out
 
 
+def floors(src):
+    """The core's floors, bottom-up, as src/core/mod.rs lists them."""
+    text = open(os.path.join(src, "core", "mod.rs"), encoding="utf-8").read()
+    m = re.search(r"Floors, bottom-up:(.*?)\.\s*$", text, re.S | re.M)
+    if not m:
+        sys.exit("imports: src/core/mod.rs lists no 'Floors, bottom-up:'")
+    names = re.sub(r"//!", " ", m.group(1))
+    return [n.strip().strip("`") for n in names.split(",")]
+
+
+def ups(src, edges, lines):
+    """Arrows up a floor: (from, to, commented, where)."""
+    order = floors(src)
+    have = sorted({m[1] for m in edges if len(m) >= 2 and m[0] == "core"})
+    missing = [n for n in have if n not in order]
+    if missing:
+        sys.exit("imports: floors missing from src/core/mod.rs: " + ", ".join(missing))
+    pos = {n: i for i, n in enumerate(order)}
+    out = []
+    for (m, t), uses in sorted(lines.items()):
+        if m[:1] != ("core",) or t[:1] != ("core",) or len(m) < 2 or len(t) < 2:
+            continue
+        if pos[m[1]] < pos[t[1]]:
+            for path, n, rows in uses:
+                ok = any("// up:" in r for r in rows)
+                out.append((m, t, ok, f"{path}:{n}"))
+    return out
+
+
 def main():
     src = sys.argv[1] if len(sys.argv) > 1 else "src"
-    edges = graph(src)
+    lines = {}
+    edges = graph(src, lines)
     found = circles(edges)
     arrows = sum(len(e) for e in edges.values())
-    print(f"imports: {len(edges)} modules, {arrows} arrows, {len(found)} circle(s)")
+    up = ups(src, edges, lines)
+    bare = [u for u in up if not u[2]]
+    up_arrows = len({(m, t) for m, t, _, _ in up})
+    print(
+        f"imports: {len(edges)} modules, {arrows} arrows, {len(found)} circle(s), "
+        f"{up_arrows} arrow(s) up a floor, {len(bare)} without '// up:'"
+    )
     for c in found:
         print("circle: " + " -> ".join("::".join(m) for m in c))
-    sys.exit(1 if found else 0)
+    for m, t, _, where in bare:
+        print(f"up without a reason: {'::'.join(m)} -> {'::'.join(t)} at {where}")
+    sys.exit(1 if found or bare else 0)
 
 
 if __name__ == "__main__":

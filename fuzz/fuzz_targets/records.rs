@@ -5,7 +5,8 @@
 use holysheep_edge::core::config::Config;
 use holysheep_edge::core::request::request_key;
 use holysheep_edge::core::store::{CasStore, Read, StoreError};
-use holysheep_edge::core::{cache, lease, limits, wake};
+use holysheep_edge::core::coalesce::{lease, wake};
+use holysheep_edge::core::{cache, limits};
 use libfuzzer_sys::fuzz_target;
 
 /// Every key holds the fuzzer's bytes.

@@ -3,7 +3,7 @@
 #![no_main]
 
 use holysheep_edge::core::config::Config;
-use holysheep_edge::core::endpoint::{self, Endpoint};
+use holysheep_edge::core::api::endpoint::{self, Endpoint};
 use holysheep_edge::core::request::{is_chat_path, ApiRequest, RequestMeta};
 use libfuzzer_sys::fuzz_target;
 

@@ -3,7 +3,7 @@
 
 use crate::client::request;
 use crate::envoy::Envoy;
-use holysheep_edge::core::base64::{decode, encode};
+use holysheep_edge::core::wire::base64::{decode, encode};
 use std::io;
 use std::net::SocketAddr;
 use std::path::PathBuf;

@@ -4,19 +4,19 @@
 //! the cache policy its directives ask for, then decided (`decide`): the step the engine
 //! takes and the call it would make.
 
-use crate::core::batch::{self, Plan};
-use crate::core::cache::Response;
+use crate::core::api::endpoint::Endpoint;
+use crate::core::api::error::ApiError;
+use crate::core::api::headers;
+use crate::core::api::priority::Class;
+use crate::core::api::response::Response;
+use crate::core::cache::batch::{self, Plan};
+use crate::core::cache::hot;
+use crate::core::coalesce::engine::{CacheStatus, Engine, Reply, Step};
+use crate::core::config::tenants;
 use crate::core::config::Config;
 use crate::core::config::Role;
-use crate::core::endpoint::Endpoint;
-use crate::core::engine::{CacheStatus, Engine, Reply, Step};
-use crate::core::error::ApiError;
-use crate::core::hot;
-use crate::core::peer;
-use crate::core::priority::{self, Class};
 use crate::core::request::{is_internal_path, is_models_path, ApiRequest, CacheControl, Policy, RequestMeta};
 use crate::core::store::CasStore;
-use crate::core::tenants;
 use crate::core::upstream::Outbound;
 use serde_json::json;
 
@@ -125,8 +125,8 @@ impl Head {
                 }
                 b"authorization" => &mut h.authorization,
                 b"cache-control" => &mut h.cache_control,
-                n if n == priority::HEADER.as_bytes() => &mut h.priority,
-                n if n == peer::SECRET_HEADER.as_bytes() => &mut h.peer_secret,
+                n if n == headers::PRIORITY.as_bytes() => &mut h.priority,
+                n if n == headers::PEER_SECRET.as_bytes() => &mut h.peer_secret,
                 n if Some(n) == tenant_header.map(str::as_bytes) => &mut h.tenant,
                 _ => continue,
             };
@@ -174,7 +174,7 @@ impl Head {
         if let Some(answer) = models_answer(config, self) {
             return Ungoverned::Answer(answer);
         }
-        let api = crate::core::path::segments(&self.path).first().is_some_and(|s| s.eq_ignore_ascii_case("v1"));
+        let api = crate::core::api::path::segments(&self.path).first().is_some_and(|s| s.eq_ignore_ascii_case("v1"));
         if !api && config.keys.verify(self.authorization.as_deref()).is_err() {
             return Ungoverned::Pass;
         }
@@ -273,7 +273,7 @@ fn models_answer(config: &Config, head: &Head) -> Option<Result<Response, ApiErr
     let answer = config.keys.verify(head.authorization.as_deref()).map(|tenant| {
         let body = models_list(config, tenant);
         let mut response = Response::json(200, body);
-        response.headers.push((crate::core::upstream::TENANT_HEADER.to_owned(), tenant.to_owned()));
+        response.headers.push((headers::TENANT.to_owned(), tenant.to_owned()));
         response
     });
     Some(answer)
@@ -296,7 +296,7 @@ fn models_list(config: &Config, tenant: &str) -> Vec<u8> {
 fn allowed(config: &Config, request: &ApiRequest) -> Result<(), ApiError> {
     let Some(name) = request.tenant.as_deref() else { return Ok(()) };
     match config.tenants.get(name) {
-        None => Err(tenants::invalid_api_key()),
+        None => Err(ApiError::invalid_api_key()),
         Some(t) if !t.allows(&request.model) || !config.prices_for(t, &request.model) => {
             Err(tenants::model_not_found(&request.model))
         }
@@ -369,7 +369,7 @@ fn ambiguous_tenant(config: &Config) -> ApiError {
 fn by_item<S: CasStore>(
     engine: &Engine<'_, S>,
     request: &ApiRequest,
-    call: crate::core::engine::Call,
+    call: crate::core::coalesce::engine::Call,
     body: &[u8],
     now_ms: u64,
 ) -> (Step, Option<Plan>, Option<(crate::core::request::Key, bool)>) {
@@ -472,7 +472,7 @@ mod tests {
     fn with_tenants_only_listed_paths_pass_and_with_the_operators_key() {
         let token = "hs-t";
         let digest: String =
-            crate::core::digest::sha256(token.as_bytes().to_vec()).iter().map(|b| format!("{b:02x}")).collect();
+            crate::core::wire::digest::sha256(token.as_bytes().to_vec()).iter().map(|b| format!("{b:02x}")).collect();
         let raw = format!(r#"{{"tenants":{{"t":{{"keys_sha256":["{digest}"]}}}},"passthrough_paths":["/v1/files"]}}"#);
         let config = Config::parse(raw.as_bytes()).unwrap();
         let head = |method: &str, path: &str, auth: Option<&str>| Head {
@@ -553,7 +553,7 @@ mod tests {
         let head = |t: &str| Head { verified: Some(t.into()), ..Head::default() };
         let open = br#"{"model":"gpt-4.1","messages":[{"role":"user","content":"hi"}]}"#;
         let d = decide(&engine, head("t"), open, None, 0, 1).unwrap();
-        assert_eq!(d.outbound.completion_cap, Some(crate::core::tenants::BUDGET_COMPLETION_TOKENS));
+        assert_eq!(d.outbound.completion_cap, Some(crate::core::config::tenants::BUDGET_COMPLETION_TOKENS));
         let sent: serde_json::Value = serde_json::from_slice(&d.outbound.body_for("gpt-4.1")).unwrap();
         assert_eq!(sent["max_tokens"], 4096);
         assert_eq!(d.outbound.worst_tokens(), open.len() as u64 + 4096);
@@ -601,7 +601,7 @@ mod tests {
         assert_eq!(wait.keep, Keep { answer: false, parse: true }, "part of a crowd: its parse is kept");
         let known = decide(&engine, alice(), body, Some(&wait.request), 1_002, 3).unwrap();
         assert_eq!(known.keep, Keep::default(), "a known parse is not kept twice");
-        engine.complete(call, Some(crate::core::cache::Response::json(200, b"{}".to_vec())), 1_010);
+        engine.complete(call, Some(crate::core::api::response::Response::json(200, b"{}".to_vec())), 1_010);
         let hit = decide(&engine, alice(), body, None, 1_020, 4).unwrap();
         assert!(matches!(&hit.step, Step::Reply(r) if r.cache == Some(CacheStatus::Hit)));
         assert_eq!(hit.keep, Keep { answer: true, parse: true });

@@ -1,7 +1,7 @@
 //! The CAS store the core runs on, with the exact contract of Envoy's proxy-wasm shared
 //! data, and an in-memory model of it for tests.
 
-use super::codec;
+use crate::core::wire::codec;
 
 /// What a read returns. Envoy distinguishes a missing key (`cas: None`) from a key whose
 /// value is empty (`value: None, cas: Some(_)`); there is no delete, so "empty" is how a
@@ -26,7 +26,7 @@ pub enum StoreError {
 /// - `set` on an existing key with `cas = Some(c)` fails with `CasMismatch` unless `c` is
 ///   the key's current CAS; `cas = None` overwrites unconditionally;
 /// - **`set` on a missing key inserts and ignores `cas`**, so a CAS set is not
-///   create-if-absent (see [`crate::core::lease`] for how acquire copes);
+///   create-if-absent (see [`crate::core::flight::lease`] for how acquire copes);
 /// - there is no delete and no TTL: a key, once written, lives as long as the VM group.
 pub trait CasStore {
     fn get(&self, key: &str) -> Result<Read, StoreError>;

@@ -5,19 +5,13 @@
 //! it amounts to, with every field the stream carried (`merge`). `replay` turns a stored
 //! `chat.completion` into the event stream OpenAI sends for it.
 
-use super::cache::Response;
-use super::endpoint::Endpoint;
-use super::usage::Usage;
+use crate::core::api::endpoint::Endpoint;
+use crate::core::api::headers;
+use crate::core::api::response::Response;
+use crate::core::api::usage::Usage;
 use serde_json::{json, Map, Value};
 use std::collections::BTreeMap;
 use std::mem::discriminant;
-
-pub const CONTENT_TYPE: &str = "text/event-stream";
-
-/// Whether a `content-type` names an event stream (media types are case-insensitive).
-pub fn is_event_stream(content_type: &str) -> bool {
-    content_type.to_ascii_lowercase().contains(CONTENT_TYPE)
-}
 
 /// Bytes of events past which the answer is no longer assembled (it could not be stored).
 const MAX_ANSWER_BYTES: usize = 16 << 20;
@@ -144,7 +138,7 @@ impl Reassembler {
 
     /// The `usage` the stream reported, if any.
     pub fn usage(&self) -> Option<Usage> {
-        super::usage::of_value(self.usage.as_ref()?)
+        crate::core::api::usage::of_value(self.usage.as_ref()?)
     }
 
     /// Completion tokens streamed so far, estimated at four characters a token.
@@ -367,7 +361,7 @@ pub fn for_client(response: Response, stream: bool, include_usage: bool) -> Resp
         return response;
     }
     match replay(&response.body, include_usage) {
-        Some(body) => Response { content_type: CONTENT_TYPE.into(), body, ..response },
+        Some(body) => Response { content_type: headers::EVENT_STREAM.into(), body, ..response },
         None => response,
     }
 }
@@ -673,7 +667,7 @@ mod tests {
         let e = Response::json(429, br#"{"error":{}}"#.to_vec());
         assert_eq!(for_client(e.clone(), true, true), e);
         let ok = Response::json(200, br#"{"id":"x","choices":[],"usage":null}"#.to_vec());
-        assert_eq!(for_client(ok.clone(), true, false).content_type, CONTENT_TYPE);
+        assert_eq!(for_client(ok.clone(), true, false).content_type, headers::EVENT_STREAM);
         assert_eq!(for_client(ok.clone(), false, false), ok);
     }
 

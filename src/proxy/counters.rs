@@ -4,12 +4,12 @@
 
 use super::abi as hostcalls;
 use super::host::SharedData;
-use crate::core::budget;
+use crate::core::api::priority::CLASSES;
+use crate::core::coalesce::engine::Reply;
 use crate::core::config::Config;
-use crate::core::engine::Reply;
 use crate::core::flight::Event;
-use crate::core::metrics::{self, ClassStat, Counter, LastUsage, PerCounter, CLASS_STATS, COUNTERS};
-use crate::core::priority::CLASSES;
+use crate::core::limits::budget;
+use crate::core::observe::metrics::{self, ClassStat, Counter, LastUsage, PerCounter, CLASS_STATS, COUNTERS};
 use proxy_wasm::types::MetricType;
 
 #[derive(Default)]

@@ -4,8 +4,9 @@
 
 use super::abi as hostcalls;
 use super::host;
+use crate::core::api::headers;
 use crate::core::config::Config;
-use crate::core::peer::{Op, Verdict, SECRET_HEADER};
+use crate::core::limits::fleet::{Op, Verdict};
 use crate::core::request::PEER_PATH;
 use proxy_wasm::types::{BufferType, LogLevel, MapType, Status};
 use std::time::Duration;
@@ -37,7 +38,7 @@ pub fn ask(config: &Config, secret: &str, bucket: &str, op: &Op, timeout_ms: u64
         (":path", PEER_PATH),
         (":authority", authority.as_str()),
         ("content-type", "application/json"),
-        (SECRET_HEADER, secret),
+        (headers::PEER_SECRET, secret),
     ];
     let timeout = Duration::from_millis(timeout_ms.max(1));
     hostcalls::dispatch_http_call(&config.fleet.cluster, headers, Some(&op.to_json()), vec![], timeout)

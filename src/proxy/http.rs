@@ -9,22 +9,22 @@ use super::host::{self, SharedData};
 use super::runs::StreamEnd;
 use super::tee::Tee;
 use super::worker::{Target, WorkerRef, MISROUTED_KEY};
-use crate::core::cache::Response;
+use crate::core::api::error::ApiError;
+use crate::core::api::headers;
+use crate::core::api::hints::ProviderHints;
+use crate::core::api::response::Response;
+use crate::core::cache::edge;
+use crate::core::cache::hot::Raw;
+use crate::core::coalesce::engine::{Call, Engine, Reply, Step};
 use crate::core::config::Role;
-use crate::core::edge;
-use crate::core::engine::{Call, Engine, Reply, Step};
-use crate::core::error::ApiError;
-use crate::core::hot::Raw;
 use crate::core::intake::{self, Decision, Head, Route, Ungoverned};
-use crate::core::limits::ProviderHints;
-use crate::core::log_fields::Served;
-use crate::core::pairs;
-use crate::core::peer;
-use crate::core::priority;
+use crate::core::limits::fleet;
+use crate::core::observe::log_fields::Served;
 use crate::core::request::PEER_PATH;
 use crate::core::store::CasStore;
-use crate::core::stream::{self, Reassembler};
+use crate::core::stream::Reassembler;
 use crate::core::upstream::{self, Outbound};
+use crate::core::wire::pairs;
 use proxy_wasm::traits::{Context, HttpContext};
 use proxy_wasm::types::{Action, BufferType, LogLevel, MapType};
 use std::rc::Rc;
@@ -147,14 +147,14 @@ impl Chat {
         let header = |n: &str| headers.iter().find(|(k, _)| k == n).map(|(_, v)| v.clone());
         let status = header(":status").and_then(|s| s.parse().ok()).unwrap_or(502);
         let content_type = header("content-type").unwrap_or_default();
-        set_response_header(edge::TIER_HEADER, Some(edge::OWNER));
+        set_response_header(headers::TIER, Some(edge::OWNER));
         let tee = {
             let mut w = self.worker.borrow_mut();
             let config = w.config.clone();
             let Some(hop) = w.runs.hops.get_mut(&self.id) else { return Action::Continue };
             hop.fresh = edge::declared(&config, &hop.call.key, status, &headers, host::now_ms());
             hop.kept = edge::kept(&headers);
-            let sse = status == 200 && stream::is_event_stream(&content_type);
+            let sse = status == 200 && headers::is_event_stream(&content_type);
             if sse && !hop.outbound.include_usage {
                 // The usage event is taken out: the length changes.
                 set_response_header("content-length", None);
@@ -174,10 +174,10 @@ impl Chat {
     fn serve_peer(&mut self, body: &[u8]) -> Action {
         let config = self.worker.borrow().config.clone();
         let now = host::now_ms();
-        match peer::Op::parse(body) {
+        match fleet::Op::parse(body) {
             Ok(op) => {
                 let tenant = op.tenant().map(str::to_owned);
-                let verdict = peer::serve_op(&SharedData, &config, op, now);
+                let verdict = fleet::serve_op(&SharedData, &config, op, now);
                 if let Some(tenant) = tenant {
                     self.worker.borrow().counters.record_budget(&config, &tenant, now);
                 }
@@ -200,7 +200,7 @@ impl Chat {
         if role == Role::Forward {
             return self.reject(&ApiError::not_found(method, path));
         }
-        if !peer::secret_matches(secret.as_deref(), self.head.peer_secret.as_deref()) {
+        if !fleet::secret_matches(secret.as_deref(), self.head.peer_secret.as_deref()) {
             return self.reject(&ApiError::forbidden("internal fleet call without the fleet's secret"));
         }
         if method != "POST" || path != PEER_PATH {
@@ -316,7 +316,7 @@ impl Chat {
 /// only lower the class the owner gives the verified tenant.
 fn strip_fleet_headers() {
     for (name, _) in host::headers(MapType::HttpRequestHeaders) {
-        if name.starts_with("x-holysheep-") && name != priority::HEADER {
+        if name.starts_with("x-holysheep-") && name != headers::PRIORITY {
             let _ = hostcalls::set_map_value(MapType::HttpRequestHeaders, &name, None);
         }
     }
@@ -427,7 +427,7 @@ impl HttpContext for Chat {
         let header = |n: &str| headers.iter().find(|(k, _)| k == n).map(|(_, v)| v.clone());
         let status = header(":status").and_then(|s| s.parse().ok()).unwrap_or(502);
         let content_type = header("content-type").unwrap_or_default();
-        let sse = status == 200 && stream::is_event_stream(&content_type);
+        let sse = status == 200 && headers::is_event_stream(&content_type);
         // The edge's own headers are the edge's to set: none of HolySheep's passes.
         for (name, _) in headers.iter().filter(|(n, _)| n.starts_with("x-holysheep-")) {
             set_response_header(name, None);
@@ -438,7 +438,7 @@ impl HttpContext for Chat {
         // The edge's own answer: HolySheep's age means nothing here (a MISS is new).
         set_response_header("age", None);
         if let Some(tenant) = &label.tenant {
-            set_response_header(upstream::TENANT_HEADER, Some(tenant));
+            set_response_header(headers::TENANT, Some(tenant));
         }
         let refusal = self.misrouted().or_else(|| upstream::refused(status, &content_type, label.sent));
         if (sse && !label.include_usage) || refusal.is_some() {

@@ -2,17 +2,17 @@
 
 mod abi;
 mod body_watch;
+mod budget_store;
 mod counters;
 mod fleet;
 mod host;
 mod http;
 mod ids;
 mod key_check;
-mod queue;
 mod root;
 mod runs;
-mod spend_store;
 mod tee;
+mod wake;
 mod worker;
 
 proxy_wasm::main! {{

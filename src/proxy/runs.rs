@@ -3,15 +3,16 @@
 //! verdict, streaming along the route, or (on a forward node) on their way to the owner.
 
 use super::ids::IdMap;
-use crate::core::cache::{Fresh, Response};
-use crate::core::engine::Call;
+use crate::core::api::hints::ProviderHints;
+use crate::core::api::response::Response;
+use crate::core::api::usage::Usage;
+use crate::core::cache::Fresh;
+use crate::core::coalesce::engine::Call;
 use crate::core::flight::Flight;
-use crate::core::limits::ProviderHints;
-use crate::core::log_fields::Spent;
+use crate::core::observe::log_fields::Spent;
 use crate::core::request::Key;
 use crate::core::semantic::Learned;
 use crate::core::upstream::Outbound;
-use crate::core::usage::Usage;
 use std::rc::Rc;
 
 /// A flight on its way, with the request it answers.

@@ -3,8 +3,8 @@
 //! the cache and the flight's waiters.
 
 use super::runs::StreamEnd;
-use crate::core::cache::Response;
-use crate::core::limits::ProviderHints;
+use crate::core::api::hints::ProviderHints;
+use crate::core::api::response::Response;
 use crate::core::stream::Reassembler;
 
 /// Bytes of a streamed call's error answer kept for its waiters.

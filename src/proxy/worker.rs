@@ -5,30 +5,32 @@
 
 use super::abi as hostcalls;
 use super::body_watch::{self, BodyWatch};
+use super::budget_store::BudgetStore;
 use super::counters::{self, Counters};
 use super::fleet::Fleet;
 use super::host::{self, Nonces, SharedData};
 use super::ids::{IdMap, IdSet};
 use super::key_check::KeyCheck;
-use super::queue::{WakeQueue, DISPATCH, ENDED};
 use super::runs::{Hop, Run, Runs, StreamEnd};
-use super::spend_store::SpendStore;
-use crate::core::cache::{self, Fresh, Response};
-use crate::core::codec;
+use super::wake::{WakeQueue, DISPATCH, ENDED};
+use crate::core::api::error::ApiError;
+use crate::core::api::headers;
+use crate::core::api::response::Response;
+use crate::core::api::usage::{self, Usage};
+use crate::core::cache::edge;
+use crate::core::cache::hot::{Hot, Raw, Seed};
+use crate::core::cache::{self, Fresh};
+use crate::core::coalesce::engine::{CacheStatus, Call, Ended, Engine, Reply, Wait};
 use crate::core::config::{Config, Role};
-use crate::core::edge;
-use crate::core::engine::{CacheStatus, Call, Ended, Engine, Reply, Wait};
-use crate::core::error::ApiError;
 use crate::core::flight::StreamOutcome;
-use crate::core::hot::{Hot, Raw, Seed};
-use crate::core::log_fields::{self, Answered, Served};
-use crate::core::metrics::{self, Counter, LastUsage};
-use crate::core::request::{self, ApiRequest, Key, KEY_HEADER};
+use crate::core::observe::log_fields::{self, Answered, Served};
+use crate::core::observe::metrics::{self, Counter, LastUsage};
+use crate::core::request::{self, ApiRequest, Key};
 use crate::core::semantic::{self, Learned};
 use crate::core::store::CasStore;
 use crate::core::stream;
 use crate::core::upstream::{self, Outbound, Sent};
-use crate::core::usage::{self, Usage};
+use crate::core::wire::codec;
 use proxy_wasm::types::{BufferType, LogLevel, MapType};
 use std::cell::RefCell;
 use std::collections::hash_map::RandomState;
@@ -62,7 +64,7 @@ pub struct Worker {
     pub counters: Counters,
     pub key_check: KeyCheck,
     pub fleet: Fleet,
-    pub spend_store: SpendStore,
+    pub budget_store: BudgetStore,
     pub runs: Runs,
     pub waiters: IdMap<(Wait, Rc<Outbound>)>,
     /// Http contexts that may still be answered: created, not done, and not answered by
@@ -164,7 +166,7 @@ impl Worker {
             counters: Counters::default(),
             key_check: KeyCheck::default(),
             fleet: Fleet::default(),
-            spend_store: SpendStore::default(),
+            budget_store: BudgetStore::default(),
             runs: Runs::default(),
             waiters: Default::default(),
             live: Default::default(),
@@ -312,7 +314,7 @@ impl Worker {
 
     /// `x-holysheep-tier: edge` on a forward node's own answers.
     fn tier_header(&self) -> Option<(&'static str, String)> {
-        (self.config.role == Role::Forward).then(|| (edge::TIER_HEADER, edge::EDGE.to_owned()))
+        (self.config.role == Role::Forward).then(|| (headers::TIER, edge::EDGE.to_owned()))
     }
 
     /// The headers of the stream forwarded for this http context, if it is one.
@@ -401,7 +403,7 @@ impl Worker {
     /// event out again for a client that did not ask). Its answer is teed on its way back.
     pub fn hop(&mut self, context_id: u32, call: Call, outbound: Rc<Outbound>) {
         let route = semantic::route(&self.config, &call.key, outbound.semantic.as_ref());
-        let _ = hostcalls::set_map_value(MapType::HttpRequestHeaders, KEY_HEADER, Some(&route));
+        let _ = hostcalls::set_map_value(MapType::HttpRequestHeaders, headers::KEY, Some(&route));
         if outbound.stream && !outbound.include_usage {
             let usage = outbound.endpoint.asks_stream_usage();
             let body = request::for_upstream(&outbound.body, &outbound.model, usage, None);

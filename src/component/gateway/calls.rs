@@ -9,12 +9,12 @@ use crate::component::wasi::http::types::{
     IncomingBody, IncomingRequest, IncomingResponse, Method, OutgoingBody, OutgoingRequest, RequestOptions,
     ResponseOutparam, Scheme,
 };
-use crate::core::cache::Response;
-use crate::core::engine::{Call, Reply};
-use crate::core::error::ApiError;
-use crate::core::limits::ProviderHints;
+use crate::core::api::error::ApiError;
+use crate::core::api::headers;
+use crate::core::api::hints::ProviderHints;
+use crate::core::api::response::Response;
+use crate::core::coalesce::engine::{Call, Reply};
 use crate::core::semantic::{self, Embedding, EMBEDDINGS_PATH};
-use crate::core::stream;
 use crate::core::upstream::{self, Outbound};
 
 /// The most bytes read from one HolySheep answer.
@@ -118,7 +118,7 @@ impl Gateway {
         headers.push(("content-length".to_owned(), body.len().to_string()));
         if outbound.stream {
             headers.retain(|(n, _)| n != "accept");
-            headers.push(("accept".to_owned(), stream::CONTENT_TYPE.to_owned()));
+            headers.push(("accept".to_owned(), headers::EVENT_STREAM.to_owned()));
         }
         self.outgoing(Method::Post, outbound.endpoint.path(), &headers)
             .and_then(|request| self.send(request, Body::Bytes(&body), deadline_ms, &mut || self.renew(call)))

@@ -4,9 +4,9 @@
 //! exact bytes). On a host that makes an instance per request, each request sets it up.
 
 use crate::component::host::{self, Kv};
+use crate::core::api::error::ApiError;
+use crate::core::cache::hot::{self, Hot, Raw, Seed};
 use crate::core::config::Config;
-use crate::core::error::ApiError;
-use crate::core::hot::{self, Hot, Raw, Seed};
 use crate::core::request::ApiRequest;
 use crate::core::upstream;
 use std::cell::RefCell;

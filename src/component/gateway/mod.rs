@@ -13,12 +13,13 @@ use super::host::{self, BodyError, Kv};
 use super::wasi::http::types::{
     IncomingBody, IncomingRequest, IncomingResponse, Method, OutgoingBody, ResponseOutparam,
 };
-use crate::core::edge;
-use crate::core::engine::{poll_delay_ms, Call, Engine, Reply, Step};
-use crate::core::error::ApiError;
+use crate::core::api::error::ApiError;
+use crate::core::api::headers;
+use crate::core::api::hints::ProviderHints;
+use crate::core::cache::edge;
+use crate::core::coalesce::engine::{poll_delay_ms, Call, Engine, Reply, Step};
 use crate::core::flight::{Action, Flight, StreamOutcome};
 use crate::core::intake::{self, Decision, Head, Route, Ungoverned};
-use crate::core::limits::ProviderHints;
 use crate::core::semantic::Learned;
 use crate::core::stream::{self, Reassembler};
 use crate::core::upstream::{self, Outbound};
@@ -149,7 +150,12 @@ impl Gateway {
     }
 
     /// The call's answer shared (cache and waiters), and its question learned.
-    fn complete(&self, call: &Call, outcome: Option<crate::core::cache::Response>, learned: Option<&Learned>) -> Reply {
+    fn complete(
+        &self,
+        call: &Call,
+        outcome: Option<crate::core::api::response::Response>,
+        learned: Option<&Learned>,
+    ) -> Reply {
         let now = host::now_ms();
         let reply = self.engine().complete(call, outcome, now);
         crate::core::semantic::keep(&self.kv, &self.config, learned, reply.stored_answer(), &call.key, now);
@@ -211,7 +217,7 @@ impl Gateway {
                     };
                     let events = response.status() == 200
                         && host::header(&response.headers(), "content-type")
-                            .is_some_and(|t| stream::is_event_stream(&t));
+                            .is_some_and(|t| headers::is_event_stream(&t));
                     if events {
                         return self.relay(flight, learned.as_ref(), outbound, response, out);
                     }
@@ -242,7 +248,7 @@ impl Gateway {
     ) {
         let call = flight.call.clone();
         let mut headers = vec![
-            ("content-type".to_owned(), stream::CONTENT_TYPE.to_owned()),
+            ("content-type".to_owned(), headers::EVENT_STREAM.to_owned()),
             // The edge's word on how long the answer is kept, as on every governed answer.
             (
                 "cache-control".to_owned(),

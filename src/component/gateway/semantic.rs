@@ -4,7 +4,7 @@
 
 use super::instance::Gateway;
 use crate::component::host;
-use crate::core::engine::{Call, Reply};
+use crate::core::coalesce::engine::{Call, Reply};
 use crate::core::semantic::{self, spend, Learned};
 use crate::core::upstream::Outbound;
 

@@ -188,7 +188,7 @@ fn key_bytes(key: &Key) -> Option<[u8; 32]> {
     let hex = key.hex().as_bytes();
     let mut out = [0u8; 32];
     for (byte, pair) in out.iter_mut().zip(hex.chunks_exact(2)) {
-        *byte = u8::try_from(crate::core::codec::hex_number(pair)?).ok()?;
+        *byte = u8::try_from(crate::core::wire::codec::hex_number(pair)?).ok()?;
     }
     (hex.len() == 64).then_some(out)
 }

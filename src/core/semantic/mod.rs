@@ -6,21 +6,17 @@
 //! semantic answer is never older, nor kept longer, than the exact answer it is.
 
 mod index;
-pub mod probe;
 pub mod spend;
 mod vector;
 
+pub use crate::core::request::probe::{probe, Probe};
 pub use index::{find, learn, page_count, Found, Similar, WAYS};
-pub use probe::{probe, Probe};
 pub use vector::{embedding_body, parse_embedding, Embedding, Vector};
 
 use super::config::Config;
 use super::request::Key;
-use super::store::CasStore;
-use super::usage::Usage;
-
-/// The response header with the similarity of the question a SEMANTIC answer answered.
-pub const SIMILARITY_HEADER: &str = "x-holysheep-similarity";
+use crate::core::api::usage::Usage;
+use crate::core::store::CasStore;
 
 /// The path of the embedding call.
 pub const EMBEDDINGS_PATH: &str = "/v1/embeddings";

@@ -3,13 +3,14 @@
 //! (a tenant that cannot afford the call makes no embedding call) and the embedding model's
 //! own bucket, when it has one, admits it; what it was billed is charged to the tenant.
 
-use crate::core::budget::{self, Backing, Hold};
+use crate::core::api::hints::ProviderHints;
 use crate::core::config::Config;
-use crate::core::limits::{self, Limits, ProviderHints};
-use crate::core::line::Who;
+use crate::core::limits::budget::{self, Backing, Hold};
+use crate::core::limits::line::Who;
+use crate::core::limits::tenant_gate::{self, Settlement};
+use crate::core::limits::{self, Limits};
 use crate::core::request::Key;
 use crate::core::store::CasStore;
-use crate::core::tenant_gate::{self, Settlement};
 use crate::core::upstream::Outbound;
 
 use super::Probe;

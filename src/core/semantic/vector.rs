@@ -109,7 +109,7 @@ impl Values {
         match self {
             Values::Floats(v) => Some(v),
             Values::Base64(text) => {
-                let bytes = crate::core::base64::decode(&text)?;
+                let bytes = crate::core::wire::base64::decode(&text)?;
                 let floats = bytes.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]));
                 (bytes.len() % 4 == 0).then(|| floats.collect())
             }

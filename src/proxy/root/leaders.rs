@@ -4,20 +4,21 @@
 
 use super::route::Forwarded;
 use super::Root;
-use crate::core::cache::{Fresh, Response};
-use crate::core::engine::Reply;
-use crate::core::error::ApiError;
+use crate::core::api::error::ApiError;
+use crate::core::api::hints::ProviderHints;
+use crate::core::api::response::Response;
+use crate::core::cache::Fresh;
+use crate::core::coalesce::engine::Reply;
 use crate::core::flight::{self, Flight};
-use crate::core::limits::ProviderHints;
-use crate::core::log_fields::{Served, Spent};
-use crate::core::peer::Op;
+use crate::core::limits::fleet::Op;
+use crate::core::observe::log_fields::{Served, Spent};
 use crate::core::semantic::Learned;
 use crate::core::upstream;
 use crate::proxy::abi as hostcalls;
 use crate::proxy::fleet;
 use crate::proxy::host::{self, SharedData};
-use crate::proxy::queue::DISPATCH;
 use crate::proxy::runs::{Probing, Run, StreamEnd};
+use crate::proxy::wake::DISPATCH;
 use crate::proxy::worker::Target;
 use proxy_wasm::types::{BufferType, LogLevel, MapType};
 use std::time::Duration;

@@ -14,8 +14,8 @@ use super::host;
 use super::http::Chat;
 use super::key_check;
 use super::worker::{Worker, WorkerRef, REPLY_BATCH};
+use crate::core::cache::hot::{self, Hot};
 use crate::core::config::{Config, Role};
-use crate::core::hot::{self, Hot};
 use crate::core::upstream;
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
 use proxy_wasm::types::{BufferType, ContextType, LogLevel};
@@ -67,7 +67,7 @@ impl Context for Root {
             let w = &mut *self.worker.borrow_mut();
             let config = w.config.clone();
             if w.key_check.answered(&config, token, num_headers)
-                || w.spend_store.answered(&config, token, num_headers, body_size)
+                || w.budget_store.answered(&config, token, num_headers, body_size)
             {
                 return;
             }
@@ -161,7 +161,7 @@ impl RootContext for Root {
         {
             let w = &mut *self.worker.borrow_mut();
             if w.config.role == Role::Owner {
-                w.spend_store.tick(&w.config, host::now_ms());
+                w.budget_store.tick(&w.config, host::now_ms());
             }
         }
         self.worker.borrow_mut().queue.heartbeat(host::now_ms());

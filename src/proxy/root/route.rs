@@ -2,9 +2,9 @@
 //! back while the leader's http context tees it (`Chat`), and reports how it ended.
 
 use super::Root;
-use crate::core::engine::Call;
+use crate::core::api::headers;
+use crate::core::coalesce::engine::Call;
 use crate::core::flight;
-use crate::core::stream;
 use crate::core::upstream::Outbound;
 use crate::proxy::abi as hostcalls;
 use crate::proxy::host;
@@ -66,7 +66,7 @@ impl Root {
             ("x-envoy-retriable-status-codes", flight::STREAM_RETRIABLE_STATUSES),
         ];
         set.extend(run.outbound.headers(bearer.as_deref()).into_iter().filter(|(n, _)| *n != "accept"));
-        set.push(("accept", stream::CONTENT_TYPE));
+        set.push(("accept", headers::EVENT_STREAM));
         let stays = |n: &str| n.starts_with(':') || n == "x-request-id";
         let gone = head.iter().map(|(n, _)| n).filter(|n| !stays(n));
         let trailers = host::headers(MapType::HttpRequestTrailers);

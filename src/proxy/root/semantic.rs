@@ -4,8 +4,8 @@
 //! or slow embedding included, lets the flight go upstream as the MISS it is.
 
 use super::Root;
-use crate::core::log_fields::{Served, Spent};
-use crate::core::metrics;
+use crate::core::observe::log_fields::{Served, Spent};
+use crate::core::observe::metrics;
 use crate::core::semantic::{self, spend, Embedding, Learned, EMBEDDINGS_PATH};
 use crate::core::upstream::USER_AGENT;
 use crate::proxy::abi as hostcalls;
@@ -107,7 +107,7 @@ impl Root {
         let tenant = probing.outbound.tenant.as_deref();
         let key = &probing.call.key;
         if let Some(s) = spend::charge(&SharedData, &config, (key, probe), tenant, tokens, host::now_ms()) {
-            w.fleet.outbox.push(crate::core::peer::Op::TenantSettle(s));
+            w.fleet.outbox.push(crate::core::limits::fleet::Op::TenantSettle(s));
         }
     }
 

@@ -3,14 +3,14 @@
 //! queues), in batches, each batch in a VM call of its own.
 
 use super::Root;
+use crate::core::coalesce::engine::Step;
 use crate::core::config::Role;
-use crate::core::engine::Step;
-use crate::core::log_fields::Served;
+use crate::core::observe::log_fields::Served;
 use crate::core::request::Key;
 use crate::core::upstream::Outbound;
 use crate::proxy::host;
-use crate::proxy::queue::{Message, POLL_ALL};
 use crate::proxy::runs::Probing;
+use crate::proxy::wake::{Message, POLL_ALL};
 use crate::proxy::worker::Target;
 use std::rc::Rc;
 

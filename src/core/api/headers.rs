@@ -1,0 +1,43 @@
+//! Every header name the edge speaks, in one place: the ones it reads from clients and
+//! forward nodes, the ones it sets on its answers and on the calls it makes. docs/http.md
+//! says what each carries.
+
+// What the edge sets on its answers.
+pub const CACHE: &str = "x-holysheep-cache";
+pub const KEY: &str = "x-holysheep-key";
+pub const MODEL: &str = "x-holysheep-model";
+pub const TIER: &str = "x-holysheep-tier";
+pub const OWNER: &str = "x-holysheep-owner";
+pub const SIMILARITY: &str = "x-holysheep-similarity";
+pub const SHED: &str = "x-holysheep-shed";
+pub const AGE: &str = "age";
+pub const CACHE_CONTROL: &str = "cache-control";
+pub const RETRY_AFTER: &str = "retry-after";
+pub const LIMIT_REQUESTS: &str = "x-ratelimit-limit-requests";
+pub const LIMIT_TOKENS: &str = "x-ratelimit-limit-tokens";
+pub const REMAINING_REQUESTS: &str = "x-ratelimit-remaining-requests";
+pub const REMAINING_TOKENS: &str = "x-ratelimit-remaining-tokens";
+pub const RESET_REQUESTS: &str = "x-ratelimit-reset-requests";
+pub const RESET_TOKENS: &str = "x-ratelimit-reset-tokens";
+
+pub const ACCEPT: &str = "accept";
+
+/// The media type of a streamed answer.
+pub const EVENT_STREAM: &str = "text/event-stream";
+
+/// Whether a `content-type` names an event stream (media types are case-insensitive).
+pub fn is_event_stream(content_type: &str) -> bool {
+    content_type.to_ascii_lowercase().contains(EVENT_STREAM)
+}
+
+// What the edge reads from a client (and forwards to an owner).
+pub const PRIORITY: &str = "x-holysheep-priority";
+pub const AUTHORIZATION: &str = "authorization";
+pub const CONTENT_TYPE: &str = "content-type";
+pub const CONTENT_LENGTH: &str = "content-length";
+pub const TRANSFER_ENCODING: &str = "transfer-encoding";
+pub const HOST: &str = "host";
+
+// Between the edge's own nodes.
+pub const TENANT: &str = "x-holysheep-tenant";
+pub const PEER_SECRET: &str = "x-holysheep-peer-secret";

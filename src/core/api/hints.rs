@@ -1,0 +1,54 @@
+//! What HolySheep's response headers say about its own limits: the remaining requests and
+//! tokens, a 429 and when to come back.
+
+/// What the provider said about its own limits.
+#[derive(Debug, Clone, Copy, PartialEq, Default, serde::Serialize, serde::Deserialize)]
+pub struct ProviderHints {
+    pub remaining_requests: Option<f64>,
+    pub remaining_tokens: Option<f64>,
+    /// The provider answered 429; `retry_after_ms` if it said when to come back.
+    pub throttled: bool,
+    pub retry_after_ms: Option<u64>,
+    /// HolySheep refused the operator's key (401, 403): no other attempt can do better.
+    /// Not part of the fleet's settlement message (model owners of other versions
+    /// refuse fields they do not know).
+    #[serde(skip)]
+    pub key_refused: bool,
+}
+
+impl ProviderHints {
+    pub fn from_headers(status: u16, headers: &[(String, String)]) -> ProviderHints {
+        let get = |n: &str| headers.iter().find(|(k, _)| k.eq_ignore_ascii_case(n)).map(|(_, v)| v.trim());
+        ProviderHints {
+            remaining_requests: get("x-ratelimit-remaining-requests").and_then(|v| v.parse().ok()),
+            remaining_tokens: get("x-ratelimit-remaining-tokens").and_then(|v| v.parse().ok()),
+            throttled: status == 429,
+            retry_after_ms: retry_after_ms(get("retry-after-ms"), get("retry-after")),
+            key_refused: false,
+        }
+    }
+}
+
+/// `retry-after-ms`, else `retry-after` in seconds (HTTP dates are not honoured).
+pub fn retry_after_ms(ms: Option<&str>, secs: Option<&str>) -> Option<u64> {
+    ms.and_then(|v| v.parse::<f64>().ok())
+        .or_else(|| secs.and_then(|v| v.parse::<f64>().ok()).map(|s| s * 1000.0))
+        .filter(|v| v.is_finite() && *v >= 0.0)
+        .map(|v| v.ceil() as u64)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn hints_from_headers() {
+        let h = vec![
+            ("retry-after".to_owned(), "2".to_owned()),
+            ("x-ratelimit-remaining-tokens".to_owned(), "50".to_owned()),
+        ];
+        let p = ProviderHints::from_headers(429, &h);
+        assert_eq!((p.throttled, p.retry_after_ms, p.remaining_tokens), (true, Some(2000), Some(50.0)));
+        assert_eq!(retry_after_ms(Some("1500"), Some("9")), Some(1500));
+    }
+}

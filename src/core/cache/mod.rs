@@ -1,0 +1,385 @@
+//! The cache and its near copies: the bounded cache in shared data (this module), a worker's
+//! own copies of what it served (`hot`), the edge tier's declarations to forward nodes
+//! (`edge`) and embeddings item by item (`batch`). Uses `wire`, `api`, `store`, `config` and
+//! `request`'s key.
+//!
+//! The bounded response cache: `cache.max_entries` fixed slots in shared data, four to a
+//! group. A key digest picks the group; the group's index record says which key (by its
+//! tag) each way holds and until when, so a lookup reads the index and at most the one
+//! entry that may be the key's, and an answer goes to the way the index says, written by
+//! compare-and-swap. The entry holds the full key, so a stale index is a miss, never a
+//! wrong answer. Nothing here creates a key per prompt.
+
+pub mod batch;
+pub mod edge;
+pub mod hot;
+
+use crate::core::api::response::Response;
+use crate::core::config::Config;
+use crate::core::request::Key;
+use crate::core::store::{self, cas_after, CasStore, Read, StoreError};
+use crate::core::wire::codec;
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Entry {
+    pub key: Key,
+    pub stored_at_ms: u64,
+    pub ttl_ms: u64,
+    pub response: Response,
+}
+
+impl Entry {
+    pub fn age_ms(&self, now_ms: u64) -> u64 {
+        now_ms.saturating_sub(self.stored_at_ms)
+    }
+
+    pub fn is_fresh(&self, now_ms: u64) -> bool {
+        self.age_ms(now_ms) < self.ttl_ms
+    }
+}
+
+/// The ways of a group: a key may live in any of them, so two hot prompts of one group
+/// do not evict each other forever.
+pub const WAYS: u32 = 4;
+
+/// CAS races lost in a row before an answer is not stored.
+const MAX_RACES: usize = 16;
+
+/// The group `key` lives in, and how many ways groups have (`cache.max_entries` in groups
+/// of four; fewer entries make one smaller group).
+pub fn group_of(config: &Config, key: &Key) -> (u32, u32) {
+    let n = config.cache.max_entries.max(1);
+    let ways = WAYS.min(n);
+    (key.slot(n / ways, 0), ways)
+}
+
+/// An index record: per way, the tag of the key stored there and its entry's expiry, 16
+/// hex digits each, then a newline; a way never stored in is blank. Fixed widths let a
+/// store patch one way in place.
+const WAY_BYTES: usize = 33;
+const BLANK_WAY: &[u8; WAY_BYTES] = b"                                \n";
+
+/// Where an answer for a key goes: a way of its group, and the group's index as read
+/// (so that storing needs no second read unless someone stored in the group since).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Place {
+    group: u32,
+    ways: u32,
+    way: usize,
+    /// The index as read, `ways` ways long (blank where unreadable).
+    index: Vec<u8>,
+    /// The CAS that writes over the index as read (see `store::cas_after`).
+    cas: Option<u32>,
+}
+
+impl Place {
+    fn entry_name(&self) -> String {
+        store::slot_name("holysheep/cache/", self.group * self.ways + self.way as u32)
+    }
+
+    /// Whether the index names `key` in this place's way.
+    fn holds(&self, key: &Key) -> bool {
+        let at = self.way * WAY_BYTES;
+        self.index.get(at..at + 16) == Some(key.tag().as_bytes())
+    }
+
+    /// Whether this place's way holds another key's answer, fresh at `now_ms`.
+    fn holds_fresh_other(&self, key: &Key, now_ms: u64) -> bool {
+        let at = self.way * WAY_BYTES;
+        let Some(way) = self.index.get(at..at + 32) else { return false };
+        way[..16] != *key.tag().as_bytes() && codec::hex_number(&way[16..32]).is_some_and(|e| e > now_ms)
+    }
+
+    /// The index with `key` in this place's way.
+    fn with(&self, key: &Key, expires_ms: u64) -> Vec<u8> {
+        let mut index = self.index.clone();
+        if let Some(w) = index.get_mut(self.way * WAY_BYTES..(self.way + 1) * WAY_BYTES) {
+            w[..16].copy_from_slice(key.tag().as_bytes().get(..16).unwrap_or(&[b' '; 16]));
+            w[16..32].copy_from_slice(&codec::hex_fixed(expires_ms));
+        }
+        index
+    }
+}
+
+fn index_name(group: u32) -> String {
+    store::slot_name("holysheep/cache/index/", group)
+}
+
+/// Reads the index of `key`'s group and picks the way its answer goes to: the way that
+/// holds it, else the first empty one, else the one that expires first.
+fn place(store: &impl CasStore, config: &Config, key: &Key) -> Place {
+    let (group, ways) = group_of(config, key);
+    let r = store.get(&index_name(group)).unwrap_or(Read { value: None, cas: None });
+    let size = ways as usize * WAY_BYTES;
+    let index = match r.value.as_deref() {
+        Some(v) if v.len() == size => v.to_vec(),
+        _ => BLANK_WAY.repeat(ways as usize),
+    };
+    let way = choose(&index, ways as usize, key.tag().as_bytes());
+    Place { group, ways, way, index, cas: cas_after(&r) }
+}
+
+/// The way of an index for the key tagged `tag`: the way that holds it, else the first
+/// blank (or unreadable) one, else the one that expires first. One pass, nothing copied.
+fn choose(index: &[u8], ways: usize, tag: &[u8]) -> usize {
+    let (mut blank, mut oldest) = (None, None::<(u64, usize)>);
+    for (i, way) in index.chunks_exact(WAY_BYTES).take(ways).enumerate() {
+        if &way[..16] == tag {
+            return i;
+        }
+        match codec::hex_number(&way[16..32]) {
+            None => {
+                blank.get_or_insert(i);
+            }
+            Some(expires_ms) if oldest.is_none_or(|(e, _)| expires_ms < e) => oldest = Some((expires_ms, i)),
+            Some(_) => {}
+        }
+    }
+    blank.or(oldest.map(|(_, i)| i)).unwrap_or(0)
+}
+
+/// The entry stored for `key`, fresh or not; `None` when none of its slots holds it.
+pub fn get(store: &impl CasStore, config: &Config, key: &Key) -> Option<Entry> {
+    probe(store, config, key).entry
+}
+
+/// What one look at a key's group found: its entry, and where a new answer for it goes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Probe {
+    pub entry: Option<Entry>,
+    pub place: Place,
+}
+
+/// Reads `key`'s group index and, when the index names it, its entry.
+pub fn probe(store: &impl CasStore, config: &Config, key: &Key) -> Probe {
+    let place = place(store, config, key);
+    let entry = if place.holds(key) {
+        store.get(&place.entry_name()).ok().and_then(|r| r.value).and_then(|raw| decode(&raw)).filter(|e| e.key == *key)
+    } else {
+        None
+    };
+    Probe { entry, place }
+}
+
+fn decode(raw: &[u8]) -> Option<Entry> {
+    let (f, body) = codec::decode::<6>(raw)?;
+    if f[0] != "C" {
+        return None;
+    }
+    let key = Key::from_hex(f[1])?;
+    Some(Entry {
+        key,
+        stored_at_ms: codec::number(f[2])?,
+        ttl_ms: codec::number(f[3])?,
+        response: Response {
+            status: 200,
+            content_type: f[4].to_owned(),
+            headers: codec::parse_headers(f[5]),
+            body: body.to_vec(),
+        },
+    })
+}
+
+/// When an answer stored in the cache was produced, and how long it is fresh from then.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Fresh {
+    pub stored_at_ms: u64,
+    pub ttl_ms: u64,
+}
+
+impl Fresh {
+    /// The cache's own: produced now, fresh for `cache.ttl_seconds`.
+    pub fn of(config: &Config, now_ms: u64) -> Fresh {
+        Fresh { stored_at_ms: now_ms, ttl_ms: config.cache.ttl_seconds.saturating_mul(1000) }
+    }
+
+    pub fn expires_ms(self) -> u64 {
+        self.stored_at_ms.saturating_add(self.ttl_ms)
+    }
+}
+
+/// An answer was stored; `evicted`: over another key's answer that was still fresh.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Stored {
+    pub evicted: bool,
+}
+
+/// Stores a 200 answer produced now, fresh for `cache.ttl_seconds` (see `store_fresh`).
+pub fn put(
+    store: &impl CasStore,
+    config: &Config,
+    key: &Key,
+    response: &Response,
+    now_ms: u64,
+    place: Option<&Place>,
+) -> bool {
+    store_fresh(store, config, key, response, Fresh::of(config, now_ms), now_ms, place).is_some()
+}
+
+/// Stores a 200 answer unless it is larger than `cache.max_entry_bytes`, at `place` when
+/// the caller already read the group (a MISS read it when it arrived), else where the
+/// index says now. The index is written first, by CAS (a lost race reads it again and
+/// picks again), then the entry. Last writer wins.
+pub fn store_fresh(
+    store: &impl CasStore,
+    config: &Config,
+    key: &Key,
+    response: &Response,
+    fresh: Fresh,
+    now_ms: u64,
+    place: Option<&Place>,
+) -> Option<Stored> {
+    if response.status != 200 || response.body.len() > config.cache.max_entry_bytes {
+        return None;
+    }
+    let value = codec::encode(
+        &[
+            "C",
+            key.hex(),
+            codec::decimal(fresh.stored_at_ms).as_str(),
+            codec::decimal(fresh.ttl_ms).as_str(),
+            &codec::field(&response.content_type),
+            &codec::headers_field(&response.headers),
+        ],
+        &response.body,
+    );
+    let mut at = place.cloned().unwrap_or_else(|| self::place(store, config, key));
+    for _ in 0..MAX_RACES {
+        let evicted = at.holds_fresh_other(key, now_ms);
+        match store.set(&index_name(at.group), &at.with(key, fresh.expires_ms()), at.cas) {
+            Ok(()) => return store.set(&at.entry_name(), &value, None).is_ok().then_some(Stored { evicted }),
+            Err(StoreError::CasMismatch) => at = self::place(store, config, key),
+            Err(_) => return None,
+        }
+    }
+    None
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::core::request::request_key;
+    use crate::core::store::{Counting, MemStore};
+
+    pub fn ok(body: &str) -> Response {
+        Response::json(200, body.into()).with_header("x-holysheep-model", "m".into())
+    }
+
+    #[test]
+    fn keys_sharing_a_home_slot_are_both_kept_and_the_table_stays_bounded() {
+        let (s, c) = (MemStore::new(), Config::parse(br#"{"cache":{"max_entries":8}}"#).unwrap());
+        let keys: Vec<Key> = (0..64u32).map(|i| request_key("/p", "s", &i.to_le_bytes())).collect();
+        let (a, b) = keys
+            .iter()
+            .enumerate()
+            .find_map(|(i, a)| keys[i + 1..].iter().find(|b| group_of(&c, b) == group_of(&c, a)).map(|b| (a, b)))
+            .expect("two keys with one group");
+        assert!(put(&s, &c, a, &ok("a"), 0, None) && put(&s, &c, b, &ok("b"), 1, None));
+        assert_eq!(get(&s, &c, a).map(|e| e.response.body), Some(b"a".to_vec()), "not evicted by its neighbour");
+        assert_eq!(get(&s, &c, b).map(|e| e.response.body), Some(b"b".to_vec()));
+        for (i, k) in keys.iter().enumerate() {
+            put(&s, &c, k, &ok("x"), 10 + i as u64, None);
+        }
+        assert!(s.key_count() <= 8 + 2, "8 entries and 2 group indexes: {:?}", s.keys());
+        assert_eq!(get(&s, &c, &keys[63]).map(|e| e.key), Some(keys[63].clone()), "the newest is there");
+    }
+
+    /// Keys that share `config`'s group with the first.
+    fn one_group(c: &Config, n: usize) -> Vec<Key> {
+        let keys: Vec<Key> = (0..400u32).map(|i| request_key("/p", "s", &i.to_le_bytes())).collect();
+        keys.iter().filter(|k| group_of(c, k) == group_of(c, &keys[0])).take(n).cloned().collect()
+    }
+
+    #[test]
+    fn a_lookup_in_a_full_group_reads_its_index_and_at_most_one_entry() {
+        let (s, c) = (Counting::new(), Config::parse(br#"{"cache":{"max_entries":64}}"#).unwrap());
+        let keys = one_group(&c, 5);
+        for (i, k) in keys.iter().take(4).enumerate() {
+            assert!(put(&s, &c, k, &ok(&format!("{i}")), i as u64, None));
+        }
+        s.reset();
+        assert_eq!(get(&s, &c, &keys[4]), None);
+        assert_eq!(s.reads(), 1, "a key the group does not hold: its index only");
+        for (i, k) in keys.iter().take(4).enumerate() {
+            s.reset();
+            assert_eq!(get(&s, &c, k).map(|e| e.response.body), Some(format!("{i}").into_bytes()));
+            assert_eq!(s.reads(), 2, "way {i}: the index and the entry");
+        }
+    }
+
+    #[test]
+    fn two_answers_placed_from_one_read_of_the_index_both_stay() {
+        let (s, c) = (MemStore::new(), Config::parse(br#"{"cache":{"max_entries":64}}"#).unwrap());
+        let keys = one_group(&c, 2);
+        let (a, b) = (probe(&s, &c, &keys[0]).place, probe(&s, &c, &keys[1]).place);
+        assert!(put(&s, &c, &keys[0], &ok("a"), 0, Some(&a)));
+        assert!(put(&s, &c, &keys[1], &ok("b"), 0, Some(&b)), "the second re-reads the index");
+        assert_eq!(get(&s, &c, &keys[0]).map(|e| e.response.body), Some(b"a".to_vec()));
+        assert_eq!(get(&s, &c, &keys[1]).map(|e| e.response.body), Some(b"b".to_vec()));
+    }
+
+    #[test]
+    fn an_index_that_names_a_key_its_way_no_longer_holds_is_a_miss() {
+        let (s, c) = (MemStore::new(), Config::parse(br#"{"cache":{"max_entries":64}}"#).unwrap());
+        let keys = one_group(&c, 2);
+        assert!(put(&s, &c, &keys[0], &ok("a"), 0, None));
+        let entry = s.keys().into_iter().find(|k| !k.contains("/index/")).unwrap();
+        let other = s.get(&entry).unwrap().value.unwrap();
+        let other = String::from_utf8(other).unwrap().replace(keys[0].hex(), keys[1].hex());
+        s.set(&entry, other.as_bytes(), None).unwrap();
+        assert_eq!(get(&s, &c, &keys[0]), None, "never another key's answer");
+    }
+
+    #[test]
+    fn put_then_get_and_freshness() {
+        let (s, c) = (MemStore::new(), Config::default());
+        let k = request_key("/p", "s", b"1");
+        assert!(get(&s, &c, &k).is_none());
+        assert!(put(&s, &c, &k, &ok("{}"), 1000, None));
+        let e = get(&s, &c, &k).unwrap();
+        assert_eq!(e.response, ok("{}"));
+        assert!(e.is_fresh(1000 + 3_599_999));
+        assert!(!e.is_fresh(1000 + 3_600_000));
+    }
+
+    #[test]
+    fn an_answer_keeps_the_freshness_it_was_given_and_evicting_a_fresh_one_is_told() {
+        let (s, c) = (MemStore::new(), Config::parse(br#"{"cache":{"max_entries":1}}"#).unwrap());
+        let (a, b) = (request_key("/p", "s", b"a"), request_key("/p", "s", b"b"));
+        let fresh = Fresh { stored_at_ms: 400, ttl_ms: 1_600 };
+        assert_eq!(store_fresh(&s, &c, &a, &ok("a"), fresh, 1_000, None), Some(Stored { evicted: false }));
+        let e = get(&s, &c, &a).unwrap();
+        assert_eq!((e.stored_at_ms, e.ttl_ms, e.age_ms(1_000)), (400, 1_600, 600), "produced before it was stored");
+        assert!(e.is_fresh(1_999) && !e.is_fresh(2_000));
+        assert_eq!(store_fresh(&s, &c, &a, &ok("a2"), fresh, 1_500, None), Some(Stored { evicted: false }), "itself");
+        let later = Fresh { stored_at_ms: 1_900, ttl_ms: 1_000 };
+        assert_eq!(store_fresh(&s, &c, &b, &ok("b"), later, 1_900, None), Some(Stored { evicted: true }));
+        assert_eq!(store_fresh(&s, &c, &a, &ok("a"), fresh, 3_000, None), Some(Stored { evicted: false }), "b expired");
+    }
+
+    #[test]
+    fn errors_and_oversized_bodies_are_not_stored() {
+        let (s, mut c) = (MemStore::new(), Config::default());
+        c.cache.max_entry_bytes = 4;
+        let k = request_key("/p", "s", b"1");
+        assert!(!put(&s, &c, &k, &ok("12345"), 0, None));
+        let mut err = ok("{}");
+        err.status = 500;
+        assert!(!put(&s, &c, &k, &err, 0, None));
+        assert_eq!(s.key_count(), 0);
+    }
+
+    #[test]
+    fn the_table_never_exceeds_its_slots_and_collisions_miss() {
+        let (s, mut c) = (MemStore::new(), Config::default());
+        c.cache.max_entries = 8;
+        let keys: Vec<Key> = (0..500).map(|i| request_key("/p", "s", format!("{i}").as_bytes())).collect();
+        for k in &keys {
+            assert!(put(&s, &c, k, &ok("{}"), 0, None));
+        }
+        let entries = s.keys().iter().filter(|k| !k.contains("/index/")).count();
+        assert!(entries <= 8 && s.key_count() <= 8 + 2, "{:?}", s.keys());
+        let found = keys.iter().filter(|k| get(&s, &c, k).is_some()).count();
+        assert_eq!(found, entries, "each slot answers only for the key it holds");
+    }
+}

@@ -1,0 +1,253 @@
+//! Tenants: the callers an edge knows by their keys. A tenant's bearer tokens are
+//! configured only as SHA-256 digests; a request's token is hashed and its digest looked
+//! up among them (`Keys::verify` says why that leaks nothing). The verified tenant's name is then the request's
+//! cache scope, and its model list what it may call.
+
+use crate::core::api::error::ApiError;
+use crate::core::api::priority::Class;
+use crate::core::wire::digest::sha256;
+use serde::Deserialize;
+use std::collections::BTreeMap;
+
+/// A tenant's caps, in micro-dollars (`None`: no cap for that period).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Caps {
+    pub per_day: Option<u64>,
+    pub per_month: Option<u64>,
+}
+
+impl Caps {
+    pub fn is_none(&self) -> bool {
+        self.per_day.is_none() && self.per_month.is_none()
+    }
+
+    /// One node's part of them, in a fleet of `nodes`.
+    pub fn share(&self, nodes: u32) -> Caps {
+        let part = |micro: Option<u64>| micro.map(|m| m / u64::from(nodes.max(1)));
+        Caps { per_day: part(self.per_day), per_month: part(self.per_month) }
+    }
+}
+
+/// The most tenants a configuration may name: per-tenant state (shared-data keys and
+/// counters) is bounded by it.
+pub const MAX_TENANTS: usize = 1024;
+/// The `max_tokens` a call of a tenant with a dollar budget is sent with when it sets no
+/// completion limit of its own (so that its worst case is known before it leaves).
+pub const BUDGET_COMPLETION_TOKENS: u64 = 4096;
+/// The most keys one tenant may have (rotation needs two).
+pub const MAX_KEYS: usize = 16;
+
+#[derive(Debug, Clone, PartialEq, Default, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Tenant {
+    /// SHA-256 digests (64 hex digits) of the tenant's bearer tokens.
+    pub keys_sha256: Vec<String>,
+    /// The models the tenant may call (`None`: any).
+    pub models: Option<Vec<String>>,
+    /// The tenant's own request and token buckets, beside each model's.
+    pub requests_per_minute: Option<u32>,
+    pub tokens_per_minute: Option<u64>,
+    /// Request-bucket capacity; defaults to `requests_per_minute`.
+    pub burst: Option<u32>,
+    /// Dollars the tenant's upstream calls may cost per UTC day and per UTC month.
+    pub usd_per_day: Option<f64>,
+    pub usd_per_month: Option<f64>,
+    /// The class of the tenant's requests (`standard` by default); a request may lower it.
+    pub priority: Class,
+}
+
+impl Tenant {
+    /// The dollar caps, in micro-dollars.
+    pub fn caps(&self) -> Caps {
+        let micro = |usd: Option<f64>| usd.map(|d| (d * 1e6).round() as u64);
+        Caps { per_day: micro(self.usd_per_day), per_month: micro(self.usd_per_month) }
+    }
+
+    /// Whether the tenant has limits of its own (buckets or budgets).
+    pub fn is_limited(&self) -> bool {
+        self.requests_per_minute.is_some() || self.tokens_per_minute.is_some() || !self.caps().is_none()
+    }
+
+    /// Whether the tenant may call `model`.
+    pub fn allows(&self, model: &str) -> bool {
+        self.models.as_ref().is_none_or(|m| m.iter().any(|a| a == model))
+    }
+}
+
+/// Every configured digest with the tenant it belongs to, read once from the
+/// configuration.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct Keys {
+    /// Each configured digest, and the tenant it names.
+    digests: BTreeMap<[u8; 32], String>,
+}
+
+impl Keys {
+    /// Checks the tenants' configuration and collects their digests.
+    pub fn of(tenants: &BTreeMap<String, Tenant>) -> Result<Keys, String> {
+        if tenants.len() > MAX_TENANTS {
+            return Err(format!("tenants: at most {MAX_TENANTS} entries"));
+        }
+        let mut digests: BTreeMap<[u8; 32], String> = BTreeMap::new();
+        for (name, tenant) in tenants {
+            let field = |f: &str| format!("tenants.{name}.{f}");
+            if !valid_name(name) {
+                return Err(format!(
+                    "tenants.{}: a name is 1 to 64 of a-z, A-Z, 0-9, '-' and '_'",
+                    name.chars().take(64).collect::<String>()
+                ));
+            }
+            // Prometheus names turn '-' into '_' (and are compared as written): two
+            // tenants must not share one.
+            let stat = |n: &str| n.to_ascii_lowercase().replace('-', "_");
+            if let Some(other) = tenants.keys().find(|o| *o != name && stat(o) == stat(name)) {
+                return Err(format!("tenants.{name}: its counters would be {other}'s"));
+            }
+            if !(1..=MAX_KEYS).contains(&tenant.keys_sha256.len()) {
+                return Err(format!("{}: between 1 and {MAX_KEYS} digests", field("keys_sha256")));
+            }
+            let counts = [
+                ("requests_per_minute", tenant.requests_per_minute.map(u64::from)),
+                ("tokens_per_minute", tenant.tokens_per_minute),
+                ("burst", tenant.burst.map(u64::from)),
+            ];
+            if let Some((f, _)) = counts.iter().find(|(_, v)| *v == Some(0)) {
+                return Err(format!("{}: must be at least 1", field(f)));
+            }
+            for (f, usd) in [("usd_per_day", tenant.usd_per_day), ("usd_per_month", tenant.usd_per_month)] {
+                if usd.is_some_and(|d| !d.is_finite() || !(0.0..=1e9).contains(&d)) {
+                    return Err(format!("{}: dollars, between 0 and 1000000000", field(f)));
+                }
+            }
+            if tenant.models.as_ref().is_some_and(|m| m.is_empty() || m.iter().any(String::is_empty)) {
+                return Err(format!("{}: model names, at least one", field("models")));
+            }
+            for hex in &tenant.keys_sha256 {
+                let Some(digest) = digest_of_hex(hex) else {
+                    return Err(format!(
+                        "{}: each is a SHA-256 digest, 64 hex digits (the token itself never goes here)",
+                        field("keys_sha256")
+                    ));
+                };
+                if digests.insert(digest, name.clone()).is_some() {
+                    return Err(format!("{}: a digest appears twice", field("keys_sha256")));
+                }
+            }
+        }
+        Ok(Keys { digests })
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.digests.is_empty()
+    }
+
+    /// The tenant whose key `authorization` (`Bearer <token>`) carries: its SHA-256 looked
+    /// up among the digests, one hash and a tree's depth of comparisons whatever the number
+    /// of tenants. The lookup's time depends only on how the guess's digest compares with
+    /// the stored ones, and SHA-256 being preimage-resistant, knowing that tells nothing of
+    /// any token that has a stored digest.
+    pub fn verify(&self, authorization: Option<&str>) -> Result<&str, ApiError> {
+        let token = authorization.and_then(bearer_token).ok_or_else(ApiError::invalid_api_key)?;
+        let digest = sha256(token.as_bytes().to_vec());
+        self.digests.get(&digest).map(String::as_str).ok_or_else(ApiError::invalid_api_key)
+    }
+}
+
+/// The token of `Bearer <token>` (the scheme in any case, RFC 7235).
+fn bearer_token(authorization: &str) -> Option<&str> {
+    let (scheme, token) = authorization.trim().split_once(' ')?;
+    let token = token.trim();
+    (scheme.eq_ignore_ascii_case("bearer") && !token.is_empty()).then_some(token)
+}
+
+fn digest_of_hex(hex: &str) -> Option<[u8; 32]> {
+    let bytes = hex.as_bytes();
+    if bytes.len() != 64 {
+        return None;
+    }
+    let mut digest = [0; 32];
+    for (out, pair) in digest.iter_mut().zip(bytes.chunks_exact(2)) {
+        let digit = |b: u8| char::from(b).to_digit(16);
+        *out = u8::try_from(digit(pair[0])? * 16 + digit(pair[1])?).ok()?;
+    }
+    Some(digest)
+}
+
+fn valid_name(name: &str) -> bool {
+    (1..=64).contains(&name.len()) && name.bytes().all(|b| b.is_ascii_alphanumeric() || b"-_".contains(&b))
+}
+
+/// OpenAI's 404 for a model the caller may not use.
+pub fn model_not_found(model: &str) -> ApiError {
+    let model: String = model.chars().take(128).collect();
+    ApiError {
+        status: 404,
+        message: format!("The model `{model}` does not exist or you do not have access to it."),
+        kind: "invalid_request_error",
+        param: Some("model".into()),
+        code: "model_not_found",
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn hex_of(token: &str) -> String {
+        sha256(token.as_bytes().to_vec()).iter().map(|b| format!("{b:02x}")).collect()
+    }
+
+    fn tenants(pairs: &[(&str, &[&str])]) -> BTreeMap<String, Tenant> {
+        pairs
+            .iter()
+            .map(|(name, tokens)| {
+                let keys_sha256 = tokens.iter().map(|t| hex_of(t)).collect();
+                (name.to_string(), Tenant { keys_sha256, ..Tenant::default() })
+            })
+            .collect()
+    }
+
+    #[test]
+    fn a_token_is_known_by_its_digest_only() {
+        let keys = Keys::of(&tenants(&[("search", &["s-old", "s-new"]), ("batch", &["b-1"])])).unwrap();
+        assert_eq!(keys.verify(Some("Bearer s-old")), Ok("search"));
+        assert_eq!(keys.verify(Some("bearer  s-new ")), Ok("search"), "the scheme in any case");
+        assert_eq!(keys.verify(Some("Bearer b-1")), Ok("batch"));
+        for refused in [None, Some(""), Some("Bearer "), Some("Bearer s-ol"), Some("Basic s-old"), Some("s-old")] {
+            let e = keys.verify(refused).unwrap_err();
+            assert_eq!((e.status, e.code), (401, "invalid_api_key"), "{refused:?}");
+            assert!(!e.message.contains("s-ol"), "the token is never quoted");
+        }
+        let upper = hex_of("u").to_uppercase();
+        let keys = Keys::of(&BTreeMap::from([("u".into(), Tenant { keys_sha256: vec![upper], ..Tenant::default() })]));
+        assert_eq!(keys.unwrap().verify(Some("Bearer u")), Ok("u"), "hex in either case");
+    }
+
+    #[test]
+    fn the_tenants_configuration_is_checked() {
+        let refused = |t: BTreeMap<String, Tenant>| Keys::of(&t).unwrap_err();
+        assert!(refused(tenants(&[("a b", &["x"])])).starts_with("tenants.a b:"));
+        assert!(refused(tenants(&[("a.b", &["x"])])).starts_with("tenants.a.b:"), "a dot would split its counters");
+        assert!(refused(tenants(&[("a-b", &["x"]), ("a_b", &["y"])])).contains("counters would be"));
+        assert!(refused(tenants(&[("a", &[])])).starts_with("tenants.a.keys_sha256:"));
+        assert!(refused(tenants(&[("a", &["x"]), ("b", &["x"])])).contains("twice"));
+        let clear =
+            BTreeMap::from([("a".into(), Tenant { keys_sha256: vec!["sk-live-123".into()], ..Tenant::default() })]);
+        assert!(refused(clear).contains("never goes here"));
+        let no_models = BTreeMap::from([(
+            "a".into(),
+            Tenant { keys_sha256: vec![hex_of("x")], models: Some(Vec::new()), ..Tenant::default() },
+        )]);
+        assert!(refused(no_models).starts_with("tenants.a.models:"));
+        assert!(Keys::of(&BTreeMap::new()).unwrap().is_empty());
+    }
+
+    #[test]
+    fn a_tenant_may_call_its_models_only() {
+        let t = Tenant { models: Some(vec!["gpt-4.1".into()]), ..Tenant::default() };
+        assert!(t.allows("gpt-4.1") && !t.allows("deepseek-v3"));
+        assert!(Tenant::default().allows("anything"));
+        let e = model_not_found("deepseek-v3");
+        assert_eq!((e.status, e.code, e.param.as_deref()), (404, "model_not_found", Some("model")));
+    }
+}

@@ -1,0 +1,540 @@
+//! A tenant's dollar budgets, per UTC day and per UTC month, in one shared-data record per
+//! tenant (`holysheep/budget/<tenant>`: a bounded set of keys, kept across reloads). A call
+//! reserves its worst case before it leaves and settles with what it cost, so concurrent
+//! calls can never spend more than the budget. The record lists the reservations in flight
+//! by call, each until its deadline: a settlement takes out only a reservation it finds (a
+//! late one, a repeated one or one sent to another node takes nothing out), and one never
+//! settled stays charged, its entry dropped at its deadline. Amounts are micro-dollars.
+
+use crate::core::config::tenants::Caps;
+use crate::core::store::{cas_after, CasStore, StoreError};
+
+const DAY_MS: u64 = 86_400_000;
+/// Attempts at a compare-and-swap before a reservation is refused as contended.
+const MAX_RACES: usize = 16;
+/// The most reservations a record lists; beyond it the oldest is dropped (it stays charged).
+pub const MAX_IN_FLIGHT: usize = 256;
+
+/// What a call reserved, and in which periods.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct Hold {
+    pub micro: u64,
+    day: u64,
+    month: u64,
+}
+
+impl Hold {
+    /// A reservation of `micro` made at `now_ms`.
+    pub fn at(micro: u64, now_ms: u64) -> Hold {
+        let (day, month) = periods(now_ms);
+        Hold { micro, day, month }
+    }
+}
+
+/// Why a reservation was refused: the budget it would exceed and when that period ends.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Exhausted {
+    pub period: &'static str,
+    pub cap_micro: u64,
+    pub retry_after_ms: u64,
+}
+
+/// Why a reservation was not made.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Refused {
+    /// What was settled leaves no room for the call's worst case: not before the period ends.
+    Exhausted(Exhausted),
+    /// There is room once other calls in flight settle: their reservations hold it now.
+    Held,
+    /// Every compare-and-swap lost a race: look again shortly.
+    Contended,
+    /// With a spend store, the tenant's record has not been read from it since this node
+    /// began to keep it: no call is admitted until it is (`budget_store::wanted`).
+    Unread,
+}
+
+/// How the budgets are backed: by the spend store (`budget_store`), and the fleet's size,
+/// whose share of each budget a node admits from while the store cannot be read.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Backing {
+    pub store: bool,
+    pub nodes: u32,
+}
+
+impl Backing {
+    /// Process memory only (no store).
+    pub const MEMORY: Backing = Backing { store: false, nodes: 1 };
+}
+
+/// Settled spend of one day and one month, as the spend store keeps it for a tenant.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+pub struct Stored {
+    pub day: u64,
+    pub day_micro: u64,
+    pub month: u64,
+    pub month_micro: u64,
+}
+
+impl Stored {
+    /// What it holds for the day `day` and the month `month` (nothing for other periods).
+    fn within(&self, day: u64, month: u64) -> (u64, u64) {
+        (if self.day == day { self.day_micro } else { 0 }, if self.month == month { self.month_micro } else { 0 })
+    }
+
+    /// With `(day_micro, month_micro)` more spent in `day` and `month`.
+    pub fn plus(&self, day: u64, month: u64, (d, m): (u64, u64)) -> Stored {
+        let (old_d, old_m) = self.within(day, month);
+        Stored { day, day_micro: old_d.saturating_add(d), month, month_micro: old_m.saturating_add(m) }
+    }
+}
+
+/// How a record stands with the spend store.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Mark {
+    /// Not read from the store since this node began to keep it.
+    #[default]
+    Unread,
+    /// Read (or last written) at the store's `revision`.
+    Read { revision: u64 },
+    /// The store could not be read: calls are admitted from this node's share, and a round
+    /// of writes from this time on reads it again.
+    Unreachable { until_ms: u64 },
+}
+
+/// A reservation in flight: the call's id, its amount and periods, and its deadline.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Entry {
+    id: u64,
+    micro: u64,
+    day: u64,
+    month: u64,
+    until_ms: u64,
+}
+
+/// Spend in the current day and month (reserved and settled), and the reservations listed;
+/// with a spend store, also what the store held when last read and what was settled here
+/// since and not yet written to it (`unsent`): the charge is always their sum with the
+/// reservations listed.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub(super) struct Spend {
+    pub(super) day: u64,
+    day_micro: u64,
+    pub(super) month: u64,
+    month_micro: u64,
+    held: Vec<Entry>,
+    pub(super) mark: Mark,
+    pub(super) stored: Stored,
+    pub(super) unsent: (u64, u64),
+    /// When the store's value was last learned (read, or written).
+    pub(super) learned_ms: u64,
+}
+
+impl Spend {
+    /// `day day_micro month month_micro`, then after `|` entries `id:micro:day:month:until`
+    /// separated by `,`, then after `|` (a record kept with a spend store) the mark, its
+    /// number, the store's four numbers and the two unsent amounts.
+    pub(super) fn decode(raw: &[u8]) -> Option<Spend> {
+        let text = std::str::from_utf8(raw).ok()?;
+        let mut sections = text.splitn(3, '|');
+        let (totals, held, backed) = (sections.next()?, sections.next().unwrap_or(""), sections.next());
+        let mut n = totals.split(' ').map(|f| f.parse::<u64>().ok());
+        let (day, day_micro, month, month_micro) = (n.next()??, n.next()??, n.next()??, n.next()??);
+        if n.next().is_some() {
+            return None;
+        }
+        let held = held.split(',').filter(|e| !e.is_empty()).map(Entry::decode).collect::<Option<Vec<_>>>()?;
+        let mut spend = Spend { day, day_micro, month, month_micro, held, ..Spend::default() };
+        let Some(backed) = backed else {
+            // A record of a release without the store: what it charged beyond its
+            // reservations was settled, and is the store's to be told.
+            let held_d: u64 = spend.held.iter().filter(|e| e.day == day).map(|e| e.micro).sum();
+            let held_m: u64 = spend.held.iter().filter(|e| e.month == month).map(|e| e.micro).sum();
+            spend.unsent = (day_micro.saturating_sub(held_d), month_micro.saturating_sub(held_m));
+            return Some(spend);
+        };
+        {
+            let f: Vec<u64> = backed.split(' ').map(str::parse).collect::<Result<_, _>>().ok()?;
+            let [mark, number, sd, sdm, sm, smm, ud, um, learned_ms] = f[..] else { return None };
+            spend.learned_ms = learned_ms;
+            spend.mark = match mark {
+                0 => Mark::Unread,
+                1 => Mark::Read { revision: number },
+                2 => Mark::Unreachable { until_ms: number },
+                _ => return None,
+            };
+            spend.stored = Stored { day: sd, day_micro: sdm, month: sm, month_micro: smm };
+            spend.unsent = (ud, um);
+        }
+        Some(spend)
+    }
+
+    pub(super) fn encode(&self) -> Vec<u8> {
+        let held: Vec<String> = self.held.iter().map(Entry::encode).collect();
+        let (mark, number) = match self.mark {
+            Mark::Unread => (0, 0),
+            Mark::Read { revision } => (1, revision),
+            Mark::Unreachable { until_ms } => (2, until_ms),
+        };
+        let s = &self.stored;
+        format!(
+            "{} {} {} {}|{}|{mark} {number} {} {} {} {} {} {} {}",
+            self.day,
+            self.day_micro,
+            self.month,
+            self.month_micro,
+            held.join(","),
+            s.day,
+            s.day_micro,
+            s.month,
+            s.month_micro,
+            self.unsent.0,
+            self.unsent.1,
+            self.learned_ms
+        )
+        .into_bytes()
+    }
+
+    /// The spend as of `now_ms`: a new day or month starts from nothing, and reservations
+    /// past their deadline are no longer listed: they stay charged, as settled at their
+    /// worst case.
+    pub(super) fn at(mut self, now_ms: u64) -> Spend {
+        let (day, month) = periods(now_ms);
+        if self.day != day {
+            (self.day, self.day_micro, self.unsent.0) = (day, 0, 0);
+        }
+        if self.month != month {
+            (self.month, self.month_micro, self.unsent.1) = (month, 0, 0);
+        }
+        let (today, this_month) = (self.day, self.month);
+        for e in self.held.iter().filter(|e| e.until_ms <= now_ms) {
+            self.unsent.0 += if e.day == today { e.micro } else { 0 };
+            self.unsent.1 += if e.month == this_month { e.micro } else { 0 };
+        }
+        self.held.retain(|e| e.until_ms > now_ms);
+        self
+    }
+
+    /// What a record backed by the store charges: what the store held when read, what was
+    /// settled here since, and the reservations listed.
+    pub(super) fn recharge(&mut self) {
+        let (d, m) = self.stored.within(self.day, self.month);
+        let held_d: u64 = self.held.iter().filter(|e| e.day == self.day).map(|e| e.micro).sum();
+        let held_m: u64 = self.held.iter().filter(|e| e.month == self.month).map(|e| e.micro).sum();
+        self.day_micro = d.saturating_add(self.unsent.0).saturating_add(held_d);
+        self.month_micro = m.saturating_add(self.unsent.1).saturating_add(held_m);
+    }
+
+    /// The caps a call is held to as the record stands with the store (`Refused::Unread`:
+    /// none yet).
+    fn caps_now(&self, caps: Caps, backing: Backing) -> Result<Caps, Refused> {
+        match self.mark {
+            _ if !backing.store => Ok(caps),
+            Mark::Read { .. } => Ok(caps),
+            // Until a round's read again reaches the store (`budget_store::due`).
+            Mark::Unreachable { .. } => Ok(caps.share(backing.nodes)),
+            Mark::Unread => Err(Refused::Unread),
+        }
+    }
+
+    /// What a call of `micro` finds: room, room only once the reservations listed are
+    /// settled, or no room until `caps`' period ends. A reservation past its deadline is no
+    /// longer listed, so it counts as settled (at its worst case).
+    fn room(&self, caps: Caps, micro: u64, now_ms: u64) -> Result<(), Refused> {
+        let held = |current: &dyn Fn(&Entry) -> bool| -> u64 {
+            self.held.iter().filter(|e| current(e)).map(|e| e.micro).sum()
+        };
+        let periods = [
+            (caps.per_day, self.day_micro, held(&|e| e.day == self.day), "day", next_day_ms(now_ms)),
+            (caps.per_month, self.month_micro, held(&|e| e.month == self.month), "month", next_month_ms(now_ms)),
+        ];
+        let mut busy = false;
+        for (cap, charged, held, period, ends_ms) in periods {
+            let Some(cap) = cap else { continue };
+            if charged.saturating_sub(held).saturating_add(micro) > cap {
+                let retry_after_ms = ends_ms - now_ms;
+                return Err(Refused::Exhausted(Exhausted { period, cap_micro: cap, retry_after_ms }));
+            }
+            busy |= charged.saturating_add(micro) > cap;
+        }
+        if busy {
+            Err(Refused::Held)
+        } else {
+            Ok(())
+        }
+    }
+
+    /// Takes out the reservation of call `id`, if it is listed, from the periods it is
+    /// still in.
+    fn release(&mut self, id: u64) {
+        let Some(at) = self.held.iter().position(|e| e.id == id) else { return };
+        let e = self.held.remove(at);
+        if e.day == self.day {
+            self.day_micro = self.day_micro.saturating_sub(e.micro);
+        }
+        if e.month == self.month {
+            self.month_micro = self.month_micro.saturating_sub(e.micro);
+        }
+    }
+}
+
+impl Entry {
+    fn decode(e: &str) -> Option<Entry> {
+        let mut f = e.split(':').map(|f| f.parse::<u64>().ok());
+        let entry =
+            Entry { id: f.next()??, micro: f.next()??, day: f.next()??, month: f.next()??, until_ms: f.next()?? };
+        f.next().is_none().then_some(entry)
+    }
+
+    fn encode(&self) -> String {
+        format!("{}:{}:{}:{}:{}", self.id, self.micro, self.day, self.month, self.until_ms)
+    }
+}
+
+pub fn key(tenant: &str) -> String {
+    format!("holysheep/budget/{tenant}")
+}
+
+/// Reserves `micro` for the call `id` of `tenant` at `now_ms`, listed until `until_ms`, if
+/// both periods have room (as the record stands with the spend store, `backing`).
+pub fn reserve(
+    store: &impl CasStore,
+    tenant: &str,
+    (caps, backing): (Caps, Backing),
+    (id, micro, until_ms): (u64, u64, u64),
+    now_ms: u64,
+) -> Result<Hold, Refused> {
+    let hold = Hold::at(micro, now_ms);
+    if caps.is_none() {
+        return Ok(hold);
+    }
+    let key = key(tenant);
+    for _ in 0..MAX_RACES {
+        // A broken store admits: the edge must not go down with it.
+        let Ok(read) = store.get(&key) else { return Ok(hold) };
+        let mut spend = read.value.as_deref().and_then(Spend::decode).unwrap_or_default().at(now_ms);
+        spend.held.retain(|e| e.id != id);
+        spend.room(spend.caps_now(caps, backing)?, micro, now_ms)?;
+        spend.day_micro = spend.day_micro.saturating_add(micro);
+        spend.month_micro = spend.month_micro.saturating_add(micro);
+        if spend.held.len() >= MAX_IN_FLIGHT {
+            // No longer listed, still charged: as settled at its worst case.
+            let e = spend.held.remove(0);
+            spend.unsent.0 += if e.day == spend.day { e.micro } else { 0 };
+            spend.unsent.1 += if e.month == spend.month { e.micro } else { 0 };
+        }
+        spend.held.push(Entry { id, micro, day: hold.day, month: hold.month, until_ms });
+        match store.set(&key, &spend.encode(), cas_after(&read)) {
+            Ok(()) => return Ok(hold),
+            Err(StoreError::CasMismatch) => continue,
+            Err(StoreError::Host(_)) => return Ok(hold),
+        }
+    }
+    Err(Refused::Contended)
+}
+
+/// The call `id` ended having cost `actual` micro-dollars: its reservation, if the record
+/// still lists it, is taken out of the periods it was made in (a period that ended since
+/// is not touched), and the current ones are charged what the call cost (settled here,
+/// for the spend store to be told).
+pub fn settle(store: &impl CasStore, tenant: &str, caps: Caps, id: u64, actual: u64, now_ms: u64) {
+    if caps.is_none() {
+        return;
+    }
+    let _ = update(store, tenant, now_ms, |s| {
+        s.release(id);
+        s.day_micro = s.day_micro.saturating_add(actual);
+        s.month_micro = s.month_micro.saturating_add(actual);
+        s.unsent = (s.unsent.0.saturating_add(actual), s.unsent.1.saturating_add(actual));
+        true
+    });
+}
+
+/// Reads `tenant`'s record as of `now_ms`, lets `f` change it (`f` says whether to write),
+/// and writes it back by compare-and-swap; the record as written (or read), `None` when the
+/// store failed or every race was lost.
+pub(super) fn update(
+    store: &impl CasStore,
+    tenant: &str,
+    now_ms: u64,
+    mut f: impl FnMut(&mut Spend) -> bool,
+) -> Option<Spend> {
+    let key = key(tenant);
+    for _ in 0..MAX_RACES {
+        let read = store.get(&key).ok()?;
+        let mut s = read.value.as_deref().and_then(Spend::decode).unwrap_or_default().at(now_ms);
+        if !f(&mut s) {
+            return Some(s);
+        }
+        match store.set(&key, &s.encode(), cas_after(&read)) {
+            Ok(()) => return Some(s),
+            Err(StoreError::CasMismatch) => continue,
+            Err(StoreError::Host(_)) => return None,
+        }
+    }
+    None
+}
+
+/// Whether a call of `micro` would be admitted now, as `reserve` decides, without
+/// reserving (a broken store admits).
+pub fn check(
+    store: &impl CasStore,
+    tenant: &str,
+    (caps, backing): (Caps, Backing),
+    micro: u64,
+    now_ms: u64,
+) -> Result<(), Refused> {
+    if caps.is_none() {
+        return Ok(());
+    }
+    let Ok(read) = store.get(&key(tenant)) else { return Ok(()) };
+    let spend = read.value.as_deref().and_then(Spend::decode).unwrap_or_default().at(now_ms);
+    spend.room(spend.caps_now(caps, backing)?, micro, now_ms)
+}
+
+/// Micro-dollars spent (and reserved) today and this month.
+pub fn spent(store: &impl CasStore, tenant: &str, now_ms: u64) -> (u64, u64) {
+    let raw = store.get(&key(tenant)).ok().and_then(|r| r.value);
+    let s = raw.as_deref().and_then(Spend::decode).unwrap_or_default().at(now_ms);
+    (s.day_micro, s.month_micro)
+}
+
+/// The UTC day (days since 1970-01-01) and month (months since January 1970) of `now_ms`.
+fn periods(now_ms: u64) -> (u64, u64) {
+    let day = now_ms / DAY_MS;
+    let (year, month) = civil(day);
+    (day, year * 12 + month - 1)
+}
+
+fn next_day_ms(now_ms: u64) -> u64 {
+    (now_ms / DAY_MS + 1) * DAY_MS
+}
+
+/// The first millisecond of the next UTC month.
+fn next_month_ms(now_ms: u64) -> u64 {
+    let mut day = now_ms / DAY_MS;
+    let (_, month) = periods(now_ms);
+    while periods(day * DAY_MS).1 == month {
+        day += 1;
+    }
+    day * DAY_MS
+}
+
+/// The (year, month 1-12) of a day since 1970-01-01 (the civil calendar's proleptic
+/// Gregorian rules, as in Howard Hinnant's `civil_from_days`).
+fn civil(days: u64) -> (u64, u64) {
+    let z = days + 719_468;
+    let era = z / 146_097;
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 };
+    let year = yoe + era * 400 + u64::from(month <= 2);
+    (year, month)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::core::store::MemStore;
+
+    /// 2026-12-01T00:00:00Z.
+    const DEC_1: u64 = 1_796_083_200_000;
+
+    #[test]
+    fn the_calendar_is_utcs() {
+        assert_eq!(civil(0), (1970, 1));
+        assert_eq!(civil(DEC_1 / DAY_MS), (2026, 12));
+        assert_eq!(civil(DEC_1 / DAY_MS - 1), (2026, 11));
+        assert_eq!(civil(11_016), (2000, 2), "2000-02-29 is a day of February");
+        assert_eq!(civil(11_017), (2000, 3));
+        assert_eq!(next_month_ms(DEC_1 + 5), DEC_1 + 31 * DAY_MS, "to 2027-01-01");
+        assert_eq!(next_day_ms(DEC_1 + 5), DEC_1 + DAY_MS);
+    }
+
+    #[test]
+    fn reservations_never_pass_the_cap_and_settle_to_what_was_spent() {
+        let s = MemStore::new();
+        let caps = Caps { per_day: Some(100), per_month: Some(100) };
+        let far = DEC_1 + 10 * DAY_MS;
+        reserve(&s, "t", (caps, Backing::MEMORY), (1, 60, far), DEC_1).unwrap();
+        assert_eq!(
+            reserve(&s, "t", (caps, Backing::MEMORY), (2, 60, far), DEC_1),
+            Err(Refused::Held),
+            "room once the first settles"
+        );
+        assert_eq!(
+            check(&s, "t", (caps, Backing::MEMORY), 60, DEC_1),
+            Err(Refused::Held),
+            "as the check without reserving sees it"
+        );
+        assert_eq!(check(&s, "t", (caps, Backing::MEMORY), 40, DEC_1), Ok(()));
+        settle(&s, "t", caps, 1, 10, DEC_1 + 1);
+        assert_eq!(spent(&s, "t", DEC_1 + 1), (10, 10), "the reservation is replaced by the cost");
+        settle(&s, "t", caps, 1, 0, DEC_1 + 1);
+        assert_eq!(spent(&s, "t", DEC_1 + 1), (10, 10), "a settlement repeated takes nothing out");
+        settle(&s, "t", caps, 2, 0, DEC_1 + 1);
+        assert_eq!(spent(&s, "t", DEC_1 + 1), (10, 10), "nor one for a reservation that was refused");
+        reserve(&s, "t", (caps, Backing::MEMORY), (3, 60, far), DEC_1 + 2).unwrap();
+        assert_eq!(spent(&s, "t", DEC_1 + 2), (70, 70));
+        // With 10 settled and 60 held, a call of 91 could never fit: exhausted, not held.
+        let Err(Refused::Exhausted(refused)) = reserve(&s, "t", (caps, Backing::MEMORY), (9, 91, far), DEC_1 + 2)
+        else {
+            panic!("refused")
+        };
+        assert_eq!((refused.period, refused.cap_micro, refused.retry_after_ms), ("day", 100, DAY_MS - 2));
+        assert_eq!(
+            reserve(&s, "t", (caps, Backing::MEMORY), (9, 90, far), DEC_1 + 2),
+            Err(Refused::Held),
+            "90 fits what is settled"
+        );
+        // The next day: a fresh day, the same month; the call reserved yesterday settles.
+        let tomorrow = DEC_1 + DAY_MS;
+        settle(&s, "t", caps, 3, 60, tomorrow);
+        assert_eq!(spent(&s, "t", tomorrow), (60, 70), "charged to today, in the month once");
+        let Err(Refused::Exhausted(month)) = reserve(&s, "t", (caps, Backing::MEMORY), (4, 35, far), tomorrow) else {
+            panic!("refused")
+        };
+        assert_eq!((month.period, month.retry_after_ms), ("month", 30 * DAY_MS));
+        assert!(
+            reserve(&s, "t", (Caps::default(), Backing::MEMORY), (5, u64::MAX, far), DEC_1).is_ok(),
+            "no caps, no record"
+        );
+    }
+
+    #[test]
+    fn a_reservation_never_settled_stays_charged_and_leaves_the_list_at_its_deadline() {
+        let s = MemStore::new();
+        let caps = Caps { per_day: Some(1_000), per_month: None };
+        reserve(&s, "t", (caps, Backing::MEMORY), (1, 100, DEC_1 + 50), DEC_1).unwrap();
+        reserve(&s, "t", (caps, Backing::MEMORY), (2, 100, DEC_1 + 500), DEC_1 + 60).unwrap();
+        let listed = |s: &MemStore| Spend::decode(&s.get(&key("t")).unwrap().value.unwrap()).unwrap().held.len();
+        assert_eq!(listed(&s), 1, "the first is past its deadline: no longer listed, still charged");
+        assert_eq!(spent(&s, "t", DEC_1 + 60), (200, 200));
+        settle(&s, "t", caps, 1, 30, DEC_1 + 70);
+        assert_eq!(spent(&s, "t", DEC_1 + 70), (230, 230), "too late to take it out: its cost is added");
+        let open = Caps { per_day: Some(u64::MAX), per_month: None };
+        for id in 10..10 + MAX_IN_FLIGHT as u64 + 5 {
+            reserve(&s, "t", (open, Backing::MEMORY), (id, 1, DEC_1 + DAY_MS), DEC_1 + 80).unwrap();
+        }
+        assert_eq!(listed(&s), MAX_IN_FLIGHT, "bounded");
+    }
+
+    #[test]
+    fn a_garbled_record_reads_as_nothing_spent() {
+        let s = MemStore::new();
+        s.set(&key("t"), b"not a spend", None).unwrap();
+        assert_eq!(spent(&s, "t", DEC_1), (0, 0));
+        assert!(reserve(
+            &s,
+            "t",
+            (Caps { per_day: Some(5), per_month: None }, Backing::MEMORY),
+            (1, 5, DEC_1 + 1),
+            DEC_1
+        )
+        .is_ok());
+        let (day, month) = periods(DEC_1);
+        s.set(&key("t"), format!("{day} 2 {month} 4").as_bytes(), None).unwrap();
+        assert_eq!(spent(&s, "t", DEC_1), (2, 4), "a record of the previous release reads as it was");
+    }
+}

@@ -1,0 +1,427 @@
+//! The spend store, sans-IO: tenants' settled spend kept in etcd (v3, through its JSON
+//! gateway), so that a restart, a deploy or an owner move does not reset it. A node reads a
+//! tenant's record from the store before it admits the tenant's first call (calls wait,
+//! `want`); what it settles is written behind, once per `budget_store.flush_ms`, as an
+//! addition to what the store holds (compare-and-swap on the key's revision, so writers on
+//! several nodes add up); a write that finds the key changed learns what others spent.
+//! When the store cannot be read, a node admits from its share of the budget, and a round
+//! of writes `UNREACHABLE_MS` on reads it again. The shells make the calls and report the
+//! answers.
+
+use crate::core::config::Config;
+use crate::core::limits::budget::{self, Mark, Spend, Stored};
+use crate::core::store::{cas_after, CasStore, StoreError};
+use crate::core::wire::base64;
+use serde_json::{json, Value};
+
+/// The tenants whose records wait to be read from the store (a list of names; bounded by
+/// the tenants configured).
+pub const WANTED_KEY: &str = "holysheep/budget-store/wanted";
+/// When the last round of writes began (one worker of the process claims each round).
+pub const ROUND_KEY: &str = "holysheep/budget-store/round";
+/// Whether the store answered last, for the whole process (`1`, `0`): its silence is
+/// logged once.
+pub const REACHED_KEY: &str = "holysheep/budget-store/reached";
+/// How often a call waiting for its tenant's record to be read looks again.
+pub const READ_POLL_MS: u64 = 20;
+/// How long after the store could not be read a round of writes reads it again (the node
+/// admits from its share meanwhile).
+pub const UNREACHABLE_MS: u64 = 5_000;
+
+/// How long a record with nothing to write goes without reading the store again.
+pub const REFRESH_MS: u64 = 5_000;
+
+/// A call to etcd's JSON gateway: `POST path` with `body`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EtcdCall {
+    pub path: &'static str,
+    pub body: Vec<u8>,
+}
+
+/// What etcd holds for a tenant: its spend (`None`: no key) at `revision` (0: no key).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Found {
+    pub stored: Option<Stored>,
+    pub revision: u64,
+}
+
+/// The etcd key of `tenant`'s spend.
+pub fn store_key(config: &Config, tenant: &str) -> String {
+    format!("{}/budget/{tenant}", config.budget_store.prefix)
+}
+
+/// Reads `tenant`'s key.
+pub fn range(config: &Config, tenant: &str) -> EtcdCall {
+    let key = base64::encode(store_key(config, tenant).as_bytes());
+    EtcdCall { path: "/v3/kv/range", body: json!({ "key": key }).to_string().into_bytes() }
+}
+
+/// Writes `value` to `tenant`'s key if it is still at `revision` (0: absent); otherwise
+/// reads it.
+pub fn txn(config: &Config, tenant: &str, revision: u64, value: &Stored) -> EtcdCall {
+    let key = base64::encode(store_key(config, tenant).as_bytes());
+    let value = base64::encode(&serde_json::to_vec(value).unwrap_or_default());
+    let body = json!({
+        "compare": [{"key": key, "target": "MOD", "result": "EQUAL", "mod_revision": revision.to_string()}],
+        "success": [{"request_put": {"key": key, "value": value}}],
+        "failure": [{"request_range": {"key": key}}],
+    });
+    EtcdCall { path: "/v3/kv/txn", body: body.to_string().into_bytes() }
+}
+
+/// The answer to `range` (`None`: not etcd's answer).
+pub fn read_range(status: u16, body: &[u8]) -> Option<Found> {
+    let v: Value = serde_json::from_slice(body).ok().filter(|_| status == 200)?;
+    found(&v)
+}
+
+/// The answer to `txn`: `Ok` with the key's new revision, or `Err` with what the key holds
+/// now (`None`: not etcd's answer).
+pub fn read_txn(status: u16, body: &[u8]) -> Option<Result<u64, Found>> {
+    let v: Value = serde_json::from_slice(body).ok().filter(|_| status == 200)?;
+    if v["succeeded"].as_bool() == Some(true) {
+        return number(&v["header"]["revision"]).map(Ok);
+    }
+    found(&v["responses"][0]["response_range"]).map(Err)
+}
+
+/// A range response's key (etcd's JSON writes 64-bit numbers as strings).
+fn found(v: &Value) -> Option<Found> {
+    v.get("header")?;
+    let Some(kv) = v["kvs"].get(0) else { return Some(Found { stored: None, revision: 0 }) };
+    let raw = base64::decode(kv["value"].as_str()?)?;
+    Some(Found { stored: Some(serde_json::from_slice(&raw).ok()?), revision: number(&kv["mod_revision"])? })
+}
+
+fn number(v: &Value) -> Option<u64> {
+    v.as_str().and_then(|s| s.parse().ok()).or_else(|| v.as_u64())
+}
+
+/// `tenant`'s record must be read from the store before its calls are admitted.
+pub fn want(store: &impl CasStore, tenant: &str) {
+    let _ = update_wanted(store, |names| {
+        let known = names.iter().any(|n| n == tenant);
+        if !known {
+            names.push(tenant.to_owned());
+        }
+        !known
+    });
+}
+
+/// Takes every name off the wanted list: the records this worker reads now.
+pub fn take_wanted(store: &impl CasStore) -> Vec<String> {
+    let mut taken = Vec::new();
+    let _ = update_wanted(store, |names| {
+        taken = std::mem::take(names);
+        !taken.is_empty()
+    });
+    taken
+}
+
+fn update_wanted(store: &impl CasStore, mut f: impl FnMut(&mut Vec<String>) -> bool) -> Result<(), StoreError> {
+    for _ in 0..16 {
+        let read = store.get(WANTED_KEY)?;
+        let text = read.value.as_deref().map(String::from_utf8_lossy).unwrap_or_default();
+        let mut names: Vec<String> = text.split(' ').filter(|n| !n.is_empty()).map(str::to_owned).collect();
+        if !f(&mut names) {
+            return Ok(());
+        }
+        match store.set(WANTED_KEY, names.join(" ").as_bytes(), cas_after(&read)) {
+            Err(StoreError::CasMismatch) => continue,
+            other => return other,
+        }
+    }
+    Err(StoreError::CasMismatch)
+}
+
+/// What reading `tenant`'s key came to (`None`: the store could not be reached): the
+/// record takes what the store holds beside what was settled here and not yet written (a
+/// record read before learns what other nodes spent since; an answer older than what it
+/// knows is dropped); a record never read, unreachable, admits from this node's share for
+/// a while (one read before keeps deciding from what it knows). Whether the store was
+/// reached.
+pub fn read(store: &impl CasStore, tenant: &str, found: Option<Found>, now_ms: u64) -> bool {
+    let _ = budget::update(store, tenant, now_ms, |s| match (s.mark, found) {
+        (Mark::Read { revision }, Some(f)) if f.revision < revision => false,
+        (_, Some(f)) => {
+            learn(s, f, now_ms);
+            true
+        }
+        (Mark::Read { .. }, None) => false,
+        (_, None) => {
+            s.mark = Mark::Unreachable { until_ms: now_ms.saturating_add(UNREACHABLE_MS) };
+            true
+        }
+    });
+    found.is_some()
+}
+
+fn learn(s: &mut Spend, f: Found, now_ms: u64) {
+    s.stored = f.stored.unwrap_or_default();
+    s.mark = Mark::Read { revision: f.revision };
+    s.learned_ms = now_ms;
+    s.recharge();
+}
+
+/// A write behind of what a node settled for a tenant: the store's value at `revision`
+/// with `sent` added, for the periods `day` and `month`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Flush {
+    pub tenant: String,
+    pub revision: u64,
+    pub value: Stored,
+    sent: (u64, u64),
+    day: u64,
+    month: u64,
+}
+
+/// What a round of writes does for a tenant's record.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Due {
+    /// Write what was settled and not yet written.
+    Write(Flush),
+    /// Read the key again: it could not be read before (calls are admitted from the node's
+    /// share meanwhile, and what they settle is written once it is read), or it was not
+    /// read for `REFRESH_MS`.
+    Read,
+}
+
+/// What `tenant`'s record is due in a round, if anything.
+pub fn due(store: &impl CasStore, tenant: &str, now_ms: u64) -> Option<Due> {
+    let raw = store.get(&budget::key(tenant)).ok()?.value?;
+    let s = Spend::decode(&raw)?.at(now_ms);
+    match s.mark {
+        Mark::Read { revision } if s.unsent != (0, 0) => Some(Due::Write(Flush {
+            tenant: tenant.to_owned(),
+            revision,
+            value: s.stored.plus(s.day, s.month, s.unsent),
+            sent: s.unsent,
+            day: s.day,
+            month: s.month,
+        })),
+        // Nothing to write, and not learned for a while: read again, for what other nodes
+        // spent (the tenant may have been theirs meanwhile).
+        Mark::Read { .. } => (now_ms.saturating_sub(s.learned_ms) >= REFRESH_MS).then_some(Due::Read),
+        Mark::Unreachable { until_ms } if now_ms >= until_ms => Some(Due::Read),
+        Mark::Unreachable { .. } | Mark::Unread => None,
+    }
+}
+
+/// What writing `flush` came to (`None`: no answer; it is tried again next round): written,
+/// the record's store value is the one written and what was sent is no longer unsent;
+/// refused (the key changed), the record learns what the store holds now, others' spend
+/// included, and writes again next round.
+pub fn flushed(store: &impl CasStore, flush: &Flush, answer: Option<Result<u64, Found>>, now_ms: u64) {
+    // A refusal that finds the key holding exactly what was written says the write landed
+    // (its answer was lost, or another worker sent the same write).
+    let answer = match answer {
+        Some(Err(now)) if now.stored == Some(flush.value) => Ok(now.revision),
+        Some(answer) => answer,
+        None => return,
+    };
+    let _ = budget::update(store, &flush.tenant, now_ms, |s| {
+        let Mark::Read { revision: known } = s.mark else { return false };
+        match answer {
+            // Written: what was sent is no longer unsent, and the store holds the value
+            // written (or, learned since by a read, a later one that includes it).
+            Ok(revision) if known == flush.revision || known >= revision => {
+                let same_day = s.day == flush.day;
+                let same_month = s.month == flush.month;
+                s.unsent.0 = if same_day { s.unsent.0.saturating_sub(flush.sent.0) } else { s.unsent.0 };
+                s.unsent.1 = if same_month { s.unsent.1.saturating_sub(flush.sent.1) } else { s.unsent.1 };
+                if known == flush.revision {
+                    learn(s, Found { stored: Some(flush.value), revision }, now_ms);
+                } else {
+                    s.recharge();
+                }
+                true
+            }
+            Err(now) if known == flush.revision => {
+                learn(s, now, now_ms);
+                true
+            }
+            _ => false,
+        }
+    });
+}
+
+/// Whether this worker runs the round of writes due at `now_ms` (at most one a
+/// `budget_store.flush_ms` per process).
+pub fn round_due(store: &impl CasStore, config: &Config, now_ms: u64) -> bool {
+    let Ok(read) = store.get(ROUND_KEY) else { return false };
+    let last = read.value.as_deref().and_then(|v| std::str::from_utf8(v).ok()?.parse::<u64>().ok()).unwrap_or(0);
+    now_ms.saturating_sub(last) >= config.budget_store.flush_ms
+        && store.set(ROUND_KEY, now_ms.to_string().as_bytes(), cas_after(&read)).is_ok()
+}
+
+/// The tenants whose spend the store keeps: those with a budget.
+pub fn budgeted(config: &Config) -> impl Iterator<Item = &str> {
+    config.tenants.iter().filter(|(_, t)| !t.caps().is_none()).map(|(n, _)| n.as_str())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::core::config::tenants::Caps;
+    use crate::core::limits::budget::{reserve, settle, spent, Backing, Refused};
+    use crate::core::store::MemStore;
+
+    const DEC_1: u64 = 1_796_083_200_000;
+    const BACKED: Backing = Backing { store: true, nodes: 2 };
+
+    fn config() -> Config {
+        Config::parse(br#"{"budget_store":{"cluster":"etcd","prefix":"edge/prod"}}"#).unwrap()
+    }
+
+    fn caps() -> (Caps, Backing) {
+        (Caps { per_day: Some(1_000), per_month: None }, BACKED)
+    }
+
+    #[test]
+    fn the_calls_are_etcds_and_its_answers_are_read() {
+        let c = config();
+        let r = range(&c, "t");
+        let v: Value = serde_json::from_slice(&r.body).unwrap();
+        assert_eq!(
+            (r.path, base64::decode(v["key"].as_str().unwrap()).unwrap()),
+            ("/v3/kv/range", b"edge/prod/budget/t".to_vec())
+        );
+        let t = txn(&c, "t", 7, &Stored { day: 1, day_micro: 2, month: 3, month_micro: 4 });
+        let v: Value = serde_json::from_slice(&t.body).unwrap();
+        assert_eq!(v["compare"][0]["mod_revision"], "7");
+        let value = base64::decode(v["success"][0]["request_put"]["value"].as_str().unwrap()).unwrap();
+        assert_eq!(serde_json::from_slice::<Stored>(&value).unwrap().month_micro, 4);
+        let none = br#"{"header":{"revision":"1"}}"#;
+        assert_eq!(read_range(200, none), Some(Found { stored: None, revision: 0 }));
+        let kv = format!(
+            r#"{{"header":{{"revision":"9"}},"kvs":[{{"key":"x","mod_revision":"8","value":"{}"}}],"count":"1"}}"#,
+            base64::encode(br#"{"day":1,"day_micro":5,"month":2,"month_micro":6}"#)
+        );
+        let found = read_range(200, kv.as_bytes()).unwrap();
+        assert_eq!((found.revision, found.stored.map(|s| s.day_micro)), (8, Some(5)));
+        assert_eq!(read_range(503, kv.as_bytes()), None);
+        assert_eq!(read_range(200, b"<html>"), None);
+        assert_eq!(read_txn(200, br#"{"header":{"revision":"12"},"succeeded":true}"#), Some(Ok(12)));
+        let refused = format!(r#"{{"header":{{"revision":"9"}},"responses":[{{"response_range":{kv}}}]}}"#);
+        assert_eq!(read_txn(200, refused.as_bytes()), Some(Err(found)));
+    }
+
+    #[test]
+    fn no_call_is_admitted_before_the_record_is_read_then_the_stores_spend_counts() {
+        let s = MemStore::new();
+        assert_eq!(reserve(&s, "t", caps(), (1, 100, DEC_1 + 9_000), DEC_1), Err(Refused::Unread));
+        want(&s, "t");
+        want(&s, "t");
+        assert_eq!(take_wanted(&s), ["t"], "asked for once");
+        assert!(take_wanted(&s).is_empty());
+        // The store holds 800 of today's 1000 (spent before a restart).
+        let held = Stored { day: DEC_1 / 86_400_000, day_micro: 800, month: 0, month_micro: 0 };
+        assert!(read(&s, "t", Some(Found { stored: Some(held), revision: 4 }), DEC_1));
+        assert_eq!(spent(&s, "t", DEC_1).0, 800);
+        let over = reserve(&s, "t", caps(), (1, 300, DEC_1 + 9_000), DEC_1);
+        assert!(matches!(over, Err(Refused::Exhausted(_))), "800 + 300 > 1000: {over:?}");
+        reserve(&s, "t", caps(), (2, 150, DEC_1 + 9_000), DEC_1).unwrap();
+        settle(&s, "t", caps().0, 2, 40, DEC_1 + 1);
+        assert_eq!(spent(&s, "t", DEC_1 + 1).0, 840);
+        // Written behind: 800 + 40, at the revision read.
+        let flush = write_due(&s, DEC_1 + 2).unwrap();
+        assert_eq!((flush.revision, flush.value.day_micro), (4, 840));
+        settle(&s, "t", caps().0, 3, 10, DEC_1 + 3);
+        flushed(&s, &flush, Some(Ok(5)), DEC_1 + 4);
+        assert_eq!(spent(&s, "t", DEC_1 + 4).0, 850, "the 10 settled meanwhile is still counted");
+        let next = write_due(&s, DEC_1 + 5).unwrap();
+        assert_eq!((next.revision, next.value.day_micro), (5, 850));
+        // Another node wrote meanwhile: the write is refused and the record learns its spend.
+        let elsewhere = Stored { day_micro: 900, ..held };
+        flushed(&s, &next, Some(Err(Found { stored: Some(elsewhere), revision: 6 })), DEC_1 + 6);
+        assert_eq!(spent(&s, "t", DEC_1 + 6).0, 910, "900 in the store and 10 not yet written");
+        assert_eq!(write_due(&s, DEC_1 + 7).map(|f| (f.revision, f.value.day_micro)), Some((6, 910)));
+    }
+
+    /// The write due for `t`, if a write is.
+    fn write_due(s: &MemStore, now_ms: u64) -> Option<Flush> {
+        match due(s, "t", now_ms) {
+            Some(Due::Write(f)) => Some(f),
+            _ => None,
+        }
+    }
+
+    #[test]
+    fn an_unreachable_store_admits_from_the_nodes_share_until_a_round_reads_it_again() {
+        let s = MemStore::new();
+        assert!(!read(&s, "t", None, DEC_1));
+        let Err(Refused::Exhausted(share)) = reserve(&s, "t", caps(), (1, 600, DEC_1 + 9_000), DEC_1) else {
+            panic!("held to the share")
+        };
+        assert_eq!(share.cap_micro, 500, "half of 1000 on a node of two");
+        reserve(&s, "t", caps(), (2, 400, DEC_1 + 9_000), DEC_1).unwrap();
+        settle(&s, "t", caps().0, 2, 100, DEC_1 + 1);
+        assert_eq!(due(&s, "t", DEC_1 + 2), None, "nothing is written before the store is read");
+        let later = DEC_1 + UNREACHABLE_MS;
+        reserve(&s, "t", caps(), (3, 1, later + 9_000), later).expect("still admitted from the share");
+        settle(&s, "t", caps().0, 3, 1, later);
+        assert_eq!(due(&s, "t", later), Some(Due::Read), "a round reads it again");
+        assert!(read(&s, "t", Some(Found { stored: None, revision: 0 }), later));
+        assert_eq!(spent(&s, "t", later).0, 101, "what was settled meanwhile is kept");
+        assert_eq!(write_due(&s, later).map(|f| (f.revision, f.value.day_micro)), Some((0, 101)));
+    }
+
+    #[test]
+    fn a_write_counts_once_whatever_order_its_answers_and_reads_come_in() {
+        let s = MemStore::new();
+        let today = DEC_1 / 86_400_000;
+        let base = Stored { day: today, day_micro: 100, month: 0, month_micro: 0 };
+        read(&s, "t", Some(Found { stored: Some(base), revision: 3 }), DEC_1);
+        settle(&s, "t", caps().0, 1, 20, DEC_1);
+        let flush = write_due(&s, DEC_1).unwrap();
+        // The answer was lost; the key holds what was written: it landed.
+        flushed(&s, &flush, Some(Err(Found { stored: Some(flush.value), revision: 4 })), DEC_1 + 1);
+        assert_eq!((spent(&s, "t", DEC_1 + 1).0, write_due(&s, DEC_1 + 1)), (120, None), "counted once");
+        // A read that learned the write before its answer came: the answer takes out what was
+        // sent, and nothing is counted twice.
+        settle(&s, "t", caps().0, 2, 5, DEC_1 + 2);
+        let flush = write_due(&s, DEC_1 + 2).unwrap();
+        read(&s, "t", Some(Found { stored: Some(flush.value), revision: 5 }), DEC_1 + 3);
+        assert_eq!(spent(&s, "t", DEC_1 + 3).0, 130, "until the answer, the write looks unsent");
+        flushed(&s, &flush, Some(Ok(5)), DEC_1 + 4);
+        assert_eq!((spent(&s, "t", DEC_1 + 4).0, write_due(&s, DEC_1 + 4)), (125, None));
+        // Not learned for a while: read again, and what another node spent counts here.
+        assert_eq!(due(&s, "t", DEC_1 + 4 + REFRESH_MS), Some(Due::Read));
+        let elsewhere = Stored { day_micro: 400, ..base };
+        read(&s, "t", Some(Found { stored: Some(elsewhere), revision: 9 }), DEC_1 + 5 + REFRESH_MS);
+        assert_eq!(spent(&s, "t", DEC_1 + 5 + REFRESH_MS).0, 400);
+        read(&s, "t", Some(Found { stored: Some(base), revision: 8 }), DEC_1 + 6 + REFRESH_MS);
+        assert_eq!(spent(&s, "t", DEC_1 + 6 + REFRESH_MS).0, 400, "an older answer is dropped");
+    }
+
+    #[test]
+    fn reservations_past_the_list_and_a_previous_releases_spend_are_written_not_lost() {
+        let s = MemStore::new();
+        let open = (Caps { per_day: Some(u64::MAX), per_month: None }, BACKED);
+        read(&s, "t", Some(Found { stored: None, revision: 0 }), DEC_1);
+        for id in 0..crate::core::limits::budget::MAX_IN_FLIGHT as u64 + 2 {
+            reserve(&s, "t", open, (id, 10, DEC_1 + 9_000), DEC_1).unwrap();
+        }
+        let flush = write_due(&s, DEC_1).unwrap();
+        assert_eq!(flush.value.day_micro, 20, "the two no longer listed, as settled at their worst case");
+        flushed(&s, &flush, Some(Ok(1)), DEC_1);
+        assert_eq!(
+            spent(&s, "t", DEC_1).0,
+            10 * (crate::core::limits::budget::MAX_IN_FLIGHT as u64 + 2),
+            "still charged"
+        );
+        // A record written before the store: its settled spend is the store's to be told.
+        let (day, month) = (DEC_1 / 86_400_000, 2026 * 12 + 11);
+        s.set(&crate::core::limits::budget::key("old"), format!("{day} 70 {month} 90|").as_bytes(), None).unwrap();
+        read(&s, "old", Some(Found { stored: None, revision: 0 }), DEC_1);
+        assert_eq!(spent(&s, "old", DEC_1), (70, 90));
+    }
+
+    #[test]
+    fn one_worker_a_round() {
+        let (s, c) = (MemStore::new(), config());
+        assert!(round_due(&s, &c, DEC_1));
+        assert!(!round_due(&s, &c, DEC_1 + 999));
+        assert!(round_due(&s, &c, DEC_1 + 1_000));
+    }
+}

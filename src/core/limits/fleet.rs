@@ -1,0 +1,320 @@
+//! Limits held fleet-wide. A model's buckets live on one node, the model's owner (the
+//! node the fleet's consistent-hash ring gives the bucket's name); a key owner asks it to
+//! take capacity before calling HolySheep and tells it how the call ended. These are the
+//! messages and the model owner's side, over its own store.
+
+use crate::core::api::error::ApiError;
+use crate::core::api::hints::ProviderHints;
+use crate::core::api::priority::Class;
+use crate::core::config::Config;
+use crate::core::limits::budget::Hold;
+use crate::core::limits::line::Who;
+use crate::core::limits::tenant_gate::{self, Ask, Settlement};
+use crate::core::limits::{self, Denial, Limits};
+use crate::core::store::CasStore;
+use serde::{Deserialize, Serialize};
+
+fn is_zero(n: &u64) -> bool {
+    *n == 0
+}
+
+fn is_standard(c: &Class) -> bool {
+    *c == Class::Standard
+}
+
+fn is_false(b: &bool) -> bool {
+    !*b
+}
+
+/// What a key owner asks of a model owner.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase", deny_unknown_fields)]
+pub enum Op {
+    /// Admit the call `id` (one request, `estimate` tokens, a slot held `hold_ms`) of
+    /// `class` for the tenant `tenant` (`priority::tenant_tag`); refused, it keeps its
+    /// place in the owner's line if it `waits`. The three are left out at their defaults
+    /// (a take without them, from a node of the previous release, holds no place).
+    Take {
+        model: String,
+        id: u64,
+        estimate: u64,
+        hold_ms: u64,
+        #[serde(default, skip_serializing_if = "is_standard")]
+        class: Class,
+        #[serde(default, skip_serializing_if = "is_zero")]
+        tenant: u64,
+        #[serde(default, skip_serializing_if = "is_false")]
+        waits: bool,
+    },
+    /// The call `id` ended having used `actual` tokens, after `retries` requests beyond its
+    /// first (a stream's router retries); what the provider said. `retries` is left out
+    /// when 0, so nodes of the previous release still read the message.
+    Settle {
+        model: String,
+        id: u64,
+        estimate: u64,
+        actual: Option<u64>,
+        hints: ProviderHints,
+        #[serde(default, skip_serializing_if = "is_zero")]
+        retries: u64,
+    },
+    /// Take a tenant's share for a call, on the tenant's owner node.
+    #[serde(rename = "tenant_take")]
+    TenantTake(Ask),
+    /// A tenant's call ended: settle it on the tenant's owner node.
+    #[serde(rename = "tenant_settle")]
+    TenantSettle(Settlement),
+}
+
+impl Op {
+    pub fn parse(body: &[u8]) -> Result<Op, ApiError> {
+        serde_json::from_slice(body)
+            .map_err(|_| ApiError::invalid("not a holysheep peer operation", None, "invalid_json"))
+    }
+
+    /// The tenant a tenant's operation is about.
+    pub fn tenant(&self) -> Option<&str> {
+        match self {
+            Op::TenantTake(Ask { tenant, .. }) | Op::TenantSettle(Settlement { tenant, .. }) => Some(tenant),
+            Op::Take { .. } | Op::Settle { .. } => None,
+        }
+    }
+
+    /// The bucket whose owner node this goes to (`None`: a model without limits).
+    pub fn bucket(&self, config: &Config) -> Option<String> {
+        match (self, self.tenant()) {
+            (_, Some(tenant)) => Some(tenant_gate::bucket(tenant)),
+            (Op::Take { model, .. } | Op::Settle { model, .. }, None) => config.model(model).map(|(b, _)| b.to_owned()),
+            _ => None,
+        }
+    }
+
+    /// The `:authority` of the internal call: the fleet's ring hashes it, so every node
+    /// reaches the same owner for a bucket.
+    pub fn authority(bucket: &str) -> String {
+        format!("bucket.{bucket}.holysheep")
+    }
+
+    pub fn to_json(&self) -> Vec<u8> {
+        serde_json::to_vec(self).unwrap_or_default()
+    }
+}
+
+/// A model owner's answer to `Take` (`Settle` is answered with an admitted verdict); to
+/// `TenantTake`, also what the tenant's budget holds for the call.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct Verdict {
+    pub admitted: bool,
+    pub denial: Option<Denial>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub hold: Option<Hold>,
+}
+
+impl Verdict {
+    pub fn parse(body: &[u8]) -> Option<Verdict> {
+        serde_json::from_slice(body).ok()
+    }
+
+    pub fn result(&self) -> Result<(), Denial> {
+        match (self.admitted, self.denial) {
+            (false, Some(d)) => Err(d),
+            _ => Ok(()),
+        }
+    }
+}
+
+/// Whether `offered` is the secret (compared in constant time); never with no secret.
+pub fn secret_matches(secret: Option<&str>, offered: Option<&str>) -> bool {
+    let (Some(secret), Some(offered)) = (secret, offered) else { return false };
+    if secret.is_empty() || secret.len() != offered.len() {
+        return false;
+    }
+    secret.bytes().zip(offered.bytes()).fold(0u8, |acc, (a, b)| acc | (a ^ b)) == 0
+}
+
+/// The model owner's side: applies `body` (an `Op`) to this node's buckets and answers.
+pub fn serve(store: &impl CasStore, config: &Config, body: &[u8], now_ms: u64) -> Result<Verdict, ApiError> {
+    Ok(serve_op(store, config, Op::parse(body)?, now_ms))
+}
+
+/// `serve` for an operation already read.
+pub fn serve_op(store: &impl CasStore, config: &Config, op: Op, now_ms: u64) -> Verdict {
+    let admitted = Verdict { admitted: true, denial: None, hold: None };
+    let model = match &op {
+        Op::Take { model, .. } | Op::Settle { model, .. } => model,
+        Op::TenantTake(ask) => {
+            let ask = Ask { hold_ms: ask.hold_ms.min(crate::core::config::MAX_MS), ..ask.clone() };
+            return match tenant_gate::take(store, config, &ask, None, now_ms) {
+                Ok(hold) => Verdict { hold: hold.map(|h| h.dollars()), ..admitted },
+                Err(refusal) => Verdict { admitted: false, denial: Some(refusal.denial()), hold: None },
+            };
+        }
+        Op::TenantSettle(s) => {
+            tenant_gate::settle_reported(store, config, s, now_ms);
+            return admitted;
+        }
+    };
+    let Some((bucket, m)) = config.model(model) else { return admitted };
+    let l = Limits::of(m, &config.rate_limit);
+    let result = match op {
+        Op::Take { id, estimate, hold_ms, class, tenant, waits, .. } => {
+            let who = Who { id, estimate, class, tenant };
+            limits::take(store, bucket, &l, &who, now_ms, hold_ms.min(crate::core::config::MAX_MS), waits)
+        }
+        Op::Settle { id, estimate, actual, hints, retries, .. } => {
+            let hints = capped(config, &hints);
+            limits::charge_requests(store, bucket, &l, retries, now_ms);
+            limits::settle(store, bucket, &l, id, estimate, actual, &hints, now_ms);
+            Ok(())
+        }
+        Op::TenantTake(_) | Op::TenantSettle(_) => Ok(()),
+    };
+    Verdict { admitted: result.is_ok(), denial: result.err(), hold: None }
+}
+
+/// A provider's word empties a bucket for `rate_limit.max_provider_hold_ms` at most.
+pub fn capped(config: &Config, hints: &ProviderHints) -> ProviderHints {
+    let hold = config.rate_limit.max_provider_hold_ms;
+    ProviderHints { retry_after_ms: hints.retry_after_ms.map(|ms| ms.min(hold)), ..*hints }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::core::limits::Kind;
+    use crate::core::store::MemStore;
+
+    fn config() -> Config {
+        Config::parse(br#"{"models":{"gpt-4.1":{"requests_per_minute":1,"burst":2}}}"#).unwrap()
+    }
+
+    fn take(model: &str, id: u64) -> Op {
+        take_of(model, id, 10, 1000)
+    }
+
+    fn take_of(model: &str, id: u64, estimate: u64, hold_ms: u64) -> Op {
+        let (class, tenant, waits) = (Class::Standard, 0, false);
+        Op::Take { model: model.into(), id, estimate, hold_ms, class, tenant, waits }
+    }
+
+    fn take_json(id: u64) -> Vec<u8> {
+        take("gpt-4.1", id).to_json()
+    }
+
+    #[test]
+    fn a_model_owner_admits_up_to_the_burst_for_every_node_together() {
+        let (s, c) = (MemStore::default(), config());
+        assert!(serve(&s, &c, &take_json(1), 0).unwrap().admitted);
+        assert!(serve(&s, &c, &take_json(2), 0).unwrap().admitted);
+        let third = serve(&s, &c, &take_json(3), 0).unwrap();
+        assert!(!third.admitted);
+        assert_eq!(third.result().unwrap_err().kind, Kind::Requests);
+        assert_eq!(third.result().unwrap_err().wait_ms, Some(60_000));
+    }
+
+    #[test]
+    fn a_settlement_takes_the_streams_retries_and_reads_as_before_without_them() {
+        let (s, c) = (MemStore::default(), config());
+        assert!(serve(&s, &c, &take_json(1), 0).unwrap().admitted);
+        let settle = |retries| Op::Settle {
+            model: "gpt-4.1".into(),
+            id: 1,
+            estimate: 10,
+            actual: Some(10),
+            hints: ProviderHints::default(),
+            retries,
+        };
+        assert!(
+            !String::from_utf8(settle(0).to_json()).unwrap().contains("retries"),
+            "as the previous release sends it"
+        );
+        let before: Op = serde_json::from_str(
+            r#"{"settle":{"model":"gpt-4.1","id":1,"estimate":10,"actual":10,"hints":{"throttled":false}}}"#,
+        )
+        .unwrap();
+        assert_eq!(before, settle(0));
+        assert!(serve(&s, &c, &settle(1).to_json(), 0).unwrap().admitted);
+        // A burst of 2: one for the call, one for its retry; none left.
+        assert!(!serve(&s, &c, &take_json(2), 0).unwrap().admitted);
+    }
+
+    #[test]
+    fn a_take_of_the_previous_release_holds_no_place_and_a_new_one_carries_its_class() {
+        let before: Op =
+            serde_json::from_str(r#"{"take":{"model":"gpt-4.1","id":1,"estimate":10,"hold_ms":1000}}"#).unwrap();
+        assert_eq!(before, take("gpt-4.1", 1));
+        assert_eq!(
+            String::from_utf8(take_json(1)).unwrap(),
+            r#"{"take":{"model":"gpt-4.1","id":1,"estimate":10,"hold_ms":1000}}"#
+        );
+        let (class, tenant, waits) = (Class::Critical, 7, true);
+        let critical = Op::Take { model: "gpt-4.1".into(), id: 1, estimate: 10, hold_ms: 1000, class, tenant, waits };
+        assert_eq!(Op::parse(&critical.to_json()).unwrap(), critical);
+    }
+
+    #[test]
+    fn a_model_owner_orders_every_nodes_waiting_calls_by_class() {
+        let c = Config::parse(br#"{"models":{"m":{"max_in_flight":1}}}"#).unwrap();
+        let s = MemStore::default();
+        let take = |id: u64, class: Class, tenant: u64| {
+            let op = Op::Take { model: "m".into(), id, estimate: 1, hold_ms: 60_000, class, tenant, waits: true };
+            serve(&s, &c, &op.to_json(), 0).unwrap().admitted
+        };
+        assert!(take(1, Class::Standard, 1));
+        assert!(!take(2, Class::Sheddable, 1), "node A's sheddable call waits");
+        assert!(!take(3, Class::Critical, 2), "node B's critical call waits");
+        let settle = Op::Settle {
+            model: "m".into(),
+            id: 1,
+            estimate: 1,
+            actual: None,
+            hints: ProviderHints::default(),
+            retries: 0,
+        };
+        assert!(serve(&s, &c, &settle.to_json(), 0).unwrap().admitted);
+        assert!(!take(2, Class::Sheddable, 1), "it asked first, but the critical call is ahead");
+        assert!(take(3, Class::Critical, 2));
+    }
+
+    #[test]
+    fn a_verdict_survives_the_wire() {
+        let (s, c) = (MemStore::default(), config());
+        for id in 1..=3 {
+            let v = serve(&s, &c, &take_json(id), 0).unwrap();
+            let wire = serde_json::to_vec(&v).unwrap();
+            assert_eq!(Verdict::parse(&wire), Some(v));
+        }
+    }
+
+    #[test]
+    fn a_settle_reports_the_providers_hold_capped_by_the_configuration() {
+        let c =
+            Config::parse(br#"{"models":{"m":{"requests_per_minute":60}},"rate_limit":{"max_provider_hold_ms":1000}}"#)
+                .unwrap();
+        let s = MemStore::default();
+        let hints = ProviderHints { throttled: true, retry_after_ms: Some(86_400_000), ..Default::default() };
+        let op = Op::Settle { model: "m".into(), id: 1, estimate: 1, actual: None, hints, retries: 0 };
+        assert!(serve(&s, &c, &op.to_json(), 0).unwrap().admitted);
+        let refused = serve(&s, &c, &take_of("m", 2, 1, 1).to_json(), 0);
+        let wait = refused.unwrap().result().unwrap_err().wait_ms.unwrap();
+        assert!(wait <= 2_000, "held {wait} ms, not a day");
+    }
+
+    #[test]
+    fn garbage_is_refused_and_unlisted_models_are_unlimited() {
+        let (s, c) = (MemStore::default(), config());
+        assert_eq!(serve(&s, &c, b"{\"op\":\"steal\"}", 0).unwrap_err().status, 400);
+        let other = take_of("deepseek-v3", 1, 1, 1).to_json();
+        assert!(serve(&s, &c, &other, 0).unwrap().admitted);
+    }
+
+    #[test]
+    fn the_secret_must_match_exactly_and_exist() {
+        assert!(secret_matches(Some("s3cret"), Some("s3cret")));
+        assert!(!secret_matches(Some("s3cret"), Some("s3cres")));
+        assert!(!secret_matches(Some("s3cret"), Some("s3cret ")));
+        assert!(!secret_matches(Some("s3cret"), None));
+        assert!(!secret_matches(None, Some("")));
+        assert!(!secret_matches(Some(""), Some("")));
+    }
+}

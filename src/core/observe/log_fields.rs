@@ -1,0 +1,199 @@
+//! What an access log can print for each governed request: the shell publishes these
+//! values per request (in Envoy as filter state, `wasm.<name>`), named after the
+//! OpenTelemetry GenAI semantic conventions where one exists and `holysheep.*` otherwise.
+
+use crate::core::api::priority::Class;
+use crate::core::api::usage::Usage;
+use crate::core::coalesce::engine::{CacheStatus, Reply};
+use crate::core::flight;
+use crate::core::request::Key;
+
+/// The names, in the order they are published. (`gen_ai.provider.name` is `holysheep` for
+/// every governed request: an access log writes it as text, no value needs setting.)
+pub const NAMES: [&str; 13] = [
+    "gen_ai.request.model",
+    "gen_ai.response.model",
+    "gen_ai.usage.input_tokens",
+    "gen_ai.usage.output_tokens",
+    "holysheep.cache",
+    "holysheep.key",
+    "holysheep.tenant",
+    "holysheep.cost_usd",
+    "holysheep.upstream_attempts",
+    "holysheep.wait_ms",
+    "holysheep.priority",
+    "gen_ai.usage.cache_read.input_tokens",
+    "gen_ai.operation.name",
+];
+
+/// What a flight did for the request it answers: upstream attempts, the dollars they
+/// cost, and how long the call waited for its bucket before its first attempt.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Spent {
+    pub attempts: u64,
+    pub cost_micro_usd: u64,
+    pub queued_ms: u64,
+}
+
+impl Spent {
+    /// Adds what a flight's events say (calls, their usage's price, the admission wait).
+    pub fn add(&mut self, events: &[flight::Event], price: impl Fn(&str, &Usage) -> u64) {
+        for e in events {
+            match e {
+                flight::Event::UpstreamCall { .. } => self.attempts += 1,
+                flight::Event::Usage { model, usage } => {
+                    self.cost_micro_usd += price(model, usage);
+                }
+                flight::Event::Admitted { waited_ms, .. } => self.queued_ms += waited_ms,
+                _ => {}
+            }
+        }
+    }
+}
+
+/// How a request came to its answer: what its own flight spent, and how long it waited
+/// (for its flight's answer, as a waiter; for its bucket, as a leader).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Served {
+    pub spent: Spent,
+    pub wait_ms: u64,
+}
+
+impl Served {
+    /// A leader's: what its flight spent, and its wait for its bucket.
+    pub fn by_flight(spent: Spent) -> Served {
+        Served { spent, wait_ms: spent.queued_ms }
+    }
+
+    /// A waiter's, answered after `wait_ms`.
+    pub fn waited(wait_ms: u64) -> Served {
+        Served { spent: Spent::default(), wait_ms }
+    }
+}
+
+/// One request's answer, as its access-log line shows it.
+#[derive(Debug, Clone, Copy)]
+pub struct Answered<'a> {
+    pub cache: Option<CacheStatus>,
+    pub key: Option<&'a Key>,
+    /// The model that produced the answer (a 200's `x-holysheep-model`).
+    pub response_model: Option<&'a str>,
+    pub requested_model: &'a str,
+    /// The endpoint's GenAI operation (`Endpoint::operation`).
+    pub operation: &'static str,
+    pub tenant: Option<&'a str>,
+    pub class: Class,
+    pub served: Served,
+    /// The answer's usage, if it has one.
+    pub usage: Option<Usage>,
+}
+
+/// The model that produced `reply`, when it is an answer (a 200).
+pub fn response_model(reply: &Reply) -> Option<&str> {
+    reply.response.header("x-holysheep-model").filter(|_| reply.response.status == 200)
+}
+
+/// The values of `NAMES` that one answer has: one that does not apply is left out (Envoy
+/// prints `-` for it, `null` in a JSON format), so it costs no host call.
+pub fn values(a: &Answered<'_>) -> Vec<(&'static str, String)> {
+    let cost = a.served.spent.cost_micro_usd;
+    let values = [
+        Some(a.requested_model.to_owned()),
+        a.response_model.map(str::to_owned),
+        a.usage.map(|u| u.prompt.to_string()),
+        a.usage.map(|u| u.completion.to_string()),
+        a.cache.map(|c| CacheStatus::as_str(c).to_owned()),
+        a.key.map(|k| k.hex().to_owned()),
+        a.tenant.map(str::to_owned),
+        Some(format!("{}.{:06}", cost / 1_000_000, cost % 1_000_000)),
+        Some(a.served.spent.attempts.to_string()),
+        Some(a.served.wait_ms.to_string()),
+        Some(a.class.as_str().to_owned()),
+        a.usage.map(|u| u.cached.to_string()),
+        Some(a.operation.to_owned()),
+    ];
+    NAMES.into_iter().zip(values).filter_map(|(n, v)| Some((n, v?))).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::core::api::response::Response;
+    use crate::core::request::request_key;
+
+    #[test]
+    fn a_miss_shows_its_models_tokens_cost_and_attempts() {
+        let key = request_key("/p", "s", b"1");
+        let response = Response::json(200, b"{}".to_vec()).with_header("x-holysheep-model", "deepseek-v3".into());
+        let reply =
+            Reply { response, cache: Some(CacheStatus::Miss), key: Some(key.clone()), age_s: None, fresh_s: None };
+        let mut spent = Spent::default();
+        let events = [
+            flight::Event::UpstreamCall { model: "gpt-4.1".into() },
+            flight::Event::UpstreamCall { model: "deepseek-v3".into() },
+            flight::Event::Admitted { class: Class::Standard, waited_ms: 40 },
+            flight::Event::Usage { model: "deepseek-v3".into(), usage: Usage::new(10, 5) },
+        ];
+        spent.add(&events, |_, u| u.prompt * 1000 + u.completion);
+        assert_eq!(spent, Spent { attempts: 2, cost_micro_usd: 10_005, queued_ms: 40 });
+        let a = Answered {
+            cache: reply.cache,
+            key: reply.key.as_ref(),
+            response_model: response_model(&reply),
+            requested_model: "gpt-4.1",
+            operation: "chat",
+            tenant: Some("search"),
+            class: Class::Critical,
+            served: Served::by_flight(spent),
+            usage: Some(Usage::new(10, 5).with_cached(4)),
+        };
+        let v: Vec<String> = values(&a).iter().map(|(n, v)| format!("{n}={v}")).collect();
+        assert_eq!(
+            v,
+            [
+                "gen_ai.request.model=gpt-4.1",
+                "gen_ai.response.model=deepseek-v3",
+                "gen_ai.usage.input_tokens=10",
+                "gen_ai.usage.output_tokens=5",
+                "holysheep.cache=MISS",
+                &format!("holysheep.key={}", key.hex()),
+                "holysheep.tenant=search",
+                "holysheep.cost_usd=0.010005",
+                "holysheep.upstream_attempts=2",
+                "holysheep.wait_ms=40",
+                "holysheep.priority=critical",
+                "gen_ai.usage.cache_read.input_tokens=4",
+                "gen_ai.operation.name=chat",
+            ]
+        );
+    }
+
+    #[test]
+    fn an_edge_refusal_shows_no_answering_model_nor_tokens() {
+        let reply = Reply::error(&crate::core::api::error::ApiError::invalid("x", None, "invalid_json"));
+        let a = Answered {
+            cache: reply.cache,
+            key: reply.key.as_ref(),
+            response_model: response_model(&reply),
+            requested_model: "gpt-4.1",
+            operation: "embeddings",
+            tenant: None,
+            class: Class::Standard,
+            served: Served::default(),
+            usage: None,
+        };
+        let names: Vec<&str> = values(&a).iter().map(|(n, _)| *n).collect();
+        assert_eq!(
+            names,
+            [
+                "gen_ai.request.model",
+                "holysheep.cost_usd",
+                "holysheep.upstream_attempts",
+                "holysheep.wait_ms",
+                "holysheep.priority",
+                "gen_ai.operation.name"
+            ],
+            "no answering model, tokens, cache status, key or tenant"
+        );
+    }
+}

@@ -1,0 +1,379 @@
+//! The HolySheep request and response as both shells send and read them: the request a
+//! flight's attempt makes (body, headers) and the `Response` + `ProviderHints` read back.
+
+use crate::core::api::endpoint::Endpoint;
+use crate::core::api::error::ApiError;
+use crate::core::api::headers;
+use crate::core::api::hints::ProviderHints;
+use crate::core::api::priority::Class;
+use crate::core::api::response::Response;
+use crate::core::api::usage::DEFAULT_COMPLETION_ESTIMATE;
+use crate::core::cache::batch::Batch;
+use crate::core::config::Config;
+use crate::core::limits::{self, Limits};
+use crate::core::request::probe::Probe;
+use crate::core::request::{for_upstream, ApiRequest};
+use crate::core::store::CasStore;
+use std::borrow::Cow;
+
+/// What an upstream call needs from the client's request.
+#[derive(Debug, Clone)]
+pub struct Outbound {
+    pub endpoint: Endpoint,
+    pub body: Vec<u8>,
+    pub client_authorization: Option<String>,
+    pub model: String,
+    pub estimate_tokens: u64,
+    /// The client asked for a stream (`stream: true`) ...
+    pub stream: bool,
+    /// ... with the usage event (`stream_options.include_usage`).
+    pub include_usage: bool,
+    /// The verified tenant the call is made for.
+    pub tenant: Option<String>,
+    /// The completion tokens the request allows (see `ApiRequest::completion_limit`).
+    pub completion_limit: Option<u64>,
+    /// Set for a call that must stay within a tenant's budget but sets no completion
+    /// limit: it is sent with `max_tokens` of this (for each choice).
+    pub completion_cap: Option<u64>,
+    /// The choices the request asks for (`n`).
+    pub choices: u64,
+    /// The request names a completion limit, of any value (`ApiRequest::limit_named`).
+    pub limit_named: bool,
+    /// The request's priority class, which orders the models' admission lines.
+    pub class: Class,
+    /// Its question and partition, when it takes part in the semantic tier.
+    pub semantic: Option<Probe>,
+    /// An embeddings list answered item by item: what the cache holds of it.
+    pub batch: Option<std::rc::Rc<Batch>>,
+}
+
+pub const USER_AGENT: &str = concat!("holysheep-edge/", env!("CARGO_PKG_VERSION"));
+
+impl Outbound {
+    /// The call for `request`, whose body is `body`; `client_authorization` is sent only
+    /// when no operator key is configured.
+    pub fn of(request: &ApiRequest, body: Vec<u8>, client_authorization: Option<String>) -> Outbound {
+        Outbound {
+            endpoint: request.endpoint,
+            body,
+            client_authorization,
+            model: request.model.clone(),
+            estimate_tokens: request.estimate_tokens,
+            stream: request.stream,
+            include_usage: request.include_usage,
+            tenant: request.tenant.clone(),
+            completion_limit: request.completion_limit,
+            completion_cap: None,
+            choices: request.choices,
+            limit_named: request.limit_named,
+            class: Class::Standard,
+            semantic: request.semantic.clone(),
+            batch: None,
+        }
+    }
+
+    /// The most tokens the call can be billed: every byte of the body a prompt token (a
+    /// token is at least one byte of text; images aside), and the completion limit of
+    /// every choice (the request's own, else the cap the edge sends it with).
+    pub fn worst_tokens(&self) -> u64 {
+        let per_choice = self.completion_cap.unwrap_or(DEFAULT_COMPLETION_ESTIMATE);
+        let completion = self.completion_limit.unwrap_or(per_choice.saturating_mul(self.choices.max(1)));
+        (self.body.len() as u64).saturating_add(completion)
+    }
+
+    /// The body for an attempt on `model` (rewritten when it is a fallback, and for a
+    /// stream to ask for the usage event).
+    pub fn body_for(&self, model: &str) -> Cow<'_, [u8]> {
+        let stream_usage = self.stream && self.endpoint.asks_stream_usage();
+        let same = model == self.model && !stream_usage;
+        let cap = self.completion_cap.zip(self.endpoint.cap_field()).map(|(cap, field)| (field, cap));
+        match cap {
+            None if same => Cow::Borrowed(&self.body),
+            Some((field, cap)) if same && !self.limit_named => match with_cap(&self.body, field, cap) {
+                Some(body) => Cow::Owned(body),
+                None => Cow::Owned(for_upstream(&self.body, model, false, Some((field, cap)))),
+            },
+            _ => Cow::Owned(for_upstream(&self.body, model, stream_usage, cap)),
+        }
+    }
+
+    /// `x-holysheep-tenant`, for a verified tenant's request.
+    pub fn tenant_header(&self) -> Option<(&'static str, String)> {
+        self.tenant.clone().map(|t| (headers::TENANT, t))
+    }
+
+    /// How a call for this request goes, with the operator's key or not.
+    pub fn sent(&self, operator_key: bool) -> Sent {
+        Sent { endpoint: self.endpoint, stream: self.stream, operator_key }
+    }
+
+    /// Prompt tokens, estimated at four bytes of the request body a token.
+    pub fn prompt_estimate(&self) -> u64 {
+        (self.body.len() as u64).div_ceil(4)
+    }
+
+    /// The regular headers of the call: the configured key (`bearer`, `Bearer <key>`)
+    /// wins over the client's own authorization.
+    pub fn headers<'a>(&'a self, bearer: Option<&'a str>) -> Vec<(&'static str, &'a str)> {
+        let mut headers =
+            vec![("content-type", "application/json"), ("accept", "application/json"), ("user-agent", USER_AGENT)];
+        if let Some(a) = bearer.or(self.client_authorization.as_deref()) {
+            headers.push(("authorization", a));
+        }
+        headers
+    }
+}
+
+/// The body with `"<field>":cap` as the first member of its object, without parsing it
+/// again: only for a request with no member of the endpoint's limit names, in any
+/// spelling, so that none can follow and win (`ApiRequest::limit_named`); `None` for a
+/// body that is not a non-empty object.
+fn with_cap(body: &[u8], field: &str, cap: u64) -> Option<Vec<u8>> {
+    let open = body.iter().position(|b| !b.is_ascii_whitespace()).filter(|&i| body[i] == b'{')?;
+    let next = body[open + 1..].iter().find(|b| !b.is_ascii_whitespace())?;
+    if *next == b'}' {
+        return None;
+    }
+    let member = format!("\"{field}\":{cap},");
+    let mut out = Vec::with_capacity(body.len() + member.len());
+    out.extend_from_slice(&body[..=open]);
+    out.extend_from_slice(member.as_bytes());
+    out.extend_from_slice(&body[open + 1..]);
+    Some(out)
+}
+
+/// `Bearer <key>` for a non-empty key.
+pub fn bearer(key: Option<String>) -> Option<String> {
+    key.filter(|k| !k.is_empty()).map(|k| format!("Bearer {k}"))
+}
+
+/// How a call was made, which decides what of its answer the edge may pass on.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Sent {
+    /// The endpoint it went to, whose answers are of one kind.
+    pub endpoint: Endpoint,
+    /// It asked for a stream: only server-sent events are an answer.
+    pub stream: bool,
+    /// It carried the operator's key (not the client's own).
+    pub operator_key: bool,
+}
+
+/// HolySheep's answer as the core keeps it, and what it said about its limits.
+/// `headers` are the response headers (names lower-case or not). An answer the edge must
+/// not pass on (see `refused`, `Endpoint::is_answer`) is the edge's own error in its place.
+pub fn response(status: u16, headers: &[(String, String)], body: Vec<u8>, sent: Sent) -> (Response, ProviderHints) {
+    let header = |n: &str| headers.iter().find(|(k, _)| k.eq_ignore_ascii_case(n)).map(|(_, v)| v.clone());
+    let mut hints = ProviderHints::from_headers(status, headers);
+    let content_type = header("content-type").unwrap_or_else(|| "application/json".into());
+    let retry_after = header("retry-after").map(|v| vec![("retry-after".to_owned(), v)]).unwrap_or_default();
+    let refusal = refused(status, &content_type, sent).or_else(|| {
+        (status == 200 && !sent.endpoint.is_answer(&content_type, &body)).then(|| not_an_answer(&content_type, sent))
+    });
+    hints.key_refused = refusal.as_ref().is_some_and(|e| e.code == KEY_REFUSED);
+    let response = match refusal {
+        Some(e) => Response { headers: retry_after, ..Response::json(e.status, e.body()) },
+        None => Response { status, content_type, headers: retry_after, body },
+    };
+    (response, hints)
+}
+
+/// The code of the edge's answer when HolySheep refuses the operator's key.
+pub const KEY_REFUSED: &str = "upstream_auth_failed";
+
+/// The edge's own error in place of an answer it must not pass on, as far as the head of
+/// the answer tells: HolySheep refusing the operator's key (401, 403; OpenAI-style bodies
+/// quote part of the key they were sent), or a 200 to a stream request that is not a
+/// stream of events.
+pub fn refused(status: u16, content_type: &str, sent: Sent) -> Option<ApiError> {
+    if sent.operator_key && matches!(status, 401 | 403) {
+        return Some(ApiError::upstream(
+            502,
+            format!("HolySheep refused the edge's API key ({status}): the edge's operator must renew it"),
+            KEY_REFUSED,
+        ));
+    }
+    (sent.stream && status == 200 && !headers::is_event_stream(content_type)).then(|| not_an_answer(content_type, sent))
+}
+
+fn not_an_answer(content_type: &str, sent: Sent) -> ApiError {
+    let shown: String = content_type.chars().filter(|c| !c.is_control()).take(64).collect();
+    let wanted = if sent.stream { "an event stream" } else { sent.endpoint.object() };
+    ApiError::upstream(502, format!("HolySheep answered 200 with '{shown}', not {wanted}"), "upstream_invalid_answer")
+}
+
+/// The `x-ratelimit-*` headers of `model`'s bucket as it stands now: none, and neither the
+/// clock nor the bucket read, for a model without request or token limits (one configured
+/// only with prices, say).
+pub fn rate_headers(
+    store: &impl CasStore,
+    config: &Config,
+    model: &str,
+    now_ms: impl FnOnce() -> u64,
+) -> Vec<(&'static str, String)> {
+    let Some((bucket, m)) = config.model(model) else { return Vec::new() };
+    let l = Limits::of(m, &config.rate_limit);
+    if l.rpm.is_none() && l.tpm.is_none() {
+        return Vec::new();
+    }
+    limits::peek(store, bucket, &l, now_ms()).headers(&l)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::core::store::Counting;
+
+    fn outbound() -> Outbound {
+        Outbound {
+            endpoint: Endpoint::Chat,
+            body: br#"{"model":"gpt-4.1","messages":[]}"#.to_vec(),
+            client_authorization: Some("Bearer client".into()),
+            model: "gpt-4.1".into(),
+            estimate_tokens: 10,
+            stream: false,
+            include_usage: false,
+            tenant: None,
+            completion_limit: None,
+            completion_cap: None,
+            choices: 1,
+            limit_named: false,
+            class: Default::default(),
+            semantic: None,
+            batch: None,
+        }
+    }
+
+    #[test]
+    fn rate_headers_only_for_a_model_with_limits_and_only_then_a_read() {
+        let config =
+            Config::parse(br#"{"models":{"priced":{"usd_per_mtok_input":2.0},"limited":{"requests_per_minute":60}}}"#)
+                .unwrap();
+        let store = Counting::new();
+        let unread = || -> u64 { panic!("the clock was read") };
+        assert!(rate_headers(&store, &config, "priced", unread).is_empty());
+        assert!(rate_headers(&store, &config, "unknown", unread).is_empty());
+        assert_eq!(store.reads(), 0, "no bucket read without limits");
+        let h = rate_headers(&store, &config, "limited", || 1_000);
+        assert_eq!(h.iter().find(|(n, _)| *n == "x-ratelimit-limit-requests").map(|(_, v)| v.as_str()), Some("60"));
+        assert_eq!(store.reads(), 1);
+    }
+
+    #[test]
+    fn configured_key_wins_over_the_clients() {
+        let o = outbound();
+        let auth = |h: Vec<(&str, &str)>| h.iter().find(|(n, _)| *n == "authorization").map(|(_, v)| v.to_string());
+        assert_eq!(auth(o.headers(Some("Bearer edge"))).as_deref(), Some("Bearer edge"));
+        assert_eq!(auth(o.headers(None)).as_deref(), Some("Bearer client"));
+        assert_eq!(bearer(Some(String::new())), None);
+    }
+
+    #[test]
+    fn the_edges_completion_cap_is_added_without_a_rewrite_and_never_loses_to_the_clients() {
+        let config = Config::default();
+        let capped = |body: &str| {
+            let request = ApiRequest::parse(&config, &Default::default(), Endpoint::Chat, body.as_bytes()).unwrap();
+            Outbound { completion_cap: Some(7), ..Outbound::of(&request, body.as_bytes().to_vec(), None) }
+        };
+        let fast = capped(r#" {"model":"gpt-4.1","messages":[{"role":"user","content":"hi"}]}"#);
+        assert_eq!(
+            &*fast.body_for("gpt-4.1"),
+            br#" {"max_tokens":7,"model":"gpt-4.1","messages":[{"role":"user","content":"hi"}]}"#
+        );
+        // A member of that name in any spelling (a null one is no limit): parsed and rewritten,
+        // so that the cap is the only limit sent.
+        for named in [r#""max_tokens":null"#, r#""max\u005ftokens":null"#, r#""max_completion_tokens":null"#] {
+            let body = format!(r#"{{"model":"gpt-4.1","messages":[{{"role":"user","content":"hi"}}],{named}}}"#);
+            let v: serde_json::Value = serde_json::from_slice(&capped(&body).body_for("gpt-4.1")).unwrap();
+            assert_eq!((v["max_tokens"].as_u64(), v.get("max_completion_tokens")), (Some(7), None), "{named}");
+        }
+        let v: serde_json::Value = serde_json::from_slice(&fast.body_for("deepseek-v3")).unwrap();
+        assert_eq!((v["max_tokens"].as_u64(), v["model"].as_str()), (Some(7), Some("deepseek-v3")), "a fallback too");
+    }
+
+    #[test]
+    fn a_fallback_attempt_rewrites_only_the_model() {
+        let o = outbound();
+        assert_eq!(&*o.body_for("gpt-4.1"), o.body.as_slice());
+        let v: serde_json::Value = serde_json::from_slice(&o.body_for("deepseek-v3")).unwrap();
+        assert_eq!(v["model"], "deepseek-v3");
+    }
+
+    #[test]
+    fn a_stream_always_asks_for_the_usage_event() {
+        let o = Outbound {
+            body: br#"{"model":"gpt-4.1","messages":[],"stream":true,"stream_options":{"x":1}}"#.to_vec(),
+            stream: true,
+            ..outbound()
+        };
+        let v: serde_json::Value = serde_json::from_slice(&o.body_for("gpt-4.1")).unwrap();
+        assert_eq!(
+            (v["stream_options"]["include_usage"].as_bool(), v["stream_options"]["x"].as_u64()),
+            (Some(true), Some(1))
+        );
+        assert_eq!(v["stream"], true);
+    }
+
+    const COMPLETION: &[u8] = br#"{"id":"c","object":"chat.completion","choices":[{"index":0}],"usage":{}}"#;
+
+    fn answer(status: u16, content_type: &str, body: &[u8], sent: Sent) -> Response {
+        response(status, &[("content-type".to_owned(), content_type.to_owned())], body.to_vec(), sent).0
+    }
+
+    fn code(r: &Response) -> String {
+        let v: serde_json::Value = serde_json::from_slice(&r.body).unwrap();
+        v["error"]["code"].as_str().unwrap_or_default().to_owned()
+    }
+
+    #[test]
+    fn only_a_chat_completion_is_a_200_answer() {
+        let plain = Sent::default();
+        assert_eq!(answer(200, "application/json; charset=utf-8", COMPLETION, plain).body, COMPLETION);
+        let no_choices = br#"{"object":"chat.completion","choices":[]}"#;
+        assert_eq!(answer(200, "application/json", no_choices, plain).body, no_choices, "an empty list is a list");
+        for (ct, body) in [
+            ("text/html", &b"<html>portal</html>"[..]),
+            ("text/html", COMPLETION),
+            ("application/json", br#"{"error":{"message":"overloaded"}}"#),
+            ("application/json", br#"{"object":"chat.completion","choices":{}}"#),
+            ("application/json", br#"{"object":"chat.completion"}"#),
+            ("application/json", br#"{"object":"list","choices":[{}]}"#),
+            ("application/json", b"[1]"),
+        ] {
+            let r = answer(200, ct, body, plain);
+            assert_eq!((r.status, code(&r)), (502, "upstream_invalid_answer".to_owned()), "{ct} {body:?}");
+        }
+        let r =
+            answer(200, "application/json", COMPLETION, Sent { stream: true, operator_key: false, ..Sent::default() });
+        assert_eq!((r.status, code(&r)), (502, "upstream_invalid_answer".to_owned()), "a stream asked for events");
+        assert_eq!(answer(500, "text/html", b"<html>", plain).body, b"<html>", "errors stay errors");
+    }
+
+    #[test]
+    fn the_operators_key_refused_is_the_edges_own_502_without_holysheeps_body() {
+        let body = br#"{"error":{"message":"Incorrect API key provided: sk-live-****cret","code":"invalid_api_key"}}"#;
+        let with_key = Sent { stream: false, operator_key: true, ..Sent::default() };
+        for status in [401, 403] {
+            let (r, hints) =
+                response(status, &[("content-type".into(), "application/json".into())], body.to_vec(), with_key);
+            assert_eq!((r.status, code(&r)), (502, KEY_REFUSED.to_owned()));
+            assert!(!String::from_utf8_lossy(&r.body).contains("cret"), "no fragment of the key");
+            assert!(hints.key_refused);
+        }
+        let own = answer(401, "application/json", body, Sent::default());
+        assert_eq!((own.status, own.body.as_slice()), (401, &body[..]), "the client's own key: its own answer");
+    }
+
+    #[test]
+    fn response_keeps_retry_after_and_reads_hints() {
+        let headers = vec![
+            ("Content-Type".to_owned(), "application/json".to_owned()),
+            ("Retry-After".to_owned(), "2".to_owned()),
+            ("x-ratelimit-remaining-requests".to_owned(), "7".to_owned()),
+        ];
+        let (r, hints) = response(429, &headers, b"{}".to_vec(), Sent::default());
+        assert_eq!(r.header("retry-after"), Some("2"));
+        assert!(hints.throttled);
+        assert_eq!(hints.retry_after_ms, Some(2000));
+        assert_eq!(hints.remaining_requests, Some(7.0));
+    }
+}

@@ -1,0 +1,11 @@
+//! Bytes on the wire, the floor everything else stands on: the shared-data record format
+//! (`codec`), the strict JSON reader (`json`), SHA-256 (`digest`), base64, byte comparison
+//! (`bytes`) and proxy-wasm's header-map encoding (`pairs`). Nothing here knows what a
+//! request, a tenant or a model is.
+
+pub mod base64;
+pub mod bytes;
+pub mod codec;
+pub mod digest;
+pub mod json;
+pub mod pairs;

@@ -1,0 +1,156 @@
+//! The spend store, the shell's side: reads a tenant's record from etcd when a call asks
+//! for it (`budget_store::want`), and writes settled spend behind once a round, by callouts
+//! to the `budget_store.cluster`. What the answers mean is `budget_store`'s.
+
+use super::abi as hostcalls;
+use super::host::{self, SharedData};
+use super::ids::IdMap;
+use crate::core::config::Config;
+use crate::core::limits::budget_store::{self, Due, EtcdCall, Flush};
+use crate::core::store::{cas_after, CasStore};
+use proxy_wasm::types::{BufferType, LogLevel, MapType};
+use std::time::Duration;
+
+pub struct BudgetStore {
+    /// Reads out, by callout token: the tenant, and when it was sent.
+    reading: IdMap<(String, u64)>,
+    /// Writes out, by callout token.
+    writing: IdMap<(Flush, u64)>,
+    /// Reads after a write that got no answer, to learn whether it landed.
+    checking: IdMap<(Flush, u64)>,
+    /// Whether the store answered last (for logging the changes only).
+    reached: bool,
+}
+
+impl Default for BudgetStore {
+    fn default() -> Self {
+        BudgetStore { reading: IdMap::default(), writing: IdMap::default(), checking: IdMap::default(), reached: true }
+    }
+}
+
+impl BudgetStore {
+    /// Reads the records calls wait for, and, when this worker's round is due, writes what
+    /// was settled since the last.
+    pub fn tick(&mut self, config: &Config, now_ms: u64) {
+        if !config.budget_store.enabled() {
+            return;
+        }
+        // Envoy answers every callout by its timeout; one it never answered is forgotten.
+        let stale = |sent: u64| now_ms.saturating_sub(sent) > config.budget_store.timeout_ms.saturating_mul(2) + 1_000;
+        self.reading.retain(|_, (_, sent)| !stale(*sent));
+        self.writing.retain(|_, (_, sent)| !stale(*sent));
+        self.checking.retain(|_, (_, sent)| !stale(*sent));
+        for tenant in budget_store::take_wanted(&SharedData) {
+            if !self.reading.values().any(|(t, _)| *t == tenant) {
+                self.start_read(config, &tenant, now_ms);
+            }
+        }
+        if !budget_store::round_due(&SharedData, config, now_ms) {
+            return;
+        }
+        for tenant in budget_store::budgeted(config) {
+            match budget_store::due(&SharedData, tenant, now_ms).filter(|_| !self.busy(tenant)) {
+                Some(Due::Write(flush)) => {
+                    if let Some(token) = send(config, &budget_store::txn(config, tenant, flush.revision, &flush.value))
+                    {
+                        self.writing.insert(token, (flush, now_ms));
+                    }
+                }
+                Some(Due::Read) => self.start_read(config, tenant, now_ms),
+                None => {}
+            }
+        }
+    }
+
+    /// Whether the callout answered under `token` was the store's; if so, its answer is
+    /// taken.
+    pub fn answered(&mut self, config: &Config, token: u32, num_headers: usize, body_size: usize) -> bool {
+        let now = host::now_ms();
+        if let Some((tenant, _)) = self.reading.remove(&token) {
+            let found = answer(num_headers, body_size).and_then(|(s, b)| budget_store::read_range(s, &b));
+            self.read(&tenant, found, now);
+            return true;
+        }
+        if let Some((flush, _)) = self.checking.remove(&token) {
+            let found = answer(num_headers, body_size).and_then(|(s, b)| budget_store::read_range(s, &b));
+            self.reached(found.is_some());
+            budget_store::flushed(&SharedData, &flush, found.map(Err), now);
+            return true;
+        }
+        let Some((flush, _)) = self.writing.remove(&token) else { return false };
+        let written = answer(num_headers, body_size).and_then(|(s, b)| budget_store::read_txn(s, &b));
+        self.reached(written.is_some());
+        if written.is_none() {
+            // It may have landed: the key says (a refusal that finds what was written is
+            // taken as written).
+            if let Some(token) = send(config, &budget_store::range(config, &flush.tenant)) {
+                self.checking.insert(token, (flush, now));
+            }
+            return true;
+        }
+        budget_store::flushed(&SharedData, &flush, written, now);
+        true
+    }
+
+    /// Whether a read or a write of `tenant`'s key is out.
+    fn busy(&self, tenant: &str) -> bool {
+        self.reading.values().any(|(t, _)| t == tenant)
+            || self.writing.values().chain(self.checking.values()).any(|(f, _)| f.tenant == tenant)
+    }
+
+    fn start_read(&mut self, config: &Config, tenant: &str, now_ms: u64) {
+        match send(config, &budget_store::range(config, tenant)) {
+            Some(token) => {
+                self.reading.insert(token, (tenant.to_owned(), now_ms));
+            }
+            None => self.read(tenant, None, now_ms),
+        }
+    }
+
+    fn read(&mut self, tenant: &str, found: Option<budget_store::Found>, now_ms: u64) {
+        let reached = budget_store::read(&SharedData, tenant, found, now_ms);
+        self.reached(reached);
+    }
+
+    /// Logs when the store stops answering and when it answers again: once per change in
+    /// the process (the workers share a flag), not per request.
+    fn reached(&mut self, reached: bool) {
+        if std::mem::replace(&mut self.reached, reached) == reached && reached {
+            return;
+        }
+        let flag: &[u8] = if reached { b"1" } else { b"0" };
+        let Ok(read) = SharedData.get(budget_store::REACHED_KEY) else { return };
+        let was = read.value.as_deref().unwrap_or(b"1");
+        if was == flag || SharedData.set(budget_store::REACHED_KEY, flag, cas_after(&read)).is_err() {
+            return;
+        }
+        if reached {
+            host::log(LogLevel::Info, "holysheep: the spend store answers again");
+        } else {
+            host::log(
+                LogLevel::Warn,
+                "holysheep: the spend store (budget_store) does not answer: tenants' budgets are admitted from this \
+                 node's share and settled spend waits to be written",
+            );
+        }
+    }
+}
+
+/// Sends `call` to etcd; the callout's token.
+fn send(config: &Config, call: &EtcdCall) -> Option<u32> {
+    let store = &config.budget_store;
+    let headers = vec![
+        (":method", "POST"),
+        (":path", call.path),
+        (":authority", store.authority.as_str()),
+        ("content-type", "application/json"),
+    ];
+    let timeout = Duration::from_millis(store.timeout_ms);
+    hostcalls::dispatch_http_call(&store.cluster, headers, Some(&call.body), vec![], timeout).ok()
+}
+
+/// The callout's status and body (`None`: no answer).
+fn answer(num_headers: usize, body_size: usize) -> Option<(u16, Vec<u8>)> {
+    let status = host::header(MapType::HttpCallResponseHeaders, ":status").filter(|_| num_headers > 0)?;
+    Some((status.parse().ok()?, host::buffer(BufferType::HttpCallResponseBody, body_size)))
+}

@@ -20,7 +20,7 @@ use crate::core::api::usage::{self, Usage};
 use crate::core::cache::edge;
 use crate::core::cache::hot::{Hot, Raw, Seed};
 use crate::core::cache::{self, Fresh};
-use crate::core::coalesce::engine::{CacheStatus, Call, Ended, Engine, Reply, Wait};
+use crate::core::coalesce::engine::{CacheStatus, Call, Ended, Engine, Finished, Reply, Wait};
 use crate::core::config::{Config, Role};
 use crate::core::flight::StreamOutcome;
 use crate::core::observe::log_fields::{self, Answered, Served};
@@ -67,6 +67,11 @@ pub struct Worker {
     pub budget_store: BudgetStore,
     pub runs: Runs,
     pub waiters: IdMap<(Wait, Rc<Outbound>)>,
+    /// Finished flights whose waiters here are being answered over several VM calls (see
+    /// REPLY_BATCH): each later batch takes the answer from here, not from the flight's
+    /// lease record, which another flight may have taken by then. At most
+    /// `MAX_FINISHING`, one per key.
+    pub finishing: Vec<Finished>,
     /// Http contexts that may still be answered: created, not done, and not answered by
     /// the root on its own. (Envoy still resolves a reset stream's id until its deferred
     /// delete, and a reply sent there reaches the SDK for a context it already deleted: a
@@ -169,6 +174,7 @@ impl Worker {
             budget_store: BudgetStore::default(),
             runs: Runs::default(),
             waiters: Default::default(),
+            finishing: Vec::new(),
             live: Default::default(),
             body_watch: BodyWatch::default(),
             replies_left: REPLY_BATCH,

@@ -112,6 +112,20 @@ impl ApiError {
         ApiError { status, message: message.into(), kind: "upstream_error", param: None, code }
     }
 
+    /// A 503 for a request that waited on an identical request's call and could not read
+    /// how that call ended: the edge does not call again on its behalf (the first call
+    /// may have been answered and billed); the client may retry.
+    pub fn wait_lost() -> Self {
+        ApiError {
+            status: 503,
+            message: "the identical request this one waited on ended, and its answer could no longer be read; retry"
+                .into(),
+            kind: "server_error",
+            param: None,
+            code: "wait_lost",
+        }
+    }
+
     /// A 500 `server_error`: the edge itself is misconfigured or lost its store.
     pub fn server(message: impl Into<String>, code: &'static str) -> Self {
         ApiError { status: 500, message: message.into(), kind: "server_error", param: None, code }

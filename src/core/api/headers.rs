@@ -10,6 +10,8 @@ pub const TIER: &str = "x-holysheep-tier";
 pub const OWNER: &str = "x-holysheep-owner";
 pub const SIMILARITY: &str = "x-holysheep-similarity";
 pub const SHED: &str = "x-holysheep-shed";
+/// `lost` on the 503 of a waiter that could not read its flight's answer.
+pub const WAIT: &str = "x-holysheep-wait";
 pub const AGE: &str = "age";
 pub const CACHE_CONTROL: &str = "cache-control";
 pub const RETRY_AFTER: &str = "retry-after";

@@ -61,6 +61,11 @@ pub struct Reply {
 }
 
 impl Reply {
+    /// Whether this is the reply of a waiter that could not read its flight's outcome.
+    pub fn lost_wait(&self) -> bool {
+        self.response.status == 503 && self.response.header(headers::WAIT) == Some("lost")
+    }
+
     /// Whether this is an answer now stored in the cache (a fresh 200).
     pub fn stored_answer(&self) -> bool {
         self.fresh_s.is_some() && self.response.status == 200
@@ -111,6 +116,15 @@ fn error_response(e: &ApiError) -> Response {
     Response::json(e.status, e.body())
 }
 
+/// The reply of a waiter that could not read its flight's outcome: COALESCED (it waited on
+/// a flight), marked `x-holysheep-wait: lost`, and retryable at once.
+fn lost_wait(key: &Key) -> Reply {
+    let response = error_response(&ApiError::wait_lost())
+        .with_header(headers::WAIT, "lost".to_owned())
+        .with_header(headers::RETRY_AFTER, "0".to_owned());
+    Reply { response, cache: Some(CacheStatus::Coalesced), key: Some(key.clone()), age_s: None, fresh_s: None }
+}
+
 /// Which answers of a same-key flight that ended since a request arrived the request takes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum TakeDone {
@@ -135,10 +149,6 @@ pub struct Call {
     /// Where in the cache the answer goes, chosen when the request read the cache on
     /// arrival (`None`: look when storing).
     pub place: Option<Place>,
-    /// The request waited for a flight whose answer was gone when it looked again: its
-    /// lease way held another finished flight, or the cache entry it referred to had been
-    /// replaced (counted as `waits_lost`).
-    pub wait_lost: bool,
 }
 
 impl Call {
@@ -188,6 +198,11 @@ pub struct Finished {
 }
 
 impl Finished {
+    /// The request key of the flight.
+    pub fn key(&self) -> &Key {
+        &self.key
+    }
+
     fn is_for(&self, wait: &Wait) -> bool {
         self.nonce == wait.nonce && self.slot == wait.slot && self.key == wait.key
     }
@@ -231,8 +246,8 @@ impl<S: CasStore> Engine<'_, S> {
                 if n == wait.nonce && wait.key.is(&key) =>
             {
                 let Some((response, expires_ms)) = self.kept(&wait.key, response, in_cache, done_at_ms) else {
-                    // The entry it refers to is gone already: look again from the top.
-                    return self.after_lost_answer(wait, now_ms, nonce);
+                    // The entry it refers to is gone already.
+                    return self.after_lost_answer(wait, now_ms);
                 };
                 *seen = Some(Finished {
                     slot: wait.slot.clone(),
@@ -251,23 +266,50 @@ impl<S: CasStore> Engine<'_, S> {
             {
                 self.keep_waiting(wait.clone(), Mark { watched, best }, now_ms, nonce)
             }
-            // Another flight finished in its way since: whatever this one left there is
-            // gone.
-            Ok(State::Done { nonce: n, .. }) if n != wait.nonce => self.after_lost_answer(wait, now_ms, nonce),
-            // Expired, released, taken by a flight still leading, or unreadable: look
-            // again from the top, remembering how long we have waited.
-            _ => self.decide(&wait.key, wait.policy, now_ms, nonce, Some(wait.since_ms)),
+            // The flight ended without an answer (its leader gave the lease up, or is gone
+            // and its lease expired), and its record says so: look again from the top,
+            // remembering how long we have waited; one waiter leads anew.
+            Ok(State::Leading { nonce: n, .. }) if n == wait.nonce => {
+                self.decide(&wait.key, wait.policy, now_ms, nonce, Some(wait.since_ms))
+            }
+            // Another flight's record is in its way, or none is, or the store cannot say:
+            // whatever this flight left there is gone.
+            _ => self.after_lost_answer(wait, now_ms),
         }
     }
 
-    /// A waiter whose flight's answer is gone (its way holds another finished flight, or
-    /// the cache entry it referred to was replaced) looks again from the top; a call it
-    /// makes then carries `wait_lost`.
-    fn after_lost_answer(&self, wait: &Wait, now_ms: u64, nonce: u64) -> Step {
-        match self.decide(&wait.key, wait.policy, now_ms, nonce, Some(wait.since_ms)) {
-            Step::Call(call) => Step::Call(Call { wait_lost: true, ..call }),
-            step => step,
+    /// A waiter that cannot read its flight's outcome (its way holds another flight by
+    /// now, or the cache entry the record referred to was replaced) never leads: that
+    /// flight may have been answered and billed, and a second call would be one nobody
+    /// asked for. It takes what it may take without leading (the cache's answer, a live
+    /// flight on its key, the answer of one that ended since it arrived), and otherwise
+    /// gets the edge's retryable 503, counted as `waits_lost`.
+    fn after_lost_answer(&self, wait: &Wait, now_ms: u64) -> Step {
+        if let (Some(reply), _) = self.cached(&wait.key, wait.policy, now_ms, Some(wait.since_ms)) {
+            return Step::Reply(reply);
         }
+        match lease::look(self.store, self.config, &wait.key, now_ms, wait.since_ms) {
+            Ok(Acquire::Held { nonce: n, slot, watched, best }) => {
+                let again = Wait { slot, nonce: n, ..wait.clone() };
+                let class = wait.policy.class;
+                let marked = !Mark { watched, best }.lacks(class)
+                    || lease::watch(self.store, &again.slot, n, class).unwrap_or(false);
+                if marked {
+                    return Step::Wait(again);
+                }
+            }
+            Ok(Acquire::Answered { response, done_at_ms, stale_from_ms, in_cache }) => {
+                let kept = self.kept(&wait.key, response, in_cache, done_at_ms);
+                let shared = kept.and_then(|(r, expires_ms)| {
+                    shared(&wait.key, r, Done { at_ms: done_at_ms, stale_from_ms, expires_ms }, wait.policy, now_ms)
+                });
+                if let Some(reply) = shared {
+                    return Step::Reply(reply);
+                }
+            }
+            _ => {}
+        }
+        Step::Reply(lost_wait(&wait.key))
     }
 
     /// The finished flight's answer for one of its waiters.
@@ -562,7 +604,7 @@ impl<S: CasStore> Engine<'_, S> {
         label: CacheStatus,
         now_ms: u64,
     ) -> Call {
-        Call { key: key.clone(), lease, store, label, started_ms: now_ms, policy, place: None, wait_lost: false }
+        Call { key: key.clone(), lease, store, label, started_ms: now_ms, policy, place: None }
     }
 }
 
@@ -753,31 +795,62 @@ mod tests {
     }
 
     #[test]
-    fn a_waiter_whose_flights_way_another_flight_took_leads_anew_and_says_so() {
+    fn a_waiter_whose_flights_way_another_flight_took_never_leads() {
+        // One group of four ways. The crowd's flight fails (an answer the cache does not
+        // keep); past the hold, other prompts take all four ways, the finished one last.
         let (store, config) = (MemStore::new(), Config::parse(br#"{"lock":{"slots":4}}"#).unwrap());
         let e = Engine { store: &store, config: &config };
         let leader = expect_call(e.admit(&k(7), READ, 1_000, 1));
-        assert!(!leader.wait_lost);
         let wait = expect_wait(e.admit(&k(7), READ, 1_001, 2));
-        // An error (not stored); then, past the hold, four other prompts fill the group.
         e.complete(&leader, Some(Response::json(503, b"{}".to_vec())), 1_010);
         let later = 1_010 + crate::core::coalesce::lease::done_hold_ms(&config) + 1;
         let others: Vec<Call> =
             (0..4).map(|i| expect_call(e.admit(&k(20 + i), READ, later, 10 + u64::from(i)))).collect();
         assert!(others.iter().all(|c| c.lease.is_some()), "the four ways, the finished one last");
-        assert!(!expect_call(e.poll(&wait, later + 1, 20)).wait_lost, "a flight still leading there: not yet known");
+        // Another prompt's flight leads in its way: the crowd's outcome is gone.
+        let lost = expect_reply(e.poll(&wait, later + 1, 20));
+        assert_eq!((lost.response.status, lost.cache), (503, Some(CacheStatus::Coalesced)));
+        assert!(lost.lost_wait(), "the edge's own retryable 503, counted as waits_lost");
+        assert_eq!(lost.response.header(headers::RETRY_AFTER), Some("0"));
+        assert!(std::str::from_utf8(&lost.response.body).unwrap().contains(r#""code":"wait_lost""#));
         for c in &others {
             e.complete(c, ok("{}"), later + 2);
         }
-        let call = expect_call(e.poll(&wait, later + 3, 21));
-        assert!(call.wait_lost, "counted: another finished flight holds its way");
-        // A waiter whose leader is merely gone (its lease expired) is not a lost answer.
+        // Another prompt's finished flight there: still no lead, and nothing taken.
+        let group = lease::group_of(&config, &k(7)).0;
+        let before = store.get(&group).unwrap();
+        assert!(expect_reply(e.poll(&wait, later + 3, 21)).lost_wait());
+        assert_eq!(store.get(&group).unwrap(), before, "looked, wrote nothing");
+    }
+
+    #[test]
+    fn a_waiter_whose_flights_record_is_gone_takes_what_it_may_without_leading() {
+        let (store, config) = (MemStore::new(), Config::parse(br#"{"lock":{"slots":4}}"#).unwrap());
+        let e = Engine { store: &store, config: &config };
+        let leader = expect_call(e.admit(&k(7), READ, 1_000, 1));
+        let wait = expect_wait(e.admit(&k(7), READ, 1_001, 2));
+        e.complete(&leader, Some(Response::json(503, b"{}".to_vec())), 1_010);
+        let later = 1_010 + crate::core::coalesce::lease::done_hold_ms(&config) + 1;
+        // Its way taken by another prompt; a new request of the crowd's prompt leads again.
+        let fill: Vec<Call> =
+            (0..4).map(|i| expect_call(e.admit(&k(20 + i), READ, later, 10 + u64::from(i)))).collect();
+        e.complete(&fill[0], ok("{}"), later + 1);
+        let again = expect_call(e.admit(&k(7), READ, later + 2, 30));
+        assert!(again.lease.is_some());
+        // The waiter joins that live flight rather than leading a third.
+        let joined = expect_wait(e.poll(&wait, later + 3, 31));
+        assert_eq!(joined.nonce, 30);
+        e.complete(&again, ok(r#"{"a":7}"#), later + 4);
+        let r = expect_reply(e.poll(&joined, later + 5, 32));
+        assert_eq!((r.response.status, r.cache), (200, Some(CacheStatus::Coalesced)));
+        // A waiter whose leader is merely gone (its lease expired, its record still there)
+        // has no outcome to lose: one waiter leads anew.
         let store = MemStore::new();
         let e = Engine { store: &store, config: &config };
-        let abandoned = expect_call(e.admit(&k(8), READ, 1_000, 30));
-        let w = expect_wait(e.admit(&k(8), READ, 1_001, 31));
+        let abandoned = expect_call(e.admit(&k(8), READ, 1_000, 40));
+        let w = expect_wait(e.admit(&k(8), READ, 1_001, 41));
         let expired = 1_000 + config.lock.lease_ms + 1;
-        assert!(!expect_call(e.poll(&w, expired, 32)).wait_lost);
+        assert!(expect_call(e.poll(&w, expired, 42)).lease.is_some(), "leads anew");
         drop(abandoned);
     }
 
@@ -818,9 +891,9 @@ mod tests {
             assert_eq!((r.cache, &r.response.body), (Some(CacheStatus::Coalesced), &first.response.body));
         }
         assert_eq!(store.reads() - before, one_poll, "the other waiters read nothing");
-        // A waiter of another flight is not answered from it.
+        // A waiter of another flight is not answered from it (its own record is gone).
         let other = Wait { nonce: 99, ..waits[1].clone() };
-        assert!(!matches!(e.poll_with(&other, 1_200, 12, &mut seen), Step::Reply(_)));
+        assert!(expect_reply(e.poll_with(&other, 1_200, 12, &mut seen)).lost_wait());
     }
 
     #[test]

@@ -116,6 +116,31 @@ pub fn acquire(
     now_ms: u64,
     since_ms: u64,
 ) -> Result<Acquire, StoreError> {
+    scan(store, config, key, Some(nonce), now_ms, since_ms)
+}
+
+/// `acquire` without taking anything: a live holder of the key, or a flight on it done at
+/// or after `since_ms`; `Busy` where `acquire` would have taken a way. For a waiter whose
+/// flight's record is gone, which may join or take what is there but never lead.
+pub fn look(
+    store: &impl CasStore,
+    config: &Config,
+    key: &Key,
+    now_ms: u64,
+    since_ms: u64,
+) -> Result<Acquire, StoreError> {
+    scan(store, config, key, None, now_ms, since_ms)
+}
+
+/// `acquire` (with the nonce to lead under) or `look` (without).
+fn scan(
+    store: &impl CasStore,
+    config: &Config,
+    key: &Key,
+    nonce: Option<u64>,
+    now_ms: u64,
+    since_ms: u64,
+) -> Result<Acquire, StoreError> {
     let (group, n) = group_of(config, key);
     for _ in 0..MAX_RACES {
         let r = store.get(&group)?;
@@ -172,7 +197,7 @@ pub fn acquire(
             }
         }
         let free = free.map(|(_, way)| way);
-        let Some(way) = free else { return Ok(Acquire::Busy) };
+        let (Some(way), Some(nonce)) = (free, nonce) else { return Ok(Acquire::Busy) };
         let value = join(&ways[..n], way, &leading(key.hex(), nonce, now_ms + config.lock.lease_ms, b""));
         // The whole group is written by CAS: whoever changed any way since our read makes
         // us read again, so two racers can never both take a way for one key. The

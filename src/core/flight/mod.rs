@@ -68,11 +68,6 @@ pub enum Event {
     LocalShare {
         model: String,
     },
-    /// The flight leads because the one its request waited for could not be read any
-    /// more (`Call::wait_lost`).
-    WaitLost {
-        model: String,
-    },
     /// The flight took a place in a model's admission line (once per flight).
     Queued {
         class: Class,
@@ -180,7 +175,7 @@ impl Flight {
             }
         }
         let started = call.started_ms;
-        let events = if call.wait_lost { vec![Event::WaitLost { model: model.to_owned() }] } else { Vec::new() };
+        let events = Vec::new();
         Flight {
             call,
             models,
@@ -753,7 +748,6 @@ mod tests {
                 class: Class::Standard,
             },
             place: None,
-            wait_lost: false,
         };
         Flight::new(c, call, &outbound(model, None, Class::Standard))
     }

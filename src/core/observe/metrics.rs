@@ -228,7 +228,6 @@ pub fn for_event<'a>(config: &'a Config, event: &'a Event) -> Vec<(&'a str, Coun
         Event::RateLimited { model } => one(model, Counter::RateLimited),
         Event::ProviderRateLimited { model } => one(model, Counter::ProviderRateLimited),
         Event::LocalShare { model } => one(model, Counter::FleetLocalShare),
-        Event::WaitLost { model } => one(model, Counter::WaitsLost),
         // Counted per class (`for_class`).
         Event::Queued { .. } | Event::Admitted { .. } | Event::Shed { .. } => Vec::new(),
         Event::Usage { model, usage } => {
@@ -351,6 +350,9 @@ pub fn for_reply<'a>(
     let Some(status) = reply.cache else { return Vec::new() };
     let l = label(config, requested_model);
     let mut out = vec![(l, Counter::Requests(status), 1)];
+    if reply.lost_wait() {
+        out.push((l, Counter::WaitsLost, 1));
+    }
     if matches!(status, CacheStatus::Hit | CacheStatus::Coalesced | CacheStatus::Semantic)
         && reply.response.status == 200
     {

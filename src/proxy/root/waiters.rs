@@ -14,6 +14,9 @@ use crate::proxy::wake::{Message, POLL_ALL};
 use crate::proxy::worker::Target;
 use std::rc::Rc;
 
+/// Finished flights a worker keeps for waiters it answers over several VM calls.
+const MAX_FINISHING: usize = 16;
+
 impl Root {
     /// Carries out the engine's step for the http context `context_id`.
     pub(super) fn execute(&mut self, context_id: u32, step: Step, outbound: Rc<Outbound>, served: Served) {
@@ -56,11 +59,23 @@ impl Root {
         if ids.is_empty() {
             return;
         }
-        // One VM call: one clock reading, and a finished flight read once for its waiters.
-        let (now, mut seen) = (host::now_ms(), None);
+        // One VM call: one clock reading, and a finished flight read once for its waiters
+        // (or taken from an earlier batch of them).
+        let now = host::now_ms();
+        let mut seen = key.and_then(|k| {
+            let mut w = self.worker.borrow_mut();
+            let at = w.finishing.iter().position(|f| f.key() == k)?;
+            Some(w.finishing.swap_remove(at))
+        });
         for id in ids {
             if self.out_of_replies() {
-                let w = self.worker.borrow();
+                let mut w = self.worker.borrow_mut();
+                if let (Some(finished), Some(_)) = (seen, key) {
+                    if w.finishing.len() >= MAX_FINISHING {
+                        w.finishing.remove(0);
+                    }
+                    w.finishing.push(finished);
+                }
                 w.queue.continue_later(key.map_or(POLL_ALL, |k| k.hex().as_bytes()));
                 return;
             }

@@ -342,12 +342,19 @@ pub fn decide<S: CasStore>(
         }
         outbound.batch = Some(batch);
     }
-    // A call that must stay within a dollar budget is bounded: without a completion limit
-    // of its own it is sent with one.
+    // A call whose worst case a limit needs (its tenant's dollar budget, or the model's
+    // token bucket, which every caller shares) is bounded: without a completion limit of
+    // its own it is sent with the model's cap, and estimated with it.
     let budgeted =
         request.tenant.as_deref().and_then(|t| engine.config.tenants.get(t)).is_some_and(|t| !t.caps().is_none());
-    if budgeted && request.completion_limit.is_none() && request.endpoint.cap_field().is_some() {
-        outbound.completion_cap = Some(tenants::BUDGET_COMPLETION_TOKENS);
+    if request.completion_limit.is_none() && request.endpoint.cap_field().is_some() {
+        if let Some(cap) = engine.config.completion_cap(&request.model, budgeted) {
+            outbound.completion_cap = Some(cap);
+            if outbound.batch.is_none() {
+                let completion = cap.saturating_mul(request.choices.max(1));
+                outbound.estimate_tokens = outbound.prompt_estimate().saturating_add(completion);
+            }
+        }
     }
     Ok(Decision { request, step, outbound, keep, ended })
 }
@@ -541,6 +548,33 @@ mod tests {
     }
 
     #[test]
+    fn a_call_on_a_model_with_a_token_bucket_is_sent_with_its_cap_and_estimated_with_it() {
+        let raw = br#"{"models":{"gpt-4.1":{"tokens_per_minute":60000,"max_completion_tokens":1000},
+                       "deepseek-v3":{"tokens_per_minute":60000},"claude-sonnet-4":{"requests_per_minute":9}}}"#;
+        let config = Config::parse(raw).unwrap();
+        let store = crate::core::store::MemStore::new();
+        let engine = Engine { store: &store, config: &config };
+        let body = |model: &str, extra: &str| {
+            format!(r#"{{"model":"{model}","messages":[{{"role":"user","content":"hi"}}]{extra}}}"#).into_bytes()
+        };
+        let open = body("gpt-4.1", r#","n":2"#);
+        let d = decide(&engine, Head::default(), &open, None, 0, 1).unwrap();
+        let sent: serde_json::Value = serde_json::from_slice(&d.outbound.body_for("gpt-4.1")).unwrap();
+        assert_eq!(sent["max_tokens"], 1000, "the model's cap, per choice");
+        assert_eq!(d.outbound.estimate_tokens, (open.len() as u64).div_ceil(4) + 2 * 1000);
+        let d = decide(&engine, Head::default(), &body("deepseek-v3", ""), None, 0, 2).unwrap();
+        assert_eq!(d.outbound.completion_cap, Some(crate::core::config::DEFAULT_COMPLETION_CAP));
+        // No token bucket and no budget: nothing needs its worst case, it goes as it came.
+        let plain = body("claude-sonnet-4", "");
+        let d = decide(&engine, Head::default(), &plain, None, 0, 3).unwrap();
+        assert_eq!((d.outbound.completion_cap, &d.outbound.body_for("claude-sonnet-4")[..]), (None, &plain[..]));
+        // The estimate takes the largest limit the request names, not the first.
+        let both = body("gpt-4.1", r#","max_tokens":10,"max_completion_tokens":3000"#);
+        let d = decide(&engine, Head::default(), &both, None, 0, 4).unwrap();
+        assert_eq!(d.outbound.estimate_tokens, (both.len() as u64).div_ceil(4) + 3000);
+    }
+
+    #[test]
     fn a_budgeted_tenants_call_without_a_completion_limit_is_sent_with_one() {
         let (t, u) = ("c".repeat(64), "d".repeat(64));
         let raw = format!(
@@ -553,7 +587,7 @@ mod tests {
         let head = |t: &str| Head { verified: Some(t.into()), ..Head::default() };
         let open = br#"{"model":"gpt-4.1","messages":[{"role":"user","content":"hi"}]}"#;
         let d = decide(&engine, head("t"), open, None, 0, 1).unwrap();
-        assert_eq!(d.outbound.completion_cap, Some(crate::core::config::tenants::BUDGET_COMPLETION_TOKENS));
+        assert_eq!(d.outbound.completion_cap, Some(crate::core::config::DEFAULT_COMPLETION_CAP));
         let sent: serde_json::Value = serde_json::from_slice(&d.outbound.body_for("gpt-4.1")).unwrap();
         assert_eq!(sent["max_tokens"], 4096);
         assert_eq!(d.outbound.worst_tokens(), open.len() as u64 + 4096);

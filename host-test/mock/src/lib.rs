@@ -30,6 +30,9 @@ pub struct Fault {
     pub retry_after: Option<String>,
     /// Close the connection without answering.
     pub reset: bool,
+    /// Work out the answer and bill it, then close the connection without sending it (a
+    /// connection that drops on the way back: HolySheep billed what the edge never saw).
+    pub reset_after_billing: bool,
     /// Wait this long before answering.
     pub delay_ms: u64,
     /// Send headers, then wait this long before the body.
@@ -54,6 +57,7 @@ impl Fault {
                 .map(str::to_owned)
                 .or_else(|| v["retry_after"].as_u64().map(|n| n.to_string())),
             reset: v["reset"].as_bool().unwrap_or(false),
+            reset_after_billing: v["reset_after_billing"].as_bool().unwrap_or(false),
             delay_ms: v["delay_ms"].as_u64().unwrap_or(0),
             slow_body_ms: v["slow_body_ms"].as_u64().unwrap_or(0),
             hold_after_events: v["hold_after_events"].as_u64().map(|n| n as usize),
@@ -307,8 +311,20 @@ impl Mock {
         if let Some(early) = self.before_answer(&fault, latency, auth.as_deref()).await {
             return early;
         }
+        if fault.reset_after_billing {
+            let _lost = answer(body, &mut self.state());
+            return Err(std::io::Error::new(std::io::ErrorKind::ConnectionReset, "reset after billing"));
+        }
         let mut resp = match (fault.status.filter(|s| *s != 200), &fault.body) {
-            (status, Some(raw)) => planned_body(status.unwrap_or(200), raw, fault.content_type.as_deref()),
+            (status, Some(raw)) => {
+                // An answer HolySheep sends, whatever its shape, is billed by its `usage`.
+                let usage = serde_json::from_str::<Value>(raw).ok().map(|v| v["usage"].clone());
+                if let Some(u) = usage.filter(|u| u.is_object()) {
+                    let model = parsed["model"].as_str().unwrap_or_default().to_owned();
+                    self.state().billed.push((model, u));
+                }
+                planned_body(status.unwrap_or(200), raw, fault.content_type.as_deref())
+            }
             (Some(status), None) => planned_error(status),
             (None, None) => {
                 let answered = answer(body, &mut self.state());
@@ -552,7 +568,12 @@ fn completion(req: &Value) -> Result<Value, Box<Response<Body>>> {
     let content = format!("HolySheep mock answer {digest} to: {last}");
     let prompt_text: usize = messages.iter().map(|m| m["content"].as_str().map_or(0, str::len) + 4).sum();
     let prompt_tokens = prompt_text.div_ceil(4) as u64;
-    let completion_tokens = content.split_whitespace().count() as u64;
+    // Asked to write "at length", the model writes until its limit stops it: the request's
+    // completion limit, else 200,000 tokens (billed; the content shown stays short).
+    let at_length = last.contains("at length");
+    let limit = ["max_tokens", "max_completion_tokens"].iter().filter_map(|f| req[*f].as_u64()).max();
+    let completion_tokens =
+        if at_length { limit.unwrap_or(200_000) } else { content.split_whitespace().count() as u64 };
     let n = req["n"].as_u64().unwrap_or(1).clamp(1, 128);
     let tool = req["tools"][0]["function"]["name"].as_str().filter(|_| last.contains("call a tool"));
     let message = match tool {
@@ -561,7 +582,11 @@ fn completion(req: &Value) -> Result<Value, Box<Response<Body>>> {
             "function": {"name": name, "arguments": json!({"q": last}).to_string()}}]}),
         None => json!({"role": "assistant", "content": content, "refusal": null}),
     };
-    let finish = if tool.is_some() { "tool_calls" } else { "stop" };
+    let finish = match (tool, at_length) {
+        (Some(_), _) => "tool_calls",
+        (None, true) => "length",
+        (None, false) => "stop",
+    };
     // With `logprobs`, one token per 8-character piece of the content (the pieces a stream
     // sends), each with its log probability.
     let logprobs = match (req["logprobs"].as_bool(), message["content"].as_str()) {

@@ -1,7 +1,8 @@
 //! Money that holds, in real Envoy (2 workers), tried as a careless or hostile tenant
 //! would: worst cases that count every choice, only priced models for a budgeted tenant, no
 //! token bucket one call can take, errors that cost nothing, a full line that keeps every
-//! tenant's turn, prompt-cache prices, and budgets that are used, not only held.
+//! tenant's turn, prompt-cache prices, budgets that are used, not only held, and every
+//! attempt HolySheep may have billed charged, retries on.
 
 use host_test::client::{request, Conn, Resp};
 use host_test::mock::{Fault, Running};
@@ -194,6 +195,73 @@ fn errors_to_streams_and_streams_never_sent_cost_the_tenant_nothing() {
     poll_until(|| left() == 1_000_000 - worst - spent, "the stream that never left was charged");
     assert_eq!(s.calls(), 4, "the stream was never sent");
     assert_eq!(tenant_stat(&s, "batch", "cost_spent_microusd"), spent);
+    assert!(s.crashes().is_empty(), "{:?}", s.crashes());
+}
+
+#[test]
+fn a_call_without_a_limit_leaves_the_models_bucket_to_the_next_tenant() {
+    // gpt-4.1's 60,000 tokens a minute, shared by every tenant; nobody waits for tokens.
+    let models = format!(r#"{{"gpt-4.1":{{"tokens_per_minute":60000,{PRICES}}}}}"#);
+    let s = start(&config(&models, r#"{"max_wait_ms":0}"#, &[]), 0);
+    // Alpha names no limit and asks for a long answer: it is sent with the model's cap,
+    // and HolySheep writes up to it (without one, 200,000 tokens).
+    let r = chat(&s, "alpha", &prompt("write at length about everything"));
+    assert_eq!(r.status, 200, "{}", r.text());
+    let sent: serde_json::Value = serde_json::from_slice(&s.mock.mock.last_body()).expect("json");
+    assert_eq!(sent["max_tokens"].as_u64(), Some(4096), "the model's cap");
+    assert_eq!(r.json()["usage"]["completion_tokens"].as_u64(), Some(4096));
+    // Beta's small call right after is admitted at once.
+    let r = chat(&s, "beta", &with(&prompt("a short question"), r#""max_tokens":16"#));
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(s.calls(), 2);
+    assert!(s.crashes().is_empty(), "{:?}", s.crashes());
+}
+
+/// `config` with retries on: three attempts, short backoffs.
+fn retries_on(config: &str) -> String {
+    config
+        .replace(r#""retry":{"max_attempts":1}"#, r#""retry":{"max_attempts":3,"base_delay_ms":10,"max_delay_ms":50}"#)
+}
+
+#[test]
+fn attempts_holysheep_billed_are_charged_when_their_answer_is_lost_or_refused() {
+    let models = format!(r#"{{"gpt-4.1":{{{PRICES}}}}}"#);
+    let s = start(&retries_on(&config(&models, "{}", &[("batch", r#""usd_per_day":1"#)])), 0);
+    let spent = || 1_000_000 - tenant_stat(&s, "batch", "budget_day_left_microusd");
+    // Three attempts whose connections drop after HolySheep billed them: Envoy's own 503
+    // is no proof of nothing billed, so each costs the call's worst case (every body byte
+    // a token, and the 4096 completion tokens it is sent with, at $30 per million).
+    let lost = Fault { reset_after_billing: true, ..Fault::default() };
+    s.mock.mock.plan(vec![lost.clone(), lost.clone(), lost]);
+    let body = prompt("three attempts whose answers are lost");
+    let r = chat(&s, "batch", &body);
+    assert!(r.status >= 500, "{}", r.text());
+    assert_eq!(s.calls(), 3, "retried");
+    let worst = (body.len() as u64 + 4096) * 30;
+    assert_eq!(spent(), 3 * worst, "three worst cases");
+    assert!(spent() >= mock_billed(&s) && mock_billed(&s) > 0, "at least what HolySheep billed");
+    // A 200 the edge refuses to pass on (not a chat.completion) is charged its `usage`; a
+    // captive portal's page, which says nothing of cost, its worst case; then the answer.
+    let not_chat =
+        r#"{"object":"list","data":[],"usage":{"prompt_tokens":11,"completion_tokens":0,"total_tokens":11}}"#;
+    s.mock.mock.plan(vec![
+        Fault { body: Some(not_chat.into()), content_type: Some("application/json".into()), ..Fault::default() },
+        Fault { body: Some("<html>portal</html>".into()), content_type: Some("text/html".into()), ..Fault::default() },
+    ]);
+    let body = prompt("a refused answer, a portal, then the answer");
+    let r = chat(&s, "batch", &body);
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(s.calls(), 6);
+    let answer = billed_micro(&r.json()["usage"]);
+    let worst_again = (body.len() as u64 + 4096) * 30;
+    assert_eq!(spent(), 3 * worst + 110 + worst_again + answer);
+    assert!(spent() >= mock_billed(&s));
+    // HolySheep's own JSON errors prove their attempts free.
+    s.mock.mock.plan(vec![Fault { status: Some(503), ..Fault::default() }; 3]);
+    let before = spent();
+    let r = chat(&s, "batch", &prompt("three errors of HolySheep's own"));
+    assert_eq!((r.status, s.calls()), (503, 9), "{}", r.text());
+    assert_eq!(spent(), before, "free");
     assert!(s.crashes().is_empty(), "{:?}", s.crashes());
 }
 

@@ -1,5 +1,8 @@
-//! What HolySheep's response headers say about its own limits: the remaining requests and
-//! tokens, a 429 and when to come back.
+//! What HolySheep's answer says beyond the body the client gets: its own limits (the
+//! remaining requests and tokens, a 429 and when to come back), whether it refused the
+//! operator's key, and what the attempt was billed.
+
+use crate::core::api::usage::Billed;
 
 /// What the provider said about its own limits.
 #[derive(Debug, Clone, Copy, PartialEq, Default, serde::Serialize, serde::Deserialize)]
@@ -14,6 +17,10 @@ pub struct ProviderHints {
     /// refuse fields they do not know).
     #[serde(skip)]
     pub key_refused: bool,
+    /// What the attempt was billed, read from HolySheep's answer before the edge put an
+    /// error of its own in its place. Not part of the settlement message either.
+    #[serde(skip)]
+    pub billed: Billed,
 }
 
 impl ProviderHints {
@@ -25,6 +32,7 @@ impl ProviderHints {
             throttled: status == 429,
             retry_after_ms: retry_after_ms(get("retry-after-ms"), get("retry-after")),
             key_refused: false,
+            billed: Billed::Unknown,
         }
     }
 }

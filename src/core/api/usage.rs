@@ -37,6 +37,42 @@ impl Usage {
     }
 }
 
+/// What one attempt is billed, as far as the edge can tell.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Billed {
+    /// HolySheep's `usage`, whatever else the answer is.
+    Known(Usage),
+    /// HolySheep's own JSON error: nothing.
+    Nothing,
+    /// No answer, a cut-off stream, an answer that is not HolySheep's (Envoy's own 503
+    /// after a reset, say) or one without `usage`: it may have cost its worst case, and is
+    /// charged that.
+    #[default]
+    Unknown,
+}
+
+impl Billed {
+    /// What an answer HolySheep sent back says it was billed, read before anything the
+    /// edge does to it: its `usage` when it carries one (a 200 the edge refuses to pass on
+    /// as not the endpoint's object included); nothing for a non-200 that is an
+    /// OpenAI-shaped JSON error; otherwise its worst case.
+    pub fn of_answer(status: u16, content_type: &str, body: &[u8]) -> Billed {
+        #[derive(serde::Deserialize)]
+        struct Error {
+            #[serde(rename = "error")]
+            _error: serde_json::Map<String, serde_json::Value>,
+        }
+        if let Some(u) = of_answer(body) {
+            return Billed::Known(u);
+        }
+        let json = content_type.to_ascii_lowercase().contains("json");
+        if status != 200 && json && serde_json::from_slice::<Error>(body).is_ok() {
+            return Billed::Nothing;
+        }
+        Billed::Unknown
+    }
+}
+
 /// `usage` as OpenAI-compatible APIs write it: chat and completions (`prompt_tokens`,
 /// `completion_tokens`), embeddings (`prompt_tokens`, `total_tokens`) and the Responses
 /// API (`input_tokens`, `output_tokens`, `input_tokens_details`).

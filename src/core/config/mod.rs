@@ -106,6 +106,11 @@ impl BudgetStore {
     }
 }
 
+/// The completion limit a call that sets none is sent with where a limit needs it
+/// (`models.<name>.max_completion_tokens`), and the largest that may be configured.
+pub const DEFAULT_COMPLETION_CAP: u64 = 4096;
+pub const MAX_COMPLETION_CAP: u64 = 1_000_000;
+
 #[derive(Debug, Clone, PartialEq, Default, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct Model {
@@ -121,6 +126,10 @@ pub struct Model {
     pub usd_per_mtok_input: Option<f64>,
     pub usd_per_mtok_output: Option<f64>,
     pub usd_per_mtok_cached_input: Option<f64>,
+    /// The completion limit (per choice) a call that sets none is sent with when a limit
+    /// needs its worst case: its tenant's dollar budget, or this model's token bucket.
+    /// Default 4096.
+    pub max_completion_tokens: Option<u64>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
@@ -613,6 +622,14 @@ impl Config {
         self.model(model).map_or(0, |(_, m)| m.cost_micro_usd(usage))
     }
 
+    /// The completion cap a call of `model` that sets no limit of its own is sent with, when
+    /// its tenant's budget (`budgeted`) or the model's token bucket needs its worst case.
+    pub fn completion_cap(&self, model: &str, budgeted: bool) -> Option<u64> {
+        let m = self.model(model).map(|(_, m)| m);
+        let bucketed = m.is_some_and(|m| m.tokens_per_minute.is_some());
+        (budgeted || bucketed).then(|| m.and_then(|m| m.max_completion_tokens).unwrap_or(DEFAULT_COMPLETION_CAP))
+    }
+
     /// Whether `path` (in any spelling) is one of `passthrough_paths` or under one.
     pub fn passes_through(&self, path: &str) -> bool {
         let segments = crate::core::api::path::segments(path);
@@ -730,6 +747,7 @@ impl Model {
         let positive = [
             ("requests_per_minute", self.requests_per_minute.map(u64::from)),
             ("tokens_per_minute", self.tokens_per_minute),
+            ("max_completion_tokens", self.max_completion_tokens),
             ("burst", self.burst.map(u64::from)),
             ("max_in_flight", self.max_in_flight.map(u64::from)),
         ];
@@ -738,6 +756,12 @@ impl Model {
         }
         if self.max_in_flight.is_some_and(|m| m > 10_000) {
             return Err(ConfigError(format!("{}: must be at most 10000", field("max_in_flight"))));
+        }
+        if self.max_completion_tokens.is_some_and(|m| m > MAX_COMPLETION_CAP) {
+            return Err(ConfigError(format!(
+                "{}: must be at most {MAX_COMPLETION_CAP}",
+                field("max_completion_tokens")
+            )));
         }
         for (f, price) in [
             ("usd_per_mtok_input", self.usd_per_mtok_input),

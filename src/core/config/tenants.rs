@@ -31,9 +31,6 @@ impl Caps {
 /// The most tenants a configuration may name: per-tenant state (shared-data keys and
 /// counters) is bounded by it.
 pub const MAX_TENANTS: usize = 1024;
-/// The `max_tokens` a call of a tenant with a dollar budget is sent with when it sets no
-/// completion limit of its own (so that its worst case is known before it leaves).
-pub const BUDGET_COMPLETION_TOKENS: u64 = 4096;
 /// The most keys one tenant may have (rotation needs two).
 pub const MAX_KEYS: usize = 16;
 

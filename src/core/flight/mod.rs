@@ -12,14 +12,14 @@ use crate::core::api::headers;
 use crate::core::api::hints::ProviderHints;
 use crate::core::api::priority::{self, Class};
 use crate::core::api::response::Response;
-use crate::core::api::usage::{self, Usage};
+use crate::core::api::usage::{Billed, Usage};
 use crate::core::cache::batch::Batch;
 use crate::core::coalesce::engine::Call;
 use crate::core::coalesce::lease;
 use crate::core::config::Config;
 use crate::core::limits::fleet::{self, Op, Verdict};
 use crate::core::limits::line::{Who, POLL_CAP_MS};
-use crate::core::limits::tenant_gate::{self, Ask, Billed, Refusal, Settlement, TenantHold};
+use crate::core::limits::tenant_gate::{self, Ask, Refusal, Settlement, TenantHold};
 use crate::core::limits::{self, duration, Denial, Kind, Limits};
 use crate::core::store::CasStore;
 use crate::core::upstream::Outbound;
@@ -422,11 +422,12 @@ impl Flight {
         random: u64,
     ) -> Action {
         let model = self.model().to_owned();
-        let usage = outcome.as_ref().filter(|r| r.status == 200).and_then(|r| usage::of_answer(&r.body));
-        let billed = match (&outcome, usage) {
-            (_, Some(u)) => Billed::Known(u),
-            (Some(r), None) if r.status != 200 => Billed::Nothing,
-            _ => Billed::Unknown,
+        // What HolySheep billed, as the shell read it from the answer (`upstream::response`);
+        // no answer at all (a reset, a timeout) may have been billed its worst case.
+        let billed = if outcome.is_some() { hints.billed } else { Billed::Unknown };
+        let usage = match billed {
+            Billed::Known(u) => Some(u),
+            Billed::Nothing | Billed::Unknown => None,
         };
         self.bill_tenant(config, billed);
         // HolySheep's 4xx used no tokens: the estimate goes back to the bucket.
@@ -779,9 +780,20 @@ mod tests {
         StreamOutcome { status: Some(200), usage, cut_off_tokens, attempts }
     }
 
+    /// HolySheep's answer with `s`: a 200 with its usage, else its JSON error.
     fn status(s: u16) -> Option<Response> {
-        let body = if s == 200 { r#"{"usage":{"prompt_tokens":7,"completion_tokens":5}}"# } else { "{}" };
+        let body = if s == 200 {
+            r#"{"usage":{"prompt_tokens":7,"completion_tokens":5}}"#
+        } else {
+            r#"{"error":{"message":"no","type":"server_error","param":null,"code":null}}"#
+        };
         Some(Response::json(s, body.into()))
+    }
+
+    /// What the shell reads from that answer beside it (no limit headers).
+    fn hints(s: u16) -> ProviderHints {
+        let r = status(s).unwrap();
+        ProviderHints { billed: Billed::of_answer(r.status, &r.content_type, &r.body), ..ProviderHints::default() }
     }
 
     fn send(a: Action) -> String {
@@ -797,15 +809,15 @@ mod tests {
             (MemStore::new(), config(r#"{"retry":{"max_attempts":3,"base_delay_ms":100,"max_delay_ms":1000}}"#));
         let mut f = flight(&c, "gpt-4.1");
         assert_eq!(send(f.resume(&s, &c, 0, 1)), "gpt-4.1");
-        let a = f.on_response(&s, &c, status(503), &ProviderHints::default(), 10, 7);
+        let a = f.on_response(&s, &c, status(503), &hints(503), 10, 7);
         let Action::Sleep { until_ms } = a else { panic!("{a:?}") };
         assert!((110..=110).contains(&until_ms), "first backoff is base: {until_ms}");
         send(f.resume(&s, &c, until_ms, 3));
-        let a = f.on_response(&s, &c, status(502), &ProviderHints::default(), 200, 7);
+        let a = f.on_response(&s, &c, status(502), &hints(502), 200, 7);
         let Action::Sleep { until_ms } = a else { panic!("{a:?}") };
         assert!((300..=400).contains(&until_ms), "second backoff within [base, 2*base]: {until_ms}");
         send(f.resume(&s, &c, until_ms, 5));
-        let a = f.on_response(&s, &c, status(200), &ProviderHints::default(), 500, 7);
+        let a = f.on_response(&s, &c, status(200), &hints(200), 500, 7);
         let Action::Finish(Some(r)) = a else { panic!("{a:?}") };
         assert_eq!((r.status, r.header("x-holysheep-model")), (200, Some("gpt-4.1")));
         assert_eq!(f.events.iter().filter(|e| matches!(e, Event::Retry { .. })).count(), 2);
@@ -838,7 +850,7 @@ mod tests {
         for code in [400, 401, 403, 404, 422] {
             let mut f = flight(&c, "m");
             send(f.resume(&s, &c, 0, 1));
-            let a = f.on_response(&s, &c, status(code), &ProviderHints::default(), 1, 0);
+            let a = f.on_response(&s, &c, status(code), &hints(code), 1, 0);
             assert!(matches!(a, Action::Finish(Some(ref r)) if r.status == code), "{code}: {a:?}");
         }
     }
@@ -909,25 +921,25 @@ mod tests {
         send(flights[1].resume(&s, &c, 0, 2));
         let Action::Sleep { until_ms } = flights[2].resume(&s, &c, 0, 3) else { panic!("it waits") };
         assert_eq!(until_ms, tenant_gate::BUDGET_POLL_MS);
-        flights[0].on_response(&s, &c, status(200), &ProviderHints::default(), 10, 0);
+        flights[0].on_response(&s, &c, status(200), &hints(200), 10, 0);
         assert_eq!(send(flights[2].resume(&s, &c, 60, 3)), "gpt-4.1", "the first settled at 220: room");
         // Settled 220 + 3000 held twice: 220 + 3000 fits, so the fourth waits too ...
         assert!(matches!(flights[3].resume(&s, &c, 70, 4), Action::Sleep { .. }));
         for (f, at) in [(1, 80), (2, 90)] {
-            flights[f].on_response(&s, &c, status(200), &ProviderHints::default(), at, 0);
+            flights[f].on_response(&s, &c, status(200), &hints(200), at, 0);
         }
         assert_eq!(send(flights[3].resume(&s, &c, 120, 4)), "gpt-4.1");
         // ... and a call past what is settled is told so at once, not held.
         let spent = crate::core::limits::budget::spent(&s, "t", 120).0;
         assert_eq!(spent, 3 * 220 + 3000);
-        flights[3].on_response(&s, &c, status(200), &ProviderHints::default(), 130, 0);
+        flights[3].on_response(&s, &c, status(200), &hints(200), 130, 0);
         let mut many = (0..20).map(|_| tenant_flight(&c)).collect::<Vec<_>>();
         let ends: Vec<String> = many
             .iter_mut()
             .enumerate()
             .map(|(i, f)| match f.resume(&s, &c, 140, 10 + i as u64) {
                 Action::Send { .. } => {
-                    f.on_response(&s, &c, status(200), &ProviderHints::default(), 141, 0);
+                    f.on_response(&s, &c, status(200), &hints(200), 141, 0);
                     "served".to_owned()
                 }
                 Action::Finish(Some(r)) => {
@@ -941,6 +953,63 @@ mod tests {
         assert_eq!(ends.iter().filter(|e| *e == "served").count(), 15);
         assert!(ends[15..].iter().all(|e| e == "insufficient_quota"), "{ends:?}");
         assert_eq!(crate::core::limits::budget::spent(&s, "t", 150).0, 19 * 220);
+    }
+
+    /// An answer as the shell reads it (`upstream::response`) for a call of the flight's
+    /// form: the response the flight gets, and what the attempt was billed beside it.
+    fn read(status: u16, content_type: &str, body: &str) -> (Option<Response>, ProviderHints) {
+        let headers = vec![("content-type".to_owned(), content_type.to_owned())];
+        let sent = crate::core::upstream::Sent::default();
+        let (r, h) = crate::core::upstream::response(status, &headers, body.as_bytes().to_vec(), sent);
+        (Some(r), h)
+    }
+
+    #[test]
+    fn every_attempt_holysheep_may_have_billed_is_charged_and_only_its_json_error_is_free() {
+        // Worst case 3000 micro-dollars a call; three attempts; a day of $1.
+        let (s, c) = (MemStore::new(), tenant_config(r#","usd_per_day":1"#, ""));
+        let spent = |now| crate::core::limits::budget::spent(&s, "t", now).0;
+        // Envoy's own 503 after the request left (a reset): not HolySheep's answer, so it
+        // may have been billed; each of three such attempts costs its worst case.
+        let reset = "upstream connect error or disconnect/reset before headers. reset reason: connection termination";
+        let mut f = tenant_flight(&c);
+        let mut now = 0;
+        send(f.resume(&s, &c, now, 1));
+        for attempt in 1..=3 {
+            let (r, h) = read(503, "text/plain", reset);
+            assert_eq!(h.billed, Billed::Unknown);
+            match f.on_response(&s, &c, r, &h, now + 1, 0) {
+                Action::Sleep { until_ms } if attempt < 3 => now = until_ms,
+                Action::Finish(Some(r)) if attempt == 3 => assert_eq!(r.status, 503),
+                other => panic!("attempt {attempt}: {other:?}"),
+            }
+            if attempt < 3 {
+                send(f.resume(&s, &c, now, 1 + attempt));
+            }
+        }
+        assert_eq!(spent(now + 2), 3 * 3000, "three resets, three worst cases");
+        // A 200 the edge refuses to pass on (not a chat.completion) that carries `usage`
+        // is charged that usage; one without is charged its worst case.
+        let mut f = tenant_flight(&c);
+        let start = now + 10;
+        send(f.resume(&s, &c, start, 9));
+        let (r, h) =
+            read(200, "application/json", r#"{"object":"list","usage":{"prompt_tokens":7,"completion_tokens":5}}"#);
+        assert_eq!(r.as_ref().unwrap().status, 502, "refused: the edge's 502 in its place");
+        assert_eq!(h.billed, Billed::Known(Usage::new(7, 5)));
+        let Action::Sleep { until_ms } = f.on_response(&s, &c, r, &h, start + 1, 0) else {
+            panic!("retried like a 5xx")
+        };
+        send(f.resume(&s, &c, until_ms, 10));
+        let (r, h) = read(200, "text/html", "<html>captive portal</html>");
+        let Action::Sleep { until_ms } = f.on_response(&s, &c, r, &h, until_ms + 1, 0) else { panic!("retried") };
+        now = until_ms;
+        send(f.resume(&s, &c, now, 11));
+        // HolySheep's own JSON error proves the last attempt free.
+        let (r, h) = read(503, "application/json", r#"{"error":{"message":"overloaded","type":"server_error"}}"#);
+        assert_eq!(h.billed, Billed::Nothing);
+        assert!(matches!(f.on_response(&s, &c, r, &h, now + 1, 0), Action::Finish(_)));
+        assert_eq!(spent(now + 2), 3 * 3000 + 220 + 3000, "its usage, then a worst case, then nothing");
     }
 
     #[test]
@@ -958,18 +1027,12 @@ mod tests {
         assert_eq!(r.header("retry-after"), Some("1"));
         assert_eq!(crate::core::limits::budget::spent(&s, "t", 0), (6000, 6000), "two worst cases held");
         // The first ends: 7 prompt and 5 completion tokens cost 70 + 150 micro-dollars.
-        assert!(matches!(
-            flights[0].on_response(&s, &c, status(200), &ProviderHints::default(), 5, 0),
-            Action::Finish(_)
-        ));
+        assert!(matches!(flights[0].on_response(&s, &c, status(200), &hints(200), 5, 0), Action::Finish(_)));
         assert_eq!(crate::core::limits::budget::spent(&s, "t", 5), (3220, 3220));
         let mut again = tenant_flight(&c);
         assert_eq!(send(again.resume(&s, &c, 6, 4)), "gpt-4.1", "room again");
         // An error costs nothing: its hold is given back.
-        assert!(matches!(
-            flights[1].on_response(&s, &c, status(400), &ProviderHints::default(), 7, 0),
-            Action::Finish(_)
-        ));
+        assert!(matches!(flights[1].on_response(&s, &c, status(400), &hints(400), 7, 0), Action::Finish(_)));
         assert_eq!(crate::core::limits::budget::spent(&s, "t", 7), (3220, 3220));
         // No answer at all (a reset, a timeout) may have been billed: each such attempt is
         // charged the call's worst case.
@@ -1029,7 +1092,7 @@ mod tests {
         assert!(matches!(op, Op::Take { .. }));
         f.on_verdict(Some(fleet::serve(&owner, &c, &op.to_json(), 1).unwrap()));
         assert_eq!(send(f.resume(&here, &c, 1, 1)), "gpt-4.1");
-        assert!(matches!(f.on_response(&here, &c, status(200), &ProviderHints::default(), 5, 0), Action::Finish(_)));
+        assert!(matches!(f.on_response(&here, &c, status(200), &hints(200), 5, 0), Action::Finish(_)));
         let [Op::Settle { .. }, settle @ Op::TenantSettle(s)] = f.outbox.as_slice() else {
             panic!("the model's and the tenant's settlements: {:?}", f.outbox)
         };
@@ -1099,7 +1162,7 @@ mod tests {
         assert_eq!((id, estimate), (9, 100));
         f.on_verdict(Some(Verdict { admitted: true, denial: None, hold: None }));
         assert_eq!(send(f.resume(&s, &c, 1, 10)), "gpt-4.1");
-        assert!(matches!(f.on_response(&s, &c, status(200), &ProviderHints::default(), 5, 0), Action::Finish(_)));
+        assert!(matches!(f.on_response(&s, &c, status(200), &hints(200), 5, 0), Action::Finish(_)));
         let settle = Op::Settle {
             model: "gpt-4.1".into(),
             id: 9,
@@ -1205,7 +1268,7 @@ mod tests {
         let a = f.resume(&s, &c, 0, 1);
         assert_eq!(a, Action::Sleep { until_ms: CONTENTION_RETRY_MS }, "held, not sent uncharged");
         let before = limits::peek(&s, "gpt-4.1", &Limits::of(c.model("gpt-4.1").unwrap().1, &c.rate_limit), 10);
-        f.on_response(&s, &c, status(200), &ProviderHints::default(), 10, 0);
+        f.on_response(&s, &c, status(200), &hints(200), 10, 0);
         let after = limits::peek(&s, "gpt-4.1", &Limits::of(c.model("gpt-4.1").unwrap().1, &c.rate_limit), 10);
         assert_eq!(before, after, "no refund for what was never taken");
     }
@@ -1240,7 +1303,7 @@ mod tests {
         let mut sent = vec![send(f.resume(&s, &c, now, 0))];
         loop {
             now += 5;
-            match f.on_response(&s, &c, status(503), &ProviderHints::default(), now, 0) {
+            match f.on_response(&s, &c, status(503), &hints(503), now, 0) {
                 Action::Send { model, .. } => sent.push(model),
                 Action::Sleep { until_ms } => sent.push(send(f.resume(&s, &c, until_ms, until_ms))),
                 Action::Ask { .. } => panic!("no fleet configured"),
@@ -1417,7 +1480,7 @@ mod tests {
         send(f.resume(&s, &c, 0, 1));
         let l = Limits::of(&c.models["m"], &c.rate_limit);
         assert_eq!(limits::peek(&s, "m", &l, 0).tokens, 900.0);
-        f.on_response(&s, &c, status(200), &ProviderHints::default(), 0, 0);
+        f.on_response(&s, &c, status(200), &hints(200), 0, 0);
         assert_eq!(limits::peek(&s, "m", &l, 0).tokens, 988.0, "charged 12 real tokens, not 100");
     }
 }

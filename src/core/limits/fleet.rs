@@ -175,7 +175,9 @@ pub fn serve_op(store: &impl CasStore, config: &Config, op: Op, now_ms: u64) -> 
 /// A provider's word empties a bucket for `rate_limit.max_provider_hold_ms` at most.
 pub fn capped(config: &Config, hints: &ProviderHints) -> ProviderHints {
     let hold = config.rate_limit.max_provider_hold_ms;
-    ProviderHints { retry_after_ms: hints.retry_after_ms.map(|ms| ms.min(hold)), ..*hints }
+    // Only what the settlement message carries: what the attempt was billed settles here.
+    let wire = ProviderHints { key_refused: false, billed: Default::default(), ..*hints };
+    ProviderHints { retry_after_ms: hints.retry_after_ms.map(|ms| ms.min(hold)), ..wire }
 }
 
 #[cfg(test)]

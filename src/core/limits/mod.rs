@@ -38,6 +38,10 @@ pub struct Limits {
     pub reserve: f64,
     /// The longest admission line (`rate_limit.max_queue`).
     pub max_line: usize,
+    /// A bucket every caller shares (a model's): one call's usage beyond its estimate
+    /// never drives it more than one estimate below empty (the caller's own tenant bucket
+    /// takes the rest). A tenant's own bucket takes all of it.
+    pub shared: bool,
 }
 
 impl Limits {
@@ -50,6 +54,7 @@ impl Limits {
             max_in_flight: m.max_in_flight.map(|n| n as usize),
             reserve: rules.reserve,
             max_line: rules.max_queue,
+            shared: true,
         }
     }
 
@@ -270,7 +275,13 @@ impl Bucket {
         self.in_flight.retain(|(n, _)| *n != nonce);
         self.line.leave(nonce, None);
         if let (Some(actual), Some(cap)) = (actual, l.tpm) {
-            self.tokens = (self.tokens + self.estimate_within_capacity(l, estimate) - actual as f64).min(cap);
+            let held = self.estimate_within_capacity(l, estimate);
+            // The bucket as if the call had never taken from it.
+            let without = self.tokens + held;
+            // A shared bucket is never left more than one estimate below empty by a call
+            // (and a call is charged at least its estimate beyond debt already there).
+            let floor = if l.shared { (-held).min(without - held) } else { f64::NEG_INFINITY };
+            self.tokens = (without - actual as f64).max(floor).min(cap);
         }
     }
 
@@ -532,10 +543,25 @@ mod tests {
         assert_eq!(take_one(&mut b, &l, 2, 600, 0, 1).unwrap_err().kind, Kind::Tokens);
         b.settle(&l, 1, 600, Some(100), 0);
         assert_eq!(b.tokens, 900.0, "refunded the difference");
+        // 1 200 tokens past its estimate of 100: a tenant's own bucket takes all of it ...
+        let own = Limits { shared: false, ..l };
+        let mut mine = b.clone();
+        take_one(&mut mine, &own, 2, 100, 0, 1).unwrap();
+        mine.settle(&own, 2, 100, Some(1_300), 0);
+        assert_eq!(mine.tokens, -400.0, "charged the difference: a debt");
+        assert_eq!(take_one(&mut mine, &own, 3, 1, 0, 1).unwrap_err().wait_ms, Some(24_060));
+        // ... a model's bucket, which every caller shares, one estimate below empty at most.
         take_one(&mut b, &l, 2, 100, 0, 1).unwrap();
         b.settle(&l, 2, 100, Some(1_300), 0);
-        assert_eq!(b.tokens, -400.0, "charged the difference: a debt");
-        assert_eq!(take_one(&mut b, &l, 3, 1, 0, 1).unwrap_err().wait_ms, Some(24_060));
+        assert_eq!(b.tokens, -100.0, "one estimate below empty");
+        assert_eq!(take_one(&mut b, &l, 3, 1, 0, 1).unwrap_err().wait_ms, Some(6_060));
+        // Debt already there (a provider's word) is not forgiven: a call pays its estimate.
+        b.tokens = -5_000.0;
+        take_one(&mut b, &l, 4, 100, 0, 1).unwrap_err();
+        b.in_flight.push((4, 100));
+        b.tokens -= 100.0;
+        b.settle(&l, 4, 100, Some(9_999), 0);
+        assert_eq!(b.tokens, -5_100.0);
     }
 
     #[test]

@@ -6,7 +6,7 @@
 use crate::core::api::error::ApiError;
 use crate::core::api::hints::ProviderHints;
 use crate::core::api::response::Response;
-use crate::core::api::usage::Usage;
+use crate::core::api::usage::Billed;
 use crate::core::config::tenants::Caps;
 use crate::core::config::tenants::Tenant;
 use crate::core::config::{Config, RateLimit};
@@ -105,18 +105,6 @@ impl Settlement {
     }
 }
 
-/// What one attempt is billed, as far as the edge can tell.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Billed {
-    /// HolySheep's `usage`.
-    Known(Usage),
-    /// An error answer: nothing.
-    Nothing,
-    /// No answer, a cut-off stream or an answer without `usage`: it may have cost its
-    /// worst case, and is charged that.
-    Unknown,
-}
-
 /// Why a tenant's limits refused a call.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Refusal {
@@ -176,6 +164,7 @@ fn limits_of(t: &Tenant, rules: &RateLimit) -> Option<Limits> {
         max_in_flight: None,
         reserve: 0.0,
         max_line: rules.max_queue,
+        shared: false,
     })
 }
 

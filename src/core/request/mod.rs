@@ -416,7 +416,8 @@ fn is_deterministic(map: &Map<String, Value>) -> bool {
 }
 
 /// Prompt tokens at four bytes of the body a token, plus each choice's completion limit
-/// (or a default) for an endpoint that completes.
+/// (the largest of the endpoint's limit fields the request sets, or a default) for an
+/// endpoint that completes.
 fn estimate_tokens(endpoint: Endpoint, map: &Map<String, Value>, body_len: usize, choices: u64) -> u64 {
     let prompt = (body_len as u64).div_ceil(4);
     if !endpoint.completes() {
@@ -425,7 +426,8 @@ fn estimate_tokens(endpoint: Endpoint, map: &Map<String, Value>, body_len: usize
     let completion = endpoint
         .limit_fields()
         .iter()
-        .find_map(|f| map.get(*f).and_then(Value::as_u64))
+        .filter_map(|f| map.get(*f).and_then(Value::as_u64))
+        .max()
         .unwrap_or(DEFAULT_COMPLETION_ESTIMATE);
     prompt.saturating_add(completion.saturating_mul(choices))
 }

@@ -7,7 +7,7 @@ use crate::core::api::headers;
 use crate::core::api::hints::ProviderHints;
 use crate::core::api::priority::Class;
 use crate::core::api::response::Response;
-use crate::core::api::usage::DEFAULT_COMPLETION_ESTIMATE;
+use crate::core::api::usage::{Billed, DEFAULT_COMPLETION_ESTIMATE};
 use crate::core::cache::batch::Batch;
 use crate::core::config::Config;
 use crate::core::limits::{self, Limits};
@@ -170,6 +170,7 @@ pub fn response(status: u16, headers: &[(String, String)], body: Vec<u8>, sent: 
         (status == 200 && !sent.endpoint.is_answer(&content_type, &body)).then(|| not_an_answer(&content_type, sent))
     });
     hints.key_refused = refusal.as_ref().is_some_and(|e| e.code == KEY_REFUSED);
+    hints.billed = Billed::of_answer(status, &content_type, &body);
     let response = match refusal {
         Some(e) => Response { headers: retry_after, ..Response::json(e.status, e.body()) },
         None => Response { status, content_type, headers: retry_after, body },

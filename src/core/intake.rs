@@ -7,6 +7,7 @@
 use crate::core::api::endpoint::Endpoint;
 use crate::core::api::error::ApiError;
 use crate::core::api::headers;
+use crate::core::api::objects;
 use crate::core::api::priority::Class;
 use crate::core::api::response::Response;
 use crate::core::cache::batch::{self, Plan};
@@ -317,6 +318,7 @@ pub fn decide<S: CasStore>(
     nonce: u64,
 ) -> Result<Decision, ApiError> {
     let Intake { request, policy } = intake_or_known(engine.config, &head, body, known)?;
+    let unsigned = tenants_objects(engine.config, &request)?;
     let step = engine.admit(&request.key, policy, now_ms, nonce);
     let (step, batch, ended) = match step {
         Step::Call(call) => by_item(engine, &request, call, body, now_ms),
@@ -330,7 +332,11 @@ pub fn decide<S: CasStore>(
     let body = match (&step, &batch) {
         (Step::Reply(_), _) => Vec::new(),
         (_, Some(Plan::Call(_, Some(fewer)))) => fewer.clone(),
-        _ => body.to_vec(),
+        _ => match &unsigned {
+            // HolySheep gets its own id back, without the tenant's signature.
+            Some((signed, id)) => objects::unsign_in(body, signed, id),
+            None => body.to_vec(),
+        },
     };
     // A tenant's token is the edge's to check, never HolySheep's to see.
     let client_authorization = head.authorization.filter(|_| request.tenant.is_none());
@@ -347,6 +353,9 @@ pub fn decide<S: CasStore>(
     // its own it is sent with the model's cap, and estimated with it.
     let budgeted =
         request.tenant.as_deref().and_then(|t| engine.config.tenants.get(t)).is_some_and(|t| !t.caps().is_none());
+    if budgeted {
+        outbound.supplied_ceiling = unseen_input(engine.config, &request)?;
+    }
     if request.completion_limit.is_none() && request.endpoint.cap_field().is_some() {
         if let Some(cap) = engine.config.completion_cap(&request.model, budgeted) {
             outbound.completion_cap = Some(cap);
@@ -357,6 +366,58 @@ pub fn decide<S: CasStore>(
         }
     }
     Ok(Decision { request, step, outbound, keep, ended })
+}
+
+/// A verified tenant's call may name only stored objects its own calls made: a
+/// `previous_response_id` signed for it (returned with HolySheep's own id, to send in its
+/// place), and no conversation, stored item or file by id, whose owner the edge cannot
+/// tell. Anything else is a 404, as for an object that does not exist, before any call.
+/// Checked on the owner node (a forward node passes the request on as it came).
+fn tenants_objects(config: &Config, request: &ApiRequest) -> Result<Option<(String, String)>, ApiError> {
+    if request.tenant.is_none() || config.role != Role::Owner {
+        return Ok(None);
+    }
+    if let Some(param) = &request.foreign_object {
+        return Err(ApiError {
+            status: 404,
+            message: format!("'{param}' names a stored object this edge cannot tell is yours; it is not served"),
+            kind: "invalid_request_error",
+            param: Some(param.clone()),
+            code: "not_found",
+        });
+    }
+    let (Some(tenant), Some(signed)) = (&request.tenant, &request.previous_response_id) else { return Ok(None) };
+    let id = config.object_key.as_ref().and_then(|k| k.verify(tenant, signed));
+    match id {
+        Some(id) => Ok(Some((signed.clone(), id.to_owned()))),
+        None => Err(objects::not_found("previous_response_id", signed)),
+    }
+}
+
+/// For a budgeted tenant's call, input HolySheep bills that the edge cannot see: a hosted
+/// tool (billed per call) is refused; input HolySheep supplies itself (a stored response,
+/// a file, an image by URL) is reserved at the model's `context_window`, or refused when
+/// none is configured. Each refusal names the field.
+fn unseen_input(config: &Config, request: &ApiRequest) -> Result<Option<u64>, ApiError> {
+    if let Some(param) = &request.hosted_tool {
+        return Err(ApiError::invalid(
+            format!("'{param}' is a hosted tool HolySheep bills per call; a tenant with a dollar budget cannot use it"),
+            Some(param),
+            "unsupported_parameter",
+        ));
+    }
+    let Some(param) = &request.supplied_input else { return Ok(None) };
+    match config.model(&request.model).and_then(|(_, m)| m.context_window) {
+        Some(window) => Ok(Some(window)),
+        None => Err(ApiError::invalid(
+            format!(
+                "'{param}' makes HolySheep bill input the edge cannot see; a tenant with a dollar budget may use it \
+                 only on a model with a configured context_window"
+            ),
+            Some(param),
+            "unsupported_parameter",
+        )),
+    }
 }
 
 /// The 400 of a request whose tenant credential came more than once.
@@ -412,6 +473,7 @@ pub fn text(bytes: Vec<u8>) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::core::api::objects::ObjectKey;
 
     fn head(pairs: &[(&str, &[u8])], tenant: Option<&str>) -> Head {
         Head::read(pairs.iter().map(|(n, v)| (n.as_bytes(), *v)), tenant)
@@ -572,6 +634,83 @@ mod tests {
         let both = body("gpt-4.1", r#","max_tokens":10,"max_completion_tokens":3000"#);
         let d = decide(&engine, Head::default(), &both, None, 0, 4).unwrap();
         assert_eq!(d.outbound.estimate_tokens, (both.len() as u64).div_ceil(4) + 3000);
+    }
+
+    #[test]
+    fn a_budgeted_tenants_input_holysheep_supplies_is_reserved_at_the_context_window_or_refused() {
+        let (t, u) = ("c".repeat(64), "d".repeat(64));
+        let raw = format!(
+            r#"{{"models":{{"gpt-4.1":{{"usd_per_mtok_input":2,"context_window":50000}},"o3":{{"usd_per_mtok_input":2}}}},
+                "tenants":{{"t":{{"keys_sha256":["{t}"],"usd_per_day":1}},"u":{{"keys_sha256":["{u}"]}}}}}}"#
+        );
+        let mut config = Config::parse(raw.as_bytes()).unwrap();
+        config.object_key = Some(ObjectKey::of_operator_key("sk-op"));
+        let signed = ObjectKey::of_operator_key("sk-op").sign("t", "resp_1");
+        let store = crate::core::store::MemStore::new();
+        let engine = Engine { store: &store, config: &config };
+        let head = |t: &str| Head { verified: Some(t.into()), path: "/v1/responses".into(), ..Head::default() };
+        let resp = |model: &str, extra: &str| {
+            format!(r#"{{"model":"{model}","input":"go on","max_output_tokens":10{extra}}}"#).into_bytes()
+        };
+        let go_on = resp("gpt-4.1", &format!(r#","previous_response_id":"{signed}""#));
+        let d = decide(&engine, head("t"), &go_on, None, 0, 1).unwrap();
+        assert_eq!(d.outbound.worst_tokens(), 50_000 + 10, "the context window, not the body");
+        let plain = resp("gpt-4.1", "");
+        assert_eq!(
+            decide(&engine, head("t"), &plain, None, 0, 2).unwrap().outbound.worst_tokens(),
+            plain.len() as u64 + 10
+        );
+        let e = decide(&engine, head("t"), &resp("o3", r#","prompt":{"id":"pmpt_1"}"#), None, 0, 3).unwrap_err();
+        assert_eq!((e.status, e.code, e.param.as_deref()), (400, "unsupported_parameter", Some("prompt")));
+        let tool = resp("gpt-4.1", r#","tools":[{"type":"web_search"}]"#);
+        let e = decide(&engine, head("t"), &tool, None, 0, 4).unwrap_err();
+        assert_eq!((e.status, e.code, e.param.as_deref()), (400, "unsupported_parameter", Some("tools[0]")));
+        // A tenant without a budget is not bounded by one.
+        assert!(decide(&engine, head("u"), &tool, None, 0, 5).is_ok());
+        let go_on_u = resp(
+            "gpt-4.1",
+            &format!(r#","previous_response_id":"{}""#, config.object_key.as_ref().unwrap().sign("u", "resp_2")),
+        );
+        assert_eq!(decide(&engine, head("u"), &go_on_u, None, 0, 6).unwrap().outbound.supplied_ceiling, None);
+    }
+
+    #[test]
+    fn a_tenant_continues_only_the_responses_it_was_handed() {
+        let (a, b) = ("a".repeat(64), "b".repeat(64));
+        let raw = format!(r#"{{"tenants":{{"alpha":{{"keys_sha256":["{a}"]}},"beta":{{"keys_sha256":["{b}"]}}}}}}"#);
+        let mut config = Config::parse(raw.as_bytes()).unwrap();
+        let key = ObjectKey::of_operator_key("sk-op");
+        config.object_key = Some(key.clone());
+        let store = crate::core::store::MemStore::new();
+        let engine = Engine { store: &store, config: &config };
+        let head = |t: &str| Head { verified: Some(t.into()), path: "/v1/responses".into(), ..Head::default() };
+        let go_on = |id: &str| format!(r#"{{"model":"m","input":"go on","previous_response_id":"{id}"}}"#).into_bytes();
+        let alphas = key.sign("alpha", "resp_7");
+        // Alpha's own: HolySheep gets its own id back.
+        let d = decide(&engine, head("alpha"), &go_on(&alphas), None, 0, 1).unwrap();
+        assert_eq!(d.outbound.body_for("m").into_owned(), go_on("resp_7"));
+        // Beta with alpha's id, the bare id, or a forged one: as if it did not exist.
+        for id in [alphas.as_str(), "resp_7", "resp_7_hs0000000000000000"] {
+            let e = decide(&engine, head("beta"), &go_on(id), None, 0, 2).unwrap_err();
+            assert_eq!(
+                (e.status, e.code, e.param.as_deref()),
+                (404, "previous_response_not_found", Some("previous_response_id"))
+            );
+        }
+        // A conversation, a stored item or a file by id: no tenant's call made it here.
+        let conv = br#"{"model":"m","input":"hi","conversation":"conv_1"}"#;
+        let e = decide(&engine, head("alpha"), conv, None, 0, 3).unwrap_err();
+        assert_eq!((e.status, e.code, e.param.as_deref()), (404, "not_found", Some("conversation")));
+        // Without an operator key nothing can be verified: refused alike.
+        let mut keyless = config.clone();
+        keyless.object_key = None;
+        let engine = Engine { store: &store, config: &keyless };
+        assert_eq!(decide(&engine, head("alpha"), &go_on(&alphas), None, 0, 4).unwrap_err().status, 404);
+        // Without tenants, ids are the caller's own business.
+        let open = Config::default();
+        let engine = Engine { store: &store, config: &open };
+        let plain = Head { path: "/v1/responses".into(), ..Head::default() };
+        assert!(decide(&engine, plain, &go_on("resp_7"), None, 0, 5).is_ok());
     }
 
     #[test]

@@ -7,6 +7,7 @@
 
 use crate::core::api::endpoint::Endpoint;
 use crate::core::api::headers;
+use crate::core::api::objects::Signer;
 use crate::core::api::response::Response;
 use crate::core::api::usage::Usage;
 use serde_json::{json, Map, Value};
@@ -58,6 +59,11 @@ pub struct Reassembler {
     /// Bytes of the events read so far.
     read_bytes: usize,
     streamed_chars: u64,
+    /// Signs the response id of a verified tenant's Responses stream (`api::objects`) ...
+    signer: Option<Signer>,
+    /// ... once an event named it (and the response it continues).
+    response_id: Option<String>,
+    previous_id: Option<String>,
 }
 
 impl Reassembler {
@@ -76,6 +82,12 @@ impl Reassembler {
         }
     }
 
+    /// With the response id of every event signed by `signer` (a verified tenant's
+    /// Responses stream; the events' lengths change).
+    pub fn signing(self, signer: Option<Signer>) -> Reassembler {
+        Reassembler { signer, ..self }
+    }
+
     /// Feeds one chunk; returns the bytes to pass on now (the complete events in it).
     pub fn push(&mut self, chunk: &[u8]) -> Vec<u8> {
         let mut tail = std::mem::take(&mut self.tail);
@@ -84,7 +96,16 @@ impl Reassembler {
         let mut start = 0;
         while let Some((end, sep)) = event_end(&tail, self.searched.max(start)) {
             if self.read_event(&tail[start..end]) {
-                out.extend_from_slice(&tail[start..end + sep]);
+                match (&self.signer, &self.response_id) {
+                    (Some(s), Some(id)) => {
+                        let signed = s.sign_in(&tail[start..end + sep], id);
+                        match &self.previous_id {
+                            Some(previous) => out.extend_from_slice(&s.sign_in(&signed, previous)),
+                            None => out.extend_from_slice(&signed),
+                        }
+                    }
+                    _ => out.extend_from_slice(&tail[start..end + sep]),
+                }
             }
             start = end + sep;
         }
@@ -204,6 +225,11 @@ impl Reassembler {
     /// end read from the event that ends the stream.
     fn read_typed(&mut self, event: &Map<String, Value>) {
         let kind = event.get("type").and_then(Value::as_str).unwrap_or_default();
+        if self.response_id.is_none() {
+            let named = |f: &str| event.get("response")?.get(f)?.as_str().map(str::to_owned);
+            self.response_id = named("id");
+            self.previous_id = named("previous_response_id");
+        }
         match kind {
             "response.completed" | "response.incomplete" | "response.failed" => {
                 let usage = event.get("response").and_then(|r| r.get("usage")).filter(|u| !u.is_null());
@@ -462,6 +488,28 @@ fn pieces(text: &str) -> Vec<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_tenants_responses_stream_carries_its_response_id_signed_in_every_event() {
+        use crate::core::api::objects::{ObjectKey, Signer};
+        let signer = Signer { key: ObjectKey::of_operator_key("k"), tenant: "alpha".into() };
+        let signed = signer.key.sign("alpha", "resp_5");
+        let mut r = Reassembler::of(Endpoint::Responses, false).signing(Some(signer));
+        let stream = concat!(
+            "event: response.created\ndata: {\"type\":\"response.created\",\"response\":{\"id\":\"resp_5\",\"status\":\"in_progress\"}}\n\n",
+            "event: response.output_text.delta\ndata: {\"type\":\"response.output_text.delta\",\"item_id\":\"msg_1\",\"delta\":\"hi\"}\n\n",
+            "event: response.completed\ndata: {\"type\":\"response.completed\",\"response\":{\"id\":\"resp_5\",\"usage\":{\"input_tokens\":3,\"output_tokens\":1}}}\n\n",
+        );
+        // Split inside the id: events are signed whole.
+        let (a, b) = stream.split_at(60);
+        let mut out = r.push(a.as_bytes());
+        out.extend(r.push(b.as_bytes()));
+        let out = String::from_utf8(out).unwrap();
+        assert_eq!(out.matches(&format!("\"{signed}\"")).count(), 2, "{out}");
+        assert!(!out.contains("\"resp_5\""), "{out}");
+        assert!(out.contains("\"msg_1\""));
+        assert_eq!(r.usage(), Some(Usage::new(3, 1)));
+    }
 
     #[test]
     fn streams_past_the_bounds_pass_on_unchanged_and_are_not_kept() {

@@ -441,8 +441,10 @@ impl HttpContext for Chat {
             set_response_header(headers::TENANT, Some(tenant));
         }
         let refusal = self.misrouted().or_else(|| upstream::refused(status, &content_type, label.sent));
-        if (sse && !label.include_usage) || refusal.is_some() {
-            // The usage event is taken out, or the body replaced: the length changes.
+        let signer = self.worker.borrow().config.signer(label.sent.endpoint, label.tenant.as_deref());
+        if (sse && (!label.include_usage || signer.is_some())) || refusal.is_some() {
+            // The usage event is taken out, ids are signed, or the body replaced: the
+            // length changes.
             set_response_header("content-length", None);
         }
         let retry_after = header("retry-after").map(|v| vec![("retry-after".to_owned(), v)]);
@@ -466,7 +468,8 @@ impl HttpContext for Chat {
         let stored = (sse && refusal.is_none()).then_some(label.fresh_s).flatten();
         set_response_header("cache-control", Some(&edge::directive(stored)));
         let other = Response { headers: retry_after.unwrap_or_default(), ..other };
-        let events = (sse && refusal.is_none()).then(|| Reassembler::of(label.sent.endpoint, label.include_usage));
+        let events = (sse && refusal.is_none())
+            .then(|| Reassembler::of(label.sent.endpoint, label.include_usage).signing(signer));
         let (attempts, hints) = (host::upstream_attempts(), ProviderHints::from_headers(status, &headers));
         let holysheeps = host::response_via_upstream().then_some(status);
         let tee = Tee::new(events, other, refusal.is_some(), (holysheeps, attempts), hints);

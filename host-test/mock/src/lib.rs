@@ -109,6 +109,9 @@ struct State {
     billed: Vec<(String, Value)>,
     /// Calls to `/v1/completions` and `/v1/responses`, by path.
     api_calls: std::collections::HashMap<String, u64>,
+    /// Stored responses (`store` true or absent): their id, and the tokens of context a
+    /// continuation (`previous_response_id`) replays and is billed as input.
+    stored: std::collections::HashMap<String, u64>,
     /// The path and `usage` of every answer to completions, Responses and embeddings.
     billed_at: Vec<(String, Value)>,
 }
@@ -388,16 +391,41 @@ impl Mock {
             let mut s = self.state();
             *s.api_calls.entry(path.to_owned()).or_default() += 1;
             s.last_authorization.clone_from(&auth);
+            s.last_body = body.to_vec();
             s.latency_ms
         };
         if let Some(early) = self.before_answer(&Fault::default(), latency, auth.as_deref()).await {
             return early;
         }
+        // A continuation replays its stored response's context, billed as input.
+        let previous = req["previous_response_id"].as_str().filter(|_| path == "/v1/responses");
+        let context = match previous {
+            Some(id) => match self.state().stored.get(id).copied() {
+                Some(tokens) => tokens,
+                None => {
+                    let m = format!("Previous response with id '{id}' not found.");
+                    let (kind, code) = ("invalid_request_error", "previous_response_not_found");
+                    return Ok(error(StatusCode::NOT_FOUND, &m, kind, code, Some("previous_response_id")));
+                }
+            },
+            None => 0,
+        };
         let answer = if path == "/v1/completions" { apis::completion(&req) } else { apis::response(&req) };
-        let answer = match answer {
+        let mut answer = match answer {
             Ok(a) => a,
             Err(m) => return Ok(error(StatusCode::BAD_REQUEST, &m, "invalid_request_error", "invalid_value", None)),
         };
+        if path == "/v1/responses" {
+            let u = &mut answer["usage"];
+            let input = u["input_tokens"].as_u64().unwrap_or(0) + context;
+            let output = u["output_tokens"].as_u64().unwrap_or(0);
+            u["input_tokens"] = input.into();
+            u["total_tokens"] = (input + output).into();
+            if answer["store"].as_bool() == Some(true) {
+                let id = answer["id"].as_str().unwrap_or_default().to_owned();
+                self.state().stored.insert(id, input + output);
+            }
+        }
         self.state().billed_at.push((path.to_owned(), answer["usage"].clone()));
         if req["stream"].as_bool() != Some(true) {
             return Ok(json_response(StatusCode::OK, &answer));

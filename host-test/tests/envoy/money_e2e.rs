@@ -217,6 +217,60 @@ fn a_call_without_a_limit_leaves_the_models_bucket_to_the_next_tenant() {
     assert!(s.crashes().is_empty(), "{:?}", s.crashes());
 }
 
+#[test]
+fn a_stored_response_continued_at_once_is_never_billed_past_the_budget() {
+    // $10 per million tokens in and out; a context of at most 2,000 tokens; $0.10 a day.
+    let models = r#"{"gpt-4.1":{"usd_per_mtok_input":10,"usd_per_mtok_output":10,"context_window":2000}}"#;
+    let s = start(&config(models, r#"{"max_wait_ms":20000}"#, &[("batch", r#""usd_per_day":0.1"#)]), 50);
+    let ask = |body: String| {
+        let (edge, auth) = (s.envoy.edge, bearer("batch"));
+        std::thread::spawn(move || request(edge, "POST", "/v1/responses", &[("authorization", &auth)], body.as_bytes()))
+    };
+    // A long first input, stored by HolySheep (`store` is on by default).
+    let first = format!(r#"{{"model":"gpt-4.1","input":"{}","max_output_tokens":16}}"#, "x".repeat(6000));
+    let r = ask(first).join().expect("thread").expect("answer");
+    assert_eq!(r.status, 200, "{}", r.text());
+    let id = r.json()["id"].as_str().expect("an id").to_owned();
+    // Eight continuations at once: each makes HolySheep replay the stored context, which
+    // the edge cannot see, so each is reserved at the model's context window.
+    let answers: Vec<Resp> = (0..8)
+        .map(|i| {
+            let body = format!(
+                r#"{{"model":"gpt-4.1","input":"go on {i}","previous_response_id":"{id}","max_output_tokens":16}}"#
+            );
+            ask(body)
+        })
+        .collect::<Vec<_>>()
+        .into_iter()
+        .map(|t| t.join().expect("thread").expect("answer"))
+        .collect();
+    let billed: u64 = s
+        .mock
+        .mock
+        .billed_at("/v1/responses")
+        .iter()
+        .map(|u| (u["input_tokens"].as_u64().unwrap_or(0) + u["output_tokens"].as_u64().unwrap_or(0)) * 10)
+        .sum();
+    let served = answers.iter().filter(|r| r.status == 200).count();
+    assert!(served >= 2, "{:?}", answers.iter().map(Resp::text).collect::<Vec<_>>());
+    for r in answers.iter().filter(|r| r.status != 200) {
+        assert_eq!((r.status, code(r).as_str()), (429, "insufficient_quota"), "{}", r.text());
+    }
+    assert!(billed <= 100_000, "HolySheep billed {billed} of a 100,000 budget");
+    let spent = 100_000 - tenant_stat(&s, "batch", "budget_day_left_microusd");
+    assert_eq!(spent, billed, "every continuation charged what HolySheep billed");
+    // Without a context window, a budgeted tenant's call on a stored prompt is refused,
+    // naming the field.
+    let s = start(&config(&format!(r#"{{"gpt-4.1":{{{PRICES}}}}}"#), "{}", &[("batch", r#""usd_per_day":1"#)]), 0);
+    let body = r#"{"model":"gpt-4.1","input":"go on","prompt":{"id":"pmpt_1","version":"2"}}"#;
+    let r = request(s.envoy.edge, "POST", "/v1/responses", &[("authorization", &bearer("batch"))], body.as_bytes())
+        .expect("answer");
+    assert_eq!((r.status, code(&r).as_str()), (400, "unsupported_parameter"), "{}", r.text());
+    assert_eq!(r.json()["error"]["param"], "prompt");
+    assert_eq!(s.mock.mock.calls_to("/v1/responses"), 0);
+    assert!(s.crashes().is_empty(), "{:?}", s.crashes());
+}
+
 /// `config` with retries on: three attempts, short backoffs.
 fn retries_on(config: &str) -> String {
     config

@@ -298,3 +298,53 @@ fn a_reload_in_envoy_that_rotates_a_key_keeps_the_spend() {
     assert_eq!(mock.mock.calls(), 1);
     assert!(envoy.crashes().is_empty(), "{:?}", envoy.crashes());
 }
+
+#[test]
+fn a_tenant_continues_its_own_stored_responses_and_no_other_tenants() {
+    let s = start("");
+    let ask = |token: &str, body: &str| {
+        request(s.envoy.edge, "POST", "/v1/responses", &[("authorization", &bearer(token))], body.as_bytes())
+            .expect("answer")
+    };
+    let go_on = |id: &str| format!(r#"{{"model":"gpt-4.1","input":"go on","previous_response_id":"{id}"}}"#);
+    // Batch's stored response: handed to it with its id signed for batch.
+    let r = ask(BATCH, r#"{"model":"gpt-4.1","input":"remember the number 7"}"#);
+    assert_eq!(r.status, 200, "{}", r.text());
+    let id = r.json()["id"].as_str().expect("an id").to_owned();
+    let (bare, _) = id.rsplit_once("_hs").expect("signed");
+    let calls = s.mock.mock.calls_to("/v1/responses");
+    // Search holds batch's id (or HolySheep's bare one, or a forged one): as if none existed,
+    // and HolySheep never sees it.
+    for other in [id.clone(), bare.to_owned(), format!("{bare}_hs0123456789abcdef")] {
+        let r = ask(SEARCH_OLD, &go_on(&other));
+        assert_eq!((r.status, code(&r)), (404, "previous_response_not_found".to_owned()), "{}", r.text());
+        assert_eq!(r.json()["error"]["param"], "previous_response_id");
+    }
+    assert_eq!(s.mock.mock.calls_to("/v1/responses"), calls, "no call for another tenant's id");
+    // Batch continues its own: HolySheep gets its own id back, and batch the new one signed.
+    let r = ask(BATCH, &go_on(&id));
+    assert_eq!(r.status, 200, "{}", r.text());
+    let sent: serde_json::Value = serde_json::from_slice(&s.mock.mock.last_body()).expect("json");
+    assert_eq!(sent["previous_response_id"], bare, "HolySheep's own id");
+    assert_eq!(r.json()["previous_response_id"], id.as_str());
+    let next = r.json()["id"].as_str().expect("an id").to_owned();
+    assert!(next.contains("_hs") && next != id);
+    // Streamed: every event that names the response names it signed, and it continues too.
+    let streamed = r#"{"model":"gpt-4.1","input":"remember the number 8","stream":true}"#;
+    let r = ask(BATCH, streamed);
+    assert_eq!(r.status, 200, "{}", r.text());
+    let text = r.text();
+    let created = text.lines().find_map(|l| l.strip_prefix("data: ")).expect("an event");
+    let sid = serde_json::from_str::<serde_json::Value>(created).expect("json")["response"]["id"]
+        .as_str()
+        .expect("an id")
+        .to_owned();
+    assert!(sid.contains("_hs"), "{text}");
+    assert!(!text.contains(&format!("\"{}\"", sid.rsplit_once("_hs").unwrap().0)), "no bare id: {text}");
+    assert_eq!(ask(BATCH, &go_on(&sid)).status, 200);
+    assert_eq!(ask(SEARCH_NEW, &go_on(&sid)).status, 404);
+    // A conversation lives in the operator's account: no tenant's call made it here.
+    let r = ask(BATCH, r#"{"model":"gpt-4.1","input":"hi","conversation":"conv_1"}"#);
+    assert_eq!((r.status, code(&r)), (404, "not_found".to_owned()), "{}", r.text());
+    assert!(s.crashes().is_empty(), "{:?}", s.crashes());
+}

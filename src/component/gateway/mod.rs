@@ -259,7 +259,9 @@ impl Gateway {
             ("x-holysheep-model".to_owned(), flight.model().to_owned()),
         ];
         headers.extend(outbound.tenant_header().map(|(n, v)| (n.to_owned(), v)));
-        let (mut events, mut held) = (Reassembler::of(outbound.endpoint, outbound.include_usage), Vec::new());
+        let signer = self.config.signer(outbound.endpoint, outbound.tenant.as_deref());
+        let events = Reassembler::of(outbound.endpoint, outbound.include_usage).signing(signer);
+        let (mut events, mut held) = (events, Vec::new());
         let hints = ProviderHints::from_headers(200, &host::header_pairs(&response.headers()));
         let client_body = host::start_response(out, 200, &headers);
         let to = client_body.as_ref().and_then(|b| b.write().ok());

@@ -4,6 +4,8 @@
 
 pub mod tenants;
 
+use crate::core::api::endpoint::Endpoint;
+use crate::core::api::objects::{ObjectKey, Signer};
 use crate::core::api::priority::Class;
 use crate::core::api::usage::Usage;
 use crate::core::config::tenants::{Keys, Tenant};
@@ -52,6 +54,10 @@ pub struct Config {
     /// The tenants' key digests, collected from `tenants` when the configuration is read.
     #[serde(skip)]
     pub keys: Keys,
+    /// The key a tenant's response ids are signed with, derived by the shell from the
+    /// operator's API key (`api::objects`); `None` without one.
+    #[serde(skip)]
+    pub object_key: Option<ObjectKey>,
 }
 
 /// The spend store: etcd (v3), reached through its JSON gateway by callouts to an Envoy
@@ -110,6 +116,8 @@ impl BudgetStore {
 /// (`models.<name>.max_completion_tokens`), and the largest that may be configured.
 pub const DEFAULT_COMPLETION_CAP: u64 = 4096;
 pub const MAX_COMPLETION_CAP: u64 = 1_000_000;
+/// The largest `models.<name>.context_window` that may be configured.
+pub const MAX_CONTEXT_WINDOW: u64 = 100_000_000;
 
 #[derive(Debug, Clone, PartialEq, Default, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -130,6 +138,10 @@ pub struct Model {
     /// needs its worst case: its tenant's dollar budget, or this model's token bucket.
     /// Default 4096.
     pub max_completion_tokens: Option<u64>,
+    /// The most input tokens the model takes: the ceiling a budgeted tenant's call is
+    /// reserved at when HolySheep supplies part of its input (a stored response, a file, an
+    /// image by URL). Without it such calls of a budgeted tenant are refused.
+    pub context_window: Option<u64>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
@@ -369,6 +381,7 @@ impl Default for Config {
             budget_store: BudgetStore::default(),
             passthrough_paths: Vec::new(),
             keys: Keys::default(),
+            object_key: None,
         }
     }
 }
@@ -622,6 +635,13 @@ impl Config {
         self.model(model).map_or(0, |(_, m)| m.cost_micro_usd(usage))
     }
 
+    /// The signer of the response ids a verified tenant's Responses call is handed, on an
+    /// owner node (a forward node passes its owner's answer on as it came).
+    pub fn signer(&self, endpoint: Endpoint, tenant: Option<&str>) -> Option<Signer> {
+        let key = self.object_key.clone().filter(|_| endpoint == Endpoint::Responses && self.role == Role::Owner)?;
+        Some(Signer { key, tenant: tenant?.to_owned() })
+    }
+
     /// The completion cap a call of `model` that sets no limit of its own is sent with, when
     /// its tenant's budget (`budgeted`) or the model's token bucket needs its worst case.
     pub fn completion_cap(&self, model: &str, budgeted: bool) -> Option<u64> {
@@ -748,6 +768,7 @@ impl Model {
             ("requests_per_minute", self.requests_per_minute.map(u64::from)),
             ("tokens_per_minute", self.tokens_per_minute),
             ("max_completion_tokens", self.max_completion_tokens),
+            ("context_window", self.context_window),
             ("burst", self.burst.map(u64::from)),
             ("max_in_flight", self.max_in_flight.map(u64::from)),
         ];
@@ -756,6 +777,9 @@ impl Model {
         }
         if self.max_in_flight.is_some_and(|m| m > 10_000) {
             return Err(ConfigError(format!("{}: must be at most 10000", field("max_in_flight"))));
+        }
+        if self.context_window.is_some_and(|m| m > MAX_CONTEXT_WINDOW) {
+            return Err(ConfigError(format!("{}: must be at most {MAX_CONTEXT_WINDOW}", field("context_window"))));
         }
         if self.max_completion_tokens.is_some_and(|m| m > MAX_COMPLETION_CAP) {
             return Err(ConfigError(format!(

@@ -10,6 +10,7 @@
 use crate::core::api::error::ApiError;
 use crate::core::api::headers;
 use crate::core::api::hints::ProviderHints;
+use crate::core::api::objects::Signer;
 use crate::core::api::priority::{self, Class};
 use crate::core::api::response::Response;
 use crate::core::api::usage::{Billed, Usage};
@@ -160,6 +161,8 @@ pub struct Flight {
     /// An embeddings list answered item by item: HolySheep's answer is completed with the
     /// cached items (`Batch::finish`).
     batch: Option<std::rc::Rc<Batch>>,
+    /// Signs the response id of a verified tenant's Responses answer (`api::objects`).
+    signer: Option<Signer>,
 }
 
 impl Flight {
@@ -203,6 +206,7 @@ impl Flight {
             events,
             outbox: Vec::new(),
             batch: outbound.batch.clone(),
+            signer: config.signer(outbound.endpoint, outbound.tenant.as_deref()),
         }
     }
 
@@ -444,7 +448,7 @@ impl Flight {
             (Some(batch), Some(r)) if r.status == 200 => Some(batch.finish(store, config, r, now_ms)),
             (_, outcome) => outcome,
         };
-        let outcome = outcome.map(|r| r.with_header("x-holysheep-model", model.clone()));
+        let outcome = outcome.map(|r| self.signed(r).with_header("x-holysheep-model", model.clone()));
         if !retryable(outcome.as_ref()) || hints.key_refused {
             return self.end(store, config, outcome, now_ms);
         }
@@ -464,6 +468,15 @@ impl Flight {
         }
         let last = self.last.take();
         self.end(store, config, last, now_ms)
+    }
+
+    /// A Responses answer as its tenant sees it: its response id signed for the tenant.
+    fn signed(&self, r: Response) -> Response {
+        let body = self.signer.as_ref().filter(|_| r.status == 200).and_then(|s| s.sign_answer(&r.body));
+        match body {
+            Some(body) => Response { body, ..r },
+            None => r,
+        }
     }
 
     /// A stream forwarded along the route ended: its bytes went to the client as they came,
@@ -766,6 +779,7 @@ mod tests {
             tenant: tenant.map(str::to_owned),
             completion_limit: None,
             completion_cap: None,
+            supplied_ceiling: None,
             choices: 1,
             limit_named: false,
             class,
@@ -889,6 +903,7 @@ mod tests {
             tenant: Some("t".into()),
             completion_limit: Some(100),
             completion_cap: None,
+            supplied_ceiling: None,
             choices: 1,
             limit_named: false,
             class: Default::default(),

@@ -8,6 +8,7 @@
 
 pub mod canonical;
 pub mod probe;
+pub mod supplied;
 
 use crate::core::api::endpoint::Endpoint;
 use crate::core::api::error::ApiError;
@@ -173,6 +174,14 @@ pub struct ApiRequest {
     pub semantic: Option<Probe>,
     /// An embeddings request's items, keyed one by one (`batch::item_keys`).
     pub items: Option<Vec<Key>>,
+    /// The first member naming input HolySheep supplies itself (`supplied::supplied_input`).
+    pub supplied_input: Option<String>,
+    /// The first hosted tool it enables (`supplied::hosted_tool`).
+    pub hosted_tool: Option<String>,
+    /// The Responses API's `previous_response_id`, as the client sent it.
+    pub previous_response_id: Option<String>,
+    /// The first stored object other than a response it names (`supplied::foreign_object`).
+    pub foreign_object: Option<String>,
 }
 
 /// The request headers the core needs; the shell reads them from its host.
@@ -217,6 +226,12 @@ impl ApiRequest {
         // Only a list of two or more is answered item by item (`batch::plan`).
         let listed = map.get("input").and_then(Value::as_array).is_some_and(|a| a.len() >= 2);
         let items = (endpoint == Endpoint::Embeddings && listed).then(|| item_keys(&map, &scope)).flatten();
+        let supplied_input = supplied::supplied_input(endpoint, &map);
+        let hosted_tool = supplied::hosted_tool(endpoint, &map);
+        let previous_response_id = (endpoint == Endpoint::Responses)
+            .then(|| map.get("previous_response_id").and_then(Value::as_str).map(str::to_owned))
+            .flatten();
+        let foreign_object = supplied::foreign_object(endpoint, &map);
         let canonical = canonical_body(map);
         Ok(ApiRequest {
             key: request_key(endpoint.path(), &scope, &canonical),
@@ -233,6 +248,10 @@ impl ApiRequest {
             limit_named,
             semantic,
             items,
+            supplied_input,
+            hosted_tool,
+            previous_response_id,
+            foreign_object,
         })
     }
 

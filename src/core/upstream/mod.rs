@@ -35,6 +35,9 @@ pub struct Outbound {
     /// Set for a call that must stay within a tenant's budget but sets no completion
     /// limit: it is sent with `max_tokens` of this (for each choice).
     pub completion_cap: Option<u64>,
+    /// Set for a budgeted tenant's call whose input HolySheep partly supplies itself: the
+    /// model's context window, which bounds its prompt tokens instead of the body.
+    pub supplied_ceiling: Option<u64>,
     /// The choices the request asks for (`n`).
     pub choices: u64,
     /// The request names a completion limit, of any value (`ApiRequest::limit_named`).
@@ -64,6 +67,7 @@ impl Outbound {
             tenant: request.tenant.clone(),
             completion_limit: request.completion_limit,
             completion_cap: None,
+            supplied_ceiling: None,
             choices: request.choices,
             limit_named: request.limit_named,
             class: Class::Standard,
@@ -73,12 +77,14 @@ impl Outbound {
     }
 
     /// The most tokens the call can be billed: every byte of the body a prompt token (a
-    /// token is at least one byte of text; images aside), and the completion limit of
-    /// every choice (the request's own, else the cap the edge sends it with).
+    /// token is at least one byte of text; images aside), or the model's context window
+    /// when HolySheep supplies part of the input, and the completion limit of every choice
+    /// (the request's own, else the cap the edge sends it with).
     pub fn worst_tokens(&self) -> u64 {
         let per_choice = self.completion_cap.unwrap_or(DEFAULT_COMPLETION_ESTIMATE);
         let completion = self.completion_limit.unwrap_or(per_choice.saturating_mul(self.choices.max(1)));
-        (self.body.len() as u64).saturating_add(completion)
+        let prompt = (self.body.len() as u64).max(self.supplied_ceiling.unwrap_or(0));
+        prompt.saturating_add(completion)
     }
 
     /// The body for an attempt on `model` (rewritten when it is a fallback, and for a
@@ -236,6 +242,7 @@ mod tests {
             tenant: None,
             completion_limit: None,
             completion_cap: None,
+            supplied_ceiling: None,
             choices: 1,
             limit_named: false,
             class: Default::default(),

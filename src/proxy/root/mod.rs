@@ -14,6 +14,7 @@ use super::host;
 use super::http::Chat;
 use super::key_check;
 use super::worker::{Worker, WorkerRef, REPLY_BATCH};
+use crate::core::api::objects::ObjectKey;
 use crate::core::cache::hot::{self, Hot};
 use crate::core::config::{Config, Role};
 use crate::core::upstream;
@@ -87,7 +88,7 @@ impl Context for Root {
 impl RootContext for Root {
     fn on_configure(&mut self, _size: usize) -> bool {
         let raw = host::buffer(BufferType::PluginConfiguration, usize::MAX);
-        let config = match Config::parse(&raw) {
+        let mut config = match Config::parse(&raw) {
             Ok(c) => c,
             Err(e) => {
                 host::log(LogLevel::Critical, &e.to_string());
@@ -97,7 +98,9 @@ impl RootContext for Root {
         let vm_id = hostcalls::get_property(vec!["plugin_vm_id"]).ok().flatten().unwrap_or_default();
         let mut w = self.worker.borrow_mut();
         w.vm_id = String::from_utf8_lossy(&vm_id).into_owned();
-        w.bearer = upstream::bearer(std::env::var(&config.upstream.api_key_env).ok());
+        let api_key = std::env::var(&config.upstream.api_key_env).ok().filter(|k| !k.is_empty());
+        config.object_key = api_key.as_deref().map(ObjectKey::of_operator_key);
+        w.bearer = upstream::bearer(api_key);
         w.fleet.secret = std::env::var(&config.fleet.peer_secret_env).ok().filter(|s| !s.is_empty());
         let owner = config.role == Role::Owner;
         if owner && !config.keys.is_empty() && w.bearer.is_none() {

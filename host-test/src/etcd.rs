@@ -51,6 +51,12 @@ impl Etcd {
         Ok(etcd)
     }
 
+    /// Kills the member (an outage): nothing answers on its port until the test ends.
+    pub fn stop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
     pub fn log(&self) -> String {
         std::fs::read_to_string(self.dir.join("etcd.log")).unwrap_or_default()
     }

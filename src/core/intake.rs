@@ -318,7 +318,11 @@ pub fn decide<S: CasStore>(
     nonce: u64,
 ) -> Result<Decision, ApiError> {
     let Intake { request, policy } = intake_or_known(engine.config, &head, body, known)?;
+    // Everything that refuses the request is decided before it takes a lease.
     let unsigned = tenants_objects(engine.config, &request)?;
+    let budgeted =
+        request.tenant.as_deref().and_then(|t| engine.config.tenants.get(t)).is_some_and(|t| !t.caps().is_none());
+    let supplied_ceiling = if budgeted { unseen_input(engine.config, &request)? } else { None };
     let step = engine.admit(&request.key, policy, now_ms, nonce);
     let (step, batch, ended) = match step {
         Step::Call(call) => by_item(engine, &request, call, body, now_ms),
@@ -351,11 +355,7 @@ pub fn decide<S: CasStore>(
     // A call whose worst case a limit needs (its tenant's dollar budget, or the model's
     // token bucket, which every caller shares) is bounded: without a completion limit of
     // its own it is sent with the model's cap, and estimated with it.
-    let budgeted =
-        request.tenant.as_deref().and_then(|t| engine.config.tenants.get(t)).is_some_and(|t| !t.caps().is_none());
-    if budgeted {
-        outbound.supplied_ceiling = unseen_input(engine.config, &request)?;
-    }
+    outbound.supplied_ceiling = supplied_ceiling;
     if request.completion_limit.is_none() && request.endpoint.cap_field().is_some() {
         if let Some(cap) = engine.config.completion_cap(&request.model, budgeted) {
             outbound.completion_cap = Some(cap);
@@ -662,9 +662,11 @@ mod tests {
         );
         let e = decide(&engine, head("t"), &resp("o3", r#","prompt":{"id":"pmpt_1"}"#), None, 0, 3).unwrap_err();
         assert_eq!((e.status, e.code, e.param.as_deref()), (400, "unsupported_parameter", Some("prompt")));
-        let tool = resp("gpt-4.1", r#","tools":[{"type":"web_search"}]"#);
-        let e = decide(&engine, head("t"), &tool, None, 0, 4).unwrap_err();
+        let tool = resp("gpt-4.1", r#","store":false,"tools":[{"type":"web_search"}]"#);
+        let fresh = crate::core::store::MemStore::new();
+        let e = decide(&Engine { store: &fresh, config: &config }, head("t"), &tool, None, 0, 4).unwrap_err();
         assert_eq!((e.status, e.code, e.param.as_deref()), (400, "unsupported_parameter", Some("tools[0]")));
+        assert!(fresh.keys().is_empty(), "refused before it took a lease: {:?}", fresh.keys());
         // A tenant without a budget is not bounded by one.
         assert!(decide(&engine, head("u"), &tool, None, 0, 5).is_ok());
         let go_on_u = resp(

@@ -96,16 +96,7 @@ impl Reassembler {
         let mut start = 0;
         while let Some((end, sep)) = event_end(&tail, self.searched.max(start)) {
             if self.read_event(&tail[start..end]) {
-                match (&self.signer, &self.response_id) {
-                    (Some(s), Some(id)) => {
-                        let signed = s.sign_in(&tail[start..end + sep], id);
-                        match &self.previous_id {
-                            Some(previous) => out.extend_from_slice(&s.sign_in(&signed, previous)),
-                            None => out.extend_from_slice(&signed),
-                        }
-                    }
-                    _ => out.extend_from_slice(&tail[start..end + sep]),
-                }
+                out.extend_from_slice(&self.signed(&tail[start..end + sep]));
             }
             start = end + sep;
         }
@@ -113,7 +104,8 @@ impl Reassembler {
         if tail.len() > MAX_PENDING_BYTES {
             // No event is that long: pass it on, and keep nothing of this answer.
             self.malformed = true;
-            out.append(&mut tail);
+            out.extend_from_slice(&self.signed(&tail));
+            tail.clear();
         }
         // A separator may yet start in the last three bytes, completed by the next chunk.
         self.searched = tail.len().saturating_sub(3);
@@ -129,7 +121,19 @@ impl Reassembler {
     /// The stream ended: whatever incomplete event is left, passed on as it is.
     pub fn flush(&mut self) -> Vec<u8> {
         self.searched = 0;
-        std::mem::take(&mut self.tail)
+        let tail = std::mem::take(&mut self.tail);
+        self.signed(&tail)
+    }
+
+    /// Event bytes as the client gets them: with the response's ids signed, once an event
+    /// named them, for a tenant's Responses stream.
+    fn signed(&self, events: &[u8]) -> Vec<u8> {
+        let (Some(s), Some(id)) = (&self.signer, &self.response_id) else { return events.to_vec() };
+        let signed = s.sign_in(events, id);
+        match &self.previous_id {
+            Some(previous) => s.sign_in(&signed, previous),
+            None => signed,
+        }
     }
 
     /// The answer as a `chat.completion` (status 200, JSON), when the stream ended properly.
@@ -509,6 +513,9 @@ mod tests {
         assert!(!out.contains("\"resp_5\""), "{out}");
         assert!(out.contains("\"msg_1\""));
         assert_eq!(r.usage(), Some(Usage::new(3, 1)));
+        // An event the stream ends on without its separator is signed too.
+        r.push(b"data: {\"type\":\"response.failed\",\"response\":{\"id\":\"resp_5\"}}");
+        assert!(String::from_utf8(r.flush()).unwrap().contains(&signed));
     }
 
     #[test]

@@ -20,11 +20,19 @@ pub struct BudgetStore {
     checking: IdMap<(Flush, u64)>,
     /// Whether the store answered last (for logging the changes only).
     reached: bool,
+    /// Each write's tag.
+    tags: host::Nonces,
 }
 
 impl Default for BudgetStore {
     fn default() -> Self {
-        BudgetStore { reading: IdMap::default(), writing: IdMap::default(), checking: IdMap::default(), reached: true }
+        BudgetStore {
+            reading: IdMap::default(),
+            writing: IdMap::default(),
+            checking: IdMap::default(),
+            reached: true,
+            tags: host::Nonces::new(),
+        }
     }
 }
 
@@ -49,7 +57,8 @@ impl BudgetStore {
             return;
         }
         for tenant in budget_store::budgeted(config) {
-            match budget_store::due(&SharedData, tenant, now_ms).filter(|_| !self.busy(tenant)) {
+            let tag = self.tags.next();
+            match budget_store::due(&SharedData, tenant, now_ms, tag).filter(|_| !self.busy(tenant)) {
                 Some(Due::Write(flush)) => {
                     if let Some(token) = send(config, &budget_store::txn(config, tenant, flush.revision, &flush.value))
                     {
@@ -136,8 +145,29 @@ impl BudgetStore {
     }
 }
 
-/// Sends `call` to etcd; the callout's token.
+/// Sends `call` to etcd; the callout's token. A call Envoy refuses to send (a cluster it
+/// does not know) marks the store misconfigured for the process, logged once: nothing
+/// budgeted is admitted until a call can be sent again.
 fn send(config: &Config, call: &EtcdCall) -> Option<u32> {
+    let token = dispatch(config, call);
+    if budget_store::set_misconfigured(&SharedData, token.is_none()) {
+        if token.is_none() {
+            let cluster = &config.budget_store.cluster;
+            host::log(
+                LogLevel::Critical,
+                &format!(
+                    "holysheep: budget_store.cluster '{cluster}' is no cluster this Envoy knows: calls of tenants \
+                     with a budget are refused until it is"
+                ),
+            );
+        } else {
+            host::log(LogLevel::Info, "holysheep: the spend store's cluster can be called again");
+        }
+    }
+    token
+}
+
+fn dispatch(config: &Config, call: &EtcdCall) -> Option<u32> {
     let store = &config.budget_store;
     let headers = vec![
         (":method", "POST"),

@@ -67,10 +67,10 @@ pub struct Worker {
     pub budget_store: BudgetStore,
     pub runs: Runs,
     pub waiters: IdMap<(Wait, Rc<Outbound>)>,
-    /// Finished flights whose waiters here are being answered over several VM calls (see
-    /// REPLY_BATCH): each later batch takes the answer from here, not from the flight's
-    /// lease record, which another flight may have taken by then. At most
-    /// `MAX_FINISHING`, one per key.
+    /// Finished flights whose waiters here are being answered, over one VM call or several
+    /// (see REPLY_BATCH): each waiter takes the answer from here, not from the flight's
+    /// lease record, which another flight may have taken by then; forgotten once none of
+    /// their waiters is left. At most `MAX_FINISHING`.
     pub finishing: Vec<Finished>,
     /// Http contexts that may still be answered: created, not done, and not answered by
     /// the root on its own. (Envoy still resolves a reset stream's id until its deferred
@@ -397,7 +397,7 @@ impl Worker {
                 self.count_evicted(&ended, &run.outbound);
                 ended.watched
             }
-            None => self.engine().abandon(&call),
+            None => self.engine().abandon(&call, host::now_ms()),
         };
         call.lease.map(|l| (l.key, watched))
     }
@@ -441,7 +441,7 @@ impl Worker {
                 self.count_evicted(&ended, &hop.outbound);
                 ended.watched
             }
-            None => engine.abandon(&hop.call),
+            None => engine.abandon(&hop.call, host::now_ms()),
         };
         hop.call.lease.map(|l| (l.key, watched))
     }

@@ -233,7 +233,9 @@ fn a_responses_call_that_keeps_state_is_never_served_to_another_caller() {
     let crowd = burst_to(s.envoy.edge, "/v1/responses", vec![kept.to_string(); 5], &bearer("apps"));
     assert!(crowd.iter().all(|r| r.header("x-holysheep-cache") == Some("BYPASS")));
     assert_eq!(s.mock.mock.calls_to("/v1/responses"), 7, "never coalesced either");
-    let chained = json!({"model": "gpt-4.1", "input": "and then?", "store": false, "previous_response_id": "resp_1"});
+    // A continuation of the tenant's own stored response (its id as the edge handed it).
+    let id = first.json()["id"].as_str().expect("an id").to_owned();
+    let chained = json!({"model": "gpt-4.1", "input": "and then?", "store": false, "previous_response_id": id});
     post(&s, "/v1/responses", "apps", &chained);
     post(&s, "/v1/responses", "apps", &chained);
     assert_eq!(s.mock.mock.calls_to("/v1/responses"), 9, "a chained call is its caller's own");

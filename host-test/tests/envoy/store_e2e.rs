@@ -1,6 +1,7 @@
 //! Spend kept in a real etcd (Debian's 3.4) in real Envoy: a tenant's budget holds across a
-//! `kill -9` and a restart of Envoy, and a store that does not answer is logged once while
-//! calls are admitted from the node's share.
+//! `kill -9` and a restart of Envoy, and across a restart during an etcd outage; a store
+//! that does not answer is logged once while the node admits one call's worst case, and a
+//! store cluster Envoy does not know refuses every budgeted call.
 
 use host_test::client::{request, Resp};
 use host_test::envoy::{Envoy, Options};
@@ -90,24 +91,81 @@ fn a_tenants_spend_survives_a_kill_and_a_restart_of_envoy() {
     assert!(second.crashes().is_empty(), "{:?}", second.crashes());
 }
 
-#[test]
-fn a_store_that_does_not_answer_is_logged_once_and_the_node_admits_from_its_share() {
-    let mock = Running::start(Some(OPERATOR_KEY), 0).expect("mock");
-    // A cluster `etcd` at a port nobody listens on.
-    let dead = host_test::ports::free(1).expect("port")[0];
-    let cluster = format!(
+/// A cluster `etcd` at a port nobody listens on.
+fn dead_etcd(port: u16) -> String {
+    format!(
         "  - name: etcd\n    type: STATIC\n    connect_timeout: 0.2s\n    load_assignment:\n      cluster_name: etcd\n      \
-         endpoints: [{{lb_endpoints: [{{endpoint: {{address: {{socket_address: {{address: 127.0.0.1, port_value: {dead}}}}}}}}}]}}]\n"
-    );
-    let envoy = envoy(&config(1_000_000), &mock, cluster);
-    for i in 0..5 {
-        let r = chat(&envoy, &format!("while etcd is away {i}"));
-        assert_eq!(r.status, 200, "admitted from the node's share: {}", r.text());
+         endpoints: [{{lb_endpoints: [{{endpoint: {{address: {{socket_address: {{address: 127.0.0.1, port_value: {port}}}}}}}}}]}}]\n"
+    )
+}
+
+#[test]
+fn a_store_that_does_not_answer_is_logged_once_and_the_node_admits_one_call() {
+    let mock = Running::start(Some(OPERATOR_KEY), 0).expect("mock");
+    let dead = host_test::ports::free(1).expect("port")[0];
+    let envoy = envoy(&config(1_000_000), &mock, dead_etcd(dead));
+    // Nothing is known of what the tenant spent: one call's worst case, then a retryable
+    // 503 until the store answers.
+    let answers: Vec<Resp> = (0..5).map(|i| chat(&envoy, &format!("while etcd is away {i}"))).collect();
+    assert_eq!(answers[0].status, 200, "one call: {}", answers[0].text());
+    for r in &answers[1..] {
+        let v = r.json();
+        assert_eq!((r.status, v["error"]["code"].as_str()), (503, Some("budget_store_unavailable")), "{}", r.text());
+        assert_eq!(r.header("retry-after"), Some("5"));
     }
-    assert_eq!(mock.mock.calls(), 5);
+    assert_eq!(mock.mock.calls(), 1);
     let said = "the spend store (budget_store) does not answer";
     poll_until(|| envoy.log().contains(said), "the store's silence was never logged");
     assert_eq!(envoy.log().matches(said).count(), 1, "logged once, not per request");
+    assert!(envoy.crashes().is_empty(), "{:?}", envoy.crashes());
+}
+
+#[test]
+fn a_restart_during_an_etcd_outage_admits_no_fresh_day() {
+    let mut etcd = Etcd::start().expect("etcd starts");
+    let mock = Running::start(Some(OPERATOR_KEY), 0).expect("mock");
+    let worst = (prompt("spent before the outage 00").replacen('{', r#"{"max_tokens":20,"#, 1).len() as u64 + 20) * 30;
+    let budget = 3 * worst;
+    let mut first = envoy(&config(budget), &mock, etcd.cluster());
+    let mut spent = 0;
+    for i in 0.. {
+        let r = chat(&first, &format!("spent before the outage {i:02}"));
+        if r.status != 200 {
+            break;
+        }
+        spent += cost(&r);
+    }
+    poll_until(|| stored_day(&etcd) == spent, "the spend never reached etcd");
+    first.kill();
+    let port = etcd.addr.port();
+    etcd.stop();
+    let calls = mock.mock.calls();
+    // The tenant spent its day; Envoy restarts while etcd is down.
+    let second = envoy(&config(budget), &mock, dead_etcd(port));
+    let answers: Vec<Resp> = (0..10).map(|i| chat(&second, &format!("after the restart {i}"))).collect();
+    let served = answers.iter().filter(|r| r.status == 200).count();
+    assert!(served <= 1, "at most one call's worst case, not a fresh day: {served} of 10 served");
+    assert!(mock.mock.calls() <= calls + 1);
+    for r in answers.iter().filter(|r| r.status != 200) {
+        assert_eq!(r.json()["error"]["code"].as_str(), Some("budget_store_unavailable"), "{}", r.text());
+    }
+    assert!(second.crashes().is_empty(), "{:?}", second.crashes());
+}
+
+#[test]
+fn a_store_cluster_envoy_does_not_know_refuses_every_budgeted_call() {
+    let mock = Running::start(Some(OPERATOR_KEY), 0).expect("mock");
+    let typo = config(1_000_000).replace(r#""cluster":"etcd""#, r#""cluster":"etdc""#);
+    let envoy = envoy(&typo, &mock, String::new());
+    for i in 0..3 {
+        let r = chat(&envoy, &format!("a typo {i}"));
+        let v = r.json();
+        assert_eq!((r.status, v["error"]["code"].as_str()), (500, Some("edge_misconfigured")), "{}", r.text());
+        assert!(v["error"]["message"].as_str().unwrap_or("").contains("budget_store.cluster 'etdc'"));
+    }
+    assert_eq!(mock.mock.calls(), 0);
+    let said = "budget_store.cluster 'etdc' is no cluster this Envoy knows";
+    assert_eq!(envoy.log().matches(said).count(), 1, "logged once: {}", envoy.log());
     assert!(envoy.crashes().is_empty(), "{:?}", envoy.crashes());
 }
 

@@ -304,7 +304,7 @@ impl Gateway {
                 self.complete(&call, Some(answer), learned);
             }
             None => {
-                self.engine().abandon(&call);
+                self.engine().abandon(&call, host::now_ms());
             }
         }
         write(&to, &held);

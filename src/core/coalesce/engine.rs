@@ -203,7 +203,8 @@ impl Finished {
         &self.key
     }
 
-    fn is_for(&self, wait: &Wait) -> bool {
+    /// Whether it is the flight `wait` waits on.
+    pub fn is_for(&self, wait: &Wait) -> bool {
         self.nonce == wait.nonce && self.slot == wait.slot && self.key == wait.key
     }
 }
@@ -392,9 +393,9 @@ impl<S: CasStore> Engine<'_, S> {
     /// The call ended without an answer worth sharing (a stream cut off): its waiters look
     /// again, and one of them leads a new flight.
     /// Returns whether anyone waited on it (their workers must be woken).
-    pub fn abandon(&self, call: &Call) -> bool {
+    pub fn abandon(&self, call: &Call, now_ms: u64) -> bool {
         let Some(l) = &call.lease else { return false };
-        lease::release(self.store, l).map_or(true, |w| w.unwrap_or(true))
+        lease::release(self.store, l, now_ms).map_or(true, |w| w.unwrap_or(true))
     }
 
     /// Whether the flight was watched (a lost lease, or a store failure, counts as
@@ -821,6 +822,31 @@ mod tests {
         let before = store.get(&group).unwrap();
         assert!(expect_reply(e.poll(&wait, later + 3, 21)).lost_wait());
         assert_eq!(store.get(&group).unwrap(), before, "looked, wrote nothing");
+    }
+
+    #[test]
+    fn a_released_flights_waiters_lead_anew_though_other_prompts_want_its_way() {
+        let (store, config) = (MemStore::new(), Config::parse(br#"{"lock":{"slots":4}}"#).unwrap());
+        let e = Engine { store: &store, config: &config };
+        let leader = expect_call(e.admit(&k(7), READ, 1_000, 1));
+        let wait = expect_wait(e.admit(&k(7), READ, 1_001, 2));
+        assert!(e.abandon(&leader, 1_010), "watched");
+        // Other prompts take the three free ways; the released one is left to its waiters.
+        let others: Vec<Call> =
+            (0..4).map(|i| expect_call(e.admit(&k(20 + i), READ, 1_011, 10 + u64::from(i)))).collect();
+        assert_eq!(others.iter().filter(|c| c.lease.is_some()).count(), 3);
+        let again = expect_call(e.poll(&wait, 1_012, 40));
+        assert!(again.lease.is_some(), "a waiter leads anew");
+        // Past the hold, the way is anyone's.
+        let (store, config) = (MemStore::new(), Config::parse(br#"{"lock":{"slots":4}}"#).unwrap());
+        let e = Engine { store: &store, config: &config };
+        let leader = expect_call(e.admit(&k(7), READ, 1_000, 1));
+        expect_wait(e.admit(&k(7), READ, 1_001, 2));
+        e.abandon(&leader, 1_010);
+        let later = 1_010 + lease::done_hold_ms(&config) + 1;
+        let others: Vec<Call> =
+            (0..4).map(|i| expect_call(e.admit(&k(20 + i), READ, later, 10 + u64::from(i)))).collect();
+        assert_eq!(others.iter().filter(|c| c.lease.is_some()).count(), 4);
     }
 
     #[test]

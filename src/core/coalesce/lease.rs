@@ -175,6 +175,9 @@ fn scan(
                     }
                     // Another key's live flight.
                     Some(p) if p.time > now_ms => {}
+                    // Another key's waited-on flight that ended without an answer (given up,
+                    // or its leader gone) lately: its waiters are yet to look and lead anew.
+                    Some(p) if !ours && Mark::of(p.rest).watched && p.time > hold_from && p.time <= hold_until => {}
                     _ => offer(way, (0, 0)),
                 },
                 (b"D" | b"d", true) => match decode(record) {
@@ -248,10 +251,12 @@ pub fn finish(
     })
 }
 
-/// Gives the lease up without an answer (a stream that broke off): the way reads as
-/// expired, so a waiter takes it and leads a new flight. `None` when it was not ours.
-pub fn release(store: &impl CasStore, lease: &Lease) -> Result<Option<bool>, StoreError> {
-    update_if_owner(store, lease, |mark| Cow::Owned(leading(lease.key.hex(), lease.nonce, 0, mark)))
+/// Gives the lease up without an answer (a stream that broke off) at `now_ms`: the way
+/// reads as expired from then, so a waiter takes it and leads a new flight (another key's
+/// flight leaves a waited-on way alone for `done_hold_ms`, as a finished one). `None` when
+/// it was not ours.
+pub fn release(store: &impl CasStore, lease: &Lease, now_ms: u64) -> Result<Option<bool>, StoreError> {
+    update_if_owner(store, lease, |mark| Cow::Owned(leading(lease.key.hex(), lease.nonce, now_ms, mark)))
 }
 
 /// Marks the flight `nonce` in `slot` as waited on, so that its end wakes every worker, by

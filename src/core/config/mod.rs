@@ -78,6 +78,10 @@ pub struct BudgetStore {
     pub flush_ms: u64,
     /// The longest a call to etcd may take.
     pub timeout_ms: u64,
+    /// What one node may admit per tenant and period, in dollars, while the store has
+    /// never answered it (`None`: one call's worst case, with nothing else held or
+    /// settled beside it).
+    pub outage_usd: Option<f64>,
 }
 
 impl Default for BudgetStore {
@@ -88,6 +92,7 @@ impl Default for BudgetStore {
             prefix: "holysheep".into(),
             flush_ms: 1_000,
             timeout_ms: 1_000,
+            outage_usd: None,
         }
     }
 }
@@ -95,6 +100,11 @@ impl Default for BudgetStore {
 impl BudgetStore {
     pub fn enabled(&self) -> bool {
         !self.cluster.is_empty()
+    }
+
+    /// `outage_usd` in micro-dollars.
+    pub fn outage_micro(&self) -> Option<u64> {
+        self.outage_usd.map(|usd| (usd * 1e6).round() as u64)
     }
 
     fn validate(&self) -> Result<(), ConfigError> {
@@ -105,6 +115,9 @@ impl BudgetStore {
             (!(50..=60_000).contains(&self.flush_ms), "flush_ms", "must be between 50 and 60000"),
             (!(1..=10_000).contains(&self.timeout_ms), "timeout_ms", "must be between 1 and 10000"),
         ];
+        if self.outage_usd.is_some_and(|u| !u.is_finite() || !(0.0..=1e9).contains(&u)) {
+            return Err(ConfigError("budget_store.outage_usd: must be between 0 and 1000000000".into()));
+        }
         match checks.iter().find(|(bad, _, _)| *bad) {
             Some((_, field, why)) => Err(ConfigError(format!("budget_store.{field}: {why}"))),
             None => Ok(()),

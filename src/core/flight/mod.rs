@@ -358,7 +358,11 @@ impl Flight {
                 None
             }
             Err(refusal) => {
-                if let Refusal::Bucket(d) = refusal {
+                // A store the host does not know will not appear by waiting.
+                if let Some(d) = match refusal {
+                    Refusal::Bucket(d) if d.kind != Kind::StoreMissing => Some(d),
+                    _ => None,
+                } {
                     let until = now_ms.saturating_add(d.wait_ms.unwrap_or(CONCURRENCY_POLL_MS));
                     let contended = d.kind == Kind::Contended;
                     if (until <= self.hold_until_ms || contended) && until < self.deadline_ms {
@@ -434,8 +438,8 @@ impl Flight {
             Billed::Nothing | Billed::Unknown => None,
         };
         self.bill_tenant(config, billed);
-        // HolySheep's 4xx used no tokens: the estimate goes back to the bucket.
-        let rejected = outcome.as_ref().is_some_and(|r| (400..500).contains(&r.status));
+        // HolySheep's own 4xx used no tokens: the estimate goes back to the bucket.
+        let rejected = billed == Billed::Nothing && outcome.as_ref().is_some_and(|r| (400..500).contains(&r.status));
         let actual = usage.map(|u| u.total()).or(rejected.then_some(0));
         self.settle(store, config, actual, 0, hints, now_ms);
         if let Some(usage) = usage {
@@ -501,6 +505,11 @@ impl Flight {
             self.events.push(Event::Retry { model: model.clone() });
         }
         self.charge_retries(store, config, retries, now_ms);
+        // Each attempt Envoy's router made before the one that answered may have been
+        // billed: its worst case, on the tenant's account.
+        for _ in 0..retries {
+            self.bill_tenant(config, Billed::Unknown);
+        }
         // A 4xx, or a stream that never left, used no tokens; a 5xx keeps its estimate in
         // the bucket, as a call's does; an answer that is not HolySheep's (Envoy's own 504
         // or 503, `status: None`) may have been billed.
@@ -977,6 +986,48 @@ mod tests {
         let sent = crate::core::upstream::Sent::default();
         let (r, h) = crate::core::upstream::response(status, &headers, body.as_bytes().to_vec(), sent);
         (Some(r), h)
+    }
+
+    #[test]
+    fn a_spend_store_that_cannot_be_called_or_never_answered_bounds_what_is_admitted() {
+        let raw = format!(
+            r#"{{"models":{{"gpt-4.1":{{"usd_per_mtok_input":10,"usd_per_mtok_output":30}}}},
+                "budget_store":{{"cluster":"etcd"}},"rate_limit":{{"max_wait_ms":0}},
+                "tenants":{{"t":{{"keys_sha256":["{}"],"usd_per_day":1}}}}}}"#,
+            "a".repeat(64)
+        );
+        let c = config(&raw);
+        let finish = |a: Action| match a {
+            Action::Finish(Some(r)) => r,
+            other => panic!("expected an answer, got {other:?}"),
+        };
+        // A cluster Envoy does not know: every budgeted call is the edge's 500, naming it.
+        let s = MemStore::new();
+        crate::core::limits::budget_store::set_misconfigured(&s, true);
+        let r = finish(tenant_flight(&c).resume(&s, &c, 0, 1));
+        let v: serde_json::Value = serde_json::from_slice(&r.body).unwrap();
+        assert_eq!((r.status, v["error"]["code"].as_str()), (500, Some("edge_misconfigured")));
+        assert!(v["error"]["message"].as_str().unwrap().contains("budget_store.cluster 'etcd'"));
+        // A store that never answered (down when Envoy started): one call, then a
+        // retryable 503, never a fresh day.
+        let s = MemStore::new();
+        crate::core::limits::budget_store::read(&s, "t", None, 0);
+        let mut first = tenant_flight(&c);
+        assert_eq!(send(first.resume(&s, &c, 0, 1)), "gpt-4.1", "one call");
+        let r = finish(tenant_flight(&c).resume(&s, &c, 1, 2));
+        let v: serde_json::Value = serde_json::from_slice(&r.body).unwrap();
+        assert_eq!((r.status, v["error"]["code"].as_str()), (503, Some("budget_store_unavailable")));
+        assert_eq!(r.header("retry-after"), Some("5"));
+    }
+
+    #[test]
+    fn a_streams_attempts_before_the_one_that_answered_are_charged_their_worst_case() {
+        let (s, c) = (MemStore::new(), tenant_config(r#","usd_per_day":1"#, ""));
+        let mut f = tenant_flight(&c);
+        send(f.resume(&s, &c, 0, 1));
+        // Envoy's router tried three times; the third answered, with its usage.
+        f.on_stream_end(&s, &c, &streamed(Some((7, 5)), 0, 3), &ProviderHints::default(), 10);
+        assert_eq!(crate::core::limits::budget::spent(&s, "t", 11).0, 2 * 3000 + 220);
     }
 
     #[test]

@@ -51,6 +51,9 @@ pub enum Refused {
     /// With a spend store, the tenant's record has not been read from it since this node
     /// began to keep it: no call is admitted until it is (`budget_store::wanted`).
     Unread,
+    /// The store has never answered for the record, and what this node admits meanwhile
+    /// (`budget_store.outage_usd`) leaves no room for the call: look again once it is read.
+    Outage,
 }
 
 /// How the budgets are backed: by the spend store (`budget_store`), and the fleet's size,
@@ -59,11 +62,14 @@ pub enum Refused {
 pub struct Backing {
     pub store: bool,
     pub nodes: u32,
+    /// What a node admits per period while the store has never answered
+    /// (`budget_store.outage_usd`; `None`: one call's worst case alone).
+    pub outage_micro: Option<u64>,
 }
 
 impl Backing {
     /// Process memory only (no store).
-    pub const MEMORY: Backing = Backing { store: false, nodes: 1 };
+    pub const MEMORY: Backing = Backing { store: false, nodes: 1, outage_micro: None };
 }
 
 /// Settled spend of one day and one month, as the spend store keeps it for a tenant.
@@ -73,6 +79,10 @@ pub struct Stored {
     pub day_micro: u64,
     pub month: u64,
     pub month_micro: u64,
+    /// The tag of the write that put it there (a random number per write): a write whose
+    /// answer was lost, or one that another worker's round sent alike, is known by it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub write: Option<u64>,
 }
 
 impl Stored {
@@ -81,10 +91,19 @@ impl Stored {
         (if self.day == day { self.day_micro } else { 0 }, if self.month == month { self.month_micro } else { 0 })
     }
 
-    /// With `(day_micro, month_micro)` more spent in `day` and `month`.
-    pub fn plus(&self, day: u64, month: u64, (d, m): (u64, u64)) -> Stored {
+    /// With `(day_micro, month_micro)` more spent in `day` and `month`, written as `write`.
+    /// The periods never go back: spend a node whose clock lags settled in a day (or month)
+    /// the store has already left counts in the store's, never resets it.
+    pub fn plus(&self, day: u64, month: u64, (d, m): (u64, u64), write: u64) -> Stored {
+        let (day, month) = (day.max(self.day), month.max(self.month));
         let (old_d, old_m) = self.within(day, month);
-        Stored { day, day_micro: old_d.saturating_add(d), month, month_micro: old_m.saturating_add(m) }
+        Stored {
+            day,
+            day_micro: old_d.saturating_add(d),
+            month,
+            month_micro: old_m.saturating_add(m),
+            write: Some(write),
+        }
     }
 }
 
@@ -162,7 +181,7 @@ impl Spend {
                 2 => Mark::Unreachable { until_ms: number },
                 _ => return None,
             };
-            spend.stored = Stored { day: sd, day_micro: sdm, month: sm, month_micro: smm };
+            spend.stored = Stored { day: sd, day_micro: sdm, month: sm, month_micro: smm, write: None };
             spend.unsent = (ud, um);
         }
         Some(spend)
@@ -230,9 +249,31 @@ impl Spend {
         match self.mark {
             _ if !backing.store => Ok(caps),
             Mark::Read { .. } => Ok(caps),
-            // Until a round's read again reaches the store (`budget_store::due`).
-            Mark::Unreachable { .. } => Ok(caps.share(backing.nodes)),
+            // Until a round's read again reaches the store (`budget_store::due`), a node
+            // that never read the record knows nothing of what was spent: it admits its
+            // outage allowance (within its share), by default one call alone.
+            Mark::Unreachable { .. } => {
+                let share = caps.share(backing.nodes);
+                match backing.outage_micro {
+                    Some(allowed) => Ok(Caps {
+                        per_day: share.per_day.map(|c| c.min(allowed)),
+                        per_month: share.per_month.map(|c| c.min(allowed)),
+                    }),
+                    None if self.day_micro == 0 && self.month_micro == 0 => Ok(share),
+                    None => Err(Refused::Outage),
+                }
+            }
             Mark::Unread => Err(Refused::Unread),
+        }
+    }
+
+    /// Whether a call of `micro` is admitted as the record stands with the store: an
+    /// outage allowance spent is the store's silence, not the tenant's budget.
+    fn admits(&self, caps: Caps, backing: Backing, micro: u64, now_ms: u64) -> Result<(), Refused> {
+        let outage = backing.store && matches!(self.mark, Mark::Unreachable { .. });
+        match self.room(self.caps_now(caps, backing)?, micro, now_ms) {
+            Err(Refused::Exhausted(_) | Refused::Held) if outage => Err(Refused::Outage),
+            other => other,
         }
     }
 
@@ -313,7 +354,7 @@ pub fn reserve(
         let Ok(read) = store.get(&key) else { return Ok(hold) };
         let mut spend = read.value.as_deref().and_then(Spend::decode).unwrap_or_default().at(now_ms);
         spend.held.retain(|e| e.id != id);
-        spend.room(spend.caps_now(caps, backing)?, micro, now_ms)?;
+        spend.admits(caps, backing, micro, now_ms)?;
         spend.day_micro = spend.day_micro.saturating_add(micro);
         spend.month_micro = spend.month_micro.saturating_add(micro);
         if spend.held.len() >= MAX_IN_FLIGHT {
@@ -388,7 +429,7 @@ pub fn check(
     }
     let Ok(read) = store.get(&key(tenant)) else { return Ok(()) };
     let spend = read.value.as_deref().and_then(Spend::decode).unwrap_or_default().at(now_ms);
-    spend.room(spend.caps_now(caps, backing)?, micro, now_ms)
+    spend.admits(caps, backing, micro, now_ms)
 }
 
 /// Micro-dollars spent (and reserved) today and this month.

@@ -22,6 +22,9 @@ pub const ROUND_KEY: &str = "holysheep/budget-store/round";
 /// Whether the store answered last, for the whole process (`1`, `0`): its silence is
 /// logged once.
 pub const REACHED_KEY: &str = "holysheep/budget-store/reached";
+/// `1` while the store's cluster is none the host knows (its calls cannot be sent), for
+/// the whole process: nothing budgeted is admitted then (`misconfigured`).
+pub const MISCONFIGURED_KEY: &str = "holysheep/budget-store/misconfigured";
 /// How often a call waiting for its tenant's record to be read looks again.
 pub const READ_POLL_MS: u64 = 20;
 /// How long after the store could not be read a round of writes reads it again (the node
@@ -95,6 +98,19 @@ fn found(v: &Value) -> Option<Found> {
 
 fn number(v: &Value) -> Option<u64> {
     v.as_str().and_then(|s| s.parse().ok()).or_else(|| v.as_u64())
+}
+
+/// Whether the store's calls cannot be sent (its cluster is none the host knows).
+pub fn misconfigured(store: &impl CasStore) -> bool {
+    store.get(MISCONFIGURED_KEY).ok().and_then(|r| r.value).is_some_and(|v| v == b"1")
+}
+
+/// Records whether the store's calls can be sent; `true` when that changed.
+pub fn set_misconfigured(store: &impl CasStore, missing: bool) -> bool {
+    let flag: &[u8] = if missing { b"1" } else { b"0" };
+    let Ok(read) = store.get(MISCONFIGURED_KEY) else { return false };
+    let was = read.value.as_deref().unwrap_or(b"0");
+    was != flag && store.set(MISCONFIGURED_KEY, flag, cas_after(&read)).is_ok()
 }
 
 /// `tenant`'s record must be read from the store before its calls are admitted.
@@ -186,15 +202,16 @@ pub enum Due {
     Read,
 }
 
-/// What `tenant`'s record is due in a round, if anything.
-pub fn due(store: &impl CasStore, tenant: &str, now_ms: u64) -> Option<Due> {
+/// What `tenant`'s record is due in a round, if anything; a write is tagged `write` (a
+/// random number, unique to it).
+pub fn due(store: &impl CasStore, tenant: &str, now_ms: u64, write: u64) -> Option<Due> {
     let raw = store.get(&budget::key(tenant)).ok()?.value?;
     let s = Spend::decode(&raw)?.at(now_ms);
     match s.mark {
         Mark::Read { revision } if s.unsent != (0, 0) => Some(Due::Write(Flush {
             tenant: tenant.to_owned(),
             revision,
-            value: s.stored.plus(s.day, s.month, s.unsent),
+            value: s.stored.plus(s.day, s.month, s.unsent, write),
             sent: s.unsent,
             day: s.day,
             month: s.month,
@@ -212,8 +229,9 @@ pub fn due(store: &impl CasStore, tenant: &str, now_ms: u64) -> Option<Due> {
 /// refused (the key changed), the record learns what the store holds now, others' spend
 /// included, and writes again next round.
 pub fn flushed(store: &impl CasStore, flush: &Flush, answer: Option<Result<u64, Found>>, now_ms: u64) {
-    // A refusal that finds the key holding exactly what was written says the write landed
-    // (its answer was lost, or another worker sent the same write).
+    // A refusal that finds the key holding this very write (its tag included) says it
+    // landed and its answer was lost. Another worker's round may have sent the same sums
+    // under another tag: that one is not this write, and counts once.
     let answer = match answer {
         Some(Err(now)) if now.stored == Some(flush.value) => Ok(now.revision),
         Some(answer) => answer,
@@ -267,7 +285,7 @@ mod tests {
     use crate::core::store::MemStore;
 
     const DEC_1: u64 = 1_796_083_200_000;
-    const BACKED: Backing = Backing { store: true, nodes: 2 };
+    const BACKED: Backing = Backing { store: true, nodes: 2, outage_micro: None };
 
     fn config() -> Config {
         Config::parse(br#"{"budget_store":{"cluster":"etcd","prefix":"edge/prod"}}"#).unwrap()
@@ -286,7 +304,7 @@ mod tests {
             (r.path, base64::decode(v["key"].as_str().unwrap()).unwrap()),
             ("/v3/kv/range", b"edge/prod/budget/t".to_vec())
         );
-        let t = txn(&c, "t", 7, &Stored { day: 1, day_micro: 2, month: 3, month_micro: 4 });
+        let t = txn(&c, "t", 7, &Stored { day: 1, day_micro: 2, month: 3, month_micro: 4, write: None });
         let v: Value = serde_json::from_slice(&t.body).unwrap();
         assert_eq!(v["compare"][0]["mod_revision"], "7");
         let value = base64::decode(v["success"][0]["request_put"]["value"].as_str().unwrap()).unwrap();
@@ -315,7 +333,7 @@ mod tests {
         assert_eq!(take_wanted(&s), ["t"], "asked for once");
         assert!(take_wanted(&s).is_empty());
         // The store holds 800 of today's 1000 (spent before a restart).
-        let held = Stored { day: DEC_1 / 86_400_000, day_micro: 800, month: 0, month_micro: 0 };
+        let held = Stored { day: DEC_1 / 86_400_000, day_micro: 800, month: 0, month_micro: 0, write: None };
         assert!(read(&s, "t", Some(Found { stored: Some(held), revision: 4 }), DEC_1));
         assert_eq!(spent(&s, "t", DEC_1).0, 800);
         let over = reserve(&s, "t", caps(), (1, 300, DEC_1 + 9_000), DEC_1);
@@ -340,37 +358,43 @@ mod tests {
 
     /// The write due for `t`, if a write is.
     fn write_due(s: &MemStore, now_ms: u64) -> Option<Flush> {
-        match due(s, "t", now_ms) {
+        match due(s, "t", now_ms, now_ms) {
             Some(Due::Write(f)) => Some(f),
             _ => None,
         }
     }
 
     #[test]
-    fn an_unreachable_store_admits_from_the_nodes_share_until_a_round_reads_it_again() {
+    fn a_store_that_never_answered_admits_one_call_or_the_outage_allowance_then_refuses() {
         let s = MemStore::new();
         assert!(!read(&s, "t", None, DEC_1));
-        let Err(Refused::Exhausted(share)) = reserve(&s, "t", caps(), (1, 600, DEC_1 + 9_000), DEC_1) else {
-            panic!("held to the share")
-        };
-        assert_eq!(share.cap_micro, 500, "half of 1000 on a node of two");
-        reserve(&s, "t", caps(), (2, 400, DEC_1 + 9_000), DEC_1).unwrap();
+        // Nothing is known of what was spent: one call alone, within the node's share.
+        assert_eq!(reserve(&s, "t", caps(), (1, 600, DEC_1 + 9_000), DEC_1), Err(Refused::Outage), "past the share");
+        reserve(&s, "t", caps(), (2, 400, DEC_1 + 9_000), DEC_1).expect("one call");
+        assert_eq!(reserve(&s, "t", caps(), (3, 1, DEC_1 + 9_000), DEC_1), Err(Refused::Outage), "not a second");
         settle(&s, "t", caps().0, 2, 100, DEC_1 + 1);
-        assert_eq!(due(&s, "t", DEC_1 + 2), None, "nothing is written before the store is read");
+        assert_eq!(reserve(&s, "t", caps(), (4, 1, DEC_1 + 9_000), DEC_1 + 1), Err(Refused::Outage), "nor after it");
+        assert_eq!(due(&s, "t", DEC_1 + 2, 1), None, "nothing is written before the store is read");
         let later = DEC_1 + UNREACHABLE_MS;
-        reserve(&s, "t", caps(), (3, 1, later + 9_000), later).expect("still admitted from the share");
-        settle(&s, "t", caps().0, 3, 1, later);
-        assert_eq!(due(&s, "t", later), Some(Due::Read), "a round reads it again");
+        assert_eq!(due(&s, "t", later, 1), Some(Due::Read), "a round reads it again");
         assert!(read(&s, "t", Some(Found { stored: None, revision: 0 }), later));
-        assert_eq!(spent(&s, "t", later).0, 101, "what was settled meanwhile is kept");
-        assert_eq!(write_due(&s, later).map(|f| (f.revision, f.value.day_micro)), Some((0, 101)));
+        assert_eq!(spent(&s, "t", later).0, 100, "what was settled meanwhile is kept");
+        reserve(&s, "t", caps(), (5, 400, later + 9_000), later).expect("read: the budget decides again");
+        assert_eq!(write_due(&s, later).map(|f| (f.revision, f.value.day_micro)), Some((0, 100)));
+        // A configured allowance: that much per node and period, within the share.
+        let s = MemStore::new();
+        let allowed = (caps().0, Backing { outage_micro: Some(450), ..BACKED });
+        read(&s, "t", None, DEC_1);
+        reserve(&s, "t", allowed, (1, 300, DEC_1 + 9_000), DEC_1).unwrap();
+        reserve(&s, "t", allowed, (2, 150, DEC_1 + 9_000), DEC_1).unwrap();
+        assert_eq!(reserve(&s, "t", allowed, (3, 1, DEC_1 + 9_000), DEC_1), Err(Refused::Outage));
     }
 
     #[test]
     fn a_write_counts_once_whatever_order_its_answers_and_reads_come_in() {
         let s = MemStore::new();
         let today = DEC_1 / 86_400_000;
-        let base = Stored { day: today, day_micro: 100, month: 0, month_micro: 0 };
+        let base = Stored { day: today, day_micro: 100, month: 0, month_micro: 0, write: None };
         read(&s, "t", Some(Found { stored: Some(base), revision: 3 }), DEC_1);
         settle(&s, "t", caps().0, 1, 20, DEC_1);
         let flush = write_due(&s, DEC_1).unwrap();
@@ -386,12 +410,46 @@ mod tests {
         flushed(&s, &flush, Some(Ok(5)), DEC_1 + 4);
         assert_eq!((spent(&s, "t", DEC_1 + 4).0, write_due(&s, DEC_1 + 4)), (125, None));
         // Not learned for a while: read again, and what another node spent counts here.
-        assert_eq!(due(&s, "t", DEC_1 + 4 + REFRESH_MS), Some(Due::Read));
+        assert_eq!(due(&s, "t", DEC_1 + 4 + REFRESH_MS, 1), Some(Due::Read));
         let elsewhere = Stored { day_micro: 400, ..base };
         read(&s, "t", Some(Found { stored: Some(elsewhere), revision: 9 }), DEC_1 + 5 + REFRESH_MS);
         assert_eq!(spent(&s, "t", DEC_1 + 5 + REFRESH_MS).0, 400);
         read(&s, "t", Some(Found { stored: Some(base), revision: 8 }), DEC_1 + 6 + REFRESH_MS);
         assert_eq!(spent(&s, "t", DEC_1 + 6 + REFRESH_MS).0, 400, "an older answer is dropped");
+    }
+
+    #[test]
+    fn two_rounds_that_send_the_same_sums_count_once_and_lose_nothing_settled_between() {
+        let s = MemStore::new();
+        let today = DEC_1 / 86_400_000;
+        let base = Stored { day: today, day_micro: 100, month: 0, month_micro: 0, write: None };
+        read(&s, "t", Some(Found { stored: Some(base), revision: 3 }), DEC_1);
+        settle(&s, "t", caps().0, 1, 20, DEC_1);
+        // etcd is slower than a round: two workers' rounds send the same sums, each tagged.
+        let (Some(Due::Write(a)), Some(Due::Write(b))) = (due(&s, "t", DEC_1, 11), due(&s, "t", DEC_1, 12)) else {
+            panic!("two writes due")
+        };
+        assert_eq!((a.value.day_micro, b.value.day_micro), (120, 120));
+        assert_ne!(a.value, b.value, "told apart by their tags");
+        settle(&s, "t", caps().0, 2, 7, DEC_1 + 1);
+        // The first lands; the second is refused and finds the first there.
+        flushed(&s, &a, Some(Ok(4)), DEC_1 + 2);
+        flushed(&s, &b, Some(Err(Found { stored: Some(a.value), revision: 4 })), DEC_1 + 3);
+        assert_eq!(spent(&s, "t", DEC_1 + 3).0, 127, "the 7 settled between is still here");
+        let next = write_due(&s, DEC_1 + 4).unwrap();
+        assert_eq!((next.revision, next.value.day_micro), (4, 127), "and written next");
+    }
+
+    #[test]
+    fn a_node_whose_clock_lags_adds_to_the_stores_newer_day_never_resets_it() {
+        let s = MemStore::new();
+        let today = DEC_1 / 86_400_000;
+        // Another node already writes tomorrow's spend.
+        let ahead = Stored { day: today + 1, day_micro: 50, month: 0, month_micro: 0, write: None };
+        read(&s, "t", Some(Found { stored: Some(ahead), revision: 3 }), DEC_1);
+        settle(&s, "t", caps().0, 1, 20, DEC_1);
+        let flush = write_due(&s, DEC_1 + 1).unwrap();
+        assert_eq!((flush.value.day, flush.value.day_micro), (today + 1, 70));
     }
 
     #[test]

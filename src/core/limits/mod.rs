@@ -111,6 +111,13 @@ pub enum Kind {
     /// A tenant's budget has room for the call only once its calls in flight settle.
     #[serde(rename = "budget_held")]
     BudgetHeld,
+    /// A tenant's spend store has never answered this node, and what the node admits
+    /// meanwhile is used.
+    #[serde(rename = "store_silent")]
+    StoreSilent,
+    /// The spend store's cluster is none the host knows: nothing budgeted is admitted.
+    #[serde(rename = "store_missing")]
+    StoreMissing,
 }
 
 impl Kind {
@@ -126,6 +133,7 @@ impl Kind {
             | Kind::BudgetHeld => "requests",
             Kind::Tokens => "tokens",
             Kind::QuotaDay | Kind::QuotaMonth => "insufficient_quota",
+            Kind::StoreSilent | Kind::StoreMissing => "server_error",
         }
     }
 }

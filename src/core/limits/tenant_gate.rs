@@ -44,7 +44,7 @@ impl Ledger {
     /// node's share (kept here alone while the tenant's owner is out of reach).
     fn backing(&self, config: &Config) -> Backing {
         let store = config.budget_store.enabled() && !self.name.ends_with(SHARE);
-        Backing { store, nodes: config.fleet.nodes }
+        Backing { store, nodes: config.fleet.nodes, outage_micro: config.budget_store.outage_micro() }
     }
 
     /// `tenant`'s ledger (`share`: this node's part of it in a fleet of that many nodes,
@@ -200,6 +200,9 @@ pub fn take(
     // A call the budget refuses takes nothing from the buckets (a call waiting for other
     // calls' settlements looks again and again); without buckets, the reservation decides.
     let backed = (ledger.caps, ledger.backing(config));
+    if backed.1.store && !backed.0.is_none() && budget_store::misconfigured(store) {
+        return Err(Refusal::Bucket(Denial::of(Kind::StoreMissing, None)));
+    }
     if ledger.bucket.is_some() {
         budget::check(store, &ledger.name, backed, ask.worst_micro, now_ms).map_err(|r| refusal(store, &ledger, r))?;
     }
@@ -241,6 +244,7 @@ fn refusal(store: &impl CasStore, ledger: &Ledger, refused: Refused) -> Refusal 
             budget_store::want(store, &ledger.name);
             Refusal::Bucket(Denial::of(Kind::Contended, Some(budget_store::READ_POLL_MS)))
         }
+        Refused::Outage => Refusal::Bucket(Denial::of(Kind::StoreSilent, Some(budget_store::UNREACHABLE_MS))),
     }
 }
 
@@ -322,6 +326,28 @@ impl TenantHold {
 /// the 400 of a call its bucket could never admit.
 pub fn refused(config: &Config, tenant: &str, model: &str, refusal: Refusal, estimate: u64) -> Response {
     let (e, wait) = match refusal {
+        Refusal::Bucket(d) if d.kind == Kind::StoreMissing => {
+            let cluster = &config.budget_store.cluster;
+            let message = format!(
+                "The edge is misconfigured: budget_store.cluster '{cluster}' is no cluster this Envoy knows, so \
+                 tenant {tenant}'s spend cannot be kept; its calls are refused until the configuration is fixed."
+            );
+            let e = ApiError::server(message, "edge_misconfigured");
+            return Response::json(500, e.body()).with_header("x-holysheep-model", model.to_owned());
+        }
+        Refusal::Bucket(d) if d.kind == Kind::StoreSilent => {
+            let wait = d.wait_ms.unwrap_or(budget_store::UNREACHABLE_MS).max(1_000);
+            let message = format!(
+                "Tenant {tenant}'s spend is kept in the spend store, which has not answered this node yet; what it \
+                 admits meanwhile is used. Please try again in {}.",
+                duration(wait)
+            );
+            let e =
+                ApiError { status: 503, message, kind: "server_error", param: None, code: "budget_store_unavailable" };
+            return Response::json(503, e.body())
+                .with_header("retry-after", wait.div_ceil(1000).to_string())
+                .with_header("x-holysheep-model", model.to_owned());
+        }
         Refusal::Bucket(d) if d.kind == Kind::BudgetHeld => {
             let wait = d.wait_ms.unwrap_or(BUDGET_POLL_MS).max(1_000);
             let message = format!(

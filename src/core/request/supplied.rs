@@ -17,7 +17,7 @@ pub fn supplied_input(endpoint: Endpoint, map: &Map<String, Value>) -> Option<St
             }
             let items = map.get("input").and_then(Value::as_array)?;
             items.iter().enumerate().find_map(|(i, item)| {
-                if item.get("type").and_then(Value::as_str) == Some("item_reference") {
+                if is_reference(item) {
                     return Some(format!("input[{i}]"));
                 }
                 parts(item).find_map(|(j, part)| by_reference(part).map(|f| format!("input[{i}].content[{j}].{f}")))
@@ -41,12 +41,13 @@ pub fn foreign_object(endpoint: Endpoint, map: &Map<String, Value>) -> Option<St
         Endpoint::Responses if map.get("conversation").is_some_and(|v| !v.is_null()) => {
             return Some("conversation".into())
         }
+        Endpoint::Responses if stored_by_tool(map).is_some() => return stored_by_tool(map),
         Endpoint::Responses => ("input", map.get("input").and_then(Value::as_array)?),
         Endpoint::Chat => ("messages", map.get("messages").and_then(Value::as_array)?),
         Endpoint::Completions | Endpoint::Embeddings => return None,
     };
     items.1.iter().enumerate().find_map(|(i, item)| {
-        if item.get("type").and_then(Value::as_str) == Some("item_reference") {
+        if is_reference(item) {
             return Some(format!("{}[{i}]", items.0));
         }
         parts(item).find_map(|(j, part)| match by_reference(part) {
@@ -70,6 +71,27 @@ pub fn hosted_tool(endpoint: Endpoint, map: &Map<String, Value>) -> Option<Strin
         Endpoint::Chat => map.get("web_search_options").filter(|v| !v.is_null()).map(|_| "web_search_options".into()),
         Endpoint::Completions | Endpoint::Embeddings => None,
     }
+}
+
+/// An input item that names a stored item instead of carrying one: an `item_reference`,
+/// or an item of nothing but its `id` (and `type`).
+fn is_reference(item: &Value) -> bool {
+    let Some(o) = item.as_object() else { return false };
+    o.get("type").and_then(Value::as_str) == Some("item_reference")
+        || (o.contains_key("id") && o.keys().all(|k| k == "id" || k == "type"))
+}
+
+/// A hosted tool run on stored objects: `file_search`'s vector stores, a code
+/// interpreter's container by id.
+fn stored_by_tool(map: &Map<String, Value>) -> Option<String> {
+    let tools = map.get("tools").and_then(Value::as_array)?;
+    tools.iter().enumerate().find_map(|(i, t)| match t.get("type").and_then(Value::as_str) {
+        Some("file_search") => Some(format!("tools[{i}].vector_store_ids")),
+        Some("code_interpreter") if t.get("container").is_some_and(Value::is_string) => {
+            Some(format!("tools[{i}].container"))
+        }
+        _ => None,
+    })
 }
 
 /// The content parts of a message or input item, with their indexes.
@@ -148,6 +170,22 @@ mod tests {
         assert_eq!(r(json!({"input": "a", "previous_response_id": "resp_1"})), None, "a response: signed ids");
         assert_eq!(r(json!({"input": "a", "conversation": "conv_1"})).as_deref(), Some("conversation"));
         assert_eq!(r(json!({"input": [{"type": "item_reference", "id": "msg_1"}]})).as_deref(), Some("input[0]"));
+        assert_eq!(r(json!({"input": ["x", {"id": "msg_1"}]})).as_deref(), Some("input[1]"), "a bare id");
+        assert_eq!(r(json!({"input": [{"type": "reasoning", "id": "rs_1"}]})).as_deref(), Some("input[0]"));
+        let carried = json!({"input": [{"type": "message", "id": "msg_1", "role": "user", "content": "hi"}]});
+        assert_eq!(r(carried), None, "an item that carries itself");
+        assert_eq!(
+            r(json!({"input": "a", "tools": [{"type": "file_search", "vector_store_ids": ["vs_1"]}]})).as_deref(),
+            Some("tools[0].vector_store_ids")
+        );
+        assert_eq!(
+            r(json!({"input": "a", "tools": [{"type": "code_interpreter", "container": "cntr_1"}]})).as_deref(),
+            Some("tools[0].container")
+        );
+        assert_eq!(
+            r(json!({"input": "a", "tools": [{"type": "code_interpreter", "container": {"type": "auto"}}]})),
+            None
+        );
         let url = json!({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "https://x"}]}]});
         assert_eq!(r(url), None, "a URL is no stored object");
         let file =

@@ -44,7 +44,11 @@ pub fn admit(
             let models = [outbound.model.clone()];
             let worst = tenant_gate::worst_micro(config, &models, outbound.worst_tokens())
                 .saturating_add(super::cost_micro_usd(config, estimate));
-            let backing = Backing { store: config.budget_store.enabled(), nodes: config.fleet.nodes };
+            let backing = Backing {
+                store: config.budget_store.enabled(),
+                nodes: config.fleet.nodes,
+                outage_micro: config.budget_store.outage_micro(),
+            };
             if budget::check(store, name, (caps, backing), worst, now_ms).is_err() {
                 return false;
             }

@@ -97,7 +97,7 @@ impl Root {
             }
             return;
         }
-        let watched = self.worker.borrow().engine().abandon(&call);
+        let watched = self.worker.borrow().engine().abandon(&call, host::now_ms());
         if let Some(l) = call.lease {
             self.wake_waiters(&l.key, watched);
         }

@@ -11,7 +11,7 @@ use crate::core::upstream::Outbound;
 use crate::proxy::host;
 use crate::proxy::runs::Probing;
 use crate::proxy::wake::{Message, POLL_ALL};
-use crate::proxy::worker::Target;
+use crate::proxy::worker::{Target, Worker};
 use std::rc::Rc;
 
 /// Finished flights a worker keeps for waiters it answers over several VM calls.
@@ -56,26 +56,13 @@ impl Root {
             .filter(|(_, (w, _))| key.is_none_or(|k| *k == w.key))
             .map(|(id, _)| *id)
             .collect();
-        if ids.is_empty() {
-            return;
-        }
-        // One VM call: one clock reading, and a finished flight read once for its waiters
-        // (or taken from an earlier batch of them).
+        // One VM call: one clock reading, and a finished flight read once for its waiters,
+        // kept for those a later VM call answers (its lease way may be another flight's by
+        // then).
         let now = host::now_ms();
-        let mut seen = key.and_then(|k| {
-            let mut w = self.worker.borrow_mut();
-            let at = w.finishing.iter().position(|f| f.key() == k)?;
-            Some(w.finishing.swap_remove(at))
-        });
         for id in ids {
             if self.out_of_replies() {
-                let mut w = self.worker.borrow_mut();
-                if let (Some(finished), Some(_)) = (seen, key) {
-                    if w.finishing.len() >= MAX_FINISHING {
-                        w.finishing.remove(0);
-                    }
-                    w.finishing.push(finished);
-                }
+                let w = self.worker.borrow();
                 w.queue.continue_later(key.map_or(POLL_ALL, |k| k.hex().as_bytes()));
                 return;
             }
@@ -83,11 +70,24 @@ impl Root {
             let Some((wait, outbound)) = taken else { continue };
             let step = {
                 let mut w = self.worker.borrow_mut();
+                let at = w.finishing.iter().position(|f| f.is_for(&wait));
+                let mut seen = at.map(|at| w.finishing.swap_remove(at));
                 let nonce = w.nonce();
-                w.engine().poll_with(&wait, now, nonce, &mut seen)
+                let step = w.engine().poll_with(&wait, now, nonce, &mut seen);
+                if let Some(finished) = seen {
+                    if w.finishing.len() >= MAX_FINISHING {
+                        w.finishing.remove(0);
+                    }
+                    w.finishing.push(finished);
+                }
+                step
             };
             self.execute(id, step, outbound, Served::waited(now.saturating_sub(wait.since_ms)));
         }
+        // Every waiter looked: a finished flight none of whose waiters is left is forgotten.
+        let mut w = self.worker.borrow_mut();
+        let Worker { finishing, waiters, .. } = &mut *w;
+        finishing.retain(|f| waiters.values().any(|(wait, _)| f.is_for(wait)));
     }
 
     /// One message from the worker's own queue.

@@ -677,6 +677,25 @@ mod tests {
     }
 
     #[test]
+    fn a_priced_default_prices_for_a_budgeted_tenant_only_the_models_its_list_names() {
+        let (a, b) = ("a".repeat(64), "b".repeat(64));
+        let raw = format!(
+            r#"{{"models":{{"default":{{"usd_per_mtok_input":1,"usd_per_mtok_output":2}},"gpt-4.1":{{"usd_per_mtok_input":2}}}},
+                "tenants":{{"open":{{"keys_sha256":["{a}"],"usd_per_day":1}},
+                            "listed":{{"keys_sha256":["{b}"],"usd_per_day":1,"models":["o1-pro"]}}}}}}"#
+        );
+        let config = Config::parse(raw.as_bytes()).unwrap();
+        let store = crate::core::store::MemStore::new();
+        let engine = Engine { store: &store, config: &config };
+        let head = |t: &str| Head { verified: Some(t.into()), ..Head::default() };
+        let chat = |m: &str| format!(r#"{{"model":"{m}","messages":[{{"role":"user","content":"hi"}}]}}"#).into_bytes();
+        let e = decide(&engine, head("open"), &chat("o1-pro"), None, 0, 1).unwrap_err();
+        assert_eq!((e.status, e.code), (404, "model_not_found"), "not at default's rate");
+        assert!(decide(&engine, head("open"), &chat("gpt-4.1"), None, 0, 2).is_ok(), "its own price");
+        assert!(decide(&engine, head("listed"), &chat("o1-pro"), None, 0, 3).is_ok(), "the operator listed it");
+    }
+
+    #[test]
     fn a_tenant_continues_only_the_responses_it_was_handed() {
         let (a, b) = ("a".repeat(64), "b".repeat(64));
         let raw = format!(r#"{{"tenants":{{"alpha":{{"keys_sha256":["{a}"]}},"beta":{{"keys_sha256":["{b}"]}}}}}}"#);

@@ -125,6 +125,18 @@ fn a_budgeted_tenant_reaches_only_priced_models() {
     assert_eq!(chat(&s, "search", &other).status, 200, "no budget, no price needed");
     assert_eq!(chat(&s, "batch", &prompt("priced")).status, 200);
     assert!(s.crashes().is_empty(), "{:?}", s.crashes());
+
+    // A priced `default` prices only what a tenant's own list names: not o1-pro for a
+    // budgeted tenant without a list, at default's rate.
+    let models = format!(r#"{{"gpt-4.1":{{{PRICES}}},"default":{{"usd_per_mtok_input":1,"usd_per_mtok_output":1}}}}"#);
+    let limits = [("batch", r#""usd_per_day":1"#), ("alpha", r#""usd_per_day":1,"models":["o1-pro"]"#)];
+    let s = start(&config(&models, "{}", &limits), 0);
+    let dear = prompt_for("o1-pro", "priced by default");
+    let r = chat(&s, "batch", &dear);
+    assert_eq!((r.status, code(&r).as_str()), (404, "model_not_found"), "{}", r.text());
+    assert_eq!(s.calls(), 0);
+    assert_eq!(chat(&s, "alpha", &dear).status, 200, "the operator listed it for alpha");
+    assert!(s.crashes().is_empty(), "{:?}", s.crashes());
 }
 
 #[test]

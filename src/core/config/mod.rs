@@ -626,8 +626,17 @@ impl Config {
 
     /// Whether a tenant may call `model` at a price the edge knows: always, unless the
     /// tenant has a dollar budget and nothing prices the model.
+    /// A model priced by its own entry; one priced only by `default` only when the tenant's
+    /// own `models` list names it (the operator chose it): else a budgeted tenant could
+    /// name any model, o1-pro say, and be held to `default`'s rates.
     pub fn prices_for(&self, tenant: &Tenant, model: &str) -> bool {
-        tenant.caps().is_none() || self.model(model).is_some_and(|(_, m)| m.priced())
+        if tenant.caps().is_none() {
+            return true;
+        }
+        match self.models.get(model) {
+            Some(m) => m.priced(),
+            None => tenant.models.is_some() && self.models.get("default").is_some_and(Model::priced),
+        }
     }
 
     /// The class a request of `tenant` is granted (`None`: not verified, `standard`); a

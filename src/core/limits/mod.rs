@@ -471,6 +471,18 @@ pub fn settle(
     });
 }
 
+/// A call admitted by the bucket, then refused before it left (its tenant's budget had no
+/// room): its slot, its token estimate and its request go back, as if it had never come.
+pub fn give_back(store: &impl CasStore, bucket: &str, l: &Limits, id: u64, estimate: u64, now_ms: u64) {
+    let _ = update(store, bucket, l, now_ms, |b| {
+        b.settle(l, id, estimate, Some(0), now_ms);
+        if l.rpm.is_some() {
+            b.requests = (b.requests + 1.0).min(l.burst);
+        }
+        ((), true)
+    });
+}
+
 /// `n` more requests made for a call already admitted (a stream's attempts beyond its first,
 /// which Envoy's router made): taken from the request bucket, which may go below empty.
 pub fn charge_requests(store: &impl CasStore, bucket: &str, l: &Limits, n: u64, now_ms: u64) {
@@ -570,6 +582,19 @@ mod tests {
         b.tokens -= 100.0;
         b.settle(&l, 4, 100, Some(9_999), 0);
         assert_eq!(b.tokens, -5_100.0);
+    }
+
+    #[test]
+    fn a_call_given_back_leaves_the_bucket_as_if_it_never_came() {
+        let s = MemStore::new();
+        let l = limits(60, 1000, Some(2), Some(1));
+        let who = Who::standard(1, 300);
+        take(&s, "t", &l, &who, 0, 0, false).unwrap();
+        let b = peek(&s, "t", &l, 0);
+        assert_eq!((b.requests, b.tokens), (1.0, 700.0));
+        give_back(&s, "t", &l, 1, 300, 0);
+        let b = peek(&s, "t", &l, 0);
+        assert_eq!((b.requests, b.tokens), (2.0, 1000.0), "the request and the tokens back");
     }
 
     #[test]

@@ -215,8 +215,7 @@ pub fn take(
         Ok(hold) => hold,
         Err(refused) => {
             if let Some(l) = &ledger.bucket {
-                let hints = ProviderHints::default();
-                limits::settle(store, &bucket(&ledger.name), l, id, estimate, Some(0), &hints, now_ms);
+                limits::give_back(store, &bucket(&ledger.name), l, id, estimate, now_ms);
             }
             return Err(refusal(store, &ledger, refused));
         }

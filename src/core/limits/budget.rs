@@ -141,6 +141,10 @@ pub(super) struct Spend {
     pub(super) month: u64,
     month_micro: u64,
     held: Vec<Entry>,
+    /// Reservations no longer listed (past their deadline, or pushed off the list) and
+    /// charged at their worst case: a call that settles after all (a stream that outlived
+    /// its deadline) replaces that worst case by its cost. At most `MAX_LAPSED`.
+    lapsed: Vec<Entry>,
     pub(super) mark: Mark,
     pub(super) stored: Stored,
     pub(super) unsent: (u64, u64),
@@ -161,7 +165,10 @@ impl Spend {
         if n.next().is_some() {
             return None;
         }
-        let held = held.split(',').filter(|e| !e.is_empty()).map(Entry::decode).collect::<Option<Vec<_>>>()?;
+        let entries = held.split(',').filter(|e| !e.is_empty());
+        let (lapsed, held): (Vec<&str>, Vec<&str>) = entries.partition(|e| e.starts_with('~'));
+        let held = held.into_iter().map(Entry::decode).collect::<Option<Vec<_>>>()?;
+        let lapsed = lapsed.into_iter().map(|e| Entry::decode(&e[1..])).collect::<Option<Vec<_>>>()?;
         let mut spend = Spend { day, day_micro, month, month_micro, held, ..Spend::default() };
         let Some(backed) = backed else {
             // A record of a release without the store: what it charged beyond its
@@ -169,8 +176,10 @@ impl Spend {
             let held_d: u64 = spend.held.iter().filter(|e| e.day == day).map(|e| e.micro).sum();
             let held_m: u64 = spend.held.iter().filter(|e| e.month == month).map(|e| e.micro).sum();
             spend.unsent = (day_micro.saturating_sub(held_d), month_micro.saturating_sub(held_m));
+            spend.lapsed = lapsed;
             return Some(spend);
         };
+        spend.lapsed = lapsed;
         {
             let f: Vec<u64> = backed.split(' ').map(str::parse).collect::<Result<_, _>>().ok()?;
             let [mark, number, sd, sdm, sm, smm, ud, um, learned_ms] = f[..] else { return None };
@@ -188,7 +197,8 @@ impl Spend {
     }
 
     pub(super) fn encode(&self) -> Vec<u8> {
-        let held: Vec<String> = self.held.iter().map(Entry::encode).collect();
+        let mut held: Vec<String> = self.held.iter().map(Entry::encode).collect();
+        held.extend(self.lapsed.iter().map(|e| format!("~{}", e.encode())));
         let (mark, number) = match self.mark {
             Mark::Unread => (0, 0),
             Mark::Read { revision } => (1, revision),
@@ -225,12 +235,22 @@ impl Spend {
             (self.month, self.month_micro, self.unsent.1) = (month, 0, 0);
         }
         let (today, this_month) = (self.day, self.month);
-        for e in self.held.iter().filter(|e| e.until_ms <= now_ms) {
+        let (lapsed, held): (Vec<Entry>, Vec<Entry>) = self.held.iter().partition(|e| e.until_ms <= now_ms);
+        for e in lapsed {
             self.unsent.0 += if e.day == today { e.micro } else { 0 };
             self.unsent.1 += if e.month == this_month { e.micro } else { 0 };
+            self.lapse(e);
         }
-        self.held.retain(|e| e.until_ms > now_ms);
+        self.held = held;
         self
+    }
+
+    /// `e` is no longer listed, and stays charged at its worst case until its call settles.
+    fn lapse(&mut self, e: Entry) {
+        if self.lapsed.len() >= MAX_LAPSED {
+            self.lapsed.remove(0);
+        }
+        self.lapsed.push(e);
     }
 
     /// What a record backed by the store charges: what the store held when read, what was
@@ -335,6 +355,10 @@ pub fn key(tenant: &str) -> String {
     format!("holysheep/budget/{tenant}")
 }
 
+/// Lapsed reservations a record remembers (beyond them, a late settlement is charged on
+/// top of the worst case already charged).
+const MAX_LAPSED: usize = 64;
+
 /// Reserves `micro` for the call `id` of `tenant` at `now_ms`, listed until `until_ms`, if
 /// both periods have room (as the record stands with the spend store, `backing`).
 pub fn reserve(
@@ -362,6 +386,7 @@ pub fn reserve(
             let e = spend.held.remove(0);
             spend.unsent.0 += if e.day == spend.day { e.micro } else { 0 };
             spend.unsent.1 += if e.month == spend.month { e.micro } else { 0 };
+            spend.lapse(e);
         }
         spend.held.push(Entry { id, micro, day: hold.day, month: hold.month, until_ms });
         match store.set(&key, &spend.encode(), cas_after(&read)) {
@@ -383,9 +408,19 @@ pub fn settle(store: &impl CasStore, tenant: &str, caps: Caps, id: u64, actual: 
     }
     let _ = update(store, tenant, now_ms, |s| {
         s.release(id);
-        s.day_micro = s.day_micro.saturating_add(actual);
-        s.month_micro = s.month_micro.saturating_add(actual);
-        s.unsent = (s.unsent.0.saturating_add(actual), s.unsent.1.saturating_add(actual));
+        // A call whose reservation lapsed was charged its worst case meanwhile: its cost
+        // takes that charge's place (never going below what was charged, should part of
+        // it have been written to the store already).
+        let lapsed = s.lapsed.iter().position(|e| e.id == id).map(|at| s.lapsed.remove(at));
+        let (day, month) = (s.day, s.month);
+        let back = |period_matches: bool| lapsed.filter(|_| period_matches).map_or(0, |e| e.micro);
+        let (back_d, back_m) =
+            (back(lapsed.is_some_and(|e| e.day == day)), back(lapsed.is_some_and(|e| e.month == month)));
+        s.unsent = (
+            s.unsent.0.saturating_add(actual).saturating_sub(back_d),
+            s.unsent.1.saturating_add(actual).saturating_sub(back_m),
+        );
+        s.recharge();
         true
     });
 }
@@ -553,7 +588,9 @@ mod tests {
         assert_eq!(listed(&s), 1, "the first is past its deadline: no longer listed, still charged");
         assert_eq!(spent(&s, "t", DEC_1 + 60), (200, 200));
         settle(&s, "t", caps, 1, 30, DEC_1 + 70);
-        assert_eq!(spent(&s, "t", DEC_1 + 70), (230, 230), "too late to take it out: its cost is added");
+        assert_eq!(spent(&s, "t", DEC_1 + 70), (130, 130), "settled late: its cost takes its worst case's place");
+        settle(&s, "t", caps, 1, 30, DEC_1 + 71);
+        assert_eq!(spent(&s, "t", DEC_1 + 71), (160, 160), "a second settlement of it is charged, never refunded");
         let open = Caps { per_day: Some(u64::MAX), per_month: None };
         for id in 10..10 + MAX_IN_FLIGHT as u64 + 5 {
             reserve(&s, "t", (open, Backing::MEMORY), (id, 1, DEC_1 + DAY_MS), DEC_1 + 80).unwrap();

@@ -441,6 +441,20 @@ mod tests {
     }
 
     #[test]
+    fn a_call_that_settles_after_its_worst_case_was_written_is_never_charged_below_it() {
+        let s = MemStore::new();
+        read(&s, "t", Some(Found { stored: None, revision: 0 }), DEC_1);
+        // A stream outlives its deadline: its worst case is charged and written.
+        reserve(&s, "t", caps(), (1, 300, DEC_1 + 10), DEC_1).unwrap();
+        let flush = write_due(&s, DEC_1 + 20).unwrap();
+        assert_eq!(flush.value.day_micro, 300);
+        flushed(&s, &flush, Some(Ok(1)), DEC_1 + 21);
+        // It ends costing 40: the store keeps the 300 written, and nothing more is charged.
+        settle(&s, "t", caps().0, 1, 40, DEC_1 + 30);
+        assert_eq!((spent(&s, "t", DEC_1 + 30).0, write_due(&s, DEC_1 + 31)), (300, None));
+    }
+
+    #[test]
     fn a_node_whose_clock_lags_adds_to_the_stores_newer_day_never_resets_it() {
         let s = MemStore::new();
         let today = DEC_1 / 86_400_000;

@@ -377,7 +377,8 @@ pub fn reserve(
         // A broken store admits: the edge must not go down with it.
         let Ok(read) = store.get(&key) else { return Ok(hold) };
         let mut spend = read.value.as_deref().and_then(Spend::decode).unwrap_or_default().at(now_ms);
-        spend.held.retain(|e| e.id != id);
+        // A re-ask of the same call (a fleet retry) replaces its reservation, not adds one.
+        spend.release(id);
         spend.admits(caps, backing, micro, now_ms)?;
         spend.day_micro = spend.day_micro.saturating_add(micro);
         spend.month_micro = spend.month_micro.saturating_add(micro);
@@ -576,6 +577,17 @@ mod tests {
             reserve(&s, "t", (Caps::default(), Backing::MEMORY), (5, u64::MAX, far), DEC_1).is_ok(),
             "no caps, no record"
         );
+    }
+
+    #[test]
+    fn a_call_asked_again_under_its_id_is_reserved_once() {
+        let s = MemStore::new();
+        let caps = Caps { per_day: Some(1_000), per_month: None };
+        reserve(&s, "t", (caps, Backing::MEMORY), (1, 100, DEC_1 + 9_000), DEC_1).unwrap();
+        reserve(&s, "t", (caps, Backing::MEMORY), (1, 100, DEC_1 + 9_000), DEC_1 + 1).unwrap();
+        assert_eq!(spent(&s, "t", DEC_1 + 1), (100, 100), "one reservation, not two");
+        settle(&s, "t", caps, 1, 40, DEC_1 + 2);
+        assert_eq!(spent(&s, "t", DEC_1 + 2), (40, 40));
     }
 
     #[test]

@@ -8,7 +8,7 @@ use super::ids::IdMap;
 use crate::core::config::Config;
 use crate::core::limits::budget_store::{self, Due, EtcdCall, Flush};
 use crate::core::store::{cas_after, CasStore};
-use proxy_wasm::types::{BufferType, LogLevel, MapType};
+use proxy_wasm::types::{BufferType, LogLevel, MapType, Status};
 use std::time::Duration;
 
 pub struct BudgetStore {
@@ -145,13 +145,15 @@ impl BudgetStore {
     }
 }
 
-/// Sends `call` to etcd; the callout's token. A call Envoy refuses to send (a cluster it
-/// does not know) marks the store misconfigured for the process, logged once: nothing
-/// budgeted is admitted until a call can be sent again.
+/// Sends `call` to etcd; the callout's token. A call Envoy refuses as a bad argument (a
+/// cluster it does not know) marks the store misconfigured for the process, logged once:
+/// nothing budgeted is admitted until a call can be sent again. One that fails at once
+/// for another reason (no healthy host, a full circuit breaker) is an outage, not that.
 fn send(config: &Config, call: &EtcdCall) -> Option<u32> {
-    let token = dispatch(config, call);
-    if budget_store::set_misconfigured(&SharedData, token.is_none()) {
-        if token.is_none() {
+    let sent = dispatch(config, call);
+    let unknown = matches!(sent, Err(Status::BadArgument));
+    if budget_store::set_misconfigured(&SharedData, unknown) {
+        if unknown {
             let cluster = &config.budget_store.cluster;
             host::log(
                 LogLevel::Critical,
@@ -164,10 +166,10 @@ fn send(config: &Config, call: &EtcdCall) -> Option<u32> {
             host::log(LogLevel::Info, "holysheep: the spend store's cluster can be called again");
         }
     }
-    token
+    sent.ok()
 }
 
-fn dispatch(config: &Config, call: &EtcdCall) -> Option<u32> {
+fn dispatch(config: &Config, call: &EtcdCall) -> Result<u32, Status> {
     let store = &config.budget_store;
     let headers = vec![
         (":method", "POST"),
@@ -176,7 +178,7 @@ fn dispatch(config: &Config, call: &EtcdCall) -> Option<u32> {
         ("content-type", "application/json"),
     ];
     let timeout = Duration::from_millis(store.timeout_ms);
-    hostcalls::dispatch_http_call(&store.cluster, headers, Some(&call.body), vec![], timeout).ok()
+    hostcalls::dispatch_http_call(&store.cluster, headers, Some(&call.body), vec![], timeout)
 }
 
 /// The callout's status and body (`None`: no answer).

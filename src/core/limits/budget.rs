@@ -145,6 +145,9 @@ pub(super) struct Spend {
     /// charged at their worst case: a call that settles after all (a stream that outlived
     /// its deadline) replaces that worst case by its cost. At most `MAX_LAPSED`.
     lapsed: Vec<Entry>,
+    /// Lapsed reservations whose worst case was written to the store: a late settlement
+    /// is charged only what its cost passes that worst case. At most `MAX_LAPSED`.
+    paid: Vec<Entry>,
     pub(super) mark: Mark,
     pub(super) stored: Stored,
     pub(super) unsent: (u64, u64),
@@ -166,9 +169,12 @@ impl Spend {
             return None;
         }
         let entries = held.split(',').filter(|e| !e.is_empty());
-        let (lapsed, held): (Vec<&str>, Vec<&str>) = entries.partition(|e| e.starts_with('~'));
+        let (marked, held): (Vec<&str>, Vec<&str>) = entries.partition(|e| e.starts_with(['~', '^']));
         let held = held.into_iter().map(Entry::decode).collect::<Option<Vec<_>>>()?;
-        let lapsed = lapsed.into_iter().map(|e| Entry::decode(&e[1..])).collect::<Option<Vec<_>>>()?;
+        // A lapsed entry only lowers a late settlement: one that cannot be read is dropped
+        // (its worst case stays charged), never the record.
+        let lapsed_of = |mark: char| marked.iter().filter_map(move |e| Entry::decode(e.strip_prefix(mark)?));
+        let (lapsed, paid): (Vec<Entry>, Vec<Entry>) = (lapsed_of('~').collect(), lapsed_of('^').collect());
         let mut spend = Spend { day, day_micro, month, month_micro, held, ..Spend::default() };
         let Some(backed) = backed else {
             // A record of a release without the store: what it charged beyond its
@@ -176,10 +182,10 @@ impl Spend {
             let held_d: u64 = spend.held.iter().filter(|e| e.day == day).map(|e| e.micro).sum();
             let held_m: u64 = spend.held.iter().filter(|e| e.month == month).map(|e| e.micro).sum();
             spend.unsent = (day_micro.saturating_sub(held_d), month_micro.saturating_sub(held_m));
-            spend.lapsed = lapsed;
+            (spend.lapsed, spend.paid) = (lapsed, paid);
             return Some(spend);
         };
-        spend.lapsed = lapsed;
+        (spend.lapsed, spend.paid) = (lapsed, paid);
         {
             let f: Vec<u64> = backed.split(' ').map(str::parse).collect::<Result<_, _>>().ok()?;
             let [mark, number, sd, sdm, sm, smm, ud, um, learned_ms] = f[..] else { return None };
@@ -199,6 +205,7 @@ impl Spend {
     pub(super) fn encode(&self) -> Vec<u8> {
         let mut held: Vec<String> = self.held.iter().map(Entry::encode).collect();
         held.extend(self.lapsed.iter().map(|e| format!("~{}", e.encode())));
+        held.extend(self.paid.iter().map(|e| format!("^{}", e.encode())));
         let (mark, number) = match self.mark {
             Mark::Unread => (0, 0),
             Mark::Read { revision } => (1, revision),
@@ -243,6 +250,16 @@ impl Spend {
         }
         self.held = held;
         self
+    }
+
+    /// The lapsed reservations' worst cases were written to the store: they stay.
+    pub(super) fn forget_lapsed(&mut self) {
+        for e in std::mem::take(&mut self.lapsed) {
+            if self.paid.len() >= MAX_LAPSED {
+                self.paid.remove(0);
+            }
+            self.paid.push(e);
+        }
     }
 
     /// `e` is no longer listed, and stays charged at its worst case until its call settles.
@@ -413,6 +430,9 @@ pub fn settle(store: &impl CasStore, tenant: &str, caps: Caps, id: u64, actual: 
         // takes that charge's place (never going below what was charged, should part of
         // it have been written to the store already).
         let lapsed = s.lapsed.iter().position(|e| e.id == id).map(|at| s.lapsed.remove(at));
+        // One whose worst case was written already: only what its cost passes it.
+        let paid = s.paid.iter().position(|e| e.id == id).map(|at| s.paid.remove(at));
+        let actual = paid.map_or(actual, |e| actual.saturating_sub(e.micro));
         let (day, month) = (s.day, s.month);
         let back = |period_matches: bool| lapsed.filter(|_| period_matches).map_or(0, |e| e.micro);
         let (back_d, back_m) =

@@ -449,7 +449,7 @@ fn by_item<S: CasStore>(
     let using = batch::Use { read: call.policy.read, max_age_s: call.policy.max_age, learn: call.store };
     match batch::plan(engine.store, config, keys, body, using, now_ms) {
         Some(Plan::Answered(answer, fresh)) => {
-            let answer = answer.with_header("x-holysheep-model", request.model.clone());
+            let answer = answer.with_header(headers::MODEL, request.model.clone());
             let ended = engine.end_flight(&call, Some(answer), now_ms, Some(fresh));
             let age_s = Some(now_ms.saturating_sub(fresh.stored_at_ms) / 1000);
             let reply = Reply { cache: Some(CacheStatus::Hit), age_s, ..ended.reply };

@@ -38,6 +38,10 @@ pub trait CasStore {
 /// writer gets `CasMismatch` and re-reads.
 pub const ABSENT_CAS: u32 = u32::MAX;
 
+/// Compare-and-swap races lost in a row before an update gives up (each loss means another
+/// writer made progress): the one bound every record of the core shares.
+pub const MAX_RACES: usize = 16;
+
 /// The CAS to pass on a write that must not overwrite a change made since `read`.
 pub fn cas_after(read: &Read) -> Option<u32> {
     Some(read.cas.unwrap_or(ABSENT_CAS))

@@ -432,9 +432,9 @@ impl HttpContext for Chat {
         for (name, _) in headers.iter().filter(|(n, _)| n.starts_with("x-holysheep-")) {
             set_response_header(name, None);
         }
-        set_response_header("x-holysheep-cache", Some(label.cache.as_str()));
-        set_response_header("x-holysheep-key", Some(&label.key));
-        set_response_header("x-holysheep-model", Some(&label.model));
+        set_response_header(headers::CACHE, Some(label.cache.as_str()));
+        set_response_header(headers::KEY, Some(&label.key));
+        set_response_header(headers::MODEL, Some(&label.model));
         // The edge's own answer: HolySheep's age means nothing here (a MISS is new).
         set_response_header("age", None);
         if let Some(tenant) = &label.tenant {

@@ -314,7 +314,7 @@ impl Worker {
         extra.extend(hit.outbound.tenant_header());
         extra.extend(self.tier_header());
         let (age, directive) = (codec::decimal(age_s), edge::directive(Some(fresh_s)));
-        let own = [("x-holysheep-cache", "HIT"), ("cache-control", directive.as_ref()), ("age", age.as_str())];
+        let own = [(headers::CACHE, "HIT"), ("cache-control", directive.as_ref()), ("age", age.as_str())];
         host::send_with(&hit.reply, own.into_iter().chain(extra.iter().map(|(n, v)| (*n, v.as_str()))));
     }
 
@@ -386,7 +386,7 @@ impl Worker {
         let call = run.flight.call;
         let watched = match end.outcome {
             Some(outcome) => {
-                let outcome = outcome.with_header("x-holysheep-model", model);
+                let outcome = outcome.with_header(headers::MODEL, model);
                 let ended = self.engine().end_flight(&call, Some(outcome), now, Some(Fresh::of(&self.config, now)));
                 self.learn(run.learned.as_ref(), &ended, &call.key, now);
                 let tenant = run.outbound.tenant.as_deref();

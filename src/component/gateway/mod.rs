@@ -254,9 +254,9 @@ impl Gateway {
                 "cache-control".to_owned(),
                 edge::directive(call.store.then_some(self.config.cache.ttl_seconds)).into_owned(),
             ),
-            ("x-holysheep-cache".to_owned(), call.label.as_str().to_owned()),
-            ("x-holysheep-key".to_owned(), call.key.hex().to_owned()),
-            ("x-holysheep-model".to_owned(), flight.model().to_owned()),
+            (headers::CACHE.to_owned(), call.label.as_str().to_owned()),
+            (headers::KEY.to_owned(), call.key.hex().to_owned()),
+            (headers::MODEL.to_owned(), flight.model().to_owned()),
         ];
         headers.extend(outbound.tenant_header().map(|(n, v)| (n.to_owned(), v)));
         let signer = self.config.signer(outbound.endpoint, outbound.tenant.as_deref());

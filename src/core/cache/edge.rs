@@ -16,7 +16,7 @@ pub const OWNER: &str = "owner";
 /// An owner's response headers a forward node keeps with its answer: they are replayed to
 /// the requests that share it (the model that answered, a paraphrase's similarity, and
 /// what a 429 says of its class and when to come back).
-const KEPT: [&str; 5] = ["x-holysheep-model", headers::SIMILARITY, "retry-after", headers::PRIORITY, headers::SHED];
+const KEPT: [&str; 5] = [headers::MODEL, headers::SIMILARITY, "retry-after", headers::PRIORITY, headers::SHED];
 
 /// The `cache-control` an answer carries: fresh for `fresh_s` more seconds in the cache
 /// that served or stored it, or `no-store` when it is in none.

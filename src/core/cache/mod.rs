@@ -17,7 +17,7 @@ pub mod hot;
 use crate::core::api::response::Response;
 use crate::core::config::Config;
 use crate::core::request::Key;
-use crate::core::store::{self, cas_after, CasStore, Read, StoreError};
+use crate::core::store::{self, cas_after, CasStore, Read, StoreError, MAX_RACES};
 use crate::core::wire::codec;
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -41,9 +41,6 @@ impl Entry {
 /// The ways of a group: a key may live in any of them, so two hot prompts of one group
 /// do not evict each other forever.
 pub const WAYS: u32 = 4;
-
-/// CAS races lost in a row before an answer is not stored.
-const MAX_RACES: usize = 16;
 
 /// The group `key` lives in, and how many ways groups have (`cache.max_entries` in groups
 /// of four; fewer entries make one smaller group).

@@ -87,11 +87,11 @@ impl Reply {
         let mut h = Vec::with_capacity(5 + self.response.headers.len());
         h.push(("content-type", Cow::Borrowed(self.response.content_type.as_str())));
         if let Some(c) = self.cache {
-            h.push(("x-holysheep-cache", Cow::Borrowed(c.as_str())));
+            h.push((headers::CACHE, Cow::Borrowed(c.as_str())));
             h.push(("cache-control", edge::directive(self.fresh_s)));
         }
         if let Some(k) = &self.key {
-            h.push(("x-holysheep-key", Cow::Borrowed(k.hex())));
+            h.push((headers::KEY, Cow::Borrowed(k.hex())));
         }
         if let Some(a) = self.age_s {
             h.push(("age", Cow::Owned(a.to_string())));

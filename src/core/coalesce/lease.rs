@@ -10,7 +10,7 @@ use crate::core::api::priority::{Class, CLASSES};
 use crate::core::api::response::Response;
 use crate::core::config::Config;
 use crate::core::request::Key;
-use crate::core::store::{self, cas_after, CasStore, Read, StoreError};
+use crate::core::store::{self, cas_after, CasStore, Read, StoreError, MAX_RACES};
 use crate::core::wire::codec;
 use std::borrow::Cow;
 
@@ -69,9 +69,6 @@ pub enum Acquire {
     /// request's too (it read the cache just before that flight stored).
     Answered { response: Response, done_at_ms: u64, stale_from_ms: Option<u64>, in_cache: bool },
 }
-
-/// CAS races lost in a row before giving up; each loss means someone else made progress.
-const MAX_RACES: usize = 16;
 
 /// The ways of a group: a key may lead from any of them, so a collision with another
 /// prompt in flight does not send every identical request upstream alone.

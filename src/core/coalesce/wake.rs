@@ -4,7 +4,7 @@
 //! names (and Envoy's queues) of VMs that are gone, which age out: Envoy never frees a
 //! queue, and random names would leak one per worker per reload.
 
-use crate::core::store::{cas_after, CasStore, StoreError};
+use crate::core::store::{cas_after, CasStore, StoreError, MAX_RACES};
 use crate::core::wire::codec;
 
 pub const REGISTRY_KEY: &str = "holysheep/queues";
@@ -14,8 +14,6 @@ pub const MAX_QUEUES: usize = 64;
 pub const HEARTBEAT_MS: u64 = 1_000;
 /// …and a name whose heartbeat is older than this is not woken.
 pub const STALE_MS: u64 = 10_000;
-
-const MAX_RACES: usize = 16;
 
 /// Upserts `name` with heartbeat `now_ms`, dropping stale names and the oldest beyond
 /// `MAX_QUEUES`.

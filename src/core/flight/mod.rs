@@ -278,7 +278,7 @@ impl Flight {
         if denial.kind == Kind::TooLarge {
             let tpm = config.model(&model).and_then(|(_, m)| m.tokens_per_minute).unwrap_or(0);
             let refused = ApiError::too_many_tokens(&format!("model {model}"), self.estimate, tpm);
-            let refused = Response::json(400, refused.body()).with_header("x-holysheep-model", model);
+            let refused = Response::json(400, refused.body()).with_header(headers::MODEL, model);
             return self.end(store, config, Some(refused), now_ms);
         }
         self.events.push(Event::RateLimited { model: model.clone() });
@@ -452,7 +452,7 @@ impl Flight {
             (Some(batch), Some(r)) if r.status == 200 => Some(batch.finish(store, config, r, now_ms)),
             (_, outcome) => outcome,
         };
-        let outcome = outcome.map(|r| self.signed(r).with_header("x-holysheep-model", model.clone()));
+        let outcome = outcome.map(|r| self.signed(r).with_header(headers::MODEL, model.clone()));
         if !retryable(outcome.as_ref()) || hints.key_refused {
             return self.end(store, config, outcome, now_ms);
         }
@@ -718,7 +718,7 @@ impl Flight {
         let limited = Response::json(429, e.body())
             .with_header("retry-after", wait.div_ceil(1000).to_string())
             .with_header("retry-after-ms", wait.to_string())
-            .with_header("x-holysheep-model", model.to_owned());
+            .with_header(headers::MODEL, model.to_owned());
         // Marked with its class: a waiter of a higher class does not take it as its answer.
         match shed {
             Some(why) => limited.shed(why, self.class),

@@ -7,11 +7,9 @@
 //! settled stays charged, its entry dropped at its deadline. Amounts are micro-dollars.
 
 use crate::core::config::tenants::Caps;
-use crate::core::store::{cas_after, CasStore, StoreError};
+use crate::core::store::{cas_after, CasStore, StoreError, MAX_RACES};
 
 const DAY_MS: u64 = 86_400_000;
-/// Attempts at a compare-and-swap before a reservation is refused as contended.
-const MAX_RACES: usize = 16;
 /// The most reservations a record lists; beyond it the oldest is dropped (it stays charged).
 pub const MAX_IN_FLIGHT: usize = 256;
 

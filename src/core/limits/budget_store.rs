@@ -10,7 +10,7 @@
 
 use crate::core::config::Config;
 use crate::core::limits::budget::{self, Mark, Spend, Stored};
-use crate::core::store::{cas_after, CasStore, StoreError};
+use crate::core::store::{cas_after, CasStore, StoreError, MAX_RACES};
 use crate::core::wire::base64;
 use serde_json::{json, Value};
 
@@ -135,7 +135,7 @@ pub fn take_wanted(store: &impl CasStore) -> Vec<String> {
 }
 
 fn update_wanted(store: &impl CasStore, mut f: impl FnMut(&mut Vec<String>) -> bool) -> Result<(), StoreError> {
-    for _ in 0..16 {
+    for _ in 0..MAX_RACES {
         let read = store.get(WANTED_KEY)?;
         let text = read.value.as_deref().map(String::from_utf8_lossy).unwrap_or_default();
         let mut names: Vec<String> = text.split(' ').filter(|n| !n.is_empty()).map(str::to_owned).collect();

@@ -21,10 +21,8 @@ pub mod tenant_gate;
 use crate::core::api::hints::ProviderHints;
 use crate::core::config::{Model, RateLimit};
 use crate::core::limits::line::{Full, Line, Who};
-use crate::core::store::{cas_after, CasStore, StoreError};
+use crate::core::store::{cas_after, CasStore, StoreError, MAX_RACES};
 use crate::core::wire::codec;
-
-const MAX_RACES: usize = 16;
 
 /// A model's configured limits (per minute; `req_per_ms`/`tok_per_ms` give the rates).
 #[derive(Debug, Clone, Copy, PartialEq)]

@@ -4,6 +4,7 @@
 //! attempts used.
 
 use crate::core::api::error::ApiError;
+use crate::core::api::headers;
 use crate::core::api::hints::ProviderHints;
 use crate::core::api::response::Response;
 use crate::core::api::usage::Billed;
@@ -332,7 +333,7 @@ pub fn refused(config: &Config, tenant: &str, model: &str, refusal: Refusal, est
                  tenant {tenant}'s spend cannot be kept; its calls are refused until the configuration is fixed."
             );
             let e = ApiError::server(message, "edge_misconfigured");
-            return Response::json(500, e.body()).with_header("x-holysheep-model", model.to_owned());
+            return Response::json(500, e.body()).with_header(headers::MODEL, model.to_owned());
         }
         Refusal::Bucket(d) if d.kind == Kind::StoreSilent => {
             let wait = d.wait_ms.unwrap_or(budget_store::UNREACHABLE_MS).max(1_000);
@@ -345,7 +346,7 @@ pub fn refused(config: &Config, tenant: &str, model: &str, refusal: Refusal, est
                 ApiError { status: 503, message, kind: "server_error", param: None, code: "budget_store_unavailable" };
             return Response::json(503, e.body())
                 .with_header("retry-after", wait.div_ceil(1000).to_string())
-                .with_header("x-holysheep-model", model.to_owned());
+                .with_header(headers::MODEL, model.to_owned());
         }
         Refusal::Bucket(d) if d.kind == Kind::BudgetHeld => {
             let wait = d.wait_ms.unwrap_or(BUDGET_POLL_MS).max(1_000);
@@ -359,7 +360,7 @@ pub fn refused(config: &Config, tenant: &str, model: &str, refusal: Refusal, est
         Refusal::TooLarge => {
             let tpm = config.tenants.get(tenant).and_then(|t| t.tokens_per_minute).unwrap_or(0);
             let e = ApiError::too_many_tokens(&format!("tenant {tenant}"), estimate, tpm);
-            return Response::json(400, e.body()).with_header("x-holysheep-model", model.to_owned());
+            return Response::json(400, e.body()).with_header(headers::MODEL, model.to_owned());
         }
         Refusal::Bucket(d) => {
             let l = config.tenants.get(tenant).and_then(|t| limits_of(t, &config.rate_limit));
@@ -392,5 +393,5 @@ pub fn refused(config: &Config, tenant: &str, model: &str, refusal: Refusal, est
     Response::json(429, e.body())
         .with_header("retry-after", wait.div_ceil(1000).to_string())
         .with_header("retry-after-ms", wait.to_string())
-        .with_header("x-holysheep-model", model.to_owned())
+        .with_header(headers::MODEL, model.to_owned())
 }

@@ -2,6 +2,7 @@
 //! values per request (in Envoy as filter state, `wasm.<name>`), named after the
 //! OpenTelemetry GenAI semantic conventions where one exists and `holysheep.*` otherwise.
 
+use crate::core::api::headers;
 use crate::core::api::priority::Class;
 use crate::core::api::usage::Usage;
 use crate::core::coalesce::engine::{CacheStatus, Reply};
@@ -90,7 +91,7 @@ pub struct Answered<'a> {
 
 /// The model that produced `reply`, when it is an answer (a 200).
 pub fn response_model(reply: &Reply) -> Option<&str> {
-    reply.response.header("x-holysheep-model").filter(|_| reply.response.status == 200)
+    reply.response.header(headers::MODEL).filter(|_| reply.response.status == 200)
 }
 
 /// The values of `NAMES` that one answer has: one that does not apply is left out (Envoy

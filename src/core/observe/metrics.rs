@@ -1,6 +1,7 @@
 //! Per-model counters: names, and what each event or answer adds to them. Models named in
 //! the configuration get their own counters; every other model counts under `other`.
 
+use crate::core::api::headers;
 use crate::core::api::priority::Class;
 use crate::core::api::usage::{self, Usage};
 use crate::core::coalesce::engine::{CacheStatus, Reply};
@@ -356,7 +357,7 @@ pub fn for_reply<'a>(
     if matches!(status, CacheStatus::Hit | CacheStatus::Coalesced | CacheStatus::Semantic)
         && reply.response.status == 200
     {
-        let served = reply.response.header("x-holysheep-model").unwrap_or(requested_model);
+        let served = reply.response.header(headers::MODEL).unwrap_or(requested_model);
         // Parsing the answer is the only cost on a HIT; skip it when nothing is priced.
         if priced(config, served) {
             if let Some(u) = last.of(&reply.response.body) {

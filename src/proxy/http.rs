@@ -15,7 +15,7 @@ use crate::core::api::hints::ProviderHints;
 use crate::core::api::response::Response;
 use crate::core::cache::edge;
 use crate::core::cache::hot::Raw;
-use crate::core::coalesce::engine::{Call, Engine, Reply, Step};
+use crate::core::coalesce::engine::{stream_head, Call, Engine, Reply, Step};
 use crate::core::config::Role;
 use crate::core::intake::{self, Decision, Head, Route, Ungoverned};
 use crate::core::limits::fleet;
@@ -432,15 +432,14 @@ impl HttpContext for Chat {
         for (name, _) in headers.iter().filter(|(n, _)| n.starts_with("x-holysheep-")) {
             set_response_header(name, None);
         }
-        set_response_header(headers::CACHE, Some(label.cache.as_str()));
-        set_response_header(headers::KEY, Some(&label.key));
-        set_response_header(headers::MODEL, Some(&label.model));
+        let refusal = self.misrouted().or_else(|| upstream::refused(status, &content_type, label.sent));
+        // The edge's word on how long the answer is kept, never HolySheep's.
+        let stored = (sse && refusal.is_none()).then_some(label.fresh_s).flatten();
+        for (name, value) in stream_head(label.cache, &label.key, &label.model, label.tenant.as_deref(), stored) {
+            set_response_header(name, Some(&value));
+        }
         // The edge's own answer: HolySheep's age means nothing here (a MISS is new).
         set_response_header("age", None);
-        if let Some(tenant) = &label.tenant {
-            set_response_header(headers::TENANT, Some(tenant));
-        }
-        let refusal = self.misrouted().or_else(|| upstream::refused(status, &content_type, label.sent));
         let signer = self.worker.borrow().config.signer(label.sent.endpoint, label.tenant.as_deref());
         if (sse && (!label.include_usage || signer.is_some())) || refusal.is_some() {
             // The usage event is taken out, ids are signed, or the body replaced: the
@@ -464,9 +463,6 @@ impl HttpContext for Chat {
         if refusal.as_ref().is_some_and(|e| e.code == upstream::KEY_REFUSED) {
             self.worker.borrow_mut().key_refused(status);
         }
-        // The edge's word on how long the answer is kept, never HolySheep's.
-        let stored = (sse && refusal.is_none()).then_some(label.fresh_s).flatten();
-        set_response_header("cache-control", Some(&edge::directive(stored)));
         let other = Response { headers: retry_after.unwrap_or_default(), ..other };
         let events = (sse && refusal.is_none())
             .then(|| Reassembler::of(label.sent.endpoint, label.include_usage).signing(signer));

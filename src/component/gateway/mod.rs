@@ -16,8 +16,7 @@ use super::wasi::http::types::{
 use crate::core::api::error::ApiError;
 use crate::core::api::headers;
 use crate::core::api::hints::ProviderHints;
-use crate::core::cache::edge;
-use crate::core::coalesce::engine::{poll_delay_ms, Call, Engine, Reply, Step};
+use crate::core::coalesce::engine::{poll_delay_ms, stream_head, Call, Engine, Reply, Step};
 use crate::core::flight::{Action, Flight, StreamOutcome};
 use crate::core::intake::{self, Decision, Head, Route, Ungoverned};
 use crate::core::semantic::Learned;
@@ -247,18 +246,10 @@ impl Gateway {
         out: ResponseOutparam,
     ) {
         let call = flight.call.clone();
-        let mut headers = vec![
-            ("content-type".to_owned(), headers::EVENT_STREAM.to_owned()),
-            // The edge's word on how long the answer is kept, as on every governed answer.
-            (
-                "cache-control".to_owned(),
-                edge::directive(call.store.then_some(self.config.cache.ttl_seconds)).into_owned(),
-            ),
-            (headers::CACHE.to_owned(), call.label.as_str().to_owned()),
-            (headers::KEY.to_owned(), call.key.hex().to_owned()),
-            (headers::MODEL.to_owned(), flight.model().to_owned()),
-        ];
-        headers.extend(outbound.tenant_header().map(|(n, v)| (n.to_owned(), v)));
+        let fresh_s = call.store.then_some(self.config.cache.ttl_seconds);
+        let head = stream_head(call.label, call.key.hex(), flight.model(), outbound.tenant.as_deref(), fresh_s);
+        let mut headers = vec![(headers::CONTENT_TYPE.to_owned(), headers::EVENT_STREAM.to_owned())];
+        headers.extend(head.into_iter().map(|(n, v)| (n.to_owned(), v)));
         let signer = self.config.signer(outbound.endpoint, outbound.tenant.as_deref());
         let events = Reassembler::of(outbound.endpoint, outbound.include_usage).signing(signer);
         let (mut events, mut held) = (events, Vec::new());

@@ -101,6 +101,26 @@ impl Reply {
     }
 }
 
+/// The edge's own headers on a streamed answer, the same in both shells: its cache
+/// status, its key, the model that answered, the verified tenant, and how long the
+/// answer is kept (`fresh_s`, see `edge::directive`).
+pub fn stream_head(
+    cache: CacheStatus,
+    key: &str,
+    model: &str,
+    tenant: Option<&str>,
+    fresh_s: Option<u64>,
+) -> Vec<(&'static str, String)> {
+    let mut h = vec![
+        (headers::CACHE, cache.as_str().to_owned()),
+        (headers::KEY, key.to_owned()),
+        (headers::MODEL, model.to_owned()),
+        (headers::CACHE_CONTROL, edge::directive(fresh_s).into_owned()),
+    ];
+    h.extend(tenant.map(|t| (headers::TENANT, t.to_owned())));
+    h
+}
+
 /// Errors that are not JSON (Envoy's own "upstream connect error", a proxy's HTML page)
 /// are wrapped in OpenAI's error shape, keeping the status; JSON passes unchanged.
 fn openai_shaped(r: Response) -> Response {
@@ -822,6 +842,25 @@ mod tests {
         let before = store.get(&group).unwrap();
         assert!(expect_reply(e.poll(&wait, later + 3, 21)).lost_wait());
         assert_eq!(store.get(&group).unwrap(), before, "looked, wrote nothing");
+    }
+
+    #[test]
+    fn a_streamed_answers_head_is_the_edges_own() {
+        let h = stream_head(CacheStatus::Miss, "abc", "gpt-4.1", Some("alpha"), Some(60));
+        let h: Vec<(&str, &str)> = h.iter().map(|(n, v)| (*n, v.as_str())).collect();
+        assert_eq!(
+            h,
+            [
+                ("x-holysheep-cache", "MISS"),
+                ("x-holysheep-key", "abc"),
+                ("x-holysheep-model", "gpt-4.1"),
+                ("cache-control", "max-age=60"),
+                ("x-holysheep-tenant", "alpha"),
+            ]
+        );
+        let unstored = stream_head(CacheStatus::Bypass, "abc", "m", None, None);
+        assert_eq!(unstored.len(), 4);
+        assert_eq!(unstored[3], ("cache-control", "no-store".to_owned()));
     }
 
     #[test]

@@ -58,7 +58,7 @@ impl BudgetStore {
         }
         for tenant in budget_store::budgeted(config) {
             let tag = self.tags.next();
-            match budget_store::due(&SharedData, tenant, now_ms, tag).filter(|_| !self.busy(tenant)) {
+            match budget_store::due(&SharedData, config, tenant, now_ms, tag).filter(|_| !self.busy(tenant)) {
                 Some(Due::Write(flush)) => {
                     if let Some(token) = send(config, &budget_store::txn(config, tenant, flush.revision, &flush.value))
                     {

@@ -151,6 +151,20 @@ pub(super) struct Spend {
     pub(super) unsent: (u64, u64),
     /// When the store's value was last learned (read, or written).
     pub(super) learned_ms: u64,
+    /// A write sent and not yet known to have landed or not: no other is sent meanwhile
+    /// (a second would add the same spend again), until its deadline.
+    pub(super) pending: Option<Pending>,
+}
+
+/// A write out to the store: its tag, what it adds, in which periods, and until when it
+/// may still be answered.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct Pending {
+    pub(super) tag: u64,
+    pub(super) sent: (u64, u64),
+    pub(super) day: u64,
+    pub(super) month: u64,
+    pub(super) until_ms: u64,
 }
 
 impl Spend {
@@ -186,6 +200,13 @@ impl Spend {
         (spend.lapsed, spend.paid) = (lapsed, paid);
         {
             let f: Vec<u64> = backed.split(' ').map(str::parse).collect::<Result<_, _>>().ok()?;
+            let (f, pending) = match f[..] {
+                [.., tag, pd, pm, day, month, until_ms] if f.len() == 15 => {
+                    (&f[..9], Some(Pending { tag, sent: (pd, pm), day, month, until_ms }))
+                }
+                _ => (&f[..], None),
+            };
+            spend.pending = pending;
             let [mark, number, sd, sdm, sm, smm, ud, um, learned_ms] = f[..] else { return None };
             spend.learned_ms = learned_ms;
             spend.mark = match mark {
@@ -210,8 +231,11 @@ impl Spend {
             Mark::Unreachable { until_ms } => (2, until_ms),
         };
         let s = &self.stored;
+        let pending = self.pending.map_or(String::new(), |p| {
+            format!(" {} {} {} {} {} {}", p.tag, p.sent.0, p.sent.1, p.day, p.month, p.until_ms)
+        });
         format!(
-            "{} {} {} {}|{}|{mark} {number} {} {} {} {} {} {} {}",
+            "{} {} {} {}|{}|{mark} {number} {} {} {} {} {} {} {}{pending}",
             self.day,
             self.day_micro,
             self.month,

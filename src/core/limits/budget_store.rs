@@ -9,7 +9,7 @@
 //! answers.
 
 use crate::core::config::Config;
-use crate::core::limits::budget::{self, Mark, Spend, Stored};
+use crate::core::limits::budget::{self, Mark, Pending, Spend, Stored};
 use crate::core::store::{cas_after, CasStore, StoreError, MAX_RACES};
 use crate::core::wire::base64;
 use serde_json::{json, Value};
@@ -173,6 +173,17 @@ pub fn read(store: &impl CasStore, tenant: &str, found: Option<Found>, now_ms: u
 }
 
 fn learn(s: &mut Spend, f: Found, now_ms: u64) {
+    // A write out whose tag the store holds landed (its answer was lost): what it sent is
+    // no longer unsent. One past its deadline that did not land is given up.
+    if let Some(p) = s.pending {
+        if f.stored.and_then(|v| v.write) == Some(p.tag) {
+            s.unsent.0 = if s.day == p.day { s.unsent.0.saturating_sub(p.sent.0) } else { s.unsent.0 };
+            s.unsent.1 = if s.month == p.month { s.unsent.1.saturating_sub(p.sent.1) } else { s.unsent.1 };
+            s.pending = None;
+        } else if now_ms >= p.until_ms {
+            s.pending = None;
+        }
+    }
     s.stored = f.stored.unwrap_or_default();
     s.mark = Mark::Read { revision: f.revision };
     s.learned_ms = now_ms;
@@ -203,24 +214,42 @@ pub enum Due {
 }
 
 /// What `tenant`'s record is due in a round, if anything; a write is tagged `write` (a
-/// random number, unique to it).
-pub fn due(store: &impl CasStore, tenant: &str, now_ms: u64, write: u64) -> Option<Due> {
+/// random number, unique to it) and recorded as out, so that no other is sent until it is
+/// answered or its deadline passes (then the key is read first, to learn whether it
+/// landed).
+pub fn due(store: &impl CasStore, config: &Config, tenant: &str, now_ms: u64, write: u64) -> Option<Due> {
     let raw = store.get(&budget::key(tenant)).ok()?.value?;
     let s = Spend::decode(&raw)?.at(now_ms);
-    match s.mark {
-        Mark::Read { revision } if s.unsent != (0, 0) => Some(Due::Write(Flush {
-            tenant: tenant.to_owned(),
-            revision,
-            value: s.stored.plus(s.day, s.month, s.unsent, write),
-            sent: s.unsent,
-            day: s.day,
-            month: s.month,
-        })),
+    match (s.mark, s.pending) {
+        (Mark::Read { .. }, Some(p)) if now_ms < p.until_ms => None,
+        (Mark::Read { .. }, Some(_)) => Some(Due::Read),
+        (Mark::Read { revision }, None) if s.unsent != (0, 0) => {
+            let until_ms =
+                now_ms.saturating_add(config.budget_store.timeout_ms.saturating_mul(2)).saturating_add(1_000);
+            let pending = Pending { tag: write, sent: s.unsent, day: s.day, month: s.month, until_ms };
+            // Recorded first: a round of another worker sends nothing beside it.
+            let recorded = budget::update(store, tenant, now_ms, |r| {
+                let same = r.mark == s.mark && r.pending.is_none() && r.unsent == s.unsent;
+                if same {
+                    r.pending = Some(pending);
+                }
+                same
+            });
+            recorded.filter(|r| r.pending == Some(pending))?;
+            Some(Due::Write(Flush {
+                tenant: tenant.to_owned(),
+                revision,
+                value: s.stored.plus(s.day, s.month, s.unsent, write),
+                sent: s.unsent,
+                day: s.day,
+                month: s.month,
+            }))
+        }
         // Nothing to write, and not learned for a while: read again, for what other nodes
         // spent (the tenant may have been theirs meanwhile).
-        Mark::Read { .. } => (now_ms.saturating_sub(s.learned_ms) >= REFRESH_MS).then_some(Due::Read),
-        Mark::Unreachable { until_ms } if now_ms >= until_ms => Some(Due::Read),
-        Mark::Unreachable { .. } | Mark::Unread => None,
+        (Mark::Read { .. }, None) => (now_ms.saturating_sub(s.learned_ms) >= REFRESH_MS).then_some(Due::Read),
+        (Mark::Unreachable { until_ms }, _) if now_ms >= until_ms => Some(Due::Read),
+        (Mark::Unreachable { .. } | Mark::Unread, _) => None,
     }
 }
 
@@ -238,13 +267,20 @@ pub fn flushed(store: &impl CasStore, flush: &Flush, answer: Option<Result<u64, 
         None => return,
     };
     let _ = budget::update(store, &flush.tenant, now_ms, |s| {
-        let Mark::Read { revision: known } = s.mark else { return false };
+        // Answered: the write is no longer out, whatever the answer.
+        let answered = s.pending.is_some_and(|p| Some(p.tag) == flush.value.write);
+        if answered {
+            s.pending = None;
+        }
+        let Mark::Read { revision: known } = s.mark else { return answered };
         match answer {
             // Written: what was sent is no longer unsent, and the store holds the value
             // written (or, learned since by a read, a later one that includes it).
             Ok(revision) if known == flush.revision || known >= revision => {
-                let same_day = s.day == flush.day;
-                let same_month = s.month == flush.month;
+                // What was sent is taken out once: here, unless a read since learned, by
+                // the write's tag, that it landed (and took it out then).
+                let same_day = answered && s.day == flush.day;
+                let same_month = answered && s.month == flush.month;
                 s.unsent.0 = if same_day { s.unsent.0.saturating_sub(flush.sent.0) } else { s.unsent.0 };
                 s.unsent.1 = if same_month { s.unsent.1.saturating_sub(flush.sent.1) } else { s.unsent.1 };
                 if known == flush.revision {
@@ -261,7 +297,7 @@ pub fn flushed(store: &impl CasStore, flush: &Flush, answer: Option<Result<u64, 
                 learn(s, now, now_ms);
                 true
             }
-            _ => false,
+            _ => answered,
         }
     });
 }
@@ -361,7 +397,7 @@ mod tests {
 
     /// The write due for `t`, if a write is.
     fn write_due(s: &MemStore, now_ms: u64) -> Option<Flush> {
-        match due(s, "t", now_ms, now_ms) {
+        match due(s, &config(), "t", now_ms, now_ms) {
             Some(Due::Write(f)) => Some(f),
             _ => None,
         }
@@ -377,9 +413,9 @@ mod tests {
         assert_eq!(reserve(&s, "t", caps(), (3, 1, DEC_1 + 9_000), DEC_1), Err(Refused::Outage), "not a second");
         settle(&s, "t", caps().0, 2, 100, DEC_1 + 1);
         assert_eq!(reserve(&s, "t", caps(), (4, 1, DEC_1 + 9_000), DEC_1 + 1), Err(Refused::Outage), "nor after it");
-        assert_eq!(due(&s, "t", DEC_1 + 2, 1), None, "nothing is written before the store is read");
+        assert_eq!(due(&s, &config(), "t", DEC_1 + 2, 1), None, "nothing is written before the store is read");
         let later = DEC_1 + UNREACHABLE_MS;
-        assert_eq!(due(&s, "t", later, 1), Some(Due::Read), "a round reads it again");
+        assert_eq!(due(&s, &config(), "t", later, 1), Some(Due::Read), "a round reads it again");
         assert!(read(&s, "t", Some(Found { stored: None, revision: 0 }), later));
         assert_eq!(spent(&s, "t", later).0, 100, "what was settled meanwhile is kept");
         reserve(&s, "t", caps(), (5, 400, later + 9_000), later).expect("read: the budget decides again");
@@ -404,21 +440,23 @@ mod tests {
         // The answer was lost; the key holds what was written: it landed.
         flushed(&s, &flush, Some(Err(Found { stored: Some(flush.value), revision: 4 })), DEC_1 + 1);
         assert_eq!((spent(&s, "t", DEC_1 + 1).0, write_due(&s, DEC_1 + 1)), (120, None), "counted once");
-        // A read that learned the write before its answer came: the answer takes out what was
-        // sent, and nothing is counted twice.
+        // A read that learned the write before its answer came knows it by its tag: what was
+        // sent is taken out then, and the answer takes nothing out again.
         settle(&s, "t", caps().0, 2, 5, DEC_1 + 2);
         let flush = write_due(&s, DEC_1 + 2).unwrap();
         read(&s, "t", Some(Found { stored: Some(flush.value), revision: 5 }), DEC_1 + 3);
-        assert_eq!(spent(&s, "t", DEC_1 + 3).0, 130, "until the answer, the write looks unsent");
+        assert_eq!(spent(&s, "t", DEC_1 + 3).0, 125, "landed, by its tag");
+        settle(&s, "t", caps().0, 3, 7, DEC_1 + 3);
         flushed(&s, &flush, Some(Ok(5)), DEC_1 + 4);
-        assert_eq!((spent(&s, "t", DEC_1 + 4).0, write_due(&s, DEC_1 + 4)), (125, None));
+        assert_eq!(spent(&s, "t", DEC_1 + 4).0, 132, "the 7 settled since is kept");
+        assert_eq!(write_due(&s, DEC_1 + 4).map(|f| f.value.day_micro), Some(132));
         // Not learned for a while: read again, and what another node spent counts here.
-        assert_eq!(due(&s, "t", DEC_1 + 4 + REFRESH_MS, 1), Some(Due::Read));
+        assert_eq!(due(&s, &config(), "t", DEC_1 + 4 + REFRESH_MS, 1), Some(Due::Read));
         let elsewhere = Stored { day_micro: 400, ..base };
         read(&s, "t", Some(Found { stored: Some(elsewhere), revision: 9 }), DEC_1 + 5 + REFRESH_MS);
-        assert_eq!(spent(&s, "t", DEC_1 + 5 + REFRESH_MS).0, 400);
+        assert_eq!(spent(&s, "t", DEC_1 + 5 + REFRESH_MS).0, 407, "and the 7 still to write");
         read(&s, "t", Some(Found { stored: Some(base), revision: 8 }), DEC_1 + 6 + REFRESH_MS);
-        assert_eq!(spent(&s, "t", DEC_1 + 6 + REFRESH_MS).0, 400, "an older answer is dropped");
+        assert_eq!(spent(&s, "t", DEC_1 + 6 + REFRESH_MS).0, 407, "an older answer is dropped");
     }
 
     #[test]
@@ -428,12 +466,14 @@ mod tests {
         let base = Stored { day: today, day_micro: 100, month: 0, month_micro: 0, write: None };
         read(&s, "t", Some(Found { stored: Some(base), revision: 3 }), DEC_1);
         settle(&s, "t", caps().0, 1, 20, DEC_1);
-        // etcd is slower than a round: two workers' rounds send the same sums, each tagged.
-        let (Some(Due::Write(a)), Some(Due::Write(b))) = (due(&s, "t", DEC_1, 11), due(&s, "t", DEC_1, 12)) else {
-            panic!("two writes due")
-        };
+        // etcd is slower than a round: while one write is out, another worker's round sends
+        // none beside it.
+        let Some(Due::Write(a)) = due(&s, &config(), "t", DEC_1, 11) else { panic!("a write due") };
+        assert_eq!(due(&s, &config(), "t", DEC_1 + 1, 12), None, "one write out at a time");
+        // Should the same sums be sent all the same (a record written by an older build),
+        // their tags tell them apart.
+        let b = Flush { value: Stored { write: Some(12), ..a.value }, ..a.clone() };
         assert_eq!((a.value.day_micro, b.value.day_micro), (120, 120));
-        assert_ne!(a.value, b.value, "told apart by their tags");
         settle(&s, "t", caps().0, 2, 7, DEC_1 + 1);
         // The first lands; the second is refused and finds the first there.
         flushed(&s, &a, Some(Ok(4)), DEC_1 + 2);
@@ -459,6 +499,22 @@ mod tests {
         settle(&s, "t", caps().0, 1, 40, DEC_1 + 30);
         assert_eq!(spent(&s, "t", DEC_1 + 30).0, 500);
         assert_eq!(write_due(&s, DEC_1 + 31).map(|f| f.value.day_micro), Some(500));
+    }
+
+    #[test]
+    fn a_write_whose_answer_and_check_are_both_lost_is_not_written_again() {
+        let s = MemStore::new();
+        read(&s, "t", Some(Found { stored: None, revision: 0 }), DEC_1);
+        settle(&s, "t", caps().0, 1, 100, DEC_1);
+        let f1 = write_due(&s, DEC_1).unwrap();
+        // It lands (etcd holds it, at revision 1); its answer and the read after are lost.
+        flushed(&s, &f1, None, DEC_1 + 1);
+        assert_eq!(due(&s, &config(), "t", DEC_1 + 2, 2), None, "nothing more is sent while it may be out");
+        // Past its deadline, the key is read first, and its tag says it landed.
+        let later = DEC_1 + 4_000;
+        assert_eq!(due(&s, &config(), "t", later, 3), Some(Due::Read));
+        read(&s, "t", Some(Found { stored: Some(f1.value), revision: 1 }), later);
+        assert_eq!((spent(&s, "t", later).0, write_due(&s, later + 1)), (100, None), "written once");
     }
 
     #[test]

@@ -57,12 +57,18 @@ impl BudgetStore {
             return;
         }
         for tenant in budget_store::budgeted(config) {
+            if self.busy(tenant) {
+                continue;
+            }
             let tag = self.tags.next();
-            match budget_store::due(&SharedData, config, tenant, now_ms, tag).filter(|_| !self.busy(tenant)) {
+            match budget_store::due(&SharedData, config, tenant, now_ms, tag) {
                 Some(Due::Write(flush)) => {
-                    if let Some(token) = send(config, &budget_store::txn(config, tenant, flush.revision, &flush.value))
-                    {
-                        self.writing.insert(token, (flush, now_ms));
+                    match send(config, &budget_store::txn(config, tenant, flush.revision, &flush.value)) {
+                        Some(token) => {
+                            self.writing.insert(token, (flush, now_ms));
+                        }
+                        // Never sent: not out.
+                        None => budget_store::not_sent(&SharedData, &flush, now_ms),
                     }
                 }
                 Some(Due::Read) => self.start_read(config, tenant, now_ms),

@@ -450,7 +450,12 @@ impl HttpContext for Chat {
         let other = match &refusal {
             Some(e) => {
                 // The edge's own answer: none of what came with the body it replaces.
-                let kept = |n: &str| n.starts_with(':') || n.starts_with("x-holysheep-") || n == "retry-after";
+                let kept = |n: &str| {
+                    n.starts_with(':')
+                        || n.starts_with("x-holysheep-")
+                        || n == "retry-after"
+                        || n == headers::CACHE_CONTROL
+                };
                 for (name, _) in headers.iter().filter(|(n, _)| !kept(n)) {
                     set_response_header(name, None);
                 }

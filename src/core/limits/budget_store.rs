@@ -158,7 +158,15 @@ fn update_wanted(store: &impl CasStore, mut f: impl FnMut(&mut Vec<String>) -> b
 /// reached.
 pub fn read(store: &impl CasStore, tenant: &str, found: Option<Found>, now_ms: u64) -> bool {
     let _ = budget::update(store, tenant, now_ms, |s| match (s.mark, found) {
-        (Mark::Read { revision }, Some(f)) if f.revision < revision => false,
+        // An answer older than what is known is dropped; a write out past its deadline is
+        // given up all the same (the next write's compare-and-swap learns the key).
+        (Mark::Read { revision }, Some(f)) if f.revision < revision => {
+            let expired = s.pending.is_some_and(|p| now_ms >= p.until_ms);
+            if expired {
+                s.pending = None;
+            }
+            expired
+        }
         (_, Some(f)) => {
             learn(s, f, now_ms);
             true
@@ -180,6 +188,7 @@ fn learn(s: &mut Spend, f: Found, now_ms: u64) {
             s.unsent.0 = if s.day == p.day { s.unsent.0.saturating_sub(p.sent.0) } else { s.unsent.0 };
             s.unsent.1 = if s.month == p.month { s.unsent.1.saturating_sub(p.sent.1) } else { s.unsent.1 };
             s.pending = None;
+            s.forget_lapsed();
         } else if now_ms >= p.until_ms {
             s.pending = None;
         }
@@ -223,27 +232,31 @@ pub fn due(store: &impl CasStore, config: &Config, tenant: &str, now_ms: u64, wr
     match (s.mark, s.pending) {
         (Mark::Read { .. }, Some(p)) if now_ms < p.until_ms => None,
         (Mark::Read { .. }, Some(_)) => Some(Due::Read),
-        (Mark::Read { revision }, None) if s.unsent != (0, 0) => {
+        (Mark::Read { .. }, None) if s.unsent != (0, 0) => {
             let until_ms =
                 now_ms.saturating_add(config.budget_store.timeout_ms.saturating_mul(2)).saturating_add(1_000);
-            let pending = Pending { tag: write, sent: s.unsent, day: s.day, month: s.month, until_ms };
-            // Recorded first: a round of another worker sends nothing beside it.
+            // Recorded as out first, from the record as it is when written: a round of
+            // another worker sends nothing beside it.
+            let mut flush = None;
             let recorded = budget::update(store, tenant, now_ms, |r| {
-                let same = r.mark == s.mark && r.pending.is_none() && r.unsent == s.unsent;
-                if same {
-                    r.pending = Some(pending);
+                flush = None;
+                let Mark::Read { revision } = r.mark else { return false };
+                if r.pending.is_some() || r.unsent == (0, 0) {
+                    return false;
                 }
-                same
+                r.pending = Some(Pending { tag: write, sent: r.unsent, day: r.day, month: r.month, until_ms });
+                flush = Some(Flush {
+                    tenant: tenant.to_owned(),
+                    revision,
+                    value: r.stored.plus(r.day, r.month, r.unsent, write),
+                    sent: r.unsent,
+                    day: r.day,
+                    month: r.month,
+                });
+                true
             });
-            recorded.filter(|r| r.pending == Some(pending))?;
-            Some(Due::Write(Flush {
-                tenant: tenant.to_owned(),
-                revision,
-                value: s.stored.plus(s.day, s.month, s.unsent, write),
-                sent: s.unsent,
-                day: s.day,
-                month: s.month,
-            }))
+            recorded.filter(|r| r.pending.is_some_and(|p| p.tag == write))?;
+            flush.map(Due::Write)
         }
         // Nothing to write, and not learned for a while: read again, for what other nodes
         // spent (the tenant may have been theirs meanwhile).
@@ -251,6 +264,17 @@ pub fn due(store: &impl CasStore, config: &Config, tenant: &str, now_ms: u64, wr
         (Mark::Unreachable { until_ms }, _) if now_ms >= until_ms => Some(Due::Read),
         (Mark::Unreachable { .. } | Mark::Unread, _) => None,
     }
+}
+
+/// `flush` could not be sent: it is not out.
+pub fn not_sent(store: &impl CasStore, flush: &Flush, now_ms: u64) {
+    let _ = budget::update(store, &flush.tenant, now_ms, |s| {
+        let ours = s.pending.is_some_and(|p| Some(p.tag) == flush.value.write);
+        if ours {
+            s.pending = None;
+        }
+        ours
+    });
 }
 
 /// What writing `flush` came to (`None`: no answer; it is tried again next round): written,
@@ -515,6 +539,24 @@ mod tests {
         assert_eq!(due(&s, &config(), "t", later, 3), Some(Due::Read));
         read(&s, "t", Some(Found { stored: Some(f1.value), revision: 1 }), later);
         assert_eq!((spent(&s, "t", later).0, write_due(&s, later + 1)), (100, None), "written once");
+    }
+
+    #[test]
+    fn a_write_never_sent_or_a_key_reset_does_not_block_a_tenants_writes() {
+        let s = MemStore::new();
+        read(&s, "t", Some(Found { stored: None, revision: 5 }), DEC_1);
+        settle(&s, "t", caps().0, 1, 100, DEC_1);
+        // The callout could not be sent: the write is not out, the next round sends one.
+        let f = write_due(&s, DEC_1).unwrap();
+        not_sent(&s, &f, DEC_1);
+        let f = write_due(&s, DEC_1 + 1).expect("not blocked");
+        // Sent, unanswered; etcd is rebuilt meanwhile (its revisions start again).
+        flushed(&s, &f, None, DEC_1 + 2);
+        let later = DEC_1 + 4_000;
+        assert_eq!(due(&s, &config(), "t", later, 9), Some(Due::Read));
+        read(&s, "t", Some(Found { stored: None, revision: 1 }), later);
+        let again = write_due(&s, later + 1).expect("writes again");
+        assert_eq!(again.value.day_micro, 100);
     }
 
     #[test]

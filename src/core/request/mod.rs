@@ -174,7 +174,8 @@ pub struct ApiRequest {
     pub semantic: Option<Probe>,
     /// An embeddings request's items, keyed one by one (`batch::item_keys`).
     pub items: Option<Vec<Key>>,
-    /// The first member naming input HolySheep supplies itself (`supplied::supplied_input`).
+    /// The first member naming input HolySheep supplies itself (`supplied::supplied_input`);
+    /// this and the next three are read only with `tenants` configured, which they bind.
     pub supplied_input: Option<String>,
     /// The first hosted tool it enables (`supplied::hosted_tool`).
     pub hosted_tool: Option<String>,
@@ -226,12 +227,14 @@ impl ApiRequest {
         // Only a list of two or more is answered item by item (`batch::plan`).
         let listed = map.get("input").and_then(Value::as_array).is_some_and(|a| a.len() >= 2);
         let items = (endpoint == Endpoint::Embeddings && listed).then(|| item_keys(&map, &scope)).flatten();
-        let supplied_input = supplied::supplied_input(endpoint, &map);
-        let hosted_tool = supplied::hosted_tool(endpoint, &map);
-        let previous_response_id = (endpoint == Endpoint::Responses)
+        // What only a tenant's call is held to: not looked for without `tenants`.
+        let tenants = !config.tenants.is_empty();
+        let supplied_input = tenants.then(|| supplied::supplied_input(endpoint, &map)).flatten();
+        let hosted_tool = tenants.then(|| supplied::hosted_tool(endpoint, &map)).flatten();
+        let previous_response_id = (tenants && endpoint == Endpoint::Responses)
             .then(|| map.get("previous_response_id").and_then(Value::as_str).map(str::to_owned))
             .flatten();
-        let foreign_object = supplied::foreign_object(endpoint, &map);
+        let foreign_object = tenants.then(|| supplied::foreign_object(endpoint, &map)).flatten();
         let canonical = canonical_body(map);
         Ok(ApiRequest {
             key: request_key(endpoint.path(), &scope, &canonical),

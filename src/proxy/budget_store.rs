@@ -7,7 +7,6 @@ use super::host::{self, SharedData};
 use super::ids::IdMap;
 use crate::core::config::Config;
 use crate::core::limits::budget_store::{self, Due, EtcdCall, Flush};
-use crate::core::store::{cas_after, CasStore};
 use proxy_wasm::types::{BufferType, LogLevel, MapType, Status};
 use std::time::Duration;
 
@@ -133,10 +132,7 @@ impl BudgetStore {
         if std::mem::replace(&mut self.reached, reached) == reached && reached {
             return;
         }
-        let flag: &[u8] = if reached { b"1" } else { b"0" };
-        let Ok(read) = SharedData.get(budget_store::REACHED_KEY) else { return };
-        let was = read.value.as_deref().unwrap_or(b"1");
-        if was == flag || SharedData.set(budget_store::REACHED_KEY, flag, cas_after(&read)).is_err() {
+        if !budget_store::set_reached(&SharedData, reached) {
             return;
         }
         if reached {

@@ -107,10 +107,22 @@ pub fn misconfigured(store: &impl CasStore) -> bool {
 
 /// Records whether the store's calls can be sent; `true` when that changed.
 pub fn set_misconfigured(store: &impl CasStore, missing: bool) -> bool {
-    let flag: &[u8] = if missing { b"1" } else { b"0" };
-    let Ok(read) = store.get(MISCONFIGURED_KEY) else { return false };
-    let was = read.value.as_deref().unwrap_or(b"0");
-    was != flag && store.set(MISCONFIGURED_KEY, flag, cas_after(&read)).is_ok()
+    flip(store, MISCONFIGURED_KEY, missing, false)
+}
+
+/// Records whether the store answered last; `true` when that changed (for the process:
+/// its workers share the flag, so the change is logged once).
+pub fn set_reached(store: &impl CasStore, reached: bool) -> bool {
+    flip(store, REACHED_KEY, reached, true)
+}
+
+/// Sets the process-wide flag `key` (`absent`: what a flag never set says) to `on`;
+/// `true` only for the one caller that changed it.
+fn flip(store: &impl CasStore, key: &str, on: bool, absent: bool) -> bool {
+    let Ok(read) = store.get(key) else { return false };
+    let was = read.value.as_deref().map_or(absent, |v| v == b"1");
+    let flag: &[u8] = if on { b"1" } else { b"0" };
+    was != on && store.set(key, flag, cas_after(&read)).is_ok()
 }
 
 /// `tenant`'s record must be read from the store before its calls are admitted.
@@ -557,6 +569,18 @@ mod tests {
         read(&s, "t", Some(Found { stored: None, revision: 1 }), later);
         let again = write_due(&s, later + 1).expect("writes again");
         assert_eq!(again.value.day_micro, 100);
+    }
+
+    #[test]
+    fn the_process_flags_change_once_for_whoever_changes_them() {
+        let s = MemStore::new();
+        assert!(!set_reached(&s, true), "a store never heard from is taken as answering");
+        assert!(set_reached(&s, false));
+        assert!(!set_reached(&s, false), "once, not per worker");
+        assert!(set_reached(&s, true));
+        assert!(!misconfigured(&s) && !set_misconfigured(&s, false));
+        assert!(set_misconfigured(&s, true) && misconfigured(&s));
+        assert!(!set_misconfigured(&s, true));
     }
 
     #[test]

@@ -4,10 +4,10 @@
 
 use super::abi as hostcalls;
 use super::host::SharedData;
+use crate::core::api::event::Event;
 use crate::core::api::priority::CLASSES;
 use crate::core::coalesce::engine::Reply;
 use crate::core::config::Config;
-use crate::core::flight::Event;
 use crate::core::limits::budget;
 use crate::core::observe::metrics::{self, ClassStat, Counter, LastUsage, PerCounter, CLASS_STATS, COUNTERS};
 use proxy_wasm::types::MetricType;

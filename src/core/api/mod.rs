@@ -1,11 +1,12 @@
 //! The OpenAI API's vocabulary as the edge speaks it: the endpoints it governs
 //! (`endpoint`), request paths (`path`), OpenAI-shaped errors (`error`), an answer as the edge keeps it (`response`), what HolySheep
-//! billed for it (`usage`) and said of its own limits (`hints`), the priority classes a request may claim (`priority`)
-//! every header name the edge reads or writes (`headers`), and the response ids it signs
-//! for a tenant (`objects`). Uses only `wire`.
+//! billed for it (`usage`) and said of its own limits (`hints`), the priority classes a request may claim (`priority`),
+//! every header name the edge reads or writes (`headers`), what happened to a flight
+//! (`event`), and the response ids it signs for a tenant (`objects`). Uses only `wire`.
 
 pub mod endpoint;
 pub mod error;
+pub mod event;
 pub mod headers;
 pub mod hints;
 pub mod objects;

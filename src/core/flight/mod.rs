@@ -1,34 +1,28 @@
-//! One upstream flight's admission, calls, retries, failover and settlement. The highest
-//! floor of the call path: it uses the limits, the tenants' holds, the fleet's owner
-//! operations, the upstream request and the engine's `Call`.
+//! One upstream flight, sans-IO: its calls, retries and failover, each call admitted and
+//! settled at one door (`limits::admission`). The highest floor of the call path: it uses
+//! the limits' door, the upstream request and the engine's `Call`.
 //!
-//! One upstream flight, sans-IO: admission through the model's buckets (holding the
-//! request up to `rate_limit.max_wait_ms`), attempts with exponential backoff and full
-//! jitter honouring the provider's `retry-after`, and failover to the model's fallbacks,
-//! all within `upstream.timeout_ms`. The shell performs each `Action` and reports back.
+//! Attempts go with exponential backoff and full jitter honouring the provider's
+//! `retry-after`, then fail over to the model's fallbacks, all within `upstream.timeout_ms`.
+//! The shell performs each `Action` and reports back.
 
-use crate::core::api::error::ApiError;
 use crate::core::api::headers;
 use crate::core::api::hints::ProviderHints;
 use crate::core::api::objects::Signer;
-use crate::core::api::priority::{self, Class};
 use crate::core::api::response::Response;
 use crate::core::api::usage::{Billed, Usage};
 use crate::core::cache::batch::Batch;
 use crate::core::coalesce::engine::Call;
 use crate::core::coalesce::lease;
 use crate::core::config::Config;
-use crate::core::limits::fleet::{self, Op, Verdict};
-use crate::core::limits::line::{Who, POLL_CAP_MS};
-use crate::core::limits::tenant_gate::{self, Ask, Refusal, Settlement, TenantHold};
-use crate::core::limits::{self, duration, Denial, Kind, Limits};
+use crate::core::limits::admission::{Admission, Claim, Standing};
+use crate::core::limits::fleet::{Op, Verdict};
 use crate::core::store::CasStore;
 use crate::core::upstream::Outbound;
 
+use crate::core::api::event::Event;
+pub use crate::core::limits::admission::CONCURRENCY_POLL_MS;
 pub use crate::core::limits::CONTENTION_RETRY_MS;
-
-/// How often a request held for a concurrency slot looks again.
-pub const CONCURRENCY_POLL_MS: u64 = 20;
 
 #[derive(Debug, Clone, PartialEq)]
 pub enum Action {
@@ -40,51 +34,6 @@ pub enum Action {
     Sleep { until_ms: u64 },
     /// The flight is over: complete the call with this outcome (`None`: no answer).
     Finish(Option<Response>),
-}
-
-/// What happened, for metrics.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Event {
-    UpstreamCall {
-        model: String,
-    },
-    Retry {
-        model: String,
-    },
-    Failover {
-        from: String,
-        to: String,
-    },
-    RateLimited {
-        model: String,
-    },
-    ProviderRateLimited {
-        model: String,
-    },
-    Usage {
-        model: String,
-        usage: Usage,
-    },
-    /// The model's owner node was out of reach: this node admitted from its own share.
-    LocalShare {
-        model: String,
-    },
-    /// The flight took a place in a model's admission line (once per flight).
-    Queued {
-        class: Class,
-    },
-    /// The flight was admitted to its first call after waiting `waited_ms` since it began.
-    Admitted {
-        class: Class,
-        waited_ms: u64,
-    },
-    /// The flight was refused for priority: the bucket's reserve (`full`: false) or a full
-    /// admission line.
-    Shed {
-        model: String,
-        class: Class,
-        full: bool,
-    },
 }
 
 /// How a stream forwarded along the route ended, as its shell saw it.
@@ -99,64 +48,17 @@ pub struct StreamOutcome {
     pub attempts: u64,
 }
 
-/// Which bucket admitted the call, so that it is settled where it was taken.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Ticket {
-    /// This node's bucket.
-    Local(u64),
-    /// The model owner node's bucket.
-    Owner(u64),
-    /// This node's share, the model owner being out of reach.
-    Share(u64),
-}
-
-/// What reserving capacity for a call on one model came to.
-enum Reservation {
-    Reserved,
-    Denied(Denial),
-    /// The model owner node must be asked.
-    Ask(String, Op),
-}
-
+/// A flight: its call, the model it is on and the attempts there, and its standing with
+/// the limits (`limits::admission`), which admits each attempt and settles it.
 #[derive(Debug, Clone)]
 pub struct Flight {
     pub call: Call,
-    models: Vec<String>,
+    standing: Standing,
     idx: usize,
     attempt: u32,
-    deadline_ms: u64,
-    hold_until_ms: u64,
-    estimate: u64,
-    /// This flight's identity in the buckets (its first nonce): place in line, slot.
-    id: Option<u64>,
-    ticket: Option<Ticket>,
-    /// A reservation asked of a model owner: the model it was for and the denials before it.
-    probe: Option<(usize, Vec<(usize, Denial)>)>,
-    /// The model owner's answer (`Some(None)`: out of reach).
-    verdict: Option<Option<Verdict>>,
     last: Option<Response>,
-    /// The verified tenant the flight is for, and what it holds of that tenant's limits.
-    tenant: Option<String>,
-    tenant_hold: Option<TenantHold>,
-    /// The tenant's share was taken (or it has none to take).
-    tenant_taken: bool,
-    /// The flight's last `Action::Ask` went to its tenant's owner node, whose answer ...
-    asking_tenant: bool,
-    /// ... is this (`Some(None)`: out of reach).
-    tenant_verdict: Option<Option<Verdict>>,
-    /// The most tokens the call can be billed (`Outbound::worst_tokens`).
-    worst_tokens: u64,
-    /// The flight's class, and its tenant's `priority::tenant_tag`, in the models' lines.
-    class: Class,
-    tenant_tag: u64,
-    /// The buckets whose lines the flight stands in: the bucket, a model it stands there
-    /// for, and where that line is.
-    lined: Vec<(String, usize, Ticket)>,
-    /// It has stood in a line; it has been admitted to a call.
-    queued: bool,
-    admitted: bool,
     pub events: Vec<Event>,
-    /// Settlements for model owner nodes, sent by the shell without waiting.
+    /// Settlements for owner nodes, sent by the shell without waiting.
     pub outbox: Vec<Op>,
     /// An embeddings list answered item by item: HolySheep's answer is completed with the
     /// cached items (`Batch::finish`).
@@ -169,41 +71,21 @@ impl Flight {
     /// The flight for `outbound`'s call: its model, then the model's fallbacks that its
     /// tenant (if any) may call.
     pub fn new(config: &Config, call: Call, outbound: &Outbound) -> Flight {
-        let (model, estimate) = (outbound.model.as_str(), outbound.estimate_tokens);
-        let tenant = outbound.tenant.as_deref().and_then(|t| config.tenants.get(t));
-        let mut models = vec![model.to_owned()];
-        for f in config.model(model).map(|(_, m)| m.fallback.clone()).unwrap_or_default() {
-            if !models.contains(&f) && tenant.is_none_or(|t| t.allows(&f)) {
-                models.push(f);
-            }
-        }
-        let started = call.started_ms;
-        let events = Vec::new();
+        let claim = Claim {
+            model: &outbound.model,
+            tenant: outbound.tenant.as_deref(),
+            class: outbound.class,
+            estimate: outbound.estimate_tokens,
+            worst_tokens: outbound.worst_tokens(),
+            started_ms: call.started_ms,
+        };
         Flight {
+            standing: Standing::new(config, &claim),
             call,
-            models,
             idx: 0,
             attempt: 0,
-            deadline_ms: started.saturating_add(config.upstream.timeout_ms),
-            hold_until_ms: started.saturating_add(config.rate_limit.max_wait_ms),
-            estimate,
-            id: None,
-            ticket: None,
-            probe: None,
-            verdict: None,
             last: None,
-            tenant: outbound.tenant.clone(),
-            tenant_hold: None,
-            tenant_taken: false,
-            asking_tenant: false,
-            tenant_verdict: None,
-            worst_tokens: outbound.worst_tokens(),
-            class: outbound.class,
-            tenant_tag: priority::tenant_tag(outbound.tenant.as_deref()),
-            lined: Vec::new(),
-            queued: false,
-            admitted: false,
-            events,
+            events: Vec::new(),
             outbox: Vec::new(),
             batch: outbound.batch.clone(),
             signer: config.signer(outbound.endpoint, outbound.tenant.as_deref()),
@@ -212,82 +94,39 @@ impl Flight {
 
     /// The model the flight is on now.
     pub fn model(&self) -> &str {
-        self.models.get(self.idx).map_or("", String::as_str)
+        self.standing.models().get(self.idx).map_or("", String::as_str)
     }
 
-    /// Takes capacity from the first model (from the current one on) whose buckets admit
-    /// the call; holds or answers 429 when none does. With fleet-wide limits a model owner
-    /// is asked first (`Action::Ask`), and the probe goes on from its verdict.
+    /// Passes the door (`Standing::admit`) to the current model or a later one, and calls
+    /// it, waits, asks an owner node, or ends with the door's refusal.
     pub fn resume(&mut self, store: &impl CasStore, config: &Config, now_ms: u64, nonce: u64) -> Action {
-        if now_ms >= self.deadline_ms {
-            self.release_tenant_verdict(config, now_ms);
+        let deadline_ms = self.standing.deadline_ms();
+        if now_ms >= deadline_ms {
             let last = self.last.take();
             return self.end(store, config, last, now_ms);
         }
-        if let Some(refused) = self.reserve_tenant(store, config, now_ms, nonce) {
-            return refused;
-        }
         self.raise_to_waiters(store);
-        let (start, mut denials) = self.probe.take().unwrap_or((self.idx, Vec::new()));
-        for i in start..self.models.len() {
-            match self.reserve(store, config, i, now_ms, nonce) {
-                Reservation::Reserved => {
-                    if i != self.idx {
-                        self.fail_over_to(i);
-                    }
-                    self.leave_lines(store, config, now_ms);
-                    let model = self.model().to_owned();
-                    if !std::mem::replace(&mut self.admitted, true) {
-                        let waited_ms = now_ms.saturating_sub(self.call.started_ms);
-                        self.events.push(Event::Admitted { class: self.class, waited_ms });
-                    }
-                    self.events.push(Event::UpstreamCall { model: model.clone() });
-                    return Action::Send { model, timeout_ms: self.deadline_ms - now_ms };
+        let admission = self.standing.admit(store, config, self.idx, now_ms, nonce);
+        self.take_trail();
+        match admission {
+            Admission::Admitted { index } => {
+                if index != self.idx {
+                    self.fail_over_to(index);
                 }
-                Reservation::Denied(d) => denials.push((i, d)),
-                Reservation::Ask(bucket, op) => {
-                    self.probe = Some((i, denials));
-                    let timeout_ms = config.fleet.timeout_ms.min(self.deadline_ms - now_ms);
-                    return Action::Ask { bucket, op, timeout_ms };
-                }
+                let model = self.model().to_owned();
+                self.events.push(Event::UpstreamCall { model: model.clone() });
+                Action::Send { model, timeout_ms: deadline_ms - now_ms }
             }
+            Admission::Wait { until_ms } => Action::Sleep { until_ms },
+            Admission::AskOwner { bucket, op, timeout_ms } => Action::Ask { bucket, op, timeout_ms },
+            Admission::Denied(refused) => self.end(store, config, Some(refused), now_ms),
         }
-        // A refusal for priority is no reason to wait: only the other models' denials are.
-        let waits = denials.iter().filter(|(_, d)| !is_final(d.kind));
-        if let Some(soonest) =
-            waits.clone().map(|(i, d)| d.wait_ms.unwrap_or_else(|| self.slot_poll(config, *i, d))).min()
-        {
-            let until = now_ms.saturating_add(soonest);
-            // Contention is no refusal: it waits past `max_wait_ms` (within the deadline).
-            let contended = waits.clone().any(|(_, d)| d.kind == Kind::Contended);
-            if (until <= self.hold_until_ms || contended) && until < self.deadline_ms {
-                // A place in line lapses unless its caller comes back in time.
-                let poll = if self.lined.is_empty() { soonest } else { soonest.min(POLL_CAP_MS) };
-                return Action::Sleep { until_ms: now_ms.saturating_add(poll) };
-            }
-        }
-        let model = self.model().to_owned();
-        // A call too large for one model but refused by another only for now is that one's
-        // refusal (a 429 to come back with), not a 400.
-        let denial = denials
-            .iter()
-            .map(|(_, d)| *d)
-            .find(|d| d.kind != Kind::TooLarge)
-            .or(denials.first().map(|(_, d)| *d))
-            .unwrap_or(Denial::of(Kind::Requests, None));
-        if denial.kind == Kind::TooLarge {
-            let tpm = config.model(&model).and_then(|(_, m)| m.tokens_per_minute).unwrap_or(0);
-            let refused = ApiError::too_many_tokens(&format!("model {model}"), self.estimate, tpm);
-            let refused = Response::json(400, refused.body()).with_header(headers::MODEL, model);
-            return self.end(store, config, Some(refused), now_ms);
-        }
-        self.events.push(Event::RateLimited { model: model.clone() });
-        if matches!(denial.kind, Kind::Shed | Kind::QueueFull) {
-            let full = denial.kind == Kind::QueueFull;
-            self.events.push(Event::Shed { model: model.clone(), class: self.class, full });
-        }
-        let limited = self.rate_limited(config, &model, denial);
-        self.end(store, config, Some(limited), now_ms)
+    }
+
+    /// The door's events and settlements join the flight's, in the order they happened.
+    fn take_trail(&mut self) {
+        self.events.append(&mut self.standing.events);
+        self.outbox.append(&mut self.standing.outbox);
     }
 
     /// Each time it looks again from its place in line, the flight looks for waiters of a
@@ -295,126 +134,29 @@ impl Flight {
     /// queued in that class): a critical request coalesced on a sheddable leader does not
     /// wait behind the sheddable line.
     fn raise_to_waiters(&mut self, store: &impl CasStore) {
-        // Not between a model owner's verdict and its reading: it was given at the class
-        // the flight asked with.
-        if self.lined.is_empty() || self.class == Class::Critical || self.probe.is_some() {
+        if !self.standing.may_raise() {
             return;
         }
         let Some(lease) = &self.call.lease else { return };
-        if let Some(best) = lease::waiting_class(store, lease).filter(|b| *b < self.class) {
-            (self.class, self.queued) = (best, true);
-            self.events.push(Event::Queued { class: best });
-        }
-    }
-
-    /// How soon a call refused a slot of model `i` looks again: every `CONCURRENCY_POLL_MS`
-    /// near the head of the line, less often the more slots must free before its turn
-    /// (every waiter reads the whole line when it looks).
-    fn slot_poll(&self, config: &Config, i: usize, d: &Denial) -> u64 {
-        let slots = self.models.get(i).and_then(|m| config.model(m)).and_then(|(_, m)| m.max_in_flight);
-        let rounds = d.ahead / u64::from(slots.unwrap_or(1).max(1));
-        CONCURRENCY_POLL_MS.saturating_mul(rounds.saturating_add(1)).min(POLL_CAP_MS)
-    }
-
-    /// Takes the call's share of its tenant's own limits, once per flight; `Some` when they
-    /// refuse it (a wait for the bucket, or the 429).
-    fn reserve_tenant(&mut self, store: &impl CasStore, config: &Config, now_ms: u64, nonce: u64) -> Option<Action> {
-        let tenant = self.tenant.clone().filter(|t| !self.tenant_taken && tenant_gate::is_limited(config, t))?;
-        let id = *self.id.get_or_insert(nonce);
-        let hold_ms = self.deadline_ms.saturating_sub(now_ms) + 1_000;
-        let worst_micro = tenant_gate::worst_micro(config, &self.models, self.worst_tokens);
-        let ask = Ask { tenant: tenant.clone(), id, estimate: self.estimate, worst_micro, hold_ms };
-        let taken = if !config.fleet.shared_limits() {
-            tenant_gate::take(store, config, &ask, None, now_ms)
-        } else {
-            // The tenant's limits live on its owner node: asked first, as a model's are.
-            match self.tenant_verdict.take() {
-                None => {
-                    self.asking_tenant = true;
-                    let timeout_ms = config.fleet.timeout_ms.min(self.deadline_ms - now_ms);
-                    return Some(Action::Ask {
-                        bucket: tenant_gate::bucket(&tenant),
-                        op: Op::TenantTake(ask),
-                        timeout_ms,
-                    });
-                }
-                Some(Some(v)) => match (v.result(), v.hold) {
-                    (Ok(()), Some(dollars)) => Ok(Some(TenantHold::on_owner(&ask, dollars))),
-                    (Ok(()), None) => Ok(None),
-                    (Err(d), _) => Err(Refusal::of(config, &tenant, d)),
-                },
-                Some(None) => {
-                    // The ask may have reached the owner all the same: what it reserved is
-                    // given back, and this node admits from its share.
-                    self.outbox.push(Op::TenantSettle(Settlement::release(&ask, now_ms)));
-                    self.events.push(Event::LocalShare { model: self.model().to_owned() });
-                    tenant_gate::take(store, config, &ask, Some(config.fleet.nodes), now_ms)
-                }
-            }
-        };
-        match taken {
-            Ok(hold) => {
-                (self.tenant_hold, self.tenant_taken) = (hold, true);
-                None
-            }
-            Err(refusal) => {
-                // A store the host does not know will not appear by waiting.
-                if let Some(d) = match refusal {
-                    Refusal::Bucket(d) if d.kind != Kind::StoreMissing => Some(d),
-                    _ => None,
-                } {
-                    let until = now_ms.saturating_add(d.wait_ms.unwrap_or(CONCURRENCY_POLL_MS));
-                    let contended = d.kind == Kind::Contended;
-                    if (until <= self.hold_until_ms || contended) && until < self.deadline_ms {
-                        return Some(Action::Sleep { until_ms: until });
-                    }
-                }
-                let model = self.model().to_owned();
-                if refusal != Refusal::TooLarge {
-                    self.events.push(Event::RateLimited { model: model.clone() });
-                }
-                Some(Action::Finish(Some(tenant_gate::refused(config, &tenant, &model, refusal, self.estimate))))
-            }
-        }
-    }
-
-    /// The flight ends at its deadline with its tenant's owner's verdict unread: what the
-    /// owner reserved is given back.
-    fn release_tenant_verdict(&mut self, config: &Config, now_ms: u64) {
-        let (Some(Some(v)), Some(tenant)) = (self.tenant_verdict.take(), self.tenant.clone()) else { return };
-        if v.hold.is_some() {
-            let worst_micro = tenant_gate::worst_micro(config, &self.models, self.worst_tokens);
-            let ask = Ask { tenant, id: self.id.unwrap_or(0), estimate: self.estimate, worst_micro, hold_ms: 0 };
-            self.outbox.push(Op::TenantSettle(Settlement::release(&ask, now_ms)));
+        if let Some(best) = lease::waiting_class(store, lease) {
+            self.standing.raise_to(best);
         }
     }
 
     /// Whether the flight's last `Action::Ask` went to its tenant's owner node.
     pub fn asking_tenant(&self) -> bool {
-        self.asking_tenant
+        self.standing.asking_tenant()
     }
 
-    /// The flight is over: what it holds of its tenant's limits is settled, here or (a
-    /// settlement in the outbox) on the tenant's owner node.
-    fn end_tenant(&mut self, store: &impl CasStore, now_ms: u64) {
-        if let Some(settlement) = self.tenant_hold.take().and_then(|hold| hold.end(store, now_ms)) {
-            self.outbox.push(Op::TenantSettle(settlement));
-        }
+    /// The owner's answer to `Action::Ask` (`None`: no answer in time).
+    pub fn on_verdict(&mut self, verdict: Option<Verdict>) {
+        self.standing.on_verdict(verdict);
     }
 
-    /// What the current attempt is billed goes on the tenant's account.
-    fn bill_tenant(&mut self, config: &Config, billed: Billed) {
-        let model = self.model().to_owned();
-        if let Some(hold) = &mut self.tenant_hold {
-            hold.bill(config, &model, billed);
-        }
-    }
-
-    /// The flight ends with `outcome`: what it holds of its tenant's limits is settled,
-    /// and its places in line are given up.
+    /// The flight ends with `outcome`: the door settles what it holds.
     fn end(&mut self, store: &impl CasStore, config: &Config, outcome: Option<Response>, now_ms: u64) -> Action {
-        self.end_tenant(store, now_ms);
-        self.leave_lines(store, config, now_ms);
+        self.standing.close(store, config, now_ms);
+        self.take_trail();
         Action::Finish(outcome)
     }
 
@@ -437,11 +179,12 @@ impl Flight {
             Billed::Known(u) => Some(u),
             Billed::Nothing | Billed::Unknown => None,
         };
-        self.bill_tenant(config, billed);
+        self.standing.bill(config, self.idx, billed);
         // HolySheep's own 4xx used no tokens: the estimate goes back to the bucket.
         let rejected = billed == Billed::Nothing && outcome.as_ref().is_some_and(|r| (400..500).contains(&r.status));
         let actual = usage.map(|u| u.total()).or(rejected.then_some(0));
-        self.settle(store, config, actual, 0, hints, now_ms);
+        self.standing.settle(store, config, self.idx, (actual, 0), hints, now_ms);
+        self.take_trail();
         if let Some(usage) = usage {
             self.events.push(Event::Usage { model: model.clone(), usage });
         }
@@ -460,13 +203,13 @@ impl Flight {
         self.last = outcome;
         if self.attempt < config.retry.max_attempts {
             if let Some(delay) = self.backoff(config, hints.retry_after_ms, random) {
-                if now_ms.saturating_add(delay) < self.deadline_ms {
+                if now_ms.saturating_add(delay) < self.standing.deadline_ms() {
                     self.events.push(Event::Retry { model });
                     return Action::Sleep { until_ms: now_ms + delay };
                 }
             }
         }
-        if self.idx + 1 < self.models.len() {
+        if self.idx + 1 < self.standing.models().len() {
             self.fail_over_to(self.idx + 1);
             return self.resume(store, config, now_ms, random);
         }
@@ -504,11 +247,11 @@ impl Flight {
             self.events.push(Event::UpstreamCall { model: model.clone() });
             self.events.push(Event::Retry { model: model.clone() });
         }
-        self.charge_retries(store, config, retries, now_ms);
+        self.standing.charge_retries(store, config, self.idx, retries, now_ms);
         // Each attempt Envoy's router made before the one that answered may have been
         // billed: its worst case, on the tenant's account.
         for _ in 0..retries {
-            self.bill_tenant(config, Billed::Unknown);
+            self.standing.bill(config, self.idx, Billed::Unknown);
         }
         // A 4xx, or a stream that never left, used no tokens; a 5xx keeps its estimate in
         // the bucket, as a call's does; an answer that is not HolySheep's (Envoy's own 504
@@ -520,161 +263,26 @@ impl Flight {
             (None, _, Some(s)) if s != 200 => (Billed::Nothing, None),
             (None, _, _) => (Billed::Unknown, Some(end.cut_off_tokens)),
         };
-        self.bill_tenant(config, billed);
-        self.settle(store, config, actual, retries, hints, now_ms);
+        self.standing.bill(config, self.idx, billed);
+        self.standing.settle(store, config, self.idx, (actual, retries), hints, now_ms);
+        self.take_trail();
         if let Some(usage) = end.usage {
             self.events.push(Event::Usage { model: model.clone(), usage });
         }
         if hints.throttled {
             self.events.push(Event::ProviderRateLimited { model });
         }
-        self.end_tenant(store, now_ms);
-    }
-
-    /// Takes `retries` more requests from the bucket the call was admitted from here (a
-    /// model owner elsewhere in the fleet takes them when it settles the call).
-    fn charge_retries(&self, store: &impl CasStore, config: &Config, retries: u64, now_ms: u64) {
-        let Some((bucket, m)) = config.model(self.model()) else { return };
-        let l = Limits::of(m, &config.rate_limit);
-        match self.ticket {
-            Some(Ticket::Local(_)) => limits::charge_requests(store, bucket, &l, retries, now_ms),
-            Some(Ticket::Share(_)) => {
-                let share = l.share(config.fleet.nodes);
-                limits::charge_requests(store, &limits::share_bucket(bucket), &share, retries, now_ms);
-            }
-            Some(Ticket::Owner(_)) | None => {}
-        }
+        self.standing.close(store, config, now_ms);
+        self.take_trail();
     }
 
     /// A fallback's answer is not stored under the requested model's key.
     fn fail_over_to(&mut self, i: usize) {
-        self.events.push(Event::Failover { from: self.model().to_owned(), to: self.models[i].clone() });
+        let to = self.standing.models().get(i).cloned().unwrap_or_default();
+        self.events.push(Event::Failover { from: self.model().to_owned(), to });
         self.idx = i;
         self.attempt = 0;
         self.call.store = false;
-    }
-
-    /// The model owner's answer to `Action::Ask` (`None`: no answer in time).
-    pub fn on_verdict(&mut self, verdict: Option<Verdict>) {
-        if std::mem::take(&mut self.asking_tenant) {
-            self.tenant_verdict = Some(verdict);
-        } else {
-            self.verdict = Some(verdict);
-        }
-    }
-
-    fn reserve(&mut self, store: &impl CasStore, config: &Config, i: usize, now_ms: u64, nonce: u64) -> Reservation {
-        let name = self.models[i].clone();
-        let Some((bucket, m)) = config.model(&name) else { return Reservation::Reserved };
-        let l = Limits::of(m, &config.rate_limit);
-        if !l.fits(self.estimate) {
-            // Never: it must not wait at its place, nor take the whole bucket.
-            return Reservation::Denied(Denial::of(Kind::TooLarge, None));
-        }
-        // A call holds its in-flight slot no longer than the flight can last.
-        let hold = self.deadline_ms.saturating_sub(now_ms) + 1_000;
-        let (estimate, id) = (self.estimate, *self.id.get_or_insert(nonce));
-        let who = Who { id, estimate, class: self.class, tenant: self.tenant_tag };
-        // A call that may still wait keeps a place in line while it is refused.
-        let waits = now_ms < self.hold_until_ms;
-        let (ticket, taken) = if !config.fleet.shared_limits() {
-            (Ticket::Local(id), limits::take(store, bucket, &l, &who, now_ms, hold, waits))
-        } else {
-            match self.verdict.take() {
-                None => {
-                    let (model, class, tenant) = (self.models[i].clone(), self.class, self.tenant_tag);
-                    let op = Op::Take { model, id, estimate, hold_ms: hold, class, tenant, waits };
-                    return Reservation::Ask(bucket.to_owned(), op);
-                }
-                Some(Some(verdict)) => (Ticket::Owner(id), verdict.result()),
-                Some(None) => {
-                    self.events.push(Event::LocalShare { model: self.models[i].clone() });
-                    let share = l.share(config.fleet.nodes);
-                    (
-                        Ticket::Share(id),
-                        limits::take(store, &limits::share_bucket(bucket), &share, &who, now_ms, hold, waits),
-                    )
-                }
-            }
-        };
-        // One place per bucket (fallbacks may share one): a place held elsewhere (the
-        // owner's line, or this node's share) is given up there.
-        if let Some(at) = self.lined.iter().position(|(b, _, _)| b == bucket) {
-            let (_, j, held) = self.lined.swap_remove(at);
-            if std::mem::discriminant(&held) != std::mem::discriminant(&ticket) {
-                self.leave(store, config, j, held, now_ms);
-            }
-        }
-        match taken {
-            Ok(()) => {
-                self.ticket = Some(ticket);
-                Reservation::Reserved
-            }
-            Err(d) => {
-                // A call that lost every race may hold a place from before: it is kept to leave.
-                if waits && !is_final(d.kind) {
-                    self.lined.push((bucket.to_owned(), i, ticket));
-                    if d.kind != Kind::Contended && !std::mem::replace(&mut self.queued, true) {
-                        self.events.push(Event::Queued { class: self.class });
-                    }
-                }
-                Reservation::Denied(d)
-            }
-        }
-    }
-
-    /// Gives up the flight's places in the lines of models it was not admitted to.
-    fn leave_lines(&mut self, store: &impl CasStore, config: &Config, now_ms: u64) {
-        for (_, i, ticket) in std::mem::take(&mut self.lined) {
-            self.leave(store, config, i, ticket, now_ms);
-        }
-    }
-
-    /// Gives up the place `ticket` names in the line of model `i`'s bucket (settling a call
-    /// that was never admitted frees its place).
-    fn leave(&mut self, store: &impl CasStore, config: &Config, i: usize, ticket: Ticket, now_ms: u64) {
-        self.settle_at(store, config, i, ticket, (None, ProviderHints::default(), 0), now_ms);
-    }
-
-    /// Settles the reservation with the tokens the call used (`None`: unknown); `retries`, requests made beyond
-    /// the first (already taken here from a local bucket), go to a model owner with it.
-    fn settle(
-        &mut self,
-        store: &impl CasStore,
-        config: &Config,
-        actual: Option<u64>,
-        retries: u64,
-        hints: &ProviderHints,
-        now_ms: u64,
-    ) {
-        let Some(ticket) = self.ticket.take() else { return };
-        let ended = (actual, fleet::capped(config, hints), retries);
-        self.settle_at(store, config, self.idx, ticket, ended, now_ms);
-    }
-
-    /// Settles what `ticket` holds in model `i`'s bucket, where it was taken: the call used
-    /// `actual` tokens (`None`: unknown, or it was never admitted and only leaves the line),
-    /// the provider said `hints`, and `retries` more requests went to a model owner.
-    fn settle_at(
-        &mut self,
-        store: &impl CasStore,
-        config: &Config,
-        i: usize,
-        ticket: Ticket,
-        (actual, hints, retries): (Option<u64>, ProviderHints, u64),
-        now_ms: u64,
-    ) {
-        let Some(name) = self.models.get(i).cloned() else { return };
-        let Some((bucket, m)) = config.model(&name) else { return };
-        let (l, estimate) = (Limits::of(m, &config.rate_limit), self.estimate);
-        match ticket {
-            Ticket::Local(id) => limits::settle(store, bucket, &l, id, estimate, actual, &hints, now_ms),
-            Ticket::Share(id) => {
-                let share = l.share(config.fleet.nodes);
-                limits::settle(store, &limits::share_bucket(bucket), &share, id, estimate, actual, &hints, now_ms);
-            }
-            Ticket::Owner(id) => self.outbox.push(Op::Settle { model: name, id, estimate, actual, hints, retries }),
-        }
     }
 
     /// Full jitter between `base_delay_ms` and the doubled cap; the provider's
@@ -689,47 +297,6 @@ impl Flight {
             None => Some(jitter),
         }
     }
-
-    fn rate_limited(&self, config: &Config, model: &str, d: Denial) -> Response {
-        let l = config.model(model).map(|(_, m)| Limits::of(m, &config.rate_limit));
-        let what = match (d.kind, l) {
-            (Kind::Requests, Some(l)) => {
-                format!("requests per min (RPM): Limit {}", limits::whole(l.rpm.unwrap_or(0.0)))
-            }
-            (Kind::Tokens, Some(l)) => format!("tokens per min (TPM): Limit {}", limits::whole(l.tpm.unwrap_or(0.0))),
-            (Kind::Concurrency, Some(l)) => format!("requests in flight: Limit {}", l.max_in_flight.unwrap_or(0)),
-            (Kind::Shed, _) => format!("{} requests: the rest is kept for higher priorities", self.class.as_str()),
-            (Kind::QueueFull, _) => format!("{} requests: the waiting line is full", self.class.as_str()),
-            _ => "requests".to_owned(),
-        };
-        let wait = d.wait_ms.unwrap_or(1_000).max(1);
-        let shed = match d.kind {
-            Kind::Shed => Some("priority"),
-            Kind::QueueFull => Some("queue-full"),
-            _ => None,
-        };
-        let e = ApiError {
-            status: 429,
-            message: format!("Rate limit reached for {model} on {what}. Please try again in {}.", duration(wait)),
-            kind: d.kind.as_str(),
-            param: None,
-            code: "rate_limit_exceeded",
-        };
-        let limited = Response::json(429, e.body())
-            .with_header("retry-after", wait.div_ceil(1000).to_string())
-            .with_header("retry-after-ms", wait.to_string())
-            .with_header(headers::MODEL, model.to_owned());
-        // Marked with its class: a waiter of a higher class does not take it as its answer.
-        match shed {
-            Some(why) => limited.shed(why, self.class),
-            None => limited.with_header(headers::PRIORITY, self.class.as_str().to_owned()),
-        }
-    }
-}
-
-/// A refusal for priority, or for a call larger than the bucket: final, never waited out.
-fn is_final(kind: Kind) -> bool {
-    matches!(kind, Kind::Shed | Kind::QueueFull | Kind::TooLarge)
 }
 
 fn retryable(outcome: Option<&Response>) -> bool {
@@ -747,7 +314,11 @@ pub const STREAM_RETRIABLE_STATUSES: &str = "500,502,503,504";
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::core::api::priority::Class;
     use crate::core::coalesce::engine::CacheStatus;
+    use crate::core::limits::line::POLL_CAP_MS;
+    use crate::core::limits::tenant_gate::Settlement;
+    use crate::core::limits::{self, fleet, tenant_gate, Denial, Kind, Limits};
     use crate::core::request::request_key;
     use crate::core::store::MemStore;
     use crate::core::store::StoreError;

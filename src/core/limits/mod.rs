@@ -1,5 +1,5 @@
-//! Everything that can refuse a call for what it would cost: per-model token buckets in
-//! shared data (this module), the admission line of one bucket (`line`), tenants' dollar
+//! Everything that can refuse a call for what it would cost, behind one door
+//! (`admission`): per-model token buckets in shared data (this module), the admission line of one bucket (`line`), tenants' dollar
 //! budgets that reserve and settle (`budget`), the records of the spend store in etcd
 //! (`budget_store`), a flight's hold on its tenant's own limits (`tenant_gate`) and the
 //! operations a fleet's owner node serves for them (`fleet`). Uses `wire`, `api`, `store`
@@ -12,6 +12,7 @@
 //! by compare-and-swap. Tokens are reserved from an estimate before a call and reconciled
 //! with the answer's `usage`; the provider's own limit headers only ever lower the buckets.
 
+pub mod admission;
 pub mod budget;
 pub mod budget_store;
 pub mod fleet;

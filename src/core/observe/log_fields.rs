@@ -2,11 +2,11 @@
 //! values per request (in Envoy as filter state, `wasm.<name>`), named after the
 //! OpenTelemetry GenAI semantic conventions where one exists and `holysheep.*` otherwise.
 
+use crate::core::api::event::Event;
 use crate::core::api::headers;
 use crate::core::api::priority::Class;
 use crate::core::api::usage::Usage;
 use crate::core::coalesce::engine::{CacheStatus, Reply};
-use crate::core::flight;
 use crate::core::request::Key;
 
 /// The names, in the order they are published. (`gen_ai.provider.name` is `holysheep` for
@@ -38,14 +38,14 @@ pub struct Spent {
 
 impl Spent {
     /// Adds what a flight's events say (calls, their usage's price, the admission wait).
-    pub fn add(&mut self, events: &[flight::Event], price: impl Fn(&str, &Usage) -> u64) {
+    pub fn add(&mut self, events: &[Event], price: impl Fn(&str, &Usage) -> u64) {
         for e in events {
             match e {
-                flight::Event::UpstreamCall { .. } => self.attempts += 1,
-                flight::Event::Usage { model, usage } => {
+                Event::UpstreamCall { .. } => self.attempts += 1,
+                Event::Usage { model, usage } => {
                     self.cost_micro_usd += price(model, usage);
                 }
-                flight::Event::Admitted { waited_ms, .. } => self.queued_ms += waited_ms,
+                Event::Admitted { waited_ms, .. } => self.queued_ms += waited_ms,
                 _ => {}
             }
         }
@@ -130,10 +130,10 @@ mod tests {
             Reply { response, cache: Some(CacheStatus::Miss), key: Some(key.clone()), age_s: None, fresh_s: None };
         let mut spent = Spent::default();
         let events = [
-            flight::Event::UpstreamCall { model: "gpt-4.1".into() },
-            flight::Event::UpstreamCall { model: "deepseek-v3".into() },
-            flight::Event::Admitted { class: Class::Standard, waited_ms: 40 },
-            flight::Event::Usage { model: "deepseek-v3".into(), usage: Usage::new(10, 5) },
+            Event::UpstreamCall { model: "gpt-4.1".into() },
+            Event::UpstreamCall { model: "deepseek-v3".into() },
+            Event::Admitted { class: Class::Standard, waited_ms: 40 },
+            Event::Usage { model: "deepseek-v3".into(), usage: Usage::new(10, 5) },
         ];
         spent.add(&events, |_, u| u.prompt * 1000 + u.completion);
         assert_eq!(spent, Spent { attempts: 2, cost_micro_usd: 10_005, queued_ms: 40 });

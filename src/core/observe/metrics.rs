@@ -1,12 +1,12 @@
 //! Per-model counters: names, and what each event or answer adds to them. Models named in
 //! the configuration get their own counters; every other model counts under `other`.
 
+use crate::core::api::event::Event;
 use crate::core::api::headers;
 use crate::core::api::priority::Class;
 use crate::core::api::usage::{self, Usage};
 use crate::core::coalesce::engine::{CacheStatus, Reply};
 use crate::core::config::{Config, Role};
-use crate::core::flight::Event;
 use crate::core::wire::bytes;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]

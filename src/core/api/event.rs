@@ -1,0 +1,50 @@
+//! What happened to a flight, as the shells count it (`observe::metrics`) and log it
+//! (`observe::log_fields`): told by the flight (its calls, retries, failovers, usage) and by
+//! its admission (`limits::admission`: lines, shedding, owners out of reach).
+
+use crate::core::api::priority::Class;
+use crate::core::api::usage::Usage;
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Event {
+    UpstreamCall {
+        model: String,
+    },
+    Retry {
+        model: String,
+    },
+    Failover {
+        from: String,
+        to: String,
+    },
+    RateLimited {
+        model: String,
+    },
+    ProviderRateLimited {
+        model: String,
+    },
+    Usage {
+        model: String,
+        usage: Usage,
+    },
+    /// The model's owner node was out of reach: this node admitted from its own share.
+    LocalShare {
+        model: String,
+    },
+    /// The flight took a place in a model's admission line (once per flight).
+    Queued {
+        class: Class,
+    },
+    /// The flight was admitted to its first call after waiting `waited_ms` since it began.
+    Admitted {
+        class: Class,
+        waited_ms: u64,
+    },
+    /// The flight was refused for priority: the bucket's reserve (`full`: false) or a full
+    /// admission line.
+    Shed {
+        model: String,
+        class: Class,
+        full: bool,
+    },
+}

@@ -28,6 +28,11 @@ impl Resp {
     pub fn text(&self) -> String {
         String::from_utf8_lossy(&self.body).into_owned()
     }
+
+    /// The `error.code` of an OpenAI-shaped error (`-` when there is none).
+    pub fn error_code(&self) -> String {
+        self.json()["error"]["code"].as_str().unwrap_or("-").to_owned()
+    }
 }
 
 /// A keep-alive connection.

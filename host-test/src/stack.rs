@@ -119,6 +119,17 @@ pub fn prompt_for(model: &str, text: &str) -> String {
     format!(r#"{{"model":"{model}","messages":[{{"role":"user","content":"{text}"}}],"temperature":0}}"#)
 }
 
+/// `body` (a JSON object) asking for a stream.
+pub fn streamed(body: &str) -> String {
+    body.replacen('{', r#"{"stream":true,"#, 1)
+}
+
+/// A tenant token's SHA-256 in hex, as `tenants.<name>.keys_sha256` holds it.
+pub fn key_digest(token: &str) -> String {
+    use sha2::Digest;
+    sha2::Sha256::digest(token.as_bytes()).iter().map(|b| format!("{b:02x}")).collect()
+}
+
 /// How many answers carry this `x-holysheep-cache` value.
 pub fn count(resps: &[Resp], cache: &str) -> usize {
     resps.iter().filter(|r| r.cache() == cache).count()

@@ -3,17 +3,13 @@
 //! COALESCED followers, a HIT and a 429.
 
 use host_test::client::Resp;
+use host_test::stack::key_digest;
 use host_test::stack::{poll_until, prompt, prompt_for, Stack};
 use serde_json::Value;
-use sha2::{Digest, Sha256};
 use std::path::PathBuf;
 
 const OPERATOR: &str = "sk-operator-log-7d1e";
 const SEARCH: &str = "hs-search-log-2c9a";
-
-fn digest(token: &str) -> String {
-    Sha256::digest(token.as_bytes()).iter().map(|b| format!("{b:02x}")).collect()
-}
 
 fn lines(path: &PathBuf) -> Vec<Value> {
     let text = std::fs::read_to_string(path).unwrap_or_default();
@@ -37,7 +33,7 @@ fn the_access_log_shows_each_answers_cache_models_tokens_cost_and_wait() {
         r#"{{"log_fields":true,"models":{{"gpt-4.1":{{"usd_per_mtok_input":2.0,"usd_per_mtok_output":8.0}},
                         "deepseek-v3":{{"requests_per_minute":1,"burst":1}}}},
             "tenants":{{"search":{{"keys_sha256":["{}"],"priority":"critical"}}}}}}"#,
-        digest(SEARCH)
+        key_digest(SEARCH)
     );
     let s = Stack::start_tuned(
         &config,

@@ -4,9 +4,9 @@
 //! shared, and every other path refused unless the operator lets it pass.
 
 use host_test::client::{request, Resp};
+use host_test::stack::key_digest;
 use host_test::stack::{burst_to, results_of, Stack};
 use serde_json::{json, Value};
-use sha2::{Digest, Sha256};
 
 const OPERATOR_KEY: &str = "sk-operator-77c1e5a9d3";
 const TOKENS: [(&str, &str); 2] = [("apps", "hs-apps-5a4b3c2d1e"), ("index", "hs-index-9f8e7d6c5b")];
@@ -14,10 +14,6 @@ const TOKENS: [(&str, &str); 2] = [("apps", "hs-apps-5a4b3c2d1e"), ("index", "hs
 /// $100 per million input tokens (100 micro-dollars a token, so every charge is a whole number).
 const MODELS: &str = r#"{"gpt-4.1":{"usd_per_mtok_input":10,"usd_per_mtok_output":30},
     "text-embedding-3-small":{"usd_per_mtok_input":100}}"#;
-
-fn digest(token: &str) -> String {
-    Sha256::digest(token.as_bytes()).iter().map(|b| format!("{b:02x}")).collect()
-}
 
 fn bearer(tenant: &str) -> String {
     let (_, token) = TOKENS.iter().find(|(t, _)| *t == tenant).expect("a test tenant");
@@ -30,7 +26,7 @@ fn config(extra: &[(&str, &str)], more: &str) -> String {
         .iter()
         .map(|(t, token)| {
             let e = extra.iter().find(|(n, _)| n == t).map_or(String::new(), |(_, e)| format!(",{e}"));
-            format!(r#""{t}":{{"keys_sha256":["{}"]{e}}}"#, digest(token))
+            format!(r#""{t}":{{"keys_sha256":["{}"]{e}}}"#, key_digest(token))
         })
         .collect();
     format!(r#"{{"models":{MODELS},"retry":{{"max_attempts":1}},"tenants":{{{}}}{more}}}"#, tenants.join(","))

@@ -7,17 +7,13 @@
 use host_test::client::{request, Conn, Resp};
 use host_test::fleet::{content, round_robin, spread, Fleet};
 use host_test::mock::Fault;
+use host_test::stack::{key_digest, streamed};
 use host_test::stack::{poll_until, prompt, PATH};
-use sha2::{Digest, Sha256};
 use std::net::SocketAddr;
 use std::time::Duration;
 
 const ALICE: &str = "hs-alice-4f1e2d3c";
 const BOB: &str = "hs-bob-9a8b7c6d";
-
-fn digest(token: &str) -> String {
-    Sha256::digest(token.as_bytes()).iter().map(|b| format!("{b:02x}")).collect()
-}
 
 /// Owners keep an answer 4 s, a near copy lives at most 1 s; two tenants (and the ring
 /// probes' own).
@@ -26,9 +22,9 @@ fn config() -> String {
         r#"{{"cache":{{"ttl_seconds":4}},"edge":{{"max_age_seconds":1}},
             "tenants":{{"alice":{{"keys_sha256":["{}"]}},"bob":{{"keys_sha256":["{}"]}},
                         "probe":{{"keys_sha256":["{}"]}}}}}}"#,
-        digest(ALICE),
-        digest(BOB),
-        digest("probe")
+        key_digest(ALICE),
+        key_digest(BOB),
+        key_digest("probe")
     )
 }
 
@@ -93,7 +89,7 @@ fn a_repeat_is_answered_at_the_edge(f: &Fleet) {
 fn a_streams_copy_is_whole(f: &Fleet) {
     let a = f.publics()[1];
     let plain = prompt("a stream's near copy");
-    let stream = plain.replacen('{', r#"{"stream":true,"#, 1);
+    let stream = streamed(&plain);
     let with_usage = plain.replacen('{', r#"{"stream":true,"stream_options":{"include_usage":true},"#, 1);
     let first = ask(a, ALICE, &stream, &[]);
     assert_eq!((first.status, first.cache(), tier(&first)), (200, "MISS", "owner"));

@@ -5,6 +5,7 @@
 use host_test::client::{request, Conn, Resp};
 use host_test::fleet::{content, round_robin, Fleet, SECRET};
 use host_test::mock::Fault;
+use host_test::stack::streamed;
 use host_test::stack::{count, prompt, prompt_for, PATH};
 use std::net::SocketAddr;
 use std::time::Duration;
@@ -52,7 +53,7 @@ fn three_nodes_act_as_one_edge() {
     // A stream crosses the forward hop live: the first event arrives while the mock holds
     // the rest.
     fleet.mock.mock.plan(vec![Fault { hold_after_events: Some(3), ..Fault::default() }]);
-    let streamed = prompt("stream across the fleet").replacen('{', r#"{"stream":true,"#, 1);
+    let streamed = streamed(&prompt("stream across the fleet"));
     let mut conn = Conn::open(publics[1]).and_then(|c| c.read_timeout(Duration::from_secs(20))).expect("connect");
     conn.send_only("POST", PATH, &[("authorization", "Bearer sk-fleet")], streamed.as_bytes()).expect("send");
     let head = conn.read_until("\"role\":\"assistant\"").expect("the first event before the rest was sent");

@@ -6,8 +6,8 @@
 
 use host_test::client::{request, Conn, Resp};
 use host_test::mock::{Fault, Running};
+use host_test::stack::key_digest;
 use host_test::stack::{burst_at, poll_until, prompt, prompt_for, Stack, PATH};
-use sha2::{Digest, Sha256};
 use std::thread::JoinHandle;
 
 const OPERATOR_KEY: &str = "sk-operator-4b1d9e7c2a";
@@ -21,10 +21,6 @@ const TOKENS: [(&str, &str); 4] = [
 /// gpt-4.1 at $10 / $30 per million prompt / completion tokens, $2.50 for cached prompt tokens.
 const PRICES: &str = r#""usd_per_mtok_input":10,"usd_per_mtok_output":30,"usd_per_mtok_cached_input":2.5"#;
 
-fn digest(token: &str) -> String {
-    Sha256::digest(token.as_bytes()).iter().map(|b| format!("{b:02x}")).collect()
-}
-
 fn bearer(tenant: &str) -> String {
     let (_, token) = TOKENS.iter().find(|(t, _)| *t == tenant).expect("a test tenant");
     format!("Bearer {token}")
@@ -36,7 +32,7 @@ fn config(models: &str, rate_limit: &str, limits: &[(&str, &str)]) -> String {
         .iter()
         .map(|(t, token)| {
             let extra = limits.iter().find(|(n, _)| n == t).map_or(String::new(), |(_, e)| format!(",{e}"));
-            format!(r#""{t}":{{"keys_sha256":["{}"]{extra}}}"#, digest(token))
+            format!(r#""{t}":{{"keys_sha256":["{}"]{extra}}}"#, key_digest(token))
         })
         .collect();
     format!(
@@ -51,10 +47,6 @@ fn start(config: &str, latency_ms: u64) -> Stack {
 
 fn chat(s: &Stack, tenant: &str, body: &str) -> Resp {
     s.chat(body, &[("authorization", &bearer(tenant))])
-}
-
-fn code(r: &Resp) -> String {
-    r.json()["error"]["code"].as_str().unwrap_or("-").to_owned()
 }
 
 /// `body` with these fields first.
@@ -86,7 +78,7 @@ fn a_budgeted_call_reserves_the_completion_cap_of_every_choice() {
     // 128 choices of up to 4096 tokens each at $30 per million: about $15.7, far past $1.
     let many = with(&prompt("one hundred and twenty-eight answers"), r#""n":128"#);
     let r = chat(&s, "batch", &many);
-    assert_eq!((r.status, code(&r).as_str()), (429, "insufficient_quota"), "{}", r.text());
+    assert_eq!((r.status, r.error_code().as_str()), (429, "insufficient_quota"), "{}", r.text());
     assert_eq!(s.calls(), 0, "nothing reached HolySheep");
     // Two choices: (body + 2 × 4096) tokens at $30 per million fit in $1.
     let two = with(&prompt("two answers"), r#""n":2"#);
@@ -120,7 +112,7 @@ fn a_budgeted_tenant_reaches_only_priced_models() {
     let s = start(&config(&format!(r#"{{"gpt-4.1":{{{PRICES}}}}}"#), "{}", &[("batch", r#""usd_per_day":1"#)]), 0);
     let other = prompt_for("claude-sonnet-4", "priced by nothing");
     let r = chat(&s, "batch", &other);
-    assert_eq!((r.status, code(&r).as_str()), (404, "model_not_found"), "{}", r.text());
+    assert_eq!((r.status, r.error_code().as_str()), (404, "model_not_found"), "{}", r.text());
     assert_eq!(s.calls(), 0);
     assert_eq!(chat(&s, "search", &other).status, 200, "no budget, no price needed");
     assert_eq!(chat(&s, "batch", &prompt("priced")).status, 200);
@@ -133,7 +125,7 @@ fn a_budgeted_tenant_reaches_only_priced_models() {
     let s = start(&config(&models, "{}", &limits), 0);
     let dear = prompt_for("o1-pro", "priced by default");
     let r = chat(&s, "batch", &dear);
-    assert_eq!((r.status, code(&r).as_str()), (404, "model_not_found"), "{}", r.text());
+    assert_eq!((r.status, r.error_code().as_str()), (404, "model_not_found"), "{}", r.text());
     assert_eq!(s.calls(), 0);
     assert_eq!(chat(&s, "alpha", &dear).status, 200, "the operator listed it for alpha");
     assert!(s.crashes().is_empty(), "{:?}", s.crashes());
@@ -266,7 +258,7 @@ fn a_stored_response_continued_at_once_is_never_billed_past_the_budget() {
     let served = answers.iter().filter(|r| r.status == 200).count();
     assert!(served >= 2, "{:?}", answers.iter().map(Resp::text).collect::<Vec<_>>());
     for r in answers.iter().filter(|r| r.status != 200) {
-        assert_eq!((r.status, code(r).as_str()), (429, "insufficient_quota"), "{}", r.text());
+        assert_eq!((r.status, r.error_code().as_str()), (429, "insufficient_quota"), "{}", r.text());
     }
     assert!(billed <= 100_000, "HolySheep billed {billed} of a 100,000 budget");
     let spent = 100_000 - tenant_stat(&s, "batch", "budget_day_left_microusd");
@@ -277,7 +269,7 @@ fn a_stored_response_continued_at_once_is_never_billed_past_the_budget() {
     let body = r#"{"model":"gpt-4.1","input":"go on","prompt":{"id":"pmpt_1","version":"2"}}"#;
     let r = request(s.envoy.edge, "POST", "/v1/responses", &[("authorization", &bearer("batch"))], body.as_bytes())
         .expect("answer");
-    assert_eq!((r.status, code(&r).as_str()), (400, "unsupported_parameter"), "{}", r.text());
+    assert_eq!((r.status, r.error_code().as_str()), (400, "unsupported_parameter"), "{}", r.text());
     assert_eq!(r.json()["error"]["param"], "prompt");
     assert_eq!(s.mock.mock.calls_to("/v1/responses"), 0);
     assert!(s.crashes().is_empty(), "{:?}", s.crashes());
@@ -428,7 +420,7 @@ fn a_burst_spends_its_budget_and_is_never_told_it_has_none_while_it_has() {
     let served = answers.iter().filter(|r| r.status == 200).count() as u64;
     assert_eq!(s.calls(), served);
     for r in answers.iter().filter(|r| r.status != 200) {
-        assert_eq!((r.status, code(r).as_str()), (429, "insufficient_quota"), "{}", r.text());
+        assert_eq!((r.status, r.error_code().as_str()), (429, "insufficient_quota"), "{}", r.text());
     }
     // Refused only once what was settled left no room for a worst case.
     assert!(budget - spent < worst, "{spent} of {budget}");
@@ -441,7 +433,7 @@ fn a_burst_spends_its_budget_and_is_never_told_it_has_none_while_it_has() {
     let answers = burst_at(s.envoy.edge, bodies, &bearer("batch"));
     assert_eq!(answers.iter().filter(|r| r.status == 200).count(), 10);
     for r in answers.iter().filter(|r| r.status != 200) {
-        assert_eq!((r.status, code(r).as_str()), (429, "rate_limit_exceeded"), "{}", r.text());
+        assert_eq!((r.status, r.error_code().as_str()), (429, "rate_limit_exceeded"), "{}", r.text());
         assert_eq!(r.header("retry-after"), Some("1"));
     }
     assert!(mock_billed(&s) <= budget);

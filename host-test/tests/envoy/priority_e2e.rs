@@ -5,8 +5,8 @@
 use host_test::client::{request, Conn, Resp};
 use host_test::fleet::Fleet;
 use host_test::mock::Fault;
+use host_test::stack::{key_digest, streamed};
 use host_test::stack::{poll_until, prompt, prompt_for, Stack, PATH};
-use sha2::{Digest, Sha256};
 use std::net::SocketAddr;
 use std::thread::JoinHandle;
 use std::time::Duration;
@@ -190,7 +190,7 @@ fn a_critical_request_coalesced_on_a_queued_sheddable_leader_takes_it_to_the_fro
 /// Reads a stream's first event: the request is then on its way (a leader's call, or a
 /// waiter attached to one).
 fn open_stream(s: &Stack, tenant: &str, text: &str, headers: &[(&str, &str)]) -> (Conn, String) {
-    let body = prompt(text).replacen('{', r#"{"stream":true,"#, 1);
+    let body = streamed(&prompt(text));
     let auth = token(tenant);
     let mut h = vec![("authorization", auth.as_str())];
     h.extend_from_slice(headers);
@@ -236,7 +236,7 @@ fn tenants_config(models: &str, rate_limit: &str) -> String {
     let tenants: Vec<String> = TENANTS
         .iter()
         .map(|(name, token, class)| {
-            let digest: String = Sha256::digest(token.as_bytes()).iter().map(|b| format!("{b:02x}")).collect();
+            let digest = key_digest(token);
             format!(r#""{name}":{{"keys_sha256":["{digest}"],"priority":"{class}"}}"#)
         })
         .collect();

@@ -6,6 +6,7 @@
 use host_test::client::request;
 use host_test::envoy::{wasm_path, workspace_root, Envoy};
 use host_test::mock::Running;
+use host_test::stack::streamed;
 use host_test::stack::{poll_until, prompt, PATH};
 use std::net::{SocketAddr, TcpListener};
 use std::path::{Path, PathBuf};
@@ -156,15 +157,9 @@ fn the_production_transport_speaks_tls_and_http2_and_checks_the_name() {
     let miss = request(edge, "POST", PATH, &auth, body.as_bytes()).expect("answer");
     assert_eq!((miss.status, miss.cache()), (200, "MISS"), "{}", miss.text());
     assert_eq!(request(edge, "POST", PATH, &auth, body.as_bytes()).expect("answer").cache(), "HIT");
-    let stream = body.replacen('{', r#"{"stream":true,"#, 1);
-    let streamed = request(
-        edge,
-        "POST",
-        PATH,
-        &auth,
-        prompt("a stream over tls").replacen('{', r#"{"stream":true,"#, 1).as_bytes(),
-    )
-    .expect("answer");
+    let stream = streamed(&body);
+    let streamed =
+        request(edge, "POST", PATH, &auth, streamed(&prompt("a stream over tls")).as_bytes()).expect("answer");
     assert_eq!(streamed.status, 200);
     assert!(streamed.text().contains("data: [DONE]"), "{}", streamed.text());
     assert!(request(edge, "POST", PATH, &auth, stream.as_bytes()).expect("answer").text().contains("data: [DONE]"));

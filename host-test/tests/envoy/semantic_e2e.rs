@@ -6,6 +6,7 @@
 use host_test::client::Resp;
 use host_test::mock::embeddings::similarity;
 use host_test::mock::Fault;
+use host_test::stack::key_digest;
 use host_test::stack::{count, Stack};
 use serde_json::{json, Value};
 
@@ -220,8 +221,6 @@ fn clients_that_leave_while_their_question_is_embedded_disturb_nothing() {
 
 #[test]
 fn embeddings_are_inside_the_tenants_budget_and_the_embedding_models_bucket() {
-    use sha2::{Digest, Sha256};
-    let digest = |t: &str| -> String { Sha256::digest(t.as_bytes()).iter().map(|b| format!("{b:02x}")).collect() };
     // A question's worst case: every body byte a token at gpt-4.1's dearest price ($8 per
     // million) and 4096 completion tokens; its embedding's: its bytes at $100 per million.
     let body = ask("gpt-4.1", SYSTEM, &[], ASKED);
@@ -235,11 +234,11 @@ fn embeddings_are_inside_the_tenants_budget_and_the_embedding_models_bucket() {
                        "text-embedding-3-small":{{"usd_per_mtok_input":{EMBEDDING_USD_PER_MTOK},"requests_per_minute":60,"burst":1}}}},
             "tenants":{{"batch":{{"keys_sha256":["{}"],"usd_per_day":{}}},"poor":{{"keys_sha256":["{}"],"usd_per_day":{}}},
                         "free":{{"keys_sha256":["{}"]}}}}}}"#,
-        digest("batch-key"),
+        key_digest("batch-key"),
         budget as f64 / 1e6,
-        digest("poor-key"),
+        key_digest("poor-key"),
         (chat_worst / 2) as f64 / 1e6,
-        digest("free-key")
+        key_digest("free-key")
     );
     let s = Stack::start_tuned(&raw, 0, |o| o.api_key = Some(OPERATOR_KEY.into()), Some(OPERATOR_KEY));
     let poor = send(&s, &body, "Bearer poor-key");

@@ -7,15 +7,11 @@ use host_test::client::{request, Resp};
 use host_test::envoy::{Envoy, Options};
 use host_test::etcd::Etcd;
 use host_test::mock::Running;
+use host_test::stack::key_digest;
 use host_test::stack::{poll_until, prompt, PATH};
-use sha2::{Digest, Sha256};
 
 const OPERATOR_KEY: &str = "sk-operator-6d5c4b3a21";
 const BATCH: &str = "hs-batch-store-8e7f6a5b4c";
-
-fn digest(token: &str) -> String {
-    Sha256::digest(token.as_bytes()).iter().map(|b| format!("{b:02x}")).collect()
-}
 
 /// gpt-4.1 at $10 / $30 per million tokens; `batch` with `budget_micro` a day; the spend
 /// store written every 50 ms.
@@ -24,7 +20,7 @@ fn config(budget_micro: u64) -> String {
         r#"{{"models":{{"gpt-4.1":{{"usd_per_mtok_input":10,"usd_per_mtok_output":30}}}},
             "budget_store":{{"cluster":"etcd","flush_ms":50,"timeout_ms":500}},
             "tenants":{{"batch":{{"keys_sha256":["{}"],"usd_per_day":{}}}}}}}"#,
-        digest(BATCH),
+        key_digest(BATCH),
         budget_micro as f64 / 1e6
     )
 }
@@ -189,9 +185,9 @@ fn over_three_nodes_a_budget_survives_a_rolling_restart_with_every_node_killed()
             "rate_limit":{{"max_wait_ms":20000}},
             "budget_store":{{"cluster":"etcd","flush_ms":50,"timeout_ms":500}},
             "tenants":{{"batch":{{"keys_sha256":["{}"],"usd_per_day":{}}},"probe":{{"keys_sha256":["{}"]}}}}}}"#,
-        digest(BATCH),
+        key_digest(BATCH),
         budget as f64 / 1e6,
-        digest("probe")
+        key_digest("probe")
     );
     let mut fleet = Fleet::with_clusters(0, 3, &config, 50, Some(OPERATOR_KEY), &etcd.cluster());
     let auth = format!("Bearer {BATCH}");

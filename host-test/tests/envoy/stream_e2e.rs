@@ -6,14 +6,11 @@ use host_test::client::{Conn, Resp};
 use host_test::component_host::serve::{start, ComponentOptions, Serving};
 use host_test::envoy::component_path;
 use host_test::mock::{Fault, Running};
+use host_test::stack::streamed;
 use host_test::stack::{burst_at, count, poll_until, prompt, Stack, PATH};
 use serde_json::{json, Value};
 use std::net::SocketAddr;
 use std::time::Duration;
-
-fn streamed(body: &str) -> String {
-    body.replacen('{', r#"{"stream":true,"#, 1)
-}
 
 /// The text and usage a client assembles from an event stream (or a JSON answer).
 fn assembled(r: &Resp) -> (String, Value) {

@@ -4,16 +4,12 @@
 use host_test::client::{request, Resp};
 use host_test::mock::Fault;
 use host_test::stack::{burst_at, prompt, prompt_for, Stack};
-use sha2::{Digest, Sha256};
+use host_test::stack::{key_digest, streamed};
 
 const OPERATOR_KEY: &str = "sk-operator-5e1d7c3b9a";
 const SEARCH_OLD: &str = "hs-search-0d4c2a9e1f";
 const SEARCH_NEW: &str = "hs-search-8b7f6e5d4c";
 const BATCH: &str = "hs-batch-3a2b1c0d9e";
-
-fn digest(token: &str) -> String {
-    Sha256::digest(token.as_bytes()).iter().map(|b| format!("{b:02x}")).collect()
-}
 
 /// `search` (two keys, one model) and `batch` (any model); `extra` more top-level fields.
 fn config(extra: &str) -> String {
@@ -21,9 +17,9 @@ fn config(extra: &str) -> String {
         r#"{{"models":{{"gpt-4.1":{{"fallback":["deepseek-v3"]}},"deepseek-v3":{{}}}},
             "tenants":{{"search":{{"keys_sha256":["{}","{}"],"models":["gpt-4.1"]}},
                         "batch":{{"keys_sha256":["{}"]}}}}{extra}}}"#,
-        digest(SEARCH_OLD),
-        digest(SEARCH_NEW),
-        digest(BATCH)
+        key_digest(SEARCH_OLD),
+        key_digest(SEARCH_NEW),
+        key_digest(BATCH)
     )
 }
 
@@ -33,10 +29,6 @@ fn start(extra: &str) -> Stack {
 
 fn bearer(token: &str) -> String {
     format!("Bearer {token}")
-}
-
-fn code(r: &Resp) -> String {
-    r.json()["error"]["code"].as_str().unwrap_or("-").to_owned()
 }
 
 #[test]
@@ -50,7 +42,7 @@ fn an_unknown_or_missing_key_is_a_401_and_nothing_goes_upstream() {
         s.chat(&body, &[("authorization", &bearer(OPERATOR_KEY))]),
     ];
     for r in &refused {
-        assert_eq!((r.status, code(r).as_str()), (401, "invalid_api_key"), "{}", r.text());
+        assert_eq!((r.status, r.error_code().as_str()), (401, "invalid_api_key"), "{}", r.text());
         assert_eq!(r.json()["error"]["type"], "invalid_request_error");
         assert!(!r.text().contains("hs-search") && !r.text().contains("sk-"), "no key quoted: {}", r.text());
         assert_eq!(r.header("x-holysheep-tenant"), None);
@@ -78,7 +70,7 @@ fn keys_of_one_tenant_share_its_answers_and_two_tenants_never_do() {
     assert_eq!(s.calls(), 2);
     let again = s.chat(&body, &[("authorization", &bearer(BATCH))]);
     assert_eq!((again.cache(), again.header("x-holysheep-tenant")), ("HIT", Some("batch")), "from the worker's copy");
-    let streamed = s.chat(&body.replacen('{', r#"{"stream":true,"#, 1), &[("authorization", &bearer(SEARCH_NEW))]);
+    let streamed = s.chat(&streamed(&body), &[("authorization", &bearer(SEARCH_NEW))]);
     assert_eq!((streamed.cache(), streamed.header("x-holysheep-tenant")), ("HIT", Some("search")));
     assert_eq!(s.calls(), 2);
     // Each tenant's counters: its answers by cache status and its calls.
@@ -92,7 +84,12 @@ fn keys_of_one_tenant_share_its_answers_and_two_tenants_never_do() {
 fn a_model_outside_the_tenants_list_is_a_404_and_its_fallback_is_skipped() {
     let s = start(r#","retry":{"max_attempts":1}"#);
     let not_listed = s.chat(&prompt_for("deepseek-v3", "not yours"), &[("authorization", &bearer(SEARCH_OLD))]);
-    assert_eq!((not_listed.status, code(&not_listed).as_str()), (404, "model_not_found"), "{}", not_listed.text());
+    assert_eq!(
+        (not_listed.status, not_listed.error_code().as_str()),
+        (404, "model_not_found"),
+        "{}",
+        not_listed.text()
+    );
     assert_eq!(not_listed.json()["error"]["param"], "model");
     assert_eq!(s.calls(), 0);
     assert_eq!(s.envoy.stat("wasmcustom.holysheep.tenant.search.model_refused"), 1);
@@ -124,7 +121,7 @@ fn the_models_list_is_the_tenants_own() {
     assert_eq!(search.header("x-holysheep-tenant"), Some("search"));
     assert_eq!(ids(&list(BATCH)), ["deepseek-v3", "gpt-4.1"], "every configured model");
     let unknown = list("hs-nobody");
-    assert_eq!((unknown.status, code(&unknown).as_str()), (401, "invalid_api_key"));
+    assert_eq!((unknown.status, unknown.error_code().as_str()), (401, "invalid_api_key"));
     let slash =
         request(s.envoy.edge, "GET", "/v1//models/", &[("authorization", &bearer(BATCH))], b"").expect("answer");
     assert_eq!(ids(&slash), ["deepseek-v3", "gpt-4.1"], "in any spelling");
@@ -176,7 +173,7 @@ fn concurrent_calls_of_a_tenant_never_spend_more_than_its_daily_budget() {
     let config = format!(
         r#"{{"models":{{"gpt-4.1":{{{PRICES}}}}},
             "tenants":{{"batch":{{"keys_sha256":["{}"],"usd_per_day":{}}}}}}}"#,
-        digest(BATCH),
+        key_digest(BATCH),
         budget_micro as f64 / 1e6
     );
     let s = Stack::start_with(&config, 300, Some(OPERATOR_KEY), Some(OPERATOR_KEY));
@@ -188,7 +185,7 @@ fn concurrent_calls_of_a_tenant_never_spend_more_than_its_daily_budget() {
     assert!(spent <= budget_micro, "spent {spent} of {budget_micro} micro-dollars");
     for r in answers.iter().filter(|r| r.status != 200) {
         // Nothing was settled yet: the budget has room once the eight settle.
-        assert_eq!((r.status, code(r).as_str()), (429, "rate_limit_exceeded"), "{}", r.text());
+        assert_eq!((r.status, r.error_code().as_str()), (429, "rate_limit_exceeded"), "{}", r.text());
         assert_eq!(r.header("retry-after"), Some("1"), "come back when the calls in flight settle");
     }
     assert_eq!(s.envoy.stat("wasmcustom.holysheep.gpt-4.1.cost_spent_microusd"), spent, "the counter agrees");
@@ -222,9 +219,9 @@ fn over_three_nodes_a_tenants_budget_is_one_budget() {
     let config = format!(
         r#"{{"models":{{"gpt-4.1":{{{PRICES}}}}},
             "tenants":{{"batch":{{"keys_sha256":["{}"],"usd_per_day":{}}},"probe":{{"keys_sha256":["{}"]}}}}}}"#,
-        digest(BATCH),
+        key_digest(BATCH),
         budget_micro as f64 / 1e6,
-        digest("probe")
+        key_digest("probe")
     );
     let fleet = Fleet::start(3, &config, 300);
     let publics = fleet.publics();
@@ -251,7 +248,12 @@ fn over_three_nodes_a_tenants_budget_is_one_budget() {
     let spent: u64 = served.iter().map(|r| cost_micro(r)).sum();
     assert!(spent <= budget_micro, "spent {spent} of {budget_micro} micro-dollars");
     for r in answers.iter().filter(|r| r.status != 200) {
-        assert_eq!((r.status, code(r).as_str()), (429, "rate_limit_exceeded"), "held by calls in flight: {}", r.text());
+        assert_eq!(
+            (r.status, r.error_code().as_str()),
+            (429, "rate_limit_exceeded"),
+            "held by calls in flight: {}",
+            r.text()
+        );
     }
     assert_eq!(fleet.stat("wasmcustom.holysheep.tenant.batch.fleet_local_share"), 0, "the tenant's owner was reached");
     assert_eq!(fleet.stat("wasmcustom.holysheep.tenant.batch.upstream_calls"), 8);
@@ -268,7 +270,7 @@ fn a_reload_in_envoy_that_rotates_a_key_keeps_the_spend() {
     let config = |key: &str| {
         format!(
             r#"{{"models":{{"gpt-4.1":{{{PRICES}}}}},"tenants":{{"batch":{{"keys_sha256":["{}"],"usd_per_day":{}}}}}}}"#,
-            digest(key),
+            key_digest(key),
             budget_micro as f64 / 1e6
         )
     };
@@ -288,7 +290,7 @@ fn a_reload_in_envoy_that_rotates_a_key_keeps_the_spend() {
     poll_until(|| chat(BATCH, &prompt("after the reload")).status == 401, "the reload never took effect");
     let after = chat(ROTATED, &budgeted(&prompt("spent after the reload"), 20));
     assert_eq!(
-        (after.status, code(&after).as_str()),
+        (after.status, after.error_code().as_str()),
         (429, "insufficient_quota"),
         "the spend is kept: {}",
         after.text()
@@ -317,7 +319,7 @@ fn a_tenant_continues_its_own_stored_responses_and_no_other_tenants() {
     // and HolySheep never sees it.
     for other in [id.clone(), bare.to_owned(), format!("{bare}_hs0123456789abcdef")] {
         let r = ask(SEARCH_OLD, &go_on(&other));
-        assert_eq!((r.status, code(&r)), (404, "previous_response_not_found".to_owned()), "{}", r.text());
+        assert_eq!((r.status, r.error_code()), (404, "previous_response_not_found".to_owned()), "{}", r.text());
         assert_eq!(r.json()["error"]["param"], "previous_response_id");
     }
     assert_eq!(s.mock.mock.calls_to("/v1/responses"), calls, "no call for another tenant's id");
@@ -345,6 +347,6 @@ fn a_tenant_continues_its_own_stored_responses_and_no_other_tenants() {
     assert_eq!(ask(SEARCH_NEW, &go_on(&sid)).status, 404);
     // A conversation lives in the operator's account: no tenant's call made it here.
     let r = ask(BATCH, r#"{"model":"gpt-4.1","input":"hi","conversation":"conv_1"}"#);
-    assert_eq!((r.status, code(&r)), (404, "not_found".to_owned()), "{}", r.text());
+    assert_eq!((r.status, r.error_code()), (404, "not_found".to_owned()), "{}", r.text());
     assert!(s.crashes().is_empty(), "{:?}", s.crashes());
 }

@@ -4,18 +4,11 @@
 
 use host_test::client::{Conn, Resp};
 use host_test::mock::{quoted, Fault, Running};
+use host_test::stack::streamed;
 use host_test::stack::{burst_at, prompt, prompt_for, Stack, PATH};
 use serde_json::Value;
 
 const OPERATOR_KEY: &str = "sk-operator-7f3c9a1e5b2d";
-
-fn streamed(body: &str) -> String {
-    body.replacen('{', r#"{"stream":true,"#, 1)
-}
-
-fn code(r: &Resp) -> String {
-    r.json()["error"]["code"].as_str().unwrap_or("-").to_owned()
-}
 
 /// A chat request with these extra header lines (each ending in CRLF) and this `host`.
 fn raw_chat(host: &str, path: &str, extra: &str, body: &str) -> Vec<u8> {
@@ -49,7 +42,7 @@ fn a_stream_whose_route_leads_elsewhere_is_refused_and_never_carries_the_key() {
     let s = with_operator_key("{}", |o| o.internal_upstream = Some(internal.addr));
     let body = streamed(&prompt("route me elsewhere"));
     let r = send_raw(&s, &raw_chat("internal.example", PATH, "authorization: Bearer sk-client\r\n", &body));
-    assert_eq!((r.status, code(&r)), (421, "misdirected_request".to_owned()), "{}", r.text());
+    assert_eq!((r.status, r.error_code()), (421, "misdirected_request".to_owned()), "{}", r.text());
     assert_eq!(internal.mock.calls(), 0, "the other route's service got nothing");
     assert_eq!(internal.mock.last_authorization(), None);
     assert_eq!(s.calls(), 0, "nor HolySheep");
@@ -92,7 +85,7 @@ fn only_answers_that_are_what_they_claim_are_stored() {
         let fault = Fault { body: Some((*raw).into()), content_type: Some((*content_type).into()), ..Fault::default() };
         s.mock.mock.plan(vec![fault]);
         let first = s.chat(&body, &[("authorization", "Bearer sk-a")]);
-        assert_eq!((first.status, code(&first)), (502, "upstream_invalid_answer".to_owned()), "{}", first.text());
+        assert_eq!((first.status, first.error_code()), (502, "upstream_invalid_answer".to_owned()), "{}", first.text());
         let again = s.chat(&body, &[("authorization", "Bearer sk-a")]);
         assert_eq!((again.status, again.cache()), (200, "MISS"), "{content_type}: not served from the cache");
         assert_eq!(again.json()["object"], "chat.completion");
@@ -107,7 +100,7 @@ fn only_answers_that_are_what_they_claim_are_stored() {
         ..Fault::default()
     }]);
     let first = s.chat(&body, &[("authorization", "Bearer sk-a")]);
-    assert_eq!((first.status, code(&first)), (502, "upstream_invalid_answer".to_owned()), "{}", first.text());
+    assert_eq!((first.status, first.error_code()), (502, "upstream_invalid_answer".to_owned()), "{}", first.text());
     let again = s.chat(&body, &[("authorization", "Bearer sk-a")]);
     assert_eq!((again.status, again.cache()), (200, "MISS"));
     assert_eq!(again.header("content-type"), Some("text/event-stream"));
@@ -123,7 +116,7 @@ fn holysheep_refusing_the_operators_key_is_the_edges_502_without_any_of_the_key(
     let tail = &OPERATOR_KEY[OPERATOR_KEY.len() - 4..];
     for body in [prompt("refused key plain"), streamed(&prompt("refused key stream"))] {
         let r = s.chat(&body, &[("authorization", "Bearer sk-client")]);
-        assert_eq!((r.status, code(&r)), (502, "upstream_auth_failed".to_owned()), "{}", r.text());
+        assert_eq!((r.status, r.error_code()), (502, "upstream_auth_failed".to_owned()), "{}", r.text());
         assert!(!r.text().contains(tail) && !r.text().contains(&fragment), "{}", r.text());
         assert_eq!(r.header("content-type"), Some("application/json"));
     }
@@ -139,19 +132,19 @@ fn a_repeated_tenant_credential_is_refused_before_anything_else() {
     let body = prompt("who am i");
     let twice = "x-tenant: verified-by-auth\r\nx-tenant: chosen-by-client\r\n";
     let r = send_raw(&s, &raw_chat("edge", PATH, twice, &body));
-    assert_eq!((r.status, code(&r)), (400, "ambiguous_tenant".to_owned()), "{}", r.text());
+    assert_eq!((r.status, r.error_code()), (400, "ambiguous_tenant".to_owned()), "{}", r.text());
     // Served once under one tenant, a repeat with a second copy is still refused (no hot
     // copy or cache answers it).
     let once = s.chat(&body, &[("x-tenant", "verified-by-auth")]);
     assert_eq!(once.cache(), "MISS");
     let r = send_raw(&s, &raw_chat("edge", PATH, twice, &body));
-    assert_eq!((r.status, code(&r)), (400, "ambiguous_tenant".to_owned()));
+    assert_eq!((r.status, r.error_code()), (400, "ambiguous_tenant".to_owned()));
     assert_eq!(s.calls(), 1);
 
     // Without a tenant header, `authorization` is the tenant.
     let s = Stack::start("{}", 0);
     let r = send_raw(&s, &raw_chat("edge", PATH, "authorization: Bearer a\r\nauthorization: Bearer b\r\n", &body));
-    assert_eq!((r.status, code(&r)), (400, "ambiguous_tenant".to_owned()), "{}", r.text());
+    assert_eq!((r.status, r.error_code()), (400, "ambiguous_tenant".to_owned()), "{}", r.text());
     assert_eq!(s.calls(), 0);
 }
 
@@ -163,7 +156,7 @@ fn a_body_with_a_repeated_key_is_invalid_json_and_never_sent() {
         r#"{"model":"gpt-4.1","messages":[{"role":"user","content":"hi","content":"other"}]}"#,
     ] {
         let r = s.chat(body, &[("authorization", "Bearer sk-a")]);
-        assert_eq!((r.status, code(&r)), (400, "invalid_json".to_owned()), "{body}: {}", r.text());
+        assert_eq!((r.status, r.error_code()), (400, "invalid_json".to_owned()), "{body}: {}", r.text());
         assert!(r.json()["error"]["message"].as_str().is_some_and(|m| m.contains("appears twice")));
     }
     assert_eq!(s.calls(), 0);
@@ -281,13 +274,13 @@ fn a_forwarded_stream_is_routed_by_nothing_the_client_sent_and_a_route_elsewhere
     let s = with_operator_key("{}", |o| o.gold_only_upstream = Some(internal.addr));
     let gold = "x-tier: gold\r\nauthorization: Bearer sk-client\r\n";
     let r = send_raw(&s, &raw_chat("edge", PATH, gold, &streamed(&prompt("gold, then not"))));
-    assert_eq!((r.status, code(&r)), (421, "misdirected_request".to_owned()), "{}", r.text());
+    assert_eq!((r.status, r.error_code()), (421, "misdirected_request".to_owned()), "{}", r.text());
     assert_eq!(internal.mock.calls(), 1, "the configuration's route for the edge's own streams");
     let headers: Vec<String> = internal.mock.last_headers().into_iter().map(|(n, _)| n).collect();
     assert!(!headers.iter().any(|n| n == "x-tier"), "nothing of the client's: {headers:?}");
     assert!(s.envoy.log().contains("streams are refused until the configuration changes"));
     let again = send_raw(&s, &raw_chat("edge", PATH, gold, &streamed(&prompt("gold again"))));
-    assert_eq!((again.status, code(&again)), (421, "misdirected_request".to_owned()));
+    assert_eq!((again.status, again.error_code()), (421, "misdirected_request".to_owned()));
     assert_eq!(internal.mock.calls(), 1, "latched: no stream leaves any more");
     assert_eq!(s.calls(), 0);
     assert!(s.crashes().is_empty(), "{:?}", s.crashes());

@@ -7,6 +7,7 @@ use host_test::component_host::serve::{start, ComponentOptions, Serving};
 use host_test::component_host::{imports, unversioned};
 use host_test::envoy::{component_path, workspace_root};
 use host_test::mock::{Fault, Running};
+use host_test::stack::streamed;
 use host_test::stack::{burst_at, count, prompt, prompt_for, PATH};
 use std::collections::BTreeSet;
 
@@ -130,7 +131,7 @@ fn hit_miss_bypass_tenant_scope_and_pass_through() {
     assert_eq!(no_store.cache(), "BYPASS");
     assert_eq!(mock.mock.calls(), 3);
 
-    let streamed = prompt("component stream").replacen('{', r#"{"stream":true,"#, 1);
+    let streamed = streamed(&prompt("component stream"));
     let sse = post(&s, &streamed, &[("authorization", "Bearer a")]);
     assert_eq!((sse.status, sse.cache(), sse.header("content-type")), (200, "MISS", Some("text/event-stream")));
     assert!(sse.text().ends_with("data: [DONE]\n\n"), "{}", sse.text());
@@ -279,7 +280,7 @@ fn the_component_trusts_nothing_a_caller_or_the_upstream_chooses() {
         ],
     })
     .expect("component serves");
-    let streamed = prompt("refused in the component").replacen('{', r#"{"stream":true,"#, 1);
+    let streamed = streamed(&prompt("refused in the component"));
     for body in [prompt("refused in the component"), streamed] {
         let r = post(&s, &body, &[("authorization", "Bearer sk-client")]);
         assert_eq!((r.status, r.json()["error"]["code"].as_str()), (502, Some("upstream_auth_failed")), "{}", r.text());
@@ -399,7 +400,7 @@ fn the_component_answers_a_paraphrase_from_its_question_and_a_failed_embedding_a
     let same = post(&s, &ask("what is the capital of france"), &[]);
     assert_eq!((same.cache(), same.header("x-holysheep-similarity")), ("SEMANTIC", Some("1.0000")), "{}", same.text());
     assert_eq!(same.json()["choices"], first.json()["choices"]);
-    let streamed = ask("The capital of France is what?").replacen('{', r#"{"stream":true,"#, 1);
+    let streamed = streamed(&ask("The capital of France is what?"));
     let events = post(&s, &streamed, &[]);
     assert_eq!(events.cache(), "SEMANTIC");
     assert!(events.text().ends_with("data: [DONE]\n\n"), "{}", events.text());

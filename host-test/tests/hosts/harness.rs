@@ -5,6 +5,7 @@
 use host_test::envoy::{wasm_path, workspace_root};
 use host_test::proxy_host::state::{Clock, Headers, Shared};
 use host_test::proxy_host::world::{Answer, Options, Plugin, ReqId, Upstream, UpstreamCall, World};
+use host_test::stack::{key_digest, streamed};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
 
@@ -471,7 +472,7 @@ fn in_form_after(latency_ms: u64, calls: Arc<AtomicU64>) -> Upstream {
 }
 
 fn stream_body(text: &str) -> String {
-    prompt(text).replacen('{', r#"{"stream":true,"#, 1)
+    streamed(&prompt(text))
 }
 
 #[test]
@@ -626,7 +627,7 @@ fn host_calls_failing_with_unexpected_statuses_never_trap_the_vm() {
             options.shared.failing_calls = FAILING.into();
         }
         let mut w = World::start(plugin(), options, upstream(50, 200, calls.clone())).expect("world");
-        let streamed = prompt("odd host, streamed").replacen('{', r#"{"stream":true,"#, 1);
+        let streamed = streamed(&prompt("odd host, streamed"));
         let mut ids = burst(&mut w, 6, &prompt("odd host"));
         ids.extend(burst(&mut w, 4, &streamed));
         // Flights in the air (callouts sent, streams forwarded, waiters paused), then the
@@ -734,9 +735,6 @@ fn a_finished_flights_answer_outlives_a_new_prompt_that_wants_its_way() {
 /// and keeps what the tenant spent: the budget is shared data, keyed by the tenant.
 #[test]
 fn a_reload_that_rotates_a_tenants_key_keeps_its_spend() {
-    use sha2::Digest;
-    let digest =
-        |t: &str| -> String { sha2::Sha256::digest(t.as_bytes()).iter().map(|b| format!("{b:02x}")).collect() };
     let body = prompt("spend once");
     // The call's worst case: every body byte a prompt token, and the 4096 completion tokens
     // it is sent with (it sets no limit), at $30 per million tokens.
@@ -747,7 +745,7 @@ fn a_reload_that_rotates_a_tenants_key_keeps_its_spend() {
         format!(
             r#"{{"models":{{"gpt-4.1":{{"usd_per_mtok_input":10,"usd_per_mtok_output":30}}}},
                 "tenants":{{"t":{{"keys_sha256":["{}"],"usd_per_day":{budget}}}}}}}"#,
-            digest(key)
+            key_digest(key)
         )
     };
     let clock = Arc::new(AtomicU64::new(1_000_000));

@@ -1,14 +1,15 @@
 //! Spend kept in a real etcd (Debian's 3.4) in real Envoy: a tenant's budget holds across a
 //! `kill -9` and a restart of Envoy, and across a restart during an etcd outage; a store
 //! that does not answer is logged once while the node admits one call's worst case, and a
-//! store cluster Envoy does not know refuses every budgeted call.
+//! store cluster Envoy does not know refuses every budgeted call; two workers whose writes
+//! overlap against a slow etcd count every call once.
 
 use host_test::client::{request, Resp};
 use host_test::envoy::{Envoy, Options};
 use host_test::etcd::Etcd;
 use host_test::mock::Running;
 use host_test::stack::key_digest;
-use host_test::stack::{poll_until, prompt, PATH};
+use host_test::stack::{burst_at, poll_until, prompt, PATH};
 
 const OPERATOR_KEY: &str = "sk-operator-6d5c4b3a21";
 const BATCH: &str = "hs-batch-store-8e7f6a5b4c";
@@ -223,4 +224,90 @@ fn over_three_nodes_a_budget_survives_a_rolling_restart_with_every_node_killed()
     assert!(served.len() < 60, "the budget bound after the deploy: {} of 60 served", served.len());
     assert!(billed + worst > budget, "refused only when no worst case fitted: {billed} of {budget}");
     assert!(fleet.crashes().is_empty(), "{:?}", fleet.crashes());
+}
+
+/// A cluster `name` at `port` on this host.
+fn cluster_at(name: &str, port: u16) -> String {
+    format!(
+        "  - name: {name}\n    type: STATIC\n    connect_timeout: 1s\n    load_assignment:\n      cluster_name: {name}\n      \
+         endpoints: [{{lb_endpoints: [{{endpoint: {{address: {{socket_address: {{address: 127.0.0.1, port_value: {port}}}}}}}}}]}}]\n"
+    )
+}
+
+/// A listener `etcd_slow` on `port` that holds every request `delay_ms` (Envoy's own fault
+/// filter) before it goes on to the cluster `etcd_real`.
+fn slow_listener(port: u16, delay_ms: u64) -> String {
+    let delay_s = delay_ms as f64 / 1000.0;
+    format!(
+        r#"  - name: etcd_slow
+    address: {{socket_address: {{address: 127.0.0.1, port_value: {port}}}}}
+    filter_chains:
+    - filters:
+      - name: envoy.filters.network.http_connection_manager
+        typed_config:
+          "@type": type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager
+          stat_prefix: etcd_slow
+          route_config:
+            virtual_hosts:
+            - name: etcd
+              domains: ["*"]
+              routes:
+              - match: {{prefix: "/"}}
+                route: {{cluster: etcd_real, timeout: 10s}}
+          http_filters:
+          - name: envoy.filters.http.fault
+            typed_config:
+              "@type": type.googleapis.com/envoy.extensions.filters.http.fault.v3.HTTPFault
+              delay:
+                fixed_delay: {delay_s}s
+                percentage: {{numerator: 100, denominator: HUNDRED}}
+          - name: envoy.filters.http.router
+            typed_config:
+              "@type": type.googleapis.com/envoy.extensions.filters.http.router.v3.Router
+"#
+    )
+}
+
+#[test]
+fn two_workers_whose_writes_overlap_against_a_slow_etcd_count_every_call_once() {
+    let etcd = Etcd::start().expect("etcd starts");
+    let mock = Running::start(Some(OPERATOR_KEY), 0).expect("mock");
+    // etcd answers each request 300 ms late, five rounds of writes (`flush_ms`: 60) later;
+    // each worker ticks every 25 ms (a quarter of `lock.lease_ms`), so that rounds fall to
+    // both workers while a write is out.
+    let slow = host_test::ports::free(1).expect("port")[0];
+    let budget = 1_000_000;
+    let config = config(budget)
+        .replace(r#""flush_ms":50,"timeout_ms":500"#, r#""flush_ms":60,"timeout_ms":2000"#)
+        .replacen('{', r#"{"lock":{"lease_ms":100},"#, 1);
+    let mut opts = Options::new(&config, mock.addr);
+    opts.api_key = Some(OPERATOR_KEY.into());
+    opts.extra_listeners = slow_listener(slow, 300);
+    opts.extra_clusters = cluster_at("etcd", slow) + &cluster_at("etcd_real", etcd.addr.port());
+    let envoy = Envoy::start(&opts).expect("envoy starts");
+    let auth = format!("Bearer {BATCH}");
+    let mut spent = 0;
+    // Waves of four concurrent calls over both workers, 100 ms apart: each settles while
+    // the writes of the waves before it are out, after rounds that found nothing new.
+    for wave in 0..12 {
+        let bodies: Vec<String> =
+            (0..4).map(|i| prompt(&format!("wave {wave} call {i}")).replacen('{', r#"{"max_tokens":20,"#, 1)).collect();
+        let answers = burst_at(envoy.edge, bodies, &auth);
+        assert!(answers.iter().all(|r| r.status == 200), "{:?}", answers.iter().map(Resp::text).collect::<Vec<_>>());
+        spent += answers.iter().map(cost).sum::<u64>();
+        // The traffic's shape, not a wait for an event.
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+    assert_eq!(mock.mock.calls(), 48);
+    poll_until(|| stored_day(&etcd) == spent, "etcd never held what the calls cost");
+    assert!(envoy.stat("http.etcd_slow.fault.delays_injected") >= 2, "the writes were slow");
+    // One more call moves etcd and the node's own count by exactly its cost: nothing was
+    // written twice or taken out twice.
+    let last = chat(&envoy, "after the waves");
+    assert_eq!(last.status, 200, "{}", last.text());
+    spent += cost(&last);
+    poll_until(|| stored_day(&etcd) == spent, "etcd never held the last call's cost");
+    let left = "wasmcustom.holysheep.tenant.batch.budget_day_left_microusd";
+    poll_until(|| envoy.stat(left) == budget - spent, "the node's own count differs from etcd's");
+    assert!(envoy.crashes().is_empty(), "{:?}", envoy.crashes());
 }

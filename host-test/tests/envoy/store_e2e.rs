@@ -311,3 +311,54 @@ fn two_workers_whose_writes_overlap_against_a_slow_etcd_count_every_call_once() 
     poll_until(|| envoy.stat(left) == budget - spent, "the node's own count differs from etcd's");
     assert!(envoy.crashes().is_empty(), "{:?}", envoy.crashes());
 }
+
+/// Two independent Envoys on one etcd (no fleet) take ten concurrent calls each, with a
+/// budget of six and a half worst cases (one cheap call each already spent) and HolySheep
+/// slow enough that none of the ten settles first: how many each lets through.
+fn replicas_in_flight(replicas: u32) -> (usize, usize) {
+    let etcd = Etcd::start().expect("etcd starts");
+    let mock = Running::start(Some(OPERATOR_KEY), 1_000).expect("mock");
+    let body = |envoy: &str, i: usize| {
+        prompt(&format!("replica {envoy} call {i:02}")).replacen('{', r#"{"max_tokens":20,"#, 1)
+    };
+    let worst = (body("a", 0).len() as u64 + 20) * 30;
+    // A held call is told so at once (`max_wait_ms`: 0), not held for room.
+    let config = config(6 * worst + worst / 2)
+        .replacen('{', r#"{"rate_limit":{"max_wait_ms":0},"#, 1)
+        .replace(r#""timeout_ms":500"#, &format!(r#""timeout_ms":500,"replicas":{replicas}"#));
+    let (a, b) = (envoy(&config, &mock, etcd.cluster()), envoy(&config, &mock, etcd.cluster()));
+    // Each has read the tenant's key (one call's worth, settled and written).
+    for (name, e) in [("a", &a), ("b", &b)] {
+        assert_eq!(chat(e, &format!("first on {name}")).status, 200);
+    }
+    let auth = format!("Bearer {BATCH}");
+    let bursts: Vec<_> = [("a", a.edge), ("b", b.edge)]
+        .into_iter()
+        .map(|(name, addr)| {
+            let (bodies, auth) = ((0..10).map(|i| body(name, i)).collect::<Vec<_>>(), auth.clone());
+            std::thread::spawn(move || burst_at(addr, bodies, &auth))
+        })
+        .collect();
+    let served: Vec<usize> = bursts
+        .into_iter()
+        .map(|t| {
+            let answers = t.join().expect("burst");
+            for r in answers.iter().filter(|r| r.status != 200) {
+                assert_eq!(r.status, 429, "{}", r.text());
+            }
+            answers.iter().filter(|r| r.status == 200).count()
+        })
+        .collect();
+    assert!(a.crashes().is_empty() && b.crashes().is_empty());
+    (served[0], served[1])
+}
+
+#[test]
+fn replicas_sharing_etcd_without_a_fleet_each_hold_their_share_in_flight() {
+    // Alone, each Envoy takes what the budget leaves: twice the budget's worst cases in
+    // flight over the two.
+    assert_eq!(replicas_in_flight(1), (6, 6), "without shares");
+    // With `replicas: 2` each holds half of what etcd left: the worst cases in flight
+    // over both stay within the budget.
+    assert_eq!(replicas_in_flight(2), (3, 3), "with shares");
+}

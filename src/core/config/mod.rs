@@ -82,6 +82,9 @@ pub struct BudgetStore {
     /// never answered it (`None`: one call's worst case, with nothing else held or
     /// settled beside it).
     pub outage_usd: Option<f64>,
+    /// How many independent admitters share this store (Envoys without a fleet, or
+    /// fleets): each admits from its share of what the store says remains.
+    pub replicas: u32,
 }
 
 impl Default for BudgetStore {
@@ -93,6 +96,7 @@ impl Default for BudgetStore {
             flush_ms: 1_000,
             timeout_ms: 1_000,
             outage_usd: None,
+            replicas: 1,
         }
     }
 }
@@ -109,11 +113,12 @@ impl BudgetStore {
 
     fn validate(&self) -> Result<(), ConfigError> {
         let plain = |s: &str| !s.is_empty() && s.bytes().all(|b| b.is_ascii_alphanumeric() || b"-_./".contains(&b));
-        let checks: [(bool, &str, &str); 4] = [
+        let checks: [(bool, &str, &str); 5] = [
             (!plain(&self.prefix), "prefix", "1 or more of a-z, A-Z, 0-9, '-', '_', '.' and '/'"),
             (self.authority.is_empty(), "authority", "must not be empty"),
             (!(50..=60_000).contains(&self.flush_ms), "flush_ms", "must be between 50 and 60000"),
             (!(1..=10_000).contains(&self.timeout_ms), "timeout_ms", "must be between 1 and 10000"),
+            (!(1..=1_000).contains(&self.replicas), "replicas", "must be between 1 and 1000"),
         ];
         if self.outage_usd.is_some_and(|u| !u.is_finite() || !(0.0..=1e9).contains(&u)) {
             return Err(ConfigError("budget_store.outage_usd: must be between 0 and 1000000000".into()));

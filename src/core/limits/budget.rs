@@ -7,6 +7,7 @@
 //! settled stays charged, its entry dropped at its deadline. Amounts are micro-dollars.
 
 use crate::core::config::tenants::Caps;
+use crate::core::config::Config;
 use crate::core::store::{cas_after, CasStore, StoreError, MAX_RACES};
 
 const DAY_MS: u64 = 86_400_000;
@@ -63,11 +64,24 @@ pub struct Backing {
     /// What a node admits per period while the store has never answered
     /// (`budget_store.outage_usd`; `None`: one call's worst case alone).
     pub outage_micro: Option<u64>,
+    /// Independent admitters that share the store (`budget_store.replicas`): each holds in
+    /// flight and unwritten at most its share of what the store left when last read.
+    pub replicas: u32,
 }
 
 impl Backing {
     /// Process memory only (no store).
-    pub const MEMORY: Backing = Backing { store: false, nodes: 1, outage_micro: None };
+    pub const MEMORY: Backing = Backing { store: false, nodes: 1, outage_micro: None, replicas: 1 };
+
+    /// As `config` backs a tenant's budget (`store`: by the spend store).
+    pub fn of(config: &Config, store: bool) -> Backing {
+        Backing {
+            store,
+            nodes: config.fleet.nodes,
+            outage_micro: config.budget_store.outage_micro(),
+            replicas: config.budget_store.replicas,
+        }
+    }
 }
 
 /// Settled spend of one day and one month, as the spend store keeps it for a tenant.
@@ -332,8 +346,35 @@ impl Spend {
         let outage = backing.store && matches!(self.mark, Mark::Unreachable { .. });
         match self.room(self.caps_now(caps, backing)?, micro, now_ms) {
             Err(Refused::Exhausted(_) | Refused::Held) if outage => Err(Refused::Outage),
+            Ok(()) if backing.store && backing.replicas > 1 => self.within_share(caps, backing.replicas, micro, now_ms),
             other => other,
         }
+    }
+
+    /// With `replicas` independent admitters on one store, what this one holds in flight
+    /// and has not written (its part of the record beside the store's) stays within its
+    /// share of what the store left when it was last read: refused for the period when
+    /// the call alone is past that share, held while its own calls are in the way.
+    fn within_share(&self, caps: Caps, replicas: u32, micro: u64, now_ms: u64) -> Result<(), Refused> {
+        let (stored_day, stored_month) = self.stored.within(self.day, self.month);
+        let periods = [
+            (caps.per_day, stored_day, self.day_micro, "day", next_day_ms(now_ms)),
+            (caps.per_month, stored_month, self.month_micro, "month", next_month_ms(now_ms)),
+        ];
+        for (cap, stored, charged, period, ends_ms) in periods {
+            let Some(cap) = cap else { continue };
+            let share = cap.saturating_sub(stored) / u64::from(replicas.max(1));
+            let own = charged.saturating_sub(stored);
+            if own.saturating_add(micro) <= share {
+                continue;
+            }
+            if own == 0 || micro > share {
+                let retry_after_ms = ends_ms - now_ms;
+                return Err(Refused::Exhausted(Exhausted { period, cap_micro: cap, retry_after_ms }));
+            }
+            return Err(Refused::Held);
+        }
+        Ok(())
     }
 
     /// What a call of `micro` finds: room, room only once the reservations listed are

@@ -356,11 +356,11 @@ pub fn budgeted(config: &Config) -> impl Iterator<Item = &str> {
 mod tests {
     use super::*;
     use crate::core::config::tenants::Caps;
-    use crate::core::limits::budget::{reserve, settle, spent, Backing, Refused};
+    use crate::core::limits::budget::{reserve, settle, spent, Backing, Hold, Refused};
     use crate::core::store::MemStore;
 
     const DEC_1: u64 = 1_796_083_200_000;
-    const BACKED: Backing = Backing { store: true, nodes: 2, outage_micro: None };
+    const BACKED: Backing = Backing { store: true, nodes: 2, outage_micro: None, replicas: 1 };
 
     fn config() -> Config {
         Config::parse(br#"{"budget_store":{"cluster":"etcd","prefix":"edge/prod"}}"#).unwrap()
@@ -463,6 +463,40 @@ mod tests {
         reserve(&s, "t", allowed, (1, 300, DEC_1 + 9_000), DEC_1).unwrap();
         reserve(&s, "t", allowed, (2, 150, DEC_1 + 9_000), DEC_1).unwrap();
         assert_eq!(reserve(&s, "t", allowed, (3, 1, DEC_1 + 9_000), DEC_1), Err(Refused::Outage));
+    }
+
+    #[test]
+    fn replicas_sharing_a_store_each_admit_their_share_of_what_it_left() {
+        // Two Envoys without a fleet on one store that holds 200 of today's 1000: each may
+        // have 400 in flight or unwritten, so together they never pass the budget.
+        let two = (caps().0, Backing { replicas: 2, ..BACKED });
+        let today = DEC_1 / 86_400_000;
+        let stored = Stored { day: today, day_micro: 200, month: 0, month_micro: 0, write: None };
+        let (a, b) = (MemStore::new(), MemStore::new());
+        for s in [&a, &b] {
+            read(s, "t", Some(Found { stored: Some(stored), revision: 4 }), DEC_1);
+            reserve(s, "t", two, (1, 300, DEC_1 + 9_000), DEC_1).expect("300 of its 400");
+            assert_eq!(reserve(s, "t", two, (2, 200, DEC_1 + 9_000), DEC_1), Err(Refused::Held), "300 + 200 > 400");
+        }
+        // Alone, either would have taken both (200 + 300 + 200 <= 1000): the budget's
+        // worst cases in flight over both replicas stay within what the store left.
+        assert_eq!(reserve(&a, "t", caps(), (2, 200, DEC_1 + 9_000), DEC_1), Ok(Hold::at(200, DEC_1)));
+        // A call past a replica's whole share is refused for the day, not held.
+        let c = MemStore::new();
+        read(&c, "t", Some(Found { stored: Some(stored), revision: 4 }), DEC_1);
+        let Err(Refused::Exhausted(x)) = reserve(&c, "t", two, (1, 401, DEC_1 + 9_000), DEC_1) else {
+            panic!("past the share")
+        };
+        assert_eq!(x.period, "day");
+        // B's call settles at 100 and is written; A reads the store: 300 now, so A's share
+        // is 350 and its 300 in flight leave no room for 100 more.
+        settle(&b, "t", caps().0, 1, 100, DEC_1 + 1);
+        let flush = write_due(&b, DEC_1 + 2).unwrap();
+        flushed(&b, &flush, Some(Ok(5)), DEC_1 + 3);
+        read(&a, "t", Some(Found { stored: Some(flush.value), revision: 5 }), DEC_1 + 4);
+        settle(&a, "t", caps().0, 2, 0, DEC_1 + 4);
+        assert_eq!(reserve(&a, "t", two, (3, 100, DEC_1 + 9_000), DEC_1 + 5), Err(Refused::Held));
+        assert!(reserve(&a, "t", two, (3, 50, DEC_1 + 9_000), DEC_1 + 5).is_ok(), "300 + 50 <= 350");
     }
 
     #[test]

@@ -45,7 +45,7 @@ impl Ledger {
     /// node's share (kept here alone while the tenant's owner is out of reach).
     fn backing(&self, config: &Config) -> Backing {
         let store = config.budget_store.enabled() && !self.name.ends_with(SHARE);
-        Backing { store, nodes: config.fleet.nodes, outage_micro: config.budget_store.outage_micro() }
+        Backing::of(config, store)
     }
 
     /// `tenant`'s ledger (`share`: this node's part of it in a fleet of that many nodes,

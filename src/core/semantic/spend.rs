@@ -44,11 +44,7 @@ pub fn admit(
             let models = [outbound.model.clone()];
             let worst = tenant_gate::worst_micro(config, &models, outbound.worst_tokens())
                 .saturating_add(super::cost_micro_usd(config, estimate));
-            let backing = Backing {
-                store: config.budget_store.enabled(),
-                nodes: config.fleet.nodes,
-                outage_micro: config.budget_store.outage_micro(),
-            };
+            let backing = Backing::of(config, config.budget_store.enabled());
             if budget::check(store, name, (caps, backing), worst, now_ms).is_err() {
                 return false;
             }

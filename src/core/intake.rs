@@ -570,6 +570,25 @@ mod tests {
     }
 
     #[test]
+    fn no_path_that_holds_a_tenants_call_state_can_pass_through() {
+        for (path, said) in [
+            ("/v1/responses/resp_1", "is under /v1/responses"),
+            ("/v1/responses/resp_1/input_items", "is under /v1/responses"),
+            ("/v1/chat/completions/chatcmpl-1", "is under /v1/chat/completions"),
+            ("/v1/conversations", "is under /v1/conversations"),
+            ("/v1/conversations/conv_1/items", "is under /v1/conversations"),
+            ("/v1/chat", "not a governed endpoint's"),
+            ("/v1/responses", "not a governed endpoint's"),
+        ] {
+            let raw = format!(r#"{{"passthrough_paths":["{path}"]}}"#);
+            let e = Config::parse(raw.as_bytes()).expect_err(path);
+            assert!(e.0.contains(said), "{path}: {}", e.0);
+        }
+        // A path beside one is not under it.
+        assert!(Config::parse(br#"{"passthrough_paths":["/v1/responsesx","/v1/files"]}"#).is_ok());
+    }
+
+    #[test]
     fn a_declared_length_over_the_limit_is_refused_before_the_body() {
         let config = Config { max_body_bytes: 10, ..Config::default() };
         let declared = |n| Head { content_length: n, ..Head::default() }.check(&config);

@@ -16,6 +16,8 @@ use std::collections::BTreeMap;
 
 /// The most `passthrough_paths` a configuration lists.
 pub const MAX_PASSTHROUGH: usize = 64;
+/// The Responses API's conversations: never a passthrough path (`check_passthrough`).
+const CONVERSATIONS: &str = "/v1/conversations";
 
 #[derive(Debug, Clone, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -686,8 +688,11 @@ impl Config {
         })
     }
 
-    /// At most `MAX_PASSTHROUGH` paths under `/v1/`, none a governed endpoint's (or above
-    /// one: it would pass around the edge) and none spelled other than as it is read.
+    /// At most `MAX_PASSTHROUGH` paths under `/v1/`, none spelled other than as it is read,
+    /// none a governed endpoint's or above one (it would pass around the edge), and none
+    /// under one or under `/v1/conversations`: those hold the state of a tenant's calls
+    /// (stored responses, stored completions, conversations), which the edge keeps with
+    /// its tenant and a path passed with the operator's key would open to every tenant.
     fn check_passthrough(&self) -> Result<(), ConfigError> {
         if self.passthrough_paths.len() > MAX_PASSTHROUGH {
             return Err(ConfigError(format!("passthrough_paths: at most {MAX_PASSTHROUGH} paths")));
@@ -695,11 +700,19 @@ impl Config {
         for p in &self.passthrough_paths {
             let segments = crate::core::api::path::segments(p);
             let canonical = format!("/{}", segments.join("/"));
-            let governed = crate::core::api::endpoint::ALL.iter().any(|e| e.path().starts_with(&canonical));
+            let related = |a: &str, b: &str| a == b || a.starts_with(&format!("{b}/"));
+            let governed = crate::core::api::endpoint::ALL.iter().any(|e| related(e.path(), &canonical));
             if !p.starts_with("/v1/") || canonical != *p || segments.len() < 2 || governed {
                 return Err(ConfigError(format!(
                     "passthrough_paths: '{p}' must be a path under /v1/ as written (no query, no trailing slash), \
                      not a governed endpoint's"
+                )));
+            }
+            let state = crate::core::api::endpoint::ALL.iter().map(|e| e.path()).chain([CONVERSATIONS]);
+            if let Some(owner) = state.into_iter().find(|s| related(&canonical, s)) {
+                return Err(ConfigError(format!(
+                    "passthrough_paths: '{p}' is under {owner}, whose objects the edge keeps with the tenant that \
+                     made them: passed with the operator's key, any tenant could read them"
                 )));
             }
         }

@@ -317,7 +317,7 @@ fn two_workers_whose_writes_overlap_against_a_slow_etcd_count_every_call_once() 
 /// slow enough that none of the ten settles first: how many each lets through.
 fn replicas_in_flight(replicas: u32) -> (usize, usize) {
     let etcd = Etcd::start().expect("etcd starts");
-    let mock = Running::start(Some(OPERATOR_KEY), 1_000).expect("mock");
+    let mock = Running::start(Some(OPERATOR_KEY), 3_000).expect("mock");
     let body = |envoy: &str, i: usize| {
         prompt(&format!("replica {envoy} call {i:02}")).replacen('{', r#"{"max_tokens":20,"#, 1)
     };

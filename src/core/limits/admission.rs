@@ -315,14 +315,28 @@ impl Standing {
                     self.outbox.push(Op::TenantSettle(settlement));
                 }
             }
-            TenantPass::Heard(Some(v)) if v.hold.is_some() => {
-                if let Some(ask) = self.ask(config, 0) {
-                    self.outbox.push(Op::TenantSettle(Settlement::release(&ask, now_ms)));
-                }
-            }
+            // A verdict never read, or an ask that may have reached the owner all the same
+            // (no answer in time): what the owner may have reserved is given back.
+            TenantPass::Heard(None) => self.release_tenant(config, now_ms),
+            TenantPass::Heard(Some(v)) if v.hold.is_some() => self.release_tenant(config, now_ms),
             _ => {}
         }
+        // A model owner's admission never read: the call never went, its place is freed.
+        if let Some(Probe::Heard { at, verdict: Some(v), .. }) = self.probe.take() {
+            if let (true, Some(id), Some(model)) = (v.admitted, self.id, self.models.get(at)) {
+                let (model, estimate) = (model.clone(), self.estimate);
+                let hints = ProviderHints::default();
+                self.outbox.push(Op::Settle { model, id, estimate, actual: Some(0), hints, retries: 0 });
+            }
+        }
         self.leave_lines(store, config, now_ms);
+    }
+
+    /// Gives back what the tenant's owner may have reserved for the call.
+    fn release_tenant(&mut self, config: &Config, now_ms: u64) {
+        if let Some(ask) = self.ask(config, 0) {
+            self.outbox.push(Op::TenantSettle(Settlement::release(&ask, now_ms)));
+        }
     }
 
     /// The call's ask of its tenant's limits (`None`: no tenant).
@@ -629,5 +643,41 @@ mod tests {
         };
         fleet::serve(&owner, &c, &release.to_json(), 6).unwrap();
         assert_eq!(budget::spent(&owner, "t", 6).0, 0, "what the owner reserved is given back");
+    }
+
+    #[test]
+    fn an_ask_that_timed_out_at_the_deadline_is_given_back_and_an_unread_admission_freed() {
+        let c = config(0.01, true);
+        let (here, owner) = (MemStore::new(), MemStore::new());
+        // The tenant's owner reserved, but its answer never came in time.
+        let mut door = standing(&c, Some("t"));
+        let Admission::AskOwner { op, .. } = door.admit(&here, &c, 0, 0, 1) else { panic!("asks") };
+        fleet::serve_op(&owner, &c, op, 0);
+        door.on_verdict(None);
+        door.close(&here, &c, 5);
+        let [release @ Op::TenantSettle(Settlement { release: true, .. })] = door.outbox.as_slice() else {
+            panic!("a release for the owner: {:?}", door.outbox)
+        };
+        fleet::serve(&owner, &c, &release.to_json(), 6).unwrap();
+        assert_eq!(budget::spent(&owner, "t", 6).0, 0);
+        // The model's owner admitted to its one slot, and the flight ended before it read
+        // so: the slot is freed for the next call.
+        let one = r#"{"fleet":{"cluster":"owners","nodes":4},"models":{"gpt-4.1":{"max_in_flight":1}}}"#;
+        let c = Config::parse(one.as_bytes()).unwrap();
+        let owner = MemStore::new();
+        let mut door = standing(&c, None);
+        let Admission::AskOwner { op, .. } = door.admit(&here, &c, 0, 0, 2) else { panic!("asks the model") };
+        let admitted = fleet::serve_op(&owner, &c, op.clone(), 0);
+        assert!(admitted.admitted);
+        let mut next = standing(&c, None);
+        let Admission::AskOwner { op: other, .. } = next.admit(&here, &c, 0, 1, 3) else { panic!("asks") };
+        assert!(!fleet::serve_op(&owner, &c, other.clone(), 1).admitted, "the slot is taken");
+        door.on_verdict(Some(admitted));
+        door.close(&here, &c, 5);
+        let [settle @ Op::Settle { actual: Some(0), .. }] = door.outbox.as_slice() else {
+            panic!("a settlement for the model owner: {:?}", door.outbox)
+        };
+        fleet::serve(&owner, &c, &settle.to_json(), 6).unwrap();
+        assert!(fleet::serve_op(&owner, &c, other, 7).admitted, "the slot is free again");
     }
 }

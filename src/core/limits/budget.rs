@@ -344,9 +344,17 @@ impl Spend {
     /// outage allowance spent is the store's silence, not the tenant's budget.
     fn admits(&self, caps: Caps, backing: Backing, micro: u64, now_ms: u64) -> Result<(), Refused> {
         let outage = backing.store && matches!(self.mark, Mark::Unreachable { .. });
-        match self.room(self.caps_now(caps, backing)?, micro, now_ms) {
+        let mut found = self.room(self.caps_now(caps, backing)?, micro, now_ms);
+        if backing.store && backing.replicas > 1 && !matches!(found, Err(Refused::Exhausted(_))) {
+            // A share past for good outweighs a wait; a wait outweighs room.
+            match self.within_share(caps, backing.replicas, micro, now_ms) {
+                Err(exhausted @ Refused::Exhausted(_)) => found = Err(exhausted),
+                Err(held) if found.is_ok() => found = Err(held),
+                _ => {}
+            }
+        }
+        match found {
             Err(Refused::Exhausted(_) | Refused::Held) if outage => Err(Refused::Outage),
-            Ok(()) if backing.store && backing.replicas > 1 => self.within_share(caps, backing.replicas, micro, now_ms),
             other => other,
         }
     }
@@ -354,27 +362,29 @@ impl Spend {
     /// With `replicas` independent admitters on one store, what this one holds in flight
     /// and has not written (its part of the record beside the store's) stays within its
     /// share of what the store left when it was last read: refused for the period when
-    /// the call alone is past that share, held while its own calls are in the way.
+    /// the call alone is past that share (the share only shrinks within a period), held
+    /// while its own calls are in the way.
     fn within_share(&self, caps: Caps, replicas: u32, micro: u64, now_ms: u64) -> Result<(), Refused> {
         let (stored_day, stored_month) = self.stored.within(self.day, self.month);
         let periods = [
             (caps.per_day, stored_day, self.day_micro, "day", next_day_ms(now_ms)),
             (caps.per_month, stored_month, self.month_micro, "month", next_month_ms(now_ms)),
         ];
+        let mut held = false;
         for (cap, stored, charged, period, ends_ms) in periods {
             let Some(cap) = cap else { continue };
             let share = cap.saturating_sub(stored) / u64::from(replicas.max(1));
-            let own = charged.saturating_sub(stored);
-            if own.saturating_add(micro) <= share {
-                continue;
-            }
-            if own == 0 || micro > share {
+            if micro > share {
                 let retry_after_ms = ends_ms - now_ms;
                 return Err(Refused::Exhausted(Exhausted { period, cap_micro: cap, retry_after_ms }));
             }
-            return Err(Refused::Held);
+            held |= charged.saturating_sub(stored).saturating_add(micro) > share;
         }
-        Ok(())
+        if held {
+            Err(Refused::Held)
+        } else {
+            Ok(())
+        }
     }
 
     /// What a call of `micro` finds: room, room only once the reservations listed are

@@ -488,6 +488,10 @@ mod tests {
             panic!("past the share")
         };
         assert_eq!(x.period, "day");
+        // Past the share for good, though the day is only held by calls in flight: refused.
+        reserve(&c, "t", two, (2, 350, DEC_1 + 9_000), DEC_1).expect("350 of its 400");
+        let late = reserve(&c, "t", two, (3, 500, DEC_1 + 9_000), DEC_1);
+        assert!(matches!(late, Err(Refused::Exhausted(_))), "500 > its share of 400: {late:?}");
         // B's call settles at 100 and is written; A reads the store: 300 now, so A's share
         // is 350 and its 300 in flight leave no room for 100 more.
         settle(&b, "t", caps().0, 1, 100, DEC_1 + 1);

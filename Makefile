@@ -72,7 +72,7 @@ test: setup docs-check imports-check fuzz-check rules-check k8s-check oci
 	cargo clippy --quiet --workspace --all-targets -- -D warnings
 	cargo clippy --quiet --release --target wasm32-wasip1 -- -D warnings
 	cargo clippy --quiet --release --target wasm32-wasip2 -- -D warnings
-	cargo test --workspace
+	tools/suites.sh
 
 # The floors are tiny proxy-wasm filters (host-test/bench/floors/) measured beside the plugin;
 # the charts need matplotlib, installed into ./.venv here (not for the tests).
@@ -106,7 +106,7 @@ soak: setup
 FUZZ_SECONDS ?= 60
 fuzz:
 	command -v cargo-fuzz >/dev/null || cargo install cargo-fuzz --version 0.13.1 --locked
-	cd fuzz && for t in request sse records; do \
+	cd fuzz && for t in request sse records head peer answers spend; do \
 	  cargo +nightly fuzz run $$t -- -max_total_time=$(FUZZ_SECONDS) || exit 1; done
 
 clean:

@@ -1,0 +1,37 @@
+//! Any answer from HolySheep to any endpoint (embeddings and Responses among them), with
+//! any status and content type: reading it never panics; HolySheep's JSON error is the only
+//! answer read as billed nothing; a Responses answer signed for a tenant verifies for that
+//! tenant only.
+#![no_main]
+
+use holysheep_edge::core::api::endpoint;
+use holysheep_edge::core::api::objects::{ObjectKey, Signer};
+use holysheep_edge::core::api::usage::{self, Billed};
+use holysheep_edge::core::upstream::{self, Sent};
+use libfuzzer_sys::fuzz_target;
+
+const TYPES: [&str; 4] = ["application/json", "text/event-stream", "text/html", "application/json; charset=utf-8"];
+const STATUSES: [u16; 8] = [200, 400, 401, 404, 429, 500, 502, 503];
+
+fuzz_target!(|data: &[u8]| {
+    let Some((&pick, body)) = data.split_first() else { return };
+    let status = STATUSES[usize::from(pick) % STATUSES.len()];
+    let content_type = TYPES[usize::from(pick >> 3) % TYPES.len()];
+    let sent = Sent { endpoint: endpoint::ALL[usize::from(pick >> 5) % 4], stream: pick & 0x80 != 0, operator_key: true };
+    let headers = vec![("content-type".to_owned(), content_type.to_owned()), ("retry-after".to_owned(), "1".to_owned())];
+    let (answer, hints) = upstream::response(status, &headers, body.to_vec(), sent);
+    assert!(answer.status >= 200, "an answer without a status");
+    if hints.billed == Billed::Nothing {
+        assert_ne!(status, 200, "a 200 billed nothing");
+    }
+    let _ = usage::of_answer(body);
+    let signer = Signer { key: ObjectKey::of_operator_key("sk-fuzz"), tenant: "alpha".into() };
+    if let Some(signed) = signer.sign_answer(body) {
+        let Ok(v) = serde_json::from_slice::<serde_json::Value>(&signed) else {
+            panic!("a signed answer is no longer JSON");
+        };
+        let id = v.get("id").and_then(|i| i.as_str()).unwrap_or_default();
+        assert!(signer.key.verify("alpha", id).is_some(), "its id does not verify for its tenant");
+        assert!(signer.key.verify("beta", id).is_none(), "its id verifies for another tenant");
+    }
+});

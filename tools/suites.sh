@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# The suites of `make test`, built once and then run side by side: the Envoy suite (real
+# Envoys, the mock and etcd, mostly waiting on them) beside the rest (the unit tests, the
+# wasmtime hosts suite, the doc tests). Each one's output is printed whole when all have
+# ended, with its time; the run fails when any suite failed.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+cargo test --workspace --no-run --quiet || exit 1
+out=target/suites
+rm -rf "$out" && mkdir -p "$out"
+
+run() {
+    local name=$1
+    shift
+    (
+        local began=$SECONDS
+        "$@" >"$out/$name.log" 2>&1
+        echo "$? $((SECONDS - began))" >"$out/$name.rc"
+    ) &
+}
+
+# `--workspace` in every command: the features stay those of the build above, so nothing
+# is built again.
+run envoy cargo test --workspace --test envoy
+run rest bash -c 'cargo test --workspace --lib --bins && cargo test --workspace --test hosts &&
+    cargo test --workspace --doc'
+wait
+
+failed=0
+for name in rest envoy; do
+    cat "$out/$name.log"
+    read -r rc took <"$out/$name.rc"
+    echo "suite $name: exit $rc in ${took} s"
+    [ "$rc" = 0 ] || failed=1
+done
+exit $failed

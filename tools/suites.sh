@@ -1,8 +1,7 @@
 #!/usr/bin/env bash
 # The suites of `make test`, built once and then run side by side: the Envoy suite (real
 # Envoys, the mock and etcd, mostly waiting on them) beside clippy (native and both wasm
-# targets, in a target directory of its own so that neither waits for the other's lock) and
-# then the rest (the unit tests, the wasmtime hosts suite, the doc tests). Each lane's
+# targets) and then the rest (the unit tests, the wasmtime hosts suite, the doc tests). Each lane's
 # output is printed whole when all have ended, with its time; the run fails when any failed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -20,13 +19,16 @@ run() {
     ) &
 }
 
-# `--workspace` in every test command: the features stay those of the build above, so no
-# test binary is built again.
+# `--workspace` in every command: the features stay those of the build above, so nothing
+# is built again. The second lane starts once the first one's cargo has handed the build
+# directory's lock to the running suite (cargo prints `Running` then), and holds it for
+# clippy while the Envoy suite runs.
 run envoy cargo test --workspace --test envoy
+until grep -q "Running" "$out/envoy.log" 2>/dev/null || [ -e "$out/envoy.rc" ]; do sleep 0.2; done
 run rest bash -c 'set -e
-    cargo clippy --quiet --workspace --all-targets --target-dir target/lint -- -D warnings
+    cargo clippy --quiet --workspace --all-targets -- -D warnings
     for wasm in wasm32-wasip1 wasm32-wasip2; do
-        cargo clippy --quiet --release --target $wasm --target-dir target/lint -- -D warnings
+        cargo clippy --quiet --release --target $wasm -- -D warnings
     done
     cargo test --workspace --lib --bins
     cargo test --workspace --test hosts

@@ -818,7 +818,7 @@ fn budget_rows(
     let etcd = host_test::etcd::Etcd::start()?;
     let tenant = |budget: &str, store: &str| {
         format!(
-            r#"{{"models":{{"default":{{"usd_per_mtok_input":2,"usd_per_mtok_output":8}}}},{store}
+            r#"{{"models":{{"gpt-4.1":{{"usd_per_mtok_input":2,"usd_per_mtok_output":8}}}},{store}
                 "tenants":{{"t":{{"keys_sha256":["{}"]{budget}}}}}}}"#,
             sha256_hex(b"bench")
         )

@@ -71,6 +71,8 @@ if $TESTS; then
   echo "setup: the plugin's test-only broken-lock variant, beside the plugin"
   cargo build --quiet --release --target wasm32-wasip1 --features broken-lock --target-dir target/broken-lock &
   broken_lock=$!
+  # Not left building when a step below fails.
+  trap 'kill "$broken_lock" 2>/dev/null || true' EXIT
 fi
 echo "setup: the plugin (wasm32-wasip1)"
 cargo build --release --target wasm32-wasip1

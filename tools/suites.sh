@@ -9,22 +9,31 @@ cargo test --workspace --no-run --quiet || exit 1
 out=target/suites
 rm -rf "$out" && mkdir -p "$out"
 
+# Each lane in a process group of its own (`set -m`), all of it stopped when this script is.
+set -m
+lanes=()
+trap 'for lane in "${lanes[@]}"; do kill -- "-$lane" 2>/dev/null; done; exit 130' INT TERM
+
 run() {
     local name=$1
     shift
     (
         local began=$SECONDS
-        "$@" >"$out/$name.log" 2>&1
+        "$@" </dev/null >"$out/$name.log" 2>&1
         echo "$? $((SECONDS - began))" >"$out/$name.rc"
     ) &
+    lanes+=($!)
 }
 
 # `--workspace` in every command: the features stay those of the build above, so nothing
-# is built again. The second lane starts once the first one's cargo has handed the build
-# directory's lock to the running suite (cargo prints `Running` then), and holds it for
-# clippy while the Envoy suite runs.
+# is built again. The second lane starts once the first one's cargo has released the build
+# directory's lock (it prints `Running` as it starts the suite; a minute at most), and
+# holds it for clippy while the Envoy suite runs.
 run envoy cargo test --workspace --test envoy
-until grep -q "Running" "$out/envoy.log" 2>/dev/null || [ -e "$out/envoy.rc" ]; do sleep 0.2; done
+for _ in $(seq 300); do
+    grep -q "Running" "$out/envoy.log" 2>/dev/null || [ -e "$out/envoy.rc" ] && break
+    sleep 0.2
+done
 # The second lane yields the CPU to the first (`nice`): it has time to spare.
 run rest nice -n 10 bash -c 'set -e
     cargo clippy --quiet --workspace --all-targets -- -D warnings

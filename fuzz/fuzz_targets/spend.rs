@@ -1,14 +1,16 @@
 //! Any answer from the spend store (etcd's JSON gateway, or whatever answers on its cluster)
-//! and any record in a tenant's shared-data slot: reading them never panics, and a read
-//! never lowers what the node counts as spent today.
+//! to a read and to the write after it: reading them never panics, and neither a read nor a
+//! write's answer loses what this node settled and has not written (today's spend never
+//! drops below it), unless the answer says that very write landed.
 #![no_main]
 
-use holysheep_edge::core::config::Config;
-use holysheep_edge::core::limits::{budget, budget_store};
 #[path = "mem.rs"]
 mod mem;
-use mem::Mem;
+use holysheep_edge::core::config::Config;
+use holysheep_edge::core::limits::budget_store::{self, Due, Found};
+use holysheep_edge::core::limits::{budget, budget::Backing};
 use libfuzzer_sys::fuzz_target;
+use mem::Mem;
 
 fn config() -> Config {
     let raw = format!(
@@ -20,24 +22,40 @@ fn config() -> Config {
     Config::parse(raw.as_bytes()).unwrap_or_default()
 }
 
+const DAY_MS: u64 = 86_400_000;
+
 fuzz_target!(|data: &[u8]| {
     let (store, config) = (Mem::default(), config());
     let Some((&pick, body)) = data.split_first() else { return };
     let status = if pick & 1 == 0 { 200 } else { u16::from(pick) * 2 };
-    let now_ms = 86_400_000 * 3 + 1_000;
-    // Spend this node settled before the store answered.
+    let now_ms = DAY_MS * 20_000 + 1_000;
+    let today = now_ms / DAY_MS;
+    // The key read empty, then a call settled here: 4000 not yet written.
+    budget_store::read(&store, "t", Some(Found { stored: None, revision: 1 }), now_ms);
     let caps = config.tenants["t"].caps();
-    let backing = budget::Backing { store: true, nodes: 1, outage_micro: None, replicas: 1 };
-    if budget::reserve(&store, "t", (caps, backing), (1, 5_000, now_ms + 60_000), now_ms).is_ok() {
-        budget::settle(&store, "t", caps, 1, 4_000, now_ms);
-    }
-    let before = budget::spent(&store, "t", now_ms).0;
+    let backing = Backing::of(&config, true);
+    let reserved = budget::reserve(&store, "t", (caps, backing), (1, 5_000, now_ms + 60_000), now_ms);
+    assert!(reserved.is_ok(), "{reserved:?}");
+    budget::settle(&store, "t", caps, 1, 4_000, now_ms);
+    assert_eq!(budget::spent(&store, "t", now_ms).0, 4_000);
+    // Any answer to a read: what was settled here stays counted (an answer for a later
+    // day moves the record's day on, which this target leaves aside).
     let found = budget_store::read_range(status, body);
-    let _ = budget_store::read_txn(status, body);
     budget_store::read(&store, "t", found, now_ms);
-    assert!(budget::spent(&store, "t", now_ms).0 >= before, "a read lowered today's spend");
-    if let Some(budget_store::Due::Write(flush)) = budget_store::due(&store, &config, "t", now_ms, 7) {
-        budget_store::flushed(&store, &flush, budget_store::read_txn(status, body), now_ms + 1);
-        assert!(budget::spent(&store, "t", now_ms + 1).0 >= before, "a flush lowered today's spend");
+    let later_day = found.and_then(|f| f.stored).is_some_and(|s| s.day > today);
+    if !later_day {
+        assert!(budget::spent(&store, "t", now_ms).0 >= 4_000, "a read lost unwritten spend");
+    }
+    // The write of it, and any answer: what was not acknowledged stays counted.
+    let Some(Due::Write(flush)) = budget_store::due(&store, &config, "t", now_ms, 7) else { return };
+    let answer = budget_store::read_txn(status, body);
+    let landed = match answer {
+        Some(Ok(_)) => true,
+        Some(Err(now)) => now.stored == Some(flush.value),
+        None => false,
+    };
+    budget_store::flushed(&store, &flush, answer, now_ms + 1);
+    if !landed && !later_day && flush.value.day == today {
+        assert!(budget::spent(&store, "t", now_ms + 1).0 >= 4_000, "an answer lost unwritten spend");
     }
 });

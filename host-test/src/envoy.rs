@@ -172,11 +172,16 @@ fn with_internal_vhost(yaml: &str, addr: SocketAddr) -> String {
 
 /// A cluster `internal` at `addr`, as YAML under `clusters`.
 fn internal_cluster(addr: SocketAddr) -> String {
+    static_cluster("internal", addr.port(), "2s")
+}
+
+/// A cluster `name` at `port` on 127.0.0.1, connecting within `connect_timeout` (`1s`), as a
+/// YAML list item under `clusters`.
+pub fn static_cluster(name: &str, port: u16, connect_timeout: &str) -> String {
     format!(
-        "  - name: internal\n    type: STATIC\n    connect_timeout: 2s\n    load_assignment:\n      \
-         cluster_name: internal\n      endpoints: [{{lb_endpoints: [{{endpoint: {{address: {{socket_address: \
-         {{address: 127.0.0.1, port_value: {}}}}}}}}}]}}]\n",
-        addr.port()
+        "  - name: {name}\n    type: STATIC\n    connect_timeout: {connect_timeout}\n    load_assignment:\n      \
+         cluster_name: {name}\n      endpoints: [{{lb_endpoints: [{{endpoint: {{address: {{socket_address: \
+         {{address: 127.0.0.1, port_value: {port}}}}}}}}}]}}]\n"
     )
 }
 

@@ -71,12 +71,7 @@ impl Etcd {
 
     /// An Envoy cluster named `etcd` at this member, as YAML under `clusters`.
     pub fn cluster(&self) -> String {
-        format!(
-            "  - name: etcd\n    type: STATIC\n    connect_timeout: 1s\n    load_assignment:\n      \
-             cluster_name: etcd\n      endpoints: [{{lb_endpoints: [{{endpoint: {{address: {{socket_address: \
-             {{address: 127.0.0.1, port_value: {}}}}}}}}}]}}]\n",
-            self.addr.port()
-        )
+        crate::envoy::static_cluster("etcd", self.addr.port(), "1s")
     }
 }
 

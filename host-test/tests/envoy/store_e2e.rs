@@ -5,7 +5,7 @@
 //! overlap against a slow etcd count every call once.
 
 use host_test::client::{request, Resp};
-use host_test::envoy::{Envoy, Options};
+use host_test::envoy::{static_cluster, Envoy, Options};
 use host_test::etcd::Etcd;
 use host_test::mock::Running;
 use host_test::stack::key_digest;
@@ -90,10 +90,7 @@ fn a_tenants_spend_survives_a_kill_and_a_restart_of_envoy() {
 
 /// A cluster `etcd` at a port nobody listens on.
 fn dead_etcd(port: u16) -> String {
-    format!(
-        "  - name: etcd\n    type: STATIC\n    connect_timeout: 0.2s\n    load_assignment:\n      cluster_name: etcd\n      \
-         endpoints: [{{lb_endpoints: [{{endpoint: {{address: {{socket_address: {{address: 127.0.0.1, port_value: {port}}}}}}}}}]}}]\n"
-    )
+    static_cluster("etcd", port, "0.2s")
 }
 
 #[test]
@@ -226,14 +223,6 @@ fn over_three_nodes_a_budget_survives_a_rolling_restart_with_every_node_killed()
     assert!(fleet.crashes().is_empty(), "{:?}", fleet.crashes());
 }
 
-/// A cluster `name` at `port` on this host.
-fn cluster_at(name: &str, port: u16) -> String {
-    format!(
-        "  - name: {name}\n    type: STATIC\n    connect_timeout: 1s\n    load_assignment:\n      cluster_name: {name}\n      \
-         endpoints: [{{lb_endpoints: [{{endpoint: {{address: {{socket_address: {{address: 127.0.0.1, port_value: {port}}}}}}}}}]}}]\n"
-    )
-}
-
 /// A listener `etcd_slow` on `port` that holds every request `delay_ms` (Envoy's own fault
 /// filter) before it goes on to the cluster `etcd_real`.
 fn slow_listener(port: u16, delay_ms: u64) -> String {
@@ -283,7 +272,7 @@ fn two_workers_whose_writes_overlap_against_a_slow_etcd_count_every_call_once() 
     let mut opts = Options::new(&config, mock.addr);
     opts.api_key = Some(OPERATOR_KEY.into());
     opts.extra_listeners = slow_listener(slow, 300);
-    opts.extra_clusters = cluster_at("etcd", slow) + &cluster_at("etcd_real", etcd.addr.port());
+    opts.extra_clusters = static_cluster("etcd", slow, "1s") + &static_cluster("etcd_real", etcd.addr.port(), "1s");
     let envoy = Envoy::start(&opts).expect("envoy starts");
     let auth = format!("Bearer {BATCH}");
     let mut spent = 0;

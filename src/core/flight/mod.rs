@@ -21,7 +21,6 @@ use crate::core::store::CasStore;
 use crate::core::upstream::Outbound;
 
 use crate::core::api::event::Event;
-pub use crate::core::limits::admission::CONCURRENCY_POLL_MS;
 pub use crate::core::limits::CONTENTION_RETRY_MS;
 
 #[derive(Debug, Clone, PartialEq)]

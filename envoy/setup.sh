@@ -64,23 +64,14 @@ test_dependencies() {
 if $TESTS; then test_dependencies; fi
 
 # Cargo's own progress shows while the plugin builds (a minute or two the first time).
-if $TESTS; then
-  # Test only: the lock without CAS, which the harness's race tests must catch. Built in a
-  # target directory of its own, beside the plugin: each build ends in a long
-  # single-threaded step (the crate optimised whole), so together they fill both cores.
-  echo "setup: the plugin's test-only broken-lock variant, beside the plugin"
-  cargo build --quiet --release --target wasm32-wasip1 --features broken-lock --target-dir target/broken-lock &
-  broken_lock=$!
-  # Not left building when a step below fails.
-  trap 'kill "$broken_lock" 2>/dev/null || true' EXIT
-fi
 echo "setup: the plugin (wasm32-wasip1)"
 cargo build --release --target wasm32-wasip1
 envoy/wasm-opt.sh target/wasm32-wasip1/release/holysheep_edge.wasm target/plugin/holysheep_edge.wasm
 if $TESTS; then
-  echo "setup: the component (wasm32-wasip2)"
+  echo "setup: the plugin's test-only broken-lock variant, the component (wasm32-wasip2)"
+  # Test only: the lock without CAS, which the harness's race tests must catch.
+  cargo build --release --target wasm32-wasip1 --features broken-lock --target-dir target/broken-lock
   cargo build --release --target wasm32-wasip2
-  wait "$broken_lock"
   echo "setup: envoy ${ENVOY_VERSION}, $(wc -c < target/plugin/holysheep_edge.wasm) byte plugin," \
     "$(wc -c < target/wasm32-wasip2/release/holysheep_edge.wasm) byte component"
 else

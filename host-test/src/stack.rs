@@ -126,8 +126,13 @@ pub fn streamed(body: &str) -> String {
 
 /// A tenant token's SHA-256 in hex, as `tenants.<name>.keys_sha256` holds it.
 pub fn key_digest(token: &str) -> String {
+    sha256_hex(token.as_bytes())
+}
+
+/// SHA-256 of `bytes` in lowercase hex.
+pub fn sha256_hex(bytes: &[u8]) -> String {
     use sha2::Digest;
-    sha2::Sha256::digest(token.as_bytes()).iter().map(|b| format!("{b:02x}")).collect()
+    sha2::Sha256::digest(bytes).iter().map(|b| format!("{b:02x}")).collect()
 }
 
 /// How many answers carry this `x-holysheep-cache` value.

@@ -4,6 +4,9 @@
 //! their event streams (completions: `text_completion` chunks, the usage chunk when asked,
 //! `[DONE]`; Responses: typed events ending in `response.completed`).
 
+use crate::reply::{error, json_response};
+use crate::{Body, Fault, Mock};
+use hyper::{Response, StatusCode};
 use serde_json::{json, Value};
 use sha2::{Digest, Sha256};
 
@@ -69,7 +72,7 @@ pub fn completion_events(c: &Value, include_usage: bool) -> Vec<String> {
         out.push(chunk(json!([{"text": "", "index": choice["index"], "logprobs": null, "finish_reason": "stop"}])));
     }
     let usage = include_usage.then(|| chunk(json!([])));
-    crate::data_events(out, usage, &c["usage"])
+    crate::events::data_events(out, usage, &c["usage"])
 }
 
 /// The input text of a Responses request (a string, or the text of its items).
@@ -138,4 +141,66 @@ pub fn response_events(r: &Value) -> Vec<String> {
             format!("event: {}\ndata: {v}\n\n", v["type"].as_str().unwrap_or(""))
         })
         .collect()
+}
+
+impl Mock {
+    /// `/v1/completions` and `/v1/responses` (see `apis`), with the key checked and the
+    /// latency, JSON or streamed as asked; every answer billed.
+    pub(crate) async fn api(
+        self,
+        path: &str,
+        auth: Option<String>,
+        body: &[u8],
+    ) -> Result<Response<Body>, std::io::Error> {
+        let req = serde_json::from_slice::<Value>(body).unwrap_or(Value::Null);
+        let latency = {
+            let mut s = self.state();
+            *s.api_calls.entry(path.to_owned()).or_default() += 1;
+            s.last_authorization.clone_from(&auth);
+            s.last_body = body.to_vec();
+            s.latency_ms
+        };
+        if let Some(early) = self.before_answer(&Fault::default(), latency, auth.as_deref()).await {
+            return early;
+        }
+        // A continuation replays its stored response's context, billed as input.
+        let previous = req["previous_response_id"].as_str().filter(|_| path == "/v1/responses");
+        let context = match previous {
+            Some(id) => match self.state().stored.get(id).copied() {
+                Some(tokens) => tokens,
+                None => {
+                    let m = format!("Previous response with id '{id}' not found.");
+                    let (kind, code) = ("invalid_request_error", "previous_response_not_found");
+                    return Ok(error(StatusCode::NOT_FOUND, &m, kind, code, Some("previous_response_id")));
+                }
+            },
+            None => 0,
+        };
+        let answer = if path == "/v1/completions" { completion(&req) } else { response(&req) };
+        let mut answer = match answer {
+            Ok(a) => a,
+            Err(m) => return Ok(error(StatusCode::BAD_REQUEST, &m, "invalid_request_error", "invalid_value", None)),
+        };
+        if path == "/v1/responses" {
+            let u = &mut answer["usage"];
+            let input = u["input_tokens"].as_u64().unwrap_or(0) + context;
+            let output = u["output_tokens"].as_u64().unwrap_or(0);
+            u["input_tokens"] = input.into();
+            u["total_tokens"] = (input + output).into();
+            if answer["store"].as_bool() == Some(true) {
+                let id = answer["id"].as_str().unwrap_or_default().to_owned();
+                self.state().stored.insert(id, input + output);
+            }
+        }
+        self.state().billed_at.push((path.to_owned(), answer["usage"].clone()));
+        if req["stream"].as_bool() != Some(true) {
+            return Ok(json_response(StatusCode::OK, &answer));
+        }
+        let events = if path == "/v1/completions" {
+            completion_events(&answer, req["stream_options"]["include_usage"].as_bool() == Some(true))
+        } else {
+            response_events(&answer)
+        };
+        Ok(self.stream(events, &Fault::default()))
+    }
 }

@@ -7,6 +7,10 @@
 //! "What is the capital of France?" and "what is the capital of france" are 1.0 apart;
 //! "What is the capital of France, please?" is 6/√42 ≈ 0.926 from both.
 
+use crate::faults::{planned_body, planned_error};
+use crate::reply::{error, json_response};
+use crate::{Body, Mock};
+use hyper::{Response, StatusCode};
 use serde_json::{json, Value};
 use sha2::{Digest, Sha256};
 
@@ -92,6 +96,36 @@ fn base64_of(v: &[f32]) -> String {
         }
     }
     out
+}
+
+impl Mock {
+    /// `/v1/embeddings` (see `embeddings`), with the key checked, the latency and the
+    /// planned faults (`status`, `delay_ms`, `reset`, `body`) as for chat calls.
+    pub(crate) async fn embed(self, auth: Option<String>, body: &[u8]) -> Result<Response<Body>, std::io::Error> {
+        let req = serde_json::from_slice::<Value>(body).unwrap_or(Value::Null);
+        let (fault, latency) = {
+            let mut s = self.state();
+            s.embeddings += 1;
+            s.embedding_inputs.push(req["input"].as_str().unwrap_or_default().to_owned());
+            let count = req["input"].as_array().map_or(1, |a| if a.iter().all(Value::is_u64) { 1 } else { a.len() });
+            s.embedding_batches.push(count);
+            (s.embedding_plan.pop_front().unwrap_or_default(), s.latency_ms)
+        };
+        if let Some(early) = self.before_answer(&fault, latency, auth.as_deref()).await {
+            return early;
+        }
+        Ok(match (fault.status.filter(|s| *s != 200), &fault.body) {
+            (status, Some(raw)) => planned_body(status.unwrap_or(200), raw, fault.content_type.as_deref()),
+            (Some(status), None) => planned_error(status),
+            (None, None) => match answer(&req) {
+                Ok(v) => {
+                    self.state().billed_at.push(("/v1/embeddings".to_owned(), v["usage"].clone()));
+                    json_response(StatusCode::OK, &v)
+                }
+                Err(m) => error(StatusCode::BAD_REQUEST, &m, "invalid_request_error", "invalid_value", Some("input")),
+            },
+        })
+    }
 }
 
 #[cfg(test)]

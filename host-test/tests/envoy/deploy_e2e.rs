@@ -6,18 +6,13 @@
 use host_test::client::Resp;
 use host_test::envoy::{wasm_path, workspace_root, Envoy, Options};
 use host_test::mock::Running;
-use host_test::stack::{poll_until, prompt};
-use sha2::{Digest, Sha256};
+use host_test::stack::{poll_until, prompt, sha256_hex as hex};
 use std::net::{SocketAddr, TcpListener};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
 
 fn free_port() -> u16 {
     host_test::ports::free(1).expect("a port")[0]
-}
-
-fn hex(bytes: &[u8]) -> String {
-    Sha256::digest(bytes).iter().map(|b| format!("{b:02x}")).collect()
 }
 
 /// A child process killed when dropped.

@@ -7,8 +7,7 @@ use host_test::component_host::serve::{start, ComponentOptions, Serving};
 use host_test::component_host::{imports, unversioned};
 use host_test::envoy::{component_path, workspace_root};
 use host_test::mock::{Fault, Running};
-use host_test::stack::streamed;
-use host_test::stack::{burst_at, count, prompt, prompt_for, PATH};
+use host_test::stack::{burst_at, count, prompt, prompt_for, sha256_hex, streamed, PATH};
 use std::collections::BTreeSet;
 
 fn serve(mock: &Running, config: &str) -> Serving {
@@ -34,11 +33,6 @@ fn serve_keyed(mock: &Running, config: &str, key: &str) -> Serving {
 
 fn post(s: &Serving, body: &str, headers: &[(&str, &str)]) -> Resp {
     request(s.addr, "POST", PATH, headers, body.as_bytes()).expect("answer")
-}
-
-fn sha256_hex(data: &[u8]) -> String {
-    use sha2::Digest;
-    sha2::Sha256::digest(data).iter().map(|b| format!("{b:02x}")).collect()
 }
 
 /// The interfaces the `gateway` world imports, from `wit/`, without versions.

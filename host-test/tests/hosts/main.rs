@@ -2,5 +2,5 @@
 //! harness (`host_test::proxy_host`), `host-test serve`, and the wasi:http component.
 
 mod component_e2e;
-mod harness;
+mod races;
 mod serve_e2e;

@@ -1,0 +1,52 @@
+//! A fleet node's HIT: on the owner listener, from a near copy, through a forward hop.
+
+use crate::load::{expect_all, load, PATH};
+use crate::report::Report;
+use crate::stats::{alternate, median, paired, throughput};
+use host_test::client::request;
+use host_test::fleet::Fleet;
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+/// A fleet node's HIT three ways, alternating in one run: on the owner listener, through
+/// the forward listener from its near copy, and through the forward listener of a node
+/// without near copies (one hop to the owner listener).
+pub fn fleet_rows(r: &mut Report, rounds: usize, (conns, secs): (usize, u64), hit_prompt: &str) -> std::io::Result<()> {
+    let near = Fleet::start(1, "{}", 0);
+    let hop = Fleet::start(1, r#"{"edge":{"max_age_seconds":0}}"#, 0);
+    let (near, hop) = (near.live().next().expect("a node"), hop.live().next().expect("a node"));
+    for public in [near.public, hop.public] {
+        request(public, "POST", PATH, &[("authorization", "Bearer bench")], hit_prompt.as_bytes())?;
+    }
+    let hit = |addr: SocketAddr| {
+        let same = hit_prompt.to_owned();
+        load(addr, conns, secs, Arc::new(move || same.clone()))
+    };
+    // Without near copies, the forward node's concurrent repeats share one hop: the owner's
+    // HIT reaches one of them and the others are COALESCED there.
+    let hop_hit = || {
+        let s = hit(hop.public);
+        assert!(s.labels.iter().all(|l| l == "HIT" || l == "COALESCED"), "every answer was the owner's HIT");
+        s
+    };
+    println!();
+    let rows = alternate(
+        rounds,
+        &mut [&mut || expect_all(hit(near.owner), "HIT"), &mut || expect_all(hit(near.public), "HIT"), &mut || {
+            hop_hit()
+        }],
+    );
+    let [owner_r, near_r, hop_r] = &rows[..] else { unreachable!("three rows") };
+    let (near_over_owner, hop_over_owner) = (paired(near_r, owner_r, throughput), paired(hop_r, owner_r, throughput));
+    let mut medians = rows.into_iter().map(median);
+    let owner_hit = r.row("fleet HIT on the owner listener", medians.next().expect("a row"));
+    let near_hit = r.row("fleet HIT from a near copy (forward listener)", medians.next().expect("a row"));
+    let hop_hit = r.row("fleet HIT through a forward hop", medians.next().expect("a row"));
+    r.ratio("near-copy HIT / owner HIT throughput", near_over_owner, "goal >= 0.90");
+    r.ratio("forward hop HIT / owner HIT throughput", hop_over_owner, "");
+    let p50 = |row: usize| r.rows[row].1.p50_us as f64;
+    let (near_p50, hop_p50) = (p50(near_hit) / p50(owner_hit).max(1.0), p50(hop_hit) / p50(owner_hit).max(1.0));
+    r.ratio("near-copy HIT / owner HIT p50", near_p50, "");
+    r.ratio("forward hop HIT / owner HIT p50", hop_p50, "");
+    Ok(())
+}

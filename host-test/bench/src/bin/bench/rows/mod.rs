@@ -1,0 +1,12 @@
+//! One file per family of rows; each starts what it measures and adds its rows, ratios and
+//! notes to the report.
+
+pub mod budget;
+pub mod component;
+pub mod crowd;
+pub mod edge;
+pub mod endpoints;
+pub mod fleet;
+pub mod priority;
+pub mod semantic;
+pub mod tenants;

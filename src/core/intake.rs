@@ -108,7 +108,7 @@ impl Head {
     pub fn read<'a>(pairs: impl IntoIterator<Item = (&'a [u8], &'a [u8])>, tenant_header: Option<&str>) -> Head {
         let mut h = Head::default();
         // The tenant scope comes from the tenant header, or else from `authorization`.
-        let credential = tenant_header.unwrap_or("authorization").as_bytes();
+        let credential = tenant_header.unwrap_or(headers::AUTHORIZATION).as_bytes();
         for (name, value) in pairs {
             let slot = match name {
                 b":method" => {
@@ -422,7 +422,7 @@ fn unseen_input(config: &Config, request: &ApiRequest) -> Result<Option<u64>, Ap
 
 /// The 400 of a request whose tenant credential came more than once.
 fn ambiguous_tenant(config: &Config) -> ApiError {
-    let named = config.cache.tenant_header.as_deref().unwrap_or("authorization");
+    let named = config.cache.tenant_header.as_deref().unwrap_or(headers::AUTHORIZATION);
     ApiError::invalid(
         format!("the '{named}' header, which names the tenant, must appear once"),
         None,

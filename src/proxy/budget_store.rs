@@ -5,6 +5,7 @@
 use super::abi as hostcalls;
 use super::host::{self, SharedData};
 use super::ids::IdMap;
+use crate::core::api::headers;
 use crate::core::config::Config;
 use crate::core::limits::budget_store::{self, Due, EtcdCall, Flush};
 use proxy_wasm::types::{BufferType, LogLevel, MapType, Status};
@@ -177,7 +178,7 @@ fn dispatch(config: &Config, call: &EtcdCall) -> Result<u32, Status> {
         (":method", "POST"),
         (":path", call.path),
         (":authority", store.authority.as_str()),
-        ("content-type", "application/json"),
+        (headers::CONTENT_TYPE, "application/json"),
     ];
     let timeout = Duration::from_millis(store.timeout_ms);
     hostcalls::dispatch_http_call(&store.cluster, headers, Some(&call.body), vec![], timeout)

@@ -37,7 +37,7 @@ pub fn ask(config: &Config, secret: &str, bucket: &str, op: &Op, timeout_ms: u64
         (":method", "POST"),
         (":path", PEER_PATH),
         (":authority", authority.as_str()),
-        ("content-type", "application/json"),
+        (headers::CONTENT_TYPE, "application/json"),
         (headers::PEER_SECRET, secret),
     ];
     let timeout = Duration::from_millis(timeout_ms.max(1));

@@ -146,7 +146,7 @@ impl Chat {
         let headers = host::headers(MapType::HttpResponseHeaders);
         let header = |n: &str| headers.iter().find(|(k, _)| k == n).map(|(_, v)| v.clone());
         let status = header(":status").and_then(|s| s.parse().ok()).unwrap_or(502);
-        let content_type = header("content-type").unwrap_or_default();
+        let content_type = header(headers::CONTENT_TYPE).unwrap_or_default();
         set_response_header(headers::TIER, Some(edge::OWNER));
         let tee = {
             let mut w = self.worker.borrow_mut();
@@ -157,7 +157,7 @@ impl Chat {
             let sse = status == 200 && headers::is_event_stream(&content_type);
             if sse && !hop.outbound.include_usage {
                 // The usage event is taken out: the length changes.
-                set_response_header("content-length", None);
+                set_response_header(headers::CONTENT_LENGTH, None);
             }
             let events = sse.then(|| Reassembler::of(hop.outbound.endpoint, hop.outbound.include_usage));
             let other = Response { status, content_type, headers: Vec::new(), body: Vec::new() };
@@ -226,7 +226,8 @@ impl Chat {
                 for name in intake::NOT_PASSED_WITH_OPERATOR_KEY {
                     let _ = hostcalls::set_map_value(MapType::HttpRequestHeaders, name, None);
                 }
-                let _ = hostcalls::set_map_value(MapType::HttpRequestHeaders, "authorization", bearer.as_deref());
+                let _ =
+                    hostcalls::set_map_value(MapType::HttpRequestHeaders, headers::AUTHORIZATION, bearer.as_deref());
                 self.state = State::Passed;
                 Action::Continue
             }
@@ -255,8 +256,8 @@ impl Chat {
         }
         self.worker.borrow_mut().key_refused(status);
         self.state = State::PassedRefused(status);
-        set_response_header("content-length", None);
-        set_response_header("content-type", Some("application/json"));
+        set_response_header(headers::CONTENT_LENGTH, None);
+        set_response_header(headers::CONTENT_TYPE, Some("application/json"));
         set_response_header(":status", Some("502"));
         Action::Continue
     }
@@ -426,7 +427,7 @@ impl HttpContext for Chat {
         let headers = host::headers(MapType::HttpResponseHeaders);
         let header = |n: &str| headers.iter().find(|(k, _)| k == n).map(|(_, v)| v.clone());
         let status = header(":status").and_then(|s| s.parse().ok()).unwrap_or(502);
-        let content_type = header("content-type").unwrap_or_default();
+        let content_type = header(headers::CONTENT_TYPE).unwrap_or_default();
         let sse = status == 200 && headers::is_event_stream(&content_type);
         // The edge's own headers are the edge's to set: none of HolySheep's passes.
         for (name, _) in headers.iter().filter(|(n, _)| n.starts_with("x-holysheep-")) {
@@ -439,28 +440,28 @@ impl HttpContext for Chat {
             set_response_header(name, Some(&value));
         }
         // The edge's own answer: HolySheep's age means nothing here (a MISS is new).
-        set_response_header("age", None);
+        set_response_header(headers::AGE, None);
         let signer = self.worker.borrow().config.signer(label.sent.endpoint, label.tenant.as_deref());
         if (sse && (!label.include_usage || signer.is_some())) || refusal.is_some() {
             // The usage event is taken out, ids are signed, or the body replaced: the
             // length changes.
-            set_response_header("content-length", None);
+            set_response_header(headers::CONTENT_LENGTH, None);
         }
-        let retry_after = header("retry-after").map(|v| vec![("retry-after".to_owned(), v)]);
+        let retry_after = header(headers::RETRY_AFTER).map(|v| vec![(headers::RETRY_AFTER.to_owned(), v)]);
         let other = match &refusal {
             Some(e) => {
                 // The edge's own answer: none of what came with the body it replaces.
                 let kept = |n: &str| {
                     n.starts_with(':')
                         || n.starts_with("x-holysheep-")
-                        || n == "retry-after"
+                        || n == headers::RETRY_AFTER
                         || n == headers::CACHE_CONTROL
                 };
                 for (name, _) in headers.iter().filter(|(n, _)| !kept(n)) {
                     set_response_header(name, None);
                 }
                 set_response_header(":status", Some(&e.status.to_string()));
-                set_response_header("content-type", Some("application/json"));
+                set_response_header(headers::CONTENT_TYPE, Some("application/json"));
                 Response::json(e.status, e.body())
             }
             None => Response { status, content_type, headers: Vec::new(), body: Vec::new() },

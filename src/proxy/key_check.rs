@@ -4,6 +4,7 @@
 
 use super::abi as hostcalls;
 use super::host::{self, SharedData};
+use crate::core::api::headers;
 use crate::core::config::Config;
 use crate::core::store::claim;
 use proxy_wasm::types::{LogLevel, MapType};
@@ -81,7 +82,7 @@ pub fn send(config: &Config, bearer: &str) -> Option<u32> {
         (":method", "GET"),
         (":path", "/v1/models"),
         (":authority", config.upstream.authority.as_str()),
-        ("authorization", bearer),
+        (headers::AUTHORIZATION, bearer),
     ];
     let timeout = Duration::from_millis(config.upstream.timeout_ms);
     hostcalls::dispatch_http_call(&config.upstream.cluster, headers, None, vec![], timeout).ok()

@@ -314,7 +314,7 @@ impl Worker {
         extra.extend(hit.outbound.tenant_header());
         extra.extend(self.tier_header());
         let (age, directive) = (codec::decimal(age_s), edge::directive(Some(fresh_s)));
-        let own = [(headers::CACHE, "HIT"), ("cache-control", directive.as_ref()), ("age", age.as_str())];
+        let own = [(headers::CACHE, "HIT"), (headers::CACHE_CONTROL, directive.as_ref()), (headers::AGE, age.as_str())];
         host::send_with(&hit.reply, own.into_iter().chain(extra.iter().map(|(n, v)| (*n, v.as_str()))));
     }
 
@@ -418,9 +418,9 @@ impl Worker {
             for (name, _) in host::headers(MapType::HttpRequestTrailers) {
                 let _ = hostcalls::set_map_value(MapType::HttpRequestTrailers, &name, None);
             }
-            let _ = hostcalls::set_map_value(MapType::HttpRequestHeaders, "transfer-encoding", None);
+            let _ = hostcalls::set_map_value(MapType::HttpRequestHeaders, headers::TRANSFER_ENCODING, None);
             let _ = hostcalls::set_buffer(BufferType::HttpRequestBody, 0, usize::MAX, &body);
-            let _ = hostcalls::set_map_value(MapType::HttpRequestHeaders, "content-length", Some(&length));
+            let _ = hostcalls::set_map_value(MapType::HttpRequestHeaders, headers::CONTENT_LENGTH, Some(&length));
         }
         let label = metrics::label(&self.config, &outbound.model);
         self.counters.count(vec![(label, Counter::Hops, 1)], outbound.tenant.as_deref());

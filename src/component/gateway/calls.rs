@@ -22,10 +22,18 @@ const MAX_UPSTREAM_BODY: usize = 16 * 1024 * 1024;
 /// The most bytes read from one embedding answer (3 072 floats as JSON are about 60 KB).
 const MAX_EMBEDDING_BODY: usize = 1024 * 1024;
 /// Request headers never forwarded (hop-by-hop, or set by the gateway).
-const NOT_FORWARDED: [&str; 8] =
-    ["host", "connection", "keep-alive", "proxy-connection", "transfer-encoding", "upgrade", "te", "content-length"];
+const NOT_FORWARDED: [&str; 8] = [
+    headers::HOST,
+    "connection",
+    "keep-alive",
+    "proxy-connection",
+    headers::TRANSFER_ENCODING,
+    "upgrade",
+    "te",
+    headers::CONTENT_LENGTH,
+];
 /// Response headers not copied from a forwarded answer.
-const NOT_RETURNED: [&str; 5] = ["connection", "keep-alive", "proxy-connection", "transfer-encoding", "upgrade"];
+const NOT_RETURNED: [&str; 5] = ["connection", "keep-alive", "proxy-connection", headers::TRANSFER_ENCODING, "upgrade"];
 
 impl Gateway {
     /// One call to HolySheep for `model`, renewing the lease while it waits.
@@ -86,11 +94,11 @@ impl Gateway {
     pub(super) fn embed(&self, call: &Call, text: &str, bearer: &str) -> Option<Embedding> {
         let body = semantic::embedding_body(&self.config, text);
         let headers: Vec<(String, String)> = [
-            ("content-type", "application/json"),
-            ("accept", "application/json"),
+            (headers::CONTENT_TYPE, "application/json"),
+            (headers::ACCEPT, "application/json"),
             ("user-agent", upstream::USER_AGENT),
-            ("authorization", bearer),
-            ("content-length", &body.len().to_string()),
+            (headers::AUTHORIZATION, bearer),
+            (headers::CONTENT_LENGTH, &body.len().to_string()),
         ]
         .iter()
         .map(|(n, v)| ((*n).to_owned(), (*v).to_owned()))
@@ -115,10 +123,10 @@ impl Gateway {
         let body = outbound.body_for(model);
         let mut headers: Vec<(String, String)> =
             outbound.headers(self.bearer.as_deref()).into_iter().map(|(n, v)| (n.to_owned(), v.to_owned())).collect();
-        headers.push(("content-length".to_owned(), body.len().to_string()));
+        headers.push((headers::CONTENT_LENGTH.to_owned(), body.len().to_string()));
         if outbound.stream {
-            headers.retain(|(n, _)| n != "accept");
-            headers.push(("accept".to_owned(), headers::EVENT_STREAM.to_owned()));
+            headers.retain(|(n, _)| n != headers::ACCEPT);
+            headers.push((headers::ACCEPT.to_owned(), headers::EVENT_STREAM.to_owned()));
         }
         self.outgoing(Method::Post, outbound.endpoint.path(), &headers)
             .and_then(|request| self.send(request, Body::Bytes(&body), deadline_ms, &mut || self.renew(call)))
@@ -174,11 +182,12 @@ impl Gateway {
     /// the tenant's, which is the edge's own and never passes on.
     pub(super) fn forward(&self, request: IncomingRequest, operator_key: bool, out: ResponseOutparam) {
         let received = host::header_pairs(&request.headers());
-        let swapped = |n: &str| n == "authorization" || crate::core::intake::NOT_PASSED_WITH_OPERATOR_KEY.contains(&n);
+        let swapped =
+            |n: &str| n == headers::AUTHORIZATION || crate::core::intake::NOT_PASSED_WITH_OPERATOR_KEY.contains(&n);
         let kept = |n: &str| !(NOT_FORWARDED.contains(&n) || operator_key && swapped(n));
         let mut headers: Vec<(String, String)> = received.into_iter().filter(|(n, _)| kept(n)).collect();
         if let Some(bearer) = self.bearer.as_ref().filter(|_| operator_key) {
-            headers.push(("authorization".to_owned(), bearer.clone()));
+            headers.push((headers::AUTHORIZATION.to_owned(), bearer.clone()));
         }
         let path = request.path_with_query().unwrap_or_else(|| "/".into());
         let deadline = host::now_ms().saturating_add(self.config.upstream.timeout_ms);

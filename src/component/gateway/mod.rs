@@ -215,7 +215,7 @@ impl Gateway {
                         continue;
                     };
                     let events = response.status() == 200
-                        && host::header(&response.headers(), "content-type")
+                        && host::header(&response.headers(), headers::CONTENT_TYPE)
                             .is_some_and(|t| headers::is_event_stream(&t));
                     if events {
                         return self.relay(flight, learned.as_ref(), outbound, response, out);

@@ -2,6 +2,7 @@
 //! remaining requests and tokens, a 429 and when to come back), whether it refused the
 //! operator's key, and what the attempt was billed.
 
+use super::headers;
 use crate::core::api::usage::Billed;
 
 /// What the provider said about its own limits.
@@ -27,10 +28,10 @@ impl ProviderHints {
     pub fn from_headers(status: u16, headers: &[(String, String)]) -> ProviderHints {
         let get = |n: &str| headers.iter().find(|(k, _)| k.eq_ignore_ascii_case(n)).map(|(_, v)| v.trim());
         ProviderHints {
-            remaining_requests: get("x-ratelimit-remaining-requests").and_then(|v| v.parse().ok()),
-            remaining_tokens: get("x-ratelimit-remaining-tokens").and_then(|v| v.parse().ok()),
+            remaining_requests: get(headers::REMAINING_REQUESTS).and_then(|v| v.parse().ok()),
+            remaining_tokens: get(headers::REMAINING_TOKENS).and_then(|v| v.parse().ok()),
             throttled: status == 429,
-            retry_after_ms: retry_after_ms(get("retry-after-ms"), get("retry-after")),
+            retry_after_ms: retry_after_ms(get("retry-after-ms"), get(headers::RETRY_AFTER)),
             key_refused: false,
             billed: Billed::Unknown,
         }

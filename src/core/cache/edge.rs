@@ -16,7 +16,7 @@ pub const OWNER: &str = "owner";
 /// An owner's response headers a forward node keeps with its answer: they are replayed to
 /// the requests that share it (the model that answered, a paraphrase's similarity, and
 /// what a 429 says of its class and when to come back).
-const KEPT: [&str; 5] = [headers::MODEL, headers::SIMILARITY, "retry-after", headers::PRIORITY, headers::SHED];
+const KEPT: [&str; 5] = [headers::MODEL, headers::SIMILARITY, headers::RETRY_AFTER, headers::PRIORITY, headers::SHED];
 
 /// The `cache-control` an answer carries: fresh for `fresh_s` more seconds in the cache
 /// that served or stored it, or `no-store` when it is in none.
@@ -44,7 +44,7 @@ pub fn declared(config: &Config, key: &Key, status: u16, headers: &[(String, Str
     if status != 200 || !served || header(headers::KEY) != Some(key.hex()) {
         return None;
     }
-    let cc = CacheControl::parse(header("cache-control"));
+    let cc = CacheControl::parse(header(headers::CACHE_CONTROL));
     if cc.no_store || cc.no_cache {
         return None;
     }
@@ -52,7 +52,7 @@ pub fn declared(config: &Config, key: &Key, status: u16, headers: &[(String, Str
     if resident_s == 0 {
         return None;
     }
-    let age_s = header("age").and_then(|a| a.trim().parse::<u64>().ok()).unwrap_or(0).min(MAX_SECONDS);
+    let age_s = header(headers::AGE).and_then(|a| a.trim().parse::<u64>().ok()).unwrap_or(0).min(MAX_SECONDS);
     let stored_at_ms = now_ms.saturating_sub(age_s.saturating_mul(1000));
     Some(Fresh { stored_at_ms, ttl_ms: age_s.saturating_add(resident_s).saturating_mul(1000) })
 }

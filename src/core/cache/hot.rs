@@ -142,6 +142,7 @@ impl<T> Hot<T> {
         true
     }
 
+    #[cfg(test)]
     pub fn bytes(&self) -> usize {
         self.bytes
     }

@@ -85,16 +85,16 @@ impl Reply {
     /// stays fresh (see `edge::directive`).
     pub fn headers(&self) -> Vec<(&str, Cow<'_, str>)> {
         let mut h = Vec::with_capacity(5 + self.response.headers.len());
-        h.push(("content-type", Cow::Borrowed(self.response.content_type.as_str())));
+        h.push((headers::CONTENT_TYPE, Cow::Borrowed(self.response.content_type.as_str())));
         if let Some(c) = self.cache {
             h.push((headers::CACHE, Cow::Borrowed(c.as_str())));
-            h.push(("cache-control", edge::directive(self.fresh_s)));
+            h.push((headers::CACHE_CONTROL, edge::directive(self.fresh_s)));
         }
         if let Some(k) = &self.key {
             h.push((headers::KEY, Cow::Borrowed(k.hex())));
         }
         if let Some(a) = self.age_s {
-            h.push(("age", Cow::Owned(a.to_string())));
+            h.push((headers::AGE, Cow::Owned(a.to_string())));
         }
         h.extend(self.response.headers.iter().map(|(n, v)| (n.as_str(), Cow::Borrowed(v.as_str()))));
         h
@@ -218,11 +218,6 @@ pub struct Finished {
 }
 
 impl Finished {
-    /// The request key of the flight.
-    pub fn key(&self) -> &Key {
-        &self.key
-    }
-
     /// Whether it is the flight `wait` waits on.
     pub fn is_for(&self, wait: &Wait) -> bool {
         self.nonce == wait.nonce && self.slot == wait.slot && self.key == wait.key

@@ -5,6 +5,7 @@
 pub mod tenants;
 
 use crate::core::api::endpoint::Endpoint;
+use crate::core::api::headers;
 use crate::core::api::objects::{ObjectKey, Signer};
 use crate::core::api::priority::Class;
 use crate::core::api::usage::Usage;
@@ -508,10 +509,9 @@ impl Config {
             ),
             (
                 // Headers the edge reads for another purpose: the tenant would never be set.
-                self.cache
-                    .tenant_header
-                    .as_deref()
-                    .is_some_and(|h| ["authorization", "cache-control", "content-length"].contains(&h)),
+                self.cache.tenant_header.as_deref().is_some_and(|h| {
+                    [headers::AUTHORIZATION, headers::CACHE_CONTROL, headers::CONTENT_LENGTH].contains(&h)
+                }),
                 "cache.tenant_header",
                 "must not be authorization (the default scope), cache-control or content-length",
             ),

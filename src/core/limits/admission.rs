@@ -555,7 +555,7 @@ impl Standing {
             code: "rate_limit_exceeded",
         };
         let limited = Response::json(429, e.body())
-            .with_header("retry-after", wait.div_ceil(1000).to_string())
+            .with_header(headers::RETRY_AFTER, wait.div_ceil(1000).to_string())
             .with_header("retry-after-ms", wait.to_string())
             .with_header(headers::MODEL, model.to_owned());
         // Marked with its class: a waiter of a higher class does not take it as its answer.

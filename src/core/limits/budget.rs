@@ -71,6 +71,7 @@ pub struct Backing {
 
 impl Backing {
     /// Process memory only (no store).
+    #[cfg(test)]
     pub const MEMORY: Backing = Backing { store: false, nodes: 1, outage_micro: None, replicas: 1 };
 
     /// As `config` backs a tenant's budget (`store`: by the spend store).

@@ -67,10 +67,12 @@ pub struct Line {
 pub struct Full;
 
 impl Line {
+    #[cfg(test)]
     pub fn len(&self) -> usize {
         self.places.len()
     }
 
+    #[cfg(test)]
     pub fn is_empty(&self) -> bool {
         self.places.is_empty()
     }

@@ -19,6 +19,7 @@ pub mod fleet;
 pub mod line;
 pub mod tenant_gate;
 
+use crate::core::api::headers;
 use crate::core::api::hints::ProviderHints;
 use crate::core::config::{Model, RateLimit};
 use crate::core::limits::line::{Full, Line, Who};
@@ -313,15 +314,15 @@ impl Bucket {
         let mut h = Vec::new();
         if let Some(rpm) = l.rpm {
             let reset = ((l.burst - self.requests).max(0.0) / l.req_per_ms()).ceil() as u64;
-            h.push(("x-ratelimit-limit-requests", whole(rpm)));
-            h.push(("x-ratelimit-remaining-requests", whole(self.requests)));
-            h.push(("x-ratelimit-reset-requests", duration(reset)));
+            h.push((headers::LIMIT_REQUESTS, whole(rpm)));
+            h.push((headers::REMAINING_REQUESTS, whole(self.requests)));
+            h.push((headers::RESET_REQUESTS, duration(reset)));
         }
         if let Some(tpm) = l.tpm {
             let reset = ((tpm - self.tokens).max(0.0) / l.tok_per_ms()).ceil() as u64;
-            h.push(("x-ratelimit-limit-tokens", whole(tpm)));
-            h.push(("x-ratelimit-remaining-tokens", whole(self.tokens)));
-            h.push(("x-ratelimit-reset-tokens", duration(reset)));
+            h.push((headers::LIMIT_TOKENS, whole(tpm)));
+            h.push((headers::REMAINING_TOKENS, whole(self.tokens)));
+            h.push((headers::RESET_TOKENS, duration(reset)));
         }
         h
     }

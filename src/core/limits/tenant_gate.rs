@@ -345,7 +345,7 @@ pub fn refused(config: &Config, tenant: &str, model: &str, refusal: Refusal, est
             let e =
                 ApiError { status: 503, message, kind: "server_error", param: None, code: "budget_store_unavailable" };
             return Response::json(503, e.body())
-                .with_header("retry-after", wait.div_ceil(1000).to_string())
+                .with_header(headers::RETRY_AFTER, wait.div_ceil(1000).to_string())
                 .with_header(headers::MODEL, model.to_owned());
         }
         Refusal::Bucket(d) if d.kind == Kind::BudgetHeld => {
@@ -391,7 +391,7 @@ pub fn refused(config: &Config, tenant: &str, model: &str, refusal: Refusal, est
         }
     };
     Response::json(429, e.body())
-        .with_header("retry-after", wait.div_ceil(1000).to_string())
+        .with_header(headers::RETRY_AFTER, wait.div_ceil(1000).to_string())
         .with_header("retry-after-ms", wait.to_string())
         .with_header(headers::MODEL, model.to_owned())
 }

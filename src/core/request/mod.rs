@@ -12,6 +12,7 @@ pub mod supplied;
 
 use crate::core::api::endpoint::Endpoint;
 use crate::core::api::error::ApiError;
+use crate::core::api::headers;
 use crate::core::api::path::segments;
 use crate::core::api::priority::Class;
 use crate::core::api::usage::DEFAULT_COMPLETION_ESTIMATE;
@@ -565,7 +566,7 @@ fn scope(config: &Config, meta: &RequestMeta<'_>) -> Result<String, ApiError> {
     }
     let (credential, named) = match &config.cache.tenant_header {
         Some(h) => (meta.tenant, h.as_str()),
-        None => (meta.authorization, "authorization"),
+        None => (meta.authorization, headers::AUTHORIZATION),
     };
     let credential = credential.filter(|c| !c.trim().is_empty());
     if config.cache.require_tenant && credential.is_none() {

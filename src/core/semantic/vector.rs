@@ -36,11 +36,6 @@ impl Vector {
         Vector { values, norm }
     }
 
-    /// The values as stored, one byte each.
-    pub fn from_bytes(bytes: &[u8]) -> Vector {
-        Vector::of(bytes.iter().map(|&b| b as i8).collect())
-    }
-
     pub fn values(&self) -> &[i8] {
         &self.values
     }

@@ -121,10 +121,13 @@ impl Outbound {
     /// The regular headers of the call: the configured key (`bearer`, `Bearer <key>`)
     /// wins over the client's own authorization.
     pub fn headers<'a>(&'a self, bearer: Option<&'a str>) -> Vec<(&'static str, &'a str)> {
-        let mut headers =
-            vec![("content-type", "application/json"), ("accept", "application/json"), ("user-agent", USER_AGENT)];
+        let mut headers = vec![
+            (headers::CONTENT_TYPE, "application/json"),
+            (headers::ACCEPT, "application/json"),
+            ("user-agent", USER_AGENT),
+        ];
         if let Some(a) = bearer.or(self.client_authorization.as_deref()) {
-            headers.push(("authorization", a));
+            headers.push((headers::AUTHORIZATION, a));
         }
         headers
     }
@@ -170,8 +173,9 @@ pub struct Sent {
 pub fn response(status: u16, headers: &[(String, String)], body: Vec<u8>, sent: Sent) -> (Response, ProviderHints) {
     let header = |n: &str| headers.iter().find(|(k, _)| k.eq_ignore_ascii_case(n)).map(|(_, v)| v.clone());
     let mut hints = ProviderHints::from_headers(status, headers);
-    let content_type = header("content-type").unwrap_or_else(|| "application/json".into());
-    let retry_after = header("retry-after").map(|v| vec![("retry-after".to_owned(), v)]).unwrap_or_default();
+    let content_type = header(headers::CONTENT_TYPE).unwrap_or_else(|| "application/json".into());
+    let retry_after =
+        header(headers::RETRY_AFTER).map(|v| vec![(headers::RETRY_AFTER.to_owned(), v)]).unwrap_or_default();
     let refusal = refused(status, &content_type, sent).or_else(|| {
         (status == 200 && !sent.endpoint.is_answer(&content_type, &body)).then(|| not_an_answer(&content_type, sent))
     });

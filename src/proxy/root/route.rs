@@ -60,13 +60,13 @@ impl Root {
             (":authority", config.upstream.authority.as_str()),
             // Without it Envoy 1.40 finds no route for the rewritten request.
             ("x-forwarded-proto", scheme.as_str()),
-            ("content-length", length.as_str()),
+            (headers::CONTENT_LENGTH, length.as_str()),
             ("x-envoy-max-retries", retries.as_str()),
             ("x-envoy-retry-on", flight::STREAM_RETRY_ON),
             ("x-envoy-retriable-status-codes", flight::STREAM_RETRIABLE_STATUSES),
         ];
-        set.extend(run.outbound.headers(bearer.as_deref()).into_iter().filter(|(n, _)| *n != "accept"));
-        set.push(("accept", headers::EVENT_STREAM));
+        set.extend(run.outbound.headers(bearer.as_deref()).into_iter().filter(|(n, _)| *n != headers::ACCEPT));
+        set.push((headers::ACCEPT, headers::EVENT_STREAM));
         let stays = |n: &str| n.starts_with(':') || n == "x-request-id";
         let gone = head.iter().map(|(n, _)| n).filter(|n| !stays(n));
         let trailers = host::headers(MapType::HttpRequestTrailers);

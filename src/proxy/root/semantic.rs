@@ -4,6 +4,7 @@
 //! or slow embedding included, lets the flight go upstream as the MISS it is.
 
 use super::Root;
+use crate::core::api::headers;
 use crate::core::observe::log_fields::{Served, Spent};
 use crate::core::observe::metrics;
 use crate::core::semantic::{self, spend, Embedding, Learned, EMBEDDINGS_PATH};
@@ -39,10 +40,10 @@ impl Root {
             (":method", "POST"),
             (":path", EMBEDDINGS_PATH),
             (":authority", config.upstream.authority.as_str()),
-            ("content-type", "application/json"),
-            ("accept", "application/json"),
+            (headers::CONTENT_TYPE, "application/json"),
+            (headers::ACCEPT, "application/json"),
             ("user-agent", USER_AGENT),
-            ("authorization", bearer.as_str()),
+            (headers::AUTHORIZATION, bearer.as_str()),
         ];
         let timeout = Duration::from_millis(config.semantic.timeout_ms);
         match hostcalls::dispatch_http_call(&config.upstream.cluster, headers, Some(&body), vec![], timeout) {

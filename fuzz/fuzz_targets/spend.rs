@@ -1,7 +1,8 @@
 //! Any answer from the spend store (etcd's JSON gateway, or whatever answers on its cluster)
 //! to a read and to the write after it: reading them never panics, and neither a read nor a
 //! write's answer loses what this node settled and has not written (today's spend never
-//! drops below it), unless the answer says that very write landed.
+//! drops below it), unless the answer says that very write landed (the key holds its tag,
+//! as the last write or as its writer's last).
 #![no_main]
 
 #[path = "mem.rs"]
@@ -41,17 +42,18 @@ fuzz_target!(|data: &[u8]| {
     // Any answer to a read: what was settled here stays counted (an answer for a later
     // day moves the record's day on, which this target leaves aside).
     let found = budget_store::read_range(status, body);
+    let later_day = found.as_ref().and_then(|f| f.stored.as_ref()).is_some_and(|s| s.day > today);
     budget_store::read(&store, "t", found, now_ms);
-    let later_day = found.and_then(|f| f.stored).is_some_and(|s| s.day > today);
     if !later_day {
         assert!(budget::spent(&store, "t", now_ms).0 >= 4_000, "a read lost unwritten spend");
     }
     // The write of it, and any answer: what was not acknowledged stays counted.
     let Some(Due::Write(flush)) = budget_store::due(&store, &config, "t", now_ms, 7) else { return };
     let answer = budget_store::read_txn(status, body);
-    let landed = match answer {
+    // Landed: written, or refused with the key holding this write's tag (under others').
+    let landed = match &answer {
         Some(Ok(_)) => true,
-        Some(Err(now)) => now.stored == Some(flush.value),
+        Some(Err(now)) => now.stored.as_ref().is_some_and(|v| flush.value.write.is_some_and(|t| v.holds(t))),
         None => false,
     };
     budget_store::flushed(&store, &flush, answer, now_ms + 1);

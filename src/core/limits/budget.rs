@@ -85,17 +85,25 @@ impl Backing {
     }
 }
 
+/// How many writers' last writes a stored record names (`Stored::writes`): a write whose
+/// answer was lost is known to have landed unless this many other writers wrote since.
+pub const MAX_WRITERS: usize = 64;
+
 /// Settled spend of one day and one month, as the spend store keeps it for a tenant.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
 pub struct Stored {
     pub day: u64,
     pub day_micro: u64,
     pub month: u64,
     pub month_micro: u64,
-    /// The tag of the write that put it there (a random number per write): a write whose
-    /// answer was lost, or one that another worker's round sent alike, is known by it.
+    /// The tag of the write that put it there (a random number per write).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub write: Option<u64>,
+    /// Each recent writer's last write, `[writer, tag]`, the latest last (at most
+    /// `MAX_WRITERS`; a writer is a process): a write whose answer was lost is known by its
+    /// tag even after other writers wrote over it.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub writes: Vec<(u64, u64)>,
 }
 
 impl Stored {
@@ -104,19 +112,30 @@ impl Stored {
         (if self.day == day { self.day_micro } else { 0 }, if self.month == month { self.month_micro } else { 0 })
     }
 
-    /// With `(day_micro, month_micro)` more spent in `day` and `month`, written as `write`.
-    /// The periods never go back: spend a node whose clock lags settled in a day (or month)
-    /// the store has already left counts in the store's, never resets it.
-    pub fn plus(&self, day: u64, month: u64, (d, m): (u64, u64), write: u64) -> Stored {
+    /// With `(day_micro, month_micro)` more spent in `day` and `month`, written by `writer`
+    /// as `write` (its entry in `writes` moves to the end; the oldest writers' beyond
+    /// `MAX_WRITERS` are dropped). The periods never go back: spend a node whose clock lags
+    /// settled in a day (or month) the store has already left counts in the store's, never
+    /// resets it.
+    pub fn plus(&self, day: u64, month: u64, (d, m): (u64, u64), (writer, write): (u64, u64)) -> Stored {
         let (day, month) = (day.max(self.day), month.max(self.month));
         let (old_d, old_m) = self.within(day, month);
+        let mut writes: Vec<(u64, u64)> = self.writes.iter().filter(|(w, _)| *w != writer).copied().collect();
+        writes.push((writer, write));
+        writes.drain(..writes.len().saturating_sub(MAX_WRITERS));
         Stored {
             day,
             day_micro: old_d.saturating_add(d),
             month,
             month_micro: old_m.saturating_add(m),
             write: Some(write),
+            writes,
         }
+    }
+
+    /// Whether the write tagged `tag` is in it (the last write, or a writer's last).
+    pub fn holds(&self, tag: u64) -> bool {
+        self.write == Some(tag) || self.writes.iter().any(|(_, t)| *t == tag)
     }
 }
 
@@ -185,11 +204,13 @@ pub(super) struct Pending {
 impl Spend {
     /// `day day_micro month month_micro`, then after `|` entries `id:micro:day:month:until`
     /// separated by `,`, then after `|` (a record kept with a spend store) the mark, its
-    /// number, the store's four numbers and the two unsent amounts.
+    /// number, the store's four numbers, the two unsent amounts, when it was learned and the
+    /// write out, then after `|` the store's writers' last writes `writer:tag`, by `,`.
     pub(super) fn decode(raw: &[u8]) -> Option<Spend> {
         let text = std::str::from_utf8(raw).ok()?;
-        let mut sections = text.splitn(3, '|');
+        let mut sections = text.splitn(4, '|');
         let (totals, held, backed) = (sections.next()?, sections.next().unwrap_or(""), sections.next());
+        let writes = sections.next().unwrap_or("");
         let mut n = totals.split(' ').map(|f| f.parse::<u64>().ok());
         let (day, day_micro, month, month_micro) = (n.next()??, n.next()??, n.next()??, n.next()??);
         if n.next().is_some() {
@@ -230,7 +251,12 @@ impl Spend {
                 2 => Mark::Unreachable { until_ms: number },
                 _ => return None,
             };
-            spend.stored = Stored { day: sd, day_micro: sdm, month: sm, month_micro: smm, write: None };
+            let writes = writes.split(',').filter(|w| !w.is_empty()).map(|w| {
+                let (writer, tag) = w.split_once(':')?;
+                Some((writer.parse().ok()?, tag.parse().ok()?))
+            });
+            let writes = writes.collect::<Option<Vec<(u64, u64)>>>()?;
+            spend.stored = Stored { day: sd, day_micro: sdm, month: sm, month_micro: smm, write: None, writes };
             spend.unsent = (ud, um);
         }
         Some(spend)
@@ -249,8 +275,9 @@ impl Spend {
         let pending = self.pending.map_or(String::new(), |p| {
             format!(" {} {} {} {} {} {}", p.tag, p.sent.0, p.sent.1, p.day, p.month, p.until_ms)
         });
+        let writes: Vec<String> = s.writes.iter().map(|(w, t)| format!("{w}:{t}")).collect();
         format!(
-            "{} {} {} {}|{}|{mark} {number} {} {} {} {} {} {} {}{pending}",
+            "{} {} {} {}|{}|{mark} {number} {} {} {} {} {} {} {}{pending}|{}",
             self.day,
             self.day_micro,
             self.month,
@@ -262,7 +289,8 @@ impl Spend {
             s.month_micro,
             self.unsent.0,
             self.unsent.1,
-            self.learned_ms
+            self.learned_ms,
+            writes.join(",")
         )
         .into_bytes()
     }

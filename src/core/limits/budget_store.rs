@@ -25,6 +25,9 @@ pub const REACHED_KEY: &str = "holysheep/budget-store/reached";
 /// `1` while the store's cluster is none the host knows (its calls cannot be sent), for
 /// the whole process: nothing budgeted is admitted then (`misconfigured`).
 pub const MISCONFIGURED_KEY: &str = "holysheep/budget-store/misconfigured";
+/// This process's name as a writer of the store's records (`Stored::writes`): a random
+/// number, the same for all its workers.
+pub const WRITER_KEY: &str = "holysheep/budget-store/writer";
 /// How often a call waiting for its tenant's record to be read looks again.
 pub const READ_POLL_MS: u64 = 20;
 /// How long after the store could not be read a round of writes reads it again (the node
@@ -42,7 +45,7 @@ pub struct EtcdCall {
 }
 
 /// What etcd holds for a tenant: its spend (`None`: no key) at `revision` (0: no key).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Found {
     pub stored: Option<Stored>,
     pub revision: u64,
@@ -169,7 +172,8 @@ fn update_wanted(store: &impl CasStore, mut f: impl FnMut(&mut Vec<String>) -> b
 /// a while (one read before keeps deciding from what it knows). Whether the store was
 /// reached.
 pub fn read(store: &impl CasStore, tenant: &str, found: Option<Found>, now_ms: u64) -> bool {
-    let _ = budget::update(store, tenant, now_ms, |s| match (s.mark, found) {
+    let reached = found.is_some();
+    let _ = budget::update(store, tenant, now_ms, |s| match (s.mark, &found) {
         // An answer older than what is known is dropped; a write out past its deadline is
         // given up all the same (the next write's compare-and-swap learns the key).
         (Mark::Read { revision }, Some(f)) if f.revision < revision => {
@@ -180,7 +184,7 @@ pub fn read(store: &impl CasStore, tenant: &str, found: Option<Found>, now_ms: u
             expired
         }
         (_, Some(f)) => {
-            learn(s, f, now_ms);
+            learn(s, f.clone(), now_ms);
             true
         }
         (Mark::Read { .. }, None) => false,
@@ -189,14 +193,15 @@ pub fn read(store: &impl CasStore, tenant: &str, found: Option<Found>, now_ms: u
             true
         }
     });
-    found.is_some()
+    reached
 }
 
 fn learn(s: &mut Spend, f: Found, now_ms: u64) {
-    // A write out whose tag the store holds landed (its answer was lost): what it sent is
-    // no longer unsent. One past its deadline that did not land is given up.
+    // A write out whose tag the store holds landed (its answer was lost), even when other
+    // writers wrote over it since: what it sent is no longer unsent. One past its deadline
+    // that did not land is given up.
     if let Some(p) = s.pending {
-        if f.stored.and_then(|v| v.write) == Some(p.tag) {
+        if f.stored.as_ref().is_some_and(|v| v.holds(p.tag)) {
             s.unsent.0 = if s.day == p.day { s.unsent.0.saturating_sub(p.sent.0) } else { s.unsent.0 };
             s.unsent.1 = if s.month == p.month { s.unsent.1.saturating_sub(p.sent.1) } else { s.unsent.1 };
             s.pending = None;
@@ -234,10 +239,26 @@ pub enum Due {
     Read,
 }
 
+/// This process's writer name (`WRITER_KEY`), taking `nonce` when it has none yet.
+fn writer(store: &impl CasStore, nonce: u64) -> Option<u64> {
+    for _ in 0..MAX_RACES {
+        let read = store.get(WRITER_KEY).ok()?;
+        if let Some(id) = read.value.as_deref().and_then(|v| std::str::from_utf8(v).ok()?.parse().ok()) {
+            return Some(id);
+        }
+        match store.set(WRITER_KEY, nonce.to_string().as_bytes(), cas_after(&read)) {
+            Ok(()) => return Some(nonce),
+            Err(StoreError::CasMismatch) => continue,
+            Err(_) => return None,
+        }
+    }
+    None
+}
+
 /// What `tenant`'s record is due in a round, if anything; a write is tagged `write` (a
-/// random number, unique to it) and recorded as out, so that no other is sent until it is
-/// answered or its deadline passes (then the key is read first, to learn whether it
-/// landed).
+/// random number, unique to it), names this process as its writer, and is recorded as
+/// out, so that no other is sent until it is answered or its deadline passes (then the key
+/// is read first, to learn whether it landed).
 pub fn due(store: &impl CasStore, config: &Config, tenant: &str, now_ms: u64, write: u64) -> Option<Due> {
     let raw = store.get(&budget::key(tenant)).ok()?.value?;
     let s = Spend::decode(&raw)?.at(now_ms);
@@ -247,6 +268,7 @@ pub fn due(store: &impl CasStore, config: &Config, tenant: &str, now_ms: u64, wr
         (Mark::Read { .. }, None) if s.unsent != (0, 0) => {
             let until_ms =
                 now_ms.saturating_add(config.budget_store.timeout_ms.saturating_mul(2)).saturating_add(1_000);
+            let writer = writer(store, write)?;
             // Recorded as out first, from the record as it is when written: a round of
             // another worker sends nothing beside it.
             let mut flush = None;
@@ -260,7 +282,7 @@ pub fn due(store: &impl CasStore, config: &Config, tenant: &str, now_ms: u64, wr
                 flush = Some(Flush {
                     tenant: tenant.to_owned(),
                     revision,
-                    value: r.stored.plus(r.day, r.month, r.unsent, write),
+                    value: r.stored.plus(r.day, r.month, r.unsent, (writer, write)),
                     sent: r.unsent,
                     day: r.day,
                     month: r.month,
@@ -294,25 +316,27 @@ pub fn not_sent(store: &impl CasStore, flush: &Flush, now_ms: u64) {
 /// refused (the key changed), the record learns what the store holds now, others' spend
 /// included, and writes again next round.
 pub fn flushed(store: &impl CasStore, flush: &Flush, answer: Option<Result<u64, Found>>, now_ms: u64) {
-    // A refusal that finds the key holding this very write (its tag included) says it
-    // landed and its answer was lost. Another worker's round may have sent the same sums
-    // under another tag: that one is not this write, and counts once.
-    let answer = match answer {
-        Some(Err(now)) if now.stored == Some(flush.value) => Ok(now.revision),
-        Some(answer) => answer,
-        None => return,
+    let Some(answer) = answer else { return };
+    // A refusal that finds the key holding this write's tag (as the last write, or as its
+    // writer's last under others' since) says it landed and its answer was lost. Another
+    // worker's round may have sent the same sums under another tag: that one is not this
+    // write, and counts once.
+    let tag = flush.value.write;
+    let (landed, now) = match answer {
+        Ok(revision) => (true, Found { stored: Some(flush.value.clone()), revision }),
+        Err(now) => (tag.is_some_and(|t| now.stored.as_ref().is_some_and(|v| v.holds(t))), now),
     };
     let _ = budget::update(store, &flush.tenant, now_ms, |s| {
         // Answered: the write is no longer out, whatever the answer.
-        let answered = s.pending.is_some_and(|p| Some(p.tag) == flush.value.write);
+        let answered = s.pending.is_some_and(|p| Some(p.tag) == tag);
         if answered {
             s.pending = None;
         }
         let Mark::Read { revision: known } = s.mark else { return answered };
-        match answer {
+        match landed {
             // Written: what was sent is no longer unsent, and the store holds the value
             // written (or, learned since by a read, a later one that includes it).
-            Ok(revision) if known == flush.revision || known >= revision => {
+            true if known == flush.revision || known >= now.revision => {
                 // What was sent is taken out once: here, unless a read since learned, by
                 // the write's tag, that it landed (and took it out then).
                 let same_day = answered && s.day == flush.day;
@@ -320,7 +344,7 @@ pub fn flushed(store: &impl CasStore, flush: &Flush, answer: Option<Result<u64, 
                 s.unsent.0 = if same_day { s.unsent.0.saturating_sub(flush.sent.0) } else { s.unsent.0 };
                 s.unsent.1 = if same_month { s.unsent.1.saturating_sub(flush.sent.1) } else { s.unsent.1 };
                 if known == flush.revision {
-                    learn(s, Found { stored: Some(flush.value), revision }, now_ms);
+                    learn(s, now.clone(), now_ms);
                 } else {
                     s.recharge();
                 }
@@ -329,8 +353,8 @@ pub fn flushed(store: &impl CasStore, flush: &Flush, answer: Option<Result<u64, 
                 s.forget_lapsed();
                 true
             }
-            Err(now) if known == flush.revision => {
-                learn(s, now, now_ms);
+            false if known == flush.revision => {
+                learn(s, now.clone(), now_ms);
                 true
             }
             _ => answered,
@@ -379,7 +403,7 @@ mod tests {
             (r.path, base64::decode(v["key"].as_str().unwrap()).unwrap()),
             ("/v3/kv/range", b"edge/prod/budget/t".to_vec())
         );
-        let t = txn(&c, "t", 7, &Stored { day: 1, day_micro: 2, month: 3, month_micro: 4, write: None });
+        let t = txn(&c, "t", 7, &Stored { day: 1, day_micro: 2, month: 3, month_micro: 4, ..Stored::default() });
         let v: Value = serde_json::from_slice(&t.body).unwrap();
         assert_eq!(v["compare"][0]["mod_revision"], "7");
         let value = base64::decode(v["success"][0]["request_put"]["value"].as_str().unwrap()).unwrap();
@@ -391,7 +415,7 @@ mod tests {
             base64::encode(br#"{"day":1,"day_micro":5,"month":2,"month_micro":6}"#)
         );
         let found = read_range(200, kv.as_bytes()).unwrap();
-        assert_eq!((found.revision, found.stored.map(|s| s.day_micro)), (8, Some(5)));
+        assert_eq!((found.revision, found.stored.as_ref().map(|s| s.day_micro)), (8, Some(5)));
         assert_eq!(read_range(503, kv.as_bytes()), None);
         assert_eq!(read_range(200, b"<html>"), None);
         assert_eq!(read_txn(200, br#"{"header":{"revision":"12"},"succeeded":true}"#), Some(Ok(12)));
@@ -408,8 +432,8 @@ mod tests {
         assert_eq!(take_wanted(&s), ["t"], "asked for once");
         assert!(take_wanted(&s).is_empty());
         // The store holds 800 of today's 1000 (spent before a restart).
-        let held = Stored { day: DEC_1 / 86_400_000, day_micro: 800, month: 0, month_micro: 0, write: None };
-        assert!(read(&s, "t", Some(Found { stored: Some(held), revision: 4 }), DEC_1));
+        let held = Stored { day: DEC_1 / 86_400_000, day_micro: 800, month: 0, month_micro: 0, ..Stored::default() };
+        assert!(read(&s, "t", Some(Found { stored: Some(held.clone()), revision: 4 }), DEC_1));
         assert_eq!(spent(&s, "t", DEC_1).0, 800);
         let over = reserve(&s, "t", caps(), (1, 300, DEC_1 + 9_000), DEC_1);
         assert!(matches!(over, Err(Refused::Exhausted(_))), "800 + 300 > 1000: {over:?}");
@@ -425,7 +449,7 @@ mod tests {
         let next = write_due(&s, DEC_1 + 5).unwrap();
         assert_eq!((next.revision, next.value.day_micro), (5, 850));
         // Another node wrote meanwhile: the write is refused and the record learns its spend.
-        let elsewhere = Stored { day_micro: 900, ..held };
+        let elsewhere = Stored { day_micro: 900, ..held.clone() };
         flushed(&s, &next, Some(Err(Found { stored: Some(elsewhere), revision: 6 })), DEC_1 + 6);
         assert_eq!(spent(&s, "t", DEC_1 + 6).0, 910, "900 in the store and 10 not yet written");
         assert_eq!(write_due(&s, DEC_1 + 7).map(|f| (f.revision, f.value.day_micro)), Some((6, 910)));
@@ -471,10 +495,10 @@ mod tests {
         // have 400 in flight or unwritten, so together they never pass the budget.
         let two = (caps().0, Backing { replicas: 2, ..BACKED });
         let today = DEC_1 / 86_400_000;
-        let stored = Stored { day: today, day_micro: 200, month: 0, month_micro: 0, write: None };
+        let stored = Stored { day: today, day_micro: 200, month: 0, month_micro: 0, ..Stored::default() };
         let (a, b) = (MemStore::new(), MemStore::new());
         for s in [&a, &b] {
-            read(s, "t", Some(Found { stored: Some(stored), revision: 4 }), DEC_1);
+            read(s, "t", Some(Found { stored: Some(stored.clone()), revision: 4 }), DEC_1);
             reserve(s, "t", two, (1, 300, DEC_1 + 9_000), DEC_1).expect("300 of its 400");
             assert_eq!(reserve(s, "t", two, (2, 200, DEC_1 + 9_000), DEC_1), Err(Refused::Held), "300 + 200 > 400");
         }
@@ -483,7 +507,7 @@ mod tests {
         assert_eq!(reserve(&a, "t", caps(), (2, 200, DEC_1 + 9_000), DEC_1), Ok(Hold::at(200, DEC_1)));
         // A call past a replica's whole share is refused for the day, not held.
         let c = MemStore::new();
-        read(&c, "t", Some(Found { stored: Some(stored), revision: 4 }), DEC_1);
+        read(&c, "t", Some(Found { stored: Some(stored.clone()), revision: 4 }), DEC_1);
         let Err(Refused::Exhausted(x)) = reserve(&c, "t", two, (1, 401, DEC_1 + 9_000), DEC_1) else {
             panic!("past the share")
         };
@@ -497,28 +521,85 @@ mod tests {
         settle(&b, "t", caps().0, 1, 100, DEC_1 + 1);
         let flush = write_due(&b, DEC_1 + 2).unwrap();
         flushed(&b, &flush, Some(Ok(5)), DEC_1 + 3);
-        read(&a, "t", Some(Found { stored: Some(flush.value), revision: 5 }), DEC_1 + 4);
+        read(&a, "t", Some(Found { stored: Some(flush.value.clone()), revision: 5 }), DEC_1 + 4);
         settle(&a, "t", caps().0, 2, 0, DEC_1 + 4);
         assert_eq!(reserve(&a, "t", two, (3, 100, DEC_1 + 9_000), DEC_1 + 5), Err(Refused::Held));
         assert!(reserve(&a, "t", two, (3, 50, DEC_1 + 9_000), DEC_1 + 5).is_ok(), "300 + 50 <= 350");
+    }
+
+    /// etcd's key in a test: a revision and a value, written by compare-and-swap.
+    struct Key(u64, Stored);
+
+    impl Key {
+        fn txn(&mut self, f: &Flush) -> Result<u64, Found> {
+            if f.revision != self.0 {
+                return Err(Found { stored: Some(self.1.clone()), revision: self.0 });
+            }
+            (self.0, self.1) = (self.0 + 1, f.value.clone());
+            Ok(self.0)
+        }
+
+        fn found(&self) -> Option<Found> {
+            Some(Found { stored: Some(self.1.clone()), revision: self.0 })
+        }
+    }
+
+    #[test]
+    fn a_write_whose_answer_was_lost_counts_once_after_another_node_wrote_over_it() {
+        let today = DEC_1 / 86_400_000;
+        let mut etcd = Key(4, Stored { day: today, day_micro: 100, ..Stored::default() });
+        let (a, b) = (MemStore::new(), MemStore::new());
+        for node in [&a, &b] {
+            read(node, "t", etcd.found(), DEC_1);
+        }
+        // Node a's write lands, and its answer is lost on the way back.
+        settle(&a, "t", caps().0, 1, 20, DEC_1);
+        let Some(Due::Write(lost)) = due(&a, &config(), "t", DEC_1, 11) else { panic!("a write is due") };
+        assert_eq!(etcd.txn(&lost), Ok(5));
+        // Node b's write is refused, learns a's, and lands over it.
+        settle(&b, "t", caps().0, 2, 30, DEC_1);
+        let Some(Due::Write(first)) = due(&b, &config(), "t", DEC_1, 22) else { panic!("a write is due") };
+        flushed(&b, &first, Some(etcd.txn(&first)), DEC_1 + 1);
+        let Some(Due::Write(again)) = due(&b, &config(), "t", DEC_1 + 1, 23) else { panic!("a write is due") };
+        flushed(&b, &again, Some(etcd.txn(&again)), DEC_1 + 2);
+        assert_eq!((etcd.0, etcd.1.day_micro), (6, 150));
+        // Past its deadline, node a reads the key: its tag is there under b's, so the 20 is
+        // in the store and is not written again.
+        let late = DEC_1 + 10_000;
+        assert_eq!(due(&a, &config(), "t", late, 12), Some(Due::Read));
+        read(&a, "t", etcd.found(), late);
+        assert_eq!((spent(&a, "t", late).0, spent(&b, "t", late).0), (150, 150));
+        assert_eq!(due(&a, &config(), "t", late, 13), None, "nothing left to write");
+        // And so when a's answer comes after all: a refusal that holds its tag.
+        settle(&a, "t", caps().0, 3, 5, late);
+        let Some(Due::Write(next)) = due(&a, &config(), "t", late, 14) else { panic!("a write is due") };
+        etcd.txn(&next).expect("lands");
+        settle(&b, "t", caps().0, 4, 1, late);
+        let Some(Due::Write(other)) = due(&b, &config(), "t", late, 24) else { panic!("a write is due") };
+        flushed(&b, &other, Some(etcd.txn(&other)), late + 1);
+        let Some(Due::Write(b_again)) = due(&b, &config(), "t", late + 1, 25) else { panic!("a write is due") };
+        flushed(&b, &b_again, Some(etcd.txn(&b_again)), late + 2);
+        assert_eq!(etcd.1.day_micro, 156, "150, a's 5 and b's 1");
+        flushed(&a, &next, Some(Err(etcd.found().unwrap())), late + 3);
+        assert_eq!((spent(&a, "t", late + 3).0, due(&a, &config(), "t", late + 3, 15)), (156, None));
     }
 
     #[test]
     fn a_write_counts_once_whatever_order_its_answers_and_reads_come_in() {
         let s = MemStore::new();
         let today = DEC_1 / 86_400_000;
-        let base = Stored { day: today, day_micro: 100, month: 0, month_micro: 0, write: None };
-        read(&s, "t", Some(Found { stored: Some(base), revision: 3 }), DEC_1);
+        let base = Stored { day: today, day_micro: 100, month: 0, month_micro: 0, ..Stored::default() };
+        read(&s, "t", Some(Found { stored: Some(base.clone()), revision: 3 }), DEC_1);
         settle(&s, "t", caps().0, 1, 20, DEC_1);
         let flush = write_due(&s, DEC_1).unwrap();
         // The answer was lost; the key holds what was written: it landed.
-        flushed(&s, &flush, Some(Err(Found { stored: Some(flush.value), revision: 4 })), DEC_1 + 1);
+        flushed(&s, &flush, Some(Err(Found { stored: Some(flush.value.clone()), revision: 4 })), DEC_1 + 1);
         assert_eq!((spent(&s, "t", DEC_1 + 1).0, write_due(&s, DEC_1 + 1)), (120, None), "counted once");
         // A read that learned the write before its answer came knows it by its tag: what was
         // sent is taken out then, and the answer takes nothing out again.
         settle(&s, "t", caps().0, 2, 5, DEC_1 + 2);
         let flush = write_due(&s, DEC_1 + 2).unwrap();
-        read(&s, "t", Some(Found { stored: Some(flush.value), revision: 5 }), DEC_1 + 3);
+        read(&s, "t", Some(Found { stored: Some(flush.value.clone()), revision: 5 }), DEC_1 + 3);
         assert_eq!(spent(&s, "t", DEC_1 + 3).0, 125, "landed, by its tag");
         settle(&s, "t", caps().0, 3, 7, DEC_1 + 3);
         flushed(&s, &flush, Some(Ok(5)), DEC_1 + 4);
@@ -526,10 +607,10 @@ mod tests {
         assert_eq!(write_due(&s, DEC_1 + 4).map(|f| f.value.day_micro), Some(132));
         // Not learned for a while: read again, and what another node spent counts here.
         assert_eq!(due(&s, &config(), "t", DEC_1 + 4 + REFRESH_MS, 1), Some(Due::Read));
-        let elsewhere = Stored { day_micro: 400, ..base };
+        let elsewhere = Stored { day_micro: 400, ..base.clone() };
         read(&s, "t", Some(Found { stored: Some(elsewhere), revision: 9 }), DEC_1 + 5 + REFRESH_MS);
         assert_eq!(spent(&s, "t", DEC_1 + 5 + REFRESH_MS).0, 407, "and the 7 still to write");
-        read(&s, "t", Some(Found { stored: Some(base), revision: 8 }), DEC_1 + 6 + REFRESH_MS);
+        read(&s, "t", Some(Found { stored: Some(base.clone()), revision: 8 }), DEC_1 + 6 + REFRESH_MS);
         assert_eq!(spent(&s, "t", DEC_1 + 6 + REFRESH_MS).0, 407, "an older answer is dropped");
     }
 
@@ -537,8 +618,8 @@ mod tests {
     fn two_rounds_that_send_the_same_sums_count_once_and_lose_nothing_settled_between() {
         let s = MemStore::new();
         let today = DEC_1 / 86_400_000;
-        let base = Stored { day: today, day_micro: 100, month: 0, month_micro: 0, write: None };
-        read(&s, "t", Some(Found { stored: Some(base), revision: 3 }), DEC_1);
+        let base = Stored { day: today, day_micro: 100, month: 0, month_micro: 0, ..Stored::default() };
+        read(&s, "t", Some(Found { stored: Some(base.clone()), revision: 3 }), DEC_1);
         settle(&s, "t", caps().0, 1, 20, DEC_1);
         // etcd is slower than a round: while one write is out, another worker's round sends
         // none beside it.
@@ -546,12 +627,12 @@ mod tests {
         assert_eq!(due(&s, &config(), "t", DEC_1 + 1, 12), None, "one write out at a time");
         // Should the same sums be sent all the same (a record written by an older build),
         // their tags tell them apart.
-        let b = Flush { value: Stored { write: Some(12), ..a.value }, ..a.clone() };
+        let b = Flush { value: Stored { write: Some(12), ..a.value.clone() }, ..a.clone() };
         assert_eq!((a.value.day_micro, b.value.day_micro), (120, 120));
         settle(&s, "t", caps().0, 2, 7, DEC_1 + 1);
         // The first lands; the second is refused and finds the first there.
         flushed(&s, &a, Some(Ok(4)), DEC_1 + 2);
-        flushed(&s, &b, Some(Err(Found { stored: Some(a.value), revision: 4 })), DEC_1 + 3);
+        flushed(&s, &b, Some(Err(Found { stored: Some(a.value.clone()), revision: 4 })), DEC_1 + 3);
         assert_eq!(spent(&s, "t", DEC_1 + 3).0, 127, "the 7 settled between is still here");
         let next = write_due(&s, DEC_1 + 4).unwrap();
         assert_eq!((next.revision, next.value.day_micro), (4, 127), "and written next");
@@ -626,7 +707,7 @@ mod tests {
         let s = MemStore::new();
         let today = DEC_1 / 86_400_000;
         // Another node already writes tomorrow's spend.
-        let ahead = Stored { day: today + 1, day_micro: 50, month: 0, month_micro: 0, write: None };
+        let ahead = Stored { day: today + 1, day_micro: 50, month: 0, month_micro: 0, ..Stored::default() };
         read(&s, "t", Some(Found { stored: Some(ahead), revision: 3 }), DEC_1);
         settle(&s, "t", caps().0, 1, 20, DEC_1);
         let flush = write_due(&s, DEC_1 + 1).unwrap();

@@ -464,17 +464,19 @@ impl HttpContext for Chat {
                 set_response_header(headers::CONTENT_TYPE, Some("application/json"));
                 Response::json(e.status, e.body())
             }
-            None => Response { status, content_type, headers: Vec::new(), body: Vec::new() },
+            None => Response { status, content_type: content_type.clone(), headers: Vec::new(), body: Vec::new() },
         };
         if refusal.as_ref().is_some_and(|e| e.code == upstream::KEY_REFUSED) {
             self.worker.borrow_mut().key_refused(status);
         }
         let other = Response { headers: retry_after.unwrap_or_default(), ..other };
+        let content_type_of_holysheep = content_type;
         let events = (sse && refusal.is_none())
             .then(|| Reassembler::of(label.sent.endpoint, label.include_usage).signing(signer));
         let (attempts, hints) = (host::upstream_attempts(), ProviderHints::from_headers(status, &headers));
         let holysheeps = host::response_via_upstream().then_some(status);
-        let tee = Tee::new(events, other, refusal.is_some(), (holysheeps, attempts), hints);
+        let tee =
+            Tee::new(events, (other, content_type_of_holysheep), refusal.is_some(), (holysheeps, attempts), hints);
         self.state = State::Teeing(Box::new(tee));
         if end_of_stream {
             self.end_stream(true);

@@ -5,6 +5,7 @@
 use super::runs::StreamEnd;
 use crate::core::api::hints::ProviderHints;
 use crate::core::api::response::Response;
+use crate::core::api::usage::Billed;
 use crate::core::stream::Reassembler;
 
 /// Bytes of a streamed call's error answer kept for its waiters.
@@ -22,8 +23,11 @@ pub struct Tee {
     /// The client gets the edge's own error (`other`) in place of HolySheep's body (see
     /// `upstream::refused`) ...
     replace: bool,
-    /// ... which has been written.
+    /// ... which has been written; HolySheep's own body and content type meanwhile (up to
+    /// `limit`), for what it says was billed.
     written: bool,
+    raw: Vec<u8>,
+    content_type: String,
     /// HolySheep's status (`None`: Envoy's own answer, a timeout or a reset: not
     /// HolySheep's), the attempts Envoy's router made, and what HolySheep's answer said of
     /// its limits.
@@ -39,7 +43,7 @@ impl Tee {
     /// else, whose body is `replace`d by `other`'s when the edge refuses it.
     pub fn new(
         events: Option<Reassembler>,
-        other: Response,
+        (other, content_type): (Response, String),
         replace: bool,
         (status, attempts): (Option<u16>, u64),
         hints: ProviderHints,
@@ -51,6 +55,8 @@ impl Tee {
             cut: false,
             replace,
             written: false,
+            raw: Vec::new(),
+            content_type,
             status,
             attempts,
             hints,
@@ -61,12 +67,19 @@ impl Tee {
     /// The tee of a forward node's hop: the owner's answer passes untouched, and a body
     /// that is not events is gathered up to `limit` bytes (the largest answer kept).
     pub fn hop(events: Option<Reassembler>, other: Response, limit: usize) -> Tee {
-        let status = Some(other.status);
-        let tee = Tee::new(events, other, false, (status, 1), ProviderHints::default());
+        let (status, content_type) = (Some(other.status), other.content_type.clone());
+        let tee = Tee::new(events, (other, content_type), false, (status, 1), ProviderHints::default());
         Tee { limit, ..tee }
     }
 
-    pub fn end(self, complete: bool) -> StreamEnd {
+    pub fn end(mut self, complete: bool) -> StreamEnd {
+        // An answer that is not events says what it was billed by its body: HolySheep's own
+        // JSON error nothing, its `usage` that, anything else (cut, or not HolySheep's) its
+        // worst case.
+        if self.events.is_none() && !self.cut {
+            let body = if self.replace { &self.raw } else { &self.other.body };
+            self.hints.billed = Billed::of_answer(self.status.unwrap_or(0), &self.content_type, body);
+        }
         let streamed_tokens = self.events.as_ref().map_or(0, Reassembler::streamed_tokens_estimate);
         let usage = self.events.as_ref().and_then(Reassembler::usage);
         let outcome = match (&self.events, complete) {
@@ -98,13 +111,14 @@ impl Tee {
             }
             return (out != chunk).then_some(out);
         }
+        let kept = if self.replace { &mut self.raw } else { &mut self.other.body };
+        let room = self.limit.saturating_sub(kept.len());
+        self.cut |= chunk.len() > room;
+        kept.extend_from_slice(&chunk[..chunk.len().min(room)]);
         if self.replace {
             let first = !std::mem::replace(&mut self.written, true);
             return Some(if first { self.other.body.clone() } else { Vec::new() });
         }
-        let room = self.limit.saturating_sub(self.other.body.len());
-        self.cut |= chunk.len() > room;
-        self.other.body.extend_from_slice(&chunk[..chunk.len().min(room)]);
         None
     }
 }

@@ -161,7 +161,7 @@ fn streamed(body: &str) -> String {
 }
 
 #[test]
-fn errors_to_streams_and_streams_never_sent_cost_the_tenant_nothing() {
+fn holysheeps_errors_to_streams_and_streams_never_sent_cost_nothing_and_pages_their_worst_case() {
     let models = format!(r#"{{"gpt-4.1":{{"max_in_flight":1,{PRICES}}}}}"#);
     let s = start(&config(&models, r#"{"max_wait_ms":30000}"#, &[("batch", r#""usd_per_day":1"#)]), 0);
     let left = || tenant_stat(&s, "batch", "budget_day_left_microusd");
@@ -171,13 +171,24 @@ fn errors_to_streams_and_streams_never_sent_cost_the_tenant_nothing() {
         assert_eq!(r.status, status, "{}", r.text());
         assert_eq!(left(), 1_000_000, "an error to a stream costs nothing");
     }
+    // A page that is not HolySheep's JSON error (a proxy's 502 on the way) is no proof of
+    // nothing billed: the call is charged its worst case (every body byte a token, and
+    // 4096, at $30).
+    let html = Some("text/html".to_owned());
+    let page = Some("<html><body>502 Bad Gateway</body></html>".to_owned());
+    s.mock.mock.plan(vec![Fault { status: Some(502), body: page, content_type: html, ..Fault::default() }]);
+    let paged = streamed(&prompt("a stream answered with a page"));
+    let r = chat(&s, "batch", &paged);
+    assert_eq!(r.status, 502, "{}", r.text());
+    let paged_worst = (paged.len() as u64 + 4096) * 30;
+    assert_eq!(left(), 1_000_000 - paged_worst, "a page is no proof of nothing billed");
     // A reset before any answer is Envoy's 503, not HolySheep's: the call may have been
-    // billed, and is charged its worst case (every body byte a token, and 4096, at $30).
+    // billed, and is charged its worst case too.
     s.mock.mock.plan(vec![Fault { reset: true, ..Fault::default() }]);
     let reset = streamed(&prompt("a stream whose connection resets"));
     let r = chat(&s, "batch", &reset);
     assert_eq!(r.status, 503, "{}", r.text());
-    let worst = (reset.len() as u64 + 4096) * 30;
+    let worst = paged_worst + (reset.len() as u64 + 4096) * 30;
     assert_eq!(left(), 1_000_000 - worst, "Envoy's own error is no proof of nothing billed");
     // A stream that waits for the only slot, whose client leaves before it gets it.
     s.mock.mock.plan(vec![Fault { hold: true, ..Fault::default() }]);
@@ -185,7 +196,7 @@ fn errors_to_streams_and_streams_never_sent_cost_the_tenant_nothing() {
         let (edge, auth) = (s.envoy.edge, bearer("batch"));
         move || request(edge, "POST", PATH, &[("authorization", &auth)], prompt("held").as_bytes()).expect("answer")
     });
-    s.await_calls(4);
+    s.await_calls(5);
     let mut leaving = Conn::open(s.envoy.edge).expect("connect");
     let body = streamed(&prompt("a stream whose client leaves"));
     leaving.send_only("POST", PATH, &[("authorization", &bearer("batch"))], body.as_bytes()).expect("sent");
@@ -197,7 +208,7 @@ fn errors_to_streams_and_streams_never_sent_cost_the_tenant_nothing() {
     // The stream in line finds its client gone when its turn comes: it never leaves.
     let spent = billed_micro(&held.json()["usage"]);
     poll_until(|| left() == 1_000_000 - worst - spent, "the stream that never left was charged");
-    assert_eq!(s.calls(), 4, "the stream was never sent");
+    assert_eq!(s.calls(), 5, "the stream was never sent");
     assert_eq!(tenant_stat(&s, "batch", "cost_spent_microusd"), spent);
     assert!(s.crashes().is_empty(), "{:?}", s.crashes());
 }

@@ -231,7 +231,8 @@ impl Flight {
     /// and takes a request from the bucket; the bucket is settled from the stream's usage,
     /// or from `end.cut_off_tokens` (an estimate of what was streamed) when the stream never
     /// reported one, and adapts to what HolySheep's last answer said (`hints`). A stream
-    /// HolySheep answered with an error, or one that never left, costs its tenant nothing.
+    /// HolySheep answered with its own JSON error (`hints.billed`), or one that never left,
+    /// costs its tenant nothing.
     pub fn on_stream_end(
         &mut self,
         store: &impl CasStore,
@@ -252,14 +253,19 @@ impl Flight {
         for _ in 0..retries {
             self.standing.bill(config, self.idx, Billed::Unknown);
         }
-        // A 4xx, or a stream that never left, used no tokens; a 5xx keeps its estimate in
-        // the bucket, as a call's does; an answer that is not HolySheep's (Envoy's own 504
-        // or 503, `status: None`) may have been billed.
+        // A stream that never left used nothing. HolySheep's answer that is not a stream
+        // says by its body (`hints.billed`) what it was billed: its own JSON error nothing (a
+        // 4xx used no tokens, a 5xx keeps its estimate in the bucket, as a call's does),
+        // its `usage` that; anything else, and an answer that is not HolySheep's (Envoy's
+        // own 504 or 503, `status: None`), may have been billed its worst case.
         let (billed, actual) = match (end.usage, end.attempts, end.status) {
             (Some(u), _, _) => (Billed::Known(u), Some(u.total())),
             (None, 0, _) => (Billed::Nothing, Some(0)),
-            (None, _, Some(s)) if (400..500).contains(&s) => (Billed::Nothing, Some(0)),
-            (None, _, Some(s)) if s != 200 => (Billed::Nothing, None),
+            (None, _, Some(s)) if s != 200 => match hints.billed {
+                Billed::Nothing => (Billed::Nothing, (400..500).contains(&s).then_some(0)),
+                Billed::Known(u) => (Billed::Known(u), Some(u.total())),
+                Billed::Unknown => (Billed::Unknown, Some(end.cut_off_tokens)),
+            },
             (None, _, _) => (Billed::Unknown, Some(end.cut_off_tokens)),
         };
         self.standing.bill(config, self.idx, billed);
@@ -598,6 +604,34 @@ mod tests {
         // Envoy's router tried three times; the third answered, with its usage.
         f.on_stream_end(&s, &c, &streamed(Some((7, 5)), 0, 3), &ProviderHints::default(), 10);
         assert_eq!(crate::core::limits::budget::spent(&s, "t", 11).0, 2 * 3000 + 220);
+    }
+
+    #[test]
+    fn a_stream_answered_with_anything_but_holysheeps_json_error_is_charged() {
+        // Worst case 3000 micro-dollars a call; HolySheep answered each stream once.
+        let (s, c) = (MemStore::new(), tenant_config(r#","usd_per_day":1"#, ""));
+        let spent = |now| crate::core::limits::budget::spent(&s, "t", now).0;
+        let mut end = |status: u16, content_type: &str, body: &str, now: u64| {
+            let mut f = tenant_flight(&c);
+            send(f.resume(&s, &c, now, now + 1));
+            let hints = ProviderHints {
+                billed: Billed::of_answer(status, content_type, body.as_bytes()),
+                ..ProviderHints::default()
+            };
+            f.on_stream_end(&s, &c, &StreamOutcome { status: Some(status), ..streamed(None, 0, 1) }, &hints, now);
+        };
+        end(429, "application/json", r#"{"error":{"message":"slow down","type":"requests","code":null}}"#, 10);
+        end(500, "application/json", r#"{"error":{"message":"oops","type":"server_error"}}"#, 20);
+        assert_eq!(spent(21), 0, "HolySheep's own JSON errors are free");
+        end(502, "text/html", "<html>Bad gateway</html>", 30);
+        assert_eq!(spent(31), 3000, "a page that is not HolySheep's error may have been billed");
+        end(
+            500,
+            "application/json",
+            r#"{"error":{"message":"late"},"usage":{"prompt_tokens":7,"completion_tokens":5}}"#,
+            40,
+        );
+        assert_eq!(spent(41), 3000 + 220, "an error that carries usage is charged it");
     }
 
     #[test]

@@ -338,7 +338,7 @@ pub fn decide<S: CasStore>(
         (_, Some(Plan::Call(_, Some(fewer)))) => fewer.clone(),
         _ => match &unsigned {
             // HolySheep gets its own id back, without the tenant's signature.
-            Some((signed, id)) => objects::unsign_in(body, signed, id),
+            Some(id) => objects::unsign_in(body, id),
             None => body.to_vec(),
         },
     };
@@ -369,11 +369,11 @@ pub fn decide<S: CasStore>(
 }
 
 /// A verified tenant's call may name only stored objects its own calls made: a
-/// `previous_response_id` signed for it (returned with HolySheep's own id, to send in its
+/// `previous_response_id` signed for it (HolySheep's own id is returned, to send in its
 /// place), and no conversation, stored item or file by id, whose owner the edge cannot
 /// tell. Anything else is a 404, as for an object that does not exist, before any call.
 /// Checked on the owner node (a forward node passes the request on as it came).
-fn tenants_objects(config: &Config, request: &ApiRequest) -> Result<Option<(String, String)>, ApiError> {
+fn tenants_objects(config: &Config, request: &ApiRequest) -> Result<Option<String>, ApiError> {
     if request.tenant.is_none() || config.role != Role::Owner {
         return Ok(None);
     }
@@ -389,7 +389,7 @@ fn tenants_objects(config: &Config, request: &ApiRequest) -> Result<Option<(Stri
     let (Some(tenant), Some(signed)) = (&request.tenant, &request.previous_response_id) else { return Ok(None) };
     let id = config.object_key.as_ref().and_then(|k| k.verify(tenant, signed));
     match id {
-        Some(id) => Ok(Some((signed.clone(), id.to_owned()))),
+        Some(id) => Ok(Some(id.to_owned())),
         None => Err(objects::not_found("previous_response_id", signed)),
     }
 }

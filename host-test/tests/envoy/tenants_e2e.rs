@@ -331,6 +331,12 @@ fn a_tenant_continues_its_own_stored_responses_and_no_other_tenants() {
     assert_eq!(r.json()["previous_response_id"], id.as_str());
     let next = r.json()["id"].as_str().expect("an id").to_owned();
     assert!(next.contains("_hs") && next != id);
+    // Its id written with JSON escapes is the same id: HolySheep gets its own back.
+    let escaped = next.replacen('_', "\\u005f", 1);
+    let r = ask(BATCH, &go_on(&escaped));
+    assert_eq!(r.status, 200, "{}", r.text());
+    let sent: serde_json::Value = serde_json::from_slice(&s.mock.mock.last_body()).expect("json");
+    assert_eq!(sent["previous_response_id"], next.rsplit_once("_hs").expect("signed").0, "HolySheep's own id");
     // Streamed: every event that names the response names it signed, and it continues too.
     let streamed = r#"{"model":"gpt-4.1","input":"remember the number 8","stream":true}"#;
     let r = ask(BATCH, streamed);

@@ -95,9 +95,22 @@ impl Signer {
     }
 }
 
-/// A request body with the tenant's `signed` id (quoted) back to HolySheep's `id`.
-pub fn unsign_in(body: &[u8], signed: &str, id: &str) -> Vec<u8> {
-    replace(body, format!("\"{signed}\"").as_bytes(), format!("\"{id}\"").as_bytes())
+/// A request body whose top-level `previous_response_id` is HolySheep's `id` in place of
+/// the tenant's signed one: that one value is replaced, however the client wrote it (JSON
+/// escapes included), and every other byte is the client's (the same id quoted in the
+/// input stays as the tenant wrote it).
+pub fn unsign_in(body: &[u8], id: &str) -> Vec<u8> {
+    let Ok(text) = std::str::from_utf8(body) else { return body.to_vec() };
+    let fields = serde_json::from_str::<std::collections::BTreeMap<String, &serde_json::value::RawValue>>(text);
+    let Some(raw) = fields.ok().and_then(|f| f.get("previous_response_id").copied()) else { return body.to_vec() };
+    // The value's place in `text`: a borrowed raw value is a slice of it.
+    let start = (raw.get().as_ptr() as usize).wrapping_sub(text.as_ptr() as usize);
+    let Some(end) = start.checked_add(raw.get().len()).filter(|end| *end <= body.len()) else { return body.to_vec() };
+    let mut out = Vec::with_capacity(body.len());
+    out.extend_from_slice(&body[..start]);
+    out.extend_from_slice(serde_json::Value::from(id).to_string().as_bytes());
+    out.extend_from_slice(&body[end..]);
+    out
 }
 
 /// `haystack` with every `from` replaced by `to`.
@@ -142,6 +155,25 @@ mod tests {
         let other = ObjectKey::of_operator_key("sk-another");
         assert_eq!(other.verify("alpha", &signed), None, "another operator key");
         assert_eq!(format!("{key:?}"), "ObjectKey(..)");
+    }
+
+    #[test]
+    fn only_the_previous_response_id_goes_back_to_holysheeps_id_however_it_was_written() {
+        let signed = ObjectKey::of_operator_key("k").sign("alpha", "resp_1");
+        let go_on = format!(r#"{{"input":"as in \"{signed}\"","previous_response_id" : "{signed}"}}"#);
+        assert_eq!(
+            String::from_utf8(unsign_in(go_on.as_bytes(), "resp_1")).unwrap(),
+            format!(r#"{{"input":"as in \"{signed}\"","previous_response_id" : "resp_1"}}"#),
+            "the id in the input is the tenant's text"
+        );
+        // Written with JSON escapes (in the key and the value), it is still the field.
+        let escaped = signed.replacen('_', "\\u005f", 1);
+        let go_on = format!(r#"{{"previous\u005fresponse_id":"{escaped}","input":"x"}}"#);
+        let v: serde_json::Value = serde_json::from_str(&go_on).unwrap();
+        assert_eq!(v["previous_response_id"], signed.as_str(), "the client's escapes name the signed id");
+        let sent = String::from_utf8(unsign_in(go_on.as_bytes(), "resp_1")).unwrap();
+        assert_eq!(sent, r#"{"previous\u005fresponse_id":"resp_1","input":"x"}"#);
+        assert_eq!(unsign_in(b"not json", "resp_1"), b"not json");
     }
 
     #[test]

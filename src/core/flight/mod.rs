@@ -611,7 +611,7 @@ mod tests {
         // Worst case 3000 micro-dollars a call; HolySheep answered each stream once.
         let (s, c) = (MemStore::new(), tenant_config(r#","usd_per_day":1"#, ""));
         let spent = |now| crate::core::limits::budget::spent(&s, "t", now).0;
-        let mut end = |status: u16, content_type: &str, body: &str, now: u64| {
+        let end = |status: u16, content_type: &str, body: &str, now: u64| {
             let mut f = tenant_flight(&c);
             send(f.resume(&s, &c, now, now + 1));
             let hints = ProviderHints {

@@ -85,6 +85,9 @@ impl Backing {
     }
 }
 
+/// What marks a writer's last write among a record's entries (`Spend::decode`).
+const WRITES_MARK: &str = "~w";
+
 /// How many writers' last writes a stored record names (`Stored::writes`): a write whose
 /// answer was lost is known to have landed unless this many other writers wrote since.
 pub const MAX_WRITERS: usize = 64;
@@ -203,14 +206,15 @@ pub(super) struct Pending {
 
 impl Spend {
     /// `day day_micro month month_micro`, then after `|` entries `id:micro:day:month:until`
-    /// separated by `,`, then after `|` (a record kept with a spend store) the mark, its
-    /// number, the store's four numbers, the two unsent amounts, when it was learned and the
-    /// write out, then after `|` the store's writers' last writes `writer:tag`, by `,`.
+    /// separated by `,` (lapsed ones marked `~`, paid ones `^`, and the store's writers'
+    /// last writes `~w<writer>:<tag>`), then after `|` (a record kept with a spend store)
+    /// the mark, its number, the store's four numbers, the two unsent amounts, when it was
+    /// learned and the write out. A release reads the records of the one before it, and
+    /// the one before reads this one's (a rollback keeps the spend).
     pub(super) fn decode(raw: &[u8]) -> Option<Spend> {
         let text = std::str::from_utf8(raw).ok()?;
-        let mut sections = text.splitn(4, '|');
+        let mut sections = text.splitn(3, '|');
         let (totals, held, backed) = (sections.next()?, sections.next().unwrap_or(""), sections.next());
-        let writes = sections.next().unwrap_or("");
         let mut n = totals.split(' ').map(|f| f.parse::<u64>().ok());
         let (day, day_micro, month, month_micro) = (n.next()??, n.next()??, n.next()??, n.next()??);
         if n.next().is_some() {
@@ -218,6 +222,15 @@ impl Spend {
         }
         let entries = held.split(',').filter(|e| !e.is_empty());
         let (marked, held): (Vec<&str>, Vec<&str>) = entries.partition(|e| e.starts_with(['~', '^']));
+        // The store's writers, `~w<writer>:<tag>`: marked, so a release that does not know
+        // them reads past them (an entry it cannot read is dropped, never the record).
+        let writes: Vec<(u64, u64)> = marked
+            .iter()
+            .filter_map(|e| {
+                let (writer, tag) = e.strip_prefix(WRITES_MARK)?.split_once(':')?;
+                Some((writer.parse().ok()?, tag.parse().ok()?))
+            })
+            .collect();
         let held = held.into_iter().map(Entry::decode).collect::<Option<Vec<_>>>()?;
         // A lapsed entry only lowers a late settlement: one that cannot be read is dropped
         // (its worst case stays charged), never the record.
@@ -251,11 +264,6 @@ impl Spend {
                 2 => Mark::Unreachable { until_ms: number },
                 _ => return None,
             };
-            let writes = writes.split(',').filter(|w| !w.is_empty()).map(|w| {
-                let (writer, tag) = w.split_once(':')?;
-                Some((writer.parse().ok()?, tag.parse().ok()?))
-            });
-            let writes = writes.collect::<Option<Vec<(u64, u64)>>>()?;
             spend.stored = Stored { day: sd, day_micro: sdm, month: sm, month_micro: smm, write: None, writes };
             spend.unsent = (ud, um);
         }
@@ -275,9 +283,9 @@ impl Spend {
         let pending = self.pending.map_or(String::new(), |p| {
             format!(" {} {} {} {} {} {}", p.tag, p.sent.0, p.sent.1, p.day, p.month, p.until_ms)
         });
-        let writes: Vec<String> = s.writes.iter().map(|(w, t)| format!("{w}:{t}")).collect();
+        held.extend(s.writes.iter().map(|(w, t)| format!("{WRITES_MARK}{w}:{t}")));
         format!(
-            "{} {} {} {}|{}|{mark} {number} {} {} {} {} {} {} {}{pending}|{}",
+            "{} {} {} {}|{}|{mark} {number} {} {} {} {} {} {} {}{pending}",
             self.day,
             self.day_micro,
             self.month,
@@ -289,8 +297,7 @@ impl Spend {
             s.month_micro,
             self.unsent.0,
             self.unsent.1,
-            self.learned_ms,
-            writes.join(",")
+            self.learned_ms
         )
         .into_bytes()
     }
@@ -730,6 +737,52 @@ mod tests {
             reserve(&s, "t", (open, Backing::MEMORY), (id, 1, DEC_1 + DAY_MS), DEC_1 + 80).unwrap();
         }
         assert_eq!(listed(&s), MAX_IN_FLIGHT, "bounded");
+    }
+
+    /// What the previous release's reader requires of a record to read it at all: four
+    /// totals, every unmarked entry five numbers, and the store's section nine numbers, or
+    /// fifteen with a write out.
+    fn previous_release_reads(raw: &[u8]) -> bool {
+        let numbers = |s: &str, sep: char| s.split(sep).map(str::parse::<u64>).collect::<Result<Vec<_>, _>>();
+        let text = std::str::from_utf8(raw).unwrap();
+        let mut sections = text.splitn(3, '|');
+        let (totals, held, backed) = (sections.next().unwrap(), sections.next().unwrap(), sections.next());
+        let unmarked = held.split(',').filter(|e| !e.is_empty() && !e.starts_with(['~', '^']));
+        numbers(totals, ' ').is_ok_and(|t| t.len() == 4)
+            && unmarked.into_iter().all(|e| numbers(e, ':').is_ok_and(|n| n.len() == 5))
+            && backed.is_none_or(|b| numbers(b, ' ').is_ok_and(|n| n.len() == 9 || n.len() == 15))
+    }
+
+    #[test]
+    fn the_previous_release_reads_this_ones_records_so_a_rollback_keeps_the_spend() {
+        let (day, month) = periods(DEC_1);
+        let entry = |id| Entry { id, micro: 10, day, month, until_ms: DEC_1 + 1 };
+        let spend = Spend {
+            day,
+            day_micro: 70,
+            month,
+            month_micro: 80,
+            held: vec![entry(1)],
+            lapsed: vec![entry(2)],
+            paid: vec![entry(3)],
+            mark: Mark::Read { revision: 7 },
+            stored: Stored {
+                day,
+                day_micro: 40,
+                month,
+                month_micro: 50,
+                write: None,
+                writes: vec![(11, 12), (13, 14)],
+            },
+            unsent: (20, 20),
+            learned_ms: DEC_1,
+            pending: Some(Pending { tag: 12, sent: (5, 5), day, month, until_ms: DEC_1 + 9 }),
+        };
+        let raw = spend.encode();
+        assert!(previous_release_reads(&raw), "{}", String::from_utf8_lossy(&raw));
+        assert_eq!(Spend::decode(&raw), Some(spend.clone()), "and this release reads it whole");
+        let idle = Spend { pending: None, ..spend };
+        assert!(previous_release_reads(&idle.encode()));
     }
 
     #[test]

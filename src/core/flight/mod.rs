@@ -261,7 +261,8 @@ impl Flight {
         let (billed, actual) = match (end.usage, end.attempts, end.status) {
             (Some(u), _, _) => (Billed::Known(u), Some(u.total())),
             (None, 0, _) => (Billed::Nothing, Some(0)),
-            (None, _, Some(s)) if s != 200 => match hints.billed {
+            // (a 200 the edge refused to pass on as not a stream says it too)
+            (None, _, Some(s)) if s != 200 || hints.billed != Billed::Unknown => match hints.billed {
                 Billed::Nothing => (Billed::Nothing, (400..500).contains(&s).then_some(0)),
                 Billed::Known(u) => (Billed::Known(u), Some(u.total())),
                 Billed::Unknown => (Billed::Unknown, Some(end.cut_off_tokens)),
@@ -632,6 +633,10 @@ mod tests {
             40,
         );
         assert_eq!(spent(41), 3000 + 220, "an error that carries usage is charged it");
+        // A 200 that is not a stream (refused: the client gets the edge's 502) with usage.
+        let refused = r#"{"object":"chat.completion","usage":{"prompt_tokens":7,"completion_tokens":5}}"#;
+        end(200, "application/json", refused, 50);
+        assert_eq!(spent(51), 3000 + 2 * 220, "a refused 200 is charged its usage");
     }
 
     #[test]

@@ -191,7 +191,25 @@ pub(super) struct Spend {
     /// A write sent and not yet known to have landed or not: no other is sent meanwhile
     /// (a second would add the same spend again), until its deadline.
     pub(super) pending: Option<Pending>,
+    /// Writes given up that may still land (their answer lost, the key as they found it):
+    /// what they sent is counted as unsent until a later revision of the key says whether
+    /// it holds them. At most `MAX_UNSURE`.
+    pub(super) unsure: Vec<Unsure>,
 }
+
+/// A write given up while the key still stood at the revision it was sent against
+/// (`base`): it may land yet, and the key's next revision says whether it did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct Unsure {
+    pub(super) write: Pending,
+    pub(super) base: u64,
+}
+
+/// The most writes a record keeps as unsure; beyond it the oldest is taken as not landed
+/// (its spend is written again: counted twice, never lost).
+pub const MAX_UNSURE: usize = 4;
+/// What marks an unsure write among a record's entries.
+const UNSURE_MARK: &str = "~u";
 
 /// A write out to the store: its tag, what it adds, in which periods, and until when it
 /// may still be answered.
@@ -231,6 +249,17 @@ impl Spend {
                 Some((writer.parse().ok()?, tag.parse().ok()?))
             })
             .collect();
+        // Unsure writes, `~u<tag>:<day sent>:<month sent>:<day>:<month>:<base>`, the same way.
+        let unsure: Vec<Unsure> = marked
+            .iter()
+            .filter_map(|e| {
+                let mut f = e.strip_prefix(UNSURE_MARK)?.split(':').map(|n| n.parse::<u64>().ok());
+                let (tag, d, m, day, month, base) =
+                    (f.next()??, f.next()??, f.next()??, f.next()??, f.next()??, f.next()??);
+                let write = Pending { tag, sent: (d, m), day, month, until_ms: 0 };
+                f.next().is_none().then_some(Unsure { write, base })
+            })
+            .collect();
         let held = held.into_iter().map(Entry::decode).collect::<Option<Vec<_>>>()?;
         // A lapsed entry only lowers a late settlement: one that cannot be read is dropped
         // (its worst case stays charged), never the record.
@@ -246,7 +275,7 @@ impl Spend {
             (spend.lapsed, spend.paid) = (lapsed, paid);
             return Some(spend);
         };
-        (spend.lapsed, spend.paid) = (lapsed, paid);
+        (spend.lapsed, spend.paid, spend.unsure) = (lapsed, paid, unsure);
         {
             let f: Vec<u64> = backed.split(' ').map(str::parse).collect::<Result<_, _>>().ok()?;
             let (f, pending) = match f[..] {
@@ -284,6 +313,10 @@ impl Spend {
             format!(" {} {} {} {} {} {}", p.tag, p.sent.0, p.sent.1, p.day, p.month, p.until_ms)
         });
         held.extend(s.writes.iter().map(|(w, t)| format!("{WRITES_MARK}{w}:{t}")));
+        held.extend(self.unsure.iter().map(|u| {
+            let w = u.write;
+            format!("{UNSURE_MARK}{}:{}:{}:{}:{}:{}", w.tag, w.sent.0, w.sent.1, w.day, w.month, u.base)
+        }));
         format!(
             "{} {} {} {}|{}|{mark} {number} {} {} {} {} {} {} {}{pending}",
             self.day,
@@ -322,6 +355,32 @@ impl Spend {
         }
         self.held = held;
         self
+    }
+
+    /// What `write` sent is in the store: no longer unsent (in the periods it was sent for).
+    pub(super) fn landed(&mut self, write: &Pending) {
+        self.unsent.0 = if self.day == write.day { self.unsent.0.saturating_sub(write.sent.0) } else { self.unsent.0 };
+        self.unsent.1 =
+            if self.month == write.month { self.unsent.1.saturating_sub(write.sent.1) } else { self.unsent.1 };
+    }
+
+    /// `write` is given up while the key stood at `base`: it may land yet.
+    pub(super) fn unsure_of(&mut self, write: Pending, base: u64) {
+        if self.unsure.len() >= MAX_UNSURE {
+            self.unsure.remove(0);
+        }
+        self.unsure.push(Unsure { write, base });
+    }
+
+    /// The key at `revision` holds (or not) each unsure write sent against an earlier one:
+    /// those it holds landed, the others never will.
+    pub(super) fn settle_unsure(&mut self, found: Option<&Stored>, revision: u64) {
+        let (decided, open): (Vec<Unsure>, Vec<Unsure>) =
+            std::mem::take(&mut self.unsure).into_iter().partition(|u| revision > u.base);
+        self.unsure = open;
+        for u in decided.iter().filter(|u| found.is_some_and(|v| v.holds(u.write.tag))) {
+            self.landed(&u.write);
+        }
     }
 
     /// The lapsed reservations' worst cases were written to the store: they stay.
@@ -777,6 +836,7 @@ mod tests {
             unsent: (20, 20),
             learned_ms: DEC_1,
             pending: Some(Pending { tag: 12, sent: (5, 5), day, month, until_ms: DEC_1 + 9 }),
+            unsure: vec![Unsure { write: Pending { tag: 10, sent: (3, 3), day, month, until_ms: 0 }, base: 6 }],
         };
         let raw = spend.encode();
         assert!(previous_release_reads(&raw), "{}", String::from_utf8_lossy(&raw));

@@ -175,13 +175,14 @@ pub fn read(store: &impl CasStore, tenant: &str, found: Option<Found>, now_ms: u
     let reached = found.is_some();
     let _ = budget::update(store, tenant, now_ms, |s| match (s.mark, &found) {
         // An answer older than what is known is dropped; a write out past its deadline is
-        // given up all the same (the next write's compare-and-swap learns the key).
+        // given up all the same (the next write's compare-and-swap learns the key), unsure.
         (Mark::Read { revision }, Some(f)) if f.revision < revision => {
-            let expired = s.pending.is_some_and(|p| now_ms >= p.until_ms);
-            if expired {
+            let expired = s.pending.filter(|p| now_ms >= p.until_ms);
+            if let Some(p) = expired {
                 s.pending = None;
+                s.unsure_of(p, revision);
             }
-            expired
+            expired.is_some()
         }
         (_, Some(f)) => {
             learn(s, f.clone(), now_ms);
@@ -199,17 +200,21 @@ pub fn read(store: &impl CasStore, tenant: &str, found: Option<Found>, now_ms: u
 fn learn(s: &mut Spend, f: Found, now_ms: u64) {
     // A write out whose tag the store holds landed (its answer was lost), even when other
     // writers wrote over it since: what it sent is no longer unsent. One past its deadline
-    // that did not land is given up.
+    // that did not land is given up: unsure while the key has not moved past the revision
+    // this node knew (it may land yet), and the key's next revision decides it.
     if let Some(p) = s.pending {
         if f.stored.as_ref().is_some_and(|v| v.holds(p.tag)) {
-            s.unsent.0 = if s.day == p.day { s.unsent.0.saturating_sub(p.sent.0) } else { s.unsent.0 };
-            s.unsent.1 = if s.month == p.month { s.unsent.1.saturating_sub(p.sent.1) } else { s.unsent.1 };
+            s.landed(&p);
             s.pending = None;
             s.forget_lapsed();
         } else if now_ms >= p.until_ms {
             s.pending = None;
+            if let Mark::Read { revision } = s.mark {
+                s.unsure_of(p, revision);
+            }
         }
     }
+    s.settle_unsure(f.stored.as_ref(), f.revision);
     s.stored = f.stored.unwrap_or_default();
     s.mark = Mark::Read { revision: f.revision };
     s.learned_ms = now_ms;
@@ -327,10 +332,16 @@ pub fn flushed(store: &impl CasStore, flush: &Flush, answer: Option<Result<u64, 
         Err(now) => (tag.is_some_and(|t| now.stored.as_ref().is_some_and(|v| v.holds(t))), now),
     };
     let _ = budget::update(store, &flush.tenant, now_ms, |s| {
-        // Answered: the write is no longer out, whatever the answer.
-        let answered = s.pending.is_some_and(|p| Some(p.tag) == tag);
-        if answered {
+        // Answered: the write is no longer out, whatever the answer. An answer that found
+        // the key still at the revision the write was sent against, without it (a read
+        // after a lost answer), leaves it unsure: it may land yet.
+        let out = s.pending.filter(|p| Some(p.tag) == tag);
+        let answered = out.is_some();
+        if let Some(p) = out {
             s.pending = None;
+            if !landed && now.revision == flush.revision {
+                s.unsure_of(p, flush.revision);
+            }
         }
         let Mark::Read { revision: known } = s.mark else { return answered };
         match landed {
@@ -339,10 +350,9 @@ pub fn flushed(store: &impl CasStore, flush: &Flush, answer: Option<Result<u64, 
             true if known == flush.revision || known >= now.revision => {
                 // What was sent is taken out once: here, unless a read since learned, by
                 // the write's tag, that it landed (and took it out then).
-                let same_day = answered && s.day == flush.day;
-                let same_month = answered && s.month == flush.month;
-                s.unsent.0 = if same_day { s.unsent.0.saturating_sub(flush.sent.0) } else { s.unsent.0 };
-                s.unsent.1 = if same_month { s.unsent.1.saturating_sub(flush.sent.1) } else { s.unsent.1 };
+                if let Some(p) = out {
+                    s.landed(&p);
+                }
                 if known == flush.revision {
                     learn(s, now.clone(), now_ms);
                 } else {
@@ -582,6 +592,40 @@ mod tests {
         assert_eq!(etcd.1.day_micro, 156, "150, a's 5 and b's 1");
         flushed(&a, &next, Some(Err(etcd.found().unwrap())), late + 3);
         assert_eq!((spent(&a, "t", late + 3).0, due(&a, &config(), "t", late + 3, 15)), (156, None));
+    }
+
+    #[test]
+    fn a_write_that_lands_after_its_answer_and_check_were_lost_counts_once() {
+        let today = DEC_1 / 86_400_000;
+        let mut etcd = Key(4, Stored { day: today, day_micro: 100, ..Stored::default() });
+        let a = MemStore::new();
+        read(&a, "t", etcd.found(), DEC_1);
+        settle(&a, "t", caps().0, 1, 20, DEC_1);
+        let Some(Due::Write(slow)) = due(&a, &config(), "t", DEC_1, 11) else { panic!("a write is due") };
+        // Its answer is lost, and the check read finds the key as it was: the write is
+        // given up, unsure; then etcd applies it after all.
+        flushed(&a, &slow, etcd.found().map(Err), DEC_1 + 1_000);
+        assert_eq!(etcd.txn(&slow), Ok(5));
+        // The next write, sent against the revision the node knew, is refused by the key
+        // that holds the slow one: its 20 is known written, and not written again.
+        let Some(Due::Write(next)) = due(&a, &config(), "t", DEC_1 + 2_000, 12) else { panic!("a write is due") };
+        assert_eq!(next.value.day_micro, 120, "sent again while unsure");
+        flushed(&a, &next, Some(etcd.txn(&next)), DEC_1 + 2_001);
+        assert_eq!((spent(&a, "t", DEC_1 + 2_001).0, due(&a, &config(), "t", DEC_1 + 3_000, 13)), (120, None));
+        assert_eq!(etcd.1.day_micro, 120, "100 stored and 20 spent, once");
+        // Had it not landed, the next write lands in its place and the unsure one is
+        // decided by the key's next revision: counted once either way.
+        let mut etcd = Key(4, Stored { day: today, day_micro: 100, ..Stored::default() });
+        let b = MemStore::new();
+        read(&b, "t", etcd.found(), DEC_1);
+        settle(&b, "t", caps().0, 1, 20, DEC_1);
+        let Some(Due::Write(lost)) = due(&b, &config(), "t", DEC_1, 21) else { panic!("a write is due") };
+        flushed(&b, &lost, etcd.found().map(Err), DEC_1 + 1_000);
+        let Some(Due::Write(next)) = due(&b, &config(), "t", DEC_1 + 2_000, 22) else { panic!("a write is due") };
+        flushed(&b, &next, Some(etcd.txn(&next)), DEC_1 + 2_001);
+        assert_eq!(etcd.txn(&lost).map_err(|f| f.revision), Err(5), "the lost one can no longer land");
+        assert_eq!((spent(&b, "t", DEC_1 + 2_001).0, etcd.1.day_micro), (120, 120));
+        assert_eq!(due(&b, &config(), "t", DEC_1 + 3_000, 23), None);
     }
 
     #[test]

@@ -16,6 +16,7 @@ use crate::core::coalesce::engine::{CacheStatus, Engine, Reply, Step};
 use crate::core::config::tenants;
 use crate::core::config::Config;
 use crate::core::config::Role;
+use crate::core::limits::fleet;
 use crate::core::request::{is_internal_path, is_models_path, ApiRequest, CacheControl, Policy, RequestMeta};
 use crate::core::store::CasStore;
 use crate::core::upstream::Outbound;
@@ -40,6 +41,22 @@ pub struct Head {
     pub verified: Option<String>,
     /// `x-holysheep-priority`: the class the request asks for (it may only lower its own).
     pub priority: Option<String>,
+}
+
+/// What a request's connection says of its sender: the subject alternative names of a
+/// client certificate Envoy verified (none on a plain connection), and the fleet's secrets
+/// this node holds (the one it sends, and one more it accepts during a rotation).
+#[derive(Debug, Default)]
+pub struct Peer<'a> {
+    pub sans: Vec<String>,
+    pub secrets: [Option<&'a str>; 2],
+}
+
+impl Peer<'_> {
+    /// Whether `offered` is one of the fleet's secrets.
+    pub fn knows(&self, offered: Option<&str>) -> bool {
+        self.secrets.iter().any(|s| fleet::secret_matches(*s, offered))
+    }
 }
 
 /// What the edge does with a request, decided from its head.
@@ -142,6 +159,32 @@ impl Head {
             h.repeated_tenant |= name == credential && name == b"authorization" && value.contains(&b',');
         }
         h
+    }
+
+    /// On an owner listener that serves only the fleet (`fleet.internal`), an API request
+    /// (governed, or under `/v1/` in any spelling) must come from a node: over a connection
+    /// whose verified client certificate names one of `fleet.peer_sans`, or with the
+    /// fleet's secret. Anything else is a 403 before any of it is read or served (a health
+    /// check outside the API passes).
+    pub fn from_fleet(&self, config: &Config, peer: &Peer<'_>) -> Result<(), ApiError> {
+        let api = self.endpoint().is_some()
+            || crate::core::api::path::segments(&self.path).first().is_some_and(|s| s.eq_ignore_ascii_case("v1"));
+        if !config.fleet.internal || config.role != Role::Owner || !api {
+            return Ok(());
+        }
+        let named = peer.sans.iter().any(|s| config.fleet.peer_sans.contains(s));
+        if named || peer.knows(self.peer_secret.as_deref()) {
+            return Ok(());
+        }
+        Err(ApiError {
+            status: 403,
+            message: "this listener serves the fleet's own nodes: the request came without a verified peer \
+                      certificate or the fleet's secret"
+                .into(),
+            kind: "invalid_request_error",
+            param: None,
+            code: "peer_required",
+        })
     }
 
     pub fn route(&self) -> Route {
@@ -535,6 +578,36 @@ mod tests {
         assert_eq!(route("POST", "/v1/models"), Route::Other);
         assert_eq!(route("GET", "/HolySheep/peer/bucket"), Route::Internal);
         assert_eq!(route("POST", "/v1/../holysheep/x"), Route::Internal);
+    }
+
+    #[test]
+    fn an_internal_owner_listener_serves_only_requests_a_node_sent() {
+        let config = Config::parse(br#"{"fleet":{"internal":true,"peer_sans":["spiffe://fleet/node"]}}"#).unwrap();
+        let head = |path: &str, secret: Option<&str>| Head {
+            method: "POST".into(),
+            path: path.into(),
+            peer_secret: secret.map(str::to_owned),
+            ..Head::default()
+        };
+        let peer = |sans: &[&str]| Peer {
+            sans: sans.iter().map(|s| (*s).to_owned()).collect(),
+            secrets: [Some("s3cret"), Some("next-one")],
+        };
+        let chat = "/v1/chat/completions";
+        let code = |r: Result<(), ApiError>| r.map_err(|e| (e.status, e.code));
+        assert_eq!(code(head(chat, None).from_fleet(&config, &peer(&[]))), Err((403, "peer_required")));
+        assert_eq!(code(head(chat, None).from_fleet(&config, &peer(&["spiffe://fleet/node"]))), Ok(()));
+        let other = peer(&["spiffe://elsewhere/node"]);
+        assert_eq!(code(head(chat, None).from_fleet(&config, &other)), Err((403, "peer_required")), "another SAN");
+        assert_eq!(code(head(chat, Some("s3cret")).from_fleet(&config, &peer(&[]))), Ok(()), "the secret");
+        assert_eq!(code(head(chat, Some("next-one")).from_fleet(&config, &peer(&[]))), Ok(()), "the accepted one");
+        assert_eq!(code(head(chat, Some("s3cre")).from_fleet(&config, &peer(&[]))), Err((403, "peer_required")));
+        assert_eq!(code(head("/V1/models", None).from_fleet(&config, &peer(&[]))), Err((403, "peer_required")));
+        assert_eq!(code(head("/healthz", None).from_fleet(&config, &peer(&[]))), Ok(()), "outside the API");
+        // Not internal (a standalone edge serves its clients), or a forward node: no check.
+        assert_eq!(code(head(chat, None).from_fleet(&Config::default(), &peer(&[]))), Ok(()));
+        let forward = Config::parse(br#"{"role":"forward","fleet":{"internal":true}}"#).unwrap_err();
+        assert!(forward.to_string().contains("fleet.internal"), "{forward}");
     }
 
     #[test]

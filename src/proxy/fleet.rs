@@ -6,6 +6,7 @@ use super::abi as hostcalls;
 use super::host;
 use crate::core::api::headers;
 use crate::core::config::Config;
+use crate::core::intake::Peer;
 use crate::core::limits::fleet::{Op, Verdict};
 use crate::core::request::PEER_PATH;
 use proxy_wasm::types::{BufferType, LogLevel, MapType, Status};
@@ -15,17 +16,27 @@ use std::time::Duration;
 pub const SETTLE_TIMEOUT_MS: u64 = 5_000;
 
 pub struct Fleet {
-    /// The fleet's shared secret (from the environment); never logged.
+    /// The fleet's shared secret (from the environment), and a second one accepted during
+    /// a rotation; never logged.
     pub secret: Option<String>,
+    pub accepted: Option<String>,
     /// Settlements for model owner nodes, sent from the root context.
     pub outbox: Vec<Op>,
     /// Whether the last model owner asked answered (for logging the changes only).
     reached: bool,
 }
 
+impl Fleet {
+    /// A request's sender as this node knows it: `sans` of its verified client
+    /// certificate, and the fleet's secrets.
+    pub fn peer(&self, sans: Vec<String>) -> Peer<'_> {
+        Peer { sans, secrets: [self.secret.as_deref(), self.accepted.as_deref()] }
+    }
+}
+
 impl Default for Fleet {
     fn default() -> Self {
-        Fleet { secret: None, outbox: Vec::new(), reached: true }
+        Fleet { secret: None, accepted: None, outbox: Vec::new(), reached: true }
     }
 }
 

@@ -61,11 +61,33 @@ fn property_u64(path: Vec<&str>) -> Option<u64> {
     u64::try_from(i64::from_le_bytes(bytes)).ok()
 }
 
+/// The cluster the route Envoy chose for the current request leads to.
+fn routed_cluster() -> Option<Vec<u8>> {
+    hostcalls::get_property(vec!["xds", "cluster_name"]).ok().flatten()
+}
+
+/// The subject alternative names (the first URI and the first DNS name) of the client
+/// certificate the current request's connection presented, when it came over TLS with
+/// one; none otherwise. Envoy verified it when the listener validates client
+/// certificates (`docs/fleet.md`).
+pub fn peer_sans() -> Vec<String> {
+    let mtls = hostcalls::get_property(vec!["connection", "mtls"]).ok().flatten();
+    if mtls.is_none_or(|v| v.first().is_none_or(|b| *b == 0)) {
+        return Vec::new();
+    }
+    ["uri_san_peer_certificate", "dns_san_peer_certificate"]
+        .into_iter()
+        .filter_map(|p| hostcalls::get_property(vec!["connection", p]).ok().flatten())
+        .map(text)
+        .filter(|s| !s.is_empty())
+        .collect()
+}
+
 /// Whether the route Envoy chose for the current request leads to `cluster` (its
 /// `xds.cluster_name`; logged when it does not). Envoy answers the route it last chose: a
 /// change of the request's headers routes it again only as it leaves.
 pub fn routed_to(cluster: &str) -> bool {
-    let routed = hostcalls::get_property(vec!["xds", "cluster_name"]).ok().flatten();
+    let routed = routed_cluster();
     if routed.as_deref() == Some(cluster.as_bytes()) {
         return true;
     }

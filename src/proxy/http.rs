@@ -193,14 +193,14 @@ impl Chat {
     /// `/holysheep/...` in any spelling: a model owner call with the fleet's secret, on an
     /// owner listener; refused everywhere else.
     fn internal(&mut self, method: &str, path: &str) -> Action {
-        let (role, secret) = {
+        let (role, known) = {
             let w = self.worker.borrow();
-            (w.config.role, w.fleet.secret.clone())
+            (w.config.role, w.fleet.peer(Vec::new()).knows(self.head.peer_secret.as_deref()))
         };
         if role == Role::Forward {
             return self.reject(&ApiError::not_found(method, path));
         }
-        if !fleet::secret_matches(secret.as_deref(), self.head.peer_secret.as_deref()) {
+        if !known {
             return self.reject(&ApiError::forbidden("internal fleet call without the fleet's secret"));
         }
         if method != "POST" || path != PEER_PATH {
@@ -356,6 +356,17 @@ impl HttpContext for Chat {
             // Unreadable headers: nothing can be said of the request, so it goes nowhere.
             return self.reject(&ApiError::invalid("the request headers could not be read", None, "invalid_headers"));
         }
+        if config.fleet.internal {
+            let from_fleet = self.head.from_fleet(&config, &self.worker.borrow().fleet.peer(host::peer_sans()));
+            if let Err(e) = from_fleet {
+                self.worker.borrow().counters.count_refusal(e.code, None);
+                return self.reject(&e);
+            }
+        }
+        if config.role == Role::Owner && self.head.peer_secret.is_some() {
+            // The secret proves this hop only: nothing passed on from here carries it.
+            let _ = hostcalls::set_map_value(MapType::HttpRequestHeaders, headers::PEER_SECRET, None);
+        }
         let route = self.head.route();
         if route == Route::Internal {
             let (method, path) = (std::mem::take(&mut self.head.method), std::mem::take(&mut self.head.path));
@@ -363,6 +374,12 @@ impl HttpContext for Chat {
         }
         if config.role == Role::Forward {
             strip_fleet_headers();
+            // A forward node's route leads to the owners, which know it by the fleet's secret
+            // where no verified certificate says so.
+            let secret = self.worker.borrow().fleet.secret.clone();
+            if let Some(s) = secret {
+                let _ = hostcalls::set_map_value(MapType::HttpRequestHeaders, headers::PEER_SECRET, Some(&s));
+            }
         }
         if !matches!(route, Route::Governed(_)) {
             return self.ungoverned(&config);

@@ -134,8 +134,8 @@ fn endpoints(ports: &[u16]) -> String {
 }
 
 /// The configurations of a fleet node's two listeners: `config` with `role: forward`, and
-/// `config` with the fleet's ring of `nodes` owners for fleet-wide limits (unless it sets
-/// `fleet` itself). A `config` that is not a JSON object counts as `{}`.
+/// `config` with the fleet's ring of `nodes` owners for fleet-wide limits, serving only the
+/// fleet's nodes (`fleet.internal`), unless it sets `fleet` itself. A `config` that is not a JSON object counts as `{}`.
 pub fn listener_configs(config: &str, nodes: usize) -> (String, String) {
     let base = match serde_json::from_str::<Value>(config) {
         Ok(v @ Value::Object(_)) => v,
@@ -145,7 +145,8 @@ pub fn listener_configs(config: &str, nodes: usize) -> (String, String) {
     forward["role"] = json!("forward");
     let mut owner = base;
     if owner.get("fleet").is_none() {
-        owner["fleet"] = json!({"cluster": "owners", "nodes": nodes});
+        // The owner listener serves only the fleet's nodes.
+        owner["fleet"] = json!({"cluster": "owners", "nodes": nodes, "internal": true});
     }
     (forward.to_string(), owner.to_string())
 }

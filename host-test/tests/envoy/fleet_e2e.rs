@@ -83,6 +83,22 @@ fn three_nodes_act_as_one_edge() {
     let granted = peer_call(owner, "/holysheep/peer/bucket", Some(SECRET));
     assert_eq!(granted.status, 200, "the fleet's own call with its secret: {}", granted.text());
     assert!(granted.json()["admitted"].is_boolean());
+
+    // A client that reaches an owner listener itself is refused (only the fleet's nodes,
+    // whose requests carry the secret, are served there), and nothing reaches HolySheep;
+    // the same request through a public listener is answered.
+    let calls = fleet.calls();
+    let body = prompt("straight to an owner listener");
+    for secret in [None, Some("guess")] {
+        let headers: Vec<(&str, &str)> = secret.map(|s| vec![("x-holysheep-peer-secret", s)]).unwrap_or_default();
+        let direct = request(owner, "POST", PATH, &headers, body.as_bytes()).expect("answer");
+        assert_eq!((direct.status, direct.error_code()), (403, "peer_required".to_owned()), "{}", direct.text());
+        let models = request(owner, "GET", "/v1/models", &headers, b"").expect("answer");
+        assert_eq!(models.status, 403, "{}", models.text());
+    }
+    assert_eq!(fleet.calls(), calls, "no call for a client on an owner listener");
+    let via = request(publics[0], "POST", PATH, &[], body.as_bytes()).expect("answer");
+    assert_eq!((via.status, fleet.calls()), (200, calls + 1), "{}", via.text());
     assert_eq!(fleet.crashes(), Vec::<String>::new());
 }
 

@@ -182,15 +182,33 @@ pub struct Fleet {
     pub cluster: String,
     /// Nodes in the fleet: a node that cannot reach a model's owner admits its share.
     pub nodes: u32,
-    /// Environment variable holding the secret that internal calls carry.
+    /// Environment variable holding the secret that internal calls carry (and a forward
+    /// node's requests to its owners).
     pub peer_secret_env: String,
+    /// Environment variable holding a second secret accepted (never sent), for a rotation.
+    pub peer_secret_accepted_env: String,
     /// How long a key owner waits for a model owner's answer before admitting its share.
     pub timeout_ms: u64,
+    /// An owner listener that serves only the fleet's own nodes: every API request must come
+    /// over a connection whose client certificate Envoy verified and names one of
+    /// `peer_sans`, or carry the fleet's secret.
+    pub internal: bool,
+    /// The subject alternative names (URI or DNS, the first of each kind) a node's client
+    /// certificate may carry.
+    pub peer_sans: Vec<String>,
 }
 
 impl Default for Fleet {
     fn default() -> Self {
-        Fleet { cluster: String::new(), nodes: 1, peer_secret_env: "HOLYSHEEP_PEER_SECRET".into(), timeout_ms: 250 }
+        Fleet {
+            cluster: String::new(),
+            nodes: 1,
+            peer_secret_env: "HOLYSHEEP_PEER_SECRET".into(),
+            peer_secret_accepted_env: "HOLYSHEEP_PEER_SECRET_ACCEPTED".into(),
+            timeout_ms: 250,
+            internal: false,
+            peer_sans: Vec::new(),
+        }
     }
 }
 
@@ -482,10 +500,16 @@ impl Config {
     }
 
     fn validate(&self) -> Result<(), ConfigError> {
-        let checks: [(bool, &str, &str); 20] = [
+        let checks: [(bool, &str, &str); 22] = [
             (self.cache.hot_bytes > 1 << 30, "cache.hot_bytes", "must be at most 1073741824"),
             (!(1..=1024).contains(&self.fleet.nodes), "fleet.nodes", "must be between 1 and 1024"),
             (self.fleet.peer_secret_env.is_empty(), "fleet.peer_secret_env", "must not be empty"),
+            (self.fleet.peer_secret_accepted_env.is_empty(), "fleet.peer_secret_accepted_env", "must not be empty"),
+            (
+                self.fleet.internal && self.role == Role::Forward,
+                "fleet.internal",
+                "is for an owner listener (a forward node serves clients)",
+            ),
             (self.fleet.timeout_ms == 0, "fleet.timeout_ms", "must be at least 1"),
             (self.upstream.cluster.is_empty(), "upstream.cluster", "must not be empty"),
             (self.upstream.authority.is_empty(), "upstream.authority", "must not be empty"),

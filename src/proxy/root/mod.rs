@@ -102,6 +102,17 @@ impl RootContext for Root {
         config.object_key = api_key.as_deref().map(ObjectKey::of_operator_key);
         w.bearer = upstream::bearer(api_key);
         w.fleet.secret = std::env::var(&config.fleet.peer_secret_env).ok().filter(|s| !s.is_empty());
+        w.fleet.accepted = std::env::var(&config.fleet.peer_secret_accepted_env).ok().filter(|s| !s.is_empty());
+        if config.fleet.internal && config.fleet.peer_sans.is_empty() && w.fleet.secret.is_none() {
+            let env = &config.fleet.peer_secret_env;
+            host::log(
+                LogLevel::Error,
+                &format!(
+                    "holysheep: fleet.internal is set with no fleet.peer_sans and ${env} is not set: every API \
+                     request on this listener is refused"
+                ),
+            );
+        }
         let owner = config.role == Role::Owner;
         if owner && !config.keys.is_empty() && w.bearer.is_none() {
             let env = &config.upstream.api_key_env;

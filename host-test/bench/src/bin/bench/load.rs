@@ -36,20 +36,32 @@ pub fn load(addr: SocketAddr, conns: usize, secs: u64, body: Prompts) -> Stats {
 
 /// `load` on another endpoint's `path`.
 pub fn load_on(addr: SocketAddr, path: &'static str, conns: usize, secs: u64, body: Prompts) -> Stats {
+    load_as(addr, (path, &[]), conns, secs, body)
+}
+
+/// `load_on` with `headers` beside the bench's own `authorization`.
+pub fn load_as(
+    addr: SocketAddr,
+    (path, headers): (&'static str, &'static [(&'static str, &'static str)]),
+    conns: usize,
+    secs: u64,
+    body: Prompts,
+) -> Stats {
     let start = Arc::new(Barrier::new(conns + 1));
     let handles: Vec<_> = (0..conns)
         .map(|_| {
             let (start, body) = (start.clone(), body.clone());
             std::thread::spawn(move || {
                 let mut conn = Conn::open(addr).expect("connect");
+                let mut sent = vec![("authorization", "Bearer bench")];
+                sent.extend_from_slice(headers);
                 let (mut lat, mut labels) = (Vec::new(), Vec::new());
                 start.wait();
                 let deadline = Instant::now() + Duration::from_secs(secs);
                 while Instant::now() < deadline {
                     let b = body();
                     let t = Instant::now();
-                    let r =
-                        conn.request("POST", path, &[("authorization", "Bearer bench")], b.as_bytes()).expect("answer");
+                    let r = conn.request("POST", path, &sent, b.as_bytes()).expect("answer");
                     lat.push(t.elapsed().as_micros() as u64);
                     assert_eq!(r.status, 200, "{}", r.text());
                     labels.push(r.cache().to_owned());

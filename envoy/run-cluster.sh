@@ -6,7 +6,8 @@
 # call, and a repeat is answered on the node it reaches. Ctrl-C (or envoy/stop.sh) stops
 # everything.
 #
-# Fleet node i: public :1001i, owner :1002i, admin :991i. Edge node j: public :1003j, admin
+# The nodes speak mutual TLS to each other's owner listeners (envoy/fleet-certs.sh makes a
+# test CA in .run/fleet-tls). Fleet node i: public :1001i, owner :1002i, admin :991i. Edge node j: public :1003j, admin
 # :993j. Mock :18000. With Debian's etcd installed (apt-get install etcd-server), one etcd
 # member on :12379 keeps tenants' spend (budget_store), its data in .run/etcd.
 set -euo pipefail
@@ -58,17 +59,21 @@ etcd_cluster() {
       endpoints: [{lb_endpoints: [{endpoint: {address: {socket_address: {address: 127.0.0.1, port_value: $ETCD_PORT}}}}]}]
 YAML
 }
+# Mutual TLS between the nodes: a test CA and the nodes' certificate, made once.
+envoy/fleet-certs.sh .run/fleet-tls
 for i in $nodes; do
   # The public listener's filter gets CONFIG with "role": "forward", the owner's CONFIG with
-  # the ring of owners for fleet-wide limits; each node is named by its owner listener.
+  # the ring of owners for fleet-wide limits, serving only the fleet's nodes; each node is
+  # named by its owner listener.
   target/debug/envoy-render fleet ".run/fleet-$i.yaml" --config "$CONFIG" --admin-port "991$i" \
-    --public-port "1001$i" --owner-port "1002$i" --owner-ports "$owner_ports" --mock-port "$MOCK_PORT"
+    --public-port "1001$i" --owner-port "1002$i" --owner-ports "$owner_ports" --mock-port "$MOCK_PORT" \
+    --tls-dir .run/fleet-tls
   etcd_cluster >> ".run/fleet-$i.yaml"
   start "fleet-$i"
 done
 for j in $edges; do
   target/debug/envoy-render edge ".run/edge-$j.yaml" --config "$CONFIG" --admin-port "993$j" \
-    --public-port "1003$j" --owner-ports "$owner_ports"
+    --public-port "1003$j" --owner-ports "$owner_ports" --tls-dir .run/fleet-tls
   start "edge-$j"
 done
 trap 'envoy/stop.sh' INT TERM

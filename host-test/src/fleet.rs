@@ -11,11 +11,33 @@ use crate::mock::Running;
 use crate::stack::{poll_until, PATH};
 use std::io;
 use std::net::SocketAddr;
-use std::sync::{Arc, Barrier};
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Barrier, OnceLock};
 use std::time::Duration;
 
 /// The shared secret of the test fleet's internal calls.
 pub const SECRET: &str = "fleet-secret-for-tests";
+
+/// The test fleets' certificates, made once per process by `envoy/fleet-certs.sh`: the
+/// fleet's CA and node certificate, `stranger.pem` (the same CA, another SAN) and, in
+/// `rogue/`, another CA with a node certificate of the fleet's SAN.
+pub fn certificates() -> &'static Path {
+    static DIR: OnceLock<PathBuf> = OnceLock::new();
+    DIR.get_or_init(|| {
+        let dir = std::env::temp_dir().join(format!("holysheep-fleet-tls-{}", std::process::id()));
+        let script = workspace_root().join("envoy/fleet-certs.sh");
+        for (at, extra) in [(dir.clone(), vec!["stranger=spiffe://holysheep/stranger"]), (dir.join("rogue"), vec![])] {
+            let made = std::process::Command::new(&script).arg(&at).args(extra).status();
+            assert!(made.is_ok_and(|s| s.success()), "envoy/fleet-certs.sh {} failed", at.display());
+        }
+        dir
+    })
+}
+
+/// Mutual TLS between the nodes with the test certificates.
+fn tls() -> envoy_render::Tls {
+    envoy_render::Tls { dir: certificates().to_owned(), san: envoy_render::FLEET_SAN.to_owned() }
+}
 
 pub struct Node {
     pub envoy: Envoy,
@@ -82,8 +104,8 @@ pub fn content(r: &Resp) -> String {
 /// the bench: see `envoy_render`).
 pub use envoy_render::listener_configs;
 
-/// `envoy/fleet.yaml.tmpl` for one node.
-pub fn render(ports: (u16, u16, u16), owners: &[u16], mock: u16, config: &str) -> io::Result<String> {
+/// `envoy/fleet.yaml.tmpl` for one node (`tls`: mutual TLS between the nodes).
+pub fn render(ports: (u16, u16, u16), owners: &[u16], mock: u16, config: &str, tls: bool) -> io::Result<String> {
     let (admin, public, owner) = ports;
     let template = std::fs::read_to_string(workspace_root().join("envoy/fleet.yaml.tmpl"))?;
     envoy_render::FleetNode {
@@ -94,13 +116,14 @@ pub fn render(ports: (u16, u16, u16), owners: &[u16], mock: u16, config: &str) -
         mock_port: mock,
         wasm: wasm_path(),
         config: config.to_owned(),
+        tls: tls.then(self::tls),
     }
     .render(&template)
     .map_err(io::Error::other)
 }
 
 /// `envoy/edge.yaml.tmpl` for an edge node in front of the shields' owner listeners.
-pub fn render_edge(ports: (u16, u16), shields: &[u16], config: &str) -> io::Result<String> {
+pub fn render_edge(ports: (u16, u16), shields: &[u16], config: &str, tls: bool) -> io::Result<String> {
     let template = std::fs::read_to_string(workspace_root().join("envoy/edge.yaml.tmpl"))?;
     let (admin_port, public_port) = ports;
     let node = envoy_render::EdgeNode {
@@ -109,6 +132,7 @@ pub fn render_edge(ports: (u16, u16), shields: &[u16], config: &str) -> io::Resu
         owner_ports: shields.to_vec(),
         wasm: wasm_path(),
         config: config.to_owned(),
+        tls: tls.then(self::tls),
     };
     node.render(&template).map_err(io::Error::other)
 }
@@ -137,10 +161,15 @@ fn addr(port: u16) -> SocketAddr {
 }
 
 impl Fleet {
-    /// `n` nodes with `--concurrency 2`, all up and seeing every owner healthy. Panics
-    /// (test support) when they cannot start.
+    /// `n` nodes with `--concurrency 2`, all up and seeing every owner healthy, mutual TLS
+    /// between them. Panics (test support) when they cannot start.
     pub fn start(n: usize, config: &str, latency_ms: u64) -> Fleet {
         Fleet::tiers(0, n, config, latency_ms)
+    }
+
+    /// `start` without TLS between the nodes: their requests carry the fleet's secret.
+    pub fn plain(n: usize, config: &str, latency_ms: u64) -> Fleet {
+        Fleet::build(0, n, (config, latency_ms), None, "", false)
     }
 
     /// Two tiers: `edges` edge nodes in front of `shields` fleet nodes (one tier when
@@ -164,6 +193,17 @@ impl Fleet {
         api_key: Option<&str>,
         clusters: &str,
     ) -> Fleet {
+        Fleet::build(edges, shields, (config, latency_ms), api_key, clusters, true)
+    }
+
+    fn build(
+        edges: usize,
+        shields: usize,
+        (config, latency_ms): (&str, u64),
+        api_key: Option<&str>,
+        clusters: &str,
+        tls: bool,
+    ) -> Fleet {
         let slots = Slots::take(edges + shields);
         let mock = Running::start(api_key, latency_ms).expect("mock starts");
         // The nodes must know each other's ports beforehand.
@@ -171,10 +211,12 @@ impl Fleet {
         let ports: Vec<(u16, u16, u16)> = free.chunks(3).take(shields).map(|p| (p[0], p[1], p[2])).collect();
         let edge_ports: Vec<(u16, u16)> = free[3 * shields..].chunks(2).map(|p| (p[0], p[1])).collect();
         let owners: Vec<u16> = ports.iter().map(|p| p.2).collect();
-        let mut yamls: Vec<String> =
-            ports.iter().map(|&p| render(p, &owners, mock.addr.port(), config).expect("template") + clusters).collect();
+        let mut yamls: Vec<String> = ports
+            .iter()
+            .map(|&p| render(p, &owners, mock.addr.port(), config, tls).expect("template") + clusters)
+            .collect();
         let configs = yamls.iter().cloned().zip(ports.iter().copied()).collect();
-        yamls.extend(edge_ports.iter().map(|&p| render_edge(p, &owners, config).expect("template")));
+        yamls.extend(edge_ports.iter().map(|&p| render_edge(p, &owners, config, tls).expect("template")));
         let mut envoys = spawn_all(yamls, api_key).into_iter();
         let nodes = ports
             .iter()

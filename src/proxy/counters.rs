@@ -58,18 +58,17 @@ impl Counters {
         Counters { ids, last_usage: LastUsage::default(), budget_gauges, class_ids }
     }
 
-    /// A refusal at intake: a key no tenant holds (counted for the table), or a model
-    /// outside the tenant's list (counted for the tenant).
+    /// A refusal at intake: a key no tenant holds (counted for the table), a model outside
+    /// the tenant's list (counted for the tenant), or a request no node of the fleet sent
+    /// to an owner listener that serves only the fleet.
     pub fn count_refusal(&self, code: &str, tenant: Option<&str>) {
-        let counter = match code {
-            "invalid_api_key" => Counter::Unauthorized,
-            "model_not_found" => Counter::ModelRefused,
+        let (counter, table) = match code {
+            "invalid_api_key" => (Counter::Unauthorized, Some(metrics::TENANTS_LABEL)),
+            "model_not_found" => (Counter::ModelRefused, None),
+            "peer_required" => (Counter::PeerRefused, Some(metrics::FLEET_LABEL)),
             _ => return,
         };
-        let ids = [
-            (code == "invalid_api_key").then(|| self.ids.get(metrics::TENANTS_LABEL, counter)).flatten(),
-            tenant.and_then(|t| self.ids.get_tenant(t, counter)),
-        ];
+        let ids = [table.and_then(|l| self.ids.get(l, counter)), tenant.and_then(|t| self.ids.get_tenant(t, counter))];
         bump(&ids.into_iter().flatten().map(|id| (id, 1)).collect::<Vec<_>>());
     }
 

@@ -10,6 +10,8 @@
 //! | `@CONFIG@`, `@FORWARD_CONFIG@`, `@OWNER_CONFIG@` | the plugin's JSON configuration, inside a single-quoted YAML string (each `'` doubled) |
 //! | `@NODE@` | a fleet node's name in `x-holysheep-owner`: its owner listener's address, `127.0.0.1:PORT` |
 //! | `@OWNER_ENDPOINTS@` | a line of its own: one endpoint line per owner listener of the fleet (of the shield tier, for an edge node) |
+//! | `@OWNER_TLS@` | a line of its own: the owner listener's `transport_socket` (mutual TLS: a client certificate required, from the fleet's CA, with the fleet's SAN), or nothing for a fleet without TLS |
+//! | `@OWNERS_TLS@` | a line of its own: the `owners` cluster's `transport_socket` (the node's certificate presented, the owner's checked the same way), or nothing |
 //!
 //! A placeholder left in the output (one the template has and the caller did not give) is
 //! an error, so a template and its renderer cannot drift apart.
@@ -62,6 +64,56 @@ impl Local {
     }
 }
 
+/// The URI SAN of the certificate every node of a fleet presents (`envoy/fleet-certs.sh`).
+pub const FLEET_SAN: &str = "spiffe://holysheep/fleet";
+
+/// A fleet's mutual TLS between its nodes: the directory of its certificates (`ca.pem`,
+/// the CA every node trusts; `node.pem` and `node-key.pem`, the certificate every node
+/// presents as client and as server, as `envoy/fleet-certs.sh` makes them) and the URI SAN
+/// that certificate carries.
+#[derive(Debug, Clone)]
+pub struct Tls {
+    pub dir: PathBuf,
+    pub san: String,
+}
+
+impl Tls {
+    /// The certificate, the CA and the SAN check, at `indent`.
+    fn context(&self, indent: &str) -> String {
+        let d = path(&self.dir);
+        [
+            "common_tls_context:".to_owned(),
+            "  tls_certificates:".to_owned(),
+            format!("  - certificate_chain: {{filename: \"{d}/node.pem\"}}"),
+            format!("    private_key: {{filename: \"{d}/node-key.pem\"}}"),
+            "  validation_context:".to_owned(),
+            format!("    trusted_ca: {{filename: \"{d}/ca.pem\"}}"),
+            "    match_typed_subject_alt_names:".to_owned(),
+            format!("    - {{san_type: URI, matcher: {{exact: \"{}\"}}}}", self.san),
+        ]
+        .iter()
+        .map(|l| format!("{indent}{l}\n"))
+        .collect()
+    }
+
+    /// The owner listener's filter chain's `transport_socket`: a client certificate required.
+    fn downstream(&self) -> String {
+        "      transport_socket:\n        name: envoy.transport_sockets.tls\n        typed_config:\n          \
+         \"@type\": type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.DownstreamTlsContext\n          \
+         require_client_certificate: true\n"
+            .to_owned()
+            + &self.context("          ")
+    }
+
+    /// The `owners` cluster's `transport_socket`: the node's certificate presented.
+    fn upstream(&self) -> String {
+        "    transport_socket:\n      name: envoy.transport_sockets.tls\n      typed_config:\n        \
+         \"@type\": type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.UpstreamTlsContext\n"
+            .to_owned()
+            + &self.context("        ")
+    }
+}
+
 /// `envoy/fleet.yaml.tmpl`: one node of a fleet, a public listener (filter role `forward`)
 /// and an owner listener (role `owner`) on the ring of every node's owner listener.
 #[derive(Debug, Clone)]
@@ -75,15 +127,20 @@ pub struct FleetNode {
     pub wasm: PathBuf,
     /// The plugin configuration both listeners start from (see [`listener_configs`]).
     pub config: String,
+    /// Mutual TLS between the nodes (`None`: plaintext, the nodes known by the secret).
+    pub tls: Option<Tls>,
 }
 
 impl FleetNode {
     pub fn render(&self, template: &str) -> Result<String, Unfilled> {
-        let (forward, owner) = listener_configs(&self.config, self.owner_ports.len());
+        let san = self.tls.as_ref().map(|t| t.san.as_str());
+        let (forward, owner) = listener_configs(&self.config, self.owner_ports.len(), san);
         fill(
             template,
             &[
                 ("@OWNER_ENDPOINTS@\n", endpoints(&self.owner_ports)),
+                ("@OWNER_TLS@\n", self.tls.as_ref().map(Tls::downstream).unwrap_or_default()),
+                ("@OWNERS_TLS@\n", self.tls.as_ref().map(Tls::upstream).unwrap_or_default()),
                 ("@ADMIN_PORT@", self.admin_port.to_string()),
                 ("@PUBLIC_PORT@", self.public_port.to_string()),
                 ("@OWNER_PORT@", self.owner_port.to_string()),
@@ -108,15 +165,18 @@ pub struct EdgeNode {
     pub wasm: PathBuf,
     /// The plugin configuration the public listener's starts from (see [`listener_configs`]).
     pub config: String,
+    /// Mutual TLS to the shields' owner listeners (`None`: plaintext).
+    pub tls: Option<Tls>,
 }
 
 impl EdgeNode {
     pub fn render(&self, template: &str) -> Result<String, Unfilled> {
-        let (forward, _) = listener_configs(&self.config, self.owner_ports.len());
+        let (forward, _) = listener_configs(&self.config, self.owner_ports.len(), None);
         fill(
             template,
             &[
                 ("@OWNER_ENDPOINTS@\n", endpoints(&self.owner_ports)),
+                ("@OWNERS_TLS@\n", self.tls.as_ref().map(Tls::upstream).unwrap_or_default()),
                 ("@ADMIN_PORT@", self.admin_port.to_string()),
                 ("@PUBLIC_PORT@", self.public_port.to_string()),
                 ("@WASM@", path(&self.wasm)),
@@ -135,8 +195,10 @@ fn endpoints(ports: &[u16]) -> String {
 
 /// The configurations of a fleet node's two listeners: `config` with `role: forward`, and
 /// `config` with the fleet's ring of `nodes` owners for fleet-wide limits, serving only the
-/// fleet's nodes (`fleet.internal`), unless it sets `fleet` itself. A `config` that is not a JSON object counts as `{}`.
-pub fn listener_configs(config: &str, nodes: usize) -> (String, String) {
+/// fleet's nodes (`fleet.internal`; with mutual TLS, those whose certificate carries
+/// `peer_san`), unless it sets `fleet` itself. A `config` that is not a JSON object counts
+/// as `{}`.
+pub fn listener_configs(config: &str, nodes: usize, peer_san: Option<&str>) -> (String, String) {
     let base = match serde_json::from_str::<Value>(config) {
         Ok(v @ Value::Object(_)) => v,
         _ => json!({}),
@@ -147,6 +209,9 @@ pub fn listener_configs(config: &str, nodes: usize) -> (String, String) {
     if owner.get("fleet").is_none() {
         // The owner listener serves only the fleet's nodes.
         owner["fleet"] = json!({"cluster": "owners", "nodes": nodes, "internal": true});
+        if let Some(san) = peer_san {
+            owner["fleet"]["peer_sans"] = json!([san]);
+        }
     }
     (forward.to_string(), owner.to_string())
 }
@@ -228,13 +293,28 @@ mod tests {
             mock_port: 18000,
             wasm: "/p.wasm".into(),
             config: "{}".into(),
+            tls: None,
         };
-        let out = node.render("@NODE@\n@OWNER_ENDPOINTS@\nend '@FORWARD_CONFIG@' '@OWNER_CONFIG@'\n");
-        let out = out.unwrap_or_default();
+        let template =
+            "@NODE@\n@OWNER_ENDPOINTS@\nend '@FORWARD_CONFIG@' '@OWNER_CONFIG@'\n@OWNER_TLS@\n@OWNERS_TLS@\n";
+        let out = node.render(template).unwrap_or_default();
         assert!(out.starts_with("127.0.0.1:10020\n        - endpoint:"), "{out}");
         assert!(out.contains("port_value: 10021}}}\nend"), "{out}");
         assert!(out.contains(r#"end '{"role":"forward"}' '{"fleet":{"#), "{out}");
-        assert!(out.contains(r#""nodes":2"#), "{out}");
+        assert!(out.contains(r#""nodes":2"#) && out.contains(r#""internal":true"#), "{out}");
+        assert!(out.ends_with("'\n") && !out.contains("peer_sans"), "no TLS: {out}");
+        // With mutual TLS: the listener requires the fleet's certificate, the cluster
+        // presents it, and the owner's filter knows the nodes by its SAN.
+        let tls = Tls { dir: "/certs".into(), san: FLEET_SAN.into() };
+        let out = FleetNode { tls: Some(tls), ..node }.render(template).unwrap_or_default();
+        assert!(out.contains(r#""peer_sans":["spiffe://holysheep/fleet"]"#), "{out}");
+        let (listener, cluster) = out.split_once("\n    transport_socket:").expect("the cluster's");
+        assert!(listener.contains("\n      transport_socket:\n") && listener.contains("DownstreamTlsContext"), "{out}");
+        assert!(listener.contains("require_client_certificate: true"), "{out}");
+        assert!(
+            cluster.contains("UpstreamTlsContext") && cluster.contains(r#"trusted_ca: {filename: "/certs/ca.pem"}"#)
+        );
+        assert!(cluster.contains(r#"{san_type: URI, matcher: {exact: "spiffe://holysheep/fleet"}}"#), "{out}");
     }
 
     #[test]
@@ -245,6 +325,7 @@ mod tests {
             owner_ports: vec![10020, 10021],
             wasm: "/p.wasm".into(),
             config: r#"{"edge":{"max_age_seconds":5}}"#.into(),
+            tls: None,
         };
         let out = node.render("@PUBLIC_PORT@\n@OWNER_ENDPOINTS@\n'@FORWARD_CONFIG@'").unwrap_or_default();
         assert!(out.starts_with("10030\n        - endpoint:"), "{out}");

@@ -2,14 +2,17 @@
 //! [--direct-port 10001] [--plain-port 10002] [--mock-port 18000] [--wasm PATH]
 //! [--direct-body PATH]`: `envoy/local.yaml.tmpl` for the demo.
 //! `envoy-render fleet OUT --admin-port P --public-port P --owner-port P --owner-ports P,P,...
-//! [--config JSON] [--mock-port 18000] [--wasm PATH]`: `envoy/fleet.yaml.tmpl` for one node.
+//! [--config JSON] [--mock-port 18000] [--wasm PATH] [--tls-dir DIR [--peer-san SAN]]`:
+//! `envoy/fleet.yaml.tmpl` for one node.
 //! `envoy-render edge OUT --admin-port P --public-port P --owner-ports P,P,... [--config JSON]
-//! [--wasm PATH]`: `envoy/edge.yaml.tmpl` for an edge node in front of a shield tier.
+//! [--wasm PATH] [--tls-dir DIR [--peer-san SAN]]`: `envoy/edge.yaml.tmpl` for an edge node in
+//! front of a shield tier. `--tls-dir`: mutual TLS between the nodes with the certificates
+//! `envoy/fleet-certs.sh DIR` made (`--peer-san`: their URI SAN, `spiffe://holysheep/fleet`).
 //! Run from the repository root (the templates and the default paths are relative to it);
 //! `--wasm` defaults to `target/plugin/holysheep_edge.wasm`, `--direct-body` to
 //! `.run/direct.json`. The placeholders' meanings are in the library's documentation.
 
-use envoy_render::{EdgeNode, FleetNode, Local};
+use envoy_render::{EdgeNode, FleetNode, Local, Tls, FLEET_SAN};
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
@@ -18,8 +21,9 @@ fn usage() -> ! {
         "usage: envoy-render local OUT [--config JSON] [--admin-port N] [--listen-port N] [--direct-port N] \
          [--plain-port N] [--mock-port N] [--wasm PATH] [--direct-body PATH]\n       \
          envoy-render fleet OUT --admin-port N --public-port N --owner-port N --owner-ports N,N,... \
-         [--config JSON] [--mock-port N] [--wasm PATH]\n       \
-         envoy-render edge OUT --admin-port N --public-port N --owner-ports N,N,... [--config JSON] [--wasm PATH]"
+         [--config JSON] [--mock-port N] [--wasm PATH] [--tls-dir DIR [--peer-san SAN]]\n       \
+         envoy-render edge OUT --admin-port N --public-port N --owner-ports N,N,... [--config JSON] [--wasm PATH] \
+         [--tls-dir DIR [--peer-san SAN]]"
     );
     std::process::exit(2)
 }
@@ -51,6 +55,13 @@ impl Flags {
         list.split(',')
             .map(|p| p.trim().parse().unwrap_or_else(|_| fail(format!("--{name}: {p} is not a port"))))
             .collect()
+    }
+
+    /// Mutual TLS between the nodes, from `--tls-dir` (and `--peer-san`).
+    fn tls(&self) -> Option<Tls> {
+        self.0
+            .contains_key("tls-dir")
+            .then(|| Tls { dir: self.path("tls-dir", ""), san: self.text("peer-san", FLEET_SAN) })
     }
 
     fn text(&self, name: &str, default: &str) -> String {
@@ -91,6 +102,7 @@ fn main() {
             mock_port: flags.port("mock-port", Some(18000)),
             wasm: flags.path("wasm", "target/plugin/holysheep_edge.wasm"),
             config: flags.text("config", "{}"),
+            tls: flags.tls(),
         }
         .render(&template("fleet.yaml.tmpl")),
         "edge" => EdgeNode {
@@ -99,6 +111,7 @@ fn main() {
             owner_ports: flags.ports("owner-ports"),
             wasm: flags.path("wasm", "target/plugin/holysheep_edge.wasm"),
             config: flags.text("config", "{}"),
+            tls: flags.tls(),
         }
         .render(&template("edge.yaml.tmpl")),
         _ => usage(),

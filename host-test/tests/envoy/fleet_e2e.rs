@@ -13,6 +13,36 @@ use std::time::Duration;
 /// Near copies off: these tests are about the owners (edge_e2e has the near copies).
 const CONFIG: &str = r#"{"models":{"deepseek-v3":{"requests_per_minute":1,"burst":6}},"edge":{"max_age_seconds":0}}"#;
 
+/// `curl` over TLS to `addr` (its server certificate not checked: the owner's checks of the
+/// client are what is tried), presenting `cert` (`NAME.pem` and `NAME-key.pem` of the test
+/// certificates) when given: the answer's status and body, or `None` when the handshake
+/// or the connection failed.
+fn curl(
+    addr: SocketAddr,
+    path: &str,
+    cert: Option<&str>,
+    headers: &[(&str, &str)],
+    body: &[u8],
+) -> Option<(u16, String)> {
+    let dir = host_test::fleet::certificates();
+    let mut c = std::process::Command::new("curl");
+    c.args(["-sk", "--max-time", "10", "-o", "-", "-w", "\n%{http_code}", "--data-binary", "@-"]);
+    if let Some(name) = cert {
+        c.arg("--cert").arg(dir.join(format!("{name}.pem"))).arg("--key").arg(dir.join(format!("{name}-key.pem")));
+    }
+    for (n, v) in headers {
+        c.args(["-H", &format!("{n}: {v}")]);
+    }
+    c.arg(format!("https://{addr}{path}"));
+    let mut child = c.stdin(std::process::Stdio::piped()).stdout(std::process::Stdio::piped()).spawn().ok()?;
+    use std::io::Write;
+    child.stdin.take()?.write_all(body).ok()?;
+    let out = child.wait_with_output().ok()?;
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    let (body, status) = text.rsplit_once('\n')?;
+    out.status.success().then(|| (status.trim().parse().ok(), body.to_owned())).and_then(|(s, b)| Some((s?, b)))
+}
+
 /// One request per (address, body) with the fleet tests' key.
 fn spread(targets: Vec<(SocketAddr, String)>) -> Vec<Resp> {
     host_test::fleet::spread(targets, "Bearer sk-fleet")
@@ -71,22 +101,50 @@ fn three_nodes_act_as_one_edge() {
     assert_eq!(fleet.calls() - calls_before, 6);
     assert_eq!(fleet.stat("wasmcustom.holysheep.deepseek-v3.fleet_local_share"), 0, "every model owner was reached");
 
-    // Internal calls: refused without the secret on the owner listener, and always on the
-    // public listener, in any spelling.
-    let owner = fleet.live().next().map(|n| n.owner).expect("a node");
-    assert_eq!(peer_call(owner, "/holysheep/peer/bucket", None).status, 403);
-    assert_eq!(peer_call(owner, "/holysheep/peer/bucket", Some("guess")).status, 403);
+    // Internal calls are 404 on a public listener, in any spelling.
     for path in ["/holysheep/peer/bucket", "//holysheep/./peer/bucket", "/%68olysheep/peer/bucket"] {
         let r = peer_call(publics[0], path, Some(SECRET));
         assert_eq!((r.status, r.json()["error"]["code"].as_str()), (404, Some("unknown_url")), "{path}");
     }
+
+    // Over mutual TLS, an owner listener talks only to a client with a certificate of the
+    // fleet's CA and SAN: none, another SAN or another CA is refused in the handshake, and
+    // nothing reaches HolySheep. A node's certificate is served without the secret.
+    let owner = fleet.live().next().map(|n| n.owner).expect("a node");
+    let calls = fleet.calls();
+    let body = prompt("straight to an owner listener");
+    for cert in [None, Some("stranger"), Some("rogue/node")] {
+        let r = curl(owner, PATH, cert, &[], body.as_bytes());
+        assert_eq!(r, None, "{cert:?} was answered: {r:?}");
+    }
+    assert_eq!(fleet.calls(), calls, "no call for a client without the fleet's certificate");
+    let as_node = curl(owner, PATH, Some("node"), &[], body.as_bytes());
+    assert_eq!(as_node.map(|(status, _)| status), Some(200), "a node's certificate is a node's");
+    assert_eq!(fleet.calls(), calls + 1);
+    // Internal calls still need the secret, certificate or not.
+    let peer = br#"{"take":{"model":"deepseek-v3","id":1,"estimate":1,"hold_ms":1}}"#;
+    let unsigned = curl(owner, "/holysheep/peer/bucket", Some("node"), &[], peer);
+    assert_eq!(unsigned.map(|(status, _)| status), Some(403));
+    let signed = curl(owner, "/holysheep/peer/bucket", Some("node"), &[("x-holysheep-peer-secret", SECRET)], peer);
+    assert_eq!(signed.as_ref().map(|(status, _)| *status), Some(200), "{signed:?}");
+    assert_eq!(fleet.crashes(), Vec::<String>::new());
+}
+
+#[test]
+fn a_plain_fleet_knows_its_nodes_by_the_secret() {
+    let fleet = Fleet::plain(2, CONFIG, 0);
+    let publics = fleet.publics();
+    // Internal calls: refused without the secret on the owner listener.
+    let owner = fleet.live().next().map(|n| n.owner).expect("a node");
+    assert_eq!(peer_call(owner, "/holysheep/peer/bucket", None).status, 403);
+    assert_eq!(peer_call(owner, "/holysheep/peer/bucket", Some("guess")).status, 403);
     let granted = peer_call(owner, "/holysheep/peer/bucket", Some(SECRET));
     assert_eq!(granted.status, 200, "the fleet's own call with its secret: {}", granted.text());
     assert!(granted.json()["admitted"].is_boolean());
 
     // A client that reaches an owner listener itself is refused (only the fleet's nodes,
     // whose requests carry the secret, are served there), and nothing reaches HolySheep;
-    // the same request through a public listener is answered.
+    // the same request through either public listener is answered.
     let calls = fleet.calls();
     let body = prompt("straight to an owner listener");
     for secret in [None, Some("guess")] {
@@ -97,8 +155,13 @@ fn three_nodes_act_as_one_edge() {
         assert_eq!(models.status, 403, "{}", models.text());
     }
     assert_eq!(fleet.calls(), calls, "no call for a client on an owner listener");
-    let via = request(publics[0], "POST", PATH, &[], body.as_bytes()).expect("answer");
-    assert_eq!((via.status, fleet.calls()), (200, calls + 1), "{}", via.text());
+    for (i, public) in publics.iter().enumerate() {
+        let via = request(*public, "POST", PATH, &[], prompt(&format!("through public listener {i}")).as_bytes())
+            .expect("answer");
+        assert_eq!(via.status, 200, "{}", via.text());
+    }
+    assert_eq!(fleet.calls(), calls + 2);
+    assert_eq!(fleet.stat("wasmcustom.holysheep.fleet.peer_refused"), 4);
     assert_eq!(fleet.crashes(), Vec::<String>::new());
 }
 

@@ -39,9 +39,11 @@ pub enum Counter {
     SemanticNearMisses,
     /// Prompt tokens HolySheep served from its prompt cache (part of `PromptTokens`).
     CachedTokens,
+    /// An owner listener that serves only the fleet refused a request no node sent.
+    PeerRefused,
 }
 
-pub const COUNTERS: [Counter; 27] = [
+pub const COUNTERS: [Counter; 28] = [
     Counter::Requests(CacheStatus::Hit),
     Counter::Requests(CacheStatus::Miss),
     Counter::Requests(CacheStatus::Coalesced),
@@ -69,6 +71,7 @@ pub const COUNTERS: [Counter; 27] = [
     Counter::EmbeddingCostMicroUsd,
     Counter::SemanticNearMisses,
     Counter::CachedTokens,
+    Counter::PeerRefused,
 ];
 
 impl Counter {
@@ -102,6 +105,7 @@ impl Counter {
             Counter::EmbeddingCostMicroUsd => 24,
             Counter::SemanticNearMisses => 25,
             Counter::CachedTokens => 26,
+            Counter::PeerRefused => 27,
         }
     }
 
@@ -129,6 +133,7 @@ impl Counter {
             Counter::EmbeddingCostMicroUsd => "embedding_cost_microusd".into(),
             Counter::SemanticNearMisses => "semantic_near_misses".into(),
             Counter::CachedTokens => "cached_tokens".into(),
+            Counter::PeerRefused => "peer_refused".into(),
         }
     }
 }
@@ -142,15 +147,20 @@ pub fn label<'a>(config: &'a Config, model: &'a str) -> &'a str {
     }
 }
 
-/// Every label that can appear: the configured models, `other`, and with tenants each
+/// Every label that can appear: the configured models, `other`, with tenants each
 /// tenant's (`tenant.<name>`: every counter of a tenant's requests, whatever their model)
-/// and `tenants` (the table as a whole: keys no tenant holds).
+/// and `tenants` (the table as a whole: keys no tenant holds), and on an owner listener
+/// that serves only the fleet, `fleet` (requests no node sent).
 pub fn labels(config: &Config) -> Vec<String> {
     let models = config.models.keys().cloned().chain(std::iter::once("other".to_owned()));
     let tenants = config.tenants.keys().map(|t| format!("{TENANT_PREFIX}{t}"));
     let table = (!config.tenants.is_empty()).then(|| TENANTS_LABEL.to_owned());
-    models.chain(tenants).chain(table).collect()
+    let fleet = config.fleet.internal.then(|| FLEET_LABEL.to_owned());
+    models.chain(tenants).chain(table).chain(fleet).collect()
 }
+
+/// The label of requests an owner listener that serves only the fleet refused.
+pub const FLEET_LABEL: &str = "fleet";
 
 /// The label of what no one tenant is counted for (a key no tenant holds).
 pub const TENANTS_LABEL: &str = "tenants";
@@ -435,6 +445,7 @@ mod tests {
             "embedding_cost_microusd",
             "semantic_near_misses",
             "cached_tokens",
+            "peer_refused",
         ];
         assert_eq!(names, documented, "the counter names docs/operations.md lists, each once");
         assert!(COUNTERS.iter().enumerate().all(|(i, c)| c.index() == i), "index is the place in COUNTERS");

@@ -16,6 +16,7 @@ so a check that accepts anything cannot pass.
 import copy
 import glob
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -73,12 +74,20 @@ def validate(doc, crds):
 
 def envoy_validates(doc, envoy, wasm):
     config = doc["data"]["envoy.yaml"].replace("/etc/holysheep/holysheep_edge.wasm", wasm)
+    # The fleet's certificates, as the holysheep-fleet-tls Secret would mount them: a test
+    # CA's (envoy/fleet-certs.sh), for Envoy to load.
+    tls = tempfile.mkdtemp()
+    subprocess.run([os.path.join(HERE, "..", "..", "envoy", "fleet-certs.sh"), tls], check=True)
+    for name, made in [("tls.crt", "node.pem"), ("tls.key", "node-key.pem"), ("ca.crt", "ca.pem")]:
+        os.replace(os.path.join(tls, made), os.path.join(tls, name))
+    config = config.replace("/etc/holysheep-tls/", tls + "/")
     with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
         f.write(config)
     try:
         out = subprocess.run([envoy, "--mode", "validate", "-c", f.name], capture_output=True, text=True)
     finally:
         os.unlink(f.name)
+        shutil.rmtree(tls, ignore_errors=True)
     if out.returncode != 0:
         raise SystemExit(f"the fleet's Envoy configuration does not validate:\n{out.stderr[-2000:]}")
 

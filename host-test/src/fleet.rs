@@ -104,8 +104,15 @@ pub fn content(r: &Resp) -> String {
 /// the bench: see `envoy_render`).
 pub use envoy_render::listener_configs;
 
-/// `envoy/fleet.yaml.tmpl` for one node (`tls`: mutual TLS between the nodes).
-pub fn render(ports: (u16, u16, u16), owners: &[u16], mock: u16, config: &str, tls: bool) -> io::Result<String> {
+/// `envoy/fleet.yaml.tmpl` for one node (`tls`: mutual TLS between the nodes; `forward`:
+/// the public listener's own configuration, when it is not `config`).
+pub fn render(
+    ports: (u16, u16, u16),
+    owners: &[u16],
+    mock: u16,
+    (config, forward): (&str, Option<&str>),
+    tls: bool,
+) -> io::Result<String> {
     let (admin, public, owner) = ports;
     let template = std::fs::read_to_string(workspace_root().join("envoy/fleet.yaml.tmpl"))?;
     envoy_render::FleetNode {
@@ -117,6 +124,7 @@ pub fn render(ports: (u16, u16, u16), owners: &[u16], mock: u16, config: &str, t
         wasm: wasm_path(),
         config: config.to_owned(),
         tls: tls.then(self::tls),
+        forward: forward.map(str::to_owned),
     }
     .render(&template)
     .map_err(io::Error::other)
@@ -169,7 +177,12 @@ impl Fleet {
 
     /// `start` without TLS between the nodes: their requests carry the fleet's secret.
     pub fn plain(n: usize, config: &str, latency_ms: u64) -> Fleet {
-        Fleet::build(0, n, (config, latency_ms), None, "", false)
+        Fleet::build(0, n, (config, None, latency_ms), None, "", false)
+    }
+
+    /// `start` with public listeners whose configuration is `forward`, not the owners'.
+    pub fn disagreeing(n: usize, config: &str, forward: &str, latency_ms: u64) -> Fleet {
+        Fleet::build(0, n, (config, Some(forward), latency_ms), None, "", true)
     }
 
     /// Two tiers: `edges` edge nodes in front of `shields` fleet nodes (one tier when
@@ -193,13 +206,13 @@ impl Fleet {
         api_key: Option<&str>,
         clusters: &str,
     ) -> Fleet {
-        Fleet::build(edges, shields, (config, latency_ms), api_key, clusters, true)
+        Fleet::build(edges, shields, (config, None, latency_ms), api_key, clusters, true)
     }
 
     fn build(
         edges: usize,
         shields: usize,
-        (config, latency_ms): (&str, u64),
+        (config, forward, latency_ms): (&str, Option<&str>, u64),
         api_key: Option<&str>,
         clusters: &str,
         tls: bool,
@@ -213,7 +226,7 @@ impl Fleet {
         let owners: Vec<u16> = ports.iter().map(|p| p.2).collect();
         let mut yamls: Vec<String> = ports
             .iter()
-            .map(|&p| render(p, &owners, mock.addr.port(), config, tls).expect("template") + clusters)
+            .map(|&p| render(p, &owners, mock.addr.port(), (config, forward), tls).expect("template") + clusters)
             .collect();
         let configs = yamls.iter().cloned().zip(ports.iter().copied()).collect();
         yamls.extend(edge_ports.iter().map(|&p| render_edge(p, &owners, config, tls).expect("template")));

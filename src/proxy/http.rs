@@ -148,12 +148,15 @@ impl Chat {
         let status = header(":status").and_then(|s| s.parse().ok()).unwrap_or(502);
         let content_type = header(headers::CONTENT_TYPE).unwrap_or_default();
         set_response_header(headers::TIER, Some(edge::OWNER));
-        let tee = {
+        let (tee, disagreed) = {
             let mut w = self.worker.borrow_mut();
             let config = w.config.clone();
             let Some(hop) = w.runs.hops.get_mut(&self.id) else { return Action::Continue };
             hop.fresh = edge::declared(&config, &hop.call.key, status, &headers, host::now_ms());
             hop.kept = edge::kept(&headers);
+            let alike = edge::keyed_alike(&hop.call.key, &headers);
+            hop.keyed_alike = alike == Some(true);
+            let disagreed = (alike == Some(false)).then(|| (hop.outbound.model.clone(), hop.outbound.tenant.clone()));
             let sse = status == 200 && headers::is_event_stream(&content_type);
             if sse && !hop.outbound.include_usage {
                 // The usage event is taken out: the length changes.
@@ -161,8 +164,11 @@ impl Chat {
             }
             let events = sse.then(|| Reassembler::of(hop.outbound.endpoint, hop.outbound.include_usage));
             let other = Response { status, content_type, headers: Vec::new(), body: Vec::new() };
-            Tee::hop(events, other, config.cache.max_entry_bytes)
+            (Tee::hop(events, other, config.cache.max_entry_bytes), disagreed)
         };
+        if let Some((model, tenant)) = disagreed {
+            self.worker.borrow_mut().key_disagrees(&model, tenant.as_deref());
+        }
         self.state = State::Teeing(Box::new(tee));
         if end_of_stream {
             self.end_stream(true);

@@ -42,6 +42,9 @@ pub struct Hop {
     pub fresh: Option<Fresh>,
     /// The owner's headers its answer keeps for the flight's waiters (see `edge::kept`).
     pub kept: Vec<(String, String)>,
+    /// Whether the owner keyed the request as this node did (`edge::keyed_alike`): only
+    /// then is its answer shared with the flight's waiters.
+    pub keyed_alike: bool,
 }
 
 /// How a stream forwarded along the route ended, as its http context saw it.

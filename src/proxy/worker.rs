@@ -90,6 +90,8 @@ pub struct Worker {
     pub seed: Seed,
     /// The usage of the answer logged last (followers share one answer).
     pub log_usage: LastUsage,
+    /// Whether an owner that keyed a hop otherwise was logged (once per worker).
+    key_disagreement_logged: bool,
 }
 
 /// A worker's state, as its root context and http contexts each hold it.
@@ -182,6 +184,7 @@ impl Worker {
             parsed: Hot::new(0),
             seed: Seed::new(RandomState::new().hash_one(())),
             log_usage: LastUsage::default(),
+            key_disagreement_logged: false,
         }
     }
 
@@ -424,7 +427,8 @@ impl Worker {
         }
         let label = metrics::label(&self.config, &outbound.model);
         self.counters.count(vec![(label, Counter::Hops, 1)], outbound.tenant.as_deref());
-        self.runs.hops.insert(context_id, Hop { call, outbound, fresh: None, kept: Vec::new() });
+        let hop = Hop { call, outbound, fresh: None, kept: Vec::new(), keyed_alike: false };
+        self.runs.hops.insert(context_id, hop);
     }
 
     /// A forward node's hop ended: its answer (with the owner's headers its sharers need)
@@ -434,7 +438,9 @@ impl Worker {
     /// waiters should look again.
     pub fn complete_hop(&mut self, hop: Hop, end: StreamEnd) -> Option<(Key, bool)> {
         let engine = self.engine();
-        let watched = match end.outcome {
+        // An answer the owner keyed otherwise is the leader's alone: the waiters look again,
+        // and each goes on by itself.
+        let watched = match end.outcome.filter(|_| hop.keyed_alike) {
             Some(outcome) => {
                 let outcome = Response { headers: hop.kept, ..outcome };
                 let ended = engine.end_flight(&hop.call, Some(outcome), host::now_ms(), hop.fresh);
@@ -458,6 +464,21 @@ impl Worker {
     /// question to the semantic index, once its answer is stored under `key`.
     pub fn learn(&self, learned: Option<&Learned>, ended: &Ended, key: &Key, now: u64) {
         semantic::keep(&SharedData, &self.config, learned, ended.reply.stored_answer(), key, now);
+    }
+
+    /// An owner keyed a hop's request otherwise than this forward node: counted, and logged
+    /// once per worker (the two configurations disagree on what makes a request the same).
+    pub fn key_disagrees(&mut self, model: &str, tenant: Option<&str>) {
+        let label = metrics::label(&self.config, model);
+        self.counters.count(vec![(label, Counter::HopKeyMismatch, 1)], tenant);
+        if !std::mem::replace(&mut self.key_disagreement_logged, true) {
+            host::log(
+                LogLevel::Warn,
+                "holysheep: an owner keyed a forwarded request otherwise than this forward node: their \
+                 configurations disagree on what makes two requests the same (cache.tenant_header, models, \
+                 scopes); owners' answers are not shared between this node's waiters",
+            );
+        }
     }
 
     /// Counts a flight's answer stored over another key's fresh one.

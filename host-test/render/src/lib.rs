@@ -129,12 +129,19 @@ pub struct FleetNode {
     pub config: String,
     /// Mutual TLS between the nodes (`None`: plaintext, the nodes known by the secret).
     pub tls: Option<Tls>,
+    /// The public listener's configuration when it starts from another than `config` (a
+    /// fleet whose listeners disagree, for the tests).
+    pub forward: Option<String>,
 }
 
 impl FleetNode {
     pub fn render(&self, template: &str) -> Result<String, Unfilled> {
         let san = self.tls.as_ref().map(|t| t.san.as_str());
         let (forward, owner) = listener_configs(&self.config, self.owner_ports.len(), san);
+        let forward = match &self.forward {
+            Some(other) => listener_configs(other, self.owner_ports.len(), san).0,
+            None => forward,
+        };
         fill(
             template,
             &[
@@ -294,6 +301,7 @@ mod tests {
             wasm: "/p.wasm".into(),
             config: "{}".into(),
             tls: None,
+            forward: None,
         };
         let template =
             "@NODE@\n@OWNER_ENDPOINTS@\nend '@FORWARD_CONFIG@' '@OWNER_CONFIG@'\n@OWNER_TLS@\n@OWNERS_TLS@\n";

@@ -103,6 +103,7 @@ fn main() {
             wasm: flags.path("wasm", "target/plugin/holysheep_edge.wasm"),
             config: flags.text("config", "{}"),
             tls: flags.tls(),
+            forward: None,
         }
         .render(&template("fleet.yaml.tmpl")),
         "edge" => EdgeNode {

@@ -166,6 +166,37 @@ fn a_plain_fleet_knows_its_nodes_by_the_secret() {
 }
 
 #[test]
+fn a_forward_node_shares_only_answers_its_owner_keyed_alike() {
+    // The owners scope requests by an auth layer's `x-tenant-id`; the public listeners'
+    // configuration does not: two tenants' identical requests are one key there.
+    let owners = r#"{"cache":{"tenant_header":"x-tenant-id"},"edge":{"max_age_seconds":0}}"#;
+    let forward = r#"{"edge":{"max_age_seconds":0}}"#;
+    let fleet = Fleet::disagreeing(2, owners, forward, 400);
+    let public = fleet.publics()[0];
+    let body = prompt("the same prompt from two tenants at once");
+    let calls = fleet.calls();
+    let barrier = std::sync::Arc::new(std::sync::Barrier::new(2));
+    let asks: Vec<_> = ["alpha", "beta"]
+        .into_iter()
+        .map(|tenant| {
+            let (barrier, body) = (barrier.clone(), body.clone());
+            std::thread::spawn(move || {
+                let mut conn = Conn::open(public).expect("connect");
+                barrier.wait();
+                conn.request("POST", PATH, &[("x-tenant-id", tenant)], body.as_bytes()).expect("answer")
+            })
+        })
+        .collect();
+    let answers: Vec<Resp> = asks.into_iter().map(|h| h.join().expect("client")).collect();
+    // Each tenant gets its own owner's answer: one upstream call each, nothing shared.
+    assert!(answers.iter().all(|r| r.status == 200), "{:?}", answers.iter().map(Resp::text).collect::<Vec<_>>());
+    assert_eq!(count(&answers, "COALESCED"), 0, "an answer keyed for another tenant was shared");
+    assert_eq!(fleet.calls() - calls, 2);
+    assert!(fleet.stat("wasmcustom.holysheep.edge.other.hop_key_mismatch") >= 1, "the disagreement is counted");
+    assert_eq!(fleet.crashes(), Vec::<String>::new());
+}
+
+#[test]
 fn a_node_lost_is_routed_around_and_no_client_hangs() {
     let mut fleet = Fleet::start(3, r#"{"edge":{"max_age_seconds":0}}"#, 1_500);
     let survivors: Vec<SocketAddr> = fleet.publics()[..2].to_vec();

@@ -32,6 +32,16 @@ pub fn kept(headers: &[(String, String)]) -> Vec<(String, String)> {
     headers.iter().filter(|(n, _)| KEPT.iter().any(|k| n.eq_ignore_ascii_case(k))).cloned().collect()
 }
 
+/// Whether the owner keyed the request as this forward node did (`key`), by the answer's
+/// `x-holysheep-key`: `None` when the answer names no key (an owner's own refusal, before
+/// it keyed anything). Only an answer keyed alike is shared with the flight's waiters: an
+/// owner whose configuration scopes or keys requests otherwise (another
+/// `cache.tenant_header`, say) may have answered for another tenant's scope.
+pub fn keyed_alike(key: &Key, headers: &[(String, String)]) -> Option<bool> {
+    let owner = headers.iter().find(|(n, _)| n.eq_ignore_ascii_case(headers::KEY)).map(|(_, v)| v.as_str())?;
+    Some(owner == key.hex())
+}
+
 /// How long a forward node may keep the owner's answer to the request keyed `key`, from
 /// the answer's headers (`None`: not at all). Only a 200 that the owner served as a cached
 /// answer for exactly this key (its own `x-holysheep-key` and cache status) and declared
@@ -81,6 +91,15 @@ mod tests {
         let f = declared(&c, &k, 200, &owner(&k, "HIT", "max-age=7", Some("593")), 1_000_000).unwrap();
         assert_eq!((f.stored_at_ms, f.expires_ms()), (407_000, 1_007_000), "the owner's rest, dated back by age");
         assert_eq!(declared(&c, &k, 200, &owner(&k, "HIT", "max-age=0", Some("600")), 1_000_000), None);
+    }
+
+    #[test]
+    fn only_an_answer_keyed_alike_is_shared() {
+        let (k, other) = (request_key("/p", "s", b"1"), request_key("/p", "s", b"2"));
+        assert_eq!(keyed_alike(&k, &owner(&k, "MISS", "no-store", None)), Some(true));
+        assert_eq!(keyed_alike(&k, &owner(&other, "MISS", "max-age=60", None)), Some(false), "another scope");
+        assert_eq!(keyed_alike(&k, &headers(&[("X-HolySheep-Key", k.hex())])), Some(true), "any case");
+        assert_eq!(keyed_alike(&k, &headers(&[("content-type", "application/json")])), None, "not keyed");
     }
 
     #[test]

@@ -41,9 +41,11 @@ pub enum Counter {
     CachedTokens,
     /// An owner listener that serves only the fleet refused a request no node sent.
     PeerRefused,
+    /// A forward node's hop came back keyed otherwise by its owner (not shared).
+    HopKeyMismatch,
 }
 
-pub const COUNTERS: [Counter; 28] = [
+pub const COUNTERS: [Counter; 29] = [
     Counter::Requests(CacheStatus::Hit),
     Counter::Requests(CacheStatus::Miss),
     Counter::Requests(CacheStatus::Coalesced),
@@ -72,6 +74,7 @@ pub const COUNTERS: [Counter; 28] = [
     Counter::SemanticNearMisses,
     Counter::CachedTokens,
     Counter::PeerRefused,
+    Counter::HopKeyMismatch,
 ];
 
 impl Counter {
@@ -106,6 +109,7 @@ impl Counter {
             Counter::SemanticNearMisses => 25,
             Counter::CachedTokens => 26,
             Counter::PeerRefused => 27,
+            Counter::HopKeyMismatch => 28,
         }
     }
 
@@ -134,6 +138,7 @@ impl Counter {
             Counter::SemanticNearMisses => "semantic_near_misses".into(),
             Counter::CachedTokens => "cached_tokens".into(),
             Counter::PeerRefused => "peer_refused".into(),
+            Counter::HopKeyMismatch => "hop_key_mismatch".into(),
         }
     }
 }
@@ -446,6 +451,7 @@ mod tests {
             "semantic_near_misses",
             "cached_tokens",
             "peer_refused",
+            "hop_key_mismatch",
         ];
         assert_eq!(names, documented, "the counter names docs/operations.md lists, each once");
         assert!(COUNTERS.iter().enumerate().all(|(i, c)| c.index() == i), "index is the place in COUNTERS");

@@ -152,7 +152,9 @@ impl Chat {
             let mut w = self.worker.borrow_mut();
             let config = w.config.clone();
             let Some(hop) = w.runs.hops.get_mut(&self.id) else { return Action::Continue };
-            hop.fresh = edge::declared(&config, &hop.call.key, status, &headers, host::now_ms());
+            let now = host::now_ms();
+            hop.fresh = edge::declared(&config, &hop.call.key, status, &headers, now);
+            hop.origin = Some(edge::Origin::of(&headers, now));
             hop.kept = edge::kept(&headers);
             let alike = edge::keyed_alike(&hop.call.key, &headers);
             hop.keyed_alike = alike == Some(true);

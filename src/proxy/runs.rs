@@ -6,6 +6,7 @@ use super::ids::IdMap;
 use crate::core::api::hints::ProviderHints;
 use crate::core::api::response::Response;
 use crate::core::api::usage::Usage;
+use crate::core::cache::edge::Origin;
 use crate::core::cache::Fresh;
 use crate::core::coalesce::engine::Call;
 use crate::core::flight::Flight;
@@ -45,6 +46,9 @@ pub struct Hop {
     /// Whether the owner keyed the request as this node did (`edge::keyed_alike`): only
     /// then is its answer shared with the flight's waiters.
     pub keyed_alike: bool,
+    /// When the owner produced its answer, and whether it was STALE: the waiters share it
+    /// as of then.
+    pub origin: Option<Origin>,
 }
 
 /// How a stream forwarded along the route ended, as its http context saw it.

@@ -427,7 +427,7 @@ impl Worker {
         }
         let label = metrics::label(&self.config, &outbound.model);
         self.counters.count(vec![(label, Counter::Hops, 1)], outbound.tenant.as_deref());
-        let hop = Hop { call, outbound, fresh: None, kept: Vec::new(), keyed_alike: false };
+        let hop = Hop { call, outbound, fresh: None, kept: Vec::new(), keyed_alike: false, origin: None };
         self.runs.hops.insert(context_id, hop);
     }
 
@@ -443,7 +443,7 @@ impl Worker {
         let watched = match end.outcome.filter(|_| hop.keyed_alike) {
             Some(outcome) => {
                 let outcome = Response { headers: hop.kept, ..outcome };
-                let ended = engine.end_flight(&hop.call, Some(outcome), host::now_ms(), hop.fresh);
+                let ended = engine.end_relayed(&hop.call, Some(outcome), host::now_ms(), hop.fresh, hop.origin);
                 self.count_evicted(&ended, &hop.outbound);
                 ended.watched
             }

@@ -197,6 +197,48 @@ fn a_forward_node_shares_only_answers_its_owner_keyed_alike() {
 }
 
 #[test]
+fn a_forward_nodes_waiter_keeps_its_own_no_cache() {
+    // The owner's entry lives 1 s and may be served STALE for 10 minutes when HolySheep
+    // fails; no near copies, one attempt a call.
+    let config = r#"{"cache":{"ttl_seconds":1},"stale_if_error_seconds":600,"edge":{"max_age_seconds":0},
+        "retry":{"max_attempts":1}}"#;
+    let fleet = Fleet::start(1, config, 0);
+    let public = fleet.publics()[0];
+    let body = prompt("an answer that goes stale");
+    let ask = |cache_control: Option<&'static str>| {
+        let body = body.clone();
+        std::thread::spawn(move || {
+            let headers: Vec<(&str, &str)> = cache_control.map(|c| vec![("cache-control", c)]).unwrap_or_default();
+            request(public, "POST", PATH, &headers, body.as_bytes()).expect("answer")
+        })
+    };
+    assert_eq!(ask(None).join().expect("client").cache(), "MISS");
+    // Past the entry's second, HolySheep fails slowly, then at once.
+    std::thread::sleep(Duration::from_millis(1_100));
+    let slow = Fault { status: Some(503), delay_ms: 1_500, ..Fault::default() };
+    fleet.mock.mock.plan(vec![slow, Fault { status: Some(503), ..Fault::default() }]);
+    let calls = fleet.calls();
+    let plain = ask(None);
+    host_test::stack::poll_until(|| fleet.calls() > calls, "the plain request's call never left");
+    // A no-cache request joins the plain one's flight on the forward node: when the owner
+    // answers STALE, it is not handed that, as on the owner it would not be; it goes on by
+    // itself and gets HolySheep's error.
+    let no_cache = ask(Some("no-cache"));
+    let plain = plain.join().expect("client");
+    assert_eq!((plain.status, plain.cache()), (200, "STALE"), "{}", plain.text());
+    let no_cache = no_cache.join().expect("client");
+    assert_eq!(
+        no_cache.status,
+        503,
+        "a no-cache request was handed a stale answer: {} {}",
+        no_cache.cache(),
+        no_cache.text()
+    );
+    assert_eq!(fleet.calls() - calls, 2, "the no-cache request's own call");
+    assert_eq!(fleet.crashes(), Vec::<String>::new());
+}
+
+#[test]
 fn a_node_lost_is_routed_around_and_no_client_hangs() {
     let mut fleet = Fleet::start(3, r#"{"edge":{"max_age_seconds":0}}"#, 1_500);
     let survivors: Vec<SocketAddr> = fleet.publics()[..2].to_vec();

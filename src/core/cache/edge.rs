@@ -42,6 +42,25 @@ pub fn keyed_alike(key: &Key, headers: &[(String, String)]) -> Option<bool> {
     Some(owner == key.hex())
 }
 
+/// When an owner produced the answer a hop brought back (its `age` before `now_ms`, capped
+/// at a year), and whether it served it STALE.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Origin {
+    pub produced_ms: u64,
+    pub stale: bool,
+}
+
+impl Origin {
+    pub fn of(headers: &[(String, String)], now_ms: u64) -> Origin {
+        let header = |name: &str| headers.iter().find(|(n, _)| n.eq_ignore_ascii_case(name)).map(|(_, v)| v.as_str());
+        let age_s = header(headers::AGE).and_then(|a| a.trim().parse::<u64>().ok()).unwrap_or(0).min(MAX_SECONDS);
+        Origin {
+            produced_ms: now_ms.saturating_sub(age_s.saturating_mul(1000)),
+            stale: header(headers::CACHE) == Some("STALE"),
+        }
+    }
+}
+
 /// How long a forward node may keep the owner's answer to the request keyed `key`, from
 /// the answer's headers (`None`: not at all). Only a 200 that the owner served as a cached
 /// answer for exactly this key (its own `x-holysheep-key` and cache status) and declared
@@ -62,9 +81,9 @@ pub fn declared(config: &Config, key: &Key, status: u16, headers: &[(String, Str
     if resident_s == 0 {
         return None;
     }
-    let age_s = header(headers::AGE).and_then(|a| a.trim().parse::<u64>().ok()).unwrap_or(0).min(MAX_SECONDS);
-    let stored_at_ms = now_ms.saturating_sub(age_s.saturating_mul(1000));
-    Some(Fresh { stored_at_ms, ttl_ms: age_s.saturating_add(resident_s).saturating_mul(1000) })
+    let stored_at_ms = Origin::of(headers, now_ms).produced_ms;
+    let age_ms = now_ms.saturating_sub(stored_at_ms);
+    Some(Fresh { stored_at_ms, ttl_ms: age_ms.saturating_add(resident_s.saturating_mul(1000)) })
 }
 
 #[cfg(test)]

@@ -6,8 +6,9 @@ use crate::core::api::error::ApiError;
 use crate::core::api::headers;
 use crate::core::api::response::Response;
 use crate::core::cache::edge;
+use crate::core::cache::edge::Origin;
 use crate::core::cache::{self, Fresh, Place};
-use crate::core::coalesce::lease::{self, Acquire, Lease, Mark, Slot, State};
+use crate::core::coalesce::lease::{self, Acquire, Lease, Mark, Produced, Slot, State};
 use crate::core::config::{Config, Role};
 use crate::core::request::{Key, Policy};
 use crate::core::semantic::{Probe, Similar};
@@ -212,7 +213,7 @@ pub struct Finished {
     key: Key,
     response: Response,
     done_at_ms: u64,
-    stale_from_ms: Option<u64>,
+    produced: Produced,
     /// When the cache entry the answer is expires (`None`: it is in the flight's record).
     expires_ms: Option<u64>,
 }
@@ -253,12 +254,12 @@ impl<S: CasStore> Engine<'_, S> {
     /// of one prompt are one read, not 1000).
     pub fn poll_with(&self, wait: &Wait, now_ms: u64, nonce: u64, seen: &mut Option<Finished>) -> Step {
         if let Some(f) = seen.as_ref().filter(|f| f.is_for(wait)) {
-            let done = Done { at_ms: f.done_at_ms, stale_from_ms: f.stale_from_ms, expires_ms: f.expires_ms };
+            let done = Done { at_ms: f.done_at_ms, produced: f.produced, expires_ms: f.expires_ms };
             return self.answer_waiter(wait, f.response.clone(), done, now_ms, nonce);
         }
         let state = lease::read(self.store, &wait.slot).map(|(s, _)| s);
         match state {
-            Ok(State::Done { key, nonce: n, done_at_ms, response, stale_from_ms, in_cache })
+            Ok(State::Done { key, nonce: n, done_at_ms, response, produced, in_cache })
                 if n == wait.nonce && wait.key.is(&key) =>
             {
                 let Some((response, expires_ms)) = self.kept(&wait.key, response, in_cache, done_at_ms) else {
@@ -271,10 +272,10 @@ impl<S: CasStore> Engine<'_, S> {
                     key: wait.key.clone(),
                     response: response.clone(),
                     done_at_ms,
-                    stale_from_ms,
+                    produced,
                     expires_ms,
                 });
-                let done = Done { at_ms: done_at_ms, stale_from_ms, expires_ms };
+                let done = Done { at_ms: done_at_ms, produced, expires_ms };
                 self.answer_waiter(wait, response, done, now_ms, nonce)
             }
             Ok(State::Leading { nonce: n, expires_ms, watched, best, .. })
@@ -314,10 +315,11 @@ impl<S: CasStore> Engine<'_, S> {
                     return Step::Wait(again);
                 }
             }
-            Ok(Acquire::Answered { response, done_at_ms, stale_from_ms, in_cache }) => {
+            Ok(Acquire::Answered { response, done_at_ms, produced, in_cache }) => {
                 let kept = self.kept(&wait.key, response, in_cache, done_at_ms);
                 let shared = kept.and_then(|(r, expires_ms)| {
-                    shared(&wait.key, r, Done { at_ms: done_at_ms, stale_from_ms, expires_ms }, wait.policy, now_ms)
+                    let done = Done { at_ms: done_at_ms, produced, expires_ms };
+                    shared(&wait.key, r, done, (wait.policy, wait.since_ms), now_ms)
                 });
                 if let Some(reply) = shared {
                     return Step::Reply(reply);
@@ -330,7 +332,7 @@ impl<S: CasStore> Engine<'_, S> {
 
     /// The finished flight's answer for one of its waiters.
     fn answer_waiter(&self, wait: &Wait, response: Response, done: Done, now_ms: u64, nonce: u64) -> Step {
-        match shared(&wait.key, response, done, wait.policy, now_ms) {
+        match shared(&wait.key, response, done, (wait.policy, wait.since_ms), now_ms) {
             Some(reply) => Step::Reply(reply),
             // A stale answer this waiter's directives refuse: it looks again itself.
             None => self.take_lease(&wait.key, wait.policy, now_ms, nonce, now_ms, TakeDone::None),
@@ -361,10 +363,24 @@ impl<S: CasStore> Engine<'_, S> {
     /// `finish_flight` for an answer that, when stored, is `fresh` as given (`None`: it
     /// may not be stored), such as a forward node's near copy of its owner's answer.
     pub fn end_flight(&self, call: &Call, outcome: Option<Response>, now_ms: u64, fresh: Option<Fresh>) -> Ended {
+        self.end_relayed(call, outcome, now_ms, fresh, None)
+    }
+
+    /// `end_flight` for a forward node's hop, whose answer its owner produced at `origin`
+    /// (a HIT some seconds old, or STALE): the flight's waiters share it as of then, each
+    /// under its own directives, as they would on the owner.
+    pub fn end_relayed(
+        &self,
+        call: &Call,
+        outcome: Option<Response>,
+        now_ms: u64,
+        fresh: Option<Fresh>,
+        origin: Option<Origin>,
+    ) -> Ended {
         let response = outcome.map_or_else(|| self.failure(call, now_ms), openai_shaped);
         if response.status == 429 || response.status >= 500 {
             if let Some((stale, produced_ms)) = self.stale(&call.key, now_ms) {
-                let watched = self.finish_lease(call, &stale.response, now_ms, Some(produced_ms), false);
+                let watched = self.finish_lease(call, &stale.response, now_ms, Produced::Stale(produced_ms), false);
                 if stale_allowed(call.policy, stale.age_s.unwrap_or(0)) {
                     return Ended { reply: stale, watched, evicted: false };
                 }
@@ -376,10 +392,16 @@ impl<S: CasStore> Engine<'_, S> {
             let stored = cache::store_fresh(self.store, self.config, &call.key, &response, f, now_ms, place);
             stored.map(|s| (s, f))
         });
+        // A relayed answer is dated when its owner produced it (STALE, when it was so).
+        let produced = match origin {
+            Some(o) if o.stale => Produced::Stale(o.produced_ms),
+            Some(o) if o.produced_ms < now_ms => Produced::Relayed(o.produced_ms),
+            _ => Produced::AtEnd,
+        };
         // The flight's record refers to the entry only when it was stamped now (the record's
         // time names the entry); an answer dated back by its owner is repeated there.
-        let by_reference = stored.is_some_and(|(_, f)| f.stored_at_ms == now_ms);
-        let watched = self.finish_lease(call, &response, now_ms, None, by_reference);
+        let by_reference = produced == Produced::AtEnd && stored.is_some_and(|(_, f)| f.stored_at_ms == now_ms);
+        let watched = self.finish_lease(call, &response, now_ms, produced, by_reference);
         let fresh_s = stored.map(|(_, f)| f.expires_ms().saturating_sub(now_ms) / 1000);
         let reply = Reply { response, cache: Some(call.label), key: Some(call.key.clone()), age_s: None, fresh_s };
         Ended { reply, watched, evicted: stored.is_some_and(|(s, _)| s.evicted) }
@@ -399,7 +421,7 @@ impl<S: CasStore> Engine<'_, S> {
         let age_s = Some(entry.age_ms(now_ms) / 1000);
         let response = entry.response.with_header(headers::SIMILARITY, format!("{similarity:.4}"));
         // Dated when the answer was produced: a waiter's own directives may refuse it.
-        let watched = self.finish_lease(call, &response, now_ms, Some(entry.stored_at_ms), false);
+        let watched = self.finish_lease(call, &response, now_ms, Produced::Stale(entry.stored_at_ms), false);
         let cache = Some(CacheStatus::Semantic);
         let reply = Reply { response, cache, key: Some(call.key.clone()), age_s, fresh_s: None };
         Some(Ended { reply, watched, evicted: false })
@@ -415,17 +437,10 @@ impl<S: CasStore> Engine<'_, S> {
 
     /// Whether the flight was watched (a lost lease, or a store failure, counts as
     /// watched: waking is the safe side).
-    fn finish_lease(
-        &self,
-        call: &Call,
-        response: &Response,
-        now_ms: u64,
-        stale_from_ms: Option<u64>,
-        in_cache: bool,
-    ) -> bool {
+    fn finish_lease(&self, call: &Call, response: &Response, now_ms: u64, produced: Produced, in_cache: bool) -> bool {
         let Some(l) = &call.lease else { return false };
         // A lost lease (we were presumed dead) leaves the new leader's flight alone.
-        lease::finish(self.store, l, response, now_ms, stale_from_ms, in_cache).map_or(true, |w| w.unwrap_or(true))
+        lease::finish(self.store, l, response, now_ms, produced, in_cache).map_or(true, |w| w.unwrap_or(true))
     }
 
     /// A finished flight's answer: the one in its record, or the cache entry the record
@@ -532,10 +547,10 @@ impl<S: CasStore> Engine<'_, S> {
                     None => self.take_lease(key, policy, now_ms, nonce, now_ms, TakeDone::None),
                 }
             }
-            Ok(Acquire::Answered { response, done_at_ms, stale_from_ms, in_cache }) => {
+            Ok(Acquire::Answered { response, done_at_ms, produced, in_cache }) => {
                 let kept = self.kept(key, response, in_cache, done_at_ms);
                 let shared = kept.and_then(|(r, expires_ms)| {
-                    shared(key, r, Done { at_ms: done_at_ms, stale_from_ms, expires_ms }, policy, now_ms)
+                    shared(key, r, Done { at_ms: done_at_ms, produced, expires_ms }, (policy, since_ms), now_ms)
                 });
                 match shared {
                     Some(reply) => Step::Reply(reply),
@@ -635,29 +650,37 @@ fn stale_allowed(policy: Policy, age_s: u64) -> bool {
 #[derive(Debug, Clone, Copy)]
 struct Done {
     at_ms: u64,
-    stale_from_ms: Option<u64>,
+    produced: Produced,
     expires_ms: Option<u64>,
 }
 
 /// A finished flight's answer for a request that shared it: COALESCED, or STALE with the
 /// stale answer's own age (`None` when the request's directives refuse it). An answer the
 /// flight did not produce (a stale one, or a paraphrase's, which carries its similarity) is
-/// dated when it was, and is refused by `no-cache` and a `max-age` it exceeds.
-fn shared(key: &Key, response: Response, done: Done, policy: Policy, now_ms: u64) -> Option<Reply> {
+/// dated when it was, and is refused by `no-cache` and a `max-age` it exceeds; so is one a
+/// forward node's flight relayed (dated when its owner produced it): under `no-cache` when
+/// it is older than the request (`since_ms`), and past the request's `max-age`.
+fn shared(key: &Key, response: Response, done: Done, (policy, since_ms): (Policy, u64), now_ms: u64) -> Option<Reply> {
     let paraphrase = response.header(headers::SIMILARITY).is_some();
-    let (cache, produced_ms) = match done.stale_from_ms {
-        Some(t) if paraphrase => (CacheStatus::Coalesced, t),
-        Some(t) => (CacheStatus::Stale, t),
-        None => (CacheStatus::Coalesced, done.at_ms),
+    let (cache, produced_ms) = match done.produced {
+        Produced::Stale(t) if paraphrase => (CacheStatus::Coalesced, t),
+        Produced::Stale(t) => (CacheStatus::Stale, t),
+        Produced::Relayed(t) => (CacheStatus::Coalesced, t),
+        Produced::AtEnd => (CacheStatus::Coalesced, done.at_ms),
     };
     let age_s = now_ms.saturating_sub(produced_ms) / 1000;
-    if done.stale_from_ms.is_some() && !stale_allowed(policy, age_s) {
+    if matches!(done.produced, Produced::Stale(_)) && !stale_allowed(policy, age_s) {
+        return None;
+    }
+    let older = produced_ms < since_ms && !policy.read;
+    if older || policy.max_age.is_some_and(|max| age_s > max) {
         return None;
     }
     if !response.may_share(policy.class) {
         return None;
     }
-    let fresh_s = done.expires_ms.filter(|_| done.stale_from_ms.is_none()).map(|e| e.saturating_sub(now_ms) / 1000);
+    let stale = matches!(done.produced, Produced::Stale(_));
+    let fresh_s = done.expires_ms.filter(|_| !stale).map(|e| e.saturating_sub(now_ms) / 1000);
     Some(Reply { response, cache: Some(cache), key: Some(key.clone()), age_s: Some(age_s), fresh_s })
 }
 
@@ -1041,6 +1064,38 @@ mod tests {
         assert!(expect_call(e.poll(&no_cache, 9_020, 6)).lease.is_some(), "no-cache: leads a flight of its own");
         assert_eq!(expect_wait(e.poll(&young, 9_020, 7)).nonce, 6, "max-age=5: waits for that flight instead");
         assert_eq!(expect_reply(e.poll(&fine, 9_020, 8)).age_s, Some(9));
+    }
+
+    #[test]
+    fn a_forward_nodes_waiters_take_a_relayed_answer_as_of_when_its_owner_produced_it() {
+        let (s, c) = (MemStore::new(), Config::parse(br#"{"role":"forward"}"#).unwrap());
+        let e = Engine { store: &s, config: &c };
+        // A hop leaves at 100 s; the waiters arrive after it; its owner answers a HIT it
+        // produced at 70 s (`age: 30`).
+        let hop = expect_call(e.admit(&k(1), READ, 100_000, 1));
+        let plain = expect_wait(e.admit(&k(1), READ, 100_100, 2));
+        let no_cache = expect_wait(e.admit(&k(1), Policy { read: false, ..READ }, 100_100, 3));
+        let young = expect_wait(e.admit(&k(1), Policy { max_age: Some(10), ..READ }, 100_100, 4));
+        let old_enough = expect_wait(e.admit(&k(1), Policy { max_age: Some(60), ..READ }, 100_100, 5));
+        let origin = Origin { produced_ms: 70_000, stale: false };
+        e.end_relayed(&hop, ok("{}"), 100_200, None, Some(origin));
+        let r = expect_reply(e.poll(&plain, 100_300, 6));
+        assert_eq!((r.cache, r.age_s), (Some(CacheStatus::Coalesced), Some(30)), "its owner's age, not 0");
+        assert_eq!(expect_reply(e.poll(&old_enough, 100_300, 7)).age_s, Some(30));
+        // As on the owner: no-cache and max-age=10 refuse a 30-second-old answer, and the
+        // first of them leads a hop of its own (the other waits on it).
+        assert!(expect_call(e.poll(&no_cache, 100_300, 8)).lease.is_some(), "no-cache leads its own hop");
+        assert_eq!(expect_wait(e.poll(&young, 100_300, 9)).nonce, 8, "max-age=10 waits on that hop");
+
+        // A STALE answer the owner served in place of a failure: STALE for a plain waiter,
+        // refused by no-cache.
+        let hop = expect_call(e.admit(&k(2), READ, 200_000, 10));
+        let plain = expect_wait(e.admit(&k(2), READ, 200_100, 11));
+        let no_cache = expect_wait(e.admit(&k(2), Policy { read: false, ..READ }, 200_100, 12));
+        e.end_relayed(&hop, ok("{}"), 200_200, None, Some(Origin { produced_ms: 150_000, stale: true }));
+        let r = expect_reply(e.poll(&plain, 200_300, 13));
+        assert_eq!((r.cache, r.age_s), (Some(CacheStatus::Stale), Some(50)));
+        assert!(expect_call(e.poll(&no_cache, 200_300, 14)).lease.is_some(), "no-cache refuses a stale answer");
     }
 
     #[test]

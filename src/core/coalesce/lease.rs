@@ -30,6 +30,19 @@ pub struct Lease {
     pub nonce: u64,
 }
 
+/// When a finished flight's answer was produced, if not when the flight ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Produced {
+    /// By the flight, as it ended.
+    #[default]
+    AtEnd,
+    /// A stale answer served in place of a failure, produced then.
+    Stale(u64),
+    /// A forward node's flight relayed its owner's answer, which the owner produced then
+    /// (a HIT some seconds old, say).
+    Relayed(u64),
+}
+
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum State {
     /// Missing, empty, or unreadable: free to take.
@@ -49,7 +62,7 @@ pub enum State {
         done_at_ms: u64,
         response: Response,
         /// A stale answer (served because every attempt failed), produced at this time.
-        stale_from_ms: Option<u64>,
+        produced: Produced,
         /// The answer is the cache entry stored at `done_at_ms` (not repeated here:
         /// `response` has no body).
         in_cache: bool,
@@ -67,7 +80,7 @@ pub enum Acquire {
     Busy,
     /// A flight on this key finished since the request arrived: its answer is this
     /// request's too (it read the cache just before that flight stored).
-    Answered { response: Response, done_at_ms: u64, stale_from_ms: Option<u64>, in_cache: bool },
+    Answered { response: Response, done_at_ms: u64, produced: Produced, in_cache: bool },
 }
 
 /// The ways of a group: a key may lead from any of them, so a collision with another
@@ -178,10 +191,8 @@ fn scan(
                     _ => offer(way, (0, 0)),
                 },
                 (b"D" | b"d", true) => match decode(record) {
-                    Some(State::Done { response, done_at_ms, stale_from_ms, in_cache, .. })
-                        if done_at_ms >= since_ms =>
-                    {
-                        return Ok(Acquire::Answered { response, done_at_ms, stale_from_ms, in_cache });
+                    Some(State::Done { response, done_at_ms, produced, in_cache, .. }) if done_at_ms >= since_ms => {
+                        return Ok(Acquire::Answered { response, done_at_ms, produced, in_cache });
                     }
                     Some(State::Done { done_at_ms, .. }) => offer(way, (1, done_at_ms)),
                     _ => offer(way, (0, 0)),
@@ -229,18 +240,18 @@ pub fn renew(store: &impl CasStore, config: &Config, lease: &Lease, now_ms: u64)
 
 /// Publishes the flight's answer to its waiters and frees the way. `None` when the lease
 /// was lost (expired and taken over), in which case the new leader's flight stands;
-/// otherwise whether anyone was waiting on it. `stale_from_ms`: the answer is a stale one,
-/// produced then. `in_cache`: the answer was stored in the cache at `now_ms`; the record
+/// otherwise whether anyone was waiting on it. `produced`: when the answer was produced, if
+/// not when the flight ended (a stale one, or one a forward node relayed). `in_cache`: the answer was stored in the cache at `now_ms`; the record
 /// then refers to it instead of repeating it.
 pub fn finish(
     store: &impl CasStore,
     lease: &Lease,
     response: &Response,
     now_ms: u64,
-    stale_from_ms: Option<u64>,
+    produced: Produced,
     in_cache: bool,
 ) -> Result<Option<bool>, StoreError> {
-    let value = done(&lease.key, lease.nonce, now_ms, response, stale_from_ms, in_cache);
+    let value = done(&lease.key, lease.nonce, now_ms, response, produced, in_cache);
     // A flight nobody waited on is marked so (`d`): no waiter needs its way kept.
     update_if_owner(store, lease, |mark| match Mark::of(mark).watched {
         true => Cow::Borrowed(&value[..]),
@@ -421,14 +432,15 @@ fn peek(raw: &[u8]) -> Option<Peek<'_>> {
     Some(Peek { kind, key, nonce: codec::number(nonce)?, time: codec::number(time)?, rest })
 }
 
-fn done(key: &Key, nonce: u64, now_ms: u64, r: &Response, stale_from_ms: Option<u64>, in_cache: bool) -> Vec<u8> {
-    let freshness: Cow<'_, str> = match (stale_from_ms, in_cache) {
-        (Some(t), _) => Cow::Owned(format!("stale:{t}")),
-        (None, true) => Cow::Borrowed("cached"),
-        (None, false) => Cow::Borrowed("fresh"),
+fn done(key: &Key, nonce: u64, now_ms: u64, r: &Response, produced: Produced, in_cache: bool) -> Vec<u8> {
+    let freshness: Cow<'_, str> = match (produced, in_cache) {
+        (Produced::Stale(t), _) => Cow::Owned(format!("stale:{t}")),
+        (Produced::Relayed(t), _) => Cow::Owned(format!("relayed:{t}")),
+        (Produced::AtEnd, true) => Cow::Borrowed("cached"),
+        (Produced::AtEnd, false) => Cow::Borrowed("fresh"),
     };
     // An answer that refers to its cache entry repeats none of it.
-    let refers = in_cache && stale_from_ms.is_none();
+    let refers = in_cache && produced == Produced::AtEnd;
     let (content_type, headers, body) = if refers {
         (Cow::Borrowed(""), String::new(), &[][..])
     } else {
@@ -463,11 +475,12 @@ fn decode(raw: &[u8]) -> Option<State> {
         }
         b'D' | b'd' => {
             let (f, body) = codec::decode::<8>(raw)?;
-            let (stale_from_ms, in_cache) = match f[7].strip_prefix("stale:") {
-                Some(t) => (Some(codec::number(t)?), false),
-                None if f[7] == "fresh" => (None, false),
-                None if f[7] == "cached" => (None, true),
-                None => return None,
+            let (produced, in_cache) = match (f[7].strip_prefix("stale:"), f[7].strip_prefix("relayed:")) {
+                (Some(t), _) => (Produced::Stale(codec::number(t)?), false),
+                (_, Some(t)) => (Produced::Relayed(codec::number(t)?), false),
+                _ if f[7] == "fresh" => (Produced::AtEnd, false),
+                _ if f[7] == "cached" => (Produced::AtEnd, true),
+                _ => return None,
             };
             Some(State::Done {
                 key: f[1].to_owned(),
@@ -479,7 +492,7 @@ fn decode(raw: &[u8]) -> Option<State> {
                     headers: codec::parse_headers(f[6]),
                     body: body.to_vec(),
                 },
-                stale_from_ms,
+                produced,
                 in_cache,
             })
         }
@@ -507,7 +520,7 @@ mod tests {
         let (s, c) = (MemStore::new(), Config::default());
         let Acquire::Acquired(lease) = acquire(&s, &c, &key(1), 11, 0, 0).unwrap() else { panic!() };
         assert!(matches!(acquire(&s, &c, &key(1), 22, 10, 10).unwrap(), Acquire::Held { nonce: 11, .. }));
-        assert_eq!(finish(&s, &lease, &resp(503), 20, None, false).unwrap(), Some(false), "ours, unwatched");
+        assert_eq!(finish(&s, &lease, &resp(503), 20, Produced::AtEnd, false).unwrap(), Some(false), "ours, unwatched");
         let (state, _) = read(&s, &lease.slot).unwrap();
         let State::Done { nonce, response, .. } = state else { panic!("{state:?}") };
         assert_eq!(nonce, 11);
@@ -528,7 +541,11 @@ mod tests {
         assert!(renew(&s, &c, &lease, 3).unwrap());
         assert!(matches!(acquire(&s, &c, &key(1), 44, 4, 4).unwrap(), Acquire::Held { watched: true, .. }));
         assert!(!watch(&s, &slot, 99, Class::Sheddable).unwrap(), "not that flight");
-        assert_eq!(finish(&s, &lease, &resp(200), 5, None, false).unwrap(), Some(true), "the leader learns it");
+        assert_eq!(
+            finish(&s, &lease, &resp(200), 5, Produced::AtEnd, false).unwrap(),
+            Some(true),
+            "the leader learns it"
+        );
         assert!(!watch(&s, &slot, 11, Class::Sheddable).unwrap(), "over: no wake-up will come");
         assert!(matches!(read(&s, &slot).unwrap().0, State::Done { .. }), "a finished flight stays finished");
     }
@@ -556,7 +573,7 @@ mod tests {
         assert!(matches!(acquire(&s, &c, &key(1), 2, 4_999, 4_999).unwrap(), Acquire::Held { nonce: 1, .. }));
         let Acquire::Acquired(new) = acquire(&s, &c, &key(1), 2, 5_000, 5_000).unwrap() else { panic!() };
         assert!(!renew(&s, &c, &old, 5_001).unwrap());
-        assert_eq!(finish(&s, &old, &resp(200), 5_002, None, false).unwrap(), None, "not ours any more");
+        assert_eq!(finish(&s, &old, &resp(200), 5_002, Produced::AtEnd, false).unwrap(), None, "not ours any more");
         assert!(renew(&s, &c, &new, 5_003).unwrap());
         // Renewal pushes expiry: still held well after the first expiry.
         assert!(matches!(acquire(&s, &c, &key(1), 3, 9_000, 9_000).unwrap(), Acquire::Held { nonce: 2, .. }));
@@ -598,7 +615,7 @@ mod tests {
         c.lock.slots = 1;
         let Acquire::Acquired(lease) = acquire(&s, &c, &key(1), 1, 0, 0).unwrap() else { panic!() };
         assert!(watch(&s, &lease.slot, 1, Class::Sheddable).unwrap(), "someone waits on it");
-        finish(&s, &lease, &resp(200), 10, None, false).unwrap();
+        finish(&s, &lease, &resp(200), 10, Produced::AtEnd, false).unwrap();
         let shared = acquire(&s, &c, &key(1), 2, 11, 5).unwrap();
         assert!(matches!(shared, Acquire::Answered { done_at_ms: 10, .. }), "{shared:?}");
         let held_until = 10 + done_hold_ms(&c);
@@ -612,7 +629,7 @@ mod tests {
         let (s, mut c) = (MemStore::new(), Config::default());
         c.lock.slots = 1;
         let Acquire::Acquired(lease) = acquire(&s, &c, &key(1), 1, 0, 0).unwrap() else { panic!() };
-        finish(&s, &lease, &resp(200), 10, None, false).unwrap();
+        finish(&s, &lease, &resp(200), 10, Produced::AtEnd, false).unwrap();
         assert!(matches!(read(&s, &lease.slot).unwrap().0, State::Done { nonce: 1, .. }), "still its answer");
         assert!(matches!(acquire(&s, &c, &key(2), 2, 11, 11).unwrap(), Acquire::Acquired(_)));
     }
@@ -627,7 +644,7 @@ mod tests {
             match acquire(&s, &c, &key(1), i + 1, now, now).unwrap() {
                 Acquire::Acquired(l) => {
                     watch(&s, &l.slot, i + 1, Class::Sheddable).unwrap();
-                    finish(&s, &l, &resp(503), now + 5, None, false).unwrap()
+                    finish(&s, &l, &resp(503), now + 5, Produced::AtEnd, false).unwrap()
                 }
                 other => panic!("flight {i}: {other:?}"),
             };
@@ -645,7 +662,7 @@ mod tests {
         c.lock.slots = 1;
         let Acquire::Acquired(l) = acquire(&s, &c, &key(1), 1, 0, 0).unwrap() else { panic!() };
         // Stamped by a clock an hour ahead (this node's clock was stepped back).
-        finish(&s, &l, &resp(200), 3_600_000, None, false).unwrap();
+        finish(&s, &l, &resp(200), 3_600_000, Produced::AtEnd, false).unwrap();
         assert!(matches!(acquire(&s, &c, &key(2), 2, 10, 10).unwrap(), Acquire::Acquired(_)));
     }
 
@@ -660,7 +677,7 @@ mod tests {
         for (i, at) in [(0, 20), (1, 10)] {
             let Acquire::Acquired(l) = acquire(&s, &c, group[i], i as u64 + 1, 0, 0).unwrap() else { panic!() };
             watch(&s, &l.slot, i as u64 + 1, Class::Sheddable).unwrap();
-            finish(&s, &l, &resp(200), at, None, false).unwrap();
+            finish(&s, &l, &resp(200), at, Produced::AtEnd, false).unwrap();
         }
         let Acquire::Acquired(third) = acquire(&s, &c, group[2], 3, 30, 30).unwrap() else { panic!() };
         let Acquire::Acquired(fourth) = acquire(&s, &c, group[3], 4, 30, 30).unwrap() else { panic!() };
@@ -690,7 +707,7 @@ mod tests {
         s.reset();
         assert!(matches!(acquire(&s, &c, &key(3), 5, 2, 2).unwrap(), Acquire::Held { nonce: 4, .. }));
         assert_eq!(s.calls(), (1, 0), "one read finds the flight");
-        assert_eq!(finish(&s, &leases[1], &resp(200), 3, None, false).unwrap(), Some(false));
+        assert_eq!(finish(&s, &leases[1], &resp(200), 3, Produced::AtEnd, false).unwrap(), Some(false));
         assert!(renew(&s, &c, &fourth, 3).unwrap());
         for (i, l) in leases.iter().enumerate().filter(|(i, _)| *i != 1) {
             let held = acquire(&s, &c, &key(i as u32), 99, 4, 4).unwrap();

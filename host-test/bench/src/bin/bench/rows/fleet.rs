@@ -8,14 +8,17 @@ use host_test::fleet::{Fleet, SECRET};
 use std::net::SocketAddr;
 use std::sync::Arc;
 
-/// A fleet node's HIT three ways, alternating in one run: on the owner listener, through
+/// A fleet node's HIT four ways, alternating in one run: on the owner listener, through
 /// the forward listener from its near copy, and through the forward listener of a node
-/// without near copies (one hop to the owner listener).
+/// without near copies (one hop to the owner listener), in plaintext (the nodes known by
+/// the fleet's secret) and over mutual TLS.
 pub fn fleet_rows(r: &mut Report, rounds: usize, (conns, secs): (usize, u64), hit_prompt: &str) -> std::io::Result<()> {
-    let near = Fleet::start(1, "{}", 0);
-    let hop = Fleet::start(1, r#"{"edge":{"max_age_seconds":0}}"#, 0);
-    let (near, hop) = (near.live().next().expect("a node"), hop.live().next().expect("a node"));
-    for public in [near.public, hop.public] {
+    let no_copies = r#"{"edge":{"max_age_seconds":0}}"#;
+    // Each fleet runs until the rows are measured.
+    let fleets = [Fleet::plain(1, "{}", 0), Fleet::plain(1, no_copies, 0), Fleet::start(1, no_copies, 0)];
+    let node = |f: &Fleet| f.live().next().map(|n| (n.public, n.owner)).expect("a node");
+    let (near, hop, tls) = (node(&fleets[0]), node(&fleets[1]), node(&fleets[2]));
+    for (public, _) in [near, hop, tls] {
         request(public, "POST", PATH, &[("authorization", "Bearer bench")], hit_prompt.as_bytes())?;
     }
     let hit = |addr: SocketAddr| {
@@ -30,8 +33,8 @@ pub fn fleet_rows(r: &mut Report, rounds: usize, (conns, secs): (usize, u64), hi
     };
     // Without near copies, the forward node's concurrent repeats share one hop: the owner's
     // HIT reaches one of them and the others are COALESCED there.
-    let hop_hit = || {
-        let s = hit(hop.public);
+    let hop_hit = |public: SocketAddr| {
+        let s = hit(public);
         assert!(s.labels.iter().all(|l| l == "HIT" || l == "COALESCED"), "every answer was the owner's HIT");
         s
     };
@@ -39,19 +42,23 @@ pub fn fleet_rows(r: &mut Report, rounds: usize, (conns, secs): (usize, u64), hi
     let rows = alternate(
         rounds,
         &mut [
-            &mut || expect_all(owner_hit(near.owner), "HIT"),
-            &mut || expect_all(hit(near.public), "HIT"),
-            &mut || hop_hit(),
+            &mut || expect_all(owner_hit(near.1), "HIT"),
+            &mut || expect_all(hit(near.0), "HIT"),
+            &mut || hop_hit(hop.0),
+            &mut || hop_hit(tls.0),
         ],
     );
-    let [owner_r, near_r, hop_r] = &rows[..] else { unreachable!("three rows") };
+    let [owner_r, near_r, hop_r, tls_r] = &rows[..] else { unreachable!("four rows") };
     let (near_over_owner, hop_over_owner) = (paired(near_r, owner_r, throughput), paired(hop_r, owner_r, throughput));
+    let tls_over_plain = paired(tls_r, hop_r, throughput);
     let mut medians = rows.into_iter().map(median);
     let owner_hit = r.row("fleet HIT on the owner listener", medians.next().expect("a row"));
     let near_hit = r.row("fleet HIT from a near copy (forward listener)", medians.next().expect("a row"));
     let hop_hit = r.row("fleet HIT through a forward hop", medians.next().expect("a row"));
+    r.row("fleet HIT through a forward hop, mutual TLS", medians.next().expect("a row"));
     r.ratio("near-copy HIT / owner HIT throughput", near_over_owner, "goal >= 0.90");
     r.ratio("forward hop HIT / owner HIT throughput", hop_over_owner, "");
+    r.ratio("forward hop HIT over mutual TLS / in plaintext", tls_over_plain, "the hop's TLS cost");
     let p50 = |row: usize| r.rows[row].1.p50_us as f64;
     let (near_p50, hop_p50) = (p50(near_hit) / p50(owner_hit).max(1.0), p50(hop_hit) / p50(owner_hit).max(1.0));
     r.ratio("near-copy HIT / owner HIT p50", near_p50, "");

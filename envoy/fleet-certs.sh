@@ -5,13 +5,17 @@
 #   DIR/ca.pem, DIR/ca-key.pem       the fleet's CA (every node trusts it)
 #   DIR/node.pem, DIR/node-key.pem   a node's certificate, URI SAN spiffe://holysheep/fleet
 # Each NAME=SAN also issues DIR/NAME.pem and DIR/NAME-key.pem from the same CA with that URI
-# SAN. Files already there are kept. For production, the certificates come from your own CA
+# SAN. Files already there are kept while they have a day left. For production, the certificates come from your own CA
 # (cert-manager in deploy/kubernetes/fleet/); these are for the demo and the tests.
 set -euo pipefail
 dir=$1
 shift
 mkdir -p "$dir"
 cd "$dir"
+# Certificates that expire within a day are made again, the CA with them.
+if [ -f node.pem ] && ! openssl x509 -checkend 86400 -noout -in node.pem >/dev/null; then
+  rm -f ./*.pem ca.srl
+fi
 if [ ! -f ca.pem ]; then
   openssl req -x509 -newkey ec -pkeyopt ec_paramgen_curve:P-256 -nodes -keyout ca-key.pem -out ca.pem \
     -days 30 -subj "/CN=holysheep fleet test CA" 2>/dev/null

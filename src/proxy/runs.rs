@@ -43,9 +43,9 @@ pub struct Hop {
     pub fresh: Option<Fresh>,
     /// The owner's headers its answer keeps for the flight's waiters (see `edge::kept`).
     pub kept: Vec<(String, String)>,
-    /// Whether the owner keyed the request as this node did (`edge::keyed_alike`): only
-    /// then is its answer shared with the flight's waiters.
-    pub keyed_alike: bool,
+    /// Whether its answer is shared with the flight's waiters (`edge::shared_with_waiters`:
+    /// keyed by the owner as by this node, or an error that names no key).
+    pub shared: bool,
     /// When the owner produced its answer, and whether it was STALE: the waiters share it
     /// as of then.
     pub origin: Option<Origin>,

@@ -427,7 +427,7 @@ impl Worker {
         }
         let label = metrics::label(&self.config, &outbound.model);
         self.counters.count(vec![(label, Counter::Hops, 1)], outbound.tenant.as_deref());
-        let hop = Hop { call, outbound, fresh: None, kept: Vec::new(), keyed_alike: false, origin: None };
+        let hop = Hop { call, outbound, fresh: None, kept: Vec::new(), shared: false, origin: None };
         self.runs.hops.insert(context_id, hop);
     }
 
@@ -440,7 +440,7 @@ impl Worker {
         let engine = self.engine();
         // An answer the owner keyed otherwise is the leader's alone: the waiters look again,
         // and each goes on by itself.
-        let watched = match end.outcome.filter(|_| hop.keyed_alike) {
+        let watched = match end.outcome.filter(|_| hop.shared) {
             Some(outcome) => {
                 let outcome = Response { headers: hop.kept, ..outcome };
                 let ended = engine.end_relayed(&hop.call, Some(outcome), host::now_ms(), hop.fresh, hop.origin);

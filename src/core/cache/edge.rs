@@ -33,13 +33,24 @@ pub fn kept(headers: &[(String, String)]) -> Vec<(String, String)> {
 }
 
 /// Whether the owner keyed the request as this forward node did (`key`), by the answer's
-/// `x-holysheep-key`: `None` when the answer names no key (an owner's own refusal, before
-/// it keyed anything). Only an answer keyed alike is shared with the flight's waiters: an
-/// owner whose configuration scopes or keys requests otherwise (another
-/// `cache.tenant_header`, say) may have answered for another tenant's scope.
+/// `x-holysheep-key`: `None` when the answer names no key (Envoy's own 503 or 504, or an
+/// owner's refusal before it keyed anything). An answer keyed otherwise is never shared
+/// with the flight's waiters: an owner whose configuration scopes or keys requests
+/// otherwise (another `cache.tenant_header`, say) may have answered for another tenant's
+/// scope.
 pub fn keyed_alike(key: &Key, headers: &[(String, String)]) -> Option<bool> {
     let owner = headers.iter().find(|(n, _)| n.eq_ignore_ascii_case(headers::KEY)).map(|(_, v)| v.as_str())?;
     Some(owner == key.hex())
+}
+
+/// Whether a hop's answer goes to the flight's waiters: one keyed alike, or an error that
+/// names no key (the owner unreachable, or refusing before it keyed anything: each waiter
+/// would meet the same), never one keyed otherwise nor an unkeyed 200.
+pub fn shared_with_waiters(key: &Key, status: u16, headers: &[(String, String)]) -> bool {
+    match keyed_alike(key, headers) {
+        Some(alike) => alike,
+        None => status != 200,
+    }
 }
 
 /// When an owner produced the answer a hop brought back (its `age` before `now_ms`, capped
@@ -119,6 +130,10 @@ mod tests {
         assert_eq!(keyed_alike(&k, &owner(&other, "MISS", "max-age=60", None)), Some(false), "another scope");
         assert_eq!(keyed_alike(&k, &headers(&[("X-HolySheep-Key", k.hex())])), Some(true), "any case");
         assert_eq!(keyed_alike(&k, &headers(&[("content-type", "application/json")])), None, "not keyed");
+        let unkeyed = headers(&[("content-type", "application/json")]);
+        assert!(shared_with_waiters(&k, 503, &unkeyed), "Envoy's own 503: every waiter would meet it");
+        assert!(!shared_with_waiters(&k, 200, &unkeyed), "an unkeyed 200 is no owner's answer");
+        assert!(!shared_with_waiters(&k, 404, &owner(&other, "MISS", "no-store", None)), "keyed otherwise");
     }
 
     #[test]

@@ -672,8 +672,12 @@ fn shared(key: &Key, response: Response, done: Done, (policy, since_ms): (Policy
     if matches!(done.produced, Produced::Stale(_)) && !stale_allowed(policy, age_s) {
         return None;
     }
+    // A relayed answer is held to the request's directives as on its owner; the flight's
+    // own answer never is (it is the request's own, however late the waiter reads it or
+    // however the workers' clocks disagree).
+    let relayed = matches!(done.produced, Produced::Relayed(_));
     let older = produced_ms < since_ms && !policy.read;
-    if older || policy.max_age.is_some_and(|max| age_s > max) {
+    if relayed && (older || policy.max_age.is_some_and(|max| age_s > max)) {
         return None;
     }
     if !response.may_share(policy.class) {
@@ -1064,6 +1068,22 @@ mod tests {
         assert!(expect_call(e.poll(&no_cache, 9_020, 6)).lease.is_some(), "no-cache: leads a flight of its own");
         assert_eq!(expect_wait(e.poll(&young, 9_020, 7)).nonce, 6, "max-age=5: waits for that flight instead");
         assert_eq!(expect_reply(e.poll(&fine, 9_020, 8)).age_s, Some(9));
+    }
+
+    #[test]
+    fn a_waiter_takes_its_own_flights_answer_whenever_it_reads_it_and_whatever_the_clocks_say() {
+        let (s, c) = (MemStore::new(), Config::default());
+        let e = Engine { store: &s, config: &c };
+        // max-age=0, woken a second after the flight ended.
+        let lead = expect_call(e.admit(&k(9), READ, 0, 1));
+        let zero = expect_wait(e.admit(&k(9), Policy { max_age: Some(0), ..READ }, 100, 2));
+        e.complete(&lead, ok("A"), 10_000);
+        assert_eq!(expect_reply(e.poll(&zero, 11_200, 3)).cache, Some(CacheStatus::Coalesced));
+        // no-cache, on a worker whose clock is ahead of the leader's.
+        let lead = expect_call(e.admit(&k(8), READ, 1_000, 4));
+        let no_cache = expect_wait(e.admit(&k(8), Policy { read: false, ..READ }, 1_005, 5));
+        e.complete(&lead, ok("A"), 1_003);
+        assert_eq!(expect_reply(e.poll(&no_cache, 1_006, 6)).cache, Some(CacheStatus::Coalesced));
     }
 
     #[test]

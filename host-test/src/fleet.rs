@@ -19,8 +19,9 @@ use std::time::Duration;
 pub const SECRET: &str = "fleet-secret-for-tests";
 
 /// The test fleets' certificates, made once per process by `envoy/fleet-certs.sh`: the
-/// fleet's CA and node certificate, `stranger.pem` (the same CA, another SAN) and, in
-/// `rogue/`, another CA with a node certificate of the fleet's SAN.
+/// fleet's CA and node certificate, `stranger.pem` (the same CA, another SAN), in `rogue/`
+/// another CA with a node certificate of the fleet's SAN, and `expired.pem` (the fleet's CA
+/// and SAN, expired a day before it was made).
 pub fn certificates() -> &'static Path {
     static DIR: OnceLock<PathBuf> = OnceLock::new();
     DIR.get_or_init(|| {
@@ -30,6 +31,36 @@ pub fn certificates() -> &'static Path {
             let made = std::process::Command::new(&script).arg(&at).args(extra).status();
             assert!(made.is_ok_and(|s| s.success()), "envoy/fleet-certs.sh {} failed", at.display());
         }
+        let ext = "subjectAltName=URI:spiffe://holysheep/fleet\nextendedKeyUsage=serverAuth,clientAuth\n";
+        std::fs::write(dir.join("expired.ext"), ext).expect("expired.ext");
+        let openssl = |args: &[&str]| {
+            let made = std::process::Command::new("openssl").args(args).current_dir(&dir).output();
+            assert!(made.is_ok_and(|o| o.status.success()), "openssl {args:?} failed");
+        };
+        openssl(
+            &["req", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes", "-keyout", "expired-key.pem"]
+                .iter()
+                .chain(&["-out", "expired.csr", "-subj", "/CN=expired"])
+                .copied()
+                .collect::<Vec<_>>(),
+        );
+        openssl(&[
+            "x509",
+            "-req",
+            "-in",
+            "expired.csr",
+            "-CA",
+            "ca.pem",
+            "-CAkey",
+            "ca-key.pem",
+            "-CAcreateserial",
+            "-out",
+            "expired.pem",
+            "-days",
+            "-1",
+            "-extfile",
+            "expired.ext",
+        ]);
         dir
     })
 }

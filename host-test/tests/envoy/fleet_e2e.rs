@@ -108,12 +108,12 @@ fn three_nodes_act_as_one_edge() {
     }
 
     // Over mutual TLS, an owner listener talks only to a client with a certificate of the
-    // fleet's CA and SAN: none, another SAN or another CA is refused in the handshake, and
-    // nothing reaches HolySheep. A node's certificate is served without the secret.
+    // fleet's CA and SAN: none, another SAN, another CA or an expired one is refused in the
+    // handshake, and nothing reaches HolySheep. A node's certificate is served without the secret.
     let owner = fleet.live().next().map(|n| n.owner).expect("a node");
     let calls = fleet.calls();
     let body = prompt("straight to an owner listener");
-    for cert in [None, Some("stranger"), Some("rogue/node")] {
+    for cert in [None, Some("stranger"), Some("rogue/node"), Some("expired")] {
         let r = curl(owner, PATH, cert, &[], body.as_bytes());
         assert_eq!(r, None, "{cert:?} was answered: {r:?}");
     }

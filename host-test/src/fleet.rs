@@ -37,13 +37,9 @@ pub fn certificates() -> &'static Path {
             let made = std::process::Command::new("openssl").args(args).current_dir(&dir).output();
             assert!(made.is_ok_and(|o| o.status.success()), "openssl {args:?} failed");
         };
-        openssl(
-            &["req", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes", "-keyout", "expired-key.pem"]
-                .iter()
-                .chain(&["-out", "expired.csr", "-subj", "/CN=expired"])
-                .copied()
-                .collect::<Vec<_>>(),
-        );
+        let key =
+            ["req", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes", "-keyout", "expired-key.pem"];
+        openssl(&[&key[..], &["-out", "expired.csr", "-subj", "/CN=expired"]].concat());
         openssl(&[
             "x509",
             "-req",

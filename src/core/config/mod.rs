@@ -621,6 +621,16 @@ impl Config {
         if t.caps().is_none() {
             return Ok(());
         }
+        // Listing no model, it may call any that is priced: with none priced, every call
+        // it makes would be refused (a forward node's configuration without the owners'
+        // `models`, say).
+        if t.models.is_none() && !self.models.values().any(Model::priced) {
+            return Err(ConfigError(format!(
+                "tenants.{name}: it has a dollar budget, and no model has a price \
+                 (models.<name>.usd_per_mtok_input / usd_per_mtok_output, or a priced models.default): \
+                 every call it makes would be refused 404 model_not_found"
+            )));
+        }
         let listed: Vec<&str> = match &t.models {
             Some(models) => models.iter().map(String::as_str).collect(),
             None => self.models.keys().map(String::as_str).collect(),
@@ -1050,6 +1060,12 @@ mod tests {
         ] {
             let e = with(&models, tenant).expect_err(&models).to_string();
             assert!(e.contains("tenants.t:") && e.contains(&format!("model {unpriced} it can reach")), "{models}: {e}");
+        }
+        // Listing no model, with none priced (a forward node without the owners' models):
+        // every call would be refused, and the load says so.
+        for models in ["{}", r#"{"a":{"requests_per_minute":5}}"#] {
+            let e = with(models, "").expect_err(models).to_string();
+            assert!(e.contains("tenants.t:") && e.contains("no model has a price"), "{models}: {e}");
         }
         for (models, tenant) in [
             (format!(r#"{{"a":{{{priced},"fallback":["b"]}},"b":{{}}}}"#), r#","models":["a"]"#),

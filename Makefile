@@ -1,5 +1,5 @@
 # The two commands: `make run` (demo on the mock) and `make test` (everything CI runs).
-.PHONY: k8s-check oci rules-check run run-cluster run-tiers run-component test check imports-check fuzz-check bench profile floors soak stop setup clean wit-lock fuzz tenant-key docs-check
+.PHONY: size-check k8s-check oci rules-check run run-cluster run-tiers run-component test check imports-check fuzz-check bench profile floors soak stop setup clean wit-lock fuzz tenant-key docs-check
 
 # What the tests need (`make run` and the other demos install only what they use).
 setup:
@@ -67,7 +67,11 @@ imports-check:
 fuzz-check:
 	cd fuzz && cargo check --quiet --locked --target-dir ../target/fuzz-check
 
-test: setup docs-check imports-check fuzz-check rules-check k8s-check oci
+# The plugin and the component stay within tools/size-budget.
+size-check: setup
+	tools/size-check.sh
+
+test: setup docs-check imports-check fuzz-check size-check rules-check k8s-check oci
 	cargo fmt --all --check
 	tools/suites.sh
 

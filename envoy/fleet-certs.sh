@@ -13,9 +13,11 @@ shift
 mkdir -p "$dir"
 cd "$dir"
 # Certificates that expire within a day are made again, the CA with them.
-if [ -f node.pem ] && ! openssl x509 -checkend 86400 -noout -in node.pem >/dev/null; then
-  rm -f ./*.pem ca.srl
-fi
+for cert in ca.pem node.pem; do
+  if [ -f "$cert" ] && ! openssl x509 -checkend 86400 -noout -in "$cert" >/dev/null; then
+    rm -f ./*.pem ca.srl
+  fi
+done
 if [ ! -f ca.pem ]; then
   openssl req -x509 -newkey ec -pkeyopt ec_paramgen_curve:P-256 -nodes -keyout ca-key.pem -out ca.pem \
     -days 30 -subj "/CN=holysheep fleet test CA" 2>/dev/null

@@ -59,7 +59,8 @@ etcd_cluster() {
       endpoints: [{lb_endpoints: [{endpoint: {address: {socket_address: {address: 127.0.0.1, port_value: $ETCD_PORT}}}}]}]
 YAML
 }
-# Mutual TLS between the nodes: a test CA and the nodes' certificate, made once.
+# Mutual TLS between the nodes: a test CA and the nodes' certificate (made again when they
+# are about to expire).
 envoy/fleet-certs.sh .run/fleet-tls
 for i in $nodes; do
   # The public listener's filter gets CONFIG with "role": "forward", the owner's CONFIG with

@@ -8,6 +8,10 @@ cd "$(dirname "$0")/.."
 status=0
 while read -r name path budget; do
   case $name in ''|'#'*) continue ;; esac
+  if ! [[ $budget =~ ^[0-9]+$ ]]; then
+    echo "size-check: $name's budget '$budget' is not a number of bytes (tools/size-budget)" >&2
+    exit 1
+  fi
   size=$(stat -c %s "$path")
   if [ "$size" -gt "$budget" ]; then
     echo "size-check: $name is $size bytes, past its budget of $budget (tools/size-budget)" >&2

@@ -54,10 +54,12 @@ pub fn shared_with_waiters(key: &Key, status: u16, headers: &[(String, String)])
 }
 
 /// When an owner produced the answer a hop brought back (its `age` before `now_ms`, capped
-/// at a year), and whether it served it STALE.
+/// at a year), whether it was older than the hop (an `age` of a second or more: a HIT, or
+/// a flight it joined) and whether it served it STALE.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Origin {
     pub produced_ms: u64,
+    pub aged: bool,
     pub stale: bool,
 }
 
@@ -67,6 +69,7 @@ impl Origin {
         let age_s = header(headers::AGE).and_then(|a| a.trim().parse::<u64>().ok()).unwrap_or(0).min(MAX_SECONDS);
         Origin {
             produced_ms: now_ms.saturating_sub(age_s.saturating_mul(1000)),
+            aged: age_s > 0,
             stale: header(headers::CACHE) == Some("STALE"),
         }
     }

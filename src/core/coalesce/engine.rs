@@ -395,7 +395,7 @@ impl<S: CasStore> Engine<'_, S> {
         // A relayed answer is dated when its owner produced it (STALE, when it was so).
         let produced = match origin {
             Some(o) if o.stale => Produced::Stale(o.produced_ms),
-            Some(o) if o.produced_ms < now_ms => Produced::Relayed(o.produced_ms),
+            Some(o) if o.aged => Produced::Relayed(o.produced_ms),
             _ => Produced::AtEnd,
         };
         // The flight's record refers to the entry only when it was stamped now (the record's
@@ -1097,7 +1097,7 @@ mod tests {
         let no_cache = expect_wait(e.admit(&k(1), Policy { read: false, ..READ }, 100_100, 3));
         let young = expect_wait(e.admit(&k(1), Policy { max_age: Some(10), ..READ }, 100_100, 4));
         let old_enough = expect_wait(e.admit(&k(1), Policy { max_age: Some(60), ..READ }, 100_100, 5));
-        let origin = Origin { produced_ms: 70_000, stale: false };
+        let origin = Origin { produced_ms: 70_000, aged: true, stale: false };
         e.end_relayed(&hop, ok("{}"), 100_200, None, Some(origin));
         let r = expect_reply(e.poll(&plain, 100_300, 6));
         assert_eq!((r.cache, r.age_s), (Some(CacheStatus::Coalesced), Some(30)), "its owner's age, not 0");
@@ -1112,7 +1112,7 @@ mod tests {
         let hop = expect_call(e.admit(&k(2), READ, 200_000, 10));
         let plain = expect_wait(e.admit(&k(2), READ, 200_100, 11));
         let no_cache = expect_wait(e.admit(&k(2), Policy { read: false, ..READ }, 200_100, 12));
-        e.end_relayed(&hop, ok("{}"), 200_200, None, Some(Origin { produced_ms: 150_000, stale: true }));
+        e.end_relayed(&hop, ok("{}"), 200_200, None, Some(Origin { produced_ms: 150_000, aged: true, stale: true }));
         let r = expect_reply(e.poll(&plain, 200_300, 13));
         assert_eq!((r.cache, r.age_s), (Some(CacheStatus::Stale), Some(50)));
         assert!(expect_call(e.poll(&no_cache, 200_300, 14)).lease.is_some(), "no-cache refuses a stale answer");

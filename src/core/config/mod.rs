@@ -624,11 +624,12 @@ impl Config {
         // Listing no model, it may call any that is priced: with none priced, every call
         // it makes would be refused (a forward node's configuration without the owners'
         // `models`, say).
-        if t.models.is_none() && !self.models.values().any(Model::priced) {
+        // (`default` prices only names a tenant's own list holds: `prices_for`.)
+        if t.models.is_none() && !self.models.iter().any(|(m, e)| m != "default" && e.priced()) {
             return Err(ConfigError(format!(
-                "tenants.{name}: it has a dollar budget, and no model has a price \
-                 (models.<name>.usd_per_mtok_input / usd_per_mtok_output, or a priced models.default): \
-                 every call it makes would be refused 404 model_not_found"
+                "tenants.{name}: it has a dollar budget and lists no models, and no model has a price of \
+                 its own (models.<name>.usd_per_mtok_input / usd_per_mtok_output): every call it makes \
+                 would be refused 404 model_not_found"
             )));
         }
         let listed: Vec<&str> = match &t.models {
@@ -1063,14 +1064,14 @@ mod tests {
         }
         // Listing no model, with none priced (a forward node without the owners' models):
         // every call would be refused, and the load says so.
-        for models in ["{}", r#"{"a":{"requests_per_minute":5}}"#] {
+        for models in ["{}", r#"{"a":{"requests_per_minute":5}}"#, r#"{"default":{"usd_per_mtok_output":3}}"#] {
             let e = with(models, "").expect_err(models).to_string();
             assert!(e.contains("tenants.t:") && e.contains("no model has a price"), "{models}: {e}");
         }
         for (models, tenant) in [
             (format!(r#"{{"a":{{{priced},"fallback":["b"]}},"b":{{}}}}"#), r#","models":["a"]"#),
             (format!(r#"{{"a":{{{priced}}}}}"#), ""),
-            (r#"{"default":{"usd_per_mtok_output":3}}"#.to_owned(), ""),
+            (r#"{"default":{"usd_per_mtok_output":3}}"#.to_owned(), r#","models":["a"]"#),
         ] {
             assert!(with(&models, tenant).is_ok(), "{models} {tenant}: a fallback it may not call, a name not listed");
         }

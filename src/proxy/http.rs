@@ -157,7 +157,7 @@ impl Chat {
             hop.origin = Some(edge::Origin::of(&headers, now));
             hop.kept = edge::kept(&headers);
             let alike = edge::keyed_alike(&hop.call.key, &headers);
-            hop.shared = edge::shared_with_waiters(&hop.call.key, status, &headers);
+            hop.shared = edge::shared_with_waiters(alike, status);
             let disagreed = (alike == Some(false)).then(|| (hop.outbound.model.clone(), hop.outbound.tenant.clone()));
             let sse = status == 200 && headers::is_event_stream(&content_type);
             if sse && !hop.outbound.include_usage {

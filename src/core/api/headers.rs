@@ -27,6 +27,11 @@ pub const ACCEPT: &str = "accept";
 /// The media type of a streamed answer.
 pub const EVENT_STREAM: &str = "text/event-stream";
 
+/// The value of the first header named `name` (in any case) among `pairs`.
+pub fn value<'a>(pairs: &'a [(String, String)], name: &str) -> Option<&'a str> {
+    pairs.iter().find(|(n, _)| n.eq_ignore_ascii_case(name)).map(|(_, v)| v.as_str())
+}
+
 /// Whether a `content-type` names an event stream (media types are case-insensitive).
 pub fn is_event_stream(content_type: &str) -> bool {
     content_type.to_ascii_lowercase().contains(EVENT_STREAM)

@@ -26,7 +26,7 @@ pub struct ProviderHints {
 
 impl ProviderHints {
     pub fn from_headers(status: u16, headers: &[(String, String)]) -> ProviderHints {
-        let get = |n: &str| headers.iter().find(|(k, _)| k.eq_ignore_ascii_case(n)).map(|(_, v)| v.trim());
+        let get = |n: &str| headers::value(headers, n).map(str::trim);
         ProviderHints {
             remaining_requests: get(headers::REMAINING_REQUESTS).and_then(|v| v.parse().ok()),
             remaining_tokens: get(headers::REMAINING_TOKENS).and_then(|v| v.parse().ok()),

@@ -20,7 +20,7 @@ impl Response {
     }
 
     pub fn header(&self, name: &str) -> Option<&str> {
-        self.headers.iter().find(|(n, _)| n.eq_ignore_ascii_case(name)).map(|(_, v)| v.as_str())
+        super::headers::value(&self.headers, name)
     }
 
     pub fn with_header(mut self, name: &str, value: String) -> Response {

@@ -39,18 +39,15 @@ pub fn kept(headers: &[(String, String)]) -> Vec<(String, String)> {
 /// otherwise (another `cache.tenant_header`, say) may have answered for another tenant's
 /// scope.
 pub fn keyed_alike(key: &Key, headers: &[(String, String)]) -> Option<bool> {
-    let owner = headers.iter().find(|(n, _)| n.eq_ignore_ascii_case(headers::KEY)).map(|(_, v)| v.as_str())?;
-    Some(owner == key.hex())
+    Some(headers::value(headers, headers::KEY)? == key.hex())
 }
 
-/// Whether a hop's answer goes to the flight's waiters: one keyed alike, or an error that
-/// names no key (the owner unreachable, or refusing before it keyed anything: each waiter
-/// would meet the same), never one keyed otherwise nor an unkeyed 200.
-pub fn shared_with_waiters(key: &Key, status: u16, headers: &[(String, String)]) -> bool {
-    match keyed_alike(key, headers) {
-        Some(alike) => alike,
-        None => status != 200,
-    }
+/// Whether a hop's answer (`status`, keyed alike or not as `keyed_alike` says) goes to the
+/// flight's waiters: one keyed alike, or an error that names no key (the owner
+/// unreachable, or refusing before it keyed anything: each waiter would meet the same),
+/// never one keyed otherwise nor an unkeyed 200.
+pub fn shared_with_waiters(keyed_alike: Option<bool>, status: u16) -> bool {
+    keyed_alike.unwrap_or(status != 200)
 }
 
 /// When an owner produced the answer a hop brought back (its `age` before `now_ms`, capped
@@ -64,8 +61,8 @@ pub struct Origin {
 }
 
 impl Origin {
-    pub fn of(headers: &[(String, String)], now_ms: u64) -> Origin {
-        let header = |name: &str| headers.iter().find(|(n, _)| n.eq_ignore_ascii_case(name)).map(|(_, v)| v.as_str());
+    pub fn of(pairs: &[(String, String)], now_ms: u64) -> Origin {
+        let header = |name: &str| headers::value(pairs, name);
         let age_s = header(headers::AGE).and_then(|a| a.trim().parse::<u64>().ok()).unwrap_or(0).min(MAX_SECONDS);
         Origin {
             produced_ms: now_ms.saturating_sub(age_s.saturating_mul(1000)),
@@ -82,7 +79,7 @@ impl Origin {
 /// `edge.max_age_seconds`. Its `age` dates the copy back to when the owner produced it
 /// (capped at a year, the longest any cache keeps an answer).
 pub fn declared(config: &Config, key: &Key, status: u16, headers: &[(String, String)], now_ms: u64) -> Option<Fresh> {
-    let header = |name: &str| headers.iter().find(|(n, _)| n.eq_ignore_ascii_case(name)).map(|(_, v)| v.as_str());
+    let header = |name: &str| headers::value(headers, name);
     let served = ["HIT", "MISS", "COALESCED"].map(Some).contains(&header(headers::CACHE));
     if status != 200 || !served || header(headers::KEY) != Some(key.hex()) {
         return None;
@@ -133,10 +130,11 @@ mod tests {
         assert_eq!(keyed_alike(&k, &owner(&other, "MISS", "max-age=60", None)), Some(false), "another scope");
         assert_eq!(keyed_alike(&k, &headers(&[("X-HolySheep-Key", k.hex())])), Some(true), "any case");
         assert_eq!(keyed_alike(&k, &headers(&[("content-type", "application/json")])), None, "not keyed");
-        let unkeyed = headers(&[("content-type", "application/json")]);
-        assert!(shared_with_waiters(&k, 503, &unkeyed), "Envoy's own 503: every waiter would meet it");
-        assert!(!shared_with_waiters(&k, 200, &unkeyed), "an unkeyed 200 is no owner's answer");
-        assert!(!shared_with_waiters(&k, 404, &owner(&other, "MISS", "no-store", None)), "keyed otherwise");
+        let unkeyed = keyed_alike(&k, &headers(&[("content-type", "application/json")]));
+        assert!(shared_with_waiters(unkeyed, 503), "Envoy's own 503: every waiter would meet it");
+        assert!(!shared_with_waiters(unkeyed, 200), "an unkeyed 200 is no owner's answer");
+        let otherwise = keyed_alike(&k, &owner(&other, "MISS", "no-store", None));
+        assert!(!shared_with_waiters(otherwise, 404), "keyed otherwise");
     }
 
     #[test]

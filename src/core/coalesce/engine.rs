@@ -669,7 +669,8 @@ fn shared(key: &Key, response: Response, done: Done, (policy, since_ms): (Policy
         Produced::AtEnd => (CacheStatus::Coalesced, done.at_ms),
     };
     let age_s = now_ms.saturating_sub(produced_ms) / 1000;
-    if matches!(done.produced, Produced::Stale(_)) && !stale_allowed(policy, age_s) {
+    let stale = matches!(done.produced, Produced::Stale(_));
+    if stale && !stale_allowed(policy, age_s) {
         return None;
     }
     // A relayed answer is held to the request's directives as on its owner; the flight's
@@ -683,7 +684,6 @@ fn shared(key: &Key, response: Response, done: Done, (policy, since_ms): (Policy
     if !response.may_share(policy.class) {
         return None;
     }
-    let stale = matches!(done.produced, Produced::Stale(_));
     let fresh_s = done.expires_ms.filter(|_| !stale).map(|e| e.saturating_sub(now_ms) / 1000);
     Some(Reply { response, cache: Some(cache), key: Some(key.clone()), age_s: Some(age_s), fresh_s })
 }

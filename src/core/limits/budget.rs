@@ -366,10 +366,7 @@ impl Spend {
 
     /// `write` is given up while the key stood at `base`: it may land yet.
     pub(super) fn unsure_of(&mut self, write: Pending, base: u64) {
-        if self.unsure.len() >= MAX_UNSURE {
-            self.unsure.remove(0);
-        }
-        self.unsure.push(Unsure { write, base });
+        push_bounded(&mut self.unsure, Unsure { write, base }, MAX_UNSURE);
     }
 
     /// The key at `revision` holds (or not) each unsure write sent against an earlier one:
@@ -386,19 +383,13 @@ impl Spend {
     /// The lapsed reservations' worst cases were written to the store: they stay.
     pub(super) fn forget_lapsed(&mut self) {
         for e in std::mem::take(&mut self.lapsed) {
-            if self.paid.len() >= MAX_LAPSED {
-                self.paid.remove(0);
-            }
-            self.paid.push(e);
+            push_bounded(&mut self.paid, e, MAX_LAPSED);
         }
     }
 
     /// `e` is no longer listed, and stays charged at its worst case until its call settles.
     fn lapse(&mut self, e: Entry) {
-        if self.lapsed.len() >= MAX_LAPSED {
-            self.lapsed.remove(0);
-        }
-        self.lapsed.push(e);
+        push_bounded(&mut self.lapsed, e, MAX_LAPSED);
     }
 
     /// What a record backed by the store charges: what the store held when read, what was
@@ -534,6 +525,14 @@ impl Entry {
     fn encode(&self) -> String {
         format!("{}:{}:{}:{}:{}", self.id, self.micro, self.day, self.month, self.until_ms)
     }
+}
+
+/// `item` at the end of `list`, the oldest dropped to keep at most `max`.
+fn push_bounded<T>(list: &mut Vec<T>, item: T, max: usize) {
+    if list.len() >= max {
+        list.remove(0);
+    }
+    list.push(item);
 }
 
 pub fn key(tenant: &str) -> String {

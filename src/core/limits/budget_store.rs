@@ -222,15 +222,13 @@ fn learn(s: &mut Spend, f: Found, now_ms: u64) {
 }
 
 /// A write behind of what a node settled for a tenant: the store's value at `revision`
-/// with `sent` added, for the periods `day` and `month`.
+/// with what was settled added (what it sent, and for which periods, is the record's
+/// `Pending`, kept until the write is answered).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Flush {
     pub tenant: String,
     pub revision: u64,
     pub value: Stored,
-    sent: (u64, u64),
-    day: u64,
-    month: u64,
 }
 
 /// What a round of writes does for a tenant's record.
@@ -288,9 +286,6 @@ pub fn due(store: &impl CasStore, config: &Config, tenant: &str, now_ms: u64, wr
                     tenant: tenant.to_owned(),
                     revision,
                     value: r.stored.plus(r.day, r.month, r.unsent, (writer, write)),
-                    sent: r.unsent,
-                    day: r.day,
-                    month: r.month,
                 });
                 true
             });

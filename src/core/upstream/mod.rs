@@ -171,7 +171,7 @@ pub struct Sent {
 /// `headers` are the response headers (names lower-case or not). An answer the edge must
 /// not pass on (see `refused`, `Endpoint::is_answer`) is the edge's own error in its place.
 pub fn response(status: u16, headers: &[(String, String)], body: Vec<u8>, sent: Sent) -> (Response, ProviderHints) {
-    let header = |n: &str| headers.iter().find(|(k, _)| k.eq_ignore_ascii_case(n)).map(|(_, v)| v.clone());
+    let header = |n: &str| headers::value(headers, n).map(str::to_owned);
     let mut hints = ProviderHints::from_headers(status, headers);
     let content_type = header(headers::CONTENT_TYPE).unwrap_or_else(|| "application/json".into());
     let retry_after =

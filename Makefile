@@ -1,5 +1,5 @@
 # The two commands: `make run` (demo on the mock) and `make test` (everything CI runs).
-.PHONY: size-check k8s-check oci rules-check run run-cluster run-tiers run-component test check imports-check fuzz-check bench profile floors soak stop setup clean wit-lock fuzz tenant-key docs-check
+.PHONY: shells-check size-check k8s-check oci rules-check run run-cluster run-tiers run-component test check imports-check fuzz-check bench profile floors soak stop setup clean wit-lock fuzz tenant-key docs-check
 
 # What the tests need (`make run` and the other demos install only what they use).
 setup:
@@ -53,10 +53,18 @@ stop:
 
 # The quick level (a minute or two after a first build): format, clippy, the core's unit
 # tests, the docs, the module graph and the fuzz targets' types. `make test` runs all of it.
-check: docs-check imports-check fuzz-check
+check: docs-check imports-check fuzz-check shells-check
 	cargo fmt --all --check
 	cargo clippy --quiet --workspace --all-targets -- -D warnings
 	cargo test --quiet -p holysheep-edge --lib
+
+# Clippy on each shell's own build, warnings denied (`make test` does it in tools/suites.sh).
+# With the native build, which has no shell, this reports a core item nothing uses
+# (src/core/mod.rs, "The face").
+shells-check:
+	rustup target add wasm32-wasip1 wasm32-wasip2 >/dev/null 2>&1
+	cargo clippy --quiet -p holysheep-edge --lib --target wasm32-wasip1 -- -D warnings
+	cargo clippy --quiet -p holysheep-edge --lib --target wasm32-wasip2 -- -D warnings
 
 # No import circle anywhere in src/ (tools/imports.py prints the graph's figures).
 imports-check:

@@ -288,7 +288,7 @@ pub fn intake(config: &Config, head: &Head, body: &[u8]) -> Result<Intake, ApiEr
 /// `intake`, or, for a request without directives, the parse a shell kept for exactly its
 /// bytes from the same tenant (`known`: a per-worker or per-instance memo), which costs
 /// nothing more than a clone. A request with `cache-control` is always parsed.
-pub fn intake_or_known(
+pub(crate) fn intake_or_known(
     config: &Config,
     head: &Head,
     body: &[u8],

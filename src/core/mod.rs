@@ -8,6 +8,13 @@
 //! An arrow up a floor is allowed only with an `// up:` comment on its line (or the line
 //! above) saying why; `tools/imports.py` (in `make check` and `make test`) fails on an import
 //! circle anywhere in `src/` and on an uncommented arrow up.
+//!
+//! The face: an item is `pub` only when a shell or a fuzz target uses it (or a `pub` item's
+//! signature names it); everything else is `pub(crate)`, and modules no shell names are
+//! `pub(crate)`, so the compiler reports a core item nothing uses. The native build has no
+//! shell: an item only a shell uses but marked `pub(crate)` is reported there too, which keeps
+//! the line where it is (`make check` builds the crate natively and for both shells with
+//! warnings denied).
 
 pub mod api;
 pub mod cache;

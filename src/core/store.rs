@@ -36,20 +36,20 @@ pub trait CasStore {
 /// The CAS a writer passes when its read found the key missing. A racer's insert got a
 /// fresh counter value, which is this sentinel only once in 2^32 writes, so the second
 /// writer gets `CasMismatch` and re-reads.
-pub const ABSENT_CAS: u32 = u32::MAX;
+pub(crate) const ABSENT_CAS: u32 = u32::MAX;
 
 /// Compare-and-swap races lost in a row before an update gives up (each loss means another
 /// writer made progress): the one bound every record of the core shares.
-pub const MAX_RACES: usize = 16;
+pub(crate) const MAX_RACES: usize = 16;
 
 /// The CAS to pass on a write that must not overwrite a change made since `read`.
-pub fn cas_after(read: &Read) -> Option<u32> {
+pub(crate) fn cas_after(read: &Read) -> Option<u32> {
     Some(read.cas.unwrap_or(ABSENT_CAS))
 }
 
 /// The shared-data key of slot `n` of a table (`holysheep/cache/` + `17`), built without
 /// the formatter: every request names a few.
-pub fn slot_name(table: &str, n: u32) -> String {
+pub(crate) fn slot_name(table: &str, n: u32) -> String {
     let digits = codec::decimal(u64::from(n));
     let mut name = String::with_capacity(table.len() + digits.as_str().len());
     name.push_str(table);
@@ -143,7 +143,7 @@ pub mod versioned {
 }
 
 #[cfg(test)]
-pub use model::{Counting, MemStore};
+pub(crate) use model::{Counting, MemStore};
 
 #[cfg(test)]
 mod model {
@@ -153,7 +153,7 @@ mod model {
 
     /// Envoy's shared data in memory: one lock, one global CAS counter.
     #[derive(Debug, Default)]
-    pub struct MemStore {
+    pub(crate) struct MemStore {
         inner: Mutex<Inner>,
     }
 
@@ -164,22 +164,22 @@ mod model {
     }
 
     impl MemStore {
-        pub fn new() -> Self {
+        pub(crate) fn new() -> Self {
             Self::default()
         }
 
         /// A store whose next CAS will be `next` (to test wrap-around).
-        pub fn with_next_cas(next: u32) -> Self {
+        pub(crate) fn with_next_cas(next: u32) -> Self {
             let s = Self::default();
             s.inner.lock().unwrap().counter = next.wrapping_sub(1);
             s
         }
 
-        pub fn key_count(&self) -> usize {
+        pub(crate) fn key_count(&self) -> usize {
             self.inner.lock().unwrap().map.len()
         }
 
-        pub fn keys(&self) -> Vec<String> {
+        pub(crate) fn keys(&self) -> Vec<String> {
             self.inner.lock().unwrap().map.keys().cloned().collect()
         }
     }
@@ -213,7 +213,7 @@ mod model {
     /// A `MemStore` that counts the reads and writes of the keys that start with a prefix
     /// (every key by default), to show what an operation costs the store.
     #[derive(Default)]
-    pub struct Counting {
+    pub(crate) struct Counting {
         pub inner: MemStore,
         prefix: &'static str,
         reads: std::cell::Cell<usize>,
@@ -221,28 +221,28 @@ mod model {
     }
 
     impl Counting {
-        pub fn new() -> Self {
+        pub(crate) fn new() -> Self {
             Self::default()
         }
 
-        pub fn of_keys_starting(prefix: &'static str) -> Self {
+        pub(crate) fn of_keys_starting(prefix: &'static str) -> Self {
             Counting { prefix, ..Self::default() }
         }
 
-        pub fn reads(&self) -> usize {
+        pub(crate) fn reads(&self) -> usize {
             self.reads.get()
         }
 
-        pub fn writes(&self) -> usize {
+        pub(crate) fn writes(&self) -> usize {
             self.writes.get()
         }
 
         /// Reads and writes counted so far.
-        pub fn calls(&self) -> (usize, usize) {
+        pub(crate) fn calls(&self) -> (usize, usize) {
             (self.reads(), self.writes())
         }
 
-        pub fn reset(&self) {
+        pub(crate) fn reset(&self) {
             self.reads.set(0);
             self.writes.set(0);
         }

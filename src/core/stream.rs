@@ -22,7 +22,7 @@ const MAX_PENDING_BYTES: usize = MAX_ANSWER_BYTES;
 const MAX_INDEXED_ITEMS: usize = 1024;
 
 /// Characters of content (or tool-call arguments) per replayed event.
-pub const PIECE_CHARS: usize = 24;
+pub(crate) const PIECE_CHARS: usize = 24;
 
 /// Fields that name something rather than carry streamed text: a later value replaces the
 /// earlier one instead of extending it. `index` and `type` as in OpenAI's SDKs; `id` and

@@ -144,7 +144,7 @@ extern "C" {
     fn proxy_get_header_map_pairs(map_type: MapType, data: *mut *mut u8, size: *mut usize) -> u32;
 }
 
-/// The serialized header map of `map` (see `core::base::pairs`), as the host wrote it: one buffer,
+/// The serialized header map of `map` (see `core::wire::pairs`), as the host wrote it: one buffer,
 /// where the SDK's getter copies every name and value and panics on an unexpected status
 /// or a name that is not UTF-8.
 pub fn header_map(map: MapType) -> Vec<u8> {
@@ -195,7 +195,7 @@ extern "C" {
     ) -> u32;
 }
 
-/// Sends a local reply whose headers are serialized already (see `core::base::pairs`). The SDK's
+/// Sends a local reply whose headers are serialized already (see `core::wire::pairs`). The SDK's
 /// sender copies the headers into a map of its own first, and panics on a status it does
 /// not expect.
 fn send_serialized(status: u16, headers: &[u8], body: &[u8]) -> bool {

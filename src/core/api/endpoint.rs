@@ -20,7 +20,7 @@ pub enum Endpoint {
 }
 
 /// A member a request must hold: its name, what it must be (for the error), the check.
-pub type Required = (&'static str, &'static str, fn(&Value) -> bool);
+pub(crate) type Required = (&'static str, &'static str, fn(&Value) -> bool);
 
 pub const ALL: [Endpoint; 4] = [Endpoint::Chat, Endpoint::Completions, Endpoint::Embeddings, Endpoint::Responses];
 
@@ -86,7 +86,7 @@ impl Endpoint {
 
     /// The members that bound the completion tokens of each choice; a request naming any
     /// of them (of any value) is sent as it came.
-    pub fn limit_fields(self) -> &'static [&'static str] {
+    pub(crate) fn limit_fields(self) -> &'static [&'static str] {
         match self {
             Endpoint::Chat => &["max_completion_tokens", "max_tokens"],
             Endpoint::Completions => &["max_tokens"],
@@ -97,7 +97,7 @@ impl Endpoint {
 
     /// The member a budgeted call without a limit is sent with (`None`: it completes
     /// nothing, so its worst case is its input).
-    pub fn cap_field(self) -> Option<&'static str> {
+    pub(crate) fn cap_field(self) -> Option<&'static str> {
         self.limit_fields().last().copied()
     }
 
@@ -109,7 +109,7 @@ impl Endpoint {
     /// Whether its streams are chat's, which the edge reassembles into an answer it can
     /// store and replay. Other streams pass live and are charged from their final usage,
     /// but are never shared.
-    pub fn streams_shared(self) -> bool {
+    pub(crate) fn streams_shared(self) -> bool {
         self == Endpoint::Chat
     }
 
@@ -124,7 +124,7 @@ impl Endpoint {
     /// `previous_response_id`, `conversation`, `background`) makes an object only its
     /// caller may use, and one on a stored `prompt` without a pinned `version` may change
     /// with the template.
-    pub fn shareable(self, map: &Map<String, Value>) -> bool {
+    pub(crate) fn shareable(self, map: &Map<String, Value>) -> bool {
         if self != Endpoint::Responses {
             return true;
         }
@@ -139,7 +139,7 @@ impl Endpoint {
     /// Whether a 200 body is what this endpoint answers: JSON (by its content type)
     /// holding an object of the endpoint's `object` with its array (`choices`, `data`,
     /// `output`). Read without building the value.
-    pub fn is_answer(self, content_type: &str, body: &[u8]) -> bool {
+    pub(crate) fn is_answer(self, content_type: &str, body: &[u8]) -> bool {
         #[derive(serde::Deserialize)]
         struct Shape<'a> {
             #[serde(borrow)]

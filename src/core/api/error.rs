@@ -49,7 +49,7 @@ impl ApiError {
 
     /// A 400: the call's tokens (its prompt, and `max_tokens` for each choice) are more than
     /// the `what` allows in a minute, so it could never be admitted.
-    pub fn too_many_tokens(what: &str, estimate: u64, tpm: u64) -> Self {
+    pub(crate) fn too_many_tokens(what: &str, estimate: u64, tpm: u64) -> Self {
         ApiError::invalid(
             format!(
                 "This request may use up to {estimate} tokens (its prompt, and max_tokens for each choice), more \
@@ -74,7 +74,7 @@ impl ApiError {
 
     /// A 404 for a path a tenant sent that the edge neither governs nor lets pass
     /// (`passthrough_paths`).
-    pub fn not_served(method: &str, path: &str) -> Self {
+    pub(crate) fn not_served(method: &str, path: &str) -> Self {
         let path: String = path.chars().filter(|c| !c.is_control()).take(256).collect();
         ApiError {
             status: 404,
@@ -115,7 +115,7 @@ impl ApiError {
     /// A 503 for a request that waited on an identical request's call and could not read
     /// how that call ended: the edge does not call again on its behalf (the first call
     /// may have been answered and billed); the client may retry.
-    pub fn wait_lost() -> Self {
+    pub(crate) fn wait_lost() -> Self {
         ApiError {
             status: 503,
             message: "the identical request this one waited on ended, and its answer could no longer be read; retry"

@@ -7,20 +7,19 @@ pub const CACHE: &str = "x-holysheep-cache";
 pub const KEY: &str = "x-holysheep-key";
 pub const MODEL: &str = "x-holysheep-model";
 pub const TIER: &str = "x-holysheep-tier";
-pub const OWNER: &str = "x-holysheep-owner";
-pub const SIMILARITY: &str = "x-holysheep-similarity";
-pub const SHED: &str = "x-holysheep-shed";
+pub(crate) const SIMILARITY: &str = "x-holysheep-similarity";
+pub(crate) const SHED: &str = "x-holysheep-shed";
 /// `lost` on the 503 of a waiter that could not read its flight's answer.
-pub const WAIT: &str = "x-holysheep-wait";
+pub(crate) const WAIT: &str = "x-holysheep-wait";
 pub const AGE: &str = "age";
 pub const CACHE_CONTROL: &str = "cache-control";
 pub const RETRY_AFTER: &str = "retry-after";
-pub const LIMIT_REQUESTS: &str = "x-ratelimit-limit-requests";
-pub const LIMIT_TOKENS: &str = "x-ratelimit-limit-tokens";
-pub const REMAINING_REQUESTS: &str = "x-ratelimit-remaining-requests";
-pub const REMAINING_TOKENS: &str = "x-ratelimit-remaining-tokens";
-pub const RESET_REQUESTS: &str = "x-ratelimit-reset-requests";
-pub const RESET_TOKENS: &str = "x-ratelimit-reset-tokens";
+pub(crate) const LIMIT_REQUESTS: &str = "x-ratelimit-limit-requests";
+pub(crate) const LIMIT_TOKENS: &str = "x-ratelimit-limit-tokens";
+pub(crate) const REMAINING_REQUESTS: &str = "x-ratelimit-remaining-requests";
+pub(crate) const REMAINING_TOKENS: &str = "x-ratelimit-remaining-tokens";
+pub(crate) const RESET_REQUESTS: &str = "x-ratelimit-reset-requests";
+pub(crate) const RESET_TOKENS: &str = "x-ratelimit-reset-tokens";
 
 pub const ACCEPT: &str = "accept";
 
@@ -28,7 +27,7 @@ pub const ACCEPT: &str = "accept";
 pub const EVENT_STREAM: &str = "text/event-stream";
 
 /// The value of the first header named `name` (in any case) among `pairs`.
-pub fn value<'a>(pairs: &'a [(String, String)], name: &str) -> Option<&'a str> {
+pub(crate) fn value<'a>(pairs: &'a [(String, String)], name: &str) -> Option<&'a str> {
     pairs.iter().find(|(n, _)| n.eq_ignore_ascii_case(name)).map(|(_, v)| v.as_str())
 }
 
@@ -46,5 +45,5 @@ pub const TRANSFER_ENCODING: &str = "transfer-encoding";
 pub const HOST: &str = "host";
 
 // Between the edge's own nodes.
-pub const TENANT: &str = "x-holysheep-tenant";
+pub(crate) const TENANT: &str = "x-holysheep-tenant";
 pub const PEER_SECRET: &str = "x-holysheep-peer-secret";

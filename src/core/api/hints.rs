@@ -39,7 +39,7 @@ impl ProviderHints {
 }
 
 /// `retry-after-ms`, else `retry-after` in seconds (HTTP dates are not honoured).
-pub fn retry_after_ms(ms: Option<&str>, secs: Option<&str>) -> Option<u64> {
+pub(crate) fn retry_after_ms(ms: Option<&str>, secs: Option<&str>) -> Option<u64> {
     ms.and_then(|v| v.parse::<f64>().ok())
         .or_else(|| secs.and_then(|v| v.parse::<f64>().ok()).map(|s| s * 1000.0))
         .filter(|v| v.is_finite() && *v >= 0.0)

@@ -10,7 +10,7 @@ pub mod event;
 pub mod headers;
 pub mod hints;
 pub mod objects;
-pub mod path;
+pub(crate) mod path;
 pub mod priority;
 pub mod response;
 pub mod usage;

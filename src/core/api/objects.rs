@@ -44,7 +44,7 @@ impl ObjectKey {
     }
 
     /// `id` as `tenant` sees it.
-    pub fn sign(&self, tenant: &str, id: &str) -> String {
+    pub(crate) fn sign(&self, tenant: &str, id: &str) -> String {
         format!("{id}{MARK}{}", self.signature(tenant, id))
     }
 
@@ -69,7 +69,7 @@ pub struct Signer {
 impl Signer {
     /// `body` (an answer of the Responses API, or one of its stream's events) with every
     /// quoted occurrence of the response id `id` signed.
-    pub fn sign_in(&self, body: &[u8], id: &str) -> Vec<u8> {
+    pub(crate) fn sign_in(&self, body: &[u8], id: &str) -> Vec<u8> {
         let from = format!("\"{id}\"");
         let to = format!("\"{}\"", self.key.sign(&self.tenant, id));
         replace(body, from.as_bytes(), to.as_bytes())
@@ -99,7 +99,7 @@ impl Signer {
 /// the tenant's signed one: that one value is replaced, however the client wrote it (JSON
 /// escapes included), and every other byte is the client's (the same id quoted in the
 /// input stays as the tenant wrote it).
-pub fn unsign_in(body: &[u8], id: &str) -> Vec<u8> {
+pub(crate) fn unsign_in(body: &[u8], id: &str) -> Vec<u8> {
     let Ok(text) = std::str::from_utf8(body) else { return body.to_vec() };
     let fields = serde_json::from_str::<std::collections::BTreeMap<String, &serde_json::value::RawValue>>(text);
     let Some(raw) = fields.ok().and_then(|f| f.get("previous_response_id").copied()) else { return body.to_vec() };
@@ -128,7 +128,7 @@ fn replace(haystack: &[u8], from: &[u8], to: &[u8]) -> Vec<u8> {
 
 /// The 404 of a response id that is not the tenant's, as HolySheep answers one that does
 /// not exist.
-pub fn not_found(param: &str, id: &str) -> ApiError {
+pub(crate) fn not_found(param: &str, id: &str) -> ApiError {
     let shown: String = id.chars().filter(|c| !c.is_control()).take(128).collect();
     ApiError {
         status: 404,

@@ -3,7 +3,7 @@
 //! segments resolved, a trailing slash ignored. Uses nothing else of the core.
 
 /// The path's segments as a server would resolve them.
-pub fn segments(path: &str) -> Vec<String> {
+pub(crate) fn segments(path: &str) -> Vec<String> {
     let path = path.split(['?', '#']).next().unwrap_or("");
     let mut segments: Vec<String> = Vec::new();
     for segment in decode_unreserved(path).split('/') {

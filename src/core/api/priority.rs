@@ -38,7 +38,7 @@ impl Class {
     }
 
     /// Whether a call of this class may only use what lies above the bucket's reserve.
-    pub fn keeps_reserve(self) -> bool {
+    pub(crate) fn keeps_reserve(self) -> bool {
         self == Class::Sheddable
     }
 
@@ -59,7 +59,7 @@ impl Class {
 
 /// A stable number for a tenant's name (0: no verified tenant), the same on every node:
 /// the admission line takes turns between these.
-pub fn tenant_tag(tenant: Option<&str>) -> u64 {
+pub(crate) fn tenant_tag(tenant: Option<&str>) -> u64 {
     let Some(name) = tenant else { return 0 };
     let d = crate::core::wire::digest::sha256(name.as_bytes().to_vec());
     u64::from_be_bytes([d[0], d[1], d[2], d[3], d[4], d[5], d[6], d[7]]).max(1)

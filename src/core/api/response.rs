@@ -31,13 +31,13 @@ impl Response {
 
     /// A 429 refused for priority (`why`: `priority` or `queue-full`), marked with the class
     /// it was refused at: waiters of a higher class do not take it as their answer.
-    pub fn shed(self, why: &str, class: Class) -> Response {
+    pub(crate) fn shed(self, why: &str, class: Class) -> Response {
         self.with_header(headers::SHED, why.to_owned()).with_header(headers::PRIORITY, class.as_str().to_owned())
     }
 
     /// Whether a waiter of `class` may take this as its answer: not a 429 the edge gave a
     /// flight of a lower class (which a call of its own class might not get).
-    pub fn may_share(&self, class: Class) -> bool {
+    pub(crate) fn may_share(&self, class: Class) -> bool {
         if self.status != 429 {
             return true;
         }

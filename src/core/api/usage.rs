@@ -5,7 +5,7 @@
 use crate::core::wire::bytes;
 
 /// Completion tokens assumed when a request sets no `max_tokens`/`max_completion_tokens`.
-pub const DEFAULT_COMPLETION_ESTIMATE: u64 = 256;
+pub(crate) const DEFAULT_COMPLETION_ESTIMATE: u64 = 256;
 
 /// One answer's tokens. `cached` is part of `prompt` (never more than it).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -22,7 +22,7 @@ impl Usage {
     }
 
     /// With `cached` of the prompt tokens served from the prompt cache.
-    pub fn with_cached(self, cached: u64) -> Usage {
+    pub(crate) fn with_cached(self, cached: u64) -> Usage {
         Usage { cached: cached.min(self.prompt), ..self }
     }
 
@@ -32,7 +32,7 @@ impl Usage {
     }
 
     /// The prompt tokens billed at the full input price.
-    pub fn fresh_prompt(&self) -> u64 {
+    pub(crate) fn fresh_prompt(&self) -> u64 {
         self.prompt - self.cached
     }
 }
@@ -104,7 +104,7 @@ impl Raw {
 }
 
 /// The `usage` value of an answer or of a stream's usage event.
-pub fn of_value(v: &serde_json::Value) -> Option<Usage> {
+pub(crate) fn of_value(v: &serde_json::Value) -> Option<Usage> {
     <Raw as serde::Deserialize>::deserialize(v).ok().and_then(Raw::usage)
 }
 

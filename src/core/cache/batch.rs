@@ -68,7 +68,7 @@ impl Item {
 
 /// What a leader of a list request does.
 #[derive(Debug, Clone, PartialEq)]
-pub enum Plan {
+pub(crate) enum Plan {
     /// Every item is cached, exactly: the whole answer with no call, as old as its oldest
     /// item (`Fresh`: when that one was stored, and the cache's TTL).
     Answered(Response, Fresh),
@@ -213,7 +213,7 @@ fn list(data: &[&str], model: &str, tokens: u64) -> Response {
 /// How a list request may use the items: take cached ones (`read`, no older than
 /// `max_age_s` seconds when set) and keep new ones (`learn`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Use {
+pub(crate) struct Use {
     pub read: bool,
     pub max_age_s: Option<u64>,
     pub learn: bool,
@@ -222,7 +222,7 @@ pub struct Use {
 /// What the leader of a list request whose items are `keys` does; `body` is the
 /// request's. `None` when the items change nothing: a list of one (its whole answer is
 /// its item's), or none cached and none to keep.
-pub fn plan(
+pub(crate) fn plan(
     store: &impl CasStore,
     config: &Config,
     keys: &[Key],

@@ -77,7 +77,7 @@ struct Slot<T> {
 
 /// The bytes that identify a caller's scope: `authorization` and the tenant header, each
 /// present or not (an unambiguous encoding, so two different pairs never match).
-pub fn tenant_bytes(authorization: Option<&str>, tenant: Option<&str>) -> Vec<u8> {
+pub(crate) fn tenant_bytes(authorization: Option<&str>, tenant: Option<&str>) -> Vec<u8> {
     let size = |v: Option<&str>| v.map_or(1, |s| 9 + s.len());
     let mut out = Vec::with_capacity(size(authorization) + size(tenant));
     for v in [authorization, tenant] {
@@ -143,7 +143,7 @@ impl<T> Hot<T> {
     }
 
     #[cfg(test)]
-    pub fn bytes(&self) -> usize {
+    pub(crate) fn bytes(&self) -> usize {
         self.bytes
     }
 }

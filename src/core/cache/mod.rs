@@ -10,7 +10,7 @@
 //! compare-and-swap. The entry holds the full key, so a stale index is a miss, never a
 //! wrong answer. Nothing here creates a key per prompt.
 
-pub mod batch;
+pub(crate) mod batch;
 pub mod edge;
 pub mod hot;
 
@@ -29,7 +29,7 @@ pub struct Entry {
 }
 
 impl Entry {
-    pub fn age_ms(&self, now_ms: u64) -> u64 {
+    pub(crate) fn age_ms(&self, now_ms: u64) -> u64 {
         now_ms.saturating_sub(self.stored_at_ms)
     }
 
@@ -40,11 +40,11 @@ impl Entry {
 
 /// The ways of a group: a key may live in any of them, so two hot prompts of one group
 /// do not evict each other forever.
-pub const WAYS: u32 = 4;
+pub(crate) const WAYS: u32 = 4;
 
 /// The group `key` lives in, and how many ways groups have (`cache.max_entries` in groups
 /// of four; fewer entries make one smaller group).
-pub fn group_of(config: &Config, key: &Key) -> (u32, u32) {
+pub(crate) fn group_of(config: &Config, key: &Key) -> (u32, u32) {
     let n = config.cache.max_entries.max(1);
     let ways = WAYS.min(n);
     (key.slot(n / ways, 0), ways)
@@ -142,13 +142,13 @@ pub fn get(store: &impl CasStore, config: &Config, key: &Key) -> Option<Entry> {
 
 /// What one look at a key's group found: its entry, and where a new answer for it goes.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Probe {
+pub(crate) struct Probe {
     pub entry: Option<Entry>,
     pub place: Place,
 }
 
 /// Reads `key`'s group index and, when the index names it, its entry.
-pub fn probe(store: &impl CasStore, config: &Config, key: &Key) -> Probe {
+pub(crate) fn probe(store: &impl CasStore, config: &Config, key: &Key) -> Probe {
     let place = place(store, config, key);
     let entry = if place.holds(key) {
         store.get(&place.entry_name()).ok().and_then(|r| r.value).and_then(|raw| decode(&raw)).filter(|e| e.key == *key)
@@ -197,12 +197,12 @@ impl Fresh {
 
 /// An answer was stored; `evicted`: over another key's answer that was still fresh.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Stored {
+pub(crate) struct Stored {
     pub evicted: bool,
 }
 
 /// Stores a 200 answer produced now, fresh for `cache.ttl_seconds` (see `store_fresh`).
-pub fn put(
+pub(crate) fn put(
     store: &impl CasStore,
     config: &Config,
     key: &Key,
@@ -217,7 +217,7 @@ pub fn put(
 /// the caller already read the group (a MISS read it when it arrived), else where the
 /// index says now. The index is written first, by CAS (a lost race reads it again and
 /// picks again), then the entry. Last writer wins.
-pub fn store_fresh(
+pub(crate) fn store_fresh(
     store: &impl CasStore,
     config: &Config,
     key: &Key,
@@ -258,7 +258,7 @@ mod tests {
     use crate::core::request::request_key;
     use crate::core::store::{Counting, MemStore};
 
-    pub fn ok(body: &str) -> Response {
+    pub(crate) fn ok(body: &str) -> Response {
         Response::json(200, body.into()).with_header("x-holysheep-model", "m".into())
     }
 

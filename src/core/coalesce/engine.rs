@@ -16,7 +16,7 @@ use crate::core::store::CasStore;
 use std::borrow::Cow;
 
 /// How far a host's cached clock may lag the timer that fired (see `Engine::failure`).
-pub const CLOCK_SLACK_MS: u64 = 50;
+pub(crate) const CLOCK_SLACK_MS: u64 = 50;
 
 /// How long a waiter that no one can wake (the wasi:http component polls the store) sleeps
 /// before its `polls`-th look: 2 ms, doubling, at most 8 ms (a look is one store read).
@@ -63,7 +63,7 @@ pub struct Reply {
 
 impl Reply {
     /// Whether this is the reply of a waiter that could not read its flight's outcome.
-    pub fn lost_wait(&self) -> bool {
+    pub(crate) fn lost_wait(&self) -> bool {
         self.response.status == 503 && self.response.header(headers::WAIT) == Some("lost")
     }
 
@@ -355,7 +355,7 @@ impl<S: CasStore> Engine<'_, S> {
 
     /// `complete`, and whether anyone waited on the flight (whose end must then wake
     /// every worker).
-    pub fn finish_flight(&self, call: &Call, outcome: Option<Response>, now_ms: u64) -> (Reply, bool) {
+    pub(crate) fn finish_flight(&self, call: &Call, outcome: Option<Response>, now_ms: u64) -> (Reply, bool) {
         let ended = self.end_flight(call, outcome, now_ms, Some(Fresh::of(self.config, now_ms)));
         (ended.reply, ended.watched)
     }

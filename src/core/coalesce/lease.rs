@@ -85,13 +85,13 @@ pub enum Acquire {
 
 /// The ways of a group: a key may lead from any of them, so a collision with another
 /// prompt in flight does not send every identical request upstream alone.
-pub const WAYS: u32 = 4;
+pub(crate) const WAYS: u32 = 4;
 
 /// How long a finished flight's answer stays in its way before another flight may take
 /// the way: two ticks, by when every waiter has been woken and read it (a worker's waiters
 /// are woken by the flight's end, or at the latest by the worker's next tick). A waiter
 /// whose answer is gone past this looks again from the cache and may lead a new flight.
-pub fn done_hold_ms(config: &Config) -> u64 {
+pub(crate) fn done_hold_ms(config: &Config) -> u64 {
     config.tick_ms().saturating_mul(2)
 }
 
@@ -132,7 +132,7 @@ pub fn acquire(
 /// `acquire` without taking anything: a live holder of the key, or a flight on it done at
 /// or after `since_ms`; `Busy` where `acquire` would have taken a way. For a waiter whose
 /// flight's record is gone, which may join or take what is there but never lead.
-pub fn look(
+pub(crate) fn look(
     store: &impl CasStore,
     config: &Config,
     key: &Key,
@@ -232,7 +232,7 @@ fn write(store: &impl CasStore, group: &str, value: &[u8], r: &Read) -> Result<(
 }
 
 /// Pushes the expiry forward; `false` when the lease is no longer ours.
-pub fn renew(store: &impl CasStore, config: &Config, lease: &Lease, now_ms: u64) -> Result<bool, StoreError> {
+pub(crate) fn renew(store: &impl CasStore, config: &Config, lease: &Lease, now_ms: u64) -> Result<bool, StoreError> {
     let expires_ms = now_ms + config.lock.lease_ms;
     let record = |mark: &[u8]| Cow::Owned(leading(lease.key.hex(), lease.nonce, expires_ms, mark));
     Ok(update_if_owner(store, lease, record)?.is_some())
@@ -243,7 +243,7 @@ pub fn renew(store: &impl CasStore, config: &Config, lease: &Lease, now_ms: u64)
 /// otherwise whether anyone was waiting on it. `produced`: when the answer was produced, if
 /// not when the flight ended (a stale one, or one a forward node relayed). `in_cache`: the answer was stored in the cache at `now_ms`; the record
 /// then refers to it instead of repeating it.
-pub fn finish(
+pub(crate) fn finish(
     store: &impl CasStore,
     lease: &Lease,
     response: &Response,
@@ -263,7 +263,7 @@ pub fn finish(
 /// reads as expired from then, so a waiter takes it and leads a new flight (another key's
 /// flight leaves a waited-on way alone for `done_hold_ms`, as a finished one). `None` when
 /// it was not ours.
-pub fn release(store: &impl CasStore, lease: &Lease, now_ms: u64) -> Result<Option<bool>, StoreError> {
+pub(crate) fn release(store: &impl CasStore, lease: &Lease, now_ms: u64) -> Result<Option<bool>, StoreError> {
     update_if_owner(store, lease, |mark| Cow::Owned(leading(lease.key.hex(), lease.nonce, now_ms, mark)))
 }
 
@@ -271,7 +271,7 @@ pub fn release(store: &impl CasStore, lease: &Lease, now_ms: u64) -> Result<Opti
 /// a waiter of `class` (a leader waiting for its bucket takes the highest class of its
 /// waiters); a no-op once marked so. `false` when the flight is no longer in flight there
 /// (it ended between the waiter's read and this mark, so no wake-up will come for it).
-pub fn watch(store: &impl CasStore, slot: &Slot, nonce: u64, class: Class) -> Result<bool, StoreError> {
+pub(crate) fn watch(store: &impl CasStore, slot: &Slot, nonce: u64, class: Class) -> Result<bool, StoreError> {
     rewrite_leader(store, slot, nonce, |p| {
         let mark = Mark::of(p.rest);
         let key = std::str::from_utf8(p.key).ok().filter(|_| mark.lacks(class))?;
@@ -281,7 +281,7 @@ pub fn watch(store: &impl CasStore, slot: &Slot, nonce: u64, class: Class) -> Re
 }
 
 /// The highest class among the waiters of the flight `lease` leads, above `sheddable`.
-pub fn waiting_class(store: &impl CasStore, lease: &Lease) -> Option<Class> {
+pub(crate) fn waiting_class(store: &impl CasStore, lease: &Lease) -> Option<Class> {
     let r = store.get(&lease.slot.group).ok()?;
     let (ways, _) = split(r.value.as_deref().unwrap_or_default(), lease.slot.way + 1);
     let p = ways.get(lease.slot.way).and_then(|w| peek(w)).filter(|p| p.kind == b'L' && p.nonce == lease.nonce)?;
@@ -291,7 +291,7 @@ pub fn waiting_class(store: &impl CasStore, lease: &Lease) -> Option<Class> {
 /// Who waits on a leading flight, as its record's body says: `w` once anyone does,
 /// followed by the rank of the highest class above `sheddable` among them.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub struct Mark {
+pub(crate) struct Mark {
     pub watched: bool,
     pub best: Option<Class>,
 }

@@ -7,13 +7,13 @@
 use crate::core::store::{cas_after, CasStore, StoreError, MAX_RACES};
 use crate::core::wire::codec;
 
-pub const REGISTRY_KEY: &str = "holysheep/queues";
+pub(crate) const REGISTRY_KEY: &str = "holysheep/queues";
 /// At most this many names are kept (newest heartbeats first).
-pub const MAX_QUEUES: usize = 64;
+pub(crate) const MAX_QUEUES: usize = 64;
 /// A worker refreshes its heartbeat this often…
 pub const HEARTBEAT_MS: u64 = 1_000;
 /// …and a name whose heartbeat is older than this is not woken.
-pub const STALE_MS: u64 = 10_000;
+pub(crate) const STALE_MS: u64 = 10_000;
 
 /// Upserts `name` with heartbeat `now_ms`, dropping stale names and the oldest beyond
 /// `MAX_QUEUES`.
@@ -38,7 +38,7 @@ pub fn publish(store: &impl CasStore, name: &str, now_ms: u64) -> Result<(), Sto
 }
 
 /// The queue name of slot `i`.
-pub fn name(i: usize) -> String {
+pub(crate) fn name(i: usize) -> String {
     format!("holysheep-wake-{i}")
 }
 

@@ -2,7 +2,7 @@
 //! with a message that names the field; the tenant table and its keys (`tenants`). Uses
 //! `wire` and `api`.
 
-pub mod tenants;
+pub(crate) mod tenants;
 
 use crate::core::api::endpoint::Endpoint;
 use crate::core::api::headers;
@@ -16,7 +16,7 @@ use serde_json::{Map, Value};
 use std::collections::BTreeMap;
 
 /// The most `passthrough_paths` a configuration lists.
-pub const MAX_PASSTHROUGH: usize = 64;
+pub(crate) const MAX_PASSTHROUGH: usize = 64;
 /// The Responses API's conversations: never a passthrough path (`check_passthrough`).
 const CONVERSATIONS: &str = "/v1/conversations";
 
@@ -110,7 +110,7 @@ impl BudgetStore {
     }
 
     /// `outage_usd` in micro-dollars.
-    pub fn outage_micro(&self) -> Option<u64> {
+    pub(crate) fn outage_micro(&self) -> Option<u64> {
         self.outage_usd.map(|usd| (usd * 1e6).round() as u64)
     }
 
@@ -135,10 +135,10 @@ impl BudgetStore {
 
 /// The completion limit a call that sets none is sent with where a limit needs it
 /// (`models.<name>.max_completion_tokens`), and the largest that may be configured.
-pub const DEFAULT_COMPLETION_CAP: u64 = 4096;
-pub const MAX_COMPLETION_CAP: u64 = 1_000_000;
+pub(crate) const DEFAULT_COMPLETION_CAP: u64 = 4096;
+pub(crate) const MAX_COMPLETION_CAP: u64 = 1_000_000;
 /// The largest `models.<name>.context_window` that may be configured.
-pub const MAX_CONTEXT_WINDOW: u64 = 100_000_000;
+pub(crate) const MAX_CONTEXT_WINDOW: u64 = 100_000_000;
 
 #[derive(Debug, Clone, PartialEq, Default, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -277,7 +277,7 @@ impl Default for Semantic {
 
 impl Semantic {
     /// Whether requests for `model` take part.
-    pub fn covers(&self, model: &str) -> bool {
+    pub(crate) fn covers(&self, model: &str) -> bool {
         self.enabled && (self.models.is_empty() || self.models.iter().any(|m| m == model))
     }
 
@@ -301,15 +301,15 @@ impl Semantic {
 }
 
 /// The longest admission line a configuration may ask for (`rate_limit.max_queue`).
-pub const MAX_LINE: usize = 4_096;
+pub(crate) const MAX_LINE: usize = 4_096;
 /// The longest vector the semantic tier keeps (`semantic.dimensions`; text-embedding-3-large
 /// has 3 072).
-pub const MAX_DIMENSIONS: u32 = 4096;
+pub(crate) const MAX_DIMENSIONS: u32 = 4096;
 
 /// The longest duration in milliseconds any setting accepts: one day.
-pub const MAX_MS: u64 = 86_400_000;
+pub(crate) const MAX_MS: u64 = 86_400_000;
 /// The longest duration in seconds any setting accepts: one year.
-pub const MAX_SECONDS: u64 = 31_536_000;
+pub(crate) const MAX_SECONDS: u64 = 31_536_000;
 
 #[derive(Debug, Clone, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -347,7 +347,7 @@ impl Default for Retry {
 }
 
 /// The most models a configuration may name (each holds one shared-data key).
-pub const MAX_MODELS: usize = 256;
+pub(crate) const MAX_MODELS: usize = 256;
 
 #[derive(Debug, Clone, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -671,7 +671,7 @@ impl Config {
     /// A model priced by its own entry; one priced only by `default` only when the tenant's
     /// own `models` list names it (the operator chose it): else a budgeted tenant could
     /// name any model, o1-pro say, and be held to `default`'s rates.
-    pub fn prices_for(&self, tenant: &Tenant, model: &str) -> bool {
+    pub(crate) fn prices_for(&self, tenant: &Tenant, model: &str) -> bool {
         if tenant.caps().is_none() {
             return true;
         }
@@ -708,14 +708,14 @@ impl Config {
 
     /// The completion cap a call of `model` that sets no limit of its own is sent with, when
     /// its tenant's budget (`budgeted`) or the model's token bucket needs its worst case.
-    pub fn completion_cap(&self, model: &str, budgeted: bool) -> Option<u64> {
+    pub(crate) fn completion_cap(&self, model: &str, budgeted: bool) -> Option<u64> {
         let m = self.model(model).map(|(_, m)| m);
         let bucketed = m.is_some_and(|m| m.tokens_per_minute.is_some());
         (budgeted || bucketed).then(|| m.and_then(|m| m.max_completion_tokens).unwrap_or(DEFAULT_COMPLETION_CAP))
     }
 
     /// Whether `path` (in any spelling) is one of `passthrough_paths` or under one.
-    pub fn passes_through(&self, path: &str) -> bool {
+    pub(crate) fn passes_through(&self, path: &str) -> bool {
         let segments = crate::core::api::path::segments(path);
         self.passthrough_paths.iter().any(|p| {
             let listed: Vec<&str> = p.split('/').filter(|s| !s.is_empty()).collect();
@@ -756,7 +756,7 @@ impl Config {
 
     /// The longest an answer stays fresh after it is stored: the cache's TTL, or on a
     /// forward node the longest a near copy is kept.
-    pub fn longest_fresh_ms(&self) -> u64 {
+    pub(crate) fn longest_fresh_ms(&self) -> u64 {
         self.cache.ttl_seconds.max(self.edge.max_age_seconds).saturating_mul(1000)
     }
 
@@ -808,25 +808,25 @@ fn refused_field<T: DeserializeOwned>(v: &Value) -> Option<String> {
 
 impl Model {
     /// Whether the model has a price (for prompt or completion tokens).
-    pub fn priced(&self) -> bool {
+    pub(crate) fn priced(&self) -> bool {
         self.usd_per_mtok_input.is_some() || self.usd_per_mtok_output.is_some()
     }
 
-    pub fn input_price(&self) -> f64 {
+    pub(crate) fn input_price(&self) -> f64 {
         self.usd_per_mtok_input.unwrap_or(0.0)
     }
 
-    pub fn output_price(&self) -> f64 {
+    pub(crate) fn output_price(&self) -> f64 {
         self.usd_per_mtok_output.unwrap_or(0.0)
     }
 
     /// The price of a prompt token served from the provider's prompt cache.
-    pub fn cached_input_price(&self) -> f64 {
+    pub(crate) fn cached_input_price(&self) -> f64 {
         self.usd_per_mtok_cached_input.unwrap_or(self.input_price())
     }
 
     /// The dearest any token can be billed.
-    pub fn dearest_price(&self) -> f64 {
+    pub(crate) fn dearest_price(&self) -> f64 {
         self.input_price().max(self.output_price()).max(self.cached_input_price())
     }
 

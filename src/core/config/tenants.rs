@@ -30,9 +30,9 @@ impl Caps {
 
 /// The most tenants a configuration may name: per-tenant state (shared-data keys and
 /// counters) is bounded by it.
-pub const MAX_TENANTS: usize = 1024;
+pub(crate) const MAX_TENANTS: usize = 1024;
 /// The most keys one tenant may have (rotation needs two).
-pub const MAX_KEYS: usize = 16;
+pub(crate) const MAX_KEYS: usize = 16;
 
 #[derive(Debug, Clone, PartialEq, Default, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -61,12 +61,12 @@ impl Tenant {
     }
 
     /// Whether the tenant has limits of its own (buckets or budgets).
-    pub fn is_limited(&self) -> bool {
+    pub(crate) fn is_limited(&self) -> bool {
         self.requests_per_minute.is_some() || self.tokens_per_minute.is_some() || !self.caps().is_none()
     }
 
     /// Whether the tenant may call `model`.
-    pub fn allows(&self, model: &str) -> bool {
+    pub(crate) fn allows(&self, model: &str) -> bool {
         self.models.as_ref().is_none_or(|m| m.iter().any(|a| a == model))
     }
 }
@@ -175,7 +175,7 @@ fn valid_name(name: &str) -> bool {
 }
 
 /// OpenAI's 404 for a model the caller may not use.
-pub fn model_not_found(model: &str) -> ApiError {
+pub(crate) fn model_not_found(model: &str) -> ApiError {
     let model: String = model.chars().take(128).collect();
     ApiError {
         status: 404,

@@ -21,7 +21,6 @@ use crate::core::store::CasStore;
 use crate::core::upstream::Outbound;
 
 use crate::core::api::event::Event;
-pub use crate::core::limits::CONTENTION_RETRY_MS;
 
 #[derive(Debug, Clone, PartialEq)]
 pub enum Action {
@@ -941,7 +940,7 @@ mod tests {
         let s = Contended(MemStore::new());
         let mut f = flight(&c, "gpt-4.1");
         let a = f.resume(&s, &c, 0, 1);
-        assert_eq!(a, Action::Sleep { until_ms: CONTENTION_RETRY_MS }, "held, not sent uncharged");
+        assert_eq!(a, Action::Sleep { until_ms: crate::core::limits::CONTENTION_RETRY_MS }, "held, not sent uncharged");
         let before = limits::peek(&s, "gpt-4.1", &Limits::of(c.model("gpt-4.1").unwrap().1, &c.rate_limit), 10);
         f.on_response(&s, &c, status(200), &hints(200), 10, 0);
         let after = limits::peek(&s, "gpt-4.1", &Limits::of(c.model("gpt-4.1").unwrap().1, &c.rate_limit), 10);

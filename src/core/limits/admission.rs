@@ -23,11 +23,11 @@ use crate::core::limits::{self, duration, Denial, Kind, Limits};
 use crate::core::store::CasStore;
 
 /// How often a request held for a concurrency slot looks again.
-pub const CONCURRENCY_POLL_MS: u64 = 20;
+pub(crate) const CONCURRENCY_POLL_MS: u64 = 20;
 
 /// What the door said.
 #[derive(Debug, Clone, PartialEq)]
-pub enum Admission {
+pub(crate) enum Admission {
     /// Admitted to call `models()[index]` (a fallback when it is not the model asked for).
     Admitted { index: usize },
     /// Nothing admits the call yet: come back (`admit` again) at this time.
@@ -40,7 +40,7 @@ pub enum Admission {
 
 /// What a call is asked to the limits with, fixed for the flight's life.
 #[derive(Debug, Clone)]
-pub struct Claim<'a> {
+pub(crate) struct Claim<'a> {
     pub model: &'a str,
     pub tenant: Option<&'a str>,
     pub class: Class,
@@ -100,7 +100,7 @@ enum TenantPass {
 /// A flight's standing with the limits: the models it may call, what it holds of them and
 /// of its tenant's, its places in their lines, and what it has to report.
 #[derive(Debug, Clone)]
-pub struct Standing {
+pub(crate) struct Standing {
     models: Vec<String>,
     tenant: Option<String>,
     tenant_tag: u64,
@@ -253,12 +253,12 @@ impl Standing {
     /// Whether the call may look for a higher class to wait at (`raise_to`): it stands in a
     /// line, below the top class, and no model owner's verdict is pending (that was given at
     /// the class it asked with).
-    pub fn may_raise(&self) -> bool {
+    pub(crate) fn may_raise(&self) -> bool {
         !self.lined.is_empty() && self.class != Class::Critical && self.probe.is_none()
     }
 
     /// The call waits at `class` from now on (a waiter of that class joined it).
-    pub fn raise_to(&mut self, class: Class) {
+    pub(crate) fn raise_to(&mut self, class: Class) {
         if class < self.class {
             (self.class, self.queued) = (class, true);
             self.events.push(Event::Queued { class });
@@ -292,7 +292,14 @@ impl Standing {
 
     /// Takes `retries` more requests from the bucket of `models()[index]` the call was
     /// admitted from here (a model owner elsewhere in the fleet takes them when it settles).
-    pub fn charge_retries(&self, store: &impl CasStore, config: &Config, index: usize, retries: u64, now_ms: u64) {
+    pub(crate) fn charge_retries(
+        &self,
+        store: &impl CasStore,
+        config: &Config,
+        index: usize,
+        retries: u64,
+        now_ms: u64,
+    ) {
         let Some((bucket, m)) = self.models.get(index).and_then(|name| config.model(name)) else { return };
         let l = Limits::of(m, &config.rate_limit);
         match self.ticket {

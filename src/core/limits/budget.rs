@@ -12,7 +12,7 @@ use crate::core::store::{cas_after, CasStore, StoreError, MAX_RACES};
 
 const DAY_MS: u64 = 86_400_000;
 /// The most reservations a record lists; beyond it the oldest is dropped (it stays charged).
-pub const MAX_IN_FLIGHT: usize = 256;
+pub(crate) const MAX_IN_FLIGHT: usize = 256;
 
 /// What a call reserved, and in which periods.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -72,7 +72,7 @@ pub struct Backing {
 impl Backing {
     /// Process memory only (no store).
     #[cfg(test)]
-    pub const MEMORY: Backing = Backing { store: false, nodes: 1, outage_micro: None, replicas: 1 };
+    pub(crate) const MEMORY: Backing = Backing { store: false, nodes: 1, outage_micro: None, replicas: 1 };
 
     /// As `config` backs a tenant's budget (`store`: by the spend store).
     pub fn of(config: &Config, store: bool) -> Backing {
@@ -90,7 +90,7 @@ const WRITES_MARK: &str = "~w";
 
 /// How many writers' last writes a stored record names (`Stored::writes`): a write whose
 /// answer was lost is known to have landed unless this many other writers wrote since.
-pub const MAX_WRITERS: usize = 64;
+pub(crate) const MAX_WRITERS: usize = 64;
 
 /// Settled spend of one day and one month, as the spend store keeps it for a tenant.
 #[derive(Debug, Clone, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
@@ -144,7 +144,7 @@ impl Stored {
 
 /// How a record stands with the spend store.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum Mark {
+pub(crate) enum Mark {
     /// Not read from the store since this node began to keep it.
     #[default]
     Unread,
@@ -207,7 +207,7 @@ pub(super) struct Unsure {
 
 /// The most writes a record keeps as unsure; beyond it the oldest is taken as not landed
 /// (its spend is written again: counted twice, never lost).
-pub const MAX_UNSURE: usize = 4;
+pub(crate) const MAX_UNSURE: usize = 4;
 /// What marks an unsure write among a record's entries.
 const UNSURE_MARK: &str = "~u";
 
@@ -535,7 +535,7 @@ fn push_bounded<T>(list: &mut Vec<T>, item: T, max: usize) {
     list.push(item);
 }
 
-pub fn key(tenant: &str) -> String {
+pub(crate) fn key(tenant: &str) -> String {
     format!("holysheep/budget/{tenant}")
 }
 
@@ -640,7 +640,7 @@ pub(super) fn update(
 
 /// Whether a call of `micro` would be admitted now, as `reserve` decides, without
 /// reserving (a broken store admits).
-pub fn check(
+pub(crate) fn check(
     store: &impl CasStore,
     tenant: &str,
     (caps, backing): (Caps, Backing),

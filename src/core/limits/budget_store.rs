@@ -16,26 +16,26 @@ use serde_json::{json, Value};
 
 /// The tenants whose records wait to be read from the store (a list of names; bounded by
 /// the tenants configured).
-pub const WANTED_KEY: &str = "holysheep/budget-store/wanted";
+pub(crate) const WANTED_KEY: &str = "holysheep/budget-store/wanted";
 /// When the last round of writes began (one worker of the process claims each round).
-pub const ROUND_KEY: &str = "holysheep/budget-store/round";
+pub(crate) const ROUND_KEY: &str = "holysheep/budget-store/round";
 /// Whether the store answered last, for the whole process (`1`, `0`): its silence is
 /// logged once.
-pub const REACHED_KEY: &str = "holysheep/budget-store/reached";
+pub(crate) const REACHED_KEY: &str = "holysheep/budget-store/reached";
 /// `1` while the store's cluster is none the host knows (its calls cannot be sent), for
 /// the whole process: nothing budgeted is admitted then (`misconfigured`).
-pub const MISCONFIGURED_KEY: &str = "holysheep/budget-store/misconfigured";
+pub(crate) const MISCONFIGURED_KEY: &str = "holysheep/budget-store/misconfigured";
 /// This process's name as a writer of the store's records (`Stored::writes`): a random
 /// number, the same for all its workers.
-pub const WRITER_KEY: &str = "holysheep/budget-store/writer";
+pub(crate) const WRITER_KEY: &str = "holysheep/budget-store/writer";
 /// How often a call waiting for its tenant's record to be read looks again.
-pub const READ_POLL_MS: u64 = 20;
+pub(crate) const READ_POLL_MS: u64 = 20;
 /// How long after the store could not be read a round of writes reads it again (the node
 /// admits from its share meanwhile).
-pub const UNREACHABLE_MS: u64 = 5_000;
+pub(crate) const UNREACHABLE_MS: u64 = 5_000;
 
 /// How long a record with nothing to write goes without reading the store again.
-pub const REFRESH_MS: u64 = 5_000;
+pub(crate) const REFRESH_MS: u64 = 5_000;
 
 /// A call to etcd's JSON gateway: `POST path` with `body`.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -52,7 +52,7 @@ pub struct Found {
 }
 
 /// The etcd key of `tenant`'s spend.
-pub fn store_key(config: &Config, tenant: &str) -> String {
+pub(crate) fn store_key(config: &Config, tenant: &str) -> String {
     format!("{}/budget/{tenant}", config.budget_store.prefix)
 }
 
@@ -104,7 +104,7 @@ fn number(v: &Value) -> Option<u64> {
 }
 
 /// Whether the store's calls cannot be sent (its cluster is none the host knows).
-pub fn misconfigured(store: &impl CasStore) -> bool {
+pub(crate) fn misconfigured(store: &impl CasStore) -> bool {
     store.get(MISCONFIGURED_KEY).ok().and_then(|r| r.value).is_some_and(|v| v == b"1")
 }
 

@@ -124,7 +124,7 @@ impl Verdict {
 }
 
 /// Whether `offered` is the secret (compared in constant time); never with no secret.
-pub fn secret_matches(secret: Option<&str>, offered: Option<&str>) -> bool {
+pub(crate) fn secret_matches(secret: Option<&str>, offered: Option<&str>) -> bool {
     let (Some(secret), Some(offered)) = (secret, offered) else { return false };
     if secret.is_empty() || secret.len() != offered.len() {
         return false;
@@ -173,7 +173,7 @@ pub fn serve_op(store: &impl CasStore, config: &Config, op: Op, now_ms: u64) -> 
 }
 
 /// A provider's word empties a bucket for `rate_limit.max_provider_hold_ms` at most.
-pub fn capped(config: &Config, hints: &ProviderHints) -> ProviderHints {
+pub(crate) fn capped(config: &Config, hints: &ProviderHints) -> ProviderHints {
     let hold = config.rate_limit.max_provider_hold_ms;
     // Only what the settlement message carries: what the attempt was billed settles here.
     let wire = ProviderHints { key_refused: false, billed: Default::default(), ..*hints };

@@ -8,12 +8,12 @@
 use crate::core::api::priority::{Class, CLASSES};
 
 /// A place in line lapses unless renewed this often.
-pub const LINE_HOLD_MS: u64 = 3_000;
+pub(crate) const LINE_HOLD_MS: u64 = 3_000;
 /// A place is written again (renewed) once less than this is left of its hold; a caller
 /// looks again at least every `POLL_CAP_MS`, so it may come back up to a second late.
 const RENEW_BELOW_MS: u64 = 1_500;
 /// The longest a caller in line waits before looking again.
-pub const POLL_CAP_MS: u64 = 500;
+pub(crate) const POLL_CAP_MS: u64 = 500;
 
 /// Who asks a bucket for admission.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -26,13 +26,13 @@ pub struct Who {
 }
 
 impl Who {
-    pub fn standard(id: u64, estimate: u64) -> Who {
+    pub(crate) fn standard(id: u64, estimate: u64) -> Who {
         Who { id, estimate, class: Class::Standard, tenant: 0 }
     }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Place {
+pub(crate) struct Place {
     pub id: u64,
     pub until_ms: u64,
     pub class: Class,
@@ -50,7 +50,7 @@ impl Place {
 
 /// What stands ahead of a place: how many calls, and the tokens they asked for.
 #[derive(Debug, Clone, Copy, PartialEq, Default)]
-pub struct Ahead {
+pub(crate) struct Ahead {
     pub calls: usize,
     pub tokens: f64,
 }
@@ -64,26 +64,26 @@ pub struct Line {
 
 /// The line is full and the caller orders after every place in it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Full;
+pub(crate) struct Full;
 
 impl Line {
     #[cfg(test)]
-    pub fn len(&self) -> usize {
+    pub(crate) fn len(&self) -> usize {
         self.places.len()
     }
 
     #[cfg(test)]
-    pub fn is_empty(&self) -> bool {
+    pub(crate) fn is_empty(&self) -> bool {
         self.places.is_empty()
     }
 
-    pub fn lapse(&mut self, now_ms: u64) {
+    pub(crate) fn lapse(&mut self, now_ms: u64) {
         self.places.retain(|p| p.until_ms > now_ms);
     }
 
     /// The caller's place: the one it holds, or the one it would take now (a caller whose
     /// class was raised since it took its place takes one in its new class).
-    pub fn place_of(&self, who: &Who, now_ms: u64) -> Place {
+    pub(crate) fn place_of(&self, who: &Who, now_ms: u64) -> Place {
         if let Some(p) = self.places.iter().find(|p| p.id == who.id && p.class == who.class) {
             return *p;
         }
@@ -101,7 +101,7 @@ impl Line {
     }
 
     /// The calls in line before `place` (`cap`: the most tokens one call is charged).
-    pub fn ahead(&self, place: &Place, cap: f64) -> Ahead {
+    pub(crate) fn ahead(&self, place: &Place, cap: f64) -> Ahead {
         let key = place.order();
         self.places.iter().filter(|p| p.id != place.id && p.order() < key).fold(Ahead::default(), |a, p| Ahead {
             calls: a.calls + 1,
@@ -113,7 +113,7 @@ impl Line {
     /// line gives its last place (of the lowest class, the latest turn) to a caller that
     /// orders before it: a higher class, or an earlier turn of the same class (another
     /// tenant's, whose fair share the full line would otherwise shut out).
-    pub fn stand(&mut self, place: Place, max: usize, now_ms: u64) -> Result<bool, Full> {
+    pub(crate) fn stand(&mut self, place: Place, max: usize, now_ms: u64) -> Result<bool, Full> {
         if let Some(p) = self.places.iter_mut().find(|p| p.id == place.id && p.class == place.class) {
             let renew = p.until_ms.saturating_sub(now_ms) < RENEW_BELOW_MS;
             if renew {
@@ -139,7 +139,7 @@ impl Line {
     /// The call `id` leaves the line; `admitted` in a class: that class's turn moves on to
     /// the call's (a call raised to another class since it took its place moves no turn of
     /// the class it left).
-    pub fn leave(&mut self, id: u64, admitted: Option<Class>) -> bool {
+    pub(crate) fn leave(&mut self, id: u64, admitted: Option<Class>) -> bool {
         let Some(i) = self.places.iter().position(|p| p.id == id) else { return false };
         let p = self.places.swap_remove(i);
         if admitted == Some(p.class) {
@@ -152,7 +152,7 @@ impl Line {
     /// The line in a bucket record: the turns, then each place, in fixed-width binary
     /// (every waiter reads the whole line each time it looks: text cost a long line's
     /// every read).
-    pub fn encode(&self, out: &mut Vec<u8>) {
+    pub(crate) fn encode(&self, out: &mut Vec<u8>) {
         out.reserve(TURNS_BYTES + self.places.len() * PLACE_BYTES);
         for t in self.turns {
             out.extend_from_slice(&t.to_le_bytes());
@@ -169,7 +169,7 @@ impl Line {
     }
 
     /// The line `encode` wrote (`None`: not one).
-    pub fn decode(raw: &[u8]) -> Option<Line> {
+    pub(crate) fn decode(raw: &[u8]) -> Option<Line> {
         let (turns, places) = raw.split_at_checked(TURNS_BYTES)?;
         if !places.len().is_multiple_of(PLACE_BYTES) {
             return None;

@@ -12,12 +12,12 @@
 //! by compare-and-swap. Tokens are reserved from an estimate before a call and reconciled
 //! with the answer's `usage`; the provider's own limit headers only ever lower the buckets.
 
-pub mod admission;
+pub(crate) mod admission;
 pub mod budget;
 pub mod budget_store;
 pub mod fleet;
 pub mod line;
-pub mod tenant_gate;
+pub(crate) mod tenant_gate;
 
 use crate::core::api::headers;
 use crate::core::api::hints::ProviderHints;
@@ -73,7 +73,7 @@ impl Limits {
 
     /// Whether a call of `estimate` tokens could ever be admitted: no more than the token
     /// bucket holds when full.
-    pub fn fits(&self, estimate: u64) -> bool {
+    pub(crate) fn fits(&self, estimate: u64) -> bool {
         self.tpm.is_none_or(|tpm| estimate as f64 <= tpm)
     }
 
@@ -181,7 +181,7 @@ impl Bucket {
     }
 
     /// Adds what accrued since `at_ms`. A clock that went backwards adds nothing.
-    pub fn refill(&mut self, l: &Limits, now_ms: u64) {
+    pub(crate) fn refill(&mut self, l: &Limits, now_ms: u64) {
         if now_ms > self.at_ms {
             let dt = (now_ms - self.at_ms) as f64;
             self.requests = (self.requests + dt * l.req_per_ms()).min(l.burst);
@@ -295,7 +295,7 @@ impl Bucket {
 
     /// Lowers the buckets to what the provider reports; a provider 429 empties the
     /// request bucket until its `retry-after` (or one request's refill) has passed.
-    pub fn adapt(&mut self, l: &Limits, hints: &ProviderHints, now_ms: u64) {
+    pub(crate) fn adapt(&mut self, l: &Limits, hints: &ProviderHints, now_ms: u64) {
         self.refill(l, now_ms);
         if let (Some(r), Some(_)) = (hints.remaining_requests, l.rpm) {
             self.requests = self.requests.min(r);
@@ -376,7 +376,7 @@ impl Bucket {
 const LINE_MARK: &[u8] = b"L\n";
 
 /// `250ms`, `20s`, `1.5s`, `6m0s`: the form OpenAI uses in `x-ratelimit-reset-*`.
-pub fn duration(ms: u64) -> String {
+pub(crate) fn duration(ms: u64) -> String {
     match ms {
         0..=999 => format!("{ms}ms"),
         1_000..=59_999 if ms.is_multiple_of(1000) => format!("{}s", ms / 1000),
@@ -387,7 +387,7 @@ pub fn duration(ms: u64) -> String {
 
 /// A count as a whole number (floored, never negative), without float formatting (which
 /// costs the plugin kilobytes).
-pub fn whole(x: f64) -> String {
+pub(crate) fn whole(x: f64) -> String {
     (x.max(0.0).floor() as u64).to_string()
 }
 
@@ -396,13 +396,13 @@ fn bits(x: f64) -> String {
     format!("{:x}", x.to_bits())
 }
 
-pub fn bucket_key(bucket: &str) -> String {
+pub(crate) fn bucket_key(bucket: &str) -> String {
     format!("holysheep/bucket/{bucket}")
 }
 
 /// Reads the bucket, applies `f`, and writes the result back with compare-and-swap
 /// (re-reading on a lost race). `f` returns its result and whether to write.
-pub fn update<R>(
+pub(crate) fn update<R>(
     store: &impl CasStore,
     bucket: &str,
     l: &Limits,
@@ -428,7 +428,7 @@ pub fn update<R>(
 
 /// Takes one request and `who.estimate` tokens from the bucket for the call `who.id` (see
 /// `Bucket::take`). A refused call that `waits` keeps its place in line.
-pub fn take(
+pub(crate) fn take(
     store: &impl CasStore,
     bucket: &str,
     l: &Limits,
@@ -449,12 +449,12 @@ pub fn take(
 }
 
 /// How soon a call whose admission lost every race looks again.
-pub const CONTENTION_RETRY_MS: u64 = 5;
+pub(crate) const CONTENTION_RETRY_MS: u64 = 5;
 
 /// The call `id` ended: frees its slot, reconciles its estimate with `actual` tokens and
 /// applies what the provider said about its limits.
 #[allow(clippy::too_many_arguments)]
-pub fn settle(
+pub(crate) fn settle(
     store: &impl CasStore,
     bucket: &str,
     l: &Limits,
@@ -473,7 +473,7 @@ pub fn settle(
 
 /// A call admitted by the bucket, then refused before it left (its tenant's budget had no
 /// room): its slot, its token estimate and its request go back, as if it had never come.
-pub fn give_back(store: &impl CasStore, bucket: &str, l: &Limits, id: u64, estimate: u64, now_ms: u64) {
+pub(crate) fn give_back(store: &impl CasStore, bucket: &str, l: &Limits, id: u64, estimate: u64, now_ms: u64) {
     let _ = update(store, bucket, l, now_ms, |b| {
         b.settle(l, id, estimate, Some(0), now_ms);
         if l.rpm.is_some() {
@@ -485,7 +485,7 @@ pub fn give_back(store: &impl CasStore, bucket: &str, l: &Limits, id: u64, estim
 
 /// `n` more requests made for a call already admitted (a stream's attempts beyond its first,
 /// which Envoy's router made): taken from the request bucket, which may go below empty.
-pub fn charge_requests(store: &impl CasStore, bucket: &str, l: &Limits, n: u64, now_ms: u64) {
+pub(crate) fn charge_requests(store: &impl CasStore, bucket: &str, l: &Limits, n: u64, now_ms: u64) {
     if n == 0 || l.rpm.is_none() {
         return;
     }
@@ -498,7 +498,7 @@ pub fn charge_requests(store: &impl CasStore, bucket: &str, l: &Limits, n: u64, 
 
 /// The bucket a node admits its share from when the model's owner node is out of reach
 /// (one more key per configured model).
-pub fn share_bucket(bucket: &str) -> String {
+pub(crate) fn share_bucket(bucket: &str) -> String {
     format!("{bucket}#share")
 }
 

@@ -20,7 +20,7 @@ use serde::{Deserialize, Serialize};
 
 /// What a flight took from its tenant.
 #[derive(Debug, Clone)]
-pub struct TenantHold {
+pub(crate) struct TenantHold {
     tenant: String,
     id: u64,
     estimate: u64,
@@ -108,7 +108,7 @@ impl Settlement {
 
 /// Why a tenant's limits refused a call.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Refusal {
+pub(crate) enum Refusal {
     /// Its bucket has no room now (it may wait, as for a model's).
     Bucket(Denial),
     /// Its budget for the day or the month is spent.
@@ -119,7 +119,7 @@ pub enum Refusal {
 
 impl Refusal {
     /// As a model owner's verdict carries it.
-    pub fn denial(self) -> Denial {
+    pub(crate) fn denial(self) -> Denial {
         match self {
             Refusal::Bucket(d) => d,
             Refusal::TooLarge => Denial::of(Kind::TooLarge, None),
@@ -150,7 +150,7 @@ impl Refusal {
 /// The bucket name of a tenant's own limits (model names cannot start with `tenant.`):
 /// also the name the fleet's ring places the tenant's owner node by, in a callout's
 /// `:authority` (so nothing but a host name's characters).
-pub fn bucket(tenant: &str) -> String {
+pub(crate) fn bucket(tenant: &str) -> String {
     format!("tenant.{tenant}")
 }
 
@@ -170,13 +170,13 @@ fn limits_of(t: &Tenant, rules: &RateLimit) -> Option<Limits> {
 }
 
 /// Whether `tenant` has limits of its own.
-pub fn is_limited(config: &Config, tenant: &str) -> bool {
+pub(crate) fn is_limited(config: &Config, tenant: &str) -> bool {
     config.tenants.get(tenant).is_some_and(Tenant::is_limited)
 }
 
 /// The most `tokens` can cost on any of `models`: each token at the dearer of its input
 /// and output prices.
-pub fn worst_micro(config: &Config, models: &[String], tokens: u64) -> u64 {
+pub(crate) fn worst_micro(config: &Config, models: &[String], tokens: u64) -> u64 {
     let price = |m: &String| config.model(m).map_or(0.0, |(_, m)| m.dearest_price());
     let dearest = models.iter().map(price).fold(0.0, f64::max);
     (tokens as f64 * dearest).ceil() as u64
@@ -185,7 +185,7 @@ pub fn worst_micro(config: &Config, models: &[String], tokens: u64) -> u64 {
 /// Takes the call's share of its tenant's limits from this node's store (`share`: this
 /// node's part, in a fleet of that many nodes). `None`: the tenant has no limits. The
 /// bucket is given back when the budget refuses.
-pub fn take(
+pub(crate) fn take(
     store: &impl CasStore,
     config: &Config,
     ask: &Ask,
@@ -249,10 +249,10 @@ fn refusal(store: &impl CasStore, ledger: &Ledger, refused: Refused) -> Refusal 
 }
 
 /// How often a call that waits for its tenant's calls in flight to settle looks again.
-pub const BUDGET_POLL_MS: u64 = 50;
+pub(crate) const BUDGET_POLL_MS: u64 = 50;
 
 /// The tenant's owner node settles a call that a key owner reports ended.
-pub fn settle_reported(store: &impl CasStore, config: &Config, s: &Settlement, now_ms: u64) {
+pub(crate) fn settle_reported(store: &impl CasStore, config: &Config, s: &Settlement, now_ms: u64) {
     let Some(t) = config.tenants.get(&s.tenant) else { return };
     if s.release {
         // Only the dollars are listed by call; the bucket refills on its own.
@@ -272,7 +272,7 @@ pub fn settle_reported(store: &impl CasStore, config: &Config, s: &Settlement, n
 
 impl TenantHold {
     /// What the tenant's owner node took for `ask` (its verdict's `hold`).
-    pub fn on_owner(ask: &Ask, dollars: Hold) -> TenantHold {
+    pub(crate) fn on_owner(ask: &Ask, dollars: Hold) -> TenantHold {
         TenantHold {
             tenant: ask.tenant.clone(),
             id: ask.id,
@@ -284,7 +284,7 @@ impl TenantHold {
         }
     }
 
-    pub fn dollars(&self) -> Hold {
+    pub(crate) fn dollars(&self) -> Hold {
         self.dollars
     }
 
@@ -324,7 +324,7 @@ impl TenantHold {
 
 /// The answer to a tenant's refusal of a call of `estimate` tokens on `model`: a 429, or
 /// the 400 of a call its bucket could never admit.
-pub fn refused(config: &Config, tenant: &str, model: &str, refusal: Refusal, estimate: u64) -> Response {
+pub(crate) fn refused(config: &Config, tenant: &str, model: &str, refusal: Refusal, estimate: u64) -> Response {
     let (e, wait) = match refusal {
         Refusal::Bucket(d) if d.kind == Kind::StoreMissing => {
             let cluster = &config.budget_store.cluster;

@@ -156,7 +156,7 @@ pub fn label<'a>(config: &'a Config, model: &'a str) -> &'a str {
 /// tenant's (`tenant.<name>`: every counter of a tenant's requests, whatever their model)
 /// and `tenants` (the table as a whole: keys no tenant holds), and on an owner listener
 /// that serves only the fleet, `fleet` (requests no node sent).
-pub fn labels(config: &Config) -> Vec<String> {
+pub(crate) fn labels(config: &Config) -> Vec<String> {
     let models = config.models.keys().cloned().chain(std::iter::once("other".to_owned()));
     let tenants = config.tenants.keys().map(|t| format!("{TENANT_PREFIX}{t}"));
     let table = (!config.tenants.is_empty()).then(|| TENANTS_LABEL.to_owned());

@@ -7,13 +7,13 @@ use serde_json::{Map, Number, Value};
 
 /// Fields left out of the key: they change how the answer is delivered or attributed,
 /// not what it says.
-pub const KEY_EXCLUDED_FIELDS: [&str; 3] = ["stream", "stream_options", "user"];
+pub(crate) const KEY_EXCLUDED_FIELDS: [&str; 3] = ["stream", "stream_options", "user"];
 
 /// Compact JSON with object keys sorted recursively (serde_json's map is a BTreeMap),
 /// integral floats written as integers, and the excluded fields removed: the bytes
 /// `serde_json::to_vec` writes for that value, written here directly (its serializer cost a
 /// MISS several times the operators).
-pub fn canonical_body(mut map: Map<String, Value>) -> Vec<u8> {
+pub(crate) fn canonical_body(mut map: Map<String, Value>) -> Vec<u8> {
     for f in KEY_EXCLUDED_FIELDS {
         map.remove(f);
     }

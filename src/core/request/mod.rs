@@ -6,9 +6,9 @@
 //! canonical form of every field that changes the answer, and the SHA-256 request key
 //! scoped to the tenant and the endpoint.
 
-pub mod canonical;
-pub mod probe;
-pub mod supplied;
+pub(crate) mod canonical;
+pub(crate) mod probe;
+pub(crate) mod supplied;
 
 use crate::core::api::endpoint::Endpoint;
 use crate::core::api::error::ApiError;
@@ -25,13 +25,13 @@ use crate::core::wire::digest::sha256;
 use serde_json::{Map, Value};
 
 /// The chat completions path, the first endpoint the edge governed.
-pub const CHAT_PATH: &str = "/v1/chat/completions";
+pub(crate) const CHAT_PATH: &str = "/v1/chat/completions";
 
 /// Longest `model` accepted (it is echoed in a response header).
-pub const MAX_MODEL_LEN: usize = 256;
+pub(crate) const MAX_MODEL_LEN: usize = 256;
 /// What a parsed request adds to a table of parsed requests beyond its raw bytes (its
 /// key, model).
-pub const PARSED_SIZE: usize = 128;
+pub(crate) const PARSED_SIZE: usize = 128;
 
 /// Whether a request path names chat completions as a server behind nginx would read it:
 /// query and fragment dropped, unreserved percent-escapes decoded, repeated slashes merged,
@@ -41,7 +41,7 @@ pub fn is_chat_path(path: &str) -> bool {
 }
 
 /// `/v1/models` in any spelling (the list, not one model).
-pub fn is_models_path(path: &str) -> bool {
+pub(crate) fn is_models_path(path: &str) -> bool {
     segments(path) == ["v1", "models"]
 }
 
@@ -50,12 +50,12 @@ pub const PEER_PATH: &str = "/holysheep/peer/bucket";
 
 /// Whether a path, in any spelling, is under `/holysheep/`: the fleet's own calls, never
 /// accepted from a client on a public listener.
-pub fn is_internal_path(path: &str) -> bool {
+pub(crate) fn is_internal_path(path: &str) -> bool {
     segments(path).first().is_some_and(|s| s.eq_ignore_ascii_case("holysheep"))
 }
 
 /// serde_json refuses nesting deeper than 128; we refuse earlier, with a clear message.
-pub const MAX_DEPTH: usize = 64;
+pub(crate) const MAX_DEPTH: usize = 64;
 
 /// SHA-256 of (path, tenant scope, canonical body), as 64 lowercase hex digits.
 #[derive(Debug, Clone, Eq)]
@@ -105,7 +105,7 @@ impl Key {
 
 /// What the client asked the cache to do (request `cache-control`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub struct CacheControl {
+pub(crate) struct CacheControl {
     pub no_store: bool,
     pub no_cache: bool,
     pub max_age: Option<u64>,
@@ -266,7 +266,7 @@ impl ApiRequest {
         PARSED_SIZE + self.semantic.as_ref().map_or(0, |p| p.text.len()) + items
     }
 
-    pub fn policy(&self, config: &Config, cc: CacheControl) -> Policy {
+    pub(crate) fn policy(&self, config: &Config, cc: CacheControl) -> Policy {
         // A request that may not be shared is as one that asks `no-store`.
         let no_store = cc.no_store || !self.shared;
         Policy {
@@ -487,7 +487,7 @@ fn prompts(map: &Map<String, Value>) -> u64 {
 
 /// The same request for another model (failover): the body with `model` replaced.
 #[cfg(test)]
-pub fn with_model(body: &[u8], model: &str) -> Vec<u8> {
+pub(crate) fn with_model(body: &[u8], model: &str) -> Vec<u8> {
     for_upstream(body, model, false, None)
 }
 
@@ -520,14 +520,14 @@ pub fn for_upstream(body: &[u8], model: &str, stream_usage: bool, cap: Option<(&
 }
 
 /// The path items are keyed under (never a request's own).
-pub const ITEM_PATH: &str = "/v1/embeddings#item";
+pub(crate) const ITEM_PATH: &str = "/v1/embeddings#item";
 
 /// The most items of one list the edge keys one by one (OpenAI takes 2048).
-pub const MAX_ITEMS: usize = 2048;
+pub(crate) const MAX_ITEMS: usize = 2048;
 
 /// The keys of a request's items, in order: each is the key of the request with that item
 /// alone as its `input`. `None` for an `input` that is no list of items.
-pub fn item_keys(map: &Map<String, Value>, scope: &str) -> Option<Vec<Key>> {
+pub(crate) fn item_keys(map: &Map<String, Value>, scope: &str) -> Option<Vec<Key>> {
     let items = items(map.get("input")?)?;
     let mut rest = map.clone();
     rest.remove("input");

@@ -6,7 +6,7 @@ use crate::core::wire::digest::sha256;
 use serde_json::{Map, Value};
 
 /// The longest question embedded, in bytes (an embedding model reads about 8 000 tokens).
-pub const MAX_TEXT_BYTES: usize = 16 * 1024;
+pub(crate) const MAX_TEXT_BYTES: usize = 16 * 1024;
 
 /// A request that takes part: the SHA-256 of everything that changes its answer except the
 /// last user message's text, and that text.
@@ -20,7 +20,7 @@ pub struct Probe {
 /// (temperature 0 or a seed, one choice), asks for no log probabilities, offers no tools
 /// unless `allow_tools`, and ends with a user message of text. `scope` and `path` are its
 /// tenant scope and path, as in its key.
-pub fn probe(
+pub(crate) fn probe(
     config: &Config,
     map: &Map<String, Value>,
     (scope, path): (&str, &str),

@@ -8,7 +8,7 @@ use crate::core::api::endpoint::Endpoint;
 use serde_json::{Map, Value};
 
 /// The first member of a request that makes HolySheep bill input the edge cannot see.
-pub fn supplied_input(endpoint: Endpoint, map: &Map<String, Value>) -> Option<String> {
+pub(crate) fn supplied_input(endpoint: Endpoint, map: &Map<String, Value>) -> Option<String> {
     let set = |f: &str| map.get(f).is_some_and(|v| !v.is_null());
     match endpoint {
         Endpoint::Responses => {
@@ -36,7 +36,7 @@ pub fn supplied_input(endpoint: Endpoint, map: &Map<String, Value>) -> Option<St
 /// The first member naming a stored object of the operator's account other than a
 /// response (a conversation, a stored item, a file by id): objects no tenant's call makes
 /// through the edge, whose owner it cannot tell.
-pub fn foreign_object(endpoint: Endpoint, map: &Map<String, Value>) -> Option<String> {
+pub(crate) fn foreign_object(endpoint: Endpoint, map: &Map<String, Value>) -> Option<String> {
     let items = match endpoint {
         Endpoint::Responses if map.get("conversation").is_some_and(|v| !v.is_null()) => {
             return Some("conversation".into())
@@ -59,7 +59,7 @@ pub fn foreign_object(endpoint: Endpoint, map: &Map<String, Value>) -> Option<St
 
 /// The first hosted tool a request enables: any Responses tool but the caller's own
 /// (`function`, `custom`), and chat's `web_search_options`.
-pub fn hosted_tool(endpoint: Endpoint, map: &Map<String, Value>) -> Option<String> {
+pub(crate) fn hosted_tool(endpoint: Endpoint, map: &Map<String, Value>) -> Option<String> {
     match endpoint {
         Endpoint::Responses => {
             let tools = map.get("tools").and_then(Value::as_array)?;

@@ -15,18 +15,18 @@ use crate::core::request::Key;
 use crate::core::store::{cas_after, slot_name, CasStore, StoreError};
 
 /// The most entries in one page, so in one partition.
-pub const WAYS: u32 = 64;
+pub(crate) const WAYS: u32 = 64;
 
 const TABLE: &str = "holysheep/semantic/";
 const VERSION: u8 = 1;
 const HEADER: usize = 5;
 /// An entry's bytes besides its values.
-pub const ENTRY_FIXED: usize = 32 + 32 + 8 + 4;
+pub(crate) const ENTRY_FIXED: usize = 32 + 32 + 8 + 4;
 /// Attempts at writing a page that others write too.
 const WRITE_ATTEMPTS: usize = 4;
 
 /// The pages of the index.
-pub fn page_count(config: &Config) -> u32 {
+pub(crate) fn page_count(config: &Config) -> u32 {
     config.semantic.max_entries.div_ceil(WAYS)
 }
 
@@ -147,7 +147,7 @@ pub fn find(store: &impl CasStore, config: &Config, partition: &[u8; 32], vector
 
 /// Adds the question of `key` to its partition (in place of its own older entry, or of the
 /// page's oldest when the page is full). `false` when the page could not be written.
-pub fn learn(
+pub(crate) fn learn(
     store: &impl CasStore,
     config: &Config,
     partition: &[u8; 32],

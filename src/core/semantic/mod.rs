@@ -9,9 +9,11 @@ mod index;
 pub mod spend;
 mod vector;
 
-pub use crate::core::request::probe::{probe, Probe};
-pub use index::{find, learn, page_count, Found, Similar, WAYS};
-pub use vector::{embedding_body, parse_embedding, Embedding, Vector};
+pub use crate::core::request::probe::Probe;
+pub use index::{find, Found};
+pub(crate) use index::{learn, Similar};
+pub(crate) use vector::Vector;
+pub use vector::{embedding_body, parse_embedding, Embedding};
 
 use super::config::Config;
 use super::request::Key;

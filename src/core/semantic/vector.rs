@@ -18,7 +18,7 @@ pub struct Vector {
 
 impl Vector {
     /// `None` for an empty, over-long, all-zero or non-finite vector.
-    pub fn quantize(x: &[f32]) -> Option<Vector> {
+    pub(crate) fn quantize(x: &[f32]) -> Option<Vector> {
         if x.is_empty() || x.len() > MAX_DIMENSIONS as usize || x.iter().any(|v| !v.is_finite()) {
             return None;
         }
@@ -45,12 +45,12 @@ impl Vector {
         self.values.iter().map(|&v| v as u8).collect()
     }
 
-    pub fn norm(&self) -> f32 {
+    pub(crate) fn norm(&self) -> f32 {
         self.norm
     }
 
     /// Cosine similarity with stored values (`to_bytes`) of the same length and their norm.
-    pub fn cosine(&self, stored: &[u8], norm: f32) -> f32 {
+    pub(crate) fn cosine(&self, stored: &[u8], norm: f32) -> f32 {
         if stored.len() != self.values.len() || norm == 0.0 || self.norm == 0.0 {
             return 0.0;
         }

@@ -80,7 +80,7 @@ impl Outbound {
     /// token is at least one byte of text; images aside), or the model's context window
     /// when HolySheep supplies part of the input, and the completion limit of every choice
     /// (the request's own, else the cap the edge sends it with).
-    pub fn worst_tokens(&self) -> u64 {
+    pub(crate) fn worst_tokens(&self) -> u64 {
         let per_choice = self.completion_cap.unwrap_or(DEFAULT_COMPLETION_ESTIMATE);
         let completion = self.completion_limit.unwrap_or(per_choice.saturating_mul(self.choices.max(1)));
         let prompt = (self.body.len() as u64).max(self.supplied_ceiling.unwrap_or(0));

@@ -3,7 +3,7 @@
 //! whole request bodies are compared on every request, so the word-wise loop pays.
 
 /// Whether `a` and `b` hold the same bytes.
-pub fn same(a: &[u8], b: &[u8]) -> bool {
+pub(crate) fn same(a: &[u8], b: &[u8]) -> bool {
     if a.len() != b.len() {
         return false;
     }

@@ -3,7 +3,7 @@
 
 use std::borrow::Cow;
 
-pub fn encode(fields: &[&str], body: &[u8]) -> Vec<u8> {
+pub(crate) fn encode(fields: &[&str], body: &[u8]) -> Vec<u8> {
     let mut out = Vec::with_capacity(body.len() + 128);
     for f in fields {
         out.extend_from_slice(f.as_bytes());
@@ -14,7 +14,7 @@ pub fn encode(fields: &[&str], body: &[u8]) -> Vec<u8> {
 }
 
 /// Splits `N` newline-terminated UTF-8 fields off the front; the rest is the body.
-pub fn decode<const N: usize>(raw: &[u8]) -> Option<([&str; N], &[u8])> {
+pub(crate) fn decode<const N: usize>(raw: &[u8]) -> Option<([&str; N], &[u8])> {
     let (raw_fields, rest) = fields::<N>(raw)?;
     let mut fields = [""; N];
     for (field, bytes) in fields.iter_mut().zip(raw_fields) {
@@ -25,7 +25,7 @@ pub fn decode<const N: usize>(raw: &[u8]) -> Option<([&str; N], &[u8])> {
 
 /// `decode` without the UTF-8 check, for fields read as bytes (keys, numbers): the check
 /// costs more than the rest of reading a record.
-pub fn fields<const N: usize>(raw: &[u8]) -> Option<([&[u8]; N], &[u8])> {
+pub(crate) fn fields<const N: usize>(raw: &[u8]) -> Option<([&[u8]; N], &[u8])> {
     let mut fields: [&[u8]; N] = [&[]; N];
     let mut rest = raw;
     for field in &mut fields {
@@ -62,10 +62,10 @@ pub fn decimal(n: u64) -> Decimal {
 }
 
 /// Lowercase hexadecimal digits, by value.
-pub const HEX_DIGITS: &[u8; 16] = b"0123456789abcdef";
+pub(crate) const HEX_DIGITS: &[u8; 16] = b"0123456789abcdef";
 
 /// `n` as 16 hexadecimal digits, zero-padded (what `hex_number` reads back).
-pub fn hex_fixed(n: u64) -> [u8; 16] {
+pub(crate) fn hex_fixed(n: u64) -> [u8; 16] {
     let mut out = [b'0'; 16];
     for (i, d) in out.iter_mut().rev().enumerate() {
         *d = HEX_DIGITS[((n >> (4 * i)) & 0xf) as usize];
@@ -76,12 +76,12 @@ pub fn hex_fixed(n: u64) -> [u8; 16] {
 /// A record's number, as `to_string` writes it: ASCII digits only, at most `u64::MAX`.
 /// (`str::parse::<u64>` checks each step for overflow with a 128-bit multiply, a library
 /// call on wasm32 that made every record read cost thousands of operators.)
-pub fn number(s: impl AsRef<[u8]>) -> Option<u64> {
+pub(crate) fn number(s: impl AsRef<[u8]>) -> Option<u64> {
     read(s.as_ref(), 10, 19)
 }
 
 /// A record's number in hexadecimal (`format!("{:x}")`), at most `u64::MAX`.
-pub fn hex_number(s: impl AsRef<[u8]>) -> Option<u64> {
+pub(crate) fn hex_number(s: impl AsRef<[u8]>) -> Option<u64> {
     read(s.as_ref(), 16, 16)
 }
 
@@ -104,7 +104,7 @@ fn read(digits: &[u8], radix: u32, fits: usize) -> Option<u64> {
 }
 
 /// Header pairs as one field: `name: value` joined by tabs.
-pub fn headers_field(headers: &[(String, String)]) -> String {
+pub(crate) fn headers_field(headers: &[(String, String)]) -> String {
     let mut out = String::new();
     for (i, (name, value)) in headers.iter().enumerate() {
         if i > 0 {
@@ -122,12 +122,12 @@ pub fn headers_field(headers: &[(String, String)]) -> String {
     out
 }
 
-pub fn parse_headers(f: &str) -> Vec<(String, String)> {
+pub(crate) fn parse_headers(f: &str) -> Vec<(String, String)> {
     f.split('\t').filter_map(|p| p.split_once(": ")).map(|(n, v)| (n.to_owned(), v.to_owned())).collect()
 }
 
 /// Replaces newlines so a value can travel as one field (copied only when it has some).
-pub fn field(s: &str) -> Cow<'_, str> {
+pub(crate) fn field(s: &str) -> Cow<'_, str> {
     if s.bytes().any(|b| matches!(b, b'\n' | b'\r')) {
         Cow::Owned(s.replace(['\n', '\r'], " "))
     } else {

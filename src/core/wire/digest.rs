@@ -29,7 +29,7 @@ pub fn sha256(mut message: Vec<u8>) -> [u8; 32] {
 }
 
 /// HMAC-SHA256 (RFC 2104) of `message` under `key`.
-pub fn hmac_sha256(key: &[u8], message: &[u8]) -> [u8; 32] {
+pub(crate) fn hmac_sha256(key: &[u8], message: &[u8]) -> [u8; 32] {
     let mut block = [0u8; 64];
     if key.len() > 64 {
         block[..32].copy_from_slice(&sha256(key.to_vec()));

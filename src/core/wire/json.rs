@@ -8,7 +8,7 @@ use serde_json::{Map, Number, Value};
 use std::fmt;
 
 /// Parses `text` as one JSON value with no repeated object key at any depth.
-pub fn parse_strict(text: &str) -> Result<Value, serde_json::Error> {
+pub(crate) fn parse_strict(text: &str) -> Result<Value, serde_json::Error> {
     let mut de = serde_json::Deserializer::from_str(text);
     let value = de.deserialize_any(Strict)?;
     de.end()?;

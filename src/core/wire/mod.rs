@@ -4,8 +4,8 @@
 //! request, a tenant or a model is.
 
 pub mod base64;
-pub mod bytes;
+pub(crate) mod bytes;
 pub mod codec;
 pub mod digest;
-pub mod json;
+pub(crate) mod json;
 pub mod pairs;

@@ -15,7 +15,7 @@
 
 use crate::core::api::error::ApiError;
 use crate::core::api::response::Response;
-use crate::core::cache::{self, Fresh};
+use crate::core::cache::{self, Evict, Fresh};
 use crate::core::config::Config;
 use crate::core::request::Key;
 use crate::core::store::CasStore;
@@ -140,10 +140,21 @@ impl Batch {
             return;
         }
         let head = Head { model: new.model.clone(), group: group_id(&keys), size: keys.len(), tokens: new.tokens };
+        let mut share = evictions_allowed(config);
         for (key, embedding) in keys.iter().zip(&new.vectors) {
-            cache::put(store, config, key, &Response::json(200, Item::body(&head, embedding)), now_ms, None);
+            let evict = if share > 0 { Evict::Asked } else { Evict::Never };
+            let body = Response::json(200, Item::body(&head, embedding));
+            if cache::put(store, config, key, &body, now_ms, evict).is_some_and(|s| s.evicted) {
+                share -= 1;
+            }
         }
     }
+}
+
+/// Fresh answers of other keys one list may displace: a sixteenth of the cache (at least
+/// one), so no single request flushes it.
+fn evictions_allowed(config: &Config) -> u32 {
+    (config.cache.max_entries / 16).max(1)
 }
 
 /// An id for the group of `keys` (the same items in the same order make the same group):
@@ -372,6 +383,33 @@ mod tests {
             panic!("all cached")
         };
         assert_eq!(read(&r), read(&answer(&second)));
+    }
+
+    #[test]
+    fn one_list_displaces_at_most_a_sixteenth_of_a_full_cache_however_often_it_comes() {
+        let (store, config) = (MemStore::new(), Config::parse(br#"{"cache":{"max_entries":64}}"#).unwrap());
+        let entries =
+            |s: &MemStore| s.keys().iter().filter(|k| !k.contains("/index/") && !k.contains("/ghost/")).count();
+        let hot: Vec<Key> =
+            (0..400u32).map(|i| crate::core::request::request_key("/p", "s", &i.to_le_bytes())).collect();
+        for k in &hot {
+            for _ in 0..2 {
+                cache::put(&store, &config, k, &Response::json(200, b"{}".to_vec()), 0, Evict::Asked);
+            }
+        }
+        let held: Vec<&Key> = hot.iter().filter(|k| cache::get(&store, &config, k).is_some()).collect();
+        assert_eq!((entries(&store), held.len()), (64, 64), "a full cache of answers asked again");
+        let inputs: Vec<String> = (0..40).map(|i| format!("scan {i}")).collect();
+        let inputs: Vec<&str> = inputs.iter().map(String::as_str).collect();
+        for (round, still) in [(1, 64), (2, 60), (3, 56)] {
+            let Some(Plan::Call(batch, None)) = plan(&store, &config, &keys(&inputs), &body(&inputs), ALL, round)
+            else {
+                panic!("round {round}: a list the cache does not hold goes whole")
+            };
+            batch.finish(&store, &config, answer(&inputs), round);
+            let kept = held.iter().filter(|k| cache::get(&store, &config, k).is_some()).count();
+            assert_eq!(kept, still, "round {round}: at most 64 / 16 = 4 answers displaced by one list");
+        }
     }
 
     #[test]

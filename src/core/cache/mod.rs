@@ -9,6 +9,13 @@
 //! entry that may be the key's, and an answer goes to the way the index says, written by
 //! compare-and-swap. The entry holds the full key, so a stale index is a miss, never a
 //! wrong answer. Nothing here creates a key per prompt.
+//!
+//! Admission keeps what is asked again over what is asked once: an answer whose group is
+//! full of other keys' fresh answers is stored only when its key missed into that group
+//! before. The first time, its tag goes into the group's ghost record (the last `GHOSTS`
+//! keys turned away) and the answer is not stored, so a scan of one-off prompts passes
+//! through a full cache without flushing it. Ghost records are read only then: a MISS into a
+//! group with room, and every HIT, cost what they did.
 
 pub(crate) mod batch;
 pub mod edge;
@@ -100,6 +107,47 @@ impl Place {
 
 fn index_name(group: u32) -> String {
     store::slot_name("holysheep/cache/index/", group)
+}
+
+/// Keys a group remembers turning away: enough that a prompt asked again soon after a scan
+/// through its group is still known.
+const GHOSTS: usize = 8;
+/// Bytes of a key's tag in the index and in a ghost record.
+const TAG_BYTES: usize = 16;
+
+fn ghost_name(group: u32) -> String {
+    store::slot_name("holysheep/cache/ghost/", group)
+}
+
+/// Whether `key` was turned away from `group` before. Either way the record learns it: a key
+/// it names is taken out (it is admitted now), another goes in first, the oldest out. A write
+/// lost to a race is not retried: the ghost record is a hint, and losing one only turns a
+/// key away once more.
+fn asked_before(store: &impl CasStore, group: u32, key: &Key) -> bool {
+    let name = ghost_name(group);
+    let r = store.get(&name).unwrap_or(Read { value: None, cas: None });
+    let tag = key.tag().as_bytes().get(..TAG_BYTES).unwrap_or_default();
+    let old = r.value.as_deref().unwrap_or_default();
+    let tags = old.chunks_exact(TAG_BYTES).filter(|t| *t != tag);
+    let known = old.chunks_exact(TAG_BYTES).any(|t| t == tag);
+    let mut next = Vec::with_capacity(GHOSTS * TAG_BYTES);
+    if !known {
+        next.extend_from_slice(tag);
+    }
+    for t in tags.take(GHOSTS - usize::from(!known)) {
+        next.extend_from_slice(t);
+    }
+    let _ = store.set(&name, &next, cas_after(&r));
+    known
+}
+
+/// Whether an answer may take the way of another key's fresh answer (see the module's
+/// admission): `Asked` for a flight's answer, `Never` for an item of a list that has already
+/// displaced its share of the cache (`batch`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Evict {
+    Asked,
+    Never,
 }
 
 /// Reads the index of `key`'s group and picks the way its answer goes to: the way that
@@ -208,15 +256,17 @@ pub(crate) fn put(
     key: &Key,
     response: &Response,
     now_ms: u64,
-    place: Option<&Place>,
-) -> bool {
-    store_fresh(store, config, key, response, Fresh::of(config, now_ms), now_ms, place).is_some()
+    evict: Evict,
+) -> Option<Stored> {
+    store_fresh(store, config, key, response, Fresh::of(config, now_ms), now_ms, None, evict)
 }
 
-/// Stores a 200 answer unless it is larger than `cache.max_entry_bytes`, at `place` when
+/// Stores a 200 answer unless it is larger than `cache.max_entry_bytes`, or its group is full
+/// of fresh answers and it may not take one's way (the module's admission), at `place` when
 /// the caller already read the group (a MISS read it when it arrived), else where the
 /// index says now. The index is written first, by CAS (a lost race reads it again and
 /// picks again), then the entry. Last writer wins.
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn store_fresh(
     store: &impl CasStore,
     config: &Config,
@@ -225,6 +275,7 @@ pub(crate) fn store_fresh(
     fresh: Fresh,
     now_ms: u64,
     place: Option<&Place>,
+    evict: Evict,
 ) -> Option<Stored> {
     if response.status != 200 || response.body.len() > config.cache.max_entry_bytes {
         return None;
@@ -241,8 +292,13 @@ pub(crate) fn store_fresh(
         &response.body,
     );
     let mut at = place.cloned().unwrap_or_else(|| self::place(store, config, key));
+    // Asked of the ghost record once (asking takes the key out of it).
+    let mut admitted = None;
     for _ in 0..MAX_RACES {
         let evicted = at.holds_fresh_other(key, now_ms);
+        if evicted && !*admitted.get_or_insert_with(|| evict == Evict::Asked && asked_before(store, at.group, key)) {
+            return None;
+        }
         match store.set(&index_name(at.group), &at.with(key, fresh.expires_ms()), at.cas) {
             Ok(()) => return store.set(&at.entry_name(), &value, None).is_ok().then_some(Stored { evicted }),
             Err(StoreError::CasMismatch) => at = self::place(store, config, key),
@@ -258,6 +314,11 @@ mod tests {
     use crate::core::request::request_key;
     use crate::core::store::{Counting, MemStore};
 
+    /// Stores a flight's answer produced at `now_ms`: whether it was stored.
+    fn keep(s: &impl CasStore, c: &Config, k: &Key, r: &Response, now_ms: u64, place: Option<&Place>) -> bool {
+        store_fresh(s, c, k, r, Fresh::of(c, now_ms), now_ms, place, Evict::Asked).is_some()
+    }
+
     pub(crate) fn ok(body: &str) -> Response {
         Response::json(200, body.into()).with_header("x-holysheep-model", "m".into())
     }
@@ -271,14 +332,15 @@ mod tests {
             .enumerate()
             .find_map(|(i, a)| keys[i + 1..].iter().find(|b| group_of(&c, b) == group_of(&c, a)).map(|b| (a, b)))
             .expect("two keys with one group");
-        assert!(put(&s, &c, a, &ok("a"), 0, None) && put(&s, &c, b, &ok("b"), 1, None));
+        assert!(keep(&s, &c, a, &ok("a"), 0, None) && keep(&s, &c, b, &ok("b"), 1, None));
         assert_eq!(get(&s, &c, a).map(|e| e.response.body), Some(b"a".to_vec()), "not evicted by its neighbour");
         assert_eq!(get(&s, &c, b).map(|e| e.response.body), Some(b"b".to_vec()));
         for (i, k) in keys.iter().enumerate() {
-            put(&s, &c, k, &ok("x"), 10 + i as u64, None);
+            keep(&s, &c, k, &ok("x"), 10 + i as u64, None);
         }
-        assert!(s.key_count() <= 8 + 2, "8 entries and 2 group indexes: {:?}", s.keys());
-        assert_eq!(get(&s, &c, &keys[63]).map(|e| e.key), Some(keys[63].clone()), "the newest is there");
+        assert!(s.key_count() <= 8 + 2 + 2, "8 entries, 2 group indexes, 2 ghost records: {:?}", s.keys());
+        assert!(keep(&s, &c, &keys[63], &ok("x"), 100, None), "asked again, the newest is stored");
+        assert_eq!(get(&s, &c, &keys[63]).map(|e| e.key), Some(keys[63].clone()));
     }
 
     /// Keys that share `config`'s group with the first.
@@ -292,7 +354,7 @@ mod tests {
         let (s, c) = (Counting::new(), Config::parse(br#"{"cache":{"max_entries":64}}"#).unwrap());
         let keys = one_group(&c, 5);
         for (i, k) in keys.iter().take(4).enumerate() {
-            assert!(put(&s, &c, k, &ok(&format!("{i}")), i as u64, None));
+            assert!(keep(&s, &c, k, &ok(&format!("{i}")), i as u64, None));
         }
         s.reset();
         assert_eq!(get(&s, &c, &keys[4]), None);
@@ -309,8 +371,8 @@ mod tests {
         let (s, c) = (MemStore::new(), Config::parse(br#"{"cache":{"max_entries":64}}"#).unwrap());
         let keys = one_group(&c, 2);
         let (a, b) = (probe(&s, &c, &keys[0]).place, probe(&s, &c, &keys[1]).place);
-        assert!(put(&s, &c, &keys[0], &ok("a"), 0, Some(&a)));
-        assert!(put(&s, &c, &keys[1], &ok("b"), 0, Some(&b)), "the second re-reads the index");
+        assert!(keep(&s, &c, &keys[0], &ok("a"), 0, Some(&a)));
+        assert!(keep(&s, &c, &keys[1], &ok("b"), 0, Some(&b)), "the second re-reads the index");
         assert_eq!(get(&s, &c, &keys[0]).map(|e| e.response.body), Some(b"a".to_vec()));
         assert_eq!(get(&s, &c, &keys[1]).map(|e| e.response.body), Some(b"b".to_vec()));
     }
@@ -319,7 +381,7 @@ mod tests {
     fn an_index_that_names_a_key_its_way_no_longer_holds_is_a_miss() {
         let (s, c) = (MemStore::new(), Config::parse(br#"{"cache":{"max_entries":64}}"#).unwrap());
         let keys = one_group(&c, 2);
-        assert!(put(&s, &c, &keys[0], &ok("a"), 0, None));
+        assert!(keep(&s, &c, &keys[0], &ok("a"), 0, None));
         let entry = s.keys().into_iter().find(|k| !k.contains("/index/")).unwrap();
         let other = s.get(&entry).unwrap().value.unwrap();
         let other = String::from_utf8(other).unwrap().replace(keys[0].hex(), keys[1].hex());
@@ -332,7 +394,7 @@ mod tests {
         let (s, c) = (MemStore::new(), Config::default());
         let k = request_key("/p", "s", b"1");
         assert!(get(&s, &c, &k).is_none());
-        assert!(put(&s, &c, &k, &ok("{}"), 1000, None));
+        assert!(keep(&s, &c, &k, &ok("{}"), 1000, None));
         let e = get(&s, &c, &k).unwrap();
         assert_eq!(e.response, ok("{}"));
         assert!(e.is_fresh(1000 + 3_599_999));
@@ -344,14 +406,66 @@ mod tests {
         let (s, c) = (MemStore::new(), Config::parse(br#"{"cache":{"max_entries":1}}"#).unwrap());
         let (a, b) = (request_key("/p", "s", b"a"), request_key("/p", "s", b"b"));
         let fresh = Fresh { stored_at_ms: 400, ttl_ms: 1_600 };
-        assert_eq!(store_fresh(&s, &c, &a, &ok("a"), fresh, 1_000, None), Some(Stored { evicted: false }));
+        assert_eq!(
+            store_fresh(&s, &c, &a, &ok("a"), fresh, 1_000, None, Evict::Asked),
+            Some(Stored { evicted: false })
+        );
         let e = get(&s, &c, &a).unwrap();
         assert_eq!((e.stored_at_ms, e.ttl_ms, e.age_ms(1_000)), (400, 1_600, 600), "produced before it was stored");
         assert!(e.is_fresh(1_999) && !e.is_fresh(2_000));
-        assert_eq!(store_fresh(&s, &c, &a, &ok("a2"), fresh, 1_500, None), Some(Stored { evicted: false }), "itself");
+        assert_eq!(
+            store_fresh(&s, &c, &a, &ok("a2"), fresh, 1_500, None, Evict::Asked),
+            Some(Stored { evicted: false }),
+            "itself"
+        );
         let later = Fresh { stored_at_ms: 1_900, ttl_ms: 1_000 };
-        assert_eq!(store_fresh(&s, &c, &b, &ok("b"), later, 1_900, None), Some(Stored { evicted: true }));
-        assert_eq!(store_fresh(&s, &c, &a, &ok("a"), fresh, 3_000, None), Some(Stored { evicted: false }), "b expired");
+        assert_eq!(
+            store_fresh(&s, &c, &b, &ok("b"), later, 1_900, None, Evict::Asked),
+            None,
+            "asked once: turned away"
+        );
+        assert_eq!(store_fresh(&s, &c, &b, &ok("b"), later, 1_900, None, Evict::Asked), Some(Stored { evicted: true }));
+        assert_eq!(
+            store_fresh(&s, &c, &a, &ok("a"), fresh, 3_000, None, Evict::Asked),
+            Some(Stored { evicted: false }),
+            "b expired"
+        );
+    }
+
+    #[test]
+    fn a_scan_of_prompts_asked_once_leaves_every_answer_asked_again() {
+        let (s, c) = (MemStore::new(), Config::parse(br#"{"cache":{"max_entries":64}}"#).unwrap());
+        let key = |i: u32| request_key("/p", "s", &i.to_le_bytes());
+        let hot: Vec<Key> = (0..16).map(key).collect();
+        for k in &hot {
+            assert!(keep(&s, &c, k, &ok("hot"), 0, None));
+        }
+        for i in 1_000..3_000 {
+            keep(&s, &c, &key(i), &ok("once"), 10, None);
+        }
+        let entries = s.keys().iter().filter(|k| !k.contains("/index/") && !k.contains("/ghost/")).count();
+        assert_eq!(entries, 64, "the scan filled every free way");
+        assert_eq!(hot.iter().filter(|k| get(&s, &c, k).is_some()).count(), 16, "and displaced no answer asked again");
+        let ghosts = s.keys().iter().filter(|k| k.contains("/ghost/")).count();
+        assert_eq!(ghosts, 16, "one ghost record per group, bounded");
+    }
+
+    #[test]
+    fn a_key_turned_away_takes_the_way_that_expires_first_when_asked_again() {
+        let (s, c) = (MemStore::new(), Config::parse(br#"{"cache":{"max_entries":64}}"#).unwrap());
+        let keys = one_group(&c, 6);
+        for (i, k) in keys.iter().take(4).enumerate() {
+            assert!(keep(&s, &c, k, &ok(&format!("{i}")), i as u64, None));
+        }
+        assert!(!keep(&s, &c, &keys[4], &ok("4"), 10, None), "a full group turns a new key away");
+        assert!(!keep(&s, &c, &keys[5], &ok("5"), 11, None));
+        assert!(keep(&s, &c, &keys[4], &ok("4"), 12, None), "asked again, it is stored");
+        assert_eq!(get(&s, &c, &keys[0]), None, "over the answer that expires first");
+        assert!(keys[1..5].iter().all(|k| get(&s, &c, k).is_some()));
+        assert!(keep(&s, &c, &keys[4], &ok("4"), 13, None), "its own way: refreshed, nothing displaced");
+        assert!(keep(&s, &c, &keys[5], &ok("5"), 14, None), "the other ghost is still known");
+        let evicted = store_fresh(&s, &c, &keys[0], &ok("0"), Fresh::of(&c, 15), 15, None, Evict::Never);
+        assert_eq!(evicted, None, "a list past its share never displaces, asked before or not");
     }
 
     #[test]
@@ -359,10 +473,10 @@ mod tests {
         let (s, mut c) = (MemStore::new(), Config::default());
         c.cache.max_entry_bytes = 4;
         let k = request_key("/p", "s", b"1");
-        assert!(!put(&s, &c, &k, &ok("12345"), 0, None));
+        assert!(!keep(&s, &c, &k, &ok("12345"), 0, None));
         let mut err = ok("{}");
         err.status = 500;
-        assert!(!put(&s, &c, &k, &err, 0, None));
+        assert!(!keep(&s, &c, &k, &err, 0, None));
         assert_eq!(s.key_count(), 0);
     }
 
@@ -372,10 +486,11 @@ mod tests {
         c.cache.max_entries = 8;
         let keys: Vec<Key> = (0..500).map(|i| request_key("/p", "s", format!("{i}").as_bytes())).collect();
         for k in &keys {
-            assert!(put(&s, &c, k, &ok("{}"), 0, None));
+            keep(&s, &c, k, &ok("{}"), 0, None);
+            keep(&s, &c, k, &ok("{}"), 0, None);
         }
-        let entries = s.keys().iter().filter(|k| !k.contains("/index/")).count();
-        assert!(entries <= 8 && s.key_count() <= 8 + 2, "{:?}", s.keys());
+        let entries = s.keys().iter().filter(|k| !k.contains("/index/") && !k.contains("/ghost/")).count();
+        assert!(entries <= 8 && s.key_count() <= 8 + 2 + 2, "{:?}", s.keys());
         let found = keys.iter().filter(|k| get(&s, &c, k).is_some()).count();
         assert_eq!(found, entries, "each slot answers only for the key it holds");
     }

@@ -278,3 +278,42 @@ fn prompts_sharing_a_lease_group_still_coalesce() {
     assert!(answers.iter().all(|r| r.status == 200));
     assert_eq!(s.calls(), before + 2, "one call per prompt, not one per request");
 }
+
+/// One tenant asks 40 prompts three times each; another then sends two embeddings lists of
+/// 2,048 new inputs and 1,500 one-off prompts, more than the default cache's 4,096 slots
+/// can hold. The first tenant's 40 are all still HITs: what is asked once passes through a
+/// full cache without displacing what is asked again.
+#[test]
+fn a_scan_through_a_full_cache_leaves_the_prompts_asked_again() {
+    let s = Stack::start("{}", 0);
+    let hot: Vec<String> = (0..40).map(|i| prompt(&format!("alpha's question {i}"))).collect();
+    for round in 0..3 {
+        let answers = s.burst_of(hot.clone(), "Bearer alpha");
+        let expected = if round == 0 { "MISS" } else { "HIT" };
+        assert_eq!(count(&answers, expected), 40, "round {round}");
+    }
+    assert_eq!(s.calls(), 40);
+    for list in 0..2 {
+        let inputs: Vec<String> = (0..2_048).map(|i| format!("beta's item {list}-{i}")).collect();
+        let body = serde_json::json!({"model": "text-embedding-3-small", "input": inputs, "dimensions": 8});
+        let r = request(
+            s.envoy.edge,
+            "POST",
+            "/v1/embeddings",
+            &[("authorization", "Bearer beta")],
+            &body.to_string().into_bytes(),
+        )
+        .expect("edge answers");
+        assert_eq!((r.status, r.json()["data"].as_array().map(Vec::len)), (200, Some(2_048)), "{}", r.text());
+    }
+    for chunk in 0..15 {
+        let once: Vec<String> = (0..100).map(|i| prompt(&format!("beta's one-off {chunk}-{i}"))).collect();
+        assert_eq!(count(&s.burst_of(once, "Bearer beta"), "MISS"), 100);
+    }
+    let upstream = || (s.calls(), s.mock.mock.embeddings());
+    assert_eq!(upstream(), (40 + 1_500, 2), "the scan itself went upstream");
+    let after = s.burst_of(hot, "Bearer alpha");
+    assert_eq!(count(&after, "HIT"), 40, "alpha's prompts after the scan");
+    assert_eq!(upstream(), (40 + 1_500, 2), "and cost no call");
+    assert!(s.crashes().is_empty(), "{:?}", s.crashes());
+}

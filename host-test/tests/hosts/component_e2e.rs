@@ -221,8 +221,10 @@ fn retries_and_rate_limits_behave_as_in_envoy() {
 #[test]
 fn a_slow_answer_body_keeps_the_lease_and_stays_within_the_timeout() {
     let mock = Running::start(None, 0).expect("mock");
-    let s = serve(&mock, r#"{"lock":{"lease_ms":200}}"#);
-    mock.mock.plan(vec![Fault { slow_body_ms: 1_000, ..Fault::default() }]);
+    // The body takes three leases to come; the leader renews every quarter lease (250 ms), so
+    // only a stall of three quarters of a lease on a loaded machine could let a waiter lead.
+    let s = serve(&mock, r#"{"lock":{"lease_ms":1000}}"#);
+    mock.mock.plan(vec![Fault { slow_body_ms: 3_000, ..Fault::default() }]);
     let resps = burst_at(s.addr, vec![prompt("slow body"); 6], "Bearer t");
     assert!(resps.iter().all(|r| r.status == 200));
     assert_eq!(mock.mock.calls(), 1, "the leader renewed its lease while the body came: no takeover");

@@ -319,6 +319,11 @@ mod tests {
         store_fresh(s, c, k, r, Fresh::of(c, now_ms), now_ms, place, Evict::Asked).is_some()
     }
 
+    /// Cache entries in `s`: its keys but the group indexes and ghost records.
+    pub(crate) fn entries(s: &MemStore) -> usize {
+        s.keys().iter().filter(|k| !k.contains("/index/") && !k.contains("/ghost/")).count()
+    }
+
     pub(crate) fn ok(body: &str) -> Response {
         Response::json(200, body.into()).with_header("x-holysheep-model", "m".into())
     }
@@ -443,7 +448,7 @@ mod tests {
         for i in 1_000..3_000 {
             keep(&s, &c, &key(i), &ok("once"), 10, None);
         }
-        let entries = s.keys().iter().filter(|k| !k.contains("/index/") && !k.contains("/ghost/")).count();
+        let entries = entries(&s);
         assert_eq!(entries, 64, "the scan filled every free way");
         assert_eq!(hot.iter().filter(|k| get(&s, &c, k).is_some()).count(), 16, "and displaced no answer asked again");
         let ghosts = s.keys().iter().filter(|k| k.contains("/ghost/")).count();
@@ -537,7 +542,7 @@ mod tests {
             keep(&s, &c, k, &ok("{}"), 0, None);
             keep(&s, &c, k, &ok("{}"), 0, None);
         }
-        let entries = s.keys().iter().filter(|k| !k.contains("/index/") && !k.contains("/ghost/")).count();
+        let entries = entries(&s);
         assert!(entries <= 8 && s.key_count() <= 8 + 2 + 2, "{:?}", s.keys());
         let found = keys.iter().filter(|k| get(&s, &c, k).is_some()).count();
         assert_eq!(found, entries, "each slot answers only for the key it holds");

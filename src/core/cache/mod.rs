@@ -14,8 +14,9 @@
 //! full of other keys' fresh answers is stored only when its key missed into that group
 //! before. The first time, its tag goes into the group's ghost record (the last `GHOSTS`
 //! keys turned away) and the answer is not stored, so a scan of one-off prompts passes
-//! through a full cache without flushing it. Ghost records are read only then: a MISS into a
-//! group with room, and every HIT, cost what they did.
+//! through a full cache without flushing it. Ghost records are read only then. An answer's
+//! first HIT read from the store marks its way *asked again* in the index (one write per
+//! answer), and a new answer displaces the ways never asked again before the others.
 
 pub(crate) mod batch;
 pub mod edge;
@@ -58,10 +59,14 @@ pub(crate) fn group_of(config: &Config, key: &Key) -> (u32, u32) {
 }
 
 /// An index record: per way, the tag of the key stored there and its entry's expiry, 16
-/// hex digits each, then a newline; a way never stored in is blank. Fixed widths let a
-/// store patch one way in place.
+/// hex digits each, then a newline, or `ASKED_AGAIN` in its place once the answer was asked
+/// for again (a HIT, or a key the ghost record let in); a way never stored in is blank.
+/// Fixed widths let a store patch one way in place. (A reader that takes the last byte for
+/// a newline only ever checked the record's length.)
 const WAY_BYTES: usize = 33;
 const BLANK_WAY: &[u8; WAY_BYTES] = b"                                \n";
+/// The last byte of a way whose answer was asked for again since it was stored.
+const ASKED_AGAIN: u8 = b'+';
 
 /// Where an answer for a key goes: a way of its group, and the group's index as read
 /// (so that storing needs no second read unless someone stored in the group since).
@@ -87,6 +92,11 @@ impl Place {
         self.index.get(at..at + 16) == Some(key.tag().as_bytes())
     }
 
+    /// Whether this place's way's answer was asked for again since it was stored.
+    fn asked_again(&self) -> bool {
+        self.index.get((self.way + 1) * WAY_BYTES - 1) == Some(&ASKED_AGAIN)
+    }
+
     /// Whether this place's way holds another key's answer, fresh at `now_ms`.
     fn holds_fresh_other(&self, key: &Key, now_ms: u64) -> bool {
         let at = self.way * WAY_BYTES;
@@ -94,12 +104,15 @@ impl Place {
         way[..16] != *key.tag().as_bytes() && codec::hex_number(&way[16..32]).is_some_and(|e| e > now_ms)
     }
 
-    /// The index with `key` in this place's way.
-    fn with(&self, key: &Key, expires_ms: u64) -> Vec<u8> {
+    /// The index with `key` in this place's way, marked asked again when `asked_again` or
+    /// when the way held `key` so marked already.
+    fn with(&self, key: &Key, expires_ms: u64, asked_again: bool) -> Vec<u8> {
+        let again = asked_again || (self.holds(key) && self.asked_again());
         let mut index = self.index.clone();
         if let Some(w) = index.get_mut(self.way * WAY_BYTES..(self.way + 1) * WAY_BYTES) {
             w[..16].copy_from_slice(key.tag().as_bytes().get(..16).unwrap_or(&[b' '; 16]));
             w[16..32].copy_from_slice(&codec::hex_fixed(expires_ms));
+            w[32] = if again { ASKED_AGAIN } else { b'\n' };
         }
         index
     }
@@ -160,14 +173,17 @@ fn place(store: &impl CasStore, config: &Config, key: &Key) -> Place {
         Some(v) if v.len() == size => v.to_vec(),
         _ => BLANK_WAY.repeat(ways as usize),
     };
-    let way = choose(&index, ways as usize, key.tag().as_bytes());
+    // Read for a lookup, the time does not matter: only the way that holds the key does.
+    let way = choose(&index, ways as usize, key.tag().as_bytes(), 0);
     Place { group, ways, way, index, cas: cas_after(&r) }
 }
 
 /// The way of an index for the key tagged `tag`: the way that holds it, else the first
-/// blank (or unreadable) one, else the one that expires first. One pass, nothing copied.
-fn choose(index: &[u8], ways: usize, tag: &[u8]) -> usize {
-    let (mut blank, mut oldest) = (None, None::<(u64, usize)>);
+/// blank (or unreadable) one, else the one whose answer expired first by `now_ms`, else the
+/// fresh one that expires first among those never asked again, else among the others. One
+/// pass, nothing copied.
+fn choose(index: &[u8], ways: usize, tag: &[u8], now_ms: u64) -> usize {
+    let (mut blank, mut first) = (None, None::<((u8, u64), usize)>);
     for (i, way) in index.chunks_exact(WAY_BYTES).take(ways).enumerate() {
         if &way[..16] == tag {
             return i;
@@ -176,11 +192,33 @@ fn choose(index: &[u8], ways: usize, tag: &[u8]) -> usize {
             None => {
                 blank.get_or_insert(i);
             }
-            Some(expires_ms) if oldest.is_none_or(|(e, _)| expires_ms < e) => oldest = Some((expires_ms, i)),
-            Some(_) => {}
+            Some(expires_ms) => {
+                let rank = match (expires_ms <= now_ms, way[32] == ASKED_AGAIN) {
+                    (true, _) => 0,
+                    (false, false) => 1,
+                    (false, true) => 2,
+                };
+                if first.is_none_or(|(r, _)| (rank, expires_ms) < r) {
+                    first = Some(((rank, expires_ms), i));
+                }
+            }
         }
     }
-    blank.or(oldest.map(|(_, i)| i)).unwrap_or(0)
+    blank.or(first.map(|(_, i)| i)).unwrap_or(0)
+}
+
+/// Marks the way `place` found its key in as asked again (its answer was a HIT), unless it
+/// is already: one write per answer, on its first HIT read from the store. A write lost to a
+/// race is not retried: the mark only orders what is displaced first.
+pub(crate) fn asked_again(store: &impl CasStore, place: &Place) {
+    if place.asked_again() {
+        return;
+    }
+    let mut index = place.index.clone();
+    if let Some(last) = index.get_mut((place.way + 1) * WAY_BYTES - 1) {
+        *last = ASKED_AGAIN;
+        let _ = store.set(&index_name(place.group), &index, place.cas);
+    }
 }
 
 /// The entry stored for `key`, fresh or not; `None` when none of its slots holds it.
@@ -295,11 +333,13 @@ pub(crate) fn store_fresh(
     // Asked of the ghost record once (asking takes the key out of it).
     let mut admitted = None;
     for _ in 0..MAX_RACES {
+        at.way = choose(&at.index, at.ways as usize, key.tag().as_bytes(), now_ms);
         let evicted = at.holds_fresh_other(key, now_ms);
         if evicted && !*admitted.get_or_insert_with(|| evict == Evict::Asked && asked_before(store, at.group, key)) {
             return None;
         }
-        match store.set(&index_name(at.group), &at.with(key, fresh.expires_ms()), at.cas) {
+        let index = at.with(key, fresh.expires_ms(), admitted == Some(true));
+        match store.set(&index_name(at.group), &index, at.cas) {
             Ok(()) => return store.set(&at.entry_name(), &value, None).is_ok().then_some(Stored { evicted }),
             Err(StoreError::CasMismatch) => at = self::place(store, config, key),
             Err(_) => return None,
@@ -482,7 +522,11 @@ mod tests {
             for _ in 0..10_000 {
                 let i = draw();
                 new += usize::from(asked.insert(i));
-                if get(&s, &c, &key(i)).is_none() {
+                // As the engine does: a HIT marks its answer asked again.
+                let found = probe(&s, &c, &key(i));
+                if found.entry.is_some() {
+                    asked_again(&s, &found.place);
+                } else {
                     misses += 1;
                     keep(&s, &c, &key(i), &ok("a"), now, None);
                 }
@@ -495,12 +539,39 @@ mod tests {
             keep(&s, &c, &key(i), &ok("once"), 1, None);
         }
         // The scan filled every free slot: a prompt asked for the first time now is kept only
-        // when asked again, over the slot that expires first, which is an older prompt's as
-        // often as the scan's (no HIT writes to the store, so the index cannot tell them
-        // apart). 80 of the 847 asked before miss again; 657 did when any answer displaced
-        // the one that expires first.
+        // when asked again, over the slot that expires first among answers never asked
+        // again, which holds the scan's or an older prompt asked once. 49 of the 847 asked
+        // before miss again, all of them asked once before the scan; 80 did while a HIT
+        // marked nothing, 657 when any answer displaced the one that expires first.
         let (misses, new) = phase(2);
-        assert_eq!((misses, new), (185, 105), "MISSes after the scan, and prompts asked for the first time");
+        assert_eq!((misses, new), (154, 105), "MISSes after the scan, and prompts asked for the first time");
+    }
+
+    #[test]
+    fn an_answer_asked_again_is_displaced_after_those_that_were_not_and_expired_ones_first() {
+        let (s, c) = (Counting::new(), Config::parse(br#"{"cache":{"max_entries":64}}"#).unwrap());
+        let keys = one_group(&c, 6);
+        for (i, k) in keys.iter().take(4).enumerate() {
+            assert!(keep(&s, &c, k, &ok(&format!("{i}")), i as u64, None));
+        }
+        // keys[0] expires first, but is a HIT: marked once, with one write.
+        let found = probe(&s, &c, &keys[0]);
+        assert!(found.entry.is_some());
+        s.reset();
+        asked_again(&s, &found.place);
+        asked_again(&s, &probe(&s, &c, &keys[0]).place);
+        assert_eq!(s.writes(), 1, "one mark, then nothing");
+        assert!(!keep(&s, &c, &keys[4], &ok("4"), 10, None) && keep(&s, &c, &keys[4], &ok("4"), 11, None));
+        assert!(get(&s, &c, &keys[0]).is_some(), "asked again: kept");
+        assert_eq!(get(&s, &c, &keys[1]), None, "the first to expire of those asked once");
+        assert!(keep(&s, &c, &keys[0], &ok("0"), 12, None), "stored again in its way");
+        assert!(probe(&s, &c, &keys[0]).place.asked_again(), "and still marked");
+        // Once keys[2]'s answer (stored at 2, fresh for an hour) expired, its way goes first,
+        // marked or not; the others are fresh.
+        asked_again(&s, &probe(&s, &c, &keys[2]).place);
+        assert!(keep(&s, &c, &keys[5], &ok("5"), 3_600_002, None), "a way whose answer expired is free");
+        assert_eq!(get(&s, &c, &keys[2]), None);
+        assert!([0, 3, 4].iter().all(|&i| get(&s, &c, &keys[i]).is_some()));
     }
 
     #[test]

@@ -617,6 +617,10 @@ impl<S: CasStore> Engine<'_, S> {
             None => true,
         } && policy.max_age.is_none_or(|max| age_ms / 1000 <= max);
         let fresh_s = entry.ttl_ms.saturating_sub(age_ms) / 1000;
+        if allowed && waited_since.is_none() {
+            // A HIT: its answer is one asked again, displaced after those that were not.
+            cache::asked_again(self.store, &probe.place);
+        }
         let reply = allowed.then(|| Reply {
             age_s: Some(age_ms / 1000),
             cache: Some(if waited_since.is_some() { CacheStatus::Coalesced } else { CacheStatus::Hit }),

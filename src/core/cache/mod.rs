@@ -388,6 +388,13 @@ mod tests {
         assert_eq!(get(&s, &c, &keys[63]).map(|e| e.key), Some(keys[63].clone()));
     }
 
+    /// Fills the group of `keys` with the first four: answer `"i"` stored at `i` ms.
+    fn fill(s: &impl CasStore, c: &Config, keys: &[Key]) {
+        for (i, k) in keys.iter().take(4).enumerate() {
+            assert!(keep(s, c, k, &ok(&format!("{i}")), i as u64, None));
+        }
+    }
+
     /// Keys that share `config`'s group with the first.
     fn one_group(c: &Config, n: usize) -> Vec<Key> {
         let keys: Vec<Key> = (0..400u32).map(|i| request_key("/p", "s", &i.to_le_bytes())).collect();
@@ -398,9 +405,7 @@ mod tests {
     fn a_lookup_in_a_full_group_reads_its_index_and_at_most_one_entry() {
         let (s, c) = (Counting::new(), Config::parse(br#"{"cache":{"max_entries":64}}"#).unwrap());
         let keys = one_group(&c, 5);
-        for (i, k) in keys.iter().take(4).enumerate() {
-            assert!(keep(&s, &c, k, &ok(&format!("{i}")), i as u64, None));
-        }
+        fill(&s, &c, &keys);
         s.reset();
         assert_eq!(get(&s, &c, &keys[4]), None);
         assert_eq!(s.reads(), 1, "a key the group does not hold: its index only");
@@ -551,9 +556,7 @@ mod tests {
     fn an_answer_asked_again_is_displaced_after_those_that_were_not_and_expired_ones_first() {
         let (s, c) = (Counting::new(), Config::parse(br#"{"cache":{"max_entries":64}}"#).unwrap());
         let keys = one_group(&c, 6);
-        for (i, k) in keys.iter().take(4).enumerate() {
-            assert!(keep(&s, &c, k, &ok(&format!("{i}")), i as u64, None));
-        }
+        fill(&s, &c, &keys);
         // keys[0] expires first, but is a HIT: marked once, with one write.
         let found = probe(&s, &c, &keys[0]);
         assert!(found.entry.is_some());
@@ -578,9 +581,7 @@ mod tests {
     fn a_key_turned_away_takes_the_way_that_expires_first_when_asked_again() {
         let (s, c) = (MemStore::new(), Config::parse(br#"{"cache":{"max_entries":64}}"#).unwrap());
         let keys = one_group(&c, 6);
-        for (i, k) in keys.iter().take(4).enumerate() {
-            assert!(keep(&s, &c, k, &ok(&format!("{i}")), i as u64, None));
-        }
+        fill(&s, &c, &keys);
         assert!(!keep(&s, &c, &keys[4], &ok("4"), 10, None), "a full group turns a new key away");
         assert!(!keep(&s, &c, &keys[5], &ok("5"), 11, None));
         assert!(keep(&s, &c, &keys[4], &ok("4"), 12, None), "asked again, it is stored");

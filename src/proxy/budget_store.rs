@@ -77,34 +77,36 @@ impl BudgetStore {
         }
     }
 
-    /// Whether the callout answered under `token` was the store's; if so, its answer is
-    /// taken.
-    pub fn answered(&mut self, config: &Config, token: u32, num_headers: usize, body_size: usize) -> bool {
+    /// Whether the callout answered under `token` was the store's: if so, its answer is
+    /// taken, and the tenant whose key it was is returned.
+    pub fn answered(&mut self, config: &Config, token: u32, num_headers: usize, body_size: usize) -> Option<String> {
         let now = host::now_ms();
         if let Some((tenant, _)) = self.reading.remove(&token) {
             let found = answer(num_headers, body_size).and_then(|(s, b)| budget_store::read_range(s, &b));
-            self.read(&tenant, found, now);
-            return true;
+            self.read(config, &tenant, found, now);
+            return Some(tenant);
         }
         if let Some((flush, _)) = self.checking.remove(&token) {
             let found = answer(num_headers, body_size).and_then(|(s, b)| budget_store::read_range(s, &b));
             self.reached(found.is_some());
-            budget_store::flushed(&SharedData, &flush, found.map(Err), now);
-            return true;
+            let sharing = budget_store::flushed(&SharedData, &flush, found.map(Err), now);
+            sharing_began(config, &flush.tenant, sharing);
+            return Some(flush.tenant);
         }
-        let Some((flush, _)) = self.writing.remove(&token) else { return false };
+        let (flush, _) = self.writing.remove(&token)?;
         let written = answer(num_headers, body_size).and_then(|(s, b)| budget_store::read_txn(s, &b));
         self.reached(written.is_some());
         if written.is_none() {
             // It may have landed: the key says (a refusal that finds what was written is
             // taken as written).
             if let Some(token) = send(config, &budget_store::range(config, &flush.tenant)) {
-                self.checking.insert(token, (flush, now));
+                self.checking.insert(token, (flush.clone(), now));
             }
-            return true;
+            return Some(flush.tenant);
         }
-        budget_store::flushed(&SharedData, &flush, written, now);
-        true
+        let sharing = budget_store::flushed(&SharedData, &flush, written, now);
+        sharing_began(config, &flush.tenant, sharing);
+        Some(flush.tenant)
     }
 
     /// Whether a read or a write of `tenant`'s key is out.
@@ -118,13 +120,14 @@ impl BudgetStore {
             Some(token) => {
                 self.reading.insert(token, (tenant.to_owned(), now_ms));
             }
-            None => self.read(tenant, None, now_ms),
+            None => self.read(config, tenant, None, now_ms),
         }
     }
 
-    fn read(&mut self, tenant: &str, found: Option<budget_store::Found>, now_ms: u64) {
-        let reached = budget_store::read(&SharedData, tenant, found, now_ms);
-        self.reached(reached);
+    fn read(&mut self, config: &Config, tenant: &str, found: Option<budget_store::Found>, now_ms: u64) {
+        let learned = budget_store::read(&SharedData, tenant, found, now_ms);
+        self.reached(learned.reached);
+        sharing_began(config, tenant, learned.sharing);
     }
 
     /// Logs when the store stops answering and when it answers again: once per change in
@@ -146,6 +149,24 @@ impl BudgetStore {
             );
         }
     }
+}
+
+/// Logs, once per process, that other processes were seen writing `tenant`'s spend while
+/// this one kept it alone (`sharing`: how many keep it now).
+fn sharing_began(config: &Config, tenant: &str, sharing: Option<u32>) {
+    let Some(keepers) = sharing else { return };
+    let why = if config.fleet.shared_limits() {
+        "the fleet's ring gave the tenant to more than one owner, or another fleet shares the store"
+    } else {
+        "another Envoy shares the store: set budget_store.replicas"
+    };
+    host::log(
+        LogLevel::Warn,
+        &format!(
+            "holysheep: tenant {tenant}'s spend is written by {keepers} processes ({why}); each admits its share of \
+             what the store left until the others stop writing"
+        ),
+    );
 }
 
 /// Sends `call` to etcd; the callout's token. A call Envoy refuses as a bad argument (a

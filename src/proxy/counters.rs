@@ -1,6 +1,7 @@
 //! The worker's Envoy counters: defined once per VM (ids are per VM), incremented by the
-//! core's labelled increments; and the gauges of each tenant's budget left, set from the
-//! shared-data record every worker reads (one stat per name for the whole process).
+//! core's labelled increments; and the gauges of each tenant's budget left (and its
+//! spend's keepers), set from the shared-data record every worker reads (one stat per name
+//! for the whole process).
 
 use super::abi as hostcalls;
 use super::host::SharedData;
@@ -17,10 +18,19 @@ pub struct Counters {
     ids: PerCounter<u32>,
     /// The usage of the answer counted last (followers share one answer).
     last_usage: LastUsage,
-    /// Per tenant with a dollar budget: the ids of its day's and month's gauges.
-    budget_gauges: Vec<(String, Option<u32>, Option<u32>)>,
+    /// Per tenant with a dollar budget: the ids of its gauges.
+    budget_gauges: Vec<BudgetGauges>,
     /// Per priority class (by rank), the ids of its stats (by `ClassStat::index`).
     class_ids: [[Option<u32>; CLASS_STATS.len()]; CLASSES.len()],
+}
+
+/// A budgeted tenant's gauges: what is left of its day's and month's budgets, and with a
+/// spend store, how many processes keep its spend (1: this one alone).
+struct BudgetGauges {
+    tenant: String,
+    day: Option<u32>,
+    month: Option<u32>,
+    keepers: Option<u32>,
 }
 
 impl Counters {
@@ -36,16 +46,19 @@ impl Counters {
                 }
             }
         }
-        let gauge = |tenant: &str, period: &str, cap: Option<u64>| {
-            let name = format!("holysheep.{}{tenant}.budget_{period}_left_microusd", metrics::TENANT_PREFIX);
-            cap.and_then(|_| hostcalls::define_metric(MetricType::Gauge, &name).ok())
+        let gauge = |tenant: &str, stat: &str, defined: bool| {
+            let name = format!("holysheep.{}{tenant}.budget_{stat}", metrics::TENANT_PREFIX);
+            defined.then(|| hostcalls::define_metric(MetricType::Gauge, &name).ok()).flatten()
         };
         let budget_gauges = config
             .tenants
             .iter()
             .filter(|(_, t)| !t.caps().is_none())
-            .map(|(name, t)| {
-                (name.clone(), gauge(name, "day", t.caps().per_day), gauge(name, "month", t.caps().per_month))
+            .map(|(name, t)| BudgetGauges {
+                tenant: name.clone(),
+                day: gauge(name, "day_left_microusd", t.caps().per_day.is_some()),
+                month: gauge(name, "month_left_microusd", t.caps().per_month.is_some()),
+                keepers: gauge(name, "keepers", config.budget_store.enabled()),
             })
             .collect();
         let mut class_ids = [[None; CLASS_STATS.len()]; CLASSES.len()];
@@ -74,13 +87,16 @@ impl Counters {
 
     /// Sets `tenant`'s budget gauges to what its record says is left now.
     pub fn record_budget(&self, config: &Config, tenant: &str, now_ms: u64) {
-        let Some((_, day, month)) = self.budget_gauges.iter().find(|(t, _, _)| t == tenant) else { return };
+        let Some(g) = self.budget_gauges.iter().find(|g| g.tenant == tenant) else { return };
         let Some(caps) = config.tenants.get(tenant).map(|t| t.caps()) else { return };
         let (spent_day, spent_month) = budget::spent(&SharedData, tenant, now_ms);
-        for (id, cap, spent) in [(day, caps.per_day, spent_day), (month, caps.per_month, spent_month)] {
+        for (id, cap, spent) in [(g.day, caps.per_day, spent_day), (g.month, caps.per_month, spent_month)] {
             if let (Some(id), Some(cap)) = (id, cap) {
-                let _ = hostcalls::record_metric(*id, cap.saturating_sub(spent));
+                let _ = hostcalls::record_metric(id, cap.saturating_sub(spent));
             }
+        }
+        if let Some(id) = g.keepers {
+            let _ = hostcalls::record_metric(id, u64::from(budget::keepers(&SharedData, tenant, now_ms)));
         }
     }
 

@@ -2,7 +2,8 @@
 //! `kill -9` and a restart of Envoy, and across a restart during an etcd outage; a store
 //! that does not answer is logged once while the node admits one call's worst case, and a
 //! store cluster Envoy does not know refuses every budgeted call; two workers whose writes
-//! overlap against a slow etcd count every call once.
+//! overlap against a slow etcd count every call once; two Envoys that see each other write a
+//! tenant's spend each admit their share.
 
 use host_test::client::{request, Resp};
 use host_test::envoy::{static_cluster, Envoy, Options};
@@ -303,7 +304,9 @@ fn two_workers_whose_writes_overlap_against_a_slow_etcd_count_every_call_once() 
 
 /// Two independent Envoys on one etcd (no fleet) take ten concurrent calls each, with a
 /// budget of six and a half worst cases (one cheap call each already spent) and HolySheep
-/// slow enough that none of the ten settles first: how many each lets through.
+/// slow enough that none of the ten settles first: how many each lets through. With
+/// `replicas: 1`, the burst waits until each Envoy has seen the other write the tenant's
+/// spend (its `budget_keepers` gauge says 2).
 fn replicas_in_flight(replicas: u32) -> (usize, usize) {
     let etcd = Etcd::start().expect("etcd starts");
     let mock = Running::start(Some(OPERATOR_KEY), 3_000).expect("mock");
@@ -319,6 +322,16 @@ fn replicas_in_flight(replicas: u32) -> (usize, usize) {
     // Each has read the tenant's key (one call's worth, settled and written).
     for (name, e) in [("a", &a), ("b", &b)] {
         assert_eq!(chat(e, &format!("first on {name}")).status, 200);
+    }
+    if replicas == 1 {
+        // Each learns of the other from the store: by a refused write, or by the read a
+        // record with nothing to write gets every few seconds.
+        let keepers = "wasmcustom.holysheep.tenant.batch.budget_keepers";
+        poll_until(|| a.stat(keepers) == 2 && b.stat(keepers) == 2, "the two never saw each other write");
+        let logged = "tenant batch's spend is written by 2 processes (another Envoy shares the store";
+        for e in [&a, &b] {
+            assert_eq!(e.log().matches(logged).count(), 1, "logged once per process");
+        }
     }
     let auth = format!("Bearer {BATCH}");
     let bursts: Vec<_> = [("a", a.edge), ("b", b.edge)]
@@ -344,10 +357,15 @@ fn replicas_in_flight(replicas: u32) -> (usize, usize) {
 
 #[test]
 fn replicas_sharing_etcd_without_a_fleet_each_hold_their_share_in_flight() {
-    // Alone, each Envoy takes what the budget leaves: twice the budget's worst cases in
-    // flight over the two.
-    assert_eq!(replicas_in_flight(1), (6, 6), "without shares");
-    // With `replicas: 2` each holds half of what etcd left: the worst cases in flight
-    // over both stay within the budget.
+    // With `replicas: 2` each holds half of what etcd left from the start: the worst
+    // cases in flight over both stay within the budget (alone, each would take 6).
     assert_eq!(replicas_in_flight(2), (3, 3), "with shares");
+}
+
+#[test]
+fn two_envoys_that_see_each_other_write_a_tenants_spend_each_admit_their_share() {
+    // Without `replicas`, as two owners of a tenant while a fleet's ring changes: once
+    // each has seen the other's writes, each holds half of what etcd left (before, each
+    // took what the budget left: 6 and 6 worst cases in flight for a budget of 6.5).
+    assert_eq!(replicas_in_flight(1), (3, 3), "each its share");
 }

@@ -195,7 +195,39 @@ pub(super) struct Spend {
     /// what they sent is counted as unsent until a later revision of the key says whether
     /// it holds them. At most `MAX_UNSURE`.
     pub(super) unsure: Vec<Unsure>,
+    /// Other processes seen writing the tenant's spend while this one keeps it.
+    pub(super) keepers: Keepers,
 }
+
+/// The processes that keep a tenant's spend beside this one, as the store's writers show
+/// them: one owner of a tenant is the rule, but while a fleet's ring changes (or when
+/// stores are shared without `budget_store.replicas`) two can admit at once. While others
+/// are seen, each admits only its share of what the store left.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub(super) struct Keepers {
+    /// How many keep it, this one counted (0 or 1: this one alone).
+    pub(super) count: u32,
+    /// Until when: another's write seen last, plus `KEEPERS_MS`.
+    pub(super) until_ms: u64,
+}
+
+impl Keepers {
+    /// How many keep the spend at `now_ms`, this one counted.
+    pub(super) fn at(self, now_ms: u64) -> u32 {
+        if now_ms < self.until_ms {
+            self.count.max(1)
+        } else {
+            1
+        }
+    }
+}
+
+/// How long after another process's write was seen a keeper still admits only its share:
+/// three reads of a record with nothing to write (`budget_store::REFRESH_MS`), so a keeper
+/// that still writes now and then is seen again before it is forgotten.
+pub(crate) const KEEPERS_MS: u64 = 15_000;
+/// What marks the keepers among a record's entries (`~k<count>:<until>`).
+const KEEPERS_MARK: &str = "~k";
 
 /// A write given up while the key still stood at the revision it was sent against
 /// (`base`): it may land yet, and the key's next revision says whether it did.
@@ -260,6 +292,14 @@ impl Spend {
                 f.next().is_none().then_some(Unsure { write, base })
             })
             .collect();
+        // The keepers, `~k<count>:<until>`, the same way.
+        let keepers = marked
+            .iter()
+            .find_map(|e| {
+                let (count, until_ms) = e.strip_prefix(KEEPERS_MARK)?.split_once(':')?;
+                Some(Keepers { count: count.parse().ok()?, until_ms: until_ms.parse().ok()? })
+            })
+            .unwrap_or_default();
         let held = held.into_iter().map(Entry::decode).collect::<Option<Vec<_>>>()?;
         // A lapsed entry only lowers a late settlement: one that cannot be read is dropped
         // (its worst case stays charged), never the record.
@@ -275,7 +315,7 @@ impl Spend {
             (spend.lapsed, spend.paid) = (lapsed, paid);
             return Some(spend);
         };
-        (spend.lapsed, spend.paid, spend.unsure) = (lapsed, paid, unsure);
+        (spend.lapsed, spend.paid, spend.unsure, spend.keepers) = (lapsed, paid, unsure, keepers);
         {
             let f: Vec<u64> = backed.split(' ').map(str::parse).collect::<Result<_, _>>().ok()?;
             let (f, pending) = match f[..] {
@@ -317,6 +357,10 @@ impl Spend {
             let w = u.write;
             format!("{UNSURE_MARK}{}:{}:{}:{}:{}:{}", w.tag, w.sent.0, w.sent.1, w.day, w.month, u.base)
         }));
+        let k = self.keepers;
+        if k.count > 1 {
+            held.push(format!("{KEEPERS_MARK}{}:{}", k.count, k.until_ms));
+        }
         format!(
             "{} {} {} {}|{}|{mark} {number} {} {} {} {} {} {} {}{pending}",
             self.day,
@@ -431,9 +475,10 @@ impl Spend {
     fn admits(&self, caps: Caps, backing: Backing, micro: u64, now_ms: u64) -> Result<(), Refused> {
         let outage = backing.store && matches!(self.mark, Mark::Unreachable { .. });
         let mut found = self.room(self.caps_now(caps, backing)?, micro, now_ms);
-        if backing.store && backing.replicas > 1 && !matches!(found, Err(Refused::Exhausted(_))) {
+        let sharers = backing.replicas.max(self.keepers.at(now_ms));
+        if backing.store && sharers > 1 && !matches!(found, Err(Refused::Exhausted(_))) {
             // A share past for good outweighs a wait; a wait outweighs room.
-            match self.within_share(caps, backing.replicas, micro, now_ms) {
+            match self.within_share(caps, (backing.replicas, sharers), micro, now_ms) {
                 Err(exhausted @ Refused::Exhausted(_)) => found = Err(exhausted),
                 Err(held) if found.is_ok() => found = Err(held),
                 _ => {}
@@ -449,8 +494,16 @@ impl Spend {
     /// and has not written (its part of the record beside the store's) stays within its
     /// share of what the store left when it was last read: refused for the period when
     /// the call alone is past that share (the share only shrinks within a period), held
-    /// while its own calls are in the way.
-    fn within_share(&self, caps: Caps, replicas: u32, micro: u64, now_ms: u64) -> Result<(), Refused> {
+    /// while its own calls are in the way. `sharers` (at least `replicas`) counts the
+    /// other keepers seen lately too: a call past the share only they make smaller waits
+    /// for them to go.
+    fn within_share(
+        &self,
+        caps: Caps,
+        (replicas, sharers): (u32, u32),
+        micro: u64,
+        now_ms: u64,
+    ) -> Result<(), Refused> {
         let (stored_day, stored_month) = self.stored.within(self.day, self.month);
         let periods = [
             (caps.per_day, stored_day, self.day_micro, "day", next_day_ms(now_ms)),
@@ -459,12 +512,12 @@ impl Spend {
         let mut held = false;
         for (cap, stored, charged, period, ends_ms) in periods {
             let Some(cap) = cap else { continue };
-            let share = cap.saturating_sub(stored) / u64::from(replicas.max(1));
-            if micro > share {
+            let left = cap.saturating_sub(stored);
+            if micro > left / u64::from(replicas.max(1)) {
                 let retry_after_ms = ends_ms - now_ms;
                 return Err(Refused::Exhausted(Exhausted { period, cap_micro: cap, retry_after_ms }));
             }
-            held |= charged.saturating_sub(stored).saturating_add(micro) > share;
+            held |= charged.saturating_sub(stored).saturating_add(micro) > left / u64::from(sharers.max(1));
         }
         if held {
             Err(Refused::Held)
@@ -662,6 +715,12 @@ pub fn spent(store: &impl CasStore, tenant: &str, now_ms: u64) -> (u64, u64) {
     (s.day_micro, s.month_micro)
 }
 
+/// How many processes keep `tenant`'s spend now, this one counted (1: this one alone).
+pub fn keepers(store: &impl CasStore, tenant: &str, now_ms: u64) -> u32 {
+    let raw = store.get(&key(tenant)).ok().and_then(|r| r.value);
+    raw.as_deref().and_then(Spend::decode).map_or(1, |s| s.keepers.at(now_ms))
+}
+
 /// The UTC day (days since 1970-01-01) and month (months since January 1970) of `now_ms`.
 fn periods(now_ms: u64) -> (u64, u64) {
     let day = now_ms / DAY_MS;
@@ -836,6 +895,7 @@ mod tests {
             learned_ms: DEC_1,
             pending: Some(Pending { tag: 12, sent: (5, 5), day, month, until_ms: DEC_1 + 9 }),
             unsure: vec![Unsure { write: Pending { tag: 10, sent: (3, 3), day, month, until_ms: 0 }, base: 6 }],
+            keepers: Keepers { count: 2, until_ms: DEC_1 + KEEPERS_MS },
         };
         let raw = spend.encode();
         assert!(previous_release_reads(&raw), "{}", String::from_utf8_lossy(&raw));

@@ -9,7 +9,7 @@
 //! answers.
 
 use crate::core::config::Config;
-use crate::core::limits::budget::{self, Mark, Pending, Spend, Stored};
+use crate::core::limits::budget::{self, Keepers, Mark, Pending, Spend, Stored, KEEPERS_MS};
 use crate::core::store::{cas_after, CasStore, StoreError, MAX_RACES};
 use crate::core::wire::base64;
 use serde_json::{json, Value};
@@ -169,35 +169,58 @@ fn update_wanted(store: &impl CasStore, mut f: impl FnMut(&mut Vec<String>) -> b
 /// record takes what the store holds beside what was settled here and not yet written (a
 /// record read before learns what other nodes spent since; an answer older than what it
 /// knows is dropped); a record never read, unreachable, admits from this node's share for
-/// a while (one read before keeps deciding from what it knows). Whether the store was
-/// reached.
-pub fn read(store: &impl CasStore, tenant: &str, found: Option<Found>, now_ms: u64) -> bool {
+/// a while (one read before keeps deciding from what it knows).
+pub fn read(store: &impl CasStore, tenant: &str, found: Option<Found>, now_ms: u64) -> Learned {
     let reached = found.is_some();
-    let _ = budget::update(store, tenant, now_ms, |s| match (s.mark, &found) {
-        // An answer older than what is known is dropped; a write out past its deadline is
-        // given up all the same (the next write's compare-and-swap learns the key), unsure.
-        (Mark::Read { revision }, Some(f)) if f.revision < revision => {
-            let expired = s.pending.filter(|p| now_ms >= p.until_ms);
-            if let Some(p) = expired {
-                s.pending = None;
-                s.unsure_of(p, revision);
+    let me = me(store);
+    let mut sharing = None;
+    let _ = budget::update(store, tenant, now_ms, |s| {
+        sharing = None;
+        match (s.mark, &found) {
+            // An answer older than what is known is dropped; a write out past its deadline
+            // is given up all the same (the next write's compare-and-swap learns the key),
+            // unsure.
+            (Mark::Read { revision }, Some(f)) if f.revision < revision => {
+                let expired = s.pending.filter(|p| now_ms >= p.until_ms);
+                if let Some(p) = expired {
+                    s.pending = None;
+                    s.unsure_of(p, revision);
+                }
+                expired.is_some()
             }
-            expired.is_some()
-        }
-        (_, Some(f)) => {
-            learn(s, f.clone(), now_ms);
-            true
-        }
-        (Mark::Read { .. }, None) => false,
-        (_, None) => {
-            s.mark = Mark::Unreachable { until_ms: now_ms.saturating_add(UNREACHABLE_MS) };
-            true
+            (_, Some(f)) => {
+                sharing = learn(s, f.clone(), now_ms, me);
+                true
+            }
+            (Mark::Read { .. }, None) => false,
+            (_, None) => {
+                s.mark = Mark::Unreachable { until_ms: now_ms.saturating_add(UNREACHABLE_MS) };
+                true
+            }
         }
     });
-    reached
+    Learned { reached, sharing }
 }
 
-fn learn(s: &mut Spend, f: Found, now_ms: u64) {
+/// What a read or a write of a tenant's key taught.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Learned {
+    /// The store answered.
+    pub reached: bool,
+    /// Other processes were seen writing the tenant's spend where this one kept it alone:
+    /// how many keep it now (this one counted). Each admits its share until they stop.
+    pub sharing: Option<u32>,
+}
+
+/// This process's writer name, if it has written.
+fn me(store: &impl CasStore) -> Option<u64> {
+    let raw = store.get(WRITER_KEY).ok()?.value?;
+    std::str::from_utf8(&raw).ok()?.parse().ok()
+}
+
+/// Learns what the store holds; `Some(keepers)` when other keepers of the spend were seen
+/// where this process was alone.
+fn learn(s: &mut Spend, f: Found, now_ms: u64, me: Option<u64>) -> Option<u32> {
     // A write out whose tag the store holds landed (its answer was lost), even when other
     // writers wrote over it since: what it sent is no longer unsent. One past its deadline
     // that did not land is given up: unsure while the key has not moved past the revision
@@ -215,10 +238,31 @@ fn learn(s: &mut Spend, f: Found, now_ms: u64) {
         }
     }
     s.settle_unsure(f.stored.as_ref(), f.revision);
-    s.stored = f.stored.unwrap_or_default();
+    let stored = f.stored.unwrap_or_default();
+    let others = others_writing(s, &stored, me);
+    let before = s.keepers.at(now_ms);
+    if others > 0 {
+        let count = before.max(others.saturating_add(1));
+        s.keepers = Keepers { count, until_ms: now_ms.saturating_add(KEEPERS_MS) };
+    }
+    s.stored = stored;
     s.mark = Mark::Read { revision: f.revision };
     s.learned_ms = now_ms;
     s.recharge();
+    (before == 1 && others > 0).then_some(s.keepers.count)
+}
+
+/// How many other processes wrote the tenant's spend since this one last learned it
+/// (`me`: this process's writer name, `None` before it wrote): each of them admits the
+/// tenant's calls too. Read first, the record cannot tell a keeper still at work from one
+/// gone (a restart, the ring's last owner): other writers then count as one, for
+/// `KEEPERS_MS` unless one of them writes again.
+fn others_writing(s: &Spend, stored: &Stored, me: Option<u64>) -> u32 {
+    let others = stored.writes.iter().filter(|(w, _)| Some(*w) != me);
+    if s.learned_ms == 0 {
+        return u32::from(others.count() > 0);
+    }
+    others.filter(|entry| !s.stored.writes.contains(entry)).count() as u32
 }
 
 /// A write behind of what a node settled for a tenant: the store's value at `revision`
@@ -314,9 +358,11 @@ pub fn not_sent(store: &impl CasStore, flush: &Flush, now_ms: u64) {
 /// What writing `flush` came to (`None`: no answer; it is tried again next round): written,
 /// the record's store value is the one written and what was sent is no longer unsent;
 /// refused (the key changed), the record learns what the store holds now, others' spend
-/// included, and writes again next round.
-pub fn flushed(store: &impl CasStore, flush: &Flush, answer: Option<Result<u64, Found>>, now_ms: u64) {
-    let Some(answer) = answer else { return };
+/// included, and writes again next round. `Some(keepers)`: as `Learned::sharing`.
+pub fn flushed(store: &impl CasStore, flush: &Flush, answer: Option<Result<u64, Found>>, now_ms: u64) -> Option<u32> {
+    let answer = answer?;
+    let me = me(store);
+    let mut sharing = None;
     // A refusal that finds the key holding this write's tag (as the last write, or as its
     // writer's last under others' since) says it landed and its answer was lost. Another
     // worker's round may have sent the same sums under another tag: that one is not this
@@ -327,6 +373,7 @@ pub fn flushed(store: &impl CasStore, flush: &Flush, answer: Option<Result<u64, 
         Err(now) => (tag.is_some_and(|t| now.stored.as_ref().is_some_and(|v| v.holds(t))), now),
     };
     let _ = budget::update(store, &flush.tenant, now_ms, |s| {
+        sharing = None;
         // Answered: the write is no longer out, whatever the answer. An answer that found
         // the key still at the revision the write was sent against, without it (a read
         // after a lost answer), leaves it unsure: it may land yet.
@@ -349,7 +396,7 @@ pub fn flushed(store: &impl CasStore, flush: &Flush, answer: Option<Result<u64, 
                     s.landed(&p);
                 }
                 if known == flush.revision {
-                    learn(s, now.clone(), now_ms);
+                    sharing = learn(s, now.clone(), now_ms, me);
                 } else {
                     s.recharge();
                 }
@@ -359,12 +406,13 @@ pub fn flushed(store: &impl CasStore, flush: &Flush, answer: Option<Result<u64, 
                 true
             }
             false if known == flush.revision => {
-                learn(s, now.clone(), now_ms);
+                sharing = learn(s, now.clone(), now_ms, me);
                 true
             }
             _ => answered,
         }
     });
+    sharing
 }
 
 /// Whether this worker runs the round of writes due at `now_ms` (at most one a
@@ -438,7 +486,7 @@ mod tests {
         assert!(take_wanted(&s).is_empty());
         // The store holds 800 of today's 1000 (spent before a restart).
         let held = Stored { day: DEC_1 / 86_400_000, day_micro: 800, month: 0, month_micro: 0, ..Stored::default() };
-        assert!(read(&s, "t", Some(Found { stored: Some(held.clone()), revision: 4 }), DEC_1));
+        assert!(read(&s, "t", Some(Found { stored: Some(held.clone()), revision: 4 }), DEC_1).reached);
         assert_eq!(spent(&s, "t", DEC_1).0, 800);
         let over = reserve(&s, "t", caps(), (1, 300, DEC_1 + 9_000), DEC_1);
         assert!(matches!(over, Err(Refused::Exhausted(_))), "800 + 300 > 1000: {over:?}");
@@ -471,7 +519,7 @@ mod tests {
     #[test]
     fn a_store_that_never_answered_admits_one_call_or_the_outage_allowance_then_refuses() {
         let s = MemStore::new();
-        assert!(!read(&s, "t", None, DEC_1));
+        assert!(!read(&s, "t", None, DEC_1).reached);
         // Nothing is known of what was spent: one call alone, within the node's share.
         assert_eq!(reserve(&s, "t", caps(), (1, 600, DEC_1 + 9_000), DEC_1), Err(Refused::Outage), "past the share");
         reserve(&s, "t", caps(), (2, 400, DEC_1 + 9_000), DEC_1).expect("one call");
@@ -481,7 +529,7 @@ mod tests {
         assert_eq!(due(&s, &config(), "t", DEC_1 + 2, 1), None, "nothing is written before the store is read");
         let later = DEC_1 + UNREACHABLE_MS;
         assert_eq!(due(&s, &config(), "t", later, 1), Some(Due::Read), "a round reads it again");
-        assert!(read(&s, "t", Some(Found { stored: None, revision: 0 }), later));
+        assert!(read(&s, "t", Some(Found { stored: None, revision: 0 }), later).reached);
         assert_eq!(spent(&s, "t", later).0, 100, "what was settled meanwhile is kept");
         reserve(&s, "t", caps(), (5, 400, later + 9_000), later).expect("read: the budget decides again");
         assert_eq!(write_due(&s, later).map(|f| (f.revision, f.value.day_micro)), Some((0, 100)));
@@ -530,6 +578,47 @@ mod tests {
         settle(&a, "t", caps().0, 2, 0, DEC_1 + 4);
         assert_eq!(reserve(&a, "t", two, (3, 100, DEC_1 + 9_000), DEC_1 + 5), Err(Refused::Held));
         assert!(reserve(&a, "t", two, (3, 50, DEC_1 + 9_000), DEC_1 + 5).is_ok(), "300 + 50 <= 350");
+    }
+
+    #[test]
+    fn two_keepers_of_a_tenant_each_admit_their_share_once_each_has_seen_the_other() {
+        // The store holds 200 of today's 1000. Node a keeps the tenant alone, spends and
+        // writes; then the ring gives the tenant to node b too.
+        let today = DEC_1 / 86_400_000;
+        let mut etcd = Key(4, Stored { day: today, day_micro: 200, ..Stored::default() });
+        let (a, b) = (MemStore::new(), MemStore::new());
+        assert_eq!(read(&a, "t", etcd.found(), DEC_1).sharing, None, "no one else wrote it");
+        reserve(&a, "t", caps(), (1, 300, DEC_1 + 9_000), DEC_1).expect("alone: the whole of what is left");
+        settle(&a, "t", caps().0, 1, 100, DEC_1);
+        let Some(Due::Write(first)) = due(&a, &config(), "t", DEC_1, 11) else { panic!("a write is due") };
+        assert_eq!(flushed(&a, &first, Some(etcd.txn(&first)), DEC_1), None, "its own write");
+        // b reads a record another process wrote: it admits half of the 700 left.
+        assert_eq!(read(&b, "t", etcd.found(), DEC_1 + 1).sharing, Some(2));
+        assert_eq!(budget::keepers(&b, "t", DEC_1 + 1), 2);
+        reserve(&b, "t", caps(), (2, 300, DEC_1 + 9_000), DEC_1 + 1).expect("300 of its 350");
+        assert_eq!(reserve(&b, "t", caps(), (3, 100, DEC_1 + 9_000), DEC_1 + 1), Err(Refused::Held), "300 + 100");
+        // A call past the share alone waits for the other keeper to go: not the day's end.
+        assert_eq!(reserve(&b, "t", caps(), (3, 400, DEC_1 + 9_000), DEC_1 + 1), Err(Refused::Held));
+        // Until a sees b's write, a admits from the whole: what remains past the budget
+        // is at most b's share (here 300 + 600 in flight over 700 left).
+        reserve(&a, "t", caps(), (4, 600, DEC_1 + 9_000), DEC_1 + 1).expect("a has not seen b");
+        settle(&b, "t", caps().0, 2, 50, DEC_1 + 2);
+        let Some(Due::Write(by_b)) = due(&b, &config(), "t", DEC_1 + 2, 22) else { panic!("a write is due") };
+        assert_eq!(flushed(&b, &by_b, Some(etcd.txn(&by_b)), DEC_1 + 2), None, "b knew of a already");
+        // a's next write is refused: the key holds b's write, and a learns b keeps it too.
+        settle(&a, "t", caps().0, 4, 200, DEC_1 + 3);
+        let Some(Due::Write(second)) = due(&a, &config(), "t", DEC_1 + 3, 12) else { panic!("a write is due") };
+        assert_eq!(flushed(&a, &second, Some(etcd.txn(&second)), DEC_1 + 3), Some(2));
+        // Stored 350, a's 200 not yet written: a's share of the 650 left is 325.
+        assert_eq!(reserve(&a, "t", caps(), (5, 200, DEC_1 + 9_000), DEC_1 + 3), Err(Refused::Held), "200 + 200");
+        reserve(&a, "t", caps(), (5, 100, DEC_1 + 9_000), DEC_1 + 3).expect("200 + 100 <= 325");
+        // b writes no more (the ring settled on a): a reads the key again and, once
+        // `KEEPERS_MS` passed since b's write was seen, admits from the whole again.
+        let later = DEC_1 + 3 + KEEPERS_MS;
+        assert_eq!(read(&a, "t", etcd.found(), later - 1).sharing, None, "nothing new");
+        assert_eq!(budget::keepers(&a, "t", later - 1), 2);
+        assert_eq!(budget::keepers(&a, "t", later), 1);
+        reserve(&a, "t", caps(), (6, 300, later + 9_000), later).expect("350 + 200 + 100 + 300 <= 1000");
     }
 
     /// etcd's key in a test: a revision and a value, written by compare-and-swap.

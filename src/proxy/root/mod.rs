@@ -67,9 +67,12 @@ impl Context for Root {
         {
             let w = &mut *self.worker.borrow_mut();
             let config = w.config.clone();
-            if w.key_check.answered(&config, token, num_headers)
-                || w.budget_store.answered(&config, token, num_headers, body_size)
-            {
+            if w.key_check.answered(&config, token, num_headers) {
+                return;
+            }
+            if let Some(tenant) = w.budget_store.answered(&config, token, num_headers, body_size) {
+                // What the store taught (others' spend, other keepers) shows in the gauges.
+                w.counters.record_budget(&config, &tenant, host::now_ms());
                 return;
             }
         }

@@ -130,6 +130,8 @@ pub fn content(r: &Resp) -> String {
 /// The configurations of a node's two listeners (one meaning for the demo, the tests and
 /// the bench: see `envoy_render`).
 pub use envoy_render::listener_configs;
+/// The SAN of the fleet's node certificates.
+pub use envoy_render::FLEET_SAN;
 
 /// `envoy/fleet.yaml.tmpl` for one node (`tls`: mutual TLS between the nodes; `forward`:
 /// the public listener's own configuration, when it is not `config`).

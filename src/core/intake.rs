@@ -15,7 +15,7 @@ use crate::core::cache::hot;
 use crate::core::coalesce::engine::{CacheStatus, Engine, Reply, Step};
 use crate::core::config::tenants;
 use crate::core::config::Config;
-use crate::core::config::Role;
+use crate::core::config::{Mismatch, Role};
 use crate::core::limits::fleet;
 use crate::core::request::{is_internal_path, is_models_path, ApiRequest, CacheControl, Policy, RequestMeta};
 use crate::core::store::CasStore;
@@ -35,12 +35,19 @@ pub struct Head {
     pub tenant: Option<String>,
     pub cache_control: Option<String>,
     pub peer_secret: Option<String>,
+    /// `x-holysheep-config`: the digest of the settings of the forward node that sent it.
+    pub config_digest: Option<String>,
     /// The header the tenant scope is read from came more than once.
     pub repeated_tenant: bool,
     /// The tenant whose key `authorization` carries, set by `check` (with `tenants`).
     pub verified: Option<String>,
     /// `x-holysheep-priority`: the class the request asks for (it may only lower its own).
     pub priority: Option<String>,
+}
+
+/// A digest a request carried, as the edge repeats it: hex digits only, at most 16.
+pub fn shown(digest: &str) -> String {
+    digest.chars().filter(char::is_ascii_hexdigit).take(16).collect()
 }
 
 /// What a request's connection says of its sender: the subject alternative names of a
@@ -145,6 +152,7 @@ impl Head {
                 b"cache-control" => &mut h.cache_control,
                 n if n == headers::PRIORITY.as_bytes() => &mut h.priority,
                 n if n == headers::PEER_SECRET.as_bytes() => &mut h.peer_secret,
+                n if n == headers::CONFIG.as_bytes() => &mut h.config_digest,
                 n if Some(n) == tenant_header.map(str::as_bytes) => &mut h.tenant,
                 _ => continue,
             };
@@ -185,6 +193,29 @@ impl Head {
             param: None,
             code: "peer_required",
         })
+    }
+
+    /// The configuration digest a forward node sent with this request, when it is not this
+    /// owner's own: the two nodes run other settings of keys, scopes or prices
+    /// (`config::digest`). `Err`: the owner refuses such hops (`fleet.config_mismatch`).
+    pub fn foreign_config(&self, config: &Config) -> Option<Result<&str, ApiError>> {
+        let theirs = self.config_digest.as_deref().filter(|d| *d != config.digest && config.role == Role::Owner)?;
+        if config.fleet.config_mismatch == Mismatch::Count {
+            return Some(Ok(theirs));
+        }
+        let ours = &config.digest;
+        Some(Err(ApiError {
+            status: 503,
+            message: format!(
+                "the edge node that passed this request on runs other settings (configuration digest {}) than \
+                 the node that owns it ({ours}): they would key, scope or price it differently, and this owner \
+                 refuses such hops until every node runs one configuration",
+                shown(theirs)
+            ),
+            kind: "server_error",
+            param: None,
+            code: "fleet_config_mismatch",
+        }))
     }
 
     pub fn route(&self) -> Route {
@@ -578,6 +609,22 @@ mod tests {
         assert_eq!(route("POST", "/v1/models"), Route::Other);
         assert_eq!(route("GET", "/HolySheep/peer/bucket"), Route::Internal);
         assert_eq!(route("POST", "/v1/../holysheep/x"), Route::Internal);
+    }
+
+    #[test]
+    fn an_owner_tells_a_hop_from_a_node_that_runs_other_settings() {
+        let owner = Config::parse(br#"{"models":{"gpt-4.1":{"usd_per_mtok_input":2}}}"#).unwrap();
+        let hop = |digest: Option<&str>| Head { config_digest: digest.map(str::to_owned), ..Head::default() };
+        assert_eq!(hop(None).foreign_config(&owner), None, "a client's request says nothing");
+        assert_eq!(hop(Some(&owner.digest)).foreign_config(&owner), None, "the same settings");
+        let other = Config::parse(br#"{"models":{"gpt-4.1":{"usd_per_mtok_input":3}}}"#).unwrap();
+        assert_eq!(hop(Some(&other.digest)).foreign_config(&owner), Some(Ok(other.digest.as_str())));
+        let strict = Config::parse(br#"{"fleet":{"config_mismatch":"refuse"}}"#).unwrap();
+        let Some(Err(e)) = hop(Some("<b>0123</b>")).foreign_config(&strict) else { panic!("refused") };
+        assert_eq!((e.status, e.kind, e.code), (503, "server_error", "fleet_config_mismatch"));
+        assert!(e.message.contains("digest b0123b)") && e.message.contains(&strict.digest), "{}", e.message);
+        let forward = Config { role: Role::Forward, ..strict.clone() };
+        assert_eq!(hop(Some("0123")).foreign_config(&forward), None, "only an owner compares");
     }
 
     #[test]

@@ -371,9 +371,23 @@ impl HttpContext for Chat {
                 return self.reject(&e);
             }
         }
-        if config.role == Role::Owner && self.head.peer_secret.is_some() {
-            // The secret proves this hop only: nothing passed on from here carries it.
-            let _ = hostcalls::set_map_value(MapType::HttpRequestHeaders, headers::PEER_SECRET, None);
+        if let Some(foreign) = self.head.foreign_config(&config) {
+            let theirs = self.head.config_digest.as_deref().unwrap_or_default();
+            self.worker.borrow_mut().config_disagrees(theirs);
+            if let Err(e) = foreign {
+                return self.reject(&e);
+            }
+        }
+        if config.role == Role::Owner {
+            // The secret proves this hop only, and the digest is the fleet's: nothing passed
+            // on from here carries them.
+            for (name, sent) in
+                [(headers::PEER_SECRET, &self.head.peer_secret), (headers::CONFIG, &self.head.config_digest)]
+            {
+                if sent.is_some() {
+                    let _ = hostcalls::set_map_value(MapType::HttpRequestHeaders, name, None);
+                }
+            }
         }
         let route = self.head.route();
         if route == Route::Internal {
@@ -388,6 +402,8 @@ impl HttpContext for Chat {
             if let Some(s) = secret {
                 let _ = hostcalls::set_map_value(MapType::HttpRequestHeaders, headers::PEER_SECRET, Some(&s));
             }
+            // And every hop says what this node runs (`config::digest`).
+            let _ = hostcalls::set_map_value(MapType::HttpRequestHeaders, headers::CONFIG, Some(&config.digest));
         }
         if !matches!(route, Route::Governed(_)) {
             return self.ungoverned(&config);

@@ -21,8 +21,9 @@ use crate::core::cache::edge;
 use crate::core::cache::hot::{Hot, Raw, Seed};
 use crate::core::cache::{self, Fresh};
 use crate::core::coalesce::engine::{CacheStatus, Call, Ended, Engine, Finished, Reply, Wait};
-use crate::core::config::{Config, Role};
+use crate::core::config::{Config, Mismatch, Role};
 use crate::core::flight::StreamOutcome;
+use crate::core::intake;
 use crate::core::observe::log_fields::{self, Answered, Served};
 use crate::core::observe::metrics::{self, Counter, LastUsage};
 use crate::core::request::{self, ApiRequest, Key};
@@ -92,6 +93,8 @@ pub struct Worker {
     pub log_usage: LastUsage,
     /// Whether an owner that keyed a hop otherwise was logged (once per worker).
     key_disagreement_logged: bool,
+    /// The configuration digest of a fleet node logged last as other than this owner's.
+    config_disagreement_logged: Option<String>,
 }
 
 /// A worker's state, as its root context and http contexts each hold it.
@@ -185,6 +188,7 @@ impl Worker {
             seed: Seed::new(RandomState::new().hash_one(())),
             log_usage: LastUsage::default(),
             key_disagreement_logged: false,
+            config_disagreement_logged: None,
         }
     }
 
@@ -479,6 +483,27 @@ impl Worker {
                  scopes); owners' answers are not shared between this node's waiters",
             );
         }
+    }
+
+    /// A node that runs other settings (configuration digest `theirs`) sent this owner a
+    /// hop: counted, and logged once per worker for each digest seen last.
+    pub fn config_disagrees(&mut self, theirs: &str) {
+        self.counters.count(vec![(metrics::FLEET_LABEL, Counter::ConfigMismatch, 1)], None);
+        let theirs = intake::shown(theirs);
+        if self.config_disagreement_logged.as_deref() == Some(theirs.as_str()) {
+            return;
+        }
+        let refused = self.config.fleet.config_mismatch == Mismatch::Refuse;
+        host::log(
+            LogLevel::Warn,
+            &format!(
+                "holysheep: a fleet node runs other settings of keys, scopes or prices (configuration digest {theirs}) \
+                 than this owner ({}): {}",
+                self.config.digest,
+                if refused { "its requests are refused" } else { "its requests are served and counted" }
+            ),
+        );
+        self.config_disagreement_logged = Some(theirs);
     }
 
     /// Counts a flight's answer stored over another key's fresh one.

@@ -3,7 +3,7 @@
 //! consistent-hash ring, in front of one mock HolySheep.
 
 use host_test::client::{request, Conn, Resp};
-use host_test::fleet::{content, round_robin, Fleet, SECRET};
+use host_test::fleet::{content, round_robin, Fleet, FLEET_SAN, SECRET};
 use host_test::mock::Fault;
 use host_test::stack::streamed;
 use host_test::stack::{count, prompt, prompt_for, PATH};
@@ -131,6 +131,9 @@ fn three_nodes_act_as_one_edge() {
     assert_eq!(unsigned.map(|(status, _)| status), Ok(403));
     let signed = curl(owner, "/holysheep/peer/bucket", Some("node"), &[("x-holysheep-peer-secret", SECRET)], peer);
     assert_eq!(signed.as_ref().map(|(status, _)| *status), Ok(200), "{signed:?}");
+    // The forward and owner listeners' configurations spell one set of settings otherwise
+    // (`role`, `fleet`): every hop's digest matched its owner's.
+    assert_eq!(fleet.stat("wasmcustom.holysheep.fleet.config_mismatch"), 0);
     assert_eq!(fleet.crashes(), Vec::<String>::new());
 }
 
@@ -176,6 +179,8 @@ fn a_forward_node_shares_only_answers_its_owner_keyed_alike() {
     let owners = r#"{"cache":{"tenant_header":"x-tenant-id"},"edge":{"max_age_seconds":0}}"#;
     let forward = r#"{"edge":{"max_age_seconds":0}}"#;
     let fleet = Fleet::disagreeing(2, owners, forward, 400);
+    let mismatches = || fleet.stat("wasmcustom.holysheep.fleet.config_mismatch");
+    let counted = mismatches();
     let public = fleet.publics()[0];
     let body = prompt("the same prompt from two tenants at once");
     let calls = fleet.calls();
@@ -197,6 +202,50 @@ fn a_forward_node_shares_only_answers_its_owner_keyed_alike() {
     assert_eq!(count(&answers, "COALESCED"), 0, "an answer keyed for another tenant was shared");
     assert_eq!(fleet.calls() - calls, 2);
     assert!(fleet.stat("wasmcustom.holysheep.edge.other.hop_key_mismatch") >= 1, "the disagreement is counted");
+    // The owners knew from each hop's configuration digest, counted and logged it, and
+    // served (`fleet.config_mismatch` is `count` by default).
+    assert_eq!(mismatches() - counted, 2, "both hops");
+    let logged = "holysheep: a fleet node runs other settings of keys, scopes or prices (configuration digest";
+    assert!(fleet.envoys().any(|e| e.log().contains(logged)), "the owner logs it");
+    assert_eq!(fleet.crashes(), Vec::<String>::new());
+}
+
+#[test]
+fn owners_that_refuse_other_settings_answer_such_a_hop_503_with_no_call() {
+    let fleet_of = |mismatch: &str| {
+        format!(
+            r#"{{"cache":{{"tenant_header":"x-tenant-id"}},"edge":{{"max_age_seconds":0}},
+               "fleet":{{"cluster":"owners","nodes":2,"internal":true,"peer_sans":["{}"],"config_mismatch":"{mismatch}"}}}}"#,
+            FLEET_SAN
+        )
+    };
+    let fleet = Fleet::disagreeing(2, &fleet_of("refuse"), r#"{"edge":{"max_age_seconds":0}}"#, 0);
+    let mismatches = || fleet.stat("wasmcustom.holysheep.fleet.config_mismatch");
+    let (calls, counted) = (fleet.calls(), mismatches());
+    let body = prompt("asked through a node that runs other settings");
+    let r = request(fleet.publics()[0], "POST", PATH, &[("x-tenant-id", "alpha")], body.as_bytes()).expect("answer");
+    let e = &r.json()["error"];
+    assert_eq!(
+        (r.status, e["type"].as_str(), e["code"].as_str()),
+        (503, Some("server_error"), Some("fleet_config_mismatch"))
+    );
+    assert!(e["message"].as_str().is_some_and(|m| m.contains("configuration digest")), "{}", r.text());
+    assert_eq!(fleet.calls(), calls, "nothing went to HolySheep");
+    assert_eq!(mismatches() - counted, 1);
+    // The same request again: refused again, not served from anything kept.
+    let again =
+        request(fleet.publics()[1], "POST", PATH, &[("x-tenant-id", "alpha")], body.as_bytes()).expect("answer");
+    assert_eq!(again.status, 503);
+    assert_eq!(fleet.calls(), calls);
+    // A client that sends the owner's own digest through the forward node is still the
+    // forward node's hop: a client's `x-holysheep-config` is taken off.
+    let message = e["message"].as_str().unwrap_or_default();
+    let owners = message.rsplit_once("owns it (").and_then(|(_, rest)| rest.split_once(')')).map(|(d, _)| d);
+    let owners = owners.expect("the owner's digest is named").to_owned();
+    let forged = [("x-tenant-id", "alpha"), ("x-holysheep-config", owners.as_str())];
+    let r = request(fleet.publics()[0], "POST", PATH, &forged, body.as_bytes()).expect("answer");
+    assert_eq!(r.status, 503, "still the forward node's own digest");
+    assert_eq!(fleet.calls(), calls);
     assert_eq!(fleet.crashes(), Vec::<String>::new());
 }
 

@@ -47,3 +47,5 @@ pub const HOST: &str = "host";
 // Between the edge's own nodes.
 pub(crate) const TENANT: &str = "x-holysheep-tenant";
 pub const PEER_SECRET: &str = "x-holysheep-peer-secret";
+/// A forward node's configuration digest, on every hop (`config::digest`).
+pub const CONFIG: &str = "x-holysheep-config";

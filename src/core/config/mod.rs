@@ -2,6 +2,7 @@
 //! with a message that names the field; the tenant table and its keys (`tenants`). Uses
 //! `wire` and `api`.
 
+pub(crate) mod digest;
 pub(crate) mod tenants;
 
 use crate::core::api::endpoint::Endpoint;
@@ -61,6 +62,10 @@ pub struct Config {
     /// operator's API key (`api::objects`); `None` without one.
     #[serde(skip)]
     pub object_key: Option<ObjectKey>,
+    /// The digest of the settings that decide keys, scopes and prices (`digest::of`), made
+    /// when the configuration is read: a forward node sends it on every hop.
+    #[serde(skip)]
+    pub digest: String,
 }
 
 /// The spend store: etcd (v3), reached through its JSON gateway by callouts to an Envoy
@@ -196,6 +201,21 @@ pub struct Fleet {
     /// The subject alternative names (URI or DNS, the first of each kind) a node's client
     /// certificate may carry.
     pub peer_sans: Vec<String>,
+    /// What an owner does with a hop from a node whose configuration digest differs from
+    /// its own: count it and log it (`count`), or refuse it too (`refuse`).
+    pub config_mismatch: Mismatch,
+}
+
+/// What an owner does with a hop from a node that runs other settings (`Fleet::config_mismatch`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Mismatch {
+    /// Counted and logged; the request is served (a rolling change of the configuration
+    /// passes through this state on every node).
+    #[default]
+    Count,
+    /// Counted, logged and refused: 503 `fleet_config_mismatch`.
+    Refuse,
 }
 
 impl Default for Fleet {
@@ -208,6 +228,7 @@ impl Default for Fleet {
             timeout_ms: 250,
             internal: false,
             peer_sans: Vec::new(),
+            config_mismatch: Mismatch::Count,
         }
     }
 }
@@ -402,7 +423,7 @@ pub struct Lock {
 
 impl Default for Config {
     fn default() -> Self {
-        Config {
+        let mut config = Config {
             role: Role::default(),
             fleet: Fleet::default(),
             edge: Edge::default(),
@@ -421,7 +442,10 @@ impl Default for Config {
             passthrough_paths: Vec::new(),
             keys: Keys::default(),
             object_key: None,
-        }
+            digest: String::new(),
+        };
+        config.digest = digest::of(&config);
+        config
     }
 }
 
@@ -496,6 +520,7 @@ impl Config {
             config.cache.max_entries = config.edge.max_entries;
         }
         config.keys = Keys::of(&config.tenants).map_err(ConfigError)?;
+        config.digest = digest::of(&config);
         Ok(config)
     }
 

@@ -43,9 +43,11 @@ pub enum Counter {
     PeerRefused,
     /// A forward node's hop came back keyed otherwise by its owner (not shared).
     HopKeyMismatch,
+    /// An owner took a hop from a node whose configuration digest differs from its own.
+    ConfigMismatch,
 }
 
-pub const COUNTERS: [Counter; 29] = [
+pub const COUNTERS: [Counter; 30] = [
     Counter::Requests(CacheStatus::Hit),
     Counter::Requests(CacheStatus::Miss),
     Counter::Requests(CacheStatus::Coalesced),
@@ -75,6 +77,7 @@ pub const COUNTERS: [Counter; 29] = [
     Counter::CachedTokens,
     Counter::PeerRefused,
     Counter::HopKeyMismatch,
+    Counter::ConfigMismatch,
 ];
 
 impl Counter {
@@ -110,6 +113,7 @@ impl Counter {
             Counter::CachedTokens => 26,
             Counter::PeerRefused => 27,
             Counter::HopKeyMismatch => 28,
+            Counter::ConfigMismatch => 29,
         }
     }
 
@@ -139,6 +143,7 @@ impl Counter {
             Counter::CachedTokens => "cached_tokens".into(),
             Counter::PeerRefused => "peer_refused".into(),
             Counter::HopKeyMismatch => "hop_key_mismatch".into(),
+            Counter::ConfigMismatch => "config_mismatch".into(),
         }
     }
 }
@@ -154,17 +159,19 @@ pub fn label<'a>(config: &'a Config, model: &'a str) -> &'a str {
 
 /// Every label that can appear: the configured models, `other`, with tenants each
 /// tenant's (`tenant.<name>`: every counter of a tenant's requests, whatever their model)
-/// and `tenants` (the table as a whole: keys no tenant holds), and on an owner listener
-/// that serves only the fleet, `fleet` (requests no node sent).
+/// and `tenants` (the table as a whole: keys no tenant holds), and on a fleet's owner
+/// listener, `fleet` (requests no node sent, hops from nodes that run other settings).
 pub(crate) fn labels(config: &Config) -> Vec<String> {
     let models = config.models.keys().cloned().chain(std::iter::once("other".to_owned()));
     let tenants = config.tenants.keys().map(|t| format!("{TENANT_PREFIX}{t}"));
     let table = (!config.tenants.is_empty()).then(|| TENANTS_LABEL.to_owned());
-    let fleet = config.fleet.internal.then(|| FLEET_LABEL.to_owned());
+    let owner = config.role == Role::Owner && (config.fleet.internal || config.fleet.shared_limits());
+    let fleet = owner.then(|| FLEET_LABEL.to_owned());
     models.chain(tenants).chain(table).chain(fleet).collect()
 }
 
-/// The label of requests an owner listener that serves only the fleet refused.
+/// The label of what a fleet's owner listener counts of the requests its nodes send (or
+/// that no node sent).
 pub const FLEET_LABEL: &str = "fleet";
 
 /// The label of what no one tenant is counted for (a key no tenant holds).
@@ -452,6 +459,7 @@ mod tests {
             "cached_tokens",
             "peer_refused",
             "hop_key_mismatch",
+            "config_mismatch",
         ];
         assert_eq!(names, documented, "the counter names docs/operations.md lists, each once");
         assert!(COUNTERS.iter().enumerate().all(|(i, c)| c.index() == i), "index is the place in COUNTERS");

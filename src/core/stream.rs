@@ -10,6 +10,7 @@ use crate::core::api::headers;
 use crate::core::api::objects::Signer;
 use crate::core::api::response::Response;
 use crate::core::api::usage::Usage;
+use crate::core::wire::sort;
 use serde_json::{json, Map, Value};
 use std::collections::BTreeMap;
 use std::mem::discriminant;
@@ -361,7 +362,7 @@ fn finish_message(message: &mut Value) {
     m.entry("content").or_insert(Value::Null);
     m.entry("refusal").or_insert(Value::Null);
     let Some(calls) = m.get_mut("tool_calls").and_then(Value::as_array_mut) else { return };
-    calls.sort_by_key(indexed);
+    sort::sort_by(calls, |a, b| indexed(a) < indexed(b));
     for call in calls.iter_mut().filter_map(Value::as_object_mut) {
         call.remove("index");
         call.entry("id").or_insert(Value::Null);

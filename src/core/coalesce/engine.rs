@@ -13,6 +13,7 @@ use crate::core::config::{Config, Role};
 use crate::core::request::{Key, Policy};
 use crate::core::semantic::{Probe, Similar};
 use crate::core::store::CasStore;
+use crate::core::wire::decimal;
 use std::borrow::Cow;
 
 /// How far a host's cached clock may lag the timer that fired (see `Engine::failure`).
@@ -420,7 +421,7 @@ impl<S: CasStore> Engine<'_, S> {
             young.then_some((e, s.similarity))
         })?;
         let age_s = Some(entry.age_ms(now_ms) / 1000);
-        let response = entry.response.with_header(headers::SIMILARITY, format!("{similarity:.4}"));
+        let response = entry.response.with_header(headers::SIMILARITY, decimal::similarity(similarity));
         // Dated when the answer was produced: a waiter's own directives may refuse it.
         let watched = self.finish_lease(call, &response, now_ms, Produced::Stale(entry.stored_at_ms), false);
         let cache = Some(CacheStatus::Semantic);

@@ -5,7 +5,7 @@
 //! queue, and random names would leak one per worker per reload.
 
 use crate::core::store::{cas_after, CasStore, StoreError, MAX_RACES};
-use crate::core::wire::codec;
+use crate::core::wire::{codec, sort};
 
 pub(crate) const REGISTRY_KEY: &str = "holysheep/queues";
 /// At most this many names are kept (newest heartbeats first).
@@ -25,7 +25,7 @@ pub fn publish(store: &impl CasStore, name: &str, now_ms: u64) -> Result<(), Sto
             .filter(|(n, beat)| n != name && now_ms.saturating_sub(*beat) < STALE_MS)
             .collect();
         entries.push((name.to_owned(), now_ms));
-        entries.sort_by_key(|e| std::cmp::Reverse(e.1));
+        sort::sort_by(&mut entries, |a, b| a.1 > b.1);
         entries.truncate(MAX_QUEUES);
         let value: String = entries.iter().map(|(n, b)| format!("{n} {b}\n")).collect();
         match store.set(REGISTRY_KEY, value.as_bytes(), cas_after(&read)) {

@@ -5,7 +5,8 @@
 
 use crate::core::config::{Cache, Config, Scope};
 use crate::core::wire::digest::sha256;
-use serde_json::{json, Value};
+use crate::core::wire::sort;
+use std::fmt::{Display, Write};
 
 /// Hex digits of the digest carried (64 bits: a mismatch, not an attacker, is what it
 /// finds; the hop itself is authenticated).
@@ -15,57 +16,78 @@ const DIGITS: usize = 16;
 /// (defaults filled in): two configurations that spell the same settings otherwise have
 /// the same digest.
 pub(crate) fn of(config: &Config) -> String {
-    let text = settled(config).to_string();
-    let digest = sha256(text.into_bytes());
+    let digest = sha256(settled(config).0.into_bytes());
     digest.iter().take(DIGITS / 2).map(|b| format!("{b:02x}")).collect()
 }
 
-/// The settings the digest covers, as one JSON value (its maps sorted by name).
-fn settled(config: &Config) -> Value {
+/// The settings the digest covers, written one after another without ambiguity (each text
+/// prefixed by its length, maps in name order).
+fn settled(config: &Config) -> Text {
+    let mut t = Text(String::new());
     let Cache { scope, tenant_header, only_deterministic, require_tenant, .. } = &config.cache;
-    let models: serde_json::Map<String, Value> = config
-        .models
-        .iter()
-        .map(|(name, m)| {
-            let model = json!([
-                m.usd_per_mtok_input,
-                m.usd_per_mtok_output,
-                m.usd_per_mtok_cached_input,
-                m.max_completion_tokens,
-                m.context_window,
-                m.fallback,
-            ]);
-            (name.clone(), model)
-        })
-        .collect();
-    let tenants: serde_json::Map<String, Value> = config
-        .tenants
-        .iter()
-        .map(|(name, t)| {
-            let mut keys: Vec<String> = t.keys_sha256.iter().map(|k| k.to_ascii_lowercase()).collect();
-            keys.sort();
-            let caps = t.caps();
-            let tenant = json!([
-                keys,
-                t.models,
-                caps.per_day,
-                caps.per_month,
-                t.requests_per_minute,
-                t.tokens_per_minute,
-                t.burst,
-                t.priority.as_str(),
-            ]);
-            (name.clone(), tenant)
-        })
-        .collect();
+    t.number(Some(*scope == Scope::Tenant));
+    t.text(Some(&tenant_header.as_deref().unwrap_or_default().to_ascii_lowercase()));
+    t.number(Some(*only_deterministic));
+    t.number(Some(*require_tenant));
+    t.number(Some(config.models.len()));
+    for (name, m) in &config.models {
+        t.text(Some(name));
+        for price in [m.usd_per_mtok_input, m.usd_per_mtok_output, m.usd_per_mtok_cached_input] {
+            t.number(price);
+        }
+        t.number(m.max_completion_tokens);
+        t.number(m.context_window);
+        t.texts(Some(&m.fallback));
+    }
+    t.number(Some(config.tenants.len()));
+    for (name, tenant) in &config.tenants {
+        t.text(Some(name));
+        let mut keys: Vec<String> = tenant.keys_sha256.iter().map(|k| k.to_ascii_lowercase()).collect();
+        sort::sort_by(&mut keys, |a, b| a < b);
+        t.texts(Some(&keys));
+        t.texts(tenant.models.as_deref());
+        let caps = tenant.caps();
+        t.number(caps.per_day);
+        t.number(caps.per_month);
+        t.number(tenant.requests_per_minute);
+        t.number(tenant.tokens_per_minute);
+        t.number(tenant.burst);
+        t.text(Some(tenant.priority.as_str()));
+    }
     let s = &config.semantic;
-    let semantic = json!([s.enabled, s.embedding_model, s.dimensions, s.threshold, s.models, s.allow_tools]);
-    json!({
-        "cache": [*scope == Scope::Tenant, tenant_header.as_deref().map(str::to_ascii_lowercase), only_deterministic, require_tenant],
-        "models": models,
-        "tenants": tenants,
-        "semantic": semantic,
-    })
+    t.number(Some(s.enabled));
+    t.text(Some(&s.embedding_model));
+    t.number(s.dimensions);
+    t.number(Some(s.threshold));
+    t.texts(Some(&s.models));
+    t.number(Some(s.allow_tools));
+    t
+}
+
+/// The digest's input as it is written.
+struct Text(String);
+
+impl Text {
+    fn number(&mut self, n: Option<impl Display>) {
+        let _ = match n {
+            Some(n) => write!(self.0, "{n};"),
+            None => write!(self.0, "-;"),
+        };
+    }
+
+    fn text(&mut self, s: Option<&str>) {
+        let _ = match s {
+            Some(s) => write!(self.0, "{}:{s};", s.len()),
+            None => write!(self.0, "-;"),
+        };
+    }
+
+    fn texts(&mut self, list: Option<&[String]>) {
+        self.number(list.map(<[String]>::len));
+        for s in list.unwrap_or_default() {
+            self.text(Some(s));
+        }
+    }
 }
 
 #[cfg(test)]

@@ -16,6 +16,7 @@ use crate::core::limits::budget_store;
 use crate::core::limits::line::Who;
 use crate::core::limits::{self, duration, Denial, Kind, Limits};
 use crate::core::store::CasStore;
+use crate::core::wire::decimal;
 use serde::{Deserialize, Serialize};
 
 /// What a flight took from its tenant.
@@ -380,8 +381,8 @@ pub(crate) fn refused(config: &Config, tenant: &str, model: &str, refusal: Refus
         Refusal::Budget(x) => {
             let wait = x.retry_after_ms.max(1);
             let message = format!(
-                "Tenant {tenant} has spent its budget of ${:.2} per {}; it renews in {}.",
-                x.cap_micro as f64 / 1e6,
+                "Tenant {tenant} has spent its budget of ${} per {}; it renews in {}.",
+                decimal::fixed(x.cap_micro, 6, 2),
                 x.period,
                 duration(wait)
             );

@@ -13,6 +13,7 @@ use super::vector::Vector;
 use crate::core::config::Config;
 use crate::core::request::Key;
 use crate::core::store::{cas_after, slot_name, CasStore, StoreError};
+use crate::core::wire::sort;
 
 /// The most entries in one page, so in one partition.
 pub(crate) const WAYS: u32 = 64;
@@ -141,7 +142,7 @@ pub fn find(store: &impl CasStore, config: &Config, partition: &[u8; 32], vector
             }
         }
     }
-    found.matches.sort_by(|a, b| b.similarity.total_cmp(&a.similarity));
+    sort::sort_by(&mut found.matches, |a, b| a.similarity.total_cmp(&b.similarity).is_gt());
     found
 }
 

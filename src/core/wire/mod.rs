@@ -1,11 +1,14 @@
 //! Bytes on the wire, the floor everything else stands on: the shared-data record format
 //! (`codec`), the strict JSON reader (`json`), SHA-256 (`digest`), base64, byte comparison
-//! (`bytes`) and proxy-wasm's header-map encoding (`pairs`). Nothing here knows what a
+//! (`bytes`), proxy-wasm's header-map encoding (`pairs`), and the few orderings and decimals
+//! the edge writes (`sort`, `decimal`). Nothing here knows what a
 //! request, a tenant or a model is.
 
 pub mod base64;
 pub(crate) mod bytes;
 pub mod codec;
+pub(crate) mod decimal;
 pub mod digest;
 pub(crate) mod json;
 pub mod pairs;
+pub(crate) mod sort;

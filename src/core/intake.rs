@@ -195,21 +195,26 @@ impl Head {
         })
     }
 
-    /// The configuration digest a forward node sent with this request, when it is not this
-    /// owner's own: the two nodes run other settings of keys, scopes or prices
-    /// (`config::digest`). `Err`: the owner refuses such hops (`fleet.config_mismatch`).
-    pub fn foreign_config(&self, config: &Config) -> Option<Result<&str, ApiError>> {
+    /// The configuration digest a node of the fleet (`peer` proves it: a verified
+    /// certificate that names one of `fleet.peer_sans`, or the fleet's secret) sent with this
+    /// request, when it is not this owner's own: the two nodes run other settings of keys,
+    /// scopes or prices (`config::digest`). A digest nothing proves is no node's, and is
+    /// ignored. `Err`: the owner refuses such hops (`fleet.config_mismatch`).
+    pub fn foreign_config(&self, config: &Config, peer: &Peer<'_>) -> Option<Result<&str, ApiError>> {
         let theirs = self.config_digest.as_deref().filter(|d| *d != config.digest && config.role == Role::Owner)?;
+        let named = peer.sans.iter().any(|s| config.fleet.peer_sans.contains(s));
+        if !named && !peer.knows(self.peer_secret.as_deref()) {
+            return None;
+        }
         if config.fleet.config_mismatch == Mismatch::Count {
             return Some(Ok(theirs));
         }
-        let ours = &config.digest;
         Some(Err(ApiError {
             status: 503,
             message: format!(
                 "the edge node that passed this request on runs other settings (configuration digest {}) than \
-                 the node that owns it ({ours}): they would key, scope or price it differently, and this owner \
-                 refuses such hops until every node runs one configuration",
+                 the node that owns it: they would key, scope or price it differently, and this owner refuses \
+                 such hops until every node runs one configuration",
                 shown(theirs)
             ),
             kind: "server_error",
@@ -613,18 +618,32 @@ mod tests {
 
     #[test]
     fn an_owner_tells_a_hop_from_a_node_that_runs_other_settings() {
-        let owner = Config::parse(br#"{"models":{"gpt-4.1":{"usd_per_mtok_input":2}}}"#).unwrap();
-        let hop = |digest: Option<&str>| Head { config_digest: digest.map(str::to_owned), ..Head::default() };
-        assert_eq!(hop(None).foreign_config(&owner), None, "a client's request says nothing");
-        assert_eq!(hop(Some(&owner.digest)).foreign_config(&owner), None, "the same settings");
+        let owner = Config::parse(
+            br#"{"models":{"gpt-4.1":{"usd_per_mtok_input":2}},"fleet":{"peer_sans":["spiffe://fleet/node"]}}"#,
+        )
+        .unwrap();
+        let hop = |digest: Option<&str>| Head {
+            config_digest: digest.map(str::to_owned),
+            peer_secret: Some("s3cret".into()),
+            ..Head::default()
+        };
+        let node = Peer { sans: vec![], secrets: [Some("s3cret"), None] };
+        assert_eq!(hop(None).foreign_config(&owner, &node), None, "a client's request says nothing");
+        assert_eq!(hop(Some(&owner.digest)).foreign_config(&owner, &node), None, "the same settings");
         let other = Config::parse(br#"{"models":{"gpt-4.1":{"usd_per_mtok_input":3}}}"#).unwrap();
-        assert_eq!(hop(Some(&other.digest)).foreign_config(&owner), Some(Ok(other.digest.as_str())));
+        assert_eq!(hop(Some(&other.digest)).foreign_config(&owner, &node), Some(Ok(other.digest.as_str())));
+        // Only a node's word counts: its secret, or a verified certificate of the fleet.
+        let stranger = Peer { sans: vec!["spiffe://other".into()], secrets: [Some("another"), None] };
+        assert_eq!(hop(Some(&other.digest)).foreign_config(&owner, &stranger), None, "no node sent it");
+        let certified = Peer { sans: vec!["spiffe://fleet/node".into()], secrets: [None, None] };
+        let unsigned = Head { peer_secret: None, ..hop(Some(&other.digest)) };
+        assert_eq!(unsigned.foreign_config(&owner, &certified), Some(Ok(other.digest.as_str())));
         let strict = Config::parse(br#"{"fleet":{"config_mismatch":"refuse"}}"#).unwrap();
-        let Some(Err(e)) = hop(Some("<b>0123</b>")).foreign_config(&strict) else { panic!("refused") };
+        let Some(Err(e)) = hop(Some("<b>0123</b>")).foreign_config(&strict, &node) else { panic!("refused") };
         assert_eq!((e.status, e.kind, e.code), (503, "server_error", "fleet_config_mismatch"));
-        assert!(e.message.contains("digest b0123b)") && e.message.contains(&strict.digest), "{}", e.message);
+        assert!(e.message.contains("digest b0123b)") && !e.message.contains(&strict.digest), "{}", e.message);
         let forward = Config { role: Role::Forward, ..strict.clone() };
-        assert_eq!(hop(Some("0123")).foreign_config(&forward), None, "only an owner compares");
+        assert_eq!(hop(Some("0123")).foreign_config(&forward, &node), None, "only an owner compares");
     }
 
     #[test]

@@ -151,20 +151,22 @@ impl BudgetStore {
     }
 }
 
-/// Logs, once per process, that other processes were seen writing `tenant`'s spend while
-/// this one kept it alone (`sharing`: how many keep it now).
+/// Logs that more processes than `budget_store.replicas` were seen writing `tenant`'s
+/// spend (`sharing`: how many keep it now, when that grew): once per process each time
+/// the number grows, not per request.
 fn sharing_began(config: &Config, tenant: &str, sharing: Option<u32>) {
-    let Some(keepers) = sharing else { return };
+    let Some(keepers) = sharing.filter(|n| *n > config.budget_store.replicas) else { return };
     let why = if config.fleet.shared_limits() {
-        "the fleet's ring gave the tenant to more than one owner, or another fleet shares the store"
+        "the fleet's ring gave the tenant to more than one owner, or another fleet shares the store without \
+         budget_store.replicas"
     } else {
-        "another Envoy shares the store: set budget_store.replicas"
+        "other Envoys share the store: set budget_store.replicas to their number"
     };
     host::log(
         LogLevel::Warn,
         &format!(
             "holysheep: tenant {tenant}'s spend is written by {keepers} processes ({why}); each admits its share of \
-             what the store left until the others stop writing"
+             what the store left while the others keep writing"
         ),
     );
 }

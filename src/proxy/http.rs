@@ -371,7 +371,11 @@ impl HttpContext for Chat {
                 return self.reject(&e);
             }
         }
-        if let Some(foreign) = self.head.foreign_config(&config) {
+        let foreign = match self.head.config_digest.is_some() {
+            true => self.head.foreign_config(&config, &self.worker.borrow().fleet.peer(host::peer_sans())),
+            false => None,
+        };
+        if let Some(foreign) = foreign {
             let theirs = self.head.config_digest.as_deref().unwrap_or_default();
             self.worker.borrow_mut().config_disagrees(theirs);
             if let Err(e) = foreign {

@@ -3,7 +3,7 @@
 //! its own (docs/fleet.md#configurations-that-must-agree): two configurations that
 //! disagree on any of these key or charge the same request differently.
 
-use crate::core::config::{Cache, Config, Scope};
+use crate::core::config::{Cache, Config, Scope, DEFAULT_COMPLETION_CAP};
 use crate::core::wire::digest::sha256;
 use crate::core::wire::sort;
 use std::fmt::{Display, Write};
@@ -32,10 +32,10 @@ fn settled(config: &Config) -> Text {
     t.number(Some(config.models.len()));
     for (name, m) in &config.models {
         t.text(Some(name));
-        for price in [m.usd_per_mtok_input, m.usd_per_mtok_output, m.usd_per_mtok_cached_input] {
-            t.number(price);
-        }
-        t.number(m.max_completion_tokens);
+        t.number(m.usd_per_mtok_input);
+        t.number(m.usd_per_mtok_output);
+        t.number(Some(m.cached_input_price()));
+        t.number(Some(m.max_completion_tokens.unwrap_or(DEFAULT_COMPLETION_CAP)));
         t.number(m.context_window);
         t.texts(Some(&m.fallback));
     }
@@ -45,22 +45,32 @@ fn settled(config: &Config) -> Text {
         let mut keys: Vec<String> = tenant.keys_sha256.iter().map(|k| k.to_ascii_lowercase()).collect();
         sort::sort_by(&mut keys, |a, b| a < b);
         t.texts(Some(&keys));
-        t.texts(tenant.models.as_deref());
+        // A set: listed in any order.
+        let mut models = tenant.models.clone();
+        if let Some(m) = models.as_mut() {
+            sort::sort_by(m, |a, b| a < b);
+        }
+        t.texts(models.as_deref());
         let caps = tenant.caps();
         t.number(caps.per_day);
         t.number(caps.per_month);
         t.number(tenant.requests_per_minute);
         t.number(tenant.tokens_per_minute);
-        t.number(tenant.burst);
+        t.number(tenant.burst.or(tenant.requests_per_minute));
         t.text(Some(tenant.priority.as_str()));
     }
+    // The semantic tier's settings only while it is on.
     let s = &config.semantic;
     t.number(Some(s.enabled));
-    t.text(Some(&s.embedding_model));
-    t.number(s.dimensions);
-    t.number(Some(s.threshold));
-    t.texts(Some(&s.models));
-    t.number(Some(s.allow_tools));
+    if s.enabled {
+        t.text(Some(&s.embedding_model));
+        t.number(s.dimensions);
+        t.number(Some(s.threshold));
+        let mut models = s.models.clone();
+        sort::sort_by(&mut models, |a, b| a < b);
+        t.texts(Some(&models));
+        t.number(Some(s.allow_tools));
+    }
     t
 }
 
@@ -113,6 +123,29 @@ mod tests {
                "models":{{"gpt-4.1":{{"usd_per_mtok_output":8.0,"usd_per_mtok_input":2,"requests_per_minute":60}}}}}}"#
         );
         assert_eq!(digest(&spelled), d);
+        // Defaults a setting falls back to, written out; a tenant's models in another
+        // order; the semantic tier's settings while it is off.
+        let two = base.replace(r#"{"gpt-4.1":"#, r#"{"o3":{"usd_per_mtok_input":1},"gpt-4.1":"#);
+        let models = |list: &str| two.replace(r#""usd_per_day":5"#, &format!(r#""usd_per_day":5,"models":[{list}]"#));
+        let priced = r#""usd_per_mtok_input":2,"usd_per_mtok_output":8"#;
+        let defaults = [
+            (models(r#""gpt-4.1","o3""#), models(r#""o3","gpt-4.1""#)),
+            (
+                base.clone(),
+                base.replace(
+                    priced,
+                    &format!(r#"{priced},"usd_per_mtok_cached_input":2,"max_completion_tokens":4096"#),
+                ),
+            ),
+            (
+                base.replace(r#""usd_per_day":5"#, r#""usd_per_day":5,"requests_per_minute":60"#),
+                base.replace(r#""usd_per_day":5"#, r#""usd_per_day":5,"requests_per_minute":60,"burst":60"#),
+            ),
+            (base.clone(), base.replacen('{', r#"{"semantic":{"threshold":0.99},"#, 1)),
+        ];
+        for (one, other) in &defaults {
+            assert_eq!(digest(one), digest(other), "{other}");
+        }
         let changed = [
             base.replace(r#""usd_per_mtok_output":8"#, r#""usd_per_mtok_output":9"#),
             base.replace(r#""usd_per_day":5"#, r#""usd_per_day":6"#),

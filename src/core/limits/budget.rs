@@ -202,32 +202,69 @@ pub(super) struct Spend {
 /// The processes that keep a tenant's spend beside this one, as the store's writers show
 /// them: one owner of a tenant is the rule, but while a fleet's ring changes (or when
 /// stores are shared without `budget_store.replicas`) two can admit at once. While others
-/// are seen, each admits only its share of what the store left.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+/// are seen, each admits only its share of what the store left, and writes at least every
+/// `budget_store::REFRESH_MS` while it admits, so that the others keep seeing it.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub(super) struct Keepers {
-    /// How many keep it, this one counted (0 or 1: this one alone).
-    pub(super) count: u32,
-    /// Until when: another's write seen last, plus `KEEPERS_MS`.
+    /// Each other writer seen, until when it counts, and whether it was seen writing (not
+    /// only named by the record this process read first; at most `MAX_KEEPERS`).
+    pub(super) seen: Vec<Seen>,
+    /// When this process last admitted a call of the tenant.
+    pub(super) admitted_ms: u64,
+}
+
+/// Another writer of a tenant's spend, as a keeper saw it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct Seen {
+    pub(super) writer: u64,
     pub(super) until_ms: u64,
+    /// Seen writing, not only named by the record read first.
+    pub(super) writing: bool,
 }
 
 impl Keepers {
     /// How many keep the spend at `now_ms`, this one counted.
-    pub(super) fn at(self, now_ms: u64) -> u32 {
-        if now_ms < self.until_ms {
-            self.count.max(1)
-        } else {
-            1
+    pub(super) fn at(&self, now_ms: u64) -> u32 {
+        1 + self.seen.iter().filter(|s| now_ms < s.until_ms).count() as u32
+    }
+
+    /// How many were seen writing, at `now_ms`, this one counted.
+    pub(super) fn writing_at(&self, now_ms: u64) -> u32 {
+        1 + self.seen.iter().filter(|s| s.writing && now_ms < s.until_ms).count() as u32
+    }
+
+    /// `seen` counts until its time (or longer, if its writer already did); those past
+    /// their time are forgotten.
+    pub(super) fn saw(&mut self, seen: Seen, now_ms: u64) {
+        let kept = self.seen.iter().position(|s| s.writer == seen.writer);
+        match kept.map(|at| &mut self.seen[at]) {
+            Some(s) => {
+                s.until_ms = s.until_ms.max(seen.until_ms);
+                s.writing |= seen.writing;
+            }
+            None => push_bounded(&mut self.seen, seen, MAX_KEEPERS),
         }
+        self.seen.retain(|s| now_ms < s.until_ms);
+    }
+
+    /// Whether this process still keeps the tenant as one of several: others are seen, and
+    /// it admitted a call lately or holds one in flight.
+    pub(super) fn shared_and_busy(&self, now_ms: u64, in_flight: bool) -> bool {
+        self.at(now_ms) > 1 && (in_flight || now_ms.saturating_sub(self.admitted_ms) < KEEPERS_MS)
     }
 }
 
-/// How long after another process's write was seen a keeper still admits only its share:
-/// three reads of a record with nothing to write (`budget_store::REFRESH_MS`), so a keeper
-/// that still writes now and then is seen again before it is forgotten.
-pub(crate) const KEEPERS_MS: u64 = 15_000;
-/// What marks the keepers among a record's entries (`~k<count>:<until>`).
+/// How long another process's write counts after it was seen: six of the writes a keeper
+/// makes at least every `budget_store::REFRESH_MS` while it admits.
+pub(crate) const KEEPERS_MS: u64 = 30_000;
+/// The most other keepers a record names.
+const MAX_KEEPERS: usize = 8;
+/// What marks the keepers among a record's entries: `~k<writer>:<until>` for each other
+/// writer seen writing, `~q<writer>:<until>` for one only named by the record read first,
+/// `~a<when>` for this process's last admission.
 const KEEPERS_MARK: &str = "~k";
+const NAMED_MARK: &str = "~q";
+const ADMITTED_MARK: &str = "~a";
 
 /// A write given up while the key still stood at the revision it was sent against
 /// (`base`): it may land yet, and the key's next revision says whether it did.
@@ -292,14 +329,20 @@ impl Spend {
                 f.next().is_none().then_some(Unsure { write, base })
             })
             .collect();
-        // The keepers, `~k<count>:<until>`, the same way.
-        let keepers = marked
+        // The keepers, `~k<writer>:<until>`, `~q<writer>:<until>` and `~a<when>`, the same way.
+        let seen = marked
             .iter()
-            .find_map(|e| {
-                let (count, until_ms) = e.strip_prefix(KEEPERS_MARK)?.split_once(':')?;
-                Some(Keepers { count: count.parse().ok()?, until_ms: until_ms.parse().ok()? })
+            .filter_map(|e| {
+                let (writing, rest) = match e.strip_prefix(KEEPERS_MARK) {
+                    Some(rest) => (true, rest),
+                    None => (false, e.strip_prefix(NAMED_MARK)?),
+                };
+                let (writer, until_ms) = rest.split_once(':')?;
+                Some(Seen { writer: writer.parse().ok()?, until_ms: until_ms.parse().ok()?, writing })
             })
-            .unwrap_or_default();
+            .collect();
+        let admitted_ms = marked.iter().find_map(|e| e.strip_prefix(ADMITTED_MARK)?.parse().ok()).unwrap_or(0);
+        let keepers = Keepers { seen, admitted_ms };
         let held = held.into_iter().map(Entry::decode).collect::<Option<Vec<_>>>()?;
         // A lapsed entry only lowers a late settlement: one that cannot be read is dropped
         // (its worst case stays charged), never the record.
@@ -357,9 +400,12 @@ impl Spend {
             let w = u.write;
             format!("{UNSURE_MARK}{}:{}:{}:{}:{}:{}", w.tag, w.sent.0, w.sent.1, w.day, w.month, u.base)
         }));
-        let k = self.keepers;
-        if k.count > 1 {
-            held.push(format!("{KEEPERS_MARK}{}:{}", k.count, k.until_ms));
+        held.extend(self.keepers.seen.iter().map(|s| {
+            let mark = if s.writing { KEEPERS_MARK } else { NAMED_MARK };
+            format!("{mark}{}:{}", s.writer, s.until_ms)
+        }));
+        if self.keepers.admitted_ms > 0 {
+            held.push(format!("{ADMITTED_MARK}{}", self.keepers.admitted_ms));
         }
         format!(
             "{} {} {} {}|{}|{mark} {number} {} {} {} {} {} {} {}{pending}",
@@ -399,6 +445,11 @@ impl Spend {
         }
         self.held = held;
         self
+    }
+
+    /// Whether calls of the tenant are in flight here (their reservations listed).
+    pub(super) fn in_flight(&self) -> bool {
+        !self.held.is_empty()
     }
 
     /// What `write` sent is in the store: no longer unsent (in the periods it was sent for).
@@ -627,6 +678,7 @@ pub fn reserve(
             spend.lapse(e);
         }
         spend.held.push(Entry { id, micro, day: hold.day, month: hold.month, until_ms });
+        spend.keepers.admitted_ms = now_ms;
         match store.set(&key, &spend.encode(), cas_after(&read)) {
             Ok(()) => return Ok(hold),
             Err(StoreError::CasMismatch) => continue,
@@ -895,7 +947,13 @@ mod tests {
             learned_ms: DEC_1,
             pending: Some(Pending { tag: 12, sent: (5, 5), day, month, until_ms: DEC_1 + 9 }),
             unsure: vec![Unsure { write: Pending { tag: 10, sent: (3, 3), day, month, until_ms: 0 }, base: 6 }],
-            keepers: Keepers { count: 2, until_ms: DEC_1 + KEEPERS_MS },
+            keepers: Keepers {
+                seen: vec![
+                    Seen { writer: 11, until_ms: DEC_1 + KEEPERS_MS, writing: true },
+                    Seen { writer: 13, until_ms: DEC_1 + 9, writing: false },
+                ],
+                admitted_ms: DEC_1,
+            },
         };
         let raw = spend.encode();
         assert!(previous_release_reads(&raw), "{}", String::from_utf8_lossy(&raw));

@@ -9,7 +9,7 @@
 //! answers.
 
 use crate::core::config::Config;
-use crate::core::limits::budget::{self, Keepers, Mark, Pending, Spend, Stored, KEEPERS_MS};
+use crate::core::limits::budget::{self, Mark, Pending, Seen, Spend, Stored, KEEPERS_MS};
 use crate::core::store::{cas_after, CasStore, StoreError, MAX_RACES};
 use crate::core::wire::base64;
 use serde_json::{json, Value};
@@ -174,7 +174,7 @@ pub fn read(store: &impl CasStore, tenant: &str, found: Option<Found>, now_ms: u
     let reached = found.is_some();
     let me = me(store);
     let mut sharing = None;
-    let _ = budget::update(store, tenant, now_ms, |s| {
+    let updated = budget::update(store, tenant, now_ms, |s| {
         sharing = None;
         match (s.mark, &found) {
             // An answer older than what is known is dropped; a write out past its deadline
@@ -199,7 +199,7 @@ pub fn read(store: &impl CasStore, tenant: &str, found: Option<Found>, now_ms: u
             }
         }
     });
-    Learned { reached, sharing }
+    Learned { reached, sharing: sharing.filter(|_| updated.is_some()) }
 }
 
 /// What a read or a write of a tenant's key taught.
@@ -207,8 +207,8 @@ pub fn read(store: &impl CasStore, tenant: &str, found: Option<Found>, now_ms: u
 pub struct Learned {
     /// The store answered.
     pub reached: bool,
-    /// Other processes were seen writing the tenant's spend where this one kept it alone:
-    /// how many keep it now (this one counted). Each admits its share until they stop.
+    /// More processes were seen writing the tenant's spend than before: how many keep it
+    /// now (this one counted). Each admits its share until the others stop.
     pub sharing: Option<u32>,
 }
 
@@ -218,8 +218,8 @@ fn me(store: &impl CasStore) -> Option<u64> {
     std::str::from_utf8(&raw).ok()?.parse().ok()
 }
 
-/// Learns what the store holds; `Some(keepers)` when other keepers of the spend were seen
-/// where this process was alone.
+/// Learns what the store holds; `Some(keepers)` when more processes were seen keeping the
+/// spend than before (how many now, this one counted).
 fn learn(s: &mut Spend, f: Found, now_ms: u64, me: Option<u64>) -> Option<u32> {
     // A write out whose tag the store holds landed (its answer was lost), even when other
     // writers wrote over it since: what it sent is no longer unsent. One past its deadline
@@ -239,30 +239,30 @@ fn learn(s: &mut Spend, f: Found, now_ms: u64, me: Option<u64>) -> Option<u32> {
     }
     s.settle_unsure(f.stored.as_ref(), f.revision);
     let stored = f.stored.unwrap_or_default();
-    let others = others_writing(s, &stored, me);
-    let before = s.keepers.at(now_ms);
-    if others > 0 {
-        let count = before.max(others.saturating_add(1));
-        s.keepers = Keepers { count, until_ms: now_ms.saturating_add(KEEPERS_MS) };
+    // Other writers that wrote since this process last learned the key keep the tenant
+    // too. Read first, the record cannot tell a keeper still at work from one gone (a
+    // restart, the ring's last owner): its latest other writer then counts until the next
+    // read would have seen it write again.
+    let before = s.keepers.writing_at(now_ms);
+    let mut others = stored.writes.iter().filter(|(w, _)| Some(*w) != me);
+    if s.learned_ms == 0 {
+        if let Some(&(writer, _)) = others.next_back() {
+            let until_ms = now_ms.saturating_add(REFRESH_MS);
+            s.keepers.saw(Seen { writer, until_ms, writing: false }, now_ms);
+        }
+    } else {
+        let new: Vec<u64> = others.filter(|e| !s.stored.writes.contains(e)).map(|(w, _)| *w).collect();
+        for writer in new {
+            let until_ms = now_ms.saturating_add(KEEPERS_MS);
+            s.keepers.saw(Seen { writer, until_ms, writing: true }, now_ms);
+        }
     }
     s.stored = stored;
     s.mark = Mark::Read { revision: f.revision };
     s.learned_ms = now_ms;
     s.recharge();
-    (before == 1 && others > 0).then_some(s.keepers.count)
-}
-
-/// How many other processes wrote the tenant's spend since this one last learned it
-/// (`me`: this process's writer name, `None` before it wrote): each of them admits the
-/// tenant's calls too. Read first, the record cannot tell a keeper still at work from one
-/// gone (a restart, the ring's last owner): other writers then count as one, for
-/// `KEEPERS_MS` unless one of them writes again.
-fn others_writing(s: &Spend, stored: &Stored, me: Option<u64>) -> u32 {
-    let others = stored.writes.iter().filter(|(w, _)| Some(*w) != me);
-    if s.learned_ms == 0 {
-        return u32::from(others.count() > 0);
-    }
-    others.filter(|entry| !s.stored.writes.contains(entry)).count() as u32
+    let after = s.keepers.writing_at(now_ms);
+    (after > before).then_some(after)
 }
 
 /// A write behind of what a node settled for a tenant: the store's value at `revision`
@@ -309,10 +309,14 @@ fn writer(store: &impl CasStore, nonce: u64) -> Option<u64> {
 pub fn due(store: &impl CasStore, config: &Config, tenant: &str, now_ms: u64, write: u64) -> Option<Due> {
     let raw = store.get(&budget::key(tenant)).ok()?.value?;
     let s = Spend::decode(&raw)?.at(now_ms);
+    // A keeper among several writes (nothing, under its own tag) while it admits, so that
+    // the others keep seeing it.
+    let heartbeat =
+        s.keepers.shared_and_busy(now_ms, s.in_flight()) && now_ms.saturating_sub(s.learned_ms) >= REFRESH_MS;
     match (s.mark, s.pending) {
         (Mark::Read { .. }, Some(p)) if now_ms < p.until_ms => None,
         (Mark::Read { .. }, Some(_)) => Some(Due::Read),
-        (Mark::Read { .. }, None) if s.unsent != (0, 0) => {
+        (Mark::Read { .. }, None) if s.unsent != (0, 0) || heartbeat => {
             let until_ms =
                 now_ms.saturating_add(config.budget_store.timeout_ms.saturating_mul(2)).saturating_add(1_000);
             let writer = writer(store, write)?;
@@ -322,7 +326,7 @@ pub fn due(store: &impl CasStore, config: &Config, tenant: &str, now_ms: u64, wr
             let recorded = budget::update(store, tenant, now_ms, |r| {
                 flush = None;
                 let Mark::Read { revision } = r.mark else { return false };
-                if r.pending.is_some() || r.unsent == (0, 0) {
+                if r.pending.is_some() || (r.unsent == (0, 0) && !heartbeat) {
                     return false;
                 }
                 r.pending = Some(Pending { tag: write, sent: r.unsent, day: r.day, month: r.month, until_ms });
@@ -372,7 +376,7 @@ pub fn flushed(store: &impl CasStore, flush: &Flush, answer: Option<Result<u64, 
         Ok(revision) => (true, Found { stored: Some(flush.value.clone()), revision }),
         Err(now) => (tag.is_some_and(|t| now.stored.as_ref().is_some_and(|v| v.holds(t))), now),
     };
-    let _ = budget::update(store, &flush.tenant, now_ms, |s| {
+    let updated = budget::update(store, &flush.tenant, now_ms, |s| {
         sharing = None;
         // Answered: the write is no longer out, whatever the answer. An answer that found
         // the key still at the revision the write was sent against, without it (a read
@@ -412,7 +416,7 @@ pub fn flushed(store: &impl CasStore, flush: &Flush, answer: Option<Result<u64, 
             _ => answered,
         }
     });
-    sharing
+    sharing.filter(|_| updated.is_some())
 }
 
 /// Whether this worker runs the round of writes due at `now_ms` (at most one a
@@ -592,19 +596,21 @@ mod tests {
         settle(&a, "t", caps().0, 1, 100, DEC_1);
         let Some(Due::Write(first)) = due(&a, &config(), "t", DEC_1, 11) else { panic!("a write is due") };
         assert_eq!(flushed(&a, &first, Some(etcd.txn(&first)), DEC_1), None, "its own write");
-        // b reads a record another process wrote: it admits half of the 700 left.
-        assert_eq!(read(&b, "t", etcd.found(), DEC_1 + 1).sharing, Some(2));
+        // b reads a record another process wrote: until its next read could tell whether
+        // that one still writes, b admits half of the 700 left (not logged: a restart
+        // reads its own previous life so).
+        assert_eq!(read(&b, "t", etcd.found(), DEC_1 + 1).sharing, None);
         assert_eq!(budget::keepers(&b, "t", DEC_1 + 1), 2);
         reserve(&b, "t", caps(), (2, 300, DEC_1 + 9_000), DEC_1 + 1).expect("300 of its 350");
         assert_eq!(reserve(&b, "t", caps(), (3, 100, DEC_1 + 9_000), DEC_1 + 1), Err(Refused::Held), "300 + 100");
         // A call past the share alone waits for the other keeper to go: not the day's end.
         assert_eq!(reserve(&b, "t", caps(), (3, 400, DEC_1 + 9_000), DEC_1 + 1), Err(Refused::Held));
         // Until a sees b's write, a admits from the whole: what remains past the budget
-        // is at most b's share (here 300 + 600 in flight over 700 left).
+        // is what it admits before then (here 300 + 600 in flight over 700 left).
         reserve(&a, "t", caps(), (4, 600, DEC_1 + 9_000), DEC_1 + 1).expect("a has not seen b");
         settle(&b, "t", caps().0, 2, 50, DEC_1 + 2);
         let Some(Due::Write(by_b)) = due(&b, &config(), "t", DEC_1 + 2, 22) else { panic!("a write is due") };
-        assert_eq!(flushed(&b, &by_b, Some(etcd.txn(&by_b)), DEC_1 + 2), None, "b knew of a already");
+        assert_eq!(flushed(&b, &by_b, Some(etcd.txn(&by_b)), DEC_1 + 2), None, "nothing new to b");
         // a's next write is refused: the key holds b's write, and a learns b keeps it too.
         settle(&a, "t", caps().0, 4, 200, DEC_1 + 3);
         let Some(Due::Write(second)) = due(&a, &config(), "t", DEC_1 + 3, 12) else { panic!("a write is due") };
@@ -612,13 +618,35 @@ mod tests {
         // Stored 350, a's 200 not yet written: a's share of the 650 left is 325.
         assert_eq!(reserve(&a, "t", caps(), (5, 200, DEC_1 + 9_000), DEC_1 + 3), Err(Refused::Held), "200 + 200");
         reserve(&a, "t", caps(), (5, 100, DEC_1 + 9_000), DEC_1 + 3).expect("200 + 100 <= 325");
-        // b writes no more (the ring settled on a): a reads the key again and, once
-        // `KEEPERS_MS` passed since b's write was seen, admits from the whole again.
-        let later = DEC_1 + 3 + KEEPERS_MS;
-        assert_eq!(read(&a, "t", etcd.found(), later - 1).sharing, None, "nothing new");
+        let Some(Due::Write(third)) = due(&a, &config(), "t", DEC_1 + 4, 13) else { panic!("a write is due") };
+        flushed(&a, &third, Some(etcd.txn(&third)), DEC_1 + 4);
+        // With nothing left to write, a keeper among several that admits writes anyway
+        // (nothing, under a new tag) every `REFRESH_MS`: b sees a go on.
+        let beat = DEC_1 + 4 + REFRESH_MS;
+        let Some(Due::Write(heartbeat)) = due(&a, &config(), "t", beat, 14) else { panic!("a heartbeat") };
+        assert_eq!(heartbeat.value.day_micro, etcd.1.day_micro, "it adds nothing");
+        flushed(&a, &heartbeat, Some(etcd.txn(&heartbeat)), beat);
+        assert_eq!(budget::keepers(&b, "t", DEC_1 + 1 + REFRESH_MS), 1, "b's first sight of a is over");
+        assert_eq!(read(&b, "t", etcd.found(), beat).sharing, Some(2), "a's writes since");
+        // A third process writes: both see three keepers.
+        let c = MemStore::new();
+        read(&c, "t", etcd.found(), beat);
+        settle(&c, "t", caps().0, 9, 10, beat);
+        let Some(Due::Write(by_c)) = due(&c, &config(), "t", beat, 33) else { panic!("a write is due") };
+        flushed(&c, &by_c, Some(etcd.txn(&by_c)), beat);
+        assert_eq!(read(&a, "t", etcd.found(), beat + 1).sharing, Some(3));
+        assert_eq!(read(&b, "t", etcd.found(), beat + 1).sharing, Some(3));
+        // b and c write no more (the ring settled on a): a stops counting each
+        // `KEEPERS_MS` after it saw it write last (b at DEC_1 + 3, c at beat + 1), admits
+        // from the whole again, and, alone, writes no more heartbeats.
+        let later = beat + 1 + KEEPERS_MS;
+        assert_eq!(budget::keepers(&a, "t", DEC_1 + 3 + KEEPERS_MS - 1), 3);
         assert_eq!(budget::keepers(&a, "t", later - 1), 2);
         assert_eq!(budget::keepers(&a, "t", later), 1);
-        reserve(&a, "t", caps(), (6, 300, later + 9_000), later).expect("350 + 200 + 100 + 300 <= 1000");
+        reserve(&a, "t", caps(), (6, 300, later + 9_000), later).expect("alone again");
+        settle(&a, "t", caps().0, 6, 0, later);
+        settle(&a, "t", caps().0, 5, 0, later);
+        assert_eq!(due(&a, &config(), "t", later + REFRESH_MS, 15), Some(Due::Read), "a read, not a write");
     }
 
     /// etcd's key in a test: a revision and a value, written by compare-and-swap.

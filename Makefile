@@ -1,5 +1,5 @@
 # The two commands: `make run` (demo on the mock) and `make test` (everything CI runs).
-.PHONY: shells-check size-check k8s-check oci rules-check run run-cluster run-tiers run-component test check imports-check fuzz-check bench profile floors soak stop setup clean wit-lock fuzz tenant-key docs-check
+.PHONY: shells-check size-check size-profile k8s-check oci rules-check run run-cluster run-tiers run-component test check imports-check fuzz-check bench profile floors soak stop setup clean wit-lock fuzz tenant-key docs-check
 
 # What the tests need (`make run` and the other demos install only what they use).
 setup:
@@ -78,6 +78,14 @@ fuzz-check:
 # The plugin and the component stay within tools/size-budget.
 size-check: setup
 	tools/size-check.sh
+
+# Where the plugin's bytes go: the release build with its function names, through the same
+# wasm-opt -Oz as the shipped plugin -> target/size-profile.md.
+size-profile:
+	CARGO_PROFILE_RELEASE_STRIP=false cargo build --quiet --release --target wasm32-wasip1 --target-dir target/profile
+	envoy/wasm-opt.sh target/profile/wasm32-wasip1/release/holysheep_edge.wasm target/profile/plugin.wasm -g
+	python3 tools/size_profile.py target/profile/plugin.wasm 25 > target/size-profile.md
+	@cat target/size-profile.md
 
 test: setup docs-check imports-check fuzz-check size-check rules-check k8s-check oci
 	cargo fmt --all --check

@@ -32,9 +32,9 @@ fn settled(config: &Config) -> Text {
     t.number(Some(config.models.len()));
     for (name, m) in &config.models {
         t.text(Some(name));
-        t.number(m.usd_per_mtok_input);
-        t.number(m.usd_per_mtok_output);
-        t.number(Some(m.cached_input_price()));
+        t.float(m.usd_per_mtok_input);
+        t.float(m.usd_per_mtok_output);
+        t.float(Some(m.cached_input_price()));
         t.number(Some(m.max_completion_tokens.unwrap_or(DEFAULT_COMPLETION_CAP)));
         t.number(m.context_window);
         t.texts(Some(&m.fallback));
@@ -65,7 +65,7 @@ fn settled(config: &Config) -> Text {
     if s.enabled {
         t.text(Some(&s.embedding_model));
         t.number(s.dimensions);
-        t.number(Some(s.threshold));
+        t.float(Some(s.threshold));
         let mut models = s.models.clone();
         sort::sort_by(&mut models, |a, b| a < b);
         t.texts(Some(&models));
@@ -78,6 +78,11 @@ fn settled(config: &Config) -> Text {
 struct Text(String);
 
 impl Text {
+    /// A price or a threshold, by its bits (no float formatting compiled in for it).
+    fn float(&mut self, x: Option<f64>) {
+        self.number(x.map(f64::to_bits));
+    }
+
     fn number(&mut self, n: Option<impl Display>) {
         let _ = match n {
             Some(n) => write!(self.0, "{n};"),

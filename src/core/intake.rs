@@ -10,6 +10,7 @@ use crate::core::api::headers;
 use crate::core::api::objects;
 use crate::core::api::priority::Class;
 use crate::core::api::response::Response;
+use crate::core::api::trace::TraceContext;
 use crate::core::cache::batch::{self, Plan};
 use crate::core::cache::hot;
 use crate::core::coalesce::engine::{CacheStatus, Engine, Reply, Step};
@@ -43,6 +44,9 @@ pub struct Head {
     pub verified: Option<String>,
     /// `x-holysheep-priority`: the class the request asks for (it may only lower its own).
     pub priority: Option<String>,
+    /// The caller's W3C trace context, as sent (checked when the call is made).
+    pub traceparent: Option<String>,
+    pub tracestate: Option<String>,
 }
 
 /// A digest a request carried, as the edge repeats it: hex digits only, at most 16.
@@ -153,6 +157,8 @@ impl Head {
                 n if n == headers::PRIORITY.as_bytes() => &mut h.priority,
                 n if n == headers::PEER_SECRET.as_bytes() => &mut h.peer_secret,
                 n if n == headers::CONFIG.as_bytes() => &mut h.config_digest,
+                n if n == headers::TRACEPARENT.as_bytes() => &mut h.traceparent,
+                n if n == headers::TRACESTATE.as_bytes() => &mut h.tracestate,
                 n if Some(n) == tenant_header.map(str::as_bytes) => &mut h.tenant,
                 _ => continue,
             };
@@ -423,7 +429,8 @@ pub fn decide<S: CasStore>(
     };
     // A tenant's token is the edge's to check, never HolySheep's to see.
     let client_authorization = head.authorization.filter(|_| request.tenant.is_none());
-    let mut outbound = Outbound { class: policy.class, ..Outbound::of(&request, body, client_authorization) };
+    let trace = TraceContext::of(head.traceparent.as_deref(), head.tracestate.as_deref());
+    let mut outbound = Outbound { class: policy.class, trace, ..Outbound::of(&request, body, client_authorization) };
     if let Some(Plan::Call(batch, fewer)) = batch {
         if fewer.is_some() {
             // Only the items the cache does not hold are sent, estimated, and billed.

@@ -285,3 +285,28 @@ fn a_forwarded_stream_is_routed_by_nothing_the_client_sent_and_a_route_elsewhere
     assert_eq!(s.calls(), 0);
     assert!(s.crashes().is_empty(), "{:?}", s.crashes());
 }
+
+#[test]
+fn the_call_to_holysheep_carries_the_callers_trace_context_and_only_a_valid_one() {
+    let s = Stack::start_with("{}", 0, Some(OPERATOR_KEY), Some(OPERATOR_KEY));
+    let parent = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
+    let state = "rojo=00f067aa0ba902b7,congo=t61rcWkgMzE";
+    let sent = |name: &str| s.mock.mock.last_headers().into_iter().find(|(n, _)| n == name).map(|(_, v)| v);
+    let extra = format!("traceparent: {parent}\r\ntracestate: {state}\r\n");
+    for body in [prompt("traced answer"), streamed(&prompt("traced stream"))] {
+        let r = send_raw(&s, &raw_chat("edge", PATH, &extra, &body));
+        assert_eq!((r.status, r.cache()), (200, "MISS"), "{}", r.text());
+        assert_eq!(sent("traceparent").as_deref(), Some(parent), "HolySheep's spans join the caller's trace");
+        assert_eq!(sent("tracestate").as_deref(), Some(state));
+    }
+    // A malformed trace context is no error: the call goes without one.
+    for bad in ["00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7", "not a trace", "ff-00-00-00"] {
+        let extra = format!("traceparent: {bad}\r\ntracestate: {state}\r\n");
+        for body in [prompt(&format!("untraced {bad}")), streamed(&prompt(&format!("untraced stream {bad}")))] {
+            let r = send_raw(&s, &raw_chat("edge", PATH, &extra, &body));
+            assert_eq!((r.status, r.cache()), (200, "MISS"), "{}", r.text());
+            assert_eq!((sent("traceparent"), sent("tracestate")), (None, None), "{bad}");
+        }
+    }
+    assert_eq!(s.envoy.crashes(), Vec::<String>::new());
+}

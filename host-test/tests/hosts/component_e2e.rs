@@ -258,6 +258,15 @@ fn the_operator_key_goes_only_on_governed_calls() {
     assert_eq!(mock.mock.last_authorization().as_deref(), Some("Bearer sk-operator"));
     let framing = mock.mock.last_framing().unwrap_or_default();
     assert!(framing.starts_with("content-length: "), "a body of known length says so, not chunked: {framing}");
+    // The caller's trace context goes on the call; a malformed one does not.
+    let sent = |name: &str| mock.mock.last_headers().into_iter().find(|(n, _)| n == name).map(|(_, v)| v);
+    let parent = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
+    let traced = post(&s, &prompt("traced"), &[("traceparent", parent), ("tracestate", "rojo=1")]);
+    assert_eq!(traced.status, 200);
+    assert_eq!((sent("traceparent").as_deref(), sent("tracestate").as_deref()), (Some(parent), Some("rojo=1")));
+    let malformed = post(&s, &prompt("untraced"), &[("traceparent", "00-xyz"), ("tracestate", "rojo=1")]);
+    assert_eq!(malformed.status, 200);
+    assert_eq!((sent("traceparent"), sent("tracestate")), (None, None));
 }
 
 /// The trust boundaries of the Envoy shell hold in the component: only real answers are

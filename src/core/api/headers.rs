@@ -43,6 +43,9 @@ pub const CONTENT_TYPE: &str = "content-type";
 pub const CONTENT_LENGTH: &str = "content-length";
 pub const TRANSFER_ENCODING: &str = "transfer-encoding";
 pub const HOST: &str = "host";
+/// W3C trace context, read from the client and sent on the call to HolySheep.
+pub const TRACEPARENT: &str = "traceparent";
+pub const TRACESTATE: &str = "tracestate";
 
 // Between the edge's own nodes.
 pub(crate) const TENANT: &str = "x-holysheep-tenant";

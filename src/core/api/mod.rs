@@ -2,7 +2,8 @@
 //! (`endpoint`), request paths (`path`), OpenAI-shaped errors (`error`), an answer as the edge keeps it (`response`), what HolySheep
 //! billed for it (`usage`) and said of its own limits (`hints`), the priority classes a request may claim (`priority`),
 //! every header name the edge reads or writes (`headers`), what happened to a flight
-//! (`event`), and the response ids it signs for a tenant (`objects`). Uses only `wire`.
+//! (`event`), the response ids it signs for a tenant (`objects`), and the caller's trace context
+//! it carries to HolySheep (`trace`). Uses only `wire`.
 
 pub mod endpoint;
 pub mod error;
@@ -13,4 +14,5 @@ pub mod objects;
 pub(crate) mod path;
 pub mod priority;
 pub mod response;
+pub mod trace;
 pub mod usage;

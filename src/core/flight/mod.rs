@@ -370,6 +370,7 @@ mod tests {
             class,
             semantic: None,
             batch: None,
+            trace: None,
         }
     }
 
@@ -494,6 +495,7 @@ mod tests {
             class: Default::default(),
             semantic: None,
             batch: None,
+            trace: None,
         };
         Flight::new(c, call, &outbound)
     }

@@ -7,6 +7,7 @@ use crate::core::api::headers;
 use crate::core::api::hints::ProviderHints;
 use crate::core::api::priority::Class;
 use crate::core::api::response::Response;
+use crate::core::api::trace::TraceContext;
 use crate::core::api::usage::{Billed, DEFAULT_COMPLETION_ESTIMATE};
 use crate::core::cache::batch::Batch;
 use crate::core::config::Config;
@@ -48,6 +49,8 @@ pub struct Outbound {
     pub semantic: Option<Probe>,
     /// An embeddings list answered item by item: what the cache holds of it.
     pub batch: Option<std::rc::Rc<Batch>>,
+    /// The caller's trace context, carried onto the call.
+    pub trace: Option<TraceContext>,
 }
 
 pub const USER_AGENT: &str = concat!("holysheep-edge/", env!("CARGO_PKG_VERSION"));
@@ -73,6 +76,7 @@ impl Outbound {
             class: Class::Standard,
             semantic: request.semantic.clone(),
             batch: None,
+            trace: None,
         }
     }
 
@@ -129,6 +133,7 @@ impl Outbound {
         if let Some(a) = bearer.or(self.client_authorization.as_deref()) {
             headers.push((headers::AUTHORIZATION, a));
         }
+        headers.extend(self.trace.iter().flat_map(TraceContext::headers));
         headers
     }
 }
@@ -252,6 +257,7 @@ mod tests {
             class: Default::default(),
             semantic: None,
             batch: None,
+            trace: None,
         }
     }
 

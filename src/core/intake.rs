@@ -44,9 +44,12 @@ pub struct Head {
     pub verified: Option<String>,
     /// `x-holysheep-priority`: the class the request asks for (it may only lower its own).
     pub priority: Option<String>,
-    /// The caller's W3C trace context, as sent (checked when the call is made).
+    /// The caller's W3C trace context, as sent (checked when the call is made): a
+    /// `traceparent` sent twice or not ASCII is kept empty (no valid one); `tracestate`
+    /// headers are joined with commas, and one not ASCII drops them all.
     pub traceparent: Option<String>,
     pub tracestate: Option<String>,
+    pub tracestate_bad: bool,
 }
 
 /// A digest a request carried, as the edge repeats it: hex digits only, at most 16.
@@ -157,8 +160,20 @@ impl Head {
                 n if n == headers::PRIORITY.as_bytes() => &mut h.priority,
                 n if n == headers::PEER_SECRET.as_bytes() => &mut h.peer_secret,
                 n if n == headers::CONFIG.as_bytes() => &mut h.config_digest,
-                n if n == headers::TRACEPARENT.as_bytes() => &mut h.traceparent,
-                n if n == headers::TRACESTATE.as_bytes() => &mut h.tracestate,
+                n if n == headers::TRACEPARENT.as_bytes() => {
+                    let once = h.traceparent.is_none() && value.is_ascii();
+                    h.traceparent = Some(if once { text(value.to_vec()) } else { String::new() });
+                    continue;
+                }
+                n if n == headers::TRACESTATE.as_bytes() => {
+                    h.tracestate_bad |= !value.is_ascii();
+                    let more = text(value.to_vec());
+                    h.tracestate = Some(match h.tracestate.take() {
+                        Some(state) => format!("{state},{more}"),
+                        None => more,
+                    });
+                    continue;
+                }
                 n if Some(n) == tenant_header.map(str::as_bytes) => &mut h.tenant,
                 _ => continue,
             };
@@ -429,7 +444,8 @@ pub fn decide<S: CasStore>(
     };
     // A tenant's token is the edge's to check, never HolySheep's to see.
     let client_authorization = head.authorization.filter(|_| request.tenant.is_none());
-    let trace = TraceContext::of(head.traceparent.as_deref(), head.tracestate.as_deref());
+    let state = head.tracestate.as_deref().filter(|_| !head.tracestate_bad);
+    let trace = TraceContext::of(head.traceparent.as_deref(), state);
     let mut outbound = Outbound { class: policy.class, trace, ..Outbound::of(&request, body, client_authorization) };
     if let Some(Plan::Call(batch, fewer)) = batch {
         if fewer.is_some() {
@@ -563,6 +579,30 @@ mod tests {
 
     fn head(pairs: &[(&str, &[u8])], tenant: Option<&str>) -> Head {
         Head::read(pairs.iter().map(|(n, v)| (n.as_bytes(), *v)), tenant)
+    }
+
+    #[test]
+    fn a_trace_context_sent_twice_or_not_ascii_is_no_trace_context() {
+        let parent: &[u8] = b"00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
+        let trace = |pairs: &[(&str, &[u8])]| {
+            let h = head(pairs, None);
+            let state = h.tracestate.as_deref().filter(|_| !h.tracestate_bad);
+            TraceContext::of(h.traceparent.as_deref(), state)
+                .map(|t| t.headers().map(|(_, v)| v.to_owned()).collect::<Vec<_>>())
+        };
+        let good = String::from_utf8(parent.to_vec()).unwrap();
+        assert_eq!(
+            trace(&[("traceparent", parent), ("tracestate", b"a=1"), ("tracestate", b"b=2")]),
+            Some(vec![good.clone(), "a=1,b=2".into()]),
+            "tracestate headers join"
+        );
+        assert_eq!(trace(&[("traceparent", parent), ("traceparent", parent)]), None, "twice is none");
+        assert_eq!(trace(&[("traceparent", b"00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-0\xff")]), None);
+        assert_eq!(
+            trace(&[("traceparent", parent), ("tracestate", b"a=1"), ("tracestate", b"b=\xff")]),
+            Some(vec![good]),
+            "not ASCII: no tracestate"
+        );
     }
 
     #[test]

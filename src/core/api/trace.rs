@@ -5,9 +5,11 @@
 
 use crate::core::api::headers;
 
-/// The most bytes of `tracestate` passed on (the W3C limit of 32 list members fits; a
-/// longer one is dropped whole rather than cut inside a member).
+/// The most bytes of `tracestate` passed on: the length W3C asks every vendor to pass on
+/// at least (a longer one is dropped whole rather than cut inside a member).
 const MAX_STATE: usize = 512;
+/// The longest `traceparent` of a later version passed on.
+const MAX_PARENT: usize = 256;
 
 /// A caller's trace context, checked.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -38,7 +40,9 @@ impl TraceContext {
             && !zeros(3..35)
             && !zeros(36..52)
             && (b.len() == 55 && parent.starts_with("00")
-                || !parent.starts_with("00") && (b.len() == 55 || b[55] == b'-'));
+                || !parent.starts_with("00") && (b.len() == 55 || b[55] == b'-'))
+            && b.len() <= MAX_PARENT
+            && b.iter().all(|c| (0x21..0x7f).contains(c));
         if !shaped {
             return None;
         }
@@ -74,6 +78,11 @@ mod tests {
         assert_eq!(sent, [("traceparent", GOOD), ("tracestate", "rojo=00f067aa0ba902b7,congo=t61rcWkgMzE")]);
         let later = "01-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01-more";
         assert!(TraceContext::of(Some(later), None).is_some(), "a later version may say more");
+        for tail in ["-a b", "-a\r\nx: y"] {
+            assert_eq!(TraceContext::of(Some(&format!("{}{tail}", &later[..55])), None), None, "{tail:?}");
+        }
+        let long = format!("{}-{}", &later[..55], "x".repeat(MAX_PARENT));
+        assert_eq!(TraceContext::of(Some(&long), None), None);
         let bad = [
             "",
             "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7",

@@ -32,8 +32,9 @@ fn settled(config: &Config) -> Text {
     t.number(Some(config.models.len()));
     for (name, m) in &config.models {
         t.text(Some(name));
-        t.float(m.usd_per_mtok_input);
-        t.float(m.usd_per_mtok_output);
+        t.number(Some(m.priced()));
+        t.float(Some(m.input_price()));
+        t.float(Some(m.output_price()));
         t.float(Some(m.cached_input_price()));
         t.number(Some(m.max_completion_tokens.unwrap_or(DEFAULT_COMPLETION_CAP)));
         t.number(m.context_window);
@@ -141,6 +142,10 @@ mod tests {
                     priced,
                     &format!(r#"{priced},"usd_per_mtok_cached_input":2,"max_completion_tokens":4096"#),
                 ),
+            ),
+            (
+                base.replace(r#""usd_per_mtok_input":2,"#, ""),
+                base.replace(r#""usd_per_mtok_input":2"#, r#""usd_per_mtok_input":0"#),
             ),
             (
                 base.replace(r#""usd_per_day":5"#, r#""usd_per_day":5,"requests_per_minute":60"#),

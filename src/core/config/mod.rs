@@ -124,7 +124,7 @@ impl BudgetStore {
         let checks: [(bool, &str, &str); 5] = [
             (!plain(&self.prefix), "prefix", "1 or more of a-z, A-Z, 0-9, '-', '_', '.' and '/'"),
             (self.authority.is_empty(), "authority", "must not be empty"),
-            (!(50..=60_000).contains(&self.flush_ms), "flush_ms", "must be between 50 and 60000"),
+            (!(50..=10_000).contains(&self.flush_ms), "flush_ms", "must be between 50 and 10000"),
             (!(1..=10_000).contains(&self.timeout_ms), "timeout_ms", "must be between 1 and 10000"),
             (!(1..=1_000).contains(&self.replicas), "replicas", "must be between 1 and 1000"),
         ];

@@ -211,6 +211,8 @@ pub(super) struct Keepers {
     pub(super) seen: Vec<Seen>,
     /// When this process last admitted a call of the tenant.
     pub(super) admitted_ms: u64,
+    /// When a write of this process last landed.
+    pub(super) wrote_ms: u64,
 }
 
 /// Another writer of a tenant's spend, as a keeper saw it.
@@ -254,17 +256,19 @@ impl Keepers {
     }
 }
 
-/// How long another process's write counts after it was seen: six of the writes a keeper
-/// makes at least every `budget_store::REFRESH_MS` while it admits.
+/// How long another process's write counts after it was seen: three of the writes a keeper
+/// makes while it admits, at least every `budget_store::REFRESH_MS` or `flush_ms` (at most
+/// 10 s), whichever is longer.
 pub(crate) const KEEPERS_MS: u64 = 30_000;
 /// The most other keepers a record names.
 const MAX_KEEPERS: usize = 8;
 /// What marks the keepers among a record's entries: `~k<writer>:<until>` for each other
 /// writer seen writing, `~q<writer>:<until>` for one only named by the record read first,
-/// `~a<when>` for this process's last admission.
+/// `~a<when>` for this process's last admission, `~t<when>` for its last write that landed.
 const KEEPERS_MARK: &str = "~k";
 const NAMED_MARK: &str = "~q";
 const ADMITTED_MARK: &str = "~a";
+const WROTE_MARK: &str = "~t";
 
 /// A write given up while the key still stood at the revision it was sent against
 /// (`base`): it may land yet, and the key's next revision says whether it did.
@@ -341,8 +345,8 @@ impl Spend {
                 Some(Seen { writer: writer.parse().ok()?, until_ms: until_ms.parse().ok()?, writing })
             })
             .collect();
-        let admitted_ms = marked.iter().find_map(|e| e.strip_prefix(ADMITTED_MARK)?.parse().ok()).unwrap_or(0);
-        let keepers = Keepers { seen, admitted_ms };
+        let time = |mark: &str| marked.iter().find_map(|e| e.strip_prefix(mark)?.parse().ok()).unwrap_or(0);
+        let keepers = Keepers { seen, admitted_ms: time(ADMITTED_MARK), wrote_ms: time(WROTE_MARK) };
         let held = held.into_iter().map(Entry::decode).collect::<Option<Vec<_>>>()?;
         // A lapsed entry only lowers a late settlement: one that cannot be read is dropped
         // (its worst case stays charged), never the record.
@@ -404,8 +408,10 @@ impl Spend {
             let mark = if s.writing { KEEPERS_MARK } else { NAMED_MARK };
             format!("{mark}{}:{}", s.writer, s.until_ms)
         }));
-        if self.keepers.admitted_ms > 0 {
-            held.push(format!("{ADMITTED_MARK}{}", self.keepers.admitted_ms));
+        for (mark, ms) in [(ADMITTED_MARK, self.keepers.admitted_ms), (WROTE_MARK, self.keepers.wrote_ms)] {
+            if ms > 0 {
+                held.push(format!("{mark}{ms}"));
+            }
         }
         format!(
             "{} {} {} {}|{}|{mark} {number} {} {} {} {} {} {} {}{pending}",
@@ -459,8 +465,13 @@ impl Spend {
             if self.month == write.month { self.unsent.1.saturating_sub(write.sent.1) } else { self.unsent.1 };
     }
 
-    /// `write` is given up while the key stood at `base`: it may land yet.
+    /// `write` is given up while the key stood at `base`: it may land yet (one that sent
+    /// nothing is forgotten).
     pub(super) fn unsure_of(&mut self, write: Pending, base: u64) {
+        // A heartbeat sent nothing: whether it landed changes nothing.
+        if write.sent == (0, 0) {
+            return;
+        }
         push_bounded(&mut self.unsure, Unsure { write, base }, MAX_UNSURE);
     }
 
@@ -953,6 +964,7 @@ mod tests {
                     Seen { writer: 13, until_ms: DEC_1 + 9, writing: false },
                 ],
                 admitted_ms: DEC_1,
+                wrote_ms: DEC_1 + 1,
             },
         };
         let raw = spend.encode();

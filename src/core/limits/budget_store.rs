@@ -311,8 +311,9 @@ pub fn due(store: &impl CasStore, config: &Config, tenant: &str, now_ms: u64, wr
     let s = Spend::decode(&raw)?.at(now_ms);
     // A keeper among several writes (nothing, under its own tag) while it admits, so that
     // the others keep seeing it.
+    // One refused (another keeper wrote first) is tried again next round.
     let heartbeat =
-        s.keepers.shared_and_busy(now_ms, s.in_flight()) && now_ms.saturating_sub(s.learned_ms) >= REFRESH_MS;
+        s.keepers.shared_and_busy(now_ms, s.in_flight()) && now_ms.saturating_sub(s.keepers.wrote_ms) >= REFRESH_MS;
     match (s.mark, s.pending) {
         (Mark::Read { .. }, Some(p)) if now_ms < p.until_ms => None,
         (Mark::Read { .. }, Some(_)) => Some(Due::Read),
@@ -399,6 +400,7 @@ pub fn flushed(store: &impl CasStore, flush: &Flush, answer: Option<Result<u64, 
                 if let Some(p) = out {
                     s.landed(&p);
                 }
+                s.keepers.wrote_ms = now_ms;
                 if known == flush.revision {
                     sharing = learn(s, now.clone(), now_ms, me);
                 } else {
@@ -647,6 +649,39 @@ mod tests {
         settle(&a, "t", caps().0, 6, 0, later);
         settle(&a, "t", caps().0, 5, 0, later);
         assert_eq!(due(&a, &config(), "t", later + REFRESH_MS, 15), Some(Due::Read), "a read, not a write");
+    }
+
+    #[test]
+    fn a_keepers_refused_heartbeat_goes_again_next_round() {
+        // a and b keep the tenant, each with a call in flight and nothing settled: both
+        // write a heartbeat in the same round, b's after a's, and b's is refused.
+        let today = DEC_1 / 86_400_000;
+        let mut etcd = Key(4, Stored { day: today, writes: vec![(7, 70)], ..Stored::default() });
+        let (a, b) = (MemStore::new(), MemStore::new());
+        for (node, id) in [(&a, 1), (&b, 2)] {
+            read(node, "t", etcd.found(), DEC_1);
+            reserve(node, "t", caps(), (id, 10, DEC_1 + 600_000), DEC_1).expect("a call in flight");
+        }
+        let beat = |node: &MemStore, now: u64, tag: u64| match due(node, &config(), "t", now, tag) {
+            Some(Due::Write(f)) => Some(f),
+            _ => None,
+        };
+        let (first_a, first_b) = (beat(&a, DEC_1, 11).expect("a beats"), beat(&b, DEC_1, 22).expect("b beats"));
+        flushed(&a, &first_a, Some(etcd.txn(&first_a)), DEC_1);
+        assert!(etcd.txn(&first_b).is_err(), "a wrote first");
+        flushed(&b, &first_b, Some(etcd.txn(&first_b)), DEC_1);
+        // b tries again at its next round, not five seconds on; a waits its five seconds.
+        let again = beat(&b, DEC_1 + 50, 23).expect("b beats again");
+        assert_eq!(flushed(&b, &again, Some(etcd.txn(&again)), DEC_1 + 50), None);
+        assert!(beat(&a, DEC_1 + 50, 12).is_none());
+        assert_eq!(etcd.1.day_micro, 0, "heartbeats add nothing");
+        // a sees b write: both count each other (and, for their first five seconds, the
+        // writer their first read named).
+        assert_eq!(read(&a, "t", etcd.found(), DEC_1 + 60).sharing, Some(2));
+        assert_eq!(budget::keepers(&b, "t", DEC_1 + 60), 3);
+        for node in [&a, &b] {
+            assert_eq!(budget::keepers(node, "t", DEC_1 + REFRESH_MS), 2);
+        }
     }
 
     /// etcd's key in a test: a revision and a value, written by compare-and-swap.

@@ -28,8 +28,10 @@
 //! BENCH_ROUNDS (default 5: floor and plugin rows alternate; a row's median round is its
 //! line, and a ratio of two alternating rows is the median of their rounds' ratios),
 //! BENCH_ONLY=<family> (only that family's rows, into target/bench/<family>/: priority,
-//! budget, tenants, endpoints, semantic, fleet, crowd, and baseline: the HIT and the MISS
-//! against another build of the plugin named by HOLYSHEEP_BASELINE_WASM, in its own Envoy),
+//! budget, tenants, endpoints, semantic, fleet, crowd, start (the plugin's VM start: Envoy
+//! started with it and with the local-reply floor, alternating), and baseline: the HIT and
+//! the MISS against another build of the plugin named by HOLYSHEEP_BASELINE_WASM, in its
+//! own Envoy),
 //! BENCH_CROWD (default 1000 identical requests for the follower delay), BENCH_CROWD_ROUNDS
 //! (default 3 crowds for the plugin and as many for the floor, alternating), BENCH_PROFILE=1
 //! (`perf record` on Envoy during each Envoy row: CPU per request in the filter's wasm code,
@@ -81,6 +83,7 @@ fn main() -> std::io::Result<()> {
             "semantic" => rows::semantic::semantic_rows(&mut r, rounds, (conns, secs))?,
             "fleet" => rows::fleet::fleet_rows(&mut r, rounds, (conns, secs), &prompt("benchmark prompt"))?,
             "baseline" => rows::baseline::baseline_rows(&mut r, rounds, (conns, secs), &prompt("benchmark prompt"))?,
+            "start" => rows::start::start_rows(&mut r, &mock, rounds, &prompt("benchmark prompt"))?,
             other => return Err(std::io::Error::other(format!("BENCH_ONLY={other}: no such family of rows"))),
         }
         return r.write(&workspace_root().join("target/bench").join(family));
@@ -126,6 +129,7 @@ fn main() -> std::io::Result<()> {
     rows::semantic::semantic_rows(&mut r, rounds, (conns, secs))?;
     rows::fleet::fleet_rows(&mut r, rounds, (conns, secs), &hit_prompt)?;
     rows::component::component_rows(&mut r, &component, &mock, component_hit)?;
+    rows::start::start_rows(&mut r, &mock, rounds, &hit_prompt)?;
     let dir = workspace_root().join("target/bench");
     r.write(&dir)?;
     println!("\nwritten: {}/results.md, results.json", dir.display());

@@ -10,4 +10,5 @@ pub mod endpoints;
 pub mod fleet;
 pub mod priority;
 pub mod semantic;
+pub mod start;
 pub mod tenants;

@@ -201,8 +201,7 @@ impl Head {
         if !config.fleet.internal || config.role != Role::Owner || !api {
             return Ok(());
         }
-        let named = peer.sans.iter().any(|s| config.fleet.peer_sans.contains(s));
-        if named || peer.knows(self.peer_secret.as_deref()) {
+        if self.sent_by_node(config, peer) {
             return Ok(());
         }
         Err(ApiError {
@@ -216,6 +215,12 @@ impl Head {
         })
     }
 
+    /// Whether a node of the fleet sent this request: its connection's verified client
+    /// certificate names one of `fleet.peer_sans`, or it carries one of the fleet's secrets.
+    fn sent_by_node(&self, config: &Config, peer: &Peer<'_>) -> bool {
+        peer.sans.iter().any(|s| config.fleet.peer_sans.contains(s)) || peer.knows(self.peer_secret.as_deref())
+    }
+
     /// The configuration digest a node of the fleet (`peer` proves it: a verified
     /// certificate that names one of `fleet.peer_sans`, or the fleet's secret) sent with this
     /// request, when it is not this owner's own: the two nodes run other settings of keys,
@@ -223,8 +228,7 @@ impl Head {
     /// ignored. `Err`: the owner refuses such hops (`fleet.config_mismatch`).
     pub fn foreign_config(&self, config: &Config, peer: &Peer<'_>) -> Option<Result<&str, ApiError>> {
         let theirs = self.config_digest.as_deref().filter(|d| *d != config.digest && config.role == Role::Owner)?;
-        let named = peer.sans.iter().any(|s| config.fleet.peer_sans.contains(s));
-        if !named && !peer.knows(self.peer_secret.as_deref()) {
+        if !self.sent_by_node(config, peer) {
             return None;
         }
         if config.fleet.config_mismatch == Mismatch::Count {

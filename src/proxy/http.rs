@@ -364,15 +364,18 @@ impl HttpContext for Chat {
             // Unreadable headers: nothing can be said of the request, so it goes nowhere.
             return self.reject(&ApiError::invalid("the request headers could not be read", None, "invalid_headers"));
         }
+        // The connection's certificate names, read once for both checks that need them.
+        let hop = self.head.config_digest.is_some() && config.role == Role::Owner;
+        let sans = if config.fleet.internal || hop { host::peer_sans() } else { Vec::new() };
         if config.fleet.internal {
-            let from_fleet = self.head.from_fleet(&config, &self.worker.borrow().fleet.peer(host::peer_sans()));
+            let from_fleet = self.head.from_fleet(&config, &self.worker.borrow().fleet.peer(sans.clone()));
             if let Err(e) = from_fleet {
                 self.worker.borrow().counters.count_refusal(e.code, None);
                 return self.reject(&e);
             }
         }
-        let foreign = match self.head.config_digest.is_some() {
-            true => self.head.foreign_config(&config, &self.worker.borrow().fleet.peer(host::peer_sans())),
+        let foreign = match hop {
+            true => self.head.foreign_config(&config, &self.worker.borrow().fleet.peer(sans)),
             false => None,
         };
         if let Some(foreign) = foreign {

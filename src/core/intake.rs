@@ -215,6 +215,12 @@ impl Head {
         })
     }
 
+    /// The caller's trace context, if it sent a valid one (`TraceContext::of`).
+    pub fn trace(&self) -> Option<TraceContext> {
+        let state = self.tracestate.as_deref().filter(|_| !self.tracestate_bad);
+        TraceContext::of(self.traceparent.as_deref(), state)
+    }
+
     /// Whether a node of the fleet sent this request: its connection's verified client
     /// certificate names one of `fleet.peer_sans`, or it carries one of the fleet's secrets.
     fn sent_by_node(&self, config: &Config, peer: &Peer<'_>) -> bool {
@@ -447,9 +453,8 @@ pub fn decide<S: CasStore>(
         },
     };
     // A tenant's token is the edge's to check, never HolySheep's to see.
+    let trace = head.trace();
     let client_authorization = head.authorization.filter(|_| request.tenant.is_none());
-    let state = head.tracestate.as_deref().filter(|_| !head.tracestate_bad);
-    let trace = TraceContext::of(head.traceparent.as_deref(), state);
     let mut outbound = Outbound { class: policy.class, trace, ..Outbound::of(&request, body, client_authorization) };
     if let Some(Plan::Call(batch, fewer)) = batch {
         if fewer.is_some() {
@@ -589,10 +594,7 @@ mod tests {
     fn a_trace_context_sent_twice_or_not_ascii_is_no_trace_context() {
         let parent: &[u8] = b"00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
         let trace = |pairs: &[(&str, &[u8])]| {
-            let h = head(pairs, None);
-            let state = h.tracestate.as_deref().filter(|_| !h.tracestate_bad);
-            TraceContext::of(h.traceparent.as_deref(), state)
-                .map(|t| t.headers().map(|(_, v)| v.to_owned()).collect::<Vec<_>>())
+            head(pairs, None).trace().map(|t| t.headers().map(|(_, v)| v.to_owned()).collect::<Vec<_>>())
         };
         let good = String::from_utf8(parent.to_vec()).unwrap();
         assert_eq!(

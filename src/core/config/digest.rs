@@ -26,12 +26,12 @@ fn settled(config: &Config) -> Text {
     let mut t = Text(String::new());
     let Cache { scope, tenant_header, only_deterministic, require_tenant, .. } = &config.cache;
     t.number(Some(*scope == Scope::Tenant));
-    t.text(Some(&tenant_header.as_deref().unwrap_or_default().to_ascii_lowercase()));
+    t.text(&tenant_header.as_deref().unwrap_or_default().to_ascii_lowercase());
     t.number(Some(*only_deterministic));
     t.number(Some(*require_tenant));
     t.number(Some(config.models.len()));
     for (name, m) in &config.models {
-        t.text(Some(name));
+        t.text(name);
         t.number(Some(m.priced()));
         t.float(Some(m.input_price()));
         t.float(Some(m.output_price()));
@@ -42,7 +42,7 @@ fn settled(config: &Config) -> Text {
     }
     t.number(Some(config.tenants.len()));
     for (name, tenant) in &config.tenants {
-        t.text(Some(name));
+        t.text(name);
         let mut keys: Vec<String> = tenant.keys_sha256.iter().map(|k| k.to_ascii_lowercase()).collect();
         sort::sort_by(&mut keys, |a, b| a < b);
         t.texts(Some(&keys));
@@ -58,13 +58,13 @@ fn settled(config: &Config) -> Text {
         t.number(tenant.requests_per_minute);
         t.number(tenant.tokens_per_minute);
         t.number(tenant.burst.or(tenant.requests_per_minute));
-        t.text(Some(tenant.priority.as_str()));
+        t.text(tenant.priority.as_str());
     }
     // The semantic tier's settings only while it is on.
     let s = &config.semantic;
     t.number(Some(s.enabled));
     if s.enabled {
-        t.text(Some(&s.embedding_model));
+        t.text(&s.embedding_model);
         t.number(s.dimensions);
         t.float(Some(s.threshold));
         let mut models = s.models.clone();
@@ -91,17 +91,14 @@ impl Text {
         };
     }
 
-    fn text(&mut self, s: Option<&str>) {
-        let _ = match s {
-            Some(s) => write!(self.0, "{}:{s};", s.len()),
-            None => write!(self.0, "-;"),
-        };
+    fn text(&mut self, s: &str) {
+        let _ = write!(self.0, "{}:{s};", s.len());
     }
 
     fn texts(&mut self, list: Option<&[String]>) {
         self.number(list.map(<[String]>::len));
         for s in list.unwrap_or_default() {
-            self.text(Some(s));
+            self.text(s);
         }
     }
 }

@@ -214,8 +214,12 @@ pub struct Learned {
 
 /// This process's writer name, if it has written.
 fn me(store: &impl CasStore) -> Option<u64> {
-    let raw = store.get(WRITER_KEY).ok()?.value?;
-    std::str::from_utf8(&raw).ok()?.parse().ok()
+    writer_name(&store.get(WRITER_KEY).ok()?.value?)
+}
+
+/// A writer name as `WRITER_KEY` holds it.
+fn writer_name(raw: &[u8]) -> Option<u64> {
+    std::str::from_utf8(raw).ok()?.parse().ok()
 }
 
 /// Learns what the store holds; `Some(keepers)` when more processes were seen keeping the
@@ -290,7 +294,7 @@ pub enum Due {
 fn writer(store: &impl CasStore, nonce: u64) -> Option<u64> {
     for _ in 0..MAX_RACES {
         let read = store.get(WRITER_KEY).ok()?;
-        if let Some(id) = read.value.as_deref().and_then(|v| std::str::from_utf8(v).ok()?.parse().ok()) {
+        if let Some(id) = read.value.as_deref().and_then(writer_name) {
             return Some(id);
         }
         match store.set(WRITER_KEY, nonce.to_string().as_bytes(), cas_after(&read)) {

@@ -93,14 +93,15 @@ impl Counters {
     pub fn record_budget(&self, config: &Config, tenant: &str, now_ms: u64) {
         let Some(g) = self.budget_gauges.iter().find(|g| g.tenant == tenant) else { return };
         let Some(caps) = config.tenants.get(tenant).map(|t| t.caps()) else { return };
-        let (spent_day, spent_month) = budget::spent(&SharedData, tenant, now_ms);
+        let standing = budget::standing(&SharedData, tenant, now_ms);
+        let (spent_day, spent_month) = standing.spent;
         for (id, cap, spent) in [(g.day, caps.per_day, spent_day), (g.month, caps.per_month, spent_month)] {
             if let (Some(id), Some(cap)) = (id, cap) {
                 let _ = hostcalls::record_metric(id, cap.saturating_sub(spent));
             }
         }
         if let Some(id) = g.keepers {
-            let _ = hostcalls::record_metric(id, u64::from(budget::keepers(&SharedData, tenant, now_ms)));
+            let _ = hostcalls::record_metric(id, u64::from(standing.keepers));
         }
     }
 

@@ -771,17 +771,31 @@ pub(crate) fn check(
     spend.admits(caps, backing, micro, now_ms)
 }
 
-/// Micro-dollars spent (and reserved) today and this month.
-pub fn spent(store: &impl CasStore, tenant: &str, now_ms: u64) -> (u64, u64) {
+/// How `tenant`'s record stands at `now_ms`, as its gauges show it, from one read.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Standing {
+    /// Micro-dollars spent (and reserved) today and this month.
+    pub spent: (u64, u64),
+    /// How many processes keep the spend, this one counted (1: this one alone).
+    pub keepers: u32,
+}
+
+/// `tenant`'s standing, read and decoded once.
+pub fn standing(store: &impl CasStore, tenant: &str, now_ms: u64) -> Standing {
     let raw = store.get(&key(tenant)).ok().and_then(|r| r.value);
     let s = raw.as_deref().and_then(Spend::decode).unwrap_or_default().at(now_ms);
-    (s.day_micro, s.month_micro)
+    Standing { spent: (s.day_micro, s.month_micro), keepers: s.keepers.at(now_ms) }
+}
+
+/// Micro-dollars spent (and reserved) today and this month.
+pub fn spent(store: &impl CasStore, tenant: &str, now_ms: u64) -> (u64, u64) {
+    standing(store, tenant, now_ms).spent
 }
 
 /// How many processes keep `tenant`'s spend now, this one counted (1: this one alone).
-pub fn keepers(store: &impl CasStore, tenant: &str, now_ms: u64) -> u32 {
-    let raw = store.get(&key(tenant)).ok().and_then(|r| r.value);
-    raw.as_deref().and_then(Spend::decode).map_or(1, |s| s.keepers.at(now_ms))
+#[cfg(test)]
+pub(crate) fn keepers(store: &impl CasStore, tenant: &str, now_ms: u64) -> u32 {
+    standing(store, tenant, now_ms).keepers
 }
 
 /// The UTC day (days since 1970-01-01) and month (months since January 1970) of `now_ms`.

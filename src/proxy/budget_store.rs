@@ -99,10 +99,11 @@ impl BudgetStore {
         if written.is_none() {
             // It may have landed: the key says (a refusal that finds what was written is
             // taken as written).
-            if let Some(token) = send(config, &budget_store::range(config, &flush.tenant)) {
-                self.checking.insert(token, (flush.clone(), now));
+            let tenant = flush.tenant.clone();
+            if let Some(token) = send(config, &budget_store::range(config, &tenant)) {
+                self.checking.insert(token, (flush, now));
             }
-            return Some(flush.tenant);
+            return Some(tenant);
         }
         let sharing = budget_store::flushed(&SharedData, &flush, written, now);
         sharing_began(config, &flush.tenant, sharing);

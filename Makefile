@@ -1,5 +1,5 @@
 # The two commands: `make run` (demo on the mock) and `make test` (everything CI runs).
-.PHONY: shells-check size-check size-profile k8s-check oci rules-check run run-cluster run-tiers run-component test check imports-check fuzz-check bench profile floors soak stop setup clean wit-lock fuzz tenant-key docs-check
+.PHONY: otel-receiver shells-check size-check size-profile k8s-check oci rules-check run run-cluster run-tiers run-component test check imports-check fuzz-check bench profile floors soak stop setup clean wit-lock fuzz tenant-key docs-check
 
 # What the tests need (`make run` and the other demos install only what they use).
 setup:
@@ -50,6 +50,11 @@ rules-check: setup
 
 stop:
 	envoy/stop.sh
+
+# An OTLP/gRPC receiver on 127.0.0.1:4317 that prints each span, log record and metric point
+# Envoy sends as a JSON line (docs/operations.md#opentelemetry); OTLP_ADDR=host:port moves it.
+otel-receiver:
+	cargo run --quiet -p holysheep-otlp --bin otlp-receiver -- $${OTLP_ADDR:-127.0.0.1:4317}
 
 # The quick level (a minute or two after a first build): format, clippy, the core's unit
 # tests, the docs, the module graph and the fuzz targets' types. `make test` runs all of it.

@@ -55,6 +55,10 @@ pub struct Options {
     /// The edge listener logs as `envoy/production.yaml` does (its JSON access log), to
     /// this path instead of stdout.
     pub shipped_access_log: Option<PathBuf>,
+    /// The edge listener exports as `envoy/production.yaml` does (its OpenTelemetry access
+    /// logger and tracer), to an OTLP/gRPC receiver at this address, flushing spans every
+    /// 100 ms.
+    pub otel: Option<SocketAddr>,
     /// The wasm filter's `code` (YAML, from its `code:` line on) in place of the local file.
     pub wasm_code: Option<String>,
     /// More clusters (YAML list items), added to the template's.
@@ -85,6 +89,7 @@ impl Options {
             extra_listeners: String::new(),
             edge_access_log: None,
             shipped_access_log: None,
+            otel: None,
             wasm_code: None,
             extra_clusters: String::new(),
             internal_upstream: None,
@@ -120,17 +125,50 @@ fn logged_edge(yaml: &str, path: &Path) -> String {
     )
 }
 
-/// The access log of `envoy/production.yaml` (its lines from `# access-log: begin` to
-/// `# access-log: end`), writing to `path` instead of stdout.
-pub fn shipped_access_log(path: &Path) -> io::Result<String> {
+/// The lines of `envoy/production.yaml` from `# NAME: begin` to `# NAME: end`.
+fn shipped_block(name: &str) -> io::Result<String> {
     let production = std::fs::read_to_string(workspace_root().join("envoy/production.yaml"))?;
-    let block = production
-        .split_once("# access-log: begin\n")
-        .and_then(|(_, rest)| rest.split_once("          # access-log: end"))
-        .map(|(block, _)| block.to_owned())
-        .ok_or_else(|| io::Error::other("envoy/production.yaml has no access-log block"))?;
+    let missing = || io::Error::other(format!("envoy/production.yaml has no {name} block"));
+    let (_, rest) = production.split_once(&format!("# {name}: begin\n")).ok_or_else(missing)?;
+    let end = rest.find(&format!("# {name}: end")).ok_or_else(missing)?;
+    Ok(rest[..rest[..end].rfind('\n').map_or(0, |i| i + 1)].to_owned())
+}
+
+/// The access log of `envoy/production.yaml` (its `access-log` block), writing to `path`
+/// instead of stdout.
+pub fn shipped_access_log(path: &Path) -> io::Result<String> {
+    let block = shipped_block("access-log")?;
     Ok(block.replacen("path: /dev/stdout", &format!("path: \"{}\"", path.display()), 1))
 }
+
+/// What the edge's connection manager gets of `envoy/production.yaml`: its file access log
+/// (to `log`), its OpenTelemetry access logger and its tracer (with `otel`).
+fn shipped_observability(log: Option<&Path>, otel: bool) -> io::Result<String> {
+    let mut yaml = match log {
+        Some(path) => shipped_access_log(path)?,
+        None if otel => "          access_log:\n".to_owned(),
+        None => String::new(),
+    };
+    if otel {
+        yaml += &shipped_block("otel-access-log")?;
+        yaml += &shipped_block("tracing")?;
+    }
+    Ok(yaml)
+}
+
+/// The `otel` cluster at `addr` (HTTP/2, as OTLP/gRPC needs), and a runtime that flushes
+/// the tracer's spans every 100 ms (Envoy's default is 5 s or 5 spans).
+fn otel_cluster(addr: SocketAddr) -> String {
+    let options = "    typed_extension_protocol_options:\n      \
+                   envoy.extensions.upstreams.http.v3.HttpProtocolOptions:\n        \
+                   \"@type\": type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions\n        \
+                   explicit_http_config: {http2_protocol_options: {}}\n";
+    format!("{}{options}", static_cluster("otel", addr.port(), "1s"))
+}
+
+const OTEL_RUNTIME: &str = "layered_runtime:\n  layers:\n  - name: static\n    static_layer:\n      \
+                            tracing.opentelemetry.flush_interval_ms: 100\n      \
+                            tracing.opentelemetry.min_flush_spans: 1\n";
 
 /// `yaml` with the wasm filter's `code: {local: ...}` line replaced by `code` (YAML starting
 /// at `code:`), indented as that line was.
@@ -265,14 +303,11 @@ impl Envoy {
         .render(&template)
         .map_err(io::Error::other)?;
         let logged = opts.edge_access_log.as_deref().map(|path| logged_edge(&yaml, path)).unwrap_or_default();
-        let yaml = match &opts.shipped_access_log {
-            Some(path) => {
-                yaml.replacen("stat_prefix: edge\n", &format!("stat_prefix: edge\n{}", shipped_access_log(path)?), 1)
-            }
-            None => yaml,
-        };
-        let yaml = yaml
-            .replace("  clusters:\n", &format!("{}{logged}  clusters:\n{}", opts.extra_listeners, opts.extra_clusters));
+        let observe = shipped_observability(opts.shipped_access_log.as_deref(), opts.otel.is_some())?;
+        let yaml = yaml.replacen("stat_prefix: edge\n", &format!("stat_prefix: edge\n{observe}"), 1);
+        let clusters = format!("{}{}", opts.extra_clusters, opts.otel.map(otel_cluster).unwrap_or_default());
+        let yaml = yaml.replace("  clusters:\n", &format!("{}{logged}  clusters:\n{clusters}", opts.extra_listeners));
+        let yaml = if opts.otel.is_some() { format!("{OTEL_RUNTIME}{yaml}") } else { yaml };
         let yaml = match &opts.wasm_code {
             Some(code) => with_code(&yaml, code),
             None => yaml,

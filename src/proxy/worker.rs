@@ -125,6 +125,7 @@ fn answered(outbound: &Outbound, served: Served, usage: Option<Usage>) -> Answer
         class: outbound.class,
         served,
         usage,
+        saved_micro_usd: None,
     }
 }
 
@@ -253,7 +254,7 @@ impl Worker {
             }
         }
         let (cache, key, response_model) = (reply.cache, reply.key.as_ref(), log_fields::response_model(reply));
-        publish(&Answered { cache, key, response_model, ..answered(outbound, served, usage) });
+        publish(&Answered { cache, key, response_model, ..answered(outbound, served, usage) }.priced(&self.config));
     }
 
     /// Sends `reply` as JSON or as events, as the request asked, with the model's
@@ -315,7 +316,9 @@ impl Worker {
         // What the log shows of it: a HIT (the reply kept has no status of its own).
         if self.config.log_fields {
             let (key, response_model) = (hit.reply.key.as_ref(), log_fields::response_model(&hit.reply));
-            publish(&Answered { cache, key, response_model, ..answered(&hit.outbound, Served::default(), hit.usage) });
+            let logged =
+                Answered { cache, key, response_model, ..answered(&hit.outbound, Served::default(), hit.usage) };
+            publish(&logged.priced(&self.config));
         }
         let mut extra = self.rate_headers(&hit.outbound.model, || now);
         extra.extend(hit.outbound.tenant_header());

@@ -12,6 +12,7 @@ mod hostile_e2e;
 mod limits_e2e;
 mod money_e2e;
 mod never_down;
+mod otel_e2e;
 mod priority_e2e;
 mod production_e2e;
 mod prometheus_e2e;

@@ -7,11 +7,12 @@ use crate::core::api::headers;
 use crate::core::api::priority::Class;
 use crate::core::api::usage::Usage;
 use crate::core::coalesce::engine::{CacheStatus, Reply};
+use crate::core::config::Config;
 use crate::core::request::Key;
 
 /// The names, in the order they are published. (`gen_ai.provider.name` is `holysheep` for
 /// every governed request: an access log writes it as text, no value needs setting.)
-pub const NAMES: [&str; 13] = [
+pub const NAMES: [&str; 14] = [
     "gen_ai.request.model",
     "gen_ai.response.model",
     "gen_ai.usage.input_tokens",
@@ -25,6 +26,7 @@ pub const NAMES: [&str; 13] = [
     "holysheep.priority",
     "gen_ai.usage.cache_read.input_tokens",
     "gen_ai.operation.name",
+    "holysheep.saved_usd",
 ];
 
 /// What a flight did for the request it answers: upstream attempts, the dollars they
@@ -87,6 +89,29 @@ pub struct Answered<'a> {
     pub served: Served,
     /// The answer's usage, if it has one.
     pub usage: Option<Usage>,
+    /// What an answer served without a call of its own avoided (`saved_micro_usd`).
+    pub saved_micro_usd: Option<u64>,
+}
+
+impl Answered<'_> {
+    /// With what it saved, priced by `config`.
+    pub fn priced(self, config: &Config) -> Self {
+        let saved = self.cache.zip(self.response_model).zip(self.usage);
+        Answered { saved_micro_usd: saved.and_then(|((c, m), u)| saved_micro_usd(config, c, m, &u)), ..self }
+    }
+}
+
+/// Micro-dollars an answer served without a call of its own (HIT, COALESCED, SEMANTIC)
+/// avoided: its usage priced at the model that produced it, as the call it stands in for
+/// would have cost. `None` for any other answer.
+pub fn saved_micro_usd(config: &Config, status: CacheStatus, served_model: &str, usage: &Usage) -> Option<u64> {
+    matches!(status, CacheStatus::Hit | CacheStatus::Coalesced | CacheStatus::Semantic)
+        .then(|| config.cost_micro_usd(served_model, usage))
+}
+
+/// Micro-dollars as dollars with six decimals.
+fn usd(micro: u64) -> String {
+    format!("{}.{:06}", micro / 1_000_000, micro % 1_000_000)
 }
 
 /// The model that produced `reply`, when it is an answer (a 200).
@@ -106,12 +131,13 @@ pub fn values(a: &Answered<'_>) -> Vec<(&'static str, String)> {
         a.cache.map(|c| CacheStatus::as_str(c).to_owned()),
         a.key.map(|k| k.hex().to_owned()),
         a.tenant.map(str::to_owned),
-        Some(format!("{}.{:06}", cost / 1_000_000, cost % 1_000_000)),
+        Some(usd(cost)),
         Some(a.served.spent.attempts.to_string()),
         Some(a.served.wait_ms.to_string()),
         Some(a.class.as_str().to_owned()),
         a.usage.map(|u| u.cached.to_string()),
         Some(a.operation.to_owned()),
+        a.saved_micro_usd.map(usd),
     ];
     NAMES.into_iter().zip(values).filter_map(|(n, v)| Some((n, v?))).collect()
 }
@@ -147,6 +173,7 @@ mod tests {
             class: Class::Critical,
             served: Served::by_flight(spent),
             usage: Some(Usage::new(10, 5).with_cached(4)),
+            saved_micro_usd: None,
         };
         let v: Vec<String> = values(&a).iter().map(|(n, v)| format!("{n}={v}")).collect();
         assert_eq!(
@@ -182,6 +209,7 @@ mod tests {
             class: Class::Standard,
             served: Served::default(),
             usage: None,
+            saved_micro_usd: None,
         };
         let names: Vec<&str> = values(&a).iter().map(|(n, _)| *n).collect();
         assert_eq!(
@@ -196,5 +224,38 @@ mod tests {
             ],
             "no answering model, tokens, cache status, key or tenant"
         );
+    }
+
+    #[test]
+    fn an_answer_without_a_call_of_its_own_shows_what_that_call_would_have_cost() {
+        let config = Config::parse(
+            br#"{"models":{"gpt-4.1":{"usd_per_mtok_input":2.0,"usd_per_mtok_output":8.0},
+                          "deepseek-v3":{"usd_per_mtok_input":0.25,"usd_per_mtok_output":1.0}}}"#,
+        )
+        .unwrap();
+        let key = request_key("/p", "s", b"1");
+        let answer = |cache| Answered {
+            cache: Some(cache),
+            key: Some(&key),
+            response_model: Some("deepseek-v3"),
+            requested_model: "gpt-4.1",
+            operation: "chat",
+            tenant: None,
+            class: Class::Standard,
+            served: Served::default(),
+            usage: Some(Usage::new(1000, 500)),
+            saved_micro_usd: None,
+        };
+        let saved = |cache| {
+            let a = answer(cache).priced(&config);
+            values(&a).into_iter().find(|(n, _)| *n == "holysheep.saved_usd").map(|(_, v)| v)
+        };
+        // 1000 × 0.25 + 500 × 1.0 micro-dollars, at the prices of the model that answered.
+        for cache in [CacheStatus::Hit, CacheStatus::Coalesced, CacheStatus::Semantic] {
+            assert_eq!(saved(cache).as_deref(), Some("0.000750"), "{cache:?}");
+        }
+        for cache in [CacheStatus::Miss, CacheStatus::Bypass, CacheStatus::Stale] {
+            assert_eq!(saved(cache), None, "{cache:?}: it made a call, or stood in for none");
+        }
     }
 }

@@ -7,6 +7,7 @@ use crate::core::api::priority::Class;
 use crate::core::api::usage::{self, Usage};
 use crate::core::coalesce::engine::{CacheStatus, Reply};
 use crate::core::config::{Config, Role};
+use crate::core::observe::log_fields::saved_micro_usd;
 use crate::core::wire::bytes;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -382,8 +383,9 @@ pub fn for_reply<'a>(
         let served = reply.response.header(headers::MODEL).unwrap_or(requested_model);
         // Parsing the answer is the only cost on a HIT; skip it when nothing is priced.
         if priced(config, served) {
-            if let Some(u) = last.of(&reply.response.body) {
-                out.push((l, Counter::CostSavedMicroUsd, config.cost_micro_usd(served, &u)));
+            if let Some(saved) = last.of(&reply.response.body).and_then(|u| saved_micro_usd(config, status, served, &u))
+            {
+                out.push((l, Counter::CostSavedMicroUsd, saved));
             }
         }
     }

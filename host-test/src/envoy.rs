@@ -56,8 +56,8 @@ pub struct Options {
     /// this path instead of stdout.
     pub shipped_access_log: Option<PathBuf>,
     /// The edge listener exports as `envoy/production.yaml` does (its OpenTelemetry access
-    /// logger and tracer), to an OTLP/gRPC receiver at this address, flushing spans every
-    /// 100 ms.
+    /// logger, tracer and stats sink, with its stats tags), to an OTLP/gRPC receiver at this
+    /// address, flushing spans every 100 ms and stats every second.
     pub otel: Option<SocketAddr>,
     /// The wasm filter's `code` (YAML, from its `code:` line on) in place of the local file.
     pub wasm_code: Option<String>,
@@ -307,7 +307,14 @@ impl Envoy {
         let yaml = yaml.replacen("stat_prefix: edge\n", &format!("stat_prefix: edge\n{observe}"), 1);
         let clusters = format!("{}{}", opts.extra_clusters, opts.otel.map(otel_cluster).unwrap_or_default());
         let yaml = yaml.replace("  clusters:\n", &format!("{}{logged}  clusters:\n{clusters}", opts.extra_listeners));
-        let yaml = if opts.otel.is_some() { format!("{OTEL_RUNTIME}{yaml}") } else { yaml };
+        let yaml = match opts.otel {
+            Some(_) => {
+                let stats =
+                    shipped_block("otel-stats")?.replacen("stats_flush_interval: 10s", "stats_flush_interval: 1s", 1);
+                format!("{OTEL_RUNTIME}{stats}{yaml}")
+            }
+            None => yaml,
+        };
         let yaml = match &opts.wasm_code {
             Some(code) => with_code(&yaml, code),
             None => yaml,

@@ -10,7 +10,9 @@ use crate::core::api::priority::CLASSES;
 use crate::core::coalesce::engine::Reply;
 use crate::core::config::Config;
 use crate::core::limits::budget;
-use crate::core::observe::metrics::{self, ClassStat, Counter, LastUsage, PerCounter, CLASS_STATS, COUNTERS};
+use crate::core::observe::metrics::{
+    self, ClassStat, Counter, LastUsage, PerCounter, CLASS_STATS, COUNTERS, TOKEN_USAGE,
+};
 use proxy_wasm::types::MetricType;
 
 #[derive(Default)]
@@ -22,6 +24,8 @@ pub struct Counters {
     budget_gauges: Vec<BudgetGauges>,
     /// Per priority class (by rank), the ids of its stats (by `ClassStat::index`).
     class_ids: [[Option<u32>; CLASS_STATS.len()]; CLASSES.len()],
+    /// Per model label, the ids of its token histograms (by index in `TOKEN_USAGE`).
+    token_ids: Vec<(String, [Option<u32>; TOKEN_USAGE.len()])>,
 }
 
 /// A budgeted tenant's gauges: what is left of its day's and month's budgets, and with a
@@ -72,7 +76,16 @@ impl Counters {
                 class_ids[class.rank()][stat.index()] = hostcalls::define_metric(kind, &stat.metric_name(class)).ok();
             }
         }
-        Counters { ids, last_usage: LastUsage::default(), budget_gauges, class_ids }
+        let token_ids = metrics::token_labels(config)
+            .into_iter()
+            .map(|label| {
+                let define = |kind| {
+                    hostcalls::define_metric(MetricType::Histogram, &metrics::token_usage_name(config, label, kind))
+                };
+                (label.to_owned(), TOKEN_USAGE.map(|kind| define(kind).ok()))
+            })
+            .collect();
+        Counters { ids, last_usage: LastUsage::default(), budget_gauges, class_ids, token_ids }
     }
 
     /// A refusal at intake: a key no tenant holds (counted for the table), a model outside
@@ -116,10 +129,16 @@ impl Counters {
         self.count(increments, tenant);
     }
 
-    /// Counts what a flight (of `tenant`) did.
-    pub fn count_events(&self, config: &Config, events: &[Event], tenant: Option<&str>) {
+    /// Counts what a flight (of `tenant`, for an `operation`) did.
+    pub fn count_events(&self, config: &Config, events: &[Event], tenant: Option<&str>, operation: &str) {
         if events.is_empty() {
             return;
+        }
+        for (label, at, tokens) in events.iter().flat_map(|e| metrics::token_usage(config, operation, e)) {
+            let ids = self.token_ids.iter().find(|(l, _)| l == label).and_then(|(_, ids)| ids.get(at).copied());
+            if let Some(id) = ids.flatten() {
+                let _ = hostcalls::record_metric(id, tokens);
+            }
         }
         self.count(events.iter().flat_map(|e| metrics::for_event(config, e)).collect(), tenant);
         for (class, stat, n) in events.iter().filter_map(metrics::for_class) {

@@ -464,7 +464,8 @@ impl Worker {
     pub fn take_events(&self, run: &mut Run) {
         let events = std::mem::take(&mut run.flight.events);
         run.spent.add(&events, |m, u| self.config.cost_micro_usd(m, u));
-        self.counters.count_events(&self.config, &events, run.outbound.tenant.as_deref());
+        let (tenant, operation) = (run.outbound.tenant.as_deref(), run.outbound.endpoint.operation());
+        self.counters.count_events(&self.config, &events, tenant, operation);
     }
 
     /// A flight that looked for a paraphrase of its question and found none adds the

@@ -3,7 +3,7 @@
 //! `envoy/production.yaml` configures them, on a receiver built on the official protocol
 //! definitions.
 
-use holysheep_otlp::{Attributes, Received, Receiver};
+use holysheep_otlp::{Attributes, Kind, Received, Receiver};
 use host_test::client::request;
 use host_test::mock::Fault;
 use host_test::stack::{key_digest, poll_until, prompt, Stack, PATH};
@@ -31,6 +31,26 @@ fn span_of(got: &Received, n: u8) -> Option<&holysheep_otlp::Span> {
 
 fn attr<'a>(a: &'a Attributes, name: &str) -> &'a str {
     a.get(name).map_or("(absent)", String::as_str)
+}
+
+/// The latest point of `gen_ai.client.token.usage` for chat calls of gpt-4.1 and this
+/// token type: (count, sum).
+fn token_usage(got: &Received, token_type: &str) -> Option<(u64, f64)> {
+    let wanted = [
+        ("gen_ai.request.model", "gpt-4.1"),
+        ("gen_ai.operation.name", "chat"),
+        ("gen_ai.token.type", token_type),
+        ("gen_ai.provider.name", "holysheep"),
+    ];
+    got.points
+        .iter()
+        .filter(|p| p.metric == "gen_ai.client.token.usage")
+        .filter(|p| wanted.iter().all(|(k, v)| attr(&p.attributes, k) == *v))
+        .filter_map(|p| match p.kind {
+            Kind::Histogram { count, sum, .. } if count > 0 => Some((count, sum)),
+            _ => None,
+        })
+        .next_back()
 }
 
 #[test]
@@ -125,6 +145,28 @@ fn a_collector_receives_a_miss_its_coalesced_waiters_and_a_hit_with_what_holyshe
         for (name, value) in a.iter().filter(|(k, _)| k.starts_with("gen_ai.") || k.starts_with("holysheep.")) {
             assert_eq!(attr(&log.attributes, name), value, "request {n}'s log record: {name}");
         }
+    }
+    // The token histogram: HolySheep's one billed call, once, whatever the six answers.
+    let tokens = |token_type: &str| {
+        let got = otlp.wait_for(Duration::from_secs(30), |g| token_usage(g, token_type).is_some());
+        token_usage(&got, token_type)
+    };
+    // Envoy's histograms keep two significant digits of each value: the sum is within half
+    // a bucket (5%) of the tokens billed; the count is exact.
+    for (token_type, billed) in [("input", input), ("output", output)] {
+        let (count, sum) =
+            tokens(token_type).unwrap_or_else(|| panic!("no {token_type} tokens: {:#?}", otlp.received()));
+        assert_eq!(count, 1, "{token_type}: one billed call");
+        assert!((sum - billed as f64).abs() <= billed as f64 * 0.05, "{token_type}: {sum} for {billed} billed");
+    }
+    // Beside it, the exact totals: the model's token counters, as the stats sink sends them.
+    let counter = |name: &str| {
+        let got = otlp.received();
+        got.points.iter().rev().find(|p| p.metric == name).map(|p| p.kind)
+    };
+    for (name, billed) in [("prompt_tokens", input), ("completion_tokens", output)] {
+        let name = format!("wasmcustom.holysheep.gpt-4.1.{name}");
+        assert_eq!(counter(&name), Some(Kind::Sum { value: billed as f64, monotonic: true, delta: false }), "{name}");
     }
     let text = format!("{got:?}");
     assert!(!text.contains(SEARCH) && !text.contains(OPERATOR), "no token or key leaves for the collector");

@@ -266,6 +266,45 @@ pub fn for_event<'a>(config: &'a Config, event: &'a Event) -> Vec<(&'a str, Coun
     }
 }
 
+/// The histograms of `gen_ai.client.token.usage`: per model label, one per operation and
+/// token type (an embedding has no output tokens). Each billed call records its `usage`.
+pub const TOKEN_USAGE: [(&str, &str); 7] = [
+    ("chat", "input"),
+    ("chat", "output"),
+    ("text_completion", "input"),
+    ("text_completion", "output"),
+    ("embeddings", "input"),
+    ("responses", "input"),
+    ("responses", "output"),
+];
+
+/// The model labels that have token histograms: the configured models and `other`.
+pub fn token_labels(config: &Config) -> Vec<&str> {
+    config.models.keys().map(String::as_str).chain(["other"]).collect()
+}
+
+/// The name of the token histogram of `label`, `operation` and `token_type`
+/// (`holysheep.<label>.token_usage.<operation>.<token type>`; Envoy's `stats_tags` in
+/// `envoy/production.yaml` make the three parts tags).
+pub fn token_usage_name(config: &Config, label: &str, (operation, token_type): (&str, &str)) -> String {
+    match config.role {
+        Role::Owner => format!("holysheep.{label}.token_usage.{operation}.{token_type}"),
+        Role::Forward => format!("holysheep.edge.{label}.token_usage.{operation}.{token_type}"),
+    }
+}
+
+/// What one flight event of an `operation` records in the token histograms: (model label,
+/// index in `TOKEN_USAGE`, tokens).
+pub fn token_usage<'a>(config: &'a Config, operation: &str, event: &'a Event) -> Vec<(&'a str, usize, u64)> {
+    let Event::Usage { model, usage } = event else { return Vec::new() };
+    let l = label(config, model);
+    let at = |token_type: &str| TOKEN_USAGE.iter().position(|&(o, t)| o == operation && t == token_type);
+    [(at("input"), usage.prompt), (at("output"), usage.completion)]
+        .into_iter()
+        .filter_map(|(i, n)| Some((l, i?, n)))
+        .collect()
+}
+
 /// What one look for a paraphrase adds to the counters of `model` (the chat model): the
 /// embedding call when it was `sent`, the `tokens` it was billed (`None`: it gave no
 /// vector) at the embedding model's prices (`semantic::cost_micro_usd`), and whether the
@@ -502,5 +541,20 @@ mod tests {
         assert_eq!(ids.get("gpt-5", Counter::Retries), None, "a label the configuration does not have");
         ids.set("gpt-5", Counter::Retries, 1);
         assert_eq!(ids.get("gpt-5", Counter::Retries), None);
+    }
+
+    #[test]
+    fn a_billed_calls_usage_goes_to_its_models_token_histograms_by_operation() {
+        let c = Config::parse(br#"{"models":{"gpt-4.1":{}}}"#).unwrap();
+        assert_eq!(token_labels(&c), ["gpt-4.1", "other"]);
+        let usage = |model: &str| Event::Usage { model: model.into(), usage: Usage::new(12, 7) };
+        let chat = usage("gpt-4.1");
+        assert_eq!(token_usage(&c, "chat", &chat), [("gpt-4.1", 0, 12), ("gpt-4.1", 1, 7)]);
+        let embedding = usage("text-embedding-3-small");
+        assert_eq!(token_usage(&c, "embeddings", &embedding), [("other", 4, 12)], "no output tokens");
+        assert_eq!(token_usage(&c, "chat", &Event::Retry { model: "gpt-4.1".into() }), []);
+        assert_eq!(token_usage_name(&c, "gpt-4.1", TOKEN_USAGE[6]), "holysheep.gpt-4.1.token_usage.responses.output");
+        let forward = Config::parse(br#"{"role":"forward"}"#).unwrap();
+        assert_eq!(token_usage_name(&forward, "other", TOKEN_USAGE[0]), "holysheep.edge.other.token_usage.chat.input");
     }
 }

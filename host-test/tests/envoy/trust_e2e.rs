@@ -5,7 +5,7 @@
 use host_test::client::{Conn, Resp};
 use host_test::mock::{quoted, Fault, Running};
 use host_test::stack::streamed;
-use host_test::stack::{burst_at, prompt, prompt_for, Stack, PATH};
+use host_test::stack::{burst_at, poll_until, prompt, prompt_for, Stack, PATH};
 use serde_json::Value;
 
 const OPERATOR_KEY: &str = "sk-operator-7f3c9a1e5b2d";
@@ -211,13 +211,15 @@ fn over_http2_as_in_production_answers_keys_and_errors_are_the_same() {
 #[test]
 fn every_waiter_of_a_failed_flight_gets_its_error_while_other_prompts_take_the_ways() {
     // One group of four lease ways, each call slow: other prompts' flights hold the other
-    // three ways when the crowd's flight fails (an answer the cache does not hold).
+    // three ways when the crowd's flight fails (an answer the cache does not hold). The
+    // crowd's call is held until all 600 wait on it, however slowly they arrive.
     let s = Stack::start(r#"{"lock":{"slots":4},"retry":{"max_attempts":1}}"#, 300);
-    s.mock.mock.plan(vec![Fault { status: Some(503), ..Fault::default() }]);
+    s.mock.mock.plan(vec![Fault { status: Some(503), hold: true, ..Fault::default() }]);
     let crowd_body = prompt_for("deepseek-v3", "a crowd whose flight fails");
     let edge = s.envoy.edge;
     let crowd = std::thread::spawn(move || burst_at(edge, vec![crowd_body; 600], "Bearer a"));
     s.await_calls(1);
+    poll_until(|| s.envoy.stat("http.edge.downstream_rq_active") == 600, "the crowd never arrived whole");
     // Meanwhile, a dense flow of other prompts: 32 clients, each one prompt after another.
     let others: Vec<_> = (0..32)
         .map(|c| {
@@ -238,6 +240,9 @@ fn every_waiter_of_a_failed_flight_gets_its_error_while_other_prompts_take_the_w
             })
         })
         .collect();
+    // Other prompts' flights are in the air: the crowd's flight fails now.
+    s.await_calls(4);
+    s.mock.mock.release();
     let crowd = crowd.join().expect("crowd");
     let others: Vec<Resp> = others.into_iter().flat_map(|t| t.join().expect("others")).collect();
     let statuses: std::collections::BTreeMap<(u16, String), usize> =

@@ -59,6 +59,11 @@ pub struct Options {
     /// logger, tracer and stats sink, with its stats tags), to an OTLP/gRPC receiver at this
     /// address, flushing spans every 100 ms and stats every second.
     pub otel: Option<SocketAddr>,
+    /// With `otel`: Envoy's own flush of spans (every 5 s or 5 spans), as in production,
+    /// rather than every 100 ms.
+    pub otel_batched: bool,
+    /// With `otel`: the share of requests traced, in percent, in place of the shipped 100.
+    pub otel_sampling: Option<f64>,
     /// The wasm filter's `code` (YAML, from its `code:` line on) in place of the local file.
     pub wasm_code: Option<String>,
     /// More clusters (YAML list items), added to the template's.
@@ -90,6 +95,8 @@ impl Options {
             edge_access_log: None,
             shipped_access_log: None,
             otel: None,
+            otel_batched: false,
+            otel_sampling: None,
             wasm_code: None,
             extra_clusters: String::new(),
             internal_upstream: None,
@@ -304,6 +311,12 @@ impl Envoy {
         .map_err(io::Error::other)?;
         let logged = opts.edge_access_log.as_deref().map(|path| logged_edge(&yaml, path)).unwrap_or_default();
         let observe = shipped_observability(opts.shipped_access_log.as_deref(), opts.otel.is_some())?;
+        let observe = match opts.otel_sampling {
+            Some(percent) => {
+                observe.replacen("random_sampling: {value: 100}", &format!("random_sampling: {{value: {percent}}}"), 1)
+            }
+            None => observe,
+        };
         let yaml = yaml.replacen("stat_prefix: edge\n", &format!("stat_prefix: edge\n{observe}"), 1);
         let clusters = format!("{}{}", opts.extra_clusters, opts.otel.map(otel_cluster).unwrap_or_default());
         let yaml = yaml.replace("  clusters:\n", &format!("{}{logged}  clusters:\n{clusters}", opts.extra_listeners));
@@ -311,7 +324,8 @@ impl Envoy {
             Some(_) => {
                 let stats =
                     shipped_block("otel-stats")?.replacen("stats_flush_interval: 10s", "stats_flush_interval: 1s", 1);
-                format!("{OTEL_RUNTIME}{stats}{yaml}")
+                let runtime = if opts.otel_batched { "" } else { OTEL_RUNTIME };
+                format!("{runtime}{stats}{yaml}")
             }
             None => yaml,
         };

@@ -87,18 +87,25 @@ pub struct Received {
     pub points: Vec<Point>,
     /// Export requests per signal: traces, logs, metrics.
     pub exports: [u64; 3],
+    /// Spans, log records and metric points received (also when not kept).
+    pub counts: [u64; 3],
 }
 
 #[derive(Default)]
 struct Inbox {
     got: Mutex<Received>,
     changed: Condvar,
+    /// Only count what arrives (a load's millions of spans), keeping none of it.
+    counting: bool,
 }
 
 impl Inbox {
-    fn add(&self, f: impl FnOnce(&mut Received)) {
+    fn add(&self, signal: usize, f: impl FnOnce(&mut Received) -> u64) {
         if let Ok(mut got) = self.got.lock() {
-            f(&mut got);
+            got.exports[signal] += 1;
+            let mut kept = Received::default();
+            let n = f(if self.counting { &mut kept } else { &mut got });
+            got.counts[signal] += n;
         }
         self.changed.notify_all();
     }
@@ -117,11 +124,20 @@ impl Receiver {
         Receiver::start_on("127.0.0.1:0".parse().map_err(std::io::Error::other)?)
     }
 
+    /// A receiver that counts what arrives and keeps none of it (for a load).
+    pub fn counting() -> std::io::Result<Receiver> {
+        Receiver::listen("127.0.0.1:0".parse().map_err(std::io::Error::other)?, true)
+    }
+
     pub fn start_on(at: SocketAddr) -> std::io::Result<Receiver> {
+        Receiver::listen(at, false)
+    }
+
+    fn listen(at: SocketAddr, counting: bool) -> std::io::Result<Receiver> {
         let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build()?;
         let listener = runtime.block_on(tokio::net::TcpListener::bind(at))?;
         let addr = listener.local_addr()?;
-        let inbox = Arc::new(Inbox::default());
+        let inbox = Arc::new(Inbox { counting, ..Inbox::default() });
         let service = Service(inbox.clone());
         runtime.spawn(
             tonic::transport::Server::builder()
@@ -183,9 +199,10 @@ impl TraceService for Service {
                 });
             }
         }
-        self.0.add(|got| {
-            got.exports[0] += 1;
+        self.0.add(0, |got| {
+            let n = spans.len() as u64;
             got.spans.extend(spans);
+            n
         });
         Ok(Response::new(ExportTraceServiceResponse { partial_success: None }))
     }
@@ -209,9 +226,10 @@ impl LogsService for Service {
                 });
             }
         }
-        self.0.add(|got| {
-            got.exports[1] += 1;
+        self.0.add(1, |got| {
+            let n = logs.len() as u64;
             got.logs.extend(logs);
+            n
         });
         Ok(Response::new(ExportLogsServiceResponse { partial_success: None }))
     }
@@ -253,9 +271,10 @@ impl MetricsService for Service {
                 _ => {}
             }
         }
-        self.0.add(|got| {
-            got.exports[2] += 1;
+        self.0.add(2, |got| {
+            let n = points.len() as u64;
             got.points.extend(points);
+            n
         });
         Ok(Response::new(ExportMetricsServiceResponse { partial_success: None }))
     }

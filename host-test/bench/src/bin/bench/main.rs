@@ -84,6 +84,9 @@ fn main() -> std::io::Result<()> {
             "fleet" => rows::fleet::fleet_rows(&mut r, rounds, (conns, secs), &prompt("benchmark prompt"))?,
             "baseline" => rows::baseline::baseline_rows(&mut r, rounds, (conns, secs), &prompt("benchmark prompt"))?,
             "start" => rows::start::start_rows(&mut r, &mock, rounds, &prompt("benchmark prompt"))?,
+            "tracing" => {
+                rows::tracing::tracing_rows(&mut r, &mock, rounds, (conns, secs), &prompt("benchmark prompt"))?
+            }
             other => return Err(std::io::Error::other(format!("BENCH_ONLY={other}: no such family of rows"))),
         }
         return r.write(&workspace_root().join("target/bench").join(family));
@@ -122,6 +125,7 @@ fn main() -> std::io::Result<()> {
     rows::edge::stream_rows(&mut r, &stage, &mock);
     rows::tenants::tenant_rows(&mut r, &mock, rounds, (conns, secs), &hit_prompt)?;
     rows::edge::log_field_rows(&mut r, &stage, &mock, (rounds, l), &hit_prompt)?;
+    rows::tracing::tracing_rows(&mut r, &mock, rounds, (conns, secs), &hit_prompt)?;
     rows::budget::budget_rows(&mut r, &mock, rounds, (conns, secs), &hit_prompt)?;
     rows::endpoints::endpoint_rows(&mut r, &mock, rounds, (conns, secs))?;
     rows::priority::backlog_rows(&mut r)?;

@@ -12,3 +12,4 @@ pub mod priority;
 pub mod semantic;
 pub mod start;
 pub mod tenants;
+pub mod tracing;

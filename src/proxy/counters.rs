@@ -11,7 +11,7 @@ use crate::core::coalesce::engine::Reply;
 use crate::core::config::Config;
 use crate::core::limits::budget;
 use crate::core::observe::metrics::{
-    self, ClassStat, Counter, LastUsage, PerCounter, CLASS_STATS, COUNTERS, TOKEN_USAGE,
+    self, ClassStat, Counter, LastUsage, PerCounter, Timing, CLASS_STATS, COUNTERS, OPERATIONS, TOKEN_USAGE,
 };
 use proxy_wasm::types::MetricType;
 
@@ -26,6 +26,33 @@ pub struct Counters {
     class_ids: [[Option<u32>; CLASS_STATS.len()]; CLASSES.len()],
     /// Per model label, the ids of its token histograms (by index in `TOKEN_USAGE`).
     token_ids: Vec<(String, [Option<u32>; TOKEN_USAGE.len()])>,
+    /// Per model label, the ids of its timing histograms, by `Timing` and then operation.
+    timing_ids: Vec<(String, [[Option<u32>; OPERATIONS.len()]; 2])>,
+}
+
+/// The timing histograms a governed request records into, from when it arrived in full.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Stopwatch {
+    started_ms: u64,
+    duration: Option<u32>,
+    /// Set for a stream until its first chunk is recorded.
+    first_chunk: Option<u32>,
+}
+
+impl Stopwatch {
+    /// A chunk of the answer goes out now: the first of a stream is recorded.
+    pub fn chunk(&mut self, now_ms: impl FnOnce() -> u64) {
+        if let Some(id) = self.first_chunk.take() {
+            let _ = hostcalls::record_metric(id, now_ms().saturating_sub(self.started_ms));
+        }
+    }
+
+    /// The request is done now (recorded once).
+    pub fn stop(&mut self, now_ms: impl FnOnce() -> u64) {
+        if let Some(id) = self.duration.take() {
+            let _ = hostcalls::record_metric(id, now_ms().saturating_sub(self.started_ms));
+        }
+    }
 }
 
 /// A budgeted tenant's gauges: what is left of its day's and month's budgets, and with a
@@ -85,7 +112,28 @@ impl Counters {
                 (label.to_owned(), TOKEN_USAGE.map(|kind| define(kind).ok()))
             })
             .collect();
-        Counters { ids, last_usage: LastUsage::default(), budget_gauges, class_ids, token_ids }
+        let timing_ids = metrics::token_labels(config)
+            .into_iter()
+            .map(|label| {
+                let define = |timing, op| {
+                    let name = metrics::timing_name(config, label, timing, op);
+                    hostcalls::define_metric(MetricType::Histogram, &name).ok()
+                };
+                (label.to_owned(), Timing::ALL.map(|t| OPERATIONS.map(|op| define(t, op))))
+            })
+            .collect();
+        Counters { ids, last_usage: LastUsage::default(), budget_gauges, class_ids, token_ids, timing_ids }
+    }
+
+    /// The stopwatch of a request for `model` and `operation` that arrived in full at
+    /// `now_ms` (`stream`: it also times the first chunk).
+    pub fn stopwatch(&self, config: &Config, model: &str, operation: &str, stream: bool, now_ms: u64) -> Stopwatch {
+        let label = metrics::label(config, model);
+        let Some((_, ids)) = self.timing_ids.iter().find(|(l, _)| l == label) else { return Stopwatch::default() };
+        let Some(op) = OPERATIONS.iter().position(|o| *o == operation) else { return Stopwatch::default() };
+        let pick = |timing: Timing| ids.get(timing as usize).and_then(|by_op| by_op.get(op)).copied().flatten();
+        let first_chunk = pick(Timing::FirstChunk).filter(|_| stream);
+        Stopwatch { started_ms: now_ms, duration: pick(Timing::Duration), first_chunk }
     }
 
     /// A refusal at intake: a key no tenant holds (counted for the table), a model outside

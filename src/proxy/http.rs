@@ -5,6 +5,7 @@
 
 use super::abi as hostcalls;
 use super::body_watch::Paused;
+use super::counters::Stopwatch;
 use super::host::{self, SharedData};
 use super::runs::StreamEnd;
 use super::tee::Tee;
@@ -38,6 +39,8 @@ pub struct Chat {
     /// The request headers the filter reads, all taken in one host call (each separate read
     /// is two crossings of the VM boundary), in the headers callback.
     head: Head,
+    /// Times a governed request's answer for the timing histograms.
+    stopwatch: Stopwatch,
 }
 
 enum State {
@@ -62,7 +65,7 @@ enum State {
 
 impl Chat {
     pub fn new(id: u32, worker: WorkerRef) -> Self {
-        Chat { id, worker, state: State::Ignored, peer: false, head: Head::default() }
+        Chat { id, worker, state: State::Ignored, peer: false, head: Head::default(), stopwatch: Stopwatch::default() }
     }
 
     fn reject(&mut self, e: &ApiError) -> Action {
@@ -102,6 +105,8 @@ impl Chat {
                 }
             };
         self.state = State::Handled;
+        let (model, operation) = (&outbound.model, outbound.endpoint.operation());
+        self.stopwatch = self.worker.borrow().counters.stopwatch(&config, model, operation, outbound.stream, now);
         if let Some((key, watched)) = ended {
             self.worker.borrow_mut().flight_ended(key, watched);
         }
@@ -128,6 +133,7 @@ impl Chat {
     fn answer_from_hot(&mut self, raw: &Raw<'_>, now: u64) -> Option<Action> {
         let hit = self.worker.borrow().hot.get(raw, now)?;
         self.state = State::Handled;
+        self.stopwatch = self.worker.borrow().stopwatch_of(&hit, now);
         self.worker.borrow_mut().respond_hot(&hit, now);
         Some(Action::Pause)
     }
@@ -343,6 +349,7 @@ fn set_response_header(name: &str, value: Option<&str>) {
 
 impl Context for Chat {
     fn on_done(&mut self) -> bool {
+        self.stopwatch.stop(host::now_ms);
         // A stream that had not ended broke off (client gone, upstream reset).
         self.end_stream(false);
         let mut w = self.worker.borrow_mut();
@@ -533,6 +540,9 @@ impl HttpContext for Chat {
     }
 
     fn on_http_response_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
+        if body_size > 0 {
+            self.stopwatch.chunk(host::now_ms);
+        }
         if let State::PassedRefused(status) = self.state {
             let out = if end_of_stream { key_refused_error(status).body() } else { Vec::new() };
             let _ = hostcalls::set_buffer(BufferType::HttpResponseBody, 0, body_size, &out);

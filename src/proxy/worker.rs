@@ -6,7 +6,7 @@
 use super::abi as hostcalls;
 use super::body_watch::{self, BodyWatch};
 use super::budget_store::BudgetStore;
-use super::counters::{self, Counters};
+use super::counters::{self, Counters, Stopwatch};
 use super::fleet::Fleet;
 use super::host::{self, Nonces, SharedData};
 use super::ids::{IdMap, IdSet};
@@ -302,6 +302,12 @@ impl Worker {
 
     /// Sends a kept HIT on the current http context, as `respond` would (a JSON answer
     /// without copying it).
+    /// The stopwatch of a request a kept answer serves, arrived in full at `now`.
+    pub fn stopwatch_of(&self, hit: &HotAnswer, now: u64) -> Stopwatch {
+        let outbound = &hit.outbound;
+        self.counters.stopwatch(&self.config, &outbound.model, outbound.endpoint.operation(), outbound.stream, now)
+    }
+
     pub fn respond_hot(&mut self, hit: &HotAnswer, now: u64) {
         counters::bump(&hit.counters);
         let age_s = now.saturating_sub(hit.stored_at_ms) / 1000;

@@ -59,6 +59,9 @@ pub struct Point {
     pub kind: Kind,
     /// Nanoseconds since the epoch, as the exporter stamped it.
     pub time_unix_nano: u64,
+    /// A histogram's buckets: each upper bound and how many values fell at or below it
+    /// and above the one before (the last bound is infinity).
+    pub buckets: Vec<(f64, u64)>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -245,27 +248,30 @@ impl MetricsService for Service {
         let metrics = request.into_inner().resource_metrics.into_iter().flat_map(|rm| rm.scope_metrics);
         for m in metrics.flat_map(|sm| sm.metrics) {
             let name = m.name;
-            let mut add = |attrs: &[KeyValue], kind: Kind, time_unix_nano: u64| {
-                points.push(Point { metric: name.clone(), attributes: attributes(attrs), kind, time_unix_nano });
+            let mut add = |attrs: &[KeyValue], kind: Kind, time_unix_nano: u64, buckets: Vec<(f64, u64)>| {
+                let attributes = attributes(attrs);
+                points.push(Point { metric: name.clone(), attributes, kind, time_unix_nano, buckets });
             };
             match m.data {
                 Some(Data::Sum(s)) => {
                     let delta = s.aggregation_temporality == 1;
                     for p in s.data_points {
                         let kind = Kind::Sum { value: number(p.value), monotonic: s.is_monotonic, delta };
-                        add(&p.attributes, kind, p.time_unix_nano);
+                        add(&p.attributes, kind, p.time_unix_nano, Vec::new());
                     }
                 }
                 Some(Data::Gauge(g)) => {
                     for p in g.data_points {
-                        add(&p.attributes, Kind::Gauge { value: number(p.value) }, p.time_unix_nano);
+                        add(&p.attributes, Kind::Gauge { value: number(p.value) }, p.time_unix_nano, Vec::new());
                     }
                 }
                 Some(Data::Histogram(h)) => {
                     let delta = h.aggregation_temporality == 1;
                     for p in h.data_points {
                         let kind = Kind::Histogram { count: p.count, sum: p.sum.unwrap_or(0.0), delta };
-                        add(&p.attributes, kind, p.time_unix_nano);
+                        let bounds = p.explicit_bounds.iter().copied().chain([f64::INFINITY]);
+                        let buckets = bounds.zip(p.bucket_counts.iter().copied()).collect();
+                        add(&p.attributes, kind, p.time_unix_nano, buckets);
                     }
                 }
                 _ => {}

@@ -6,7 +6,7 @@
 use holysheep_otlp::{Attributes, Kind, Received, Receiver};
 use host_test::client::request;
 use host_test::mock::Fault;
-use host_test::stack::{key_digest, poll_until, prompt, Stack, PATH};
+use host_test::stack::{key_digest, poll_until, prompt, streamed, Stack, PATH};
 use std::time::Duration;
 
 const OPERATOR: &str = "sk-operator-otel-41c2";
@@ -175,6 +175,55 @@ fn a_collector_receives_a_miss_its_coalesced_waiters_and_a_hit_with_what_holyshe
     for counter in ["holysheep.gpt-4.1.cost_saved_microusd", "holysheep.tenant.search.cost_saved_microusd"] {
         assert_eq!(s.envoy.stat(&format!("wasmcustom.{counter}")), 6 * micro, "{counter}");
     }
+    assert!(s.crashes().is_empty(), "{:?}", s.crashes());
+}
+
+/// The latest point of a timing histogram for chat calls of gpt-4.1: (count, how many
+/// values were at most `bound` milliseconds).
+fn timing(got: &Received, metric: &str, bound: f64) -> Option<(u64, u64)> {
+    let wanted = [("gen_ai.request.model", "gpt-4.1"), ("gen_ai.operation.name", "chat")];
+    got.points
+        .iter()
+        .filter(|p| p.metric == metric && wanted.iter().all(|(k, v)| attr(&p.attributes, k) == *v))
+        .filter_map(|p| match p.kind {
+            Kind::Histogram { count, .. } if count > 0 => {
+                let at_most = p.buckets.iter().filter(|(b, _)| *b <= bound).map(|(_, n)| n).sum();
+                Some((count, at_most))
+            }
+            _ => None,
+        })
+        .next_back()
+}
+
+#[test]
+fn each_answers_duration_and_a_streams_first_chunk_reach_the_collector_in_milliseconds() {
+    // HolySheep takes a second before it answers: a MISS lasts longer than 640 ms (a
+    // bucket bound), a HIT far less.
+    let otlp = Receiver::start().expect("the receiver starts");
+    let s = Stack::start_tuned(r#"{"models":{"gpt-4.1":{}}}"#, 1_000, |o| o.otel = Some(otlp.addr), None);
+    let stream = s.chat(&streamed(&prompt("timed stream")), &[]);
+    assert_eq!((stream.status, stream.cache()), (200, "MISS"));
+    assert_eq!(s.chat(&prompt("timed answer"), &[]).cache(), "MISS");
+    assert_eq!(s.chat(&prompt("timed answer"), &[]).cache(), "HIT");
+    let arrived = |metric: &'static str, count: u64| {
+        let got = otlp.wait_for(Duration::from_secs(30), |g| timing(g, metric, 640.0).is_some_and(|(c, _)| c == count));
+        timing(&got, metric, 640.0)
+    };
+    assert_eq!(
+        arrived("gen_ai.client.operation.duration", 3),
+        Some((3, 1)),
+        "three answers, of which only the HIT within 640 ms"
+    );
+    assert_eq!(
+        arrived("gen_ai.client.operation.time_to_first_chunk", 1),
+        Some((1, 0)),
+        "the stream alone, its first chunk after HolySheep's second"
+    );
+    let got = otlp.received();
+    let mut provider = got.points.iter().filter(|p| p.metric == "gen_ai.client.operation.duration");
+    assert!(
+        provider.clone().count() > 0 && provider.all(|p| attr(&p.attributes, "gen_ai.provider.name") == "holysheep")
+    );
     assert!(s.crashes().is_empty(), "{:?}", s.crashes());
 }
 

@@ -305,6 +305,37 @@ pub fn token_usage<'a>(config: &'a Config, operation: &str, event: &'a Event) ->
         .collect()
 }
 
+/// The operations, in the order of each model label's timing histograms.
+pub const OPERATIONS: [&str; 4] = ["chat", "text_completion", "embeddings", "responses"];
+
+/// What a timing histogram measures, in milliseconds from the request's arrival in full:
+/// to its answer's end (`gen_ai.client.operation.duration`), or for a stream, to the
+/// first chunk of its answer (`gen_ai.client.operation.time_to_first_chunk`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Timing {
+    Duration,
+    FirstChunk,
+}
+
+impl Timing {
+    pub const ALL: [Timing; 2] = [Timing::Duration, Timing::FirstChunk];
+
+    fn stat(self) -> &'static str {
+        match self {
+            Timing::Duration => "operation_duration",
+            Timing::FirstChunk => "time_to_first_chunk",
+        }
+    }
+}
+
+/// The name of the timing histogram of `label` and `operation`
+/// (`holysheep.<label>.operation_duration.<operation>`, `….time_to_first_chunk.…`; the
+/// `stats_tags` in `envoy/production.yaml` make the model and the operation tags).
+pub fn timing_name(config: &Config, label: &str, timing: Timing, operation: &str) -> String {
+    let edge = if config.role == Role::Forward { "edge." } else { "" };
+    format!("holysheep.{edge}{label}.{}.{operation}", timing.stat())
+}
+
 /// What one look for a paraphrase adds to the counters of `model` (the chat model): the
 /// embedding call when it was `sent`, the `tokens` it was billed (`None`: it gave no
 /// vector) at the embedding model's prices (`semantic::cost_micro_usd`), and whether the
@@ -556,5 +587,16 @@ mod tests {
         assert_eq!(token_usage_name(&c, "gpt-4.1", TOKEN_USAGE[6]), "holysheep.gpt-4.1.token_usage.responses.output");
         let forward = Config::parse(br#"{"role":"forward"}"#).unwrap();
         assert_eq!(token_usage_name(&forward, "other", TOKEN_USAGE[0]), "holysheep.edge.other.token_usage.chat.input");
+    }
+
+    #[test]
+    fn timing_histograms_are_named_by_model_label_and_operation() {
+        let c = Config::parse(br#"{"models":{"gpt-4.1":{}}}"#).unwrap();
+        assert_eq!(timing_name(&c, "gpt-4.1", Timing::Duration, "chat"), "holysheep.gpt-4.1.operation_duration.chat");
+        let forward = Config::parse(br#"{"role":"forward"}"#).unwrap();
+        assert_eq!(
+            timing_name(&forward, "other", Timing::FirstChunk, "responses"),
+            "holysheep.edge.other.time_to_first_chunk.responses"
+        );
     }
 }

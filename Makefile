@@ -59,6 +59,7 @@ otel-receiver:
 # The quick level (a minute or two after a first build): format, clippy, the core's unit
 # tests, the docs, the module graph and the fuzz targets' types. `make test` runs all of it.
 check: docs-check imports-check fuzz-check shells-check
+	python3 tools/blocks-check.py
 	cargo fmt --all --check
 	cargo clippy --quiet --workspace --all-targets -- -D warnings
 	cargo test --quiet -p holysheep-edge --lib
@@ -93,6 +94,7 @@ size-profile:
 	@cat target/size-profile.md
 
 test: setup docs-check imports-check fuzz-check size-check rules-check k8s-check oci
+	python3 tools/blocks-check.py
 	cargo fmt --all --check
 	tools/suites.sh
 

@@ -57,7 +57,9 @@ fn a_few_requests_per_minute_give_the_exact_429_sequence() {
     assert_eq!(metrics.get("wasmcustom.holysheep.gpt-4.1.rate_limited"), Some(&1));
     assert_eq!(metrics.get("wasmcustom.holysheep.gpt-4.1.upstream_calls"), Some(&3));
     let prometheus = host_test::client::request(s.envoy.admin, "GET", "/stats/prometheus", &[], b"").unwrap().text();
-    assert!(prometheus.lines().any(|l| l == "holysheep_gpt_4_1_requests_hit{} 1"), "{prometheus}");
+    // The stats tags make the model and the cache status labels.
+    let hit = r#"holysheep_requests{gen_ai_request_model="gpt-4.1",holysheep_cache="hit"} 1"#;
+    assert!(prometheus.lines().any(|l| l == hit), "{prometheus}");
 }
 
 #[test]

@@ -159,14 +159,18 @@ fn a_collector_receives_a_miss_its_coalesced_waiters_and_a_hit_with_what_holyshe
         assert_eq!(count, 1, "{token_type}: one billed call");
         assert!((sum - billed as f64).abs() <= billed as f64 * 0.05, "{token_type}: {sum} for {billed} billed");
     }
-    // Beside it, the exact totals: the model's token counters, as the stats sink sends them.
-    let counter = |name: &str| {
+    // Beside it, the exact totals: the model's token counters, as the stats sink sends them,
+    // the model a tag (and the tenant's copies under a name of their own).
+    let counter = |name: &str, tag: (&str, &str)| {
         let got = otlp.received();
-        got.points.iter().rev().find(|p| p.metric == name).map(|p| p.kind)
+        got.points.iter().rev().find(|p| p.metric == name && attr(&p.attributes, tag.0) == tag.1).map(|p| p.kind)
     };
     for (name, billed) in [("prompt_tokens", input), ("completion_tokens", output)] {
-        let name = format!("wasmcustom.holysheep.gpt-4.1.{name}");
-        assert_eq!(counter(&name), Some(Kind::Sum { value: billed as f64, monotonic: true, delta: false }), "{name}");
+        let sum = Some(Kind::Sum { value: billed as f64, monotonic: true, delta: false });
+        let model = format!("wasmcustom.holysheep.{name}");
+        assert_eq!(counter(&model, ("gen_ai.request.model", "gpt-4.1")), sum, "{model}");
+        let tenant = format!("wasmcustom.holysheep.tenant.{name}");
+        assert_eq!(counter(&tenant, ("holysheep.tenant", "search")), sum, "{tenant}");
     }
     let text = format!("{got:?}");
     assert!(!text.contains(SEARCH) && !text.contains(OPERATOR), "no token or key leaves for the collector");

@@ -82,7 +82,7 @@ fn a_critical_request_is_the_next_call_after_ten_queued_sheddable_ones() {
     assert_eq!(s.mock.mock.max_in_flight(), 1);
     assert_eq!(stat(&s, "sheddable", "shed"), 0, "no reserve in a cap of one: they waited");
     // Histograms reach the admin endpoint at Envoy's next stats flush.
-    let series = "holysheep_priority_critical_admission_wait_ms_count";
+    let series = r#"holysheep_priority_admission_wait_ms_count{holysheep_priority="critical"}"#;
     poll_until(|| prometheus_has(&s, series), "the critical wait was never recorded");
     assert!(s.crashes().is_empty(), "{:?}", s.crashes());
 }

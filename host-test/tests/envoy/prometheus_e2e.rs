@@ -1,10 +1,11 @@
-//! A real Prometheus (Debian's `prometheus`) scraping a real Envoy with the plugin, with the
-//! scrape configuration and rules `deploy/prometheus/` ships; its HTTP API must return the
-//! counts the mock saw, load every rule, and answer every query of the Grafana dashboard.
+//! A real Prometheus (Debian's `prometheus`) scraping a real Envoy with the plugin and the
+//! stats tags `envoy/production.yaml` ships, with the scrape configuration and rules
+//! `deploy/prometheus/` ships; its HTTP API must return the counts the mock saw, load every
+//! rule, and answer every query of the Grafana dashboard.
 
 use host_test::client::request;
 use host_test::envoy::workspace_root;
-use host_test::stack::{poll_until, prompt, prompt_for, Stack};
+use host_test::stack::{key_digest, poll_until, prompt, prompt_for, Stack};
 use serde_json::Value;
 use std::net::SocketAddr;
 use std::process::{Child, Command, Stdio};
@@ -96,41 +97,65 @@ fn scalar(p: &Prometheus, q: &str) -> Option<f64> {
 
 #[test]
 fn prometheus_sees_the_hits_calls_and_dollars_the_mock_saw() {
-    let config = r#"{"models":{"gpt-4.1":{"usd_per_mtok_input":2.0,"usd_per_mtok_output":8.0},
-                                "deepseek-v3":{"requests_per_minute":1,"burst":1}}}"#;
-    let s = Stack::start(config, 0);
+    // Every request is the tenant search's, which has a day budget of $5.
+    let config = format!(
+        r#"{{"models":{{"gpt-4.1":{{"usd_per_mtok_input":2.0,"usd_per_mtok_output":8.0}},
+                       "deepseek-v3":{{"requests_per_minute":1,"burst":1,"usd_per_mtok_input":1.0,"usd_per_mtok_output":1.0}}}},
+            "tenants":{{"search":{{"keys_sha256":["{}"],"usd_per_day":5}}}}}}"#,
+        key_digest("sk-prometheus")
+    );
+    let s = Stack::start(&config, 0);
     let auth = [("authorization", "Bearer sk-prometheus")];
     let body = prompt("counted by prometheus");
     let miss = s.chat(&body, &auth);
     for _ in 0..4 {
         assert_eq!(s.chat(&body, &auth).cache(), "HIT");
     }
-    assert_eq!(s.chat(&prompt_for("deepseek-v3", "one"), &auth).status, 200);
+    let deepseek = s.chat(&prompt_for("deepseek-v3", "one"), &auth);
+    assert_eq!(deepseek.status, 200);
     assert_eq!(s.chat(&prompt_for("deepseek-v3", "two"), &auth).status, 429);
-    let usage = &miss.json()["usage"];
-    let (input, output) =
-        (usage["prompt_tokens"].as_u64().unwrap_or(0), usage["completion_tokens"].as_u64().unwrap_or(0));
+    let tokens = |r: &host_test::client::Resp| {
+        let usage = &r.json()["usage"];
+        (usage["prompt_tokens"].as_u64().unwrap_or(0), usage["completion_tokens"].as_u64().unwrap_or(0))
+    };
+    let (input, output) = tokens(&miss);
+    let (deepseek_in, deepseek_out) = tokens(&deepseek);
     let calls = s.calls();
     assert_eq!(calls, 2);
 
     let p = start_prometheus(s.envoy.admin);
     poll_until(
-        || scalar(&p, r#"sum(holysheep_requests{model="gpt_4_1"})"#) == Some(5.0),
+        || scalar(&p, r#"sum(holysheep_requests{gen_ai_request_model="gpt-4.1"})"#) == Some(5.0),
         "prometheus never saw the five gpt-4.1 requests",
     );
-    assert_eq!(scalar(&p, r#"holysheep_requests{model="gpt_4_1", cache="hit"}"#), Some(4.0));
-    assert_eq!(scalar(&p, r#"holysheep_requests{model="deepseek_v3", cache="miss"}"#), Some(2.0), "the 429 is a miss");
+    assert_eq!(scalar(&p, r#"holysheep_requests{gen_ai_request_model="gpt-4.1", holysheep_cache="hit"}"#), Some(4.0));
+    assert_eq!(
+        scalar(&p, r#"holysheep_requests{gen_ai_request_model="deepseek-v3", holysheep_cache="miss"}"#),
+        Some(2.0),
+        "the 429 is a miss"
+    );
     assert_eq!(scalar(&p, "sum(holysheep_upstream_calls)"), Some(calls as f64), "the calls the mock saw");
-    assert_eq!(scalar(&p, r#"holysheep_rate_limited{model="deepseek_v3"}"#), Some(1.0));
-    let hit_ratio = r#"sum(holysheep_requests{cache=~"hit|coalesced"}) / sum(holysheep_requests)"#;
+    assert_eq!(scalar(&p, r#"holysheep_rate_limited{gen_ai_request_model="deepseek-v3"}"#), Some(1.0));
+    let hit_ratio = r#"sum(holysheep_requests{holysheep_cache=~"hit|coalesced"}) / sum(holysheep_requests)"#;
     assert_eq!(scalar(&p, hit_ratio), Some(4.0 / 7.0));
     let spent = (input * 2 + output * 8) as f64;
-    assert_eq!(scalar(&p, r#"holysheep_cost_spent_microusd{model="gpt_4_1"}"#), Some(spent), "dollars, in millionths");
     assert_eq!(
-        scalar(&p, r#"holysheep_cost_saved_microusd{model="gpt_4_1"}"#),
+        scalar(&p, r#"holysheep_cost_spent_microusd{gen_ai_request_model="gpt-4.1"}"#),
+        Some(spent),
+        "dollars, in millionths"
+    );
+    assert_eq!(
+        scalar(&p, r#"holysheep_cost_saved_microusd{gen_ai_request_model="gpt-4.1"}"#),
         Some(spent * 4.0),
         "four HITs saved it"
     );
+    // The tenant's copies and its budget gauge: labelled by tenant, never counted twice.
+    let tenant_hits = r#"holysheep_tenant_requests{holysheep_tenant="search", holysheep_cache="hit"}"#;
+    assert_eq!(scalar(&p, tenant_hits), Some(4.0));
+    assert_eq!(scalar(&p, "sum(holysheep_requests)"), Some(7.0), "the tenant's copies are not in the sum");
+    let left = 5_000_000.0 - spent - (deepseek_in + deepseek_out) as f64;
+    let gauge = r#"holysheep_tenant_budget_day_left_microusd{holysheep_tenant="search"}"#;
+    assert_eq!(scalar(&p, gauge), Some(left), "the day's budget less what both calls cost");
     assert!(
         scalar(&p, "sum(envoy_wasm_envoy_wasm_runtime_v8_created)").is_some_and(|n| n >= 1.0),
         "the reload alert's series"

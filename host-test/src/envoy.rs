@@ -313,7 +313,11 @@ impl Envoy {
         let observe = shipped_observability(opts.shipped_access_log.as_deref(), opts.otel.is_some())?;
         let observe = match opts.otel_sampling {
             Some(percent) => {
-                observe.replacen("random_sampling: {value: 100}", &format!("random_sampling: {{value: {percent}}}"), 1)
+                let shipped = "random_sampling: {value: 100}";
+                if !observe.contains(shipped) {
+                    return Err(io::Error::other(format!("envoy/production.yaml's tracing block lost `{shipped}`")));
+                }
+                observe.replacen(shipped, &format!("random_sampling: {{value: {percent}}}"), 1)
             }
             None => observe,
         };

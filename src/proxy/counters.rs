@@ -27,7 +27,7 @@ pub struct Counters {
     /// Per model label, the ids of its token histograms (by index in `TOKEN_USAGE`).
     token_ids: Vec<(String, [Option<u32>; TOKEN_USAGE.len()])>,
     /// Per model label, the ids of its timing histograms, by `Timing` and then operation.
-    timing_ids: Vec<(String, [[Option<u32>; OPERATIONS.len()]; 2])>,
+    timing_ids: Vec<(String, [[Option<u32>; OPERATIONS.len()]; Timing::ALL.len()])>,
 }
 
 /// The timing histograms a governed request records into, from when it arrived in full.

@@ -300,14 +300,14 @@ impl Worker {
         self.hot.put(raw, expires_ms, size, answer);
     }
 
-    /// Sends a kept HIT on the current http context, as `respond` would (a JSON answer
-    /// without copying it).
     /// The stopwatch of a request a kept answer serves, arrived in full at `now`.
     pub fn stopwatch_of(&self, hit: &HotAnswer, now: u64) -> Stopwatch {
         let outbound = &hit.outbound;
         self.counters.stopwatch(&self.config, &outbound.model, outbound.endpoint.operation(), outbound.stream, now)
     }
 
+    /// Sends a kept HIT on the current http context, as `respond` would (a JSON answer
+    /// without copying it).
     pub fn respond_hot(&mut self, hit: &HotAnswer, now: u64) {
         counters::bump(&hit.counters);
         let age_s = now.saturating_sub(hit.stored_at_ms) / 1000;

@@ -4,7 +4,7 @@
 //! definitions.
 
 use holysheep_otlp::{Attributes, Kind, Received, Receiver};
-use host_test::client::request;
+use host_test::client::{request, Conn};
 use host_test::mock::Fault;
 use host_test::stack::{key_digest, poll_until, prompt, streamed, Stack, PATH};
 use std::time::Duration;
@@ -208,15 +208,20 @@ fn each_answers_duration_and_a_streams_first_chunk_reach_the_collector_in_millis
     let stream = s.chat(&streamed(&prompt("timed stream")), &[]);
     assert_eq!((stream.status, stream.cache()), (200, "MISS"));
     assert_eq!(s.chat(&prompt("timed answer"), &[]).cache(), "MISS");
-    assert_eq!(s.chat(&prompt("timed answer"), &[]).cache(), "HIT");
+    // Four HITs on one connection (one worker): after the first, its own kept copy answers.
+    let mut conn = Conn::open(s.envoy.edge).expect("a connection");
+    for _ in 0..4 {
+        let hit = conn.request("POST", PATH, &[], prompt("timed answer").as_bytes()).expect("an answer");
+        assert_eq!(hit.cache(), "HIT");
+    }
     let arrived = |metric: &'static str, count: u64| {
         let got = otlp.wait_for(Duration::from_secs(30), |g| timing(g, metric, 640.0).is_some_and(|(c, _)| c == count));
         timing(&got, metric, 640.0)
     };
     assert_eq!(
-        arrived("gen_ai.client.operation.duration", 3),
-        Some((3, 1)),
-        "three answers, of which only the HIT within 640 ms"
+        arrived("gen_ai.client.operation.duration", 6),
+        Some((6, 4)),
+        "six answers, of which only the four HITs within 640 ms"
     );
     assert_eq!(
         arrived("gen_ai.client.operation.time_to_first_chunk", 1),
@@ -228,6 +233,28 @@ fn each_answers_duration_and_a_streams_first_chunk_reach_the_collector_in_millis
     assert!(
         provider.clone().count() > 0 && provider.all(|p| attr(&p.attributes, "gen_ai.provider.name") == "holysheep")
     );
+    assert!(s.crashes().is_empty(), "{:?}", s.crashes());
+}
+
+#[test]
+fn a_forward_nodes_durations_carry_its_role() {
+    // A forward node times the requests it serves under its own stats; the sink sends them
+    // under the same GenAI name as an owner's, told apart by `holysheep.role`.
+    let otlp = Receiver::start().expect("the receiver starts");
+    let config = r#"{"role":"forward","models":{"gpt-4.1":{}}}"#;
+    let s = Stack::start_tuned(config, 0, |o| o.otel = Some(otlp.addr), None);
+    let answer = s.chat(&prompt("timed on a forward node"), &[]);
+    assert_eq!(answer.status, 200, "{}", answer.text());
+    let forward = |g: &Received| {
+        g.points.iter().any(|p| {
+            p.metric == "gen_ai.client.operation.duration"
+                && attr(&p.attributes, "holysheep.role") == "forward"
+                && attr(&p.attributes, "gen_ai.request.model") == "gpt-4.1"
+                && matches!(p.kind, Kind::Histogram { count: 1, .. })
+        })
+    };
+    let got = otlp.wait_for(Duration::from_secs(30), forward);
+    assert!(forward(&got), "{:#?}", got.points.iter().filter(|p| p.metric.starts_with("gen_ai")).collect::<Vec<_>>());
     assert!(s.crashes().is_empty(), "{:?}", s.crashes());
 }
 

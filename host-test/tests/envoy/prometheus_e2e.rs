@@ -193,3 +193,26 @@ fn prometheus_sees_the_hits_calls_and_dollars_the_mock_saw() {
     }
     assert!(s.crashes().is_empty());
 }
+
+#[test]
+fn a_forward_nodes_series_are_labelled_apart_from_an_owners() {
+    // The stats tags never take a forward node's `edge.` prefix (or a tenant's name) for a
+    // model: its series keep names of their own, so no total counts a request twice.
+    let config = format!(
+        r#"{{"role":"forward","models":{{"gpt-4.1":{{}}}},"tenants":{{"search":{{"keys_sha256":["{}"]}}}}}}"#,
+        key_digest("sk-forward")
+    );
+    let s = Stack::start(&config, 0);
+    let text = request(s.envoy.admin, "GET", "/stats/prometheus", &[], b"").expect("stats").text();
+    let series: Vec<&str> = text.lines().filter(|l| l.starts_with("holysheep")).collect();
+    for want in [
+        r#"holysheep_edge_requests{gen_ai_request_model="gpt-4.1",holysheep_cache="hit"} 0"#,
+        r#"holysheep_edge_tenant_requests{holysheep_tenant="search",holysheep_cache="hit"} 0"#,
+        r#"holysheep_edge_tenants_requests{holysheep_cache="hit"} 0"#,
+    ] {
+        assert!(series.contains(&want), "{want} in {series:#?}");
+    }
+    let misread = |l: &&&str| l.starts_with("holysheep_requests") || l.contains(r#"gen_ai_request_model="edge"#);
+    assert_eq!(series.iter().filter(misread).count(), 0, "{series:#?}");
+    assert!(s.crashes().is_empty());
+}

@@ -623,10 +623,10 @@ impl Config {
                     .into(),
             ));
         }
-        if self.models.keys().any(|m| ["tenant", "edge", "priority"].iter().any(|p| m.starts_with(p))) {
+        if self.models.keys().any(|m| ["tenant", "edge", "priority", "fleet"].iter().any(|p| m.starts_with(p))) {
             return Err(ConfigError(
-                "models: a model name does not start with tenant, edge or priority (the names of tenants' own \
-                 buckets and counters, and of forward nodes' and priority classes' counters)"
+                "models: a model name does not start with tenant, edge, priority or fleet (the names of tenants' \
+                 own buckets and counters, and of forward nodes', priority classes' and the fleet's counters)"
                     .into(),
             ));
         }

@@ -1139,6 +1139,16 @@ mod tests {
     }
 
     #[test]
+    fn a_model_is_never_named_as_a_label_the_counters_reserve() {
+        for model in ["tenant-x", "tenants", "edge", "priority-high", "fleet", "fleet-v2"] {
+            let json = format!(r#"{{"models":{{"{model}":{{}}}}}}"#);
+            let e = Config::parse(json.as_bytes()).expect_err(model);
+            assert!(e.0.contains("tenant, edge, priority or fleet"), "{model}: {e:?}");
+        }
+        assert!(Config::parse(br#"{"models":{"gpt-4.1":{},"deepseek-v3":{}}}"#).is_ok());
+    }
+
+    #[test]
     fn every_configuration_the_docs_show_is_accepted() {
         let shown = documented_configurations();
         assert!(shown.len() >= 5, "the docs show configurations: {shown:?}");

@@ -873,6 +873,32 @@ mod tests {
     }
 
     #[test]
+    fn a_new_crowd_takes_a_way_whose_waiters_read_the_cache_and_they_still_get_the_answer() {
+        // One group of four ways, each holding a waited-on flight that just ended and stored
+        // its answer. A new prompt within the hold leads from the oldest (it does not go
+        // alone, once per request of its crowd), and that flight's waiter, woken late, gets
+        // the answer from the cache.
+        let (store, config) = (MemStore::new(), Config::parse(br#"{"lock":{"slots":4}}"#).unwrap());
+        let e = Engine { store: &store, config: &config };
+        let leaders: Vec<Call> =
+            (0..4).map(|i| expect_call(e.admit(&k(30 + i), READ, 1_000, 1 + u64::from(i)))).collect();
+        let waits: Vec<Wait> =
+            (0..4).map(|i| expect_wait(e.admit(&k(30 + i), READ, 1_001, 10 + u64::from(i)))).collect();
+        for (i, leader) in leaders.iter().enumerate() {
+            e.complete(leader, ok(&format!(r#"{{"n":{i}}}"#)), 1_010 + i as u64);
+        }
+        let crowd = expect_call(e.admit(&k(40), READ, 1_020, 20));
+        assert!(crowd.lease.is_some(), "the new prompt leads, so its crowd waits on it");
+        assert_eq!(crowd.lease.as_ref().map(|l| l.slot.way), Some(leaders[0].lease.as_ref().unwrap().slot.way));
+        let joined = expect_wait(e.admit(&k(40), READ, 1_021, 21));
+        assert_eq!(joined.nonce, 20);
+        let late = expect_reply(e.poll(&waits[0], 1_022, 22));
+        assert_eq!((late.response.status, late.cache), (200, Some(CacheStatus::Coalesced)));
+        assert_eq!(late.response.body, br#"{"n":0}"#.to_vec(), "its own flight's answer, from the cache");
+        assert!(!late.lost_wait());
+    }
+
+    #[test]
     fn a_streamed_answers_head_is_the_edges_own() {
         let h = stream_head(CacheStatus::Miss, "abc", "gpt-4.1", Some("alpha"), Some(60));
         let h: Vec<(&str, &str)> = h.iter().map(|(n, v)| (*n, v.as_str())).collect();

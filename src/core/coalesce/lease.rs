@@ -160,9 +160,9 @@ fn scan(
         // taken in this order: free (never written, garbage, an expired leader); this key's
         // own finished flight (its waiters that have not read it look again and wait on the
         // new one); another key's finished flight nobody waited on (`d`); another key's
-        // waited-on flight past `done_hold_ms`, oldest first. A younger one is still being
-        // read by its waiters (one dated in the future, by a clock stepped back, is not
-        // protected).
+        // waited-on flight past `done_hold_ms`, oldest first; last, a younger one whose
+        // answer is in the cache, oldest first. Any other younger one is still being read by
+        // its waiters (one dated in the future, by a clock stepped back, is not protected).
         let (hold_from, hold_until) = (now_ms.saturating_sub(done_hold_ms(config)), now_ms + DONE_CLOCK_SLACK_MS);
         let mut free: Option<((u8, u64), usize)> = None;
         let mut offer = |way: usize, rank: (u8, u64)| {
@@ -198,7 +198,14 @@ fn scan(
                     _ => offer(way, (0, 0)),
                 },
                 (b"D", false) => match peek(record) {
-                    Some(p) if p.time > hold_from && p.time <= hold_until => {}
+                    // Still being read by its waiters. One whose answer is in the cache is
+                    // the last resort before this key's crowd goes upstream one call each:
+                    // a waiter that finds the way taken reads the cache entry instead.
+                    Some(p) if p.time > hold_from && p.time <= hold_until => {
+                        if refers_to_cache(record) {
+                            offer(way, (3, p.time));
+                        }
+                    }
                     Some(p) => offer(way, (2, p.time)),
                     None => offer(way, (0, 0)),
                 },
@@ -432,6 +439,12 @@ fn peek(raw: &[u8]) -> Option<Peek<'_>> {
     Some(Peek { kind, key, nonce: codec::number(nonce)?, time: codec::number(time)?, rest })
 }
 
+/// Whether a finished flight's record refers to its answer's cache entry (`cached`) rather
+/// than holding the answer itself.
+fn refers_to_cache(raw: &[u8]) -> bool {
+    codec::fields::<8>(raw).is_some_and(|(f, _)| f[7] == b"cached")
+}
+
 fn done(key: &Key, nonce: u64, now_ms: u64, r: &Response, produced: Produced, in_cache: bool) -> Vec<u8> {
     let freshness: Cow<'_, str> = match (produced, in_cache) {
         (Produced::Stale(t), _) => Cow::Owned(format!("stale:{t}")),
@@ -622,6 +635,32 @@ mod tests {
         let before = held_until - 1;
         assert_eq!(acquire(&s, &c, &key(2), 3, before, before).unwrap(), Acquire::Busy, "still being read");
         assert!(matches!(acquire(&s, &c, &key(2), 3, held_until, held_until).unwrap(), Acquire::Acquired(_)));
+    }
+
+    #[test]
+    fn a_crowd_takes_a_way_whose_waiters_can_read_the_cache_rather_than_go_alone() {
+        let (s, mut c) = (MemStore::new(), Config::default());
+        c.lock.slots = 4;
+        let keys: Vec<Key> = (0..400u32).map(key).collect();
+        let home = group_of(&c, &keys[0]).0;
+        let group: Vec<&Key> = keys.iter().filter(|k| group_of(&c, k).0 == home).take(6).collect();
+        // Four waited-on flights end within the hold: three stored their answers in the
+        // cache (at 10, 20 and 30), one (at 5) could not.
+        for (i, (at, in_cache)) in [(5, false), (10, true), (20, true), (30, true)].into_iter().enumerate() {
+            let n = i as u64 + 1;
+            let Acquire::Acquired(l) = acquire(&s, &c, group[i], n, 0, 0).unwrap() else { panic!() };
+            watch(&s, &l.slot, n, Class::Sheddable).unwrap();
+            finish(&s, &l, &resp(200), at, Produced::AtEnd, in_cache).unwrap();
+        }
+        // A new prompt leads from the oldest way whose answer is in the cache.
+        let Acquire::Acquired(fifth) = acquire(&s, &c, group[4], 5, 40, 40).unwrap() else { panic!() };
+        assert_eq!(fifth.slot.way, 1, "the answer stored at 10, not the uncached one at 5");
+        let Acquire::Acquired(_) = acquire(&s, &c, group[5], 6, 40, 40).unwrap() else { panic!() };
+        // Once only the uncached answer and live flights are left, a crowd goes alone.
+        let seventh = keys.iter().find(|k| group_of(&c, k).0 == home && !group.contains(k)).unwrap();
+        let Acquire::Acquired(_) = acquire(&s, &c, seventh, 7, 40, 40).unwrap() else { panic!() };
+        let eighth = keys.iter().filter(|k| group_of(&c, k).0 == home && !group.contains(k)).nth(1).unwrap();
+        assert_eq!(acquire(&s, &c, eighth, 8, 40, 40).unwrap(), Acquire::Busy, "the uncached answer is kept");
     }
 
     #[test]

@@ -126,8 +126,13 @@ impl Counters {
     }
 
     /// The stopwatch of a request for `model` and `operation` that arrived in full at
-    /// `now_ms` (`stream`: it also times the first chunk).
+    /// `now_ms` (`stream`: it also times the first chunk). Timing costs two host calls per
+    /// request, so it goes with `log_fields`, the switch of the per-request observability
+    /// (a stopwatch that records nothing otherwise).
     pub fn stopwatch(&self, config: &Config, model: &str, operation: &str, stream: bool, now_ms: u64) -> Stopwatch {
+        if !config.log_fields {
+            return Stopwatch::default();
+        }
         let label = metrics::label(config, model);
         let Some((_, ids)) = self.timing_ids.iter().find(|(l, _)| l == label) else { return Stopwatch::default() };
         let Some(op) = OPERATIONS.iter().position(|o| *o == operation) else { return Stopwatch::default() };

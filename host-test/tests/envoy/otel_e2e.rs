@@ -204,7 +204,8 @@ fn each_answers_duration_and_a_streams_first_chunk_reach_the_collector_in_millis
     // HolySheep takes a second before it answers: a MISS lasts longer than 640 ms (a
     // bucket bound), a HIT far less.
     let otlp = Receiver::start().expect("the receiver starts");
-    let s = Stack::start_tuned(r#"{"models":{"gpt-4.1":{}}}"#, 1_000, |o| o.otel = Some(otlp.addr), None);
+    let config = r#"{"log_fields":true,"models":{"gpt-4.1":{}}}"#;
+    let s = Stack::start_tuned(config, 1_000, |o| o.otel = Some(otlp.addr), None);
     let stream = s.chat(&streamed(&prompt("timed stream")), &[]);
     assert_eq!((stream.status, stream.cache()), (200, "MISS"));
     assert_eq!(s.chat(&prompt("timed answer"), &[]).cache(), "MISS");
@@ -241,7 +242,7 @@ fn a_forward_nodes_durations_carry_its_role() {
     // A forward node times the requests it serves under its own stats; the sink sends them
     // under the same GenAI name as an owner's, told apart by `holysheep.role`.
     let otlp = Receiver::start().expect("the receiver starts");
-    let config = r#"{"role":"forward","models":{"gpt-4.1":{}}}"#;
+    let config = r#"{"role":"forward","log_fields":true,"models":{"gpt-4.1":{}}}"#;
     let s = Stack::start_tuned(config, 0, |o| o.otel = Some(otlp.addr), None);
     let answer = s.chat(&prompt("timed on a forward node"), &[]);
     assert_eq!(answer.status, 200, "{}", answer.text());

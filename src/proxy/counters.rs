@@ -5,13 +5,14 @@
 
 use super::abi as hostcalls;
 use super::host::SharedData;
+use crate::core::api::endpoint::{self, Endpoint};
 use crate::core::api::event::Event;
 use crate::core::api::priority::CLASSES;
 use crate::core::coalesce::engine::Reply;
 use crate::core::config::Config;
 use crate::core::limits::budget;
 use crate::core::observe::metrics::{
-    self, ClassStat, Counter, LastUsage, PerCounter, Timing, CLASS_STATS, COUNTERS, OPERATIONS, TOKEN_USAGE,
+    self, ClassStat, Counter, LastUsage, PerCounter, Timing, CLASS_STATS, COUNTERS, TOKEN_USAGE,
 };
 use proxy_wasm::types::MetricType;
 
@@ -26,8 +27,9 @@ pub struct Counters {
     class_ids: [[Option<u32>; CLASS_STATS.len()]; CLASSES.len()],
     /// Per model label, the ids of its token histograms (by index in `TOKEN_USAGE`).
     token_ids: Vec<(String, [Option<u32>; TOKEN_USAGE.len()])>,
-    /// Per model label, the ids of its timing histograms, by `Timing` and then operation.
-    timing_ids: Vec<(String, [[Option<u32>; OPERATIONS.len()]; Timing::ALL.len()])>,
+    /// Per model label, the ids of its timing histograms, by `Timing` and then endpoint (in
+    /// `endpoint::ALL`'s order); none without `log_fields`, which they go with.
+    timing_ids: Vec<(String, [[Option<u32>; endpoint::ALL.len()]; Timing::ALL.len()])>,
 }
 
 /// The timing histograms a governed request records into, from when it arrived in full.
@@ -112,31 +114,31 @@ impl Counters {
                 (label.to_owned(), TOKEN_USAGE.map(|kind| define(kind).ok()))
             })
             .collect();
-        let timing_ids = metrics::token_labels(config)
+        // Timing costs two host calls per request (four for a stream): it goes with
+        // `log_fields`, the switch of the per-request observability.
+        let timed = if config.log_fields { metrics::token_labels(config) } else { Vec::new() };
+        let timing_ids = timed
             .into_iter()
             .map(|label| {
-                let define = |timing, op| {
-                    let name = metrics::timing_name(config, label, timing, op);
+                let define = |timing, endpoint| {
+                    let name = metrics::timing_name(config, label, timing, endpoint);
                     hostcalls::define_metric(MetricType::Histogram, &name).ok()
                 };
-                (label.to_owned(), Timing::ALL.map(|t| OPERATIONS.map(|op| define(t, op))))
+                (label.to_owned(), Timing::ALL.map(|t| endpoint::ALL.map(|e| define(t, e))))
             })
             .collect();
         Counters { ids, last_usage: LastUsage::default(), budget_gauges, class_ids, token_ids, timing_ids }
     }
 
-    /// The stopwatch of a request for `model` and `operation` that arrived in full at
-    /// `now_ms` (`stream`: it also times the first chunk). Timing costs two host calls per
-    /// request, so it goes with `log_fields`, the switch of the per-request observability
-    /// (a stopwatch that records nothing otherwise).
-    pub fn stopwatch(&self, config: &Config, model: &str, operation: &str, stream: bool, now_ms: u64) -> Stopwatch {
-        if !config.log_fields {
-            return Stopwatch::default();
-        }
+    /// The stopwatch of a request for `model` on `endpoint` that arrived in full at `now_ms`
+    /// (`stream`: it also times the first chunk); one that records nothing without
+    /// `log_fields`.
+    pub fn stopwatch(&self, config: &Config, model: &str, endpoint: Endpoint, stream: bool, now_ms: u64) -> Stopwatch {
         let label = metrics::label(config, model);
         let Some((_, ids)) = self.timing_ids.iter().find(|(l, _)| l == label) else { return Stopwatch::default() };
-        let Some(op) = OPERATIONS.iter().position(|o| *o == operation) else { return Stopwatch::default() };
-        let pick = |timing: Timing| ids.get(timing as usize).and_then(|by_op| by_op.get(op)).copied().flatten();
+        let Some(at) = endpoint::ALL.iter().position(|e| *e == endpoint) else { return Stopwatch::default() };
+        let pick =
+            |timing: Timing| ids.get(timing as usize).and_then(|by_endpoint| by_endpoint.get(at)).copied().flatten();
         let first_chunk = pick(Timing::FirstChunk).filter(|_| stream);
         Stopwatch { started_ms: now_ms, duration: pick(Timing::Duration), first_chunk }
     }

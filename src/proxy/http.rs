@@ -105,8 +105,8 @@ impl Chat {
                 }
             };
         self.state = State::Handled;
-        let (model, operation) = (&outbound.model, outbound.endpoint.operation());
-        self.stopwatch = self.worker.borrow().counters.stopwatch(&config, model, operation, outbound.stream, now);
+        let (model, endpoint) = (&outbound.model, outbound.endpoint);
+        self.stopwatch = self.worker.borrow().counters.stopwatch(&config, model, endpoint, outbound.stream, now);
         if let Some((key, watched)) = ended {
             self.worker.borrow_mut().flight_ended(key, watched);
         }

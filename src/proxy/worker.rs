@@ -303,7 +303,7 @@ impl Worker {
     /// The stopwatch of a request a kept answer serves, arrived in full at `now`.
     pub fn stopwatch_of(&self, hit: &HotAnswer, now: u64) -> Stopwatch {
         let outbound = &hit.outbound;
-        self.counters.stopwatch(&self.config, &outbound.model, outbound.endpoint.operation(), outbound.stream, now)
+        self.counters.stopwatch(&self.config, &outbound.model, outbound.endpoint, outbound.stream, now)
     }
 
     /// Sends a kept HIT on the current http context, as `respond` would (a JSON answer

@@ -439,17 +439,20 @@ fn peek(raw: &[u8]) -> Option<Peek<'_>> {
     Some(Peek { kind, key, nonce: codec::number(nonce)?, time: codec::number(time)?, rest })
 }
 
-/// Whether a finished flight's record refers to its answer's cache entry (`cached`) rather
-/// than holding the answer itself.
+/// A finished flight's freshness field when its record refers to its answer's cache entry
+/// rather than holding the answer itself.
+const CACHED: &str = "cached";
+
+/// Whether a finished flight's record refers to its answer's cache entry.
 fn refers_to_cache(raw: &[u8]) -> bool {
-    codec::fields::<8>(raw).is_some_and(|(f, _)| f[7] == b"cached")
+    codec::fields::<8>(raw).is_some_and(|(f, _)| f[7] == CACHED.as_bytes())
 }
 
 fn done(key: &Key, nonce: u64, now_ms: u64, r: &Response, produced: Produced, in_cache: bool) -> Vec<u8> {
     let freshness: Cow<'_, str> = match (produced, in_cache) {
         (Produced::Stale(t), _) => Cow::Owned(format!("stale:{t}")),
         (Produced::Relayed(t), _) => Cow::Owned(format!("relayed:{t}")),
-        (Produced::AtEnd, true) => Cow::Borrowed("cached"),
+        (Produced::AtEnd, true) => Cow::Borrowed(CACHED),
         (Produced::AtEnd, false) => Cow::Borrowed("fresh"),
     };
     // An answer that refers to its cache entry repeats none of it.
@@ -492,7 +495,7 @@ fn decode(raw: &[u8]) -> Option<State> {
                 (Some(t), _) => (Produced::Stale(codec::number(t)?), false),
                 (_, Some(t)) => (Produced::Relayed(codec::number(t)?), false),
                 _ if f[7] == "fresh" => (Produced::AtEnd, false),
-                _ if f[7] == "cached" => (Produced::AtEnd, true),
+                _ if f[7] == CACHED => (Produced::AtEnd, true),
                 _ => return None,
             };
             Some(State::Done {

@@ -1,6 +1,7 @@
 //! Per-model counters: names, and what each event or answer adds to them. Models named in
 //! the configuration get their own counters; every other model counts under `other`.
 
+use crate::core::api::endpoint::Endpoint;
 use crate::core::api::event::Event;
 use crate::core::api::headers;
 use crate::core::api::priority::Class;
@@ -305,9 +306,6 @@ pub fn token_usage<'a>(config: &'a Config, operation: &str, event: &'a Event) ->
         .collect()
 }
 
-/// The operations, in the order of each model label's timing histograms.
-pub const OPERATIONS: [&str; 4] = ["chat", "text_completion", "embeddings", "responses"];
-
 /// What a timing histogram measures, in milliseconds from the request's arrival in full:
 /// to its answer's end (`gen_ai.client.operation.duration`), or for a stream, to the
 /// first chunk of its answer (`gen_ai.client.operation.time_to_first_chunk`).
@@ -328,12 +326,12 @@ impl Timing {
     }
 }
 
-/// The name of the timing histogram of `label` and `operation`
+/// The name of the timing histogram of `label` and `endpoint`'s operation
 /// (`holysheep.<label>.operation_duration.<operation>`, `….time_to_first_chunk.…`; the
 /// `stats_tags` in `envoy/production.yaml` make the model and the operation tags).
-pub fn timing_name(config: &Config, label: &str, timing: Timing, operation: &str) -> String {
+pub fn timing_name(config: &Config, label: &str, timing: Timing, endpoint: Endpoint) -> String {
     let edge = if config.role == Role::Forward { "edge." } else { "" };
-    format!("holysheep.{edge}{label}.{}.{operation}", timing.stat())
+    format!("holysheep.{edge}{label}.{}.{}", timing.stat(), endpoint.operation())
 }
 
 /// What one look for a paraphrase adds to the counters of `model` (the chat model): the
@@ -592,10 +590,13 @@ mod tests {
     #[test]
     fn timing_histograms_are_named_by_model_label_and_operation() {
         let c = Config::parse(br#"{"models":{"gpt-4.1":{}}}"#).unwrap();
-        assert_eq!(timing_name(&c, "gpt-4.1", Timing::Duration, "chat"), "holysheep.gpt-4.1.operation_duration.chat");
+        assert_eq!(
+            timing_name(&c, "gpt-4.1", Timing::Duration, Endpoint::Chat),
+            "holysheep.gpt-4.1.operation_duration.chat"
+        );
         let forward = Config::parse(br#"{"role":"forward"}"#).unwrap();
         assert_eq!(
-            timing_name(&forward, "other", Timing::FirstChunk, "responses"),
+            timing_name(&forward, "other", Timing::FirstChunk, Endpoint::Responses),
             "holysheep.edge.other.time_to_first_chunk.responses"
         );
     }

@@ -22,13 +22,15 @@
 //!   (embedding, lookup, learning) vs an exact MISS, and a SEMANTIC answer (a paraphrase:
 //!   exact miss, embedding, lookup) vs an exact HIT, the lookup over a partition of one
 //!   question vs a full page of 64;
+//! - the cache under a scan (each on its own Envoy): a hot set's HITs after another tenant's
+//!   scan, and a Zipf(1.1) workload's hit rate and calls with and without a scan before it;
 //! - the plugin's and the component's sizes.
 //!
 //! Options (environment): BENCH_SECONDS (default 3), BENCH_CONNECTIONS (default 16),
 //! BENCH_ROUNDS (default 5: floor and plugin rows alternate; a row's median round is its
 //! line, and a ratio of two alternating rows is the median of their rounds' ratios),
 //! BENCH_ONLY=<family> (only that family's rows, into target/bench/<family>/: priority,
-//! budget, tenants, endpoints, semantic, fleet, crowd, start (the plugin's VM start: Envoy
+//! budget, tenants, endpoints, semantic, scan, fleet, crowd, start (the plugin's VM start: Envoy
 //! started with it and with the local-reply floor, alternating), and baseline: the HIT and
 //! the MISS against another build of the plugin named by HOLYSHEEP_BASELINE_WASM, in its
 //! own Envoy),
@@ -84,6 +86,7 @@ fn main() -> std::io::Result<()> {
             "fleet" => rows::fleet::fleet_rows(&mut r, rounds, (conns, secs), &prompt("benchmark prompt"))?,
             "baseline" => rows::baseline::baseline_rows(&mut r, rounds, (conns, secs), &prompt("benchmark prompt"))?,
             "start" => rows::start::start_rows(&mut r, &mock, rounds, &prompt("benchmark prompt"))?,
+            "scan" => rows::scan::scan_rows(&mut r)?,
             "tracing" => {
                 rows::tracing::tracing_rows(&mut r, &mock, rounds, (conns, secs), &prompt("benchmark prompt"))?
             }
@@ -130,6 +133,7 @@ fn main() -> std::io::Result<()> {
     rows::endpoints::endpoint_rows(&mut r, &mock, rounds, (conns, secs))?;
     rows::priority::backlog_rows(&mut r)?;
     drop(stage);
+    rows::scan::scan_rows(&mut r)?;
     rows::semantic::semantic_rows(&mut r, rounds, (conns, secs))?;
     rows::fleet::fleet_rows(&mut r, rounds, (conns, secs), &hit_prompt)?;
     rows::component::component_rows(&mut r, &component, &mock, component_hit)?;

@@ -1,9 +1,11 @@
-//! A fleet node's HIT: on the owner listener, from a near copy, through a forward hop.
+//! A fleet node's HIT: on the owner listener, from a near copy, through a forward hop; and
+//! its first request of a prompt through a forward hop against a plain two-Envoy proxy hop.
 
-use crate::load::{expect_all, load, load_as, PATH};
+use crate::load::{expect_all, load, load_as, unique_prompts, PATH};
 use crate::report::Report;
 use crate::stats::{alternate, median, paired, throughput};
 use host_test::client::request;
+use host_test::envoy::{Envoy, Options};
 use host_test::fleet::{Fleet, SECRET};
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -11,7 +13,9 @@ use std::sync::Arc;
 /// A fleet node's HIT four ways, alternating in one run: on the owner listener, through
 /// the forward listener from its near copy, and through the forward listener of a node
 /// without near copies (one hop to the owner listener), in plaintext (the nodes known by
-/// the fleet's secret) and over mutual TLS.
+/// the fleet's secret) and over mutual TLS. Then the first request of each prompt (a MISS)
+/// through the forward hop against the same request through two plain Envoy proxies in a
+/// row to the same mock (`plain` listeners: Envoy's router, no filter).
 pub fn fleet_rows(r: &mut Report, rounds: usize, (conns, secs): (usize, u64), hit_prompt: &str) -> std::io::Result<()> {
     let no_copies = r#"{"edge":{"max_age_seconds":0}}"#;
     // Each fleet runs until the rows are measured.
@@ -63,5 +67,28 @@ pub fn fleet_rows(r: &mut Report, rounds: usize, (conns, secs): (usize, u64), hi
     let (near_p50, hop_p50) = (p50(near_hit) / p50(owner_hit).max(1.0), p50(hop_hit) / p50(owner_hit).max(1.0));
     r.ratio("near-copy HIT / owner HIT p50", near_p50, "");
     r.ratio("forward hop HIT / owner HIT p50", hop_p50, "");
+
+    let mock = fleets[1].mock.addr;
+    let far = Envoy::start(&Options::new("{}", mock))?;
+    let near_plain = Envoy::start(&Options::new("{}", far.plain))?;
+    let plain_hop = |addr: SocketAddr| {
+        let s = load(addr, conns, secs, unique_prompts("bench: through two plain proxies"));
+        assert!(s.labels.iter().all(|l| l == "-"), "the plain proxies answer without the edge");
+        s
+    };
+    let forward_miss = unique_prompts("bench: a forward node's first request");
+    println!();
+    let rows = alternate(
+        rounds,
+        &mut [&mut || expect_all(load(hop.0, conns, secs, forward_miss.clone()), "MISS"), &mut || {
+            plain_hop(near_plain.plain)
+        }],
+    );
+    let [hop_miss, plain] = &rows[..] else { unreachable!("two rows") };
+    let miss_over_plain = paired(hop_miss, plain, throughput);
+    let mut medians = rows.into_iter().map(median);
+    r.row("fleet MISS through a forward hop", medians.next().expect("a row"));
+    r.row("MISS through two plain Envoy proxies", medians.next().expect("a row"));
+    r.ratio("forward hop MISS / two plain Envoy proxies", miss_over_plain, "goal >= 0.80");
     Ok(())
 }

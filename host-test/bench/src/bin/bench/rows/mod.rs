@@ -9,6 +9,7 @@ pub mod edge;
 pub mod endpoints;
 pub mod fleet;
 pub mod priority;
+pub mod scan;
 pub mod semantic;
 pub mod start;
 pub mod tenants;

@@ -3,6 +3,7 @@
 //! `wire` and `api`.
 
 pub(crate) mod digest;
+pub(crate) mod read;
 pub(crate) mod tenants;
 
 use crate::core::api::endpoint::Endpoint;
@@ -11,9 +12,8 @@ use crate::core::api::objects::{ObjectKey, Signer};
 use crate::core::api::priority::Class;
 use crate::core::api::usage::Usage;
 use crate::core::config::tenants::{Keys, Tenant};
-use serde::de::DeserializeOwned;
-use serde::Deserialize;
-use serde_json::{Map, Value};
+use read::{choice, entries, flag, maybe, number, size, text, texts, whole, whole32, Read, Section};
+use serde_json::Value;
 use std::collections::BTreeMap;
 
 /// The most `passthrough_paths` a configuration lists.
@@ -21,8 +21,7 @@ pub(crate) const MAX_PASSTHROUGH: usize = 64;
 /// The Responses API's conversations: never a passthrough path (`check_passthrough`).
 const CONVERSATIONS: &str = "/v1/conversations";
 
-#[derive(Debug, Clone, PartialEq, Deserialize)]
-#[serde(deny_unknown_fields, default)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct Config {
     /// What the filter does on this listener: govern the call (`owner`) or validate, key
     /// and pass it on to the key's owner node (`forward`).
@@ -56,23 +55,19 @@ pub struct Config {
     /// edge does not govern is a 404 (docs/tenants.md#other-paths).
     pub passthrough_paths: Vec<String>,
     /// The tenants' key digests, collected from `tenants` when the configuration is read.
-    #[serde(skip)]
     pub keys: Keys,
     /// The key a tenant's response ids are signed with, derived by the shell from the
     /// operator's API key (`api::objects`); `None` without one.
-    #[serde(skip)]
     pub object_key: Option<ObjectKey>,
     /// The digest of the settings that decide keys, scopes and prices (`digest::of`), made
     /// when the configuration is read: a forward node sends it on every hop.
-    #[serde(skip)]
     pub digest: String,
 }
 
 /// The spend store: etcd (v3), reached through its JSON gateway by callouts to an Envoy
 /// cluster. Tenants' settled spend is written behind, and read by a node before it admits
 /// a tenant's first call.
-#[derive(Debug, Clone, PartialEq, Deserialize)]
-#[serde(deny_unknown_fields, default)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct BudgetStore {
     /// The Envoy cluster that reaches etcd's client port (empty: spend is kept in this
     /// Envoy's memory only).
@@ -145,8 +140,7 @@ pub(crate) const MAX_COMPLETION_CAP: u64 = 1_000_000;
 /// The largest `models.<name>.context_window` that may be configured.
 pub(crate) const MAX_CONTEXT_WINDOW: u64 = 100_000_000;
 
-#[derive(Debug, Clone, PartialEq, Default, Deserialize)]
-#[serde(deny_unknown_fields, default)]
+#[derive(Debug, Clone, PartialEq, Default)]
 pub struct Model {
     pub requests_per_minute: Option<u32>,
     pub tokens_per_minute: Option<u64>,
@@ -170,8 +164,7 @@ pub struct Model {
     pub context_window: Option<u64>,
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
-#[serde(rename_all = "lowercase")]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum Role {
     #[default]
     Owner,
@@ -179,8 +172,7 @@ pub enum Role {
 }
 
 /// Many edge nodes as one: where the model owners are and how to reach them.
-#[derive(Debug, Clone, PartialEq, Deserialize)]
-#[serde(deny_unknown_fields, default)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct Fleet {
     /// Envoy cluster of every node's owner listener, consistently hashed. Empty: limits are
     /// this node's own.
@@ -207,8 +199,7 @@ pub struct Fleet {
 }
 
 /// What an owner does with a hop from a node that runs other settings (`Fleet::config_mismatch`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
-#[serde(rename_all = "lowercase")]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum Mismatch {
     /// Counted and logged; the request is served (a rolling change of the configuration
     /// passes through this state on every node).
@@ -242,8 +233,7 @@ impl Fleet {
 
 /// A forward node's near copies: the answers it forwarded that their owner declared
 /// storable (`cache-control: max-age`), kept in its own shared data.
-#[derive(Debug, Clone, PartialEq, Deserialize)]
-#[serde(deny_unknown_fields, default)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct Edge {
     /// The longest a near copy is served after it was copied, however long its owner keeps
     /// the answer (0: no near copies; identical requests still share one hop).
@@ -260,8 +250,7 @@ impl Default for Edge {
 
 /// The semantic tier (docs/semantic.md): everything but the last user message's text must
 /// match exactly; that text is compared by its embedding.
-#[derive(Debug, Clone, PartialEq, Deserialize)]
-#[serde(deny_unknown_fields, default)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct Semantic {
     pub enabled: bool,
     /// The model HolySheep's `/v1/embeddings` embeds the last user message with.
@@ -332,8 +321,7 @@ pub(crate) const MAX_MS: u64 = 86_400_000;
 /// The longest duration in seconds any setting accepts: one year.
 pub(crate) const MAX_SECONDS: u64 = 31_536_000;
 
-#[derive(Debug, Clone, PartialEq, Deserialize)]
-#[serde(deny_unknown_fields, default)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct RateLimit {
     /// 0: answer 429 at once; otherwise hold a request up to this long for its bucket.
     pub max_wait_ms: u64,
@@ -353,8 +341,7 @@ impl Default for RateLimit {
     }
 }
 
-#[derive(Debug, Clone, PartialEq, Deserialize)]
-#[serde(deny_unknown_fields, default)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct Retry {
     pub max_attempts: u32,
     pub base_delay_ms: u64,
@@ -370,8 +357,7 @@ impl Default for Retry {
 /// The most models a configuration may name (each holds one shared-data key).
 pub(crate) const MAX_MODELS: usize = 256;
 
-#[derive(Debug, Clone, PartialEq, Deserialize)]
-#[serde(deny_unknown_fields, default)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct Upstream {
     /// Envoy cluster that reaches HolySheep.
     pub cluster: String,
@@ -386,15 +372,13 @@ pub struct Upstream {
     pub api_key_env: String,
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
-#[serde(rename_all = "lowercase")]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Scope {
     Tenant,
     Global,
 }
 
-#[derive(Debug, Clone, PartialEq, Deserialize)]
-#[serde(deny_unknown_fields, default)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct Cache {
     pub ttl_seconds: u64,
     pub max_entries: u32,
@@ -410,8 +394,7 @@ pub struct Cache {
     pub hot_bytes: usize,
 }
 
-#[derive(Debug, Clone, PartialEq, Deserialize)]
-#[serde(deny_unknown_fields, default)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct Lock {
     pub lease_ms: u64,
     pub wait_timeout_ms: u64,
@@ -510,10 +493,7 @@ impl Config {
             return Err(ConfigError("the configuration must be a JSON object".into()));
         }
         let value: Value = serde_json::from_slice(raw).map_err(|e| ConfigError(e.to_string()))?;
-        let mut config: Config = serde_json::from_value(value.clone()).map_err(|e| {
-            let path = locate(&value).unwrap_or_else(|| "(the configuration itself)".into());
-            ConfigError(format!("{path}: {e}"))
-        })?;
+        let mut config = Config::read(&value)?;
         config.validate()?;
         if config.role == Role::Forward {
             // A forward node's cache holds its near copies.
@@ -791,44 +771,224 @@ impl Config {
     }
 }
 
-/// The path of the setting a configuration the parser refused fails on, e.g.
-/// `upstream.timeout_ms` or `models.gpt-4.1.burst`. Every field has a default, so each one
-/// can be tried on its own.
-fn locate(root: &Value) -> Option<String> {
-    let top = refused_field::<Config>(root)?;
-    let section = &root[top.as_str()];
-    let inner = match top.as_str() {
-        "fleet" => refused_field::<Fleet>(section),
-        "upstream" => refused_field::<Upstream>(section),
-        "cache" => refused_field::<Cache>(section),
-        "lock" => refused_field::<Lock>(section),
-        "rate_limit" => refused_field::<RateLimit>(section),
-        "retry" => refused_field::<Retry>(section),
-        "semantic" => refused_field::<Semantic>(section),
-        "budget_store" => refused_field::<BudgetStore>(section),
-        "tenants" => section.as_object().and_then(|tenants| {
-            tenants.iter().find_map(|(name, tenant)| match refused_field::<Tenant>(tenant) {
-                Some(field) => Some(format!("{name}.{field}")),
-                None => serde_json::from_value::<Tenant>(tenant.clone()).is_err().then(|| name.clone()),
-            })
-        }),
-        "models" => section.as_object().and_then(|models| {
-            models.iter().find_map(|(name, model)| match refused_field::<Model>(model) {
-                Some(field) => Some(format!("{name}.{field}")),
-                None => serde_json::from_value::<Model>(model.clone()).is_err().then(|| name.clone()),
-            })
-        }),
-        _ => None,
-    };
-    Some(inner.map_or(top.clone(), |f| format!("{top}.{f}")))
+impl Config {
+    /// The configuration's fields over the defaults (`read`).
+    fn read(root: &Value) -> Read<Config> {
+        let mut c = Config::default();
+        Section::of("", root)?.fields(|name, v, p| {
+            match name {
+                "role" => c.role = choice(p, v, &[("owner", Role::Owner), ("forward", Role::Forward)])?,
+                "fleet" => c.fleet = Fleet::read(p, v)?,
+                "edge" => c.edge = Edge::read(p, v)?,
+                "upstream" => c.upstream = Upstream::read(p, v)?,
+                "cache" => c.cache = Cache::read(p, v)?,
+                "lock" => c.lock = Lock::read(p, v)?,
+                "max_body_bytes" => c.max_body_bytes = size(p, v)?,
+                "models" => c.models = entries(p, v, Model::read)?,
+                "rate_limit" => c.rate_limit = RateLimit::read(p, v)?,
+                "retry" => c.retry = Retry::read(p, v)?,
+                "stale_if_error_seconds" => c.stale_if_error_seconds = whole(p, v)?,
+                "log_fields" => c.log_fields = flag(p, v)?,
+                "semantic" => c.semantic = Semantic::read(p, v)?,
+                "tenants" => c.tenants = entries(p, v, Tenant::read)?,
+                "budget_store" => c.budget_store = BudgetStore::read(p, v)?,
+                "passthrough_paths" => c.passthrough_paths = texts(p, v)?,
+                _ => return Ok(false),
+            }
+            Ok(true)
+        })?;
+        Ok(c)
+    }
 }
 
-/// The first field of the object `v` that `T` refuses when given that field alone.
-fn refused_field<T: DeserializeOwned>(v: &Value) -> Option<String> {
-    v.as_object()?.iter().find_map(|(name, field)| {
-        let alone = Value::Object(Map::from_iter([(name.clone(), field.clone())]));
-        serde_json::from_value::<T>(alone).is_err().then(|| name.clone())
-    })
+impl BudgetStore {
+    fn read(path: &str, v: &Value) -> Read<BudgetStore> {
+        let mut b = BudgetStore::default();
+        Section::of(path, v)?.fields(|name, v, p| {
+            match name {
+                "cluster" => b.cluster = text(p, v)?,
+                "authority" => b.authority = text(p, v)?,
+                "prefix" => b.prefix = text(p, v)?,
+                "flush_ms" => b.flush_ms = whole(p, v)?,
+                "timeout_ms" => b.timeout_ms = whole(p, v)?,
+                "outage_usd" => b.outage_usd = maybe(p, v, number)?,
+                "replicas" => b.replicas = whole32(p, v)?,
+                _ => return Ok(false),
+            }
+            Ok(true)
+        })?;
+        Ok(b)
+    }
+}
+
+impl Fleet {
+    fn read(path: &str, v: &Value) -> Read<Fleet> {
+        let mut f = Fleet::default();
+        Section::of(path, v)?.fields(|name, v, p| {
+            match name {
+                "cluster" => f.cluster = text(p, v)?,
+                "nodes" => f.nodes = whole32(p, v)?,
+                "peer_secret_env" => f.peer_secret_env = text(p, v)?,
+                "peer_secret_accepted_env" => f.peer_secret_accepted_env = text(p, v)?,
+                "timeout_ms" => f.timeout_ms = whole(p, v)?,
+                "internal" => f.internal = flag(p, v)?,
+                "peer_sans" => f.peer_sans = texts(p, v)?,
+                "config_mismatch" => {
+                    f.config_mismatch = choice(p, v, &[("count", Mismatch::Count), ("refuse", Mismatch::Refuse)])?
+                }
+                _ => return Ok(false),
+            }
+            Ok(true)
+        })?;
+        Ok(f)
+    }
+}
+
+impl Edge {
+    fn read(path: &str, v: &Value) -> Read<Edge> {
+        let mut e = Edge::default();
+        Section::of(path, v)?.fields(|name, v, p| {
+            match name {
+                "max_age_seconds" => e.max_age_seconds = whole(p, v)?,
+                "max_entries" => e.max_entries = whole32(p, v)?,
+                _ => return Ok(false),
+            }
+            Ok(true)
+        })?;
+        Ok(e)
+    }
+}
+
+impl Semantic {
+    fn read(path: &str, v: &Value) -> Read<Semantic> {
+        let mut s = Semantic::default();
+        Section::of(path, v)?.fields(|name, v, p| {
+            match name {
+                "enabled" => s.enabled = flag(p, v)?,
+                "embedding_model" => s.embedding_model = text(p, v)?,
+                "dimensions" => s.dimensions = maybe(p, v, whole32)?,
+                "threshold" => s.threshold = number(p, v)?,
+                "max_entries" => s.max_entries = whole32(p, v)?,
+                "models" => s.models = texts(p, v)?,
+                "allow_tools" => s.allow_tools = flag(p, v)?,
+                "timeout_ms" => s.timeout_ms = whole(p, v)?,
+                _ => return Ok(false),
+            }
+            Ok(true)
+        })?;
+        Ok(s)
+    }
+}
+
+impl RateLimit {
+    fn read(path: &str, v: &Value) -> Read<RateLimit> {
+        let mut r = RateLimit::default();
+        Section::of(path, v)?.fields(|name, v, p| {
+            match name {
+                "max_wait_ms" => r.max_wait_ms = whole(p, v)?,
+                "max_provider_hold_ms" => r.max_provider_hold_ms = whole(p, v)?,
+                "reserve" => r.reserve = number(p, v)?,
+                "max_queue" => r.max_queue = size(p, v)?,
+                _ => return Ok(false),
+            }
+            Ok(true)
+        })?;
+        Ok(r)
+    }
+}
+
+impl Retry {
+    fn read(path: &str, v: &Value) -> Read<Retry> {
+        let mut r = Retry::default();
+        Section::of(path, v)?.fields(|name, v, p| {
+            match name {
+                "max_attempts" => r.max_attempts = whole32(p, v)?,
+                "base_delay_ms" => r.base_delay_ms = whole(p, v)?,
+                "max_delay_ms" => r.max_delay_ms = whole(p, v)?,
+                _ => return Ok(false),
+            }
+            Ok(true)
+        })?;
+        Ok(r)
+    }
+}
+
+impl Upstream {
+    fn read(path: &str, v: &Value) -> Read<Upstream> {
+        let mut u = Upstream::default();
+        Section::of(path, v)?.fields(|name, v, p| {
+            match name {
+                "cluster" => u.cluster = text(p, v)?,
+                "authority" => u.authority = text(p, v)?,
+                "scheme" => u.scheme = text(p, v)?,
+                "timeout_ms" => u.timeout_ms = whole(p, v)?,
+                "api_key_env" => u.api_key_env = text(p, v)?,
+                _ => return Ok(false),
+            }
+            Ok(true)
+        })?;
+        Ok(u)
+    }
+}
+
+impl Cache {
+    fn read(path: &str, v: &Value) -> Read<Cache> {
+        let mut c = Cache::default();
+        Section::of(path, v)?.fields(|name, v, p| {
+            match name {
+                "ttl_seconds" => c.ttl_seconds = whole(p, v)?,
+                "max_entries" => c.max_entries = whole32(p, v)?,
+                "max_entry_bytes" => c.max_entry_bytes = size(p, v)?,
+                "scope" => c.scope = choice(p, v, &[("tenant", Scope::Tenant), ("global", Scope::Global)])?,
+                "tenant_header" => c.tenant_header = maybe(p, v, text)?,
+                "only_deterministic" => c.only_deterministic = flag(p, v)?,
+                "require_tenant" => c.require_tenant = flag(p, v)?,
+                "hot_bytes" => c.hot_bytes = size(p, v)?,
+                _ => return Ok(false),
+            }
+            Ok(true)
+        })?;
+        Ok(c)
+    }
+}
+
+impl Lock {
+    fn read(path: &str, v: &Value) -> Read<Lock> {
+        let mut l = Lock::default();
+        Section::of(path, v)?.fields(|name, v, p| {
+            match name {
+                "lease_ms" => l.lease_ms = whole(p, v)?,
+                "wait_timeout_ms" => l.wait_timeout_ms = whole(p, v)?,
+                "slots" => l.slots = whole32(p, v)?,
+                _ => return Ok(false),
+            }
+            Ok(true)
+        })?;
+        Ok(l)
+    }
+}
+
+impl Model {
+    fn read(path: &str, v: &Value) -> Read<Model> {
+        let mut m = Model::default();
+        Section::of(path, v)?.fields(|name, v, p| {
+            match name {
+                "requests_per_minute" => m.requests_per_minute = maybe(p, v, whole32)?,
+                "tokens_per_minute" => m.tokens_per_minute = maybe(p, v, whole)?,
+                "burst" => m.burst = maybe(p, v, whole32)?,
+                "max_in_flight" => m.max_in_flight = maybe(p, v, whole32)?,
+                "fallback" => m.fallback = texts(p, v)?,
+                "usd_per_mtok_input" => m.usd_per_mtok_input = maybe(p, v, number)?,
+                "usd_per_mtok_output" => m.usd_per_mtok_output = maybe(p, v, number)?,
+                "usd_per_mtok_cached_input" => m.usd_per_mtok_cached_input = maybe(p, v, number)?,
+                "max_completion_tokens" => m.max_completion_tokens = maybe(p, v, whole)?,
+                "context_window" => m.context_window = maybe(p, v, whole)?,
+                _ => return Ok(false),
+            }
+            Ok(true)
+        })?;
+        Ok(m)
+    }
 }
 
 impl Model {

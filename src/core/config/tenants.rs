@@ -5,8 +5,10 @@
 
 use crate::core::api::error::ApiError;
 use crate::core::api::priority::Class;
+use crate::core::api::priority::CLASSES;
+use crate::core::config::read::{choice, maybe, number, texts, whole, whole32, Read, Section};
 use crate::core::wire::digest::sha256;
-use serde::Deserialize;
+use serde_json::Value;
 use std::collections::BTreeMap;
 
 /// A tenant's caps, in micro-dollars (`None`: no cap for that period).
@@ -34,8 +36,7 @@ pub(crate) const MAX_TENANTS: usize = 1024;
 /// The most keys one tenant may have (rotation needs two).
 pub(crate) const MAX_KEYS: usize = 16;
 
-#[derive(Debug, Clone, PartialEq, Default, Deserialize)]
-#[serde(deny_unknown_fields, default)]
+#[derive(Debug, Clone, PartialEq, Default)]
 pub struct Tenant {
     /// SHA-256 digests (64 hex digits) of the tenant's bearer tokens.
     pub keys_sha256: Vec<String>,
@@ -54,6 +55,27 @@ pub struct Tenant {
 }
 
 impl Tenant {
+    /// `tenants.<name>`, its fields over the defaults.
+    pub(crate) fn read(path: &str, v: &Value) -> Read<Tenant> {
+        let mut t = Tenant::default();
+        let classes = CLASSES.map(|c| (c.as_str(), c));
+        Section::of(path, v)?.fields(|name, v, p| {
+            match name {
+                "keys_sha256" => t.keys_sha256 = texts(p, v)?,
+                "models" => t.models = maybe(p, v, texts)?,
+                "requests_per_minute" => t.requests_per_minute = maybe(p, v, whole32)?,
+                "tokens_per_minute" => t.tokens_per_minute = maybe(p, v, whole)?,
+                "burst" => t.burst = maybe(p, v, whole32)?,
+                "usd_per_day" => t.usd_per_day = maybe(p, v, number)?,
+                "usd_per_month" => t.usd_per_month = maybe(p, v, number)?,
+                "priority" => t.priority = choice(p, v, &classes)?,
+                _ => return Ok(false),
+            }
+            Ok(true)
+        })?;
+        Ok(t)
+    }
+
     /// The dollar caps, in micro-dollars.
     pub fn caps(&self) -> Caps {
         let micro = |usd: Option<f64>| usd.map(|d| (d * 1e6).round() as u64);

@@ -1192,6 +1192,151 @@ mod tests {
         }
     }
 
+    /// Every field of every section is read: a configuration setting each one away from
+    /// its default equals the same settings written out (a struct literal, so a field added
+    /// to a section and not to this test fails to compile).
+    #[test]
+    fn every_field_is_read() {
+        let key = "e".repeat(64);
+        let raw = format!(
+            r#"{{"role":"forward","log_fields":true,"max_body_bytes":2048,"stale_if_error_seconds":7,
+            "fleet":{{"cluster":"owners","nodes":3,"peer_secret_env":"A","peer_secret_accepted_env":"B",
+              "timeout_ms":9,"internal":false,"peer_sans":["spiffe://x"],"config_mismatch":"refuse"}},
+            "edge":{{"max_age_seconds":5,"max_entries":64}},
+            "upstream":{{"cluster":"hs","authority":"a.example","scheme":"http","timeout_ms":11,"api_key_env":"K"}},
+            "cache":{{"ttl_seconds":12,"max_entries":128,"max_entry_bytes":4096,"scope":"tenant",
+              "tenant_header":null,"only_deterministic":true,"require_tenant":true,"hot_bytes":0}},
+            "lock":{{"lease_ms":200,"wait_timeout_ms":300,"slots":64}},
+            "models":{{"m":{{"requests_per_minute":1,"tokens_per_minute":2,"burst":3,"max_in_flight":4,
+              "fallback":["n"],"usd_per_mtok_input":1.5,"usd_per_mtok_output":2.5,"usd_per_mtok_cached_input":0.5,
+              "max_completion_tokens":5,"context_window":6}},
+              "n":{{"usd_per_mtok_input":1}},"text-embedding-3-large":{{"usd_per_mtok_input":1}}}},
+            "rate_limit":{{"max_wait_ms":13,"max_provider_hold_ms":14,"reserve":0.5,"max_queue":15}},
+            "retry":{{"max_attempts":2,"base_delay_ms":16,"max_delay_ms":17}},
+            "semantic":{{"enabled":true,"embedding_model":"text-embedding-3-large","dimensions":256,
+              "threshold":0.9,"max_entries":18,"models":["m"],"allow_tools":true,"timeout_ms":19}},
+            "tenants":{{"t":{{"keys_sha256":["{key}"],"models":["m"],"requests_per_minute":20,
+              "tokens_per_minute":21,"burst":22,"usd_per_day":1.25,"usd_per_month":30,"priority":"critical"}}}},
+            "budget_store":{{"cluster":"etcd","authority":"e","prefix":"p/q","flush_ms":500,"timeout_ms":23,
+              "outage_usd":0.75,"replicas":2}},
+            "passthrough_paths":["/v1/models"]}}"#
+        );
+        let c = Config::parse(raw.as_bytes()).unwrap();
+        let model = |input: f64| Model { usd_per_mtok_input: Some(input), ..Model::default() };
+        let expected = Config {
+            role: Role::Forward,
+            fleet: Fleet {
+                cluster: "owners".into(),
+                nodes: 3,
+                peer_secret_env: "A".into(),
+                peer_secret_accepted_env: "B".into(),
+                timeout_ms: 9,
+                internal: false,
+                peer_sans: vec!["spiffe://x".into()],
+                config_mismatch: Mismatch::Refuse,
+            },
+            edge: Edge { max_age_seconds: 5, max_entries: 64 },
+            upstream: Upstream {
+                cluster: "hs".into(),
+                authority: "a.example".into(),
+                scheme: "http".into(),
+                timeout_ms: 11,
+                api_key_env: "K".into(),
+            },
+            // A forward node's cache holds its near copies (`edge.max_entries`).
+            cache: Cache {
+                ttl_seconds: 12,
+                max_entries: 64,
+                max_entry_bytes: 4096,
+                scope: Scope::Tenant,
+                tenant_header: None,
+                only_deterministic: true,
+                require_tenant: true,
+                hot_bytes: 0,
+            },
+            lock: Lock { lease_ms: 200, wait_timeout_ms: 300, slots: 64 },
+            max_body_bytes: 2048,
+            models: BTreeMap::from([
+                (
+                    "m".to_owned(),
+                    Model {
+                        requests_per_minute: Some(1),
+                        tokens_per_minute: Some(2),
+                        burst: Some(3),
+                        max_in_flight: Some(4),
+                        fallback: vec!["n".into()],
+                        usd_per_mtok_input: Some(1.5),
+                        usd_per_mtok_output: Some(2.5),
+                        usd_per_mtok_cached_input: Some(0.5),
+                        max_completion_tokens: Some(5),
+                        context_window: Some(6),
+                    },
+                ),
+                ("n".to_owned(), model(1.0)),
+                ("text-embedding-3-large".to_owned(), model(1.0)),
+            ]),
+            rate_limit: RateLimit { max_wait_ms: 13, max_provider_hold_ms: 14, reserve: 0.5, max_queue: 15 },
+            retry: Retry { max_attempts: 2, base_delay_ms: 16, max_delay_ms: 17 },
+            stale_if_error_seconds: 7,
+            log_fields: true,
+            semantic: Semantic {
+                enabled: true,
+                embedding_model: "text-embedding-3-large".into(),
+                dimensions: Some(256),
+                threshold: 0.9,
+                max_entries: 18,
+                models: vec!["m".into()],
+                allow_tools: true,
+                timeout_ms: 19,
+            },
+            tenants: BTreeMap::from([(
+                "t".to_owned(),
+                Tenant {
+                    keys_sha256: vec![key.clone()],
+                    models: Some(vec!["m".into()]),
+                    requests_per_minute: Some(20),
+                    tokens_per_minute: Some(21),
+                    burst: Some(22),
+                    usd_per_day: Some(1.25),
+                    usd_per_month: Some(30.0),
+                    priority: Class::Critical,
+                },
+            )]),
+            budget_store: BudgetStore {
+                cluster: "etcd".into(),
+                authority: "e".into(),
+                prefix: "p/q".into(),
+                flush_ms: 500,
+                timeout_ms: 23,
+                outage_usd: Some(0.75),
+                replicas: 2,
+            },
+            passthrough_paths: vec!["/v1/models".into()],
+            keys: c.keys.clone(),
+            object_key: None,
+            digest: c.digest.clone(),
+        };
+        assert_eq!(c, expected);
+        assert!(!c.keys.is_empty(), "the tenant's key digest was collected");
+    }
+
+    #[test]
+    fn a_tenants_fields_and_kinds_are_named_when_refused() {
+        for (raw, field) in [
+            (r#"{"tenants":{"t":{"priority":"urgent"}}}"#, "tenants.t.priority"),
+            (r#"{"tenants":{"t":{"keys":[]}}}"#, "tenants.t.keys"),
+            (r#"{"tenants":{"t":{"usd_per_day":"5"}}}"#, "tenants.t.usd_per_day"),
+            (r#"{"tenants":{"t":[]}}"#, "tenants.t"),
+            (r#"{"budget_store":{"replicas":4294967296}}"#, "budget_store.replicas"),
+            (r#"{"semantic":{"models":["m",1]}}"#, "semantic.models"),
+            (r#"{"log_fields":"yes"}"#, "log_fields"),
+            (r#"{"cache":{"tenant_header":5}}"#, "cache.tenant_header"),
+        ] {
+            let e = Config::parse(raw.as_bytes()).unwrap_err();
+            assert_eq!(e.field(), field, "{raw}: {e}");
+        }
+    }
+
     #[test]
     fn bad_values_are_named() {
         for (raw, field) in [

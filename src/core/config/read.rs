@@ -41,7 +41,11 @@ impl<'a> Section<'a> {
 /// An object of named entries (`models`, `tenants`), each read by `entry`.
 pub(crate) fn entries<T>(path: &str, v: &Value, entry: impl Fn(&str, &Value) -> Read<T>) -> Read<BTreeMap<String, T>> {
     let Value::Object(map) = v else { return Err(wrong(path, "an object")) };
-    map.iter().map(|(name, v)| Ok((name.clone(), entry(&format!("{path}.{name}"), v)?))).collect()
+    let mut read = BTreeMap::new();
+    for (name, v) in map {
+        read.insert(name.clone(), entry(&format!("{path}.{name}"), v)?);
+    }
+    Ok(read)
 }
 
 fn wrong(path: &str, what: &str) -> ConfigError {
@@ -74,7 +78,11 @@ pub(crate) fn text(path: &str, v: &Value) -> Read<String> {
 
 pub(crate) fn texts(path: &str, v: &Value) -> Read<Vec<String>> {
     let list = v.as_array().ok_or_else(|| wrong(path, "a list of strings"))?;
-    list.iter().map(|s| s.as_str().map(str::to_owned).ok_or_else(|| wrong(path, "a list of strings"))).collect()
+    let mut read = Vec::with_capacity(list.len());
+    for s in list {
+        read.push(s.as_str().ok_or_else(|| wrong(path, "a list of strings"))?.to_owned());
+    }
+    Ok(read)
 }
 
 /// `null` as `None`, anything else read by `read`.

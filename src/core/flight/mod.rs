@@ -743,11 +743,12 @@ mod tests {
         assert_eq!(crate::core::limits::budget::spent(&s, "t", 1), (3000, 3000), "only the call that left holds");
     }
 
-    /// A fleet of 4 nodes, gpt-4.1 at $10/$30 per Mtok, and tenant `t` with `usd_per_day`.
+    /// A fleet of 4 nodes, gpt-4.1 at $10/$30 per Mtok with a request bucket (kept by its owner
+    /// node), and tenant `t` with `usd_per_day`.
     fn fleet_tenant_config(usd_per_day: f64) -> Config {
         config(&format!(
             r#"{{"fleet":{{"cluster":"owners","nodes":4}},
-                "models":{{"gpt-4.1":{{"usd_per_mtok_input":10,"usd_per_mtok_output":30}}}},
+                "models":{{"gpt-4.1":{{"usd_per_mtok_input":10,"usd_per_mtok_output":30,"requests_per_minute":600}}}},
                 "tenants":{{"t":{{"keys_sha256":["{}"],"usd_per_day":{usd_per_day}}}}}}}"#,
             "a".repeat(64)
         ))

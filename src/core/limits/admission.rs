@@ -441,6 +441,10 @@ impl Standing {
         let name = self.models[i].clone();
         let Some((bucket, m)) = config.model(&name) else { return Reservation::Reserved };
         let l = Limits::of(m, &config.rate_limit);
+        if l.unbounded() {
+            // Nothing to take, hold or settle: no ticket, no bucket read, no owner asked.
+            return Reservation::Reserved;
+        }
         if !l.fits(self.estimate) {
             // Never: it must not wait at its place, nor take the whole bucket.
             return Reservation::Denied(Denial::of(Kind::TooLarge, None));
@@ -629,6 +633,30 @@ mod tests {
         first.settle(&s, &c, 0, (Some(12), 0), &ProviderHints::default(), 1);
         first.close(&s, &c, 1);
         assert_eq!(budget::spent(&s, "t", 1).0, 220);
+    }
+
+    /// A model listed for its prices alone limits nothing: a call on it is admitted, billed
+    /// and settled without one read or write of the store, alone and in a fleet (no owner
+    /// asked). Given a limit, the same call takes and settles its bucket.
+    #[test]
+    fn a_model_without_limits_costs_the_store_nothing() {
+        use crate::core::store::Counting;
+        for (fleet, limit, calls) in [("", "", (0, 0)), (r#""fleet":{"cluster":"owners","nodes":4},"#, "", (0, 0))]
+            .into_iter()
+            .chain([("", r#","max_in_flight":5"#, (2, 2))])
+        {
+            let raw = format!(
+                r#"{{{fleet}"models":{{"gpt-4.1":{{"usd_per_mtok_input":10,"usd_per_mtok_output":30{limit}}}}}}}"#
+            );
+            let c = Config::parse(raw.as_bytes()).unwrap();
+            let s = Counting::new();
+            let mut call = standing(&c, None);
+            assert_eq!(call.admit(&s, &c, 0, 0, 1), Admission::Admitted { index: 0 }, "{fleet}{limit}");
+            call.bill(&c, 0, Billed::Known(crate::core::api::usage::Usage::new(7, 5)));
+            call.settle(&s, &c, 0, (Some(12), 0), &ProviderHints::default(), 1);
+            call.close(&s, &c, 1);
+            assert_eq!(s.calls(), calls, "{fleet}{limit}");
+        }
     }
 
     #[test]

@@ -71,6 +71,12 @@ impl Limits {
         }
     }
 
+    /// Whether nothing is limited (a model listed for its prices or fallbacks alone): its
+    /// bucket would admit every call and hold nothing, so it is never read or written.
+    pub(crate) fn unbounded(&self) -> bool {
+        self.rpm.is_none() && self.tpm.is_none() && self.max_in_flight.is_none()
+    }
+
     /// Whether a call of `estimate` tokens could ever be admitted: no more than the token
     /// bucket holds when full.
     pub(crate) fn fits(&self, estimate: u64) -> bool {

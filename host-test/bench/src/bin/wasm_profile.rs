@@ -1,6 +1,7 @@
 //! `make profile`: where a request's time inside the wasm VM goes, for the plugin and the
 //! bench floors (`host-test/bench/floors/`: a local reply, the same with a HIT's host calls, a
-//! callout, the same with a MISS's host calls (and with its parsing and hashing), 64 held requests released by the last,
+//! callout, the same with a MISS's host calls (and with its parsing and hashing), a verified
+//! tenant's MISS without and with a dollar budget, 64 held requests released by the last,
 //! beside the plugin's crowd of 64), run in the wasmtime host (`host_test::proxy_host`,
 //! one worker) with a perf map, under `perf record` (cpu-clock). For each row: CPU in
 //! compiled wasm per request, proxy-wasm host calls per request (counted by the host), and
@@ -19,7 +20,7 @@ use holysheep_bench::profile::{self, Samples, SAMPLE_US};
 use host_test::envoy::workspace_root;
 use host_test::proxy_host::state::Headers;
 use host_test::proxy_host::world::{Options, Plugin, UpstreamCall, World};
-use host_test::stack::prompt;
+use host_test::stack::{prompt, sha256_hex};
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
@@ -219,6 +220,15 @@ fn main() {
     };
     let requests = std::env::var("PROFILE_REQUESTS").ok().and_then(|v| v.parse().ok()).unwrap_or(20_000);
     let body = answer(0).map(|(_, b)| String::from_utf8_lossy(&b).into_owned()).unwrap_or_default();
+    // The load's tenant (`Bearer profile`), without a budget and with one (spend kept per
+    // process), as the bench's budget rows.
+    let tenant = |budget: &str| {
+        format!(
+            r#"{{"models":{{"gpt-4.1":{{"usd_per_mtok_input":2,"usd_per_mtok_output":8}}}},
+                "tenants":{{"t":{{"keys_sha256":["{}"]{budget}}}}}}}"#,
+            sha256_hex(b"profile")
+        )
+    };
     let mut rows = vec![
         Row {
             name: "floor: wasm local reply",
@@ -272,6 +282,22 @@ fn main() {
             name: "edge MISS (distinct prompts)",
             wasm: plugin.clone(),
             config: "{}".into(),
+            distinct: true,
+            label: Some("MISS"),
+            crowd: 1,
+        },
+        Row {
+            name: "edge MISS, tenant without a budget",
+            wasm: plugin.clone(),
+            config: tenant(""),
+            distinct: true,
+            label: Some("MISS"),
+            crowd: 1,
+        },
+        Row {
+            name: "edge MISS, budgeted tenant",
+            wasm: plugin.clone(),
+            config: tenant(r#","usd_per_day":1000000"#),
             distinct: true,
             label: Some("MISS"),
             crowd: 1,

@@ -124,7 +124,7 @@ fn main() -> std::io::Result<()> {
     let component_hit = rows::edge::hit_rows(&mut r, &stage, component.addr, (rounds, l), &hit_prompt);
     rows::edge::miss_rows(&mut r, &stage, (rounds, l));
     rows::crowd::crowd_rows(&mut r, &stage, &mock, (crowd, &hit_prompt));
-    r.note(format!("plugin size: {wasm_bytes} bytes (goal <= 524288)"));
+    r.note(format!("plugin size: {wasm_bytes} bytes (goal <= 614400, 600 KiB)"));
     rows::edge::stream_rows(&mut r, &stage, &mock);
     rows::tenants::tenant_rows(&mut r, &mock, rounds, (conns, secs), &hit_prompt)?;
     rows::edge::log_field_rows(&mut r, &stage, &mock, (rounds, l), &hit_prompt)?;

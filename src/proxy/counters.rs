@@ -159,9 +159,15 @@ impl Counters {
 
     /// Sets `tenant`'s budget gauges to what its record says is left now.
     pub fn record_budget(&self, config: &Config, tenant: &str, now_ms: u64) {
+        if self.budget_gauges.iter().any(|g| g.tenant == tenant) {
+            self.record_standing(config, tenant, budget::standing(&SharedData, tenant, now_ms));
+        }
+    }
+
+    /// Sets `tenant`'s budget gauges to what `standing` leaves.
+    fn record_standing(&self, config: &Config, tenant: &str, standing: budget::Standing) {
         let Some(g) = self.budget_gauges.iter().find(|g| g.tenant == tenant) else { return };
         let Some(caps) = config.tenants.get(tenant).map(|t| t.caps()) else { return };
-        let standing = budget::standing(&SharedData, tenant, now_ms);
         let (spent_day, spent_month) = standing.spent;
         for (id, cap, spent) in [(g.day, caps.per_day, spent_day), (g.month, caps.per_month, spent_month)] {
             if let (Some(id), Some(cap)) = (id, cap) {
@@ -196,6 +202,11 @@ impl Counters {
             }
         }
         self.count(events.iter().flat_map(|e| metrics::for_event(config, e)).collect(), tenant);
+        for e in events {
+            if let Event::BudgetStanding { tenant, spent, keepers } = e {
+                self.record_standing(config, tenant, budget::Standing { spent: *spent, keepers: *keepers });
+            }
+        }
         for (class, stat, n) in events.iter().filter_map(metrics::for_class) {
             let Some(id) = self.class_ids[class.rank()][stat.index()] else { continue };
             let _ = match stat {

@@ -47,4 +47,12 @@ pub enum Event {
         class: Class,
         full: bool,
     },
+    /// The flight settled its tenant's dollar budget in this process's record, which then
+    /// stood at these micro-dollars spent (and reserved) today and this month, kept by
+    /// `keepers` processes (the tenant's gauges, without reading the record again).
+    BudgetStanding {
+        tenant: String,
+        spent: (u64, u64),
+        keepers: u32,
+    },
 }

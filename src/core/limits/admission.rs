@@ -18,7 +18,7 @@ use crate::core::api::usage::Billed;
 use crate::core::config::Config;
 use crate::core::limits::fleet::{self, Op, Verdict};
 use crate::core::limits::line::{Who, POLL_CAP_MS};
-use crate::core::limits::tenant_gate::{self, Ask, Refusal, Settlement, TenantHold};
+use crate::core::limits::tenant_gate::{self, Ask, Ended, Refusal, Settlement, TenantHold};
 use crate::core::limits::{self, duration, Denial, Kind, Limits};
 use crate::core::store::CasStore;
 
@@ -318,8 +318,13 @@ impl Standing {
     pub fn close(&mut self, store: &impl CasStore, config: &Config, now_ms: u64) {
         match std::mem::replace(&mut self.pass, TenantPass::Taken(None)) {
             TenantPass::Taken(Some(hold)) => {
-                if let Some(settlement) = hold.end(store, now_ms) {
-                    self.outbox.push(Op::TenantSettle(settlement));
+                let tenant = self.tenant.clone().unwrap_or_default();
+                match hold.end(store, now_ms) {
+                    Ended::Owner(settlement) => self.outbox.push(Op::TenantSettle(settlement)),
+                    Ended::Here(Some(s)) => {
+                        self.events.push(Event::BudgetStanding { tenant, spent: s.spent, keepers: s.keepers })
+                    }
+                    Ended::Here(None) => {}
                 }
             }
             // A verdict never read, or an ask that may have reached the owner all the same
@@ -633,6 +638,9 @@ mod tests {
         first.settle(&s, &c, 0, (Some(12), 0), &ProviderHints::default(), 1);
         first.close(&s, &c, 1);
         assert_eq!(budget::spent(&s, "t", 1).0, 220);
+        // The record as the settlement left it, for the tenant's gauges (no second read).
+        let standing = Event::BudgetStanding { tenant: "t".into(), spent: (220, 220), keepers: 1 };
+        assert_eq!(first.events.last(), Some(&standing));
     }
 
     /// A model listed for its prices alone limits nothing: a call on it is admitted, billed

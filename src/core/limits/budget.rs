@@ -431,6 +431,11 @@ impl Spend {
         .into_bytes()
     }
 
+    /// How the record stands (as read `at` `now_ms`), as its gauges show it.
+    fn standing(&self, now_ms: u64) -> Standing {
+        Standing { spent: (self.day_micro, self.month_micro), keepers: self.keepers.at(now_ms) }
+    }
+
     /// The spend as of `now_ms`: a new day or month starts from nothing, and reservations
     /// past their deadline are no longer listed: they stay charged, as settled at their
     /// worst case.
@@ -703,11 +708,11 @@ pub fn reserve(
 /// still lists it, is taken out of the periods it was made in (a period that ended since
 /// is not touched), and the current ones are charged what the call cost (settled here,
 /// for the spend store to be told).
-pub fn settle(store: &impl CasStore, tenant: &str, caps: Caps, id: u64, actual: u64, now_ms: u64) {
+pub fn settle(store: &impl CasStore, tenant: &str, caps: Caps, id: u64, actual: u64, now_ms: u64) -> Option<Standing> {
     if caps.is_none() {
-        return;
+        return None;
     }
-    let _ = update(store, tenant, now_ms, |s| {
+    let settled = update(store, tenant, now_ms, |s| {
         s.release(id);
         // A call whose reservation lapsed was charged its worst case meanwhile: its cost
         // takes that charge's place (never going below what was charged, should part of
@@ -727,6 +732,7 @@ pub fn settle(store: &impl CasStore, tenant: &str, caps: Caps, id: u64, actual: 
         s.recharge();
         true
     });
+    settled.map(|s| s.standing(now_ms))
 }
 
 /// Reads `tenant`'s record as of `now_ms`, lets `f` change it (`f` says whether to write),
@@ -783,8 +789,7 @@ pub struct Standing {
 /// `tenant`'s standing, read and decoded once.
 pub fn standing(store: &impl CasStore, tenant: &str, now_ms: u64) -> Standing {
     let raw = store.get(&key(tenant)).ok().and_then(|r| r.value);
-    let s = raw.as_deref().and_then(Spend::decode).unwrap_or_default().at(now_ms);
-    Standing { spent: (s.day_micro, s.month_micro), keepers: s.keepers.at(now_ms) }
+    raw.as_deref().and_then(Spend::decode).unwrap_or_default().at(now_ms).standing(now_ms)
 }
 
 /// Micro-dollars spent (and reserved) today and this month.

@@ -257,7 +257,8 @@ pub(crate) fn settle_reported(store: &impl CasStore, config: &Config, s: &Settle
     let Some(t) = config.tenants.get(&s.tenant) else { return };
     if s.release {
         // Only the dollars are listed by call; the bucket refills on its own.
-        return budget::settle(store, &s.tenant, t.caps(), s.id, 0, now_ms);
+        budget::settle(store, &s.tenant, t.caps(), s.id, 0, now_ms);
+        return;
     }
     let hold = TenantHold {
         tenant: s.tenant.clone(),
@@ -302,9 +303,9 @@ impl TenantHold {
 
     /// The flight ended: its reservations become what its attempts used, here, or (the
     /// `Settlement` returned) on the tenant's owner node.
-    pub fn end(self, store: &impl CasStore, now_ms: u64) -> Option<Settlement> {
+    pub fn end(self, store: &impl CasStore, now_ms: u64) -> Ended {
         let Some(ledger) = &self.here else {
-            return Some(Settlement {
+            return Ended::Owner(Settlement {
                 tenant: self.tenant,
                 id: self.id,
                 estimate: self.estimate,
@@ -318,9 +319,18 @@ impl TenantHold {
             let (hints, tokens) = (ProviderHints::default(), Some(self.used_tokens));
             limits::settle(store, &bucket(&ledger.name), l, self.id, self.estimate, tokens, &hints, now_ms);
         }
-        budget::settle(store, &ledger.name, ledger.caps, self.id, self.used_micro, now_ms);
-        None
+        Ended::Here(budget::settle(store, &ledger.name, ledger.caps, self.id, self.used_micro, now_ms))
     }
+}
+
+/// Where a tenant's hold was settled when its call ended.
+#[derive(Debug)]
+pub enum Ended {
+    /// In this process's record, which then stood so (`None`: no budget, or the store
+    /// was out of reach).
+    Here(Option<budget::Standing>),
+    /// On the tenant's owner node, which is to be told.
+    Owner(Settlement),
 }
 
 /// The answer to a tenant's refusal of a call of `estimate` tokens on `model`: a 429, or

@@ -254,7 +254,7 @@ pub fn for_event<'a>(config: &'a Config, event: &'a Event) -> Vec<(&'a str, Coun
         Event::ProviderRateLimited { model } => one(model, Counter::ProviderRateLimited),
         Event::LocalShare { model } => one(model, Counter::FleetLocalShare),
         // Counted per class (`for_class`).
-        Event::Queued { .. } | Event::Admitted { .. } | Event::Shed { .. } => Vec::new(),
+        Event::Queued { .. } | Event::Admitted { .. } | Event::Shed { .. } | Event::BudgetStanding { .. } => Vec::new(),
         Event::Usage { model, usage } => {
             let l = label(config, model);
             vec![

@@ -49,15 +49,9 @@ impl Root {
             {
                 let w = &mut *self.worker.borrow_mut();
                 w.take_events(&mut run);
-                let tenant = run.outbound.tenant.as_deref();
+                // (The tenant's budget gauges follow the record its settlement wrote here:
+                // `Event::BudgetStanding`.)
                 w.fleet.outbox.append(&mut run.flight.outbox);
-                // The tenant's budget record is this node's (not its owner node's elsewhere),
-                // read when a call ends: not when it is sent, nor on every look from a place
-                // in line.
-                let changed = matches!(action, flight::Action::Finish(_));
-                if let Some(t) = tenant.filter(|_| changed && !w.config.fleet.shared_limits()) {
-                    w.counters.record_budget(&w.config, t, host::now_ms());
-                }
             }
             self.send_settlements();
             match action {

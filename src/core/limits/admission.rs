@@ -103,7 +103,9 @@ enum TenantPass {
 pub(crate) struct Standing {
     models: Vec<String>,
     tenant: Option<String>,
-    tenant_tag: u64,
+    /// `priority::tenant_tag` of `tenant`, made when a bucket's line first needs it (a
+    /// digest: a call no bucket limits never makes it).
+    tenant_tag: Option<u64>,
     class: Class,
     estimate: u64,
     worst_tokens: u64,
@@ -141,7 +143,7 @@ impl Standing {
         Standing {
             models,
             tenant: claim.tenant.map(str::to_owned),
-            tenant_tag: priority::tenant_tag(claim.tenant),
+            tenant_tag: None,
             class: claim.class,
             estimate: claim.estimate,
             worst_tokens: claim.worst_tokens,
@@ -457,7 +459,8 @@ impl Standing {
         // A call holds its in-flight slot no longer than the flight can last.
         let hold = self.deadline_ms.saturating_sub(now_ms) + 1_000;
         let (estimate, id) = (self.estimate, *self.id.get_or_insert(nonce));
-        let who = Who { id, estimate, class: self.class, tenant: self.tenant_tag };
+        let tag = *self.tenant_tag.get_or_insert_with(|| priority::tenant_tag(self.tenant.as_deref()));
+        let who = Who { id, estimate, class: self.class, tenant: tag };
         // A call that may still wait keeps a place in line while it is refused.
         let waits = now_ms < self.hold_until_ms;
         let (ticket, taken) = if !config.fleet.shared_limits() {
@@ -465,7 +468,7 @@ impl Standing {
         } else {
             match heard {
                 None => {
-                    let (class, tenant) = (self.class, self.tenant_tag);
+                    let (class, tenant) = (self.class, tag);
                     let op = Op::Take { model: name.clone(), id, estimate, hold_ms: hold, class, tenant, waits };
                     return Reservation::Ask(bucket.to_owned(), op);
                 }

@@ -9,6 +9,7 @@
 use crate::core::config::tenants::Caps;
 use crate::core::config::Config;
 use crate::core::store::{cas_after, CasStore, StoreError, MAX_RACES};
+use crate::core::wire::codec;
 
 const DAY_MS: u64 = 86_400_000;
 /// The most reservations a record lists; beyond it the oldest is dropped (it stays charged).
@@ -386,49 +387,49 @@ impl Spend {
         Some(spend)
     }
 
+    /// The record as `decode` reads it, written number by number (no formatting machinery:
+    /// a budgeted call writes it twice).
     pub(super) fn encode(&self) -> Vec<u8> {
-        let mut held: Vec<String> = self.held.iter().map(Entry::encode).collect();
-        held.extend(self.lapsed.iter().map(|e| format!("~{}", e.encode())));
-        held.extend(self.paid.iter().map(|e| format!("^{}", e.encode())));
+        let mut out = Record(Vec::with_capacity(96 + 24 * self.held.len()));
+        out.numbers(b' ', &[self.day, self.day_micro, self.month, self.month_micro]);
+        out.0.push(b'|');
+        let mut entries = out.list();
+        for (mark, list) in [("", &self.held), ("~", &self.lapsed), ("^", &self.paid)] {
+            for e in list {
+                entries.entry(mark, &[e.id, e.micro, e.day, e.month, e.until_ms]);
+            }
+        }
+        for (w, t) in &self.stored.writes {
+            entries.entry(WRITES_MARK, &[*w, *t]);
+        }
+        for u in &self.unsure {
+            let w = u.write;
+            entries.entry(UNSURE_MARK, &[w.tag, w.sent.0, w.sent.1, w.day, w.month, u.base]);
+        }
+        for seen in &self.keepers.seen {
+            entries.entry(if seen.writing { KEEPERS_MARK } else { NAMED_MARK }, &[seen.writer, seen.until_ms]);
+        }
+        for (mark, ms) in [(ADMITTED_MARK, self.keepers.admitted_ms), (WROTE_MARK, self.keepers.wrote_ms)] {
+            if ms > 0 {
+                entries.entry(mark, &[ms]);
+            }
+        }
         let (mark, number) = match self.mark {
             Mark::Unread => (0, 0),
             Mark::Read { revision } => (1, revision),
             Mark::Unreachable { until_ms } => (2, until_ms),
         };
         let s = &self.stored;
-        let pending = self.pending.map_or(String::new(), |p| {
-            format!(" {} {} {} {} {} {}", p.tag, p.sent.0, p.sent.1, p.day, p.month, p.until_ms)
-        });
-        held.extend(s.writes.iter().map(|(w, t)| format!("{WRITES_MARK}{w}:{t}")));
-        held.extend(self.unsure.iter().map(|u| {
-            let w = u.write;
-            format!("{UNSURE_MARK}{}:{}:{}:{}:{}:{}", w.tag, w.sent.0, w.sent.1, w.day, w.month, u.base)
-        }));
-        held.extend(self.keepers.seen.iter().map(|s| {
-            let mark = if s.writing { KEEPERS_MARK } else { NAMED_MARK };
-            format!("{mark}{}:{}", s.writer, s.until_ms)
-        }));
-        for (mark, ms) in [(ADMITTED_MARK, self.keepers.admitted_ms), (WROTE_MARK, self.keepers.wrote_ms)] {
-            if ms > 0 {
-                held.push(format!("{mark}{ms}"));
-            }
+        out.0.push(b'|');
+        out.numbers(
+            b' ',
+            &[mark, number, s.day, s.day_micro, s.month, s.month_micro, self.unsent.0, self.unsent.1, self.learned_ms],
+        );
+        if let Some(p) = self.pending {
+            out.0.push(b' ');
+            out.numbers(b' ', &[p.tag, p.sent.0, p.sent.1, p.day, p.month, p.until_ms]);
         }
-        format!(
-            "{} {} {} {}|{}|{mark} {number} {} {} {} {} {} {} {}{pending}",
-            self.day,
-            self.day_micro,
-            self.month,
-            self.month_micro,
-            held.join(","),
-            s.day,
-            s.day_micro,
-            s.month,
-            s.month_micro,
-            self.unsent.0,
-            self.unsent.1,
-            self.learned_ms
-        )
-        .into_bytes()
+        out.0
     }
 
     /// How the record stands (as read `at` `now_ms`), as its gauges show it.
@@ -641,10 +642,6 @@ impl Entry {
             Entry { id: f.next()??, micro: f.next()??, day: f.next()??, month: f.next()??, until_ms: f.next()?? };
         f.next().is_none().then_some(entry)
     }
-
-    fn encode(&self) -> String {
-        format!("{}:{}:{}:{}:{}", self.id, self.micro, self.day, self.month, self.until_ms)
-    }
 }
 
 /// `item` at the end of `list`, the oldest dropped to keep at most `max`.
@@ -653,6 +650,41 @@ fn push_bounded<T>(list: &mut Vec<T>, item: T, max: usize) {
         list.remove(0);
     }
     list.push(item);
+}
+
+/// A record's text as it is written: decimal numbers and their separators.
+struct Record(Vec<u8>);
+
+impl Record {
+    /// `numbers` in decimal, `sep` between them.
+    fn numbers(&mut self, sep: u8, numbers: &[u64]) {
+        for (i, n) in numbers.iter().enumerate() {
+            if i > 0 {
+                self.0.push(sep);
+            }
+            self.0.extend_from_slice(codec::decimal(*n).as_str().as_bytes());
+        }
+    }
+
+    /// The entries' list: each `mark` and its numbers joined by `:`, entries by `,`.
+    fn list(&mut self) -> Entries<'_> {
+        Entries { out: self, first: true }
+    }
+}
+
+struct Entries<'a> {
+    out: &'a mut Record,
+    first: bool,
+}
+
+impl Entries<'_> {
+    fn entry(&mut self, mark: &str, numbers: &[u64]) {
+        if !std::mem::replace(&mut self.first, false) {
+            self.out.0.push(b',');
+        }
+        self.out.0.extend_from_slice(mark.as_bytes());
+        self.out.numbers(b':', numbers);
+    }
 }
 
 pub(crate) fn key(tenant: &str) -> String {
@@ -952,6 +984,54 @@ mod tests {
             && backed.is_none_or(|b| numbers(b, ' ').is_ok_and(|n| n.len() == 9 || n.len() == 15))
     }
 
+    /// The record as the formatting writer before `Record` wrote it.
+    fn formatted(spend: &Spend) -> Vec<u8> {
+        let this = spend;
+        let entry = |e: &Entry| format!("{}:{}:{}:{}:{}", e.id, e.micro, e.day, e.month, e.until_ms);
+        let mut held: Vec<String> = this.held.iter().map(entry).collect();
+        held.extend(this.lapsed.iter().map(|e| format!("~{}", entry(e))));
+        held.extend(this.paid.iter().map(|e| format!("^{}", entry(e))));
+        let (mark, number) = match this.mark {
+            Mark::Unread => (0, 0),
+            Mark::Read { revision } => (1, revision),
+            Mark::Unreachable { until_ms } => (2, until_ms),
+        };
+        let s = &this.stored;
+        let pending = this.pending.map_or(String::new(), |p| {
+            format!(" {} {} {} {} {} {}", p.tag, p.sent.0, p.sent.1, p.day, p.month, p.until_ms)
+        });
+        held.extend(s.writes.iter().map(|(w, t)| format!("{WRITES_MARK}{w}:{t}")));
+        held.extend(this.unsure.iter().map(|u| {
+            let w = u.write;
+            format!("{UNSURE_MARK}{}:{}:{}:{}:{}:{}", w.tag, w.sent.0, w.sent.1, w.day, w.month, u.base)
+        }));
+        held.extend(this.keepers.seen.iter().map(|s| {
+            let mark = if s.writing { KEEPERS_MARK } else { NAMED_MARK };
+            format!("{mark}{}:{}", s.writer, s.until_ms)
+        }));
+        for (mark, ms) in [(ADMITTED_MARK, this.keepers.admitted_ms), (WROTE_MARK, this.keepers.wrote_ms)] {
+            if ms > 0 {
+                held.push(format!("{mark}{ms}"));
+            }
+        }
+        format!(
+            "{} {} {} {}|{}|{mark} {number} {} {} {} {} {} {} {}{pending}",
+            this.day,
+            this.day_micro,
+            this.month,
+            this.month_micro,
+            held.join(","),
+            s.day,
+            s.day_micro,
+            s.month,
+            s.month_micro,
+            this.unsent.0,
+            this.unsent.1,
+            this.learned_ms
+        )
+        .into_bytes()
+    }
+
     #[test]
     fn the_previous_release_reads_this_ones_records_so_a_rollback_keeps_the_spend() {
         let (day, month) = periods(DEC_1);
@@ -987,10 +1067,13 @@ mod tests {
             },
         };
         let raw = spend.encode();
+        assert_eq!(raw, formatted(&spend), "byte for byte as written before");
         assert!(previous_release_reads(&raw), "{}", String::from_utf8_lossy(&raw));
         assert_eq!(Spend::decode(&raw), Some(spend.clone()), "and this release reads it whole");
         let idle = Spend { pending: None, ..spend };
         assert!(previous_release_reads(&idle.encode()));
+        assert_eq!(idle.encode(), formatted(&idle));
+        assert_eq!(Spend::default().encode(), formatted(&Spend::default()));
     }
 
     #[test]

@@ -323,10 +323,12 @@ impl Standing {
                 let tenant = self.tenant.clone().unwrap_or_default();
                 match hold.end(store, now_ms) {
                     Ended::Owner(settlement) => self.outbox.push(Op::TenantSettle(settlement)),
-                    Ended::Here(Some(s)) => {
+                    // In a fleet the tenant's owner node keeps its gauges: a record here is
+                    // this node's share, taken while the owner was out of reach.
+                    Ended::Here(Some(s)) if !config.fleet.shared_limits() => {
                         self.events.push(Event::BudgetStanding { tenant, spent: s.spent, keepers: s.keepers })
                     }
-                    Ended::Here(None) => {}
+                    Ended::Here(_) => {}
                 }
             }
             // A verdict never read, or an ask that may have reached the owner all the same
@@ -689,6 +691,23 @@ mod tests {
         };
         fleet::serve(&owner, &c, &release.to_json(), 6).unwrap();
         assert_eq!(budget::spent(&owner, "t", 6).0, 0, "what the owner reserved is given back");
+    }
+
+    /// In a fleet the tenant's owner node keeps its gauges: a call this node admitted from
+    /// its own share of the budget (the owner out of reach) reports no standing for them.
+    #[test]
+    fn a_share_taken_while_the_owner_is_out_of_reach_sets_no_gauge() {
+        let (c, here) = (config(1.0, true), MemStore::new());
+        let mut door = standing(&c, Some("t"));
+        assert!(matches!(door.admit(&here, &c, 0, 0, 1), Admission::AskOwner { .. }), "the tenant's owner");
+        door.on_verdict(None);
+        assert!(matches!(door.admit(&here, &c, 0, 0, 1), Admission::AskOwner { .. }), "the model's owner");
+        door.on_verdict(None);
+        assert_eq!(door.admit(&here, &c, 0, 0, 1), Admission::Admitted { index: 0 });
+        door.bill(&c, 0, Billed::Known(crate::core::api::usage::Usage::new(7, 5)));
+        door.settle(&here, &c, 0, (Some(12), 0), &ProviderHints::default(), 1);
+        door.close(&here, &c, 1);
+        assert!(!door.events.iter().any(|e| matches!(e, Event::BudgetStanding { .. })), "{:?}", door.events);
     }
 
     #[test]

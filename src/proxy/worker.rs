@@ -394,9 +394,7 @@ impl Worker {
         let outcome = StreamOutcome { status: end.status, usage: end.usage, cut_off_tokens, attempts: end.attempts };
         run.flight.on_stream_end(&SharedData, &self.config, &outcome, &end.hints, now);
         self.fleet.outbox.append(&mut run.flight.outbox);
-        if let Some(t) = run.outbound.tenant.as_deref().filter(|_| !self.config.fleet.shared_limits()) {
-            self.counters.record_budget(&self.config, t, now);
-        }
+        // (The tenant's budget gauges follow its settlement: `Event::BudgetStanding`.)
         self.take_events(&mut run);
         let model = run.flight.model().to_owned();
         let call = run.flight.call;

@@ -12,7 +12,7 @@ use crate::core::api::objects::{ObjectKey, Signer};
 use crate::core::api::priority::Class;
 use crate::core::api::usage::Usage;
 use crate::core::config::tenants::{Keys, Tenant};
-use read::{choice, entries, flag, maybe, number, size, text, texts, whole, whole32, Read, Section};
+use read::{choice, entries, flag, maybe, number, section, size, text, texts, whole, whole32, Read};
 use serde_json::Value;
 use std::collections::BTreeMap;
 
@@ -774,8 +774,7 @@ impl Config {
 impl Config {
     /// The configuration's fields over the defaults (`read`).
     fn read(root: &Value) -> Read<Config> {
-        let mut c = Config::default();
-        Section::of("", root)?.fields(|name, v, p| {
+        section("", root, |c: &mut Config, name, v, p| {
             match name {
                 "role" => c.role = choice(p, v, &[("owner", Role::Owner), ("forward", Role::Forward)])?,
                 "fleet" => c.fleet = Fleet::read(p, v)?,
@@ -796,15 +795,13 @@ impl Config {
                 _ => return Ok(false),
             }
             Ok(true)
-        })?;
-        Ok(c)
+        })
     }
 }
 
 impl BudgetStore {
     fn read(path: &str, v: &Value) -> Read<BudgetStore> {
-        let mut b = BudgetStore::default();
-        Section::of(path, v)?.fields(|name, v, p| {
+        section(path, v, |b: &mut BudgetStore, name, v, p| {
             match name {
                 "cluster" => b.cluster = text(p, v)?,
                 "authority" => b.authority = text(p, v)?,
@@ -816,15 +813,13 @@ impl BudgetStore {
                 _ => return Ok(false),
             }
             Ok(true)
-        })?;
-        Ok(b)
+        })
     }
 }
 
 impl Fleet {
     fn read(path: &str, v: &Value) -> Read<Fleet> {
-        let mut f = Fleet::default();
-        Section::of(path, v)?.fields(|name, v, p| {
+        section(path, v, |f: &mut Fleet, name, v, p| {
             match name {
                 "cluster" => f.cluster = text(p, v)?,
                 "nodes" => f.nodes = whole32(p, v)?,
@@ -839,30 +834,26 @@ impl Fleet {
                 _ => return Ok(false),
             }
             Ok(true)
-        })?;
-        Ok(f)
+        })
     }
 }
 
 impl Edge {
     fn read(path: &str, v: &Value) -> Read<Edge> {
-        let mut e = Edge::default();
-        Section::of(path, v)?.fields(|name, v, p| {
+        section(path, v, |e: &mut Edge, name, v, p| {
             match name {
                 "max_age_seconds" => e.max_age_seconds = whole(p, v)?,
                 "max_entries" => e.max_entries = whole32(p, v)?,
                 _ => return Ok(false),
             }
             Ok(true)
-        })?;
-        Ok(e)
+        })
     }
 }
 
 impl Semantic {
     fn read(path: &str, v: &Value) -> Read<Semantic> {
-        let mut s = Semantic::default();
-        Section::of(path, v)?.fields(|name, v, p| {
+        section(path, v, |s: &mut Semantic, name, v, p| {
             match name {
                 "enabled" => s.enabled = flag(p, v)?,
                 "embedding_model" => s.embedding_model = text(p, v)?,
@@ -875,15 +866,13 @@ impl Semantic {
                 _ => return Ok(false),
             }
             Ok(true)
-        })?;
-        Ok(s)
+        })
     }
 }
 
 impl RateLimit {
     fn read(path: &str, v: &Value) -> Read<RateLimit> {
-        let mut r = RateLimit::default();
-        Section::of(path, v)?.fields(|name, v, p| {
+        section(path, v, |r: &mut RateLimit, name, v, p| {
             match name {
                 "max_wait_ms" => r.max_wait_ms = whole(p, v)?,
                 "max_provider_hold_ms" => r.max_provider_hold_ms = whole(p, v)?,
@@ -892,15 +881,13 @@ impl RateLimit {
                 _ => return Ok(false),
             }
             Ok(true)
-        })?;
-        Ok(r)
+        })
     }
 }
 
 impl Retry {
     fn read(path: &str, v: &Value) -> Read<Retry> {
-        let mut r = Retry::default();
-        Section::of(path, v)?.fields(|name, v, p| {
+        section(path, v, |r: &mut Retry, name, v, p| {
             match name {
                 "max_attempts" => r.max_attempts = whole32(p, v)?,
                 "base_delay_ms" => r.base_delay_ms = whole(p, v)?,
@@ -908,15 +895,13 @@ impl Retry {
                 _ => return Ok(false),
             }
             Ok(true)
-        })?;
-        Ok(r)
+        })
     }
 }
 
 impl Upstream {
     fn read(path: &str, v: &Value) -> Read<Upstream> {
-        let mut u = Upstream::default();
-        Section::of(path, v)?.fields(|name, v, p| {
+        section(path, v, |u: &mut Upstream, name, v, p| {
             match name {
                 "cluster" => u.cluster = text(p, v)?,
                 "authority" => u.authority = text(p, v)?,
@@ -926,15 +911,13 @@ impl Upstream {
                 _ => return Ok(false),
             }
             Ok(true)
-        })?;
-        Ok(u)
+        })
     }
 }
 
 impl Cache {
     fn read(path: &str, v: &Value) -> Read<Cache> {
-        let mut c = Cache::default();
-        Section::of(path, v)?.fields(|name, v, p| {
+        section(path, v, |c: &mut Cache, name, v, p| {
             match name {
                 "ttl_seconds" => c.ttl_seconds = whole(p, v)?,
                 "max_entries" => c.max_entries = whole32(p, v)?,
@@ -947,15 +930,13 @@ impl Cache {
                 _ => return Ok(false),
             }
             Ok(true)
-        })?;
-        Ok(c)
+        })
     }
 }
 
 impl Lock {
     fn read(path: &str, v: &Value) -> Read<Lock> {
-        let mut l = Lock::default();
-        Section::of(path, v)?.fields(|name, v, p| {
+        section(path, v, |l: &mut Lock, name, v, p| {
             match name {
                 "lease_ms" => l.lease_ms = whole(p, v)?,
                 "wait_timeout_ms" => l.wait_timeout_ms = whole(p, v)?,
@@ -963,15 +944,13 @@ impl Lock {
                 _ => return Ok(false),
             }
             Ok(true)
-        })?;
-        Ok(l)
+        })
     }
 }
 
 impl Model {
     fn read(path: &str, v: &Value) -> Read<Model> {
-        let mut m = Model::default();
-        Section::of(path, v)?.fields(|name, v, p| {
+        section(path, v, |m: &mut Model, name, v, p| {
             match name {
                 "requests_per_minute" => m.requests_per_minute = maybe(p, v, whole32)?,
                 "tokens_per_minute" => m.tokens_per_minute = maybe(p, v, whole)?,
@@ -986,8 +965,7 @@ impl Model {
                 _ => return Ok(false),
             }
             Ok(true)
-        })?;
-        Ok(m)
+        })
     }
 }
 

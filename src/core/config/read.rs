@@ -38,6 +38,18 @@ impl<'a> Section<'a> {
     }
 }
 
+/// The section at `path` read into `T`'s defaults: `field(section, name, value, path)` for
+/// each field, which says whether it knows it (`Section::fields`).
+pub(crate) fn section<T: Default>(
+    path: &str,
+    v: &Value,
+    mut field: impl FnMut(&mut T, &str, &Value, &str) -> Read<bool>,
+) -> Read<T> {
+    let mut read = T::default();
+    Section::of(path, v)?.fields(|name, v, p| field(&mut read, name, v, p))?;
+    Ok(read)
+}
+
 /// An object of named entries (`models`, `tenants`), each read by `entry`.
 pub(crate) fn entries<T>(path: &str, v: &Value, entry: impl Fn(&str, &Value) -> Read<T>) -> Read<BTreeMap<String, T>> {
     let Value::Object(map) = v else { return Err(wrong(path, "an object")) };

@@ -6,7 +6,7 @@
 use crate::core::api::error::ApiError;
 use crate::core::api::priority::Class;
 use crate::core::api::priority::CLASSES;
-use crate::core::config::read::{choice, maybe, number, texts, whole, whole32, Read, Section};
+use crate::core::config::read::{choice, maybe, number, section, texts, whole, whole32, Read};
 use crate::core::wire::digest::sha256;
 use serde_json::Value;
 use std::collections::BTreeMap;
@@ -57,9 +57,8 @@ pub struct Tenant {
 impl Tenant {
     /// `tenants.<name>`, its fields over the defaults.
     pub(crate) fn read(path: &str, v: &Value) -> Read<Tenant> {
-        let mut t = Tenant::default();
         let classes = CLASSES.map(|c| (c.as_str(), c));
-        Section::of(path, v)?.fields(|name, v, p| {
+        section(path, v, |t: &mut Tenant, name, v, p| {
             match name {
                 "keys_sha256" => t.keys_sha256 = texts(p, v)?,
                 "models" => t.models = maybe(p, v, texts)?,
@@ -72,8 +71,7 @@ impl Tenant {
                 _ => return Ok(false),
             }
             Ok(true)
-        })?;
-        Ok(t)
+        })
     }
 
     /// The dollar caps, in micro-dollars.

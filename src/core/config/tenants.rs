@@ -1,6 +1,6 @@
 //! Tenants: the callers an edge knows by their keys. A tenant's bearer tokens are
 //! configured only as SHA-256 digests; a request's token is hashed and its digest looked
-//! up among them (`Keys::verify` says why that leaks nothing). The verified tenant's name is then the request's
+//! up among them (`Keys::verify` says why that leaks nothing), once per worker and token. The verified tenant's name is then the request's
 //! cache scope, and its model list what it may call.
 
 use crate::core::api::error::ApiError;
@@ -9,7 +9,10 @@ use crate::core::api::priority::CLASSES;
 use crate::core::config::read::{choice, maybe, number, section, texts, whole, whole32, Read};
 use crate::core::wire::digest::sha256;
 use serde_json::Value;
+use std::collections::hash_map::RandomState;
 use std::collections::BTreeMap;
+use std::hash::BuildHasher;
+use std::sync::Mutex;
 
 /// A tenant's caps, in micro-dollars (`None`: no cap for that period).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -92,11 +95,69 @@ impl Tenant {
 }
 
 /// Every configured digest with the tenant it belongs to, read once from the
-/// configuration.
+/// configuration, and the tokens verified against them already.
 #[derive(Debug, Clone, PartialEq, Default)]
 pub struct Keys {
-    /// Each configured digest, and the tenant it names.
-    digests: BTreeMap<[u8; 32], String>,
+    /// Each configured digest, and the tenant it names, sorted by digest.
+    digests: Vec<([u8; 32], String)>,
+    known: Known,
+}
+
+/// The tokens this worker (or instance) verified already, so that a tenant's next request
+/// skips SHA-256 (one block of it is most of what verifying adds to a HIT). A token is kept
+/// as a 128-bit keyed hash (SipHash under a key drawn when the configuration is read, which
+/// no client learns), never as itself, and only once a configured digest matched it: a
+/// token no tenant holds is hashed every time and cannot fill this. At most one entry per
+/// configured digest; a new configuration starts with none, so a key taken out of it stops
+/// working at once.
+#[derive(Default)]
+struct Known {
+    key: RandomState,
+    /// Tokens' keyed hashes, each with the index of its digest in `Keys::digests`, sorted.
+    tags: Mutex<Vec<(u128, usize)>>,
+}
+
+impl Known {
+    fn tag(&self, token: &str) -> u128 {
+        let half = |domain: u8| u128::from(self.key.hash_one((domain, token)));
+        half(0) << 64 | half(1)
+    }
+
+    fn get(&self, tag: u128) -> Option<usize> {
+        let tags = self.tags.try_lock().ok()?;
+        tags.binary_search_by_key(&tag, |(t, _)| *t).ok().and_then(|at| tags.get(at)).map(|(_, index)| *index)
+    }
+
+    /// Remembers `tag` as the digest at `index`, while fewer than `bound` are kept.
+    fn keep(&self, tag: u128, index: usize, bound: usize) {
+        if let Ok(mut tags) = self.tags.try_lock() {
+            if let Err(at) = tags.binary_search_by_key(&tag, |(t, _)| *t) {
+                if tags.len() < bound {
+                    tags.insert(at, (tag, index));
+                }
+            }
+        }
+    }
+}
+
+/// A copy of the configuration verifies its tokens anew.
+impl Clone for Known {
+    fn clone(&self) -> Known {
+        Known::default()
+    }
+}
+
+/// What was verified already is no part of what a configuration says.
+impl PartialEq for Known {
+    fn eq(&self, _: &Known) -> bool {
+        true
+    }
+}
+
+impl std::fmt::Debug for Known {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Known({} tokens)", self.tags.try_lock().map_or(0, |t| t.len()))
+    }
 }
 
 impl Keys {
@@ -151,22 +212,34 @@ impl Keys {
                 }
             }
         }
-        Ok(Keys { digests })
+        Ok(Keys { digests: digests.into_iter().collect(), known: Known::default() })
     }
 
     pub fn is_empty(&self) -> bool {
         self.digests.is_empty()
     }
 
-    /// The tenant whose key `authorization` (`Bearer <token>`) carries: its SHA-256 looked
-    /// up among the digests, one hash and a tree's depth of comparisons whatever the number
-    /// of tenants. The lookup's time depends only on how the guess's digest compares with
-    /// the stored ones, and SHA-256 being preimage-resistant, knowing that tells nothing of
-    /// any token that has a stored digest.
+    /// The tenant whose key `authorization` (`Bearer <token>`) carries: a token verified
+    /// before is found by its keyed hash (`Known`); any other is hashed with SHA-256 and its
+    /// digest looked up among the configured ones, one hash and a binary search whatever the
+    /// number of tenants. The search's time depends only on how the guess's digest compares
+    /// with the stored ones, and SHA-256 being preimage-resistant, knowing that tells nothing
+    /// of any token that has a stored digest; whether a token was found by its keyed hash
+    /// tells its sender only that it holds a valid key, which a 200 tells as well.
     pub fn verify(&self, authorization: Option<&str>) -> Result<&str, ApiError> {
         let token = authorization.and_then(bearer_token).ok_or_else(ApiError::invalid_api_key)?;
-        let digest = sha256(token.as_bytes().to_vec());
-        self.digests.get(&digest).map(String::as_str).ok_or_else(ApiError::invalid_api_key)
+        let tag = self.known.tag(token);
+        let index = match self.known.get(tag) {
+            Some(index) => index,
+            None => {
+                let digest = sha256(token.as_bytes().to_vec());
+                let index =
+                    self.digests.binary_search_by(|(d, _)| d.cmp(&digest)).map_err(|_| ApiError::invalid_api_key())?;
+                self.known.keep(tag, index, self.digests.len());
+                index
+            }
+        };
+        self.digests.get(index).map(|(_, tenant)| tenant.as_str()).ok_or_else(ApiError::invalid_api_key)
     }
 }
 
@@ -238,6 +311,33 @@ mod tests {
         let upper = hex_of("u").to_uppercase();
         let keys = Keys::of(&BTreeMap::from([("u".into(), Tenant { keys_sha256: vec![upper], ..Tenant::default() })]));
         assert_eq!(keys.unwrap().verify(Some("Bearer u")), Ok("u"), "hex in either case");
+    }
+
+    #[test]
+    fn a_token_is_hashed_once_per_configuration_and_only_when_valid() {
+        let keys = Keys::of(&tenants(&[("search", &["s-old", "s-new"]), ("batch", &["b-1"])])).unwrap();
+        let known = |k: &Keys| k.known.tags.try_lock().map(|t| t.len()).unwrap();
+        for _ in 0..3 {
+            assert_eq!(keys.verify(Some("Bearer s-old")), Ok("search"));
+            assert_eq!(keys.verify(Some("Bearer b-1")), Ok("batch"));
+        }
+        assert_eq!(known(&keys), 2, "one entry per token, kept after its first verification");
+        // Known again in another spelling of the header: the token is what is kept.
+        assert_eq!(keys.verify(Some("bearer  b-1 ")), Ok("batch"));
+        for n in 0..100 {
+            assert!(keys.verify(Some(&format!("Bearer guess-{n}"))).is_err());
+        }
+        assert!(keys.verify(Some("Bearer s-ol")).is_err(), "a prefix of a known token");
+        assert_eq!(known(&keys), 2, "a token no tenant holds is not kept");
+        assert_eq!(keys.verify(Some("Bearer s-new")), Ok("search"));
+        assert_eq!(known(&keys), 3, "at most one per configured digest");
+
+        // The next configuration (its own copy, or one read anew) starts with nothing
+        // known: a key taken out of it is refused at once.
+        assert_eq!(known(&keys.clone()), 0);
+        let next = Keys::of(&tenants(&[("search", &["s-new"]), ("batch", &["b-1"])])).unwrap();
+        assert!(next.verify(Some("Bearer s-old")).is_err());
+        assert_eq!(next.verify(Some("Bearer s-new")), Ok("search"));
     }
 
     #[test]

@@ -229,6 +229,16 @@ fn main() {
             sha256_hex(b"profile")
         )
     };
+    // The bench's tenants row: the load's key is the first of 1,000 tenants'.
+    let thousand_tenants = || {
+        let tenants: Vec<String> = (0..1000)
+            .map(|i| {
+                let token = if i == 0 { "profile".to_owned() } else { format!("profile-tenant-{i}") };
+                format!(r#""t{i}":{{"keys_sha256":["{}"]}}"#, sha256_hex(token.as_bytes()))
+            })
+            .collect();
+        format!(r#"{{"tenants":{{{}}}}}"#, tenants.join(","))
+    };
     let mut rows = vec![
         Row {
             name: "floor: wasm local reply",
@@ -250,6 +260,14 @@ fn main() {
             name: "edge HIT",
             wasm: plugin.clone(),
             config: "{}".into(),
+            distinct: false,
+            label: Some("HIT"),
+            crowd: 1,
+        },
+        Row {
+            name: "edge HIT, verified tenant among 1,000",
+            wasm: plugin.clone(),
+            config: thousand_tenants(),
             distinct: false,
             label: Some("HIT"),
             crowd: 1,

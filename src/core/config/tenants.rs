@@ -9,9 +9,9 @@ use crate::core::api::priority::CLASSES;
 use crate::core::config::read::{choice, maybe, number, section, texts, whole, whole32, Read};
 use crate::core::wire::digest::sha256;
 use serde_json::Value;
-use std::collections::hash_map::RandomState;
+use std::collections::hash_map::DefaultHasher;
 use std::collections::BTreeMap;
-use std::hash::BuildHasher;
+use std::hash::{Hash, Hasher};
 use std::sync::Mutex;
 
 /// A tenant's caps, in micro-dollars (`None`: no cap for that period).
@@ -105,21 +105,33 @@ pub struct Keys {
 
 /// The tokens this worker (or instance) verified already, so that a tenant's next request
 /// skips SHA-256 (one block of it is most of what verifying adds to a HIT). A token is kept
-/// as a 128-bit keyed hash (SipHash under a key drawn when the configuration is read, which
-/// no client learns), never as itself, and only once a configured digest matched it: a
-/// token no tenant holds is hashed every time and cannot fill this. At most one entry per
-/// configured digest; a new configuration starts with none, so a key taken out of it stops
-/// working at once.
+/// as a 128-bit SipHash of it, never as itself, and only once a configured digest matched
+/// it: a token no tenant holds is hashed every time and cannot fill this. Passing for a
+/// kept token takes another whose hash is the same, and finding one needs that hash, which
+/// needs the token (the hash is also keyed with the configured digests, which a client does
+/// not know). At most one entry per configured digest; a new configuration starts with
+/// none, so a key taken out of it stops working at once. (No random key: the component's
+/// hosts need not offer WASI's random seed, and the argument above does not rest on one.)
 #[derive(Default)]
 struct Known {
-    key: RandomState,
-    /// Tokens' keyed hashes, each with the index of its digest in `Keys::digests`, sorted.
+    /// SHA-256 of every configured digest, in order.
+    secret: [u8; 32],
+    /// Tokens' hashes, each with the index of its digest in `Keys::digests`, sorted.
     tags: Mutex<Vec<(u128, usize)>>,
 }
 
 impl Known {
+    fn of(digests: &[([u8; 32], String)]) -> Known {
+        let secret = sha256(digests.iter().flat_map(|(d, _)| d.iter().copied()).collect());
+        Known { secret, tags: Mutex::default() }
+    }
+
     fn tag(&self, token: &str) -> u128 {
-        let half = |domain: u8| u128::from(self.key.hash_one((domain, token)));
+        let half = |domain: u8| {
+            let mut h = DefaultHasher::new();
+            (self.secret, domain, token).hash(&mut h);
+            u128::from(h.finish())
+        };
         half(0) << 64 | half(1)
     }
 
@@ -143,7 +155,7 @@ impl Known {
 /// A copy of the configuration verifies its tokens anew.
 impl Clone for Known {
     fn clone(&self) -> Known {
-        Known::default()
+        Known { secret: self.secret, tags: Mutex::default() }
     }
 }
 
@@ -212,7 +224,8 @@ impl Keys {
                 }
             }
         }
-        Ok(Keys { digests: digests.into_iter().collect(), known: Known::default() })
+        let digests: Vec<([u8; 32], String)> = digests.into_iter().collect();
+        Ok(Keys { known: Known::of(&digests), digests })
     }
 
     pub fn is_empty(&self) -> bool {
@@ -220,11 +233,11 @@ impl Keys {
     }
 
     /// The tenant whose key `authorization` (`Bearer <token>`) carries: a token verified
-    /// before is found by its keyed hash (`Known`); any other is hashed with SHA-256 and its
+    /// before is found by its hash (`Known`); any other is hashed with SHA-256 and its
     /// digest looked up among the configured ones, one hash and a binary search whatever the
     /// number of tenants. The search's time depends only on how the guess's digest compares
     /// with the stored ones, and SHA-256 being preimage-resistant, knowing that tells nothing
-    /// of any token that has a stored digest; whether a token was found by its keyed hash
+    /// of any token that has a stored digest; whether a token was found by its hash
     /// tells its sender only that it holds a valid key, which a 200 tells as well.
     pub fn verify(&self, authorization: Option<&str>) -> Result<&str, ApiError> {
         let token = authorization.and_then(bearer_token).ok_or_else(ApiError::invalid_api_key)?;

@@ -39,6 +39,14 @@ pub struct Exhausted {
     pub retry_after_ms: u64,
 }
 
+impl Exhausted {
+    /// `period`'s cap (`"day"` or `"month"`) left no room at `now_ms`: until the period ends.
+    fn of(period: &'static str, cap_micro: u64, now_ms: u64) -> Exhausted {
+        let ends_ms = if period == "day" { next_day_ms(now_ms) } else { next_month_ms(now_ms) };
+        Exhausted { period, cap_micro, retry_after_ms: ends_ms - now_ms }
+    }
+}
+
 /// Why a reservation was not made.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Refused {
@@ -304,86 +312,75 @@ impl Spend {
     /// learned and the write out. A release reads the records of the one before it, and
     /// the one before reads this one's (a rollback keeps the spend).
     pub(super) fn decode(raw: &[u8]) -> Option<Spend> {
-        let text = std::str::from_utf8(raw).ok()?;
-        let mut sections = text.splitn(3, '|');
-        let (totals, held, backed) = (sections.next()?, sections.next().unwrap_or(""), sections.next());
-        let mut n = totals.split(' ').map(|f| f.parse::<u64>().ok());
-        let (day, day_micro, month, month_micro) = (n.next()??, n.next()??, n.next()??, n.next()??);
-        if n.next().is_some() {
-            return None;
+        let mut sections = raw.splitn(3, |&b| b == b'|');
+        let (totals, held, backed) = (sections.next()?, sections.next().unwrap_or_default(), sections.next());
+        let [day, day_micro, month, month_micro] = numbers(totals, b' ')?;
+        let mut spend = Spend { day, day_micro, month, month_micro, ..Spend::default() };
+        let (mut writes, mut unsure, mut lapsed, mut paid) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        let (mut admitted_ms, mut wrote_ms) = (None, None);
+        // One pass over the entries. A marked one (`~`, `^`) that cannot be read is dropped,
+        // never the record: a release reads past the marks of the next one, and a lapsed
+        // entry only lowers a late settlement.
+        for e in held.split(|&b| b == b',').filter(|e| !e.is_empty()) {
+            let marked = |mark: &str| e.strip_prefix(mark.as_bytes());
+            if let Some(rest) = marked(WRITES_MARK) {
+                // The store's writers, `~w<writer>:<tag>`.
+                writes.extend(numbers(rest, b':').map(|[w, t]| (w, t)));
+            } else if let Some(rest) = marked(UNSURE_MARK) {
+                // Unsure writes, `~u<tag>:<day sent>:<month sent>:<day>:<month>:<base>`.
+                if let Some([tag, d, m, day, month, base]) = numbers(rest, b':') {
+                    let write = Pending { tag, sent: (d, m), day, month, until_ms: 0 };
+                    unsure.push(Unsure { write, base });
+                }
+            } else if let Some((rest, writing)) =
+                marked(KEEPERS_MARK).map(|r| (r, true)).or_else(|| marked(NAMED_MARK).map(|r| (r, false)))
+            {
+                // The keepers, `~k<writer>:<until>` and `~q<writer>:<until>`.
+                if let Some([writer, until_ms]) = numbers(rest, b':') {
+                    spend.keepers.seen.push(Seen { writer, until_ms, writing });
+                }
+            } else if let Some(rest) = marked(ADMITTED_MARK) {
+                admitted_ms = admitted_ms.or_else(|| codec::number(rest));
+            } else if let Some(rest) = marked(WROTE_MARK) {
+                wrote_ms = wrote_ms.or_else(|| codec::number(rest));
+            } else if let Some(rest) = marked("~") {
+                lapsed.extend(Entry::decode(rest));
+            } else if let Some(rest) = marked("^") {
+                paid.extend(Entry::decode(rest));
+            } else {
+                spend.held.push(Entry::decode(e)?);
+            }
         }
-        let entries = held.split(',').filter(|e| !e.is_empty());
-        let (marked, held): (Vec<&str>, Vec<&str>) = entries.partition(|e| e.starts_with(['~', '^']));
-        // The store's writers, `~w<writer>:<tag>`: marked, so a release that does not know
-        // them reads past them (an entry it cannot read is dropped, never the record).
-        let writes: Vec<(u64, u64)> = marked
-            .iter()
-            .filter_map(|e| {
-                let (writer, tag) = e.strip_prefix(WRITES_MARK)?.split_once(':')?;
-                Some((writer.parse().ok()?, tag.parse().ok()?))
-            })
-            .collect();
-        // Unsure writes, `~u<tag>:<day sent>:<month sent>:<day>:<month>:<base>`, the same way.
-        let unsure: Vec<Unsure> = marked
-            .iter()
-            .filter_map(|e| {
-                let mut f = e.strip_prefix(UNSURE_MARK)?.split(':').map(|n| n.parse::<u64>().ok());
-                let (tag, d, m, day, month, base) =
-                    (f.next()??, f.next()??, f.next()??, f.next()??, f.next()??, f.next()??);
-                let write = Pending { tag, sent: (d, m), day, month, until_ms: 0 };
-                f.next().is_none().then_some(Unsure { write, base })
-            })
-            .collect();
-        // The keepers, `~k<writer>:<until>`, `~q<writer>:<until>` and `~a<when>`, the same way.
-        let seen = marked
-            .iter()
-            .filter_map(|e| {
-                let (writing, rest) = match e.strip_prefix(KEEPERS_MARK) {
-                    Some(rest) => (true, rest),
-                    None => (false, e.strip_prefix(NAMED_MARK)?),
-                };
-                let (writer, until_ms) = rest.split_once(':')?;
-                Some(Seen { writer: writer.parse().ok()?, until_ms: until_ms.parse().ok()?, writing })
-            })
-            .collect();
-        let time = |mark: &str| marked.iter().find_map(|e| e.strip_prefix(mark)?.parse().ok()).unwrap_or(0);
-        let keepers = Keepers { seen, admitted_ms: time(ADMITTED_MARK), wrote_ms: time(WROTE_MARK) };
-        let held = held.into_iter().map(Entry::decode).collect::<Option<Vec<_>>>()?;
-        // A lapsed entry only lowers a late settlement: one that cannot be read is dropped
-        // (its worst case stays charged), never the record.
-        let lapsed_of = |mark: char| marked.iter().filter_map(move |e| Entry::decode(e.strip_prefix(mark)?));
-        let (lapsed, paid): (Vec<Entry>, Vec<Entry>) = (lapsed_of('~').collect(), lapsed_of('^').collect());
-        let mut spend = Spend { day, day_micro, month, month_micro, held, ..Spend::default() };
+        spend.keepers.admitted_ms = admitted_ms.unwrap_or(0);
+        spend.keepers.wrote_ms = wrote_ms.unwrap_or(0);
+        (spend.lapsed, spend.paid) = (lapsed, paid);
         let Some(backed) = backed else {
             // A record of a release without the store: what it charged beyond its
             // reservations was settled, and is the store's to be told.
             let held_d: u64 = spend.held.iter().filter(|e| e.day == day).map(|e| e.micro).sum();
             let held_m: u64 = spend.held.iter().filter(|e| e.month == month).map(|e| e.micro).sum();
             spend.unsent = (day_micro.saturating_sub(held_d), month_micro.saturating_sub(held_m));
-            (spend.lapsed, spend.paid) = (lapsed, paid);
+            spend.keepers = Keepers::default();
             return Some(spend);
         };
-        (spend.lapsed, spend.paid, spend.unsure, spend.keepers) = (lapsed, paid, unsure, keepers);
-        {
-            let f: Vec<u64> = backed.split(' ').map(str::parse).collect::<Result<_, _>>().ok()?;
-            let (f, pending) = match f[..] {
-                [.., tag, pd, pm, day, month, until_ms] if f.len() == 15 => {
-                    (&f[..9], Some(Pending { tag, sent: (pd, pm), day, month, until_ms }))
-                }
-                _ => (&f[..], None),
-            };
-            spend.pending = pending;
-            let [mark, number, sd, sdm, sm, smm, ud, um, learned_ms] = f[..] else { return None };
-            spend.learned_ms = learned_ms;
-            spend.mark = match mark {
-                0 => Mark::Unread,
-                1 => Mark::Read { revision: number },
-                2 => Mark::Unreachable { until_ms: number },
-                _ => return None,
-            };
-            spend.stored = Stored { day: sd, day_micro: sdm, month: sm, month_micro: smm, write: None, writes };
-            spend.unsent = (ud, um);
-        }
+        spend.unsure = unsure;
+        let (f, pending) = match numbers::<15>(backed, b' ') {
+            Some([f @ .., tag, pd, pm, day, month, until_ms]) => {
+                (f, Some(Pending { tag, sent: (pd, pm), day, month, until_ms }))
+            }
+            None => (numbers::<9>(backed, b' ')?, None),
+        };
+        let [mark, number, sd, sdm, sm, smm, ud, um, learned_ms] = f;
+        spend.pending = pending;
+        spend.learned_ms = learned_ms;
+        spend.mark = match mark {
+            0 => Mark::Unread,
+            1 => Mark::Read { revision: number },
+            2 => Mark::Unreachable { until_ms: number },
+            _ => return None,
+        };
+        spend.stored = Stored { day: sd, day_micro: sdm, month: sm, month_micro: smm, write: None, writes };
+        spend.unsent = (ud, um);
         Some(spend)
     }
 
@@ -449,6 +446,9 @@ impl Spend {
             (self.month, self.month_micro, self.unsent.1) = (month, 0, 0);
         }
         let (today, this_month) = (self.day, self.month);
+        if self.held.iter().all(|e| e.until_ms > now_ms) {
+            return self;
+        }
         let (lapsed, held): (Vec<Entry>, Vec<Entry>) = self.held.iter().partition(|e| e.until_ms <= now_ms);
         for e in lapsed {
             self.unsent.0 += if e.day == today { e.micro } else { 0 };
@@ -574,16 +574,15 @@ impl Spend {
     ) -> Result<(), Refused> {
         let (stored_day, stored_month) = self.stored.within(self.day, self.month);
         let periods = [
-            (caps.per_day, stored_day, self.day_micro, "day", next_day_ms(now_ms)),
-            (caps.per_month, stored_month, self.month_micro, "month", next_month_ms(now_ms)),
+            (caps.per_day, stored_day, self.day_micro, "day"),
+            (caps.per_month, stored_month, self.month_micro, "month"),
         ];
         let mut held = false;
-        for (cap, stored, charged, period, ends_ms) in periods {
+        for (cap, stored, charged, period) in periods {
             let Some(cap) = cap else { continue };
             let left = cap.saturating_sub(stored);
             if micro > left / u64::from(replicas.max(1)) {
-                let retry_after_ms = ends_ms - now_ms;
-                return Err(Refused::Exhausted(Exhausted { period, cap_micro: cap, retry_after_ms }));
+                return Err(Refused::Exhausted(Exhausted::of(period, cap, now_ms)));
             }
             held |= charged.saturating_sub(stored).saturating_add(micro) > left / u64::from(sharers.max(1));
         }
@@ -602,15 +601,14 @@ impl Spend {
             self.held.iter().filter(|e| current(e)).map(|e| e.micro).sum()
         };
         let periods = [
-            (caps.per_day, self.day_micro, held(&|e| e.day == self.day), "day", next_day_ms(now_ms)),
-            (caps.per_month, self.month_micro, held(&|e| e.month == self.month), "month", next_month_ms(now_ms)),
+            (caps.per_day, self.day_micro, held(&|e| e.day == self.day), "day"),
+            (caps.per_month, self.month_micro, held(&|e| e.month == self.month), "month"),
         ];
         let mut busy = false;
-        for (cap, charged, held, period, ends_ms) in periods {
+        for (cap, charged, held, period) in periods {
             let Some(cap) = cap else { continue };
             if charged.saturating_sub(held).saturating_add(micro) > cap {
-                let retry_after_ms = ends_ms - now_ms;
-                return Err(Refused::Exhausted(Exhausted { period, cap_micro: cap, retry_after_ms }));
+                return Err(Refused::Exhausted(Exhausted::of(period, cap, now_ms)));
             }
             busy |= charged.saturating_add(micro) > cap;
         }
@@ -636,12 +634,20 @@ impl Spend {
 }
 
 impl Entry {
-    fn decode(e: &str) -> Option<Entry> {
-        let mut f = e.split(':').map(|f| f.parse::<u64>().ok());
-        let entry =
-            Entry { id: f.next()??, micro: f.next()??, day: f.next()??, month: f.next()??, until_ms: f.next()?? };
-        f.next().is_none().then_some(entry)
+    fn decode(e: &[u8]) -> Option<Entry> {
+        let [id, micro, day, month, until_ms] = numbers(e, b':')?;
+        Some(Entry { id, micro, day, month, until_ms })
     }
+}
+
+/// Exactly `N` decimal numbers, `sep` between them.
+fn numbers<const N: usize>(text: &[u8], sep: u8) -> Option<[u64; N]> {
+    let mut out = [0; N];
+    let mut fields = text.split(|&b| b == sep);
+    for n in &mut out {
+        *n = codec::number(fields.next()?)?;
+    }
+    fields.next().is_none().then_some(out)
 }
 
 /// `item` at the end of `list`, the oldest dropped to keep at most `max`.
@@ -662,7 +668,7 @@ impl Record {
             if i > 0 {
                 self.0.push(sep);
             }
-            self.0.extend_from_slice(codec::decimal(*n).as_str().as_bytes());
+            self.0.extend_from_slice(codec::decimal(*n).as_bytes());
         }
     }
 
@@ -1032,11 +1038,11 @@ mod tests {
         .into_bytes()
     }
 
-    #[test]
-    fn the_previous_release_reads_this_ones_records_so_a_rollback_keeps_the_spend() {
+    /// A record with every kind of entry and a write out.
+    fn rich_spend() -> Spend {
         let (day, month) = periods(DEC_1);
         let entry = |id| Entry { id, micro: 10, day, month, until_ms: DEC_1 + 1 };
-        let spend = Spend {
+        Spend {
             day,
             day_micro: 70,
             month,
@@ -1065,7 +1071,12 @@ mod tests {
                 admitted_ms: DEC_1,
                 wrote_ms: DEC_1 + 1,
             },
-        };
+        }
+    }
+
+    #[test]
+    fn the_previous_release_reads_this_ones_records_so_a_rollback_keeps_the_spend() {
+        let spend = rich_spend();
         let raw = spend.encode();
         assert_eq!(raw, formatted(&spend), "byte for byte as written before");
         assert!(previous_release_reads(&raw), "{}", String::from_utf8_lossy(&raw));
@@ -1074,6 +1085,134 @@ mod tests {
         assert!(previous_release_reads(&idle.encode()));
         assert_eq!(idle.encode(), formatted(&idle));
         assert_eq!(Spend::default().encode(), formatted(&Spend::default()));
+    }
+
+    /// The reader before this one (`str::parse`, a Vec per kind of entry), which every
+    /// record below must read the same.
+    fn decoded_before(raw: &[u8]) -> Option<Spend> {
+        let text = std::str::from_utf8(raw).ok()?;
+        let mut sections = text.splitn(3, '|');
+        let (totals, held, backed) = (sections.next()?, sections.next().unwrap_or(""), sections.next());
+        let mut n = totals.split(' ').map(|f| f.parse::<u64>().ok());
+        let (day, day_micro, month, month_micro) = (n.next()??, n.next()??, n.next()??, n.next()??);
+        if n.next().is_some() {
+            return None;
+        }
+        let entries = held.split(',').filter(|e| !e.is_empty());
+        let (marked, held): (Vec<&str>, Vec<&str>) = entries.partition(|e| e.starts_with(['~', '^']));
+        // The store's writers, `~w<writer>:<tag>`: marked, so a release that does not know
+        // them reads past them (an entry it cannot read is dropped, never the record).
+        let writes: Vec<(u64, u64)> = marked
+            .iter()
+            .filter_map(|e| {
+                let (writer, tag) = e.strip_prefix(WRITES_MARK)?.split_once(':')?;
+                Some((writer.parse().ok()?, tag.parse().ok()?))
+            })
+            .collect();
+        // Unsure writes, `~u<tag>:<day sent>:<month sent>:<day>:<month>:<base>`, the same way.
+        let unsure: Vec<Unsure> = marked
+            .iter()
+            .filter_map(|e| {
+                let mut f = e.strip_prefix(UNSURE_MARK)?.split(':').map(|n| n.parse::<u64>().ok());
+                let (tag, d, m, day, month, base) =
+                    (f.next()??, f.next()??, f.next()??, f.next()??, f.next()??, f.next()??);
+                let write = Pending { tag, sent: (d, m), day, month, until_ms: 0 };
+                f.next().is_none().then_some(Unsure { write, base })
+            })
+            .collect();
+        // The keepers, `~k<writer>:<until>`, `~q<writer>:<until>` and `~a<when>`, the same way.
+        let seen = marked
+            .iter()
+            .filter_map(|e| {
+                let (writing, rest) = match e.strip_prefix(KEEPERS_MARK) {
+                    Some(rest) => (true, rest),
+                    None => (false, e.strip_prefix(NAMED_MARK)?),
+                };
+                let (writer, until_ms) = rest.split_once(':')?;
+                Some(Seen { writer: writer.parse().ok()?, until_ms: until_ms.parse().ok()?, writing })
+            })
+            .collect();
+        let time = |mark: &str| marked.iter().find_map(|e| e.strip_prefix(mark)?.parse().ok()).unwrap_or(0);
+        let keepers = Keepers { seen, admitted_ms: time(ADMITTED_MARK), wrote_ms: time(WROTE_MARK) };
+        let held = held.into_iter().map(entry_before).collect::<Option<Vec<_>>>()?;
+        // A lapsed entry only lowers a late settlement: one that cannot be read is dropped
+        // (its worst case stays charged), never the record.
+        let lapsed_of = |mark: char| marked.iter().filter_map(move |e| entry_before(e.strip_prefix(mark)?));
+        let (lapsed, paid): (Vec<Entry>, Vec<Entry>) = (lapsed_of('~').collect(), lapsed_of('^').collect());
+        let mut spend = Spend { day, day_micro, month, month_micro, held, ..Spend::default() };
+        let Some(backed) = backed else {
+            // A record of a release without the store: what it charged beyond its
+            // reservations was settled, and is the store's to be told.
+            let held_d: u64 = spend.held.iter().filter(|e| e.day == day).map(|e| e.micro).sum();
+            let held_m: u64 = spend.held.iter().filter(|e| e.month == month).map(|e| e.micro).sum();
+            spend.unsent = (day_micro.saturating_sub(held_d), month_micro.saturating_sub(held_m));
+            (spend.lapsed, spend.paid) = (lapsed, paid);
+            return Some(spend);
+        };
+        (spend.lapsed, spend.paid, spend.unsure, spend.keepers) = (lapsed, paid, unsure, keepers);
+        {
+            let f: Vec<u64> = backed.split(' ').map(str::parse).collect::<Result<_, _>>().ok()?;
+            let (f, pending) = match f[..] {
+                [.., tag, pd, pm, day, month, until_ms] if f.len() == 15 => {
+                    (&f[..9], Some(Pending { tag, sent: (pd, pm), day, month, until_ms }))
+                }
+                _ => (&f[..], None),
+            };
+            spend.pending = pending;
+            let [mark, number, sd, sdm, sm, smm, ud, um, learned_ms] = f[..] else { return None };
+            spend.learned_ms = learned_ms;
+            spend.mark = match mark {
+                0 => Mark::Unread,
+                1 => Mark::Read { revision: number },
+                2 => Mark::Unreachable { until_ms: number },
+                _ => return None,
+            };
+            spend.stored = Stored { day: sd, day_micro: sdm, month: sm, month_micro: smm, write: None, writes };
+            spend.unsent = (ud, um);
+        }
+        Some(spend)
+    }
+    fn entry_before(e: &str) -> Option<Entry> {
+        let mut f = e.split(':').map(|f| f.parse::<u64>().ok());
+        let entry =
+            Entry { id: f.next()??, micro: f.next()??, day: f.next()??, month: f.next()??, until_ms: f.next()?? };
+        f.next().is_none().then_some(entry)
+    }
+
+    #[test]
+    fn the_record_reads_as_the_reader_before_read_it() {
+        let (day, month) = periods(DEC_1);
+        let spend = rich_spend();
+        let mut records: Vec<Vec<u8>> = vec![
+            spend.encode(),
+            Spend { pending: None, ..spend.clone() }.encode(),
+            Spend { mark: Mark::Unreachable { until_ms: DEC_1 }, ..spend.clone() }.encode(),
+            Spend::default().encode(),
+            format!("{day} 2 {month} 4").into_bytes(),
+            format!("{day} 2 {month} 4|1:1:{day}:{month}:9,~2:1:{day}:{month}:9,^3:1:{day}:{month}:9").into_bytes(),
+        ];
+        let text = String::from_utf8(spend.encode()).unwrap();
+        for (from, to) in [
+            ("~w11:12", "~w11:x"),
+            ("~w11:12", "~z11:12"),
+            ("~k11:", "~k:"),
+            ("~u10:3", "~u10"),
+            ("~a", "~a~"),
+            ("~t", "~aa"),
+            ("^3:", "^x:"),
+            ("~2:", "~2:2:"),
+            ("|1 7 ", "|3 7 "),
+            ("|1 7 ", "|1 7 1 "),
+            ("1:10:", "1:1x:"),
+            (" 12 5 5 ", " 12 5 "),
+        ] {
+            assert!(text.contains(from), "{from}");
+            records.push(text.replacen(from, to, 1).into_bytes());
+        }
+        records.extend([&b""[..], b"|", b"1 2 3", b"1 2 3 4 5", b"1 2 3 4|,,|", b"not a spend"].map(<[u8]>::to_vec));
+        for raw in records {
+            assert_eq!(Spend::decode(&raw), decoded_before(&raw), "{}", String::from_utf8_lossy(&raw));
+        }
     }
 
     #[test]

@@ -44,6 +44,10 @@ pub struct Decimal {
 }
 
 impl Decimal {
+    pub fn as_bytes(&self) -> &[u8] {
+        self.digits.get(self.at..).unwrap_or_default()
+    }
+
     pub fn as_str(&self) -> &str {
         std::str::from_utf8(self.digits.get(self.at..).unwrap_or_default()).unwrap_or_default()
     }

@@ -13,8 +13,9 @@
 //! `CARGO_PROFILE_RELEASE_STRIP=false` into target/profile/ and keeps them through wasm-opt),
 //! the floors' directory and, optionally, another build of the plugin to compare (a HIT row
 //! and a MISS row: fuel and host calls).
-//! PROFILE_REQUESTS: requests per row (default 20000); TRACE_CROWD=1 also traces one batch of
-//! the crowd row (every request of it, interleaved). Writes target/bench/profile.md.
+//! PROFILE_REQUESTS: requests per row (default 20000); PROFILE_ONLY: only the rows whose
+//! name contains it; TRACE_CROWD=1 also traces one batch of the crowd row (every request of
+//! it, interleaved). Writes target/bench/profile.md.
 
 use holysheep_bench::profile::{self, Samples, SAMPLE_US};
 use host_test::envoy::workspace_root;
@@ -343,6 +344,9 @@ fn main() {
         {
             rows.push(Row { name, wasm: other.clone(), config: "{}".into(), distinct, label: Some(label), crowd: 1 });
         }
+    }
+    if let Ok(only) = std::env::var("PROFILE_ONLY") {
+        rows.retain(|r| r.name.contains(only.as_str()));
     }
     let measured: Vec<Measured> = rows.iter().map(|r| run(r, requests)).collect();
     let md = report(&measured);

@@ -448,10 +448,20 @@ impl Standing {
         nonce: u64,
     ) -> Reservation {
         let name = self.models[i].clone();
-        let Some((bucket, m)) = config.model(&name) else { return Reservation::Reserved };
+        // An admission the model's owner gave before a reload took the model's limits away
+        // (or the model) is the owner's to settle all the same: its slot is held there.
+        let owner_admitted = match &heard {
+            Some(Some(v)) if v.admitted => self.id.map(Ticket::Owner),
+            _ => None,
+        };
+        let Some((bucket, m)) = config.model(&name) else {
+            self.ticket = owner_admitted;
+            return Reservation::Reserved;
+        };
         let l = Limits::of(m, &config.rate_limit);
         if l.unbounded() {
             // Nothing to take, hold or settle: no ticket, no bucket read, no owner asked.
+            self.ticket = owner_admitted;
             return Reservation::Reserved;
         }
         if !l.fits(self.estimate) {
@@ -537,15 +547,22 @@ impl Standing {
         now_ms: u64,
     ) {
         let Some(name) = self.models.get(i).cloned() else { return };
+        let estimate = self.estimate;
+        if let Ticket::Owner(id) = ticket {
+            // The owner knows the model by its name, whatever this node's configuration
+            // says of it now.
+            self.outbox.push(Op::Settle { model: name, id, estimate, actual, hints, retries });
+            return;
+        }
         let Some((bucket, m)) = config.model(&name) else { return };
-        let (l, estimate) = (Limits::of(m, &config.rate_limit), self.estimate);
+        let l = Limits::of(m, &config.rate_limit);
         match ticket {
             Ticket::Local(id) => limits::settle(store, bucket, &l, id, estimate, actual, &hints, now_ms),
             Ticket::Share(id) => {
                 let share = l.share(config.fleet.nodes);
                 limits::settle(store, &limits::share_bucket(bucket), &share, id, estimate, actual, &hints, now_ms);
             }
-            Ticket::Owner(id) => self.outbox.push(Op::Settle { model: name, id, estimate, actual, hints, retries }),
+            Ticket::Owner(_) => {}
         }
     }
 
@@ -744,5 +761,36 @@ mod tests {
         };
         fleet::serve(&owner, &c, &settle.to_json(), 6).unwrap();
         assert!(fleet::serve_op(&owner, &c, other, 7).admitted, "the slot is free again");
+    }
+
+    /// A reload between the ask and the verdict takes the model's limit away (or the model)
+    /// on this node: the call goes unlimited here, and the slot the owner gave it is still
+    /// settled there when the call ends, not held until the hold runs out.
+    #[test]
+    fn an_owners_admission_heard_after_a_reload_dropped_the_limit_is_settled_there() {
+        let one = r#"{"fleet":{"cluster":"owners","nodes":4},"models":{"gpt-4.1":{"max_in_flight":1}}}"#;
+        let free = r#"{"fleet":{"cluster":"owners","nodes":4},"models":{"gpt-4.1":{"usd_per_mtok_input":1}}}"#;
+        let gone = r#"{"fleet":{"cluster":"owners","nodes":4},"models":{"o3":{"max_in_flight":1}}}"#;
+        let (c, here) = (Config::parse(one.as_bytes()).unwrap(), MemStore::new());
+        for reloaded in [free, gone] {
+            let owner = MemStore::new();
+            let mut door = standing(&c, None);
+            let Admission::AskOwner { op, .. } = door.admit(&here, &c, 0, 0, 2) else { panic!("asks the model") };
+            let admitted = fleet::serve_op(&owner, &c, op, 0);
+            assert!(admitted.admitted);
+            let reloaded = Config::parse(reloaded.as_bytes()).unwrap();
+            door.on_verdict(Some(admitted));
+            assert_eq!(door.admit(&here, &reloaded, 0, 1, 2), Admission::Admitted { index: 0 }, "{reloaded:?}");
+            door.settle(&here, &reloaded, 0, (Some(12), 0), &ProviderHints::default(), 2);
+            door.close(&here, &reloaded, 3);
+            let [settle @ Op::Settle { actual: Some(12), .. }] = door.outbox.as_slice() else {
+                panic!("a settlement for the model owner: {:?}", door.outbox)
+            };
+            let mut next = standing(&c, None);
+            let Admission::AskOwner { op: other, .. } = next.admit(&here, &c, 0, 1, 3) else { panic!("asks") };
+            assert!(!fleet::serve_op(&owner, &c, other.clone(), 1).admitted, "the slot is taken until settled");
+            fleet::serve(&owner, &c, &settle.to_json(), 4).unwrap();
+            assert!(fleet::serve_op(&owner, &c, other, 5).admitted, "the slot is free again");
+        }
     }
 }

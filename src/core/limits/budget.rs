@@ -364,13 +364,16 @@ impl Spend {
             return Some(spend);
         };
         spend.unsure = unsure;
-        let (f, pending) = match numbers::<15>(backed, b' ') {
-            Some([f @ .., tag, pd, pm, day, month, until_ms]) => {
-                (f, Some(Pending { tag, sent: (pd, pm), day, month, until_ms }))
+        let mut f = [0; 15];
+        let pending = match read_numbers(backed, b' ', &mut f)? {
+            15 => {
+                let [.., tag, pd, pm, day, month, until_ms] = f;
+                Some(Pending { tag, sent: (pd, pm), day, month, until_ms })
             }
-            None => (numbers::<9>(backed, b' ')?, None),
+            9 => None,
+            _ => return None,
         };
-        let [mark, number, sd, sdm, sm, smm, ud, um, learned_ms] = f;
+        let [mark, number, sd, sdm, sm, smm, ud, um, learned_ms, ..] = f;
         spend.pending = pending;
         spend.learned_ms = learned_ms;
         spend.mark = match mark {
@@ -643,11 +646,29 @@ impl Entry {
 /// Exactly `N` decimal numbers, `sep` between them.
 fn numbers<const N: usize>(text: &[u8], sep: u8) -> Option<[u64; N]> {
     let mut out = [0; N];
-    let mut fields = text.split(|&b| b == sep);
-    for n in &mut out {
-        *n = codec::number(fields.next()?)?;
+    (read_numbers(text, sep, &mut out)? == N).then_some(out)
+}
+
+/// Decimal numbers (as `codec::number` reads each) with `sep` between them into `out`, in
+/// one pass over the bytes; how many, `None` for more than `out` holds or any other byte.
+fn read_numbers(text: &[u8], sep: u8, out: &mut [u64]) -> Option<usize> {
+    let (mut at, mut digits) = (0, 0);
+    for &b in text {
+        if b == sep {
+            if digits == 0 {
+                return None;
+            }
+            (at, digits) = (at + 1, 0);
+            continue;
+        }
+        let (d, n) = (u64::from(b.wrapping_sub(b'0')), out.get_mut(at)?);
+        // Nineteen digits cannot overflow; past them each step is checked.
+        if d > 9 || digits >= 20 || (digits >= 19 && *n > (u64::MAX - d) / 10) {
+            return None;
+        }
+        (*n, digits) = (*n * 10 + d, digits + 1);
     }
-    fields.next().is_none().then_some(out)
+    (digits > 0).then_some(at + 1)
 }
 
 /// `item` at the end of `list`, the oldest dropped to keep at most `max`.
@@ -1212,6 +1233,31 @@ mod tests {
         records.extend([&b""[..], b"|", b"1 2 3", b"1 2 3 4 5", b"1 2 3 4|,,|", b"not a spend"].map(<[u8]>::to_vec));
         for raw in records {
             assert_eq!(Spend::decode(&raw), decoded_before(&raw), "{}", String::from_utf8_lossy(&raw));
+        }
+    }
+
+    #[test]
+    fn a_records_numbers_read_as_codec_reads_each() {
+        for one in [
+            "0",
+            "7",
+            "007",
+            "18446744073709551615",
+            "18446744073709551616",
+            "99999999999999999999",
+            "000000000000000000001",
+            "",
+            "+1",
+            "-1",
+            "1x",
+            " 1",
+            "1.0",
+        ] {
+            assert_eq!(numbers::<1>(one.as_bytes(), b' ').map(|[n]| n), codec::number(one), "{one:?}");
+        }
+        assert_eq!(numbers::<3>(b"1 22 333", b' '), Some([1, 22, 333]));
+        for bad in ["1 22", "1 22 333 4", "1  22 333", " 1 22 333", "1 22 333 ", "1:22:333"] {
+            assert_eq!(numbers::<3>(bad.as_bytes(), b' '), None, "{bad:?}");
         }
     }
 

@@ -55,15 +55,33 @@ impl Decimal {
 
 pub fn decimal(n: u64) -> Decimal {
     let (mut digits, mut at, mut rest) = ([0u8; 20], 20, n);
-    loop {
-        at -= 1;
-        digits[at] = b'0' + (rest % 10) as u8;
-        rest /= 10;
-        if rest == 0 {
-            return Decimal { digits, at };
-        }
+    // Two digits a step, from the table: half the divisions.
+    while rest >= 10 {
+        let pair = (rest % 100) as usize * 2;
+        rest /= 100;
+        at -= 2;
+        digits[at] = DIGIT_PAIRS[pair];
+        digits[at + 1] = DIGIT_PAIRS[pair + 1];
     }
+    // The loop leaves one digit, or none (its last pair was 10 to 99).
+    if rest > 0 || n == 0 {
+        at -= 1;
+        digits[at] = b'0' + rest as u8;
+    }
+    Decimal { digits, at }
 }
+
+/// `00` to `99`, two bytes each.
+const DIGIT_PAIRS: [u8; 200] = {
+    let mut table = [0; 200];
+    let mut i = 0;
+    while i < 100 {
+        table[2 * i] = b'0' + (i / 10) as u8;
+        table[2 * i + 1] = b'0' + (i % 10) as u8;
+        i += 1;
+    }
+    table
+};
 
 /// Lowercase hexadecimal digits, by value.
 pub(crate) const HEX_DIGITS: &[u8; 16] = b"0123456789abcdef";
@@ -147,6 +165,10 @@ mod tests {
     fn numbers_read_back_as_written_and_nothing_else_reads() {
         for n in [0, 1, 9, 10, 1_764_489_600_000, u64::MAX / 10, u64::MAX - 1, u64::MAX] {
             assert_eq!(number(n.to_string()), Some(n), "{n}");
+            assert_eq!(decimal(n).as_str(), n.to_string());
+        }
+        let powers = (0..20).map(|p| 10u64.pow(p)).flat_map(|t| [t - 1, t, t + 1]);
+        for n in (0..10_000).chain(powers) {
             assert_eq!(decimal(n).as_str(), n.to_string());
         }
         assert_eq!(number("007"), Some(7));

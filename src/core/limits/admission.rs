@@ -448,20 +448,18 @@ impl Standing {
         nonce: u64,
     ) -> Reservation {
         let name = self.models[i].clone();
-        // An admission the model's owner gave before a reload took the model's limits away
-        // (or the model) is the owner's to settle all the same: its slot is held there.
-        let owner_admitted = match &heard {
-            Some(Some(v)) if v.admitted => self.id.map(Ticket::Owner),
-            _ => None,
-        };
-        let Some((bucket, m)) = config.model(&name) else {
-            self.ticket = owner_admitted;
-            return Reservation::Reserved;
-        };
+        let Some((bucket, m)) = config.model(&name) else { return Reservation::Reserved };
         let l = Limits::of(m, &config.rate_limit);
         if l.unbounded() {
-            // Nothing to take, hold or settle: no ticket, no bucket read, no owner asked.
-            self.ticket = owner_admitted;
+            // Nothing to take, hold or settle: no ticket, no bucket read, no owner asked;
+            // except that an admission the model's owner gave before a reload took the
+            // limits away is the owner's to settle all the same (its slot is held there).
+            if let (Some(Some(v)), Some(id)) = (&heard, self.id) {
+                if v.admitted {
+                    self.ticket = Some(Ticket::Owner(id));
+                    self.take_place(store, config, bucket, &Ticket::Owner(id), now_ms);
+                }
+            }
             return Reservation::Reserved;
         }
         if !l.fits(self.estimate) {
@@ -495,14 +493,7 @@ impl Standing {
                 }
             }
         };
-        // One place per bucket (fallbacks may share one): a place held elsewhere (the
-        // owner's line, or this node's share) is given up there.
-        if let Some(at) = self.lined.iter().position(|(b, _, _)| b == bucket) {
-            let (_, j, held) = self.lined.swap_remove(at);
-            if std::mem::discriminant(&held) != std::mem::discriminant(&ticket) {
-                self.leave(store, config, j, held, now_ms);
-            }
-        }
+        self.take_place(store, config, bucket, &ticket, now_ms);
         match taken {
             Ok(()) => {
                 self.ticket = Some(ticket);
@@ -517,6 +508,18 @@ impl Standing {
                     }
                 }
                 Reservation::Denied(d)
+            }
+        }
+    }
+
+    /// One place per bucket (fallbacks may share one): the call's place in `bucket`'s line
+    /// is now `ticket`'s, and one held elsewhere (the owner's line, or this node's share) is
+    /// given up there.
+    fn take_place(&mut self, store: &impl CasStore, config: &Config, bucket: &str, ticket: &Ticket, now_ms: u64) {
+        if let Some(at) = self.lined.iter().position(|(b, _, _)| b == bucket) {
+            let (_, j, held) = self.lined.swap_remove(at);
+            if std::mem::discriminant(&held) != std::mem::discriminant(ticket) {
+                self.leave(store, config, j, held, now_ms);
             }
         }
     }
@@ -763,24 +766,47 @@ mod tests {
         assert!(fleet::serve_op(&owner, &c, other, 7).admitted, "the slot is free again");
     }
 
-    /// A reload between the ask and the verdict takes the model's limit away (or the model)
-    /// on this node: the call goes unlimited here, and the slot the owner gave it is still
-    /// settled there when the call ends, not held until the hold runs out.
+    /// A reload between the ask and the verdict takes the model's limit away on this node:
+    /// the call goes unlimited here, and the slot the owner gave it is settled there once,
+    /// when the call ends, not held until the hold runs out (nor freed while it runs, had
+    /// the call waited in the owner's line first).
     #[test]
     fn an_owners_admission_heard_after_a_reload_dropped_the_limit_is_settled_there() {
         let one = r#"{"fleet":{"cluster":"owners","nodes":4},"models":{"gpt-4.1":{"max_in_flight":1}}}"#;
         let free = r#"{"fleet":{"cluster":"owners","nodes":4},"models":{"gpt-4.1":{"usd_per_mtok_input":1}}}"#;
-        let gone = r#"{"fleet":{"cluster":"owners","nodes":4},"models":{"o3":{"max_in_flight":1}}}"#;
         let (c, here) = (Config::parse(one.as_bytes()).unwrap(), MemStore::new());
-        for reloaded in [free, gone] {
+        for waited in [false, true] {
+            let reloaded = free;
             let owner = MemStore::new();
             let mut door = standing(&c, None);
-            let Admission::AskOwner { op, .. } = door.admit(&here, &c, 0, 0, 2) else { panic!("asks the model") };
-            let admitted = fleet::serve_op(&owner, &c, op, 0);
-            assert!(admitted.admitted);
+            if waited {
+                // The slot is taken: the call waits in the owner's line, then asks again.
+                let mut first = standing(&c, None);
+                let Admission::AskOwner { op, .. } = first.admit(&here, &c, 0, 0, 9) else { panic!("asks") };
+                assert!(fleet::serve_op(&owner, &c, op, 0).admitted);
+                door.hold_until_ms = 60_000;
+                let Admission::AskOwner { op, .. } = door.admit(&here, &c, 0, 0, 2) else { panic!("asks") };
+                let refused = fleet::serve_op(&owner, &c, op, 0);
+                assert!(!refused.admitted);
+                door.on_verdict(Some(refused));
+                assert!(matches!(door.admit(&here, &c, 0, 0, 2), Admission::Wait { .. }), "in the owner's line");
+                let settle = Op::Settle {
+                    model: "gpt-4.1".into(),
+                    id: 9,
+                    estimate: 100,
+                    actual: Some(1),
+                    hints: ProviderHints::default(),
+                    retries: 0,
+                };
+                fleet::serve(&owner, &c, &settle.to_json(), 1).unwrap();
+            }
+            let Admission::AskOwner { op, .. } = door.admit(&here, &c, 0, 1, 2) else { panic!("asks the model") };
+            let admitted = fleet::serve_op(&owner, &c, op, 1);
+            assert!(admitted.admitted, "waited: {waited}");
             let reloaded = Config::parse(reloaded.as_bytes()).unwrap();
             door.on_verdict(Some(admitted));
-            assert_eq!(door.admit(&here, &reloaded, 0, 1, 2), Admission::Admitted { index: 0 }, "{reloaded:?}");
+            assert_eq!(door.admit(&here, &reloaded, 0, 1, 2), Admission::Admitted { index: 0 });
+            assert!(door.outbox.is_empty(), "nothing settled while the call runs: {:?}", door.outbox);
             door.settle(&here, &reloaded, 0, (Some(12), 0), &ProviderHints::default(), 2);
             door.close(&here, &reloaded, 3);
             let [settle @ Op::Settle { actual: Some(12), .. }] = door.outbox.as_slice() else {

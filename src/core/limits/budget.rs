@@ -715,7 +715,7 @@ impl Entries<'_> {
 }
 
 pub(crate) fn key(tenant: &str) -> String {
-    format!("holysheep/budget/{tenant}")
+    ["holysheep/budget/", tenant].concat()
 }
 
 /// Lapsed reservations a record remembers (beyond them, a late settlement is charged on

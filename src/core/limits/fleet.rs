@@ -92,7 +92,7 @@ impl Op {
     /// The `:authority` of the internal call: the fleet's ring hashes it, so every node
     /// reaches the same owner for a bucket.
     pub fn authority(bucket: &str) -> String {
-        format!("bucket.{bucket}.holysheep")
+        ["bucket.", bucket, ".holysheep"].concat()
     }
 
     pub fn to_json(&self) -> Vec<u8> {

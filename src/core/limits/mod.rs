@@ -403,7 +403,7 @@ fn bits(x: f64) -> String {
 }
 
 pub(crate) fn bucket_key(bucket: &str) -> String {
-    format!("holysheep/bucket/{bucket}")
+    ["holysheep/bucket/", bucket].concat()
 }
 
 /// Reads the bucket, applies `f`, and writes the result back with compare-and-swap
@@ -505,7 +505,7 @@ pub(crate) fn charge_requests(store: &impl CasStore, bucket: &str, l: &Limits, n
 /// The bucket a node admits its share from when the model's owner node is out of reach
 /// (one more key per configured model).
 pub(crate) fn share_bucket(bucket: &str) -> String {
-    format!("{bucket}#share")
+    [bucket, "#share"].concat()
 }
 
 /// The bucket as it stands now, without writing.

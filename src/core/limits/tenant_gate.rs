@@ -152,7 +152,7 @@ impl Refusal {
 /// also the name the fleet's ring places the tenant's owner node by, in a callout's
 /// `:authority` (so nothing but a host name's characters).
 pub(crate) fn bucket(tenant: &str) -> String {
-    format!("tenant.{tenant}")
+    ["tenant.", tenant].concat()
 }
 
 /// The tenant's own buckets. Priority classes order the models' lines, not these: a

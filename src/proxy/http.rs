@@ -196,7 +196,7 @@ impl Chat {
                     self.worker.borrow().counters.record_budget(&config, &tenant, now);
                 }
                 self.state = State::Handled;
-                let body = serde_json::to_vec(&verdict).unwrap_or_default();
+                let body = verdict.to_json();
                 host::send(&Reply::plain(Response::json(200, body)), &[]);
                 Action::Pause
             }

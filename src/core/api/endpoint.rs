@@ -3,6 +3,7 @@
 //! kind of object a 200 answer is, and whether its streams can be shared. The intake, the
 //! flight and both shells take an `Endpoint` and nothing else of a request's kind.
 
+use crate::core::wire::scan::{self, Json};
 use serde_json::{Map, Value};
 
 /// A governed endpoint, named by its path in any spelling (`of_path`).
@@ -140,27 +141,28 @@ impl Endpoint {
     /// holding an object of the endpoint's `object` with its array (`choices`, `data`,
     /// `output`). Read without building the value.
     pub(crate) fn is_answer(self, content_type: &str, body: &[u8]) -> bool {
-        #[derive(serde::Deserialize)]
-        struct Shape<'a> {
-            #[serde(borrow)]
-            object: std::borrow::Cow<'a, str>,
-            #[serde(default)]
-            choices: Option<Vec<serde::de::IgnoredAny>>,
-            #[serde(default)]
-            data: Option<Vec<serde::de::IgnoredAny>>,
-            #[serde(default)]
-            output: Option<Vec<serde::de::IgnoredAny>>,
-        }
         if !content_type.to_ascii_lowercase().contains("json") {
             return false;
         }
-        let Ok(s) = serde_json::from_slice::<Shape<'_>>(body) else { return false };
-        let items = match self.items() {
-            "choices" => s.choices.is_some(),
-            "data" => s.data.is_some(),
-            _ => s.output.is_some(),
+        let Some([object, choices, data, output]) =
+            scan::read(body).and_then(|a| a.fields(["object", "choices", "data", "output"]))
+        else {
+            return false;
         };
-        s.object == self.object() && items
+        // Each array may be absent or null, but not of another type.
+        let array = |v: Option<Json<'_>>| match v {
+            Some(v) if !v.is_null() => v.is_array().then_some(true),
+            _ => Some(false),
+        };
+        let (Some(choices), Some(data), Some(output)) = (array(choices), array(data), array(output)) else {
+            return false;
+        };
+        let items = match self.items() {
+            "choices" => choices,
+            "data" => data,
+            _ => output,
+        };
+        object.and_then(Json::as_str).is_some_and(|o| o == self.object()) && items
     }
 }
 

@@ -4,9 +4,11 @@
 
 use super::headers;
 use crate::core::api::usage::Billed;
+use crate::core::wire::scan::{self, Json};
+use crate::core::wire::write::Object;
 
 /// What the provider said about its own limits.
-#[derive(Debug, Clone, Copy, PartialEq, Default, serde::Serialize, serde::Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
 pub struct ProviderHints {
     pub remaining_requests: Option<f64>,
     pub remaining_tokens: Option<f64>,
@@ -16,15 +18,37 @@ pub struct ProviderHints {
     /// HolySheep refused the operator's key (401, 403): no other attempt can do better.
     /// Not part of the fleet's settlement message (model owners of other versions
     /// refuse fields they do not know).
-    #[serde(skip)]
     pub key_refused: bool,
     /// What the attempt was billed, read from HolySheep's answer before the edge put an
     /// error of its own in its place. Not part of the settlement message either.
-    #[serde(skip)]
     pub billed: Billed,
 }
 
 impl ProviderHints {
+    /// As a settlement message writes it (what the provider said of its limits: neither
+    /// `key_refused` nor `billed`, which model owners of other versions would refuse).
+    pub(crate) fn to_json(self) -> String {
+        Object::new()
+            .f64("remaining_requests", self.remaining_requests)
+            .f64("remaining_tokens", self.remaining_tokens)
+            .bool("throttled", self.throttled)
+            .opt_u64("retry_after_ms", self.retry_after_ms)
+            .finish()
+    }
+
+    pub(crate) fn read(json: Json<'_>) -> Option<ProviderHints> {
+        let names = ["remaining_requests", "remaining_tokens", "throttled", "retry_after_ms"];
+        let [requests, tokens, throttled, retry_after_ms] = json.fields(names)?;
+        Some(ProviderHints {
+            remaining_requests: scan::opt(requests, Json::as_f64)?,
+            remaining_tokens: scan::opt(tokens, Json::as_f64)?,
+            throttled: throttled?.as_bool()?,
+            retry_after_ms: scan::opt(retry_after_ms, Json::as_u64)?,
+            key_refused: false,
+            billed: Billed::Unknown,
+        })
+    }
+
     pub fn from_headers(status: u16, headers: &[(String, String)]) -> ProviderHints {
         let get = |n: &str| headers::value(headers, n).map(str::trim);
         ProviderHints {

@@ -10,6 +10,7 @@
 
 use crate::core::api::error::ApiError;
 use crate::core::wire::digest::{hmac_sha256, sha256};
+use crate::core::wire::scan;
 
 /// What joins an id and its signature.
 const MARK: &str = "_hs";
@@ -79,16 +80,17 @@ impl Signer {
     /// continued) signed: `None` when it is not a `response` object with an id (an error,
     /// say), which is passed on as it is.
     pub fn sign_answer(&self, body: &[u8]) -> Option<Vec<u8>> {
-        #[derive(serde::Deserialize)]
-        struct Answer {
-            id: String,
-            object: String,
-            #[serde(default)]
-            previous_response_id: Option<String>,
+        let [id, object, previous] = scan::read(body)?.fields(["id", "object", "previous_response_id"])?;
+        let (id, object) = (id?.as_str()?, object?.as_str()?);
+        let previous = match previous {
+            Some(p) if !p.is_null() => Some(p.as_str()?),
+            _ => None,
+        };
+        if object != "response" {
+            return None;
         }
-        let a: Answer = serde_json::from_slice(body).ok().filter(|a: &Answer| a.object == "response")?;
-        let signed = self.sign_in(body, &a.id);
-        Some(match a.previous_response_id {
+        let signed = self.sign_in(body, &id);
+        Some(match previous {
             Some(previous) => self.sign_in(&signed, &previous),
             None => signed,
         })
@@ -100,12 +102,10 @@ impl Signer {
 /// escapes included), and every other byte is the client's (the same id quoted in the
 /// input stays as the tenant wrote it).
 pub(crate) fn unsign_in(body: &[u8], id: &str) -> Vec<u8> {
-    let Ok(text) = std::str::from_utf8(body) else { return body.to_vec() };
-    let fields = serde_json::from_str::<std::collections::BTreeMap<String, &serde_json::value::RawValue>>(text);
-    let Some(raw) = fields.ok().and_then(|f| f.get("previous_response_id").copied()) else { return body.to_vec() };
-    // The value's place in `text`: a borrowed raw value is a slice of it.
-    let start = (raw.get().as_ptr() as usize).wrapping_sub(text.as_ptr() as usize);
-    let Some(end) = start.checked_add(raw.get().len()).filter(|end| *end <= body.len()) else { return body.to_vec() };
+    let Some(raw) = scan::read(body).and_then(|b| b.get("previous_response_id")) else { return body.to_vec() };
+    // The value's place in `body`: a read value is a slice of it.
+    let start = (raw.text().as_ptr() as usize).wrapping_sub(body.as_ptr() as usize);
+    let Some(end) = start.checked_add(raw.text().len()).filter(|end| *end <= body.len()) else { return body.to_vec() };
     let mut out = Vec::with_capacity(body.len());
     out.extend_from_slice(&body[..start]);
     out.extend_from_slice(serde_json::Value::from(id).to_string().as_bytes());

@@ -5,10 +5,7 @@
 
 use crate::core::api::error::ApiError;
 use crate::core::api::headers;
-use serde::{Deserialize, Serialize};
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Default, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Default)]
 pub enum Class {
     Critical,
     #[default]
@@ -30,6 +27,11 @@ impl Class {
 
     pub fn parse(s: &str) -> Option<Class> {
         CLASSES.into_iter().find(|c| s.trim().eq_ignore_ascii_case(c.as_str()))
+    }
+
+    /// The class named exactly `name` (as peers write it).
+    pub(crate) fn named(name: &str) -> Option<Class> {
+        CLASSES.into_iter().find(|c| c.as_str() == name)
     }
 
     /// Its place in `CLASSES`: 0 is admitted first.

@@ -3,6 +3,7 @@
 //! (`prompt_tokens_details.cached_tokens`, billed at a discount).
 
 use crate::core::wire::bytes;
+use crate::core::wire::scan::{self, Json};
 
 /// Completion tokens assumed when a request sets no `max_tokens`/`max_completion_tokens`.
 pub(crate) const DEFAULT_COMPLETION_ESTIMATE: u64 = 256;
@@ -57,16 +58,12 @@ impl Billed {
     /// as not the endpoint's object included); nothing for a non-200 that is an
     /// OpenAI-shaped JSON error; otherwise its worst case.
     pub fn of_answer(status: u16, content_type: &str, body: &[u8]) -> Billed {
-        #[derive(serde::Deserialize)]
-        struct Error {
-            #[serde(rename = "error")]
-            _error: serde_json::Map<String, serde_json::Value>,
-        }
         if let Some(u) = of_answer(body) {
             return Billed::Known(u);
         }
         let json = content_type.to_ascii_lowercase().contains("json");
-        if status != 200 && json && serde_json::from_slice::<Error>(body).is_ok() {
+        let error = || scan::read(body)?.fields(["error"]).and_then(|[e]| e).filter(|e| e.is_object());
+        if status != 200 && json && error().is_some() {
             return Billed::Nothing;
         }
         Billed::Unknown
@@ -75,50 +72,60 @@ impl Billed {
 
 /// `usage` as OpenAI-compatible APIs write it: chat and completions (`prompt_tokens`,
 /// `completion_tokens`), embeddings (`prompt_tokens`, `total_tokens`) and the Responses
-/// API (`input_tokens`, `output_tokens`, `input_tokens_details`).
-#[derive(serde::Deserialize)]
-struct Raw {
-    #[serde(alias = "input_tokens")]
-    prompt_tokens: u64,
-    #[serde(default, alias = "output_tokens")]
-    completion_tokens: Option<u64>,
-    #[serde(default)]
-    total_tokens: Option<u64>,
-    #[serde(default, alias = "input_tokens_details")]
-    prompt_tokens_details: Option<Details>,
+/// API (`input_tokens`, `output_tokens`, `input_tokens_details`). `None` when it is not
+/// one, or says nothing of the completion (neither its tokens nor a total). A count may
+/// be `null` (not said), but not of another type; a name may be given once, either way.
+fn read(usage: Json<'_>) -> Option<Usage> {
+    let names = ["prompt_tokens", "input_tokens", "completion_tokens", "output_tokens", "total_tokens"];
+    let [p, i, c, o, t, pd, id] = usage.fields([
+        names[0],
+        names[1],
+        names[2],
+        names[3],
+        names[4],
+        "prompt_tokens_details",
+        "input_tokens_details",
+    ])?;
+    let prompt = either(p, i)?.and_then(Json::as_u64)?;
+    let completion = count(either(c, o)?)?;
+    let total = count(t)?;
+    let cached = match either(pd, id)? {
+        Some(d) if !d.is_null() => count(d.fields(["cached_tokens"])?[0])?,
+        _ => None,
+    };
+    let completion = completion.or_else(|| total?.checked_sub(prompt))?;
+    Some(Usage::new(prompt, completion).with_cached(cached.unwrap_or(0)))
 }
 
-#[derive(serde::Deserialize)]
-struct Details {
-    #[serde(default)]
-    cached_tokens: Option<u64>,
-}
-
-impl Raw {
-    /// `None` when it says nothing of the completion (neither its tokens nor a total).
-    fn usage(self) -> Option<Usage> {
-        let completion = self.completion_tokens.or_else(|| self.total_tokens?.checked_sub(self.prompt_tokens))?;
-        let cached = self.prompt_tokens_details.and_then(|d| d.cached_tokens).unwrap_or(0);
-        Some(Usage::new(self.prompt_tokens, completion).with_cached(cached))
+/// A count that may be absent or `null`; `None` when it is of another type.
+fn count(v: Option<Json<'_>>) -> Option<Option<u64>> {
+    match v {
+        Some(v) if !v.is_null() => v.as_u64().map(Some),
+        _ => Some(None),
     }
 }
 
-/// The `usage` value of an answer or of a stream's usage event.
+/// One of a name and its alias; `None` when both are given.
+fn either<'a>(a: Option<Json<'a>>, b: Option<Json<'a>>) -> Option<Option<Json<'a>>> {
+    if a.is_some() && b.is_some() {
+        None
+    } else {
+        Some(a.or(b))
+    }
+}
+
+/// The `usage` value of a stream's usage event.
 pub(crate) fn of_value(v: &serde_json::Value) -> Option<Usage> {
-    <Raw as serde::Deserialize>::deserialize(v).ok().and_then(Raw::usage)
+    read(scan::read(&serde_json::to_vec(v).ok()?)?)
 }
 
 /// The top-level `usage` of a chat completion.
 pub fn of_answer(body: &[u8]) -> Option<Usage> {
-    #[derive(serde::Deserialize)]
-    struct Completion {
-        usage: Raw,
-    }
     if let Some(usage) = trailing(body) {
         return Some(usage);
     }
-    let c: Completion = serde_json::from_slice(body).ok()?;
-    c.usage.usage()
+    let [usage] = scan::read(body)?.fields(["usage"])?;
+    read(usage?)
 }
 
 /// `usage` when it is the last member of the answer's top-level object, where
@@ -130,10 +137,8 @@ fn trailing(body: &[u8]) -> Option<Usage> {
     const NAME: &[u8] = b"\"usage\"";
     let at = body.windows(NAME.len()).rposition(|w| w[0] == b'"' && bytes::same(w, NAME))?;
     let value = body[at + NAME.len()..].trim_ascii_start().strip_prefix(b":")?;
-    let mut values = serde_json::Deserializer::from_slice(value).into_iter::<Raw>();
-    let u = values.next()?.ok()?;
-    let tail = value.get(values.byte_offset()..)?;
-    (tail.trim_ascii() == b"}").then(|| u.usage()).flatten()
+    let (usage, tail) = scan::read_first(value)?;
+    (tail.trim_ascii() == b"}").then(|| read(usage)).flatten()
 }
 
 #[cfg(test)]

@@ -20,6 +20,7 @@ use crate::core::config::Config;
 use crate::core::request::Key;
 use crate::core::store::CasStore;
 use crate::core::wire::digest::sha256;
+use crate::core::wire::scan;
 use serde_json::Value;
 use std::collections::BTreeMap;
 use std::rc::Rc;
@@ -41,7 +42,6 @@ struct Item {
 }
 
 /// What an item entry says besides its vector, which follows it after a newline.
-#[derive(serde::Serialize, serde::Deserialize)]
 struct Head {
     model: String,
     group: String,
@@ -52,14 +52,18 @@ struct Head {
 impl Item {
     fn read(body: &[u8], stored_at_ms: u64) -> Option<Item> {
         let at = body.iter().position(|&b| b == b'\n')?;
-        let head: Head = serde_json::from_slice(&body[..at]).ok()?;
+        let [model, group, size, tokens] = scan::read(&body[..at])?.fields(["model", "group", "size", "tokens"])?;
+        let (model, group) = (model?.as_str()?.into_owned(), group?.as_str()?.into_owned());
+        let size = usize::try_from(size?.as_u64()?).ok()?;
+        let tokens = tokens?.as_u64()?;
         let embedding = String::from_utf8(body[at + 1..].to_vec()).ok()?;
-        let Head { model, group, size, tokens } = head;
         Some(Item { embedding, model, group, size, tokens, stored_at_ms })
     }
 
     fn body(head: &Head, embedding: &str) -> Vec<u8> {
-        let mut out = serde_json::to_vec(head).unwrap_or_default();
+        let Head { model, group, size, tokens } = head;
+        let (model, group) = (quote(model), quote(group));
+        let mut out = format!(r#"{{"model":{model},"group":{group},"size":{size},"tokens":{tokens}}}"#).into_bytes();
         out.push(b'\n');
         out.extend_from_slice(embedding.as_bytes());
         out
@@ -174,32 +178,26 @@ struct Answer {
 
 /// The answer's parts, when it has exactly `count` vectors, indexed 0 to `count - 1`.
 fn read_answer(body: &[u8], count: usize) -> Option<Answer> {
-    #[derive(serde::Deserialize)]
-    struct Datum<'a> {
-        index: usize,
-        #[serde(borrow)]
-        embedding: &'a serde_json::value::RawValue,
+    let [data, model, usage] = scan::read(body)?.fields(["data", "model", "usage"])?;
+    let model = match model {
+        Some(m) if !m.is_null() => m.as_str()?.into_owned(),
+        _ => String::new(),
+    };
+    let [tokens] = usage?.fields(["prompt_tokens"])?;
+    let tokens = tokens?.as_u64()?;
+    let data = data?;
+    if !data.is_array() {
+        return None;
     }
-    #[derive(serde::Deserialize)]
-    struct Usage {
-        prompt_tokens: u64,
-    }
-    #[derive(serde::Deserialize)]
-    struct Whole<'a> {
-        #[serde(borrow)]
-        data: Vec<Datum<'a>>,
-        #[serde(default)]
-        model: Option<String>,
-        usage: Usage,
-    }
-    let whole: Whole<'_> = serde_json::from_slice(body).ok()?;
     let mut vectors: Vec<Option<String>> = vec![None; count];
-    for d in &whole.data {
-        let slot = vectors.get_mut(d.index).filter(|s| s.is_none())?;
-        *slot = Some(d.embedding.get().to_owned());
+    for datum in data.items() {
+        let [index, embedding] = datum.fields(["index", "embedding"])?;
+        let index = usize::try_from(index?.as_u64()?).ok()?;
+        let slot = vectors.get_mut(index).filter(|s| s.is_none())?;
+        *slot = Some(embedding?.text().to_owned());
     }
     let vectors: Option<Vec<String>> = vectors.into_iter().collect();
-    Some(Answer { vectors: vectors?, model: whole.model.unwrap_or_default(), tokens: whole.usage.prompt_tokens })
+    Some(Answer { vectors: vectors?, model, tokens })
 }
 
 /// The list answer OpenAI writes for `data` (each vector's JSON text).
@@ -214,11 +212,16 @@ fn list(data: &[&str], model: &str, tokens: u64) -> Response {
         out.extend_from_slice(embedding.as_bytes());
         out.push(b'}');
     }
-    let model = serde_json::to_string(model).unwrap_or_else(|_| "\"\"".to_owned());
+    let model = quote(model);
     out.extend_from_slice(
         format!(r#"],"model":{model},"usage":{{"prompt_tokens":{tokens},"total_tokens":{tokens}}}}}"#).as_bytes(),
     );
     Response::json(200, out)
+}
+
+/// `text` as a JSON string.
+fn quote(text: &str) -> String {
+    serde_json::to_string(text).unwrap_or_else(|_| "\"\"".to_owned())
 }
 
 /// How a list request may use the items: take cached ones (`read`, no older than

@@ -10,13 +10,15 @@ use crate::core::config::tenants::Caps;
 use crate::core::config::Config;
 use crate::core::store::{cas_after, CasStore, StoreError, MAX_RACES};
 use crate::core::wire::codec;
+use crate::core::wire::scan::{self, Json};
+use crate::core::wire::write::Object;
 
 const DAY_MS: u64 = 86_400_000;
 /// The most reservations a record lists; beyond it the oldest is dropped (it stays charged).
 pub(crate) const MAX_IN_FLIGHT: usize = 256;
 
 /// What a call reserved, and in which periods.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Hold {
     pub micro: u64,
     day: u64,
@@ -28,6 +30,16 @@ impl Hold {
     pub fn at(micro: u64, now_ms: u64) -> Hold {
         let (day, month) = periods(now_ms);
         Hold { micro, day, month }
+    }
+
+    /// As the fleet's messages write it.
+    pub(crate) fn to_json(self) -> String {
+        Object::new().u64("micro", self.micro).u64("day", self.day).u64("month", self.month).finish()
+    }
+
+    pub(crate) fn read(json: Json<'_>) -> Option<Hold> {
+        let [micro, day, month] = json.fields(["micro", "day", "month"])?;
+        Some(Hold { micro: micro?.as_u64()?, day: day?.as_u64()?, month: month?.as_u64()? })
     }
 }
 
@@ -102,23 +114,60 @@ const WRITES_MARK: &str = "~w";
 pub(crate) const MAX_WRITERS: usize = 64;
 
 /// Settled spend of one day and one month, as the spend store keeps it for a tenant.
-#[derive(Debug, Clone, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct Stored {
     pub day: u64,
     pub day_micro: u64,
     pub month: u64,
     pub month_micro: u64,
     /// The tag of the write that put it there (a random number per write).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub write: Option<u64>,
     /// Each recent writer's last write, `[writer, tag]`, the latest last (at most
     /// `MAX_WRITERS`; a writer is a process): a write whose answer was lost is known by its
     /// tag even after other writers wrote over it.
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub writes: Vec<(u64, u64)>,
 }
 
 impl Stored {
+    /// As the spend store keeps it: `write` and `writes` are left out when there are none.
+    pub fn to_json(&self) -> String {
+        let o = Object::new()
+            .u64("day", self.day)
+            .u64("day_micro", self.day_micro)
+            .u64("month", self.month)
+            .u64("month_micro", self.month_micro);
+        let o = match self.write {
+            Some(w) => o.u64("write", w),
+            None => o,
+        };
+        if self.writes.is_empty() {
+            return o.finish();
+        }
+        let pairs: Vec<String> = self.writes.iter().map(|(w, t)| format!("[{w},{t}]")).collect();
+        o.raw("writes", &format!("[{}]", pairs.join(","))).finish()
+    }
+
+    pub(crate) fn read(json: Json<'_>) -> Option<Stored> {
+        let names = ["day", "day_micro", "month", "month_micro", "write", "writes"];
+        let [day, day_micro, month, month_micro, write, writes] = json.fields(names)?;
+        let pair = |p: Json<'_>| {
+            let mut items = p.is_array().then(|| p.items())?;
+            match (items.next(), items.next(), items.next()) {
+                (Some(w), Some(t), None) => Some((w.as_u64()?, t.as_u64()?)),
+                _ => None,
+            }
+        };
+        let writes = scan::opt(writes, |w| w.is_array().then(|| w.items().map(pair).collect::<Option<Vec<_>>>())?)?;
+        Some(Stored {
+            day: day?.as_u64()?,
+            day_micro: day_micro?.as_u64()?,
+            month: month?.as_u64()?,
+            month_micro: month_micro?.as_u64()?,
+            write: scan::opt(write, Json::as_u64)?,
+            writes: writes.unwrap_or_default(),
+        })
+    }
+
     /// What it holds for the day `day` and the month `month` (nothing for other periods).
     fn within(&self, day: u64, month: u64) -> (u64, u64) {
         (if self.day == day { self.day_micro } else { 0 }, if self.month == month { self.month_micro } else { 0 })
@@ -901,6 +950,28 @@ fn civil(days: u64) -> (u64, u64) {
 mod tests {
     use super::*;
     use crate::core::store::MemStore;
+
+    #[test]
+    fn a_stored_record_is_written_as_the_spend_store_already_holds_it() {
+        // As the previous release's serde-derived writer put records in etcd.
+        let full =
+            Stored { day: 1, day_micro: 2, month: 3, month_micro: 4, write: Some(5), writes: vec![(6, 7), (8, 9)] };
+        let records = [
+            (full, r#"{"day":1,"day_micro":2,"month":3,"month_micro":4,"write":5,"writes":[[6,7],[8,9]]}"#),
+            (Stored::default(), r#"{"day":0,"day_micro":0,"month":0,"month_micro":0}"#),
+        ];
+        for (stored, text) in records {
+            assert_eq!(stored.to_json(), text);
+            assert_eq!(Stored::read(scan::read(text.as_bytes()).unwrap()), Some(stored));
+        }
+        for bad in [
+            r#"{"day":1,"day_micro":2,"month":3}"#,
+            r#"{"day":1,"day_micro":2,"month":3,"month_micro":4,"writes":[[6,7,8]]}"#,
+            r#"{"day":1,"day_micro":2,"month":3,"month_micro":-4}"#,
+        ] {
+            assert_eq!(Stored::read(scan::read(bad.as_bytes()).unwrap()), None, "{bad}");
+        }
+    }
 
     /// 2026-12-01T00:00:00Z.
     const DEC_1: u64 = 1_796_083_200_000;

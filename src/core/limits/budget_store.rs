@@ -12,6 +12,7 @@ use crate::core::config::Config;
 use crate::core::limits::budget::{self, Mark, Pending, Seen, Spend, Stored, KEEPERS_MS};
 use crate::core::store::{cas_after, CasStore, StoreError, MAX_RACES};
 use crate::core::wire::base64;
+use crate::core::wire::scan;
 use serde_json::{json, Value};
 
 /// The tenants whose records wait to be read from the store (a list of names; bounded by
@@ -66,7 +67,7 @@ pub fn range(config: &Config, tenant: &str) -> EtcdCall {
 /// reads it.
 pub fn txn(config: &Config, tenant: &str, revision: u64, value: &Stored) -> EtcdCall {
     let key = base64::encode(store_key(config, tenant).as_bytes());
-    let value = base64::encode(&serde_json::to_vec(value).unwrap_or_default());
+    let value = base64::encode(value.to_json().as_bytes());
     let body = json!({
         "compare": [{"key": key, "target": "MOD", "result": "EQUAL", "mod_revision": revision.to_string()}],
         "success": [{"request_put": {"key": key, "value": value}}],
@@ -96,7 +97,7 @@ fn found(v: &Value) -> Option<Found> {
     v.get("header")?;
     let Some(kv) = v["kvs"].get(0) else { return Some(Found { stored: None, revision: 0 }) };
     let raw = base64::decode(kv["value"].as_str()?)?;
-    Some(Found { stored: Some(serde_json::from_slice(&raw).ok()?), revision: number(&kv["mod_revision"])? })
+    Some(Found { stored: Some(Stored::read(scan::read(&raw)?)?), revision: number(&kv["mod_revision"])? })
 }
 
 fn number(v: &Value) -> Option<u64> {
@@ -470,7 +471,7 @@ mod tests {
         let v: Value = serde_json::from_slice(&t.body).unwrap();
         assert_eq!(v["compare"][0]["mod_revision"], "7");
         let value = base64::decode(v["success"][0]["request_put"]["value"].as_str().unwrap()).unwrap();
-        assert_eq!(serde_json::from_slice::<Stored>(&value).unwrap().month_micro, 4);
+        assert_eq!(Stored::read(scan::read(&value).unwrap()).unwrap().month_micro, 4);
         let none = br#"{"header":{"revision":"1"}}"#;
         assert_eq!(read_range(200, none), Some(Found { stored: None, revision: 0 }));
         let kv = format!(

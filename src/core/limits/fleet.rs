@@ -12,64 +12,80 @@ use crate::core::limits::line::Who;
 use crate::core::limits::tenant_gate::{self, Ask, Settlement};
 use crate::core::limits::{self, Denial, Limits};
 use crate::core::store::CasStore;
-use serde::{Deserialize, Serialize};
-
-fn is_zero(n: &u64) -> bool {
-    *n == 0
-}
-
-fn is_standard(c: &Class) -> bool {
-    *c == Class::Standard
-}
-
-fn is_false(b: &bool) -> bool {
-    !*b
-}
+use crate::core::wire::scan::{self, Json};
+use crate::core::wire::write::Object;
 
 /// What a key owner asks of a model owner.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase", deny_unknown_fields)]
+#[derive(Debug, Clone, PartialEq)]
 pub enum Op {
     /// Admit the call `id` (one request, `estimate` tokens, a slot held `hold_ms`) of
     /// `class` for the tenant `tenant` (`priority::tenant_tag`); refused, it keeps its
     /// place in the owner's line if it `waits`. The three are left out at their defaults
     /// (a take without them, from a node of the previous release, holds no place).
-    Take {
-        model: String,
-        id: u64,
-        estimate: u64,
-        hold_ms: u64,
-        #[serde(default, skip_serializing_if = "is_standard")]
-        class: Class,
-        #[serde(default, skip_serializing_if = "is_zero")]
-        tenant: u64,
-        #[serde(default, skip_serializing_if = "is_false")]
-        waits: bool,
-    },
+    Take { model: String, id: u64, estimate: u64, hold_ms: u64, class: Class, tenant: u64, waits: bool },
     /// The call `id` ended having used `actual` tokens, after `retries` requests beyond its
     /// first (a stream's router retries); what the provider said. `retries` is left out
     /// when 0, so nodes of the previous release still read the message.
-    Settle {
-        model: String,
-        id: u64,
-        estimate: u64,
-        actual: Option<u64>,
-        hints: ProviderHints,
-        #[serde(default, skip_serializing_if = "is_zero")]
-        retries: u64,
-    },
+    Settle { model: String, id: u64, estimate: u64, actual: Option<u64>, hints: ProviderHints, retries: u64 },
     /// Take a tenant's share for a call, on the tenant's owner node.
-    #[serde(rename = "tenant_take")]
     TenantTake(Ask),
     /// A tenant's call ended: settle it on the tenant's owner node.
-    #[serde(rename = "tenant_settle")]
     TenantSettle(Settlement),
 }
 
 impl Op {
+    /// A message as `to_json` writes it, or as a node of the previous release did: an
+    /// object with one member, named by the operation. A take or a settle with a field
+    /// it does not know is refused.
     pub fn parse(body: &[u8]) -> Result<Op, ApiError> {
-        serde_json::from_slice(body)
-            .map_err(|_| ApiError::invalid("not a holysheep peer operation", None, "invalid_json"))
+        Op::read(body).ok_or_else(|| ApiError::invalid("not a holysheep peer operation", None, "invalid_json"))
+    }
+
+    fn read(body: &[u8]) -> Option<Op> {
+        let mut members = scan::read(body).filter(|b| b.is_object())?.members();
+        let (Some((name, value)), None) = (members.next(), members.next()) else { return None };
+        match &*name {
+            "take" => {
+                let names = ["model", "id", "estimate", "hold_ms", "class", "tenant", "waits"];
+                let [model, id, estimate, hold_ms, class, tenant, waits] = value.only_fields(names)?;
+                Some(Op::Take {
+                    model: model?.as_str()?.into_owned(),
+                    id: id?.as_u64()?,
+                    estimate: estimate?.as_u64()?,
+                    hold_ms: hold_ms?.as_u64()?,
+                    class: match class {
+                        Some(c) => Class::named(&c.as_str()?)?,
+                        None => Class::Standard,
+                    },
+                    tenant: match tenant {
+                        Some(t) => t.as_u64()?,
+                        None => 0,
+                    },
+                    waits: match waits {
+                        Some(w) => w.as_bool()?,
+                        None => false,
+                    },
+                })
+            }
+            "settle" => {
+                let names = ["model", "id", "estimate", "actual", "hints", "retries"];
+                let [model, id, estimate, actual, hints, retries] = value.only_fields(names)?;
+                Some(Op::Settle {
+                    model: model?.as_str()?.into_owned(),
+                    id: id?.as_u64()?,
+                    estimate: estimate?.as_u64()?,
+                    actual: scan::opt(actual, Json::as_u64)?,
+                    hints: ProviderHints::read(hints?)?,
+                    retries: match retries {
+                        Some(r) => r.as_u64()?,
+                        None => 0,
+                    },
+                })
+            }
+            "tenant_take" => Ask::read(value).map(Op::TenantTake),
+            "tenant_settle" => Settlement::read(value).map(Op::TenantSettle),
+            _ => None,
+        }
     }
 
     /// The tenant a tenant's operation is about.
@@ -95,24 +111,68 @@ impl Op {
         ["bucket.", bucket, ".holysheep"].concat()
     }
 
+    /// The message: the defaults a node of the previous release did not know (a
+    /// standard class, no tenant, no place in the line, no retries) are left out.
     pub fn to_json(&self) -> Vec<u8> {
-        serde_json::to_vec(self).unwrap_or_default()
+        let (name, body) = match self {
+            Op::Take { model, id, estimate, hold_ms, class, tenant, waits } => {
+                let mut o = Object::new().str("model", model).u64("id", *id).u64("estimate", *estimate);
+                o = o.u64("hold_ms", *hold_ms);
+                if *class != Class::Standard {
+                    o = o.str("class", class.as_str());
+                }
+                if *tenant != 0 {
+                    o = o.u64("tenant", *tenant);
+                }
+                if *waits {
+                    o = o.bool("waits", true);
+                }
+                ("take", o.finish())
+            }
+            Op::Settle { model, id, estimate, actual, hints, retries } => {
+                let mut o = Object::new().str("model", model).u64("id", *id).u64("estimate", *estimate);
+                o = o.opt_u64("actual", *actual).raw("hints", &hints.to_json());
+                if *retries != 0 {
+                    o = o.u64("retries", *retries);
+                }
+                ("settle", o.finish())
+            }
+            Op::TenantTake(ask) => ("tenant_take", ask.to_json()),
+            Op::TenantSettle(settlement) => ("tenant_settle", settlement.to_json()),
+        };
+        Object::new().raw(name, &body).finish().into_bytes()
     }
 }
 
 /// A model owner's answer to `Take` (`Settle` is answered with an admitted verdict); to
 /// `TenantTake`, also what the tenant's budget holds for the call.
-#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Verdict {
     pub admitted: bool,
     pub denial: Option<Denial>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub hold: Option<Hold>,
 }
 
 impl Verdict {
     pub fn parse(body: &[u8]) -> Option<Verdict> {
-        serde_json::from_slice(body).ok()
+        let [admitted, denial, hold] = scan::read(body)?.fields(["admitted", "denial", "hold"])?;
+        Some(Verdict {
+            admitted: admitted?.as_bool()?,
+            denial: scan::opt(denial, Denial::read)?,
+            hold: scan::opt(hold, Hold::read)?,
+        })
+    }
+
+    /// The answer's body (`hold` left out when there is none).
+    pub fn to_json(&self) -> Vec<u8> {
+        let denial = self.denial.map_or_else(|| "null".to_owned(), Denial::to_json);
+        let o = Object::new().bool("admitted", self.admitted).raw("denial", &denial);
+        match self.hold {
+            Some(hold) => o.raw("hold", &hold.to_json()),
+            None => o,
+        }
+        .finish()
+        .into_bytes()
     }
 
     pub fn result(&self) -> Result<(), Denial> {
@@ -230,8 +290,8 @@ mod tests {
             !String::from_utf8(settle(0).to_json()).unwrap().contains("retries"),
             "as the previous release sends it"
         );
-        let before: Op = serde_json::from_str(
-            r#"{"settle":{"model":"gpt-4.1","id":1,"estimate":10,"actual":10,"hints":{"throttled":false}}}"#,
+        let before = Op::parse(
+            br#"{"settle":{"model":"gpt-4.1","id":1,"estimate":10,"actual":10,"hints":{"throttled":false}}}"#,
         )
         .unwrap();
         assert_eq!(before, settle(0));
@@ -242,8 +302,7 @@ mod tests {
 
     #[test]
     fn a_take_of_the_previous_release_holds_no_place_and_a_new_one_carries_its_class() {
-        let before: Op =
-            serde_json::from_str(r#"{"take":{"model":"gpt-4.1","id":1,"estimate":10,"hold_ms":1000}}"#).unwrap();
+        let before: Op = Op::parse(br#"{"take":{"model":"gpt-4.1","id":1,"estimate":10,"hold_ms":1000}}"#).unwrap();
         assert_eq!(before, take("gpt-4.1", 1));
         assert_eq!(
             String::from_utf8(take_json(1)).unwrap(),
@@ -279,11 +338,111 @@ mod tests {
     }
 
     #[test]
+    fn every_message_is_written_byte_for_byte_as_the_previous_release_wrote_it() {
+        // What the previous release's serde-derived writer sent for these values.
+        let hints = ProviderHints {
+            remaining_requests: Some(12.0),
+            remaining_tokens: Some(0.5),
+            throttled: true,
+            retry_after_ms: Some(1500),
+            ..ProviderHints::default()
+        };
+        let settlement = |release, at| Settlement {
+            tenant: "acme".into(),
+            id: 3,
+            estimate: 4,
+            tokens: 5,
+            micro: 6,
+            hold: Hold::at(7, at),
+            release,
+        };
+        let take = |model: &str, class, tenant, waits| Op::Take {
+            model: model.into(),
+            id: 7,
+            estimate: 10,
+            hold_ms: 1000,
+            class,
+            tenant,
+            waits,
+        };
+        let settle =
+            |actual, hints, retries| Op::Settle { model: "m".into(), id: 1, estimate: 10, actual, hints, retries };
+        let ops = [
+            (
+                take("gpt-\"4.1\"", Class::Standard, 0, false),
+                r#"{"take":{"model":"gpt-\"4.1\"","id":7,"estimate":10,"hold_ms":1000}}"#,
+            ),
+            (
+                take("m", Class::Sheddable, 99, true),
+                r#"{"take":{"model":"m","id":7,"estimate":10,"hold_ms":1000,"class":"sheddable","tenant":99,"waits":true}}"#,
+            ),
+            (
+                settle(None, ProviderHints::default(), 0),
+                r#"{"settle":{"model":"m","id":1,"estimate":10,"actual":null,"hints":{"remaining_requests":null,"remaining_tokens":null,"throttled":false,"retry_after_ms":null}}}"#,
+            ),
+            (
+                settle(Some(9), hints, 2),
+                r#"{"settle":{"model":"m","id":1,"estimate":10,"actual":9,"hints":{"remaining_requests":12.0,"remaining_tokens":0.5,"throttled":true,"retry_after_ms":1500},"retries":2}}"#,
+            ),
+            (
+                Op::TenantTake(Ask { tenant: "acme".into(), id: 3, estimate: 4, worst_micro: 5, hold_ms: 6 }),
+                r#"{"tenant_take":{"tenant":"acme","id":3,"estimate":4,"worst_micro":5,"hold_ms":6}}"#,
+            ),
+            (
+                Op::TenantSettle(settlement(false, 86_400_000 * 40)),
+                r#"{"tenant_settle":{"tenant":"acme","id":3,"estimate":4,"tokens":5,"micro":6,"hold":{"micro":7,"day":40,"month":23641},"release":false}}"#,
+            ),
+            (
+                Op::TenantSettle(settlement(true, 0)),
+                r#"{"tenant_settle":{"tenant":"acme","id":3,"estimate":4,"tokens":5,"micro":6,"hold":{"micro":7,"day":0,"month":23640},"release":true}}"#,
+            ),
+        ];
+        for (op, wire) in ops {
+            assert_eq!(String::from_utf8(op.to_json()).unwrap(), wire);
+            assert_eq!(Op::parse(wire.as_bytes()).unwrap(), op, "{wire}");
+        }
+        let denial = |kind, wait_ms, ahead| Some(Denial { kind, wait_ms, ahead });
+        let verdicts = [
+            (Verdict { admitted: true, denial: None, hold: None }, r#"{"admitted":true,"denial":null}"#),
+            (
+                Verdict { admitted: false, denial: denial(Kind::QueueFull, Some(5), 3), hold: Some(Hold::at(1, 0)) },
+                r#"{"admitted":false,"denial":{"kind":"queue_full","wait_ms":5,"ahead":3},"hold":{"micro":1,"day":0,"month":23640}}"#,
+            ),
+            (
+                Verdict { admitted: false, denial: denial(Kind::QuotaDay, None, 0), hold: None },
+                r#"{"admitted":false,"denial":{"kind":"quota_day","wait_ms":null}}"#,
+            ),
+        ];
+        for (v, wire) in verdicts {
+            assert_eq!(String::from_utf8(v.to_json()).unwrap(), wire);
+            assert_eq!(Verdict::parse(wire.as_bytes()), Some(v), "{wire}");
+        }
+    }
+
+    #[test]
+    fn a_message_that_is_not_one_operation_is_refused() {
+        let take = r#""take":{"model":"m","id":7,"estimate":10,"hold_ms":1000}"#;
+        for bad in [
+            format!("{{{take},{take}}}"),
+            r#"{"take":{"model":"m","id":7,"estimate":10,"hold_ms":1000,"extra":1}}"#.to_owned(),
+            r#"{"take":{"model":"m","id":7,"estimate":10,"hold_ms":1000,"id":8}}"#.to_owned(),
+            r#"{"take":{"model":"m","id":-7,"estimate":10,"hold_ms":1000}}"#.to_owned(),
+            r#"{"take":{"model":"m","id":7,"estimate":10,"hold_ms":1000,"class":"Critical"}}"#.to_owned(),
+            r#"{"steal":{}}"#.to_owned(),
+            r#"["take"]"#.to_owned(),
+            format!("{{{take}}} trailing"),
+        ] {
+            assert!(Op::parse(bad.as_bytes()).is_err(), "{bad}");
+        }
+        assert!(Op::parse(format!(" {{ {take} }} ").as_bytes()).is_ok());
+    }
+
+    #[test]
     fn a_verdict_survives_the_wire() {
         let (s, c) = (MemStore::default(), config());
         for id in 1..=3 {
             let v = serve(&s, &c, &take_json(id), 0).unwrap();
-            let wire = serde_json::to_vec(&v).unwrap();
+            let wire = v.to_json();
             assert_eq!(Verdict::parse(&wire), Some(v));
         }
     }

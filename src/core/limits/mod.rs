@@ -25,6 +25,8 @@ use crate::core::config::{Model, RateLimit};
 use crate::core::limits::line::{Full, Line, Who};
 use crate::core::store::{cas_after, CasStore, StoreError, MAX_RACES};
 use crate::core::wire::codec;
+use crate::core::wire::scan::{self, Json};
+use crate::core::wire::write::Object;
 
 /// A model's configured limits (per minute; `req_per_ms`/`tok_per_ms` give the rates).
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -92,8 +94,7 @@ impl Limits {
     }
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
-#[serde(rename_all = "lowercase")]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Kind {
     Requests,
     Tokens,
@@ -102,31 +103,61 @@ pub enum Kind {
     /// decided, look again at once.
     Contended,
     /// A tenant's dollar budget for the UTC day (or month) is spent.
-    #[serde(rename = "quota_day")]
     QuotaDay,
-    #[serde(rename = "quota_month")]
     QuotaMonth,
     /// A `sheddable` call would have taken from the bucket's reserve: refused at once.
     Shed,
     /// The admission line is full, and the call is of its lowest class.
-    #[serde(rename = "queue_full")]
     QueueFull,
     /// The call's token estimate is more than the bucket holds: it could never be admitted.
-    #[serde(rename = "too_large")]
     TooLarge,
     /// A tenant's budget has room for the call only once its calls in flight settle.
-    #[serde(rename = "budget_held")]
     BudgetHeld,
     /// A tenant's spend store has never answered this node, and what the node admits
     /// meanwhile is used.
-    #[serde(rename = "store_silent")]
     StoreSilent,
     /// The spend store's cluster is none the host knows: nothing budgeted is admitted.
-    #[serde(rename = "store_missing")]
     StoreMissing,
 }
 
 impl Kind {
+    const ALL: [Kind; 12] = [
+        Kind::Requests,
+        Kind::Tokens,
+        Kind::Concurrency,
+        Kind::Contended,
+        Kind::QuotaDay,
+        Kind::QuotaMonth,
+        Kind::Shed,
+        Kind::QueueFull,
+        Kind::TooLarge,
+        Kind::BudgetHeld,
+        Kind::StoreSilent,
+        Kind::StoreMissing,
+    ];
+
+    /// Its name in the fleet's messages.
+    pub(crate) fn name(self) -> &'static str {
+        match self {
+            Kind::Requests => "requests",
+            Kind::Tokens => "tokens",
+            Kind::Concurrency => "concurrency",
+            Kind::Contended => "contended",
+            Kind::QuotaDay => "quota_day",
+            Kind::QuotaMonth => "quota_month",
+            Kind::Shed => "shed",
+            Kind::QueueFull => "queue_full",
+            Kind::TooLarge => "too_large",
+            Kind::BudgetHeld => "budget_held",
+            Kind::StoreSilent => "store_silent",
+            Kind::StoreMissing => "store_missing",
+        }
+    }
+
+    fn named(name: &str) -> Option<Kind> {
+        Kind::ALL.into_iter().find(|k| k.name() == name)
+    }
+
     /// OpenAI's error `type` for a rate-limit answer.
     pub fn as_str(self) -> &'static str {
         match self {
@@ -145,22 +176,32 @@ impl Kind {
 }
 
 /// Why a bucket refused, and when it will have enough (`None`: when a call ends).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Denial {
     pub kind: Kind,
     pub wait_ms: Option<u64>,
     /// The calls ahead of this one in the bucket's line (left out when none).
-    #[serde(default, skip_serializing_if = "is_zero")]
     pub ahead: u64,
-}
-
-fn is_zero(n: &u64) -> bool {
-    *n == 0
 }
 
 impl Denial {
     pub fn of(kind: Kind, wait_ms: Option<u64>) -> Denial {
         Denial { kind, wait_ms, ahead: 0 }
+    }
+
+    /// As the fleet's messages write it.
+    pub(crate) fn to_json(self) -> String {
+        let o = Object::new().str("kind", self.kind.name()).opt_u64("wait_ms", self.wait_ms);
+        if self.ahead == 0 { o } else { o.u64("ahead", self.ahead) }.finish()
+    }
+
+    pub(crate) fn read(json: Json<'_>) -> Option<Denial> {
+        let [kind, wait_ms, ahead] = json.fields(["kind", "wait_ms", "ahead"])?;
+        Some(Denial {
+            kind: Kind::named(&kind?.as_str()?)?,
+            wait_ms: scan::opt(wait_ms, Json::as_u64)?,
+            ahead: scan::opt(ahead, Json::as_u64)?.unwrap_or(0),
+        })
     }
 }
 

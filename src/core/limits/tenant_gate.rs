@@ -17,7 +17,8 @@ use crate::core::limits::line::Who;
 use crate::core::limits::{self, duration, Denial, Kind, Limits};
 use crate::core::store::CasStore;
 use crate::core::wire::decimal;
-use serde::{Deserialize, Serialize};
+use crate::core::wire::scan::Json;
+use crate::core::wire::write::Object;
 
 /// What a flight took from its tenant.
 #[derive(Debug, Clone)]
@@ -68,7 +69,7 @@ impl Ledger {
 const SHARE: &str = "#share";
 
 /// A call's request of its tenant's limits, as a key owner sends it to the tenant's owner.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Ask {
     pub tenant: String,
     pub id: u64,
@@ -78,7 +79,7 @@ pub struct Ask {
 }
 
 /// How a call ended, for the tenant's owner node to settle.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Settlement {
     pub tenant: String,
     pub id: u64,
@@ -88,11 +89,65 @@ pub struct Settlement {
     pub hold: Hold,
     /// The key owner never heard the owner's verdict (or gave up on it at its deadline):
     /// a reservation the owner may have made for the call is given back, nothing else.
-    #[serde(default)]
     pub release: bool,
 }
 
+impl Ask {
+    /// As the fleet's messages write it.
+    pub(crate) fn to_json(&self) -> String {
+        Object::new()
+            .str("tenant", &self.tenant)
+            .u64("id", self.id)
+            .u64("estimate", self.estimate)
+            .u64("worst_micro", self.worst_micro)
+            .u64("hold_ms", self.hold_ms)
+            .finish()
+    }
+
+    pub(crate) fn read(json: Json<'_>) -> Option<Ask> {
+        let [tenant, id, estimate, worst_micro, hold_ms] =
+            json.fields(["tenant", "id", "estimate", "worst_micro", "hold_ms"])?;
+        Some(Ask {
+            tenant: tenant?.as_str()?.into_owned(),
+            id: id?.as_u64()?,
+            estimate: estimate?.as_u64()?,
+            worst_micro: worst_micro?.as_u64()?,
+            hold_ms: hold_ms?.as_u64()?,
+        })
+    }
+}
+
 impl Settlement {
+    /// As the fleet's messages write it.
+    pub(crate) fn to_json(&self) -> String {
+        Object::new()
+            .str("tenant", &self.tenant)
+            .u64("id", self.id)
+            .u64("estimate", self.estimate)
+            .u64("tokens", self.tokens)
+            .u64("micro", self.micro)
+            .raw("hold", &self.hold.to_json())
+            .bool("release", self.release)
+            .finish()
+    }
+
+    pub(crate) fn read(json: Json<'_>) -> Option<Settlement> {
+        let names = ["tenant", "id", "estimate", "tokens", "micro", "hold", "release"];
+        let [tenant, id, estimate, tokens, micro, hold, release] = json.fields(names)?;
+        Some(Settlement {
+            tenant: tenant?.as_str()?.into_owned(),
+            id: id?.as_u64()?,
+            estimate: estimate?.as_u64()?,
+            tokens: tokens?.as_u64()?,
+            micro: micro?.as_u64()?,
+            hold: Hold::read(hold?)?,
+            release: match release {
+                Some(r) => r.as_bool()?,
+                None => false,
+            },
+        })
+    }
+
     /// Gives back what the tenant's owner may have reserved for `ask`.
     pub fn release(ask: &Ask, now_ms: u64) -> Settlement {
         Settlement {

@@ -2,7 +2,7 @@
 //! quantized to one signed byte per dimension, compared by cosine similarity.
 
 use crate::core::config::Config;
-use serde::Deserialize;
+use crate::core::wire::scan::{self, Json};
 use serde_json::json;
 
 use crate::core::config::MAX_DIMENSIONS;
@@ -79,43 +79,14 @@ pub struct Embedding {
     pub tokens: u64,
 }
 
-#[derive(Deserialize)]
-struct List {
-    data: Vec<Item>,
-    #[serde(default)]
-    usage: Usage,
-}
-
-#[derive(Deserialize)]
-struct Item {
-    embedding: Values,
-}
-
 /// A vector as JSON numbers, or as base64 of little-endian `f32`s.
-#[derive(Deserialize)]
-#[serde(untagged)]
-enum Values {
-    Floats(Vec<f32>),
-    Base64(String),
-}
-
-impl Values {
-    fn floats(self) -> Option<Vec<f32>> {
-        match self {
-            Values::Floats(v) => Some(v),
-            Values::Base64(text) => {
-                let bytes = crate::core::wire::base64::decode(&text)?;
-                let floats = bytes.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]));
-                (bytes.len() % 4 == 0).then(|| floats.collect())
-            }
-        }
+fn floats(values: Json<'_>) -> Option<Vec<f32>> {
+    if values.is_array() {
+        return values.items().map(|v| v.as_f64().map(|v| v as f32)).collect();
     }
-}
-
-#[derive(Deserialize, Default)]
-struct Usage {
-    #[serde(default)]
-    prompt_tokens: u64,
+    let bytes = crate::core::wire::base64::decode(&values.as_str()?)?;
+    let floats = bytes.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]));
+    (bytes.len() % 4 == 0).then(|| floats.collect())
 }
 
 /// The vector of a 200 answer of one embedding (`None`: an error, or no usable vector).
@@ -124,14 +95,24 @@ pub fn parse_embedding(config: &Config, status: u16, body: &[u8]) -> Option<Embe
     if status != 200 {
         return None;
     }
-    let list: List = serde_json::from_slice(body).ok()?;
-    let [item] = <[Item; 1]>::try_from(list.data).ok()?;
-    let values = item.embedding.floats()?;
+    let [data, usage] = scan::read(body)?.fields(["data", "usage"])?;
+    let data = data.filter(|d| d.is_array())?;
+    let mut items = data.items();
+    let (Some(item), None) = (items.next(), items.next()) else { return None };
+    let [embedding] = item.fields(["embedding"])?;
+    let values = floats(embedding?)?;
+    let tokens = match usage {
+        None => 0,
+        Some(usage) => match usage.fields(["prompt_tokens"])? {
+            [None] => 0,
+            [Some(tokens)] => tokens.as_u64()?,
+        },
+    };
     let wanted = config.semantic.dimensions.map(|d| d as usize);
     if wanted.is_some_and(|d| d != values.len()) {
         return None;
     }
-    Some(Embedding { vector: Vector::quantize(&values)?, tokens: list.usage.prompt_tokens })
+    Some(Embedding { vector: Vector::quantize(&values)?, tokens })
 }
 
 #[cfg(test)]

@@ -1,5 +1,5 @@
 //! Bytes on the wire, the floor everything else stands on: the shared-data record format
-//! (`codec`), the strict JSON reader (`json`), SHA-256 (`digest`), base64, byte comparison
+//! (`codec`), the strict JSON reader (`json`), JSON read in place (`scan`) and written by hand (`write`), SHA-256 (`digest`), base64, byte comparison
 //! (`bytes`), proxy-wasm's header-map encoding (`pairs`), and the few orderings and decimals
 //! the edge writes (`sort`, `decimal`). Nothing here knows what a
 //! request, a tenant or a model is.
@@ -11,4 +11,6 @@ pub(crate) mod decimal;
 pub mod digest;
 pub(crate) mod json;
 pub mod pairs;
+pub(crate) mod scan;
 pub(crate) mod sort;
+pub(crate) mod write;

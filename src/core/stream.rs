@@ -10,7 +10,7 @@ use crate::core::api::headers;
 use crate::core::api::objects::Signer;
 use crate::core::api::response::Response;
 use crate::core::api::usage::Usage;
-use crate::core::wire::sort;
+use crate::core::wire::{json, sort};
 use serde_json::{json, Map, Value};
 use std::collections::BTreeMap;
 use std::mem::discriminant;
@@ -190,7 +190,7 @@ impl Reassembler {
             self.done = true;
             return true;
         }
-        let Ok(Value::Object(chunk)) = serde_json::from_str::<Value>(&data) else {
+        let Ok(Value::Object(chunk)) = json::parse(data.as_bytes()).ok_or(()) else {
             self.malformed = true;
             return true;
         };
@@ -407,7 +407,7 @@ pub fn for_client(response: Response, stream: bool, include_usage: bool) -> Resp
 /// our `PIECE_CHARS` pieces, and the SDKs append whatever token list comes (openai-python
 /// extends `logprobs.content` and `.refusal`, openai-node pushes them).
 pub fn replay(completion: &[u8], include_usage: bool) -> Option<Vec<u8>> {
-    let Value::Object(mut head) = serde_json::from_slice::<Value>(completion).ok()? else { return None };
+    let Value::Object(mut head) = json::parse(completion)? else { return None };
     let Some(Value::Array(choices)) = head.remove("choices") else { return None };
     let usage = head.remove("usage").unwrap_or(Value::Null);
     head.insert("object".into(), json!("chat.completion.chunk"));

@@ -20,7 +20,7 @@ use crate::core::config::Config;
 use crate::core::request::Key;
 use crate::core::store::CasStore;
 use crate::core::wire::digest::sha256;
-use crate::core::wire::scan;
+use crate::core::wire::{json, scan};
 use serde_json::Value;
 use std::collections::BTreeMap;
 use std::rc::Rc;
@@ -306,7 +306,7 @@ fn tokens_of(cached: &[Option<Item>]) -> u64 {
 
 /// The request body with only the items at `positions` in its `input`.
 fn subset(body: &[u8], positions: &[usize]) -> Option<Vec<u8>> {
-    let Value::Object(mut map) = serde_json::from_slice::<Value>(body).ok()? else { return None };
+    let Value::Object(mut map) = json::parse(body)? else { return None };
     let items = map.get("input")?.as_array()?;
     let kept: Vec<Value> = positions.iter().filter_map(|&i| items.get(i).cloned()).collect();
     map.insert("input".into(), Value::Array(kept));

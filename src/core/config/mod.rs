@@ -12,6 +12,7 @@ use crate::core::api::objects::{ObjectKey, Signer};
 use crate::core::api::priority::Class;
 use crate::core::api::usage::Usage;
 use crate::core::config::tenants::{Keys, Tenant};
+use crate::core::wire::json;
 use read::{choice, entries, flag, maybe, number, section, size, text, texts, whole, whole32, Read};
 use serde_json::Value;
 use std::collections::BTreeMap;
@@ -492,7 +493,8 @@ impl Config {
         if raw.iter().find(|b| !b.is_ascii_whitespace()) != Some(&b'{') {
             return Err(ConfigError("the configuration must be a JSON object".into()));
         }
-        let value: Value = serde_json::from_slice(raw).map_err(|e| ConfigError(e.to_string()))?;
+        let text = std::str::from_utf8(raw).map_err(|_| ConfigError("the configuration is not UTF-8".into()))?;
+        let value = json::read(text).map_err(|e| ConfigError(e.to_string()))?;
         let mut config = Config::read(&value)?;
         config.validate()?;
         if config.role == Role::Forward {

@@ -12,7 +12,7 @@ use crate::core::config::Config;
 use crate::core::limits::budget::{self, Mark, Pending, Seen, Spend, Stored, KEEPERS_MS};
 use crate::core::store::{cas_after, CasStore, StoreError, MAX_RACES};
 use crate::core::wire::base64;
-use crate::core::wire::scan;
+use crate::core::wire::{json, scan};
 use serde_json::{json, Value};
 
 /// The tenants whose records wait to be read from the store (a list of names; bounded by
@@ -78,14 +78,14 @@ pub fn txn(config: &Config, tenant: &str, revision: u64, value: &Stored) -> Etcd
 
 /// The answer to `range` (`None`: not etcd's answer).
 pub fn read_range(status: u16, body: &[u8]) -> Option<Found> {
-    let v: Value = serde_json::from_slice(body).ok().filter(|_| status == 200)?;
+    let v: Value = json::parse(body).filter(|_| status == 200)?;
     found(&v)
 }
 
 /// The answer to `txn`: `Ok` with the key's new revision, or `Err` with what the key holds
 /// now (`None`: not etcd's answer).
 pub fn read_txn(status: u16, body: &[u8]) -> Option<Result<u64, Found>> {
-    let v: Value = serde_json::from_slice(body).ok().filter(|_| status == 200)?;
+    let v: Value = json::parse(body).filter(|_| status == 200)?;
     if v["succeeded"].as_bool() == Some(true) {
         return number(&v["header"]["revision"]).map(Ok);
     }

@@ -22,6 +22,7 @@ use crate::core::request::probe::{probe, Probe};
 use crate::core::wire::bytes;
 use crate::core::wire::codec;
 use crate::core::wire::digest::sha256;
+use crate::core::wire::json;
 use serde_json::{Map, Value};
 
 /// The chat completions path, the first endpoint the edge governed.
@@ -292,7 +293,7 @@ fn parse_json(body: &[u8]) -> Result<Value, ApiError> {
             "invalid_json",
         ));
     }
-    crate::core::wire::json::parse_strict(text).map_err(|e| {
+    json::parse_strict(text).map_err(|e| {
         let what = if e.to_string().contains("out of range") { "a number is out of range" } else { "malformed JSON" };
         ApiError::invalid(format!("request body is not valid JSON ({what}: {e})"), None, "invalid_json")
     })
@@ -496,8 +497,8 @@ pub(crate) fn with_model(body: &[u8], model: &str) -> Vec<u8> {
 /// asks for it), so the edge always learns the usage; and with `cap` (the endpoint's limit
 /// member and its value) when set, for a budgeted call without a limit.
 pub fn for_upstream(body: &[u8], model: &str, stream_usage: bool, cap: Option<(&str, u64)>) -> Vec<u8> {
-    match serde_json::from_slice::<Value>(body) {
-        Ok(Value::Object(mut map)) => {
+    match json::parse(body) {
+        Some(Value::Object(mut map)) => {
             map.insert("model".into(), Value::String(model.to_owned()));
             if let Some((field, cap)) = cap {
                 // The cap is the call's only limit (a null `max_completion_tokens` sets none).

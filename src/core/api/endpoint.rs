@@ -144,8 +144,7 @@ impl Endpoint {
         if !content_type.to_ascii_lowercase().contains("json") {
             return false;
         }
-        let Some([object, choices, data, output]) =
-            scan::read(body).and_then(|a| a.fields(["object", "choices", "data", "output"]))
+        let Some([object, choices, data, output]) = scan::read_fields(body, ["object", "choices", "data", "output"])
         else {
             return false;
         };

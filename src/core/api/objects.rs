@@ -80,7 +80,7 @@ impl Signer {
     /// continued) signed: `None` when it is not a `response` object with an id (an error,
     /// say), which is passed on as it is.
     pub fn sign_answer(&self, body: &[u8]) -> Option<Vec<u8>> {
-        let [id, object, previous] = scan::read(body)?.fields(["id", "object", "previous_response_id"])?;
+        let [id, object, previous] = scan::read_fields(body, ["id", "object", "previous_response_id"])?;
         let (id, object) = (id?.as_str()?, object?.as_str()?);
         let previous = match previous {
             Some(p) if !p.is_null() => Some(p.as_str()?),

@@ -62,7 +62,7 @@ impl Billed {
             return Billed::Known(u);
         }
         let json = content_type.to_ascii_lowercase().contains("json");
-        let error = || scan::read(body)?.fields(["error"]).and_then(|[e]| e).filter(|e| e.is_object());
+        let error = || scan::read_fields(body, ["error"]).and_then(|[e]| e).filter(|e| e.is_object());
         if status != 200 && json && error().is_some() {
             return Billed::Nothing;
         }
@@ -124,7 +124,7 @@ pub fn of_answer(body: &[u8]) -> Option<Usage> {
     if let Some(usage) = trailing(body) {
         return Some(usage);
     }
-    let [usage] = scan::read(body)?.fields(["usage"])?;
+    let [usage] = scan::read_fields(body, ["usage"])?;
     read(usage?)
 }
 

@@ -52,7 +52,7 @@ struct Head {
 impl Item {
     fn read(body: &[u8], stored_at_ms: u64) -> Option<Item> {
         let at = body.iter().position(|&b| b == b'\n')?;
-        let [model, group, size, tokens] = scan::read(&body[..at])?.fields(["model", "group", "size", "tokens"])?;
+        let [model, group, size, tokens] = scan::read_fields(&body[..at], ["model", "group", "size", "tokens"])?;
         let (model, group) = (model?.as_str()?.into_owned(), group?.as_str()?.into_owned());
         let size = usize::try_from(size?.as_u64()?).ok()?;
         let tokens = tokens?.as_u64()?;
@@ -137,10 +137,9 @@ impl Batch {
     /// total could not be told).
     fn keep(&self, store: &impl CasStore, config: &Config, missing: &[usize], new: &Answer, now_ms: u64) {
         let keys: Vec<&Key> = missing.iter().filter_map(|&i| self.keys.get(i)).collect();
-        let mut distinct: Vec<&str> = keys.iter().map(|k| k.hex()).collect();
-        distinct.sort_unstable();
-        distinct.dedup();
-        if distinct.len() != keys.len() || keys.len() != new.vectors.len() {
+        // Told by a hash set: a sort of up to 2,048 digests would compile its own copy.
+        let mut seen = std::collections::HashSet::with_capacity(keys.len());
+        if !keys.iter().all(|k| seen.insert(k.hex())) || keys.len() != new.vectors.len() {
             return;
         }
         let head = Head { model: new.model.clone(), group: group_id(&keys), size: keys.len(), tokens: new.tokens };
@@ -178,7 +177,7 @@ struct Answer {
 
 /// The answer's parts, when it has exactly `count` vectors, indexed 0 to `count - 1`.
 fn read_answer(body: &[u8], count: usize) -> Option<Answer> {
-    let [data, model, usage] = scan::read(body)?.fields(["data", "model", "usage"])?;
+    let [data, model, usage] = scan::read_fields(body, ["data", "model", "usage"])?;
     let model = match model {
         Some(m) if !m.is_null() => m.as_str()?.into_owned(),
         _ => String::new(),

@@ -155,7 +155,7 @@ pub struct Verdict {
 
 impl Verdict {
     pub fn parse(body: &[u8]) -> Option<Verdict> {
-        let [admitted, denial, hold] = scan::read(body)?.fields(["admitted", "denial", "hold"])?;
+        let [admitted, denial, hold] = scan::read_fields(body, ["admitted", "denial", "hold"])?;
         Some(Verdict {
             admitted: admitted?.as_bool()?,
             denial: scan::opt(denial, Denial::read)?,

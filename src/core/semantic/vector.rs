@@ -95,7 +95,7 @@ pub fn parse_embedding(config: &Config, status: u16, body: &[u8]) -> Option<Embe
     if status != 200 {
         return None;
     }
-    let [data, usage] = scan::read(body)?.fields(["data", "usage"])?;
+    let [data, usage] = scan::read_fields(body, ["data", "usage"])?;
     let data = data.filter(|d| d.is_array())?;
     let mut items = data.items();
     let (Some(item), None) = (items.next(), items.next()) else { return None };

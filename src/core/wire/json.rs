@@ -9,25 +9,13 @@
 //! request. `parse` reads everything else (an answer, a stream's event, a store's record)
 //! as serde_json does, the last copy of a key kept.
 
+use super::scan;
 use serde_json::map::Entry;
 use serde_json::{Map, Value};
 use std::fmt;
 
 /// Arrays and objects nest fewer levels than this (serde_json's recursion limit).
 const MAX_DEPTH: usize = 128;
-
-/// The bytes that end a string's plain run: a quote, an escape, a control character.
-static STOPS: [bool; 256] = {
-    let mut stops = [false; 256];
-    let mut c = 0;
-    while c < 0x20 {
-        stops[c] = true;
-        c += 1;
-    }
-    stops[b'"' as usize] = true;
-    stops[b'\\' as usize] = true;
-    stops
-};
 
 /// Why a text is not JSON, and where (as serde_json says it: `expected value at line 1
 /// column 5`).
@@ -219,8 +207,7 @@ impl Parser<'_> {
         let mut plain = self.at;
         loop {
             // The plain bytes up to the next quote, escape or control character.
-            let rest = self.b.get(self.at..).unwrap_or_default();
-            self.at += rest.iter().position(|&c| STOPS[usize::from(c)]).unwrap_or(rest.len());
+            self.at = scan::plain_end(self.b, self.at);
             let Some(c) = self.peek() else { return Err(self.fail("EOF while parsing a string")) };
             match c {
                 b'"' => {

@@ -21,6 +21,66 @@ pub(crate) fn read(bytes: &[u8]) -> Option<Json<'_>> {
     rest.trim_ascii().is_empty().then_some(json)
 }
 
+/// `read(bytes)?.fields(names)` in one pass: the document is checked as its top-level
+/// members are found (`None` when it is not one JSON object).
+pub(crate) fn read_fields<'a, const N: usize>(bytes: &'a [u8], names: [&str; N]) -> Option<[Option<Json<'a>>; N]> {
+    let text = std::str::from_utf8(bytes).ok()?;
+    let (found, end) = pick(text, space(text.as_bytes(), 0), names, true, false)?;
+    (space(text.as_bytes(), end) == text.len()).then_some(found)
+}
+
+/// The members named in `names` of the object opening at `open` in `text`, and where it
+/// ends: `None` when it is not an object, names one of them twice, has a name that is no
+/// Rust string, or (unless `others`) a member of another name. Its values are checked
+/// unless `checked` says they were.
+fn pick<'a, const N: usize>(
+    text: &'a str,
+    open: usize,
+    names: [&str; N],
+    others: bool,
+    checked: bool,
+) -> Option<([Option<Json<'a>>; N], usize)> {
+    let b = text.as_bytes();
+    if b.get(open) != Some(&b'{') {
+        return None;
+    }
+    let mut found = [None; N];
+    let mut i = space(b, open + 1);
+    if b.get(i) == Some(&b'}') {
+        return Some((found, i + 1));
+    }
+    loop {
+        if b.get(i) != Some(&b'"') {
+            return None;
+        }
+        let name_end = string_end(b, i)?;
+        let colon = space(b, name_end);
+        if b.get(colon) != Some(&b':') {
+            return None;
+        }
+        let start = space(b, colon + 1);
+        let end = if checked { skip(b, start) } else { check(b, start, 1)? };
+        let name = Json { text: text.get(i..name_end)? }.as_str()?;
+        match names.iter().position(|n| *n == name) {
+            Some(k) => {
+                let slot = found.get_mut(k)?;
+                if slot.is_some() {
+                    return None;
+                }
+                *slot = Some(Json { text: text.get(start..end)? });
+            }
+            None if others => {}
+            None => return None,
+        }
+        i = space(b, end);
+        match b.get(i) {
+            Some(b',') => i = space(b, i + 1),
+            Some(b'}') => return Some((found, i + 1)),
+            _ => return None,
+        }
+    }
+}
+
 /// The JSON value at the start of `bytes` (after whitespace), and what follows it.
 pub(crate) fn read_first(bytes: &[u8]) -> Option<(Json<'_>, &[u8])> {
     let text = std::str::from_utf8(bytes).ok()?;
@@ -114,24 +174,7 @@ impl<'a> Json<'a> {
     }
 
     fn pick<const N: usize>(self, names: [&str; N], others: bool) -> Option<[Option<Json<'a>>; N]> {
-        if !self.is_object() {
-            return None;
-        }
-        let mut found = [None; N];
-        for (key, value) in self.members() {
-            match names.iter().position(|n| *n == key) {
-                Some(i) => {
-                    let slot = found.get_mut(i)?;
-                    if slot.is_some() {
-                        return None;
-                    }
-                    *slot = Some(value);
-                }
-                None if others => {}
-                None => return None,
-            }
-        }
-        Some(found)
+        pick(self.text, 0, names, others, true).map(|(found, _)| found)
     }
 }
 
@@ -246,11 +289,32 @@ fn skip(b: &[u8], at: usize) -> usize {
     }
 }
 
+/// The bytes that end a string's plain run: a quote, an escape, a control character.
+static STOPS: [bool; 256] = {
+    let mut stops = [false; 256];
+    let mut c = 0;
+    while c < 0x20 {
+        stops[c] = true;
+        c += 1;
+    }
+    stops[b'"' as usize] = true;
+    stops[b'\\' as usize] = true;
+    stops
+};
+
+/// The end of the plain run of a string's bytes from `at`: the next quote, escape or
+/// control character (or the end of `b`).
+pub(crate) fn plain_end(b: &[u8], at: usize) -> usize {
+    let rest = b.get(at..).unwrap_or_default();
+    at + rest.iter().position(|&c| STOPS[usize::from(c)]).unwrap_or(rest.len())
+}
+
 /// Past the closing quote of the string whose opening quote is at `at` (`None`: a
 /// control character, a bad escape, or no end).
 fn string_end(b: &[u8], at: usize) -> Option<usize> {
     let mut i = at + 1;
     loop {
+        i = plain_end(b, i);
         match *b.get(i)? {
             b'"' => return Some(i + 1),
             b'\\' => {
@@ -453,6 +517,31 @@ mod tests {
         "[1]x",
         "1 2",
     ];
+
+    #[test]
+    fn fields_read_in_one_pass_are_those_of_the_checked_document() {
+        let names = ["a", "b", "c"];
+        for text in [
+            r#"{"a":1,"b":[2,{"x":"y"}],"z":null}"#,
+            r#" { } "#,
+            r#"{"a":1,"a":2}"#,
+            r#"{"a":1,}"#,
+            r#"{"a":1} x"#,
+            r#"{"\u0061":"escaped name","c":"\ud800"}"#,
+            r#"{"\ud800":1}"#,
+            r#"{"a":[1,]}"#,
+            r#"[1]"#,
+            r#"{"a" 1}"#,
+            "",
+        ] {
+            let two_passes = read(text.as_bytes()).and_then(|d| d.fields(names));
+            assert_eq!(read_fields(text.as_bytes(), names), two_passes, "{text}");
+        }
+        let deep = format!(r#"{{"a":{}{}}}"#, "[".repeat(126), "]".repeat(126));
+        assert!(read_fields(deep.as_bytes(), names).is_some());
+        let deeper = format!(r#"{{"a":{}{}}}"#, "[".repeat(127), "]".repeat(127));
+        assert!(read_fields(deeper.as_bytes(), names).is_none(), "128 levels with the object");
+    }
 
     #[test]
     fn a_text_is_json_exactly_when_serde_json_reads_it() {

@@ -12,7 +12,6 @@ use crate::core::api::response::Response;
 use crate::core::api::usage::Usage;
 use crate::core::wire::{json, sort};
 use serde_json::{json, Map, Value};
-use std::collections::BTreeMap;
 use std::mem::discriminant;
 
 /// Bytes of events past which the answer is no longer assembled (it could not be stored).
@@ -51,8 +50,8 @@ pub struct Reassembler {
     searched: usize,
     /// The chunks' fields but `choices`, `object` and `usage`: id, model, service_tier, ...
     head: Map<String, Value>,
-    /// By index: the choice so far, its deltas merged into its `message`.
-    choices: BTreeMap<u64, Map<String, Value>>,
+    /// Ordered by index: the choice so far, its deltas merged into its `message`.
+    choices: Vec<(u64, Map<String, Value>)>,
     usage: Option<Value>,
     done: bool,
     /// An event was not JSON, or a field did not merge, or the answer grew past the bounds.
@@ -144,13 +143,13 @@ impl Reassembler {
             || !self.done
             || self.malformed
             || self.choices.is_empty()
-            || !self.choices.values().all(finished)
+            || !self.choices.iter().all(|(_, c)| finished(c))
         {
             return None;
         }
         let mut v = self.head.clone();
         v.insert("object".into(), json!("chat.completion"));
-        let choices = self.choices.values().map(|c| {
+        let choices = self.choices.iter().map(|(_, c)| {
             let mut c = c.clone();
             if let Some(message) = c.get_mut("message") {
                 finish_message(message);
@@ -264,10 +263,15 @@ impl Reassembler {
             return Err(Conflict); // a chunk's choice has a delta: a message beside it is no known form
         }
         let index = fields.get("index").and_then(Value::as_u64).unwrap_or(0);
-        let into = self.choices.entry(index).or_insert_with(|| {
-            let fresh = [("index", json!(index)), ("message", json!({})), ("logprobs", Value::Null)];
-            fresh.into_iter().map(|(k, v)| (k.to_owned(), v)).collect()
-        });
+        let at = match self.choices.binary_search_by_key(&index, |(i, _)| *i) {
+            Ok(at) => at,
+            Err(at) => {
+                let fresh = [("index", json!(index)), ("message", json!({})), ("logprobs", Value::Null)];
+                self.choices.insert(at, (index, fresh.into_iter().map(|(k, v)| (k.to_owned(), v)).collect()));
+                at
+            }
+        };
+        let Some((_, into)) = self.choices.get_mut(at) else { return Err(Conflict) };
         if let Some(delta) = fields.remove("delta") {
             merge(into.entry("message").or_insert(Value::Null), delta)?;
         }

@@ -22,7 +22,8 @@ use crate::core::store::CasStore;
 use crate::core::wire::digest::sha256;
 use crate::core::wire::{json, scan};
 use serde_json::Value;
-use std::collections::BTreeMap;
+use std::collections::HashMap;
+use std::hash::{BuildHasherDefault, DefaultHasher};
 use std::rc::Rc;
 
 /// The most bytes of cached vectors one list takes from the cache; items past it are
@@ -137,9 +138,9 @@ impl Batch {
     /// total could not be told).
     fn keep(&self, store: &impl CasStore, config: &Config, missing: &[usize], new: &Answer, now_ms: u64) {
         let keys: Vec<&Key> = missing.iter().filter_map(|&i| self.keys.get(i)).collect();
-        // Told by a hash set: a sort of up to 2,048 digests would compile its own copy.
-        let mut seen = std::collections::HashSet::with_capacity(keys.len());
-        if !keys.iter().all(|k| seen.insert(k.hex())) || keys.len() != new.vectors.len() {
+        // Told by a map: a sort of up to 2,048 digests would compile its own copy.
+        let mut seen = Counts::with_capacity_and_hasher(keys.len(), BuildHasherDefault::default());
+        if !keys.iter().all(|k| seen.insert(k.hex(), 0).is_none()) || keys.len() != new.vectors.len() {
             return;
         }
         let head = Head { model: new.model.clone(), group: group_id(&keys), size: keys.len(), tokens: new.tokens };
@@ -278,30 +279,41 @@ pub(crate) fn plan(
 /// The cached items that can be used: those of groups present whole in the request, each
 /// member once, and all of one model; the others are left to the call.
 fn whole_groups(keys: &[Key], found: Vec<Option<Item>>) -> Vec<Option<Item>> {
-    let mut seen: BTreeMap<&str, usize> = BTreeMap::new();
+    let mut seen = Counts::default();
     for k in keys {
         *seen.entry(k.hex()).or_default() += 1;
     }
     let once = |k: &Key| seen.get(k.hex()) == Some(&1);
-    let mut members: BTreeMap<String, usize> = BTreeMap::new();
+    let mut members = Counts::default();
     for (k, item) in keys.iter().zip(&found) {
         if let Some(i) = item.as_ref().filter(|_| once(k)) {
-            *members.entry(i.group.clone()).or_default() += 1;
+            *members.entry(&i.group).or_default() += 1;
         }
     }
-    let whole = |k: &Key, i: &Item| once(k) && members.get(&i.group) == Some(&i.size);
+    let whole = |k: &Key, i: &Item| once(k) && members.get(i.group.as_str()) == Some(&(i.size as u64));
     let model = keys.iter().zip(&found).find_map(|(k, i)| i.as_ref().filter(|i| whole(k, i)).map(|i| i.model.clone()));
-    keys.iter().zip(found).map(|(k, item)| item.filter(|i| whole(k, i) && Some(&i.model) == model.as_ref())).collect()
+    let kept: Vec<bool> = keys
+        .iter()
+        .zip(&found)
+        .map(|(k, i)| i.as_ref().is_some_and(|i| whole(k, i) && Some(&i.model) == model.as_ref()))
+        .collect();
+    found.into_iter().zip(kept).map(|(item, keep)| item.filter(|_| keep)).collect()
 }
 
 /// The tokens of the groups the cached items belong to, each group once.
 fn tokens_of(cached: &[Option<Item>]) -> u64 {
-    let mut groups: BTreeMap<&str, u64> = BTreeMap::new();
+    let mut groups = Counts::default();
     for i in cached.iter().flatten() {
         groups.insert(&i.group, i.tokens);
     }
     groups.values().sum()
 }
+
+/// A number per name: the one map type this file uses (each type compiles its own copy
+/// of the map's code into the plugin). Its hasher has fixed keys: a random one would make
+/// the component import `wasi:random/insecure-seed`; the names are SHA-256 digests and the
+/// edge's group ids, at most 2,048 of them.
+type Counts<'a> = HashMap<&'a str, u64, BuildHasherDefault<DefaultHasher>>;
 
 /// The request body with only the items at `positions` in its `input`.
 fn subset(body: &[u8], positions: &[usize]) -> Option<Vec<u8>> {

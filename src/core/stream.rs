@@ -21,6 +21,9 @@ const MAX_PENDING_BYTES: usize = MAX_ANSWER_BYTES;
 /// Items with an `index` one list may hold (tool calls): each later piece looks its item up.
 const MAX_INDEXED_ITEMS: usize = 1024;
 
+/// The most choices an assembled answer holds (OpenAI's `n` is at most 128).
+const MAX_CHOICES: usize = 128;
+
 /// Characters of content (or tool-call arguments) per replayed event.
 pub(crate) const PIECE_CHARS: usize = 24;
 
@@ -265,6 +268,8 @@ impl Reassembler {
         let index = fields.get("index").and_then(Value::as_u64).unwrap_or(0);
         let at = match self.choices.binary_search_by_key(&index, |(i, _)| *i) {
             Ok(at) => at,
+            // More choices than a request can ask for (`n` is at most 128): no known answer.
+            Err(_) if self.choices.len() >= MAX_CHOICES => return Err(Conflict),
             Err(at) => {
                 let fresh = [("index", json!(index)), ("message", json!({})), ("logprobs", Value::Null)];
                 self.choices.insert(at, (index, fresh.into_iter().map(|(k, v)| (k.to_owned(), v)).collect()));
@@ -548,8 +553,24 @@ mod tests {
         for i in 0..=MAX_INDEXED_ITEMS {
             r.push(&event(json!({"choices": [{"index": 0, "delta": {"tool_calls": [{"index": i, "id": "c"}]}}]})));
         }
+        r.push(&[finish.clone(), done.clone()].concat());
+        assert!(r.completion().is_none());
+        // More choices than a request can ask for, from the last index down (each would be
+        // put first): passed on, no answer, and no list of them grown past the bound.
+        let finished = |i: usize| json!({"index": i, "delta": {"content": "x"}, "finish_reason": "stop"});
+        let mut r = Reassembler::new(false);
+        let many = event(json!({"choices": (0..=MAX_CHOICES).rev().map(finished).collect::<Vec<_>>()}));
+        assert_eq!(r.push(&many), many);
         r.push(&[finish, done].concat());
         assert!(r.completion().is_none());
+        assert!(r.choices.len() <= MAX_CHOICES);
+        // As many as a request can ask for make an answer.
+        let mut r = Reassembler::new(false);
+        r.push(&event(json!({"choices": (0..MAX_CHOICES).rev().map(finished).collect::<Vec<_>>()})));
+        r.push(b"data: [DONE]\n\n");
+        let v: Value = serde_json::from_slice(&r.completion().expect("128 choices").body).unwrap();
+        assert_eq!(v["choices"].as_array().map(Vec::len), Some(MAX_CHOICES));
+        assert_eq!(v["choices"][0]["index"], 0, "ordered by index");
     }
 
     fn sse(chunks: &[Value]) -> Vec<u8> {

@@ -102,7 +102,9 @@ impl Signer {
 /// escapes included), and every other byte is the client's (the same id quoted in the
 /// input stays as the tenant wrote it).
 pub(crate) fn unsign_in(body: &[u8], id: &str) -> Vec<u8> {
-    let Some(raw) = scan::read(body).and_then(|b| b.get("previous_response_id")) else { return body.to_vec() };
+    // A body naming it twice is left as it is: which copy HolySheep would read is not the
+    // edge's to guess, and the intake refuses such a body (a repeated key) before this.
+    let Some([Some(raw)]) = scan::read_fields(body, ["previous_response_id"]) else { return body.to_vec() };
     // The value's place in `body`: a read value is a slice of it.
     let start = (raw.text().as_ptr() as usize).wrapping_sub(body.as_ptr() as usize);
     let Some(end) = start.checked_add(raw.text().len()).filter(|end| *end <= body.len()) else { return body.to_vec() };
@@ -174,6 +176,9 @@ mod tests {
         let sent = String::from_utf8(unsign_in(go_on.as_bytes(), "resp_1")).unwrap();
         assert_eq!(sent, r#"{"previous\u005fresponse_id":"resp_1","input":"x"}"#);
         assert_eq!(unsign_in(b"not json", "resp_1"), b"not json");
+        // Named twice (a body the intake refuses), no copy is chosen to be replaced.
+        let twice = format!(r#"{{"previous_response_id":"{signed}","previous_response_id":"resp_other"}}"#);
+        assert_eq!(unsign_in(twice.as_bytes(), "resp_1"), twice.as_bytes());
     }
 
     #[test]

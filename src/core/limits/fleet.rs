@@ -429,6 +429,7 @@ mod tests {
             r#"{"take":{"model":"m","id":-7,"estimate":10,"hold_ms":1000}}"#.to_owned(),
             r#"{"take":{"model":"m","id":7,"estimate":10,"hold_ms":1000,"class":"Critical"}}"#.to_owned(),
             r#"{"steal":{}}"#.to_owned(),
+            format!(r#"{{{take},"\ud800":0}}"#),
             r#"["take"]"#.to_owned(),
             format!("{{{take}}} trailing"),
         ] {

@@ -1,6 +1,6 @@
 //! JSON read in place. One pass checks that a text is one JSON value as serde_json reads
-//! it (its grammar, no control character inside a string, valid escapes, fewer than 128
-//! levels deep as serde_json builds a `Value`); its members and items are then found by
+//! it (UTF-8, its grammar, no control character inside a string, valid escapes, members'
+//! names that are Rust strings, fewer than 128 levels deep as serde_json builds a `Value`); its members and items are then found by
 //! walking the checked text, with nothing built. What the edge reads of answers and of
 //! its peers' messages: a few fields of a body it does not otherwise need as a tree.
 
@@ -53,7 +53,7 @@ fn pick<'a, const N: usize>(
         if b.get(i) != Some(&b'"') {
             return None;
         }
-        let name_end = string_end(b, i)?;
+        let name_end = if checked { string_end(b, i)? } else { name_end(b, i)? };
         let colon = space(b, name_end);
         if b.get(colon) != Some(&b':') {
             return None;
@@ -153,11 +153,6 @@ impl<'a> Json<'a> {
 
     pub(crate) fn is_array(self) -> bool {
         self.text.starts_with('[')
-    }
-
-    /// The member `name` (the first one of that name).
-    pub(crate) fn get(self, name: &str) -> Option<Json<'a>> {
-        self.members().find(|(key, _)| key == name).map(|(_, value)| value)
     }
 
     /// The members named in `names`, read in one walk, as a derived serde reader reads a
@@ -330,6 +325,17 @@ fn string_end(b: &[u8], at: usize) -> Option<usize> {
     }
 }
 
+/// Past a member's name at `at`: a string whose escapes make a Rust string (a name is
+/// read, as serde_json reads a field's name; a lone surrogate is no name).
+fn name_end(b: &[u8], at: usize) -> Option<usize> {
+    let end = string_end(b, at)?;
+    let inner = b.get(at + 1..end - 1)?;
+    if inner.contains(&b'\\') {
+        unescape(std::str::from_utf8(inner).ok()?)?;
+    }
+    Some(end)
+}
+
 /// Checks the value at `at` (`depth` containers around it): the end of it.
 fn check(b: &[u8], at: usize, depth: usize) -> Option<usize> {
     match *b.get(at)? {
@@ -338,7 +344,7 @@ fn check(b: &[u8], at: usize, depth: usize) -> Option<usize> {
             if b.get(at) != Some(&b'"') {
                 return None;
             }
-            let colon = space(b, string_end(b, at)?);
+            let colon = space(b, name_end(b, at)?);
             (b.get(colon) == Some(&b':')).then_some(())?;
             check(b, space(b, colon + 1), depth)
         }),
@@ -453,6 +459,11 @@ fn hex4(digits: &str) -> Option<u32> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The first member named `name`.
+    fn member<'a>(json: Json<'a>, name: &str) -> Option<Json<'a>> {
+        json.members().find(|(key, _)| key == name).map(|(_, value)| value)
+    }
     use serde::de::IgnoredAny;
 
     /// Texts serde_json reads and refuses, each read here as serde_json reads it.
@@ -519,6 +530,15 @@ mod tests {
     ];
 
     #[test]
+    fn a_name_must_be_a_string_but_a_value_need_not() {
+        // serde_json reads a member's name (and refuses a lone surrogate there) but skips
+        // the values it does not keep.
+        assert!(read(br#"{"a":1,"\ud800":1}"#).is_none());
+        assert!(read(br#"{"a":"\ud800"}"#).is_some());
+        assert!(member(read(br#"{"\u0061":1}"#).unwrap(), "a").is_some());
+    }
+
+    #[test]
     fn fields_read_in_one_pass_are_those_of_the_checked_document() {
         let names = ["a", "b", "c"];
         for text in [
@@ -529,6 +549,7 @@ mod tests {
             r#"{"a":1} x"#,
             r#"{"\u0061":"escaped name","c":"\ud800"}"#,
             r#"{"\ud800":1}"#,
+            r#"{"a":1,"\ud800":1}"#,
             r#"{"a":[1,]}"#,
             r#"[1]"#,
             r#"{"a" 1}"#,
@@ -563,11 +584,11 @@ mod tests {
         let j = read(br#" {"a" : 1, "b\u0021":[true, "x,]", {"c":{}}], "d":null } "#).unwrap();
         let names: Vec<String> = j.members().map(|(k, _)| k.into_owned()).collect();
         assert_eq!(names, ["a", "b!", "d"]);
-        assert_eq!(j.get("a").and_then(Json::as_u64), Some(1));
-        let items: Vec<&str> = j.get("b!").unwrap().items().map(Json::text).collect();
+        assert_eq!(member(j, "a").and_then(Json::as_u64), Some(1));
+        let items: Vec<&str> = member(j, "b!").unwrap().items().map(Json::text).collect();
         assert_eq!(items, ["true", r#""x,]""#, r#"{"c":{}}"#]);
-        assert!(j.get("d").unwrap().is_null());
-        assert_eq!(j.get("e"), None);
+        assert!(member(j, "d").unwrap().is_null());
+        assert_eq!(member(j, "e"), None);
         assert_eq!(j.items().count(), 0, "an object has no items");
         assert_eq!(read(b"[]").unwrap().items().count(), 0);
         assert_eq!(read(b"{ }").unwrap().members().count(), 0);

@@ -1,8 +1,8 @@
 //! Bytes on the wire, the floor everything else stands on: the shared-data record format
-//! (`codec`), the strict JSON reader (`json`), JSON read in place (`scan`) and written by hand (`write`), SHA-256 (`digest`), base64, byte comparison
-//! (`bytes`), proxy-wasm's header-map encoding (`pairs`), and the few orderings and decimals
-//! the edge writes (`sort`, `decimal`). Nothing here knows what a
-//! request, a tenant or a model is.
+//! (`codec`), JSON parsed into serde_json's `Value` (`json`), read in place (`scan`) and
+//! written by hand (`write`), SHA-256 (`digest`), base64, byte comparison (`bytes`),
+//! proxy-wasm's header-map encoding (`pairs`), and the few orderings and decimals the edge
+//! writes (`sort`, `decimal`). Nothing here knows what a request, a tenant or a model is.
 
 pub mod base64;
 pub(crate) mod bytes;

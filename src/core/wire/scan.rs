@@ -326,14 +326,33 @@ fn string_end(b: &[u8], at: usize) -> Option<usize> {
 }
 
 /// Past a member's name at `at`: a string whose escapes make a Rust string (a name is
-/// read, as serde_json reads a field's name; a lone surrogate is no name).
+/// read, as serde_json reads a field's name; a lone surrogate is no name). `string_end`'s
+/// walk, noting a `\u` escape (the only kind that can name half of a surrogate pair).
 fn name_end(b: &[u8], at: usize) -> Option<usize> {
-    let end = string_end(b, at)?;
-    let inner = b.get(at + 1..end - 1)?;
-    if inner.contains(&b'\\') {
-        unescape(std::str::from_utf8(inner).ok()?)?;
+    let mut i = at + 1;
+    let mut unicode = false;
+    loop {
+        i = plain_end(b, i);
+        match *b.get(i)? {
+            b'"' => break,
+            b'\\' => {
+                i += match *b.get(i + 1)? {
+                    b'"' | b'\\' | b'/' | b'b' | b'f' | b'n' | b'r' | b't' => 2,
+                    b'u' if b.get(i + 2..i + 6)?.iter().all(u8::is_ascii_hexdigit) => {
+                        unicode = true;
+                        6
+                    }
+                    _ => return None,
+                }
+            }
+            c if c < 0x20 => return None,
+            _ => i += 1,
+        }
     }
-    Some(end)
+    if unicode {
+        unescape(std::str::from_utf8(b.get(at + 1..i)?).ok()?)?;
+    }
+    Some(i + 1)
 }
 
 /// Checks the value at `at` (`depth` containers around it): the end of it.

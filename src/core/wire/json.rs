@@ -9,7 +9,7 @@
 //! request. `parse` reads everything else (an answer, a stream's event, a store's record)
 //! as serde_json does, the last copy of a key kept.
 
-use super::scan;
+use super::scan::{self, Escape};
 use serde_json::map::Entry;
 use serde_json::{Map, Value};
 use std::fmt;
@@ -229,52 +229,21 @@ impl Parser<'_> {
 
     /// The character an escape (after its `\`) names.
     fn escape(&mut self) -> Result<char, JsonError> {
-        let Some(c) = self.peek() else { return Err(self.fail("EOF while parsing a string")) };
-        self.at += 1;
-        Ok(match c {
-            b'"' => '"',
-            b'\\' => '\\',
-            b'/' => '/',
-            b'b' => '\u{8}',
-            b'f' => '\u{c}',
-            b'n' => '\n',
-            b'r' => '\r',
-            b't' => '\t',
-            b'u' => {
-                let first = self.hex4()?;
-                let code = match first {
-                    0xD800..=0xDBFF => {
-                        if self.b.get(self.at..self.at + 2) != Some(b"\\u") {
-                            return Err(self.fail("lone leading surrogate in hex escape"));
-                        }
-                        self.at += 2;
-                        let second = self.hex4()?;
-                        if !(0xDC00..=0xDFFF).contains(&second) {
-                            return Err(self.fail("lone leading surrogate in hex escape"));
-                        }
-                        0x10000 + ((first - 0xD800) << 10) + (second - 0xDC00)
-                    }
-                    0xDC00..=0xDFFF => return Err(self.fail("lone leading surrogate in hex escape")),
-                    n => n,
-                };
-                char::from_u32(code).ok_or_else(|| self.fail("invalid unicode code point"))?
+        let start = self.at;
+        match scan::escape(self.b.get(start..).unwrap_or_default()) {
+            Ok((c, used)) => {
+                self.at += used;
+                Ok(c)
             }
-            _ => {
-                self.at -= 1;
-                return Err(self.fail("invalid escape"));
+            Err((why, at)) => {
+                self.at = start + at;
+                Err(self.fail(match why {
+                    Escape::Unended => "EOF while parsing a string",
+                    Escape::Invalid => "invalid escape",
+                    Escape::LoneSurrogate => "lone leading surrogate in hex escape",
+                }))
             }
-        })
-    }
-
-    fn hex4(&mut self) -> Result<u32, JsonError> {
-        let mut n = 0;
-        for _ in 0..4 {
-            let Some(c) = self.peek() else { return Err(self.fail("EOF while parsing a string")) };
-            let digit = char::from(c).to_digit(16).ok_or_else(|| self.fail("invalid escape"))?;
-            n = n * 16 + digit;
-            self.at += 1;
         }
-        Ok(n)
     }
 
     /// A number: a whole one as `u64` (or negative, `i64`) where it fits, as serde_json

@@ -438,41 +438,69 @@ fn unescape(inner: &str) -> Option<String> {
     let mut rest = inner;
     while let Some(at) = rest.find('\\') {
         out.push_str(rest.get(..at)?);
-        let escape = rest.get(at + 1..)?;
-        let (c, used) = match escape.as_bytes().first()? {
-            b'"' => ('"', 1),
-            b'\\' => ('\\', 1),
-            b'/' => ('/', 1),
-            b'b' => ('\u{8}', 1),
-            b'f' => ('\u{c}', 1),
-            b'n' => ('\n', 1),
-            b'r' => ('\r', 1),
-            b't' => ('\t', 1),
-            _ => {
-                let high = hex4(escape.get(1..5)?)?;
-                if (0xDC00..0xE000).contains(&high) {
-                    return None;
-                }
-                if (0xD800..0xDC00).contains(&high) {
-                    let low = hex4(escape.get(5..)?.strip_prefix("\\u")?.get(..4)?)?;
-                    if !(0xDC00..0xE000).contains(&low) {
-                        return None;
-                    }
-                    (char::from_u32(0x10000 + ((high - 0xD800) << 10) + (low - 0xDC00))?, 11)
-                } else {
-                    (char::from_u32(high)?, 5)
-                }
-            }
-        };
+        let (c, used) = escape(rest.as_bytes().get(at + 1..)?).ok()?;
         out.push(c);
-        rest = escape.get(used..)?;
+        rest = rest.get(at + 1 + used..)?;
     }
     out.push_str(rest);
     Some(out)
 }
 
-fn hex4(digits: &str) -> Option<u32> {
-    (digits.len() == 4).then(|| u32::from_str_radix(digits, 16).ok()).flatten()
+/// Why an escape names no character.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Escape {
+    /// The text ends inside it.
+    Unended,
+    /// Not one of JSON's escapes, or a `\u` without four hex digits.
+    Invalid,
+    /// Half of a surrogate pair alone, which no Rust string can hold.
+    LoneSurrogate,
+}
+
+/// The character the escape at the start of `b` (after its `\`) names and the bytes it
+/// takes (a surrogate pair's two `\u` escapes are one), or why it names none and at
+/// which byte of `b`.
+pub(crate) fn escape(b: &[u8]) -> Result<(char, usize), (Escape, usize)> {
+    let simple = match *b.first().ok_or((Escape::Unended, 0))? {
+        b'"' => '"',
+        b'\\' => '\\',
+        b'/' => '/',
+        b'b' => '\u{8}',
+        b'f' => '\u{c}',
+        b'n' => '\n',
+        b'r' => '\r',
+        b't' => '\t',
+        b'u' => {
+            let high = hex4(b, 1)?;
+            let code = match high {
+                0xD800..=0xDBFF => {
+                    if b.get(5..7) != Some(b"\\u") {
+                        return Err((Escape::LoneSurrogate, 5));
+                    }
+                    let low = hex4(b, 7)?;
+                    if !(0xDC00..=0xDFFF).contains(&low) {
+                        return Err((Escape::LoneSurrogate, 11));
+                    }
+                    let pair = 0x10000 + ((high - 0xD800) << 10) + (low - 0xDC00);
+                    return char::from_u32(pair).map(|c| (c, 11)).ok_or((Escape::Invalid, 11));
+                }
+                0xDC00..=0xDFFF => return Err((Escape::LoneSurrogate, 5)),
+                n => n,
+            };
+            return char::from_u32(code).map(|c| (c, 5)).ok_or((Escape::Invalid, 5));
+        }
+        _ => return Err((Escape::Invalid, 0)),
+    };
+    Ok((simple, 1))
+}
+
+/// The four hex digits at `at` of `b`, or the byte that is not one.
+fn hex4(b: &[u8], at: usize) -> Result<u32, (Escape, usize)> {
+    (at..at + 4).try_fold(0, |n, i| {
+        let c = *b.get(i).ok_or((Escape::Unended, i))?;
+        let digit = char::from(c).to_digit(16).ok_or((Escape::Invalid, i))?;
+        Ok(n * 16 + digit)
+    })
 }
 
 #[cfg(test)]

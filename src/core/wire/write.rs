@@ -46,8 +46,10 @@ impl Object {
 
     /// A number, or `null` when there is none (or it is not finite, as serde_json writes it).
     pub(crate) fn f64(self, name: &str, n: Option<f64>) -> Object {
-        let text = n.and_then(|n| serde_json::to_string(&n).ok()).unwrap_or_else(|| "null".to_owned());
-        self.raw(name, &text)
+        match n.filter(|n| n.is_finite()) {
+            Some(n) => self.raw(name, ryu::Buffer::new().format_finite(n)),
+            None => self.raw(name, "null"),
+        }
     }
 
     /// A whole number, or `null` when there is none.

@@ -130,7 +130,7 @@ soak: setup
 FUZZ_SECONDS ?= 60
 fuzz:
 	command -v cargo-fuzz >/dev/null || cargo install cargo-fuzz --version 0.13.1 --locked
-	cd fuzz && for t in request sse records head peer answers spend; do \
+	cd fuzz && for t in request sse records head peer answers spend float; do \
 	  dict=""; [ -f dicts/$$t.dict ] && dict=-dict=dicts/$$t.dict; \
 	  cargo +nightly fuzz run $$t -- -max_total_time=$(FUZZ_SECONDS) $$dict || exit 1; done
 

@@ -4,6 +4,7 @@
 
 use super::headers;
 use crate::core::api::usage::Billed;
+use crate::core::wire::float;
 use crate::core::wire::scan::{self, Json};
 use crate::core::wire::write::Object;
 
@@ -52,8 +53,8 @@ impl ProviderHints {
     pub fn from_headers(status: u16, headers: &[(String, String)]) -> ProviderHints {
         let get = |n: &str| headers::value(headers, n).map(str::trim);
         ProviderHints {
-            remaining_requests: get(headers::REMAINING_REQUESTS).and_then(|v| v.parse().ok()),
-            remaining_tokens: get(headers::REMAINING_TOKENS).and_then(|v| v.parse().ok()),
+            remaining_requests: get(headers::REMAINING_REQUESTS).and_then(float::parse),
+            remaining_tokens: get(headers::REMAINING_TOKENS).and_then(float::parse),
             throttled: status == 429,
             retry_after_ms: retry_after_ms(get("retry-after-ms"), get(headers::RETRY_AFTER)),
             key_refused: false,
@@ -64,8 +65,8 @@ impl ProviderHints {
 
 /// `retry-after-ms`, else `retry-after` in seconds (HTTP dates are not honoured).
 pub(crate) fn retry_after_ms(ms: Option<&str>, secs: Option<&str>) -> Option<u64> {
-    ms.and_then(|v| v.parse::<f64>().ok())
-        .or_else(|| secs.and_then(|v| v.parse::<f64>().ok()).map(|s| s * 1000.0))
+    ms.and_then(float::parse)
+        .or_else(|| secs.and_then(float::parse).map(|s| s * 1000.0))
         .filter(|v| v.is_finite() && *v >= 0.0)
         .map(|v| v.ceil() as u64)
 }

@@ -9,6 +9,7 @@
 //! request. `parse` reads everything else (an answer, a stream's event, a store's record)
 //! as serde_json does, the last copy of a key kept.
 
+use super::float;
 use super::scan::{self, Escape};
 use serde_json::map::Entry;
 use serde_json::{Map, Value};
@@ -296,7 +297,7 @@ impl Parser<'_> {
                 (_, None) => {}
             }
         }
-        let x: f64 = text.parse().map_err(|_| self.fail("invalid number"))?;
+        let x = float::parse(text).ok_or_else(|| self.fail("invalid number"))?;
         if !x.is_finite() {
             return Err(self.fail("number out of range"));
         }

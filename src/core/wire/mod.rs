@@ -9,6 +9,7 @@ pub(crate) mod bytes;
 pub mod codec;
 pub(crate) mod decimal;
 pub mod digest;
+pub mod float;
 pub(crate) mod json;
 pub mod pairs;
 pub(crate) mod scan;

@@ -119,8 +119,7 @@ impl<'a> Json<'a> {
 
     /// Any number, as the nearest `f64`.
     pub(crate) fn as_f64(self) -> Option<f64> {
-        let first = *self.text.as_bytes().first()?;
-        (first == b'-' || first.is_ascii_digit()).then(|| self.text.parse().ok()).flatten()
+        super::float::parse(self.text)
     }
 
     /// A string's value, its escapes read (`None`: not a string, or an escape naming half

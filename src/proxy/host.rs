@@ -32,12 +32,57 @@ impl CasStore for SharedData {
     }
 }
 
-/// Wall-clock milliseconds (Envoy offers no monotonic clock to plugins).
+/// Wall-clock milliseconds (Envoy offers no monotonic clock to plugins); while a `Pinned`
+/// lives, the first reading of its callback.
 pub fn now_ms() -> u64 {
-    hostcalls::get_current_time()
-        .ok()
-        .and_then(|t| t.duration_since(UNIX_EPOCH).ok())
-        .map_or(0, |d| d.as_millis() as u64)
+    match CLOCK.get() {
+        Clock::Pinned(Some(ms)) => ms,
+        clock => {
+            let ms = hostcalls::get_current_time()
+                .ok()
+                .and_then(|t| t.duration_since(UNIX_EPOCH).ok())
+                .map_or(0, |d| d.as_millis() as u64);
+            if clock == Clock::Pinned(None) {
+                CLOCK.set(Clock::Pinned(Some(ms)));
+            }
+            ms
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Clock {
+    /// Every `now_ms` asks the host.
+    Read,
+    /// `now_ms` asks the host once, then answers that reading.
+    Pinned(Option<u64>),
+}
+
+thread_local! {
+    static CLOCK: std::cell::Cell<Clock> = const { std::cell::Cell::new(Clock::Read) };
+}
+
+/// The clock read at most once for the rest of a host callback: its work takes
+/// microseconds, and every reading is a host call (a MISS's answer read it four times).
+/// Taken at the top of a callback and dropped with it; a callback without one reads the
+/// host's clock each time.
+pub struct Pinned {
+    before: Clock,
+}
+
+/// Pins the clock until the returned value drops.
+pub fn pin_clock() -> Pinned {
+    let before = CLOCK.get();
+    if before == Clock::Read {
+        CLOCK.set(Clock::Pinned(None));
+    }
+    Pinned { before }
+}
+
+impl Drop for Pinned {
+    fn drop(&mut self) {
+        CLOCK.set(self.before);
+    }
 }
 
 /// The bytes Envoy has received of the current request so far, headers included

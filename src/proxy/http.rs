@@ -441,6 +441,7 @@ impl HttpContext for Chat {
     }
 
     fn on_http_request_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
+        let _clock = host::pin_clock();
         if let Some(action) = self.body_arrives() {
             return action;
         }

@@ -55,15 +55,17 @@ impl Root {
         }
     }
 
-    /// A root-context VM call starts: it may send a new batch of replies.
-    fn begin_call(&self) {
+    /// A root-context VM call starts: it may send a new batch of replies, and reads the
+    /// clock once.
+    fn begin_call(&self) -> host::Pinned {
         self.worker.borrow_mut().replies_left = REPLY_BATCH;
+        host::pin_clock()
     }
 }
 
 impl Context for Root {
     fn on_http_call_response(&mut self, token: u32, num_headers: usize, body_size: usize, _trailers: usize) {
-        self.begin_call();
+        let _clock = self.begin_call();
         {
             let w = &mut *self.worker.borrow_mut();
             let config = w.config.clone();
@@ -167,7 +169,7 @@ impl RootContext for Root {
     }
 
     fn on_tick(&mut self) {
-        self.begin_call();
+        let _clock = self.begin_call();
         self.worker.borrow_mut().answer_stalled();
         self.worker.borrow_mut().queue.register();
         if self.worker.borrow().config.role == Role::Owner {
@@ -192,7 +194,7 @@ impl RootContext for Root {
     /// second dequeue would only find it empty). A message whose work outlasts this call's
     /// replies continues through the queue; whatever a message asks for, the tick also does.
     fn on_queue_ready(&mut self, queue_id: u32) {
-        self.begin_call();
+        let _clock = self.begin_call();
         if let Ok(Some(message)) = hostcalls::dequeue_shared_queue(queue_id) {
             self.on_message(&message);
         }

@@ -33,7 +33,7 @@ fuzz_target!(|data: &[u8]| {
     let today = now_ms / DAY_MS;
     // The key read empty, then a call settled here: 4000 not yet written.
     budget_store::read(&store, "t", Some(Found { stored: None, revision: 1 }), now_ms);
-    let caps = config.tenants["t"].caps();
+    let Some(caps) = config.tenants.get("t").map(|t| t.caps()) else { return };
     let backing = Backing::of(&config, true);
     let reserved = budget::reserve(&store, "t", (caps, backing), (1, 5_000, now_ms + 60_000), now_ms);
     assert!(reserved.is_ok(), "{reserved:?}");

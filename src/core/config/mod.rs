@@ -3,6 +3,7 @@
 //! `wire` and `api`.
 
 pub(crate) mod digest;
+pub mod named;
 pub(crate) mod read;
 pub(crate) mod tenants;
 
@@ -11,11 +12,11 @@ use crate::core::api::headers;
 use crate::core::api::objects::{ObjectKey, Signer};
 use crate::core::api::priority::Class;
 use crate::core::api::usage::Usage;
+use crate::core::config::named::Named;
 use crate::core::config::tenants::{Keys, Tenant};
 use crate::core::wire::json;
 use read::{choice, entries, flag, maybe, number, section, size, text, texts, whole, whole32, Read};
 use serde_json::Value;
-use std::collections::BTreeMap;
 
 /// The most `passthrough_paths` a configuration lists.
 pub(crate) const MAX_PASSTHROUGH: usize = 64;
@@ -35,7 +36,7 @@ pub struct Config {
     pub lock: Lock,
     pub max_body_bytes: usize,
     /// Per-model limits, fallbacks and prices; the entry `default` applies to models not listed.
-    pub models: BTreeMap<String, Model>,
+    pub models: Named<Model>,
     pub rate_limit: RateLimit,
     pub retry: Retry,
     /// Serve an expired cache entry this much past its TTL when every attempt failed.
@@ -48,7 +49,7 @@ pub struct Config {
     pub semantic: Semantic,
     /// The callers this edge knows, by name. When set, every governed request must carry
     /// one of their keys, and its tenant is its cache scope.
-    pub tenants: BTreeMap<String, Tenant>,
+    pub tenants: Named<Tenant>,
     /// Where tenants' spend is kept beyond this process (docs/tenants.md#where-spend-is-kept).
     pub budget_store: BudgetStore,
     /// With `tenants`: the paths (and everything under them) a verified tenant's request
@@ -415,13 +416,13 @@ impl Default for Config {
             cache: Cache::default(),
             lock: Lock::default(),
             max_body_bytes: 1024 * 1024,
-            models: BTreeMap::new(),
+            models: Named::default(),
             rate_limit: RateLimit::default(),
             retry: Retry::default(),
             stale_if_error_seconds: 0,
             log_fields: false,
             semantic: Semantic::default(),
-            tenants: BTreeMap::new(),
+            tenants: Named::default(),
             budget_store: BudgetStore::default(),
             passthrough_paths: Vec::new(),
             keys: Keys::default(),
@@ -1236,7 +1237,7 @@ mod tests {
             },
             lock: Lock { lease_ms: 200, wait_timeout_ms: 300, slots: 64 },
             max_body_bytes: 2048,
-            models: BTreeMap::from([
+            models: Named::from([
                 (
                     "m".to_owned(),
                     Model {
@@ -1269,7 +1270,7 @@ mod tests {
                 allow_tools: true,
                 timeout_ms: 19,
             },
-            tenants: BTreeMap::from([(
+            tenants: Named::from([(
                 "t".to_owned(),
                 Tenant {
                     keys_sha256: vec![key.clone()],

@@ -5,9 +5,9 @@
 //! run through `serde_json::from_value` and tried field by field to name the one at fault,
 //! cost the plugin tens of kilobytes of code.)
 
+use super::named::Named;
 use super::ConfigError;
 use serde_json::{Map, Value};
-use std::collections::BTreeMap;
 
 pub(crate) type Read<T> = Result<T, ConfigError>;
 
@@ -51,9 +51,9 @@ pub(crate) fn section<T: Default>(
 }
 
 /// An object of named entries (`models`, `tenants`), each read by `entry`.
-pub(crate) fn entries<T>(path: &str, v: &Value, entry: impl Fn(&str, &Value) -> Read<T>) -> Read<BTreeMap<String, T>> {
+pub(crate) fn entries<T>(path: &str, v: &Value, entry: impl Fn(&str, &Value) -> Read<T>) -> Read<Named<T>> {
     let Value::Object(map) = v else { return Err(wrong(path, "an object")) };
-    let mut read = BTreeMap::new();
+    let mut read = Named::default();
     for (name, v) in map {
         read.insert(name.clone(), entry(&format!("{path}.{name}"), v)?);
     }

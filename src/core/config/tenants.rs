@@ -6,6 +6,7 @@
 use crate::core::api::error::ApiError;
 use crate::core::api::priority::Class;
 use crate::core::api::priority::CLASSES;
+use crate::core::config::named::Named;
 use crate::core::config::read::{choice, maybe, number, section, texts, whole, whole32, Read};
 use crate::core::wire::digest::sha256;
 use serde_json::Value;
@@ -174,7 +175,7 @@ impl std::fmt::Debug for Known {
 
 impl Keys {
     /// Checks the tenants' configuration and collects their digests.
-    pub fn of(tenants: &BTreeMap<String, Tenant>) -> Result<Keys, String> {
+    pub fn of(tenants: &Named<Tenant>) -> Result<Keys, String> {
         if tenants.len() > MAX_TENANTS {
             return Err(format!("tenants: at most {MAX_TENANTS} entries"));
         }
@@ -300,7 +301,7 @@ mod tests {
         sha256(token.as_bytes().to_vec()).iter().map(|b| format!("{b:02x}")).collect()
     }
 
-    fn tenants(pairs: &[(&str, &[&str])]) -> BTreeMap<String, Tenant> {
+    fn tenants(pairs: &[(&str, &[&str])]) -> Named<Tenant> {
         pairs
             .iter()
             .map(|(name, tokens)| {
@@ -322,7 +323,7 @@ mod tests {
             assert!(!e.message.contains("s-ol"), "the token is never quoted");
         }
         let upper = hex_of("u").to_uppercase();
-        let keys = Keys::of(&BTreeMap::from([("u".into(), Tenant { keys_sha256: vec![upper], ..Tenant::default() })]));
+        let keys = Keys::of(&Named::from([("u".into(), Tenant { keys_sha256: vec![upper], ..Tenant::default() })]));
         assert_eq!(keys.unwrap().verify(Some("Bearer u")), Ok("u"), "hex in either case");
     }
 
@@ -355,21 +356,21 @@ mod tests {
 
     #[test]
     fn the_tenants_configuration_is_checked() {
-        let refused = |t: BTreeMap<String, Tenant>| Keys::of(&t).unwrap_err();
+        let refused = |t: Named<Tenant>| Keys::of(&t).unwrap_err();
         assert!(refused(tenants(&[("a b", &["x"])])).starts_with("tenants.a b:"));
         assert!(refused(tenants(&[("a.b", &["x"])])).starts_with("tenants.a.b:"), "a dot would split its counters");
         assert!(refused(tenants(&[("a-b", &["x"]), ("a_b", &["y"])])).contains("counters would be"));
         assert!(refused(tenants(&[("a", &[])])).starts_with("tenants.a.keys_sha256:"));
         assert!(refused(tenants(&[("a", &["x"]), ("b", &["x"])])).contains("twice"));
         let clear =
-            BTreeMap::from([("a".into(), Tenant { keys_sha256: vec!["sk-live-123".into()], ..Tenant::default() })]);
+            Named::from([("a".into(), Tenant { keys_sha256: vec!["sk-live-123".into()], ..Tenant::default() })]);
         assert!(refused(clear).contains("never goes here"));
-        let no_models = BTreeMap::from([(
+        let no_models = Named::from([(
             "a".into(),
             Tenant { keys_sha256: vec![hex_of("x")], models: Some(Vec::new()), ..Tenant::default() },
         )]);
         assert!(refused(no_models).starts_with("tenants.a.models:"));
-        assert!(Keys::of(&BTreeMap::new()).unwrap().is_empty());
+        assert!(Keys::of(&Named::default()).unwrap().is_empty());
     }
 
     #[test]

@@ -427,7 +427,7 @@ mod tests {
     #[test]
     fn a_streams_attempts_by_the_router_are_counted_and_charged_and_its_429_holds_the_bucket() {
         let (s, c) = (MemStore::new(), config(r#"{"models":{"gpt-4.1":{"requests_per_minute":60,"burst":10}}}"#));
-        let l = Limits::of(&c.models["gpt-4.1"], &c.rate_limit);
+        let l = Limits::of(c.models.get("gpt-4.1").unwrap(), &c.rate_limit);
         let mut f = flight(&c, "gpt-4.1");
         send(f.resume(&s, &c, 0, 1));
         f.on_stream_end(&s, &c, &streamed(Some((7, 5)), 0, 3), &ProviderHints::default(), 0);
@@ -1110,7 +1110,7 @@ mod tests {
         send(classed(&c, "f", Class::Standard, "a").resume(&s, &c, 0, 2));
         let mut waiting = classed(&c, "m", Class::Standard, "a");
         assert!(matches!(waiting.resume(&s, &c, 0, 3), Action::Sleep { .. }));
-        let l = Limits::of(&c.models["m"], &c.rate_limit);
+        let l = Limits::of(c.models.get("m").unwrap(), &c.rate_limit);
         assert_eq!(limits::peek(&s, "m", &l, 0).line.len(), 1);
         assert!(matches!(waiting.resume(&s, &c, 200, 3), Action::Finish(Some(_))), "past max_wait_ms");
         assert!(limits::peek(&s, "m", &l, 200).line.is_empty(), "its place is given up at once");
@@ -1129,13 +1129,13 @@ mod tests {
         send(other.resume(&s, &c, 0, 2));
         let mut f = classed(&c, "gpt-4.1", Class::Standard, "a");
         assert!(matches!(f.resume(&s, &c, 0, 3), Action::Sleep { .. }));
-        let default = Limits::of(&c.models["default"], &c.rate_limit);
+        let default = Limits::of(c.models.get("default").unwrap(), &c.rate_limit);
         assert_eq!(limits::peek(&s, "default", &default, 0).line.len(), 1, "one place for both fallbacks");
         other.on_response(&s, &c, None, &ProviderHints::default(), 1, 0);
         assert_eq!(send(f.resume(&s, &c, 2, 3)), "deepseek-v3");
         let b = limits::peek(&s, "default", &default, 2);
         assert_eq!((b.in_flight.len(), b.line.len()), (1, 0), "the slot it took is still held");
-        let gpt = Limits::of(&c.models["gpt-4.1"], &c.rate_limit);
+        let gpt = Limits::of(c.models.get("gpt-4.1").unwrap(), &c.rate_limit);
         assert!(limits::peek(&s, "gpt-4.1", &gpt, 2).line.is_empty(), "its first model's place is given up");
     }
 
@@ -1155,7 +1155,7 @@ mod tests {
         let c = config(r#"{"models":{"m":{"tokens_per_minute":1000}}}"#);
         let mut f = flight(&c, "m");
         send(f.resume(&s, &c, 0, 1));
-        let l = Limits::of(&c.models["m"], &c.rate_limit);
+        let l = Limits::of(c.models.get("m").unwrap(), &c.rate_limit);
         assert_eq!(limits::peek(&s, "m", &l, 0).tokens, 900.0);
         f.on_response(&s, &c, status(200), &hints(200), 0, 0);
         assert_eq!(limits::peek(&s, "m", &l, 0).tokens, 988.0, "charged 12 real tokens, not 100");

@@ -639,7 +639,7 @@ mod tests {
     }
 
     fn requests_left(s: &MemStore, c: &Config) -> f64 {
-        let l = Limits::of(&c.models["gpt-4.1"], &c.rate_limit);
+        let l = Limits::of(c.models.get("gpt-4.1").unwrap(), &c.rate_limit);
         limits::peek(s, "gpt-4.1", &l, 0).requests
     }
 

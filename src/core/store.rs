@@ -20,6 +20,15 @@ pub enum StoreError {
     Host(String),
 }
 
+impl std::fmt::Display for StoreError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            StoreError::CasMismatch => f.write_str("another write came first"),
+            StoreError::Host(text) => f.write_str(text),
+        }
+    }
+}
+
 /// Shared data as Envoy implements it:
 /// - every successful `set` gives the key a fresh CAS from one process-wide `u32` counter
 ///   (starting at 1, skipping 0 on wrap);

@@ -65,7 +65,7 @@ impl WakeQueue {
         let name = match wake::claim(&SharedData, host::now_ms()) {
             Ok(Some(name)) => name,
             Ok(None) => return host::log(LogLevel::Warn, "holysheep: every wake queue name is live; ticks will wake"),
-            Err(e) => return host::log(LogLevel::Warn, &format!("holysheep: cannot claim a wake queue name: {e:?}")),
+            Err(e) => return host::log(LogLevel::Warn, &format!("holysheep: cannot claim a wake queue name: {e}")),
         };
         match hostcalls::register_shared_queue(&name) {
             Ok(id) => {

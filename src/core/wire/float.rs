@@ -17,6 +17,9 @@ const MAX_SHIFT: u32 = 60;
 const INFINITE_POWER: i32 = 0x7ff;
 /// The exponent of the smallest normal `f64`, less one.
 const MINIMUM_EXPONENT: i32 = -1023;
+/// An exponent is read up to this: far past any `f64` even after the point moves by every
+/// digit a body can hold, so the clamp never changes a value.
+const MAX_EXPONENT: i64 = 1 << 40;
 const EXACT_POWERS: [f64; 23] = [
     1e0, 1e1, 1e2, 1e3, 1e4, 1e5, 1e6, 1e7, 1e8, 1e9, 1e10, 1e11, 1e12, 1e13, 1e14, 1e15, 1e16, 1e17, 1e18, 1e19, 1e20,
     1e21, 1e22,
@@ -74,7 +77,7 @@ fn magnitude(b: &[u8]) -> Option<f64> {
         let start = i;
         let mut e: i64 = 0;
         while let Some(&c @ b'0'..=b'9') = b.get(i) {
-            e = (e * 10 + i64::from(c - b'0')).min(1 << 20);
+            e = (e * 10 + i64::from(c - b'0')).min(MAX_EXPONENT);
             i += 1;
         }
         if i == start {
@@ -143,8 +146,9 @@ impl Decimal {
                 Some(b'+') => (false, rest.get(1..).unwrap_or_default()),
                 _ => (false, rest),
             };
-            let e = rest.iter().fold(0i32, |e, &c| (e * 10 + i32::from(c - b'0')).min(1 << 20));
-            d.decimal_point = d.decimal_point.saturating_add(if negative { -e } else { e });
+            let e = rest.iter().fold(0i64, |e, &c| (e * 10 + i64::from(c - b'0')).min(MAX_EXPONENT));
+            let point = i64::from(d.decimal_point) + if negative { -e } else { e };
+            d.decimal_point = point.clamp(i64::from(i32::MIN), i64::from(i32::MAX)) as i32;
         }
         d.count = all.min(MAX_DIGITS);
         d.trim();
@@ -402,6 +406,10 @@ mod tests {
         agree(&long);
         agree(&format!("1{}", "0".repeat(320)));
         agree(&format!("{}e-700", "3".repeat(1000)));
+        // A point moved by a million digits and then back by the exponent.
+        let far = format!("0.{}1e1048600", "0".repeat(1 << 20));
+        assert_eq!(parse(&far), Some(1e23));
+        assert_eq!(parse(&format!("1{}e-1048600", "0".repeat(1 << 20))), parse("1e-24"));
     }
 
     #[test]

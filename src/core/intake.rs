@@ -21,6 +21,7 @@ use crate::core::limits::fleet;
 use crate::core::request::{is_internal_path, is_models_path, ApiRequest, CacheControl, Policy, RequestMeta};
 use crate::core::store::CasStore;
 use crate::core::upstream::Outbound;
+use crate::core::wire::write;
 use serde_json::json;
 
 /// The request headers the edge reads; the first of repeated headers counts, except that a
@@ -397,7 +398,7 @@ fn models_list(config: &Config, tenant: &str) -> Vec<u8> {
     let names = listed.unwrap_or_else(|| config.models.keys().filter(|m| *m != "default").cloned().collect());
     let data: Vec<_> =
         names.iter().map(|id| json!({"id": id, "object": "model", "created": 0, "owned_by": "holysheep"})).collect();
-    serde_json::to_vec(&json!({"object": "list", "data": data})).unwrap_or_default()
+    write::value(&json!({"object": "list", "data": data}))
 }
 
 /// A verified tenant may call the models its configuration lists, and a tenant with a

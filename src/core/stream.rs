@@ -10,6 +10,7 @@ use crate::core::api::headers;
 use crate::core::api::objects::Signer;
 use crate::core::api::response::Response;
 use crate::core::api::usage::Usage;
+use crate::core::wire::write;
 use crate::core::wire::{json, sort};
 use serde_json::{json, Map, Value};
 use std::mem::discriminant;
@@ -161,7 +162,7 @@ impl Reassembler {
         });
         v.insert("choices".into(), Value::Array(choices.collect()));
         v.insert("usage".into(), self.usage.clone().unwrap_or(Value::Null));
-        Some(Response::json(200, serde_json::to_vec(&Value::Object(v)).unwrap_or_default()))
+        Some(Response::json(200, write::value(&Value::Object(v))))
     }
 
     /// The `usage` the stream reported, if any.
@@ -428,7 +429,7 @@ pub fn replay(completion: &[u8], include_usage: bool) -> Option<Vec<u8>> {
             chunk.insert("usage".into(), u.clone());
         }
         out.extend_from_slice(b"data: ");
-        out.extend(serde_json::to_vec(&Value::Object(chunk)).unwrap_or_default());
+        write::value_into(&Value::Object(chunk), &mut out, write::number);
         out.extend_from_slice(b"\n\n");
     };
     for c in &choices {

@@ -1,5 +1,6 @@
 //! OpenAI-shaped API errors: the one place error bodies are rendered.
 
+use crate::core::wire::write;
 use serde_json::json;
 
 /// An error answered to the client as `{"error":{"message","type","param","code"}}`.
@@ -138,7 +139,7 @@ impl ApiError {
             "param": self.param,
             "code": self.code,
         }});
-        serde_json::to_vec(&body).unwrap_or_default()
+        write::value(&body)
     }
 }
 

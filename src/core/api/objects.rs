@@ -11,6 +11,7 @@
 use crate::core::api::error::ApiError;
 use crate::core::wire::digest::{hmac_sha256, sha256};
 use crate::core::wire::scan;
+use crate::core::wire::write;
 
 /// What joins an id and its signature.
 const MARK: &str = "_hs";
@@ -110,7 +111,7 @@ pub(crate) fn unsign_in(body: &[u8], id: &str) -> Vec<u8> {
     let Some(end) = start.checked_add(raw.text().len()).filter(|end| *end <= body.len()) else { return body.to_vec() };
     let mut out = Vec::with_capacity(body.len());
     out.extend_from_slice(&body[..start]);
-    out.extend_from_slice(serde_json::Value::from(id).to_string().as_bytes());
+    write::string_into(id, &mut out);
     out.extend_from_slice(&body[end..]);
     out
 }

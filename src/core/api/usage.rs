@@ -4,6 +4,7 @@
 
 use crate::core::wire::bytes;
 use crate::core::wire::scan::{self, Json};
+use crate::core::wire::write;
 
 /// Completion tokens assumed when a request sets no `max_tokens`/`max_completion_tokens`.
 pub(crate) const DEFAULT_COMPLETION_ESTIMATE: u64 = 256;
@@ -116,7 +117,7 @@ fn either<'a>(a: Option<Json<'a>>, b: Option<Json<'a>>) -> Option<Option<Json<'a
 
 /// The `usage` value of a stream's usage event.
 pub(crate) fn of_value(v: &serde_json::Value) -> Option<Usage> {
-    read(scan::read(&serde_json::to_vec(v).ok()?)?)
+    read(scan::read(&write::value(v))?)
 }
 
 /// The top-level `usage` of a chat completion.

@@ -20,6 +20,7 @@ use crate::core::config::Config;
 use crate::core::request::Key;
 use crate::core::store::CasStore;
 use crate::core::wire::digest::sha256;
+use crate::core::wire::write;
 use crate::core::wire::{json, scan};
 use serde_json::Value;
 use std::collections::HashMap;
@@ -221,7 +222,7 @@ fn list(data: &[&str], model: &str, tokens: u64) -> Response {
 
 /// `text` as a JSON string.
 fn quote(text: &str) -> String {
-    serde_json::to_string(text).unwrap_or_else(|_| "\"\"".to_owned())
+    write::string(text)
 }
 
 /// How a list request may use the items: take cached ones (`read`, no older than
@@ -321,7 +322,7 @@ fn subset(body: &[u8], positions: &[usize]) -> Option<Vec<u8>> {
     let items = map.get("input")?.as_array()?;
     let kept: Vec<Value> = positions.iter().filter_map(|&i| items.get(i).cloned()).collect();
     map.insert("input".into(), Value::Array(kept));
-    serde_json::to_vec(&Value::Object(map)).ok()
+    Some(write::value(&Value::Object(map)))
 }
 
 #[cfg(test)]

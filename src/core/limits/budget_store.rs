@@ -12,6 +12,7 @@ use crate::core::config::Config;
 use crate::core::limits::budget::{self, Mark, Pending, Seen, Spend, Stored, KEEPERS_MS};
 use crate::core::store::{cas_after, CasStore, StoreError, MAX_RACES};
 use crate::core::wire::base64;
+use crate::core::wire::write;
 use crate::core::wire::{json, scan};
 use serde_json::{json, Value};
 
@@ -60,7 +61,7 @@ pub(crate) fn store_key(config: &Config, tenant: &str) -> String {
 /// Reads `tenant`'s key.
 pub fn range(config: &Config, tenant: &str) -> EtcdCall {
     let key = base64::encode(store_key(config, tenant).as_bytes());
-    EtcdCall { path: "/v3/kv/range", body: json!({ "key": key }).to_string().into_bytes() }
+    EtcdCall { path: "/v3/kv/range", body: write::value(&json!({ "key": key })) }
 }
 
 /// Writes `value` to `tenant`'s key if it is still at `revision` (0: absent); otherwise
@@ -73,7 +74,7 @@ pub fn txn(config: &Config, tenant: &str, revision: u64, value: &Stored) -> Etcd
         "success": [{"request_put": {"key": key, "value": value}}],
         "failure": [{"request_range": {"key": key}}],
     });
-    EtcdCall { path: "/v3/kv/txn", body: body.to_string().into_bytes() }
+    EtcdCall { path: "/v3/kv/txn", body: write::value(&body) }
 }
 
 /// The answer to `range` (`None`: not etcd's answer).

@@ -23,6 +23,7 @@ use crate::core::wire::bytes;
 use crate::core::wire::codec;
 use crate::core::wire::digest::sha256;
 use crate::core::wire::json;
+use crate::core::wire::write;
 use serde_json::{Map, Value};
 
 /// The chat completions path, the first endpoint the edge governed.
@@ -514,7 +515,7 @@ pub fn for_upstream(body: &[u8], model: &str, stream_usage: bool, cap: Option<(&
                     o.insert("include_usage".into(), Value::Bool(true));
                 }
             }
-            serde_json::to_vec(&Value::Object(map)).unwrap_or_default()
+            write::value(&Value::Object(map))
         }
         _ => body.to_vec(),
     }

@@ -3,6 +3,7 @@
 
 use crate::core::config::Config;
 use crate::core::wire::scan::{self, Json};
+use crate::core::wire::write;
 use serde_json::json;
 
 use crate::core::config::MAX_DIMENSIONS;
@@ -69,7 +70,7 @@ pub fn embedding_body(config: &Config, text: &str) -> Vec<u8> {
     if let Some(d) = s.dimensions {
         body["dimensions"] = json!(d);
     }
-    serde_json::to_vec(&body).unwrap_or_default()
+    write::value(&body)
 }
 
 /// An embedding call's answer: the question's vector and the tokens it was billed.

@@ -21,8 +21,9 @@ use crate::core::limits::fleet;
 use crate::core::request::{is_internal_path, is_models_path, ApiRequest, CacheControl, Policy, RequestMeta};
 use crate::core::store::CasStore;
 use crate::core::upstream::Outbound;
+use crate::core::wire::json;
 use crate::core::wire::write;
-use serde_json::json;
+use serde_json::Value;
 
 /// The request headers the edge reads; the first of repeated headers counts, except that a
 /// repeated tenant credential is remembered (`Head::check` refuses it).
@@ -396,9 +397,15 @@ fn models_answer(config: &Config, head: &Head) -> Option<Result<Response, ApiErr
 fn models_list(config: &Config, tenant: &str) -> Vec<u8> {
     let listed = config.tenants.get(tenant).and_then(|t| t.models.clone());
     let names = listed.unwrap_or_else(|| config.models.keys().filter(|m| *m != "default").cloned().collect());
-    let data: Vec<_> =
-        names.iter().map(|id| json!({"id": id, "object": "model", "created": 0, "owned_by": "holysheep"})).collect();
-    write::value(&json!({"object": "list", "data": data}))
+    let data = names.iter().map(|id| {
+        json::object([
+            ("id", Value::from(id.as_str())),
+            ("object", Value::from("model")),
+            ("created", Value::from(0)),
+            ("owned_by", Value::from("holysheep")),
+        ])
+    });
+    write::value(&json::object([("object", Value::from("list")), ("data", Value::Array(data.collect()))]))
 }
 
 /// A verified tenant may call the models its configuration lists, and a tenant with a

@@ -12,7 +12,7 @@ use crate::core::api::response::Response;
 use crate::core::api::usage::Usage;
 use crate::core::wire::write;
 use crate::core::wire::{json, sort};
-use serde_json::{json, Map, Value};
+use serde_json::{Map, Value};
 use std::mem::discriminant;
 
 /// Bytes of events past which the answer is no longer assembled (it could not be stored).
@@ -152,7 +152,7 @@ impl Reassembler {
             return None;
         }
         let mut v = self.head.clone();
-        v.insert("object".into(), json!("chat.completion"));
+        v.insert("object".into(), Value::from("chat.completion"));
         let choices = self.choices.iter().map(|(_, c)| {
             let mut c = c.clone();
             if let Some(message) = c.get_mut("message") {
@@ -272,7 +272,8 @@ impl Reassembler {
             // More choices than a request can ask for (`n` is at most 128): no known answer.
             Err(_) if self.choices.len() >= MAX_CHOICES => return Err(Conflict),
             Err(at) => {
-                let fresh = [("index", json!(index)), ("message", json!({})), ("logprobs", Value::Null)];
+                let fresh =
+                    [("index", Value::from(index)), ("message", Value::Object(Map::new())), ("logprobs", Value::Null)];
                 self.choices.insert(at, (index, fresh.into_iter().map(|(k, v)| (k.to_owned(), v)).collect()));
                 at
             }
@@ -368,7 +369,7 @@ fn streamed_chars(delta: &Value) -> u64 {
 /// id, type, name and arguments.
 fn finish_message(message: &mut Value) {
     let Some(m) = message.as_object_mut() else { return };
-    m.entry("role").or_insert_with(|| json!("assistant"));
+    m.entry("role").or_insert_with(|| Value::from("assistant"));
     m.entry("content").or_insert(Value::Null);
     m.entry("refusal").or_insert(Value::Null);
     let Some(calls) = m.get_mut("tool_calls").and_then(Value::as_array_mut) else { return };
@@ -376,10 +377,10 @@ fn finish_message(message: &mut Value) {
     for call in calls.iter_mut().filter_map(Value::as_object_mut) {
         call.remove("index");
         call.entry("id").or_insert(Value::Null);
-        call.entry("type").or_insert_with(|| json!("function"));
-        if let Some(f) = call.entry("function").or_insert_with(|| json!({})).as_object_mut() {
-            f.entry("name").or_insert_with(|| json!(""));
-            f.entry("arguments").or_insert_with(|| json!(""));
+        call.entry("type").or_insert_with(|| Value::from("function"));
+        if let Some(f) = call.entry("function").or_insert_with(|| Value::Object(Map::new())).as_object_mut() {
+            f.entry("name").or_insert_with(|| Value::from(""));
+            f.entry("arguments").or_insert_with(|| Value::from(""));
         }
     }
 }
@@ -420,7 +421,7 @@ pub fn replay(completion: &[u8], include_usage: bool) -> Option<Vec<u8>> {
     let Value::Object(mut head) = json::parse(completion)? else { return None };
     let Some(Value::Array(choices)) = head.remove("choices") else { return None };
     let usage = head.remove("usage").unwrap_or(Value::Null);
-    head.insert("object".into(), json!("chat.completion.chunk"));
+    head.insert("object".into(), Value::from("chat.completion.chunk"));
     let mut out = Vec::new();
     let mut emit = |choices: Value, usage: Option<&Value>| {
         let mut chunk = head.clone();
@@ -434,19 +435,31 @@ pub fn replay(completion: &[u8], include_usage: bool) -> Option<Vec<u8>> {
     };
     for c in &choices {
         for delta in deltas(&c["message"]) {
-            emit(json!([{"index": c["index"], "delta": delta, "logprobs": null, "finish_reason": null}]), None);
+            let event = [
+                ("index", c["index"].clone()),
+                ("delta", delta),
+                ("logprobs", Value::Null),
+                ("finish_reason", Value::Null),
+            ];
+            emit(Value::Array(vec![json::object(event)]), None);
         }
         if !c["logprobs"].is_null() {
-            emit(json!([{"index": c["index"], "delta": {}, "logprobs": c["logprobs"], "finish_reason": null}]), None);
+            let event = [
+                ("index", c["index"].clone()),
+                ("delta", Value::Object(Map::new())),
+                ("logprobs", c["logprobs"].clone()),
+                ("finish_reason", Value::Null),
+            ];
+            emit(Value::Array(vec![json::object(event)]), None);
         }
         let mut last = c.as_object().cloned().unwrap_or_default();
         last.remove("message");
-        last.insert("delta".into(), json!({}));
+        last.insert("delta".into(), Value::Object(Map::new()));
         last.insert("logprobs".into(), Value::Null);
-        emit(json!([last]), None);
+        emit(Value::Array(vec![Value::Object(last)]), None);
     }
     if include_usage {
-        emit(json!([]), Some(&usage));
+        emit(Value::Array(Vec::new()), Some(&usage));
     }
     out.extend_from_slice(b"data: [DONE]\n\n");
     Some(out)
@@ -460,8 +473,8 @@ pub fn replay(completion: &[u8], include_usage: bool) -> Option<Vec<u8>> {
 /// argument pieces).
 fn deltas(message: &Value) -> Vec<Value> {
     let mut first = Map::new();
-    first.insert("role".into(), json!("assistant"));
-    first.insert("content".into(), json!(""));
+    first.insert("role".into(), Value::from("assistant"));
+    first.insert("content".into(), Value::from(""));
     let mut texts = Vec::new();
     let mut calls: &[Value] = &[];
     for (field, value) in message.as_object().into_iter().flatten() {
@@ -475,7 +488,7 @@ fn deltas(message: &Value) -> Vec<Value> {
     }
     let mut out = vec![Value::Object(first)];
     for (field, text) in texts {
-        out.extend(pieces(text).into_iter().map(|piece| json!({ field: piece })));
+        out.extend(pieces(text).into_iter().map(|piece| json::object([(field.as_str(), Value::from(piece))])));
     }
     for (i, call) in calls.iter().enumerate() {
         let mut call = call.clone();
@@ -484,11 +497,13 @@ fn deltas(message: &Value) -> Vec<Value> {
             _ => String::new(),
         };
         if let Some(c) = call.as_object_mut() {
-            c.insert("index".into(), json!(i));
+            c.insert("index".into(), Value::from(i));
         }
-        out.push(json!({ "tool_calls": [call] }));
+        out.push(json::object([("tool_calls", Value::Array(vec![call]))]));
         for piece in pieces(&arguments) {
-            out.push(json!({"tool_calls": [{"index": i, "function": {"arguments": piece}}]}));
+            let function = json::object([("arguments", Value::from(piece))]);
+            let call = json::object([("index", Value::from(i)), ("function", function)]);
+            out.push(json::object([("tool_calls", Value::Array(vec![call]))]));
         }
     }
     out
@@ -503,6 +518,7 @@ fn pieces(text: &str) -> Vec<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use serde_json::json;
 
     #[test]
     fn a_tenants_responses_stream_carries_its_response_id_signed_in_every_event() {

@@ -1,7 +1,8 @@
 //! OpenAI-shaped API errors: the one place error bodies are rendered.
 
+use crate::core::wire::json;
 use crate::core::wire::write;
-use serde_json::json;
+use serde_json::Value;
 
 /// An error answered to the client as `{"error":{"message","type","param","code"}}`.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -133,13 +134,13 @@ impl ApiError {
     }
 
     pub fn body(&self) -> Vec<u8> {
-        let body = json!({"error": {
-            "message": self.message,
-            "type": self.kind,
-            "param": self.param,
-            "code": self.code,
-        }});
-        write::value(&body)
+        let error = json::object([
+            ("message", Value::from(self.message.as_str())),
+            ("type", Value::from(self.kind)),
+            ("param", self.param.as_deref().map_or(Value::Null, Value::from)),
+            ("code", Value::from(self.code)),
+        ]);
+        write::value(&json::object([("error", error)]))
     }
 }
 

@@ -14,7 +14,7 @@ use crate::core::store::{cas_after, CasStore, StoreError, MAX_RACES};
 use crate::core::wire::base64;
 use crate::core::wire::write;
 use crate::core::wire::{json, scan};
-use serde_json::{json, Value};
+use serde_json::Value;
 
 /// The tenants whose records wait to be read from the store (a list of names; bounded by
 /// the tenants configured).
@@ -61,7 +61,7 @@ pub(crate) fn store_key(config: &Config, tenant: &str) -> String {
 /// Reads `tenant`'s key.
 pub fn range(config: &Config, tenant: &str) -> EtcdCall {
     let key = base64::encode(store_key(config, tenant).as_bytes());
-    EtcdCall { path: "/v3/kv/range", body: write::value(&json!({ "key": key })) }
+    EtcdCall { path: "/v3/kv/range", body: write::value(&json::object([("key", Value::from(key))])) }
 }
 
 /// Writes `value` to `tenant`'s key if it is still at `revision` (0: absent); otherwise
@@ -69,11 +69,19 @@ pub fn range(config: &Config, tenant: &str) -> EtcdCall {
 pub fn txn(config: &Config, tenant: &str, revision: u64, value: &Stored) -> EtcdCall {
     let key = base64::encode(store_key(config, tenant).as_bytes());
     let value = base64::encode(value.to_json().as_bytes());
-    let body = json!({
-        "compare": [{"key": key, "target": "MOD", "result": "EQUAL", "mod_revision": revision.to_string()}],
-        "success": [{"request_put": {"key": key, "value": value}}],
-        "failure": [{"request_range": {"key": key}}],
-    });
+    let compare = json::object([
+        ("key", Value::from(key.as_str())),
+        ("target", Value::from("MOD")),
+        ("result", Value::from("EQUAL")),
+        ("mod_revision", Value::from(revision.to_string())),
+    ]);
+    let put = json::object([("key", Value::from(key.as_str())), ("value", Value::from(value))]);
+    let range = json::object([("key", Value::from(key))]);
+    let body = json::object([
+        ("compare", Value::Array(vec![compare])),
+        ("success", Value::Array(vec![json::object([("request_put", put)])])),
+        ("failure", Value::Array(vec![json::object([("request_range", range)])])),
+    ]);
     EtcdCall { path: "/v3/kv/txn", body: write::value(&body) }
 }
 

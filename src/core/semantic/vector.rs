@@ -2,9 +2,10 @@
 //! quantized to one signed byte per dimension, compared by cosine similarity.
 
 use crate::core::config::Config;
+use crate::core::wire::json;
 use crate::core::wire::scan::{self, Json};
 use crate::core::wire::write;
-use serde_json::json;
+use serde_json::Value;
 
 use crate::core::config::MAX_DIMENSIONS;
 
@@ -66,9 +67,13 @@ impl Vector {
 /// a quarter of the bytes of the JSON numbers, and no float parsing.
 pub fn embedding_body(config: &Config, text: &str) -> Vec<u8> {
     let s = &config.semantic;
-    let mut body = json!({"model": s.embedding_model, "input": text, "encoding_format": "base64"});
-    if let Some(d) = s.dimensions {
-        body["dimensions"] = json!(d);
+    let mut body = json::object([
+        ("model", Value::from(s.embedding_model.as_str())),
+        ("input", Value::from(text)),
+        ("encoding_format", Value::from("base64")),
+    ]);
+    if let (Some(d), Some(members)) = (s.dimensions, body.as_object_mut()) {
+        members.insert("dimensions".into(), Value::from(d));
     }
     write::value(&body)
 }
@@ -119,6 +124,7 @@ pub fn parse_embedding(config: &Config, status: u16, body: &[u8]) -> Option<Embe
 #[cfg(test)]
 mod tests {
     use super::*;
+    use serde_json::json;
 
     fn cos(a: &[f32], b: &[f32]) -> f32 {
         let dot: f32 = a.iter().zip(b).map(|(x, y)| x * y).sum();

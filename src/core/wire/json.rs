@@ -33,6 +33,16 @@ impl fmt::Display for JsonError {
     }
 }
 
+/// An object of `members` (a later one of a name replaces an earlier), as `json!` builds
+/// it, without its conversions (each of which may fail, and is unwrapped).
+pub(crate) fn object<const N: usize>(members: [(&str, Value); N]) -> Value {
+    let mut map = Map::new();
+    for (name, v) in members {
+        map.insert(name.to_owned(), v);
+    }
+    Value::Object(map)
+}
+
 /// `text` as one JSON value with no repeated object key at any depth.
 pub(crate) fn parse_strict(text: &str) -> Result<Value, JsonError> {
     Parser { text, b: text.as_bytes(), at: 0, strict: true }.document()

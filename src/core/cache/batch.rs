@@ -64,7 +64,7 @@ impl Item {
 
     fn body(head: &Head, embedding: &str) -> Vec<u8> {
         let Head { model, group, size, tokens } = head;
-        let (model, group) = (quote(model), quote(group));
+        let (model, group) = (write::string(model), write::string(group));
         let mut out = format!(r#"{{"model":{model},"group":{group},"size":{size},"tokens":{tokens}}}"#).into_bytes();
         out.push(b'\n');
         out.extend_from_slice(embedding.as_bytes());
@@ -213,16 +213,11 @@ fn list(data: &[&str], model: &str, tokens: u64) -> Response {
         out.extend_from_slice(embedding.as_bytes());
         out.push(b'}');
     }
-    let model = quote(model);
+    let model = write::string(model);
     out.extend_from_slice(
         format!(r#"],"model":{model},"usage":{{"prompt_tokens":{tokens},"total_tokens":{tokens}}}}}"#).as_bytes(),
     );
     Response::json(200, out)
-}
-
-/// `text` as a JSON string.
-fn quote(text: &str) -> String {
-    write::string(text)
 }
 
 /// How a list request may use the items: take cached ones (`read`, no older than

@@ -3,7 +3,7 @@
 //! kind of object a 200 answer is, and whether its streams can be shared. The intake, the
 //! flight and both shells take an `Endpoint` and nothing else of a request's kind.
 
-use crate::core::wire::scan::{self, Json};
+use crate::core::wire::scan::Json;
 use serde_json::{Map, Value};
 
 /// A governed endpoint, named by its path in any spelling (`of_path`).
@@ -137,17 +137,10 @@ impl Endpoint {
         !stored && !background && !set("previous_response_id") && !set("conversation") && !floating_prompt
     }
 
-    /// Whether a 200 body is what this endpoint answers: JSON (by its content type)
-    /// holding an object of the endpoint's `object` with its array (`choices`, `data`,
-    /// `output`). Read without building the value.
-    pub(crate) fn is_answer(self, content_type: &str, body: &[u8]) -> bool {
-        if !content_type.to_ascii_lowercase().contains("json") {
-            return false;
-        }
-        let Some([object, choices, data, output]) = scan::read_fields(body, ["object", "choices", "data", "output"])
-        else {
-            return false;
-        };
+    /// Whether a 200 body is what this endpoint answers, from the top-level members of a
+    /// JSON body whose whole text was checked (`upstream::response`): an object of the
+    /// endpoint's `object` with its array (`choices`, `data`, `output`).
+    pub(crate) fn is_answer_of(self, [object, choices, data, output]: [Option<Json<'_>>; 4]) -> bool {
         // Each array may be absent or null, but not of another type.
         let array = |v: Option<Json<'_>>| match v {
             Some(v) if !v.is_null() => v.is_array().then_some(true),
@@ -203,17 +196,5 @@ mod tests {
             Endpoint::Responses.shareable(&map(json!({"store": false, "prompt": {"id": "pmpt_1", "version": "2"}})))
         );
         assert!(Endpoint::Embeddings.shareable(&map(json!({"input": "hi"}))));
-    }
-
-    #[test]
-    fn an_answer_is_the_object_its_endpoint_makes() {
-        let json = "application/json";
-        assert!(Endpoint::Embeddings.is_answer(json, br#"{"object":"list","data":[],"model":"m"}"#));
-        assert!(!Endpoint::Embeddings.is_answer(json, br#"{"object":"chat.completion","choices":[]}"#));
-        assert!(Endpoint::Responses.is_answer(json, br#"{"id":"r","object":"response","output":[]}"#));
-        assert!(!Endpoint::Responses.is_answer(json, br#"{"object":"response"}"#), "without its output");
-        assert!(Endpoint::Completions.is_answer(json, br#"{"object":"text_completion","choices":[]}"#));
-        assert!(Endpoint::Chat.is_answer(json, br#"{"object":"chat.completion","choices":[]}"#));
-        assert!(!Endpoint::Chat.is_answer("text/html", br#"{"object":"chat.completion","choices":[]}"#));
     }
 }

@@ -69,6 +69,18 @@ impl Billed {
         }
         Billed::Unknown
     }
+
+    /// `of_answer` of a JSON body whose whole text was checked, from its top-level `usage`
+    /// and `error` members (read in the pass that checked it).
+    pub(crate) fn of_members(status: u16, usage: Option<Json<'_>>, error: Option<Json<'_>>) -> Billed {
+        if let Some(u) = usage.and_then(read) {
+            return Billed::Known(u);
+        }
+        if status != 200 && error.is_some_and(Json::is_object) {
+            return Billed::Nothing;
+        }
+        Billed::Unknown
+    }
 }
 
 /// `usage` as OpenAI-compatible APIs write it: chat and completions (`prompt_tokens`,

@@ -15,6 +15,7 @@ use crate::core::limits::{self, Limits};
 use crate::core::request::probe::Probe;
 use crate::core::request::{for_upstream, ApiRequest};
 use crate::core::store::CasStore;
+use crate::core::wire::scan;
 use std::borrow::Cow;
 
 /// What an upstream call needs from the client's request.
@@ -181,17 +182,30 @@ pub fn response(status: u16, headers: &[(String, String)], body: Vec<u8>, sent: 
     let content_type = header(headers::CONTENT_TYPE).unwrap_or_else(|| "application/json".into());
     let retry_after =
         header(headers::RETRY_AFTER).map(|v| vec![(headers::RETRY_AFTER.to_owned(), v)]).unwrap_or_default();
-    let refusal = refused(status, &content_type, sent).or_else(|| {
-        (status == 200 && !sent.endpoint.is_answer(&content_type, &body)).then(|| not_an_answer(&content_type, sent))
-    });
+    // One pass over a JSON body checks it and reads what both questions need: whether it
+    // is the endpoint's answer, and what it was billed.
+    let json = content_type.to_ascii_lowercase().contains("json");
+    let members = json.then(|| scan::read_fields(&body, ANSWER_AND_BILL)).flatten();
+    let is_answer = members
+        .is_some_and(|[object, choices, data, output, ..]| sent.endpoint.is_answer_of([object, choices, data, output]));
+    let refusal = refused(status, &content_type, sent)
+        .or_else(|| (status == 200 && !is_answer).then(|| not_an_answer(&content_type, sent)));
     hints.key_refused = refusal.as_ref().is_some_and(|e| e.code == KEY_REFUSED);
-    hints.billed = Billed::of_answer(status, &content_type, &body);
+    hints.billed = match members {
+        Some([.., usage, error]) => Billed::of_members(status, usage, error),
+        // Not one JSON object: its usage may still be found at its end.
+        None => Billed::of_answer(status, &content_type, &body),
+    };
     let response = match refusal {
         Some(e) => Response { headers: retry_after, ..Response::json(e.status, e.body()) },
         None => Response { status, content_type, headers: retry_after, body },
     };
     (response, hints)
 }
+
+/// The members that say whether an answer is its endpoint's (`Endpoint::is_answer_of`),
+/// then those that say what it was billed (`Billed::of_members`).
+const ANSWER_AND_BILL: [&str; 6] = ["object", "choices", "data", "output", "usage", "error"];
 
 /// The code of the edge's answer when HolySheep refuses the operator's key.
 pub const KEY_REFUSED: &str = "upstream_auth_failed";
@@ -238,6 +252,57 @@ pub fn rate_headers(
 mod tests {
     use super::*;
     use crate::core::store::Counting;
+
+    #[test]
+    fn an_answer_is_the_object_its_endpoint_makes() {
+        let passes = |endpoint, content_type: &str, body: &[u8]| {
+            let headers = [("content-type".to_owned(), content_type.to_owned())];
+            let sent = Sent { endpoint, stream: false, operator_key: true };
+            response(200, &headers, body.to_vec(), sent).0.status == 200
+        };
+        let json = "application/json";
+        assert!(passes(Endpoint::Embeddings, json, br#"{"object":"list","data":[],"model":"m"}"#));
+        assert!(!passes(Endpoint::Embeddings, json, br#"{"object":"chat.completion","choices":[]}"#));
+        assert!(passes(Endpoint::Responses, json, br#"{"id":"r","object":"response","output":[]}"#));
+        assert!(!passes(Endpoint::Responses, json, br#"{"object":"response"}"#), "without its output");
+        assert!(passes(Endpoint::Completions, json, br#"{"object":"text_completion","choices":[]}"#));
+        assert!(passes(Endpoint::Chat, "Application/JSON", br#"{"object":"chat.completion","choices":[]}"#));
+        assert!(!passes(Endpoint::Chat, "text/html", br#"{"object":"chat.completion","choices":[]}"#));
+        assert!(!passes(Endpoint::Chat, json, br#"{"object":"chat.completion","choices":{}}"#), "not an array");
+        assert!(!passes(Endpoint::Chat, json, br#"{"object":"chat.completion","choices":[]"#), "not JSON");
+    }
+
+    #[test]
+    fn what_an_answer_was_billed_is_read_in_the_pass_that_checks_it() {
+        use crate::core::api::usage::Usage;
+        let sent = Sent { endpoint: Endpoint::Chat, stream: false, operator_key: true };
+        let billed = |status, content_type: &str, body: &str| {
+            let headers = [("content-type".to_owned(), content_type.to_owned())];
+            let (_, hints) = response(status, &headers, body.as_bytes().to_vec(), sent);
+            (hints.billed, hints.billed == Billed::of_answer(status, content_type, body.as_bytes()))
+        };
+        let usage = r#""usage":{"prompt_tokens":3,"completion_tokens":4}"#;
+        let known = Billed::Known(Usage::new(3, 4));
+        let json = "application/json";
+        // Usage first or last, in an answer, in one the edge refuses, or in a body that is
+        // not JSON at all but ends with it: what the stream reader would say.
+        for body in [
+            format!(r#"{{"object":"chat.completion","choices":[],{usage}}}"#),
+            format!(r#"{{{usage},"object":"chat.completion","choices":[]}}"#),
+            format!(r#"{{"object":"list",{usage}}}"#),
+            format!(r#"not json {{{usage}}}"#),
+        ] {
+            assert_eq!(billed(200, json, &body), (known, true), "{body}");
+        }
+        assert_eq!(billed(200, "text/plain", &format!("{{{usage}}}")), (known, true));
+        let error = r#"{"error":{"message":"no","type":"invalid_request_error"}}"#;
+        assert_eq!(billed(400, json, error), (Billed::Nothing, true), "HolySheep's own error costs nothing");
+        assert_eq!(billed(200, json, error), (Billed::Unknown, true), "a 200 is no error");
+        assert_eq!(billed(400, "text/plain", error), (Billed::Unknown, true), "not said to be JSON");
+        assert_eq!(billed(503, "text/plain", "upstream connect error"), (Billed::Unknown, true));
+        let twice = format!(r#"{{{usage},"object":"chat.completion",{usage}}}"#);
+        assert_eq!(billed(200, json, &twice), (known, true), "a name twice: read as the stream reader reads it");
+    }
 
     fn outbound() -> Outbound {
         Outbound {

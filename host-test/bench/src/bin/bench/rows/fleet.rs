@@ -1,11 +1,12 @@
 //! A fleet node's HIT: on the owner listener, from a near copy, through a forward hop; and
 //! its first request of a prompt through a forward hop against a plain two-Envoy proxy hop.
 
+use crate::floors::floor_listener;
 use crate::load::{expect_all, load, load_as, unique_prompts, PATH};
 use crate::report::Report;
 use crate::stats::{alternate, median, paired, throughput};
 use host_test::client::request;
-use host_test::envoy::{Envoy, Options};
+use host_test::envoy::{workspace_root, Envoy, Options};
 use host_test::fleet::{Fleet, SECRET};
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -15,7 +16,8 @@ use std::sync::Arc;
 /// without near copies (one hop to the owner listener), in plaintext (the nodes known by
 /// the fleet's secret) and over mutual TLS. Then the first request of each prompt (a MISS)
 /// through the forward hop against the same request through two plain Envoy proxies in a
-/// row to the same mock (`plain` listeners: Envoy's router, no filter).
+/// row to the same mock (`plain` listeners: Envoy's router, no filter), and through a plain
+/// proxy in front of the callout floor (the least a MISS's owner can do through the ABI).
 pub fn fleet_rows(r: &mut Report, rounds: usize, (conns, secs): (usize, u64), hit_prompt: &str) -> std::io::Result<()> {
     let no_copies = r#"{"edge":{"max_age_seconds":0}}"#;
     // Each fleet runs until the rows are measured.
@@ -71,24 +73,39 @@ pub fn fleet_rows(r: &mut Report, rounds: usize, (conns, secs): (usize, u64), hi
     let mock = fleets[1].mock.addr;
     let far = Envoy::start(&Options::new("{}", mock))?;
     let near_plain = Envoy::start(&Options::new("{}", far.plain))?;
-    let plain_hop = |addr: SocketAddr| {
-        let s = load(addr, conns, secs, unique_prompts("bench: through two plain proxies"));
-        assert!(s.labels.iter().all(|l| l == "-"), "the plain proxies answer without the edge");
+    // The same path with the ABI's callout at its end: a plain proxy in front of an Envoy
+    // whose listener runs the callout floor (the owner's part of a MISS, at its least).
+    let mut far_floor = Options::new("{}", mock);
+    let callout = workspace_root().join("target/floors/wasm32-wasip1/release/floor_callout.wasm");
+    far_floor.extra_listeners = floor_listener("floor_callout", &callout, "{}");
+    let far_floor = Envoy::start(&far_floor)?;
+    let floor_at = far_floor.listener("floor_callout").ok_or_else(|| std::io::Error::other("no floor_callout"))?;
+    let near_floor = Envoy::start(&Options::new("{}", floor_at))?;
+    let plain_hop = |addr: SocketAddr, what: &'static str| {
+        let s = load(addr, conns, secs, unique_prompts(what));
+        assert!(s.labels.iter().all(|l| l == "-"), "the plain proxies and the floor answer without the edge");
         s
     };
     let forward_miss = unique_prompts("bench: a forward node's first request");
     println!();
     let rows = alternate(
         rounds,
-        &mut [&mut || expect_all(load(hop.0, conns, secs, forward_miss.clone()), "MISS"), &mut || {
-            plain_hop(near_plain.plain)
-        }],
+        &mut [
+            &mut || expect_all(load(hop.0, conns, secs, forward_miss.clone()), "MISS"),
+            &mut || plain_hop(near_plain.plain, "bench: through two plain proxies"),
+            &mut || plain_hop(near_floor.plain, "bench: through a plain proxy to the callout floor"),
+        ],
     );
-    let [hop_miss, plain] = &rows[..] else { unreachable!("two rows") };
+    let [hop_miss, plain, to_floor] = &rows[..] else { unreachable!("three rows") };
     let miss_over_plain = paired(hop_miss, plain, throughput);
+    let (miss_over_floor, floor_over_plain) =
+        (paired(hop_miss, to_floor, throughput), paired(to_floor, plain, throughput));
     let mut medians = rows.into_iter().map(median);
     r.row("fleet MISS through a forward hop", medians.next().expect("a row"));
     r.row("MISS through two plain Envoy proxies", medians.next().expect("a row"));
+    r.row("MISS through a plain proxy to the callout floor", medians.next().expect("a row"));
     r.ratio("forward hop MISS / two plain Envoy proxies", miss_over_plain, "goal >= 0.80");
+    r.ratio("forward hop MISS / a plain proxy to the callout floor", miss_over_floor, "");
+    r.ratio("a plain proxy to the callout floor / two plain Envoy proxies", floor_over_plain, "the ABI's callout");
     Ok(())
 }

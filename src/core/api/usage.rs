@@ -143,12 +143,15 @@ pub fn of_answer(body: &[u8]) -> Option<Usage> {
 
 /// `usage` when it is the last member of the answer's top-level object, where
 /// OpenAI-compatible APIs put it: read from the end, without walking the choices. In JSON
-/// the bytes `"usage"` followed by `:` can only be a member name (a quote inside a string
-/// is escaped), and a member followed by nothing but the one closing brace is a member of
-/// the outermost object.
+/// the bytes `"usage"` after `{` or `,` and followed by `:` can only be a member name (a
+/// quote inside a string, or inside a name such as `x\"usage`, is escaped), and a member
+/// followed by nothing but the one closing brace is a member of the outermost object.
 fn trailing(body: &[u8]) -> Option<Usage> {
     const NAME: &[u8] = b"\"usage\"";
     let at = body.windows(NAME.len()).rposition(|w| w[0] == b'"' && bytes::same(w, NAME))?;
+    if !matches!(body.get(..at)?.trim_ascii_end().last(), Some(b'{' | b',')) {
+        return None;
+    }
     let value = body[at + NAME.len()..].trim_ascii_start().strip_prefix(b":")?;
     let (usage, tail) = scan::read_first(value)?;
     (tail.trim_ascii() == b"}").then(|| read(usage)).flatten()
@@ -184,6 +187,10 @@ mod tests {
         assert_eq!(of_answer(format!(r#"{{{u},{nested}}}"#).as_bytes()), three_four);
         assert_eq!(of_answer(format!(r#"{{{nested}}}"#).as_bytes()), None);
         assert_eq!(of_answer(br#"{"usage":{"prompt_tokens":3}}"#), None, "incomplete usage");
+        // Nor is a member whose name ends in an escaped quote and `usage`.
+        let named = r#""x\"usage":{"prompt_tokens":999,"completion_tokens":999}"#;
+        assert_eq!(of_answer(format!(r#"{{{u},{named}}}"#).as_bytes()), three_four);
+        assert_eq!(of_answer(format!(r#"{{"id":"x",{named}}}"#).as_bytes()), None);
     }
 
     #[test]

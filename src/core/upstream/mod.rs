@@ -186,14 +186,18 @@ pub fn response(status: u16, headers: &[(String, String)], body: Vec<u8>, sent: 
     // is the endpoint's answer, and what it was billed.
     let json = content_type.to_ascii_lowercase().contains("json");
     let members = json.then(|| scan::read_fields(&body, ANSWER_AND_BILL)).flatten();
-    let is_answer = members
-        .is_some_and(|[object, choices, data, output, ..]| sent.endpoint.is_answer_of([object, choices, data, output]));
+    let is_answer = match members {
+        Some([object, choices, data, output, ..]) => sent.endpoint.is_answer_of([object, choices, data, output]),
+        // Not one JSON object, or one naming `usage` or `error` twice: asked of its shape
+        // alone.
+        None => json && scan::read_fields(&body, SHAPE).is_some_and(|shape| sent.endpoint.is_answer_of(shape)),
+    };
     let refusal = refused(status, &content_type, sent)
         .or_else(|| (status == 200 && !is_answer).then(|| not_an_answer(&content_type, sent)));
     hints.key_refused = refusal.as_ref().is_some_and(|e| e.code == KEY_REFUSED);
     hints.billed = match members {
         Some([.., usage, error]) => Billed::of_members(status, usage, error),
-        // Not one JSON object: its usage may still be found at its end.
+        // Not one JSON object (or a name twice): its usage may still be found at its end.
         None => Billed::of_answer(status, &content_type, &body),
     };
     let response = match refusal {
@@ -203,8 +207,9 @@ pub fn response(status: u16, headers: &[(String, String)], body: Vec<u8>, sent: 
     (response, hints)
 }
 
-/// The members that say whether an answer is its endpoint's (`Endpoint::is_answer_of`),
-/// then those that say what it was billed (`Billed::of_members`).
+/// The members that say whether an answer is its endpoint's (`Endpoint::is_answer_of`).
+const SHAPE: [&str; 4] = ["object", "choices", "data", "output"];
+/// `SHAPE`, then the members that say what an answer was billed (`Billed::of_members`).
 const ANSWER_AND_BILL: [&str; 6] = ["object", "choices", "data", "output", "usage", "error"];
 
 /// The code of the edge's answer when HolySheep refuses the operator's key.
@@ -300,8 +305,15 @@ mod tests {
         assert_eq!(billed(200, json, error), (Billed::Unknown, true), "a 200 is no error");
         assert_eq!(billed(400, "text/plain", error), (Billed::Unknown, true), "not said to be JSON");
         assert_eq!(billed(503, "text/plain", "upstream connect error"), (Billed::Unknown, true));
-        let twice = format!(r#"{{{usage},"object":"chat.completion",{usage}}}"#);
+        let twice = format!(r#"{{{usage},"object":"chat.completion","choices":[],{usage}}}"#);
         assert_eq!(billed(200, json, &twice), (known, true), "a name twice: read as the stream reader reads it");
+        let headers = [("content-type".to_owned(), json.to_owned())];
+        let passed = response(200, &headers, twice.into_bytes(), sent).0;
+        assert_eq!(passed.status, 200, "an answer naming its usage twice is still the endpoint's");
+        // A member named `x"usage` is not the usage.
+        let escaped =
+            r#"{"object":"chat.completion","choices":[],"x\"usage":{"prompt_tokens":9,"completion_tokens":9}}"#;
+        assert_eq!(billed(200, json, escaped), (Billed::Unknown, true));
     }
 
     fn outbound() -> Outbound {

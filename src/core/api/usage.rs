@@ -62,12 +62,10 @@ impl Billed {
         if let Some(u) = of_answer(body) {
             return Billed::Known(u);
         }
+        // Its `error` is read only where it can decide: a non-200 said to be JSON.
         let json = content_type.to_ascii_lowercase().contains("json");
-        let error = || scan::read_fields(body, ["error"]).and_then(|[e]| e).filter(|e| e.is_object());
-        if status != 200 && json && error().is_some() {
-            return Billed::Nothing;
-        }
-        Billed::Unknown
+        let error = (status != 200 && json).then(|| scan::read_fields(body, ["error"])).flatten();
+        Billed::of_members(status, None, error.and_then(|[e]| e))
     }
 
     /// `of_answer` of a JSON body whose whole text was checked, from its top-level `usage`

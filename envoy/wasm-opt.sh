@@ -24,6 +24,10 @@ if [ "$out" -nt "$in" ] && [ "$out" -nt "$0" ]; then
 fi
 mkdir -p "$(dirname "$out")"
 # The features rustc's wasm32 targets use; the stripped module does not name them.
-node "$dir/node_modules/binaryen/bin/wasm-opt" -Oz \
+# --low-memory-unused: rustc lays the module out stack first (the stack pointer starts at
+# 1 MiB and grows down, data above it), so an address below 1 KiB is reached only by a stack
+# about to overflow, and a pointer plus a small constant never wraps into it; Binaryen may
+# then fold such constants into the load's offset (about 5 KB off, no instruction added).
+node "$dir/node_modules/binaryen/bin/wasm-opt" -Oz --low-memory-unused \
   --enable-bulk-memory --enable-bulk-memory-opt --enable-sign-ext --enable-mutable-globals \
   --enable-nontrapping-float-to-int "$@" "$in" -o "$out"

@@ -52,6 +52,8 @@ struct Row {
     /// Identical requests sent at once (1: one at a time); in a crowd the first is the
     /// MISS and the others its COALESCED followers.
     crowd: u64,
+    /// Shared data put in before the first request: `(key, value)`.
+    seed: Option<(String, String)>,
 }
 
 struct Measured {
@@ -77,6 +79,9 @@ fn session(row: &Row, engine: &wasmtime::Config) -> World {
     let mut options = Options::new(1, &row.config, 1);
     options.yields = false;
     let mut w = World::start(&plugin, options, upstream).expect("the world starts");
+    if let Some((key, value)) = &row.seed {
+        w.shared().data.insert(key.clone(), (value.clone().into_bytes(), 1));
+    }
     // The first tick registers the worker's queue (the plugin's and the held floor's).
     w.run_until(50, |_| false);
     for i in 0..WARM_UP {
@@ -203,6 +208,15 @@ fn report(rows: &[Measured]) -> String {
     md
 }
 
+/// A tenant's budget record (as the edge writes it without a spend store) listing `n`
+/// reservations of other calls, of the host's first day and month, that stay in flight
+/// past the run: what a tenant's record holds while it has `n` other calls out.
+fn in_flight(n: u64) -> String {
+    // The host's clock starts at 1970-01-01: day 0, month 1970 * 12.
+    let entries: Vec<String> = (1..=n).map(|id| format!("{}:100:0:23640:9000000000", id * 7_919_000_003)).collect();
+    format!("0 {0} 23640 {0}|{1}", n * 100, entries.join(","))
+}
+
 /// A symbol without its hash suffix, at most 100 characters.
 fn short(symbol: &str) -> String {
     let s = match symbol.rsplit_once("::h") {
@@ -248,6 +262,7 @@ fn main() {
             distinct: false,
             label: None,
             crowd: 1,
+            seed: None,
         },
         Row {
             name: "floor + the HIT's host calls",
@@ -256,6 +271,7 @@ fn main() {
             distinct: false,
             label: Some("HIT"),
             crowd: 1,
+            seed: None,
         },
         Row {
             name: "edge HIT",
@@ -264,6 +280,7 @@ fn main() {
             distinct: false,
             label: Some("HIT"),
             crowd: 1,
+            seed: None,
         },
         Row {
             name: "edge HIT, verified tenant among 1,000",
@@ -272,6 +289,7 @@ fn main() {
             distinct: false,
             label: Some("HIT"),
             crowd: 1,
+            seed: None,
         },
         Row {
             name: "floor: wasm callout",
@@ -280,6 +298,7 @@ fn main() {
             distinct: true,
             label: None,
             crowd: 1,
+            seed: None,
         },
         Row {
             name: "floor + the MISS's host calls",
@@ -288,6 +307,7 @@ fn main() {
             distinct: true,
             label: Some("MISS"),
             crowd: 1,
+            seed: None,
         },
         Row {
             name: "floor + the MISS's calls, parse and hash",
@@ -296,6 +316,7 @@ fn main() {
             distinct: true,
             label: Some("MISS"),
             crowd: 1,
+            seed: None,
         },
         Row {
             name: "edge MISS (distinct prompts)",
@@ -304,6 +325,7 @@ fn main() {
             distinct: true,
             label: Some("MISS"),
             crowd: 1,
+            seed: None,
         },
         Row {
             name: "edge MISS, tenant without a budget",
@@ -312,6 +334,7 @@ fn main() {
             distinct: true,
             label: Some("MISS"),
             crowd: 1,
+            seed: None,
         },
         Row {
             name: "edge MISS, budgeted tenant",
@@ -320,6 +343,16 @@ fn main() {
             distinct: true,
             label: Some("MISS"),
             crowd: 1,
+            seed: None,
+        },
+        Row {
+            name: "edge MISS, budgeted tenant, 15 other calls in flight",
+            wasm: plugin.clone(),
+            config: tenant(r#","usd_per_day":1000000"#),
+            distinct: true,
+            label: Some("MISS"),
+            crowd: 1,
+            seed: Some(("holysheep/budget/t".into(), in_flight(15))),
         },
         Row {
             name: "floor: 64 held, released by the last",
@@ -328,6 +361,7 @@ fn main() {
             distinct: true,
             label: None,
             crowd: 64,
+            seed: None,
         },
         Row {
             name: "edge crowd of 64 (1 MISS, 63 COALESCED)",
@@ -336,13 +370,15 @@ fn main() {
             distinct: true,
             label: Some("MISS"),
             crowd: 64,
+            seed: None,
         },
     ];
     if let Some(other) = other {
         for (name, distinct, label) in
             [("edge HIT, other build", false, "HIT"), ("edge MISS, other build", true, "MISS")]
         {
-            rows.push(Row { name, wasm: other.clone(), config: "{}".into(), distinct, label: Some(label), crowd: 1 });
+            let config = "{}".into();
+            rows.push(Row { name, wasm: other.clone(), config, distinct, label: Some(label), crowd: 1, seed: None });
         }
     }
     if let Ok(only) = std::env::var("PROFILE_ONLY") {

@@ -6,6 +6,13 @@
 //! late one, a repeated one or one sent to another node takes nothing out), and one never
 //! settled stays charged, its entry dropped at its deadline. Amounts are micro-dollars.
 
+mod held;
+mod record;
+
+#[cfg(test)]
+use self::held::SUMS_FROM;
+use self::held::{Entry, Held, SUMS_MARK};
+use self::record::{numbers, read_numbers, Record};
 use crate::core::config::tenants::Caps;
 use crate::core::config::Config;
 use crate::core::store::{cas_after, CasStore, StoreError, MAX_RACES};
@@ -213,16 +220,6 @@ pub(crate) enum Mark {
     Unreachable { until_ms: u64 },
 }
 
-/// A reservation in flight: the call's id, its amount and periods, and its deadline.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-struct Entry {
-    id: u64,
-    micro: u64,
-    day: u64,
-    month: u64,
-    until_ms: u64,
-}
-
 /// Spend in the current day and month (reserved and settled), and the reservations listed;
 /// with a spend store, also what the store held when last read and what was settled here
 /// since and not yet written to it (`unsent`): the charge is always their sum with the
@@ -233,7 +230,7 @@ pub(super) struct Spend {
     day_micro: u64,
     pub(super) month: u64,
     month_micro: u64,
-    held: Vec<Entry>,
+    held: Held,
     /// Reservations no longer listed (past their deadline, or pushed off the list) and
     /// charged at their worst case: a call that settles after all (a stream that outlived
     /// its deadline) replaces that worst case by its cost. At most `MAX_LAPSED`.
@@ -355,16 +352,26 @@ pub(super) struct Pending {
 
 impl Spend {
     /// `day day_micro month month_micro`, then after `|` entries `id:micro:day:month:until`
-    /// separated by `,` (lapsed ones marked `~`, paid ones `^`, and the store's writers'
-    /// last writes `~w<writer>:<tag>`), then after `|` (a record kept with a spend store)
-    /// the mark, its number, the store's four numbers, the two unsent amounts, when it was
-    /// learned and the write out. A release reads the records of the one before it, and
-    /// the one before reads this one's (a rollback keeps the spend).
+    /// separated by `,` (the reservations listed, after their sums `~s`; lapsed ones
+    /// marked `~`, paid ones `^`, and the store's writers' last writes `~w<writer>:<tag>`),
+    /// then after `|` (a record kept with a spend store) the mark, its number, the store's
+    /// four numbers, the two unsent amounts, when it was learned and the write out. A
+    /// release reads the records of the one before it, and the one before reads this
+    /// one's (a rollback keeps the spend).
     pub(super) fn decode(raw: &[u8]) -> Option<Spend> {
-        let mut sections = raw.splitn(3, |&b| b == b'|');
-        let (totals, held, backed) = (sections.next()?, sections.next().unwrap_or_default(), sections.next());
+        let (totals, rest) = split_once(raw, b'|');
         let [day, day_micro, month, month_micro] = numbers(totals, b' ')?;
-        let mut spend = Spend { day, day_micro, month, month_micro, ..Spend::default() };
+        let mut spend = Spend { day, day_micro, month, month_micro, held: Held::new(day, month), ..Spend::default() };
+        // The reservations listed by their sums, their entries not read; a record without
+        // sums (or whose sums do not fit) has each entry read below.
+        let mut rest = rest.unwrap_or_default();
+        if let Some(sums) = rest.strip_prefix(SUMS_MARK.as_bytes()) {
+            let (sums, entries) = split_once(sums, b',');
+            if let Some((held, after)) = entries.and_then(|entries| Held::read(sums, entries, (day, month))) {
+                (spend.held, rest) = (held, after);
+            }
+        }
+        let (held, backed) = split_once(rest, b'|');
         let (mut writes, mut unsure, mut lapsed, mut paid) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
         let (mut admitted_ms, mut wrote_ms) = (None, None);
         // One pass over the entries. A marked one (`~`, `^`) that cannot be read is dropped,
@@ -397,7 +404,7 @@ impl Spend {
             } else if let Some(rest) = marked("^") {
                 paid.extend(Entry::decode(rest));
             } else {
-                spend.held.push(Entry::decode(e)?);
+                spend.held.push_read(Entry::decode(e)?, e);
             }
         }
         spend.keepers.admitted_ms = admitted_ms.unwrap_or(0);
@@ -406,8 +413,7 @@ impl Spend {
         let Some(backed) = backed else {
             // A record of a release without the store: what it charged beyond its
             // reservations was settled, and is the store's to be told.
-            let held_d: u64 = spend.held.iter().filter(|e| e.day == day).map(|e| e.micro).sum();
-            let held_m: u64 = spend.held.iter().filter(|e| e.month == month).map(|e| e.micro).sum();
+            let (held_d, held_m) = spend.held.sums();
             spend.unsent = (day_micro.saturating_sub(held_d), month_micro.saturating_sub(held_m));
             spend.keepers = Keepers::default();
             return Some(spend);
@@ -439,11 +445,12 @@ impl Spend {
     /// The record as `decode` reads it, written number by number (no formatting machinery:
     /// a budgeted call writes it twice).
     pub(super) fn encode(&self) -> Vec<u8> {
-        let mut out = Record(Vec::with_capacity(96 + 24 * self.held.len()));
+        let mut out = Record::with_capacity(128 + self.held.text_len());
         out.numbers(b' ', &[self.day, self.day_micro, self.month, self.month_micro]);
         out.0.push(b'|');
         let mut entries = out.list();
-        for (mark, list) in [("", &self.held), ("~", &self.lapsed), ("^", &self.paid)] {
+        self.held.write(&mut entries);
+        for (mark, list) in [("~", &self.lapsed), ("^", &self.paid)] {
             for e in list {
                 entries.entry(mark, &[e.id, e.micro, e.day, e.month, e.until_ms]);
             }
@@ -498,16 +505,14 @@ impl Spend {
             (self.month, self.month_micro, self.unsent.1) = (month, 0, 0);
         }
         let (today, this_month) = (self.day, self.month);
-        if self.held.iter().all(|e| e.until_ms > now_ms) {
-            return self;
-        }
-        let (lapsed, held): (Vec<Entry>, Vec<Entry>) = self.held.iter().partition(|e| e.until_ms <= now_ms);
+        self.held.rebase(today, this_month);
+        let (lapsed, unread) = self.held.lapse(now_ms);
+        self.unsent = (self.unsent.0.saturating_add(unread.0), self.unsent.1.saturating_add(unread.1));
         for e in lapsed {
             self.unsent.0 += if e.day == today { e.micro } else { 0 };
             self.unsent.1 += if e.month == this_month { e.micro } else { 0 };
             self.lapse(e);
         }
-        self.held = held;
         self
     }
 
@@ -560,8 +565,7 @@ impl Spend {
     /// settled here since, and the reservations listed.
     pub(super) fn recharge(&mut self) {
         let (d, m) = self.stored.within(self.day, self.month);
-        let held_d: u64 = self.held.iter().filter(|e| e.day == self.day).map(|e| e.micro).sum();
-        let held_m: u64 = self.held.iter().filter(|e| e.month == self.month).map(|e| e.micro).sum();
+        let (held_d, held_m) = self.held.sums();
         self.day_micro = d.saturating_add(self.unsent.0).saturating_add(held_d);
         self.month_micro = m.saturating_add(self.unsent.1).saturating_add(held_m);
     }
@@ -649,13 +653,9 @@ impl Spend {
     /// settled, or no room until `caps`' period ends. A reservation past its deadline is no
     /// longer listed, so it counts as settled (at its worst case).
     fn room(&self, caps: Caps, micro: u64, now_ms: u64) -> Result<(), Refused> {
-        let held = |current: &dyn Fn(&Entry) -> bool| -> u64 {
-            self.held.iter().filter(|e| current(e)).map(|e| e.micro).sum()
-        };
-        let periods = [
-            (caps.per_day, self.day_micro, held(&|e| e.day == self.day), "day"),
-            (caps.per_month, self.month_micro, held(&|e| e.month == self.month), "month"),
-        ];
+        let (held_d, held_m) = self.held.sums();
+        let periods =
+            [(caps.per_day, self.day_micro, held_d, "day"), (caps.per_month, self.month_micro, held_m, "month")];
         let mut busy = false;
         for (cap, charged, held, period) in periods {
             let Some(cap) = cap else { continue };
@@ -674,8 +674,7 @@ impl Spend {
     /// Takes out the reservation of call `id`, if it is listed, from the periods it is
     /// still in.
     fn release(&mut self, id: u64) {
-        let Some(at) = self.held.iter().position(|e| e.id == id) else { return };
-        let e = self.held.remove(at);
+        let Some(e) = self.held.take(id) else { return };
         if e.day == self.day {
             self.day_micro = self.day_micro.saturating_sub(e.micro);
         }
@@ -683,41 +682,6 @@ impl Spend {
             self.month_micro = self.month_micro.saturating_sub(e.micro);
         }
     }
-}
-
-impl Entry {
-    fn decode(e: &[u8]) -> Option<Entry> {
-        let [id, micro, day, month, until_ms] = numbers(e, b':')?;
-        Some(Entry { id, micro, day, month, until_ms })
-    }
-}
-
-/// Exactly `N` decimal numbers, `sep` between them.
-fn numbers<const N: usize>(text: &[u8], sep: u8) -> Option<[u64; N]> {
-    let mut out = [0; N];
-    (read_numbers(text, sep, &mut out)? == N).then_some(out)
-}
-
-/// Decimal numbers (as `codec::number` reads each) with `sep` between them into `out`, in
-/// one pass over the bytes; how many, `None` for more than `out` holds or any other byte.
-fn read_numbers(text: &[u8], sep: u8, out: &mut [u64]) -> Option<usize> {
-    let (mut at, mut digits) = (0, 0);
-    for &b in text {
-        if b == sep {
-            if digits == 0 {
-                return None;
-            }
-            (at, digits) = (at + 1, 0);
-            continue;
-        }
-        let (d, n) = (u64::from(b.wrapping_sub(b'0')), out.get_mut(at)?);
-        // Nineteen digits cannot overflow; past them each step is checked.
-        if d > 9 || digits >= 20 || (digits >= 19 && *n > (u64::MAX - d) / 10) {
-            return None;
-        }
-        (*n, digits) = (*n * 10 + d, digits + 1);
-    }
-    (digits > 0).then_some(at + 1)
 }
 
 /// `item` at the end of `list`, the oldest dropped to keep at most `max`.
@@ -728,38 +692,12 @@ fn push_bounded<T>(list: &mut Vec<T>, item: T, max: usize) {
     list.push(item);
 }
 
-/// A record's text as it is written: decimal numbers and their separators.
-struct Record(Vec<u8>);
-
-impl Record {
-    /// `numbers` in decimal, `sep` between them.
-    fn numbers(&mut self, sep: u8, numbers: &[u64]) {
-        for (i, n) in numbers.iter().enumerate() {
-            if i > 0 {
-                self.0.push(sep);
-            }
-            self.0.extend_from_slice(codec::decimal(*n).as_bytes());
-        }
-    }
-
-    /// The entries' list: each `mark` and its numbers joined by `:`, entries by `,`.
-    fn list(&mut self) -> Entries<'_> {
-        Entries { out: self, first: true }
-    }
-}
-
-struct Entries<'a> {
-    out: &'a mut Record,
-    first: bool,
-}
-
-impl Entries<'_> {
-    fn entry(&mut self, mark: &str, numbers: &[u64]) {
-        if !std::mem::replace(&mut self.first, false) {
-            self.out.0.push(b',');
-        }
-        self.out.0.extend_from_slice(mark.as_bytes());
-        self.out.numbers(b':', numbers);
+/// `text` before the first `sep`, and what follows it (`None`: no `sep`).
+#[inline(never)]
+fn split_once(text: &[u8], sep: u8) -> (&[u8], Option<&[u8]>) {
+    match text.iter().position(|&b| b == sep) {
+        Some(at) => (&text[..at], text.get(at + 1..)),
+        None => (text, None),
     }
 }
 
@@ -796,10 +734,11 @@ pub fn reserve(
         spend.month_micro = spend.month_micro.saturating_add(micro);
         if spend.held.len() >= MAX_IN_FLIGHT {
             // No longer listed, still charged: as settled at its worst case.
-            let e = spend.held.remove(0);
-            spend.unsent.0 += if e.day == spend.day { e.micro } else { 0 };
-            spend.unsent.1 += if e.month == spend.month { e.micro } else { 0 };
-            spend.lapse(e);
+            if let Some(e) = spend.held.take_oldest() {
+                spend.unsent.0 += if e.day == spend.day { e.micro } else { 0 };
+                spend.unsent.1 += if e.month == spend.month { e.micro } else { 0 };
+                spend.lapse(e);
+            }
         }
         spend.held.push(Entry { id, micro, day: hold.day, month: hold.month, until_ms });
         spend.keepers.admitted_ms = now_ms;
@@ -1082,11 +1021,20 @@ mod tests {
             && backed.is_none_or(|b| numbers(b, ' ').is_ok_and(|n| n.len() == 9 || n.len() == 15))
     }
 
-    /// The record as the formatting writer before `Record` wrote it.
+    /// The record written with `format!`, entry by entry: what the writer is held to.
     fn formatted(spend: &Spend) -> Vec<u8> {
         let this = spend;
         let entry = |e: &Entry| format!("{}:{}:{}:{}:{}", e.id, e.micro, e.day, e.month, e.until_ms);
-        let mut held: Vec<String> = this.held.iter().map(entry).collect();
+        let listed: Vec<String> = this.held.entries().iter().map(entry).collect();
+        let mut held = Vec::new();
+        if listed.len() >= SUMS_FROM {
+            // The sums first: how many, their bytes, the periods' sums, the earliest deadline.
+            let (d, m) = this.held.sums();
+            let earliest = this.held.entries().iter().map(|e| e.until_ms).min().unwrap_or(u64::MAX);
+            let bytes = listed.join(",").len();
+            held.push(format!("~s{}:{bytes}:{}:{d}:{}:{m}:{earliest}", listed.len(), this.day, this.month));
+        }
+        held.extend(listed);
         held.extend(this.lapsed.iter().map(|e| format!("~{}", entry(e))));
         held.extend(this.paid.iter().map(|e| format!("^{}", entry(e))));
         let (mark, number) = match this.mark {
@@ -1136,10 +1084,10 @@ mod tests {
         let entry = |id| Entry { id, micro: 10, day, month, until_ms: DEC_1 + 1 };
         Spend {
             day,
-            day_micro: 70,
+            day_micro: 90,
             month,
-            month_micro: 80,
-            held: vec![entry(1)],
+            month_micro: 100,
+            held: Held::of(&[entry(1), entry(4), entry(5)], day, month),
             lapsed: vec![entry(2)],
             paid: vec![entry(3)],
             mark: Mark::Read { revision: 7 },
@@ -1231,12 +1179,12 @@ mod tests {
         // (its worst case stays charged), never the record.
         let lapsed_of = |mark: char| marked.iter().filter_map(move |e| entry_before(e.strip_prefix(mark)?));
         let (lapsed, paid): (Vec<Entry>, Vec<Entry>) = (lapsed_of('~').collect(), lapsed_of('^').collect());
+        let held = Held::of(&held, day, month);
         let mut spend = Spend { day, day_micro, month, month_micro, held, ..Spend::default() };
         let Some(backed) = backed else {
             // A record of a release without the store: what it charged beyond its
             // reservations was settled, and is the store's to be told.
-            let held_d: u64 = spend.held.iter().filter(|e| e.day == day).map(|e| e.micro).sum();
-            let held_m: u64 = spend.held.iter().filter(|e| e.month == month).map(|e| e.micro).sum();
+            let (held_d, held_m) = spend.held.sums();
             spend.unsent = (day_micro.saturating_sub(held_d), month_micro.saturating_sub(held_m));
             (spend.lapsed, spend.paid) = (lapsed, paid);
             return Some(spend);
@@ -1283,7 +1231,12 @@ mod tests {
             format!("{day} 2 {month} 4").into_bytes(),
             format!("{day} 2 {month} 4|1:1:{day}:{month}:9,~2:1:{day}:{month}:9,^3:1:{day}:{month}:9").into_bytes(),
         ];
-        let text = String::from_utf8(spend.encode()).unwrap();
+        // Garbled records as the writer before the sums wrote them, each entry read.
+        let with_sums = String::from_utf8(spend.encode()).unwrap();
+        let sums = with_sums.split(['|', ',']).nth(1).unwrap();
+        assert!(sums.starts_with(SUMS_MARK));
+        let text = with_sums.replacen(&format!("{sums},"), "", 1);
+        records.push(text.clone().into_bytes());
         for (from, to) in [
             ("~w11:12", "~w11:x"),
             ("~w11:12", "~z11:12"),
@@ -1308,28 +1261,36 @@ mod tests {
     }
 
     #[test]
-    fn a_records_numbers_read_as_codec_reads_each() {
-        for one in [
-            "0",
-            "7",
-            "007",
-            "18446744073709551615",
-            "18446744073709551616",
-            "99999999999999999999",
-            "000000000000000000001",
-            "",
-            "+1",
-            "-1",
-            "1x",
-            " 1",
-            "1.0",
-        ] {
-            assert_eq!(numbers::<1>(one.as_bytes(), b' ').map(|[n]| n), codec::number(one), "{one:?}");
+    fn listed_entries_are_read_only_once_one_may_have_lapsed() {
+        let s = MemStore::new();
+        let caps = Caps { per_day: Some(1_000), per_month: None };
+        for id in 1..=3 {
+            reserve(&s, "t", (caps, Backing::MEMORY), (id, 100, DEC_1 + 100 * id), DEC_1).unwrap();
         }
-        assert_eq!(numbers::<3>(b"1 22 333", b' '), Some([1, 22, 333]));
-        for bad in ["1 22", "1 22 333 4", "1  22 333", " 1 22 333", "1 22 333 ", "1:22:333"] {
-            assert_eq!(numbers::<3>(bad.as_bytes(), b' '), None, "{bad:?}");
-        }
+        // A listed entry garbled behind the sums is not read while no deadline has passed:
+        // the sums admit, and the record is kept.
+        let raw = String::from_utf8(s.get(&key("t")).unwrap().value.unwrap()).unwrap();
+        let garbled = raw.replacen(",2:100:", ",2:1x0:", 1);
+        assert_ne!(garbled, raw);
+        s.set(&key("t"), garbled.as_bytes(), None).unwrap();
+        assert_eq!(spent(&s, "t", DEC_1 + 1), (300, 300));
+        assert_eq!(reserve(&s, "t", (caps, Backing::MEMORY), (4, 800, DEC_1 + 900), DEC_1 + 1), Err(Refused::Held));
+        // Once one may have lapsed the entries are read: the garbled one is no longer
+        // listed and stays charged, as a reservation past its deadline does.
+        settle(&s, "t", caps, 1, 50, DEC_1 + 150);
+        assert_eq!(spent(&s, "t", DEC_1 + 150), (250, 250));
+        settle(&s, "t", caps, 2, 10, DEC_1 + 151);
+        assert_eq!(
+            spent(&s, "t", DEC_1 + 151),
+            (260, 260),
+            "its settlement finds no reservation of it: its cost is charged beside its worst case"
+        );
+        let listed = Spend::decode(&s.get(&key("t")).unwrap().value.unwrap()).unwrap().held;
+        assert_eq!(listed.entries().iter().map(|e| e.id).collect::<Vec<_>>(), [3]);
+        assert_eq!(reserve(&s, "t", (caps, Backing::MEMORY), (4, 800, DEC_1 + 900), DEC_1 + 152), Err(Refused::Held));
+        settle(&s, "t", caps, 3, 0, DEC_1 + 153);
+        reserve(&s, "t", (caps, Backing::MEMORY), (4, 800, DEC_1 + 900), DEC_1 + 154).unwrap();
+        assert_eq!(spent(&s, "t", DEC_1 + 154), (960, 960));
     }
 
     #[test]

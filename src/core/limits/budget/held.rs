@@ -6,6 +6,7 @@
 //! deadline comes before.
 
 use super::record::{numbers, Entries, Record};
+use super::MAX_IN_FLIGHT;
 use crate::core::wire::{bytes, codec};
 
 /// A reservation in flight: the call's id, its amount and periods, and its deadline.
@@ -39,8 +40,18 @@ pub(super) const SUMS_MARK: &str = "~s";
 /// From how many entries a record carries their sums.
 pub(super) const SUMS_FROM: usize = 3;
 
+/// What taking an entry out gave: the entry (`None`: not listed, or listed and unreadable),
+/// and what entries that could not be read made in the day and the month, known once the
+/// list was read (their amounts left the sums: the spend charges them as settled at their
+/// worst case, as it does a lapsed reservation).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub(super) struct Taken {
+    pub(super) entry: Option<Entry>,
+    pub(super) unread: (u64, u64),
+}
+
 /// The reservations listed, oldest first, as the record's text holds them.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone)]
 pub(super) struct Held {
     /// The entries, `id:micro:day:month:until` each, `,` between them.
     text: Vec<u8>,
@@ -54,7 +65,19 @@ pub(super) struct Held {
     /// No entry's deadline comes before it (the earliest's, or earlier once that one was
     /// taken out): until then none has lapsed, and the entries need not be read.
     earliest_ms: u64,
+    /// The sums were read from the record, the entries not: an entry may not be readable.
+    unchecked: bool,
 }
+
+/// The same entries and sums, however they were learned.
+impl PartialEq for Held {
+    fn eq(&self, other: &Held) -> bool {
+        let sums = |h: &Held| (h.count, h.day, h.day_micro, h.month, h.month_micro, h.earliest_ms);
+        self.text == other.text && sums(self) == sums(other)
+    }
+}
+
+impl Eq for Held {}
 
 impl Default for Held {
     fn default() -> Held {
@@ -65,7 +88,16 @@ impl Default for Held {
 impl Held {
     /// None, for the record of `day` and `month`.
     pub(super) fn new(day: u64, month: u64) -> Held {
-        Held { text: Vec::new(), count: 0, day, day_micro: 0, month, month_micro: 0, earliest_ms: u64::MAX }
+        Held {
+            text: Vec::new(),
+            count: 0,
+            day,
+            day_micro: 0,
+            month,
+            month_micro: 0,
+            earliest_ms: u64::MAX,
+            unchecked: false,
+        }
     }
 
     /// `entries`, for the record of `day` and `month`.
@@ -85,6 +117,10 @@ impl Held {
     pub(super) fn read<'a>(sums: &[u8], rest: &'a [u8], (day, month): (u64, u64)) -> Option<(Held, &'a [u8])> {
         let [count, bytes, d, day_micro, m, month_micro, earliest_ms] = numbers(sums, b':')?;
         let (count, bytes) = (usize::try_from(count).ok()?, usize::try_from(bytes).ok()?);
+        // No more than a record lists: a count past it is not one this edge wrote.
+        if count > MAX_IN_FLIGHT {
+            return None;
+        }
         let text = rest.get(..bytes)?;
         let after = match rest.get(bytes..)? {
             [b',', after @ ..] => after,
@@ -95,7 +131,8 @@ impl Held {
         if count < SUMS_FROM || (d, m) != (day, month) {
             return None;
         }
-        let held = Held { text: text.to_vec(), count, day, day_micro, month, month_micro, earliest_ms };
+        let held =
+            Held { text: text.to_vec(), count, day, day_micro, month, month_micro, earliest_ms, unchecked: true };
         Some((held, after))
     }
 
@@ -132,10 +169,9 @@ impl Held {
         (self.day_micro, self.month_micro)
     }
 
-    /// Every entry that can be read (one that cannot is no longer listed: it stays
-    /// charged, as settled at its worst case).
+    /// Every entry that can be read.
     pub(super) fn entries(&self) -> Vec<Entry> {
-        let (mut entries, mut start) = (Vec::with_capacity(self.count), 0);
+        let (mut entries, mut start) = (Vec::with_capacity(self.count.min(MAX_IN_FLIGHT)), 0);
         while start < self.text.len() {
             let end = self.end_of(start);
             entries.extend(self.text.get(start..end).and_then(Entry::decode));
@@ -163,7 +199,7 @@ impl Held {
     }
 
     /// Takes out call `id`'s entry, if it is listed.
-    pub(super) fn take(&mut self, id: u64) -> Option<Entry> {
+    pub(super) fn take(&mut self, id: u64) -> Taken {
         let id = codec::decimal(id);
         let id = id.as_bytes();
         let (mut start, text) = (0, &self.text[..]);
@@ -175,7 +211,7 @@ impl Held {
             }
             start = end + 1;
         }
-        None
+        Taken::default()
     }
 
     /// Where the entry that starts at `start` ends.
@@ -185,9 +221,9 @@ impl Held {
     }
 
     /// Takes out the oldest entry (`None`: there is none, or it could not be read).
-    pub(super) fn take_oldest(&mut self) -> Option<Entry> {
+    pub(super) fn take_oldest(&mut self) -> Taken {
         if self.count == 0 {
-            return None;
+            return Taken::default();
         }
         self.cut(0, self.end_of(0))
     }
@@ -205,36 +241,55 @@ impl Held {
         if self.count == 0 || self.earliest_ms > now_ms {
             return (Vec::new(), (0, 0));
         }
-        let (before, held) = (self.sums(), self.entries());
-        let read = Held::of(&held, self.day, self.month).sums();
-        let unread = (before.0.saturating_sub(read.0), before.1.saturating_sub(read.1));
+        let (held, unread) = self.reread();
         let (lapsed, held): (Vec<Entry>, Vec<Entry>) = held.into_iter().partition(|e| e.until_ms <= now_ms);
         *self = Held::of(&held, self.day, self.month);
         (lapsed, unread)
     }
 
-    /// The same entries, their sums taken in `day` and `month` (a new period).
-    pub(super) fn rebase(&mut self, day: u64, month: u64) {
-        if (day, month) != (self.day, self.month) {
-            *self = Held::of(&self.entries(), day, month);
+    /// The same entries, their sums taken in `day` and `month` (a new period); what the
+    /// entries that could not be read made in the periods that did not change.
+    pub(super) fn rebase(&mut self, day: u64, month: u64) -> (u64, u64) {
+        if (day, month) == (self.day, self.month) {
+            return (0, 0);
         }
+        let (held, (d, m)) = self.reread();
+        let unread = (if day == self.day { d } else { 0 }, if month == self.month { m } else { 0 });
+        *self = Held::of(&held, day, month);
+        unread
     }
 
-    /// Takes out the entry at `start..end` of the text. One that cannot be read (`None`)
-    /// goes all the same, so that the list stays bounded: the sums keep what it made until
-    /// the entries are read (`lapse`), which charges it.
-    fn cut(&mut self, start: usize, end: usize) -> Option<Entry> {
-        let e = self.text.get(start..end).and_then(Entry::decode);
+    /// The entries read, those that cannot be read no longer listed; and what those made
+    /// in the day and the month (what the sums held beyond the entries read).
+    fn reread(&mut self) -> (Vec<Entry>, (u64, u64)) {
+        let (before, held) = (self.sums(), self.entries());
+        *self = Held::of(&held, self.day, self.month);
+        let read = self.sums();
+        (held, (before.0.saturating_sub(read.0), before.1.saturating_sub(read.1)))
+    }
+
+    /// Takes out the entry at `start..end` of the text. One that cannot be read goes all
+    /// the same, so that the list stays bounded: the sums keep what it made until the
+    /// entries are read (`lapse`). Fewer than `SUMS_FROM` left are written without their
+    /// sums, so entries not read yet are read now.
+    fn cut(&mut self, start: usize, end: usize) -> Taken {
+        let entry = self.text.get(start..end).and_then(Entry::decode);
         // The entry and one comma beside it.
         let (from, to) = if end < self.text.len() { (start, end + 1) } else { (start.saturating_sub(1), end) };
         self.text.drain(from..to);
         self.count = self.count.saturating_sub(1);
-        if self.count == 0 || self.text.is_empty() {
-            *self = Held::new(self.day, self.month);
-        } else if let Some(e) = e {
+        if let Some(e) = entry {
             self.add(e, false);
         }
-        e
+        let unread = match () {
+            _ if self.unchecked && (self.count < SUMS_FROM || self.text.is_empty()) => self.reread().1,
+            _ if self.text.is_empty() => {
+                *self = Held::new(self.day, self.month);
+                (0, 0)
+            }
+            _ => (0, 0),
+        };
+        Taken { entry, unread }
     }
 
     /// `e`'s amount added to (or taken from) the sums of the periods it was made in.
@@ -286,11 +341,14 @@ mod tests {
         // the month alone.
         held.push(Entry { id: 6, micro: 1_000, day: DAY - 1, month: MONTH, until_ms: 2_000 });
         assert_eq!((held.len(), held.sums()), (6, (150, 1_150)));
-        assert_eq!(held.take(3_000_000_021), Some(entry(3_000_000_021, 30, 903)));
-        assert_eq!(held.take(3_000_000_021), None, "taken once");
-        assert_eq!(held.take(300_000_002), None, "an id that only begins another's is not it");
-        assert_eq!(held.take(6), Some(Entry { id: 6, micro: 1_000, day: DAY - 1, month: MONTH, until_ms: 2_000 }));
-        assert_eq!(held.take_oldest(), Some(entry(1_000_000_007, 10, 901)));
+        assert_eq!(held.take(3_000_000_021).entry, Some(entry(3_000_000_021, 30, 903)));
+        assert_eq!(held.take(3_000_000_021).entry, None, "taken once");
+        assert_eq!(held.take(300_000_002).entry, None, "an id that only begins another's is not it");
+        assert_eq!(
+            held.take(6).entry,
+            Some(Entry { id: 6, micro: 1_000, day: DAY - 1, month: MONTH, until_ms: 2_000 })
+        );
+        assert_eq!(held.take_oldest().entry, Some(entry(1_000_000_007, 10, 901)));
         assert_eq!((held.len(), held.sums()), (3, (110, 110)));
         let ids: Vec<u64> = held.entries().iter().map(|e| e.id).collect();
         assert_eq!(ids, [2_000_000_014, 4_000_000_028, 5_000_000_035]);
@@ -298,7 +356,7 @@ mod tests {
         let anew = Held::of(&held.entries(), DAY, MONTH);
         assert_eq!((&anew.text, anew.sums()), (&held.text, held.sums()), "as if pushed anew");
         for id in [5_000_000_035, 2_000_000_014, 4_000_000_028] {
-            held.take(id).unwrap();
+            held.take(id).entry.unwrap();
         }
         assert_eq!(held, Held::new(DAY, MONTH));
         assert_eq!(round_trip(&held), held);
@@ -309,7 +367,7 @@ mod tests {
         let mut held = Held::of(&[entry(1, 10, 500), entry(2, 20, 300), entry(3, 30, 700)], DAY, MONTH);
         assert_eq!(held.lapse(299), (vec![], (0, 0)));
         // The earliest deadline kept after its entry left: a time before which none lapses.
-        held.take(2).unwrap();
+        held.take(2).entry.unwrap();
         assert_eq!(held.lapse(300), (vec![], (0, 0)), "read: none had lapsed");
         assert_eq!(held.earliest_ms, 500, "and the earliest deadline is known again");
         assert_eq!(held.lapse(600), (vec![entry(1, 10, 500)], (0, 0)));
@@ -319,7 +377,7 @@ mod tests {
     #[test]
     fn a_new_period_takes_the_sums_anew() {
         let mut held = Held::of(&[entry(1, 10, 500)], DAY, MONTH);
-        held.rebase(DAY + 1, MONTH);
+        assert_eq!(held.rebase(DAY + 1, MONTH), (0, 0));
         assert_eq!(held.sums(), (0, 10));
         held.push(Entry { id: 2, micro: 5, day: DAY + 1, month: MONTH, until_ms: 600 });
         assert_eq!(held.sums(), (5, 15));
@@ -351,15 +409,65 @@ mod tests {
     #[test]
     fn an_unreadable_entry_is_no_longer_listed_and_what_it_made_stays_charged() {
         let mut held = Held::of(&[entry(1, 10, 500), entry(2, 20, 300), entry(3, 30, 700)], DAY, MONTH);
-        held.text = String::from_utf8(held.text).unwrap().replacen("2:20:", "2:2x:", 1).into_bytes();
+        held = garbled(&held, "2:20:", "2:2x:");
         assert_eq!(held.lapse(299), (vec![], (0, 0)), "not read yet");
         assert_eq!(held.lapse(500), (vec![entry(1, 10, 500)], (20, 20)));
         assert_eq!((held.len(), held.sums()), (1, (30, 30)));
-        let mut held = Held::of(&[entry(1, 10, 500), entry(2, 20, 800)], DAY, MONTH);
-        held.text = String::from_utf8(held.text).unwrap().replacen("1:10:", "1:1x:", 1).into_bytes();
-        assert_eq!(held.take_oldest(), None);
-        assert_eq!((held.len(), held.sums()), (1, (30, 30)), "its amount kept until the entries are read");
-        assert_eq!(held.lapse(500), (vec![], (10, 10)));
-        assert_eq!((held.len(), held.sums()), (1, (20, 20)));
+        // Taken out unread, its amount stays in the sums while they are written; once the
+        // entries left are too few to carry sums, they are read and it is given back.
+        let four = [entry(1, 10, 500), entry(2, 20, 800), entry(3, 40, 900), entry(4, 80, 900)];
+        let mut held = garbled(&Held::of(&four, DAY, MONTH), "1:10:", "1:1x:");
+        assert_eq!(held.take_oldest(), Taken::default());
+        assert_eq!((held.len(), held.sums()), (3, (150, 150)), "its amount kept until the entries are read");
+        assert_eq!(held.take(3), Taken { entry: Some(entry(3, 40, 900)), unread: (10, 10) });
+        assert_eq!((held.len(), held.sums()), (2, (100, 100)));
+        // One still listed is read then too.
+        let mut held = garbled(&Held::of(&four, DAY, MONTH), "2:20:", "2:2x:");
+        assert_eq!(held.take(4), Taken { entry: Some(entry(4, 80, 900)), unread: (0, 0) });
+        assert_eq!(held.take(3), Taken { entry: Some(entry(3, 40, 900)), unread: (20, 20) });
+        assert_eq!((held.entries(), held.len(), held.sums()), (vec![entry(1, 10, 500)], 1, (10, 10)));
+        let mut held = garbled(&Held::of(&four[..3], DAY, MONTH), "3:40:", "3:4x:");
+        assert_eq!(held.take(1).unread, (40, 40));
+        assert_eq!(held.take(2), Taken { entry: Some(entry(2, 20, 800)), unread: (0, 0) });
+        assert_eq!(held, Held::new(DAY, MONTH));
+    }
+
+    #[test]
+    fn a_new_period_gives_back_what_unreadable_entries_made_in_the_period_that_stays() {
+        let three = [entry(1, 10, 500), entry(2, 20, 800), entry(3, 40, 900)];
+        let mut held = garbled(&Held::of(&three, DAY, MONTH), "2:20:", "2:2x:");
+        assert_eq!(held.rebase(DAY + 1, MONTH), (0, 20), "the month goes on; the day does not");
+        assert_eq!((held.len(), held.sums()), (2, (0, 50)));
+        let mut held = garbled(&Held::of(&three, DAY, MONTH), "2:20:", "2:2x:");
+        assert_eq!(held.rebase(DAY + 1, MONTH + 1), (0, 0));
+        assert_eq!((held.len(), held.sums()), (2, (0, 0)));
+    }
+
+    #[test]
+    fn sums_that_count_more_than_a_record_lists_are_not_read() {
+        let held = Held::of(&[entry(1, 10, 500), entry(2, 20, 300), entry(3, 5, 900)], DAY, MONTH);
+        let rest = held.text.clone();
+        let sums = |count: u64| format!("{count}:{}:{DAY}:35:{MONTH}:35:300", rest.len());
+        assert!(Held::read(sums(3).as_bytes(), &rest, (DAY, MONTH)).is_some());
+        for count in [MAX_IN_FLIGHT as u64 + 1, u64::from(u32::MAX), u64::MAX] {
+            assert_eq!(Held::read(sums(count).as_bytes(), &rest, (DAY, MONTH)), None, "{count}");
+        }
+        // A count within the bound but not the entries' own is read past safely.
+        let (mut wrong, _) = Held::read(sums(MAX_IN_FLIGHT as u64).as_bytes(), &rest, (DAY, MONTH)).unwrap();
+        assert_eq!(wrong.entries().len(), 3);
+        assert_eq!(wrong.take(2).entry, Some(entry(2, 20, 300)));
+    }
+
+    /// `held` as a record with its sums lists it, then read back with `from` in its text
+    /// written as `to` (the entries not read).
+    fn garbled(held: &Held, from: &str, to: &str) -> Held {
+        let mut r = Record::with_capacity(64);
+        held.write(&mut r.list());
+        let text = String::from_utf8(r.0).unwrap();
+        assert!(text.contains(from), "{from}");
+        let text = text.replacen(from, to, 1);
+        let (sums, rest) = text.strip_prefix(SUMS_MARK).unwrap().split_once(',').unwrap();
+        let (read, _) = Held::read(sums.as_bytes(), rest.as_bytes(), (DAY, MONTH)).unwrap();
+        read
     }
 }

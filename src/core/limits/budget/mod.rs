@@ -505,15 +505,21 @@ impl Spend {
             (self.month, self.month_micro, self.unsent.1) = (month, 0, 0);
         }
         let (today, this_month) = (self.day, self.month);
-        self.held.rebase(today, this_month);
+        let unread = self.held.rebase(today, this_month);
+        self.unlisted(unread);
         let (lapsed, unread) = self.held.lapse(now_ms);
-        self.unsent = (self.unsent.0.saturating_add(unread.0), self.unsent.1.saturating_add(unread.1));
+        self.unlisted(unread);
         for e in lapsed {
-            self.unsent.0 += if e.day == today { e.micro } else { 0 };
-            self.unsent.1 += if e.month == this_month { e.micro } else { 0 };
             self.lapse(e);
         }
         self
+    }
+
+    /// Reservations that made `(day_micro, month_micro)` in the current periods are no
+    /// longer listed and stay charged, as settled at their worst case (with a store: for
+    /// it to be told).
+    fn unlisted(&mut self, (d, m): (u64, u64)) {
+        self.unsent = (self.unsent.0.saturating_add(d), self.unsent.1.saturating_add(m));
     }
 
     /// Whether calls of the tenant are in flight here (their reservations listed).
@@ -558,6 +564,7 @@ impl Spend {
 
     /// `e` is no longer listed, and stays charged at its worst case until its call settles.
     fn lapse(&mut self, e: Entry) {
+        self.unlisted((if e.day == self.day { e.micro } else { 0 }, if e.month == self.month { e.micro } else { 0 }));
         push_bounded(&mut self.lapsed, e, MAX_LAPSED);
     }
 
@@ -674,7 +681,9 @@ impl Spend {
     /// Takes out the reservation of call `id`, if it is listed, from the periods it is
     /// still in.
     fn release(&mut self, id: u64) {
-        let Some(e) = self.held.take(id) else { return };
+        let taken = self.held.take(id);
+        self.unlisted(taken.unread);
+        let Some(e) = taken.entry else { return };
         if e.day == self.day {
             self.day_micro = self.day_micro.saturating_sub(e.micro);
         }
@@ -734,9 +743,9 @@ pub fn reserve(
         spend.month_micro = spend.month_micro.saturating_add(micro);
         if spend.held.len() >= MAX_IN_FLIGHT {
             // No longer listed, still charged: as settled at its worst case.
-            if let Some(e) = spend.held.take_oldest() {
-                spend.unsent.0 += if e.day == spend.day { e.micro } else { 0 };
-                spend.unsent.1 += if e.month == spend.month { e.micro } else { 0 };
+            let oldest = spend.held.take_oldest();
+            spend.unlisted(oldest.unread);
+            if let Some(e) = oldest.entry {
                 spend.lapse(e);
             }
         }
@@ -1118,7 +1127,7 @@ mod tests {
     fn the_previous_release_reads_this_ones_records_so_a_rollback_keeps_the_spend() {
         let spend = rich_spend();
         let raw = spend.encode();
-        assert_eq!(raw, formatted(&spend), "byte for byte as written before");
+        assert_eq!(raw, formatted(&spend), "as the previous release formats it");
         assert!(previous_release_reads(&raw), "{}", String::from_utf8_lossy(&raw));
         assert_eq!(Spend::decode(&raw), Some(spend.clone()), "and this release reads it whole");
         let idle = Spend { pending: None, ..spend };
@@ -1291,6 +1300,80 @@ mod tests {
         settle(&s, "t", caps, 3, 0, DEC_1 + 153);
         reserve(&s, "t", (caps, Backing::MEMORY), (4, 800, DEC_1 + 900), DEC_1 + 154).unwrap();
         assert_eq!(spent(&s, "t", DEC_1 + 154), (960, 960));
+    }
+
+    /// Process memory alone, and a spend store read at revision 7 holding nothing yet.
+    fn backings() -> [(Backing, MemStore); 2] {
+        let stored = MemStore::new();
+        let (day, month) = periods(DEC_1);
+        let record = format!("{day} 0 {month} 0||1 7 {day} 0 {month} 0 0 0 {DEC_1}");
+        stored.set(&key("t"), record.as_bytes(), None).unwrap();
+        let store = Backing { store: true, ..Backing::MEMORY };
+        [(Backing::MEMORY, MemStore::new()), (store, stored)]
+    }
+
+    /// The record of "t" with `from` in its text written as `to`.
+    fn garble(s: &MemStore, from: &str, to: &str) {
+        let raw = String::from_utf8(s.get(&key("t")).unwrap().value.unwrap()).unwrap();
+        assert!(raw.contains(SUMS_MARK) && raw.contains(from), "{raw}");
+        s.set(&key("t"), raw.replacen(from, to, 1).as_bytes(), None).unwrap();
+    }
+
+    #[test]
+    fn a_garbled_entry_stays_charged_when_settlements_leave_too_few_for_sums() {
+        let caps = Caps { per_day: Some(10_000), per_month: None };
+        for (backing, s) in backings() {
+            for id in 1..=3 {
+                reserve(&s, "t", (caps, backing), (id, 100 * id, DEC_1 + DAY_MS / 2), DEC_1).unwrap();
+            }
+            garble(&s, ",2:200:", ",2:2x0:");
+            // No deadline passes: the entries are read only once too few are left for sums.
+            settle(&s, "t", caps, 1, 50, DEC_1 + 1);
+            assert_eq!(spent(&s, "t", DEC_1 + 1), (550, 550), "{backing:?}");
+            settle(&s, "t", caps, 3, 0, DEC_1 + 2);
+            assert_eq!(spent(&s, "t", DEC_1 + 2), (250, 250), "its worst case stays charged: {backing:?}");
+            settle(&s, "t", caps, 2, 20, DEC_1 + 3);
+            assert_eq!(spent(&s, "t", DEC_1 + 3), (270, 270), "{backing:?}");
+            let spend = Spend::decode(&s.get(&key("t")).unwrap().value.unwrap()).unwrap();
+            assert!(spend.held.is_empty());
+            if backing.store {
+                assert_eq!(spend.unsent, (270, 270), "for the store to be told");
+            }
+        }
+    }
+
+    #[test]
+    fn a_new_day_keeps_a_garbled_entrys_worst_case_in_the_month() {
+        let caps = Caps { per_day: Some(10_000), per_month: None };
+        for (backing, s) in backings() {
+            for id in 1..=3 {
+                reserve(&s, "t", (caps, backing), (id, 100, DEC_1 + 2 * DAY_MS), DEC_1).unwrap();
+            }
+            garble(&s, ",2:100:", ",2:1x0:");
+            let tomorrow = DEC_1 + DAY_MS;
+            assert_eq!(spent(&s, "t", tomorrow), (0, 300), "{backing:?}");
+            settle(&s, "t", caps, 1, 0, tomorrow);
+            settle(&s, "t", caps, 3, 0, tomorrow + 1);
+            assert_eq!(spent(&s, "t", tomorrow + 1), (0, 100), "{backing:?}");
+        }
+    }
+
+    #[test]
+    fn the_oldest_reservation_pushed_off_the_list_stays_charged_until_it_settles() {
+        let caps = Caps { per_day: Some(u64::MAX), per_month: None };
+        for (backing, s) in backings() {
+            let calls = MAX_IN_FLIGHT as u64 + 1;
+            for id in 1..=calls {
+                reserve(&s, "t", (caps, backing), (id, 10, DEC_1 + DAY_MS / 2), DEC_1 + id).unwrap();
+            }
+            let spend = Spend::decode(&s.get(&key("t")).unwrap().value.unwrap()).unwrap();
+            assert_eq!((spend.held.len(), spend.held.sums(), spend.lapsed.len()), (MAX_IN_FLIGHT, (2_560, 2_560), 1));
+            assert_eq!(spent(&s, "t", DEC_1 + calls), (2_570, 2_570), "{backing:?}");
+            for id in 1..=calls {
+                settle(&s, "t", caps, id, 1, DEC_1 + calls + id);
+            }
+            assert_eq!(spent(&s, "t", DEC_1 + 2 * calls), (257, 257), "{backing:?}");
+        }
     }
 
     #[test]

@@ -1,14 +1,13 @@
-//! Drop-ins for the `proxy_wasm::hostcalls` wrappers the shell uses (same names, arguments
-//! and results), calling Envoy's imports directly: any status the SDK would `panic!` on
-//! comes back as `Err(Status)` instead, so none of these can kill the VM — except
-//! `dispatch_http_call`, which must stay the SDK's (see there).
+//! Envoy's imports (proxy-wasm ABI 0.2.1) as the shell calls them: every status comes back
+//! as `Err(Status)`, so no host call can kill the VM.
 //!
 //! Imports return the raw `u32` (never a `Status`: an unknown value in the enum would be
 //! undefined behaviour), mapped by `status`. Buffers the host hands back were allocated
-//! through the SDK's `proxy_on_memory_allocate` (a boxed `[u8]` of exactly `size` bytes),
-//! so a `Vec::from_raw_parts(data, size, size)` takes each one back, as the SDK does.
+//! through `proxy_on_memory_allocate` (`entry`: a boxed `[u8]` of exactly `size` bytes), so
+//! a `Vec::from_raw_parts(data, size, size)` takes each one back.
 
-use proxy_wasm::types::{BufferType, Bytes, LogLevel, MapType, MetricType, Status};
+use crate::core::wire::pairs;
+use crate::proxy::types::{BufferType, Bytes, LogLevel, MapType, MetricType, Status};
 use std::ptr::{null, null_mut};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
@@ -20,7 +19,7 @@ const PARSE_FAILURE: u32 = 4;
 const EMPTY: u32 = 7;
 const CAS_MISMATCH: u32 = 8;
 
-/// The `Status` of a raw host result: InternalFailure (10) itself, and every value the SDK's
+/// The `Status` of a raw host result: InternalFailure (10) itself, and every value the
 /// enum lacks (Envoy's BadExpression, InvalidMemoryAccess, ResultMismatch, BrokenConnection,
 /// Unimplemented, anything newer), are `InternalFailure`.
 fn status(raw: u32) -> Status {
@@ -44,7 +43,7 @@ fn done(raw: u32) -> Result<(), Status> {
     }
 }
 
-/// Milliseconds for a `u32` host argument, saturating (the SDK's `as u32` wraps).
+/// Milliseconds for a `u32` host argument, saturating.
 fn millis(d: Duration) -> u32 {
     u32::try_from(d.as_millis()).unwrap_or(u32::MAX)
 }
@@ -53,7 +52,7 @@ fn millis(d: Duration) -> u32 {
 ///
 /// # Safety
 /// `data` is null or was returned by the host for this call with `size` bytes (allocated by
-/// the SDK's `proxy_on_memory_allocate(size)`), and is taken back once.
+/// `proxy_on_memory_allocate(size)`), and is taken back once.
 unsafe fn host_bytes(data: *mut u8, size: usize) -> Option<Bytes> {
     if data.is_null() {
         None
@@ -135,9 +134,22 @@ extern "C" {
         -> u32;
     fn proxy_increment_metric(metric_id: u32, offset: i64) -> u32;
     fn proxy_record_metric(metric_id: u32, value: u64) -> u32;
+    #[allow(clippy::too_many_arguments)]
+    fn proxy_http_call(
+        upstream_data: *const u8,
+        upstream_size: usize,
+        headers_data: *const u8,
+        headers_size: usize,
+        body_data: *const u8,
+        body_size: usize,
+        trailers_data: *const u8,
+        trailers_size: usize,
+        timeout_milliseconds: u32,
+        return_token: *mut u32,
+    ) -> u32;
 }
 
-/// `StreamType::HttpRequest` (the SDK's `StreamType`, as the raw value the import takes).
+/// The ABI's `StreamType::HttpRequest`, as the raw value the import takes.
 const STREAM_HTTP_REQUEST: u32 = 0;
 
 pub(crate) fn log(level: LogLevel, message: &str) -> Result<(), Status> {
@@ -209,7 +221,7 @@ pub(crate) fn set_map_value(map_type: MapType, key: &str, value: Option<&str>) -
 
 /// `Ok(None)` when the property is absent (`NotFound`) or empty (the host writes no pointer).
 pub(crate) fn get_property(path: Vec<&str>) -> Result<Option<Bytes>, Status> {
-    // The SDK's path layout: the parts joined by NULs, no trailing NUL; empty for no parts.
+    // The ABI's path layout: the parts joined by NULs, no trailing NUL; empty for no parts.
     let path = path.join("\0");
     let mut data: *mut u8 = null_mut();
     let mut size: usize = 0;
@@ -333,21 +345,35 @@ pub(crate) fn record_metric(metric_id: u32, value: u64) -> Result<(), Status> {
     done(unsafe { proxy_record_metric(metric_id, value) })
 }
 
-/// The SDK's own `dispatch_http_call`, on purpose. On `Ok` the SDK records the token against
-/// the active context in its dispatcher (`dispatcher::register_callout`, crate-private), and
-/// its exported `proxy_on_http_call_response` panics on a token it did not record: a callout
-/// made around the SDK would panic the VM when its answer arrives. So this cannot be
-/// replaced while the SDK's dispatcher owns the callbacks. Its remaining `panic!` is for
-/// statuses other than Ok, BadArgument and InternalFailure, which Envoy's `httpCall` does
-/// not return for valid memory (InvalidMemoryAccess needs an out-of-bounds pointer). The
-/// timeout saturates instead of wrapping (Envoy refuses one over `i32::MAX` ms: BadArgument).
+/// Calls `upstream` (a cluster) with `headers` and `body`, answered within `timeout`: the
+/// callout's token. Envoy makes the callout the root context's, whichever context calls
+/// (`entry`), and answers it there. The timeout saturates instead of wrapping (Envoy
+/// refuses one over `i32::MAX` ms: BadArgument).
 pub(crate) fn dispatch_http_call(
     upstream: &str,
     headers: Vec<(&str, &str)>,
     body: Option<&[u8]>,
-    trailers: Vec<(&str, &str)>,
     timeout: Duration,
 ) -> Result<u32, Status> {
-    let timeout = Duration::from_millis(u64::from(millis(timeout)));
-    proxy_wasm::hostcalls::dispatch_http_call(upstream, headers, body, trailers, timeout)
+    let headers = pairs::serialize(headers.iter().map(|(n, v)| (*n, *v)));
+    let trailers = pairs::serialize(std::iter::empty::<(&str, &str)>());
+    let body = body.unwrap_or_default();
+    let mut token: u32 = 0;
+    // SAFETY: every pointer and length describes a live slice for the whole call (the host
+    // copies what it keeps), and `token` is live for it.
+    let raw = unsafe {
+        proxy_http_call(
+            upstream.as_ptr(),
+            upstream.len(),
+            headers.as_ptr(),
+            headers.len(),
+            body.as_ptr(),
+            body.len(),
+            trailers.as_ptr(),
+            trailers.len(),
+            millis(timeout),
+            &mut token,
+        )
+    };
+    done(raw).map(|()| token)
 }

@@ -8,7 +8,7 @@ use super::ids::IdMap;
 use crate::core::api::headers;
 use crate::core::config::Config;
 use crate::core::limits::budget_store::{self, Due, EtcdCall, Flush};
-use proxy_wasm::types::{BufferType, LogLevel, MapType, Status};
+use crate::proxy::types::{BufferType, LogLevel, MapType, Status};
 use std::time::Duration;
 
 pub struct BudgetStore {
@@ -205,7 +205,7 @@ fn dispatch(config: &Config, call: &EtcdCall) -> Result<u32, Status> {
         (headers::CONTENT_TYPE, "application/json"),
     ];
     let timeout = Duration::from_millis(store.timeout_ms);
-    hostcalls::dispatch_http_call(&store.cluster, headers, Some(&call.body), vec![], timeout)
+    hostcalls::dispatch_http_call(&store.cluster, headers, Some(&call.body), timeout)
 }
 
 /// The callout's status and body (`None`: no answer).

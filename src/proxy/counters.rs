@@ -14,7 +14,7 @@ use crate::core::limits::budget;
 use crate::core::observe::metrics::{
     self, ClassStat, Counter, LastUsage, PerCounter, Timing, CLASS_STATS, COUNTERS, TOKEN_USAGE,
 };
-use proxy_wasm::types::MetricType;
+use crate::proxy::types::MetricType;
 
 #[derive(Default)]
 pub struct Counters {

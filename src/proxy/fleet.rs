@@ -9,7 +9,7 @@ use crate::core::config::Config;
 use crate::core::intake::Peer;
 use crate::core::limits::fleet::{Op, Verdict};
 use crate::core::request::PEER_PATH;
-use proxy_wasm::types::{BufferType, LogLevel, MapType, Status};
+use crate::proxy::types::{BufferType, LogLevel, MapType, Status};
 use std::time::Duration;
 
 /// How long a settlement may take; nobody waits for it.
@@ -52,7 +52,7 @@ pub fn ask(config: &Config, secret: &str, bucket: &str, op: &Op, timeout_ms: u64
         (headers::PEER_SECRET, secret),
     ];
     let timeout = Duration::from_millis(timeout_ms.max(1));
-    hostcalls::dispatch_http_call(&config.fleet.cluster, headers, Some(&op.to_json()), vec![], timeout)
+    hostcalls::dispatch_http_call(&config.fleet.cluster, headers, Some(&op.to_json()), timeout)
 }
 
 impl Fleet {

@@ -7,7 +7,7 @@ use crate::core::coalesce::engine::Reply;
 pub use crate::core::intake::text;
 use crate::core::store::{CasStore, Read, StoreError};
 use crate::core::wire::pairs;
-use proxy_wasm::types::{BufferType, LogLevel, MapType, Status};
+use crate::proxy::types::{BufferType, LogLevel, MapType, Status};
 use std::collections::hash_map::RandomState;
 use std::hash::BuildHasher;
 use std::time::UNIX_EPOCH;
@@ -79,9 +79,13 @@ pub fn pin_clock() -> Pinned {
     Pinned { before }
 }
 
+/// The outermost pin lets the clock go; one inside it keeps the reading for the rest of the
+/// outer one's callback.
 impl Drop for Pinned {
     fn drop(&mut self) {
-        CLOCK.set(self.before);
+        if self.before == Clock::Read {
+            CLOCK.set(Clock::Read);
+        }
     }
 }
 
@@ -165,14 +169,14 @@ impl Nonces {
     }
 }
 
-/// A host buffer (request body, callout body, configuration); empty when absent. The SDK's
-/// trait helpers would panic on an unexpected host status; this cannot.
+/// A host buffer (request body, callout body, configuration); empty when absent, whatever
+/// the host's status.
 pub fn buffer(kind: BufferType, size: usize) -> Vec<u8> {
     hostcalls::get_buffer(kind, 0, size).ok().flatten().unwrap_or_default()
 }
 
-/// A header's value as text. The SDK's own text getters panic on a value that is not
-/// UTF-8, which Envoy lets through (obs-text); such bytes are kept as `%XX` escapes here.
+/// A header's value as text. Envoy lets through values that are not UTF-8 (obs-text);
+/// such bytes are kept as `%XX` escapes.
 pub fn header(map: MapType, name: &str) -> Option<String> {
     hostcalls::get_map_value_bytes(map, name).ok().flatten().map(text)
 }
@@ -190,17 +194,16 @@ extern "C" {
 }
 
 /// The serialized header map of `map` (see `core::wire::pairs`), as the host wrote it: one buffer,
-/// where the SDK's getter copies every name and value and panics on an unexpected status
-/// or a name that is not UTF-8.
+/// read in place (no copy per name and value; any status but Ok is an empty map).
 pub fn header_map(map: MapType) -> Vec<u8> {
     let mut data: *mut u8 = std::ptr::null_mut();
     let mut size: usize = 0;
     // SAFETY: the host writes a buffer it allocated through this module's
-    // `proxy_on_memory_allocate` (the SDK's: a `Vec<u8>` of capacity `size`, forgotten), so
-    // the Vec takes it back whole, as the SDK's own getter does.
+    // `proxy_on_memory_allocate` (`entry`: a boxed `[u8]` of exactly `size` bytes), so the
+    // Vec takes it back whole.
     unsafe {
         match proxy_get_header_map_pairs(map, &mut data, &mut size) {
-            // The raw status, not the SDK's enum: a value outside it would be undefined.
+            // The raw status, not the enum: a value outside it would be undefined.
             status if status == Status::Ok as u32 && !data.is_null() => Vec::from_raw_parts(data, size, size),
             _ => Vec::new(),
         }
@@ -240,12 +243,11 @@ extern "C" {
     ) -> u32;
 }
 
-/// Sends a local reply whose headers are serialized already (see `core::wire::pairs`). The SDK's
-/// sender copies the headers into a map of its own first, and panics on a status it does
-/// not expect.
+/// Sends a local reply whose headers are serialized already (see `core::wire::pairs`);
+/// `false` on any status but Ok.
 fn send_serialized(status: u16, headers: &[u8], body: &[u8]) -> bool {
     // SAFETY: every pointer and length describes a live slice for the whole call; the host
-    // copies what it keeps. No gRPC status (-1), as the SDK sends.
+    // copies what it keeps. No gRPC status (-1).
     let sent = unsafe {
         proxy_send_local_response(
             u32::from(status),

@@ -26,8 +26,7 @@ use crate::core::store::CasStore;
 use crate::core::stream::Reassembler;
 use crate::core::upstream::{self, Outbound};
 use crate::core::wire::pairs;
-use proxy_wasm::traits::{Context, HttpContext};
-use proxy_wasm::types::{Action, BufferType, LogLevel, MapType};
+use crate::proxy::types::{Action, BufferType, LogLevel, MapType};
 use std::rc::Rc;
 
 pub struct Chat {
@@ -347,8 +346,10 @@ fn set_response_header(name: &str, value: Option<&str>) {
     let _ = hostcalls::set_map_value(MapType::HttpResponseHeaders, name, value);
 }
 
-impl Context for Chat {
-    fn on_done(&mut self) -> bool {
+/// Envoy's callbacks for the stream.
+impl Chat {
+    /// The stream is done: it is never answered after this.
+    pub fn on_done(&mut self) {
         self.stopwatch.stop(host::now_ms);
         // A stream that had not ended broke off (client gone, upstream reset).
         self.end_stream(false);
@@ -358,12 +359,9 @@ impl Context for Chat {
             w.stream_ended(self.id, StreamEnd { attempts: host::upstream_attempts(), ..StreamEnd::broken() });
         }
         w.forget(self.id);
-        true
     }
-}
 
-impl HttpContext for Chat {
-    fn on_http_request_headers(&mut self, _num_headers: usize, end_of_stream: bool) -> Action {
+    pub fn on_http_request_headers(&mut self, _num_headers: usize, end_of_stream: bool) -> Action {
         let config = self.worker.borrow().config.clone();
         let raw = host::header_map(MapType::HttpRequestHeaders);
         self.head = Head::read(pairs::parse(&raw).unwrap_or_default(), config.cache.tenant_header.as_deref());
@@ -440,7 +438,7 @@ impl HttpContext for Chat {
         Action::Pause
     }
 
-    fn on_http_request_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
+    pub fn on_http_request_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
         let _clock = host::pin_clock();
         if let Some(action) = self.body_arrives() {
             return action;
@@ -458,7 +456,7 @@ impl HttpContext for Chat {
 
     /// Trailers end a body whose last data did not (HTTP/2, chunked with trailers): the
     /// body is complete now, and is handled like any other, never released unread.
-    fn on_http_request_trailers(&mut self, _num_trailers: usize) -> Action {
+    pub fn on_http_request_trailers(&mut self, _num_trailers: usize) -> Action {
         if let Some(action) = self.body_arrives() {
             return action;
         }
@@ -468,7 +466,7 @@ impl HttpContext for Chat {
 
     /// Only a forwarded stream's own answer is teed; the filter's local replies (which
     /// Envoy also runs through here) pass untouched.
-    fn on_http_response_headers(&mut self, _num_headers: usize, end_of_stream: bool) -> Action {
+    pub fn on_http_response_headers(&mut self, _num_headers: usize, end_of_stream: bool) -> Action {
         if matches!(self.state, State::Passed) {
             return self.passed_answer();
         }
@@ -540,7 +538,7 @@ impl HttpContext for Chat {
         Action::Continue
     }
 
-    fn on_http_response_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
+    pub fn on_http_response_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
         if body_size > 0 {
             self.stopwatch.chunk(host::now_ms);
         }

@@ -7,7 +7,7 @@ use super::host::{self, SharedData};
 use crate::core::api::headers;
 use crate::core::config::Config;
 use crate::core::store::claim;
-use proxy_wasm::types::{LogLevel, MapType};
+use crate::proxy::types::{LogLevel, MapType};
 use std::time::Duration;
 
 /// Shared-data key claimed by the one VM per Envoy process that checks the API key.
@@ -85,5 +85,5 @@ pub fn send(config: &Config, bearer: &str) -> Option<u32> {
         (headers::AUTHORIZATION, bearer),
     ];
     let timeout = Duration::from_millis(config.upstream.timeout_ms);
-    hostcalls::dispatch_http_call(&config.upstream.cluster, headers, None, vec![], timeout).ok()
+    hostcalls::dispatch_http_call(&config.upstream.cluster, headers, None, timeout).ok()
 }

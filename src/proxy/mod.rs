@@ -4,6 +4,7 @@ mod abi;
 mod body_watch;
 mod budget_store;
 mod counters;
+mod entry;
 mod fleet;
 mod host;
 mod http;
@@ -12,10 +13,6 @@ mod key_check;
 mod root;
 mod runs;
 mod tee;
+mod types;
 mod wake;
 mod worker;
-
-proxy_wasm::main! {{
-    proxy_wasm::set_log_level(proxy_wasm::types::LogLevel::Info);
-    proxy_wasm::set_root_context(|_| Box::new(root::Root::new()));
-}}

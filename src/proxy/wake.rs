@@ -6,7 +6,7 @@ use super::abi as hostcalls;
 use super::host::{self, SharedData};
 use crate::core::coalesce::wake;
 use crate::core::request::Key;
-use proxy_wasm::types::LogLevel;
+use crate::proxy::types::LogLevel;
 
 /// Message: dispatch the pending calls from the root context.
 pub const DISPATCH: &[u8] = b"dispatch";

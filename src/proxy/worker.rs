@@ -12,7 +12,7 @@ use super::host::{self, Nonces, SharedData};
 use super::ids::{IdMap, IdSet};
 use super::key_check::KeyCheck;
 use super::runs::{Hop, Run, Runs, StreamEnd};
-use super::wake::{WakeQueue, DISPATCH, ENDED};
+use super::wake::{WakeQueue, ENDED};
 use crate::core::api::error::ApiError;
 use crate::core::api::headers;
 use crate::core::api::response::Response;
@@ -32,7 +32,7 @@ use crate::core::store::CasStore;
 use crate::core::stream;
 use crate::core::upstream::{self, Outbound, Sent};
 use crate::core::wire::codec;
-use proxy_wasm::types::{BufferType, LogLevel, MapType};
+use crate::proxy::types::{BufferType, LogLevel, MapType};
 use std::cell::RefCell;
 use std::collections::hash_map::RandomState;
 use std::hash::BuildHasher;
@@ -75,8 +75,7 @@ pub struct Worker {
     pub finishing: Vec<Finished>,
     /// Http contexts that may still be answered: created, not done, and not answered by
     /// the root on its own. (Envoy still resolves a reset stream's id until its deferred
-    /// delete, and a reply sent there reaches the SDK for a context it already deleted: a
-    /// panic.)
+    /// delete, and a reply sent there would reach a context the plugin already forgot.)
     pub live: IdSet,
     pub body_watch: BodyWatch,
     /// Local replies the current root-context VM call may still send (see REPLY_BATCH).
@@ -202,13 +201,10 @@ impl Worker {
         self.nonces.next()
     }
 
-    /// Hands a call to the root context, which dispatches it on its next queue event (or
-    /// tick, before the worker's queue exists); the client's reply comes from there.
+    /// Hands a call to the root context, which dispatches it once the stream's callback
+    /// is done (`Root::dispatch_handed`); the client's reply comes from there.
     pub fn defer_call(&mut self, context_id: u32, call: Call, outbound: Rc<Outbound>) {
         self.runs.pending.push((context_id, call, outbound));
-        if self.runs.pending.len() == 1 {
-            self.queue.continue_later(DISPATCH);
-        }
     }
 
     pub fn wait(&mut self, context_id: u32, wait: Wait, outbound: Rc<Outbound>) {

@@ -133,6 +133,47 @@ fn a_repeated_request_is_answered_with_five_host_calls() {
     assert_eq!(calls.load(Ordering::SeqCst), 1);
 }
 
+/// A MISS leaves from the request's own VM call: the callout is made in the body callback
+/// that handed it to the worker's root context, with no hop through the worker's queue.
+#[test]
+fn a_miss_is_dispatched_from_its_own_request_callback() {
+    let calls = Arc::new(AtomicU64::new(0));
+    let mut w = world(plugin(), "{}", 1, upstream(0, 200, calls.clone()));
+    let ask = |w: &mut World, text: &str| {
+        let body = prompt(text);
+        let id = w.request(0, "POST", PATH, &[("authorization", "Bearer t")], body.as_bytes());
+        assert!(w.run_until(1_000, |w| w.answer(id).is_some()));
+        w.answer(id).map(|a| a.cache().to_owned()).unwrap_or_default()
+    };
+    assert_eq!(ask(&mut w, "a first prompt"), "MISS");
+    let before = w.shared().host_calls.clone();
+    assert_eq!(ask(&mut w, "another prompt"), "MISS");
+    let made: std::collections::BTreeMap<&str, u64> = w
+        .shared()
+        .host_calls
+        .iter()
+        .map(|(name, n)| (*name, n - before.get(name).copied().unwrap_or(0)))
+        .filter(|(_, n)| *n > 0)
+        .collect();
+    // No `proxy_enqueue_shared_queue` / `proxy_dequeue_shared_queue`: no hop. The clock is
+    // read once in the request's VM call (its dispatch included) and once for the answer;
+    // the answer's VM call names the request once, to reply.
+    let expected = [
+        ("proxy_get_buffer_bytes", 2),
+        ("proxy_get_current_time_nanoseconds", 2),
+        ("proxy_get_header_map_pairs", 2),
+        ("proxy_get_shared_data", 3),
+        ("proxy_http_call", 1),
+        ("proxy_increment_metric", 4),
+        ("proxy_record_metric", 3),
+        ("proxy_send_local_response", 1),
+        ("proxy_set_effective_context", 1),
+        ("proxy_set_shared_data", 4),
+    ];
+    assert_eq!(made, expected.into_iter().collect(), "host calls of one MISS");
+    assert_eq!(calls.load(Ordering::SeqCst), 2);
+}
+
 #[test]
 fn waiters_on_other_workers_are_woken_when_the_flight_ends_not_by_the_next_tick() {
     // A 4 s lease: the safety-net tick comes every 500 ms; the answer takes 200 ms.
@@ -592,13 +633,13 @@ fn max_age_and_ttl_follow_the_clock() {
     assert_eq!(calls.load(Ordering::SeqCst), 3);
 }
 
-/// Host calls that fail with a status the proxy-wasm SDK's wrappers do not expect (they
-/// `panic!`, which kills the VM): the plugin takes every one as an error, whether they fail
-/// from the VM's start or in the middle of its flights. Only the call the SDK's own
-/// dispatcher makes around every callback (`proxy_set_effective_context`) keeps working.
+/// Host calls that fail with a status the proxy-wasm Rust SDK's wrappers do not expect
+/// (they `panic!`, which kills the VM): the plugin takes every one as an error, whether they
+/// fail from the VM's start or in the middle of its flights.
 #[test]
 fn host_calls_failing_with_unexpected_statuses_never_trap_the_vm() {
-    const FAILING: [&str; 20] = [
+    const FAILING: [&str; 21] = [
+        "proxy_set_effective_context",
         "proxy_get_buffer_bytes",
         "proxy_set_buffer_bytes",
         "proxy_get_header_map_value",

@@ -18,9 +18,9 @@ use crate::proxy::abi as hostcalls;
 use crate::proxy::fleet;
 use crate::proxy::host::{self, SharedData};
 use crate::proxy::runs::{Probing, Run, StreamEnd};
+use crate::proxy::types::{BufferType, LogLevel, MapType};
 use crate::proxy::wake::DISPATCH;
 use crate::proxy::worker::Target;
-use proxy_wasm::types::{BufferType, LogLevel, MapType};
 use std::time::Duration;
 
 /// Tick period while a flight sleeps (backoff, or held for its bucket).
@@ -121,9 +121,9 @@ impl Root {
         ];
         headers.extend(out.headers(bearer.as_deref()));
         let timeout = Duration::from_millis(timeout_ms.max(1));
-        match hostcalls::dispatch_http_call(&config.upstream.cluster, headers, Some(&body), vec![], timeout) {
+        match hostcalls::dispatch_http_call(&config.upstream.cluster, headers, Some(&body), timeout) {
             // No debug line per callout: proxy_log crosses into Envoy even when it drops
-            // the line (the SDK's log-level getter panics on surprises, so it is not asked).
+            // the line.
             Ok(token) => Some(token),
             Err(status) => {
                 let cluster = &config.upstream.cluster;

@@ -18,8 +18,7 @@ use crate::core::api::objects::ObjectKey;
 use crate::core::cache::hot::{self, Hot};
 use crate::core::config::{Config, Role};
 use crate::core::upstream;
-use proxy_wasm::traits::{Context, HttpContext, RootContext};
-use proxy_wasm::types::{BufferType, ContextType, LogLevel};
+use crate::proxy::types::{BufferType, LogLevel};
 use std::cell::RefCell;
 use std::rc::Rc;
 use std::time::Duration;
@@ -61,10 +60,9 @@ impl Root {
         self.worker.borrow_mut().replies_left = REPLY_BATCH;
         host::pin_clock()
     }
-}
 
-impl Context for Root {
-    fn on_http_call_response(&mut self, token: u32, num_headers: usize, body_size: usize, _trailers: usize) {
+    /// A callout's answer (every callout is the root context's).
+    pub fn on_http_call_response(&mut self, token: u32, num_headers: usize, body_size: usize, _trailers: usize) {
         let _clock = self.begin_call();
         {
             let w = &mut *self.worker.borrow_mut();
@@ -88,10 +86,9 @@ impl Context for Root {
             self.advance(run, action);
         }
     }
-}
 
-impl RootContext for Root {
-    fn on_configure(&mut self, _size: usize) -> bool {
+    /// The plugin's configuration (again on each reload); `false` refuses it.
+    pub fn on_configure(&mut self, _size: usize) -> bool {
         let raw = host::buffer(BufferType::PluginConfiguration, usize::MAX);
         let mut config = match Config::parse(&raw) {
             Ok(c) => c,
@@ -168,7 +165,7 @@ impl RootContext for Root {
         true
     }
 
-    fn on_tick(&mut self) {
+    pub fn on_tick(&mut self) {
         let _clock = self.begin_call();
         self.worker.borrow_mut().answer_stalled();
         self.worker.borrow_mut().queue.register();
@@ -193,19 +190,26 @@ impl RootContext for Root {
     /// Every enqueue brings one call here, so one message per call empties the queue (a
     /// second dequeue would only find it empty). A message whose work outlasts this call's
     /// replies continues through the queue; whatever a message asks for, the tick also does.
-    fn on_queue_ready(&mut self, queue_id: u32) {
+    pub fn on_queue_ready(&mut self, queue_id: u32) {
         let _clock = self.begin_call();
         if let Ok(Some(message)) = hostcalls::dequeue_shared_queue(queue_id) {
             self.on_message(&message);
         }
     }
 
-    fn create_http_context(&self, context_id: u32) -> Option<Box<dyn HttpContext>> {
-        self.worker.borrow_mut().live.insert(context_id);
-        Some(Box::new(Chat::new(context_id, self.worker.clone())))
+    /// Dispatches the calls a stream handed over, right after the request callback in which
+    /// it did (the same VM call: a fresh batch of local replies, the clock as pinned).
+    pub fn dispatch_handed(&mut self) {
+        if self.worker.borrow().runs.pending.is_empty() {
+            return;
+        }
+        self.worker.borrow_mut().replies_left = REPLY_BATCH;
+        self.dispatch_pending();
     }
 
-    fn get_type(&self) -> Option<ContextType> {
-        Some(ContextType::HttpContext)
+    /// The http context `context_id`, a stream of this worker.
+    pub fn new_stream(&self, context_id: u32) -> Chat {
+        self.worker.borrow_mut().live.insert(context_id);
+        Chat::new(context_id, self.worker.clone())
     }
 }

@@ -9,7 +9,7 @@ use crate::core::upstream::Outbound;
 use crate::proxy::abi as hostcalls;
 use crate::proxy::host;
 use crate::proxy::runs::Run;
-use proxy_wasm::types::{BufferType, MapType};
+use crate::proxy::types::{BufferType, MapType};
 use std::rc::Rc;
 
 /// How a stream leader's request went on along its route.

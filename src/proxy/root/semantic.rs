@@ -12,8 +12,8 @@ use crate::core::upstream::USER_AGENT;
 use crate::proxy::abi as hostcalls;
 use crate::proxy::host::{self, SharedData};
 use crate::proxy::runs::Probing;
+use crate::proxy::types::{BufferType, LogLevel, MapType};
 use crate::proxy::worker::Target;
-use proxy_wasm::types::{BufferType, LogLevel, MapType};
 use std::time::Duration;
 
 /// The most bytes of an embedding answer read (3 072 floats as JSON are about 60 KB).
@@ -46,7 +46,7 @@ impl Root {
             (headers::AUTHORIZATION, bearer.as_str()),
         ];
         let timeout = Duration::from_millis(config.semantic.timeout_ms);
-        match hostcalls::dispatch_http_call(&config.upstream.cluster, headers, Some(&body), vec![], timeout) {
+        match hostcalls::dispatch_http_call(&config.upstream.cluster, headers, Some(&body), timeout) {
             Ok(token) => {
                 self.worker.borrow_mut().runs.probing.insert(token, probing);
             }

@@ -62,10 +62,8 @@ fn request(id: u32, f: impl FnOnce(&mut Chat) -> Action) -> u32 {
         let _clock = host::pin_clock();
         let (root_id, chat) = c.streams.get_mut(&id)?;
         let (root_id, action) = (*root_id, f(chat));
-        if let Some(root) = c.root(root_id) {
-            root.dispatch_handed();
-        }
-        Some(action)
+        let sent = c.root(root_id).is_some_and(|root| root.dispatch_handed(id));
+        Some(if sent { Action::Continue } else { action })
     })
     .unwrap_or(Action::Continue) as u32
 }

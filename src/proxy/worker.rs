@@ -80,6 +80,11 @@ pub struct Worker {
     pub body_watch: BodyWatch,
     /// Local replies the current root-context VM call may still send (see REPLY_BATCH).
     pub replies_left: usize,
+    /// The stream whose request callback is running while the calls it handed over are
+    /// dispatched (`Root::dispatch_handed`), and whether it was sent along its route then:
+    /// it goes on by its callback's own `Continue`, never by a resume from inside that
+    /// callback (Envoy would send its headers before its body has been buffered).
+    pub handing: Option<(u32, bool)>,
     /// HIT answers by the requests' raw bytes.
     pub hot: Hot<HotAnswer>,
     /// Requests parsed before, by their raw bytes: a HIT and a request that waits for a
@@ -183,6 +188,7 @@ impl Worker {
             live: Default::default(),
             body_watch: BodyWatch::default(),
             replies_left: REPLY_BATCH,
+            handing: None,
             hot: Hot::new(0),
             parsed: Hot::new(0),
             seed: Seed::new(RandomState::new().hash_one(())),

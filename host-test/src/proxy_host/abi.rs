@@ -359,6 +359,16 @@ pub fn add_to_linker(linker: &mut Linker<VmState>, module: &Module) -> wasmtime:
         if kind != 0 || !c.data().streams.contains_key(&context_id) || c.data().deleted.contains(&context_id) {
             return status::NOT_FOUND;
         }
+        // Envoy carries out a resume after the VM call, still inside the stream's own
+        // request callback when it was made there: the router then gets the headers as the
+        // whole request while the body has not been buffered yet (an HTTP/2 request whose
+        // body ends in one frame reaches the upstream with none). The callback's own
+        // `Continue` is the way.
+        let own = context_id == c.data().active && c.data().export.starts_with("proxy_on_request_");
+        if own {
+            let misuse = format!("proxy_continue_stream inside context {context_id}'s own {}", c.data().export);
+            c.data().shared().misuses.push(misuse);
+        }
         c.data_mut().outbox.push(Outgoing::Resume { context_id });
         status::OK
     });

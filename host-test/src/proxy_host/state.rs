@@ -70,6 +70,9 @@ pub struct Shared {
     /// Imports that answer `InternalFailure` whatever they are asked (a host whose calls
     /// fail in ways the SDK's wrappers do not expect).
     pub failing_calls: std::collections::BTreeSet<&'static str>,
+    /// Host calls Envoy would carry out wrongly, as the VM made them (the world reports
+    /// each as a trap).
+    pub misuses: Vec<String>,
 }
 
 impl Shared {

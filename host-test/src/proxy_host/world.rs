@@ -406,6 +406,8 @@ impl World {
             if let Err(e) = result {
                 self.traps.push(format!("worker {w}: {e:#}"));
             }
+            let misuses = std::mem::take(&mut self.shared().misuses);
+            self.traps.extend(misuses.into_iter().map(|m| format!("worker {w}: {m}")));
             self.workers[w].vm = Some(vm);
             self.after_call(w);
             if self.workers[w].events.is_empty() {
@@ -576,9 +578,9 @@ async fn call(vm: &mut Vm, name: &str, ctx: u32, args: &[Val]) -> wasmtime::Resu
         state.effective = ctx;
     }
     let mut results = vec![Val::I32(0); func.ty(&vm.store).results().len()];
+    vm.store.data_mut().export.replace_range(.., name);
     let fuel_before = vm.store.get_fuel().ok();
     if let Some(before) = fuel_before {
-        vm.store.data_mut().export = name.to_owned();
         if let Some(trace) = vm.store.data().shared().fuel_trace.as_mut() {
             trace.push((name.to_owned(), "(called)", before));
         }

@@ -80,6 +80,35 @@ fn a_streamed_miss_reaches_the_client_event_by_event_and_is_then_served_in_both_
     assert!(results[2]["usage"].is_null(), "no usage event unless asked");
 }
 
+/// Over HTTP/2 a request's body usually ends in the frame that carries it: the stream is
+/// sent along its route from that very callback, and its rewritten body must go with it.
+#[test]
+fn a_streamed_miss_over_http2_reaches_holysheep_with_its_body() {
+    let s = Stack::start("{}", 0);
+    let body = streamed(&prompt("stream me over h2"));
+    let out = std::process::Command::new("curl")
+        .args(["-sS", "--max-time", "10", "--http2-prior-knowledge", "-i", "--data-binary", "@-"])
+        .args(["-H", "content-type: application/json", "-H", "authorization: Bearer sk-client"])
+        .arg(format!("http://{}{PATH}", s.envoy.edge))
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .and_then(|mut child| {
+            use std::io::Write;
+            child.stdin.take().expect("stdin").write_all(body.as_bytes())?;
+            child.wait_with_output()
+        })
+        .expect("curl");
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.starts_with("HTTP/2 200"), "{text}");
+    assert!(text.contains("x-holysheep-cache: MISS") && text.ends_with("data: [DONE]\n\n"), "{text}");
+    let upstream: Value = serde_json::from_slice(&s.mock.mock.last_body()).expect("the body HolySheep got");
+    assert!(upstream["messages"].to_string().contains("stream me over h2"), "{upstream}");
+    assert_eq!(upstream["stream_options"]["include_usage"], true);
+    assert_eq!(s.calls(), 1);
+    assert_eq!(s.envoy.crashes(), Vec::<String>::new());
+}
+
 #[test]
 fn identical_streams_coalesce_and_mixed_forms_share_one_call() {
     let s = Stack::start("{}", 800);

@@ -197,14 +197,21 @@ impl Root {
         }
     }
 
-    /// Dispatches the calls a stream handed over, right after the request callback in which
-    /// it did (the same VM call: a fresh batch of local replies, the clock as pinned).
-    pub fn dispatch_handed(&mut self) {
+    /// Dispatches the calls stream `id` handed over, right after the request callback in
+    /// which it did (the same VM call: a fresh batch of local replies, the clock as
+    /// pinned). Whether the stream was sent along its route: its callback then lets it go
+    /// on (`Action::Continue`).
+    pub fn dispatch_handed(&mut self, id: u32) -> bool {
         if self.worker.borrow().runs.pending.is_empty() {
-            return;
+            return false;
         }
-        self.worker.borrow_mut().replies_left = REPLY_BATCH;
+        {
+            let mut w = self.worker.borrow_mut();
+            w.replies_left = REPLY_BATCH;
+            w.handing = Some((id, false));
+        }
         self.dispatch_pending();
+        self.worker.borrow_mut().handing.take().is_some_and(|(_, sent)| sent)
     }
 
     /// The http context `context_id`, a stream of this worker.

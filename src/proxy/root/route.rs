@@ -74,12 +74,24 @@ impl Root {
             && gone.into_iter().all(|n| hostcalls::set_map_value(MapType::HttpRequestHeaders, n, None).is_ok())
             && trailers.iter().all(|(n, _)| hostcalls::set_map_value(MapType::HttpRequestTrailers, n, None).is_ok())
             && set.iter().all(|(n, v)| hostcalls::set_map_value(MapType::HttpRequestHeaders, n, Some(v)).is_ok())
-            && hostcalls::resume_http_request().is_ok();
+            && self.resume_request(id);
         if done {
             Forwarded::Sent
         } else {
             Forwarded::Gone
         }
+    }
+
+    /// Lets the paused request of stream `id` go on (the effective context already `id`'s):
+    /// the stream whose request callback is running goes on when the callback returns.
+    fn resume_request(&self, id: u32) -> bool {
+        if let Some((handing, sent)) = &mut self.worker.borrow_mut().handing {
+            if *handing == id {
+                *sent = true;
+                return true;
+            }
+        }
+        hostcalls::resume_http_request().is_ok()
     }
 
     /// A forward node's waiter that came to lead (its flight's hop broke off, or it waited
@@ -88,7 +100,7 @@ impl Root {
         let live = self.worker.borrow().is_live(id) && hostcalls::set_effective_context(id).is_ok();
         if live {
             self.worker.borrow_mut().hop(id, call, outbound);
-            if hostcalls::resume_http_request().is_ok() {
+            if self.resume_request(id) {
                 return;
             }
             let ended = self.worker.borrow_mut().stream_ended_now(id);

@@ -43,7 +43,7 @@ pub(super) const SUMS_FROM: usize = 3;
 /// What taking an entry out gave: the entry (`None`: not listed, or listed and unreadable),
 /// and what entries that could not be read made in the day and the month, known once the
 /// list was read (their amounts left the sums: the spend charges them as settled at their
-/// worst case, as it does a lapsed reservation).
+/// worst case, for good: unlike a lapsed reservation's, no settlement replaces it).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub(super) struct Taken {
     pub(super) entry: Option<Entry>,

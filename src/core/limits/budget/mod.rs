@@ -1332,6 +1332,8 @@ mod tests {
             assert_eq!(spent(&s, "t", DEC_1 + 1), (550, 550), "{backing:?}");
             settle(&s, "t", caps, 3, 0, DEC_1 + 2);
             assert_eq!(spent(&s, "t", DEC_1 + 2), (250, 250), "its worst case stays charged: {backing:?}");
+            // Its settlement finds no entry it can read: its cost is charged beside the worst
+            // case (a lapsed reservation's cost would replace it; this one's is not known).
             settle(&s, "t", caps, 2, 20, DEC_1 + 3);
             assert_eq!(spent(&s, "t", DEC_1 + 3), (270, 270), "{backing:?}");
             let spend = Spend::decode(&s.get(&key("t")).unwrap().value.unwrap()).unwrap();

@@ -30,6 +30,10 @@ pub struct Counters {
     /// Per model label, the ids of its timing histograms, by `Timing` and then endpoint (in
     /// `endpoint::ALL`'s order); none without `log_fields`, which they go with.
     timing_ids: Vec<(String, [[Option<u32>; endpoint::ALL.len()]; Timing::ALL.len()])>,
+    /// Increments of the HITs answered from the worker's copy since the last flush, one sum
+    /// per counter (at most one per counter defined): added to Envoy's counters by the
+    /// worker's root context (`flush`), so that such a HIT makes no metric call.
+    held: Vec<(u32, i64)>,
 }
 
 /// The timing histograms a governed request records into, from when it arrived in full.
@@ -127,7 +131,15 @@ impl Counters {
                 (label.to_owned(), Timing::ALL.map(|t| endpoint::ALL.map(|e| define(t, e))))
             })
             .collect();
-        Counters { ids, last_usage: LastUsage::default(), budget_gauges, class_ids, token_ids, timing_ids }
+        Counters {
+            ids,
+            last_usage: LastUsage::default(),
+            budget_gauges,
+            class_ids,
+            token_ids,
+            timing_ids,
+            held: Vec::new(),
+        }
     }
 
     /// The stopwatch of a request for `model` on `endpoint` that arrived in full at `now_ms`
@@ -190,6 +202,23 @@ impl Counters {
         self.count(increments, tenant);
     }
 
+    /// Holds resolved increments (`ids_for_reply`) until the next `flush`.
+    pub fn hold(&mut self, ids: &[(u32, i64)]) {
+        for &(id, n) in ids {
+            match self.held.iter_mut().find(|(held, _)| *held == id) {
+                Some((_, sum)) => *sum += n,
+                None => self.held.push((id, n)),
+            }
+        }
+    }
+
+    /// Adds the increments held to Envoy's counters, one call per counter.
+    pub fn flush(&mut self) {
+        for (id, n) in self.held.drain(..) {
+            let _ = hostcalls::increment_metric(id, n);
+        }
+    }
+
     /// Counts what a flight (of `tenant`, for an `operation`) did.
     pub fn count_events(&self, config: &Config, events: &[Event], tenant: Option<&str>, operation: &str) {
         if events.is_empty() {
@@ -240,7 +269,7 @@ impl Counters {
 }
 
 /// Adds resolved increments (`Counters::ids_for_reply`) to Envoy's counters.
-pub fn bump(ids: &[(u32, i64)]) {
+fn bump(ids: &[(u32, i64)]) {
     for (id, n) in ids {
         let _ = hostcalls::increment_metric(*id, *n);
     }

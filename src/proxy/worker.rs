@@ -6,7 +6,7 @@
 use super::abi as hostcalls;
 use super::body_watch::{self, BodyWatch};
 use super::budget_store::BudgetStore;
-use super::counters::{self, Counters, Stopwatch};
+use super::counters::{Counters, Stopwatch};
 use super::fleet::Fleet;
 use super::host::{self, Nonces, SharedData};
 use super::ids::{IdMap, IdSet};
@@ -311,7 +311,7 @@ impl Worker {
     /// Sends a kept HIT on the current http context, as `respond` would (a JSON answer
     /// without copying it).
     pub fn respond_hot(&mut self, hit: &HotAnswer, now: u64) {
-        counters::bump(&hit.counters);
+        self.counters.hold(&hit.counters);
         let age_s = now.saturating_sub(hit.stored_at_ms) / 1000;
         let fresh_s = hit.expires_ms.saturating_sub(now) / 1000;
         let (age, fresh, cache) = (Some(age_s), Some(fresh_s), Some(CacheStatus::Hit));

@@ -149,6 +149,8 @@ impl Root {
         }
         w.hot = Hot::new(config.cache.hot_bytes);
         w.parsed = Hot::new(config.cache.hot_bytes.min(hot::PARSED_BYTES));
+        // What the counters held goes to Envoy before they are defined anew.
+        w.counters.flush();
         w.counters = Counters::define(&config);
         if !config.fleet.shared_limits() && config.role == Role::Owner {
             // The gauges start from the budget records as they stand (kept across reloads).
@@ -167,6 +169,8 @@ impl Root {
 
     pub fn on_tick(&mut self) {
         let _clock = self.begin_call();
+        // HITs answered from the worker's copy reach Envoy's counters here.
+        self.worker.borrow_mut().counters.flush();
         self.worker.borrow_mut().answer_stalled();
         self.worker.borrow_mut().queue.register();
         if self.worker.borrow().config.role == Role::Owner {

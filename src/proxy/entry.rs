@@ -176,13 +176,15 @@ pub extern "C" fn proxy_on_response_body(context_id: u32, body_size: usize, end_
     stream(context_id, |s| s.on_http_response_body(body_size, end_of_stream))
 }
 
-/// The stream is done: an http context is never answered after this. (A root context is
-/// done at once.)
+/// The stream is done: an http context is never answered after this. A root context hands
+/// Envoy the counters it held and is done at once.
 #[no_mangle]
 pub extern "C" fn proxy_on_done(context_id: u32) -> u32 {
     with(|c| {
         if let Some((_, s)) = c.streams.get_mut(&context_id) {
             s.on_done();
+        } else if let Some(root) = c.root(context_id) {
+            root.on_done();
         }
         Some(())
     });

@@ -218,6 +218,12 @@ impl Root {
         self.worker.borrow_mut().handing.take().is_some_and(|(_, sent)| sent)
     }
 
+    /// The root context is done (its configuration replaced, or the VM stopping): what its
+    /// counters held goes to Envoy now.
+    pub fn on_done(&mut self) {
+        self.worker.borrow_mut().counters.flush();
+    }
+
     /// The http context `context_id`, a stream of this worker.
     pub fn new_stream(&self, context_id: u32) -> Chat {
         self.worker.borrow_mut().live.insert(context_id);

@@ -356,7 +356,8 @@ pub(crate) fn dispatch_http_call(
     timeout: Duration,
 ) -> Result<u32, Status> {
     let headers = pairs::serialize(headers.iter().map(|(n, v)| (*n, *v)));
-    let trailers = pairs::serialize(std::iter::empty::<(&str, &str)>());
+    // An empty map: its count alone.
+    let trailers = [0u8; 4];
     let body = body.unwrap_or_default();
     let mut token: u32 = 0;
     // SAFETY: every pointer and length describes a live slice for the whole call (the host

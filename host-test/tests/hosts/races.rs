@@ -98,6 +98,16 @@ fn identical_requests_over_workers_make_one_callout_for_every_seed() {
     }
 }
 
+/// The host calls made since `before` (a copy of the counts), by name; those not made left out.
+fn host_calls_since(
+    w: &World,
+    before: &std::collections::BTreeMap<&'static str, u64>,
+) -> std::collections::BTreeMap<&'static str, u64> {
+    let shared = w.shared();
+    let made = shared.host_calls.iter().map(|(name, n)| (*name, n - before.get(name).copied().unwrap_or(0)));
+    made.filter(|(_, n)| *n > 0).collect()
+}
+
 /// Every host call is a crossing into Envoy (about 3 µs of its CPU each in `make profile`):
 /// a repeated request is answered with the four a HIT needs (request headers, body, clock,
 /// the reply), not more. Its counters reach Envoy on the worker's next tick, summed.
@@ -118,13 +128,7 @@ fn a_repeated_request_is_answered_with_four_host_calls() {
     assert!(w.run_until(1_000, |w| hits(w) == 1), "the first HIT counted: {}", hits(&w));
     let before = w.shared().host_calls.clone();
     assert_eq!(ask(&mut w), "HIT", "from the worker's copy");
-    let made: std::collections::BTreeMap<&str, u64> = w
-        .shared()
-        .host_calls
-        .iter()
-        .map(|(name, n)| (*name, n - before.get(name).copied().unwrap_or(0)))
-        .filter(|(_, n)| *n > 0)
-        .collect();
+    let made = host_calls_since(&w, &before);
     let expected = [
         ("proxy_get_buffer_bytes", 1),
         ("proxy_get_current_time_nanoseconds", 1),
@@ -152,13 +156,7 @@ fn a_miss_is_dispatched_from_its_own_request_callback() {
     assert_eq!(ask(&mut w, "a first prompt"), "MISS");
     let before = w.shared().host_calls.clone();
     assert_eq!(ask(&mut w, "another prompt"), "MISS");
-    let made: std::collections::BTreeMap<&str, u64> = w
-        .shared()
-        .host_calls
-        .iter()
-        .map(|(name, n)| (*name, n - before.get(name).copied().unwrap_or(0)))
-        .filter(|(_, n)| *n > 0)
-        .collect();
+    let made = host_calls_since(&w, &before);
     // No `proxy_enqueue_shared_queue` / `proxy_dequeue_shared_queue`: no hop. The clock is
     // read once in the request's VM call (its dispatch included) and once for the answer;
     // the answer's VM call names the request once, to reply.

@@ -281,14 +281,12 @@ impl Held {
         if let Some(e) = entry {
             self.add(e, false);
         }
-        let unread = match () {
-            _ if self.unchecked && (self.count < SUMS_FROM || self.text.is_empty()) => self.reread().1,
-            _ if self.text.is_empty() => {
-                *self = Held::new(self.day, self.month);
-                (0, 0)
-            }
-            _ => (0, 0),
-        };
+        let mut unread = (0, 0);
+        if self.unchecked && (self.count < SUMS_FROM || self.text.is_empty()) {
+            unread = self.reread().1;
+        } else if self.text.is_empty() {
+            *self = Held::new(self.day, self.month);
+        }
         Taken { entry, unread }
     }
 

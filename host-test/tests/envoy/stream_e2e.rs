@@ -109,6 +109,67 @@ fn a_streamed_miss_over_http2_reaches_holysheep_with_its_body() {
     assert_eq!(s.envoy.crashes(), Vec::<String>::new());
 }
 
+/// One request over HTTP/2 whose body ends with trailers (its last data frame does not end
+/// the stream): the status, the `x-holysheep-cache` label and the body the client got.
+fn h2_with_trailers(addr: SocketAddr, body: Vec<u8>) -> (u16, String, String) {
+    use http_body_util::{channel::Channel, BodyExt};
+    use hyper::body::Bytes;
+    use hyper_util::rt::{TokioExecutor, TokioIo};
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("a runtime");
+    rt.block_on(async move {
+        let tcp = tokio::net::TcpStream::connect(addr).await.expect("connect");
+        let (mut sender, conn) =
+            hyper::client::conn::http2::handshake(TokioExecutor::new(), TokioIo::new(tcp)).await.expect("HTTP/2");
+        tokio::spawn(conn);
+        let (mut tx, rx) = Channel::<Bytes, std::convert::Infallible>::new(2);
+        let request = hyper::Request::post(format!("http://{addr}{PATH}"))
+            .header("content-type", "application/json")
+            .header("authorization", "Bearer sk-client")
+            .body(rx)
+            .expect("a request");
+        let answer = tokio::spawn(sender.send_request(request));
+        tx.send_data(Bytes::from(body)).await.expect("the body sent");
+        let mut trailers = hyper::HeaderMap::new();
+        trailers.insert("x-checksum", hyper::header::HeaderValue::from_static("sent"));
+        tx.send_trailers(trailers).await.expect("the trailers sent");
+        drop(tx);
+        let answer = tokio::time::timeout(Duration::from_secs(10), answer).await;
+        let response = answer.expect("answered within 10 s").expect("the task").expect("a response");
+        let status = response.status().as_u16();
+        let cache = response.headers().get("x-holysheep-cache").and_then(|v| v.to_str().ok()).unwrap_or("");
+        let cache = cache.to_owned();
+        let whole = tokio::time::timeout(Duration::from_secs(10), response.into_body().collect()).await;
+        let text = whole.expect("the whole body within 10 s").expect("a body").to_bytes();
+        (status, cache, String::from_utf8_lossy(&text).into_owned())
+    })
+}
+
+/// Trailers end a body whose last data frame did not: the request is handled when they
+/// arrive, and the stream it is sent along carries the rewritten body.
+#[test]
+fn a_streamed_miss_whose_body_ends_with_trailers_reaches_holysheep_with_its_body() {
+    let s = Stack::start("{}", 0);
+    let body = streamed(&prompt("stream me, then trailers"));
+    let (status, cache, text) = h2_with_trailers(s.envoy.edge, body.into_bytes());
+    assert_eq!((status, cache.as_str()), (200, "MISS"), "{text}");
+    assert!(text.ends_with("data: [DONE]\n\n"), "{text}");
+    let upstream: Value = serde_json::from_slice(&s.mock.mock.last_body()).expect("the body HolySheep got");
+    assert!(upstream["messages"].to_string().contains("stream me, then trailers"), "{upstream}");
+    assert_eq!(upstream["stream_options"]["include_usage"], true, "the edge's rewrite went upstream");
+    assert_eq!(s.calls(), 1);
+    // The same request without a stream, ended by trailers too: answered from the cache
+    // the stream filled.
+    let plain = prompt("stream me, then trailers");
+    let (status, cache, text) = h2_with_trailers(s.envoy.edge, plain.into_bytes());
+    assert_eq!((status, cache.as_str()), (200, "HIT"), "{text}");
+    assert!(
+        serde_json::from_str::<Value>(&text).is_ok_and(|v| v["usage"]["total_tokens"].as_u64() > Some(0)),
+        "{text}"
+    );
+    assert_eq!(s.calls(), 1);
+    assert_eq!(s.envoy.crashes(), Vec::<String>::new());
+}
+
 #[test]
 fn identical_streams_coalesce_and_mixed_forms_share_one_call() {
     let s = Stack::start("{}", 800);

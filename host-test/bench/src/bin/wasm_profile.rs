@@ -13,8 +13,8 @@
 //! `CARGO_PROFILE_RELEASE_STRIP=false` into target/profile/ and keeps them through wasm-opt),
 //! the floors' directory and, optionally, another build of the plugin to compare (a HIT row
 //! and a MISS row: fuel and host calls).
-//! PROFILE_REQUESTS: requests per row (default 20000); PROFILE_ONLY: only the rows whose
-//! name contains it; TRACE_CROWD=1 also traces one batch of the crowd row (every request of
+//! PROFILE_REQUESTS: requests per row (default 20000); PROFILE_TOP: functions listed per
+//! row (default 12); PROFILE_ONLY: only the rows whose name contains it; TRACE_CROWD=1 also traces one batch of the crowd row (every request of
 //! it, interleaved). Writes target/bench/profile.md.
 
 use holysheep_bench::profile::{self, Samples, SAMPLE_US};
@@ -192,10 +192,11 @@ fn report(rows: &[Measured]) -> String {
             by_name.join(", ")
         );
     }
+    let top = std::env::var("PROFILE_TOP").ok().and_then(|v| v.parse().ok()).unwrap_or(12);
     for m in rows {
         let wasm = m.samples.split.wasm.max(1) as f64;
         let _ = write!(md, "\n{}: the wasm functions with the most samples (share of its wasm time)\n\n", m.name);
-        for (f, c) in m.samples.wasm_functions.iter().take(12) {
+        for (f, c) in m.samples.wasm_functions.iter().take(top) {
             let _ = writeln!(md, "- {:.1} % `{}`", 100.0 * *c as f64 / wasm, short(f));
         }
     }

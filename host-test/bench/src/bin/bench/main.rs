@@ -30,7 +30,7 @@
 //! BENCH_ROUNDS (default 5: floor and plugin rows alternate; a row's median round is its
 //! line, and a ratio of two alternating rows is the median of their rounds' ratios),
 //! BENCH_ONLY=<family> (only that family's rows, into target/bench/<family>/: priority,
-//! budget, tenants, endpoints, semantic, scan, fleet, crowd, start (the plugin's VM start: Envoy
+//! budget, tenants, endpoints, semantic, scan, fleet, crowd, miss (the MISS against its floors), start (the plugin's VM start: Envoy
 //! started with it and with the local-reply floor, alternating), and baseline: the HIT and
 //! the MISS against another build of the plugin named by HOLYSHEEP_BASELINE_WASM, in its
 //! own Envoy),
@@ -70,7 +70,7 @@ fn main() -> std::io::Result<()> {
     let crowd = env_or("BENCH_CROWD", 1000) as usize;
     let rounds = env_or("BENCH_ROUNDS", 5) as usize;
     let only = std::env::var("BENCH_ONLY").ok();
-    if let Some(family) = only.as_deref().filter(|f| *f != "crowd") {
+    if let Some(family) = only.as_deref().filter(|f| !["crowd", "miss"].contains(f)) {
         let mut r = Report::default();
         let mock = Running::start(None, 0)?;
         match family {
@@ -98,6 +98,12 @@ fn main() -> std::io::Result<()> {
     let mock = Running::start(None, 0)?;
     let hit_prompt = prompt("benchmark prompt");
     let stage = Stage::start(&mock, crowd, &hit_prompt)?;
+    if only.as_deref() == Some("miss") {
+        let mut r = Report::default();
+        let pid = (env_or("BENCH_PROFILE", 0) == 1).then(|| stage.envoy.pid());
+        rows::edge::miss_rows(&mut r, &stage, (rounds, Load { conns, secs, pid }));
+        return r.write(&workspace_root().join("target/bench/miss"));
+    }
     if only.is_some() {
         let mut r = Report::default();
         rows::crowd::crowd_rows(&mut r, &stage, &mock, (crowd, &hit_prompt));

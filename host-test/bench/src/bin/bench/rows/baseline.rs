@@ -26,8 +26,9 @@ pub fn baseline_rows(
         ));
     };
     let mock = Running::start(None, 0)?;
-    let this = Envoy::start(&Options::new("{}", mock.addr))?;
-    let mut opts = Options::new("{}", mock.addr);
+    let config = std::env::var("BENCH_BASELINE_CONFIG").unwrap_or_else(|_| "{}".to_owned());
+    let this = Envoy::start(&Options::new(&config, mock.addr))?;
+    let mut opts = Options::new(&config, mock.addr);
     opts.wasm_code = Some(format!("code: {{local: {{filename: \"{}\"}}}}", baseline.to_string_lossy()));
     let before = Envoy::start(&opts)?;
     for e in [&this, &before] {

@@ -101,6 +101,12 @@ enum Event {
         queue: u32,
     },
     Tick,
+    /// A new configuration, as Envoy applies a changed filter configuration to a running
+    /// VM: a new root context `root` made and configured, then the old one done and deleted.
+    Reload {
+        root: u32,
+        config: String,
+    },
 }
 
 struct Vm {
@@ -379,6 +385,17 @@ impl World {
         }
     }
 
+    /// Applies `config` to every live worker's VM as Envoy does a changed configuration:
+    /// a new root context configured, then the old one's `proxy_on_done` and
+    /// `proxy_on_delete`. Runs when the worker's earlier events have.
+    pub fn reload(&mut self, config: &str) {
+        for w in self.workers.iter_mut().filter(|w| w.alive) {
+            let root = w.next_ctx;
+            w.next_ctx += 1;
+            w.events.push_back(Event::Reload { root, config: config.to_owned() });
+        }
+    }
+
     /// Delivers a callout answer that the upstream function deferred (`serve`).
     pub fn callout_done(&mut self, worker: usize, token: u32, response: Option<(Headers, Vec<u8>)>) {
         let Some(w) = self.workers.get_mut(worker).filter(|w| w.alive) else { return };
@@ -598,8 +615,8 @@ async fn call(vm: &mut Vm, name: &str, ctx: u32, args: &[Val]) -> wasmtime::Resu
 
 fn state_reset(vm: &mut Vm) {
     let state = vm.store.data_mut();
-    state.active = ROOT;
-    state.effective = ROOT;
+    state.active = state.root_id;
+    state.effective = state.root_id;
 }
 
 fn replied(vm: &Vm, ctx: u32) -> bool {
@@ -657,7 +674,8 @@ async fn deliver(vm: &mut Vm, event: Event) -> wasmtime::Result<()> {
                 .data_mut()
                 .streams
                 .insert(ctx, Stream { request_headers: headers, request_body: body.clone(), ..Stream::default() });
-            call(vm, "proxy_on_context_create", ctx, &[i(ctx), i(ROOT)]).await?;
+            let root = vm.store.data().root_id;
+            call(vm, "proxy_on_context_create", ctx, &[i(ctx), i(root)]).await?;
             let mut action = call(vm, "proxy_on_request_headers", ctx, &[i(ctx), i(n), i(u32::from(end))]).await?;
             if let Some(stream) = vm.store.data_mut().streams.get_mut(&ctx) {
                 stream.body_received = body.len() as u64;
@@ -688,7 +706,8 @@ async fn deliver(vm: &mut Vm, event: Event) -> wasmtime::Result<()> {
             let (nh, nb) = response.as_ref().map_or((0, 0), |(h, b)| (h.len() as u32, b.len() as u32));
             vm.store.data_mut().callout_response = response;
             // Callouts belong to the root context: Envoy names the root here.
-            call(vm, "proxy_on_http_call_response", ROOT, &[i(ROOT), i(token), i(nh), i(nb), i(0)]).await?;
+            let root = vm.store.data().root_id;
+            call(vm, "proxy_on_http_call_response", root, &[i(root), i(token), i(nh), i(nb), i(0)]).await?;
             vm.store.data_mut().callout_response = None;
         }
         Event::Passthrough { ctx, response } => {
@@ -719,10 +738,23 @@ async fn deliver(vm: &mut Vm, event: Event) -> wasmtime::Result<()> {
             vm.store.data_mut().outbox.push(Outgoing::Reply(reply));
         }
         Event::QueueReady { queue } => {
-            call(vm, "proxy_on_queue_ready", ROOT, &[i(ROOT), i(queue)]).await?;
+            let root = vm.store.data().root_id;
+            call(vm, "proxy_on_queue_ready", root, &[i(root), i(queue)]).await?;
         }
         Event::Tick => {
-            call(vm, "proxy_on_tick", ROOT, &[i(ROOT)]).await?;
+            let root = vm.store.data().root_id;
+            call(vm, "proxy_on_tick", root, &[i(root)]).await?;
+        }
+        Event::Reload { root, config } => {
+            let (old, size) = (vm.store.data().root_id, config.len() as u32);
+            vm.store.data_mut().plugin_config = config.into_bytes();
+            call(vm, "proxy_on_context_create", root, &[i(root), i(0)]).await?;
+            if call(vm, "proxy_on_configure", root, &[i(root), i(size)]).await? != Some(1) {
+                return Err(wasmtime::Error::msg("the plugin refused the new configuration"));
+            }
+            vm.store.data_mut().root_id = root;
+            call(vm, "proxy_on_done", old, &[i(old)]).await?;
+            call(vm, "proxy_on_delete", old, &[i(old)]).await?;
         }
     }
     send_local_replies(vm).await

@@ -141,6 +141,33 @@ fn a_repeated_request_is_answered_with_four_host_calls() {
     assert_eq!(calls.load(Ordering::SeqCst), 1);
 }
 
+/// A reload replaces each worker's root context: the HIT counts the old one held for its
+/// tick reach Envoy as it is done, not lost with it.
+#[test]
+fn a_reload_hands_envoy_the_counts_the_old_root_context_held() {
+    let calls = Arc::new(AtomicU64::new(0));
+    let mut w = world(plugin(), "{}", 1, upstream(0, 200, calls.clone()));
+    let body = prompt("counted across a reload");
+    let ask = |w: &mut World| {
+        let id = w.request(0, "POST", PATH, &[("authorization", "Bearer t")], body.as_bytes());
+        assert!(w.run_until(1_000, |w| w.answer(id).is_some()));
+        w.answer(id).map(|a| a.cache().to_owned()).unwrap_or_default()
+    };
+    const HITS: &str = "wasmcustom.holysheep.other.requests_hit";
+    let hits = |w: &World| w.shared().metrics.get(HITS).copied().unwrap_or(0);
+    assert_eq!(ask(&mut w), "MISS");
+    assert_eq!(ask(&mut w), "HIT");
+    assert!(w.run_until(1_000, |w| hits(w) == 1), "the first HIT counted: {}", hits(&w));
+    assert_eq!((ask(&mut w), ask(&mut w)), ("HIT".to_owned(), "HIT".to_owned()), "from the worker's copy");
+    assert_eq!(hits(&w), 1, "two HITs held for the tick");
+    w.reload("{}");
+    w.settle();
+    assert_eq!(hits(&w), 3, "handed to Envoy as the old root context was done");
+    assert_eq!(ask(&mut w), "HIT", "the new root context answers");
+    assert_eq!(calls.load(Ordering::SeqCst), 1);
+    assert!(w.traps.is_empty(), "{:?}", w.traps);
+}
+
 /// A MISS leaves from the request's own VM call: the callout is made in the body callback
 /// that handed it to the worker's root context, with no hop through the worker's queue.
 #[test]

@@ -97,7 +97,9 @@ enum Event {
         ctx: u32,
         response: Option<(Headers, Vec<u8>)>,
     },
+    /// For the root context that registered the queue (dropped once it is gone).
     QueueReady {
+        root: u32,
         queue: u32,
     },
     Tick,
@@ -385,11 +387,16 @@ impl World {
         }
     }
 
-    /// Applies `config` to every live worker's VM as Envoy does a changed configuration:
-    /// a new root context configured, then the old one's `proxy_on_done` and
-    /// `proxy_on_delete`. Runs when the worker's earlier events have.
+    /// Applies a changed `config` to every live worker's VM as Envoy does: a new root
+    /// context made and configured, then the old one's `proxy_on_done` and
+    /// `proxy_on_delete`. Runs when the worker's earlier events have. Envoy keeps the old
+    /// root context until the last stream made under it ends; this host ends it at once,
+    /// so a reload with a request still open is reported as a fault.
     pub fn reload(&mut self, config: &str) {
-        for w in self.workers.iter_mut().filter(|w| w.alive) {
+        for (n, w) in self.workers.iter_mut().enumerate().filter(|(_, w)| w.alive) {
+            if !w.requests.is_empty() {
+                self.traps.push(format!("worker {n}: reloaded with {} request(s) open", w.requests.len()));
+            }
             let root = w.next_ctx;
             w.next_ctx += 1;
             w.events.push_back(Event::Reload { root, config: config.to_owned() });
@@ -534,9 +541,9 @@ impl World {
             }
         }
         let ready = std::mem::take(&mut self.shared().queue_ready);
-        for (worker, _root, queue) in ready {
+        for (worker, root, queue) in ready {
             if let Some(target) = self.workers.get_mut(worker).filter(|t| t.alive) {
-                target.events.push_back(Event::QueueReady { queue });
+                target.events.push_back(Event::QueueReady { root, queue });
             }
         }
     }
@@ -737,9 +744,11 @@ async fn deliver(vm: &mut Vm, event: Event) -> wasmtime::Result<()> {
             let reply = LocalReply { context_id: ctx, status, headers, body: sent };
             vm.store.data_mut().outbox.push(Outgoing::Reply(reply));
         }
-        Event::QueueReady { queue } => {
-            let root = vm.store.data().root_id;
-            call(vm, "proxy_on_queue_ready", root, &[i(root), i(queue)]).await?;
+        Event::QueueReady { root, queue } => {
+            // A root context a reload ended never hears of its queue again.
+            if root == vm.store.data().root_id {
+                call(vm, "proxy_on_queue_ready", root, &[i(root), i(queue)]).await?;
+            }
         }
         Event::Tick => {
             let root = vm.store.data().root_id;
@@ -747,13 +756,18 @@ async fn deliver(vm: &mut Vm, event: Event) -> wasmtime::Result<()> {
         }
         Event::Reload { root, config } => {
             let (old, size) = (vm.store.data().root_id, config.len() as u32);
-            vm.store.data_mut().plugin_config = config.into_bytes();
+            let state = vm.store.data_mut();
+            state.plugin_config = config.into_bytes();
+            // From here on the new root context is the one host calls and events name.
+            state.root_id = root;
             call(vm, "proxy_on_context_create", root, &[i(root), i(0)]).await?;
+            call(vm, "proxy_on_vm_start", root, &[i(root), i(0)]).await?;
             if call(vm, "proxy_on_configure", root, &[i(root), i(size)]).await? != Some(1) {
                 return Err(wasmtime::Error::msg("the plugin refused the new configuration"));
             }
-            vm.store.data_mut().root_id = root;
-            call(vm, "proxy_on_done", old, &[i(old)]).await?;
+            if call(vm, "proxy_on_done", old, &[i(old)]).await? != Some(1) {
+                return Err(wasmtime::Error::msg("the old root context is not done at once"));
+            }
             call(vm, "proxy_on_delete", old, &[i(old)]).await?;
         }
     }

@@ -160,7 +160,8 @@ fn a_reload_hands_envoy_the_counts_the_old_root_context_held() {
     assert!(w.run_until(1_000, |w| hits(w) == 1), "the first HIT counted: {}", hits(&w));
     assert_eq!((ask(&mut w), ask(&mut w)), ("HIT".to_owned(), "HIT".to_owned()), "from the worker's copy");
     assert_eq!(hits(&w), 1, "two HITs held for the tick");
-    w.reload("{}");
+    // A changed configuration (Envoy keeps the root context of an unchanged one).
+    w.reload(r#"{"lock":{"lease_ms":4000}}"#);
     w.settle();
     assert_eq!(hits(&w), 3, "handed to Envoy as the old root context was done");
     assert_eq!(ask(&mut w), "HIT", "the new root context answers");

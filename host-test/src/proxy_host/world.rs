@@ -264,14 +264,12 @@ impl World {
             let instance = linker.instantiate_async(&mut store, &module).await?;
             wasmtime::Result::<Vm>::Ok(Vm { store, instance })
         })?;
-        let config_len = self.options.plugin_config.len() as i32;
+        let config_len = self.options.plugin_config.len() as u32;
         let configured = block_on(async {
             if let Some(init) = vm.instance.get_func(&mut vm.store, "_initialize") {
                 init.call_async(&mut vm.store, &[], &mut []).await?;
             }
-            call(&mut vm, "proxy_on_context_create", ROOT, &[Val::I32(ROOT as i32), Val::I32(0)]).await?;
-            call(&mut vm, "proxy_on_vm_start", ROOT, &[Val::I32(ROOT as i32), Val::I32(0)]).await?;
-            call(&mut vm, "proxy_on_configure", ROOT, &[Val::I32(ROOT as i32), Val::I32(config_len)]).await
+            start_root(&mut vm, ROOT, config_len).await
         })?;
         if configured != Some(1) {
             let logs = self.logs().join("\n");
@@ -620,6 +618,15 @@ async fn call(vm: &mut Vm, name: &str, ctx: u32, args: &[Val]) -> wasmtime::Resu
     Ok(results.first().and_then(Val::i32))
 }
 
+/// A root context made, started and given its configuration of `config_len` bytes, as
+/// Envoy starts every root context: what `proxy_on_configure` returned.
+async fn start_root(vm: &mut Vm, root: u32, config_len: u32) -> wasmtime::Result<Option<i32>> {
+    let i = |v: u32| Val::I32(v as i32);
+    call(vm, "proxy_on_context_create", root, &[i(root), i(0)]).await?;
+    call(vm, "proxy_on_vm_start", root, &[i(root), i(0)]).await?;
+    call(vm, "proxy_on_configure", root, &[i(root), i(config_len)]).await
+}
+
 fn state_reset(vm: &mut Vm) {
     let state = vm.store.data_mut();
     state.active = state.root_id;
@@ -760,9 +767,7 @@ async fn deliver(vm: &mut Vm, event: Event) -> wasmtime::Result<()> {
             state.plugin_config = config.into_bytes();
             // From here on the new root context is the one host calls and events name.
             state.root_id = root;
-            call(vm, "proxy_on_context_create", root, &[i(root), i(0)]).await?;
-            call(vm, "proxy_on_vm_start", root, &[i(root), i(0)]).await?;
-            if call(vm, "proxy_on_configure", root, &[i(root), i(size)]).await? != Some(1) {
+            if start_root(vm, root, size).await? != Some(1) {
                 return Err(wasmtime::Error::msg("the plugin refused the new configuration"));
             }
             if call(vm, "proxy_on_done", old, &[i(old)]).await? != Some(1) {

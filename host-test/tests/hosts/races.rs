@@ -108,6 +108,18 @@ fn host_calls_since(
     made.filter(|(_, n)| *n > 0).collect()
 }
 
+/// `body` asked on worker 0 and answered: its `x-holysheep-cache` label.
+fn cache_label(w: &mut World, body: &str) -> String {
+    let id = w.request(0, "POST", PATH, &[("authorization", "Bearer t")], body.as_bytes());
+    assert!(w.run_until(1_000, |w| w.answer(id).is_some()));
+    w.answer(id).map(|a| a.cache().to_owned()).unwrap_or_default()
+}
+
+/// The HITs Envoy has counted for models without a label of their own.
+fn hits(w: &World) -> i64 {
+    w.shared().metrics.get("wasmcustom.holysheep.other.requests_hit").copied().unwrap_or(0)
+}
+
 /// Every host call is a crossing into Envoy (about 3 µs of its CPU each in `make profile`):
 /// a repeated request is answered with the four a HIT needs (request headers, body, clock,
 /// the reply), not more. Its counters reach Envoy on the worker's next tick, summed.
@@ -116,13 +128,7 @@ fn a_repeated_request_is_answered_with_four_host_calls() {
     let calls = Arc::new(AtomicU64::new(0));
     let mut w = world(plugin(), "{}", 1, upstream(0, 200, calls.clone()));
     let body = prompt("asked again and again");
-    let ask = |w: &mut World| {
-        let id = w.request(0, "POST", PATH, &[("authorization", "Bearer t")], body.as_bytes());
-        assert!(w.run_until(1_000, |w| w.answer(id).is_some()));
-        w.answer(id).map(|a| a.cache().to_owned()).unwrap_or_default()
-    };
-    const HITS: &str = "wasmcustom.holysheep.other.requests_hit";
-    let hits = |w: &World| w.shared().metrics.get(HITS).copied().unwrap_or(0);
+    let ask = |w: &mut World| cache_label(w, &body);
     assert_eq!(ask(&mut w), "MISS");
     assert_eq!(ask(&mut w), "HIT", "from the shared cache; the worker keeps a copy");
     assert!(w.run_until(1_000, |w| hits(w) == 1), "the first HIT counted: {}", hits(&w));
@@ -148,13 +154,7 @@ fn a_reload_hands_envoy_the_counts_the_old_root_context_held() {
     let calls = Arc::new(AtomicU64::new(0));
     let mut w = world(plugin(), "{}", 1, upstream(0, 200, calls.clone()));
     let body = prompt("counted across a reload");
-    let ask = |w: &mut World| {
-        let id = w.request(0, "POST", PATH, &[("authorization", "Bearer t")], body.as_bytes());
-        assert!(w.run_until(1_000, |w| w.answer(id).is_some()));
-        w.answer(id).map(|a| a.cache().to_owned()).unwrap_or_default()
-    };
-    const HITS: &str = "wasmcustom.holysheep.other.requests_hit";
-    let hits = |w: &World| w.shared().metrics.get(HITS).copied().unwrap_or(0);
+    let ask = |w: &mut World| cache_label(w, &body);
     assert_eq!(ask(&mut w), "MISS");
     assert_eq!(ask(&mut w), "HIT");
     assert!(w.run_until(1_000, |w| hits(w) == 1), "the first HIT counted: {}", hits(&w));
@@ -175,12 +175,7 @@ fn a_reload_hands_envoy_the_counts_the_old_root_context_held() {
 fn a_miss_is_dispatched_from_its_own_request_callback() {
     let calls = Arc::new(AtomicU64::new(0));
     let mut w = world(plugin(), "{}", 1, upstream(0, 200, calls.clone()));
-    let ask = |w: &mut World, text: &str| {
-        let body = prompt(text);
-        let id = w.request(0, "POST", PATH, &[("authorization", "Bearer t")], body.as_bytes());
-        assert!(w.run_until(1_000, |w| w.answer(id).is_some()));
-        w.answer(id).map(|a| a.cache().to_owned()).unwrap_or_default()
-    };
+    let ask = |w: &mut World, text: &str| cache_label(w, &prompt(text));
     assert_eq!(ask(&mut w, "a first prompt"), "MISS");
     let before = w.shared().host_calls.clone();
     assert_eq!(ask(&mut w, "another prompt"), "MISS");

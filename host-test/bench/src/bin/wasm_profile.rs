@@ -14,8 +14,9 @@
 //! the floors' directory and, optionally, another build of the plugin to compare (a HIT row
 //! and a MISS row: fuel and host calls).
 //! PROFILE_REQUESTS: requests per row (default 20000); PROFILE_TOP: functions listed per
-//! row (default 12); PROFILE_ONLY: only the rows whose name contains it; TRACE_CROWD=1 also traces one batch of the crowd row (every request of
-//! it, interleaved). Writes target/bench/profile.md.
+//! row (default 12); PROFILE_ONLY: only the rows whose name contains it; TRACE_CROWD=1
+//! also traces one batch of the crowd row (every request of it, interleaved). Writes
+//! target/bench/profile.md.
 
 use holysheep_bench::profile::{self, Samples, SAMPLE_US};
 use host_test::envoy::workspace_root;

@@ -30,8 +30,9 @@
 //! BENCH_ROUNDS (default 5: floor and plugin rows alternate; a row's median round is its
 //! line, and a ratio of two alternating rows is the median of their rounds' ratios),
 //! BENCH_ONLY=<family> (only that family's rows, into target/bench/<family>/: priority,
-//! budget, tenants, endpoints, semantic, scan, fleet, crowd, miss (the MISS against its floors), start (the plugin's VM start: Envoy
-//! started with it and with the local-reply floor, alternating), and baseline: the HIT and
+//! budget, tenants, endpoints, semantic, scan, fleet, crowd, miss (the MISS against its
+//! floors), start (the plugin's VM start: Envoy started with it and with the local-reply
+//! floor, alternating), and baseline: the HIT and
 //! the MISS against another build of the plugin named by HOLYSHEEP_BASELINE_WASM, in its
 //! own Envoy),
 //! BENCH_CROWD (default 1000 identical requests for the follower delay), BENCH_CROWD_ROUNDS

@@ -60,6 +60,11 @@ impl Serving {
         self.host.instances.load(Ordering::SeqCst)
     }
 
+    /// Requests an instance is handling now.
+    pub fn handling(&self) -> u64 {
+        self.host.handling.load(Ordering::SeqCst)
+    }
+
     /// The answers the component gave since `t` (the host's clock: when it handed each
     /// response to the HTTP server), each with its `x-holysheep-cache` label, in
     /// microseconds after `t`.
@@ -74,6 +79,7 @@ struct Host {
     pre: ProxyPre<State>,
     failures: AtomicU64,
     instances: AtomicU64,
+    handling: AtomicU64,
     idle: Mutex<Vec<Ready>>,
     /// When each response was handed to the server, with its cache label (the newest).
     answered: Mutex<VecDeque<(Instant, String)>>,
@@ -169,6 +175,7 @@ pub fn start(opts: ComponentOptions) -> std::io::Result<Serving> {
         pre,
         failures: AtomicU64::new(0),
         instances: AtomicU64::new(0),
+        handling: AtomicU64::new(0),
         idle: Mutex::new(Vec::new()),
         answered: Mutex::new(VecDeque::new()),
         memory: memory.clone(),
@@ -240,7 +247,10 @@ impl Host {
         };
         let req = ready.store.data_mut().http().new_incoming_request(Scheme::Http, req)?;
         let out = ready.store.data_mut().http().new_response_outparam(sender)?;
-        ready.proxy.wasi_http_incoming_handler().call_handle(&mut ready.store, req, out).await?;
+        self.handling.fetch_add(1, Ordering::SeqCst);
+        let handled = ready.proxy.wasi_http_incoming_handler().call_handle(&mut ready.store, req, out).await;
+        self.handling.fetch_sub(1, Ordering::SeqCst);
+        handled?;
         ready.served += 1;
         self.give_back(ready);
         Ok(())

@@ -7,7 +7,7 @@ use host_test::component_host::serve::{start, ComponentOptions, Serving};
 use host_test::component_host::{imports, unversioned};
 use host_test::envoy::{component_path, workspace_root};
 use host_test::mock::{Fault, Running};
-use host_test::stack::{burst_at, count, prompt, prompt_for, sha256_hex, streamed, PATH};
+use host_test::stack::{burst_at, count, poll_until, prompt, prompt_for, sha256_hex, streamed, PATH};
 use std::collections::BTreeSet;
 
 fn serve(mock: &Running, config: &str) -> Serving {
@@ -80,12 +80,29 @@ fn the_vendored_wit_matches_its_lock() {
     assert_eq!(locked, vendored, "every vendored file is in the lock");
 }
 
+/// A lease no starved leader outlives: on a loaded machine (the suites run side by side on
+/// two cores) a leader can wait seconds for the CPU between two renewals, and a waiter
+/// rightly takes a lease left that long for a dead leader's.
+const PATIENT: &str = r#"{"lock":{"lease_ms":60000}}"#;
+
+/// `n` callers of `body` at once, the first call to HolySheep held until an instance
+/// handles every caller, and answered after the mock's latency: all of them arrive while
+/// it is in flight, however slow the machine.
+fn crowd(s: &Serving, mock: &Running, body: &str, n: u64) -> Vec<Resp> {
+    mock.mock.plan(vec![Fault { hold: true, ..Fault::default() }]);
+    let (addr, bodies) = (s.addr, vec![body.to_owned(); n as usize]);
+    let burst = std::thread::spawn(move || burst_at(addr, bodies, "Bearer a"));
+    poll_until(|| s.handling() == n, "an instance handles every caller");
+    mock.mock.release();
+    burst.join().expect("burst")
+}
+
 #[test]
 fn fifty_identical_requests_make_one_upstream_call() {
     let mock = Running::start(None, 2000).expect("mock");
-    let s = serve(&mock, "{}");
+    let s = serve(&mock, PATIENT);
     let body = prompt("served by the component");
-    let resps = burst_at(s.addr, vec![body; 50], "Bearer a");
+    let resps = crowd(&s, &mock, &body, 50);
     assert_eq!(mock.mock.calls(), 1, "one upstream call for 50 callers");
     assert!(resps.iter().all(|r| r.status == 200 && r.body == resps[0].body), "{}", resps[0].text());
     assert_eq!((count(&resps, "MISS"), count(&resps, "COALESCED")), (1, 49));
@@ -98,10 +115,10 @@ fn fifty_identical_requests_make_one_upstream_call() {
 #[test]
 fn the_single_flight_holds_on_a_store_whose_swap_on_a_missing_key_upserts() {
     let mock = Running::start(None, 2000).expect("mock");
-    let s = serve(&mock, "{}");
+    let s = serve(&mock, PATIENT);
     s.memory.upsert_missing_keys();
     let body = prompt("served on an upserting store");
-    let resps = burst_at(s.addr, vec![body; 50], "Bearer a");
+    let resps = crowd(&s, &mock, &body, 50);
     assert!(resps.iter().all(|r| r.status == 200 && r.body == resps[0].body), "{}", resps[0].text());
     assert_eq!(mock.mock.calls(), 1, "one upstream call for 50 callers");
     assert_eq!((count(&resps, "MISS"), count(&resps, "COALESCED")), (1, 49));
@@ -221,10 +238,10 @@ fn retries_and_rate_limits_behave_as_in_envoy() {
 #[test]
 fn a_slow_answer_body_keeps_the_lease_and_stays_within_the_timeout() {
     let mock = Running::start(None, 0).expect("mock");
-    // The body takes three leases to come; the leader renews every quarter lease (250 ms), so
+    // The body takes three leases to come; the leader renews every quarter lease (500 ms), so
     // only a stall of three quarters of a lease on a loaded machine could let a waiter lead.
-    let s = serve(&mock, r#"{"lock":{"lease_ms":1000}}"#);
-    mock.mock.plan(vec![Fault { slow_body_ms: 3_000, ..Fault::default() }]);
+    let s = serve(&mock, r#"{"lock":{"lease_ms":2000}}"#);
+    mock.mock.plan(vec![Fault { slow_body_ms: 6_000, ..Fault::default() }]);
     let resps = burst_at(s.addr, vec![prompt("slow body"); 6], "Bearer t");
     assert!(resps.iter().all(|r| r.status == 200));
     assert_eq!(mock.mock.calls(), 1, "the leader renewed its lease while the body came: no takeover");
@@ -326,7 +343,7 @@ fn a_creation_claim_stranded_by_a_dead_creator_is_handed_out_again() {
     let resps: Vec<Resp> = (0..8).map(|i| post(&s, &prompt(&format!("stranded {i}")), &[])).collect();
     assert!(resps.iter().all(|r| r.status == 200), "{:?}", resps.iter().map(|r| r.status).collect::<Vec<_>>());
     mock.mock.set_latency_ms(500);
-    let coalesced = burst_at(s.addr, vec![prompt("after the claims"); 10], "Bearer a");
+    let coalesced = crowd(&s, &mock, &prompt("after the claims"), 10);
     assert_eq!((count(&coalesced, "MISS"), count(&coalesced, "COALESCED")), (1, 9), "the lease group exists again");
     assert_eq!(s.failures(), 0);
 }

@@ -27,9 +27,11 @@ fn post(s: &Serving, body: &str, headers: &[(&str, &str)]) -> Resp {
 
 #[test]
 fn serve_coalesces_caches_and_rejects_like_envoy() {
-    // Slow enough that all 50 arrive while the leader's call is in flight.
+    // Slow enough that all 50 arrive while the leader's call is in flight, with a lease no
+    // leader starved of the CPU on a loaded machine outlives (a waiter would rightly take
+    // it for a dead leader's).
     let mock = Running::start(None, 2000).expect("mock");
-    let s = serve(&mock, "{}");
+    let s = serve(&mock, r#"{"lock":{"lease_ms":60000}}"#);
     let body = prompt("served by wasmtime");
     let resps = burst_at(s.addr, vec![body.clone(); 50], "Bearer a");
     assert_eq!(mock.mock.calls(), 1, "one upstream call for 50 callers");

@@ -16,8 +16,11 @@ use std::sync::Arc;
 /// without near copies (one hop to the owner listener), in plaintext (the nodes known by
 /// the fleet's secret) and over mutual TLS. Then the first request of each prompt (a MISS)
 /// through the forward hop against the same request through two plain Envoy proxies in a
-/// row to the same mock (`plain` listeners: Envoy's router, no filter), and through a plain
-/// proxy in front of the callout floor (the least a MISS's owner can do through the ABI).
+/// row to the same mock (`plain` listeners: Envoy's router, no filter), through a plain
+/// proxy in front of the callout floor (the least a MISS's owner can do through the ABI),
+/// and through a plain proxy in front of the hop's own owner listener (the least a forward
+/// node can do: the ratio against it is the forward node's own cost, and its ratio to two
+/// plain proxies bounds what any forward node reaches in front of this owner).
 pub fn fleet_rows(r: &mut Report, rounds: usize, (conns, secs): (usize, u64), hit_prompt: &str) -> std::io::Result<()> {
     let no_copies = r#"{"edge":{"max_age_seconds":0}}"#;
     // Each fleet runs until the rows are measured.
@@ -81,12 +84,16 @@ pub fn fleet_rows(r: &mut Report, rounds: usize, (conns, secs): (usize, u64), hi
     let far_floor = Envoy::start(&far_floor)?;
     let floor_at = far_floor.listener("floor_callout").ok_or_else(|| std::io::Error::other("no floor_callout"))?;
     let near_floor = Envoy::start(&Options::new("{}", floor_at))?;
+    // The same path with the forward node at its least: a plain proxy in front of the hop's
+    // own owner listener (the bench passes the fleet's secret through it, as a node would).
+    let near_owner = Envoy::start(&Options::new("{}", hop.1))?;
     let plain_hop = |addr: SocketAddr, what: &'static str| {
         let s = load(addr, conns, secs, unique_prompts(what));
         assert!(s.labels.iter().all(|l| l == "-"), "the plain proxies and the floor answer without the edge");
         s
     };
     let forward_miss = unique_prompts("bench: a forward node's first request");
+    let to_owner = unique_prompts("bench: through a plain proxy to the owner listener");
     println!();
     let rows = alternate(
         rounds,
@@ -94,18 +101,28 @@ pub fn fleet_rows(r: &mut Report, rounds: usize, (conns, secs): (usize, u64), hi
             &mut || expect_all(load(hop.0, conns, secs, forward_miss.clone()), "MISS"),
             &mut || plain_hop(near_plain.plain, "bench: through two plain proxies"),
             &mut || plain_hop(near_floor.plain, "bench: through a plain proxy to the callout floor"),
+            &mut || expect_all(load_as(near_owner.plain, (PATH, AS_A_NODE), conns, secs, to_owner.clone()), "MISS"),
         ],
     );
-    let [hop_miss, plain, to_floor] = &rows[..] else { unreachable!("three rows") };
+    let [hop_miss, plain, to_floor, to_owner] = &rows[..] else { unreachable!("four rows") };
     let miss_over_plain = paired(hop_miss, plain, throughput);
     let (miss_over_floor, floor_over_plain) =
         (paired(hop_miss, to_floor, throughput), paired(to_floor, plain, throughput));
+    let (miss_over_owner, owner_over_plain) =
+        (paired(hop_miss, to_owner, throughput), paired(to_owner, plain, throughput));
     let mut medians = rows.into_iter().map(median);
     r.row("fleet MISS through a forward hop", medians.next().expect("a row"));
     r.row("MISS through two plain Envoy proxies", medians.next().expect("a row"));
     r.row("MISS through a plain proxy to the callout floor", medians.next().expect("a row"));
+    r.row("MISS through a plain proxy to the owner listener", medians.next().expect("a row"));
     r.ratio("forward hop MISS / two plain Envoy proxies", miss_over_plain, "goal >= 0.80");
     r.ratio("forward hop MISS / a plain proxy to the callout floor", miss_over_floor, "");
     r.ratio("a plain proxy to the callout floor / two plain Envoy proxies", floor_over_plain, "the ABI's callout");
+    r.ratio("forward hop MISS / a plain proxy to the owner listener", miss_over_owner, "the forward node's own cost");
+    r.ratio(
+        "a plain proxy to the owner listener / two plain Envoy proxies",
+        owner_over_plain,
+        "the owner's MISS: the bound",
+    );
     Ok(())
 }

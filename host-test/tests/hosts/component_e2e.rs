@@ -86,8 +86,8 @@ fn the_vendored_wit_matches_its_lock() {
 const PATIENT: &str = r#"{"lock":{"lease_ms":60000}}"#;
 
 /// `n` callers of `body` at once, the first call to HolySheep held until an instance
-/// handles every caller, and answered after the mock's latency: all of them arrive while
-/// it is in flight, however slow the machine.
+/// handles every caller, and answered after the mock's latency: each caller then has that
+/// long to reach the flight from its instance, not the time to get one.
 fn crowd(s: &Serving, mock: &Running, body: &str, n: u64) -> Vec<Resp> {
     mock.mock.plan(vec![Fault { hold: true, ..Fault::default() }]);
     let (addr, bodies) = (s.addr, vec![body.to_owned(); n as usize]);
@@ -336,7 +336,7 @@ fn the_component_trusts_nothing_a_caller_or_the_upstream_chooses() {
 #[test]
 fn a_creation_claim_stranded_by_a_dead_creator_is_handed_out_again() {
     let mock = Running::start(None, 0).expect("mock");
-    let s = serve(&mock, r#"{"lock":{"slots":4},"models":{"gpt-4.1":{"requests_per_minute":600}}}"#);
+    let s = serve(&mock, r#"{"lock":{"slots":4,"lease_ms":60000},"models":{"gpt-4.1":{"requests_per_minute":600}}}"#);
     for stranded in ["holysheep/bucket/gpt-4.1", "holysheep/lease/0"] {
         s.memory.put("default", &format!("holysheep/created/{stranded}"), 1i64.to_le_bytes().to_vec());
     }

@@ -85,7 +85,9 @@ pub fn fleet_rows(r: &mut Report, rounds: usize, (conns, secs): (usize, u64), hi
     let floor_at = far_floor.listener("floor_callout").ok_or_else(|| std::io::Error::other("no floor_callout"))?;
     let near_floor = Envoy::start(&Options::new("{}", floor_at))?;
     // The same path with the forward node at its least: a plain proxy in front of the hop's
-    // own owner listener (the bench passes the fleet's secret through it, as a node would).
+    // own owner listener (the bench passes the fleet's secret through it, as a node would;
+    // not a node's configuration digest, so the owner's check of it counts as the forward
+    // node's cost, and the bound is a little above what a hop could reach).
     let near_owner = Envoy::start(&Options::new("{}", hop.1))?;
     let plain_hop = |addr: SocketAddr, what: &'static str| {
         let s = load(addr, conns, secs, unique_prompts(what));

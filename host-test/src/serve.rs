@@ -13,7 +13,8 @@ use hyper_util::rt::TokioIo;
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::path::PathBuf;
-use std::sync::mpsc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{mpsc, Arc};
 use std::time::Duration;
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::oneshot;
@@ -36,7 +37,15 @@ enum Inbound {
 /// A running server; it lives as long as the process (or the test) does.
 pub struct Serving {
     pub addr: SocketAddr,
+    fed: Arc<AtomicU64>,
     _runtime: tokio::runtime::Runtime,
+}
+
+impl Serving {
+    /// Requests the VMs have taken in so far (their request callbacks have run).
+    pub fn fed(&self) -> u64 {
+        self.fed.load(Ordering::SeqCst)
+    }
 }
 
 /// Loads the plugin, starts the VMs and the HTTP server; returns the bound address.
@@ -62,11 +71,13 @@ pub fn start(opts: ServeOptions) -> std::io::Result<Serving> {
     options.env = opts.env;
     options.shared = Shared::with_next_cas(1);
     let world = World::start(&plugin, options, upstream).map_err(|e| std::io::Error::other(format!("{e:?}")))?;
-    std::thread::spawn(move || run_world(world, rx));
+    let fed = Arc::new(AtomicU64::new(0));
+    let counted = fed.clone();
+    std::thread::spawn(move || run_world(world, rx, &counted));
     let listener = runtime.block_on(TcpListener::bind(opts.listen))?;
     let addr = listener.local_addr()?;
     runtime.spawn(accept(listener, tx));
-    Ok(Serving { addr, _runtime: runtime })
+    Ok(Serving { addr, fed, _runtime: runtime })
 }
 
 fn seed() -> u64 {
@@ -75,7 +86,7 @@ fn seed() -> u64 {
 
 /// The host thread: feeds requests and callout answers to the VMs, runs what is due,
 /// and hands answers back.
-fn run_world(mut world: World, rx: mpsc::Receiver<Inbound>) {
+fn run_world(mut world: World, rx: mpsc::Receiver<Inbound>, fed: &AtomicU64) {
     let mut waiting: HashMap<ReqId, oneshot::Sender<Answer>> = HashMap::new();
     let mut next_worker = 0usize;
     loop {
@@ -85,6 +96,7 @@ fn run_world(mut world: World, rx: mpsc::Receiver<Inbound>) {
             Err(mpsc::RecvTimeoutError::Timeout) => None,
             Err(mpsc::RecvTimeoutError::Disconnected) => return,
         };
+        let mut handed = 0;
         for message in first.into_iter().chain(std::iter::from_fn(|| rx.try_recv().ok())) {
             match message {
                 Inbound::Request { headers, body, reply } => {
@@ -99,12 +111,14 @@ fn run_world(mut world: World, rx: mpsc::Receiver<Inbound>) {
                     let id = world.request(next_worker, &method, &path, &rest, &body);
                     next_worker = (next_worker + 1) % world.workers();
                     waiting.insert(id, reply);
+                    handed += 1;
                 }
                 Inbound::Callout { worker, token, response } => world.callout_done(worker, token, response),
             }
         }
         world.release_due();
         world.settle();
+        fed.fetch_add(handed, Ordering::SeqCst);
         let done: Vec<ReqId> = waiting.keys().copied().filter(|id| world.answer(*id).is_some()).collect();
         for id in done {
             if let (Some(reply), Some(answer)) = (waiting.remove(&id), world.take_answer(id)) {

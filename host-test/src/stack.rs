@@ -74,6 +74,18 @@ pub fn burst_at(addr: SocketAddr, bodies: Vec<String>, auth: &str) -> Vec<Resp> 
     burst_to(addr, PATH, bodies, auth)
 }
 
+/// `n` callers of `body` at once (`burst_at`), the mock's first call held until the host
+/// says it has taken in all of them (`taken_in`), then let go: each caller's time to reach
+/// the flight is the mock's latency, not the time the host took to take it in.
+pub fn burst_held(mock: &Running, addr: SocketAddr, body: &str, n: u64, taken_in: impl Fn() -> u64) -> Vec<Resp> {
+    mock.mock.plan(vec![crate::mock::Fault { hold: true, ..Default::default() }]);
+    let bodies = vec![body.to_owned(); n as usize];
+    let burst = std::thread::spawn(move || burst_at(addr, bodies, "Bearer a"));
+    poll_until(|| taken_in() == n, "the host took in every caller");
+    mock.mock.release();
+    burst.join().expect("burst")
+}
+
 /// `burst_at` on `path`.
 pub fn burst_to(addr: SocketAddr, path: &'static str, bodies: Vec<String>, auth: &str) -> Vec<Resp> {
     let barrier = Arc::new(Barrier::new(bodies.len()));

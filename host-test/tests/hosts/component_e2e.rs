@@ -7,7 +7,7 @@ use host_test::component_host::serve::{start, ComponentOptions, Serving};
 use host_test::component_host::{imports, unversioned};
 use host_test::envoy::{component_path, workspace_root};
 use host_test::mock::{Fault, Running};
-use host_test::stack::{burst_at, count, poll_until, prompt, prompt_for, sha256_hex, streamed, PATH};
+use host_test::stack::{burst_at, burst_held, count, prompt, prompt_for, sha256_hex, streamed, PATH};
 use std::collections::BTreeSet;
 
 fn serve(mock: &Running, config: &str) -> Serving {
@@ -85,24 +85,12 @@ fn the_vendored_wit_matches_its_lock() {
 /// rightly takes a lease left that long for a dead leader's.
 const PATIENT: &str = r#"{"lock":{"lease_ms":60000}}"#;
 
-/// `n` callers of `body` at once, the first call to HolySheep held until an instance
-/// handles every caller, and answered after the mock's latency: each caller then has that
-/// long to reach the flight from its instance, not the time to get one.
-fn crowd(s: &Serving, mock: &Running, body: &str, n: u64) -> Vec<Resp> {
-    mock.mock.plan(vec![Fault { hold: true, ..Fault::default() }]);
-    let (addr, bodies) = (s.addr, vec![body.to_owned(); n as usize]);
-    let burst = std::thread::spawn(move || burst_at(addr, bodies, "Bearer a"));
-    poll_until(|| s.handling() == n, "an instance handles every caller");
-    mock.mock.release();
-    burst.join().expect("burst")
-}
-
 #[test]
 fn fifty_identical_requests_make_one_upstream_call() {
     let mock = Running::start(None, 2000).expect("mock");
     let s = serve(&mock, PATIENT);
     let body = prompt("served by the component");
-    let resps = crowd(&s, &mock, &body, 50);
+    let resps = burst_held(&mock, s.addr, &body, 50, || s.handling());
     assert_eq!(mock.mock.calls(), 1, "one upstream call for 50 callers");
     assert!(resps.iter().all(|r| r.status == 200 && r.body == resps[0].body), "{}", resps[0].text());
     assert_eq!((count(&resps, "MISS"), count(&resps, "COALESCED")), (1, 49));
@@ -118,7 +106,7 @@ fn the_single_flight_holds_on_a_store_whose_swap_on_a_missing_key_upserts() {
     let s = serve(&mock, PATIENT);
     s.memory.upsert_missing_keys();
     let body = prompt("served on an upserting store");
-    let resps = crowd(&s, &mock, &body, 50);
+    let resps = burst_held(&mock, s.addr, &body, 50, || s.handling());
     assert!(resps.iter().all(|r| r.status == 200 && r.body == resps[0].body), "{}", resps[0].text());
     assert_eq!(mock.mock.calls(), 1, "one upstream call for 50 callers");
     assert_eq!((count(&resps, "MISS"), count(&resps, "COALESCED")), (1, 49));
@@ -343,7 +331,7 @@ fn a_creation_claim_stranded_by_a_dead_creator_is_handed_out_again() {
     let resps: Vec<Resp> = (0..8).map(|i| post(&s, &prompt(&format!("stranded {i}")), &[])).collect();
     assert!(resps.iter().all(|r| r.status == 200), "{:?}", resps.iter().map(|r| r.status).collect::<Vec<_>>());
     mock.mock.set_latency_ms(500);
-    let coalesced = crowd(&s, &mock, &prompt("after the claims"), 10);
+    let coalesced = burst_held(&mock, s.addr, &prompt("after the claims"), 10, || s.handling());
     assert_eq!((count(&coalesced, "MISS"), count(&coalesced, "COALESCED")), (1, 9), "the lease group exists again");
     assert_eq!(s.failures(), 0);
 }

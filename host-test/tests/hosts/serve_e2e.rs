@@ -4,9 +4,9 @@
 
 use host_test::client::{request, Resp};
 use host_test::envoy::wasm_path;
-use host_test::mock::{Fault, Running};
+use host_test::mock::Running;
 use host_test::serve::{start, ServeOptions, Serving};
-use host_test::stack::{burst_at, count, poll_until, prompt, PATH};
+use host_test::stack::{burst_held, count, prompt, PATH};
 use std::collections::HashMap;
 
 fn serve(mock: &Running, config: &str) -> Serving {
@@ -33,12 +33,7 @@ fn serve_coalesces_caches_and_rejects_like_envoy() {
     let mock = Running::start(None, 0).expect("mock");
     let s = serve(&mock, r#"{"lock":{"lease_ms":60000}}"#);
     let body = prompt("served by wasmtime");
-    mock.mock.plan(vec![Fault { hold: true, ..Fault::default() }]);
-    let (addr, bodies) = (s.addr, vec![body.clone(); 50]);
-    let burst = std::thread::spawn(move || burst_at(addr, bodies, "Bearer a"));
-    poll_until(|| s.fed() == 50, "the VMs took in every caller");
-    mock.mock.release();
-    let resps = burst.join().expect("burst");
+    let resps = burst_held(&mock, s.addr, &body, 50, || s.fed());
     assert_eq!(mock.mock.calls(), 1, "one upstream call for 50 callers");
     assert!(resps.iter().all(|r| r.status == 200 && r.body == resps[0].body));
     assert_eq!((count(&resps, "MISS"), count(&resps, "COALESCED")), (1, 49));

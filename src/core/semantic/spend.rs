@@ -1,7 +1,9 @@
 //! What the semantic tier's embedding costs, and who admits it: the embedding is sent only
 //! when the tenant's budget still holds the chat call's worst case beside the embedding's
-//! (a tenant that cannot afford the call makes no embedding call) and the embedding model's
-//! own bucket, when it has one, admits it; what it was billed is charged to the tenant.
+//! (a tenant that cannot afford the call makes no embedding call; in a fleet, where the
+//! budget lives on the tenant's owner node, a budgeted tenant makes none) and the embedding
+//! model's own bucket (in a fleet, this node's share of it), when it has one, admits it;
+//! what it was billed is charged to the tenant.
 
 use crate::core::api::hints::ProviderHints;
 use crate::core::config::Config;
@@ -40,7 +42,13 @@ pub fn admit(
         let (name, tenant) = t;
         let shared = config.fleet.shared_limits();
         let caps = tenant.caps();
-        if !shared && !caps.is_none() {
+        // In a fleet the budget lives on the tenant's owner node, which this node cannot ask
+        // before the embedding: a budgeted tenant's question makes none (it goes on as a
+        // MISS), or a spent tenant would make an operator-paid embedding per question.
+        if shared && !caps.is_none() {
+            return false;
+        }
+        if !caps.is_none() {
             let models = [outbound.model.clone()];
             let worst = tenant_gate::worst_micro(config, &models, outbound.worst_tokens())
                 .saturating_add(super::cost_micro_usd(config, estimate));
@@ -54,18 +62,26 @@ pub fn admit(
         Some((name, l)) => {
             let who = Who::standard(id, estimate);
             let hold_ms = config.semantic.timeout_ms.saturating_add(1_000);
-            limits::take(store, name, &l, &who, now_ms, hold_ms, false).is_ok()
+            limits::take(store, &name, &l, &who, now_ms, hold_ms, false).is_ok()
         }
         None => true,
     }
 }
 
-/// The embedding model's bucket, when it has limits kept on this node.
-fn bucket(config: &Config) -> Option<(&str, Limits)> {
+/// The embedding model's bucket, when it has limits: this node's, or in a fleet whose
+/// limits live on owner nodes, this node's share of them (embeddings are not asked of an
+/// owner; each node keeps within its part).
+fn bucket(config: &Config) -> Option<(String, Limits)> {
     let (name, m) = config.models.get_key_value(&config.semantic.embedding_model)?;
     let l = Limits::of(m, &config.rate_limit);
     let limited = l.rpm.is_some() || l.tpm.is_some() || l.max_in_flight.is_some();
-    (limited && !config.fleet.shared_limits()).then_some((name.as_str(), l))
+    if !limited {
+        return None;
+    }
+    if config.fleet.shared_limits() {
+        return Some((limits::share_bucket(name), l.share(config.fleet.nodes)));
+    }
+    Some((name.clone(), l))
 }
 
 /// The embedding `admit` let go was billed `tokens` (`None`: it gave no answer with a
@@ -82,7 +98,7 @@ pub fn charge(
     let (id, estimate) = ticket(key, probe);
     let billed = tokens.unwrap_or(estimate);
     if let Some((name, l)) = bucket(config) {
-        limits::settle(store, name, &l, id, estimate, Some(billed), &ProviderHints::default(), now_ms);
+        limits::settle(store, &name, &l, id, estimate, Some(billed), &ProviderHints::default(), now_ms);
     }
     let tenant = tenant.filter(|t| tenant_gate::is_limited(config, t))?;
     let settlement = Settlement {
@@ -99,4 +115,55 @@ pub fn charge(
     }
     tenant_gate::settle_reported(store, config, &settlement, now_ms);
     None
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::core::request::request_key;
+    use crate::core::store::MemStore;
+
+    /// A fleet of 2 nodes whose limits live on owners, `text-embedding-3-small` limited to 4
+    /// requests a minute, tenant `paid` with a day's budget and `free` without one.
+    fn fleet() -> Config {
+        let digest = |c: char| c.to_string().repeat(64);
+        Config::parse(
+            format!(
+                r#"{{"fleet":{{"cluster":"owners","nodes":2}},
+                "semantic":{{"enabled":true,"models":["gpt-4.1"]}},
+                "models":{{"gpt-4.1":{{"usd_per_mtok_input":10,"usd_per_mtok_output":30,"requests_per_minute":600}},
+                    "text-embedding-3-small":{{"usd_per_mtok_input":0.02,"requests_per_minute":4,"burst":4}}}},
+                "tenants":{{"paid":{{"keys_sha256":["{}"],"usd_per_day":100}},"free":{{"keys_sha256":["{}"]}}}}}}"#,
+                digest('a'),
+                digest('b')
+            )
+            .as_bytes(),
+        )
+        .unwrap()
+    }
+
+    fn outbound(tenant: &str) -> Outbound {
+        let request = crate::core::request::ApiRequest::parse(
+            &Config::default(),
+            &Default::default(),
+            crate::core::api::endpoint::Endpoint::Chat,
+            br#"{"model":"gpt-4.1","messages":[{"role":"user","content":"hi"}],"temperature":0}"#,
+        )
+        .unwrap();
+        Outbound { tenant: Some(tenant.to_owned()), ..Outbound::of(&request, b"{}".to_vec(), None) }
+    }
+
+    #[test]
+    fn in_a_fleet_a_budgeted_tenant_makes_no_embedding_and_each_node_keeps_its_share_of_the_bucket() {
+        let (store, config) = (MemStore::new(), fleet());
+        let probe = Probe { partition: [7; 32], text: "What is the capital of France?".into() };
+        let admit = |tenant: &str, i: u8| {
+            let key = request_key("/v1/chat/completions", tenant, &[i]);
+            admit(&store, &config, &key, &probe, &outbound(tenant), 1_000)
+        };
+        assert!(!admit("paid", 0), "its budget lives on its owner node, which is not asked first");
+        // This node's share of the embedding model's 4 requests a minute is 2.
+        let free: Vec<bool> = (1..=3).map(|i| admit("free", i)).collect();
+        assert_eq!(free, [true, true, false]);
+    }
 }

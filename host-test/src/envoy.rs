@@ -73,6 +73,9 @@ pub struct Options {
     pub internal_upstream: Option<SocketAddr>,
     /// Envoy speaks HTTP/2 to the mock (as the production config does to HolySheep).
     pub upstream_h2: bool,
+    /// The HolySheep cluster's circuit breaker lets this many requests through at once: over
+    /// HTTP/2 (`upstream_h2`) Envoy answers any more 503 `x-envoy-overloaded`.
+    pub upstream_max_requests: Option<u32>,
     /// The edge's routes send a request to HolySheep only when it carries `x-tier: gold`,
     /// and everything else to a cluster `internal` at this address.
     pub gold_only_upstream: Option<SocketAddr>,
@@ -101,6 +104,7 @@ impl Options {
             extra_clusters: String::new(),
             internal_upstream: None,
             upstream_h2: false,
+            upstream_max_requests: None,
             gold_only_upstream: None,
             edge_by_lds: false,
         }
@@ -280,6 +284,15 @@ fn with_h2_upstream(yaml: &str) -> String {
     yaml.replacen(cluster, &format!("{cluster}{options}"), 1)
 }
 
+fn with_upstream_breaker(yaml: &str, max: u32) -> String {
+    let breaker = format!(
+        "    circuit_breakers:\n      thresholds:\n      \
+         - {{max_connections: {max}, max_pending_requests: 1, max_requests: {max}, max_retries: 100}}\n"
+    );
+    let cluster = "  - name: holysheep\n    type: STATIC\n";
+    yaml.replacen(cluster, &format!("{cluster}{breaker}"), 1)
+}
+
 impl Envoy {
     pub fn start(opts: &Options) -> io::Result<Envoy> {
         let (bin, wasm) = (envoy_bin(), wasm_path());
@@ -342,6 +355,10 @@ impl Envoy {
             None => yaml,
         };
         let yaml = if opts.upstream_h2 { with_h2_upstream(&yaml) } else { yaml };
+        let yaml = match opts.upstream_max_requests {
+            Some(n) => with_upstream_breaker(&yaml, n),
+            None => yaml,
+        };
         let yaml = match opts.gold_only_upstream {
             Some(addr) => with_gold_only_route(&yaml, addr),
             None => yaml,

@@ -76,9 +76,12 @@ impl Tee {
         // An answer that is not events says what it was billed by its body: HolySheep's own
         // JSON error nothing, its `usage` that, anything else (cut, or not HolySheep's) its
         // worst case.
-        if self.events.is_none() && !self.cut {
+        if self.events.is_none() && !self.cut && self.hints.billed != Billed::Unsent {
             let body = if self.replace { &self.raw } else { &self.other.body };
-            self.hints.billed = Billed::of_answer(self.status.unwrap_or(0), &self.content_type, body);
+            let billed = Billed::of_answer(self.status.unwrap_or(0), &self.content_type, body);
+            // Envoy's own reply (no status of HolySheep's) may say the request never left.
+            let envoys = self.status.is_none().then(|| Billed::of_answer(self.other.status, &self.content_type, body));
+            self.hints.billed = if envoys == Some(Billed::Unsent) { Billed::Unsent } else { billed };
         }
         let streamed_tokens = self.events.as_ref().map_or(0, Reassembler::streamed_tokens_estimate);
         let usage = self.events.as_ref().and_then(Reassembler::usage);

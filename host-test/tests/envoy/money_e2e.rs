@@ -205,11 +205,17 @@ fn holysheeps_errors_to_streams_and_streams_never_sent_cost_nothing_and_pages_th
     s.mock.mock.release();
     let held = held.join().expect("thread");
     assert_eq!(held.status, 200);
-    // The stream in line finds its client gone when its turn comes: it never leaves.
+    // The stream in line finds its client gone when its turn comes: it never leaves. A call
+    // that joins the line after it is served after the stream's turn, so its settlement
+    // reads the record once the stream's is in: the figure then is final.
     let spent = billed_micro(&held.json()["usage"]);
-    poll_until(|| left() == 1_000_000 - worst - spent, "the stream that never left was charged");
-    assert_eq!(s.calls(), 5, "the stream was never sent");
-    assert_eq!(tenant_stat(&s, "batch", "cost_spent_microusd"), spent);
+    let after = chat(&s, "batch", &prompt("a call in line behind the stream"));
+    assert_eq!(after.status, 200, "{}", after.text());
+    let after_spent = billed_micro(&after.json()["usage"]);
+    assert_eq!(left(), 1_000_000 - worst - spent - after_spent, "the stream that never left was charged");
+    assert_eq!(s.calls(), 6, "the stream was never sent");
+    assert_eq!(tenant_stat(&s, "batch", "cost_spent_microusd"), spent + after_spent);
+    assert_eq!(tenant_stat(&s, "batch", "budget_charged_microusd"), worst + spent + after_spent);
     assert!(s.crashes().is_empty(), "{:?}", s.crashes());
 }
 
@@ -331,6 +337,74 @@ fn attempts_holysheep_billed_are_charged_when_their_answer_is_lost_or_refused() 
     let r = chat(&s, "batch", &prompt("three errors of HolySheep's own"));
     assert_eq!((r.status, s.calls()), (503, 9), "{}", r.text());
     assert_eq!(spent(), before, "free");
+    assert!(s.crashes().is_empty(), "{:?}", s.crashes());
+}
+
+/// A port nothing listens on.
+fn closed_port() -> std::net::SocketAddr {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    listener.local_addr().expect("address")
+}
+
+#[test]
+fn an_unreachable_holysheep_costs_the_tenant_nothing() {
+    let models = format!(r#"{{"gpt-4.1":{{{PRICES}}}}}"#);
+    let config = retries_on(&config(&models, "{}", &[("batch", r#""usd_per_day":10"#)]));
+    let to_nowhere = |o: &mut host_test::envoy::Options| {
+        o.api_key = Some(OPERATOR_KEY.to_owned());
+        o.upstream = closed_port();
+    };
+    let s = Stack::start_tuned(&config, 0, to_nowhere, Some(OPERATOR_KEY));
+    let left = || tenant_stat(&s, "batch", "budget_day_left_microusd");
+    // Every connection is refused: Envoy's own 503 says its reset reason, `remote
+    // connection failure`. Three attempts, none reached HolySheep, none charged (each used
+    // to cost the worst case: (body + 2000) tokens at $30 per million).
+    let r = chat(&s, "batch", &with(&prompt("HolySheep is down"), r#""max_tokens":2000"#));
+    assert!(r.status >= 500, "{}", r.text());
+    assert_eq!(s.envoy.stat("wasmcustom.holysheep.gpt-4.1.upstream_calls"), 3, "retried");
+    assert_eq!(left(), 10_000_000, "three attempts that never left, charged nothing");
+    assert_eq!(tenant_stat(&s, "batch", "budget_charged_microusd"), 0);
+    // A stream is charged nothing either. Its settlement comes as its answer ends: the calls
+    // after it settle later and read it in the record, until the gauge shows it.
+    let r = chat(&s, "batch", &streamed(&prompt("a stream while HolySheep is down")));
+    assert!(r.status >= 500, "{}", r.text());
+    let mut tries = 0;
+    while left() != 10_000_000 && tries < 20 {
+        chat(&s, "batch", &prompt(&format!("a call after the stream {tries}")));
+        tries += 1;
+    }
+    assert_eq!(left(), 10_000_000, "the stream that never reached HolySheep was charged");
+    assert_eq!(tenant_stat(&s, "batch", "budget_charged_microusd"), 0);
+    assert_eq!(s.calls(), 0, "nothing reached the mock");
+    assert!(s.crashes().is_empty(), "{:?}", s.crashes());
+}
+
+#[test]
+fn envoys_circuit_breaker_turning_a_call_away_costs_its_tenant_nothing() {
+    let models = format!(r#"{{"gpt-4.1":{{{PRICES}}}}}"#);
+    let config = retries_on(&config(&models, "{}", &[("batch", r#""usd_per_day":10"#)]));
+    let one_at_a_time = |o: &mut host_test::envoy::Options| {
+        o.api_key = Some(OPERATOR_KEY.to_owned());
+        o.upstream_max_requests = Some(1);
+        // Over HTTP/2, as in production: a request circuit breaker (over HTTP/1.1 the
+        // connections' breaker governs, and a request waits for one).
+        o.upstream_h2 = true;
+    };
+    let s = Stack::start_tuned(&config, 0, one_at_a_time, Some(OPERATOR_KEY));
+    // Another tenant's slow call holds the cluster's only request.
+    s.mock.mock.plan(vec![Fault { hold: true, ..Fault::default() }]);
+    let held = send(&s, "alpha", "a slow call that holds the cluster");
+    s.await_calls(1);
+    // Envoy answers each attempt 503 `x-envoy-overloaded` (`reset reason: overflow`).
+    let r = chat(&s, "batch", &with(&prompt("turned away by the breaker"), r#""max_tokens":2000"#));
+    assert!(r.status >= 500, "{}", r.text());
+    assert_eq!(tenant_stat(&s, "batch", "budget_day_left_microusd"), 10_000_000, "never sent, never charged");
+    assert_eq!(tenant_stat(&s, "batch", "budget_charged_microusd"), 0);
+    assert_eq!(s.envoy.stat("wasmcustom.holysheep.gpt-4.1.retries"), 2, "three attempts");
+    assert!(s.envoy.stat("cluster.holysheep.upstream_rq_active_overflow") >= 3, "each turned away by the breaker");
+    s.mock.mock.release();
+    assert_eq!(held.join().expect("thread").status, 200);
+    assert_eq!(s.calls(), 1);
     assert!(s.crashes().is_empty(), "{:?}", s.crashes());
 }
 

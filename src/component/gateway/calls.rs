@@ -6,7 +6,7 @@ use super::instance::Gateway;
 use crate::component::host;
 use crate::component::wasi::http::outgoing_handler;
 use crate::component::wasi::http::types::{
-    IncomingBody, IncomingRequest, IncomingResponse, Method, OutgoingBody, OutgoingRequest, RequestOptions,
+    ErrorCode, IncomingBody, IncomingRequest, IncomingResponse, Method, OutgoingBody, OutgoingRequest, RequestOptions,
     ResponseOutparam, Scheme,
 };
 use crate::core::api::error::ApiError;
@@ -46,8 +46,8 @@ impl Gateway {
     ) -> (Option<Response>, ProviderHints) {
         let deadline = host::now_ms().saturating_add(timeout_ms.max(1));
         match self.request_head(call, outbound, model, deadline) {
-            Some(response) => self.read_answer(response, call, outbound, deadline),
-            None => (None, ProviderHints::default()),
+            Ok(response) => self.read_answer(response, call, outbound, deadline),
+            Err(failed) => (None, failed.hints()),
         }
     }
 
@@ -105,7 +105,7 @@ impl Gateway {
         .collect();
         let deadline = host::now_ms().saturating_add(self.config.semantic.timeout_ms);
         let request = self.outgoing(Method::Post, EMBEDDINGS_PATH, &headers)?;
-        let response = self.send(request, Body::Bytes(&body), deadline, &mut || self.renew(call))?;
+        let response = self.send(request, Body::Bytes(&body), deadline, &mut || self.renew(call)).ok()?;
         let status = response.status();
         let bytes = self.read_whole(response, call, deadline, MAX_EMBEDDING_BODY)?;
         semantic::parse_embedding(&self.config, status, &bytes)
@@ -119,7 +119,7 @@ impl Gateway {
         outbound: &Outbound,
         model: &str,
         deadline_ms: u64,
-    ) -> Option<IncomingResponse> {
+    ) -> Result<IncomingResponse, Failed> {
         let body = outbound.body_for(model);
         let mut headers: Vec<(String, String)> =
             outbound.headers(self.bearer.as_deref()).into_iter().map(|(n, v)| (n.to_owned(), v.to_owned())).collect();
@@ -128,8 +128,8 @@ impl Gateway {
             headers.retain(|(n, _)| n != headers::ACCEPT);
             headers.push((headers::ACCEPT.to_owned(), headers::EVENT_STREAM.to_owned()));
         }
-        self.outgoing(Method::Post, outbound.endpoint.path(), &headers)
-            .and_then(|request| self.send(request, Body::Bytes(&body), deadline_ms, &mut || self.renew(call)))
+        let request = self.outgoing(Method::Post, outbound.endpoint.path(), &headers).ok_or(Failed::Unsent)?;
+        self.send(request, Body::Bytes(&body), deadline_ms, &mut || self.renew(call))
     }
 
     /// Sends a request to HolySheep with `body` and waits for its head until `deadline_ms`,
@@ -140,9 +140,9 @@ impl Gateway {
         body: Body<'_>,
         deadline_ms: u64,
         between: &mut dyn FnMut(),
-    ) -> Option<IncomingResponse> {
-        let outgoing = request.body().ok()?;
-        let future = outgoing_handler::handle(request, Some(options(deadline_ms))).ok()?;
+    ) -> Result<IncomingResponse, Failed> {
+        let outgoing = request.body().map_err(|()| Failed::Unsent)?;
+        let future = outgoing_handler::handle(request, Some(options(deadline_ms))).map_err(|_| Failed::Unsent)?;
         if let Ok(to) = outgoing.write() {
             match body {
                 Body::Bytes(b) => {
@@ -157,13 +157,17 @@ impl Gateway {
                 }
             }
         }
-        OutgoingBody::finish(outgoing, None).ok()?;
+        OutgoingBody::finish(outgoing, None).map_err(|_| Failed::Unknown)?;
         let ready = future.subscribe();
         if !host::wait_for(&ready, deadline_ms, self.config.tick_ms(), between) {
-            return None;
+            return Err(Failed::Unknown);
         }
         drop(ready);
-        future.get()?.ok()?.ok()
+        match future.get() {
+            Some(Ok(Ok(response))) => Ok(response),
+            Some(Ok(Err(e))) if never_sent(&e) => Err(Failed::Unsent),
+            _ => Err(Failed::Unknown),
+        }
     }
 
     fn outgoing(&self, method: Method, path: &str, headers: &[(String, String)]) -> Option<OutgoingRequest> {
@@ -193,7 +197,7 @@ impl Gateway {
         let deadline = host::now_ms().saturating_add(self.config.upstream.timeout_ms);
         let answer = self
             .outgoing(request.method(), &path, &headers)
-            .and_then(|outgoing| self.send(outgoing, Body::From(&request), deadline, &mut || {}));
+            .and_then(|outgoing| self.send(outgoing, Body::From(&request), deadline, &mut || {}).ok());
         let Some(answer) = answer else {
             let e = ApiError::upstream(502, "HolySheep could not be reached", "upstream_unavailable");
             return host::reply(out, &Reply::error(&e), &[]);
@@ -224,6 +228,44 @@ fn options(deadline_ms: u64) -> RequestOptions {
     let _ = options.set_connect_timeout(Some(ns));
     let _ = options.set_first_byte_timeout(Some(ns));
     options
+}
+
+/// Why a call to HolySheep brought no answer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Failed {
+    /// It never reached HolySheep: the host would not send it, or no connection was made.
+    Unsent,
+    /// It may have: a timeout, or the connection lost after the request went out.
+    Unknown,
+}
+
+impl Failed {
+    /// What the attempt's flight is told: an attempt that never left was billed nothing.
+    pub(super) fn hints(self) -> ProviderHints {
+        match self {
+            Failed::Unsent => ProviderHints::unsent(),
+            Failed::Unknown => ProviderHints::default(),
+        }
+    }
+}
+
+/// The `wasi:http` errors that come before a request leaves: no address, no connection, a
+/// certificate refused in the handshake, or the host's own refusal.
+fn never_sent(e: &ErrorCode) -> bool {
+    matches!(
+        e,
+        ErrorCode::DnsTimeout
+            | ErrorCode::DnsError(_)
+            | ErrorCode::DestinationNotFound
+            | ErrorCode::DestinationUnavailable
+            | ErrorCode::DestinationIpProhibited
+            | ErrorCode::DestinationIpUnroutable
+            | ErrorCode::ConnectionRefused
+            | ErrorCode::ConnectionTimeout
+            | ErrorCode::ConnectionLimitReached
+            | ErrorCode::TlsCertificateError
+            | ErrorCode::HttpRequestDenied
+    )
 }
 
 /// The body of a request to HolySheep: bytes in hand, or the client's body streamed through.

@@ -202,17 +202,14 @@ impl Gateway {
             action = match action {
                 Action::Send { model, timeout_ms } => {
                     let deadline = host::now_ms().saturating_add(timeout_ms.max(1));
-                    let Some(response) = self.request_head(&flight.call, outbound, &model, deadline) else {
-                        let now = host::now_ms();
-                        action = flight.on_response(
-                            &self.kv,
-                            &self.config,
-                            None,
-                            &ProviderHints::default(),
-                            now,
-                            host::nonce(),
-                        );
-                        continue;
+                    let response = match self.request_head(&flight.call, outbound, &model, deadline) {
+                        Ok(response) => response,
+                        Err(failed) => {
+                            let now = host::now_ms();
+                            let hints = failed.hints();
+                            action = flight.on_response(&self.kv, &self.config, None, &hints, now, host::nonce());
+                            continue;
+                        }
                     };
                     let events = response.status() == 200
                         && host::header(&response.headers(), headers::CONTENT_TYPE)

@@ -47,6 +47,12 @@ pub enum Event {
         class: Class,
         full: bool,
     },
+    /// An attempt on `model` was charged `micro` micro-dollars to its tenant's budget: what
+    /// HolySheep billed, or the worst case of an attempt whose cost is unknown.
+    BudgetCharged {
+        model: String,
+        micro: u64,
+    },
     /// The flight settled its tenant's dollar budget in this process's record, which then
     /// stood at these micro-dollars spent (and reserved) today and this month, kept by
     /// `keepers` processes (the tenant's gauges, without reading the record again).

@@ -14,6 +14,9 @@ pub(crate) const WAIT: &str = "x-holysheep-wait";
 pub const AGE: &str = "age";
 pub const CACHE_CONTROL: &str = "cache-control";
 pub const RETRY_AFTER: &str = "retry-after";
+/// Envoy's mark on its own 503 for a request its router never sent (circuit breaking,
+/// maintenance mode), documented with the router's headers.
+pub const ENVOY_OVERLOADED: &str = "x-envoy-overloaded";
 pub(crate) const LIMIT_REQUESTS: &str = "x-ratelimit-limit-requests";
 pub(crate) const LIMIT_TOKENS: &str = "x-ratelimit-limit-tokens";
 pub(crate) const REMAINING_REQUESTS: &str = "x-ratelimit-remaining-requests";

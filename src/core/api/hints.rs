@@ -58,8 +58,19 @@ impl ProviderHints {
             throttled: status == 429,
             retry_after_ms: retry_after_ms(get("retry-after-ms"), get(headers::RETRY_AFTER)),
             key_refused: false,
-            billed: Billed::Unknown,
+            // Envoy's own 503 for a request it turned away before sending it.
+            billed: if status == 503 && get(headers::ENVOY_OVERLOADED).is_some() {
+                Billed::Unsent
+            } else {
+                Billed::Unknown
+            },
         }
+    }
+
+    /// The hints of an attempt that never reached HolySheep (refused at dispatch, its
+    /// connection never made): it was billed nothing.
+    pub fn unsent() -> ProviderHints {
+        ProviderHints { billed: Billed::Unsent, ..ProviderHints::default() }
     }
 }
 

@@ -51,6 +51,10 @@ pub enum Billed {
     /// charged that.
     #[default]
     Unknown,
+    /// The attempt never reached HolySheep (the callout was refused at dispatch, the
+    /// connection could not be made, Envoy's circuit breaker turned it away): nothing, and
+    /// its token estimate goes back to the bucket.
+    Unsent,
 }
 
 impl Billed {
@@ -61,6 +65,9 @@ impl Billed {
     pub fn of_answer(status: u16, content_type: &str, body: &[u8]) -> Billed {
         if let Some(u) = of_answer(body) {
             return Billed::Known(u);
+        }
+        if envoy_never_sent(status, content_type, body) {
+            return Billed::Unsent;
         }
         // Its `error` is read only where it can decide: a non-200 said to be JSON.
         let json = content_type.to_ascii_lowercase().contains("json");
@@ -79,6 +86,35 @@ impl Billed {
         }
         Billed::Unknown
     }
+}
+
+/// Envoy's own 503 for a request it never sent: its router's local reply (`text/plain`,
+/// `upstream connect error or disconnect/reset before headers. reset reason: <reason>`)
+/// where the reason is one that comes before a request leaves: the connection could not
+/// be made (`local connection failure`, `remote connection failure`, older Envoys'
+/// `connection failure`, `connection timeout`), the cluster's circuit breaker overflowed
+/// (`overflow`), or HTTP/2's `REFUSED_STREAM`, which promises the stream was not processed
+/// (`remote refused stream reset`, `local refused stream reset`). A reset after the request
+/// went out (`connection termination`, `remote reset`, ...) may have been billed. Envoy says
+/// this only in text (its `%RESPONSE_FLAGS%` `UF`/`UO` reach the access log alone).
+fn envoy_never_sent(status: u16, content_type: &str, body: &[u8]) -> bool {
+    const HEAD: &[u8] = b"upstream connect error or disconnect/reset before headers. reset reason: ";
+    const BEFORE_SENDING: [&[u8]; 7] = [
+        b"local connection failure",
+        b"remote connection failure",
+        b"connection failure",
+        b"connection timeout",
+        b"overflow",
+        b"remote refused stream reset",
+        b"local refused stream reset",
+    ];
+    if status != 503 || !content_type.trim_start().to_ascii_lowercase().starts_with("text/plain") {
+        return false;
+    }
+    let Some(reason) = body.strip_prefix(HEAD) else { return false };
+    // The reason runs to the first comma (`, transport failure reason: ...` may follow).
+    let reason = reason.split(|&b| b == b',').next().unwrap_or_default().trim_ascii();
+    BEFORE_SENDING.contains(&reason)
 }
 
 /// `usage` as OpenAI-compatible APIs write it: chat and completions (`prompt_tokens`,
@@ -189,6 +225,32 @@ mod tests {
         let named = r#""x\"usage":{"prompt_tokens":999,"completion_tokens":999}"#;
         assert_eq!(of_answer(format!(r#"{{{u},{named}}}"#).as_bytes()), three_four);
         assert_eq!(of_answer(format!(r#"{{"id":"x",{named}}}"#).as_bytes()), None);
+    }
+
+    #[test]
+    fn only_envoys_own_reply_for_a_request_it_never_sent_is_unsent() {
+        let envoy =
+            |reason: &str| format!("upstream connect error or disconnect/reset before headers. reset reason: {reason}");
+        let text = "text/plain";
+        for reason in [
+            "remote connection failure",
+            "remote connection failure, transport failure reason: delayed connect error: Connection refused",
+            "connection failure",
+            "local connection failure",
+            "connection timeout",
+            "overflow",
+            "remote refused stream reset",
+        ] {
+            assert_eq!(Billed::of_answer(503, text, envoy(reason).as_bytes()), Billed::Unsent, "{reason}");
+        }
+        // After the request left, or not Envoy's own reply: it may have been billed.
+        for reason in ["connection termination", "remote reset", "local reset", "protocol error", "overflowing"] {
+            assert_eq!(Billed::of_answer(503, text, envoy(reason).as_bytes()), Billed::Unknown, "{reason}");
+        }
+        let overflow = envoy("overflow");
+        assert_eq!(Billed::of_answer(502, text, overflow.as_bytes()), Billed::Unknown, "not a 503");
+        assert_eq!(Billed::of_answer(503, "application/json", overflow.as_bytes()), Billed::Unknown);
+        assert_eq!(Billed::of_answer(503, text, format!("x {overflow}").as_bytes()), Billed::Unknown);
     }
 
     #[test]

@@ -172,14 +172,18 @@ impl Flight {
         let model = self.model().to_owned();
         // What HolySheep billed, as the shell read it from the answer (`upstream::response`);
         // no answer at all (a reset, a timeout) may have been billed its worst case.
-        let billed = if outcome.is_some() { hints.billed } else { Billed::Unknown };
+        // An attempt the shell knows never reached HolySheep (refused at dispatch, its
+        // connection never made) was billed nothing, answer or not.
+        let billed = if outcome.is_some() || hints.billed == Billed::Unsent { hints.billed } else { Billed::Unknown };
         let usage = match billed {
             Billed::Known(u) => Some(u),
-            Billed::Nothing | Billed::Unknown => None,
+            Billed::Nothing | Billed::Unknown | Billed::Unsent => None,
         };
         self.standing.bill(config, self.idx, billed);
-        // HolySheep's own 4xx used no tokens: the estimate goes back to the bucket.
-        let rejected = billed == Billed::Nothing && outcome.as_ref().is_some_and(|r| (400..500).contains(&r.status));
+        // HolySheep's own 4xx used no tokens, nor did an attempt that never reached it: the
+        // estimate goes back to the bucket.
+        let rejected = billed == Billed::Unsent
+            || billed == Billed::Nothing && outcome.as_ref().is_some_and(|r| (400..500).contains(&r.status));
         let actual = usage.map(|u| u.total()).or(rejected.then_some(0));
         self.standing.settle(store, config, self.idx, (actual, 0), hints, now_ms);
         self.take_trail();
@@ -194,7 +198,9 @@ impl Flight {
             (_, outcome) => outcome,
         };
         let outcome = outcome.map(|r| self.signed(r).with_header(headers::MODEL, model.clone()));
-        if !retryable(outcome.as_ref()) || hints.key_refused {
+        // Another attempt goes only where the tenant's budget holds its worst case beside
+        // what this one was billed.
+        if !retryable(outcome.as_ref()) || hints.key_refused || !self.standing.cover_next(store, config, now_ms) {
             return self.end(store, config, outcome, now_ms);
         }
         self.attempt += 1;
@@ -260,11 +266,14 @@ impl Flight {
         let (billed, actual) = match (end.usage, end.attempts, end.status) {
             (Some(u), _, _) => (Billed::Known(u), Some(u.total())),
             (None, 0, _) => (Billed::Nothing, Some(0)),
+            // Envoy's own answer that says the request never left (`Billed::Unsent`).
+            (None, _, _) if hints.billed == Billed::Unsent => (Billed::Unsent, Some(0)),
             // (a 200 the edge refused to pass on as not a stream says it too)
             (None, _, Some(s)) if s != 200 || hints.billed != Billed::Unknown => match hints.billed {
                 Billed::Nothing => (Billed::Nothing, (400..500).contains(&s).then_some(0)),
                 Billed::Known(u) => (Billed::Known(u), Some(u.total())),
                 Billed::Unknown => (Billed::Unknown, Some(end.cut_off_tokens)),
+                Billed::Unsent => (Billed::Unsent, Some(0)),
             },
             (None, _, _) => (Billed::Unknown, Some(end.cut_off_tokens)),
         };
@@ -279,6 +288,16 @@ impl Flight {
         }
         self.standing.close(store, config, now_ms);
         self.take_trail();
+    }
+
+    /// The retries Envoy's router may make of a stream before its first byte: none when
+    /// the call holds its tenant's dollars, whose reservation covers one attempt's worst
+    /// case (each retry may be billed as much, and is charged so).
+    pub fn stream_retries(&self, config: &Config) -> u32 {
+        if self.standing.holds_dollars() {
+            return 0;
+        }
+        config.retry.max_attempts.saturating_sub(1)
     }
 
     /// A fallback's answer is not stored under the requested model's key.
@@ -711,19 +730,78 @@ mod tests {
         assert!(matches!(flights[1].on_response(&s, &c, status(400), &hints(400), 7, 0), Action::Finish(_)));
         assert_eq!(crate::core::limits::budget::spent(&s, "t", 7), (3220, 3220));
         // No answer at all (a reset, a timeout) may have been billed: each such attempt is
-        // charged the call's worst case.
+        // charged the call's worst case, and a retry is sent only once the budget holds its
+        // worst case beside what was charged.
         let none = ProviderHints::default();
         assert!(matches!(again.on_response(&s, &c, None, &none, 8, 0), Action::Sleep { .. }), "retried");
-        assert_eq!(crate::core::limits::budget::spent(&s, "t", 8), (3220, 3220), "its hold stays while it retries");
-        send(again.resume(&s, &c, 9_000, 5));
-        assert!(matches!(again.on_response(&s, &c, None, &none, 9_001, 0), Action::Sleep { .. }));
-        send(again.resume(&s, &c, 20_000, 6));
-        assert!(matches!(again.on_response(&s, &c, None, &none, 20_001, 0), Action::Finish(_)));
         assert_eq!(
-            crate::core::limits::budget::spent(&s, "t", 20_002),
-            (220 + 9000, 220 + 9000),
-            "three unknown attempts, three worst cases"
+            crate::core::limits::budget::spent(&s, "t", 8),
+            (220 + 6000, 220 + 6000),
+            "the first attempt's worst case charged, the retry's reserved"
         );
+        send(again.resume(&s, &c, 9_000, 5));
+        // A third worst case does not fit the day's $0.007: the call ends with what it got.
+        assert!(matches!(again.on_response(&s, &c, None, &none, 9_001, 0), Action::Finish(None)));
+        assert_eq!(
+            crate::core::limits::budget::spent(&s, "t", 9_002),
+            (220 + 6000, 220 + 6000),
+            "two unknown attempts, two worst cases, within the budget"
+        );
+    }
+
+    #[test]
+    fn attempts_that_never_reached_holysheep_cost_nothing_however_often_they_are_retried() {
+        // Worst case 3000 micro-dollars; the day allows 7000.
+        let (s, c) = (MemStore::new(), tenant_config(r#","usd_per_day":0.007"#, ""));
+        let mut f = tenant_flight(&c);
+        send(f.resume(&s, &c, 0, 1));
+        // Refused at dispatch (no answer, the shell says it never left) ...
+        assert!(matches!(f.on_response(&s, &c, None, &ProviderHints::unsent(), 1, 0), Action::Sleep { .. }));
+        send(f.resume(&s, &c, 5_000, 2));
+        // ... then Envoy's own 503 for a connection it could not make ...
+        let refused =
+            "upstream connect error or disconnect/reset before headers. reset reason: remote connection failure";
+        let (r, h) = read(503, "text/plain", refused);
+        assert_eq!(h.billed, Billed::Unsent);
+        assert!(matches!(f.on_response(&s, &c, r, &h, 5_001, 0), Action::Sleep { .. }));
+        send(f.resume(&s, &c, 15_000, 3));
+        // ... and its circuit breaker's, marked `x-envoy-overloaded`.
+        let headers = [
+            ("content-type".to_owned(), "text/plain".to_owned()),
+            ("x-envoy-overloaded".to_owned(), "true".to_owned()),
+        ];
+        let (r, h) = crate::core::upstream::response(503, &headers, b"overloaded".to_vec(), Default::default());
+        assert_eq!(h.billed, Billed::Unsent);
+        assert!(matches!(f.on_response(&s, &c, Some(r), &h, 15_001, 0), Action::Finish(Some(_))));
+        assert_eq!(crate::core::limits::budget::spent(&s, "t", 15_002), (0, 0), "three attempts, none charged");
+        assert!(!f.events.iter().any(|e| matches!(e, Event::BudgetCharged { .. })), "{:?}", f.events);
+    }
+
+    #[test]
+    fn a_retry_of_an_attempt_that_billed_needs_its_own_worst_case_reserved() {
+        // Worst case 3000 micro-dollars; the day allows 5000: one worst case, not two.
+        let (s, c) = (MemStore::new(), tenant_config(r#","usd_per_day":0.005"#, ""));
+        let mut f = tenant_flight(&c);
+        send(f.resume(&s, &c, 0, 1));
+        // A 200 that is not a chat completion but carries usage: 7 + 5 tokens, 220 micro-dollars.
+        let body = r#"{"object":"list","data":[],"usage":{"prompt_tokens":7,"completion_tokens":5}}"#;
+        let (r, h) = read(200, "application/json", body);
+        assert_eq!(r.as_ref().map(|r| r.status), Some(502), "not passed on");
+        assert!(matches!(f.on_response(&s, &c, r, &h, 1, 0), Action::Sleep { .. }), "220 + 3000 fits 5000");
+        assert_eq!(crate::core::limits::budget::spent(&s, "t", 1), (3220, 3220));
+        send(f.resume(&s, &c, 5_000, 2));
+        // A 5xx with usage: 60 completion tokens, 1800 more, and no room for a third attempt
+        // (2020 + 3000 > 5000).
+        let body = r#"{"error":{"message":"late"},"usage":{"prompt_tokens":0,"completion_tokens":60}}"#;
+        let (r, h) = read(500, "application/json", body);
+        assert!(matches!(f.on_response(&s, &c, r, &h, 5_001, 0), Action::Finish(Some(_))));
+        let charged: u64 = f
+            .events
+            .iter()
+            .filter_map(|e| if let Event::BudgetCharged { micro, .. } = e { Some(*micro) } else { None })
+            .sum();
+        assert_eq!(charged, 220 + 1800, "each attempt's bill counted as charged");
+        assert_eq!(crate::core::limits::budget::spent(&s, "t", 5_002), (2020, 2020), "what was billed, within $0.005");
     }
 
     #[test]

@@ -267,12 +267,34 @@ impl Standing {
         }
     }
 
-    /// What an attempt on `models()[index]` was billed goes on the tenant's account.
+    /// What an attempt on `models()[index]` was billed goes on the tenant's account (and is
+    /// counted as charged to its budget).
     pub fn bill(&mut self, config: &Config, index: usize, billed: Billed) {
         let model = self.models.get(index).cloned().unwrap_or_default();
         if let TenantPass::Taken(Some(hold)) = &mut self.pass {
+            let before = hold.used_micro();
             hold.bill(config, &model, billed);
+            let micro = hold.used_micro().saturating_sub(before);
+            if micro > 0 {
+                self.events.push(Event::BudgetCharged { model, micro });
+            }
         }
+    }
+
+    /// Whether another attempt may be sent: what the call reserved of its tenant's budget
+    /// covers what its attempts were billed so far and the next one's worst case (the
+    /// reservation grows to it when the budget is kept here and has room).
+    pub fn cover_next(&mut self, store: &impl CasStore, config: &Config, now_ms: u64) -> bool {
+        match &mut self.pass {
+            TenantPass::Taken(Some(hold)) => hold.cover_next(store, config, now_ms),
+            _ => true,
+        }
+    }
+
+    /// Whether the call holds a reservation of its tenant's dollars: one attempt's worst
+    /// case, which Envoy's router must not retry beyond (`Flight::stream_retries`).
+    pub fn holds_dollars(&self) -> bool {
+        matches!(&self.pass, TenantPass::Taken(Some(hold)) if hold.dollars().micro > 0)
     }
 
     /// Settles the call's ticket on `models()[index]` with the tokens it used (`None`:

@@ -27,6 +27,11 @@ pub(crate) struct TenantHold {
     id: u64,
     estimate: u64,
     dollars: Hold,
+    /// One attempt's worst case (what was first reserved): an attempt of unknown cost is
+    /// charged this, and each attempt must find it reserved before it is sent.
+    worst_micro: u64,
+    /// Until when the budget lists the reservation.
+    until_ms: u64,
     /// Where it was taken: `None` on the tenant's owner node (settled by a message),
     /// else the ledger here (the tenant's own, or this node's share of it).
     here: Option<Ledger>,
@@ -282,6 +287,8 @@ pub(crate) fn take(
         id,
         estimate,
         dollars,
+        worst_micro: dollars.micro,
+        until_ms: listed.2,
         here: Some(ledger),
         used_tokens: 0,
         used_micro: 0,
@@ -320,6 +327,8 @@ pub(crate) fn settle_reported(store: &impl CasStore, config: &Config, s: &Settle
         id: s.id,
         estimate: s.estimate,
         dollars: s.hold,
+        worst_micro: s.hold.micro,
+        until_ms: now_ms,
         here: Some(Ledger::of(config, t, &s.tenant, None)),
         used_tokens: s.tokens,
         used_micro: s.micro,
@@ -335,6 +344,8 @@ impl TenantHold {
             id: ask.id,
             estimate: ask.estimate,
             dollars,
+            worst_micro: dollars.micro,
+            until_ms: 0,
             here: None,
             used_tokens: 0,
             used_micro: 0,
@@ -349,11 +360,37 @@ impl TenantHold {
     pub fn bill(&mut self, config: &Config, model: &str, billed: Billed) {
         let (tokens, micro) = match billed {
             Billed::Known(u) => (u.total(), config.cost_micro_usd(model, &u)),
-            Billed::Nothing => (0, 0),
-            Billed::Unknown => (self.estimate, self.dollars.micro),
+            Billed::Nothing | Billed::Unsent => (0, 0),
+            Billed::Unknown => (self.estimate, self.worst_micro),
         };
         self.used_tokens = self.used_tokens.saturating_add(tokens);
         self.used_micro = self.used_micro.saturating_add(micro);
+    }
+
+    /// Whether one more attempt, which may be billed its worst case, is covered by what
+    /// the call reserved beside what its attempts were billed so far. When it is not, the
+    /// reservation grows to cover it where the budget is kept here, if the budget has room;
+    /// a hold on the tenant's owner node cannot grow, and the attempt is not made.
+    pub fn cover_next(&mut self, store: &impl CasStore, config: &Config, now_ms: u64) -> bool {
+        let need = self.used_micro.saturating_add(self.worst_micro);
+        if need <= self.dollars.micro {
+            return true;
+        }
+        let Some(ledger) = &self.here else { return false };
+        let backed = (ledger.caps, ledger.backing(config));
+        let until_ms = self.until_ms.max(now_ms);
+        match budget::reserve(store, &ledger.name, backed, (self.id, need, until_ms), now_ms) {
+            Ok(hold) => {
+                self.dollars = hold;
+                true
+            }
+            Err(_) => false,
+        }
+    }
+
+    /// What the call's attempts have been billed so far, in micro-dollars.
+    pub(crate) fn used_micro(&self) -> u64 {
+        self.used_micro
     }
 
     /// The flight ended: its reservations become what its attempts used, here, or (the

@@ -47,9 +47,12 @@ pub enum Counter {
     HopKeyMismatch,
     /// An owner took a hop from a node whose configuration digest differs from its own.
     ConfigMismatch,
+    /// What tenants' dollar budgets were charged for the model's calls: what HolySheep
+    /// billed, and the worst case of each attempt whose cost the edge could not read.
+    BudgetChargedMicroUsd,
 }
 
-pub const COUNTERS: [Counter; 30] = [
+pub const COUNTERS: [Counter; 31] = [
     Counter::Requests(CacheStatus::Hit),
     Counter::Requests(CacheStatus::Miss),
     Counter::Requests(CacheStatus::Coalesced),
@@ -80,6 +83,7 @@ pub const COUNTERS: [Counter; 30] = [
     Counter::PeerRefused,
     Counter::HopKeyMismatch,
     Counter::ConfigMismatch,
+    Counter::BudgetChargedMicroUsd,
 ];
 
 impl Counter {
@@ -116,6 +120,7 @@ impl Counter {
             Counter::PeerRefused => 27,
             Counter::HopKeyMismatch => 28,
             Counter::ConfigMismatch => 29,
+            Counter::BudgetChargedMicroUsd => 30,
         }
     }
 
@@ -146,6 +151,7 @@ impl Counter {
             Counter::PeerRefused => "peer_refused".into(),
             Counter::HopKeyMismatch => "hop_key_mismatch".into(),
             Counter::ConfigMismatch => "config_mismatch".into(),
+            Counter::BudgetChargedMicroUsd => "budget_charged_microusd".into(),
         }
     }
 }
@@ -253,6 +259,7 @@ pub fn for_event<'a>(config: &'a Config, event: &'a Event) -> Vec<(&'a str, Coun
         Event::RateLimited { model } => one(model, Counter::RateLimited),
         Event::ProviderRateLimited { model } => one(model, Counter::ProviderRateLimited),
         Event::LocalShare { model } => one(model, Counter::FleetLocalShare),
+        Event::BudgetCharged { model, micro } => vec![(label(config, model), Counter::BudgetChargedMicroUsd, *micro)],
         // Counted per class (`for_class`).
         Event::Queued { .. } | Event::Admitted { .. } | Event::Shed { .. } | Event::BudgetStanding { .. } => Vec::new(),
         Event::Usage { model, usage } => {
@@ -530,6 +537,7 @@ mod tests {
             "peer_refused",
             "hop_key_mismatch",
             "config_mismatch",
+            "budget_charged_microusd",
         ];
         assert_eq!(names, documented, "the counter names docs/operations.md lists, each once");
         assert!(COUNTERS.iter().enumerate().all(|(i, c)| c.index() == i), "index is the place in COUNTERS");

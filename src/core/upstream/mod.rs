@@ -196,6 +196,8 @@ pub fn response(status: u16, headers: &[(String, String)], body: Vec<u8>, sent: 
         .or_else(|| (status == 200 && !is_answer).then(|| not_an_answer(&content_type, sent)));
     hints.key_refused = refusal.as_ref().is_some_and(|e| e.code == KEY_REFUSED);
     hints.billed = match members {
+        // Envoy's own 503 for a request it never sent says so in its head.
+        _ if hints.billed == Billed::Unsent => Billed::Unsent,
         Some([.., usage, error]) => Billed::of_members(status, usage, error),
         // Not one JSON object (or a name twice): its usage may still be found at its end.
         None => Billed::of_answer(status, &content_type, &body),

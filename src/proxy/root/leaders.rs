@@ -71,8 +71,9 @@ impl Root {
                         return;
                     }
                     Forwarded::Misrouted => {
+                        // Refused here: it never left for HolySheep.
                         let refused = Reply::error(&ApiError::misdirected()).response;
-                        action = self.on_outcome(&mut run, Some(refused), &ProviderHints::default());
+                        action = self.on_outcome(&mut run, Some(refused), &ProviderHints::unsent());
                     }
                     Forwarded::Gone => {
                         let end = StreamEnd::never_sent();
@@ -89,7 +90,8 @@ impl Root {
                         self.worker.borrow_mut().runs.calling.insert(token, run);
                         return;
                     }
-                    None => action = self.on_outcome(&mut run, None, &ProviderHints::default()),
+                    // Refused at dispatch: it never left.
+                    None => action = self.on_outcome(&mut run, None, &ProviderHints::unsent()),
                 },
                 flight::Action::Sleep { until_ms } => {
                     self.worker.borrow_mut().runs.sleeping.push((until_ms, run));

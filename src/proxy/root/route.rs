@@ -52,9 +52,10 @@ impl Root {
         let scheme = value(":scheme").or_else(|| value("x-forwarded-proto")).unwrap_or_else(|| "http".into());
         let body = run.outbound.body_for(model);
         let length = body.len().to_string();
-        // Envoy's router retries before the first byte on the edge's terms, and says how
+        // Envoy's router retries before the first byte on the edge's terms (none for a
+        // call holding its tenant's dollars: `Flight::stream_retries`), and says how
         // many attempts it made (`host::upstream_attempts`), each counted and charged.
-        let retries = config.retry.max_attempts.saturating_sub(1).to_string();
+        let retries = run.flight.stream_retries(&config).to_string();
         let mut set: Vec<(&str, &str)> = vec![
             (":path", run.outbound.endpoint.path()),
             (":authority", config.upstream.authority.as_str()),

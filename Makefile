@@ -1,5 +1,5 @@
 # The two commands: `make run` (demo on the mock) and `make test` (everything CI runs).
-.PHONY: otel-receiver shells-check size-check size-profile k8s-check oci rules-check run run-cluster run-tiers run-component test check imports-check fuzz-check bench profile floors soak stop setup clean wit-lock fuzz tenant-key docs-check
+.PHONY: sim otel-receiver shells-check size-check size-profile k8s-check oci rules-check run run-cluster run-tiers run-component test check imports-check fuzz-check bench profile floors soak stop setup clean wit-lock fuzz tenant-key docs-check
 
 # What the tests need (`make run` and the other demos install only what they use).
 setup:
@@ -63,6 +63,15 @@ check: docs-check imports-check fuzz-check shells-check
 	cargo fmt --all --check
 	cargo clippy --quiet --workspace --all-targets -- -D warnings
 	cargo test --quiet -p holysheep-edge --lib
+
+# The fleet simulator (src/core/sim/, docs/testing.md#the-fleet-simulator): SEEDS seeds of
+# STEPS steps each, or the one seed SEED= (the command a failing seed prints), built for
+# speed. `cargo test` runs seeds 1 to 40 of 2000 steps.
+SEEDS ?= 1000
+STEPS ?= 2000
+sim:
+	SIM_SEEDS=$(SEEDS) SIM_STEPS=$(STEPS) $(if $(SEED),SIM_SEED=$(SEED)) \
+	  cargo test --release --quiet -p holysheep-edge --lib core::sim -- --nocapture
 
 # Clippy on each shell's own build, warnings denied (`make test` does it in tools/suites.sh).
 # With the native build, which has no shell, this reports a core item nothing uses

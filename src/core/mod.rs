@@ -3,7 +3,10 @@
 //!
 //! The modules are floors; each uses only the floors below it. Floors, bottom-up: wire,
 //! api, store, config, stream, request, limits, cache, upstream, semantic, coalesce, flight,
-//! intake, observe.
+//! intake, observe, sim.
+//!
+//! `sim`, the fleet simulator, is built for tests only: it drives the floors below it as the
+//! shells do.
 //!
 //! An arrow up a floor is allowed only with an `// up:` comment on its line (or the line
 //! above) saying why; `tools/imports.py` (in `make check` and `make test`) fails on an import
@@ -26,6 +29,8 @@ pub mod limits;
 pub mod observe;
 pub mod request;
 pub mod semantic;
+#[cfg(test)]
+mod sim;
 pub mod store;
 pub mod stream;
 pub mod upstream;

@@ -408,6 +408,22 @@ fn envoys_circuit_breaker_turning_a_call_away_costs_its_tenant_nothing() {
     assert!(s.crashes().is_empty(), "{:?}", s.crashes());
 }
 
+#[test]
+fn a_budgeted_tenants_stream_is_not_retried_by_the_router_beyond_its_reservation() {
+    let models = format!(r#"{{"gpt-4.1":{{{PRICES}}}}}"#);
+    let s = start(&retries_on(&config(&models, "{}", &[("batch", r#""usd_per_day":10"#)])), 0);
+    let error = Fault { status: Some(503), ..Fault::default() };
+    // A tenant without a budget: Envoy's router retries the 503 before the first byte.
+    s.mock.mock.plan(vec![error.clone()]);
+    let r = chat(&s, "alpha", &streamed(&prompt("a stream retried by the router")));
+    assert_eq!((r.status, s.calls()), (200, 2), "{}", r.text());
+    // A budgeted tenant's reservation holds one attempt's worst case: no router retry.
+    s.mock.mock.plan(vec![error]);
+    let r = chat(&s, "batch", &streamed(&prompt("a budgeted stream")));
+    assert_eq!((r.status, s.calls()), (503, 3), "{}", r.text());
+    assert!(s.crashes().is_empty(), "{:?}", s.crashes());
+}
+
 fn send(s: &Stack, tenant: &str, text: &str) -> JoinHandle<Resp> {
     let (edge, body, auth) = (s.envoy.edge, prompt(text), bearer(tenant));
     std::thread::spawn(move || {

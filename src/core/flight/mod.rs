@@ -833,6 +833,23 @@ mod tests {
     }
 
     #[test]
+    fn in_a_fleet_a_hold_on_the_tenants_owner_covers_one_attempt_that_may_have_billed() {
+        let c = fleet_tenant_config(1.0);
+        let (here, owner) = (MemStore::new(), MemStore::new());
+        let mut f = tenant_flight(&c);
+        for now in [0, 1] {
+            let Action::Ask { op, .. } = f.resume(&here, &c, now, 1) else { panic!("asks an owner") };
+            f.on_verdict(Some(fleet::serve(&owner, &c, &op.to_json(), now).unwrap()));
+        }
+        assert_eq!(send(f.resume(&here, &c, 1, 1)), "gpt-4.1");
+        // No answer: charged its worst case, which is all the owner reserved. The hold there
+        // cannot grow from here, so no second attempt is sent.
+        assert!(matches!(f.on_response(&here, &c, None, &ProviderHints::default(), 2, 0), Action::Finish(None)));
+        let settled = f.outbox.iter().find_map(|op| if let Op::TenantSettle(s) = op { Some(s.micro) } else { None });
+        assert_eq!(settled, Some(3000), "one worst case");
+    }
+
+    #[test]
     fn in_a_fleet_a_tenants_share_is_taken_and_settled_on_its_owner_node() {
         let c = fleet_tenant_config(0.003);
         let (here, owner) = (MemStore::new(), MemStore::new());

@@ -265,3 +265,47 @@ fn embeddings_are_inside_the_tenants_budget_and_the_embedding_models_bucket() {
     assert_eq!(s.mock.mock.embeddings(), 1, "the embedding model's bucket admitted no second embedding");
     assert!(s.crashes().is_empty(), "{:?}", s.crashes());
 }
+
+#[test]
+fn in_a_fleet_a_budgeted_tenant_makes_no_embedding_and_each_node_keeps_its_share_of_the_bucket() {
+    // The embedding model allows 6 requests a minute, a burst of 6: a node's share is 2.
+    let raw = format!(
+        r#"{{"semantic":{{"enabled":true}},
+            "models":{{"gpt-4.1":{{"usd_per_mtok_input":2,"usd_per_mtok_output":8}},
+                       "text-embedding-3-small":{{"usd_per_mtok_input":{EMBEDDING_USD_PER_MTOK},"requests_per_minute":6,"burst":6}}}},
+            "tenants":{{"paid":{{"keys_sha256":["{}"],"usd_per_day":100}},"free":{{"keys_sha256":["{}"]}},
+                        "probe":{{"keys_sha256":["{}"]}}}}}}"#,
+        key_digest("paid-key"),
+        key_digest("free-key"),
+        key_digest("probe")
+    );
+    let fleet = host_test::fleet::Fleet::keyed(0, 3, &raw, 0, Some(OPERATOR_KEY));
+    let publics = fleet.publics();
+    let on = |i: usize, key: &str, question: &str| {
+        let body = ask("gpt-4.1", SYSTEM, &[], question).to_string();
+        let auth = format!("Bearer {key}");
+        host_test::client::request(
+            publics[i],
+            "POST",
+            host_test::stack::PATH,
+            &[("authorization", &auth)],
+            body.as_bytes(),
+        )
+        .expect("answer")
+    };
+    // The tenant's budget lives on its owner node, which is not asked before an embedding:
+    // its new questions, through every node, make none (each used to make one).
+    for i in 0..6 {
+        let r = on(i % 3, "paid-key", &format!("Which river runs through city number {i}?"));
+        assert_eq!((r.status, r.cache()), (200, "MISS"), "{}", r.text());
+    }
+    assert_eq!(fleet.mock.mock.embeddings(), 0, "no embedding for a budgeted tenant in a fleet");
+    // A tenant without a budget: its questions share a partition, so one owner embeds them,
+    // within its share of the embedding model's bucket (which took nothing in a fleet).
+    for i in 0..3 {
+        let r = on(i, "free-key", &format!("Which mountain stands over town number {i}?"));
+        assert_eq!(r.status, 200, "{}", r.text());
+    }
+    assert_eq!(fleet.mock.mock.embeddings(), 2, "the owner's share of a burst of 6 over 3 nodes");
+    assert!(fleet.crashes().is_empty(), "{:?}", fleet.crashes());
+}

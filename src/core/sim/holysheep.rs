@@ -87,8 +87,8 @@ pub(crate) fn attempt(
     rng: &mut Rng,
     fault: Fault,
     (prompt, max_completion): (u64, u64),
-    cost: impl Fn(&Usage) -> u64,
-    worst_micro: u64,
+    (cost, worst_micro): (impl Fn(&Usage) -> u64, u64),
+    content: &str,
 ) -> Attempt {
     // Half the answers write until the completion limit, as a long answer does.
     let completion = if rng.chance(50) { max_completion } else { 1 + rng.below(max_completion.max(1)) };
@@ -114,7 +114,10 @@ pub(crate) fn attempt(
     let latency_ms = 5 + rng.below(400);
     let (billed, due, (outcome, hints)) = match fault {
         Fault::Answer => {
-            let body = format!(r#"{{"object":"chat.completion","choices":[],{usage_json}}}"#);
+            let choice = format!(
+                r#"{{"index":0,"message":{{"role":"assistant","content":"{content}"}},"finish_reason":"stop"}}"#
+            );
+            let body = format!(r#"{{"object":"chat.completion","choices":[{choice}],{usage_json}}}"#);
             (Some(usage), cost(&usage), json(200, body, &[]))
         }
         Fault::BilledThenReset => (Some(usage), worst_micro, (None, ProviderHints::default())),

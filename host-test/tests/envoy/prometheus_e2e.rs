@@ -149,6 +149,12 @@ fn prometheus_sees_the_hits_calls_and_dollars_the_mock_saw() {
         Some(spent * 4.0),
         "four HITs saved it"
     );
+    // Every call was the budgeted tenant's, each of known cost: its budget was charged that.
+    assert_eq!(
+        scalar(&p, r#"holysheep_budget_charged_microusd{gen_ai_request_model="gpt-4.1"}"#),
+        Some(spent),
+        "charged to the budget"
+    );
     // The tenant's copies and its budget gauge: labelled by tenant, never counted twice.
     let tenant_hits = r#"holysheep_tenant_requests{holysheep_tenant="search", holysheep_cache="hit"}"#;
     assert_eq!(scalar(&p, tenant_hits), Some(4.0));
@@ -171,7 +177,7 @@ fn prometheus_sees_the_hits_calls_and_dollars_the_mock_saw() {
                 .flatten()
                 .flat_map(|g| g["rules"].as_array().into_iter().flatten())
                 .collect();
-            rules.len() == 12 && rules.iter().all(|r| r["health"] == "ok")
+            rules.len() == 13 && rules.iter().all(|r| r["health"] == "ok")
         },
         "the shipped rules never all evaluated",
     );
@@ -187,7 +193,7 @@ fn prometheus_sees_the_hits_calls_and_dollars_the_mock_saw() {
         .flat_map(|p| p["targets"].as_array().into_iter().flatten())
         .filter_map(|t| t["expr"].as_str())
         .collect();
-    assert_eq!(exprs.len(), 10);
+    assert_eq!(exprs.len(), 11);
     for e in exprs {
         query(&p, e).unwrap_or_else(|err| panic!("the dashboard's query is refused: {err}"));
     }

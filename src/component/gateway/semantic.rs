@@ -21,7 +21,8 @@ impl Gateway {
         let probe = call.looks_for_paraphrase(&self.config, outbound.semantic.as_ref());
         let (Some(probe), Some(bearer)) = (probe, self.bearer.as_deref()) else { return Looked::Go(call, None) };
         // Within the tenant's budget and the embedding model's bucket, or not at all.
-        if !spend::admit(&self.kv, &self.config, &call.key, probe, outbound, host::now_ms()) {
+        let nonce = call.lease.as_ref().map_or(0, |l| l.nonce);
+        if !spend::admit(&self.kv, &self.config, (&call.key, nonce), probe, outbound, host::now_ms()) {
             return Looked::Go(call, None);
         }
         let embedding = self.embed(&call, &probe.text, bearer);
@@ -30,7 +31,7 @@ impl Gateway {
         let _ = spend::charge(
             &self.kv,
             &self.config,
-            (&call.key, probe),
+            ((&call.key, nonce), probe),
             outbound.tenant.as_deref(),
             tokens,
             host::now_ms(),

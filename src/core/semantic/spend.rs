@@ -1,5 +1,6 @@
 //! What the semantic tier's embedding costs, and who admits it: the embedding is sent only
-//! when the tenant's budget still holds the chat call's worst case beside the embedding's
+//! when the tenant's budget still holds the chat call's worst case beside the embedding's,
+//! whose worst case it then reserves until it is charged
 //! (a tenant that cannot afford the call makes no embedding call; in a fleet, where the
 //! budget lives on the tenant's owner node, a budgeted tenant makes none) and the embedding
 //! model's own bucket (in a fleet, this node's share of it), when it has one, admits it;
@@ -17,27 +18,31 @@ use crate::core::upstream::Outbound;
 
 use super::Probe;
 
-/// The embedding of `probe`'s question as its admission sees it: the bucket id it takes
-/// from the embedding model's bucket (one per flight), and its token estimate (a token is
-/// at least one byte of text).
-fn ticket(key: &Key, probe: &Probe) -> (u64, u64) {
+/// The embedding of `probe`'s question as its admission sees it: the id it takes from the
+/// embedding model's bucket and reserves in its tenant's budget under (one per flight: the
+/// key and the flight's lease `nonce`), and its token estimate (a token is at least one
+/// byte of text, so its worst case too).
+fn ticket((key, nonce): (&Key, u64), probe: &Probe) -> (u64, u64) {
     let id = key.hex().bytes().take(16).fold(0u64, |n, b| n.wrapping_mul(31).wrapping_add(u64::from(b)));
-    (id, probe.text.len() as u64)
+    (id ^ nonce.rotate_left(29), probe.text.len() as u64)
 }
 
-/// Whether the embedding for `outbound`'s call may be sent now: its tenant's budget (when it
-/// has one, kept on this node) has room for the chat call's worst case and the
-/// embedding's, and the embedding model's bucket (when it has limits, and they are this
-/// node's) gives it its tokens. Takes from that bucket when it says yes.
+/// Whether the embedding for `outbound`'s call (the flight of `key` whose lease carries
+/// `nonce`) may be sent now: its tenant's budget (when it has one, kept on this node) has
+/// room for the chat call's worst case and the embedding's, and the embedding model's
+/// bucket (when it has limits) gives it its tokens. When it says yes, the embedding's worst
+/// case is reserved in the budget and its tokens taken from the bucket, until `charge`.
 pub fn admit(
     store: &impl CasStore,
     config: &Config,
-    key: &Key,
+    call: (&Key, u64),
     probe: &Probe,
     outbound: &Outbound,
     now_ms: u64,
 ) -> bool {
-    let (id, estimate) = ticket(key, probe);
+    let (id, estimate) = ticket(call, probe);
+    let hold_ms = config.semantic.timeout_ms.saturating_add(1_000);
+    let mut reserved = None;
     if let Some(t) = outbound.tenant.as_deref().and_then(|t| config.tenants.get(t).map(|c| (t, c))) {
         let (name, tenant) = t;
         let shared = config.fleet.shared_limits();
@@ -50,22 +55,30 @@ pub fn admit(
         }
         if !caps.is_none() {
             let models = [outbound.model.clone()];
-            let worst = tenant_gate::worst_micro(config, &models, outbound.worst_tokens())
-                .saturating_add(super::cost_micro_usd(config, estimate));
-            let backing = Backing::of(config, config.budget_store.enabled());
-            if budget::check(store, name, (caps, backing), worst, now_ms).is_err() {
+            let embedding = super::cost_micro_usd(config, estimate);
+            let worst = tenant_gate::worst_micro(config, &models, outbound.worst_tokens()).saturating_add(embedding);
+            let backed = (caps, Backing::of(config, config.budget_store.enabled()));
+            if budget::check(store, name, backed, worst, now_ms).is_err() {
                 return false;
             }
+            // HolySheep may bill the embedding once it is sent: its worst case is held
+            // until it is charged, as a call's is.
+            let listed = (id, embedding, now_ms.saturating_add(hold_ms));
+            if budget::reserve(store, name, backed, listed, now_ms).is_err() {
+                return false;
+            }
+            reserved = Some((name, caps));
         }
     }
-    match bucket(config) {
-        Some((name, l)) => {
-            let who = Who::standard(id, estimate);
-            let hold_ms = config.semantic.timeout_ms.saturating_add(1_000);
-            limits::take(store, &name, &l, &who, now_ms, hold_ms, false).is_ok()
-        }
-        None => true,
+    let Some((bucket_name, l)) = bucket(config) else { return true };
+    let who = Who::standard(id, estimate);
+    if limits::take(store, &bucket_name, &l, &who, now_ms, hold_ms, false).is_ok() {
+        return true;
     }
+    if let Some((name, caps)) = reserved {
+        budget::settle(store, name, caps, id, 0, now_ms);
+    }
+    false
 }
 
 /// The embedding model's bucket, when it has limits: this node's, or in a fleet whose
@@ -90,12 +103,12 @@ fn bucket(config: &Config) -> Option<(String, Limits)> {
 pub fn charge(
     store: &impl CasStore,
     config: &Config,
-    (key, probe): (&Key, &Probe),
+    (call, probe): ((&Key, u64), &Probe),
     tenant: Option<&str>,
     tokens: Option<u64>,
     now_ms: u64,
 ) -> Option<Settlement> {
-    let (id, estimate) = ticket(key, probe);
+    let (id, estimate) = ticket(call, probe);
     let billed = tokens.unwrap_or(estimate);
     if let Some((name, l)) = bucket(config) {
         limits::settle(store, &name, &l, id, estimate, Some(billed), &ProviderHints::default(), now_ms);
@@ -113,6 +126,10 @@ pub fn charge(
     if config.fleet.shared_limits() {
         return Some(settlement);
     }
+    // The reservation `admit` made gives way to what the embedding cost.
+    if let Some(t) = config.tenants.get(tenant) {
+        budget::settle(store, tenant, t.caps(), id, 0, now_ms);
+    }
     tenant_gate::settle_reported(store, config, &settlement, now_ms);
     None
 }
@@ -120,6 +137,7 @@ pub fn charge(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::core::limits::budget;
     use crate::core::request::request_key;
     use crate::core::store::MemStore;
 
@@ -154,12 +172,37 @@ mod tests {
     }
 
     #[test]
+    fn an_embedding_holds_its_worst_case_in_the_budget_until_it_is_charged() {
+        // One node: `paid`'s budget is kept here. The embedding model costs $20 per million.
+        let config = Config::parse(
+            format!(
+                r#"{{"semantic":{{"enabled":true,"models":["gpt-4.1"]}},
+                "models":{{"gpt-4.1":{{"usd_per_mtok_input":10,"usd_per_mtok_output":30}},
+                    "text-embedding-3-small":{{"usd_per_mtok_input":20}}}},
+                "tenants":{{"paid":{{"keys_sha256":["{}"],"usd_per_day":100}}}}}}"#,
+                "a".repeat(64)
+            )
+            .as_bytes(),
+        )
+        .unwrap();
+        let store = MemStore::new();
+        let probe = Probe { partition: [7; 32], text: "x".repeat(500) };
+        let key = request_key("/v1/chat/completions", "paid", b"q");
+        assert!(admit(&store, &config, (&key, 7), &probe, &outbound("paid"), 1_000));
+        // Its worst case: 500 bytes, 500 tokens at $20 per million.
+        assert_eq!(budget::spent(&store, "paid", 1_000), (10_000, 10_000), "held while it is out");
+        // It was billed 120 tokens: 2400 micro-dollars, in place of what was held.
+        assert_eq!(charge(&store, &config, ((&key, 7), &probe), Some("paid"), Some(120), 1_100), None);
+        assert_eq!(budget::spent(&store, "paid", 1_100), (2_400, 2_400));
+    }
+
+    #[test]
     fn in_a_fleet_a_budgeted_tenant_makes_no_embedding_and_each_node_keeps_its_share_of_the_bucket() {
         let (store, config) = (MemStore::new(), fleet());
         let probe = Probe { partition: [7; 32], text: "What is the capital of France?".into() };
         let admit = |tenant: &str, i: u8| {
             let key = request_key("/v1/chat/completions", tenant, &[i]);
-            admit(&store, &config, &key, &probe, &outbound(tenant), 1_000)
+            admit(&store, &config, (&key, 7), &probe, &outbound(tenant), 1_000)
         };
         assert!(!admit("paid", 0), "its budget lives on its owner node, which is not asked first");
         // This node's share of the embedding model's 4 requests a minute is 2.

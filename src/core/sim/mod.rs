@@ -30,6 +30,7 @@ use crate::core::limits::budget;
 use crate::core::limits::fleet::{self, Op, Verdict};
 use crate::core::limits::tenant_gate;
 use crate::core::request::Policy;
+use crate::core::semantic::{self, spend};
 use crate::core::store::MemStore;
 use crate::core::upstream::Outbound;
 use std::cmp::Reverse;
@@ -79,6 +80,9 @@ enum Happening {
     Verdict(u64, Option<Verdict>),
     /// A waiting request looks at its flight again.
     Poll(u64),
+    /// A leader's question was embedded (the tokens billed, `None`: no answer): its flight
+    /// begins.
+    Embedded(u64, Call, Option<u64>),
 }
 
 /// A broken invariant: what, at which step.
@@ -181,6 +185,7 @@ impl Sim {
             Some(Happening::Answer(id, fault, attempt)) => self.answer(id, fault, attempt),
             Some(Happening::Verdict(id, verdict)) => self.verdict(id, verdict),
             Some(Happening::Poll(req)) => self.poll(req),
+            Some(Happening::Embedded(req, call, tokens)) => self.embedded(req, call, tokens),
             None => {}
         }
         true
@@ -273,10 +278,58 @@ impl Sim {
         self.take(req, step);
     }
 
-    /// Request `req` leads `call`'s flight.
+    /// Request `req` leads `call`'s flight: with the semantic tier, it embeds its question
+    /// first, when its tenant's budget and the embedding model's bucket admit it
+    /// (`semantic::spend::admit`), as the shells do.
     fn lead(&mut self, req: u64, call: Call) {
         let Some(r) = self.requests.get_mut(&req) else { return };
         r.wait = None;
+        let (node, tenant) = (r.node, r.tenant);
+        let Some(r) = self.requests.get(&req) else { return };
+        if let Some(probe) = call.looks_for_paraphrase(&self.config, r.outbound.semantic.as_ref()).cloned() {
+            let now = self.clock.saturating_add_signed(self.nodes[node].skew_ms);
+            let ticket = (&call.key, call.lease.as_ref().map_or(0, |l| l.nonce));
+            if spend::admit(&self.nodes[node].store, &self.config, ticket, &probe, &r.outbound, now) {
+                // HolySheep bills the question's tokens (a token is at least one byte), or
+                // fails without an answer, billed or not.
+                let tokens = (probe.text.len() as u64).div_ceil(4);
+                let (answered, billed) = match self.rng.below(10) {
+                    0 => (false, false),
+                    1 => (false, true),
+                    _ => (true, true),
+                };
+                if billed {
+                    self.billed[tenant] += semantic::cost_micro_usd(&self.config, tokens);
+                }
+                let latency = 5 + self.rng.below(200);
+                self.at(self.clock + latency, Happening::Embedded(req, call, answered.then_some(tokens)));
+                return;
+            }
+        }
+        self.fly(req, call);
+    }
+
+    /// The embedding came back: its cost is charged to the tenant (here, or a settlement
+    /// for its owner node), then the flight begins.
+    fn embedded(&mut self, req: u64, call: Call, tokens: Option<u64>) {
+        let Some(r) = self.requests.get(&req) else { return };
+        let node = r.node;
+        if let Some(probe) = r.outbound.semantic.clone() {
+            let now = self.now(node);
+            let tenant = r.outbound.tenant.clone();
+            let store = &self.nodes[node].store;
+            let ticket = (&call.key, call.lease.as_ref().map_or(0, |l| l.nonce));
+            let charged = spend::charge(store, &self.config, (ticket, &probe), tenant.as_deref(), tokens, now);
+            if let Some(settlement) = charged {
+                self.send(Op::TenantSettle(settlement));
+            }
+        }
+        self.fly(req, call);
+    }
+
+    /// Request `req`'s flight begins.
+    fn fly(&mut self, req: u64, call: Call) {
+        let Some(r) = self.requests.get_mut(&req) else { return };
         let flight = Flight::new(&self.config, call, &r.outbound);
         let models: Vec<String> = ["gpt-4.1", "deepseek-v3"].map(str::to_owned).to_vec();
         let worst_micro = tenant_gate::worst_micro(&self.config, &models, r.outbound.worst_tokens());
@@ -389,14 +442,20 @@ impl Sim {
         }
         let ops: Vec<Op> = l.flight.outbox.drain(..).collect();
         for op in ops {
-            let Some(bucket) = op.bucket(&self.config) else { continue };
-            let owner = owner_of(&bucket, self.nodes.len());
-            if self.nodes[owner].silent_until > self.clock || self.rng.chance(self.scenario.lost) {
-                continue;
-            }
-            let now = self.now(owner);
-            fleet::serve_op(&self.nodes[owner].store, &self.config, op, now);
+            self.send(op);
         }
+    }
+
+    /// A settlement for its bucket's owner node, sent without waiting: a stopped owner
+    /// never gets it, and some are lost on the way.
+    fn send(&mut self, op: Op) {
+        let Some(bucket) = op.bucket(&self.config) else { return };
+        let owner = owner_of(&bucket, self.nodes.len());
+        if self.nodes[owner].silent_until > self.clock || self.rng.chance(self.scenario.lost) {
+            return;
+        }
+        let now = self.now(owner);
+        fleet::serve_op(&self.nodes[owner].store, &self.config, op, now);
     }
 
     /// The flight ended: its leader is answered (as the engine ends the flight: its answer

@@ -22,6 +22,8 @@ pub(crate) struct Scenario {
     pub streams: u64,
     /// The share of requests that ask a prompt asked before (by any tenant), in percent.
     pub repeats: u64,
+    /// The semantic tier is on: a leader embeds its question first.
+    pub semantic: bool,
 }
 
 impl Scenario {
@@ -38,6 +40,7 @@ impl Scenario {
             lost: if nodes > 1 { rng.below(20) } else { 0 },
             streams: rng.below(50),
             repeats: rng.below(90),
+            semantic: rng.chance(50),
         }
     }
 
@@ -56,11 +59,13 @@ impl Scenario {
         } else {
             String::new()
         };
+        let semantic = if self.semantic { r#""semantic":{"enabled":true,"models":["gpt-4.1"]},"# } else { "" };
         let raw = format!(
-            r#"{{"models":{{
+            r#"{{{semantic}"models":{{
                 "gpt-4.1":{{"usd_per_mtok_input":2,"usd_per_mtok_output":8,"requests_per_minute":6000,
                     "fallback":["deepseek-v3"]}},
-                "deepseek-v3":{{"usd_per_mtok_input":0.27,"usd_per_mtok_output":1.1}}}},
+                "deepseek-v3":{{"usd_per_mtok_input":0.27,"usd_per_mtok_output":1.1}},
+                "text-embedding-3-small":{{"usd_per_mtok_input":20,"requests_per_minute":600}}}},
               "retry":{{"max_attempts":{},"base_delay_ms":50,"max_delay_ms":500}},
               "upstream":{{"timeout_ms":10000}},"rate_limit":{{"max_wait_ms":1000}},
               "tenants":{{{}}}{fleet}}}"#,

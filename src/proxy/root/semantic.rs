@@ -32,7 +32,8 @@ impl Root {
             return self.start(probing, None, Spent::default());
         };
         // Within the tenant's budget and the embedding model's bucket, or not at all.
-        if !spend::admit(&SharedData, &config, &probing.call.key, &probe, &probing.outbound, host::now_ms()) {
+        let call = (&probing.call.key, probing.call.lease.as_ref().map_or(0, |l| l.nonce));
+        if !spend::admit(&SharedData, &config, call, &probe, &probing.outbound, host::now_ms()) {
             return self.start(probing, None, Spent::default());
         }
         let body = semantic::embedding_body(&config, &probe.text);
@@ -106,8 +107,8 @@ impl Root {
         let mut w = self.worker.borrow_mut();
         let config = w.config.clone();
         let tenant = probing.outbound.tenant.as_deref();
-        let key = &probing.call.key;
-        if let Some(s) = spend::charge(&SharedData, &config, (key, probe), tenant, tokens, host::now_ms()) {
+        let call = (&probing.call.key, probing.call.lease.as_ref().map_or(0, |l| l.nonce));
+        if let Some(s) = spend::charge(&SharedData, &config, (call, probe), tenant, tokens, host::now_ms()) {
             w.fleet.outbox.push(crate::core::limits::fleet::Op::TenantSettle(s));
         }
     }

@@ -14,6 +14,7 @@ use crate::core::api::error::ApiError;
 use crate::core::api::headers;
 use crate::core::api::hints::ProviderHints;
 use crate::core::api::response::Response;
+use crate::core::api::usage::Billed;
 use crate::core::cache::edge;
 use crate::core::cache::hot::Raw;
 use crate::core::coalesce::engine::{stream_head, Call, Engine, Reply, Step};
@@ -527,8 +528,13 @@ impl Chat {
         let content_type_of_holysheep = content_type;
         let events = (sse && refusal.is_none())
             .then(|| Reassembler::of(label.sent.endpoint, label.include_usage).signing(signer));
-        let (attempts, hints) = (host::upstream_attempts(), ProviderHints::from_headers(status, &headers));
+        let (attempts, mut hints) = (host::upstream_attempts(), ProviderHints::from_headers(status, &headers));
         let holysheeps = host::response_via_upstream().then_some(status);
+        // Envoy's own 503 for a stream its circuit breaker turned away (the tee reads the
+        // rest of Envoy's own replies from their text: `Billed::of_envoys_answer`).
+        if holysheeps.is_none() && header(headers::ENVOY_OVERLOADED).is_some() {
+            hints.billed = Billed::Unsent;
+        }
         let tee =
             Tee::new(events, (other, content_type_of_holysheep), refusal.is_some(), (holysheeps, attempts), hints);
         self.state = State::Teeing(Box::new(tee));

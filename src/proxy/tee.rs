@@ -76,12 +76,17 @@ impl Tee {
         // An answer that is not events says what it was billed by its body: HolySheep's own
         // JSON error nothing, its `usage` that, anything else (cut, or not HolySheep's) its
         // worst case.
-        if self.events.is_none() && !self.cut && self.hints.billed != Billed::Unsent {
+        if self.events.is_none() && !self.cut {
             let body = if self.replace { &self.raw } else { &self.other.body };
             let billed = Billed::of_answer(self.status.unwrap_or(0), &self.content_type, body);
-            // Envoy's own reply (no status of HolySheep's) may say the request never left.
-            let envoys = self.status.is_none().then(|| Billed::of_answer(self.other.status, &self.content_type, body));
-            self.hints.billed = if envoys == Some(Billed::Unsent) { Billed::Unsent } else { billed };
+            // Envoy's own reply (no upstream answered: no status of HolySheep's) may say the
+            // request never left; its head said so when it was the circuit breaker's.
+            let overloaded = self.hints.billed == Billed::Unsent;
+            let envoys = |s| Billed::of_envoys_answer(s, overloaded, &self.content_type, body) == Billed::Unsent;
+            self.hints.billed = match self.status {
+                None if !matches!(billed, Billed::Known(_)) && envoys(self.other.status) => Billed::Unsent,
+                _ => billed,
+            };
         }
         let streamed_tokens = self.events.as_ref().map_or(0, Reassembler::streamed_tokens_estimate);
         let usage = self.events.as_ref().and_then(Reassembler::usage);

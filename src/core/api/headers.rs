@@ -17,6 +17,9 @@ pub const RETRY_AFTER: &str = "retry-after";
 /// Envoy's mark on its own 503 for a request its router never sent (circuit breaking,
 /// maintenance mode), documented with the router's headers.
 pub const ENVOY_OVERLOADED: &str = "x-envoy-overloaded";
+/// Envoy's router adds it to every answer an upstream gave (its time in milliseconds): an
+/// answer without it is Envoy's own reply.
+pub const ENVOY_UPSTREAM_SERVICE_TIME: &str = "x-envoy-upstream-service-time";
 pub(crate) const LIMIT_REQUESTS: &str = "x-ratelimit-limit-requests";
 pub(crate) const LIMIT_TOKENS: &str = "x-ratelimit-limit-tokens";
 pub(crate) const REMAINING_REQUESTS: &str = "x-ratelimit-remaining-requests";

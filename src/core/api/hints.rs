@@ -58,12 +58,7 @@ impl ProviderHints {
             throttled: status == 429,
             retry_after_ms: retry_after_ms(get("retry-after-ms"), get(headers::RETRY_AFTER)),
             key_refused: false,
-            // Envoy's own 503 for a request it turned away before sending it.
-            billed: if status == 503 && get(headers::ENVOY_OVERLOADED).is_some() {
-                Billed::Unsent
-            } else {
-                Billed::Unknown
-            },
+            billed: Billed::Unknown,
         }
     }
 

@@ -66,9 +66,6 @@ impl Billed {
         if let Some(u) = of_answer(body) {
             return Billed::Known(u);
         }
-        if envoy_never_sent(status, content_type, body) {
-            return Billed::Unsent;
-        }
         // Its `error` is read only where it can decide: a non-200 said to be JSON.
         let json = content_type.to_ascii_lowercase().contains("json");
         let error = (status != 200 && json).then(|| scan::read_fields(body, ["error"])).flatten();
@@ -86,6 +83,21 @@ impl Billed {
         }
         Billed::Unknown
     }
+
+    /// What an answer that may be Envoy's own reply was billed: `of_answer`, but nothing
+    /// (`Unsent`) when it carries no `usage` and is Envoy's reply for a request it never
+    /// sent, by its text (`envoy_never_sent`) or, a 503, by `x-envoy-overloaded`
+    /// (`overloaded`). Only for a reply the shell knows Envoy made itself (no upstream
+    /// answered: a callout's without `x-envoy-upstream-service-time`, a stream's without
+    /// an upstream response): a hop on HolySheep's side writes the same text about its own
+    /// attempts, which may have been billed.
+    pub fn of_envoys_answer(status: u16, overloaded: bool, content_type: &str, body: &[u8]) -> Billed {
+        match Billed::of_answer(status, content_type, body) {
+            known @ Billed::Known(_) => known,
+            _ if status == 503 && overloaded || envoy_never_sent(status, content_type, body) => Billed::Unsent,
+            other => other,
+        }
+    }
 }
 
 /// Envoy's own 503 for a request it never sent: its router's local reply (`text/plain`,
@@ -93,20 +105,21 @@ impl Billed {
 /// where the reason is one that comes before a request leaves: the connection could not
 /// be made (`local connection failure`, `remote connection failure`, older Envoys'
 /// `connection failure`, `connection timeout`), the cluster's circuit breaker overflowed
-/// (`overflow`), or HTTP/2's `REFUSED_STREAM`, which promises the stream was not processed
-/// (`remote refused stream reset`, `local refused stream reset`). A reset after the request
-/// went out (`connection termination`, `remote reset`, ...) may have been billed. Envoy says
-/// this only in text (its `%RESPONSE_FLAGS%` `UF`/`UO` reach the access log alone).
+/// (`overflow`), or HTTP/2's `REFUSED_STREAM` from the peer, which promises the stream was
+/// not processed (`remote refused stream reset`). A reset after the request
+/// went out (`connection termination`, `remote reset`, ...) may have been billed, as may
+/// a reply after retries (`retried and the latest reset reason: ...`, which names only the
+/// last). Envoy says this only in text (its `%RESPONSE_FLAGS%` `UF`/`UO` reach the access
+/// log alone).
 fn envoy_never_sent(status: u16, content_type: &str, body: &[u8]) -> bool {
     const HEAD: &[u8] = b"upstream connect error or disconnect/reset before headers. reset reason: ";
-    const BEFORE_SENDING: [&[u8]; 7] = [
+    const BEFORE_SENDING: [&[u8]; 6] = [
         b"local connection failure",
         b"remote connection failure",
         b"connection failure",
         b"connection timeout",
         b"overflow",
         b"remote refused stream reset",
-        b"local refused stream reset",
     ];
     if status != 503 || !content_type.trim_start().to_ascii_lowercase().starts_with("text/plain") {
         return false;
@@ -241,16 +254,32 @@ mod tests {
             "overflow",
             "remote refused stream reset",
         ] {
-            assert_eq!(Billed::of_answer(503, text, envoy(reason).as_bytes()), Billed::Unsent, "{reason}");
+            assert_eq!(
+                Billed::of_envoys_answer(503, false, text, envoy(reason).as_bytes()),
+                Billed::Unsent,
+                "{reason}"
+            );
         }
         // After the request left, or not Envoy's own reply: it may have been billed.
         for reason in ["connection termination", "remote reset", "local reset", "protocol error", "overflowing"] {
-            assert_eq!(Billed::of_answer(503, text, envoy(reason).as_bytes()), Billed::Unknown, "{reason}");
+            assert_eq!(
+                Billed::of_envoys_answer(503, false, text, envoy(reason).as_bytes()),
+                Billed::Unknown,
+                "{reason}"
+            );
         }
         let overflow = envoy("overflow");
-        assert_eq!(Billed::of_answer(502, text, overflow.as_bytes()), Billed::Unknown, "not a 503");
-        assert_eq!(Billed::of_answer(503, "application/json", overflow.as_bytes()), Billed::Unknown);
-        assert_eq!(Billed::of_answer(503, text, format!("x {overflow}").as_bytes()), Billed::Unknown);
+        assert_eq!(Billed::of_envoys_answer(502, false, text, overflow.as_bytes()), Billed::Unknown, "not a 503");
+        assert_eq!(Billed::of_envoys_answer(503, false, "application/json", overflow.as_bytes()), Billed::Unknown);
+        assert_eq!(Billed::of_envoys_answer(503, false, text, format!("x {overflow}").as_bytes()), Billed::Unknown);
+        let retried = "upstream connect error or disconnect/reset before headers. retried and the latest reset \
+                       reason: remote connection failure";
+        assert_eq!(Billed::of_envoys_answer(503, false, text, retried.as_bytes()), Billed::Unknown, "earlier tries");
+        assert_eq!(Billed::of_answer(503, text, overflow.as_bytes()), Billed::Unknown, "not known to be Envoy's");
+        // The circuit breaker's mark, unless the answer says what it was billed.
+        assert_eq!(Billed::of_envoys_answer(503, true, text, b"overloaded"), Billed::Unsent);
+        let usage = br#"{"usage":{"prompt_tokens":3,"completion_tokens":4}}"#;
+        assert_eq!(Billed::of_envoys_answer(503, true, "application/json", usage), Billed::Known(Usage::new(3, 4)));
     }
 
     #[test]

@@ -294,7 +294,7 @@ impl Flight {
     /// the call holds its tenant's dollars, whose reservation covers one attempt's worst
     /// case (each retry may be billed as much, and is charged so).
     pub fn stream_retries(&self, config: &Config) -> u32 {
-        if self.standing.holds_dollars() {
+        if self.standing.holds_dollars(config) {
             return 0;
         }
         config.retry.max_attempts.saturating_sub(1)
@@ -758,11 +758,19 @@ mod tests {
         // Refused at dispatch (no answer, the shell says it never left) ...
         assert!(matches!(f.on_response(&s, &c, None, &ProviderHints::unsent(), 1, 0), Action::Sleep { .. }));
         send(f.resume(&s, &c, 5_000, 2));
-        // ... then Envoy's own 503 for a connection it could not make ...
+        // ... then Envoy's own 503 for a connection it could not make (a callout's answer
+        // without `x-envoy-upstream-service-time`: no upstream gave it) ...
         let refused =
             "upstream connect error or disconnect/reset before headers. reset reason: remote connection failure";
-        let (r, h) = read(503, "text/plain", refused);
+        let envoys = crate::core::upstream::Sent { envoy: true, ..Default::default() };
+        let text = [("content-type".to_owned(), "text/plain".to_owned())];
+        let (r, h) = crate::core::upstream::response(503, &text, refused.as_bytes().to_vec(), envoys);
         assert_eq!(h.billed, Billed::Unsent);
+        let r = Some(r);
+        // (The same text from a hop on HolySheep's side, which Envoy timed, may have cost.)
+        let timed = [text[0].clone(), ("x-envoy-upstream-service-time".to_owned(), "12".to_owned())];
+        let (_, relayed) = crate::core::upstream::response(503, &timed, refused.as_bytes().to_vec(), envoys);
+        assert_eq!(relayed.billed, Billed::Unknown);
         assert!(matches!(f.on_response(&s, &c, r, &h, 5_001, 0), Action::Sleep { .. }));
         send(f.resume(&s, &c, 15_000, 3));
         // ... and its circuit breaker's, marked `x-envoy-overloaded`.
@@ -770,7 +778,7 @@ mod tests {
             ("content-type".to_owned(), "text/plain".to_owned()),
             ("x-envoy-overloaded".to_owned(), "true".to_owned()),
         ];
-        let (r, h) = crate::core::upstream::response(503, &headers, b"overloaded".to_vec(), Default::default());
+        let (r, h) = crate::core::upstream::response(503, &headers, b"overloaded".to_vec(), envoys);
         assert_eq!(h.billed, Billed::Unsent);
         assert!(matches!(f.on_response(&s, &c, Some(r), &h, 15_001, 0), Action::Finish(Some(_))));
         assert_eq!(crate::core::limits::budget::spent(&s, "t", 15_002), (0, 0), "three attempts, none charged");
@@ -830,6 +838,21 @@ mod tests {
                 "tenants":{{"t":{{"keys_sha256":["{}"],"usd_per_day":{usd_per_day}}}}}}}"#,
             "a".repeat(64)
         ))
+    }
+
+    #[test]
+    fn only_a_tenant_with_a_dollar_budget_gives_up_the_routers_stream_retries() {
+        let retries = |tenant: &str| {
+            let c = tenant_config(tenant, "");
+            let mut f = tenant_flight(&c);
+            send(f.resume(&MemStore::new(), &c, 0, 1));
+            (f.stream_retries(&c), c.retry.max_attempts - 1)
+        };
+        let (budgeted, _) = retries(r#","usd_per_day":1"#);
+        assert_eq!(budgeted, 0);
+        let (limited, all) = retries(r#","requests_per_minute":100"#);
+        assert_eq!(limited, all, "buckets alone hold no dollars");
+        assert!(all > 0);
     }
 
     #[test]

@@ -275,7 +275,7 @@ impl Standing {
             let before = hold.used_micro();
             hold.bill(config, &model, billed);
             let micro = hold.used_micro().saturating_sub(before);
-            if micro > 0 {
+            if micro > 0 && hold.budgeted(config) {
                 self.events.push(Event::BudgetCharged { model, micro });
             }
         }
@@ -291,10 +291,10 @@ impl Standing {
         }
     }
 
-    /// Whether the call holds a reservation of its tenant's dollars: one attempt's worst
-    /// case, which Envoy's router must not retry beyond (`Flight::stream_retries`).
-    pub fn holds_dollars(&self) -> bool {
-        matches!(&self.pass, TenantPass::Taken(Some(hold)) if hold.dollars().micro > 0)
+    /// Whether the call holds a reservation of its tenant's dollar budget: one attempt's
+    /// worst case, which Envoy's router must not retry beyond (`Flight::stream_retries`).
+    pub fn holds_dollars(&self, config: &Config) -> bool {
+        matches!(&self.pass, TenantPass::Taken(Some(hold)) if hold.budgeted(config) && hold.dollars().micro > 0)
     }
 
     /// Settles the call's ticket on `models()[index]` with the tokens it used (`None`:

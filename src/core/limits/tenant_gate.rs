@@ -373,7 +373,7 @@ impl TenantHold {
     /// a hold on the tenant's owner node cannot grow, and the attempt is not made.
     pub fn cover_next(&mut self, store: &impl CasStore, config: &Config, now_ms: u64) -> bool {
         let need = self.used_micro.saturating_add(self.worst_micro);
-        if need <= self.dollars.micro {
+        if !self.budgeted(config) || need <= self.dollars.micro {
             return true;
         }
         let Some(ledger) = &self.here else { return false };
@@ -386,6 +386,12 @@ impl TenantHold {
             }
             Err(_) => false,
         }
+    }
+
+    /// Whether the tenant has a dollar budget (a tenant with buckets alone holds a worst
+    /// case that nothing is charged against).
+    pub(crate) fn budgeted(&self, config: &Config) -> bool {
+        config.tenants.get(&self.tenant).is_some_and(|t| !t.caps().is_none())
     }
 
     /// What the call's attempts have been billed so far, in micro-dollars.

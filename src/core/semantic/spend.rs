@@ -114,9 +114,11 @@ pub fn charge(
         limits::settle(store, &name, &l, id, estimate, Some(billed), &ProviderHints::default(), now_ms);
     }
     let tenant = tenant.filter(|t| tenant_gate::is_limited(config, t))?;
+    // Settled under the id `admit` reserved it with: the reservation gives way to the cost
+    // in one write.
     let settlement = Settlement {
         tenant: tenant.to_owned(),
-        id: 0,
+        id,
         estimate: 0,
         tokens: billed,
         micro: super::cost_micro_usd(config, billed),
@@ -125,10 +127,6 @@ pub fn charge(
     };
     if config.fleet.shared_limits() {
         return Some(settlement);
-    }
-    // The reservation `admit` made gives way to what the embedding cost.
-    if let Some(t) = config.tenants.get(tenant) {
-        budget::settle(store, tenant, t.caps(), id, 0, now_ms);
     }
     tenant_gate::settle_reported(store, config, &settlement, now_ms);
     None

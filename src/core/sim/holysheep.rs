@@ -10,6 +10,10 @@ use crate::core::api::usage::Usage;
 use crate::core::flight::StreamOutcome;
 use crate::core::upstream::{self, Sent};
 
+/// How the simulated calls go: through the edge's own Envoy, as the proxy's callouts do.
+const ENVOY: Sent =
+    Sent { endpoint: crate::core::api::endpoint::Endpoint::Chat, stream: false, operator_key: true, envoy: true };
+
 /// What happens to one attempt.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Fault {
@@ -31,6 +35,10 @@ pub(crate) enum Fault {
     ConnectRefused,
     /// Envoy's circuit breaker turned it away (`x-envoy-overloaded`).
     Overflow,
+    /// A hop on HolySheep's side (an Envoy of its own, timed by the edge's) answers with
+    /// the circuit breaker's text and mark about its own last attempt: earlier attempts
+    /// behind it may have been billed.
+    RelayedOverflow { billed: bool },
     /// No answer within the deadline; HolySheep may or may not have billed it.
     Timeout { billed: bool },
     /// A proxy's HTML page on the way: HolySheep may or may not have billed it.
@@ -55,6 +63,8 @@ impl Fault {
             Fault::DispatchRefused,
             Fault::ConnectRefused,
             Fault::Overflow,
+            Fault::RelayedOverflow { billed: true },
+            Fault::RelayedOverflow { billed: false },
             Fault::Timeout { billed: true },
             Fault::Timeout { billed: false },
             Fault::Page { billed: true },
@@ -63,6 +73,22 @@ impl Fault {
         ];
         let n = if stream { kinds.len() } else { kinds.len() - 1 };
         kinds[rng.below(n as u64) as usize]
+    }
+}
+
+impl Fault {
+    /// Whether Envoy's router retries a stream's attempt that met it, when the edge asks it
+    /// to (`flight::STREAM_RETRY_ON`: resets, connect failures, 500, 502, 503, 504).
+    pub(crate) fn router_retries(self) -> bool {
+        matches!(
+            self,
+            Fault::BilledThenReset
+                | Fault::ConnectRefused
+                | Fault::ServerError
+                | Fault::ServerErrorWithUsage
+                | Fault::Page { .. }
+                | Fault::RelayedOverflow { .. }
+        )
     }
 }
 
@@ -96,7 +122,7 @@ pub(crate) fn attempt(
     let json = |status: u16, body: String, extra: &[(&str, &str)]| {
         let mut headers = vec![("content-type".to_owned(), "application/json".to_owned())];
         headers.extend(extra.iter().map(|(n, v)| ((*n).to_owned(), (*v).to_owned())));
-        let (r, h) = upstream::response(status, &headers, body.into_bytes(), Sent::default());
+        let (r, h) = upstream::response(status, &headers, body.into_bytes(), ENVOY);
         (Some(r), h)
     };
     let usage_json =
@@ -108,7 +134,7 @@ pub(crate) fn attempt(
             headers.push(("x-envoy-overloaded".to_owned(), "true".to_owned()));
         }
         let body = format!("upstream connect error or disconnect/reset before headers. reset reason: {reason}");
-        let (r, h) = upstream::response(503, &headers, body.into_bytes(), Sent::default());
+        let (r, h) = upstream::response(503, &headers, body.into_bytes(), ENVOY);
         (Some(r), h)
     };
     let latency_ms = 5 + rng.below(400);
@@ -131,10 +157,20 @@ pub(crate) fn attempt(
         Fault::DispatchRefused => (None, 0, (None, ProviderHints::unsent())),
         Fault::ConnectRefused => (None, 0, envoy("remote connection failure", false)),
         Fault::Overflow => (None, 0, envoy("overflow", true)),
+        Fault::RelayedOverflow { billed } => {
+            let headers = [
+                ("content-type".to_owned(), "text/plain".to_owned()),
+                ("x-envoy-overloaded".to_owned(), "true".to_owned()),
+                ("x-envoy-upstream-service-time".to_owned(), "3".to_owned()),
+            ];
+            let body = b"upstream connect error or disconnect/reset before headers. reset reason: overflow".to_vec();
+            let (r, h) = upstream::response(503, &headers, body, ENVOY);
+            (billed.then_some(usage), worst_micro, (Some(r), h))
+        }
         Fault::Timeout { billed } => (billed.then_some(usage), worst_micro, (None, ProviderHints::default())),
         Fault::Page { billed } => {
             let headers = [("content-type".to_owned(), "text/html".to_owned())];
-            let (r, h) = upstream::response(502, &headers, b"<html>bad gateway</html>".to_vec(), Sent::default());
+            let (r, h) = upstream::response(502, &headers, b"<html>bad gateway</html>".to_vec(), ENVOY);
             (billed.then_some(usage), worst_micro, (Some(r), h))
         }
         Fault::Cut => (Some(usage), worst_micro, (None, ProviderHints::default())),

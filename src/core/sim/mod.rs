@@ -10,10 +10,12 @@
 //! Run by `cargo test` on a fixed set of seeds, and by `make sim` on as many as asked
 //! (`SEEDS=`, `STEPS=`, `SEED=` for one).
 
+mod etcd;
 mod holysheep;
 mod rng;
 mod scenario;
 
+use self::etcd::{Answer, Asked, Etcd, Faults, Side};
 use self::holysheep::{Attempt, Fault};
 use self::rng::Rng;
 use self::scenario::Scenario;
@@ -27,6 +29,7 @@ use crate::core::coalesce::engine::{CacheStatus, Call};
 use crate::core::config::Config;
 use crate::core::flight::{Action, Flight};
 use crate::core::limits::budget;
+use crate::core::limits::budget_store::Flush;
 use crate::core::limits::fleet::{self, Op, Verdict};
 use crate::core::limits::tenant_gate;
 use crate::core::request::Policy;
@@ -46,6 +49,8 @@ struct Node {
     skew_ms: i64,
     silent_until: u64,
     next_tick: u64,
+    /// Its calls to the spend store.
+    side: Side,
 }
 
 /// A client's request: where it arrived, whose it is, and how often it was answered.
@@ -76,13 +81,18 @@ struct Live {
 
 enum Happening {
     Resume(u64),
-    Answer(u64, Fault, Attempt),
+    /// An attempt's answer, after the router's retries of a stream.
+    Answer(u64, Fault, Attempt, u64),
     Verdict(u64, Option<Verdict>),
     /// A waiting request looks at its flight again.
     Poll(u64),
     /// A leader's question was embedded (the tokens billed, `None`: no answer): its flight
     /// begins.
     Embedded(u64, Call, Option<u64>),
+    /// The spend store answered a node (or its time ran out).
+    Etcd(usize, Answer),
+    /// A write a node gave up on lands in the spend store after all.
+    Lands(Flush),
 }
 
 /// A broken invariant: what, at which step.
@@ -110,6 +120,9 @@ pub(crate) struct Sim {
     billed: Vec<u64>,
     /// Invariants broken since the last check.
     broken: Vec<String>,
+    etcd: Etcd,
+    /// The run is draining: no fault of the spend store's any more.
+    calm: bool,
     pub answered: u64,
     pub attempts: u64,
     pub shared: u64,
@@ -123,7 +136,13 @@ impl Sim {
         let nodes = scenario
             .skew_ms
             .iter()
-            .map(|&skew_ms| Node { store: MemStore::new(), skew_ms, silent_until: 0, next_tick: 0 })
+            .map(|&skew_ms| Node {
+                store: MemStore::new(),
+                skew_ms,
+                silent_until: 0,
+                next_tick: 0,
+                side: Side::default(),
+            })
             .collect();
         let billed = vec![0; scenario.caps.len()];
         Sim {
@@ -141,6 +160,8 @@ impl Sim {
             asked: Vec::new(),
             billed,
             broken: Vec::new(),
+            etcd: Etcd::default(),
+            calm: false,
             answered: 0,
             attempts: 0,
             shared: 0,
@@ -182,10 +203,14 @@ impl Sim {
         self.clock = self.clock.max(time);
         match self.happenings.remove(&seq) {
             Some(Happening::Resume(id)) => self.resume(id),
-            Some(Happening::Answer(id, fault, attempt)) => self.answer(id, fault, attempt),
+            Some(Happening::Answer(id, fault, attempt, retried)) => self.answer(id, fault, attempt, retried),
             Some(Happening::Verdict(id, verdict)) => self.verdict(id, verdict),
             Some(Happening::Poll(req)) => self.poll(req),
             Some(Happening::Embedded(req, call, tokens)) => self.embedded(req, call, tokens),
+            Some(Happening::Etcd(node, answer)) => self.etcd_answered(node, answer),
+            Some(Happening::Lands(flush)) => {
+                let _ = self.etcd.txn(&flush);
+            }
             None => {}
         }
         true
@@ -202,7 +227,80 @@ impl Sim {
             for l in self.live.values().filter(|l| self.requests.get(&l.req).is_some_and(|r| r.node == n)) {
                 self.engine(n).renew(&l.flight.call, now);
             }
+            if self.scenario.store.is_some() {
+                let node = &mut self.nodes[n];
+                for asked in node.side.tick(&node.store, &self.config, now, &mut self.rng) {
+                    self.ask_etcd(n, asked);
+                }
+            }
         }
+    }
+
+    /// A node's call to the spend store: its answer comes back after a while, or after
+    /// `budget_store.timeout_ms` when none comes.
+    fn ask_etcd(&mut self, node: usize, asked: Asked) {
+        let faults = match self.scenario.store {
+            Some((_, faults)) if !self.calm => faults,
+            _ => Faults { down: 0, lost: 0, late: 0 },
+        };
+        let (answer, late) = etcd::serve(&mut self.etcd, asked, faults, &mut self.rng);
+        let timeout = self.config.budget_store.timeout_ms;
+        let answered =
+            matches!(&answer, Answer::Read(_, Some(_)) | Answer::Write(_, Some(_)) | Answer::Check(_, Some(_)));
+        let latency = if answered { 1 + self.rng.below(timeout / 2) } else { timeout };
+        self.at(self.clock + latency, Happening::Etcd(node, answer));
+        if let Some(flush) = late {
+            let after = timeout + 1 + self.rng.below(2_000);
+            self.at(self.clock + after, Happening::Lands(flush));
+        }
+    }
+
+    fn etcd_answered(&mut self, node: usize, answer: Answer) {
+        let now = self.now(node);
+        let Node { side, store, .. } = &mut self.nodes[node];
+        if let Some(asked) = side.answered(store, answer, now) {
+            self.ask_etcd(node, asked);
+        }
+    }
+
+    /// After the run: the spend store answers again, and every node writes what it holds.
+    pub(crate) fn drain(&mut self) {
+        self.calm = true;
+        let until = self.clock + 30_000;
+        while self.clock < until {
+            self.clock += 50;
+            self.tick();
+            while let Some(Reverse((time, seq))) = self.queue.peek().copied() {
+                if time > self.clock {
+                    break;
+                }
+                self.queue.pop();
+                match self.happenings.remove(&seq) {
+                    Some(Happening::Etcd(node, answer)) => self.etcd_answered(node, answer),
+                    Some(Happening::Lands(flush)) => {
+                        let _ = self.etcd.txn(&flush);
+                    }
+                    _ => {}
+                }
+            }
+        }
+    }
+
+    /// Once drained: what the spend store holds for each tenant is at least what HolySheep
+    /// billed it (but for the nodes' shares, which are never written: a fleet whose owners
+    /// fell silent).
+    pub(crate) fn check_stored(&self) -> Vec<String> {
+        if self.scenario.store.is_none() || self.scenario.silence > 0 {
+            return Vec::new();
+        }
+        let mut broken = Vec::new();
+        for (t, billed) in self.billed.iter().enumerate() {
+            let stored = self.etcd.day_micro(&format!("t{t}"));
+            if stored < *billed {
+                broken.push(format!("the spend store holds {stored} micro-dollars of t{t}, who was billed {billed}"));
+            }
+        }
+        broken
     }
 
     /// A tenant's request arrives at a node: a call, or a stream, of a new prompt or one
@@ -364,25 +462,40 @@ impl Sim {
                 else {
                     return;
                 };
-                let fault = Fault::draw(&mut self.rng, self.scenario.faulty, r.stream);
-                let (tokens, worst, tenant) = (r.tokens, l.worst_micro, r.tenant);
-                let config = &self.config;
-                let cost = |u: &Usage| config.cost_micro_usd(&model, u);
+                let (tokens, worst, tenant, stream) = (r.tokens, l.worst_micro, r.tenant, r.stream);
+                // A stream goes along the route: Envoy's router retries it on the edge's terms
+                // (`Flight::stream_retries`), each retry charged its worst case.
+                let retries = if stream { u64::from(l.flight.stream_retries(&self.config)) } else { 0 };
                 let content = format!("answered for t{tenant}");
-                let attempt = holysheep::attempt(&mut self.rng, fault, tokens, (cost, worst), &content);
-                if let Some(u) = attempt.billed {
-                    self.billed[tenant] += self.config.cost_micro_usd(&model, &u);
-                }
-                self.attempts += 1;
+                let (mut retried, mut due) = (0, 0);
+                let (fault, attempt) = loop {
+                    let fault = Fault::draw(&mut self.rng, self.scenario.faulty, stream);
+                    // A stream the router tried has left: it is not refused before leaving.
+                    if retried > 0 && fault == Fault::DispatchRefused {
+                        continue;
+                    }
+                    let config = &self.config;
+                    let cost = |u: &Usage| config.cost_micro_usd(&model, u);
+                    let attempt = holysheep::attempt(&mut self.rng, fault, tokens, (cost, worst), &content);
+                    if let Some(u) = attempt.billed {
+                        self.billed[tenant] += self.config.cost_micro_usd(&model, &u);
+                    }
+                    self.attempts += 1;
+                    if retried < retries && fault.router_retries() {
+                        (retried, due) = (retried + 1, due + worst);
+                        continue;
+                    }
+                    break (fault, attempt);
+                };
                 let latency = match fault {
                     Fault::Timeout { .. } => timeout_ms,
                     _ => attempt.latency_ms.min(timeout_ms),
                 };
                 if let Some(l) = self.live.get_mut(&id) {
-                    l.due_micro += attempt.due_micro;
+                    l.due_micro += due + attempt.due_micro;
                     l.fault = Some(fault);
                 }
-                self.at(self.clock + latency, Happening::Answer(id, fault, attempt));
+                self.at(self.clock + latency, Happening::Answer(id, fault, attempt, retried));
             }
             Action::Sleep { until_ms } => {
                 let until = until_ms.saturating_add_signed(-self.nodes[node].skew_ms);
@@ -408,14 +521,14 @@ impl Sim {
         }
     }
 
-    fn answer(&mut self, id: u64, fault: Fault, attempt: Attempt) {
+    fn answer(&mut self, id: u64, fault: Fault, attempt: Attempt, retried: u64) {
         let Some(node) = self.node_of(id) else { return };
         let now = self.now(node);
         let stream = self.live.get(&id).and_then(|l| self.requests.get(&l.req)).is_some_and(|r| r.stream);
         let random = self.rng.next();
         let Some(l) = self.live.get_mut(&id) else { return };
         if stream {
-            let (end, hints) = holysheep::stream_end(fault, &attempt, 0);
+            let (end, hints) = holysheep::stream_end(fault, &attempt, retried);
             l.flight.on_stream_end(&self.nodes[node].store, &self.config, &end, &hints, now);
             let outcome = (end.status == Some(200) && end.usage.is_some()).then_some(attempt.outcome).flatten();
             return self.finish(id, outcome);
@@ -580,6 +693,10 @@ pub(crate) fn run(seed: u64, steps: u64) -> Result<Sim, Violation> {
     if sim.open() > 0 {
         return Err(Violation { step, what: format!("{} requests were never answered", sim.open()) });
     }
+    sim.drain();
+    if let Some(what) = sim.check().into_iter().chain(sim.check_stored()).next() {
+        return Err(Violation { step, what });
+    }
     Ok(sim)
 }
 
@@ -594,7 +711,7 @@ mod tests {
         match (var("SIM_SEED"), var("SIM_SEEDS")) {
             (Some(seed), _) => (vec![seed], steps),
             (None, Some(n)) => ((1..=n).collect(), steps),
-            (None, None) => ((1..=40).collect(), steps),
+            (None, None) => ((1..=100).collect(), steps),
         }
     }
 

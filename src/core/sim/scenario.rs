@@ -1,5 +1,6 @@
 //! What a seed chooses for its run, and the configuration the nodes run with.
 
+use super::etcd::Faults;
 use super::rng::Rng;
 use crate::core::config::Config;
 
@@ -24,6 +25,8 @@ pub(crate) struct Scenario {
     pub repeats: u64,
     /// The semantic tier is on: a leader embeds its question first.
     pub semantic: bool,
+    /// The spend store (etcd) keeps the budgets, written every `flush_ms`, with its faults.
+    pub store: Option<(u64, Faults)>,
 }
 
 impl Scenario {
@@ -41,6 +44,11 @@ impl Scenario {
             streams: rng.below(50),
             repeats: rng.below(90),
             semantic: rng.chance(50),
+            store: rng.chance(50).then(|| {
+                let flush_ms = [50, 250, 1_000][rng.below(3) as usize];
+                let faults = Faults { down: rng.below(30), lost: rng.below(30), late: rng.below(50) };
+                (flush_ms, faults)
+            }),
         }
     }
 
@@ -60,8 +68,14 @@ impl Scenario {
             String::new()
         };
         let semantic = if self.semantic { r#""semantic":{"enabled":true,"models":["gpt-4.1"]},"# } else { "" };
+        let store = match self.store {
+            Some((flush_ms, _)) => {
+                format!(r#""budget_store":{{"cluster":"etcd","flush_ms":{flush_ms},"timeout_ms":200}},"#)
+            }
+            None => String::new(),
+        };
         let raw = format!(
-            r#"{{{semantic}"models":{{
+            r#"{{{semantic}{store}"models":{{
                 "gpt-4.1":{{"usd_per_mtok_input":2,"usd_per_mtok_output":8,"requests_per_minute":6000,
                     "fallback":["deepseek-v3"]}},
                 "deepseek-v3":{{"usd_per_mtok_input":0.27,"usd_per_mtok_output":1.1}},

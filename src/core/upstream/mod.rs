@@ -115,7 +115,7 @@ impl Outbound {
 
     /// How a call for this request goes, with the operator's key or not.
     pub fn sent(&self, operator_key: bool) -> Sent {
-        Sent { endpoint: self.endpoint, stream: self.stream, operator_key }
+        Sent { endpoint: self.endpoint, stream: self.stream, operator_key, envoy: false }
     }
 
     /// Prompt tokens, estimated at four bytes of the request body a token.
@@ -171,6 +171,9 @@ pub struct Sent {
     pub stream: bool,
     /// It carried the operator's key (not the client's own).
     pub operator_key: bool,
+    /// It went through the edge's own Envoy (a callout), whose own replies say when a
+    /// request never left (`Billed::of_envoys_answer`).
+    pub envoy: bool,
 }
 
 /// HolySheep's answer as the core keeps it, and what it said about its limits.
@@ -196,12 +199,16 @@ pub fn response(status: u16, headers: &[(String, String)], body: Vec<u8>, sent: 
         .or_else(|| (status == 200 && !is_answer).then(|| not_an_answer(&content_type, sent)));
     hints.key_refused = refusal.as_ref().is_some_and(|e| e.code == KEY_REFUSED);
     hints.billed = match members {
-        // Envoy's own 503 for a request it never sent says so in its head.
-        _ if hints.billed == Billed::Unsent => Billed::Unsent,
         Some([.., usage, error]) => Billed::of_members(status, usage, error),
         // Not one JSON object (or a name twice): its usage may still be found at its end.
         None => Billed::of_answer(status, &content_type, &body),
     };
+    // The edge's own Envoy's reply (no upstream answered it) may say the request never left.
+    let envoys = sent.envoy && header(headers::ENVOY_UPSTREAM_SERVICE_TIME).is_none();
+    if envoys && !matches!(hints.billed, Billed::Known(_)) {
+        let overloaded = header(headers::ENVOY_OVERLOADED).is_some();
+        hints.billed = Billed::of_envoys_answer(status, overloaded, &content_type, &body);
+    }
     let response = match refusal {
         Some(e) => Response { headers: retry_after, ..Response::json(e.status, e.body()) },
         None => Response { status, content_type, headers: retry_after, body },
@@ -264,7 +271,7 @@ mod tests {
     fn an_answer_is_the_object_its_endpoint_makes() {
         let passes = |endpoint, content_type: &str, body: &[u8]| {
             let headers = [("content-type".to_owned(), content_type.to_owned())];
-            let sent = Sent { endpoint, stream: false, operator_key: true };
+            let sent = Sent { endpoint, stream: false, operator_key: true, envoy: false };
             response(200, &headers, body.to_vec(), sent).0.status == 200
         };
         let json = "application/json";
@@ -282,7 +289,7 @@ mod tests {
     #[test]
     fn what_an_answer_was_billed_is_read_in_the_pass_that_checks_it() {
         use crate::core::api::usage::Usage;
-        let sent = Sent { endpoint: Endpoint::Chat, stream: false, operator_key: true };
+        let sent = Sent { endpoint: Endpoint::Chat, stream: false, operator_key: true, envoy: false };
         let billed = |status, content_type: &str, body: &str| {
             let headers = [("content-type".to_owned(), content_type.to_owned())];
             let (_, hints) = response(status, &headers, body.as_bytes().to_vec(), sent);

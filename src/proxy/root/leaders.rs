@@ -224,8 +224,9 @@ impl Root {
             return (None, ProviderHints::default());
         };
         let body = host::buffer(BufferType::HttpCallResponseBody, body_size);
-        let (response, hints) =
-            upstream::response(status, &headers, body, run.outbound.sent(self.worker.borrow().bearer.is_some()));
+        // A callout goes through this Envoy, whose own replies say when it never left.
+        let sent = upstream::Sent { envoy: true, ..run.outbound.sent(self.worker.borrow().bearer.is_some()) };
+        let (response, hints) = upstream::response(status, &headers, body, sent);
         if hints.key_refused {
             self.worker.borrow_mut().key_refused(status);
         }

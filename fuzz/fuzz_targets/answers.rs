@@ -1,7 +1,7 @@
 //! Any answer from HolySheep to any endpoint (embeddings and Responses among them), with
 //! any status and content type: reading it never panics; HolySheep's JSON error is the only
-//! answer read as billed nothing; a Responses answer signed for a tenant verifies for that
-//! tenant only.
+//! answer read as billed nothing (and Envoy's own 503, through Envoy, as never sent); a
+//! Responses answer signed for a tenant verifies for that tenant only.
 #![no_main]
 
 use holysheep_edge::core::api::endpoint;
@@ -17,12 +17,17 @@ fuzz_target!(|data: &[u8]| {
     let Some((&pick, body)) = data.split_first() else { return };
     let status = STATUSES[usize::from(pick) % STATUSES.len()];
     let content_type = TYPES[usize::from(pick >> 3) % TYPES.len()];
-    let sent = Sent { endpoint: endpoint::ALL[usize::from(pick >> 5) % 4], stream: pick & 0x80 != 0, operator_key: true };
+    let (endpoint, stream, envoy) = (endpoint::ALL[usize::from(pick >> 5) % 4], pick & 0x80 != 0, pick & 0x04 != 0);
+    let sent = Sent { endpoint, stream, operator_key: true, envoy };
     let headers = vec![("content-type".to_owned(), content_type.to_owned()), ("retry-after".to_owned(), "1".to_owned())];
     let (answer, hints) = upstream::response(status, &headers, body.to_vec(), sent);
     assert!(answer.status >= 200, "an answer without a status");
     if hints.billed == Billed::Nothing {
         assert_ne!(status, 200, "a 200 billed nothing");
+    }
+    if hints.billed == Billed::Unsent {
+        assert!(envoy && status == 503, "only Envoy's own 503 says a request never left");
+        assert_eq!(usage::of_answer(body), None, "an answer with usage was billed it");
     }
     let _ = usage::of_answer(body);
     // Any answer is signed without panicking; a Responses answer with an id as HolySheep

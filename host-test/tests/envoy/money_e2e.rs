@@ -380,6 +380,29 @@ fn an_unreachable_holysheep_costs_the_tenant_nothing() {
 }
 
 #[test]
+fn envoys_words_in_an_answer_holysheeps_side_gave_are_no_proof_of_nothing_billed() {
+    let models = format!(r#"{{"gpt-4.1":{{{PRICES}}}}}"#);
+    let s = start(&retries_on(&config(&models, "{}", &[("batch", r#""usd_per_day":10"#)])), 0);
+    // A hop on HolySheep's side (an Envoy of its own) answers with the text Envoy writes
+    // for a request it never sent: it speaks of its own last attempt, and the edge's Envoy
+    // timed the answer (`x-envoy-upstream-service-time`), so it is charged as unknown.
+    let text = "upstream connect error or disconnect/reset before headers. reset reason: overflow";
+    let relayed = Fault {
+        status: Some(503),
+        body: Some(text.to_owned()),
+        content_type: Some("text/plain".to_owned()),
+        ..Fault::default()
+    };
+    s.mock.mock.plan(vec![relayed; 3]);
+    let body = prompt("three answers relayed from HolySheep's side");
+    let r = chat(&s, "batch", &body);
+    assert_eq!((r.status, s.calls()), (503, 3), "{}", r.text());
+    let worst = (body.len() as u64 + 4096) * 30;
+    assert_eq!(tenant_stat(&s, "batch", "budget_charged_microusd"), 3 * worst, "three worst cases");
+    assert!(s.crashes().is_empty(), "{:?}", s.crashes());
+}
+
+#[test]
 fn envoys_circuit_breaker_turning_a_call_away_costs_its_tenant_nothing() {
     let models = format!(r#"{{"gpt-4.1":{{{PRICES}}}}}"#);
     let config = retries_on(&config(&models, "{}", &[("batch", r#""usd_per_day":10"#)]));

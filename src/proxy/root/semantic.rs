@@ -70,10 +70,11 @@ impl Root {
         let config = self.worker.borrow().config.clone();
         let embedding = embedding_answer(&config, num_headers, body_size);
         if let Some(probe) = probing.outbound.semantic.clone() {
-            // An error answer costs nothing; no answer, or a 200 the edge cannot read, may
-            // have cost its estimate.
+            // HolySheep's refusal (a 4xx) costs nothing; no answer, a 5xx (Envoy's own 504
+            // after the call went out among them), or a 200 the edge cannot read, may have
+            // cost its estimate.
             let status = host::header(MapType::HttpCallResponseHeaders, ":status").filter(|_| num_headers > 0);
-            let error = status.is_some_and(|s| s != "200");
+            let error = status.is_some_and(|s| s.starts_with('4'));
             let billed = embedding.as_ref().map(|e| e.tokens).or(error.then_some(0));
             self.charge_embedding(&probing, &probe, billed);
         }

@@ -340,6 +340,36 @@ fn attempts_holysheep_billed_are_charged_when_their_answer_is_lost_or_refused() 
     assert!(s.crashes().is_empty(), "{:?}", s.crashes());
 }
 
+#[test]
+fn a_retry_is_sent_only_when_the_budget_holds_its_worst_case_beside_what_was_billed() {
+    let models = format!(r#"{{"gpt-4.1":{{{PRICES}}}}}"#);
+    let body = with(&prompt("three answers that are not chat completions"), r#""max_tokens":100"#);
+    // The call's worst case: every body byte a token and its 100 completion tokens, at $30.
+    let worst = (body.len() as u64 + 100) * 30;
+    // Each answer is another object that says it used the whole body and 100 tokens:
+    // $10 and $30 per million, about half the worst case. The day holds one worst case and
+    // a little, not one answer's cost and another worst case.
+    let prompt_tokens = body.len() as u64;
+    let cost = prompt_tokens * 10 + 100 * 30;
+    let budget = worst + 1_000;
+    assert!(cost + worst > budget && 3 * cost > budget, "the figures: {cost} {worst} {budget}");
+    let limits = format!(r#""usd_per_day":{}"#, budget as f64 / 1e6);
+    let s = start(&retries_on(&config(&models, "{}", &[("batch", &limits)])), 0);
+    let other = format!(
+        r#"{{"object":"list","data":[],"usage":{{"prompt_tokens":{prompt_tokens},"completion_tokens":100,"total_tokens":{}}}}}"#,
+        prompt_tokens + 100
+    );
+    let not_chat = Fault { body: Some(other), content_type: Some("application/json".into()), ..Fault::default() };
+    s.mock.mock.plan(vec![not_chat; 3]);
+    let r = chat(&s, "batch", &body);
+    assert_eq!((r.status, r.error_code().as_str()), (502, "upstream_invalid_answer"), "{}", r.text());
+    // Each such answer was billed; three used to go under one reservation, past the budget.
+    assert_eq!(s.calls(), 1, "no retry the budget could not hold");
+    assert_eq!(tenant_stat(&s, "batch", "budget_charged_microusd"), cost);
+    assert_eq!(tenant_stat(&s, "batch", "budget_day_left_microusd"), budget - cost);
+    assert!(s.crashes().is_empty(), "{:?}", s.crashes());
+}
+
 /// A port nothing listens on.
 fn closed_port() -> std::net::SocketAddr {
     let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");

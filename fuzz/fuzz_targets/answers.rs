@@ -10,23 +10,33 @@ use holysheep_edge::core::api::usage::{self, Billed};
 use holysheep_edge::core::upstream::{self, Sent};
 use libfuzzer_sys::fuzz_target;
 
-const TYPES: [&str; 4] = ["application/json", "text/event-stream", "text/html", "application/json; charset=utf-8"];
+const TYPES: [&str; 5] =
+    ["application/json", "text/event-stream", "text/html", "application/json; charset=utf-8", "text/plain"];
 const STATUSES: [u16; 8] = [200, 400, 401, 404, 429, 500, 502, 503];
 
 fuzz_target!(|data: &[u8]| {
-    let Some((&pick, body)) = data.split_first() else { return };
+    let Some((&pick, rest)) = data.split_first() else { return };
+    let Some((&how, body)) = rest.split_first() else { return };
     let status = STATUSES[usize::from(pick) % STATUSES.len()];
     let content_type = TYPES[usize::from(pick >> 3) % TYPES.len()];
-    let (endpoint, stream, envoy) = (endpoint::ALL[usize::from(pick >> 5) % 4], pick & 0x80 != 0, pick & 0x04 != 0);
+    let (endpoint, stream, envoy) = (endpoint::ALL[usize::from(pick >> 5) % 4], pick & 0x80 != 0, how & 1 != 0);
     let sent = Sent { endpoint, stream, operator_key: true, envoy };
-    let headers = vec![("content-type".to_owned(), content_type.to_owned()), ("retry-after".to_owned(), "1".to_owned())];
+    let mut headers =
+        vec![("content-type".to_owned(), content_type.to_owned()), ("retry-after".to_owned(), "1".to_owned())];
+    let timed = how & 4 != 0;
+    if how & 2 != 0 {
+        headers.push(("x-envoy-overloaded".to_owned(), "true".to_owned()));
+    }
+    if timed {
+        headers.push(("x-envoy-upstream-service-time".to_owned(), "7".to_owned()));
+    }
     let (answer, hints) = upstream::response(status, &headers, body.to_vec(), sent);
     assert!(answer.status >= 200, "an answer without a status");
     if hints.billed == Billed::Nothing {
         assert_ne!(status, 200, "a 200 billed nothing");
     }
     if hints.billed == Billed::Unsent {
-        assert!(envoy && status == 503, "only Envoy's own 503 says a request never left");
+        assert!(envoy && !timed && status == 503, "only Envoy's own 503 says a request never left");
         assert_eq!(usage::of_answer(body), None, "an answer with usage was billed it");
     }
     let _ = usage::of_answer(body);

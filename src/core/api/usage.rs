@@ -94,7 +94,7 @@ impl Billed {
     pub fn of_envoys_answer(status: u16, overloaded: bool, content_type: &str, body: &[u8]) -> Billed {
         match Billed::of_answer(status, content_type, body) {
             known @ Billed::Known(_) => known,
-            _ if status == 503 && overloaded || envoy_never_sent(status, content_type, body) => Billed::Unsent,
+            _ if (status == 503 && overloaded) || envoy_never_sent(status, content_type, body) => Billed::Unsent,
             other => other,
         }
     }

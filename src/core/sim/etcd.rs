@@ -9,6 +9,7 @@ use crate::core::config::Config;
 use crate::core::limits::budget::Stored;
 use crate::core::limits::budget_store::{self, Due, Flush, Found};
 use crate::core::store::MemStore;
+use crate::core::wire::scan;
 use std::collections::BTreeMap;
 
 /// How etcd misbehaves, in percent of calls.
@@ -44,7 +45,12 @@ impl Etcd {
             return Err(self.range(&flush.tenant));
         }
         self.revision += 1;
-        self.keys.insert(flush.tenant.clone(), (flush.value.clone(), self.revision));
+        // Kept as etcd keeps it: the JSON the node writes, read back as the node reads it.
+        let json = flush.value.to_json();
+        let Some(value) = scan::read(json.as_bytes()).and_then(Stored::read) else {
+            panic!("a spend record that does not read back: {json}")
+        };
+        self.keys.insert(flush.tenant.clone(), (value, self.revision));
         Ok(self.revision)
     }
 

@@ -123,6 +123,8 @@ pub(crate) struct Sim {
     etcd: Etcd,
     /// The run is draining: no fault of the spend store's any more.
     calm: bool,
+    /// A node admitted from its share of a tenant's limits (its owner out of reach).
+    shared_out: bool,
     pub answered: u64,
     pub attempts: u64,
     pub shared: u64,
@@ -144,7 +146,8 @@ impl Sim {
                 side: Side::default(),
             })
             .collect();
-        let billed = vec![0; scenario.caps.len()];
+        // The budgeted tenants, then one with buckets alone.
+        let billed = vec![0; scenario.caps.len() + 1];
         Sim {
             rng,
             config,
@@ -162,6 +165,7 @@ impl Sim {
             broken: Vec::new(),
             etcd: Etcd::default(),
             calm: false,
+            shared_out: false,
             answered: 0,
             attempts: 0,
             shared: 0,
@@ -286,15 +290,15 @@ impl Sim {
         }
     }
 
-    /// Once drained: what the spend store holds for each tenant is at least what HolySheep
-    /// billed it (but for the nodes' shares, which are never written: a fleet whose owners
-    /// fell silent).
+    /// Once drained: what the spend store holds for each budgeted tenant is at least what
+    /// HolySheep billed it (but for the nodes' shares, which are never written: a run in
+    /// which a node admitted from its share).
     pub(crate) fn check_stored(&self) -> Vec<String> {
-        if self.scenario.store.is_none() || self.scenario.silence > 0 {
+        if self.scenario.store.is_none() || self.shared_out {
             return Vec::new();
         }
         let mut broken = Vec::new();
-        for (t, billed) in self.billed.iter().enumerate() {
+        for (t, billed) in self.billed.iter().enumerate().take(self.scenario.caps.len()) {
             let stored = self.etcd.day_micro(&format!("t{t}"));
             if stored < *billed {
                 broken.push(format!("the spend store holds {stored} micro-dollars of t{t}, who was billed {billed}"));
@@ -308,7 +312,7 @@ impl Sim {
     fn arrive(&mut self) {
         let (id, node) = (self.next_id, self.rng.below(self.nodes.len() as u64) as usize);
         self.next_id += 1;
-        let tenant = self.rng.below(self.scenario.caps.len() as u64) as usize;
+        let tenant = self.rng.below(self.billed.len() as u64) as usize;
         let stream = self.rng.chance(self.scenario.streams);
         let prompt = if !self.asked.is_empty() && self.rng.chance(self.scenario.repeats) {
             self.asked[self.rng.below(self.asked.len() as u64) as usize].clone()
@@ -549,8 +553,10 @@ impl Sim {
     fn collect(&mut self, id: u64) {
         let Some(l) = self.live.get_mut(&id) else { return };
         for e in l.flight.events.drain(..) {
-            if let Event::BudgetCharged { micro, .. } = e {
-                l.charged_micro += micro;
+            match e {
+                Event::BudgetCharged { micro, .. } => l.charged_micro += micro,
+                Event::LocalShare { .. } => self.shared_out = true,
+                _ => {}
             }
         }
         let ops: Vec<Op> = l.flight.outbox.drain(..).collect();
@@ -576,11 +582,14 @@ impl Sim {
     fn finish(&mut self, id: u64, outcome: Option<Response>) {
         self.collect(id);
         let Some(l) = self.live.remove(&id) else { return };
-        if l.charged_micro != l.due_micro {
+        // A tenant without a budget is charged nothing.
+        let budgeted = self.requests.get(&l.req).is_some_and(|r| r.tenant < self.scenario.caps.len());
+        let due = if budgeted { l.due_micro } else { 0 };
+        if l.charged_micro != due {
             self.broken.push(format!(
                 "the flight of request {} (last fault {:?}) was charged {} micro-dollars where its attempts \
                  came to {}",
-                l.req, l.fault, l.charged_micro, l.due_micro
+                l.req, l.fault, l.charged_micro, due
             ));
         }
         let Some(node) = self.requests.get(&l.req).map(|r| r.node) else { return };

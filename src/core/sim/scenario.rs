@@ -53,7 +53,7 @@ impl Scenario {
     }
 
     pub(crate) fn config(&self) -> Config {
-        let tenants: Vec<String> = self
+        let mut tenants: Vec<String> = self
             .caps
             .iter()
             .enumerate()
@@ -62,6 +62,10 @@ impl Scenario {
                 format!(r#""t{i}":{{"keys_sha256":["{digest}"],"usd_per_day":{}}}"#, *cap as f64 / 1e6)
             })
             .collect();
+        // And one with buckets alone, after the budgeted ones: its streams keep the
+        // router's retries.
+        let n = self.caps.len();
+        tenants.push(format!(r#""t{n}":{{"keys_sha256":["{:064x}"],"requests_per_minute":6000}}"#, n + 1));
         let fleet = if self.nodes > 1 {
             format!(r#","fleet":{{"cluster":"owners","nodes":{},"timeout_ms":200}}"#, self.nodes)
         } else {

@@ -272,9 +272,7 @@ impl Standing {
     pub fn bill(&mut self, config: &Config, index: usize, billed: Billed) {
         let model = self.models.get(index).cloned().unwrap_or_default();
         if let TenantPass::Taken(Some(hold)) = &mut self.pass {
-            let before = hold.used_micro();
-            hold.bill(config, &model, billed);
-            let micro = hold.used_micro().saturating_sub(before);
+            let micro = hold.bill(config, &model, billed);
             if micro > 0 && hold.budgeted(config) {
                 self.events.push(Event::BudgetCharged { model, micro });
             }

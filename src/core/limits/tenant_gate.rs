@@ -356,8 +356,8 @@ impl TenantHold {
         self.dollars
     }
 
-    /// An attempt on `model` was billed `billed`.
-    pub fn bill(&mut self, config: &Config, model: &str, billed: Billed) {
+    /// An attempt on `model` was billed `billed`: what it is charged, in micro-dollars.
+    pub fn bill(&mut self, config: &Config, model: &str, billed: Billed) -> u64 {
         let (tokens, micro) = match billed {
             Billed::Known(u) => (u.total(), config.cost_micro_usd(model, &u)),
             Billed::Nothing | Billed::Unsent => (0, 0),
@@ -365,6 +365,7 @@ impl TenantHold {
         };
         self.used_tokens = self.used_tokens.saturating_add(tokens);
         self.used_micro = self.used_micro.saturating_add(micro);
+        micro
     }
 
     /// Whether one more attempt, which may be billed its worst case, is covered by what
@@ -392,11 +393,6 @@ impl TenantHold {
     /// case that nothing is charged against).
     pub(crate) fn budgeted(&self, config: &Config) -> bool {
         config.tenants.get(&self.tenant).is_some_and(|t| !t.caps().is_none())
-    }
-
-    /// What the call's attempts have been billed so far, in micro-dollars.
-    pub(crate) fn used_micro(&self) -> u64 {
-        self.used_micro
     }
 
     /// The flight ended: its reservations become what its attempts used, here, or (the

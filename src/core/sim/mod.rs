@@ -131,10 +131,10 @@ pub(crate) struct Sim {
 }
 
 impl Sim {
-    pub(crate) fn new(seed: u64) -> Sim {
+    pub(crate) fn new(seed: u64) -> Result<Sim, String> {
         let mut rng = Rng::new(seed);
         let scenario = Scenario::draw(&mut rng);
-        let config = scenario.config();
+        let config = scenario.config()?;
         let nodes = scenario
             .skew_ms
             .iter()
@@ -148,7 +148,7 @@ impl Sim {
             .collect();
         // The budgeted tenants, then one with buckets alone.
         let billed = vec![0; scenario.caps.len() + 1];
-        Sim {
+        Ok(Sim {
             rng,
             config,
             scenario,
@@ -169,11 +169,7 @@ impl Sim {
             answered: 0,
             attempts: 0,
             shared: 0,
-        }
-    }
-
-    pub(crate) fn scenario(&self) -> &Scenario {
-        &self.scenario
+        })
     }
 
     fn now(&self, node: usize) -> u64 {
@@ -333,7 +329,7 @@ impl Sim {
         let endpoint = crate::core::api::endpoint::Endpoint::Chat;
         let request = match crate::core::request::ApiRequest::parse(&self.config, &meta, endpoint, body.as_bytes()) {
             Ok(r) => r,
-            Err(e) => panic!("the simulator's request does not parse: {e:?}"),
+            Err(e) => return self.broken.push(format!("the simulator's request is refused: {e:?}")),
         };
         let outbound = Outbound { tenant: Some(name), ..Outbound::of(&request, body.as_bytes().to_vec(), None) };
         // A token is at least one byte: the prompt HolySheep counts is within the body.
@@ -634,6 +630,9 @@ impl Sim {
     /// The money invariants, as they stand now.
     pub(crate) fn check(&mut self) -> Vec<String> {
         let mut broken = std::mem::take(&mut self.broken);
+        for json in self.etcd.unreadable.drain(..) {
+            broken.push(format!("a spend record written to etcd does not read back: {json}"));
+        }
         for (t, cap) in self.scenario.caps.iter().enumerate() {
             let name = format!("t{t}");
             let share = format!("{name}#share");
@@ -685,7 +684,7 @@ fn owner_of(bucket: &str, nodes: usize) -> usize {
 
 /// Runs `seed` for `steps` steps, then until every flight has ended: the first violation.
 pub(crate) fn run(seed: u64, steps: u64) -> Result<Sim, Violation> {
-    let mut sim = Sim::new(seed);
+    let mut sim = Sim::new(seed).map_err(|what| Violation { step: 0, what })?;
     let mut step = 0;
     while step < steps || sim.open() > 0 {
         step += 1;
@@ -740,7 +739,7 @@ mod tests {
                     "seed {seed}, step {}: {}\nscenario: {:?}\nreplay: make sim SEED={seed} STEPS={steps}",
                     v.step,
                     v.what,
-                    Sim::new(seed).scenario()
+                    Scenario::draw(&mut Rng::new(seed))
                 ),
             }
         }

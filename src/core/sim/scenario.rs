@@ -52,7 +52,7 @@ impl Scenario {
         }
     }
 
-    pub(crate) fn config(&self) -> Config {
+    pub(crate) fn config(&self) -> Result<Config, String> {
         let mut tenants: Vec<String> = self
             .caps
             .iter()
@@ -90,9 +90,6 @@ impl Scenario {
             self.max_attempts,
             tenants.join(",")
         );
-        match Config::parse(raw.as_bytes()) {
-            Ok(c) => c,
-            Err(e) => panic!("the simulator's configuration: {e:?}"),
-        }
+        Config::parse(raw.as_bytes()).map_err(|e| format!("the simulator's configuration is refused: {e:?}"))
     }
 }

@@ -8,7 +8,7 @@ use super::rng::Rng;
 use crate::core::config::Config;
 use crate::core::limits::budget::Stored;
 use crate::core::limits::budget_store::{self, Due, Flush, Found};
-use crate::core::store::MemStore;
+use crate::core::store::CasStore;
 use crate::core::wire::scan;
 use std::collections::BTreeMap;
 
@@ -91,7 +91,7 @@ pub(crate) struct Side {
 impl Side {
     /// The node's tick: the reads calls wait for, then, when its round is due, a write (or
     /// a read) of each budgeted tenant's record that has no call out.
-    pub(crate) fn tick(&mut self, store: &MemStore, config: &Config, now_ms: u64, rng: &mut Rng) -> Vec<Asked> {
+    pub(crate) fn tick(&mut self, store: &impl CasStore, config: &Config, now_ms: u64, rng: &mut Rng) -> Vec<Asked> {
         let mut asked = Vec::new();
         for tenant in budget_store::take_wanted(store) {
             if !self.busy.contains(&tenant) {
@@ -125,7 +125,7 @@ impl Side {
 
     /// An answer came back (or its time ran out): what it means is `budget_store`'s. A
     /// write without an answer is checked with a read (`Some`).
-    pub(crate) fn answered(&mut self, store: &MemStore, answer: Answer, now_ms: u64) -> Option<Asked> {
+    pub(crate) fn answered(&mut self, store: &impl CasStore, answer: Answer, now_ms: u64) -> Option<Asked> {
         match answer {
             Answer::Read(tenant, found) => {
                 self.busy.retain(|t| *t != tenant);

@@ -4,7 +4,9 @@
 //! data, `MemStore`) and clock. One seed fixes every choice: the scenario (nodes, clock
 //! skew, budgets, retries, how faulty HolySheep is), every request, every fault of
 //! HolySheep's (`holysheep::Fault`), every owner that stops answering, every settlement
-//! lost on the way. After every step the money invariants are checked
+//! lost on the way, every node killed (the ring moving its keys to the others until it
+//! starts again), every write another worker beats. After every step the money invariants
+//! are checked
 //! (`Sim::check`); a violation names its seed and the command that replays it.
 //!
 //! Run by `cargo test` on a fixed set of seeds, and by `make sim` on as many as asked
@@ -14,11 +16,13 @@ mod etcd;
 mod holysheep;
 mod rng;
 mod scenario;
+mod shared;
 
 use self::etcd::{Answer, Asked, Etcd, Faults, Side};
 use self::holysheep::{Attempt, Fault};
 use self::rng::Rng;
 use self::scenario::Scenario;
+use self::shared::Shared;
 use crate::core::api::event::Event;
 use crate::core::api::priority::Class;
 use crate::core::api::response::Response;
@@ -32,9 +36,9 @@ use crate::core::limits::budget;
 use crate::core::limits::budget_store::Flush;
 use crate::core::limits::fleet::{self, Op, Verdict};
 use crate::core::limits::tenant_gate;
+use crate::core::limits::{self, Limits};
 use crate::core::request::Policy;
 use crate::core::semantic::{self, spend};
-use crate::core::store::MemStore;
 use crate::core::upstream::Outbound;
 use std::cmp::Reverse;
 use std::collections::{BTreeMap, BinaryHeap};
@@ -45,12 +49,33 @@ const START_MS: u64 = 1_796_644_800_000;
 /// A node of the fleet: its shared data, its clock, until when it does not answer, and
 /// when its workers next renew their leaders' leases.
 struct Node {
-    store: MemStore,
+    store: Shared,
     skew_ms: i64,
     silent_until: u64,
     next_tick: u64,
     /// Its calls to the spend store.
     side: Side,
+    /// Killed: out of the ring until it starts again, then.
+    down_until: Option<u64>,
+    /// How often it started: an answer to a call its previous process made finds no one.
+    epoch: u64,
+    /// Until when every compare-and-swap write on it is beaten by another worker's.
+    storm_until: u64,
+}
+
+impl Node {
+    fn new(skew_ms: i64, races: u64, seed: u64) -> Node {
+        Node {
+            store: Shared::new(races, seed),
+            skew_ms,
+            silent_until: 0,
+            next_tick: 0,
+            side: Side::default(),
+            down_until: None,
+            epoch: 0,
+            storm_until: 0,
+        }
+    }
 }
 
 /// A client's request: where it arrived, whose it is, and how often it was answered.
@@ -89,8 +114,8 @@ enum Happening {
     /// A leader's question was embedded (the tokens billed, `None`: no answer): its flight
     /// begins.
     Embedded(u64, Call, Option<u64>),
-    /// The spend store answered a node (or its time ran out).
-    Etcd(usize, Answer),
+    /// The spend store answered a node's process (or its time ran out).
+    Etcd(usize, u64, Answer),
     /// A write a node gave up on lands in the spend store after all.
     Lands(Flush),
 }
@@ -125,9 +150,22 @@ pub(crate) struct Sim {
     calm: bool,
     /// A node admitted from its share of a tenant's limits (its owner out of reach).
     shared_out: bool,
+    /// Per budgeted tenant, what killed nodes' records charged beyond what the spend store
+    /// held (their reservations and their spend not yet written): gone with them.
+    lost: Vec<u64>,
+    /// Per budgeted tenant, what its keepers charged beyond the spend store's value when
+    /// the ring gave the tenant to another node that lived on (the new keeper knows
+    /// nothing of it), and, with a spend store, one worst case per new keeper (what a
+    /// keeper admits before it could read the store: `budget_store.outage_usd`).
+    handed: Vec<u64>,
+    /// The largest token estimate and dollar worst case of a call so far.
+    most: (u64, u64),
     pub answered: u64,
     pub attempts: u64,
     pub shared: u64,
+    /// Nodes killed, and compare-and-swap writes another worker's beat.
+    pub killed: u64,
+    pub beaten: u64,
 }
 
 impl Sim {
@@ -135,20 +173,13 @@ impl Sim {
         let mut rng = Rng::new(seed);
         let scenario = Scenario::draw(&mut rng);
         let config = scenario.config()?;
-        let nodes = scenario
-            .skew_ms
-            .iter()
-            .map(|&skew_ms| Node {
-                store: MemStore::new(),
-                skew_ms,
-                silent_until: 0,
-                next_tick: 0,
-                side: Side::default(),
-            })
-            .collect();
+        let races = scenario.races.0;
+        let nodes = scenario.skew_ms.iter().map(|&skew_ms| Node::new(skew_ms, races, rng.next())).collect();
         // The budgeted tenants, then one with buckets alone.
         let billed = vec![0; scenario.caps.len() + 1];
         Ok(Sim {
+            lost: vec![0; billed.len() - 1],
+            handed: vec![0; billed.len() - 1],
             rng,
             config,
             scenario,
@@ -166,9 +197,12 @@ impl Sim {
             etcd: Etcd::default(),
             calm: false,
             shared_out: false,
+            most: (0, 0),
             answered: 0,
             attempts: 0,
             shared: 0,
+            killed: 0,
+            beaten: 0,
         })
     }
 
@@ -176,7 +210,7 @@ impl Sim {
         self.clock.saturating_add_signed(self.nodes[node].skew_ms)
     }
 
-    fn engine(&self, node: usize) -> Engine<'_, MemStore> {
+    fn engine(&self, node: usize) -> Engine<'_, Shared> {
         Engine { store: &self.nodes[node].store, config: &self.config }
     }
 
@@ -193,6 +227,17 @@ impl Sim {
             let n = self.rng.below(self.nodes.len() as u64) as usize;
             self.nodes[n].silent_until = self.clock + 100 + self.rng.below(5_000);
         }
+        if self.rng.below(10_000) < self.scenario.crashes {
+            let n = self.rng.below(self.nodes.len() as u64) as usize;
+            self.kill(n);
+        }
+        if self.rng.below(1000) < self.scenario.races.1 {
+            let n = self.rng.below(self.nodes.len() as u64) as usize;
+            self.nodes[n].storm_until = self.clock + 10 + self.rng.below(300);
+        }
+        for node in &self.nodes {
+            node.store.storm.set(self.clock < node.storm_until);
+        }
         self.tick();
         let idle = self.queue.is_empty();
         if starting && (idle || self.rng.chance(30)) && self.live.len() < 64 {
@@ -207,7 +252,7 @@ impl Sim {
             Some(Happening::Verdict(id, verdict)) => self.verdict(id, verdict),
             Some(Happening::Poll(req)) => self.poll(req),
             Some(Happening::Embedded(req, call, tokens)) => self.embedded(req, call, tokens),
-            Some(Happening::Etcd(node, answer)) => self.etcd_answered(node, answer),
+            Some(Happening::Etcd(node, epoch, answer)) => self.etcd_answered(node, epoch, answer),
             Some(Happening::Lands(flush)) => {
                 let _ = self.etcd.txn(&flush);
             }
@@ -216,10 +261,102 @@ impl Sim {
         true
     }
 
+    /// The nodes in the ring: those not killed.
+    fn up(&self) -> Vec<usize> {
+        (0..self.nodes.len()).filter(|&n| self.nodes[n].down_until.is_none()).collect()
+    }
+
+    /// The node of the fleet that owns `bucket`: the ring's pick among the nodes up, which
+    /// moves only the keys of a node that leaves or comes back (as Envoy's ring hash does).
+    fn owner(&self, bucket: &str) -> usize {
+        let weight = |n: usize| fnv(format!("{bucket}@{n}").as_bytes());
+        self.up().into_iter().max_by_key(|&n| weight(n)).unwrap_or(0)
+    }
+
+    /// What `node`'s records of `t` charge beyond what the spend store held: its own
+    /// (the tenant's, if it keeps it, and its share's).
+    fn unwritten(&self, node: usize, t: usize) -> u64 {
+        let (store, now) = (&self.nodes[node].store, self.now(node));
+        let name = format!("t{t}");
+        budget::unwritten(store, &name, now) + budget::unwritten(store, &format!("{name}#share"), now)
+    }
+
+    /// Node `n` is killed: its requests are reset (answered, once), its flights and its
+    /// shared data are gone, and the ring gives its keys to the others until it starts
+    /// again. What its records charged beyond the spend store is lost with them.
+    fn kill(&mut self, n: usize) {
+        if self.nodes[n].down_until.is_some() || self.up().len() < 2 && self.nodes.len() > 1 {
+            return;
+        }
+        for t in 0..self.lost.len() {
+            self.lost[t] += self.unwritten(n, t);
+        }
+        self.killed += 1;
+        self.beaten += self.nodes[n].store.lost.get();
+        let before = self.keepers();
+        let gone: Vec<u64> = self.requests.iter().filter(|(_, r)| r.node == n).map(|(id, _)| *id).collect();
+        self.live.retain(|_, l| !gone.contains(&l.req));
+        for req in gone {
+            self.reset(req);
+        }
+        let back = self.clock + 500 + self.rng.below(10_000);
+        let (skew, races, seed) = (self.nodes[n].skew_ms, self.scenario.races.0, self.rng.next());
+        let epoch = self.nodes[n].epoch + 1;
+        self.nodes[n] = Node { down_until: Some(back), epoch, ..Node::new(skew, races, seed) };
+        self.handover(before, false);
+    }
+
+    /// Killed nodes whose time came start again, empty, and take their keys back from the
+    /// ring: a tenant's keeper that lives on hands over what the new one cannot know.
+    fn restart(&mut self) {
+        for n in 0..self.nodes.len() {
+            if self.nodes[n].down_until.is_none_or(|until| until > self.clock) {
+                continue;
+            }
+            let before = self.keepers();
+            self.nodes[n].down_until = None;
+            self.handover(before, true);
+        }
+    }
+
+    /// Each budgeted tenant's keeper: its owner node.
+    fn keepers(&self) -> Vec<usize> {
+        (0..self.lost.len()).map(|t| self.owner(&tenant_gate::bucket(&format!("t{t}")))).collect()
+    }
+
+    /// The ring changed: a tenant whose keeper changed is kept by a node that knows only
+    /// what the spend store holds (and, with one, admits one worst case before it could read
+    /// it). A keeper that lives on (`alive`) left behind what it charged beyond the store.
+    fn handover(&mut self, before: Vec<usize>, alive: bool) {
+        let after = self.keepers();
+        for (t, (was, is)) in before.into_iter().zip(after).enumerate() {
+            if was == is {
+                continue;
+            }
+            if alive {
+                self.handed[t] += self.unwritten(was, t);
+            }
+            if self.scenario.store.is_some() {
+                self.handed[t] += self.most.1;
+            }
+        }
+    }
+
+    /// A request whose node was killed: its client's connection is reset.
+    fn reset(&mut self, req: u64) {
+        if let Some(r) = self.requests.remove(&req) {
+            if r.answers > 0 {
+                self.broken.push(format!("request {req} was answered, then reset"));
+            }
+            self.answered += 1;
+        }
+    }
+
     /// Each node's workers renew their leaders' leases on their tick, as the shells do.
     fn tick(&mut self) {
+        self.restart();
         for n in 0..self.nodes.len() {
-            if self.nodes[n].next_tick > self.clock {
+            if self.nodes[n].next_tick > self.clock || self.nodes[n].down_until.is_some() {
                 continue;
             }
             self.nodes[n].next_tick = self.clock + self.config.tick_ms();
@@ -248,14 +385,18 @@ impl Sim {
         let answered =
             matches!(&answer, Answer::Read(_, Some(_)) | Answer::Write(_, Some(_)) | Answer::Check(_, Some(_)));
         let latency = if answered { 1 + self.rng.below(timeout / 2) } else { timeout };
-        self.at(self.clock + latency, Happening::Etcd(node, answer));
+        let epoch = self.nodes[node].epoch;
+        self.at(self.clock + latency, Happening::Etcd(node, epoch, answer));
         if let Some(flush) = late {
             let after = timeout + 1 + self.rng.below(2_000);
             self.at(self.clock + after, Happening::Lands(flush));
         }
     }
 
-    fn etcd_answered(&mut self, node: usize, answer: Answer) {
+    fn etcd_answered(&mut self, node: usize, epoch: u64, answer: Answer) {
+        if self.nodes[node].epoch != epoch {
+            return;
+        }
         let now = self.now(node);
         let Node { side, store, .. } = &mut self.nodes[node];
         if let Some(asked) = side.answered(store, answer, now) {
@@ -276,7 +417,7 @@ impl Sim {
                 }
                 self.queue.pop();
                 match self.happenings.remove(&seq) {
-                    Some(Happening::Etcd(node, answer)) => self.etcd_answered(node, answer),
+                    Some(Happening::Etcd(node, epoch, answer)) => self.etcd_answered(node, epoch, answer),
                     Some(Happening::Lands(flush)) => {
                         let _ = self.etcd.txn(&flush);
                     }
@@ -296,8 +437,12 @@ impl Sim {
         let mut broken = Vec::new();
         for (t, billed) in self.billed.iter().enumerate().take(self.scenario.caps.len()) {
             let stored = self.etcd.day_micro(&format!("t{t}"));
-            if stored < *billed {
-                broken.push(format!("the spend store holds {stored} micro-dollars of t{t}, who was billed {billed}"));
+            if stored + self.lost[t] < *billed {
+                broken.push(format!(
+                    "the spend store holds {stored} micro-dollars of t{t} ({} lost with killed nodes), who was \
+                     billed {billed}",
+                    self.lost[t]
+                ));
             }
         }
         broken
@@ -306,7 +451,11 @@ impl Sim {
     /// A tenant's request arrives at a node: a call, or a stream, of a new prompt or one
     /// asked before (by this tenant or another).
     fn arrive(&mut self) {
-        let (id, node) = (self.next_id, self.rng.below(self.nodes.len() as u64) as usize);
+        let up = self.up();
+        if up.is_empty() {
+            return;
+        }
+        let (id, node) = (self.next_id, up[self.rng.below(up.len() as u64) as usize]);
         self.next_id += 1;
         let tenant = self.rng.below(self.billed.len() as u64) as usize;
         let stream = self.rng.chance(self.scenario.streams);
@@ -433,6 +582,7 @@ impl Sim {
         let worst_micro = tenant_gate::worst_micro(&self.config, &models, r.outbound.worst_tokens());
         let id = self.next_id;
         self.next_id += 1;
+        self.most = (self.most.0.max(r.outbound.estimate_tokens), self.most.1.max(worst_micro));
         let live = Live { req, flight, worst_micro, due_micro: 0, charged_micro: 0, fault: None };
         self.live.insert(id, live);
         self.resume(id);
@@ -502,7 +652,7 @@ impl Sim {
                 self.at(until, Happening::Resume(id));
             }
             Action::Ask { bucket, op, timeout_ms } => {
-                let owner = owner_of(&bucket, self.nodes.len());
+                let owner = self.owner(&bucket);
                 if self.nodes[owner].silent_until > self.clock {
                     // A stopped owner: the ask may have reached it, its answer never comes.
                     if self.rng.chance(30) {
@@ -565,7 +715,7 @@ impl Sim {
     /// never gets it, and some are lost on the way.
     fn send(&mut self, op: Op) {
         let Some(bucket) = op.bucket(&self.config) else { return };
-        let owner = owner_of(&bucket, self.nodes.len());
+        let owner = self.owner(&bucket);
         if self.nodes[owner].silent_until > self.clock || self.rng.chance(self.scenario.lost) {
             return;
         }
@@ -635,24 +785,49 @@ impl Sim {
         }
         for (t, cap) in self.scenario.caps.iter().enumerate() {
             let name = format!("t{t}");
-            let share = format!("{name}#share");
-            let charged: u64 = (0..self.nodes.len())
-                .map(|n| {
-                    let now = self.now(n);
-                    let store = &self.nodes[n].store;
-                    budget::spent(store, &name, now).0 + budget::spent(store, &share, now).0
-                })
-                .sum();
-            let billed = self.billed[t];
-            // Charged at least what HolySheep billed (reservations in flight count).
-            if charged < billed {
-                broken.push(format!("{name} was charged {charged} micro-dollars but HolySheep billed {billed}"));
+            // What the spend store holds, and what each node's records charge beyond what
+            // it held when they read it (without a store: all they charge).
+            let charged = self.etcd.day_micro(&name) + (0..self.nodes.len()).map(|n| self.unwritten(n, t)).sum::<u64>();
+            let (billed, lost, handed) = (self.billed[t], self.lost[t], self.handed[t]);
+            // Charged at least what HolySheep billed (reservations in flight count), but
+            // for what killed nodes' records took with them.
+            if charged + lost < billed {
+                broken.push(format!(
+                    "{name} was charged {charged} micro-dollars ({lost} more lost with killed nodes) but \
+                     HolySheep billed {billed}"
+                ));
             }
             // Within the budget, plus, in a fleet, what the nodes' shares admit while the
-            // tenant's owner is out of reach (docs/tenants.md).
-            let bound = cap + self.share_bound(*cap);
+            // tenant's owner is out of reach, plus what keepers killed or left behind by
+            // the ring had charged beyond the spend store (docs/tenants.md).
+            let bound = cap + self.share_bound(*cap) + lost + handed;
             if billed > bound {
-                broken.push(format!("HolySheep billed {name} {billed} micro-dollars, past its bound of {bound}"));
+                broken.push(format!(
+                    "HolySheep billed {name} {billed} micro-dollars, past its bound of {bound} ({lost} lost with \
+                     killed nodes, {handed} left behind by the ring)"
+                ));
+            }
+        }
+        broken.extend(self.floors());
+        broken
+    }
+
+    /// A model's bucket, which every tenant shares (and each node's share of it), is never
+    /// left more than one call's estimate below empty (docs/limits.md).
+    fn floors(&self) -> Vec<String> {
+        let Some((name, model)) = self.config.model("gpt-4.1") else { return Vec::new() };
+        let whole = Limits::of(model, &self.config.rate_limit);
+        let share = whole.share(self.config.fleet.nodes);
+        let floor = -(self.most.0 as f64).min(whole.tpm.unwrap_or(0.0));
+        let mut broken = Vec::new();
+        for n in self.up() {
+            let now = self.now(n);
+            for (bucket, l) in [(name.to_owned(), &whole), (limits::share_bucket(name), &share)] {
+                let b = limits::peek(&self.nodes[n].store, &bucket, l, now);
+                if l.tpm.is_some() && b.tokens < floor.max(-l.tpm.unwrap_or(0.0)) - 1e-6 {
+                    broken
+                        .push(format!("node {n}'s bucket {bucket} holds {} tokens, below its floor {floor}", b.tokens));
+                }
             }
         }
         broken
@@ -676,10 +851,9 @@ impl Sim {
 /// The cache directives of every simulated request: the defaults.
 const POLICY: Policy = Policy { read: true, max_age: None, coalesce: true, store: true, class: Class::Standard };
 
-/// The node of the fleet that owns `bucket` (the ring, as a hash of its name).
-fn owner_of(bucket: &str, nodes: usize) -> usize {
-    let hash = bucket.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3));
-    (hash % nodes as u64) as usize
+/// FNV-1a: the ring's hash.
+fn fnv(bytes: &[u8]) -> u64 {
+    bytes.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ u64::from(*b)).wrapping_mul(0x0100_0000_01b3))
 }
 
 /// Runs `seed` for `steps` steps, then until every flight has ended: the first violation.
@@ -727,6 +901,7 @@ mod tests {
     fn the_fleet_keeps_its_money_invariants_under_every_fault() {
         let (seeds, steps) = plan();
         let (mut total_steps, mut flights, mut attempts, mut shared) = (0, 0, 0, 0);
+        let (mut killed, mut beaten) = (0, 0);
         for seed in seeds {
             match run(seed, steps) {
                 Ok(sim) => {
@@ -734,6 +909,8 @@ mod tests {
                     flights += sim.answered;
                     shared += sim.shared;
                     attempts += sim.attempts;
+                    killed += sim.killed;
+                    beaten += sim.beaten + sim.nodes.iter().map(|n| n.store.lost.get()).sum::<u64>();
                 }
                 Err(v) => panic!(
                     "seed {seed}, step {}: {}\nscenario: {:?}\nreplay: make sim SEED={seed} STEPS={steps}",
@@ -745,7 +922,7 @@ mod tests {
         }
         eprintln!(
             "sim: {total_steps} steps, {flights} requests answered ({shared} from the cache or a flight), \
-             {attempts} attempts, no violation"
+             {attempts} attempts, {killed} nodes killed, {beaten} writes beaten by another worker's, no violation"
         );
     }
 }

@@ -27,6 +27,15 @@ pub(crate) struct Scenario {
     pub semantic: bool,
     /// The spend store (etcd) keeps the budgets, written every `flush_ms`, with its faults.
     pub store: Option<(u64, Faults)>,
+    /// The chance per step that a node is killed (its shared data gone, out of the ring
+    /// until it starts again), in per ten thousand.
+    pub crashes: u64,
+    /// The share of a node's compare-and-swap writes that another worker's write beats,
+    /// in percent, and the chance per step of a storm in which every one is beaten, in
+    /// per mille.
+    pub races: (u64, u64),
+    /// gpt-4.1's `tokens_per_minute`, a bucket every tenant shares.
+    pub tpm: Option<u64>,
 }
 
 impl Scenario {
@@ -49,6 +58,9 @@ impl Scenario {
                 let faults = Faults { down: rng.below(30), lost: rng.below(30), late: rng.below(50) };
                 (flush_ms, faults)
             }),
+            crashes: [0, 0, 5, 20][rng.below(4) as usize],
+            races: ([0, 0, 5, 30][rng.below(4) as usize], [0, 0, 2][rng.below(3) as usize]),
+            tpm: [None, Some(60_000), Some(600_000)][rng.below(3) as usize],
         }
     }
 
@@ -78,9 +90,10 @@ impl Scenario {
             }
             None => String::new(),
         };
+        let tpm = self.tpm.map_or(String::new(), |t| format!(r#""tokens_per_minute":{t},"#));
         let raw = format!(
             r#"{{{semantic}{store}"models":{{
-                "gpt-4.1":{{"usd_per_mtok_input":2,"usd_per_mtok_output":8,"requests_per_minute":6000,
+                "gpt-4.1":{{"usd_per_mtok_input":2,"usd_per_mtok_output":8,"requests_per_minute":6000,{tpm}
                     "fallback":["deepseek-v3"]}},
                 "deepseek-v3":{{"usd_per_mtok_input":0.27,"usd_per_mtok_output":1.1}},
                 "text-embedding-3-small":{{"usd_per_mtok_input":20,"requests_per_minute":600}}}},

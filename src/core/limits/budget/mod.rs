@@ -859,6 +859,16 @@ pub(crate) fn keepers(store: &impl CasStore, tenant: &str, now_ms: u64) -> u32 {
     standing(store, tenant, now_ms).keepers
 }
 
+/// What `tenant`'s record charges today beyond what the spend store held when this node
+/// last read it: what a crash of the node loses (its reservations and its spend not yet
+/// written).
+#[cfg(test)]
+pub(crate) fn unwritten(store: &impl CasStore, tenant: &str, now_ms: u64) -> u64 {
+    let raw = store.get(&key(tenant)).ok().and_then(|r| r.value);
+    let s = raw.as_deref().and_then(Spend::decode).unwrap_or_default().at(now_ms);
+    s.day_micro.saturating_sub(s.stored.within(s.day, s.month).0)
+}
+
 /// The UTC day (days since 1970-01-01) and month (months since January 1970) of `now_ms`.
 fn periods(now_ms: u64) -> (u64, u64) {
     let day = now_ms / DAY_MS;

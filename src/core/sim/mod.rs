@@ -407,6 +407,10 @@ impl Sim {
     /// After the run: the spend store answers again, and every node writes what it holds.
     pub(crate) fn drain(&mut self) {
         self.calm = true;
+        for node in &mut self.nodes {
+            node.storm_until = 0;
+            node.store.storm.set(false);
+        }
         let until = self.clock + 30_000;
         while self.clock < until {
             self.clock += 50;
@@ -481,8 +485,12 @@ impl Sim {
             Err(e) => return self.broken.push(format!("the simulator's request is refused: {e:?}")),
         };
         let outbound = Outbound { tenant: Some(name), ..Outbound::of(&request, body.as_bytes().to_vec(), None) };
-        // A token is at least one byte: the prompt HolySheep counts is within the body.
-        let tokens = ((body.len() as u64).div_ceil(4), request.completion_limit.unwrap_or(1));
+        // A token is at least one byte: the prompt HolySheep counts is within the body. Most
+        // text is about four bytes a token, as the edge estimates; some (code, CJK) is
+        // denser, and its usage passes the estimate.
+        let bytes = body.len() as u64;
+        let dense = if self.rng.chance(25) { self.rng.below(bytes - bytes / 4) } else { 0 };
+        let tokens = (bytes.div_ceil(4) + dense, request.completion_limit.unwrap_or(1));
         let req = Request { node, tenant, outbound, stream, tokens, wait: None, answers: 0 };
         self.requests.insert(id, req);
         let (now, nonce) = (self.now(node), self.rng.next());

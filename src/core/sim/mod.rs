@@ -901,7 +901,7 @@ mod tests {
         match (var("SIM_SEED"), var("SIM_SEEDS")) {
             (Some(seed), _) => (vec![seed], steps),
             (None, Some(n)) => ((1..=n).collect(), steps),
-            (None, None) => ((1..=100).collect(), steps),
+            (None, None) => ((1..=200).collect(), steps),
         }
     }
 

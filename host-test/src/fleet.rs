@@ -370,6 +370,11 @@ impl Fleet {
     pub fn stat(&self, name: &str) -> u64 {
         self.envoys().map(|e| e.stat(name)).sum()
     }
+
+    /// A stat every running Envoy must have, summed (`Envoy::counted`).
+    pub fn counted(&self, name: &str) -> u64 {
+        self.envoys().map(|e| e.counted(name)).sum()
+    }
 }
 
 /// Owners an Envoy's ring sees healthy (from the admin `/clusters`).

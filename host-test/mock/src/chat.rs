@@ -2,6 +2,7 @@
 //! OpenAI bills it, `n`, tool calls, logprobs, "at length" answers cut at the limit),
 //! planned faults, and OpenAI's rate-limit headers. What each answer billed is recorded.
 
+use crate::events::pieces;
 use crate::faults::{planned_body, planned_error, slow};
 use crate::reply::{error, json_response};
 use crate::server::{InFlight, State};
@@ -192,12 +193,6 @@ fn completion(req: &Value) -> Result<Value, Box<Response<Body>>> {
                   "total_tokens": prompt_tokens + completion_tokens * n},
         "system_fingerprint": "fp_mock",
     }))
-}
-
-/// `s` in pieces of 8 characters.
-pub(crate) fn pieces(s: &str) -> Vec<String> {
-    let chars: Vec<char> = s.chars().collect();
-    chars.chunks(8).map(|p| p.iter().collect()).collect()
 }
 
 /// The mock's `t`-th token of an answer, with a log probability that is exact in binary.

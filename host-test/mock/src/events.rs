@@ -1,7 +1,6 @@
 //! Server-sent events: a chat completion as OpenAI streams it, and the sender that writes
 //! any answer's events with the planned holds and cuts.
 
-use crate::chat::pieces;
 use crate::Body;
 use crate::{Fault, Mock};
 use http_body_util::channel::Channel;
@@ -97,4 +96,10 @@ pub(crate) fn data_events(mut chunks: Vec<Value>, usage_chunk: Option<Value>, us
     let mut events: Vec<String> = chunks.iter().map(|v| format!("data: {v}\n\n")).collect();
     events.push("data: [DONE]\n\n".to_owned());
     events
+}
+
+/// `s` in pieces of 8 characters: the content a stream sends in each event.
+pub(crate) fn pieces(s: &str) -> Vec<String> {
+    let chars: Vec<char> = s.chars().collect();
+    chars.chunks(8).map(|p| p.iter().collect()).collect()
 }

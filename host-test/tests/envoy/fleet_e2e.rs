@@ -103,7 +103,7 @@ fn three_nodes_act_as_one_edge() {
     let refused = limited.iter().filter(|r| r.status == 429).count();
     assert_eq!((admitted, refused), (6, 24), "burst 6 holds fleet-wide");
     assert_eq!(fleet.calls() - calls_before, 6);
-    assert_eq!(fleet.stat("wasmcustom.holysheep.deepseek-v3.fleet_local_share"), 0, "every model owner was reached");
+    assert_eq!(fleet.counted("wasmcustom.holysheep.deepseek-v3.fleet_local_share"), 0, "every model owner was reached");
 
     // Internal calls are 404 on a public listener, in any spelling.
     for path in ["/holysheep/peer/bucket", "//holysheep/./peer/bucket", "/%68olysheep/peer/bucket"] {
@@ -133,7 +133,7 @@ fn three_nodes_act_as_one_edge() {
     assert_eq!(signed.as_ref().map(|(status, _)| *status), Ok(200), "{signed:?}");
     // The forward and owner listeners' configurations spell one set of settings otherwise
     // (`role`, `fleet`): every hop's digest matched its owner's.
-    assert_eq!(fleet.stat("wasmcustom.holysheep.fleet.config_mismatch"), 0);
+    assert_eq!(fleet.counted("wasmcustom.holysheep.fleet.config_mismatch"), 0);
     assert_eq!(fleet.crashes(), Vec::<String>::new());
 }
 
@@ -294,9 +294,29 @@ fn a_forward_nodes_waiter_keeps_its_own_no_cache() {
 fn a_node_lost_is_routed_around_and_no_client_hangs() {
     let mut fleet = Fleet::start(3, r#"{"edge":{"max_age_seconds":0}}"#, 1_500);
     let survivors: Vec<SocketAddr> = fleet.publics()[..2].to_vec();
-    // Nine prompts in flight through node 0, spread over the owners; node 2 dies while
-    // HolySheep is still answering: the requests it owned are retried on another owner.
-    let bodies: Vec<String> = (0..9).map(|i| prompt(&format!("in flight {i}"))).collect();
+    let lost = fleet.live().nth(2).expect("node 2").owner.to_string();
+    // Nine prompts, three of them owned by node 2 (found by asking with `no-store`, which
+    // leaves nothing in any cache), in flight through node 0; node 2 dies while HolySheep is
+    // still answering: the requests it owned are retried on another owner.
+    fleet.mock.mock.set_latency_ms(0);
+    let (mut owned, mut others) = (Vec::new(), Vec::new());
+    for i in 0.. {
+        if owned.len() == 3 && others.len() == 6 {
+            break;
+        }
+        assert!(i < 500, "node 2 owns none of 500 prompts");
+        let body = prompt(&format!("in flight {i}"));
+        let headers = [("authorization", "Bearer sk-fleet"), ("cache-control", "no-store")];
+        let r = request(survivors[0], "POST", PATH, &headers, body.as_bytes()).expect("answer");
+        assert_eq!(r.status, 200, "{}", r.text());
+        match (r.header("x-holysheep-owner") == Some(lost.as_str()), owned.len() < 3, others.len() < 6) {
+            (true, true, _) => owned.push(body),
+            (false, _, true) => others.push(body),
+            _ => {}
+        }
+    }
+    fleet.mock.mock.set_latency_ms(1_500);
+    let bodies: Vec<String> = owned.iter().chain(&others).cloned().collect();
     let targets = bodies.iter().map(|b| (survivors[0], b.clone())).collect();
     let flying = std::thread::spawn(move || spread(targets));
     let probes = fleet.calls();
@@ -308,6 +328,11 @@ fn a_node_lost_is_routed_around_and_no_client_hangs() {
         "{:?}",
         answers.iter().map(|r| (r.status, r.text())).collect::<Vec<_>>()
     );
+    // The three node 2 owned were answered by another owner.
+    for r in &answers[..3] {
+        let owner = r.header("x-holysheep-owner");
+        assert!(owner.is_some_and(|o| o != lost), "a request node 2 owned was answered by {owner:?}");
+    }
 
     // At once (before any health check noticed), every prompt on the survivors succeeds.
     fleet.mock.mock.set_latency_ms(0);

@@ -231,6 +231,7 @@ fn a_day_long_provider_retry_after_holds_the_bucket_only_for_the_configured_boun
     let s = Stack::start(config, 0);
     s.mock.mock.plan(vec![Fault { status: Some(429), retry_after: Some("86400".into()), ..Fault::default() }]);
     let limited = s.chat(&prompt("a day"), &[]);
+    let answered = Instant::now();
     assert_eq!((limited.status, limited.header("retry-after")), (429, Some("86400")), "HolySheep's own 429");
     // The bucket is held for the configured bound, not for HolySheep's day: the edge's own
     // 429 says when it has room again.
@@ -247,4 +248,8 @@ fn a_day_long_provider_retry_after_holds_the_bucket_only_for_the_configured_boun
         },
         "the bucket stayed empty past max_provider_hold_ms",
     );
+    // Free again within the bound (500 ms), give or take a worker's tick: a hold of
+    // seconds fails here.
+    let held_for = answered.elapsed();
+    assert!(held_for < Duration::from_millis(1_500), "the bucket was held {held_for:?}, past max_provider_hold_ms");
 }

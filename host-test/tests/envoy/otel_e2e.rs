@@ -172,7 +172,12 @@ fn a_collector_receives_a_miss_its_coalesced_waiters_and_a_hit_with_what_holyshe
         let tenant = format!("wasmcustom.holysheep.tenant.{name}");
         assert_eq!(counter(&tenant, ("holysheep.tenant", "search")), sum, "{tenant}");
     }
-    let text = format!("{got:?}");
+    // Everything the collector received by now: the spans, the log records and the metrics
+    // (the counters above came with a flush of the stats sink).
+    let all = otlp.received();
+    assert!(all.points.iter().any(|p| p.metric == "wasmcustom.holysheep.tenant.prompt_tokens"), "metrics flushed");
+    assert!(all.logs.len() >= 7 && (0..=6).all(|n| span_of(&all, n).is_some()), "spans and logs received");
+    let text = format!("{all:?}");
     assert!(!text.contains(SEARCH) && !text.contains(OPERATOR), "no token or key leaves for the collector");
     // The ledger beside the spans: Envoy's counters of what the edge saved, per model and per
     // tenant, are the spans' sum.

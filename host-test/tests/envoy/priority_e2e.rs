@@ -80,7 +80,11 @@ fn a_critical_request_is_the_next_call_after_ten_queued_sheddable_ones() {
     assert!(prompts[0].starts_with("batch"), "{prompts:?}");
     assert_eq!(prompts[1], "search now", "the critical call went next: {prompts:?}");
     assert_eq!(s.mock.mock.max_in_flight(), 1);
-    assert_eq!(stat(&s, "sheddable", "shed"), 0, "no reserve in a cap of one: they waited");
+    assert_eq!(
+        s.envoy.counted("wasmcustom.holysheep.priority.sheddable.shed"),
+        0,
+        "no reserve in a cap of one: they waited"
+    );
     // Histograms reach the admin endpoint at Envoy's next stats flush.
     let series = r#"holysheep_priority_admission_wait_ms_count{holysheep_priority="critical"}"#;
     poll_until(|| prometheus_has(&s, series), "the critical wait was never recorded");
@@ -120,7 +124,7 @@ fn sheddable_calls_are_refused_at_once_above_the_reserve_and_critical_ones_get_i
         assert_eq!(r.json()["error"]["code"], "rate_limit_exceeded");
     }
     assert_eq!(stat(&s, "sheddable", "shed"), (10 - admitted) as u64);
-    assert_eq!(stat(&s, "sheddable", "queued"), 0, "none of them waited");
+    assert_eq!(s.envoy.counted("wasmcustom.holysheep.priority.sheddable.queued"), 0, "none of them waited");
     let critical = join((0..5).map(|i| send(&s, "search", &format!("urgent {i}"), &[])).collect());
     assert!(critical.iter().all(|r| r.status == 200), "{:?}", critical.iter().map(Resp::text).collect::<Vec<_>>());
     assert_eq!(s.calls(), admitted as u64 + 5, "a shed call never reached HolySheep");
@@ -274,7 +278,7 @@ fn a_fleets_model_owner_orders_every_nodes_waiting_calls_and_a_forward_node_pass
     let prompts: Vec<String> = fleet.mock.mock.prompts().into_iter().filter(|p| p.starts_with("fleet")).collect();
     assert_eq!(prompts.len(), 7, "{prompts:?}");
     assert_eq!(prompts[1], "fleet search", "the owner's line put it first: {prompts:?}");
-    assert_eq!(fleet.stat("wasmcustom.holysheep.gpt-4.1.fleet_local_share"), 0, "the model owner was reached");
+    assert_eq!(fleet.counted("wasmcustom.holysheep.gpt-4.1.fleet_local_share"), 0, "the model owner was reached");
 
     // A burst of 2 with half kept: a request that lowered itself on a forward node is
     // sheddable on the owner; the first is admitted, the second shed.

@@ -138,6 +138,14 @@ fn a_request_the_edge_does_not_govern_never_carries_the_tenants_key_on() {
     assert_eq!((refused.status, refused.json()["error"]["code"].as_str()), (404, Some("unknown_url")));
     assert_eq!(s.mock.mock.calls_to("/v1/chat/completions"), 0, "it never reached HolySheep");
     assert_eq!(s.mock.mock.last_authorization(), None);
+    // Outside the API with a tenant's key, whatever the method: the edge answers it, and the
+    // token (the edge's credential) never travels on.
+    for (method, path, body) in [("GET", "/status", &b""[..]), ("POST", "/internal/report", &b"{}"[..])] {
+        let r = request(s.envoy.edge, method, path, &headers, body).expect("answer");
+        assert_eq!((r.status, r.json()["error"]["code"].as_str()), (404, Some("unknown_url")), "{method} {path}");
+        assert_eq!(s.mock.mock.calls_to(path), 0, "{method} {path} reached HolySheep");
+    }
+    assert_eq!(s.mock.mock.last_authorization(), None, "no request with the tenant's token left");
     // Outside the API and without a tenant's key (a health check, say), a request passes
     // untouched.
     let probe = request(s.envoy.edge, "GET", "/status", &[("x-other", "kept")], b"").expect("answer");
@@ -255,7 +263,11 @@ fn over_three_nodes_a_tenants_budget_is_one_budget() {
             r.text()
         );
     }
-    assert_eq!(fleet.stat("wasmcustom.holysheep.tenant.batch.fleet_local_share"), 0, "the tenant's owner was reached");
+    assert_eq!(
+        fleet.counted("wasmcustom.holysheep.tenant.batch.fleet_local_share"),
+        0,
+        "the tenant's owner was reached"
+    );
     assert_eq!(fleet.stat("wasmcustom.holysheep.tenant.batch.upstream_calls"), 8);
 }
 

@@ -284,9 +284,20 @@ fn a_forwarded_stream_is_routed_by_nothing_the_client_sent_and_a_route_elsewhere
     let headers: Vec<String> = internal.mock.last_headers().into_iter().map(|(n, _)| n).collect();
     assert!(!headers.iter().any(|n| n == "x-tier"), "nothing of the client's: {headers:?}");
     assert!(s.envoy.log().contains("streams are refused until the configuration changes"));
-    let again = send_raw(&s, &raw_chat("edge", PATH, gold, &streamed(&prompt("gold again"))));
-    assert_eq!((again.status, again.error_code()), (421, "misdirected_request".to_owned()));
-    assert_eq!(internal.mock.calls(), 1, "latched: no stream leaves any more");
+    // The latch is the process's, not one worker's: streams after it, each on a fresh
+    // connection, until each of Envoy's two workers has taken at least one.
+    let edge = s.envoy.edge;
+    let accepted =
+        |w: u32| s.envoy.counted(&format!("listener.{}_{}.worker_{w}.downstream_cx_total", edge.ip(), edge.port()));
+    let before = [accepted(0), accepted(1)];
+    let mut n = 0;
+    while accepted(0) == before[0] || accepted(1) == before[1] {
+        n += 1;
+        assert!(n <= 64, "64 connections never reached both workers");
+        let again = send_raw(&s, &raw_chat("edge", PATH, gold, &streamed(&prompt(&format!("gold again {n}")))));
+        assert_eq!((again.status, again.error_code()), (421, "misdirected_request".to_owned()));
+    }
+    assert_eq!(internal.mock.calls(), 1, "latched on every worker: no stream leaves any more");
     assert_eq!(s.calls(), 0);
     assert!(s.crashes().is_empty(), "{:?}", s.crashes());
 }

@@ -1,7 +1,7 @@
 //! Load: keep-alive connections sending requests back to back for a row's seconds, and
 //! what a row measured (`Stats`).
 
-use crate::stats::percentile;
+use crate::stats::{percentile, Stats};
 use holysheep_bench::profile::{self, Split};
 use host_test::client::Conn;
 use host_test::stack::prompt;
@@ -15,19 +15,6 @@ pub type Prompts = Arc<dyn Fn() -> String + Send + Sync>;
 
 /// What every row asks for, unless it says otherwise.
 pub const PATH: &str = "/v1/chat/completions";
-
-/// What a row measured.
-pub struct Stats {
-    pub requests: usize,
-    pub rps: f64,
-    pub p50_us: u64,
-    pub p90_us: u64,
-    pub p99_us: u64,
-    pub p999_us: u64,
-    pub labels: Vec<String>,
-    /// Envoy's CPU during the row, with BENCH_PROFILE=1.
-    pub cpu: Option<Split>,
-}
 
 /// `conns` keep-alive connections, each sending `body(i)` back to back for `secs`.
 pub fn load(addr: SocketAddr, conns: usize, secs: u64, body: Prompts) -> Stats {

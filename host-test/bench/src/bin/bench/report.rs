@@ -1,6 +1,6 @@
 //! What one run measured, printed as it goes and written to `target/bench/`.
 
-use crate::load::Stats;
+use crate::stats::Stats;
 use holysheep_bench::profile;
 use std::path::Path;
 

@@ -2,7 +2,20 @@
 //! a row's line is its median round, and a ratio of two rows the median of their rounds'
 //! ratios.
 
-use crate::load::Stats;
+use holysheep_bench::profile::Split;
+
+/// What a row measured.
+pub struct Stats {
+    pub requests: usize,
+    pub rps: f64,
+    pub p50_us: u64,
+    pub p90_us: u64,
+    pub p99_us: u64,
+    pub p999_us: u64,
+    pub labels: Vec<String>,
+    /// Envoy's CPU during the row, with BENCH_PROFILE=1.
+    pub cpu: Option<Split>,
+}
 
 /// The `p` quantile of sorted values (0 when there are none).
 pub fn percentile(sorted: &[u64], p: f64) -> u64 {

@@ -2,8 +2,9 @@
 //! commit's `target/plugin/holysheep_edge.wasm`), each in its own Envoy on the same mock,
 //! alternating in one run: what a change costs a HIT and a MISS.
 
-use crate::load::{expect_all, load, unique_prompts, Prompts, Stats, PATH};
+use crate::load::{expect_all, load, unique_prompts, Prompts, PATH};
 use crate::report::Report;
+use crate::stats::Stats;
 use crate::stats::{alternate, median, paired, throughput};
 use host_test::client::request;
 use host_test::envoy::{Envoy, Options};

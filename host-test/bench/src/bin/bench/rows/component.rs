@@ -1,9 +1,9 @@
 //! The wasi:http component on the wasmtime host: its HIT (measured alternating with the
 //! plugin's, see `edge::hit_rows`), its followers by the host's clock, and its size.
 
-use crate::load::Stats;
 use crate::report::Report;
 use crate::rows::crowd::{follower_delay, Delays};
+use crate::stats::Stats;
 use host_test::component_host::serve::Serving;
 use host_test::envoy::component_path;
 use host_test::mock::Running;

@@ -2,8 +2,9 @@
 //! streamed MISS's first event, and a HIT publishing the access-log values.
 
 use crate::floors::Stage;
-use crate::load::{expect_all, load, profiled, unique_prompts, Prompts, Stats, PATH};
+use crate::load::{expect_all, load, profiled, unique_prompts, Prompts, PATH};
 use crate::report::Report;
+use crate::stats::Stats;
 use crate::stats::{alternate, median, paired, throughput};
 use host_test::client::{request, Conn};
 use host_test::envoy::{Envoy, Options};

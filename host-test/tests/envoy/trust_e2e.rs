@@ -286,9 +286,15 @@ fn a_forwarded_stream_is_routed_by_nothing_the_client_sent_and_a_route_elsewhere
     assert!(s.envoy.log().contains("streams are refused until the configuration changes"));
     // The latch is the process's, not one worker's: streams after it, each on a fresh
     // connection, until each of Envoy's two workers has taken at least one.
-    let edge = s.envoy.edge;
-    let accepted =
-        |w: u32| s.envoy.counted(&format!("listener.{}_{}.worker_{w}.downstream_cx_total", edge.ip(), edge.port()));
+    // Connections each worker accepted (the only listener that takes any here is the edge's;
+    // Envoy names a listener's stats by the address it was given, port 0 for these).
+    let accepted = |w: u32| {
+        let ends = format!(".worker_{w}.downstream_cx_total");
+        let stats = s.envoy.stats(&ends);
+        let mine: Vec<u64> = stats.iter().filter(|(n, _)| n.starts_with("listener.")).map(|(_, v)| *v).collect();
+        assert!(!mine.is_empty(), "Envoy has no listener stat ending {ends}");
+        mine.iter().sum::<u64>()
+    };
     let before = [accepted(0), accepted(1)];
     let mut n = 0;
     while accepted(0) == before[0] || accepted(1) == before[1] {

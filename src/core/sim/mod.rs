@@ -88,6 +88,8 @@ struct Request {
     tokens: (u64, u64),
     /// Waiting for another request's flight: the engine's wait and how often it looked.
     wait: Option<(Wait, u32)>,
+    /// The latest look scheduled (an earlier one, overtaken by a wake-up, is dropped).
+    looks: u64,
     answers: u32,
 }
 
@@ -109,8 +111,8 @@ enum Happening {
     /// An attempt's answer, after the router's retries of a stream.
     Answer(u64, Fault, Attempt, u64),
     Verdict(u64, Option<Verdict>),
-    /// A waiting request looks at its flight again.
-    Poll(u64),
+    /// A waiting request looks at its flight again (its look number).
+    Poll(u64, u64),
     /// A leader's question was embedded (the tokens billed, `None`: no answer): its flight
     /// begins.
     Embedded(u64, Call, Option<u64>),
@@ -250,7 +252,7 @@ impl Sim {
             Some(Happening::Resume(id)) => self.resume(id),
             Some(Happening::Answer(id, fault, attempt, retried)) => self.answer(id, fault, attempt, retried),
             Some(Happening::Verdict(id, verdict)) => self.verdict(id, verdict),
-            Some(Happening::Poll(req)) => self.poll(req),
+            Some(Happening::Poll(req, look)) => self.poll(req, look),
             Some(Happening::Embedded(req, call, tokens)) => self.embedded(req, call, tokens),
             Some(Happening::Etcd(node, epoch, answer)) => self.etcd_answered(node, epoch, answer),
             Some(Happening::Lands(flush)) => {
@@ -491,7 +493,7 @@ impl Sim {
         let bytes = body.len() as u64;
         let dense = if self.rng.chance(25) { self.rng.below(bytes - bytes / 4) } else { 0 };
         let tokens = (bytes.div_ceil(4) + dense, request.completion_limit.unwrap_or(1));
-        let req = Request { node, tenant, outbound, stream, tokens, wait: None, answers: 0 };
+        let req = Request { node, tenant, outbound, stream, tokens, wait: None, looks: 0, answers: 0 };
         self.requests.insert(id, req);
         let (now, nonce) = (self.now(node), self.rng.next());
         if stream {
@@ -520,13 +522,24 @@ impl Sim {
                 let Some(r) = self.requests.get_mut(&req) else { return };
                 let polls = r.wait.as_ref().map_or(0, |(_, p)| p + 1);
                 r.wait = Some((wait, polls));
-                self.at(self.clock + poll_delay_ms(polls), Happening::Poll(req));
+                self.look(req, self.clock + poll_delay_ms(polls));
             }
         }
     }
 
-    fn poll(&mut self, req: u64) {
+    /// Request `req` looks at its flight at `time`, and not at any time scheduled before.
+    fn look(&mut self, req: u64, time: u64) {
+        let Some(r) = self.requests.get_mut(&req) else { return };
+        r.looks += 1;
+        let look = r.looks;
+        self.at(time, Happening::Poll(req, look));
+    }
+
+    fn poll(&mut self, req: u64, look: u64) {
         let Some(r) = self.requests.get(&req) else { return };
+        if r.looks != look {
+            return;
+        }
         let Some((wait, _)) = r.wait.clone() else { return };
         let (now, nonce) = (self.now(r.node), self.rng.next());
         let step = self.engine(r.node).poll(&wait, now, nonce);
@@ -759,7 +772,7 @@ impl Sim {
                 .map(|(id, _)| *id)
                 .collect();
             for req in woken {
-                self.at(self.clock, Happening::Poll(req));
+                self.look(req, self.clock);
             }
         }
     }
@@ -850,6 +863,28 @@ impl Sim {
         cap / nodes * nodes
     }
 
+    /// The first requests still open, and the run's state: what a liveness violation shows.
+    pub(crate) fn open_requests(&self) -> String {
+        let mut out = String::new();
+        for (id, r) in self.requests.iter().take(6) {
+            let led = self.live.values().any(|l| l.req == *id);
+            out += &format!(
+                "request {id}: node {}, t{}, stream {}, leads a flight {led}, waits (key, looks) {:?}\n",
+                r.node,
+                r.tenant,
+                r.stream,
+                r.wait.as_ref().map(|(w, p)| (w.key.hex()[..8].to_owned(), p))
+            );
+        }
+        out += &format!(
+            "{} flights in the air, {} happenings due, at {} ms",
+            self.live.len(),
+            self.queue.len(),
+            self.clock - START_MS
+        );
+        out
+    }
+
     /// Requests not answered yet.
     pub(crate) fn open(&self) -> usize {
         self.requests.len()
@@ -864,10 +899,17 @@ fn fnv(bytes: &[u8]) -> u64 {
     bytes.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ u64::from(*b)).wrapping_mul(0x0100_0000_01b3))
 }
 
+/// How long, in simulated time, the last requests may take once no new one starts: a
+/// waiter's longest wait (`lock.wait_timeout_ms`, 65 s) and a leader's call after it.
+const ANSWERED_WITHIN_MS: u64 = 300_000;
+
 /// Runs `seed` for `steps` steps, then until every flight has ended: the first violation.
 pub(crate) fn run(seed: u64, steps: u64) -> Result<Sim, Violation> {
     let mut sim = Sim::new(seed).map_err(|what| Violation { step: 0, what })?;
     let mut step = 0;
+    // Once no request starts, every one is answered within the simulated time the longest
+    // wait may take (`lock.wait_timeout_ms`, and a leader's whole call after it).
+    let mut stopped = None;
     while step < steps || sim.open() > 0 {
         step += 1;
         if !sim.step(step < steps) {
@@ -876,8 +918,15 @@ pub(crate) fn run(seed: u64, steps: u64) -> Result<Sim, Violation> {
         if let Some(what) = sim.check().into_iter().next() {
             return Err(Violation { step, what });
         }
-        if step > steps.saturating_mul(4) + 100_000 {
-            return Err(Violation { step, what: format!("{} requests were never answered", sim.open()) });
+        if step == steps {
+            stopped = Some(sim.clock);
+        }
+        let since = stopped.map_or(0, |at| sim.clock.saturating_sub(at));
+        if since > ANSWERED_WITHIN_MS || step > steps.saturating_mul(4) + 10_000_000 {
+            return Err(Violation {
+                step,
+                what: format!("{} requests were never answered\n{}", sim.open(), sim.open_requests()),
+            });
         }
     }
     if sim.open() > 0 {

@@ -9,7 +9,7 @@ use super::wasi::io::poll::{poll, Pollable};
 use super::wasi::io::streams::StreamError;
 use super::wasi::keyvalue::atomics::{self, Cas, CasError};
 use super::wasi::keyvalue::store::{self, Bucket};
-use crate::core::coalesce::engine::Reply;
+use crate::core::api::reply::Reply;
 use crate::core::store::{versioned, CasStore, Read, StoreError};
 
 /// How many lost swaps an unconditional write retries before giving up.

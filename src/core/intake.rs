@@ -9,11 +9,12 @@ use crate::core::api::error::ApiError;
 use crate::core::api::headers;
 use crate::core::api::objects;
 use crate::core::api::priority::Class;
+use crate::core::api::reply::{CacheStatus, Reply};
 use crate::core::api::response::Response;
 use crate::core::api::trace::TraceContext;
 use crate::core::cache::batch::{self, Plan};
 use crate::core::cache::hot;
-use crate::core::coalesce::engine::{CacheStatus, Engine, Reply, Step};
+use crate::core::coalesce::engine::{Engine, Step};
 use crate::core::config::tenants;
 use crate::core::config::Config;
 use crate::core::config::{Mismatch, Role};
@@ -119,7 +120,7 @@ pub struct Decision {
     pub keep: Keep,
     /// A flight this decision ended at once (an embeddings list wholly cached item by
     /// item): its key, and whether anyone waited on it (then every worker is woken).
-    pub ended: Option<(crate::core::request::Key, bool)>,
+    pub ended: Option<(crate::core::api::key::Key, bool)>,
 }
 
 /// What a shell keeps for the next request with the same bytes from the same tenant (it
@@ -559,7 +560,7 @@ fn by_item<S: CasStore>(
     call: crate::core::coalesce::engine::Call,
     body: &[u8],
     now_ms: u64,
-) -> (Step, Option<Plan>, Option<(crate::core::request::Key, bool)>) {
+) -> (Step, Option<Plan>, Option<(crate::core::api::key::Key, bool)>) {
     let config = engine.config;
     let alone = config.model(&request.model).is_none_or(|(_, m)| m.fallback.is_empty());
     let Some(keys) = request.items.as_ref().filter(|_| alone && config.role == Role::Owner) else {

@@ -8,7 +8,7 @@ use super::host::SharedData;
 use crate::core::api::endpoint::{self, Endpoint};
 use crate::core::api::event::Event;
 use crate::core::api::priority::CLASSES;
-use crate::core::coalesce::engine::Reply;
+use crate::core::api::reply::Reply;
 use crate::core::config::Config;
 use crate::core::limits::budget;
 use crate::core::observe::metrics::{

@@ -3,7 +3,7 @@
 //! of these can panic.
 
 use super::abi as hostcalls;
-use crate::core::coalesce::engine::Reply;
+use crate::core::api::reply::Reply;
 pub use crate::core::intake::text;
 use crate::core::store::{CasStore, Read, StoreError};
 use crate::core::wire::pairs;

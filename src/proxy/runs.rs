@@ -4,6 +4,7 @@
 
 use super::ids::IdMap;
 use crate::core::api::hints::ProviderHints;
+use crate::core::api::key::Key;
 use crate::core::api::response::Response;
 use crate::core::api::usage::Usage;
 use crate::core::cache::edge::Origin;
@@ -11,7 +12,6 @@ use crate::core::cache::Fresh;
 use crate::core::coalesce::engine::Call;
 use crate::core::flight::Flight;
 use crate::core::observe::log_fields::Spent;
-use crate::core::request::Key;
 use crate::core::semantic::Learned;
 use crate::core::upstream::Outbound;
 use std::rc::Rc;

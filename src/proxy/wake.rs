@@ -4,8 +4,8 @@
 
 use super::abi as hostcalls;
 use super::host::{self, SharedData};
+use crate::core::api::key::Key;
 use crate::core::coalesce::wake;
-use crate::core::request::Key;
 use crate::proxy::types::LogLevel;
 
 /// Message: dispatch the pending calls from the root context.

@@ -12,8 +12,9 @@ use crate::component::wasi::http::types::{
 use crate::core::api::error::ApiError;
 use crate::core::api::headers;
 use crate::core::api::hints::ProviderHints;
+use crate::core::api::reply::Reply;
 use crate::core::api::response::Response;
-use crate::core::coalesce::engine::{Call, Reply};
+use crate::core::coalesce::engine::Call;
 use crate::core::semantic::{self, Embedding, EMBEDDINGS_PATH};
 use crate::core::upstream::{self, Outbound};
 

@@ -16,7 +16,8 @@ use super::wasi::http::types::{
 use crate::core::api::error::ApiError;
 use crate::core::api::headers;
 use crate::core::api::hints::ProviderHints;
-use crate::core::coalesce::engine::{poll_delay_ms, stream_head, Call, Engine, Reply, Step};
+use crate::core::api::reply::{stream_head, Reply};
+use crate::core::coalesce::engine::{poll_delay_ms, Call, Engine, Step};
 use crate::core::flight::{Action, Flight, StreamOutcome};
 use crate::core::intake::{self, Decision, Head, Route, Ungoverned};
 use crate::core::semantic::Learned;

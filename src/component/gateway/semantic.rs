@@ -4,7 +4,8 @@
 
 use super::instance::Gateway;
 use crate::component::host;
-use crate::core::coalesce::engine::{Call, Reply};
+use crate::core::api::reply::Reply;
+use crate::core::coalesce::engine::Call;
 use crate::core::semantic::{self, spend, Learned};
 use crate::core::upstream::Outbound;
 

@@ -14,10 +14,10 @@
 //! its index, and `usage` the groups' totals plus what the call for the rest was billed.
 
 use crate::core::api::error::ApiError;
+use crate::core::api::key::Key;
 use crate::core::api::response::Response;
 use crate::core::cache::{self, Evict, Fresh};
 use crate::core::config::Config;
-use crate::core::request::Key;
 use crate::core::store::CasStore;
 use crate::core::wire::digest::sha256;
 use crate::core::wire::write;

@@ -5,10 +5,10 @@
 //! `edge.max_age_seconds`, like any layered HTTP cache.
 
 use crate::core::api::headers;
+use crate::core::api::key::Key;
 use crate::core::cache::Fresh;
 use crate::core::config::{Config, MAX_SECONDS};
-use crate::core::request::{CacheControl, Key};
-use std::borrow::Cow;
+use crate::core::request::CacheControl;
 
 pub const EDGE: &str = "edge";
 pub const OWNER: &str = "owner";
@@ -17,15 +17,6 @@ pub const OWNER: &str = "owner";
 /// the requests that share it (the model that answered, a paraphrase's similarity, and
 /// what a 429 says of its class and when to come back).
 const KEPT: [&str; 5] = [headers::MODEL, headers::SIMILARITY, headers::RETRY_AFTER, headers::PRIORITY, headers::SHED];
-
-/// The `cache-control` an answer carries: fresh for `fresh_s` more seconds in the cache
-/// that served or stored it, or `no-store` when it is in none.
-pub fn directive(fresh_s: Option<u64>) -> Cow<'static, str> {
-    match fresh_s {
-        Some(s) => Cow::Owned(format!("max-age={s}")),
-        None => Cow::Borrowed("no-store"),
-    }
-}
 
 /// The headers of an owner's answer a forward node keeps (see `KEPT`).
 pub fn kept(headers: &[(String, String)]) -> Vec<(String, String)> {
@@ -169,6 +160,5 @@ mod tests {
         ]);
         let names: Vec<String> = kept(&h).into_iter().map(|(n, _)| n).collect();
         assert_eq!(names, ["x-holysheep-model", "retry-after", "x-holysheep-priority"]);
-        assert_eq!((directive(Some(42)), directive(None)), ("max-age=42".into(), "no-store".into()));
     }
 }

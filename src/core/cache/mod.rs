@@ -22,9 +22,9 @@ pub(crate) mod batch;
 pub mod edge;
 pub mod hot;
 
+use crate::core::api::key::Key;
 use crate::core::api::response::Response;
 use crate::core::config::Config;
-use crate::core::request::Key;
 use crate::core::store::{self, cas_after, CasStore, Read, StoreError, MAX_RACES};
 use crate::core::wire::codec;
 

@@ -4,17 +4,17 @@
 
 use crate::core::api::error::ApiError;
 use crate::core::api::headers;
+use crate::core::api::key::Key;
+use crate::core::api::reply::{error_response, CacheStatus, Reply};
 use crate::core::api::response::Response;
-use crate::core::cache::edge;
 use crate::core::cache::edge::Origin;
 use crate::core::cache::{self, Evict, Fresh, Place};
 use crate::core::coalesce::lease::{self, Acquire, Lease, Mark, Produced, Slot, State};
 use crate::core::config::{Config, Role};
-use crate::core::request::{Key, Policy};
+use crate::core::request::Policy;
 use crate::core::semantic::{Probe, Similar};
 use crate::core::store::CasStore;
 use crate::core::wire::decimal;
-use std::borrow::Cow;
 
 /// How far a host's cached clock may lag the timer that fired (see `Engine::failure`).
 pub(crate) const CLOCK_SLACK_MS: u64 = 50;
@@ -23,104 +23,6 @@ pub(crate) const CLOCK_SLACK_MS: u64 = 50;
 /// before its `polls`-th look: 2 ms, doubling, at most 8 ms (a look is one store read).
 pub fn poll_delay_ms(polls: u32) -> u64 {
     (2u64 << polls.min(5)).min(8)
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub enum CacheStatus {
-    Hit,
-    Miss,
-    Coalesced,
-    Bypass,
-    /// An expired entry served because every attempt failed (`stale_if_error_seconds`).
-    Stale,
-    /// The fresh answer of a paraphrase, from the semantic tier.
-    Semantic,
-}
-
-impl CacheStatus {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            CacheStatus::Hit => "HIT",
-            CacheStatus::Miss => "MISS",
-            CacheStatus::Coalesced => "COALESCED",
-            CacheStatus::Bypass => "BYPASS",
-            CacheStatus::Stale => "STALE",
-            CacheStatus::Semantic => "SEMANTIC",
-        }
-    }
-}
-
-/// A response for the client, with everything needed to render its headers.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Reply {
-    pub response: Response,
-    pub cache: Option<CacheStatus>,
-    pub key: Option<Key>,
-    pub age_s: Option<u64>,
-    /// Seconds the answer stays fresh in the cache that served or stored it (`None`: it is
-    /// in none), which its `cache-control` declares.
-    pub fresh_s: Option<u64>,
-}
-
-impl Reply {
-    /// Whether this is the reply of a waiter that could not read its flight's outcome.
-    pub(crate) fn lost_wait(&self) -> bool {
-        self.response.status == 503 && self.response.header(headers::WAIT) == Some("lost")
-    }
-
-    /// Whether this is an answer now stored in the cache (a fresh 200).
-    pub fn stored_answer(&self) -> bool {
-        self.fresh_s.is_some() && self.response.status == 200
-    }
-
-    pub fn error(e: &ApiError) -> Reply {
-        Reply::plain(error_response(e))
-    }
-
-    /// A response that is no answer to a chat request (no cache status, no key).
-    pub fn plain(response: Response) -> Reply {
-        Reply { response, cache: None, key: None, age_s: None, fresh_s: None }
-    }
-
-    /// The reply's headers; only `age` and `cache-control` are built, the others are
-    /// borrowed. An answer to a chat request (one with a cache status) says how long it
-    /// stays fresh (see `edge::directive`).
-    pub fn headers(&self) -> Vec<(&str, Cow<'_, str>)> {
-        let mut h = Vec::with_capacity(5 + self.response.headers.len());
-        h.push((headers::CONTENT_TYPE, Cow::Borrowed(self.response.content_type.as_str())));
-        if let Some(c) = self.cache {
-            h.push((headers::CACHE, Cow::Borrowed(c.as_str())));
-            h.push((headers::CACHE_CONTROL, edge::directive(self.fresh_s)));
-        }
-        if let Some(k) = &self.key {
-            h.push((headers::KEY, Cow::Borrowed(k.hex())));
-        }
-        if let Some(a) = self.age_s {
-            h.push((headers::AGE, Cow::Owned(a.to_string())));
-        }
-        h.extend(self.response.headers.iter().map(|(n, v)| (n.as_str(), Cow::Borrowed(v.as_str()))));
-        h
-    }
-}
-
-/// The edge's own headers on a streamed answer, the same in both shells: its cache
-/// status, its key, the model that answered, the verified tenant, and how long the
-/// answer is kept (`fresh_s`, see `edge::directive`).
-pub fn stream_head(
-    cache: CacheStatus,
-    key: &str,
-    model: &str,
-    tenant: Option<&str>,
-    fresh_s: Option<u64>,
-) -> Vec<(&'static str, String)> {
-    let mut h = vec![
-        (headers::CACHE, cache.as_str().to_owned()),
-        (headers::KEY, key.to_owned()),
-        (headers::MODEL, model.to_owned()),
-        (headers::CACHE_CONTROL, edge::directive(fresh_s).into_owned()),
-    ];
-    h.extend(tenant.map(|t| (headers::TENANT, t.to_owned())));
-    h
 }
 
 /// Errors that are not JSON (Envoy's own "upstream connect error", a proxy's HTML page)
@@ -132,10 +34,6 @@ fn openai_shaped(r: Response) -> Response {
     let text: String = String::from_utf8_lossy(&r.body).chars().take(200).collect();
     let e = ApiError::upstream(r.status, format!("HolySheep answered {}: {}", r.status, text.trim()), "upstream_error");
     Response { headers: r.headers, ..error_response(&e) }
-}
-
-fn error_response(e: &ApiError) -> Response {
-    Response::json(e.status, e.body())
 }
 
 /// The reply of a waiter that could not read its flight's outcome: COALESCED (it waited on
@@ -896,25 +794,6 @@ mod tests {
         assert_eq!((late.response.status, late.cache), (200, Some(CacheStatus::Coalesced)));
         assert_eq!(late.response.body, br#"{"n":0}"#.to_vec(), "its own flight's answer, from the cache");
         assert!(!late.lost_wait());
-    }
-
-    #[test]
-    fn a_streamed_answers_head_is_the_edges_own() {
-        let h = stream_head(CacheStatus::Miss, "abc", "gpt-4.1", Some("alpha"), Some(60));
-        let h: Vec<(&str, &str)> = h.iter().map(|(n, v)| (*n, v.as_str())).collect();
-        assert_eq!(
-            h,
-            [
-                ("x-holysheep-cache", "MISS"),
-                ("x-holysheep-key", "abc"),
-                ("x-holysheep-model", "gpt-4.1"),
-                ("cache-control", "max-age=60"),
-                ("x-holysheep-tenant", "alpha"),
-            ]
-        );
-        let unstored = stream_head(CacheStatus::Bypass, "abc", "m", None, None);
-        assert_eq!(unstored.len(), 4);
-        assert_eq!(unstored[3], ("cache-control", "no-store".to_owned()));
     }
 
     #[test]

@@ -6,10 +6,10 @@
 //! When the call ends the owner writes the answer into its way (`Done`), where the waiters
 //! that saw its nonce read it; a `Done` way is free to take.
 
+use crate::core::api::key::Key;
 use crate::core::api::priority::{Class, CLASSES};
 use crate::core::api::response::Response;
 use crate::core::config::Config;
-use crate::core::request::Key;
 use crate::core::store::{self, cas_after, CasStore, Read, StoreError, MAX_RACES};
 use crate::core::wire::codec;
 use std::borrow::Cow;

@@ -339,7 +339,7 @@ pub const STREAM_RETRIABLE_STATUSES: &str = "500,502,503,504";
 mod tests {
     use super::*;
     use crate::core::api::priority::Class;
-    use crate::core::coalesce::engine::CacheStatus;
+    use crate::core::api::reply::CacheStatus;
     use crate::core::limits::line::POLL_CAP_MS;
     use crate::core::limits::tenant_gate::Settlement;
     use crate::core::limits::{self, fleet, tenant_gate, Denial, Kind, Limits};

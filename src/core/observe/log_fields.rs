@@ -4,11 +4,11 @@
 
 use crate::core::api::event::Event;
 use crate::core::api::headers;
+use crate::core::api::key::Key;
 use crate::core::api::priority::Class;
+use crate::core::api::reply::{CacheStatus, Reply};
 use crate::core::api::usage::Usage;
-use crate::core::coalesce::engine::{CacheStatus, Reply};
 use crate::core::config::Config;
-use crate::core::request::Key;
 
 /// The names, in the order they are published. (`gen_ai.provider.name` is `holysheep` for
 /// every governed request: an access log writes it as text, no value needs setting.)

@@ -13,13 +13,13 @@ pub(crate) mod supplied;
 use crate::core::api::endpoint::Endpoint;
 use crate::core::api::error::ApiError;
 use crate::core::api::headers;
+use crate::core::api::key::Key;
 use crate::core::api::path::segments;
 use crate::core::api::priority::Class;
 use crate::core::api::usage::DEFAULT_COMPLETION_ESTIMATE;
 use crate::core::config::{Config, Scope};
 use crate::core::request::canonical::canonical_body;
 use crate::core::request::probe::{probe, Probe};
-use crate::core::wire::bytes;
 use crate::core::wire::codec;
 use crate::core::wire::digest::sha256;
 use crate::core::wire::json;
@@ -58,52 +58,6 @@ pub(crate) fn is_internal_path(path: &str) -> bool {
 
 /// serde_json refuses nesting deeper than 128; we refuse earlier, with a clear message.
 pub(crate) const MAX_DEPTH: usize = 64;
-
-/// SHA-256 of (path, tenant scope, canonical body), as 64 lowercase hex digits.
-#[derive(Debug, Clone, Eq)]
-pub struct Key(String);
-
-/// Keys are compared on every request (waiters, lease and cache records), word-wise.
-impl PartialEq for Key {
-    fn eq(&self, other: &Key) -> bool {
-        self.is(&other.0)
-    }
-}
-
-impl std::hash::Hash for Key {
-    fn hash<H: std::hash::Hasher>(&self, state: &mut H) {
-        self.0.hash(state);
-    }
-}
-
-impl Key {
-    pub fn hex(&self) -> &str {
-        &self.0
-    }
-
-    /// Whether `hex` spells this key (a record's key field).
-    pub fn is(&self, hex: impl AsRef<[u8]>) -> bool {
-        bytes::same(self.0.as_bytes(), hex.as_ref())
-    }
-
-    pub fn from_hex(hex: &str) -> Option<Key> {
-        let ok = hex.len() == 64 && hex.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f'));
-        ok.then(|| Key(hex.to_owned()))
-    }
-
-    /// The key's last 16 hex digits (no table picks its slot with them): enough to tell
-    /// the keys of one table's group apart before reading a whole record.
-    pub fn tag(&self) -> &str {
-        self.0.get(48..).unwrap_or_default()
-    }
-
-    /// A slot in a table of `n` slots; `salt` picks independent slots for different tables.
-    pub fn slot(&self, n: u32, salt: usize) -> u32 {
-        let start = (salt * 16) % 48;
-        let v = self.0.get(start..start + 16).and_then(codec::hex_number).unwrap_or(0);
-        (v % u64::from(n.max(1))) as u32
-    }
-}
 
 /// What the client asked the cache to do (request `cache-control`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -592,7 +546,7 @@ pub fn request_key(path: &str, scope: &str, canonical: &[u8]) -> Key {
         message.extend_from_slice(&(part.len() as u64).to_be_bytes());
         message.extend_from_slice(part);
     }
-    Key(hex(&sha256(message)))
+    Key::digest(hex(&sha256(message)))
 }
 
 fn hex(bytes: &[u8]) -> String {

@@ -10,8 +10,8 @@
 //! vector's norm (f32) and its values (one byte per dimension): `76 + dimensions` bytes.
 
 use super::vector::Vector;
+use crate::core::api::key::Key;
 use crate::core::config::Config;
-use crate::core::request::Key;
 use crate::core::store::{cas_after, slot_name, CasStore, StoreError};
 use crate::core::wire::sort;
 

@@ -15,8 +15,8 @@ pub(crate) use index::{learn, Similar};
 pub(crate) use vector::Vector;
 pub use vector::{embedding_body, parse_embedding, Embedding};
 
+use super::api::key::Key;
 use super::config::Config;
-use super::request::Key;
 use crate::core::api::usage::Usage;
 use crate::core::store::CasStore;
 

@@ -7,12 +7,12 @@
 //! what it was billed is charged to the tenant.
 
 use crate::core::api::hints::ProviderHints;
+use crate::core::api::key::Key;
 use crate::core::config::Config;
 use crate::core::limits::budget::{self, Backing, Hold};
 use crate::core::limits::line::Who;
 use crate::core::limits::tenant_gate::{self, Settlement};
 use crate::core::limits::{self, Limits};
-use crate::core::request::Key;
 use crate::core::store::CasStore;
 use crate::core::upstream::Outbound;
 

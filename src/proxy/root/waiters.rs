@@ -3,10 +3,10 @@
 //! queues), in batches, each batch in a VM call of its own.
 
 use super::Root;
+use crate::core::api::key::Key;
 use crate::core::coalesce::engine::Step;
 use crate::core::config::Role;
 use crate::core::observe::log_fields::Served;
-use crate::core::request::Key;
 use crate::core::upstream::Outbound;
 use crate::proxy::host;
 use crate::proxy::runs::Probing;

@@ -2,7 +2,7 @@
 //! what a row measured (`Stats`).
 
 use crate::stats::{percentile, Stats};
-use holysheep_bench::profile::{self, Split};
+use holysheep_bench::profile;
 use host_test::client::Conn;
 use host_test::stack::prompt;
 use std::net::SocketAddr;

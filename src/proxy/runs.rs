@@ -10,6 +10,7 @@ use crate::core::api::usage::Usage;
 use crate::core::cache::edge::Origin;
 use crate::core::cache::Fresh;
 use crate::core::coalesce::engine::Call;
+use crate::core::flight::look::Look;
 use crate::core::flight::Flight;
 use crate::core::observe::log_fields::Spent;
 use crate::core::semantic::Learned;
@@ -30,7 +31,7 @@ pub struct Run {
 /// A flight's leader waiting for its question's embedding before it goes upstream.
 pub struct Probing {
     pub context_id: u32,
-    pub call: Call,
+    pub look: Look,
     pub outbound: Rc<Outbound>,
 }
 
@@ -107,7 +108,7 @@ impl Runs {
     pub fn calls(&self) -> impl Iterator<Item = &Call> {
         let runs = self.calling.values().chain(self.sleeping.iter().map(|(_, r)| r)).chain(self.streaming.values());
         let calls = runs.chain(self.asking.values()).map(|r| &r.flight.call);
-        let waiting = self.pending.iter().map(|(_, c, _)| c).chain(self.probing.values().map(|p| &p.call));
+        let waiting = self.pending.iter().map(|(_, c, _)| c).chain(self.probing.values().map(|p| &p.look.call));
         calls.chain(waiting).chain(self.hops.values().map(|h| &h.call))
     }
 

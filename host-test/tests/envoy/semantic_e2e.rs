@@ -267,6 +267,42 @@ fn embeddings_are_inside_the_tenants_budget_and_the_embedding_models_bucket() {
 }
 
 #[test]
+fn an_embedding_holysheep_refuses_costs_nothing_and_one_that_failed_its_worst_case() {
+    let budget = 1_000_000;
+    let raw = format!(
+        r#"{{"semantic":{{"enabled":true}},
+            "models":{{"gpt-4.1":{{"usd_per_mtok_input":2,"usd_per_mtok_output":8}},
+                       "text-embedding-3-small":{{"usd_per_mtok_input":{EMBEDDING_USD_PER_MTOK}}}}},
+            "tenants":{{"batch":{{"keys_sha256":["{}"],"usd_per_day":{}}}}}}}"#,
+        key_digest("batch-key"),
+        budget as f64 / 1e6
+    );
+    let s = Stack::start_tuned(&raw, 0, |o| o.api_key = Some(OPERATOR_KEY.into()), Some(OPERATOR_KEY));
+    // HolySheep refuses the first embedding (400: nothing billed), and fails the second
+    // with a 503 (what it billed, if anything, is unknown).
+    s.mock.mock.plan_embeddings(vec![
+        Fault { status: Some(400), ..Fault::default() },
+        Fault { status: Some(503), ..Fault::default() },
+    ]);
+    let chat = |r: &Resp| {
+        let usage = &r.json()["usage"];
+        usage["prompt_tokens"].as_u64().unwrap_or(0) * 2 + usage["completion_tokens"].as_u64().unwrap_or(0) * 8
+    };
+    let left = || s.envoy.stat("wasmcustom.holysheep.tenant.batch.budget_day_left_microusd");
+    let refused = send(&s, &ask("gpt-4.1", SYSTEM, &[], ASKED), "Bearer batch-key");
+    assert_eq!((refused.status, refused.cache()), (200, "MISS"), "{}", refused.text());
+    assert_eq!(left(), budget - chat(&refused), "the refused embedding cost nothing");
+    let second = "Which river is the longest?";
+    let failed = send(&s, &ask("gpt-4.1", SYSTEM, &[], second), "Bearer batch-key");
+    assert_eq!((failed.status, failed.cache()), (200, "MISS"), "{}", failed.text());
+    assert_eq!(s.mock.mock.embeddings(), 2);
+    // The failed embedding is charged its worst case: every byte of the question a token.
+    let worst = second.len() as u64 * EMBEDDING_USD_PER_MTOK;
+    assert_eq!(left(), budget - chat(&refused) - chat(&failed) - worst, "the failed embedding's worst case");
+    assert!(s.crashes().is_empty(), "{:?}", s.crashes());
+}
+
+#[test]
 fn in_a_fleet_a_budgeted_tenant_makes_no_embedding_and_each_node_keeps_its_share_of_the_bucket() {
     // The embedding model allows 6 requests a minute, a burst of 6: a node's share is 2.
     let raw = format!(

@@ -421,6 +421,48 @@ fn the_component_answers_a_paraphrase_from_its_question_and_a_failed_embedding_a
     assert_eq!((mock.mock.calls(), mock.mock.embeddings()), (2, 4));
 }
 
+/// The component's budget after an embedding HolySheep answered with `status`: whether the
+/// next question of the same length is still embedded (the budget must hold that call's
+/// worst case and its embedding's beside it, with 150 micro-dollars to spare).
+fn embedded_again_after_an_embedding_answered(status: u16) -> bool {
+    let key = "sk-operator-component-embedding";
+    let mock = Running::start(Some(key), 0).expect("mock");
+    let ask =
+        |q: &str| format!(r#"{{"model":"gpt-4.1","temperature":0,"messages":[{{"role":"user","content":"{q}"}}]}}"#);
+    let (first, second) = ("Which river is the longest? A", "Which river is the longest? B");
+    // gpt-4.1 at $1 per million both ways: the call's worst case is its body's bytes and
+    // 4096 completion tokens; the embedding at $100 per million, its question's bytes.
+    let call_worst = ask(second).len() as u64 + 4096;
+    let embedding_worst = second.len() as u64 * 100;
+    let budget = call_worst + embedding_worst + 150;
+    let config = format!(
+        r#"{{"semantic":{{"enabled":true}},
+            "models":{{"gpt-4.1":{{"usd_per_mtok_input":1,"usd_per_mtok_output":1}},
+                       "text-embedding-3-small":{{"usd_per_mtok_input":100}}}},
+            "tenants":{{"batch":{{"keys_sha256":["{}"],"usd_per_day":{}}}}}}}"#,
+        sha256_hex(b"batch-key"),
+        budget as f64 / 1e6
+    );
+    let s = serve_keyed(&mock, &config, key);
+    mock.mock.plan_embeddings(vec![Fault { status: Some(status), ..Fault::default() }]);
+    let auth = [("authorization", "Bearer batch-key")];
+    let r = post(&s, &ask(first), &auth);
+    assert_eq!((r.status, r.cache()), (200, "MISS"), "{}", r.text());
+    let usage = &r.json()["usage"];
+    let cost = usage["prompt_tokens"].as_u64().unwrap_or(0) + usage["completion_tokens"].as_u64().unwrap_or(0);
+    assert!(cost < 150, "the first call cost {cost}, more than the room beside the worst cases");
+    assert_eq!(mock.mock.embeddings(), 1);
+    let r = post(&s, &ask(second), &auth);
+    assert_eq!((r.status, r.cache()), (200, "MISS"), "{}", r.text());
+    mock.mock.embeddings() == 2
+}
+
+#[test]
+fn the_component_charges_an_embedding_holysheep_refused_nothing_and_a_failed_one_its_worst_case() {
+    assert!(embedded_again_after_an_embedding_answered(400), "a 400 (nothing billed) took from the budget");
+    assert!(!embedded_again_after_an_embedding_answered(503), "a 503 (maybe billed) was not charged its worst case");
+}
+
 #[test]
 fn the_component_governs_embeddings_responses_and_completions_and_refuses_other_paths() {
     let mock = Running::start(Some("sk-operator"), 0).expect("mock");

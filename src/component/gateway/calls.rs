@@ -15,7 +15,7 @@ use crate::core::api::hints::ProviderHints;
 use crate::core::api::reply::Reply;
 use crate::core::api::response::Response;
 use crate::core::coalesce::engine::Call;
-use crate::core::semantic::{self, Embedding, EMBEDDINGS_PATH};
+use crate::core::semantic::EMBEDDINGS_PATH;
 use crate::core::upstream::{self, Outbound};
 
 /// The most bytes read from one HolySheep answer.
@@ -90,10 +90,10 @@ impl Gateway {
         read
     }
 
-    /// The embedding of the question of `call`'s request, asked of HolySheep with the
-    /// operator's key (`bearer`) within `semantic.timeout_ms`; `None` on any failure.
-    pub(super) fn embed(&self, call: &Call, text: &str, bearer: &str) -> Option<Embedding> {
-        let body = semantic::embedding_body(&self.config, text);
+    /// The embedding request `body` (`flight::look`) for the question of `call`'s request,
+    /// sent to HolySheep with the operator's key (`bearer`) within `semantic.timeout_ms`:
+    /// its status and its body (`None`: larger than the edge reads, or cut off).
+    pub(super) fn embed(&self, call: &Call, body: &[u8], bearer: &str) -> Result<(u16, Option<Vec<u8>>), Failed> {
         let headers: Vec<(String, String)> = [
             (headers::CONTENT_TYPE, "application/json"),
             (headers::ACCEPT, "application/json"),
@@ -105,11 +105,10 @@ impl Gateway {
         .map(|(n, v)| ((*n).to_owned(), (*v).to_owned()))
         .collect();
         let deadline = host::now_ms().saturating_add(self.config.semantic.timeout_ms);
-        let request = self.outgoing(Method::Post, EMBEDDINGS_PATH, &headers)?;
-        let response = self.send(request, Body::Bytes(&body), deadline, &mut || self.renew(call)).ok()?;
+        let request = self.outgoing(Method::Post, EMBEDDINGS_PATH, &headers).ok_or(Failed::Unsent)?;
+        let response = self.send(request, Body::Bytes(body), deadline, &mut || self.renew(call))?;
         let status = response.status();
-        let bytes = self.read_whole(response, call, deadline, MAX_EMBEDDING_BODY)?;
-        semantic::parse_embedding(&self.config, status, &bytes)
+        Ok((status, self.read_whole(response, call, deadline, MAX_EMBEDDING_BODY)))
     }
 
     /// Sends one call to HolySheep for `model` (with its `content-length`) and waits for

@@ -707,6 +707,14 @@ impl Config {
         self.model(model).map_or(0, |(_, m)| m.cost_micro_usd(usage))
     }
 
+    /// Micro-dollars an embedding call billed `tokens` costs: at the embedding model's own
+    /// prices in `models`, and nothing when it is not listed there (`models.default` holds a
+    /// chat model's prices, no embedding model's).
+    pub fn embedding_cost_micro_usd(&self, tokens: u64) -> u64 {
+        let model = &self.semantic.embedding_model;
+        self.models.get(model).map_or(0, |m| m.cost_micro_usd(&Usage::new(tokens, 0)))
+    }
+
     /// The signer of the response ids a verified tenant's Responses call is handed, on an
     /// owner node (a forward node passes its owner's answer on as it came).
     pub fn signer(&self, endpoint: Endpoint, tenant: Option<&str>) -> Option<Signer> {

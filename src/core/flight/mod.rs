@@ -6,6 +6,8 @@
 //! `retry-after`, then fail over to the model's fallbacks, all within `upstream.timeout_ms`.
 //! The shell performs each `Action` and reports back.
 
+pub mod look;
+
 use crate::core::api::headers;
 use crate::core::api::hints::ProviderHints;
 use crate::core::api::objects::Signer;

@@ -15,6 +15,7 @@
 pub(crate) mod admission;
 pub mod budget;
 pub mod budget_store;
+pub mod embedding;
 pub mod fleet;
 pub mod line;
 pub(crate) mod tenant_gate;

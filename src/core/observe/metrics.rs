@@ -360,7 +360,7 @@ pub fn for_embedding<'a>(
     match tokens {
         None => out.push((l, Counter::EmbeddingFailures, 1)),
         Some(t) => {
-            let cost = crate::core::semantic::cost_micro_usd(config, t);
+            let cost = config.embedding_cost_micro_usd(t);
             out.extend([(l, Counter::EmbeddingTokens, t), (l, Counter::EmbeddingCostMicroUsd, cost)]);
         }
     }

@@ -6,7 +6,6 @@
 //! semantic answer is never older, nor kept longer, than the exact answer it is.
 
 mod index;
-pub mod spend;
 mod vector;
 
 pub use crate::core::request::probe::Probe;
@@ -17,7 +16,6 @@ pub use vector::{embedding_body, parse_embedding, Embedding};
 
 use super::api::key::Key;
 use super::config::Config;
-use crate::core::api::usage::Usage;
 use crate::core::store::CasStore;
 
 /// The path of the embedding call.
@@ -29,14 +27,6 @@ pub const EMBEDDINGS_PATH: &str = "/v1/embeddings";
 pub struct Learned {
     pub partition: [u8; 32],
     pub vector: Vector,
-}
-
-/// Micro-dollars an embedding call billed `tokens` costs: at the embedding model's own
-/// prices in `models`, and nothing when it is not listed there (`models.default` holds a
-/// chat model's prices, no embedding model's).
-pub fn cost_micro_usd(config: &Config, tokens: u64) -> u64 {
-    let model = &config.semantic.embedding_model;
-    config.models.get(model).map_or(0, |m| m.cost_micro_usd(&Usage::new(tokens, 0)))
 }
 
 /// What a forward node routes a call by (`x-holysheep-key`, hashed on the owners' ring):

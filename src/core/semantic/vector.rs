@@ -82,7 +82,8 @@ pub fn embedding_body(config: &Config, text: &str) -> Vec<u8> {
 #[derive(Debug, Clone, PartialEq)]
 pub struct Embedding {
     pub vector: Vector,
-    pub tokens: u64,
+    /// The tokens its `usage` reports (`None`: the answer says nothing of what it cost).
+    pub tokens: Option<u64>,
 }
 
 /// A vector as JSON numbers, or as base64 of little-endian `f32`s.
@@ -108,10 +109,10 @@ pub fn parse_embedding(config: &Config, status: u16, body: &[u8]) -> Option<Embe
     let [embedding] = item.fields(["embedding"])?;
     let values = floats(embedding?)?;
     let tokens = match usage {
-        None => 0,
+        None => None,
         Some(usage) => match usage.fields(["prompt_tokens"])? {
-            [None] => 0,
-            [Some(tokens)] => tokens.as_u64()?,
+            [None] => None,
+            [Some(tokens)] => Some(tokens.as_u64()?),
         },
     };
     let wanted = config.semantic.dimensions.map(|d| d as usize);
@@ -167,7 +168,7 @@ mod tests {
         let ok = br#"{"object":"list","data":[{"object":"embedding","index":0,"embedding":[0.1,0.2,0.3]}],
             "model":"text-embedding-3-small","usage":{"prompt_tokens":5,"total_tokens":5}}"#;
         let e = parse_embedding(&c, 200, ok).unwrap();
-        assert_eq!((e.tokens, e.vector.values().len()), (5, 3));
+        assert_eq!((e.tokens, e.vector.values().len()), (Some(5), 3));
         assert!(parse_embedding(&c, 429, ok).is_none());
         assert!(parse_embedding(&c, 200, br#"{"data":[{"embedding":[0.1,0.2]}]}"#).is_none(), "wrong length");
         assert!(parse_embedding(&c, 200, br#"{"data":[]}"#).is_none());

@@ -197,3 +197,75 @@ pub(crate) fn stream_end(fault: Fault, attempt: &Attempt, retries: u64) -> (Stre
     };
     (StreamOutcome { status, usage, cut_off_tokens, attempts }, hints)
 }
+
+/// What happens to an embedding call.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum EmbedFault {
+    /// The embedding, with its `usage`.
+    Answer,
+    /// The embedding without a `usage`: HolySheep billed it, the answer does not say what.
+    NoUsage,
+    /// The host would not send it.
+    Unsent,
+    /// No answer: HolySheep may or may not have billed it.
+    Lost { billed: bool },
+    /// HolySheep's 4xx (its refusal): nothing billed.
+    Refused,
+    /// A 5xx: HolySheep may or may not have billed it.
+    ServerError { billed: bool },
+}
+
+impl EmbedFault {
+    pub(crate) fn draw(rng: &mut Rng) -> EmbedFault {
+        match rng.below(20) {
+            0 => EmbedFault::NoUsage,
+            1 => EmbedFault::Unsent,
+            2 => EmbedFault::Lost { billed: true },
+            3 => EmbedFault::Lost { billed: false },
+            4 => EmbedFault::Refused,
+            5 => EmbedFault::ServerError { billed: true },
+            6 => EmbedFault::ServerError { billed: false },
+            _ => EmbedFault::Answer,
+        }
+    }
+
+    /// Whether HolySheep billed it.
+    pub(crate) fn billed(self) -> bool {
+        match self {
+            EmbedFault::Answer | EmbedFault::NoUsage => true,
+            EmbedFault::Lost { billed } | EmbedFault::ServerError { billed } => billed,
+            EmbedFault::Unsent | EmbedFault::Refused => false,
+        }
+    }
+
+    /// The answer's body: an embedding billed `tokens`, whose vector is one of five (by
+    /// the question's length: questions of a partition often land on the same vector, and
+    /// one is answered with the other's answer, SEMANTIC); or an error.
+    pub(crate) fn body(self, tokens: u64) -> Vec<u8> {
+        let vector: Vec<String> = (0..8).map(|i| format!("{}", ((tokens % 5) * 7 + i) as f32 / 50.0 + 0.01)).collect();
+        match self {
+            EmbedFault::Answer => format!(
+                r#"{{"object":"list","data":[{{"object":"embedding","index":0,"embedding":[{}]}}],"usage":{{"prompt_tokens":{tokens},"total_tokens":{tokens}}}}}"#,
+                vector.join(",")
+            )
+            .into_bytes(),
+            EmbedFault::NoUsage => {
+                format!(r#"{{"object":"list","data":[{{"object":"embedding","index":0,"embedding":[{}]}}]}}"#, vector.join(","))
+                    .into_bytes()
+            }
+            _ => br#"{"error":{"message":"sim","type":"server_error","param":null,"code":null}}"#.to_vec(),
+        }
+    }
+
+    /// The answer as the shell hands it to the look.
+    pub(crate) fn answer(self, body: &[u8]) -> crate::core::flight::look::Answer<'_> {
+        use crate::core::flight::look::Answer;
+        match self {
+            EmbedFault::Answer | EmbedFault::NoUsage => Answer::Got { status: 200, body: Some(body) },
+            EmbedFault::Unsent => Answer::Unsent,
+            EmbedFault::Lost { .. } => Answer::Lost,
+            EmbedFault::Refused => Answer::Got { status: 400, body: Some(body) },
+            EmbedFault::ServerError { .. } => Answer::Got { status: 503, body: Some(body) },
+        }
+    }
+}

@@ -19,11 +19,12 @@ mod scenario;
 mod shared;
 
 use self::etcd::{Answer, Asked, Etcd, Faults, Side};
-use self::holysheep::{Attempt, Fault};
+use self::holysheep::{Attempt, EmbedFault, Fault};
 use self::rng::Rng;
 use self::scenario::Scenario;
 use self::shared::Shared;
 use crate::core::api::event::Event;
+use crate::core::api::key::Key;
 use crate::core::api::priority::Class;
 use crate::core::api::reply::CacheStatus;
 use crate::core::api::reply::Reply;
@@ -33,6 +34,7 @@ use crate::core::cache::Fresh;
 use crate::core::coalesce::engine::Call;
 use crate::core::coalesce::engine::{poll_delay_ms, Engine, Step, Wait};
 use crate::core::config::Config;
+use crate::core::flight::look::{self, Begun, Look, Outcome};
 use crate::core::flight::{Action, Flight};
 use crate::core::limits::budget;
 use crate::core::limits::budget_store::Flush;
@@ -40,7 +42,7 @@ use crate::core::limits::fleet::{self, Op, Verdict};
 use crate::core::limits::tenant_gate;
 use crate::core::limits::{self, Limits};
 use crate::core::request::Policy;
-use crate::core::semantic::{self, spend};
+use crate::core::semantic::{self, Learned};
 use crate::core::upstream::Outbound;
 use std::cmp::Reverse;
 use std::collections::{BTreeMap, BinaryHeap};
@@ -99,6 +101,8 @@ struct Request {
 struct Live {
     req: u64,
     flight: Flight,
+    /// Its question's vector, which joins the semantic index once its answer is stored.
+    learned: Option<Learned>,
     /// What one attempt of unknown cost is charged.
     worst_micro: u64,
     /// What its attempts must be charged (the faults' truth), and what they were.
@@ -117,7 +121,7 @@ enum Happening {
     Poll(u64, u64),
     /// A leader's question was embedded (the tokens billed, `None`: no answer): its flight
     /// begins.
-    Embedded(u64, Call, Option<u64>),
+    Embedded(u64, Box<Look>, EmbedFault, u64),
     /// The spend store answered a node's process (or its time ran out).
     Etcd(usize, u64, Answer),
     /// A write a node gave up on lands in the spend store after all.
@@ -167,6 +171,8 @@ pub(crate) struct Sim {
     pub answered: u64,
     pub attempts: u64,
     pub shared: u64,
+    /// Requests answered with a paraphrase's answer (SEMANTIC).
+    pub paraphrased: u64,
     /// Nodes killed, and compare-and-swap writes another worker's beat.
     pub killed: u64,
     pub beaten: u64,
@@ -205,6 +211,7 @@ impl Sim {
             answered: 0,
             attempts: 0,
             shared: 0,
+            paraphrased: 0,
             killed: 0,
             beaten: 0,
         })
@@ -255,7 +262,7 @@ impl Sim {
             Some(Happening::Answer(id, fault, attempt, retried)) => self.answer(id, fault, attempt, retried),
             Some(Happening::Verdict(id, verdict)) => self.verdict(id, verdict),
             Some(Happening::Poll(req, look)) => self.poll(req, look),
-            Some(Happening::Embedded(req, call, tokens)) => self.embedded(req, call, tokens),
+            Some(Happening::Embedded(req, look, fault, tokens)) => self.embedded(req, *look, fault, tokens),
             Some(Happening::Etcd(node, epoch, answer)) => self.etcd_answered(node, epoch, answer),
             Some(Happening::Lands(flush)) => {
                 let _ = self.etcd.txn(&flush);
@@ -548,57 +555,54 @@ impl Sim {
         self.take(req, step);
     }
 
-    /// Request `req` leads `call`'s flight: with the semantic tier, it embeds its question
-    /// first, when its tenant's budget and the embedding model's bucket admit it
-    /// (`semantic::spend::admit`), as the shells do.
+    /// Request `req` leads `call`'s flight: with the semantic tier, it looks for a
+    /// paraphrase first (`flight::look`, as the shells do): its question is embedded when
+    /// its tenant's budget and the embedding model's bucket admit it.
     fn lead(&mut self, req: u64, call: Call) {
         let Some(r) = self.requests.get_mut(&req) else { return };
         r.wait = None;
         let (node, tenant) = (r.node, r.tenant);
         let Some(r) = self.requests.get(&req) else { return };
-        if let Some(probe) = call.looks_for_paraphrase(&self.config, r.outbound.semantic.as_ref()).cloned() {
-            let now = self.clock.saturating_add_signed(self.nodes[node].skew_ms);
-            let ticket = (&call.key, call.lease.as_ref().map_or(0, |l| l.nonce));
-            if spend::admit(&self.nodes[node].store, &self.config, ticket, &probe, &r.outbound, now) {
-                // HolySheep bills the question's tokens (a token is at least one byte), or
-                // fails without an answer, billed or not.
-                let tokens = (probe.text.len() as u64).div_ceil(4);
-                let (answered, billed) = match self.rng.below(10) {
-                    0 => (false, false),
-                    1 => (false, true),
-                    _ => (true, true),
-                };
-                if billed {
-                    self.billed[tenant] += semantic::cost_micro_usd(&self.config, tokens);
-                }
-                let latency = 5 + self.rng.below(200);
-                self.at(self.clock + latency, Happening::Embedded(req, call, answered.then_some(tokens)));
-                return;
-            }
+        let now = self.now(node);
+        let look = match look::begin(&self.nodes[node].store, &self.config, call, &r.outbound, true, now) {
+            Begun::Go(call) => return self.fly(req, call, None),
+            Begun::Embed(look, _) => look,
+        };
+        // HolySheep bills the question's tokens (a token is at least one byte), or fails.
+        let text = r.outbound.semantic.as_ref().map_or(0, |p| p.text.len() as u64);
+        let tokens = text.div_ceil(4);
+        let fault = EmbedFault::draw(&mut self.rng);
+        if fault.billed() {
+            self.billed[tenant] += self.config.embedding_cost_micro_usd(tokens);
         }
-        self.fly(req, call);
+        let latency = 5 + self.rng.below(200);
+        self.at(self.clock + latency, Happening::Embedded(req, Box::new(look), fault, tokens));
     }
 
-    /// The embedding came back: its cost is charged to the tenant (here, or a settlement
-    /// for its owner node), then the flight begins.
-    fn embedded(&mut self, req: u64, call: Call, tokens: Option<u64>) {
-        let Some(r) = self.requests.get(&req) else { return };
-        let node = r.node;
-        if let Some(probe) = r.outbound.semantic.clone() {
-            let now = self.now(node);
-            let tenant = r.outbound.tenant.clone();
-            let store = &self.nodes[node].store;
-            let ticket = (&call.key, call.lease.as_ref().map_or(0, |l| l.nonce));
-            let charged = spend::charge(store, &self.config, (ticket, &probe), tenant.as_deref(), tokens, now);
-            if let Some(settlement) = charged {
-                self.send(Op::TenantSettle(settlement));
+    /// The embedding's answer came back: the look charges it to the tenant (here, or a
+    /// settlement for its owner node), then answers the leader from a paraphrase or lets
+    /// its flight begin.
+    fn embedded(&mut self, req: u64, look: Look, fault: EmbedFault, tokens: u64) {
+        let Some(node) = self.requests.get(&req).map(|r| r.node) else { return };
+        let now = self.now(node);
+        let body = fault.body(tokens);
+        let key = look.call.key.clone();
+        let looked = look.answered(&self.engine(node), fault.answer(&body), now);
+        if let Some(op) = looked.settle {
+            self.send(op);
+        }
+        match looked.outcome {
+            Outcome::Go(call, learned) => self.fly(req, call, learned),
+            Outcome::Answered(ended) => {
+                self.reply(req, &ended.reply);
+                self.paraphrased += 1;
+                self.wake(node, &key);
             }
         }
-        self.fly(req, call);
     }
 
     /// Request `req`'s flight begins.
-    fn fly(&mut self, req: u64, call: Call) {
+    fn fly(&mut self, req: u64, call: Call, learned: Option<Learned>) {
         let Some(r) = self.requests.get_mut(&req) else { return };
         let flight = Flight::new(&self.config, call, &r.outbound);
         let models: Vec<String> = ["gpt-4.1", "deepseek-v3"].map(str::to_owned).to_vec();
@@ -606,7 +610,7 @@ impl Sim {
         let id = self.next_id;
         self.next_id += 1;
         self.most = (self.most.0.max(r.outbound.estimate_tokens), self.most.1.max(worst_micro));
-        let live = Live { req, flight, worst_micro, due_micro: 0, charged_micro: 0, fault: None };
+        let live = Live { req, flight, learned, worst_micro, due_micro: 0, charged_micro: 0, fault: None };
         self.live.insert(id, live);
         self.resume(id);
     }
@@ -765,17 +769,25 @@ impl Sim {
         let now = self.now(node);
         let call = l.flight.call;
         let ended = self.engine(node).end_flight(&call, outcome, now, Some(Fresh::of(&self.config, now)));
+        // A question whose answer is stored joins the semantic index, as in the shells.
+        let store = &self.nodes[node].store;
+        semantic::keep(store, &self.config, l.learned.as_ref(), ended.reply.stored_answer(), &call.key, now);
         self.reply(l.req, &ended.reply);
         if call.lease.is_some() {
-            let woken: Vec<u64> = self
-                .requests
-                .iter()
-                .filter(|(_, r)| r.node == node && r.wait.as_ref().is_some_and(|(w, _)| w.key == call.key))
-                .map(|(id, _)| *id)
-                .collect();
-            for req in woken {
-                self.look(req, self.clock);
-            }
+            self.wake(node, &call.key);
+        }
+    }
+
+    /// The requests on `node` waiting for the flight of `key` look at once.
+    fn wake(&mut self, node: usize, key: &Key) {
+        let woken: Vec<u64> = self
+            .requests
+            .iter()
+            .filter(|(_, r)| r.node == node && r.wait.as_ref().is_some_and(|(w, _)| w.key == *key))
+            .map(|(id, _)| *id)
+            .collect();
+        for req in woken {
+            self.look(req, self.clock);
         }
     }
 
@@ -785,7 +797,8 @@ impl Sim {
         r.answers += 1;
         r.wait = None;
         self.answered += 1;
-        if matches!(reply.cache, Some(CacheStatus::Hit | CacheStatus::Coalesced | CacheStatus::Stale)) {
+        let shared = [CacheStatus::Hit, CacheStatus::Coalesced, CacheStatus::Stale, CacheStatus::Semantic];
+        if reply.cache.is_some_and(|c| shared.contains(&c)) {
             self.shared += 1;
         }
         if r.answers > 1 {
@@ -960,7 +973,7 @@ mod tests {
     fn the_fleet_keeps_its_money_invariants_under_every_fault() {
         let (seeds, steps) = plan();
         let (mut total_steps, mut flights, mut attempts, mut shared) = (0, 0, 0, 0);
-        let (mut killed, mut beaten) = (0, 0);
+        let (mut killed, mut beaten, mut paraphrased) = (0, 0, 0);
         for seed in seeds {
             match run(seed, steps) {
                 Ok(sim) => {
@@ -969,6 +982,7 @@ mod tests {
                     shared += sim.shared;
                     attempts += sim.attempts;
                     killed += sim.killed;
+                    paraphrased += sim.paraphrased;
                     beaten += sim.beaten + sim.nodes.iter().map(|n| n.store.lost.get()).sum::<u64>();
                 }
                 Err(v) => panic!(
@@ -980,7 +994,8 @@ mod tests {
             }
         }
         eprintln!(
-            "sim: {total_steps} steps, {flights} requests answered ({shared} from the cache or a flight), \
+            "sim: {total_steps} steps, {flights} requests answered ({shared} from the cache or a flight, {paraphrased} \
+             SEMANTIC), \
              {attempts} attempts, {killed} nodes killed, {beaten} writes beaten by another worker's, no violation"
         );
     }

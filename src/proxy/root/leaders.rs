@@ -9,18 +9,20 @@ use crate::core::api::hints::ProviderHints;
 use crate::core::api::reply::Reply;
 use crate::core::api::response::Response;
 use crate::core::cache::Fresh;
+use crate::core::coalesce::engine::Call;
 use crate::core::flight::{self, Flight};
 use crate::core::limits::fleet::Op;
 use crate::core::observe::log_fields::{Served, Spent};
 use crate::core::semantic::Learned;
-use crate::core::upstream;
+use crate::core::upstream::{self, Outbound};
 use crate::proxy::abi as hostcalls;
 use crate::proxy::fleet;
 use crate::proxy::host::{self, SharedData};
-use crate::proxy::runs::{Probing, Run, StreamEnd};
+use crate::proxy::runs::{Run, StreamEnd};
 use crate::proxy::types::{BufferType, LogLevel, MapType};
 use crate::proxy::wake::DISPATCH;
 use crate::proxy::worker::Target;
+use std::rc::Rc;
 use std::time::Duration;
 
 /// Tick period while a flight sleeps (backoff, or held for its bucket).
@@ -29,8 +31,14 @@ const SLEEP_TICK_MS: u64 = 10;
 impl Root {
     /// The flight of a leader's call (that looked for a paraphrase first when `learned`,
     /// which spent `spent` on it).
-    pub(super) fn start(&mut self, probing: Probing, learned: Option<Learned>, spent: Spent) {
-        let Probing { context_id, call, outbound } = probing;
+    pub(super) fn start(
+        &mut self,
+        context_id: u32,
+        call: Call,
+        outbound: Rc<Outbound>,
+        learned: Option<Learned>,
+        spent: Spent,
+    ) {
         let flight = Flight::new(&self.worker.borrow().config, call, &outbound);
         let mut run = Run { context_id, flight, outbound, spent, learned };
         let action = self.resume(&mut run);
@@ -170,7 +178,7 @@ impl Root {
             }
             let next = self.worker.borrow_mut().runs.next_pending();
             let Some((context_id, call, outbound)) = next else { return };
-            self.begin(Probing { context_id, call, outbound });
+            self.begin(context_id, call, outbound);
         }
     }
 

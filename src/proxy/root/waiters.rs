@@ -9,7 +9,6 @@ use crate::core::config::Role;
 use crate::core::observe::log_fields::Served;
 use crate::core::upstream::Outbound;
 use crate::proxy::host;
-use crate::proxy::runs::Probing;
 use crate::proxy::wake::{Message, POLL_ALL};
 use crate::proxy::worker::{Target, Worker};
 use std::rc::Rc;
@@ -27,7 +26,7 @@ impl Root {
             Step::Call(call) if self.worker.borrow().config.role == Role::Forward => {
                 self.hop(context_id, call, outbound)
             }
-            Step::Call(call) => self.begin(Probing { context_id, call, outbound }),
+            Step::Call(call) => self.begin(context_id, call, outbound),
             Step::Wait(wait) => self.worker.borrow_mut().wait(context_id, wait, outbound),
         }
     }

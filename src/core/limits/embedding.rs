@@ -1,4 +1,4 @@
-//! What the semantic tier's embedding costs, and who admits it: the embedding is sent only
+//! The semantic tier's embedding as a claim through admission: the embedding is sent only
 //! when the tenant's budget still holds the chat call's worst case beside the embedding's,
 //! whose worst case it then reserves until it is charged
 //! (a tenant that cannot afford the call makes no embedding call; in a fleet, where the
@@ -10,13 +10,21 @@ use crate::core::api::hints::ProviderHints;
 use crate::core::api::key::Key;
 use crate::core::config::Config;
 use crate::core::limits::budget::{self, Backing, Hold};
+use crate::core::limits::fleet::Op;
 use crate::core::limits::line::Who;
 use crate::core::limits::tenant_gate::{self, Settlement};
 use crate::core::limits::{self, Limits};
+use crate::core::request::probe::Probe;
 use crate::core::store::CasStore;
-use crate::core::upstream::Outbound;
 
-use super::Probe;
+/// The chat call an embedding is made for: its verified tenant, its model, and the most
+/// tokens it can be billed (`Outbound::worst_tokens`).
+#[derive(Debug, Clone, Copy)]
+pub struct For<'a> {
+    pub tenant: Option<&'a str>,
+    pub model: &'a str,
+    pub worst_tokens: u64,
+}
 
 /// The embedding of `probe`'s question as its admission sees it: the id it takes from the
 /// embedding model's bucket and reserves in its tenant's budget under (one per flight: the
@@ -27,7 +35,7 @@ fn ticket((key, nonce): (&Key, u64), probe: &Probe) -> (u64, u64) {
     (id ^ nonce.rotate_left(29), probe.text.len() as u64)
 }
 
-/// Whether the embedding for `outbound`'s call (the flight of `key` whose lease carries
+/// Whether the embedding for the call `asked` (the flight of `key` whose lease carries
 /// `nonce`) may be sent now: its tenant's budget (when it has one, kept on this node) has
 /// room for the chat call's worst case and the embedding's, and the embedding model's
 /// bucket (when it has limits) gives it its tokens. When it says yes, the embedding's worst
@@ -37,13 +45,13 @@ pub fn admit(
     config: &Config,
     call: (&Key, u64),
     probe: &Probe,
-    outbound: &Outbound,
+    asked: For<'_>,
     now_ms: u64,
 ) -> bool {
     let (id, estimate) = ticket(call, probe);
     let hold_ms = config.semantic.timeout_ms.saturating_add(1_000);
     let mut reserved = None;
-    if let Some(t) = outbound.tenant.as_deref().and_then(|t| config.tenants.get(t).map(|c| (t, c))) {
+    if let Some(t) = asked.tenant.and_then(|t| config.tenants.get(t).map(|c| (t, c))) {
         let (name, tenant) = t;
         let shared = config.fleet.shared_limits();
         let caps = tenant.caps();
@@ -54,9 +62,9 @@ pub fn admit(
             return false;
         }
         if !caps.is_none() {
-            let models = [outbound.model.clone()];
-            let embedding = super::cost_micro_usd(config, estimate);
-            let worst = tenant_gate::worst_micro(config, &models, outbound.worst_tokens()).saturating_add(embedding);
+            let models = [asked.model.to_owned()];
+            let embedding = config.embedding_cost_micro_usd(estimate);
+            let worst = tenant_gate::worst_micro(config, &models, asked.worst_tokens).saturating_add(embedding);
             let backed = (caps, Backing::of(config, config.budget_store.enabled()));
             if budget::check(store, name, backed, worst, now_ms).is_err() {
                 return false;
@@ -99,7 +107,7 @@ fn bucket(config: &Config) -> Option<(String, Limits)> {
 
 /// The embedding `admit` let go was billed `tokens` (`None`: it gave no answer with a
 /// usage; it may have cost its estimate): the embedding model's bucket is settled, and the
-/// tenant is charged what it cost, here or (the settlement returned) on its owner node.
+/// tenant is charged what it cost, here or (the message returned, for its owner node) there.
 pub fn charge(
     store: &impl CasStore,
     config: &Config,
@@ -107,7 +115,7 @@ pub fn charge(
     tenant: Option<&str>,
     tokens: Option<u64>,
     now_ms: u64,
-) -> Option<Settlement> {
+) -> Option<Op> {
     let (id, estimate) = ticket(call, probe);
     let billed = tokens.unwrap_or(estimate);
     if let Some((name, l)) = bucket(config) {
@@ -121,12 +129,12 @@ pub fn charge(
         id,
         estimate: 0,
         tokens: billed,
-        micro: super::cost_micro_usd(config, billed),
+        micro: config.embedding_cost_micro_usd(billed),
         hold: Hold::at(0, now_ms),
         release: false,
     };
     if config.fleet.shared_limits() {
-        return Some(settlement);
+        return Some(Op::TenantSettle(settlement));
     }
     tenant_gate::settle_reported(store, config, &settlement, now_ms);
     None
@@ -138,6 +146,7 @@ mod tests {
     use crate::core::limits::budget;
     use crate::core::request::request_key;
     use crate::core::store::MemStore;
+    use crate::core::upstream::Outbound;
 
     /// A fleet of 2 nodes whose limits live on owners, `text-embedding-3-small` limited to 4
     /// requests a minute, tenant `paid` with a day's budget and `free` without one.
@@ -169,6 +178,11 @@ mod tests {
         Outbound { tenant: Some(tenant.to_owned()), ..Outbound::of(&request, b"{}".to_vec(), None) }
     }
 
+    /// The chat call of `outbound(tenant)` as the embedding's admission sees it.
+    fn asked(tenant: &str) -> For<'_> {
+        For { tenant: Some(tenant), model: "gpt-4.1", worst_tokens: outbound(tenant).worst_tokens() }
+    }
+
     #[test]
     fn an_embedding_holds_its_worst_case_in_the_budget_until_it_is_charged() {
         // One node: `paid`'s budget is kept here. The embedding model costs $20 per million.
@@ -186,7 +200,7 @@ mod tests {
         let store = MemStore::new();
         let probe = Probe { partition: [7; 32], text: "x".repeat(500) };
         let key = request_key("/v1/chat/completions", "paid", b"q");
-        assert!(admit(&store, &config, (&key, 7), &probe, &outbound("paid"), 1_000));
+        assert!(admit(&store, &config, (&key, 7), &probe, asked("paid"), 1_000));
         // Its worst case: 500 bytes, 500 tokens at $20 per million.
         assert_eq!(budget::spent(&store, "paid", 1_000), (10_000, 10_000), "held while it is out");
         // It was billed 120 tokens: 2400 micro-dollars, in place of what was held.
@@ -200,7 +214,7 @@ mod tests {
         let probe = Probe { partition: [7; 32], text: "What is the capital of France?".into() };
         let admit = |tenant: &str, i: u8| {
             let key = request_key("/v1/chat/completions", tenant, &[i]);
-            admit(&store, &config, (&key, 7), &probe, &outbound(tenant), 1_000)
+            admit(&store, &config, (&key, 7), &probe, asked(tenant), 1_000)
         };
         assert!(!admit("paid", 0), "its budget lives on its owner node, which is not asked first");
         // This node's share of the embedding model's 4 requests a minute is 2.

@@ -26,13 +26,14 @@ use crate::core::coalesce::engine::{Call, Ended, Engine, Finished, Wait};
 use crate::core::config::{Config, Mismatch, Role};
 use crate::core::flight::StreamOutcome;
 use crate::core::intake;
+use crate::core::limits;
 use crate::core::observe::log_fields::{self, Answered, Served};
 use crate::core::observe::metrics::{self, Counter, LastUsage};
 use crate::core::request::{self, ApiRequest};
 use crate::core::semantic::{self, Learned};
 use crate::core::store::CasStore;
 use crate::core::stream;
-use crate::core::upstream::{self, Outbound, Sent};
+use crate::core::upstream::{Outbound, Sent};
 use crate::core::wire::codec;
 use crate::proxy::types::{BufferType, LogLevel, MapType};
 use std::cell::RefCell;
@@ -275,13 +276,13 @@ impl Worker {
     }
 
     /// The model's `x-ratelimit-*` headers: none for a model without limits (the clock is
-    /// read only for one with them, see `upstream::rate_headers`), with fleet-wide limits
+    /// read only for one with them, see `limits::rate_headers`), with fleet-wide limits
     /// (the buckets live on their owner nodes), or on a forward node (which has none).
     fn rate_headers(&self, model: &str, now_ms: impl FnOnce() -> u64) -> Vec<(&'static str, String)> {
         if self.config.fleet.shared_limits() || self.config.role == Role::Forward {
             return Vec::new();
         }
-        upstream::rate_headers(&SharedData, &self.config, model, now_ms)
+        limits::rate_headers(&SharedData, &self.config, model, now_ms)
     }
 
     /// Keeps the entry `request` was just served from, for the same bytes next time.

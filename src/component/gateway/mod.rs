@@ -20,9 +20,10 @@ use crate::core::api::reply::{stream_head, Reply};
 use crate::core::coalesce::engine::{poll_delay_ms, Call, Engine, Step};
 use crate::core::flight::{Action, Flight, StreamOutcome};
 use crate::core::intake::{self, Decision, Head, Route, Ungoverned};
+use crate::core::limits;
 use crate::core::semantic::Learned;
 use crate::core::stream::{self, Reassembler};
-use crate::core::upstream::{self, Outbound};
+use crate::core::upstream::Outbound;
 use instance::Gateway;
 use semantic::Looked;
 
@@ -110,7 +111,7 @@ impl Gateway {
     /// Answers in the form the client asked for (events for a stream), with the model's
     /// `x-ratelimit-*` headers.
     fn answer(&self, out: ResponseOutparam, r: Reply, outbound: &Outbound) {
-        let mut extra = upstream::rate_headers(&self.kv, &self.config, &outbound.model, host::now_ms);
+        let mut extra = limits::rate_headers(&self.kv, &self.config, &outbound.model, host::now_ms);
         extra.extend(outbound.tenant_header());
         let response = stream::for_client(r.response.clone(), outbound.stream, outbound.include_usage);
         host::reply(out, &Reply { response, ..r }, &extra);

@@ -22,7 +22,7 @@ pub(crate) mod tenant_gate;
 
 use crate::core::api::headers;
 use crate::core::api::hints::ProviderHints;
-use crate::core::config::{Model, RateLimit};
+use crate::core::config::{Config, Model, RateLimit};
 use crate::core::limits::line::{Full, Line, Who};
 use crate::core::store::{cas_after, CasStore, StoreError, MAX_RACES};
 use crate::core::wire::codec;
@@ -558,9 +558,27 @@ pub fn peek(store: &impl CasStore, bucket: &str, l: &Limits, now_ms: u64) -> Buc
     b
 }
 
+/// The `x-ratelimit-*` headers of `model`'s bucket as it stands now: none, and neither the
+/// clock nor the bucket read, for a model without request or token limits (one configured
+/// only with prices, say).
+pub fn rate_headers(
+    store: &impl CasStore,
+    config: &Config,
+    model: &str,
+    now_ms: impl FnOnce() -> u64,
+) -> Vec<(&'static str, String)> {
+    let Some((bucket, m)) = config.model(model) else { return Vec::new() };
+    let l = Limits::of(m, &config.rate_limit);
+    if l.rpm.is_none() && l.tpm.is_none() {
+        return Vec::new();
+    }
+    peek(store, bucket, &l, now_ms()).headers(&l)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::core::store::Counting;
     use crate::core::store::MemStore;
 
     fn take_one(b: &mut Bucket, l: &Limits, id: u64, estimate: u64, now_ms: u64, hold_ms: u64) -> Result<(), Denial> {
@@ -743,5 +761,20 @@ mod tests {
         let admitted: usize = handles.into_iter().map(|h| h.join().unwrap()).sum();
         assert_eq!(admitted, 5);
         assert_eq!(s.key_count(), 1);
+    }
+
+    #[test]
+    fn rate_headers_only_for_a_model_with_limits_and_only_then_a_read() {
+        let config =
+            Config::parse(br#"{"models":{"priced":{"usd_per_mtok_input":2.0},"limited":{"requests_per_minute":60}}}"#)
+                .unwrap();
+        let store = Counting::new();
+        let unread = || -> u64 { panic!("the clock was read") };
+        assert!(rate_headers(&store, &config, "priced", unread).is_empty());
+        assert!(rate_headers(&store, &config, "unknown", unread).is_empty());
+        assert_eq!(store.reads(), 0, "no bucket read without limits");
+        let h = rate_headers(&store, &config, "limited", || 1_000);
+        assert_eq!(h.iter().find(|(n, _)| *n == "x-ratelimit-limit-requests").map(|(_, v)| v.as_str()), Some("60"));
+        assert_eq!(store.reads(), 1);
     }
 }

@@ -10,11 +10,8 @@ use crate::core::api::response::Response;
 use crate::core::api::trace::TraceContext;
 use crate::core::api::usage::{Billed, DEFAULT_COMPLETION_ESTIMATE};
 use crate::core::cache::batch::Batch;
-use crate::core::config::Config;
-use crate::core::limits::{self, Limits};
 use crate::core::request::probe::Probe;
 use crate::core::request::{for_upstream, ApiRequest};
-use crate::core::store::CasStore;
 use crate::core::wire::scan;
 use std::borrow::Cow;
 
@@ -245,27 +242,10 @@ fn not_an_answer(content_type: &str, sent: Sent) -> ApiError {
     ApiError::upstream(502, format!("HolySheep answered 200 with '{shown}', not {wanted}"), "upstream_invalid_answer")
 }
 
-/// The `x-ratelimit-*` headers of `model`'s bucket as it stands now: none, and neither the
-/// clock nor the bucket read, for a model without request or token limits (one configured
-/// only with prices, say).
-pub fn rate_headers(
-    store: &impl CasStore,
-    config: &Config,
-    model: &str,
-    now_ms: impl FnOnce() -> u64,
-) -> Vec<(&'static str, String)> {
-    let Some((bucket, m)) = config.model(model) else { return Vec::new() };
-    let l = Limits::of(m, &config.rate_limit);
-    if l.rpm.is_none() && l.tpm.is_none() {
-        return Vec::new();
-    }
-    limits::peek(store, bucket, &l, now_ms()).headers(&l)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::core::store::Counting;
+    use crate::core::config::Config;
 
     #[test]
     fn an_answer_is_the_object_its_endpoint_makes() {
@@ -345,21 +325,6 @@ mod tests {
             batch: None,
             trace: None,
         }
-    }
-
-    #[test]
-    fn rate_headers_only_for_a_model_with_limits_and_only_then_a_read() {
-        let config =
-            Config::parse(br#"{"models":{"priced":{"usd_per_mtok_input":2.0},"limited":{"requests_per_minute":60}}}"#)
-                .unwrap();
-        let store = Counting::new();
-        let unread = || -> u64 { panic!("the clock was read") };
-        assert!(rate_headers(&store, &config, "priced", unread).is_empty());
-        assert!(rate_headers(&store, &config, "unknown", unread).is_empty());
-        assert_eq!(store.reads(), 0, "no bucket read without limits");
-        let h = rate_headers(&store, &config, "limited", || 1_000);
-        assert_eq!(h.iter().find(|(n, _)| *n == "x-ratelimit-limit-requests").map(|(_, v)| v.as_str()), Some("60"));
-        assert_eq!(store.reads(), 1);
     }
 
     #[test]

@@ -1,153 +1,82 @@
-//! The spend store, the shell's side: reads a tenant's record from etcd when a call asks
-//! for it (`budget_store::want`), and writes settled spend behind once a round, by callouts
-//! to the `budget_store.cluster`. What the answers mean is `budget_store`'s.
+//! The spend store, the shell's side: sends the calls `budget_store::Calls` gives as
+//! callouts to the `budget_store.cluster`, hands their answers back, and logs what they
+//! taught. Which calls to make and what the answers mean is the core's.
 
 use super::abi as hostcalls;
 use super::host::{self, SharedData};
 use super::ids::IdMap;
 use crate::core::api::headers;
 use crate::core::config::Config;
-use crate::core::limits::budget_store::{self, Due, EtcdCall, Flush};
+use crate::core::limits::budget_store::{self, Asked, Calls, EtcdCall, Taught};
 use crate::proxy::types::{BufferType, LogLevel, MapType, Status};
 use std::time::Duration;
 
 pub struct BudgetStore {
-    /// Reads out, by callout token: the tenant, and when it was sent.
-    reading: IdMap<(String, u64)>,
-    /// Writes out, by callout token.
-    writing: IdMap<(Flush, u64)>,
-    /// Reads after a write that got no answer, to learn whether it landed.
-    checking: IdMap<(Flush, u64)>,
-    /// Whether the store answered last (for logging the changes only).
-    reached: bool,
+    /// The calls out and what their answers mean (`budget_store::Calls`).
+    calls: Calls,
+    /// The calls out, by callout token: their ids.
+    tokens: IdMap<u64>,
     /// Each write's tag.
     tags: host::Nonces,
 }
 
 impl Default for BudgetStore {
     fn default() -> Self {
-        BudgetStore {
-            reading: IdMap::default(),
-            writing: IdMap::default(),
-            checking: IdMap::default(),
-            reached: true,
-            tags: host::Nonces::new(),
-        }
+        BudgetStore { calls: Calls::default(), tokens: IdMap::default(), tags: host::Nonces::new() }
     }
 }
 
 impl BudgetStore {
-    /// Reads the records calls wait for, and, when this worker's round is due, writes what
-    /// was settled since the last.
+    /// Sends the calls the worker's tick gives (the reads calls wait for and, when this
+    /// worker's round is due, the writes of what was settled since the last).
     pub fn tick(&mut self, config: &Config, now_ms: u64) {
-        if !config.budget_store.enabled() {
-            return;
-        }
-        // Envoy answers every callout by its timeout; one it never answered is forgotten.
-        let stale = |sent: u64| now_ms.saturating_sub(sent) > config.budget_store.timeout_ms.saturating_mul(2) + 1_000;
-        self.reading.retain(|_, (_, sent)| !stale(*sent));
-        self.writing.retain(|_, (_, sent)| !stale(*sent));
-        self.checking.retain(|_, (_, sent)| !stale(*sent));
-        for tenant in budget_store::take_wanted(&SharedData) {
-            if !self.reading.values().any(|(t, _)| *t == tenant) {
-                self.start_read(config, &tenant, now_ms);
-            }
-        }
-        if !budget_store::round_due(&SharedData, config, now_ms) {
-            return;
-        }
-        for tenant in budget_store::budgeted(config) {
-            if self.busy(tenant) {
-                continue;
-            }
-            let tag = self.tags.next();
-            match budget_store::due(&SharedData, config, tenant, now_ms, tag) {
-                Some(Due::Write(flush)) => {
-                    match send(config, &budget_store::txn(config, tenant, flush.revision, &flush.value)) {
-                        Some(token) => {
-                            self.writing.insert(token, (flush, now_ms));
-                        }
-                        // Never sent: not out.
-                        None => budget_store::not_sent(&SharedData, &flush, now_ms),
-                    }
-                }
-                Some(Due::Read) => self.start_read(config, tenant, now_ms),
-                None => {}
-            }
+        let BudgetStore { calls, tags, .. } = self;
+        for (id, asked) in calls.tick(&SharedData, config, now_ms, || tags.next()) {
+            self.send(config, id, &asked, now_ms);
         }
     }
 
     /// Whether the callout answered under `token` was the store's: if so, its answer is
     /// taken, and the tenant whose key it was is returned.
     pub fn answered(&mut self, config: &Config, token: u32, num_headers: usize, body_size: usize) -> Option<String> {
+        let id = self.tokens.remove(&token)?;
         let now = host::now_ms();
-        if let Some((tenant, _)) = self.reading.remove(&token) {
-            let found = answer(num_headers, body_size).and_then(|(s, b)| budget_store::read_range(s, &b));
-            self.read(config, &tenant, found, now);
-            return Some(tenant);
-        }
-        if let Some((flush, _)) = self.checking.remove(&token) {
-            let found = answer(num_headers, body_size).and_then(|(s, b)| budget_store::read_range(s, &b));
-            self.reached(found.is_some());
-            let sharing = budget_store::flushed(&SharedData, &flush, found.map(Err), now);
-            sharing_began(config, &flush.tenant, sharing);
-            return Some(flush.tenant);
-        }
-        let (flush, _) = self.writing.remove(&token)?;
-        let written = answer(num_headers, body_size).and_then(|(s, b)| budget_store::read_txn(s, &b));
-        self.reached(written.is_some());
-        if written.is_none() {
-            // It may have landed: the key says (a refusal that finds what was written is
-            // taken as written).
-            let tenant = flush.tenant.clone();
-            if let Some(token) = send(config, &budget_store::range(config, &tenant)) {
-                self.checking.insert(token, (flush, now));
-            }
-            return Some(tenant);
-        }
-        let sharing = budget_store::flushed(&SharedData, &flush, written, now);
-        sharing_began(config, &flush.tenant, sharing);
-        Some(flush.tenant)
+        let answer = answer(num_headers, body_size);
+        let heard = answer.as_ref().map(|(status, body)| (*status, body.as_slice()));
+        let taught = self.calls.answered(&SharedData, id, heard, now)?;
+        let tenant = taught.tenant.clone();
+        self.taught(config, taught, now);
+        Some(tenant)
     }
 
-    /// Whether a read or a write of `tenant`'s key is out.
-    fn busy(&self, tenant: &str) -> bool {
-        self.reading.values().any(|(t, _)| t == tenant)
-            || self.writing.values().chain(self.checking.values()).any(|(f, _)| f.tenant == tenant)
-    }
-
-    fn start_read(&mut self, config: &Config, tenant: &str, now_ms: u64) {
-        match send(config, &budget_store::range(config, tenant)) {
+    fn send(&mut self, config: &Config, id: u64, asked: &Asked, now_ms: u64) {
+        match send(config, &asked.call(config)) {
             Some(token) => {
-                self.reading.insert(token, (tenant.to_owned(), now_ms));
+                self.tokens.insert(token, id);
             }
-            None => self.read(config, tenant, None, now_ms),
+            None => {
+                if let Some(taught) = self.calls.unsent(&SharedData, id, now_ms) {
+                    self.taught(config, taught, now_ms);
+                }
+            }
         }
     }
 
-    fn read(&mut self, config: &Config, tenant: &str, found: Option<budget_store::Found>, now_ms: u64) {
-        let learned = budget_store::read(&SharedData, tenant, found, now_ms);
-        self.reached(learned.reached);
-        sharing_began(config, tenant, learned.sharing);
-    }
-
-    /// Logs when the store stops answering and when it answers again: once per change in
-    /// the process (the workers share a flag), not per request.
-    fn reached(&mut self, reached: bool) {
-        if std::mem::replace(&mut self.reached, reached) == reached && reached {
-            return;
-        }
-        if !budget_store::set_reached(&SharedData, reached) {
-            return;
-        }
-        if reached {
-            host::log(LogLevel::Info, "holysheep: the spend store answers again");
-        } else {
-            host::log(
+    /// Logs what an answer taught (the store's silence or its return, once per change in
+    /// the process; more keepers of a tenant), and sends the call it asks for next.
+    fn taught(&mut self, config: &Config, taught: Taught, now_ms: u64) {
+        match taught.reached {
+            Some(true) => host::log(LogLevel::Info, "holysheep: the spend store answers again"),
+            Some(false) => host::log(
                 LogLevel::Warn,
                 "holysheep: the spend store (budget_store) does not answer: tenants' budgets are admitted from this \
                  node's share and settled spend waits to be written",
-            );
+            ),
+            None => {}
+        }
+        sharing_began(config, &taught.tenant, taught.sharing);
+        if let Some((id, asked)) = taught.next {
+            self.send(config, id, &asked, now_ms);
         }
     }
 }

@@ -18,7 +18,7 @@ mod rng;
 mod scenario;
 mod shared;
 
-use self::etcd::{Answer, Asked, Etcd, Faults, Side};
+use self::etcd::{Etcd, Faults};
 use self::holysheep::{Attempt, EmbedFault, Fault};
 use self::rng::Rng;
 use self::scenario::Scenario;
@@ -37,7 +37,7 @@ use crate::core::config::Config;
 use crate::core::flight::look::{self, Begun, Look, Outcome};
 use crate::core::flight::{Action, Flight};
 use crate::core::limits::budget;
-use crate::core::limits::budget_store::Flush;
+use crate::core::limits::budget_store::{Asked, Calls, Flush, Heard};
 use crate::core::limits::fleet::{self, Op, Verdict};
 use crate::core::limits::tenant_gate;
 use crate::core::limits::{self, Limits};
@@ -58,7 +58,7 @@ struct Node {
     silent_until: u64,
     next_tick: u64,
     /// Its calls to the spend store.
-    side: Side,
+    side: Calls,
     /// Killed: out of the ring until it starts again, then.
     down_until: Option<u64>,
     /// How often it started: an answer to a call its previous process made finds no one.
@@ -74,7 +74,7 @@ impl Node {
             skew_ms,
             silent_until: 0,
             next_tick: 0,
-            side: Side::default(),
+            side: Calls::default(),
             down_until: None,
             epoch: 0,
             storm_until: 0,
@@ -123,7 +123,7 @@ enum Happening {
     /// begins.
     Embedded(u64, Box<Look>, EmbedFault, u64),
     /// The spend store answered a node's process (or its time ran out).
-    Etcd(usize, u64, Answer),
+    Etcd(usize, u64, u64, Heard),
     /// A write a node gave up on lands in the spend store after all.
     Lands(Flush),
 }
@@ -263,7 +263,7 @@ impl Sim {
             Some(Happening::Verdict(id, verdict)) => self.verdict(id, verdict),
             Some(Happening::Poll(req, look)) => self.poll(req, look),
             Some(Happening::Embedded(req, look, fault, tokens)) => self.embedded(req, *look, fault, tokens),
-            Some(Happening::Etcd(node, epoch, answer)) => self.etcd_answered(node, epoch, answer),
+            Some(Happening::Etcd(node, epoch, id, heard)) => self.etcd_answered(node, epoch, id, heard),
             Some(Happening::Lands(flush)) => {
                 let _ = self.etcd.txn(&flush);
             }
@@ -376,9 +376,10 @@ impl Sim {
                 self.engine(n).renew(&l.flight.call, now);
             }
             if self.scenario.store.is_some() {
-                let node = &mut self.nodes[n];
-                for asked in node.side.tick(&node.store, &self.config, now, &mut self.rng) {
-                    self.ask_etcd(n, asked);
+                let Sim { nodes, rng, config, .. } = self;
+                let node = &mut nodes[n];
+                for (id, asked) in node.side.tick(&node.store, config, now, || rng.next()) {
+                    self.ask_etcd(n, id, &asked);
                 }
             }
         }
@@ -386,32 +387,31 @@ impl Sim {
 
     /// A node's call to the spend store: its answer comes back after a while, or after
     /// `budget_store.timeout_ms` when none comes.
-    fn ask_etcd(&mut self, node: usize, asked: Asked) {
+    fn ask_etcd(&mut self, node: usize, id: u64, asked: &Asked) {
         let faults = match self.scenario.store {
             Some((_, faults)) if !self.calm => faults,
             _ => Faults { down: 0, lost: 0, late: 0 },
         };
-        let (answer, late) = etcd::serve(&mut self.etcd, asked, faults, &mut self.rng);
+        let (heard, late) = etcd::serve(&mut self.etcd, asked, faults, &mut self.rng);
         let timeout = self.config.budget_store.timeout_ms;
-        let answered =
-            matches!(&answer, Answer::Read(_, Some(_)) | Answer::Write(_, Some(_)) | Answer::Check(_, Some(_)));
+        let answered = matches!(&heard, Heard::Range(Some(_)) | Heard::Txn(Some(_)));
         let latency = if answered { 1 + self.rng.below(timeout / 2) } else { timeout };
         let epoch = self.nodes[node].epoch;
-        self.at(self.clock + latency, Happening::Etcd(node, epoch, answer));
+        self.at(self.clock + latency, Happening::Etcd(node, epoch, id, heard));
         if let Some(flush) = late {
             let after = timeout + 1 + self.rng.below(2_000);
             self.at(self.clock + after, Happening::Lands(flush));
         }
     }
 
-    fn etcd_answered(&mut self, node: usize, epoch: u64, answer: Answer) {
+    fn etcd_answered(&mut self, node: usize, epoch: u64, id: u64, heard: Heard) {
         if self.nodes[node].epoch != epoch {
             return;
         }
         let now = self.now(node);
         let Node { side, store, .. } = &mut self.nodes[node];
-        if let Some(asked) = side.answered(store, answer, now) {
-            self.ask_etcd(node, asked);
+        if let Some((id, asked)) = side.heard(store, id, heard, now).and_then(|t| t.next) {
+            self.ask_etcd(node, id, &asked);
         }
     }
 
@@ -432,7 +432,7 @@ impl Sim {
                 }
                 self.queue.pop();
                 match self.happenings.remove(&seq) {
-                    Some(Happening::Etcd(node, epoch, answer)) => self.etcd_answered(node, epoch, answer),
+                    Some(Happening::Etcd(node, epoch, id, heard)) => self.etcd_answered(node, epoch, id, heard),
                     Some(Happening::Lands(flush)) => {
                         let _ = self.etcd.txn(&flush);
                     }

@@ -8,6 +8,10 @@
 //! of writes `UNREACHABLE_MS` on reads it again. The shells make the calls and report the
 //! answers.
 
+mod calls;
+
+pub use calls::{Asked, Calls, Heard, Taught};
+
 use crate::core::config::Config;
 use crate::core::limits::budget::{self, Mark, Pending, Seen, Spend, Stored, KEEPERS_MS};
 use crate::core::store::{cas_after, CasStore, StoreError, MAX_RACES};
@@ -59,14 +63,14 @@ pub(crate) fn store_key(config: &Config, tenant: &str) -> String {
 }
 
 /// Reads `tenant`'s key.
-pub fn range(config: &Config, tenant: &str) -> EtcdCall {
+pub(crate) fn range(config: &Config, tenant: &str) -> EtcdCall {
     let key = base64::encode(store_key(config, tenant).as_bytes());
     EtcdCall { path: "/v3/kv/range", body: write::value(&json::object([("key", Value::from(key))])) }
 }
 
 /// Writes `value` to `tenant`'s key if it is still at `revision` (0: absent); otherwise
 /// reads it.
-pub fn txn(config: &Config, tenant: &str, revision: u64, value: &Stored) -> EtcdCall {
+pub(crate) fn txn(config: &Config, tenant: &str, revision: u64, value: &Stored) -> EtcdCall {
     let key = base64::encode(store_key(config, tenant).as_bytes());
     let value = base64::encode(value.to_json().as_bytes());
     let compare = json::object([
@@ -86,14 +90,14 @@ pub fn txn(config: &Config, tenant: &str, revision: u64, value: &Stored) -> Etcd
 }
 
 /// The answer to `range` (`None`: not etcd's answer).
-pub fn read_range(status: u16, body: &[u8]) -> Option<Found> {
+pub(crate) fn read_range(status: u16, body: &[u8]) -> Option<Found> {
     let v: Value = json::parse(body).filter(|_| status == 200)?;
     found(&v)
 }
 
 /// The answer to `txn`: `Ok` with the key's new revision, or `Err` with what the key holds
 /// now (`None`: not etcd's answer).
-pub fn read_txn(status: u16, body: &[u8]) -> Option<Result<u64, Found>> {
+pub(crate) fn read_txn(status: u16, body: &[u8]) -> Option<Result<u64, Found>> {
     let v: Value = json::parse(body).filter(|_| status == 200)?;
     if v["succeeded"].as_bool() == Some(true) {
         return number(&v["header"]["revision"]).map(Ok);
@@ -125,7 +129,7 @@ pub fn set_misconfigured(store: &impl CasStore, missing: bool) -> bool {
 
 /// Records whether the store answered last; `true` when that changed (for the process:
 /// its workers share the flag, so the change is logged once).
-pub fn set_reached(store: &impl CasStore, reached: bool) -> bool {
+pub(crate) fn set_reached(store: &impl CasStore, reached: bool) -> bool {
     flip(store, REACHED_KEY, reached, true)
 }
 
@@ -139,7 +143,7 @@ fn flip(store: &impl CasStore, key: &str, on: bool, absent: bool) -> bool {
 }
 
 /// `tenant`'s record must be read from the store before its calls are admitted.
-pub fn want(store: &impl CasStore, tenant: &str) {
+pub(crate) fn want(store: &impl CasStore, tenant: &str) {
     let _ = update_wanted(store, |names| {
         let known = names.iter().any(|n| n == tenant);
         if !known {
@@ -150,7 +154,7 @@ pub fn want(store: &impl CasStore, tenant: &str) {
 }
 
 /// Takes every name off the wanted list: the records this worker reads now.
-pub fn take_wanted(store: &impl CasStore) -> Vec<String> {
+pub(crate) fn take_wanted(store: &impl CasStore) -> Vec<String> {
     let mut taken = Vec::new();
     let _ = update_wanted(store, |names| {
         taken = std::mem::take(names);
@@ -180,7 +184,7 @@ fn update_wanted(store: &impl CasStore, mut f: impl FnMut(&mut Vec<String>) -> b
 /// record read before learns what other nodes spent since; an answer older than what it
 /// knows is dropped); a record never read, unreachable, admits from this node's share for
 /// a while (one read before keeps deciding from what it knows).
-pub fn read(store: &impl CasStore, tenant: &str, found: Option<Found>, now_ms: u64) -> Learned {
+pub(crate) fn read(store: &impl CasStore, tenant: &str, found: Option<Found>, now_ms: u64) -> Learned {
     let reached = found.is_some();
     let me = me(store);
     let mut sharing = None;
@@ -214,7 +218,7 @@ pub fn read(store: &impl CasStore, tenant: &str, found: Option<Found>, now_ms: u
 
 /// What a read or a write of a tenant's key taught.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Learned {
+pub(crate) struct Learned {
     /// The store answered.
     pub reached: bool,
     /// More processes were seen writing the tenant's spend than before: how many keep it
@@ -291,7 +295,7 @@ pub struct Flush {
 
 /// What a round of writes does for a tenant's record.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Due {
+pub(crate) enum Due {
     /// Write what was settled and not yet written.
     Write(Flush),
     /// Read the key again: it could not be read before (calls are admitted from the node's
@@ -320,7 +324,7 @@ fn writer(store: &impl CasStore, nonce: u64) -> Option<u64> {
 /// random number, unique to it), names this process as its writer, and is recorded as
 /// out, so that no other is sent until it is answered or its deadline passes (then the key
 /// is read first, to learn whether it landed).
-pub fn due(store: &impl CasStore, config: &Config, tenant: &str, now_ms: u64, write: u64) -> Option<Due> {
+pub(crate) fn due(store: &impl CasStore, config: &Config, tenant: &str, now_ms: u64, write: u64) -> Option<Due> {
     let raw = store.get(&budget::key(tenant)).ok()?.value?;
     let s = Spend::decode(&raw)?.at(now_ms);
     // A keeper among several writes (nothing, under its own tag) while it admits, so that
@@ -364,7 +368,7 @@ pub fn due(store: &impl CasStore, config: &Config, tenant: &str, now_ms: u64, wr
 }
 
 /// `flush` could not be sent: it is not out.
-pub fn not_sent(store: &impl CasStore, flush: &Flush, now_ms: u64) {
+pub(crate) fn not_sent(store: &impl CasStore, flush: &Flush, now_ms: u64) {
     let _ = budget::update(store, &flush.tenant, now_ms, |s| {
         let ours = s.pending.is_some_and(|p| Some(p.tag) == flush.value.write);
         if ours {
@@ -378,7 +382,12 @@ pub fn not_sent(store: &impl CasStore, flush: &Flush, now_ms: u64) {
 /// the record's store value is the one written and what was sent is no longer unsent;
 /// refused (the key changed), the record learns what the store holds now, others' spend
 /// included, and writes again next round. `Some(keepers)`: as `Learned::sharing`.
-pub fn flushed(store: &impl CasStore, flush: &Flush, answer: Option<Result<u64, Found>>, now_ms: u64) -> Option<u32> {
+pub(crate) fn flushed(
+    store: &impl CasStore,
+    flush: &Flush,
+    answer: Option<Result<u64, Found>>,
+    now_ms: u64,
+) -> Option<u32> {
     let answer = answer?;
     let me = me(store);
     let mut sharing = None;
@@ -437,7 +446,7 @@ pub fn flushed(store: &impl CasStore, flush: &Flush, answer: Option<Result<u64, 
 
 /// Whether this worker runs the round of writes due at `now_ms` (at most one a
 /// `budget_store.flush_ms` per process).
-pub fn round_due(store: &impl CasStore, config: &Config, now_ms: u64) -> bool {
+pub(crate) fn round_due(store: &impl CasStore, config: &Config, now_ms: u64) -> bool {
     let Ok(read) = store.get(ROUND_KEY) else { return false };
     let last = read.value.as_deref().and_then(|v| std::str::from_utf8(v).ok()?.parse::<u64>().ok()).unwrap_or(0);
     now_ms.saturating_sub(last) >= config.budget_store.flush_ms
@@ -445,7 +454,7 @@ pub fn round_due(store: &impl CasStore, config: &Config, now_ms: u64) -> bool {
 }
 
 /// The tenants whose spend the store keeps: those with a budget.
-pub fn budgeted(config: &Config) -> impl Iterator<Item = &str> {
+pub(crate) fn budgeted(config: &Config) -> impl Iterator<Item = &str> {
     config.tenants.iter().filter(|(_, t)| !t.caps().is_none()).map(|(n, _)| n.as_str())
 }
 

@@ -4,7 +4,6 @@
 
 use super::abi as hostcalls;
 use super::host::{self, SharedData};
-use super::ids::IdMap;
 use crate::core::api::headers;
 use crate::core::config::Config;
 use crate::core::limits::budget_store::{self, Asked, Calls, EtcdCall, Taught};
@@ -14,49 +13,55 @@ use std::time::Duration;
 pub struct BudgetStore {
     /// The calls out and what their answers mean (`budget_store::Calls`).
     calls: Calls,
-    /// The calls out, by callout token: their ids.
-    tokens: IdMap<u64>,
     /// Each write's tag.
     tags: host::Nonces,
 }
 
 impl Default for BudgetStore {
     fn default() -> Self {
-        BudgetStore { calls: Calls::default(), tokens: IdMap::default(), tags: host::Nonces::new() }
+        BudgetStore { calls: Calls::default(), tags: host::Nonces::new() }
     }
 }
+
+/// Callouts sent to the store: (token, the call's id).
+pub type Sent = Vec<(u32, u64)>;
 
 impl BudgetStore {
     /// Sends the calls the worker's tick gives (the reads calls wait for and, when this
     /// worker's round is due, the writes of what was settled since the last).
-    pub fn tick(&mut self, config: &Config, now_ms: u64) {
-        let BudgetStore { calls, tags, .. } = self;
+    pub fn tick(&mut self, config: &Config, now_ms: u64) -> Sent {
+        let BudgetStore { calls, tags } = self;
+        let mut sent = Sent::new();
         for (id, asked) in calls.tick(&SharedData, config, now_ms, || tags.next()) {
-            self.send(config, id, &asked, now_ms);
+            self.send(config, id, &asked, now_ms, &mut sent);
         }
+        sent
     }
 
-    /// Whether the callout answered under `token` was the store's: if so, its answer is
-    /// taken, and the tenant whose key it was is returned.
-    pub fn answered(&mut self, config: &Config, token: u32, num_headers: usize, body_size: usize) -> Option<String> {
-        let id = self.tokens.remove(&token)?;
-        let now = host::now_ms();
+    /// The store's call `id` was answered: the tenant whose key it was (`None`: no call
+    /// of the store's), and the calls its answer asked for next.
+    pub fn answered(
+        &mut self,
+        config: &Config,
+        id: u64,
+        num_headers: usize,
+        body_size: usize,
+    ) -> (Option<String>, Sent) {
+        let (now, mut sent) = (host::now_ms(), Sent::new());
         let answer = answer(num_headers, body_size);
         let heard = answer.as_ref().map(|(status, body)| (*status, body.as_slice()));
-        let taught = self.calls.answered(&SharedData, id, heard, now)?;
+        let Some(taught) = self.calls.answered(&SharedData, id, heard, now) else { return (None, sent) };
         let tenant = taught.tenant.clone();
-        self.taught(config, taught, now);
-        Some(tenant)
+        self.taught(config, taught, now, &mut sent);
+        (Some(tenant), sent)
     }
 
-    fn send(&mut self, config: &Config, id: u64, asked: &Asked, now_ms: u64) {
+    fn send(&mut self, config: &Config, id: u64, asked: &Asked, now_ms: u64, sent: &mut Sent) {
         match send(config, &asked.call(config)) {
-            Some(token) => {
-                self.tokens.insert(token, id);
-            }
+            Some(token) => sent.push((token, id)),
             None => {
                 if let Some(taught) = self.calls.unsent(&SharedData, id, now_ms) {
-                    self.taught(config, taught, now_ms);
+                    self.taught(config, taught, now_ms, sent);
                 }
             }
         }
@@ -64,7 +69,7 @@ impl BudgetStore {
 
     /// Logs what an answer taught (the store's silence or its return, once per change in
     /// the process; more keepers of a tenant), and sends the call it asks for next.
-    fn taught(&mut self, config: &Config, taught: Taught, now_ms: u64) {
+    fn taught(&mut self, config: &Config, taught: Taught, now_ms: u64, sent: &mut Sent) {
         match taught.reached {
             Some(true) => host::log(LogLevel::Info, "holysheep: the spend store answers again"),
             Some(false) => host::log(
@@ -76,7 +81,7 @@ impl BudgetStore {
         }
         sharing_began(config, &taught.tenant, taught.sharing);
         if let Some((id, asked)) = taught.next {
-            self.send(config, id, &asked, now_ms);
+            self.send(config, id, &asked, now_ms, sent);
         }
     }
 }

@@ -19,8 +19,6 @@ const KEY_REFUSED_LOG_MS: u64 = 10_000;
 #[derive(Default)]
 pub struct KeyCheck {
     started: bool,
-    /// The check's callout, while it is out.
-    token: Option<u32>,
     /// When this worker last logged that HolySheep refuses the configured key.
     refused_logged_ms: u64,
 }
@@ -31,17 +29,8 @@ impl KeyCheck {
         !std::mem::replace(&mut self.started, true)
     }
 
-    /// The check's callout went out under `token`.
-    pub fn sent(&mut self, token: u32) {
-        self.token = Some(token);
-    }
-
-    /// Whether the callout answered under `token` is the check's; if so, logs its verdict.
-    pub fn answered(&mut self, config: &Config, token: u32, num_headers: usize) -> bool {
-        if self.token != Some(token) {
-            return false;
-        }
-        self.token = None;
+    /// The check's callout was answered: logs its verdict.
+    pub fn answered(&self, config: &Config, num_headers: usize) {
         let env = &config.upstream.api_key_env;
         let status = if num_headers == 0 { None } else { host::header(MapType::HttpCallResponseHeaders, ":status") };
         match status.as_deref() {
@@ -55,7 +44,6 @@ impl KeyCheck {
                 &format!("holysheep: could not check the key from ${env} (status {})", other.unwrap_or("none")),
             ),
         }
-        true
     }
 
     /// HolySheep refused the configured key on a chat call: the client got the edge's own

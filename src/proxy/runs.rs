@@ -28,6 +28,31 @@ pub struct Run {
     pub learned: Option<Learned>,
 }
 
+/// A callout in the air: what its answer is for.
+pub enum Callout {
+    /// An attempt of a flight.
+    Attempt(Run),
+    /// A model's or a tenant's owner node asked to admit a flight's call.
+    Verdict(Run),
+    /// A leader's question's embedding.
+    Embedding(Probing),
+    /// The spend store's call of this id (`budget_store::Calls`).
+    Store(u64),
+    /// The API key's check.
+    KeyCheck,
+}
+
+impl Callout {
+    /// The flight a leader leads while this is out, if any.
+    fn call(&self) -> Option<&Call> {
+        match self {
+            Callout::Attempt(r) | Callout::Verdict(r) => Some(&r.flight.call),
+            Callout::Embedding(p) => Some(&p.look.call),
+            Callout::Store(_) | Callout::KeyCheck => None,
+        }
+    }
+}
+
 /// A flight's leader waiting for its question's embedding before it goes upstream.
 pub struct Probing {
     pub context_id: u32,
@@ -86,14 +111,10 @@ impl StreamEnd {
 pub struct Runs {
     /// Calls decided in an http context, dispatched from the root on the next queue event.
     pub pending: Vec<(u32, Call, Rc<Outbound>)>,
-    /// Leaders waiting for their question's embedding, by callout token.
-    pub probing: IdMap<Probing>,
-    /// In a callout, by its token.
-    pub calling: IdMap<Run>,
+    /// Every callout in the air, by its token: what its answer is for.
+    pub callouts: IdMap<Callout>,
     /// Asleep until the time each carries.
     pub sleeping: Vec<(u64, Run)>,
-    /// Waiting for a model owner node's verdict, by callout token.
-    pub asking: IdMap<Run>,
     /// Stream flights forwarded along the route, by http context.
     pub streaming: IdMap<Run>,
     /// A forward node's flights on their way to their owners, by http context.
@@ -106,10 +127,10 @@ pub struct Runs {
 impl Runs {
     /// The calls of every flight this worker leads, for their lease renewals.
     pub fn calls(&self) -> impl Iterator<Item = &Call> {
-        let runs = self.calling.values().chain(self.sleeping.iter().map(|(_, r)| r)).chain(self.streaming.values());
-        let calls = runs.chain(self.asking.values()).map(|r| &r.flight.call);
-        let waiting = self.pending.iter().map(|(_, c, _)| c).chain(self.probing.values().map(|p| &p.look.call));
-        calls.chain(waiting).chain(self.hops.values().map(|h| &h.call))
+        let runs = self.sleeping.iter().map(|(_, r)| r).chain(self.streaming.values());
+        let calling = self.callouts.values().filter_map(Callout::call);
+        let waiting = self.pending.iter().map(|(_, c, _)| c);
+        runs.map(|r| &r.flight.call).chain(calling).chain(waiting).chain(self.hops.values().map(|h| &h.call))
     }
 
     /// A sleeping flight whose time has come.

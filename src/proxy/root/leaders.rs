@@ -18,7 +18,7 @@ use crate::core::upstream::{self, Outbound};
 use crate::proxy::abi as hostcalls;
 use crate::proxy::fleet;
 use crate::proxy::host::{self, SharedData};
-use crate::proxy::runs::{Run, StreamEnd};
+use crate::proxy::runs::{Callout, Run, StreamEnd};
 use crate::proxy::types::{BufferType, LogLevel, MapType};
 use crate::proxy::wake::DISPATCH;
 use crate::proxy::worker::Target;
@@ -65,7 +65,7 @@ impl Root {
             match action {
                 flight::Action::Ask { bucket, op, timeout_ms } => match self.ask(&bucket, &op, timeout_ms) {
                     Some(token) => {
-                        self.worker.borrow_mut().runs.asking.insert(token, run);
+                        self.worker.borrow_mut().runs.callouts.insert(token, Callout::Verdict(run));
                         return;
                     }
                     None => {
@@ -95,7 +95,7 @@ impl Root {
                 },
                 flight::Action::Send { model, timeout_ms } => match self.dispatch(&run, &model, timeout_ms) {
                     Some(token) => {
-                        self.worker.borrow_mut().runs.calling.insert(token, run);
+                        self.worker.borrow_mut().runs.callouts.insert(token, Callout::Attempt(run));
                         return;
                     }
                     // Refused at dispatch: it never left.
@@ -272,15 +272,12 @@ impl Root {
         }
     }
 
-    /// A model owner answered (or failed to): the flight that asked goes on. `false` when
-    /// `token` was not an admission.
-    pub(super) fn on_verdict(&mut self, token: u32, num_headers: usize, body_size: usize) -> bool {
-        let Some(mut run) = self.worker.borrow_mut().runs.asking.remove(&token) else { return false };
+    /// A model's or a tenant's owner answered (or failed to): the flight that asked goes on.
+    pub(super) fn on_verdict(&mut self, mut run: Run, num_headers: usize, body_size: usize) {
         let for_tenant = run.flight.asking_tenant();
         let verdict = self.worker.borrow_mut().fleet.verdict(num_headers, body_size, for_tenant);
         run.flight.on_verdict(verdict);
         let action = self.resume(&mut run);
         self.advance(run, action);
-        true
     }
 }

@@ -13,6 +13,7 @@ use super::counters::Counters;
 use super::host;
 use super::http::Chat;
 use super::key_check;
+use super::runs::Callout;
 use super::worker::{Worker, WorkerRef, REPLY_BATCH};
 use crate::core::api::objects::ObjectKey;
 use crate::core::cache::hot::{self, Hot};
@@ -50,7 +51,7 @@ impl Root {
             (w.config.clone(), w.bearer.clone())
         };
         if let Some(token) = bearer.and_then(|b| key_check::send(&config, &b)) {
-            self.worker.borrow_mut().key_check.sent(token);
+            self.worker.borrow_mut().runs.callouts.insert(token, Callout::KeyCheck);
         }
     }
 
@@ -64,26 +65,31 @@ impl Root {
     /// A callout's answer (every callout is the root context's).
     pub fn on_http_call_response(&mut self, token: u32, num_headers: usize, body_size: usize, _trailers: usize) {
         let _clock = self.begin_call();
-        {
-            let w = &mut *self.worker.borrow_mut();
-            let config = w.config.clone();
-            if w.key_check.answered(&config, token, num_headers) {
-                return;
+        let callout = self.worker.borrow_mut().runs.callouts.remove(&token);
+        match callout {
+            Some(Callout::Attempt(mut run)) => {
+                let (outcome, hints) = self.callout_response(&run, num_headers, body_size);
+                let action = self.on_outcome(&mut run, outcome, &hints);
+                self.advance(run, action);
             }
-            if let Some(tenant) = w.budget_store.answered(&config, token, num_headers, body_size) {
+            Some(Callout::Verdict(run)) => self.on_verdict(run, num_headers, body_size),
+            Some(Callout::Embedding(probing)) => self.on_embedding(probing, num_headers, body_size),
+            Some(Callout::Store(id)) => {
+                let w = &mut *self.worker.borrow_mut();
+                let config = w.config.clone();
+                let (tenant, sent) = w.budget_store.answered(&config, id, num_headers, body_size);
+                w.runs.callouts.extend(sent.into_iter().map(|(token, id)| (token, Callout::Store(id))));
                 // What the store taught (others' spend, other keepers) shows in the gauges.
-                w.counters.record_budget(&config, &tenant, host::now_ms());
-                return;
+                if let Some(tenant) = tenant {
+                    w.counters.record_budget(&config, &tenant, host::now_ms());
+                }
             }
-        }
-        if self.on_verdict(token, num_headers, body_size) || self.on_embedding(token, num_headers, body_size) {
-            return;
-        }
-        let run = self.worker.borrow_mut().runs.calling.remove(&token);
-        if let Some(mut run) = run {
-            let (outcome, hints) = self.callout_response(&run, num_headers, body_size);
-            let action = self.on_outcome(&mut run, outcome, &hints);
-            self.advance(run, action);
+            Some(Callout::KeyCheck) => {
+                let w = self.worker.borrow();
+                w.key_check.answered(&w.config, num_headers);
+            }
+            // A settlement's answer: nobody waits for it.
+            None => {}
         }
     }
 
@@ -181,7 +187,8 @@ impl Root {
         {
             let w = &mut *self.worker.borrow_mut();
             if w.config.role == Role::Owner {
-                w.budget_store.tick(&w.config, host::now_ms());
+                let sent = w.budget_store.tick(&w.config, host::now_ms());
+                w.runs.callouts.extend(sent.into_iter().map(|(token, id)| (token, Callout::Store(id))));
             }
         }
         self.worker.borrow_mut().queue.heartbeat(host::now_ms());

@@ -13,7 +13,7 @@ use crate::core::semantic::EMBEDDINGS_PATH;
 use crate::core::upstream::{Outbound, USER_AGENT};
 use crate::proxy::abi as hostcalls;
 use crate::proxy::host::{self, SharedData};
-use crate::proxy::runs::Probing;
+use crate::proxy::runs::{Callout, Probing};
 use crate::proxy::types::{BufferType, LogLevel, MapType};
 use crate::proxy::worker::Target;
 use std::rc::Rc;
@@ -49,7 +49,8 @@ impl Root {
         let timeout = Duration::from_millis(config.semantic.timeout_ms);
         match hostcalls::dispatch_http_call(&config.upstream.cluster, headers, Some(&body), timeout) {
             Ok(token) => {
-                self.worker.borrow_mut().runs.probing.insert(token, Probing { context_id, look, outbound });
+                let probing = Callout::Embedding(Probing { context_id, look, outbound });
+                self.worker.borrow_mut().runs.callouts.insert(token, probing);
             }
             Err(status) => {
                 let cluster = &config.upstream.cluster;
@@ -60,10 +61,8 @@ impl Root {
         }
     }
 
-    /// An embedding call answered (or failed). `false` when `token` was not an embedding
-    /// call.
-    pub(super) fn on_embedding(&mut self, token: u32, num_headers: usize, body_size: usize) -> bool {
-        let Some(probing) = self.worker.borrow_mut().runs.probing.remove(&token) else { return false };
+    /// An embedding call answered (or failed).
+    pub(super) fn on_embedding(&mut self, probing: Probing, num_headers: usize, body_size: usize) {
         let status = host::header(MapType::HttpCallResponseHeaders, ":status").and_then(|s| s.parse().ok());
         let body =
             (body_size <= MAX_EMBEDDING_BYTES).then(|| host::buffer(BufferType::HttpCallResponseBody, body_size));
@@ -72,7 +71,6 @@ impl Root {
             None => Answer::Lost,
         };
         self.looked(probing, answer);
-        true
     }
 
     /// The look ended: the leader is answered from a paraphrase, or its flight starts, with

@@ -90,14 +90,14 @@ pub(crate) fn txn(config: &Config, tenant: &str, revision: u64, value: &Stored) 
 }
 
 /// The answer to `range` (`None`: not etcd's answer).
-pub(crate) fn read_range(status: u16, body: &[u8]) -> Option<Found> {
+pub fn read_range(status: u16, body: &[u8]) -> Option<Found> {
     let v: Value = json::parse(body).filter(|_| status == 200)?;
     found(&v)
 }
 
 /// The answer to `txn`: `Ok` with the key's new revision, or `Err` with what the key holds
 /// now (`None`: not etcd's answer).
-pub(crate) fn read_txn(status: u16, body: &[u8]) -> Option<Result<u64, Found>> {
+pub fn read_txn(status: u16, body: &[u8]) -> Option<Result<u64, Found>> {
     let v: Value = json::parse(body).filter(|_| status == 200)?;
     if v["succeeded"].as_bool() == Some(true) {
         return number(&v["header"]["revision"]).map(Ok);
@@ -184,7 +184,7 @@ fn update_wanted(store: &impl CasStore, mut f: impl FnMut(&mut Vec<String>) -> b
 /// record read before learns what other nodes spent since; an answer older than what it
 /// knows is dropped); a record never read, unreachable, admits from this node's share for
 /// a while (one read before keeps deciding from what it knows).
-pub(crate) fn read(store: &impl CasStore, tenant: &str, found: Option<Found>, now_ms: u64) -> Learned {
+pub fn read(store: &impl CasStore, tenant: &str, found: Option<Found>, now_ms: u64) -> Learned {
     let reached = found.is_some();
     let me = me(store);
     let mut sharing = None;
@@ -218,7 +218,7 @@ pub(crate) fn read(store: &impl CasStore, tenant: &str, found: Option<Found>, no
 
 /// What a read or a write of a tenant's key taught.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) struct Learned {
+pub struct Learned {
     /// The store answered.
     pub reached: bool,
     /// More processes were seen writing the tenant's spend than before: how many keep it
@@ -295,7 +295,7 @@ pub struct Flush {
 
 /// What a round of writes does for a tenant's record.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) enum Due {
+pub enum Due {
     /// Write what was settled and not yet written.
     Write(Flush),
     /// Read the key again: it could not be read before (calls are admitted from the node's
@@ -324,7 +324,7 @@ fn writer(store: &impl CasStore, nonce: u64) -> Option<u64> {
 /// random number, unique to it), names this process as its writer, and is recorded as
 /// out, so that no other is sent until it is answered or its deadline passes (then the key
 /// is read first, to learn whether it landed).
-pub(crate) fn due(store: &impl CasStore, config: &Config, tenant: &str, now_ms: u64, write: u64) -> Option<Due> {
+pub fn due(store: &impl CasStore, config: &Config, tenant: &str, now_ms: u64, write: u64) -> Option<Due> {
     let raw = store.get(&budget::key(tenant)).ok()?.value?;
     let s = Spend::decode(&raw)?.at(now_ms);
     // A keeper among several writes (nothing, under its own tag) while it admits, so that
@@ -382,12 +382,7 @@ pub(crate) fn not_sent(store: &impl CasStore, flush: &Flush, now_ms: u64) {
 /// the record's store value is the one written and what was sent is no longer unsent;
 /// refused (the key changed), the record learns what the store holds now, others' spend
 /// included, and writes again next round. `Some(keepers)`: as `Learned::sharing`.
-pub(crate) fn flushed(
-    store: &impl CasStore,
-    flush: &Flush,
-    answer: Option<Result<u64, Found>>,
-    now_ms: u64,
-) -> Option<u32> {
+pub fn flushed(store: &impl CasStore, flush: &Flush, answer: Option<Result<u64, Found>>, now_ms: u64) -> Option<u32> {
     let answer = answer?;
     let me = me(store);
     let mut sharing = None;

@@ -332,7 +332,7 @@ impl Chat {
 /// only lower the class the owner gives the verified tenant.
 fn strip_fleet_headers() {
     for (name, _) in host::headers(MapType::HttpRequestHeaders) {
-        if name.starts_with("x-holysheep-") && name != headers::PRIORITY {
+        if headers::stripped_on_the_hop(&name) {
             let _ = hostcalls::set_map_value(MapType::HttpRequestHeaders, &name, None);
         }
     }
@@ -486,7 +486,7 @@ impl Chat {
         let content_type = header(headers::CONTENT_TYPE).unwrap_or_default();
         let sse = status == 200 && headers::is_event_stream(&content_type);
         // The edge's own headers are the edge's to set: none of HolySheep's passes.
-        for (name, _) in headers.iter().filter(|(n, _)| n.starts_with("x-holysheep-")) {
+        for (name, _) in headers.iter().filter(|(n, _)| headers::is_edges(n)) {
             set_response_header(name, None);
         }
         let refusal = self.misrouted().or_else(|| upstream::refused(status, &content_type, label.sent));
@@ -509,7 +509,7 @@ impl Chat {
                 // The edge's own answer: none of what came with the body it replaces.
                 let kept = |n: &str| {
                     n.starts_with(':')
-                        || n.starts_with("x-holysheep-")
+                        || headers::is_edges(n)
                         || n == headers::RETRY_AFTER
                         || n == headers::CACHE_CONTROL
                 };

@@ -37,6 +37,29 @@ pub(crate) fn value<'a>(pairs: &'a [(String, String)], name: &str) -> Option<&'a
     pairs.iter().find(|(n, _)| n.eq_ignore_ascii_case(name)).map(|(_, v)| v.as_str())
 }
 
+/// What the edge's own header names begin with.
+const EDGE_PREFIX: &str = "x-holysheep-";
+
+/// Whether `name` (lowercase, as hosts hand header names) is one of the edge's own
+/// headers: on an answer only the edge sets them (HolySheep's never pass), and a client's
+/// are never trusted.
+pub fn is_edges(name: &str) -> bool {
+    name.starts_with(EDGE_PREFIX)
+}
+
+/// Whether a client's request header `name` is taken off before the request goes on to
+/// an owner node: every one of the edge's own but `x-holysheep-priority` (which can only
+/// lower the class the owner gives the verified tenant).
+pub fn stripped_on_the_hop(name: &str) -> bool {
+    is_edges(name) && name != PRIORITY
+}
+
+/// Envoy's router headers a stream sent along the route carries: how often, and on what,
+/// it retries the stream before its first byte (`flight::Flight::route_headers`).
+pub const ENVOY_MAX_RETRIES: &str = "x-envoy-max-retries";
+pub const ENVOY_RETRY_ON: &str = "x-envoy-retry-on";
+pub const ENVOY_RETRIABLE_STATUS_CODES: &str = "x-envoy-retriable-status-codes";
+
 /// Whether a `content-type` names an event stream (media types are case-insensitive).
 pub fn is_event_stream(content_type: &str) -> bool {
     content_type.to_ascii_lowercase().contains(EVENT_STREAM)

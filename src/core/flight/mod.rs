@@ -302,6 +302,17 @@ impl Flight {
         config.retry.max_attempts.saturating_sub(1)
     }
 
+    /// The router headers of a stream sent along the route: Envoy retries it before its
+    /// first byte on the edge's terms (`stream_retries`), and says how many attempts it
+    /// made, each counted and charged.
+    pub fn route_headers(&self, config: &Config) -> [(&'static str, String); 3] {
+        [
+            (headers::ENVOY_MAX_RETRIES, self.stream_retries(config).to_string()),
+            (headers::ENVOY_RETRY_ON, STREAM_RETRY_ON.to_owned()),
+            (headers::ENVOY_RETRIABLE_STATUS_CODES, STREAM_RETRIABLE_STATUSES.to_owned()),
+        ]
+    }
+
     /// A fallback's answer is not stored under the requested model's key.
     fn fail_over_to(&mut self, i: usize) {
         let to = self.standing.models().get(i).cloned().unwrap_or_default();

@@ -4,7 +4,6 @@
 use super::Root;
 use crate::core::api::headers;
 use crate::core::coalesce::engine::Call;
-use crate::core::flight;
 use crate::core::upstream::Outbound;
 use crate::proxy::abi as hostcalls;
 use crate::proxy::host;
@@ -53,19 +52,17 @@ impl Root {
         let body = run.outbound.body_for(model);
         let length = body.len().to_string();
         // Envoy's router retries before the first byte on the edge's terms (none for a
-        // call holding its tenant's dollars: `Flight::stream_retries`), and says how
-        // many attempts it made (`host::upstream_attempts`), each counted and charged.
-        let retries = run.flight.stream_retries(&config).to_string();
+        // call holding its tenant's dollars), and says how many attempts it made
+        // (`host::upstream_attempts`), each counted and charged.
+        let router = run.flight.route_headers(&config);
         let mut set: Vec<(&str, &str)> = vec![
             (":path", run.outbound.endpoint.path()),
             (":authority", config.upstream.authority.as_str()),
             // Without it Envoy 1.40 finds no route for the rewritten request.
             ("x-forwarded-proto", scheme.as_str()),
             (headers::CONTENT_LENGTH, length.as_str()),
-            ("x-envoy-max-retries", retries.as_str()),
-            ("x-envoy-retry-on", flight::STREAM_RETRY_ON),
-            ("x-envoy-retriable-status-codes", flight::STREAM_RETRIABLE_STATUSES),
         ];
+        set.extend(router.iter().map(|(n, v)| (*n, v.as_str())));
         set.extend(run.outbound.headers(bearer.as_deref()).into_iter().filter(|(n, _)| *n != headers::ACCEPT));
         set.push((headers::ACCEPT, headers::EVENT_STREAM));
         let stays = |n: &str| n.starts_with(':') || n == "x-request-id";

@@ -7,7 +7,7 @@ use super::host::{self, SharedData};
 use crate::core::api::headers;
 use crate::core::config::Config;
 use crate::core::limits::budget_store::{self, Asked, Calls, EtcdCall, Taught};
-use crate::proxy::types::{BufferType, LogLevel, MapType, Status};
+use crate::proxy::types::{BufferType, LogLevel, Status};
 use std::time::Duration;
 
 pub struct BudgetStore {
@@ -144,6 +144,6 @@ fn dispatch(config: &Config, call: &EtcdCall) -> Result<u32, Status> {
 
 /// The callout's status and body (`None`: no answer).
 fn answer(num_headers: usize, body_size: usize) -> Option<(u16, Vec<u8>)> {
-    let status = host::header(MapType::HttpCallResponseHeaders, ":status").filter(|_| num_headers > 0)?;
-    Some((status.parse().ok()?, host::buffer(BufferType::HttpCallResponseBody, body_size)))
+    let status = host::callout_status(num_headers)?;
+    Some((status, host::buffer(BufferType::HttpCallResponseBody, body_size)))
 }

@@ -9,7 +9,7 @@ use crate::core::config::Config;
 use crate::core::intake::Peer;
 use crate::core::limits::fleet::{Op, Verdict};
 use crate::core::request::PEER_PATH;
-use crate::proxy::types::{BufferType, LogLevel, MapType, Status};
+use crate::proxy::types::{BufferType, LogLevel, Status};
 use std::time::Duration;
 
 /// How long a settlement may take; nobody waits for it.
@@ -60,11 +60,11 @@ impl Fleet {
     /// stop or start answering (a tenant's owner is not: a node of the previous release
     /// refuses tenants' calls, and its model answers must not flap the log).
     pub fn verdict(&mut self, num_headers: usize, body_size: usize, for_tenant: bool) -> Option<Verdict> {
-        let status = host::header(MapType::HttpCallResponseHeaders, ":status");
-        let verdict = (num_headers > 0 && status.as_deref() == Some("200"))
+        let status = host::callout_status(num_headers);
+        let verdict = (status == Some(200))
             .then(|| Verdict::parse(&host::buffer(BufferType::HttpCallResponseBody, body_size)))
             .flatten();
-        let status = status.unwrap_or_else(|| "none".into());
+        let status = status.map_or("none".to_owned(), |s| s.to_string());
         if !for_tenant {
             self.reached(verdict.is_some(), &format!("a model owner did not answer (status {status})"));
         }

@@ -181,6 +181,16 @@ pub fn header(map: MapType, name: &str) -> Option<String> {
     hostcalls::get_map_value_bytes(map, name).ok().flatten().map(text)
 }
 
+/// The `:status` of `map`'s headers, as a number (`None`: none, or not a number).
+pub fn status(map: MapType) -> Option<u16> {
+    header(map, ":status")?.parse().ok()
+}
+
+/// The status of a callout's answer (`None`: it has none; `num_headers` 0 is no answer).
+pub fn callout_status(num_headers: usize) -> Option<u16> {
+    (num_headers > 0).then(|| status(MapType::HttpCallResponseHeaders)).flatten()
+}
+
 /// Every header of `map`, values as in `header`.
 pub fn headers(map: MapType) -> Vec<(String, String)> {
     let raw = header_map(map);

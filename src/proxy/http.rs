@@ -152,7 +152,7 @@ impl Chat {
     fn hop_answer(&mut self, end_of_stream: bool) -> Action {
         let headers = host::headers(MapType::HttpResponseHeaders);
         let header = |n: &str| headers.iter().find(|(k, _)| k == n).map(|(_, v)| v.clone());
-        let status = header(":status").and_then(|s| s.parse().ok()).unwrap_or(502);
+        let status = headers::status(&headers).unwrap_or(502);
         let content_type = header(headers::CONTENT_TYPE).unwrap_or_default();
         set_response_header(headers::TIER, Some(edge::OWNER));
         let (tee, disagreed) = {
@@ -261,11 +261,7 @@ impl Chat {
     /// HolySheep's answer to a request passed with the operator's key: as it is, unless it
     /// refuses the key (then the edge's 502, its body replaced as it comes).
     fn passed_answer(&mut self) -> Action {
-        let status = host::headers(MapType::HttpResponseHeaders)
-            .into_iter()
-            .find(|(n, _)| n == ":status")
-            .and_then(|(_, v)| v.parse::<u16>().ok())
-            .unwrap_or(0);
+        let status = host::status(MapType::HttpResponseHeaders).unwrap_or(0);
         if !matches!(status, 401 | 403) {
             return Action::Continue;
         }
@@ -482,7 +478,7 @@ impl Chat {
         let Some(label) = self.worker.borrow().stream_label(self.id) else { return Action::Continue };
         let headers = host::headers(MapType::HttpResponseHeaders);
         let header = |n: &str| headers.iter().find(|(k, _)| k == n).map(|(_, v)| v.clone());
-        let status = header(":status").and_then(|s| s.parse().ok()).unwrap_or(502);
+        let status = headers::status(&headers).unwrap_or(502);
         let content_type = header(headers::CONTENT_TYPE).unwrap_or_default();
         let sse = status == 200 && headers::is_event_stream(&content_type);
         // The edge's own headers are the edge's to set: none of HolySheep's passes.

@@ -7,7 +7,7 @@ use super::host::{self, SharedData};
 use crate::core::api::headers;
 use crate::core::config::Config;
 use crate::core::store::claim;
-use crate::proxy::types::{LogLevel, MapType};
+use crate::proxy::types::LogLevel;
 use std::time::Duration;
 
 /// Shared-data key claimed by the one VM per Envoy process that checks the API key.
@@ -32,16 +32,18 @@ impl KeyCheck {
     /// The check's callout was answered: logs its verdict.
     pub fn answered(&self, config: &Config, num_headers: usize) {
         let env = &config.upstream.api_key_env;
-        let status = if num_headers == 0 { None } else { host::header(MapType::HttpCallResponseHeaders, ":status") };
-        match status.as_deref() {
-            Some("200") => host::log(LogLevel::Info, &format!("holysheep: HolySheep accepted the key from ${env}")),
-            Some(s @ ("401" | "403")) => host::log(
+        match host::callout_status(num_headers) {
+            Some(200) => host::log(LogLevel::Info, &format!("holysheep: HolySheep accepted the key from ${env}")),
+            Some(s @ (401 | 403)) => host::log(
                 LogLevel::Error,
                 &format!("holysheep: HolySheep REJECTED the key from ${env} (status {s}): every call will fail"),
             ),
             other => host::log(
                 LogLevel::Warn,
-                &format!("holysheep: could not check the key from ${env} (status {})", other.unwrap_or("none")),
+                &format!(
+                    "holysheep: could not check the key from ${env} (status {})",
+                    other.map_or("none".to_owned(), |s| s.to_string())
+                ),
             ),
         }
     }

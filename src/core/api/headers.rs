@@ -60,6 +60,11 @@ pub const ENVOY_MAX_RETRIES: &str = "x-envoy-max-retries";
 pub const ENVOY_RETRY_ON: &str = "x-envoy-retry-on";
 pub const ENVOY_RETRIABLE_STATUS_CODES: &str = "x-envoy-retriable-status-codes";
 
+/// The `:status` among a host's header `pairs`, as a number.
+pub fn status(pairs: &[(String, String)]) -> Option<u16> {
+    pairs.iter().find(|(n, _)| n == ":status").and_then(|(_, v)| v.parse().ok())
+}
+
 /// Whether a `content-type` names an event stream (media types are case-insensitive).
 pub fn is_event_stream(content_type: &str) -> bool {
     content_type.to_ascii_lowercase().contains(EVENT_STREAM)

@@ -5,6 +5,7 @@
 use super::route::Forwarded;
 use super::Root;
 use crate::core::api::error::ApiError;
+use crate::core::api::headers;
 use crate::core::api::hints::ProviderHints;
 use crate::core::api::reply::Reply;
 use crate::core::api::response::Response;
@@ -227,8 +228,7 @@ impl Root {
             return (None, ProviderHints::default());
         }
         let headers = host::headers(MapType::HttpCallResponseHeaders);
-        let status = headers.iter().find(|(k, _)| k == ":status").and_then(|(_, v)| v.parse().ok());
-        let Some(status) = status else {
+        let Some(status) = headers::status(&headers) else {
             return (None, ProviderHints::default());
         };
         let body = host::buffer(BufferType::HttpCallResponseBody, body_size);

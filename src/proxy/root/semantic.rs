@@ -14,7 +14,7 @@ use crate::core::upstream::{Outbound, USER_AGENT};
 use crate::proxy::abi as hostcalls;
 use crate::proxy::host::{self, SharedData};
 use crate::proxy::runs::{Callout, Probing};
-use crate::proxy::types::{BufferType, LogLevel, MapType};
+use crate::proxy::types::{BufferType, LogLevel};
 use crate::proxy::worker::Target;
 use std::rc::Rc;
 use std::time::Duration;
@@ -63,10 +63,9 @@ impl Root {
 
     /// An embedding call answered (or failed).
     pub(super) fn on_embedding(&mut self, probing: Probing, num_headers: usize, body_size: usize) {
-        let status = host::header(MapType::HttpCallResponseHeaders, ":status").and_then(|s| s.parse().ok());
         let body =
             (body_size <= MAX_EMBEDDING_BYTES).then(|| host::buffer(BufferType::HttpCallResponseBody, body_size));
-        let answer = match status.filter(|_| num_headers > 0) {
+        let answer = match host::callout_status(num_headers) {
             Some(status) => Answer::Got { status, body: body.as_deref() },
             None => Answer::Lost,
         };

@@ -196,3 +196,59 @@ impl Calls {
         super::set_reached(store, reached).then_some(reached)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::core::config::tenants::Caps;
+    use crate::core::limits::budget::{self, Backing, Stored};
+    use crate::core::store::MemStore;
+
+    /// 2026-12-01, 00:00 UTC.
+    const DEC_1: u64 = 1_796_083_200_000;
+
+    /// Tenant `t` with a budget of 1000 micro-dollars a day, its spend kept in etcd.
+    fn config() -> Config {
+        let raw = format!(
+            r#"{{"budget_store":{{"cluster":"etcd"}},"models":{{"m":{{"usd_per_mtok_input":1}}}},"tenants":{{"t":{{"keys_sha256":["{}"],"usd_per_day":0.001}}}}}}"#,
+            "a".repeat(64)
+        );
+        Config::parse(raw.as_bytes()).unwrap()
+    }
+
+    #[test]
+    fn a_write_never_sent_is_sent_again_and_one_whose_answer_is_lost_is_checked() {
+        let (s, config) = (MemStore::new(), config());
+        let mut calls = Calls::default();
+        // A call waits for the tenant's key: it is read first.
+        super::super::want(&s, "t");
+        let asked = calls.tick(&s, &config, DEC_1, || 7);
+        let [(id, Asked::Read(tenant))] = asked.as_slice() else { panic!("{asked:?}") };
+        assert_eq!(tenant, "t");
+        calls.heard(&s, *id, Heard::Range(Some(Found { stored: None, revision: 0 })), DEC_1).unwrap();
+        // 40 micro-dollars settled, to be written behind.
+        let caps = (Caps { per_day: Some(1_000), per_month: None }, Backing::of(&config, true));
+        budget::reserve(&s, "t", caps, (1, 100, DEC_1 + 9_000), DEC_1).unwrap();
+        budget::settle(&s, "t", caps.0, 1, 40, DEC_1 + 1);
+        let writes = calls.tick(&s, &config, DEC_1 + 2_000, || 7);
+        let [(id, Asked::Write(flush))] = writes.as_slice() else { panic!("{writes:?}") };
+        assert_eq!(flush.value.day_micro, 40);
+        // The host would not send it: it was never out, and the next round sends it again.
+        calls.unsent(&s, *id, DEC_1 + 2_001).unwrap();
+        let again = calls.tick(&s, &config, DEC_1 + 4_000, || 8);
+        let [(id, Asked::Write(flush))] = again.as_slice() else { panic!("{again:?}") };
+        assert_eq!(flush.value.day_micro, 40, "the same spend, once");
+        // Its answer lost: the key is read to learn whether it landed, and nothing else of
+        // the tenant's is sent while that read is out.
+        let taught = calls.answered(&s, *id, None, DEC_1 + 4_100).unwrap();
+        assert_eq!(taught.reached, Some(false), "the store's silence is news once");
+        let Some((check, Asked::Check(_))) = taught.next else { panic!("{taught:?}") };
+        assert!(calls.tick(&s, &config, DEC_1 + 6_000, || 9).is_empty());
+        // The check finds the write landed: the store answers again, and nothing is left to write.
+        let landed = Stored { day: DEC_1 / 86_400_000, day_micro: 40, write: Some(8), ..Stored::default() };
+        let taught =
+            calls.heard(&s, check, Heard::Range(Some(Found { stored: Some(landed), revision: 1 })), DEC_1 + 6_100);
+        assert_eq!(taught.map(|t| t.reached), Some(Some(true)));
+        assert_eq!(budget::spent(&s, "t", DEC_1 + 6_200).0, 40);
+    }
+}

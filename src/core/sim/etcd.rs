@@ -54,6 +54,11 @@ impl Etcd {
         Ok(self.revision)
     }
 
+    /// Whether `tenant`'s key holds the write tagged `tag` (`Stored::holds`).
+    pub(crate) fn holds(&self, tenant: &str, tag: u64) -> bool {
+        self.keys.get(tenant).is_some_and(|(s, _)| s.holds(tag))
+    }
+
     /// The day's micro-dollars the key holds for `tenant`.
     pub(crate) fn day_micro(&self, tenant: &str) -> u64 {
         self.keys.get(tenant).map_or(0, |(s, _)| s.day_micro)

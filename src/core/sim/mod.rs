@@ -289,7 +289,9 @@ impl Sim {
     fn unwritten(&self, node: usize, t: usize) -> u64 {
         let (store, now) = (&self.nodes[node].store, self.now(node));
         let name = format!("t{t}");
-        budget::unwritten(store, &name, now) + budget::unwritten(store, &format!("{name}#share"), now)
+        let landed = |tag| self.etcd.holds(&name, tag);
+        budget::unwritten(store, &name, now, landed)
+            + budget::unwritten(store, &format!("{name}#share"), now, |_| false)
     }
 
     /// Node `n` is killed: its requests are reset (answered, once), its flights and its

@@ -859,14 +859,17 @@ pub(crate) fn keepers(store: &impl CasStore, tenant: &str, now_ms: u64) -> u32 {
     standing(store, tenant, now_ms).keepers
 }
 
-/// What `tenant`'s record charges today beyond what the spend store held when this node
-/// last read it: what a crash of the node loses (its reservations and its spend not yet
-/// written).
+/// What `tenant`'s record charges today beyond what the spend store holds of it: beyond
+/// what the store held when this node last read it, less the writes out (or unsure) that
+/// `landed` says the store already holds (by their tag). What a crash of the node loses:
+/// its reservations and its spend not yet written.
 #[cfg(test)]
-pub(crate) fn unwritten(store: &impl CasStore, tenant: &str, now_ms: u64) -> u64 {
+pub(crate) fn unwritten(store: &impl CasStore, tenant: &str, now_ms: u64, landed: impl Fn(u64) -> bool) -> u64 {
     let raw = store.get(&key(tenant)).ok().and_then(|r| r.value);
     let s = raw.as_deref().and_then(Spend::decode).unwrap_or_default().at(now_ms);
-    s.day_micro.saturating_sub(s.stored.within(s.day, s.month).0)
+    let writes = s.pending.iter().chain(s.unsure.iter().map(|u| &u.write));
+    let in_store: u64 = writes.filter(|w| w.day == s.day && landed(w.tag)).map(|w| w.sent.0).sum();
+    s.day_micro.saturating_sub(s.stored.within(s.day, s.month).0).saturating_sub(in_store)
 }
 
 /// The UTC day (days since 1970-01-01) and month (months since January 1970) of `now_ms`.

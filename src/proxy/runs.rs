@@ -133,6 +133,12 @@ impl Runs {
         runs.map(|r| &r.flight.call).chain(calling).chain(waiting).chain(self.hops.values().map(|h| &h.call))
     }
 
+    /// The spend store's calls sent (`BudgetStore::tick`, `BudgetStore::answered`), each
+    /// under its callout's token.
+    pub fn store_calls(&mut self, sent: Vec<(u32, u64)>) {
+        self.callouts.extend(sent.into_iter().map(|(token, id)| (token, Callout::Store(id))));
+    }
+
     /// A sleeping flight whose time has come.
     pub fn take_due(&mut self, now: u64) -> Option<Run> {
         let at = self.sleeping.iter().position(|(until, _)| *until <= now)?;

@@ -78,7 +78,7 @@ impl Root {
                 let w = &mut *self.worker.borrow_mut();
                 let config = w.config.clone();
                 let (tenant, sent) = w.budget_store.answered(&config, id, num_headers, body_size);
-                w.runs.callouts.extend(sent.into_iter().map(|(token, id)| (token, Callout::Store(id))));
+                w.runs.store_calls(sent);
                 // What the store taught (others' spend, other keepers) shows in the gauges.
                 if let Some(tenant) = tenant {
                     w.counters.record_budget(&config, &tenant, host::now_ms());
@@ -188,7 +188,7 @@ impl Root {
             let w = &mut *self.worker.borrow_mut();
             if w.config.role == Role::Owner {
                 let sent = w.budget_store.tick(&w.config, host::now_ms());
-                w.runs.callouts.extend(sent.into_iter().map(|(token, id)| (token, Callout::Store(id))));
+                w.runs.store_calls(sent);
             }
         }
         self.worker.borrow_mut().queue.heartbeat(host::now_ms());

@@ -345,8 +345,8 @@ fn retryable(outcome: Option<&Response>) -> bool {
 /// from `retry.max_attempts`): what `retryable` retries, but for 429, which goes back to the
 /// flight so that the bucket adapts and the client and waiters get HolySheep's
 /// `retry-after`.
-pub const STREAM_RETRY_ON: &str = "reset,connect-failure,retriable-status-codes";
-pub const STREAM_RETRIABLE_STATUSES: &str = "500,502,503,504";
+pub(crate) const STREAM_RETRY_ON: &str = "reset,connect-failure,retriable-status-codes";
+pub(crate) const STREAM_RETRIABLE_STATUSES: &str = "500,502,503,504";
 
 #[cfg(test)]
 mod tests {

@@ -10,7 +10,7 @@ use crate::core::api::event::Event;
 use crate::core::api::priority::CLASSES;
 use crate::core::api::reply::Reply;
 use crate::core::config::Config;
-use crate::core::limits::budget;
+use crate::core::limits::admission::{self, Left};
 use crate::core::observe::metrics::{
     self, ClassStat, Counter, LastUsage, PerCounter, Timing, CLASS_STATS, COUNTERS, TOKEN_USAGE,
 };
@@ -172,22 +172,21 @@ impl Counters {
     /// Sets `tenant`'s budget gauges to what its record says is left now.
     pub fn record_budget(&self, config: &Config, tenant: &str, now_ms: u64) {
         if self.budget_gauges.iter().any(|g| g.tenant == tenant) {
-            self.record_standing(config, tenant, budget::standing(&SharedData, tenant, now_ms));
+            self.record_left(tenant, admission::budget_left(&SharedData, config, tenant, now_ms));
         }
     }
 
-    /// Sets `tenant`'s budget gauges to what `standing` leaves.
-    fn record_standing(&self, config: &Config, tenant: &str, standing: budget::Standing) {
+    /// Sets `tenant`'s budget gauges to what is `left`.
+    fn record_left(&self, tenant: &str, left: Option<Left>) {
         let Some(g) = self.budget_gauges.iter().find(|g| g.tenant == tenant) else { return };
-        let Some(caps) = config.tenants.get(tenant).map(|t| t.caps()) else { return };
-        let (spent_day, spent_month) = standing.spent;
-        for (id, cap, spent) in [(g.day, caps.per_day, spent_day), (g.month, caps.per_month, spent_month)] {
-            if let (Some(id), Some(cap)) = (id, cap) {
-                let _ = hostcalls::record_metric(id, cap.saturating_sub(spent));
+        let Some(left) = left else { return };
+        for (id, left) in [(g.day, left.day), (g.month, left.month)] {
+            if let (Some(id), Some(left)) = (id, left) {
+                let _ = hostcalls::record_metric(id, left);
             }
         }
         if let Some(id) = g.keepers {
-            let _ = hostcalls::record_metric(id, u64::from(standing.keepers));
+            let _ = hostcalls::record_metric(id, u64::from(left.keepers));
         }
     }
 
@@ -233,7 +232,7 @@ impl Counters {
         self.count(events.iter().flat_map(|e| metrics::for_event(config, e)).collect(), tenant);
         for e in events {
             if let Event::BudgetStanding { tenant, spent, keepers } = e {
-                self.record_standing(config, tenant, budget::Standing { spent: *spent, keepers: *keepers });
+                self.record_left(tenant, admission::budget_left_after(config, tenant, *spent, *keepers));
             }
         }
         for (class, stat, n) in events.iter().filter_map(metrics::for_class) {

@@ -7,25 +7,20 @@ use super::abi as hostcalls;
 use super::body_watch::Paused;
 use super::counters::Stopwatch;
 use super::host::{self, SharedData};
-use super::runs::StreamEnd;
-use super::tee::Tee;
 use super::worker::{Target, WorkerRef, MISROUTED_KEY};
 use crate::core::api::error::ApiError;
 use crate::core::api::headers;
-use crate::core::api::hints::ProviderHints;
-use crate::core::api::reply::{stream_head, Reply};
+use crate::core::api::reply::Reply;
 use crate::core::api::response::Response;
-use crate::core::api::usage::Billed;
-use crate::core::cache::edge;
 use crate::core::cache::hot::Raw;
 use crate::core::coalesce::engine::{Call, Engine, Step};
 use crate::core::config::Role;
+use crate::core::flight::tee::{AnswerHead, Arrival, HeadEdit, StreamEnd, Tee};
 use crate::core::intake::{self, Decision, Head, Route, Ungoverned};
 use crate::core::limits::fleet;
 use crate::core::observe::log_fields::Served;
 use crate::core::request::PEER_PATH;
 use crate::core::store::CasStore;
-use crate::core::stream::Reassembler;
 use crate::core::upstream::{self, Outbound};
 use crate::core::wire::pairs;
 use crate::proxy::types::{Action, BufferType, LogLevel, MapType};
@@ -146,35 +141,17 @@ impl Chat {
         Action::Continue
     }
 
-    /// The owner's answer to this forward node's hop arrives: it passes to the client as it
-    /// is (marked `x-holysheep-tier: owner`), teed for the flight's waiters and, when the
-    /// owner declared it storable, the near copy.
+    /// The owner's answer to this forward node's hop arrives (`Hop::answer`).
     fn hop_answer(&mut self, end_of_stream: bool) -> Action {
-        let headers = host::headers(MapType::HttpResponseHeaders);
-        let header = |n: &str| headers.iter().find(|(k, _)| k == n).map(|(_, v)| v.clone());
-        let status = headers::status(&headers).unwrap_or(502);
-        let content_type = header(headers::CONTENT_TYPE).unwrap_or_default();
-        set_response_header(headers::TIER, Some(edge::OWNER));
-        let (tee, disagreed) = {
+        let head = host::headers(MapType::HttpResponseHeaders);
+        let (edit, tee, disagreed) = {
             let mut w = self.worker.borrow_mut();
             let config = w.config.clone();
             let Some(hop) = w.runs.hops.get_mut(&self.id) else { return Action::Continue };
-            let now = host::now_ms();
-            hop.fresh = edge::declared(&config, &hop.call.key, status, &headers, now);
-            hop.origin = Some(edge::Origin::of(&headers, now));
-            hop.kept = edge::kept(&headers);
-            let alike = edge::keyed_alike(&hop.call.key, &headers);
-            hop.shared = edge::shared_with_waiters(alike, status);
-            let disagreed = (alike == Some(false)).then(|| (hop.outbound.model.clone(), hop.outbound.tenant.clone()));
-            let sse = status == 200 && headers::is_event_stream(&content_type);
-            if sse && !hop.outbound.include_usage {
-                // The usage event is taken out: the length changes.
-                set_response_header(headers::CONTENT_LENGTH, None);
-            }
-            let events = sse.then(|| Reassembler::of(hop.outbound.endpoint, hop.outbound.include_usage));
-            let other = Response { status, content_type, headers: Vec::new(), body: Vec::new() };
-            (Tee::hop(events, other, config.cache.max_entry_bytes), disagreed)
+            let (edit, tee, disagreed) = hop.answer(&config, &head, host::now_ms());
+            (edit, tee, disagreed.then(|| (hop.outbound.model.clone(), hop.outbound.tenant.clone())))
         };
+        apply(&edit);
         if let Some((model, tenant)) = disagreed {
             self.worker.borrow_mut().key_disagrees(&model, tenant.as_deref());
         }
@@ -344,6 +321,16 @@ fn set_response_header(name: &str, value: Option<&str>) {
     let _ = hostcalls::set_map_value(MapType::HttpResponseHeaders, name, value);
 }
 
+/// Carries out the core's edit of an answer's head.
+fn apply(edit: &HeadEdit) {
+    for name in &edit.remove {
+        set_response_header(name, None);
+    }
+    for (name, value) in &edit.set {
+        set_response_header(name, Some(value));
+    }
+}
+
 /// Envoy's callbacks for the stream.
 impl Chat {
     /// The stream is done: it is never answered after this.
@@ -476,64 +463,13 @@ impl Chat {
             return Action::Continue;
         }
         let Some(label) = self.worker.borrow().stream_label(self.id) else { return Action::Continue };
-        let headers = host::headers(MapType::HttpResponseHeaders);
-        let header = |n: &str| headers.iter().find(|(k, _)| k == n).map(|(_, v)| v.clone());
-        let status = headers::status(&headers).unwrap_or(502);
-        let content_type = header(headers::CONTENT_TYPE).unwrap_or_default();
-        let sse = status == 200 && headers::is_event_stream(&content_type);
-        // The edge's own headers are the edge's to set: none of HolySheep's passes.
-        for (name, _) in headers.iter().filter(|(n, _)| headers::is_edges(n)) {
-            set_response_header(name, None);
-        }
-        let refusal = self.misrouted().or_else(|| upstream::refused(status, &content_type, label.sent));
-        // The edge's word on how long the answer is kept, never HolySheep's.
-        let stored = (sse && refusal.is_none()).then_some(label.fresh_s).flatten();
-        for (name, value) in stream_head(label.cache, &label.key, &label.model, label.tenant.as_deref(), stored) {
-            set_response_header(name, Some(&value));
-        }
-        // The edge's own answer: HolySheep's age means nothing here (a MISS is new).
-        set_response_header(headers::AGE, None);
-        let signer = self.worker.borrow().config.signer(label.sent.endpoint, label.tenant.as_deref());
-        if (sse && (!label.include_usage || signer.is_some())) || refusal.is_some() {
-            // The usage event is taken out, ids are signed, or the body replaced: the
-            // length changes.
-            set_response_header(headers::CONTENT_LENGTH, None);
-        }
-        let retry_after = header(headers::RETRY_AFTER).map(|v| vec![(headers::RETRY_AFTER.to_owned(), v)]);
-        let other = match &refusal {
-            Some(e) => {
-                // The edge's own answer: none of what came with the body it replaces.
-                let kept = |n: &str| {
-                    n.starts_with(':')
-                        || headers::is_edges(n)
-                        || n == headers::RETRY_AFTER
-                        || n == headers::CACHE_CONTROL
-                };
-                for (name, _) in headers.iter().filter(|(n, _)| !kept(n)) {
-                    set_response_header(name, None);
-                }
-                set_response_header(":status", Some(&e.status.to_string()));
-                set_response_header(headers::CONTENT_TYPE, Some("application/json"));
-                Response::json(e.status, e.body())
-            }
-            None => Response { status, content_type: content_type.clone(), headers: Vec::new(), body: Vec::new() },
-        };
-        if refusal.as_ref().is_some_and(|e| e.code == upstream::KEY_REFUSED) {
+        let head = host::headers(MapType::HttpResponseHeaders);
+        let arrival = Arrival { via_upstream: host::response_via_upstream(), attempts: host::upstream_attempts() };
+        let AnswerHead { edit, tee, key_refused } = label.answer(&head, arrival, self.misrouted());
+        apply(&edit);
+        if let Some(status) = key_refused {
             self.worker.borrow_mut().key_refused(status);
         }
-        let other = Response { headers: retry_after.unwrap_or_default(), ..other };
-        let content_type_of_holysheep = content_type;
-        let events = (sse && refusal.is_none())
-            .then(|| Reassembler::of(label.sent.endpoint, label.include_usage).signing(signer));
-        let (attempts, mut hints) = (host::upstream_attempts(), ProviderHints::from_headers(status, &headers));
-        let holysheeps = host::response_via_upstream().then_some(status);
-        // Envoy's own 503 for a stream its circuit breaker turned away (the tee reads the
-        // rest of Envoy's own replies from their text: `Billed::of_envoys_answer`).
-        if holysheeps.is_none() && header(headers::ENVOY_OVERLOADED).is_some() {
-            hints.billed = Billed::Unsent;
-        }
-        let tee =
-            Tee::new(events, (other, content_type_of_holysheep), refusal.is_some(), (holysheeps, attempts), hints);
         self.state = State::Teeing(Box::new(tee));
         if end_of_stream {
             self.end_stream(true);

@@ -12,7 +12,6 @@ mod ids;
 mod key_check;
 mod root;
 mod runs;
-mod tee;
 mod types;
 mod wake;
 mod worker;

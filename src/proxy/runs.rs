@@ -3,14 +3,10 @@
 //! verdict, streaming along the route, or (on a forward node) on their way to the owner.
 
 use super::ids::IdMap;
-use crate::core::api::hints::ProviderHints;
 use crate::core::api::key::Key;
-use crate::core::api::response::Response;
-use crate::core::api::usage::Usage;
-use crate::core::cache::edge::Origin;
-use crate::core::cache::Fresh;
 use crate::core::coalesce::engine::Call;
 use crate::core::flight::look::Look;
+use crate::core::flight::tee::Hop;
 use crate::core::flight::Flight;
 use crate::core::observe::log_fields::Spent;
 use crate::core::semantic::Learned;
@@ -58,53 +54,6 @@ pub struct Probing {
     pub context_id: u32,
     pub look: Look,
     pub outbound: Rc<Outbound>,
-}
-
-/// A forward node's flight: its leader's request on its way to the key's owner along the
-/// route, whose answer its http context tees for the near copy and the flight's waiters.
-pub struct Hop {
-    pub call: Call,
-    pub outbound: Rc<Outbound>,
-    /// How long the owner's answer may be kept, once its headers said (`None`: not at all).
-    pub fresh: Option<Fresh>,
-    /// The owner's headers its answer keeps for the flight's waiters (see `edge::kept`).
-    pub kept: Vec<(String, String)>,
-    /// Whether its answer is shared with the flight's waiters (`edge::shared_with_waiters`:
-    /// keyed by the owner as by this node, or an error that names no key).
-    pub shared: bool,
-    /// When the owner produced its answer, and whether it was STALE: the waiters share it
-    /// as of then.
-    pub origin: Option<Origin>,
-}
-
-/// How a stream forwarded along the route ended, as its http context saw it.
-pub struct StreamEnd {
-    /// The reassembled `chat.completion`, or HolySheep's error; `None` when the stream
-    /// broke off (reset, timeout, the client gone) before it finished.
-    pub outcome: Option<Response>,
-    pub usage: Option<Usage>,
-    /// Completion tokens streamed before the end, estimated.
-    pub streamed_tokens: u64,
-    /// HolySheep's status (`None`: its answer's headers never came).
-    pub status: Option<u16>,
-    /// Attempts Envoy's router made (retries before the first byte); 0 when the request
-    /// never left.
-    pub attempts: u64,
-    /// What HolySheep's answer said about its limits.
-    pub hints: ProviderHints,
-}
-
-impl StreamEnd {
-    /// A forwarded stream that never got its answer's headers (or never left).
-    pub fn broken() -> StreamEnd {
-        let hints = ProviderHints::default();
-        StreamEnd { outcome: None, usage: None, streamed_tokens: 0, status: None, attempts: 1, hints }
-    }
-
-    /// A stream whose request never left (its client gone while it was held).
-    pub fn never_sent() -> StreamEnd {
-        StreamEnd { attempts: 0, ..StreamEnd::broken() }
-    }
 }
 
 #[derive(Default)]

@@ -11,7 +11,7 @@ use super::fleet::Fleet;
 use super::host::{self, Nonces, SharedData};
 use super::ids::{IdMap, IdSet};
 use super::key_check::KeyCheck;
-use super::runs::{Hop, Run, Runs, StreamEnd};
+use super::runs::{Run, Runs};
 use super::wake::{WakeQueue, ENDED};
 use crate::core::api::error::ApiError;
 use crate::core::api::headers;
@@ -24,7 +24,7 @@ use crate::core::cache::hot::{Hot, Raw, Seed};
 use crate::core::cache::{self, Fresh};
 use crate::core::coalesce::engine::{Call, Ended, Engine, Finished, Wait};
 use crate::core::config::{Config, Mismatch, Role};
-use crate::core::flight::StreamOutcome;
+use crate::core::flight::tee::{Hop, StreamEnd, StreamLabel};
 use crate::core::intake;
 use crate::core::limits;
 use crate::core::observe::log_fields::{self, Answered, Served};
@@ -33,7 +33,7 @@ use crate::core::request::{self, ApiRequest};
 use crate::core::semantic::{self, Learned};
 use crate::core::store::CasStore;
 use crate::core::stream;
-use crate::core::upstream::{Outbound, Sent};
+use crate::core::upstream::Outbound;
 use crate::core::wire::codec;
 use crate::proxy::types::{BufferType, LogLevel, MapType};
 use std::cell::RefCell;
@@ -142,18 +142,6 @@ fn publish(answered: &Answered<'_>) {
     for (name, value) in log_fields::values(answered) {
         let _ = hostcalls::set_property(name, value.as_bytes());
     }
-}
-
-/// What a forwarded stream's response carries in its `x-holysheep-*` headers.
-pub struct StreamLabel {
-    pub cache: CacheStatus,
-    pub key: String,
-    pub model: String,
-    pub include_usage: bool,
-    pub sent: Sent,
-    pub tenant: Option<String>,
-    /// How long a whole answer stays fresh in the cache, when it is to be stored.
-    pub fresh_s: Option<u64>,
 }
 
 /// Shared-data key that holds, once a stream's answer came from another cluster than
@@ -355,6 +343,7 @@ impl Worker {
             sent: run.outbound.sent(self.bearer.is_some()),
             tenant: run.outbound.tenant.clone(),
             fresh_s: run.flight.call.store.then_some(self.config.cache.ttl_seconds),
+            signer: self.config.signer(run.outbound.endpoint, run.outbound.tenant.as_deref()),
         })
     }
 
@@ -395,8 +384,7 @@ impl Worker {
     /// has its answer. Returns the key whose waiters should look again.
     pub fn complete_stream(&mut self, mut run: Run, end: StreamEnd) -> Option<(Key, bool)> {
         let now = host::now_ms();
-        let cut_off_tokens = run.outbound.prompt_estimate() + end.streamed_tokens;
-        let outcome = StreamOutcome { status: end.status, usage: end.usage, cut_off_tokens, attempts: end.attempts };
+        let outcome = end.outcome(run.outbound.prompt_estimate());
         run.flight.on_stream_end(&SharedData, &self.config, &outcome, &end.hints, now);
         self.fleet.outbox.append(&mut run.flight.outbox);
         // (The tenant's budget gauges follow its settlement: `Event::BudgetStanding`.)
@@ -443,8 +431,7 @@ impl Worker {
         }
         let label = metrics::label(&self.config, &outbound.model);
         self.counters.count(vec![(label, Counter::Hops, 1)], outbound.tenant.as_deref());
-        let hop = Hop { call, outbound, fresh: None, kept: Vec::new(), shared: false, origin: None };
-        self.runs.hops.insert(context_id, hop);
+        self.runs.hops.insert(context_id, Hop::new(call, outbound));
     }
 
     /// A forward node's hop ended: its answer (with the owner's headers its sharers need)

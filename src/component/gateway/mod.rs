@@ -18,7 +18,8 @@ use crate::core::api::headers;
 use crate::core::api::hints::ProviderHints;
 use crate::core::api::reply::{stream_head, Reply};
 use crate::core::coalesce::engine::{poll_delay_ms, Call, Engine, Step};
-use crate::core::flight::{Action, Flight, StreamOutcome};
+use crate::core::flight::tee::Events;
+use crate::core::flight::{Action, Flight};
 use crate::core::intake::{self, Decision, Head, Route, Ungoverned};
 use crate::core::limits;
 use crate::core::semantic::Learned;
@@ -251,8 +252,8 @@ impl Gateway {
         headers.extend(head.into_iter().map(|(n, v)| (n.to_owned(), v)));
         let signer = self.config.signer(outbound.endpoint, outbound.tenant.as_deref());
         let events = Reassembler::of(outbound.endpoint, outbound.include_usage).signing(signer);
-        let (mut events, mut held) = (events, Vec::new());
         let hints = ProviderHints::from_headers(200, &host::header_pairs(&response.headers()));
+        let mut tee = Events::new(events);
         let client_body = host::start_response(out, 200, &headers);
         let to = client_body.as_ref().and_then(|b| b.write().ok());
         let complete = match response.consume() {
@@ -262,17 +263,7 @@ impl Gateway {
                     loop {
                         let deadline = host::now_ms().saturating_add(idle_ms);
                         match host::read_chunk(&from, deadline, self.config.tick_ms(), &mut || self.renew(&call)) {
-                            Ok(Some(chunk)) => {
-                                // From `[DONE]` on, the client waits until the answer is shared:
-                                // a client that stops reading at `[DONE]` (the SDKs do) sends its
-                                // next request only when that is a HIT.
-                                let out = events.push(&chunk);
-                                if held.is_empty() && !events.done() {
-                                    write(&to, &out);
-                                } else {
-                                    held.extend(out);
-                                }
-                            }
+                            Ok(Some(chunk)) => write(&to, tee.pass(&chunk, false).as_deref().unwrap_or(&chunk)),
                             Ok(None) => break true,
                             Err(_) => break false,
                         }
@@ -283,13 +274,19 @@ impl Gateway {
             }
             Err(()) => false,
         };
-        held.extend(events.flush());
-        let now = host::now_ms();
-        let cut_off_tokens = outbound.prompt_estimate() + events.streamed_tokens_estimate();
+        // The rest (from `[DONE]` on) waits until the answer is shared: a client that stops
+        // reading at `[DONE]` (the SDKs do) sends its next request only when that is a HIT.
+        let held = tee.pass(&[], true).unwrap_or_default();
         // One attempt: the component's own loop made (and counted) any before it.
-        let end = StreamOutcome { status: Some(200), usage: events.usage(), cut_off_tokens, attempts: 1 };
-        flight.on_stream_end(&self.kv, &self.config, &end, &hints, now);
-        match events.completion().filter(|_| complete) {
+        let end = tee.end(complete, (Some(200), 1), hints);
+        flight.on_stream_end(
+            &self.kv,
+            &self.config,
+            &end.outcome(outbound.prompt_estimate()),
+            &end.hints,
+            host::now_ms(),
+        );
+        match end.outcome {
             Some(answer) => {
                 self.complete(&call, Some(answer), learned);
             }

@@ -7,6 +7,7 @@
 //! The shell performs each `Action` and reports back.
 
 pub mod look;
+pub mod tee;
 
 use crate::core::api::headers;
 use crate::core::api::hints::ProviderHints;

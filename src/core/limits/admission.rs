@@ -22,6 +22,8 @@ use crate::core::limits::tenant_gate::{self, Ask, Ended, Refusal, Settlement, Te
 use crate::core::limits::{self, duration, Denial, Kind, Limits};
 use crate::core::store::CasStore;
 
+pub use crate::core::limits::budget::Left;
+
 /// How often a request held for a concurrency slot looks again.
 pub(crate) const CONCURRENCY_POLL_MS: u64 = 20;
 
@@ -630,6 +632,16 @@ impl Standing {
 /// A refusal for priority, or for a call larger than the bucket: final, never waited out.
 fn is_final(kind: Kind) -> bool {
     matches!(kind, Kind::Shed | Kind::QueueFull | Kind::TooLarge)
+}
+
+/// What is left of `tenant`'s budget now, as its gauges show it (`None`: no such tenant).
+pub fn budget_left(store: &impl CasStore, config: &Config, tenant: &str, now_ms: u64) -> Option<Left> {
+    crate::core::limits::budget::standing(store, tenant, now_ms).left(config, tenant)
+}
+
+/// What a flight's `Event::BudgetStanding` leaves of its tenant's budget.
+pub fn budget_left_after(config: &Config, tenant: &str, spent: (u64, u64), keepers: u32) -> Option<Left> {
+    crate::core::limits::budget::Standing { spent, keepers }.left(config, tenant)
 }
 
 #[cfg(test)]

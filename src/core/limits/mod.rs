@@ -12,7 +12,7 @@
 //! by compare-and-swap. Tokens are reserved from an estimate before a call and reconciled
 //! with the answer's `usage`; the provider's own limit headers only ever lower the buckets.
 
-pub(crate) mod admission;
+pub mod admission;
 pub mod budget;
 pub mod budget_store;
 pub mod embedding;

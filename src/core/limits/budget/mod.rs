@@ -842,6 +842,26 @@ pub struct Standing {
     pub keepers: u32,
 }
 
+impl Standing {
+    /// What this leaves of `tenant`'s budget, as its gauges show it (`None`: no such
+    /// tenant).
+    pub fn left(&self, config: &Config, tenant: &str) -> Option<Left> {
+        let caps = config.tenants.get(tenant)?.caps();
+        let left = |cap: Option<u64>, spent: u64| cap.map(|c| c.saturating_sub(spent));
+        let (day, month) = self.spent;
+        Some(Left { day: left(caps.per_day, day), month: left(caps.per_month, month), keepers: self.keepers })
+    }
+}
+
+/// What is left of a tenant's budget: micro-dollars today and this month (`None`: no cap),
+/// and how many processes keep its spend.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Left {
+    pub day: Option<u64>,
+    pub month: Option<u64>,
+    pub keepers: u32,
+}
+
 /// `tenant`'s standing, read and decoded once.
 pub fn standing(store: &impl CasStore, tenant: &str, now_ms: u64) -> Standing {
     let raw = store.get(&key(tenant)).ok().and_then(|r| r.value);

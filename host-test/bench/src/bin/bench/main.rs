@@ -32,7 +32,7 @@
 //! BENCH_ONLY=<family> (only that family's rows, into target/bench/<family>/: priority,
 //! budget, tenants, endpoints, semantic, scan, fleet, crowd, miss (the MISS against its
 //! floors), start (the plugin's VM start: Envoy started with it and with the local-reply
-//! floor, alternating), and baseline: the HIT and
+//! floor, alternating), component (the wasi:http component's followers), and baseline: the HIT and
 //! the MISS against another build of the plugin named by HOLYSHEEP_BASELINE_WASM, in its
 //! own Envoy),
 //! BENCH_CROWD (default 1000 identical requests for the follower delay), BENCH_CROWD_ROUNDS
@@ -85,6 +85,15 @@ fn main() -> std::io::Result<()> {
             "endpoints" => rows::endpoints::endpoint_rows(&mut r, &mock, rounds, (conns, secs))?,
             "semantic" => rows::semantic::semantic_rows(&mut r, rounds, (conns, secs))?,
             "fleet" => rows::fleet::fleet_rows(&mut r, rounds, (conns, secs), &prompt("benchmark prompt"))?,
+            "component" => {
+                let component = start_component(ComponentOptions {
+                    wasm: component_path(),
+                    listen: ([127, 0, 0, 1], 0).into(),
+                    upstream: mock.addr,
+                    env: vec![("HOLYSHEEP_CONFIG".to_owned(), "{}".to_owned())],
+                })?;
+                rows::component::follower_rows(&mut r, &component, &mock);
+            }
             "baseline" => rows::baseline::baseline_rows(&mut r, rounds, (conns, secs), &prompt("benchmark prompt"))?,
             "start" => rows::start::start_rows(&mut r, &mock, rounds, &prompt("benchmark prompt"))?,
             "scan" => rows::scan::scan_rows(&mut r)?,

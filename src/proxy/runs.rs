@@ -5,33 +5,25 @@
 use super::ids::IdMap;
 use crate::core::api::key::Key;
 use crate::core::coalesce::engine::Call;
-use crate::core::flight::look::Look;
+use crate::core::flight::leader::Leader;
 use crate::core::flight::tee::Hop;
-use crate::core::flight::Flight;
-use crate::core::observe::log_fields::Spent;
-use crate::core::semantic::Learned;
 use crate::core::upstream::Outbound;
 use std::rc::Rc;
 
-/// A flight on its way, with the request it answers.
+/// A leader on its way (`flight::leader`), with the request it answers.
 pub struct Run {
     pub context_id: u32,
-    pub flight: Flight,
-    pub outbound: Rc<Outbound>,
-    /// What the flight has spent so far, for its request's access-log line.
-    pub spent: Spent,
-    /// Its question's vector, which joins the semantic index when its answer is stored.
-    pub learned: Option<Learned>,
+    pub leader: Leader,
 }
 
 /// A callout in the air: what its answer is for.
 pub enum Callout {
-    /// An attempt of a flight.
-    Attempt(Run),
-    /// A model's or a tenant's owner node asked to admit a flight's call.
-    Verdict(Run),
     /// A leader's question's embedding.
-    Embedding(Probing),
+    Embedding(Run),
+    /// An attempt of a leader's flight.
+    Attempt(Run),
+    /// A model's or a tenant's owner node asked to admit a leader's call.
+    Verdict(Run),
     /// The spend store's call of this id (`budget_store::Calls`).
     Store(u64),
     /// The API key's check.
@@ -42,18 +34,10 @@ impl Callout {
     /// The flight a leader leads while this is out, if any.
     fn call(&self) -> Option<&Call> {
         match self {
-            Callout::Attempt(r) | Callout::Verdict(r) => Some(&r.flight.call),
-            Callout::Embedding(p) => Some(&p.look.call),
+            Callout::Embedding(r) | Callout::Attempt(r) | Callout::Verdict(r) => Some(r.leader.call()),
             Callout::Store(_) | Callout::KeyCheck => None,
         }
     }
-}
-
-/// A flight's leader waiting for its question's embedding before it goes upstream.
-pub struct Probing {
-    pub context_id: u32,
-    pub look: Look,
-    pub outbound: Rc<Outbound>,
 }
 
 #[derive(Default)]
@@ -79,7 +63,7 @@ impl Runs {
         let runs = self.sleeping.iter().map(|(_, r)| r).chain(self.streaming.values());
         let calling = self.callouts.values().filter_map(Callout::call);
         let waiting = self.pending.iter().map(|(_, c, _)| c);
-        runs.map(|r| &r.flight.call).chain(calling).chain(waiting).chain(self.hops.values().map(|h| &h.call))
+        runs.map(|r| r.leader.call()).chain(calling).chain(waiting).chain(self.hops.values().map(|h| &h.call))
     }
 
     /// The spend store's calls sent (`BudgetStore::tick`, `BudgetStore::answered`), each

@@ -19,18 +19,17 @@ use crate::core::api::key::Key;
 use crate::core::api::reply::{self, CacheStatus, Reply};
 use crate::core::api::response::Response;
 use crate::core::api::usage::{self, Usage};
-use crate::core::cache::edge;
+use crate::core::cache;
 use crate::core::cache::hot::{Hot, Raw, Seed};
-use crate::core::cache::{self, Fresh};
 use crate::core::coalesce::engine::{Call, Ended, Engine, Finished, Wait};
-use crate::core::config::{Config, Mismatch, Role};
+use crate::core::config::{Config, Mismatch};
+use crate::core::flight::leader::Leader;
 use crate::core::flight::tee::{Hop, StreamEnd, StreamLabel};
 use crate::core::intake;
-use crate::core::limits;
 use crate::core::observe::log_fields::{self, Answered, Served};
 use crate::core::observe::metrics::{self, Counter, LastUsage};
 use crate::core::request::{self, ApiRequest};
-use crate::core::semantic::{self, Learned};
+use crate::core::semantic;
 use crate::core::store::CasStore;
 use crate::core::stream;
 use crate::core::upstream::Outbound;
@@ -253,24 +252,12 @@ impl Worker {
     /// Sends `reply` as JSON or as events, as the request asked, with the model's
     /// `x-ratelimit-*` headers.
     fn send_in_form(&mut self, target: Target, reply: &Reply, outbound: &Outbound) -> bool {
-        let mut extra = self.rate_headers(&outbound.model, host::now_ms);
-        extra.extend(outbound.tenant_header());
-        extra.extend(self.tier_header().filter(|_| reply.cache.is_some()));
+        let extra = outbound.answer_headers(&SharedData, &self.config, reply.cache.is_some(), host::now_ms);
         if !outbound.stream {
             return self.send(target, reply, &extra);
         }
         let response = stream::for_client(reply.response.clone(), true, outbound.include_usage);
         self.send(target, &Reply { response, ..reply.clone() }, &extra)
-    }
-
-    /// The model's `x-ratelimit-*` headers: none for a model without limits (the clock is
-    /// read only for one with them, see `limits::rate_headers`), with fleet-wide limits
-    /// (the buckets live on their owner nodes), or on a forward node (which has none).
-    fn rate_headers(&self, model: &str, now_ms: impl FnOnce() -> u64) -> Vec<(&'static str, String)> {
-        if self.config.fleet.shared_limits() || self.config.role == Role::Forward {
-            return Vec::new();
-        }
-        limits::rate_headers(&SharedData, &self.config, model, now_ms)
     }
 
     /// Keeps the entry `request` was just served from, for the same bytes next time.
@@ -319,32 +306,15 @@ impl Worker {
                 Answered { cache, key, response_model, ..answered(&hit.outbound, Served::default(), hit.usage) };
             publish(&logged.priced(&self.config));
         }
-        let mut extra = self.rate_headers(&hit.outbound.model, || now);
-        extra.extend(hit.outbound.tenant_header());
-        extra.extend(self.tier_header());
+        let extra = hit.outbound.answer_headers(&SharedData, &self.config, true, || now);
         let (age, directive) = (codec::decimal(age_s), reply::directive(Some(fresh_s)));
         let own = [(headers::CACHE, "HIT"), (headers::CACHE_CONTROL, directive.as_ref()), (headers::AGE, age.as_str())];
         host::send_with(&hit.reply, own.into_iter().chain(extra.iter().map(|(n, v)| (*n, v.as_str()))));
     }
 
-    /// `x-holysheep-tier: edge` on a forward node's own answers.
-    fn tier_header(&self) -> Option<(&'static str, String)> {
-        (self.config.role == Role::Forward).then(|| (headers::TIER, edge::EDGE.to_owned()))
-    }
-
     /// The headers of the stream forwarded for this http context, if it is one.
     pub fn stream_label(&self, context_id: u32) -> Option<StreamLabel> {
-        let run = self.runs.streaming.get(&context_id)?;
-        Some(StreamLabel {
-            cache: run.flight.call.label,
-            key: run.flight.call.key.hex().to_owned(),
-            model: run.flight.model().to_owned(),
-            include_usage: run.outbound.include_usage,
-            sent: run.outbound.sent(self.bearer.is_some()),
-            tenant: run.outbound.tenant.clone(),
-            fresh_s: run.flight.call.store.then_some(self.config.cache.ttl_seconds),
-            signer: self.config.signer(run.outbound.endpoint, run.outbound.tenant.as_deref()),
-        })
+        self.runs.streaming.get(&context_id)?.leader.stream_label(&self.config, self.bearer.is_some())
     }
 
     /// A hop that could not go on (its request could not be resumed) ends now, broken:
@@ -378,35 +348,21 @@ impl Worker {
         }
     }
 
-    /// A forwarded stream ended: settle its bucket; share a finished answer (stored, and
-    /// handed to its waiters in their own forms); after a stream that broke off, give the
-    /// lease up so that one of its waiters leads a new flight. The leader's client already
-    /// has its answer. Returns the key whose waiters should look again.
+    /// A forwarded stream ended (`Leader::on_stream_end`): the leader's client already has
+    /// its answer, which is counted and logged here. Returns the key whose waiters should
+    /// look again.
     pub fn complete_stream(&mut self, mut run: Run, end: StreamEnd) -> Option<(Key, bool)> {
-        let now = host::now_ms();
-        let outcome = end.outcome(run.outbound.prompt_estimate());
-        run.flight.on_stream_end(&SharedData, &self.config, &outcome, &end.hints, now);
-        self.fleet.outbox.append(&mut run.flight.outbox);
-        // (The tenant's budget gauges follow its settlement: `Event::BudgetStanding`.)
-        self.take_events(&mut run);
-        let model = run.flight.model().to_owned();
-        let call = run.flight.call;
-        let watched = match end.outcome {
-            Some(outcome) => {
-                let outcome = outcome.with_header(headers::MODEL, model);
-                let ended = self.engine().end_flight(&call, Some(outcome), now, Some(Fresh::of(&self.config, now)));
-                self.learn(run.learned.as_ref(), &ended, &call.key, now);
-                let tenant = run.outbound.tenant.as_deref();
-                self.counters.count_reply(&self.config, &run.outbound.model, &ended.reply, tenant);
-                // The stream's own http context is the current one (its end is seen there).
-                let usage = end.usage;
-                self.publish(Target::Current, &ended.reply, &run.outbound, Served::by_flight(run.spent), usage);
-                self.count_evicted(&ended, &run.outbound);
-                ended.watched
-            }
-            None => self.engine().abandon(&call, host::now_ms()),
-        };
-        call.lease.map(|l| (l.key, watched))
+        let usage = end.usage;
+        let over = run.leader.on_stream_end(&self.engine(), end, host::now_ms());
+        self.drain(&mut run.leader);
+        let outbound = &run.leader.outbound;
+        if let Some(ended) = &over.ended {
+            self.counters.count_reply(&self.config, &outbound.model, &ended.reply, outbound.tenant.as_deref());
+            // The stream's own http context is the current one (its end is seen there).
+            self.publish(Target::Current, &ended.reply, outbound, over.served, usage);
+            self.count_evicted(ended, outbound);
+        }
+        over.wake
     }
 
     /// A forward node's call goes on to the key's owner node (which recomputes the key; a
@@ -455,19 +411,13 @@ impl Worker {
         hop.call.lease.map(|l| (l.key, watched))
     }
 
-    /// Takes the events a flight left since it was last looked at: counted, and added to
-    /// what it spent (for its request's access-log line).
-    pub fn take_events(&self, run: &mut Run) {
-        let events = std::mem::take(&mut run.flight.events);
-        run.spent.add(&events, |m, u| self.config.cost_micro_usd(m, u));
-        let (tenant, operation) = (run.outbound.tenant.as_deref(), run.outbound.endpoint.operation());
+    /// What a leader left since it was last looked at: its events counted, its
+    /// settlements for owner nodes queued (`Root::send_settlements`).
+    pub fn drain(&mut self, leader: &mut Leader) {
+        let events = std::mem::take(&mut leader.events);
+        let (tenant, operation) = (leader.outbound.tenant.as_deref(), leader.outbound.endpoint.operation());
         self.counters.count_events(&self.config, &events, tenant, operation);
-    }
-
-    /// A flight that looked for a paraphrase of its question and found none adds the
-    /// question to the semantic index, once its answer is stored under `key`.
-    pub fn learn(&self, learned: Option<&Learned>, ended: &Ended, key: &Key, now: u64) {
-        semantic::keep(&SharedData, &self.config, learned, ended.reply.stored_answer(), key, now);
+        self.fleet.outbox.append(&mut leader.outbox);
     }
 
     /// An owner keyed a hop's request otherwise than this forward node: counted, and logged

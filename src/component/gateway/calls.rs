@@ -15,13 +15,11 @@ use crate::core::api::hints::ProviderHints;
 use crate::core::api::reply::Reply;
 use crate::core::api::response::Response;
 use crate::core::coalesce::engine::Call;
-use crate::core::semantic::EMBEDDINGS_PATH;
+use crate::core::semantic::{EMBEDDINGS_PATH, MAX_EMBEDDING_BYTES};
 use crate::core::upstream::{self, Outbound};
 
 /// The most bytes read from one HolySheep answer.
 const MAX_UPSTREAM_BODY: usize = 16 * 1024 * 1024;
-/// The most bytes read from one embedding answer (3 072 floats as JSON are about 60 KB).
-const MAX_EMBEDDING_BODY: usize = 1024 * 1024;
 /// Request headers never forwarded (hop-by-hop, or set by the gateway).
 const NOT_FORWARDED: [&str; 8] = [
     headers::HOST,
@@ -90,25 +88,19 @@ impl Gateway {
         read
     }
 
-    /// The embedding request `body` (`flight::look`) for the question of `call`'s request,
-    /// sent to HolySheep with the operator's key (`bearer`) within `semantic.timeout_ms`:
-    /// its status and its body (`None`: larger than the edge reads, or cut off).
-    pub(super) fn embed(&self, call: &Call, body: &[u8], bearer: &str) -> Result<(u16, Option<Vec<u8>>), Failed> {
-        let headers: Vec<(String, String)> = [
-            (headers::CONTENT_TYPE, "application/json"),
-            (headers::ACCEPT, "application/json"),
-            ("user-agent", upstream::USER_AGENT),
-            (headers::AUTHORIZATION, bearer),
-            (headers::CONTENT_LENGTH, &body.len().to_string()),
-        ]
-        .iter()
-        .map(|(n, v)| ((*n).to_owned(), (*v).to_owned()))
-        .collect();
-        let deadline = host::now_ms().saturating_add(self.config.semantic.timeout_ms);
+    /// The embedding request `body` of a leader's look (`flight::leader::Do::Embed`), sent
+    /// to HolySheep with the operator's key within `timeout_ms`: its status and its body
+    /// (`None`: larger than the edge reads, or cut off).
+    pub(super) fn embed(&self, call: &Call, body: &[u8], timeout_ms: u64) -> Result<(u16, Option<Vec<u8>>), Failed> {
+        let bearer = self.bearer.as_deref().unwrap_or_default();
+        let mut headers: Vec<(String, String)> =
+            upstream::embedding_headers(bearer).iter().map(|(n, v)| ((*n).to_owned(), (*v).to_owned())).collect();
+        headers.push((headers::CONTENT_LENGTH.to_owned(), body.len().to_string()));
+        let deadline = host::now_ms().saturating_add(timeout_ms);
         let request = self.outgoing(Method::Post, EMBEDDINGS_PATH, &headers).ok_or(Failed::Unsent)?;
         let response = self.send(request, Body::Bytes(body), deadline, &mut || self.renew(call))?;
         let status = response.status();
-        Ok((status, self.read_whole(response, call, deadline, MAX_EMBEDDING_BODY)))
+        Ok((status, self.read_whole(response, call, deadline, MAX_EMBEDDING_BYTES)))
     }
 
     /// Sends one call to HolySheep for `model` (with its `content-length`) and waits for

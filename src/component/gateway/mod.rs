@@ -7,7 +7,6 @@
 
 mod calls;
 mod instance;
-mod semantic;
 
 use super::host::{self, BodyError, Kv};
 use super::wasi::http::types::{
@@ -18,15 +17,15 @@ use crate::core::api::headers;
 use crate::core::api::hints::ProviderHints;
 use crate::core::api::reply::{stream_head, Reply};
 use crate::core::coalesce::engine::{poll_delay_ms, Call, Engine, Step};
+use crate::core::flight::leader::{Do, Leader};
+use crate::core::flight::look::Answer;
 use crate::core::flight::tee::Events;
-use crate::core::flight::{Action, Flight};
 use crate::core::intake::{self, Decision, Head, Route, Ungoverned};
-use crate::core::limits;
-use crate::core::semantic::Learned;
 use crate::core::stream::{self, Reassembler};
 use crate::core::upstream::Outbound;
+use calls::Failed;
 use instance::Gateway;
-use semantic::Looked;
+use std::rc::Rc;
 
 pub fn handle(request: IncomingRequest, out: ResponseOutparam) {
     let gateway = match instance::gateway() {
@@ -106,14 +105,13 @@ impl Gateway {
         if keep.parse {
             instance::keep_parsed(&raw, parsed);
         }
-        self.run(step, &outbound, out);
+        self.run(step, Rc::new(outbound), out);
     }
 
     /// Answers in the form the client asked for (events for a stream), with the model's
     /// `x-ratelimit-*` headers.
     fn answer(&self, out: ResponseOutparam, r: Reply, outbound: &Outbound) {
-        let mut extra = limits::rate_headers(&self.kv, &self.config, &outbound.model, host::now_ms);
-        extra.extend(outbound.tenant_header());
+        let extra = outbound.answer_headers(&self.kv, &self.config, r.cache.is_some(), host::now_ms);
         let response = stream::for_client(r.response.clone(), outbound.stream, outbound.include_usage);
         host::reply(out, &Reply { response, ..r }, &extra);
     }
@@ -123,11 +121,11 @@ impl Gateway {
     }
 
     /// Carries out the core's steps until it answers; a waiter polls the store.
-    fn run(&self, mut step: Step, outbound: &Outbound, out: ResponseOutparam) {
+    fn run(&self, mut step: Step, outbound: Rc<Outbound>, out: ResponseOutparam) {
         let mut polls = 0;
         loop {
             step = match step {
-                Step::Reply(r) => return self.answer(out, r, outbound),
+                Step::Reply(r) => return self.answer(out, r, &outbound),
                 Step::Call(call) => return self.lead(call, outbound, out),
                 Step::Wait(wait) => {
                     host::sleep_ms(poll_delay_ms(polls));
@@ -138,120 +136,73 @@ impl Gateway {
         }
     }
 
-    /// A leader's call: answered from a paraphrase when the semantic tier finds one, else
-    /// its flight (which teaches the index its question when it looked).
-    fn lead(&self, call: Call, outbound: &Outbound, out: ResponseOutparam) {
-        let (call, learned) = match self.look_for_paraphrase(call, outbound) {
-            Looked::Answered(reply) => return self.answer(out, reply, outbound),
-            Looked::Go(call, learned) => (call, learned),
-        };
-        if outbound.stream {
-            return self.fly_stream(call, learned, outbound, out);
-        }
-        self.answer(out, self.fly(call, learned.as_ref(), outbound), outbound)
-    }
-
-    /// The call's answer shared (cache and waiters), and its question learned.
-    fn complete(
-        &self,
-        call: &Call,
-        outcome: Option<crate::core::api::response::Response>,
-        learned: Option<&Learned>,
-    ) -> Reply {
-        let now = host::now_ms();
-        let reply = self.engine().complete(call, outcome, now);
-        crate::core::semantic::keep(&self.kv, &self.config, learned, reply.stored_answer(), &call.key, now);
-        reply
-    }
-
-    /// Performs one flight: attempts, backoff, failover, then completes the call.
-    fn fly(&self, call: Call, learned: Option<&Learned>, outbound: &Outbound) -> Reply {
-        let mut flight = Flight::new(&self.config, call, outbound);
-        let mut action = flight.resume(&self.kv, &self.config, host::now_ms(), host::nonce());
+    /// A leader's call, carried out one `Do` at a time (`flight::leader`): its question's
+    /// embedding, its attempts (a stream's events relayed once HolySheep starts them;
+    /// errors before that are retried, failed over and answered as JSON), its backoffs,
+    /// until it is over.
+    fn lead(&self, call: Call, outbound: Rc<Outbound>, out: ResponseOutparam) {
+        let keyed = self.bearer.is_some();
+        let (mut leader, mut next) = Leader::start(&self.engine(), call, outbound.clone(), keyed, self.at());
         loop {
-            action = match action {
-                Action::Send { model, timeout_ms } => {
-                    let (outcome, hints) = self.attempt(&flight.call, outbound, &model, timeout_ms);
-                    flight.on_response(&self.kv, &self.config, outcome, &hints, host::now_ms(), host::nonce())
-                }
-                Action::Ask { .. } => self.without_owner(&mut flight),
-                Action::Sleep { until_ms } => self.back_off(&mut flight, until_ms),
-                Action::Finish(outcome) => return self.complete(&flight.call, outcome, learned),
-            }
-        }
-    }
-
-    /// An ask for a model owner's verdict has no one to go to: there is no fleet here, the
-    /// key-value store is this host's own (docs/component.md). The flight goes on without
-    /// a verdict.
-    fn without_owner(&self, flight: &mut Flight) -> Action {
-        flight.on_verdict(None);
-        flight.resume(&self.kv, &self.config, host::now_ms(), host::nonce())
-    }
-
-    /// Waits out a backoff, keeping the lease, then goes on with the flight.
-    fn back_off(&self, flight: &mut Flight, until_ms: u64) -> Action {
-        let timer = host::after_deadline(until_ms);
-        host::wait_for(&timer, until_ms, self.config.tick_ms(), &mut || self.renew(&flight.call));
-        flight.resume(&self.kv, &self.config, host::now_ms(), host::nonce())
-    }
-
-    /// A stream's flight: like `fly` until HolySheep starts an event stream (errors before
-    /// it are retried, failed over and answered as JSON); then the events are relayed.
-    fn fly_stream(&self, call: Call, learned: Option<Learned>, outbound: &Outbound, out: ResponseOutparam) {
-        let mut flight = Flight::new(&self.config, call, outbound);
-        let mut action = flight.resume(&self.kv, &self.config, host::now_ms(), host::nonce());
-        loop {
-            action = match action {
-                Action::Send { model, timeout_ms } => {
-                    let deadline = host::now_ms().saturating_add(timeout_ms.max(1));
-                    let response = match self.request_head(&flight.call, outbound, &model, deadline) {
-                        Ok(response) => response,
-                        Err(failed) => {
-                            let now = host::now_ms();
-                            let hints = failed.hints();
-                            action = flight.on_response(&self.kv, &self.config, None, &hints, now, host::nonce());
-                            continue;
-                        }
+            next = match next {
+                Do::Embed { body, timeout_ms } => {
+                    let answer = self.embed(leader.call(), &body, timeout_ms);
+                    let answer = match &answer {
+                        Ok((status, body)) => Answer::Got { status: *status, body: body.as_deref() },
+                        Err(Failed::Unsent) => Answer::Unsent,
+                        Err(Failed::Unknown) => Answer::Lost,
                     };
-                    let events = response.status() == 200
-                        && host::header(&response.headers(), headers::CONTENT_TYPE)
-                            .is_some_and(|t| headers::is_event_stream(&t));
-                    if events {
-                        return self.relay(flight, learned.as_ref(), outbound, response, out);
-                    }
-                    let (outcome, hints) = self.read_answer(response, &flight.call, outbound, deadline);
-                    flight.on_response(&self.kv, &self.config, outcome, &hints, host::now_ms(), host::nonce())
+                    leader.on_embedding(&self.engine(), answer, self.at())
                 }
-                Action::Ask { .. } => self.without_owner(&mut flight),
-                Action::Sleep { until_ms } => self.back_off(&mut flight, until_ms),
-                Action::Finish(outcome) => {
-                    let r = self.complete(&flight.call, outcome, learned.as_ref());
-                    return self.answer(out, r, outbound);
+                Do::Send { model, timeout_ms } if outbound.stream => {
+                    let deadline = host::now_ms().saturating_add(timeout_ms.max(1));
+                    let (outcome, hints) = match self.request_head(leader.call(), &outbound, &model, deadline) {
+                        Ok(response) if is_event_stream(&response) => {
+                            return self.relay(leader, &outbound, response, out);
+                        }
+                        Ok(response) => self.read_answer(response, leader.call(), &outbound, deadline),
+                        Err(failed) => (None, failed.hints()),
+                    };
+                    leader.on_response(&self.engine(), outcome, &hints, self.at())
+                }
+                Do::Send { model, timeout_ms } => {
+                    let (outcome, hints) = self.attempt(leader.call(), &outbound, &model, timeout_ms);
+                    leader.on_response(&self.engine(), outcome, &hints, self.at())
+                }
+                // No fleet here, the key-value store is this host's own (docs/component.md):
+                // the flight goes on without a verdict.
+                Do::Ask { .. } => leader.on_verdict(&self.engine(), None, self.at()),
+                Do::Sleep { until_ms } => {
+                    // The lease is kept while the leader waits.
+                    let timer = host::after_deadline(until_ms);
+                    host::wait_for(&timer, until_ms, self.config.tick_ms(), &mut || self.renew(leader.call()));
+                    leader.on_timer(&self.engine(), self.at())
+                }
+                Do::Over(over) => {
+                    let Some(ended) = over.ended else { return };
+                    return self.answer(out, ended.reply, &outbound);
                 }
             }
         }
+    }
+
+    /// Now, and a fresh random number.
+    fn at(&self) -> (u64, u64) {
+        (host::now_ms(), host::nonce())
     }
 
     /// Writes HolySheep's events to the client as they arrive (without the usage event
     /// unless asked for) while reassembling them; then shares a finished answer (cache and
     /// waiters) or, for a stream cut off, gives the lease up so a waiter leads anew. A
     /// client that leaves does not stop the reading: its waiters still get the answer.
-    fn relay(
-        &self,
-        mut flight: Flight,
-        learned: Option<&Learned>,
-        outbound: &Outbound,
-        response: IncomingResponse,
-        out: ResponseOutparam,
-    ) {
-        let call = flight.call.clone();
-        let fresh_s = call.store.then_some(self.config.cache.ttl_seconds);
-        let head = stream_head(call.label, call.key.hex(), flight.model(), outbound.tenant.as_deref(), fresh_s);
+    fn relay(&self, mut leader: Leader, outbound: &Outbound, response: IncomingResponse, out: ResponseOutparam) {
+        let call = leader.call().clone();
+        let Some(label) = leader.stream_label(&self.config, self.bearer.is_some()) else { return };
+        let fresh_s = label.fresh_s;
+        let head = stream_head(label.cache, &label.key, &label.model, label.tenant.as_deref(), fresh_s);
         let mut headers = vec![(headers::CONTENT_TYPE.to_owned(), headers::EVENT_STREAM.to_owned())];
         headers.extend(head.into_iter().map(|(n, v)| (n.to_owned(), v)));
-        let signer = self.config.signer(outbound.endpoint, outbound.tenant.as_deref());
-        let events = Reassembler::of(outbound.endpoint, outbound.include_usage).signing(signer);
+        let events = Reassembler::of(outbound.endpoint, outbound.include_usage).signing(label.signer);
         let hints = ProviderHints::from_headers(200, &host::header_pairs(&response.headers()));
         let mut tee = Events::new(events);
         let client_body = host::start_response(out, 200, &headers);
@@ -279,21 +230,7 @@ impl Gateway {
         let held = tee.pass(&[], true).unwrap_or_default();
         // One attempt: the component's own loop made (and counted) any before it.
         let end = tee.end(complete, (Some(200), 1), hints);
-        flight.on_stream_end(
-            &self.kv,
-            &self.config,
-            &end.outcome(outbound.prompt_estimate()),
-            &end.hints,
-            host::now_ms(),
-        );
-        match end.outcome {
-            Some(answer) => {
-                self.complete(&call, Some(answer), learned);
-            }
-            None => {
-                self.engine().abandon(&call, host::now_ms());
-            }
-        }
+        leader.on_stream_end(&self.engine(), end, host::now_ms());
         write(&to, &held);
         drop(to);
         if let Some(b) = client_body {
@@ -304,6 +241,12 @@ impl Gateway {
     pub(super) fn renew(&self, call: &Call) {
         self.engine().renew(call, host::now_ms());
     }
+}
+
+/// Whether HolySheep's answer is the event stream a stream leader relays.
+fn is_event_stream(response: &IncomingResponse) -> bool {
+    let content_type = host::header(&response.headers(), headers::CONTENT_TYPE);
+    response.status() == 200 && content_type.is_some_and(|t| headers::is_event_stream(&t))
 }
 
 /// Writes to the client while it listens (a client gone does not stop the stream).

@@ -61,4 +61,13 @@ pub enum Event {
         spent: (u64, u64),
         keepers: u32,
     },
+    /// A leader of `model` looked for a paraphrase: whether its question's embedding call
+    /// left, the tokens its answer reported (`None`: no embedding), and whether the index
+    /// held a paraphrase just below the threshold.
+    Embedded {
+        model: String,
+        sent: bool,
+        tokens: Option<u64>,
+        near_miss: bool,
+    },
 }

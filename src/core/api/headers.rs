@@ -77,6 +77,7 @@ pub const CONTENT_TYPE: &str = "content-type";
 pub const CONTENT_LENGTH: &str = "content-length";
 pub const TRANSFER_ENCODING: &str = "transfer-encoding";
 pub const HOST: &str = "host";
+pub const USER_AGENT: &str = "user-agent";
 /// W3C trace context, read from the client and sent on the call to HolySheep.
 pub const TRACEPARENT: &str = "traceparent";
 pub const TRACESTATE: &str = "tracestate";

@@ -18,7 +18,7 @@ use crate::core::upstream::Outbound;
 
 /// A leader whose question is being embedded.
 #[derive(Debug, Clone)]
-pub struct Look {
+pub(crate) struct Look {
     pub call: Call,
     probe: Probe,
     tenant: Option<String>,
@@ -26,7 +26,7 @@ pub struct Look {
 
 /// What a leader does first.
 #[derive(Debug)]
-pub enum Begun {
+pub(crate) enum Begun {
     /// Send this embedding request's body to HolySheep's `/v1/embeddings`, then
     /// `Look::answered`.
     Embed(Look, Vec<u8>),
@@ -47,7 +47,7 @@ pub enum Answer<'a> {
 
 /// What the look came to.
 #[derive(Debug)]
-pub enum Outcome {
+pub(crate) enum Outcome {
     /// A paraphrase's answer ended the flight (answer the leader, wake its waiters).
     Answered(Ended),
     /// The flight goes upstream, with the question's vector when it was embedded.
@@ -56,7 +56,7 @@ pub enum Outcome {
 
 /// The look's end, with what the shell reports of it.
 #[derive(Debug)]
-pub struct Looked {
+pub(crate) struct Looked {
     pub outcome: Outcome,
     /// A settlement for the tenant's owner node (in a fleet), sent without waiting.
     pub settle: Option<Op>,
@@ -71,7 +71,7 @@ pub struct Looked {
 
 /// A leader's first step: embed its question, or go. `keyed`: the operator's key is there
 /// to pay for the embedding.
-pub fn begin(
+pub(crate) fn begin(
     store: &impl CasStore,
     config: &Config,
     call: Call,
@@ -100,7 +100,7 @@ impl Look {
     /// The embedding call ended with `answer`: it is charged what it was billed (nothing
     /// when it never left or HolySheep refused it with a 4xx; its worst case when its cost
     /// is unknown), then the index is searched with its vector.
-    pub fn answered<S: CasStore>(self, engine: &Engine<'_, S>, answer: Answer<'_>, now_ms: u64) -> Looked {
+    pub(crate) fn answered<S: CasStore>(self, engine: &Engine<'_, S>, answer: Answer<'_>, now_ms: u64) -> Looked {
         let (store, config) = (engine.store, engine.config);
         let embedding = match answer {
             Answer::Got { status, body: Some(body) } => semantic::parse_embedding(config, status, body),

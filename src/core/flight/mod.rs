@@ -6,6 +6,7 @@
 //! `retry-after`, then fail over to the model's fallbacks, all within `upstream.timeout_ms`.
 //! The shell performs each `Action` and reports back.
 
+pub mod leader;
 pub mod look;
 pub mod tee;
 
@@ -26,7 +27,7 @@ use crate::core::upstream::Outbound;
 use crate::core::api::event::Event;
 
 #[derive(Debug, Clone, PartialEq)]
-pub enum Action {
+pub(crate) enum Action {
     /// Call HolySheep for `model` (the body rewritten to it when it is a fallback).
     Send { model: String, timeout_ms: u64 },
     /// Ask the owner node of `bucket` to admit the call (then `on_verdict`, then `resume`).
@@ -39,7 +40,7 @@ pub enum Action {
 
 /// How a stream forwarded along the route ended, as its shell saw it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub struct StreamOutcome {
+pub(crate) struct StreamOutcome {
     /// The status of HolySheep's answer (`None`: no answer head came).
     pub status: Option<u16>,
     pub usage: Option<Usage>,
@@ -71,7 +72,7 @@ pub struct Flight {
 impl Flight {
     /// The flight for `outbound`'s call: its model, then the model's fallbacks that its
     /// tenant (if any) may call.
-    pub fn new(config: &Config, call: Call, outbound: &Outbound) -> Flight {
+    pub(crate) fn new(config: &Config, call: Call, outbound: &Outbound) -> Flight {
         let claim = Claim {
             model: &outbound.model,
             tenant: outbound.tenant.as_deref(),
@@ -100,7 +101,7 @@ impl Flight {
 
     /// Passes the door (`Standing::admit`) to the current model or a later one, and calls
     /// it, waits, asks an owner node, or ends with the door's refusal.
-    pub fn resume(&mut self, store: &impl CasStore, config: &Config, now_ms: u64, nonce: u64) -> Action {
+    pub(crate) fn resume(&mut self, store: &impl CasStore, config: &Config, now_ms: u64, nonce: u64) -> Action {
         let deadline_ms = self.standing.deadline_ms();
         if now_ms >= deadline_ms {
             let last = self.last.take();
@@ -150,7 +151,7 @@ impl Flight {
     }
 
     /// The owner's answer to `Action::Ask` (`None`: no answer in time).
-    pub fn on_verdict(&mut self, verdict: Option<Verdict>) {
+    pub(crate) fn on_verdict(&mut self, verdict: Option<Verdict>) {
         self.standing.on_verdict(verdict);
     }
 
@@ -163,7 +164,7 @@ impl Flight {
 
     /// The call for the current model ended (`None`: reset or timeout). `random` draws
     /// the backoff jitter and serves as the nonce of a fallback's admission.
-    pub fn on_response(
+    pub(crate) fn on_response(
         &mut self,
         store: &impl CasStore,
         config: &Config,
@@ -241,7 +242,7 @@ impl Flight {
     /// reported one, and adapts to what HolySheep's last answer said (`hints`). A stream
     /// HolySheep answered with its own JSON error (`hints.billed`), or one that never left,
     /// costs its tenant nothing.
-    pub fn on_stream_end(
+    pub(crate) fn on_stream_end(
         &mut self,
         store: &impl CasStore,
         config: &Config,
@@ -296,7 +297,7 @@ impl Flight {
     /// The retries Envoy's router may make of a stream before its first byte: none when
     /// the call holds its tenant's dollars, whose reservation covers one attempt's worst
     /// case (each retry may be billed as much, and is charged so).
-    pub fn stream_retries(&self, config: &Config) -> u32 {
+    pub(crate) fn stream_retries(&self, config: &Config) -> u32 {
         if self.standing.holds_dollars(config) {
             return 0;
         }

@@ -202,7 +202,7 @@ impl StreamEnd {
 
     /// What the flight is told of the stream (`Flight::on_stream_end`): a stream cut off
     /// may have cost its prompt (`prompt_estimate`) and what was streamed.
-    pub fn outcome(&self, prompt_estimate: u64) -> StreamOutcome {
+    pub(crate) fn outcome(&self, prompt_estimate: u64) -> StreamOutcome {
         let cut_off_tokens = prompt_estimate + self.streamed_tokens;
         StreamOutcome { status: self.status, usage: self.usage, cut_off_tokens, attempts: self.attempts }
     }

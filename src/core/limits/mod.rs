@@ -561,7 +561,7 @@ pub fn peek(store: &impl CasStore, bucket: &str, l: &Limits, now_ms: u64) -> Buc
 /// The `x-ratelimit-*` headers of `model`'s bucket as it stands now: none, and neither the
 /// clock nor the bucket read, for a model without request or token limits (one configured
 /// only with prices, say).
-pub fn rate_headers(
+pub(crate) fn rate_headers(
     store: &impl CasStore,
     config: &Config,
     model: &str,

@@ -262,6 +262,7 @@ pub fn for_event<'a>(config: &'a Config, event: &'a Event) -> Vec<(&'a str, Coun
         Event::BudgetCharged { model, micro } => vec![(label(config, model), Counter::BudgetChargedMicroUsd, *micro)],
         // Counted per class (`for_class`).
         Event::Queued { .. } | Event::Admitted { .. } | Event::Shed { .. } | Event::BudgetStanding { .. } => Vec::new(),
+        Event::Embedded { model, sent, tokens, near_miss } => for_embedding(config, model, *sent, *tokens, *near_miss),
         Event::Usage { model, usage } => {
             let l = label(config, model);
             vec![

@@ -21,6 +21,10 @@ use crate::core::store::CasStore;
 /// The path of the embedding call.
 pub const EMBEDDINGS_PATH: &str = "/v1/embeddings";
 
+/// The most bytes of an embedding answer a shell reads (3 072 floats as JSON are about
+/// 60 KB).
+pub const MAX_EMBEDDING_BYTES: usize = 1024 * 1024;
+
 /// What a flight that looked for a paraphrase keeps for its end: its partition and the
 /// question's vector, which join the index once its answer is stored.
 #[derive(Debug, Clone)]

@@ -7,7 +7,7 @@ use super::rng::Rng;
 use crate::core::api::hints::ProviderHints;
 use crate::core::api::response::Response;
 use crate::core::api::usage::Usage;
-use crate::core::flight::StreamOutcome;
+use crate::core::flight::tee::StreamEnd;
 use crate::core::upstream::{self, Sent};
 
 /// How the simulated calls go: through the edge's own Envoy, as the proxy's callouts do.
@@ -178,9 +178,10 @@ pub(crate) fn attempt(
     Attempt { billed, due_micro: due, outcome, hints, latency_ms }
 }
 
-/// How a stream forwarded along the route ended, as its shell tells the flight
-/// (`Flight::on_stream_end`), after the router's earlier attempts (`retries`).
-pub(crate) fn stream_end(fault: Fault, attempt: &Attempt, retries: u64) -> (StreamOutcome, ProviderHints) {
+/// How a stream forwarded along the route ended, as its shell's tee tells the leader
+/// (`Leader::on_stream_end`), after the router's earlier attempts (`retries`); a cut
+/// stream's estimate counts its prompt (`prompt_estimate`) with what was streamed.
+pub(crate) fn stream_end(fault: Fault, attempt: Attempt, retries: u64, prompt_estimate: u64) -> StreamEnd {
     // A stream refused before it left (its client gone, say) made no attempt at all.
     let attempts = if fault == Fault::DispatchRefused { 0 } else { retries + 1 };
     let (status, usage, cut_off_tokens) = match fault {
@@ -195,7 +196,14 @@ pub(crate) fn stream_end(fault: Fault, attempt: &Attempt, retries: u64) -> (Stre
         Fault::Answer | Fault::Cut | Fault::BilledThenReset | Fault::Timeout { .. } => ProviderHints::default(),
         _ => attempt.hints,
     };
-    (StreamOutcome { status, usage, cut_off_tokens, attempts }, hints)
+    // The tee's answer: a whole stream's, or the error it read whole.
+    let outcome = match fault {
+        Fault::Answer => attempt.outcome.filter(|_| usage.is_some()),
+        _ if status.is_some_and(|s| s != 200) => attempt.outcome,
+        _ => None,
+    };
+    let streamed_tokens = cut_off_tokens.saturating_sub(prompt_estimate);
+    StreamEnd { outcome, usage, streamed_tokens, status, attempts, hints }
 }
 
 /// What happens to an embedding call.

@@ -23,29 +23,27 @@ use self::holysheep::{Attempt, EmbedFault, Fault};
 use self::rng::Rng;
 use self::scenario::Scenario;
 use self::shared::Shared;
+use crate::core::api::error::ApiError;
 use crate::core::api::event::Event;
 use crate::core::api::key::Key;
 use crate::core::api::priority::Class;
 use crate::core::api::reply::CacheStatus;
 use crate::core::api::reply::Reply;
-use crate::core::api::response::Response;
 use crate::core::api::usage::Usage;
-use crate::core::cache::Fresh;
 use crate::core::coalesce::engine::Call;
 use crate::core::coalesce::engine::{poll_delay_ms, Engine, Step, Wait};
 use crate::core::config::Config;
-use crate::core::flight::look::{self, Begun, Look, Outcome};
-use crate::core::flight::{Action, Flight};
+use crate::core::flight::leader::{Do, Leader, Over};
 use crate::core::limits::budget;
 use crate::core::limits::budget_store::{Asked, Calls, Flush, Heard};
 use crate::core::limits::fleet::{self, Op, Verdict};
 use crate::core::limits::tenant_gate;
 use crate::core::limits::{self, Limits};
 use crate::core::request::Policy;
-use crate::core::semantic::{self, Learned};
 use crate::core::upstream::Outbound;
 use std::cmp::Reverse;
 use std::collections::{BTreeMap, BinaryHeap};
+use std::rc::Rc;
 
 /// Noon, 2026-12-07 (UTC): a run of a few simulated minutes stays within one day.
 const START_MS: u64 = 1_796_644_800_000;
@@ -99,9 +97,7 @@ struct Request {
 /// A flight in the air (led for request `req`), and what the simulator knows of it.
 struct Live {
     req: u64,
-    flight: Flight,
-    /// Its question's vector, which joins the semantic index once its answer is stored.
-    learned: Option<Learned>,
+    leader: Leader,
     /// What one attempt of unknown cost is charged.
     worst_micro: u64,
     /// What its attempts must be charged (the faults' truth), and what they were.
@@ -118,9 +114,8 @@ enum Happening {
     Verdict(u64, Option<Verdict>),
     /// A waiting request looks at its flight again (its look number).
     Poll(u64, u64),
-    /// A leader's question was embedded (the tokens billed, `None`: no answer): its flight
-    /// begins.
-    Embedded(u64, Box<Look>, EmbedFault, u64),
+    /// A leader's question was embedded (the tokens billed, `None`: no answer).
+    Embedded(u64, EmbedFault, u64),
     /// The spend store answered a node's process (or its time ran out).
     Etcd(usize, u64, u64, Heard),
     /// A write a node gave up on lands in the spend store after all.
@@ -263,7 +258,7 @@ impl Sim {
             Some(Happening::Answer(id, fault, attempt, retried)) => self.answer(id, fault, attempt, retried),
             Some(Happening::Verdict(id, verdict)) => self.verdict(id, verdict),
             Some(Happening::Poll(req, look)) => self.poll(req, look),
-            Some(Happening::Embedded(req, look, fault, tokens)) => self.embedded(req, *look, fault, tokens),
+            Some(Happening::Embedded(id, fault, tokens)) => self.embedded(id, fault, tokens),
             Some(Happening::Etcd(node, epoch, id, heard)) => self.etcd_answered(node, epoch, id, heard),
             Some(Happening::Lands(flush)) => {
                 let _ = self.etcd.txn(&flush);
@@ -373,7 +368,7 @@ impl Sim {
             self.nodes[n].next_tick = self.clock + self.config.tick_ms();
             let now = self.now(n);
             for l in self.live.values().filter(|l| self.requests.get(&l.req).is_some_and(|r| r.node == n)) {
-                self.engine(n).renew(&l.flight.call, now);
+                self.engine(n).renew(l.leader.call(), now);
             }
             if self.scenario.store.is_some() {
                 let Sim { nodes, rng, config, .. } = self;
@@ -558,20 +553,31 @@ impl Sim {
         self.take(req, step);
     }
 
-    /// Request `req` leads `call`'s flight: with the semantic tier, it looks for a
-    /// paraphrase first (`flight::look`, as the shells do): its question is embedded when
+    /// Request `req` leads `call`'s flight (`flight::leader`, as the shells run it): with
+    /// the semantic tier, it looks for a paraphrase first: its question is embedded when
     /// its tenant's budget and the embedding model's bucket admit it.
     fn lead(&mut self, req: u64, call: Call) {
         let Some(r) = self.requests.get_mut(&req) else { return };
         r.wait = None;
-        let (node, tenant) = (r.node, r.tenant);
         let Some(r) = self.requests.get(&req) else { return };
-        let now = self.now(node);
-        let look = match look::begin(&self.nodes[node].store, &self.config, call, &r.outbound, true, now) {
-            Begun::Go(call) => return self.fly(req, call, None),
-            Begun::Embed(look, _) => look,
-        };
-        // HolySheep bills the question's tokens (a token is at least one byte), or fails.
+        let (node, outbound) = (r.node, Rc::new(r.outbound.clone()));
+        let models: Vec<String> = ["gpt-4.1", "deepseek-v3"].map(str::to_owned).to_vec();
+        let worst_micro = tenant_gate::worst_micro(&self.config, &models, outbound.worst_tokens());
+        self.most = (self.most.0.max(outbound.estimate_tokens), self.most.1.max(worst_micro));
+        let at = (self.now(node), self.rng.next());
+        let (leader, next) = Leader::start(&self.engine(node), call, outbound, true, at);
+        let id = self.next_id;
+        self.next_id += 1;
+        let live = Live { req, leader, worst_micro, due_micro: 0, charged_micro: 0, fault: None };
+        self.live.insert(id, live);
+        self.act(id, next);
+    }
+
+    /// The leader's question goes to HolySheep's embeddings: billed its tokens (a token is
+    /// at least one byte), or failed.
+    fn embed(&mut self, id: u64) {
+        let Some(r) = self.live.get(&id).and_then(|l| self.requests.get(&l.req)) else { return };
+        let tenant = r.tenant;
         let text = r.outbound.semantic.as_ref().map_or(0, |p| p.text.len() as u64);
         let tokens = text.div_ceil(4);
         let fault = EmbedFault::draw(&mut self.rng);
@@ -579,43 +585,19 @@ impl Sim {
             self.billed[tenant] += self.config.embedding_cost_micro_usd(tokens);
         }
         let latency = 5 + self.rng.below(200);
-        self.at(self.clock + latency, Happening::Embedded(req, Box::new(look), fault, tokens));
+        self.at(self.clock + latency, Happening::Embedded(id, fault, tokens));
     }
 
-    /// The embedding's answer came back: the look charges it to the tenant (here, or a
-    /// settlement for its owner node), then answers the leader from a paraphrase or lets
-    /// its flight begin.
-    fn embedded(&mut self, req: u64, look: Look, fault: EmbedFault, tokens: u64) {
-        let Some(node) = self.requests.get(&req).map(|r| r.node) else { return };
-        let now = self.now(node);
+    /// The embedding's answer came back: the leader charges it to the tenant (here, or a
+    /// settlement for its owner node), then answers from a paraphrase or flies.
+    fn embedded(&mut self, id: u64, fault: EmbedFault, tokens: u64) {
+        let Some(node) = self.node_of(id) else { return };
+        let at = (self.now(node), self.rng.next());
         let body = fault.body(tokens);
-        let key = look.call.key.clone();
-        let looked = look.answered(&self.engine(node), fault.answer(&body), now);
-        if let Some(op) = looked.settle {
-            self.send(op);
-        }
-        match looked.outcome {
-            Outcome::Go(call, learned) => self.fly(req, call, learned),
-            Outcome::Answered(ended) => {
-                self.reply(req, &ended.reply);
-                self.paraphrased += 1;
-                self.wake(node, &key);
-            }
-        }
-    }
-
-    /// Request `req`'s flight begins.
-    fn fly(&mut self, req: u64, call: Call, learned: Option<Learned>) {
-        let Some(r) = self.requests.get_mut(&req) else { return };
-        let flight = Flight::new(&self.config, call, &r.outbound);
-        let models: Vec<String> = ["gpt-4.1", "deepseek-v3"].map(str::to_owned).to_vec();
-        let worst_micro = tenant_gate::worst_micro(&self.config, &models, r.outbound.worst_tokens());
-        let id = self.next_id;
-        self.next_id += 1;
-        self.most = (self.most.0.max(r.outbound.estimate_tokens), self.most.1.max(worst_micro));
-        let live = Live { req, flight, learned, worst_micro, due_micro: 0, charged_micro: 0, fault: None };
-        self.live.insert(id, live);
-        self.resume(id);
+        let engine = Engine { store: &self.nodes[node].store, config: &self.config };
+        let Some(l) = self.live.get_mut(&id) else { return };
+        let next = l.leader.on_embedding(&engine, fault.answer(&body), at);
+        self.act(id, next);
     }
 
     fn node_of(&self, id: u64) -> Option<usize> {
@@ -625,18 +607,20 @@ impl Sim {
 
     fn resume(&mut self, id: u64) {
         let Some(node) = self.node_of(id) else { return };
-        let (now, nonce) = (self.now(node), self.rng.next());
+        let at = (self.now(node), self.rng.next());
+        let engine = Engine { store: &self.nodes[node].store, config: &self.config };
         let Some(l) = self.live.get_mut(&id) else { return };
-        let action = l.flight.resume(&self.nodes[node].store, &self.config, now, nonce);
-        self.act(id, action);
+        let next = l.leader.on_timer(&engine, at);
+        self.act(id, next);
     }
 
-    /// Carries out a flight's action, as a shell does.
-    fn act(&mut self, id: u64, action: Action) {
+    /// Carries out a leader's `Do`, as a shell does.
+    fn act(&mut self, id: u64, next: Do) {
         self.collect(id);
         let Some(node) = self.node_of(id) else { return };
-        match action {
-            Action::Send { model, timeout_ms } => {
+        match next {
+            Do::Embed { .. } => self.embed(id),
+            Do::Send { model, timeout_ms } => {
                 let (Some(l), Some(r)) =
                     (self.live.get(&id), self.live.get(&id).and_then(|l| self.requests.get(&l.req)))
                 else {
@@ -645,7 +629,10 @@ impl Sim {
                 let (tokens, worst, tenant, stream) = (r.tokens, l.worst_micro, r.tenant, r.stream);
                 // A stream goes along the route: Envoy's router retries it on the edge's terms
                 // (`Flight::stream_retries`), each retry charged its worst case.
-                let retries = if stream { u64::from(l.flight.stream_retries(&self.config)) } else { 0 };
+                let retries = match l.leader.flight() {
+                    Some(f) if stream => u64::from(f.stream_retries(&self.config)),
+                    _ => 0,
+                };
                 let content = format!("answered for t{tenant}");
                 let (mut retried, mut due) = (0, 0);
                 let (fault, attempt) = loop {
@@ -677,11 +664,11 @@ impl Sim {
                 }
                 self.at(self.clock + latency, Happening::Answer(id, fault, attempt, retried));
             }
-            Action::Sleep { until_ms } => {
+            Do::Sleep { until_ms } => {
                 let until = until_ms.saturating_add_signed(-self.nodes[node].skew_ms);
                 self.at(until, Happening::Resume(id));
             }
-            Action::Ask { bucket, op, timeout_ms } => {
+            Do::Ask { bucket, op, timeout_ms } => {
                 let owner = self.owner(&bucket);
                 if self.nodes[owner].silent_until > self.clock {
                     // A stopped owner: the ask may have reached it, its answer never comes.
@@ -697,43 +684,44 @@ impl Sim {
                     self.at(self.clock + latency, Happening::Verdict(id, Some(verdict)));
                 }
             }
-            Action::Finish(outcome) => self.finish(id, outcome),
+            Do::Over(over) => self.finish(id, over),
         }
     }
 
     fn answer(&mut self, id: u64, fault: Fault, attempt: Attempt, retried: u64) {
         let Some(node) = self.node_of(id) else { return };
-        let now = self.now(node);
         let stream = self.live.get(&id).and_then(|l| self.requests.get(&l.req)).is_some_and(|r| r.stream);
-        let random = self.rng.next();
+        let at = (self.now(node), self.rng.next());
+        let engine = Engine { store: &self.nodes[node].store, config: &self.config };
         let Some(l) = self.live.get_mut(&id) else { return };
         if stream {
-            let (end, hints) = holysheep::stream_end(fault, &attempt, retried);
-            l.flight.on_stream_end(&self.nodes[node].store, &self.config, &end, &hints, now);
-            let outcome = (end.status == Some(200) && end.usage.is_some()).then_some(attempt.outcome).flatten();
-            return self.finish(id, outcome);
+            let end = holysheep::stream_end(fault, attempt, retried, l.leader.outbound.prompt_estimate());
+            let over = l.leader.on_stream_end(&engine, end, at.0);
+            return self.finish(id, over);
         }
-        let action =
-            l.flight.on_response(&self.nodes[node].store, &self.config, attempt.outcome, &attempt.hints, now, random);
-        self.act(id, action);
+        let next = l.leader.on_response(&engine, attempt.outcome, &attempt.hints, at);
+        self.act(id, next);
     }
 
     fn verdict(&mut self, id: u64, verdict: Option<Verdict>) {
+        let Some(node) = self.node_of(id) else { return };
+        let at = (self.now(node), self.rng.next());
+        let engine = Engine { store: &self.nodes[node].store, config: &self.config };
         let Some(l) = self.live.get_mut(&id) else { return };
-        l.flight.on_verdict(verdict);
-        self.resume(id);
+        let next = l.leader.on_verdict(&engine, verdict, at);
+        self.act(id, next);
     }
 
-    /// The flight's events (what it charged) and its settlements for owner nodes, sent
+    /// The leader's events (what it charged) and its settlements for owner nodes, sent
     /// without waiting: a stopped owner never gets them, and some are lost on the way.
     fn collect(&mut self, id: u64) {
         let Some(l) = self.live.get_mut(&id) else { return };
-        for e in l.flight.events.drain(..) {
+        for e in l.leader.events.drain(..) {
             if let Event::BudgetCharged { micro, .. } = e {
                 l.charged_micro += micro;
             }
         }
-        let ops: Vec<Op> = l.flight.outbox.drain(..).collect();
+        let ops: Vec<Op> = l.leader.outbox.drain(..).collect();
         for op in ops {
             self.send(op);
         }
@@ -751,9 +739,10 @@ impl Sim {
         fleet::serve_op(&self.nodes[owner].store, &self.config, op, now);
     }
 
-    /// The flight ended: its leader is answered (as the engine ends the flight: its answer
-    /// stored and handed to its waiters), and the waiters on its node look at once.
-    fn finish(&mut self, id: u64, outcome: Option<Response>) {
+    /// The leader is over: its request answered (its flight's answer stored and handed
+    /// to its waiters; a stream that broke off reached its client cut), and the waiters on
+    /// its node look at once.
+    fn finish(&mut self, id: u64, over: Over) {
         self.collect(id);
         let Some(l) = self.live.remove(&id) else { return };
         // A tenant without a budget is charged nothing.
@@ -767,15 +756,17 @@ impl Sim {
             ));
         }
         let Some(node) = self.requests.get(&l.req).map(|r| r.node) else { return };
-        let now = self.now(node);
-        let call = l.flight.call;
-        let ended = self.engine(node).end_flight(&call, outcome, now, Some(Fresh::of(&self.config, now)));
-        // A question whose answer is stored joins the semantic index, as in the shells.
-        let store = &self.nodes[node].store;
-        semantic::keep(store, &self.config, l.learned.as_ref(), ended.reply.stored_answer(), &call.key, now);
-        self.reply(l.req, &ended.reply);
-        if call.lease.is_some() {
-            self.wake(node, &call.key);
+        match &over.ended {
+            Some(ended) => {
+                if ended.reply.cache == Some(CacheStatus::Semantic) {
+                    self.paraphrased += 1;
+                }
+                self.reply(l.req, &ended.reply);
+            }
+            None => self.reply(l.req, &Reply::error(&ApiError::upstream(502, "cut", "stream_cut"))),
+        }
+        if let Some((key, _)) = over.wake {
+            self.wake(node, &key);
         }
     }
 

@@ -10,8 +10,12 @@ use crate::core::api::response::Response;
 use crate::core::api::trace::TraceContext;
 use crate::core::api::usage::{Billed, DEFAULT_COMPLETION_ESTIMATE};
 use crate::core::cache::batch::Batch;
+use crate::core::cache::edge;
+use crate::core::config::{Config, Role};
+use crate::core::limits;
 use crate::core::request::probe::Probe;
 use crate::core::request::{for_upstream, ApiRequest};
+use crate::core::store::CasStore;
 use crate::core::wire::scan;
 use std::borrow::Cow;
 
@@ -52,6 +56,17 @@ pub struct Outbound {
 }
 
 pub const USER_AGENT: &str = concat!("holysheep-edge/", env!("CARGO_PKG_VERSION"));
+
+/// The headers of a leader's embedding call (`flight::look`), paid with the operator's key
+/// (`bearer`).
+pub fn embedding_headers(bearer: &str) -> [(&'static str, &str); 4] {
+    [
+        (headers::CONTENT_TYPE, "application/json"),
+        (headers::ACCEPT, "application/json"),
+        (headers::USER_AGENT, USER_AGENT),
+        (headers::AUTHORIZATION, bearer),
+    ]
+}
 
 impl Outbound {
     /// The call for `request`, whose body is `body`; `client_authorization` is sent only
@@ -106,8 +121,30 @@ impl Outbound {
     }
 
     /// `x-holysheep-tenant`, for a verified tenant's request.
-    pub fn tenant_header(&self) -> Option<(&'static str, String)> {
+    fn tenant_header(&self) -> Option<(&'static str, String)> {
         self.tenant.clone().map(|t| (headers::TENANT, t))
+    }
+
+    /// The headers an answer to this request carries beside its reply's own: the model's
+    /// `x-ratelimit-*` (none for a model without limits, whose clock is then never read;
+    /// none with fleet-wide limits, whose buckets live on their owner nodes, nor on a
+    /// forward node, which has none), the verified tenant, and on a forward node's answers
+    /// from the cache or a flight (`cached`) `x-holysheep-tier: edge`.
+    pub fn answer_headers(
+        &self,
+        store: &impl CasStore,
+        config: &Config,
+        cached: bool,
+        now_ms: impl FnOnce() -> u64,
+    ) -> Vec<(&'static str, String)> {
+        let forward = config.role == Role::Forward;
+        let mut extra = match config.fleet.shared_limits() || forward {
+            true => Vec::new(),
+            false => limits::rate_headers(store, config, &self.model, now_ms),
+        };
+        extra.extend(self.tenant_header());
+        extra.extend((forward && cached).then(|| (headers::TIER, edge::EDGE.to_owned())));
+        extra
     }
 
     /// How a call for this request goes, with the operator's key or not.
@@ -126,7 +163,7 @@ impl Outbound {
         let mut headers = vec![
             (headers::CONTENT_TYPE, "application/json"),
             (headers::ACCEPT, "application/json"),
-            ("user-agent", USER_AGENT),
+            (headers::USER_AGENT, USER_AGENT),
         ];
         if let Some(a) = bearer.or(self.client_authorization.as_deref()) {
             headers.push((headers::AUTHORIZATION, a));
@@ -303,6 +340,26 @@ mod tests {
         let escaped =
             r#"{"object":"chat.completion","choices":[],"x\"usage":{"prompt_tokens":9,"completion_tokens":9}}"#;
         assert_eq!(billed(200, json, escaped), (Billed::Unknown, true));
+    }
+
+    #[test]
+    fn an_answer_carries_its_models_limits_its_tenant_and_on_a_forward_node_its_tier() {
+        let store = crate::core::store::MemStore::new();
+        let limited = r#""models":{"gpt-4.1":{"requests_per_minute":60}}"#;
+        let owner = Config::parse(format!("{{{limited}}}").as_bytes()).unwrap();
+        let fleet = Config::parse(format!(r#"{{{limited},"fleet":{{"cluster":"owners","nodes":3}}}}"#).as_bytes());
+        let forward = Config::parse(format!(r#"{{{limited},"role":"forward"}}"#).as_bytes()).unwrap();
+        let out = Outbound { tenant: Some("acme".into()), ..outbound() };
+        let names = |c: &Config, cached| -> Vec<&'static str> {
+            out.answer_headers(&store, c, cached, || 1_000).into_iter().map(|(n, _)| n).collect()
+        };
+        let owned = names(&owner, true);
+        assert!(owned.contains(&"x-ratelimit-limit-requests") && owned.contains(&headers::TENANT), "{owned:?}");
+        assert!(!owned.contains(&headers::TIER), "an owner's answers name no tier");
+        let shared = names(&fleet.unwrap(), true);
+        assert!(!shared.contains(&"x-ratelimit-limit-requests"), "fleet-wide buckets live on their owners");
+        assert_eq!(names(&forward, true), [headers::TENANT, headers::TIER]);
+        assert_eq!(names(&forward, false), [headers::TENANT], "an answer of no cache passes the owner's tier");
     }
 
     fn outbound() -> Outbound {

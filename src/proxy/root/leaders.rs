@@ -1,6 +1,7 @@
-//! The flights this worker leads: a leader's call from dispatch through retries and sleeps
-//! to the reply, executed from the core's `flight::Action`s; a model owner's verdict when
-//! limits are fleet-wide; and the lease renewals that keep them alive.
+//! The leaders this worker runs: each leader's `flight::leader::Do`s carried out (its
+//! question's embedding, attempts as callouts or along the route, owners' verdicts,
+//! sleeps, its end), what came of each handed back, and the lease renewals that keep them
+//! alive.
 
 use super::route::Forwarded;
 use super::Root;
@@ -9,17 +10,16 @@ use crate::core::api::headers;
 use crate::core::api::hints::ProviderHints;
 use crate::core::api::reply::Reply;
 use crate::core::api::response::Response;
-use crate::core::cache::Fresh;
 use crate::core::coalesce::engine::Call;
+use crate::core::flight::leader::{Do, Leader, Over};
+use crate::core::flight::look::Answer;
 use crate::core::flight::tee::StreamEnd;
-use crate::core::flight::{self, Flight};
-use crate::core::limits::fleet::Op;
-use crate::core::observe::log_fields::{Served, Spent};
-use crate::core::semantic::Learned;
+use crate::core::limits::fleet::{Op, Verdict};
+use crate::core::semantic::{EMBEDDINGS_PATH, MAX_EMBEDDING_BYTES};
 use crate::core::upstream::{self, Outbound};
 use crate::proxy::abi as hostcalls;
 use crate::proxy::fleet;
-use crate::proxy::host::{self, SharedData};
+use crate::proxy::host;
 use crate::proxy::runs::{Callout, Run};
 use crate::proxy::types::{BufferType, LogLevel, MapType};
 use crate::proxy::wake::DISPATCH;
@@ -31,92 +31,92 @@ use std::time::Duration;
 const SLEEP_TICK_MS: u64 = 10;
 
 impl Root {
-    /// The flight of a leader's call (that looked for a paraphrase first when `learned`,
-    /// which spent `spent` on it).
-    pub(super) fn start(
-        &mut self,
-        context_id: u32,
-        call: Call,
-        outbound: Rc<Outbound>,
-        learned: Option<Learned>,
-        spent: Spent,
-    ) {
-        let flight = Flight::new(&self.worker.borrow().config, call, &outbound);
-        let mut run = Run { context_id, flight, outbound, spent, learned };
-        let action = self.resume(&mut run);
-        self.advance(run, action);
+    /// A leader's call (`flight::leader`): it looks for a paraphrase or flies.
+    pub(super) fn begin(&mut self, context_id: u32, call: Call, outbound: Rc<Outbound>) {
+        let (leader, next) = {
+            let mut w = self.worker.borrow_mut();
+            let (keyed, at) = (w.bearer.is_some(), (host::now_ms(), w.nonce()));
+            Leader::start(&w.engine(), call, outbound, keyed, at)
+        };
+        self.advance(Run { context_id, leader }, next);
     }
 
-    pub(super) fn resume(&self, run: &mut Run) -> flight::Action {
+    /// Hands the leader what came back, and carries out what it does next.
+    pub(super) fn step(&mut self, mut run: Run, event: Step<'_>) {
+        let next = self.hand(&mut run, event);
+        self.advance(run, next);
+    }
+
+    /// What the leader does next, given what came back.
+    fn hand(&self, run: &mut Run, event: Step<'_>) -> Do {
         let mut w = self.worker.borrow_mut();
-        let nonce = w.nonce();
-        run.flight.resume(&SharedData, &w.config, host::now_ms(), nonce)
+        let at = (host::now_ms(), w.nonce());
+        let (engine, leader) = (w.engine(), &mut run.leader);
+        match event {
+            Step::Embedding(answer) => leader.on_embedding(&engine, answer, at),
+            Step::Response(outcome, hints) => leader.on_response(&engine, outcome, &hints, at),
+            Step::Verdict(verdict) => leader.on_verdict(&engine, verdict, at),
+            Step::Timer => leader.on_timer(&engine, at),
+        }
     }
 
-    /// Performs a flight's next action until it is waiting on the host.
-    pub(super) fn advance(&mut self, mut run: Run, mut action: flight::Action) {
+    /// Carries out a leader's `Do`s until it waits on the host.
+    fn advance(&mut self, mut run: Run, mut next: Do) {
         loop {
-            {
-                let w = &mut *self.worker.borrow_mut();
-                w.take_events(&mut run);
-                // (The tenant's budget gauges follow the record its settlement wrote here:
-                // `Event::BudgetStanding`.)
-                w.fleet.outbox.append(&mut run.flight.outbox);
-            }
-            self.send_settlements();
-            match action {
-                flight::Action::Ask { bucket, op, timeout_ms } => match self.ask(&bucket, &op, timeout_ms) {
-                    Some(token) => {
-                        self.worker.borrow_mut().runs.callouts.insert(token, Callout::Verdict(run));
-                        return;
-                    }
-                    None => {
-                        run.flight.on_verdict(None);
-                        action = self.resume(&mut run);
-                    }
+            self.drain(&mut run);
+            let refused = match next {
+                Do::Embed { body, timeout_ms } => match self.embed(&body, timeout_ms) {
+                    Some(token) => return self.out(token, Callout::Embedding(run)),
+                    None => Step::Embedding(Answer::Unsent),
                 },
-                flight::Action::Send { model, .. } if run.outbound.stream => match self.forward(&run, &model) {
+                Do::Ask { bucket, op, timeout_ms } => match self.ask(&bucket, &op, timeout_ms) {
+                    Some(token) => return self.out(token, Callout::Verdict(run)),
+                    None => Step::Verdict(None),
+                },
+                Do::Send { model, .. } if run.leader.outbound.stream => match self.forward(&run, &model) {
                     Forwarded::Sent => {
                         self.worker.borrow_mut().runs.streaming.insert(run.context_id, run);
                         return;
                     }
+                    // Refused here: it never left for HolySheep.
                     Forwarded::Misrouted => {
-                        // Refused here: it never left for HolySheep.
                         let refused = Reply::error(&ApiError::misdirected()).response;
-                        action = self.on_outcome(&mut run, Some(refused), &ProviderHints::unsent());
+                        Step::Response(Some(refused), ProviderHints::unsent())
                     }
                     Forwarded::Gone => {
-                        let end = StreamEnd::never_sent();
-                        let ended = self.worker.borrow_mut().complete_stream(run, end);
+                        let wake = self.worker.borrow_mut().complete_stream(run, StreamEnd::never_sent());
                         self.send_settlements();
-                        if let Some((key, watched)) = ended {
+                        if let Some((key, watched)) = wake {
                             self.wake_waiters(&key, watched);
                         }
                         return;
                     }
                 },
-                flight::Action::Send { model, timeout_ms } => match self.dispatch(&run, &model, timeout_ms) {
-                    Some(token) => {
-                        self.worker.borrow_mut().runs.callouts.insert(token, Callout::Attempt(run));
-                        return;
-                    }
+                Do::Send { model, timeout_ms } => match self.dispatch(&run, &model, timeout_ms) {
+                    Some(token) => return self.out(token, Callout::Attempt(run)),
                     // Refused at dispatch: it never left.
-                    None => action = self.on_outcome(&mut run, None, &ProviderHints::unsent()),
+                    None => Step::Response(None, ProviderHints::unsent()),
                 },
-                flight::Action::Sleep { until_ms } => {
+                Do::Sleep { until_ms } => {
                     self.worker.borrow_mut().runs.sleeping.push((until_ms, run));
                     self.set_tick();
                     return;
                 }
-                flight::Action::Finish(outcome) => return self.finish(run, outcome),
-            }
+                Do::Over(over) => return self.finish(run, over),
+            };
+            next = self.hand(&mut run, refused);
         }
     }
 
-    pub(super) fn on_outcome(&self, run: &mut Run, outcome: Option<Response>, hints: &ProviderHints) -> flight::Action {
-        let mut w = self.worker.borrow_mut();
-        let random = w.nonce();
-        run.flight.on_response(&SharedData, &w.config, outcome, hints, host::now_ms(), random)
+    /// A callout of `run`'s is in the air.
+    fn out(&self, token: u32, callout: Callout) {
+        self.worker.borrow_mut().runs.callouts.insert(token, callout);
+    }
+
+    /// What the leader left: its events counted, its settlements sent.
+    fn drain(&self, run: &mut Run) {
+        self.worker.borrow_mut().drain(&mut run.leader);
+        self.send_settlements();
     }
 
     pub(super) fn dispatch(&mut self, run: &Run, model: &str, timeout_ms: u64) -> Option<u32> {
@@ -124,7 +124,7 @@ impl Root {
             let w = self.worker.borrow();
             (w.config.clone(), w.bearer.clone())
         };
-        let out = &run.outbound;
+        let out = &run.leader.outbound;
         let body = out.body_for(model);
         let mut headers = vec![
             (":method", "POST"),
@@ -145,27 +145,37 @@ impl Root {
         }
     }
 
-    /// The flight ended: answer its caller, then its waiters here and on other workers.
-    pub(super) fn finish(&mut self, run: Run, outcome: Option<Response>) {
-        let call = run.flight.call;
-        let now = host::now_ms();
-        let ended = {
+    /// The leader is over: its request answered, then its flight's waiters here and on
+    /// other workers.
+    fn finish(&mut self, run: Run, over: Over) {
+        if let Some(ended) = &over.ended {
+            let mut w = self.worker.borrow_mut();
+            w.count_evicted(ended, &run.leader.outbound);
+            w.respond(Target::Context(run.context_id), &ended.reply, &run.leader.outbound, over.served);
+        }
+        if let Some((key, watched)) = over.wake {
+            self.wake_waiters(&key, watched);
+        }
+    }
+
+    /// The embedding call of a leader's look, paid with the operator's key.
+    fn embed(&self, body: &[u8], timeout_ms: u64) -> Option<u32> {
+        let (config, bearer) = {
             let w = self.worker.borrow();
-            let ended = w.engine().end_flight(&call, outcome, now, Some(Fresh::of(&w.config, now)));
-            w.count_evicted(&ended, &run.outbound);
-            w.learn(run.learned.as_ref(), &ended, &call.key, now);
-            ended
+            (w.config.clone(), w.bearer.clone().unwrap_or_default())
         };
-        let watched = ended.watched;
-        // A flight that never called (refused for its bucket, perhaps after waiting in line)
-        // waited all its time.
-        let served = match run.spent.attempts {
-            0 => Served { spent: run.spent, wait_ms: now.saturating_sub(call.started_ms) },
-            _ => Served::by_flight(run.spent),
-        };
-        self.worker.borrow_mut().respond(Target::Context(run.context_id), &ended.reply, &run.outbound, served);
-        if call.lease.is_some() {
-            self.wake_waiters(&call.key, watched);
+        let mut headers =
+            vec![(":method", "POST"), (":path", EMBEDDINGS_PATH), (":authority", config.upstream.authority.as_str())];
+        headers.extend(upstream::embedding_headers(&bearer));
+        let timeout = Duration::from_millis(timeout_ms);
+        match hostcalls::dispatch_http_call(&config.upstream.cluster, headers, Some(body), timeout) {
+            Ok(token) => Some(token),
+            Err(status) => {
+                let cluster = &config.upstream.cluster;
+                let why = format!("holysheep: embedding callout to cluster '{cluster}' refused: {status:?}");
+                host::log(LogLevel::Error, &why);
+                None
+            }
         }
     }
 
@@ -190,9 +200,8 @@ impl Root {
         let now = host::now_ms();
         while !self.out_of_replies() {
             let due = self.worker.borrow_mut().runs.take_due(now);
-            let Some(mut run) = due else { break };
-            let action = self.resume(&mut run);
-            self.advance(run, action);
+            let Some(run) = due else { break };
+            self.step(run, Step::Timer);
         }
         self.set_tick();
     }
@@ -219,27 +228,23 @@ impl Root {
         }
     }
 
-    pub(super) fn callout_response(
-        &self,
-        run: &Run,
-        num_headers: usize,
-        body_size: usize,
-    ) -> (Option<Response>, ProviderHints) {
+    /// An attempt's answer, from the callout's headers and body.
+    pub(super) fn callout_response(&self, run: &Run, num_headers: usize, body_size: usize) -> Step<'static> {
         if num_headers == 0 {
-            return (None, ProviderHints::default());
+            return Step::Response(None, ProviderHints::default());
         }
         let headers = host::headers(MapType::HttpCallResponseHeaders);
         let Some(status) = headers::status(&headers) else {
-            return (None, ProviderHints::default());
+            return Step::Response(None, ProviderHints::default());
         };
         let body = host::buffer(BufferType::HttpCallResponseBody, body_size);
         // A callout goes through this Envoy, whose own replies say when it never left.
-        let sent = upstream::Sent { envoy: true, ..run.outbound.sent(self.worker.borrow().bearer.is_some()) };
+        let sent = upstream::Sent { envoy: true, ..run.leader.outbound.sent(self.worker.borrow().bearer.is_some()) };
         let (response, hints) = upstream::response(status, &headers, body, sent);
         if hints.key_refused {
             self.worker.borrow_mut().key_refused(status);
         }
-        (Some(response), hints)
+        Step::Response(Some(response), hints)
     }
 
     /// Sends `op` to the owner of `bucket`; `None` when it cannot be sent (no secret, no
@@ -273,12 +278,29 @@ impl Root {
         }
     }
 
-    /// A model's or a tenant's owner answered (or failed to): the flight that asked goes on.
-    pub(super) fn on_verdict(&mut self, mut run: Run, num_headers: usize, body_size: usize) {
-        let for_tenant = run.flight.asking_tenant();
+    /// A model's or a tenant's owner answered (or failed to): the leader that asked goes on.
+    pub(super) fn on_verdict(&mut self, run: Run, num_headers: usize, body_size: usize) {
+        let for_tenant = run.leader.flight().is_some_and(|f| f.asking_tenant());
         let verdict = self.worker.borrow_mut().fleet.verdict(num_headers, body_size, for_tenant);
-        run.flight.on_verdict(verdict);
-        let action = self.resume(&mut run);
-        self.advance(run, action);
+        self.step(run, Step::Verdict(verdict));
     }
+
+    /// A leader's embedding call answered (or failed).
+    pub(super) fn on_embedding(&mut self, run: Run, num_headers: usize, body_size: usize) {
+        let body =
+            (body_size <= MAX_EMBEDDING_BYTES).then(|| host::buffer(BufferType::HttpCallResponseBody, body_size));
+        let answer = match host::callout_status(num_headers) {
+            Some(status) => Answer::Got { status, body: body.as_deref() },
+            None => Answer::Lost,
+        };
+        self.step(run, Step::Embedding(answer));
+    }
+}
+
+/// What came back for a leader.
+pub(super) enum Step<'a> {
+    Embedding(Answer<'a>),
+    Response(Option<Response>, ProviderHints),
+    Verdict(Option<Verdict>),
+    Timer,
 }

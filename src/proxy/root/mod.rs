@@ -5,7 +5,6 @@
 
 mod leaders;
 mod route;
-mod semantic;
 mod waiters;
 
 use super::abi as hostcalls;
@@ -67,13 +66,12 @@ impl Root {
         let _clock = self.begin_call();
         let callout = self.worker.borrow_mut().runs.callouts.remove(&token);
         match callout {
-            Some(Callout::Attempt(mut run)) => {
-                let (outcome, hints) = self.callout_response(&run, num_headers, body_size);
-                let action = self.on_outcome(&mut run, outcome, &hints);
-                self.advance(run, action);
+            Some(Callout::Attempt(run)) => {
+                let answer = self.callout_response(&run, num_headers, body_size);
+                self.step(run, answer);
             }
             Some(Callout::Verdict(run)) => self.on_verdict(run, num_headers, body_size),
-            Some(Callout::Embedding(probing)) => self.on_embedding(probing, num_headers, body_size),
+            Some(Callout::Embedding(run)) => self.on_embedding(run, num_headers, body_size),
             Some(Callout::Store(id)) => {
                 let w = &mut *self.worker.borrow_mut();
                 let config = w.config.clone();

@@ -49,21 +49,22 @@ impl Root {
         }
         let value = |name: &str| head.iter().find(|(n, _)| n == name).map(|(_, v)| v.clone());
         let scheme = value(":scheme").or_else(|| value("x-forwarded-proto")).unwrap_or_else(|| "http".into());
-        let body = run.outbound.body_for(model);
+        let (outbound, Some(flight)) = (&run.leader.outbound, run.leader.flight()) else { return Forwarded::Gone };
+        let body = outbound.body_for(model);
         let length = body.len().to_string();
         // Envoy's router retries before the first byte on the edge's terms (none for a
         // call holding its tenant's dollars), and says how many attempts it made
         // (`host::upstream_attempts`), each counted and charged.
-        let router = run.flight.route_headers(&config);
+        let router = flight.route_headers(&config);
         let mut set: Vec<(&str, &str)> = vec![
-            (":path", run.outbound.endpoint.path()),
+            (":path", outbound.endpoint.path()),
             (":authority", config.upstream.authority.as_str()),
             // Without it Envoy 1.40 finds no route for the rewritten request.
             ("x-forwarded-proto", scheme.as_str()),
             (headers::CONTENT_LENGTH, length.as_str()),
         ];
         set.extend(router.iter().map(|(n, v)| (*n, v.as_str())));
-        set.extend(run.outbound.headers(bearer.as_deref()).into_iter().filter(|(n, _)| *n != headers::ACCEPT));
+        set.extend(outbound.headers(bearer.as_deref()).into_iter().filter(|(n, _)| *n != headers::ACCEPT));
         set.push((headers::ACCEPT, headers::EVENT_STREAM));
         let stays = |n: &str| n.starts_with(':') || n == "x-request-id";
         let gone = head.iter().map(|(n, _)| n).filter(|n| !stays(n));

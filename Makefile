@@ -1,5 +1,5 @@
 # The two commands: `make run` (demo on the mock) and `make test` (everything CI runs).
-.PHONY: sim otel-receiver shells-check size-check size-profile k8s-check oci rules-check run run-cluster run-tiers run-component test check imports-check fuzz-check bench profile floors soak stop setup clean wit-lock fuzz tenant-key docs-check
+.PHONY: walk sim otel-receiver shells-check size-check size-profile k8s-check oci rules-check run run-cluster run-tiers run-component test check imports-check fuzz-check bench profile floors soak stop setup clean wit-lock fuzz tenant-key docs-check
 
 # What the tests need (`make run` and the other demos install only what they use).
 setup:
@@ -131,6 +131,12 @@ profile: setup floors
 	RUST_LIB_BACKTRACE=0 cargo run --quiet --profile host -p holysheep-bench --bin wasm_profile -- \
 	  target/profile/plugin.wasm target/floors/wasm32-wasip1/release
 	BENCH_PROFILE=1 $(MAKE) --no-print-directory bench
+
+# The walk of one budgeted MISS through the plugin's source files, by function entry, loop
+# and return (tools/walk.sh; WALK_BEFORE=<commit> walks that commit's plugin beside this
+# one) -> target/walk/walk.md.
+walk: setup
+	tools/walk.sh $(WALK_BEFORE)
 
 # 10 minutes of mixed traffic; passes when Envoy's RSS stays within 10 % after warm-up
 # and no VM crashed (SOAK_SECONDS to change the length). Not in CI.

@@ -2,7 +2,7 @@
 //! Nothing here knows proxy-wasm or WASI; time and nonces are passed in.
 //!
 //! The modules are floors; each uses only the floors below it. Floors, bottom-up: wire,
-//! api, store, config, observe, stream, request, limits, cache, upstream, semantic, coalesce,
+//! api, store, config, stream, request, limits, observe, cache, upstream, semantic, coalesce,
 //! flight, intake, sim.
 //!
 //! `sim`, the fleet simulator, is built for tests only: it drives the floors below it as the

@@ -171,7 +171,7 @@ impl Chat {
                 let tenant = op.tenant().map(str::to_owned);
                 let verdict = fleet::serve_op(&SharedData, &config, op, now);
                 if let Some(tenant) = tenant {
-                    self.worker.borrow().counters.record_budget(&config, &tenant, now);
+                    self.worker.borrow().counters.record_budget(&SharedData, &config, &tenant, now);
                 }
                 self.state = State::Handled;
                 let body = verdict.to_json();

@@ -145,6 +145,19 @@ fn trace_fuel(caller: &mut Caller<'_, VmState>, name: &'static str) {
     }
 }
 
+/// Notes the plugin's function running at a point Binaryen's `--log-execution` logs, when
+/// the world walks (see `Shared::walk`).
+fn walked(caller: &Caller<'_, VmState>) {
+    if caller.data().shared().walk.is_none() {
+        return;
+    }
+    let trace = wasmtime::WasmBacktrace::capture(caller);
+    let ours = trace.frames().iter().filter_map(|f| f.func_name()).find(|n| n.contains("holysheep_edge"));
+    if let (Some(name), Some(walk)) = (ours, caller.data().shared().walk.as_mut()) {
+        walk.push(name.to_owned());
+    }
+}
+
 macro_rules! wrap {
     ($linker:expr, $name:literal, |$caller:ident, $args:tt : $ty:ty| $body:expr) => {
         $linker.func_wrap_async(
@@ -171,6 +184,9 @@ macro_rules! wrap {
 pub fn add_to_linker(linker: &mut Linker<VmState>, module: &Module) -> wasmtime::Result<()> {
     linker.allow_shadowing(true);
     stub_everything(linker, module)?;
+    if module.imports().any(|i| i.module() == "env" && i.name() == "log_execution") {
+        linker.func_wrap("env", "log_execution", |caller: Caller<'_, VmState>, _point: i32| walked(&caller))?;
+    }
     wrap!(linker, "proxy_log", |c, (level, ptr, len): (i32, i32, i32)| {
         let Some(msg) = read_str(c, ptr, len) else { return status::BAD_ARGUMENT };
         let worker = c.data().worker;

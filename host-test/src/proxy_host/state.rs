@@ -67,6 +67,10 @@ pub struct Shared {
     /// With fuel metered and this set: every host call as (export being run, import
     /// called, fuel left when called), to see what the wasm did between two host calls.
     pub fuel_trace: Option<Vec<(String, &'static str, u64)>>,
+    /// With a module instrumented by Binaryen's `--log-execution` and this set: at every
+    /// function entry, loop header and return it logs, the innermost frame's function
+    /// (its name-section name) whose name is the plugin crate's (`make walk`).
+    pub walk: Option<Vec<String>>,
     /// Imports that answer `InternalFailure` whatever they are asked (a host whose calls
     /// fail in ways the SDK's wrappers do not expect).
     pub failing_calls: std::collections::BTreeSet<&'static str>,

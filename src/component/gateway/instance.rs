@@ -5,11 +5,10 @@
 
 use crate::component::host::{self, Kv};
 use crate::core::api::error::ApiError;
-use crate::core::api::objects::ObjectKey;
 use crate::core::cache::hot::{self, Hot, Raw, Seed};
+use crate::core::config::environment::Environment;
 use crate::core::config::Config;
 use crate::core::request::ApiRequest;
-use crate::core::upstream;
 use std::cell::RefCell;
 use std::rc::Rc;
 
@@ -78,9 +77,7 @@ fn setup() -> Result<Gateway, ApiError> {
         eprintln!("holysheep: budget_store is not used by the component: budgets are kept in its wasi:keyvalue bucket");
         config.budget_store.cluster.clear();
     }
-    let api_key = env.get(&config.upstream.api_key_env).filter(|k| !k.is_empty());
-    config.object_key = api_key.as_deref().map(ObjectKey::of_operator_key);
-    let bearer = upstream::bearer(api_key);
+    let bearer = Environment::read(&mut config, |name| env.get(name)).bearer;
     let bucket = env.get("HOLYSHEEP_KV_BUCKET").unwrap_or_else(|| "default".into());
     let kv = Kv::open(&bucket).map_err(|e| {
         ApiError::server(format!("the wasi:keyvalue bucket '{bucket}' cannot be opened: {e}"), "store_unavailable")

@@ -3,6 +3,7 @@
 //! `wire` and `api`.
 
 pub(crate) mod digest;
+pub mod environment;
 pub mod named;
 pub(crate) mod read;
 pub(crate) mod tenants;

@@ -52,7 +52,7 @@ pub enum Counter {
     BudgetChargedMicroUsd,
 }
 
-pub const COUNTERS: [Counter; 31] = [
+pub(crate) const COUNTERS: [Counter; 31] = [
     Counter::Requests(CacheStatus::Hit),
     Counter::Requests(CacheStatus::Miss),
     Counter::Requests(CacheStatus::Coalesced),
@@ -88,7 +88,7 @@ pub const COUNTERS: [Counter; 31] = [
 
 impl Counter {
     /// Its place in `COUNTERS`.
-    pub fn index(self) -> usize {
+    pub(crate) fn index(self) -> usize {
         match self {
             Counter::Requests(CacheStatus::Hit) => 0,
             Counter::Requests(CacheStatus::Miss) => 1,
@@ -124,7 +124,7 @@ impl Counter {
         }
     }
 
-    pub fn name(self) -> String {
+    pub(crate) fn name(self) -> String {
         match self {
             Counter::Requests(s) => format!("requests_{}", s.as_str().to_ascii_lowercase()),
             Counter::UpstreamCalls => "upstream_calls".into(),
@@ -183,14 +183,14 @@ pub(crate) fn labels(config: &Config) -> Vec<String> {
 pub const FLEET_LABEL: &str = "fleet";
 
 /// The label of what no one tenant is counted for (a key no tenant holds).
-pub const TENANTS_LABEL: &str = "tenants";
+pub(crate) const TENANTS_LABEL: &str = "tenants";
 
 /// What a tenant's label starts with.
-pub const TENANT_PREFIX: &str = "tenant.";
+pub(crate) const TENANT_PREFIX: &str = "tenant.";
 
 /// A value for each (label, counter) of a configuration (a host's metric ids), found
 /// without hashing or allocating: labels are few and compared in place.
-pub struct PerCounter<T> {
+pub(crate) struct PerCounter<T> {
     labels: Vec<String>,
     values: Vec<Option<T>>,
 }
@@ -202,28 +202,28 @@ impl<T> Default for PerCounter<T> {
 }
 
 impl<T: Copy> PerCounter<T> {
-    pub fn new(config: &Config) -> PerCounter<T> {
+    pub(crate) fn new(config: &Config) -> PerCounter<T> {
         let labels = labels(config);
         let values = vec![None; labels.len() * COUNTERS.len()];
         PerCounter { labels, values }
     }
 
-    pub fn labels(&self) -> &[String] {
+    pub(crate) fn labels(&self) -> &[String] {
         &self.labels
     }
 
-    pub fn set(&mut self, label: &str, counter: Counter, value: T) {
+    pub(crate) fn set(&mut self, label: &str, counter: Counter, value: T) {
         if let Some(slot) = self.slot(label, counter).and_then(|i| self.values.get_mut(i)) {
             *slot = Some(value);
         }
     }
 
-    pub fn get(&self, label: &str, counter: Counter) -> Option<T> {
+    pub(crate) fn get(&self, label: &str, counter: Counter) -> Option<T> {
         self.values.get(self.slot(label, counter)?).copied().flatten()
     }
 
     /// The value for `tenant`'s label (`tenant.<name>`), found without building the label.
-    pub fn get_tenant(&self, tenant: &str, counter: Counter) -> Option<T> {
+    pub(crate) fn get_tenant(&self, tenant: &str, counter: Counter) -> Option<T> {
         let l = self.labels.iter().position(|l| l.strip_prefix(TENANT_PREFIX) == Some(tenant))?;
         self.values.get(l * COUNTERS.len() + counter.index()).copied().flatten()
     }
@@ -238,7 +238,7 @@ impl<T: Copy> PerCounter<T> {
 /// A counter's name in Envoy: `holysheep.<label>.<counter>` on an owner, and
 /// `holysheep.edge.<label>.<counter>` on a forward node (whose VM shares the process's
 /// stats with an owner's on the same Envoy).
-pub fn metric_name(config: &Config, label: &str, counter: Counter) -> String {
+pub(crate) fn metric_name(config: &Config, label: &str, counter: Counter) -> String {
     match config.role {
         Role::Owner => format!("holysheep.{label}.{}", counter.name()),
         Role::Forward => format!("holysheep.edge.{label}.{}", counter.name()),
@@ -250,7 +250,7 @@ fn priced(config: &Config, model: &str) -> bool {
 }
 
 /// What one flight event adds, as (model label, counter, amount).
-pub fn for_event<'a>(config: &'a Config, event: &'a Event) -> Vec<(&'a str, Counter, u64)> {
+pub(crate) fn for_event<'a>(config: &'a Config, event: &'a Event) -> Vec<(&'a str, Counter, u64)> {
     let one = |m: &'a str, c| vec![(label(config, m), c, 1)];
     match event {
         Event::UpstreamCall { model } => one(model, Counter::UpstreamCalls),
@@ -277,7 +277,7 @@ pub fn for_event<'a>(config: &'a Config, event: &'a Event) -> Vec<(&'a str, Coun
 
 /// The histograms of `gen_ai.client.token.usage`: per model label, one per operation and
 /// token type (an embedding has no output tokens). Each billed call records its `usage`.
-pub const TOKEN_USAGE: [(&str, &str); 7] = [
+pub(crate) const TOKEN_USAGE: [(&str, &str); 7] = [
     ("chat", "input"),
     ("chat", "output"),
     ("text_completion", "input"),
@@ -288,14 +288,14 @@ pub const TOKEN_USAGE: [(&str, &str); 7] = [
 ];
 
 /// The model labels that have token histograms: the configured models and `other`.
-pub fn token_labels(config: &Config) -> Vec<&str> {
+pub(crate) fn token_labels(config: &Config) -> Vec<&str> {
     config.models.keys().map(String::as_str).chain(["other"]).collect()
 }
 
 /// The name of the token histogram of `label`, `operation` and `token_type`
 /// (`holysheep.<label>.token_usage.<operation>.<token type>`; Envoy's `stats_tags` in
 /// `envoy/production.yaml` make the three parts tags).
-pub fn token_usage_name(config: &Config, label: &str, (operation, token_type): (&str, &str)) -> String {
+pub(crate) fn token_usage_name(config: &Config, label: &str, (operation, token_type): (&str, &str)) -> String {
     match config.role {
         Role::Owner => format!("holysheep.{label}.token_usage.{operation}.{token_type}"),
         Role::Forward => format!("holysheep.edge.{label}.token_usage.{operation}.{token_type}"),
@@ -304,7 +304,7 @@ pub fn token_usage_name(config: &Config, label: &str, (operation, token_type): (
 
 /// What one flight event of an `operation` records in the token histograms: (model label,
 /// index in `TOKEN_USAGE`, tokens).
-pub fn token_usage<'a>(config: &'a Config, operation: &str, event: &'a Event) -> Vec<(&'a str, usize, u64)> {
+pub(crate) fn token_usage<'a>(config: &'a Config, operation: &str, event: &'a Event) -> Vec<(&'a str, usize, u64)> {
     let Event::Usage { model, usage } = event else { return Vec::new() };
     let l = label(config, model);
     let at = |token_type: &str| TOKEN_USAGE.iter().position(|&(o, t)| o == operation && t == token_type);
@@ -318,13 +318,13 @@ pub fn token_usage<'a>(config: &'a Config, operation: &str, event: &'a Event) ->
 /// to its answer's end (`gen_ai.client.operation.duration`), or for a stream, to the
 /// first chunk of its answer (`gen_ai.client.operation.time_to_first_chunk`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Timing {
+pub(crate) enum Timing {
     Duration,
     FirstChunk,
 }
 
 impl Timing {
-    pub const ALL: [Timing; 2] = [Timing::Duration, Timing::FirstChunk];
+    pub(crate) const ALL: [Timing; 2] = [Timing::Duration, Timing::FirstChunk];
 
     fn stat(self) -> &'static str {
         match self {
@@ -337,7 +337,7 @@ impl Timing {
 /// The name of the timing histogram of `label` and `endpoint`'s operation
 /// (`holysheep.<label>.operation_duration.<operation>`, `….time_to_first_chunk.…`; the
 /// `stats_tags` in `envoy/production.yaml` make the model and the operation tags).
-pub fn timing_name(config: &Config, label: &str, timing: Timing, endpoint: Endpoint) -> String {
+pub(crate) fn timing_name(config: &Config, label: &str, timing: Timing, endpoint: Endpoint) -> String {
     let edge = if config.role == Role::Forward { "edge." } else { "" };
     format!("holysheep.{edge}{label}.{}.{}", timing.stat(), endpoint.operation())
 }
@@ -346,7 +346,7 @@ pub fn timing_name(config: &Config, label: &str, timing: Timing, endpoint: Endpo
 /// embedding call when it was `sent`, the `tokens` it was billed (`None`: it gave no
 /// vector) at the embedding model's prices (`semantic::cost_micro_usd`), and whether the
 /// partition held only questions not close enough.
-pub fn for_embedding<'a>(
+pub(crate) fn for_embedding<'a>(
     config: &'a Config,
     model: &'a str,
     sent: bool,
@@ -375,18 +375,18 @@ pub fn for_embedding<'a>(
 /// reserve) or refused (a full line), and a histogram of the time flights waited for
 /// admission, from their start to their first call.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum ClassStat {
+pub(crate) enum ClassStat {
     Queued,
     Shed,
     QueueFull,
     AdmissionWaitMs,
 }
 
-pub const CLASS_STATS: [ClassStat; 4] =
+pub(crate) const CLASS_STATS: [ClassStat; 4] =
     [ClassStat::Queued, ClassStat::Shed, ClassStat::QueueFull, ClassStat::AdmissionWaitMs];
 
 impl ClassStat {
-    pub fn name(self) -> &'static str {
+    pub(crate) fn name(self) -> &'static str {
         match self {
             ClassStat::Queued => "queued",
             ClassStat::Shed => "shed",
@@ -396,22 +396,22 @@ impl ClassStat {
     }
 
     /// A histogram (a recorded value), not a counter.
-    pub fn is_histogram(self) -> bool {
+    pub(crate) fn is_histogram(self) -> bool {
         self == ClassStat::AdmissionWaitMs
     }
 
-    pub fn index(self) -> usize {
+    pub(crate) fn index(self) -> usize {
         self as usize
     }
 
     /// Envoy stat name (Envoy adds the `wasmcustom.` prefix).
-    pub fn metric_name(self, class: Class) -> String {
+    pub(crate) fn metric_name(self, class: Class) -> String {
         format!("holysheep.priority.{}.{}", class.as_str(), self.name())
     }
 }
 
 /// What one flight event adds to its class's stats: (class, stat, amount or value).
-pub fn for_class(event: &Event) -> Option<(Class, ClassStat, u64)> {
+pub(crate) fn for_class(event: &Event) -> Option<(Class, ClassStat, u64)> {
     match event {
         Event::Queued { class } => Some((*class, ClassStat::Queued, 1)),
         Event::Shed { class, full: false, .. } => Some((*class, ClassStat::Shed, 1)),
@@ -441,7 +441,7 @@ impl LastUsage {
 
 /// What one answer to a client adds: its cache status, and for HIT, COALESCED and SEMANTIC
 /// answers the cost of the original usage, saved.
-pub fn for_reply<'a>(
+pub(crate) fn for_reply<'a>(
     config: &'a Config,
     requested_model: &'a str,
     reply: &Reply,

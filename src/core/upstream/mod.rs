@@ -191,11 +191,6 @@ fn with_cap(body: &[u8], field: &str, cap: u64) -> Option<Vec<u8>> {
     Some(out)
 }
 
-/// `Bearer <key>` for a non-empty key.
-pub fn bearer(key: Option<String>) -> Option<String> {
-    key.filter(|k| !k.is_empty()).map(|k| format!("Bearer {k}"))
-}
-
 /// How a call was made, which decides what of its answer the edge may pass on.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Sent {
@@ -390,7 +385,6 @@ mod tests {
         let auth = |h: Vec<(&str, &str)>| h.iter().find(|(n, _)| *n == "authorization").map(|(_, v)| v.to_string());
         assert_eq!(auth(o.headers(Some("Bearer edge"))).as_deref(), Some("Bearer edge"));
         assert_eq!(auth(o.headers(None)).as_deref(), Some("Bearer client"));
-        assert_eq!(bearer(Some(String::new())), None);
     }
 
     #[test]

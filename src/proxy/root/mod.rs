@@ -8,16 +8,15 @@ mod route;
 mod waiters;
 
 use super::abi as hostcalls;
-use super::counters::Counters;
-use super::host;
+use super::counters::{Counters, EnvoyStats};
+use super::host::{self, SharedData};
 use super::http::Chat;
 use super::key_check;
 use super::runs::Callout;
 use super::worker::{Worker, WorkerRef, REPLY_BATCH};
-use crate::core::api::objects::ObjectKey;
 use crate::core::cache::hot::{self, Hot};
+use crate::core::config::environment::{Environment, Note};
 use crate::core::config::{Config, Role};
-use crate::core::upstream;
 use crate::proxy::types::{BufferType, LogLevel};
 use std::cell::RefCell;
 use std::rc::Rc;
@@ -79,7 +78,7 @@ impl Root {
                 w.runs.store_calls(sent);
                 // What the store taught (others' spend, other keepers) shows in the gauges.
                 if let Some(tenant) = tenant {
-                    w.counters.record_budget(&config, &tenant, host::now_ms());
+                    w.counters.record_budget(&SharedData, &config, &tenant, host::now_ms());
                 }
             }
             Some(Callout::KeyCheck) => {
@@ -104,62 +103,25 @@ impl Root {
         let vm_id = hostcalls::get_property(vec!["plugin_vm_id"]).ok().flatten().unwrap_or_default();
         let mut w = self.worker.borrow_mut();
         w.vm_id = String::from_utf8_lossy(&vm_id).into_owned();
-        let api_key = std::env::var(&config.upstream.api_key_env).ok().filter(|k| !k.is_empty());
-        config.object_key = api_key.as_deref().map(ObjectKey::of_operator_key);
-        w.bearer = upstream::bearer(api_key);
-        w.fleet.secret = std::env::var(&config.fleet.peer_secret_env).ok().filter(|s| !s.is_empty());
-        w.fleet.accepted = std::env::var(&config.fleet.peer_secret_accepted_env).ok().filter(|s| !s.is_empty());
-        if config.fleet.internal && config.fleet.peer_sans.is_empty() && w.fleet.secret.is_none() {
-            let env = &config.fleet.peer_secret_env;
-            host::log(
-                LogLevel::Error,
-                &format!(
-                    "holysheep: fleet.internal is set with no fleet.peer_sans and ${env} is not set: every API \
-                     request on this listener is refused"
-                ),
-            );
+        let environment = Environment::read(&mut config, |name| std::env::var(name).ok());
+        for note in environment.notes(&config) {
+            match note {
+                Note::Error(line) => host::log(LogLevel::Error, &line),
+                Note::Info(line) => host::log(LogLevel::Info, &line),
+            }
         }
-        let owner = config.role == Role::Owner;
-        if owner && !config.keys.is_empty() && w.bearer.is_none() {
-            let env = &config.upstream.api_key_env;
-            host::log(
-                LogLevel::Error,
-                &format!(
-                    "holysheep: tenants are configured but ${env} is not set: calls go to HolySheep without a key"
-                ),
-            );
-        }
-        if owner && config.fleet.shared_limits() && w.fleet.secret.is_none() {
-            let env = &config.fleet.peer_secret_env;
-            host::log(
-                LogLevel::Error,
-                &format!("holysheep: fleet.cluster is set but ${env} is not: limits fall back to this node's share"),
-            );
-        }
-        host::log(
-            LogLevel::Info,
-            &format!(
-                "holysheep: configured (cluster '{}', upstream key {})",
-                config.upstream.cluster,
-                if w.bearer.is_some() { "from environment" } else { "absent: forwarding client authorization" }
-            ),
-        );
-        if owner && config.semantic.enabled && w.bearer.is_none() {
-            let env = &config.upstream.api_key_env;
-            host::log(
-                LogLevel::Error,
-                &format!("holysheep: semantic.enabled is set but ${env} is not: the semantic tier is off (it embeds with the operator's key only)"),
-            );
-        }
+        w.bearer = environment.bearer;
+        w.fleet.secret = environment.fleet_secret;
+        w.fleet.accepted = environment.fleet_secret_accepted;
         w.hot = Hot::new(config.cache.hot_bytes);
         w.parsed = Hot::new(config.cache.hot_bytes.min(hot::PARSED_BYTES));
         // What the counters held goes to Envoy before they are defined anew.
         w.counters.flush();
-        w.counters = Counters::define(&config);
+        w.counters = Counters::define(EnvoyStats, &config);
         if !config.fleet.shared_limits() && config.role == Role::Owner {
             // The gauges start from the budget records as they stand (kept across reloads).
             for tenant in config.tenants.keys() {
-                w.counters.record_budget(&config, tenant, host::now_ms());
+                w.counters.record_budget(&SharedData, &config, tenant, host::now_ms());
             }
         }
         w.config = Rc::new(config);

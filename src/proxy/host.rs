@@ -3,7 +3,9 @@
 //! of these can panic.
 
 use super::abi as hostcalls;
+use crate::core::api::note::Note;
 use crate::core::api::reply::Reply;
+use crate::core::flight::tee::HeadEdit;
 pub use crate::core::intake::text;
 use crate::core::store::{CasStore, Read, StoreError};
 use crate::core::wire::pairs;
@@ -276,4 +278,25 @@ fn send_serialized(status: u16, headers: &[u8], body: &[u8]) -> bool {
 /// Sends a local reply on another http context of this worker; `false` if it is gone.
 pub fn send_to(context_id: u32, reply: &Reply, extra: &[(&str, String)]) -> bool {
     hostcalls::set_effective_context(context_id).is_ok() && send(reply, extra)
+}
+
+/// Carries out the core's edit of a head (`map`: the request's or the answer's headers).
+pub fn apply(map: MapType, edit: &HeadEdit) {
+    for name in &edit.remove {
+        let _ = hostcalls::set_map_value(map, name, None);
+    }
+    for (name, value) in &edit.set {
+        let _ = hostcalls::set_map_value(map, name, Some(value));
+    }
+}
+
+/// Writes the core's lines to Envoy's log, each at its level.
+pub fn note(notes: impl IntoIterator<Item = Note>) {
+    for note in notes {
+        match note {
+            Note::Error(line) => log(LogLevel::Error, &line),
+            Note::Warn(line) => log(LogLevel::Warn, &line),
+            Note::Info(line) => log(LogLevel::Info, &line),
+        }
+    }
 }

@@ -15,11 +15,10 @@ use crate::core::api::response::Response;
 use crate::core::cache::hot::Raw;
 use crate::core::coalesce::engine::{Call, Engine, Step};
 use crate::core::config::Role;
-use crate::core::flight::tee::{AnswerHead, Arrival, HeadEdit, StreamEnd, Tee};
+use crate::core::flight::tee::{AnswerHead, Arrival, StreamEnd, Tee};
 use crate::core::intake::{self, Decision, Head, Route, Ungoverned};
 use crate::core::limits::fleet;
 use crate::core::observe::log_fields::Served;
-use crate::core::request::PEER_PATH;
 use crate::core::store::CasStore;
 use crate::core::upstream::{self, Outbound};
 use crate::core::wire::pairs;
@@ -151,7 +150,7 @@ impl Chat {
             let (edit, tee, disagreed) = hop.answer(&config, &head, host::now_ms());
             (edit, tee, disagreed.then(|| (hop.outbound.model.clone(), hop.outbound.tenant.clone())))
         };
-        apply(&edit);
+        host::apply(MapType::HttpResponseHeaders, &edit);
         if let Some((model, tenant)) = disagreed {
             self.worker.borrow_mut().key_disagrees(&model, tenant.as_deref());
         }
@@ -182,27 +181,6 @@ impl Chat {
         }
     }
 
-    /// `/holysheep/...` in any spelling: a model owner call with the fleet's secret, on an
-    /// owner listener; refused everywhere else.
-    fn internal(&mut self, method: &str, path: &str) -> Action {
-        let (role, known) = {
-            let w = self.worker.borrow();
-            (w.config.role, w.fleet.peer(Vec::new()).knows(self.head.peer_secret.as_deref()))
-        };
-        if role == Role::Forward {
-            return self.reject(&ApiError::not_found(method, path));
-        }
-        if !known {
-            return self.reject(&ApiError::forbidden("internal fleet call without the fleet's secret"));
-        }
-        if method != "POST" || path != PEER_PATH {
-            return self.reject(&ApiError::not_found(method, path));
-        }
-        self.peer = true;
-        self.state = State::Reading;
-        Action::Pause
-    }
-
     /// A request the edge does not govern: passed as it came, answered (the models list,
     /// an error), or passed with the operator's key for a path `passthrough_paths` lists,
     /// only along a route to `upstream.cluster` (a forward node leaves that to the owner).
@@ -211,7 +189,7 @@ impl Chat {
             Ungoverned::Pass => Action::Continue,
             Ungoverned::WithOperatorKey if config.role == Role::Forward => Action::Continue,
             Ungoverned::WithOperatorKey => {
-                let bearer = self.worker.borrow().bearer.clone();
+                let bearer = self.worker.borrow().env.bearer.clone();
                 if !host::routed_to(&config.upstream.cluster) {
                     return self.reject(&ApiError::misdirected());
                 }
@@ -300,17 +278,6 @@ impl Chat {
     }
 }
 
-/// A client's `x-holysheep-*` request headers never reach the owner nodes: the key
-/// header routes, the secret header authenticates. `x-holysheep-priority` goes on: it can
-/// only lower the class the owner gives the verified tenant.
-fn strip_fleet_headers() {
-    for (name, _) in host::headers(MapType::HttpRequestHeaders) {
-        if headers::stripped_on_the_hop(&name) {
-            let _ = hostcalls::set_map_value(MapType::HttpRequestHeaders, &name, None);
-        }
-    }
-}
-
 /// The edge's error in place of HolySheep's refusal of the operator's key.
 fn key_refused_error(status: u16) -> ApiError {
     upstream::refused(status, "application/json", upstream::Sent { operator_key: true, ..Default::default() })
@@ -319,16 +286,6 @@ fn key_refused_error(status: u16) -> ApiError {
 
 fn set_response_header(name: &str, value: Option<&str>) {
     let _ = hostcalls::set_map_value(MapType::HttpResponseHeaders, name, value);
-}
-
-/// Carries out the core's edit of an answer's head.
-fn apply(edit: &HeadEdit) {
-    for name in &edit.remove {
-        set_response_header(name, None);
-    }
-    for (name, value) in &edit.set {
-        set_response_header(name, Some(value));
-    }
 }
 
 /// Envoy's callbacks for the stream.
@@ -358,14 +315,14 @@ impl Chat {
         let hop = self.head.config_digest.is_some() && config.role == Role::Owner;
         let sans = if config.fleet.internal || hop { host::peer_sans() } else { Vec::new() };
         if config.fleet.internal {
-            let from_fleet = self.head.from_fleet(&config, &self.worker.borrow().fleet.peer(sans.clone()));
+            let from_fleet = self.head.from_fleet(&config, &self.worker.borrow().peer(sans.clone()));
             if let Err(e) = from_fleet {
                 self.worker.borrow().counters.count_refusal(e.code, None);
                 return self.reject(&e);
             }
         }
         let foreign = match hop {
-            true => self.head.foreign_config(&config, &self.worker.borrow().fleet.peer(sans)),
+            true => self.head.foreign_config(&config, &self.worker.borrow().peer(sans)),
             false => None,
         };
         if let Some(foreign) = foreign {
@@ -375,32 +332,20 @@ impl Chat {
                 return self.reject(&e);
             }
         }
-        if config.role == Role::Owner {
-            // The secret proves this hop only, and the digest is the fleet's: nothing passed
-            // on from here carries them.
-            for (name, sent) in
-                [(headers::PEER_SECRET, &self.head.peer_secret), (headers::CONFIG, &self.head.config_digest)]
-            {
-                if sent.is_some() {
-                    let _ = hostcalls::set_map_value(MapType::HttpRequestHeaders, name, None);
-                }
-            }
-        }
+        let secret = self.worker.borrow().env.fleet_secret.clone();
+        let pairs = pairs::parse(&raw).unwrap_or_default();
+        let names = pairs.iter().filter_map(|(n, _)| std::str::from_utf8(n).ok());
+        host::apply(MapType::HttpRequestHeaders, &self.head.fleet_edit(&config, secret.as_deref(), names));
         let route = self.head.route();
         if route == Route::Internal {
-            let (method, path) = (std::mem::take(&mut self.head.method), std::mem::take(&mut self.head.path));
-            return self.internal(&method, &path);
-        }
-        if config.role == Role::Forward {
-            strip_fleet_headers();
-            // A forward node's route leads to the owners, which know it by the fleet's secret
-            // where no verified certificate says so.
-            let secret = self.worker.borrow().fleet.secret.clone();
-            if let Some(s) = secret {
-                let _ = hostcalls::set_map_value(MapType::HttpRequestHeaders, headers::PEER_SECRET, Some(&s));
+            // A model owner call (`Head::internal`): its body is read as one.
+            let served = self.head.internal(&config, &self.worker.borrow().peer(Vec::new()));
+            if let Err(e) = served {
+                return self.reject(&e);
             }
-            // And every hop says what this node runs (`config::digest`).
-            let _ = hostcalls::set_map_value(MapType::HttpRequestHeaders, headers::CONFIG, Some(&config.digest));
+            self.peer = true;
+            self.state = State::Reading;
+            return Action::Pause;
         }
         if !matches!(route, Route::Governed(_)) {
             return self.ungoverned(&config);
@@ -466,7 +411,7 @@ impl Chat {
         let head = host::headers(MapType::HttpResponseHeaders);
         let arrival = Arrival { via_upstream: host::response_via_upstream(), attempts: host::upstream_attempts() };
         let AnswerHead { edit, tee, key_refused } = label.answer(&head, arrival, self.misrouted());
-        apply(&edit);
+        host::apply(MapType::HttpResponseHeaders, &edit);
         if let Some(status) = key_refused {
             self.worker.borrow_mut().key_refused(status);
         }

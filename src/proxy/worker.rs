@@ -7,33 +7,31 @@ use super::abi as hostcalls;
 use super::body_watch::{self, BodyWatch};
 use super::budget_store::BudgetStore;
 use super::counters::{Counters, Stopwatch};
-use super::fleet::Fleet;
 use super::host::{self, Nonces, SharedData};
 use super::ids::{IdMap, IdSet};
-use super::key_check::KeyCheck;
 use super::runs::{Run, Runs};
 use super::wake::{WakeQueue, ENDED};
 use crate::core::api::error::ApiError;
-use crate::core::api::headers;
 use crate::core::api::key::Key;
-use crate::core::api::reply::{self, CacheStatus, Reply};
+use crate::core::api::reply::Reply;
 use crate::core::api::response::Response;
-use crate::core::api::usage::{self, Usage};
-use crate::core::cache;
+use crate::core::api::usage::Usage;
 use crate::core::cache::hot::{Hot, Raw, Seed};
 use crate::core::coalesce::engine::{Call, Ended, Engine, Finished, Wait};
-use crate::core::config::{Config, Mismatch};
+use crate::core::config::environment::Environment;
+use crate::core::config::Config;
 use crate::core::flight::leader::Leader;
 use crate::core::flight::tee::{Hop, StreamEnd, StreamLabel};
-use crate::core::intake;
+use crate::core::intake::kept::Kept;
+use crate::core::intake::Peer;
+use crate::core::limits::fleet::Op;
 use crate::core::observe::log_fields::{self, Answered, Served};
 use crate::core::observe::metrics::{self, Counter, LastUsage};
-use crate::core::request::{self, ApiRequest};
-use crate::core::semantic;
+use crate::core::observe::notices::Notices;
+use crate::core::request::ApiRequest;
 use crate::core::store::CasStore;
 use crate::core::stream;
 use crate::core::upstream::Outbound;
-use crate::core::wire::codec;
 use crate::proxy::types::{BufferType, LogLevel, MapType};
 use std::cell::RefCell;
 use std::collections::hash_map::RandomState;
@@ -57,16 +55,20 @@ pub enum Target {
 /// State shared by the root context and the http contexts of one VM.
 pub struct Worker {
     pub config: Rc<Config>,
-    /// `Bearer <key>` when the key is in the VM environment; never logged.
-    pub bearer: Option<String>,
+    /// The operator's key and the fleet's secrets, from the VM environment; never logged.
+    pub env: Rc<Environment>,
     pub vm_id: String,
     pub nonces: Nonces,
     /// The tick period set last.
     pub tick_ms: u64,
     pub queue: WakeQueue,
     pub counters: Counters,
-    pub key_check: KeyCheck,
-    pub fleet: Fleet,
+    /// Whether this VM tried the check of the operator's key (`upstream::key_check`).
+    pub key_checked: bool,
+    /// What the log said last of what this worker sees change.
+    notices: Notices,
+    /// Settlements for owner nodes, sent from the root context (`Root::send_settlements`).
+    pub outbox: Vec<Op>,
     pub budget_store: BudgetStore,
     pub runs: Runs,
     pub waiters: IdMap<(Wait, Rc<Outbound>)>,
@@ -88,7 +90,7 @@ pub struct Worker {
     /// callback (Envoy would send its headers before its body has been buffered).
     pub handing: Option<(u32, bool)>,
     /// HIT answers by the requests' raw bytes.
-    pub hot: Hot<HotAnswer>,
+    pub hot: Hot<Kept>,
     /// Requests parsed before, by their raw bytes: a HIT and a request that waits for a
     /// flight (`intake::Keep`), so that the rest of a crowd of identical requests is not
     /// parsed, canonicalised and hashed again.
@@ -97,43 +99,10 @@ pub struct Worker {
     pub seed: Seed,
     /// The usage of the answer logged last (followers share one answer).
     pub log_usage: LastUsage,
-    /// Whether an owner that keyed a hop otherwise was logged (once per worker).
-    key_disagreement_logged: bool,
-    /// The configuration digest of a fleet node logged last as other than this owner's.
-    config_disagreement_logged: Option<String>,
 }
 
 /// A worker's state, as its root context and http contexts each hold it.
 pub type WorkerRef = Rc<RefCell<Worker>>;
-
-/// A cache entry a worker keeps in its own memory, ready to be sent again: the reply (its
-/// cache status, `age` and `cache-control` set when sent), the request's form, and the
-/// counters it adds.
-pub struct HotAnswer {
-    reply: Reply,
-    stored_at_ms: u64,
-    expires_ms: u64,
-    /// The answer's usage, for the access log.
-    usage: Option<Usage>,
-    outbound: Outbound,
-    counters: Vec<(u32, i64)>,
-}
-
-/// The access-log values of a request of `outbound`'s form, its answer's own left blank.
-fn answered(outbound: &Outbound, served: Served, usage: Option<Usage>) -> Answered<'_> {
-    Answered {
-        cache: None,
-        key: None,
-        response_model: None,
-        requested_model: &outbound.model,
-        operation: outbound.endpoint.operation(),
-        tenant: outbound.tenant.as_deref(),
-        class: outbound.class,
-        served,
-        usage,
-        saved_micro_usd: None,
-    }
-}
 
 /// Publishes `answered` on the current http context (the values of `log_fields::NAMES`,
 /// as filter state `wasm.<name>`).
@@ -163,14 +132,15 @@ impl Worker {
     pub fn new() -> Self {
         Worker {
             config: Rc::new(Config::default()),
-            bearer: None,
+            env: Rc::default(),
             vm_id: String::new(),
             nonces: Nonces::new(),
             tick_ms: 0,
             queue: WakeQueue::default(),
             counters: Counters::default(),
-            key_check: KeyCheck::default(),
-            fleet: Fleet::default(),
+            key_checked: false,
+            notices: Notices::default(),
+            outbox: Vec::new(),
             budget_store: BudgetStore::default(),
             runs: Runs::default(),
             waiters: Default::default(),
@@ -183,14 +153,24 @@ impl Worker {
             parsed: Hot::new(0),
             seed: Seed::new(RandomState::new().hash_one(())),
             log_usage: LastUsage::default(),
-            key_disagreement_logged: false,
-            config_disagreement_logged: None,
         }
+    }
+
+    /// A request's sender as this node knows it: `sans` of its verified client
+    /// certificate, and the fleet's secrets.
+    pub fn peer(&self, sans: Vec<String>) -> Peer<'_> {
+        Peer { sans, secrets: [self.env.fleet_secret.as_deref(), self.env.fleet_secret_accepted.as_deref()] }
     }
 
     /// HolySheep refused the configured key on a chat call (logged, rate-limited).
     pub fn key_refused(&mut self, status: u16) {
-        self.key_check.refused(&self.config, status);
+        host::note(self.notices.key_refused(&self.config, status, host::now_ms()));
+    }
+
+    /// Whether a model owner answered (`why` it did not): logged when that changes (once,
+    /// not per request: `fleet_local_share` counts those).
+    pub fn owners_reached(&mut self, reached: bool, why: &str) {
+        host::note(self.notices.owners(reached, why));
     }
 
     pub fn nonce(&mut self) -> u64 {
@@ -245,8 +225,7 @@ impl Worker {
                 return;
             }
         }
-        let (cache, key, response_model) = (reply.cache, reply.key.as_ref(), log_fields::response_model(reply));
-        publish(&Answered { cache, key, response_model, ..answered(outbound, served, usage) }.priced(&self.config));
+        publish(&outbound.answered(reply, served, usage).priced(&self.config));
     }
 
     /// Sends `reply` as JSON or as events, as the request asked, with the model's
@@ -262,59 +241,35 @@ impl Worker {
 
     /// Keeps the entry `request` was just served from, for the same bytes next time.
     pub fn keep_hot(&mut self, raw: &Raw<'_>, request: &ApiRequest, now: u64) {
-        let Some(entry) = cache::get(&SharedData, &self.config, &request.key).filter(|e| e.is_fresh(now)) else {
-            return;
-        };
-        let expires_ms = entry.stored_at_ms.saturating_add(entry.ttl_ms);
-        let size = entry.response.body.len();
-        let (cache, key) = (Some(CacheStatus::Hit), Some(entry.key));
-        let hit = Reply { response: entry.response, cache, key, age_s: None, fresh_s: None };
-        let counters = self.counters.ids_for_reply(&self.config, &request.model, &hit, request.tenant.as_deref());
-        // The class of its tenant (a request that lowers its own is never answered from here).
-        let class = self.config.class_of(request.tenant.as_deref());
-        let outbound = Outbound { class, ..Outbound::of(request, Vec::new(), None) };
-        // Its status goes with the headers built when it is sent.
-        let reply = Reply { cache: None, ..hit };
-        let usage = self.config.log_fields.then(|| usage::of_answer(&reply.response.body)).flatten();
-        let answer = HotAnswer { reply, stored_at_ms: entry.stored_at_ms, expires_ms, usage, outbound, counters };
-        self.hot.put(raw, expires_ms, size, answer);
+        if let Some(kept) = Kept::of(&SharedData, &self.config, &mut self.counters, request, now) {
+            self.hot.put(raw, kept.expires_ms, kept.size(), kept);
+        }
     }
 
     /// The stopwatch of a request a kept answer serves, arrived in full at `now`.
-    pub fn stopwatch_of(&self, hit: &HotAnswer, now: u64) -> Stopwatch {
+    pub fn stopwatch_of(&self, hit: &Kept, now: u64) -> Stopwatch {
         let outbound = &hit.outbound;
         self.counters.stopwatch(&self.config, &outbound.model, outbound.endpoint, outbound.stream, now)
     }
 
     /// Sends a kept HIT on the current http context, as `respond` would (a JSON answer
     /// without copying it).
-    pub fn respond_hot(&mut self, hit: &HotAnswer, now: u64) {
+    pub fn respond_hot(&mut self, hit: &Kept, now: u64) {
         self.counters.hold(&hit.counters);
-        let age_s = now.saturating_sub(hit.stored_at_ms) / 1000;
-        let fresh_s = hit.expires_ms.saturating_sub(now) / 1000;
-        let (age, fresh, cache) = (Some(age_s), Some(fresh_s), Some(CacheStatus::Hit));
+        if self.config.log_fields {
+            publish(&hit.answered(&self.config));
+        }
         if hit.outbound.stream {
-            let reply = Reply { age_s: age, fresh_s: fresh, cache, ..hit.reply.clone() };
-            self.publish(Target::Current, &reply, &hit.outbound, Served::default(), hit.usage);
-            self.send_in_form(Target::Current, &reply, &hit.outbound);
+            self.send_in_form(Target::Current, &hit.reply_at(now), &hit.outbound);
             return;
         }
-        // What the log shows of it: a HIT (the reply kept has no status of its own).
-        if self.config.log_fields {
-            let (key, response_model) = (hit.reply.key.as_ref(), log_fields::response_model(&hit.reply));
-            let logged =
-                Answered { cache, key, response_model, ..answered(&hit.outbound, Served::default(), hit.usage) };
-            publish(&logged.priced(&self.config));
-        }
-        let extra = hit.outbound.answer_headers(&SharedData, &self.config, true, || now);
-        let (age, directive) = (codec::decimal(age_s), reply::directive(Some(fresh_s)));
-        let own = [(headers::CACHE, "HIT"), (headers::CACHE_CONTROL, directive.as_ref()), (headers::AGE, age.as_str())];
-        host::send_with(&hit.reply, own.into_iter().chain(extra.iter().map(|(n, v)| (*n, v.as_str()))));
+        let headers = hit.headers(&SharedData, &self.config, now);
+        host::send_with(&hit.reply, headers.iter().map(|(n, v)| (*n, v.as_str())));
     }
 
     /// The headers of the stream forwarded for this http context, if it is one.
     pub fn stream_label(&self, context_id: u32) -> Option<StreamLabel> {
-        self.runs.streaming.get(&context_id)?.leader.stream_label(&self.config, self.bearer.is_some())
+        self.runs.streaming.get(&context_id)?.leader.stream_label(&self.config)
     }
 
     /// A hop that could not go on (its request could not be resumed) ends now, broken:
@@ -343,7 +298,7 @@ impl Worker {
         if let Some(ended) = ended {
             self.runs.ended.push(ended);
         }
-        if !self.runs.ended.is_empty() || !self.fleet.outbox.is_empty() {
+        if !self.runs.ended.is_empty() || !self.outbox.is_empty() {
             self.queue.continue_later(ENDED);
         }
     }
@@ -365,29 +320,22 @@ impl Worker {
         over.wake
     }
 
-    /// A forward node's call goes on to the key's owner node (which recomputes the key; a
-    /// request of the semantic tier goes to its partition's owner instead) on
-    /// the http context `context_id` (the current one): keyed for the route, a stream's
-    /// body asking for the usage event so that a copy of it is whole (the tee takes the
-    /// event out again for a client that did not ask). Its answer is teed on its way back.
+    /// A forward node's call goes on to the key's owner node on the http context
+    /// `context_id` (the current one), as `Hop::request` says; its answer is teed on its
+    /// way back.
     pub fn hop(&mut self, context_id: u32, call: Call, outbound: Rc<Outbound>) {
-        let route = semantic::route(&self.config, &call.key, outbound.semantic.as_ref());
-        let _ = hostcalls::set_map_value(MapType::HttpRequestHeaders, headers::KEY, Some(&route));
-        if outbound.stream && !outbound.include_usage {
-            let usage = outbound.endpoint.asks_stream_usage();
-            let body = request::for_upstream(&outbound.body, &outbound.model, usage, None);
-            let length = body.len().to_string();
-            // The body is whole and of a known length now: the client's framing goes.
+        let hop = Hop::new(call, outbound);
+        let (edit, body) = hop.request(&self.config);
+        if let Some(body) = body {
             for (name, _) in host::headers(MapType::HttpRequestTrailers) {
                 let _ = hostcalls::set_map_value(MapType::HttpRequestTrailers, &name, None);
             }
-            let _ = hostcalls::set_map_value(MapType::HttpRequestHeaders, headers::TRANSFER_ENCODING, None);
             let _ = hostcalls::set_buffer(BufferType::HttpRequestBody, 0, usize::MAX, &body);
-            let _ = hostcalls::set_map_value(MapType::HttpRequestHeaders, headers::CONTENT_LENGTH, Some(&length));
         }
-        let label = metrics::label(&self.config, &outbound.model);
-        self.counters.count(vec![(label, Counter::Hops, 1)], outbound.tenant.as_deref());
-        self.runs.hops.insert(context_id, Hop::new(call, outbound));
+        host::apply(MapType::HttpRequestHeaders, &edit);
+        let label = metrics::label(&self.config, &hop.outbound.model);
+        self.counters.count(vec![(label, Counter::Hops, 1)], hop.outbound.tenant.as_deref());
+        self.runs.hops.insert(context_id, hop);
     }
 
     /// A forward node's hop ended: its answer (with the owner's headers its sharers need)
@@ -417,43 +365,22 @@ impl Worker {
         let events = std::mem::take(&mut leader.events);
         let (tenant, operation) = (leader.outbound.tenant.as_deref(), leader.outbound.endpoint.operation());
         self.counters.count_events(&self.config, &events, tenant, operation);
-        self.fleet.outbox.append(&mut leader.outbox);
+        self.outbox.append(&mut leader.outbox);
     }
 
     /// An owner keyed a hop's request otherwise than this forward node: counted, and logged
-    /// once per worker (the two configurations disagree on what makes a request the same).
+    /// once per worker (`Notices::key_disagreed`).
     pub fn key_disagrees(&mut self, model: &str, tenant: Option<&str>) {
         let label = metrics::label(&self.config, model);
         self.counters.count(vec![(label, Counter::HopKeyMismatch, 1)], tenant);
-        if !std::mem::replace(&mut self.key_disagreement_logged, true) {
-            host::log(
-                LogLevel::Warn,
-                "holysheep: an owner keyed a forwarded request otherwise than this forward node: their \
-                 configurations disagree on what makes two requests the same (cache.tenant_header, models, \
-                 scopes); owners' answers are not shared between this node's waiters",
-            );
-        }
+        host::note(self.notices.key_disagreed());
     }
 
     /// A node that runs other settings (configuration digest `theirs`) sent this owner a
-    /// hop: counted, and logged once per worker for each digest seen last.
+    /// hop: counted, and logged for each digest seen last (`Notices::config_disagreed`).
     pub fn config_disagrees(&mut self, theirs: &str) {
         self.counters.count(vec![(metrics::FLEET_LABEL, Counter::ConfigMismatch, 1)], None);
-        let theirs = intake::shown(theirs);
-        if self.config_disagreement_logged.as_deref() == Some(theirs.as_str()) {
-            return;
-        }
-        let refused = self.config.fleet.config_mismatch == Mismatch::Refuse;
-        host::log(
-            LogLevel::Warn,
-            &format!(
-                "holysheep: a fleet node runs other settings of keys, scopes or prices (configuration digest {theirs}) \
-                 than this owner ({}): {}",
-                self.config.digest,
-                if refused { "its requests are refused" } else { "its requests are served and counted" }
-            ),
-        );
-        self.config_disagreement_logged = Some(theirs);
+        host::note(self.notices.config_disagreed(&self.config, theirs));
     }
 
     /// Counts a flight's answer stored over another key's fresh one.

@@ -9,13 +9,14 @@ use crate::component::wasi::http::types::{
     ErrorCode, IncomingBody, IncomingRequest, IncomingResponse, Method, OutgoingBody, OutgoingRequest, RequestOptions,
     ResponseOutparam, Scheme,
 };
+use crate::core::api::call::HttpCall;
 use crate::core::api::error::ApiError;
 use crate::core::api::headers;
 use crate::core::api::hints::ProviderHints;
 use crate::core::api::reply::Reply;
 use crate::core::api::response::Response;
 use crate::core::coalesce::engine::Call;
-use crate::core::semantic::{EMBEDDINGS_PATH, MAX_EMBEDDING_BYTES};
+use crate::core::semantic::MAX_EMBEDDING_BYTES;
 use crate::core::upstream::{self, Outbound};
 
 /// The most bytes read from one HolySheep answer.
@@ -35,17 +36,16 @@ const NOT_FORWARDED: [&str; 8] = [
 const NOT_RETURNED: [&str; 5] = ["connection", "keep-alive", "proxy-connection", headers::TRANSFER_ENCODING, "upgrade"];
 
 impl Gateway {
-    /// One call to HolySheep for `model`, renewing the lease while it waits.
+    /// One attempt (a call the core made ready), renewing the lease while it waits.
     pub(super) fn attempt(
         &self,
-        call: &Call,
+        leader: &Call,
         outbound: &Outbound,
-        model: &str,
-        timeout_ms: u64,
+        call: &HttpCall,
     ) -> (Option<Response>, ProviderHints) {
-        let deadline = host::now_ms().saturating_add(timeout_ms.max(1));
-        match self.request_head(call, outbound, model, deadline) {
-            Ok(response) => self.read_answer(response, call, outbound, deadline),
+        let deadline = host::now_ms().saturating_add(call.timeout_ms);
+        match self.request(call, leader, deadline) {
+            Ok(response) => self.read_answer(response, leader, outbound, deadline),
             Err(failed) => (None, failed.hints()),
         }
     }
@@ -63,7 +63,7 @@ impl Gateway {
         let headers = host::header_pairs(&response.headers());
         match self.read_whole(response, call, deadline_ms, MAX_UPSTREAM_BODY) {
             Some(bytes) => {
-                let (r, hints) = upstream::response(status, &headers, bytes, outbound.sent(self.bearer.is_some()));
+                let (r, hints) = upstream::response(status, &headers, bytes, outbound.sent(self.env.bearer.is_some()));
                 (Some(r), hints)
             }
             None => (None, ProviderHints::default()),
@@ -88,40 +88,23 @@ impl Gateway {
         read
     }
 
-    /// The embedding request `body` of a leader's look (`flight::leader::Do::Embed`), sent
-    /// to HolySheep with the operator's key within `timeout_ms`: its status and its body
+    /// A leader's embedding call (`flight::leader::Do::Embed`): its status and its body
     /// (`None`: larger than the edge reads, or cut off).
-    pub(super) fn embed(&self, call: &Call, body: &[u8], timeout_ms: u64) -> Result<(u16, Option<Vec<u8>>), Failed> {
-        let bearer = self.bearer.as_deref().unwrap_or_default();
-        let mut headers: Vec<(String, String)> =
-            upstream::embedding_headers(bearer).iter().map(|(n, v)| ((*n).to_owned(), (*v).to_owned())).collect();
-        headers.push((headers::CONTENT_LENGTH.to_owned(), body.len().to_string()));
-        let deadline = host::now_ms().saturating_add(timeout_ms);
-        let request = self.outgoing(Method::Post, EMBEDDINGS_PATH, &headers).ok_or(Failed::Unsent)?;
-        let response = self.send(request, Body::Bytes(body), deadline, &mut || self.renew(call))?;
+    pub(super) fn embed(&self, leader: &Call, call: &HttpCall) -> Result<(u16, Option<Vec<u8>>), Failed> {
+        let deadline = host::now_ms().saturating_add(call.timeout_ms);
+        let response = self.request(call, leader, deadline)?;
         let status = response.status();
-        Ok((status, self.read_whole(response, call, deadline, MAX_EMBEDDING_BYTES)))
+        Ok((status, self.read_whole(response, leader, deadline, MAX_EMBEDDING_BYTES)))
     }
 
-    /// Sends one call to HolySheep for `model` (with its `content-length`) and waits for
-    /// the head of its answer until `deadline_ms`, renewing the lease meanwhile.
-    pub(super) fn request_head(
-        &self,
-        call: &Call,
-        outbound: &Outbound,
-        model: &str,
-        deadline_ms: u64,
-    ) -> Result<IncomingResponse, Failed> {
-        let body = outbound.body_for(model);
-        let mut headers: Vec<(String, String)> =
-            outbound.headers(self.bearer.as_deref()).into_iter().map(|(n, v)| (n.to_owned(), v.to_owned())).collect();
-        headers.push((headers::CONTENT_LENGTH.to_owned(), body.len().to_string()));
-        if outbound.stream {
-            headers.retain(|(n, _)| n != headers::ACCEPT);
-            headers.push((headers::ACCEPT.to_owned(), headers::EVENT_STREAM.to_owned()));
-        }
-        let request = self.outgoing(Method::Post, outbound.endpoint.path(), &headers).ok_or(Failed::Unsent)?;
-        self.send(request, Body::Bytes(&body), deadline_ms, &mut || self.renew(call))
+    /// Makes a call the core made ready (with its `content-length`) and waits for the head
+    /// of its answer until `deadline_ms`, renewing the lease of `leader` meanwhile.
+    pub(super) fn request(&self, call: &HttpCall, leader: &Call, deadline_ms: u64) -> Result<IncomingResponse, Failed> {
+        let mut headers: Vec<(String, String)> = call.regular().map(|(n, v)| (n.to_owned(), v.to_owned())).collect();
+        headers.push((headers::CONTENT_LENGTH.to_owned(), call.body.len().to_string()));
+        let (authority, path) = (call.header(":authority").unwrap_or_default(), call.header(":path").unwrap_or("/"));
+        let request = self.outgoing(Method::Post, authority, path, &headers).ok_or(Failed::Unsent)?;
+        self.send(request, Body::Bytes(&call.body), deadline_ms, &mut || self.renew(leader))
     }
 
     /// Sends a request to HolySheep with `body` and waits for its head until `deadline_ms`,
@@ -162,12 +145,18 @@ impl Gateway {
         }
     }
 
-    fn outgoing(&self, method: Method, path: &str, headers: &[(String, String)]) -> Option<OutgoingRequest> {
+    fn outgoing(
+        &self,
+        method: Method,
+        authority: &str,
+        path: &str,
+        headers: &[(String, String)],
+    ) -> Option<OutgoingRequest> {
         let request = OutgoingRequest::new(host::fields(headers));
         let scheme = if self.config.upstream.scheme == "http" { Scheme::Http } else { Scheme::Https };
         request.set_method(&method).ok()?;
         request.set_scheme(Some(&scheme)).ok()?;
-        request.set_authority(Some(&self.config.upstream.authority)).ok()?;
+        request.set_authority(Some(authority)).ok()?;
         request.set_path_with_query(Some(path)).ok()?;
         Some(request)
     }
@@ -182,13 +171,13 @@ impl Gateway {
             |n: &str| n == headers::AUTHORIZATION || crate::core::intake::NOT_PASSED_WITH_OPERATOR_KEY.contains(&n);
         let kept = |n: &str| !(NOT_FORWARDED.contains(&n) || operator_key && swapped(n));
         let mut headers: Vec<(String, String)> = received.into_iter().filter(|(n, _)| kept(n)).collect();
-        if let Some(bearer) = self.bearer.as_ref().filter(|_| operator_key) {
+        if let Some(bearer) = self.env.bearer.as_ref().filter(|_| operator_key) {
             headers.push((headers::AUTHORIZATION.to_owned(), bearer.clone()));
         }
         let path = request.path_with_query().unwrap_or_else(|| "/".into());
         let deadline = host::now_ms().saturating_add(self.config.upstream.timeout_ms);
         let answer = self
-            .outgoing(request.method(), &path, &headers)
+            .outgoing(request.method(), &self.config.upstream.authority, &path, &headers)
             .and_then(|outgoing| self.send(outgoing, Body::From(&request), deadline, &mut || {}).ok());
         let Some(answer) = answer else {
             let e = ApiError::upstream(502, "HolySheep could not be reached", "upstream_unavailable");

@@ -12,10 +12,10 @@ use crate::core::request::ApiRequest;
 use std::cell::RefCell;
 use std::rc::Rc;
 
-/// What every part of one request needs: configuration, the key, and the store.
+/// What every part of one request needs: configuration, the operator's key, and the store.
 pub(super) struct Gateway {
     pub(super) config: Config,
-    pub(super) bearer: Option<String>,
+    pub(super) env: Rc<Environment>,
     pub(super) kv: Kv,
 }
 
@@ -77,10 +77,10 @@ fn setup() -> Result<Gateway, ApiError> {
         eprintln!("holysheep: budget_store is not used by the component: budgets are kept in its wasi:keyvalue bucket");
         config.budget_store.cluster.clear();
     }
-    let bearer = Environment::read(&mut config, |name| env.get(name)).bearer;
+    let secrets = Rc::new(Environment::read(&mut config, |name| env.get(name)));
     let bucket = env.get("HOLYSHEEP_KV_BUCKET").unwrap_or_else(|| "default".into());
     let kv = Kv::open(&bucket).map_err(|e| {
         ApiError::server(format!("the wasi:keyvalue bucket '{bucket}' cannot be opened: {e}"), "store_unavailable")
     })?;
-    Ok(Gateway { config, bearer, kv })
+    Ok(Gateway { config, env: secrets, kv })
 }

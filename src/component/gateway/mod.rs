@@ -141,12 +141,11 @@ impl Gateway {
     /// errors before that are retried, failed over and answered as JSON), its backoffs,
     /// until it is over.
     fn lead(&self, call: Call, outbound: Rc<Outbound>, out: ResponseOutparam) {
-        let keyed = self.bearer.is_some();
-        let (mut leader, mut next) = Leader::start(&self.engine(), call, outbound.clone(), keyed, self.at());
+        let (mut leader, mut next) = Leader::start(&self.engine(), call, outbound.clone(), self.env.clone(), self.at());
         loop {
             next = match next {
-                Do::Embed { body, timeout_ms } => {
-                    let answer = self.embed(leader.call(), &body, timeout_ms);
+                Do::Embed(call) => {
+                    let answer = self.embed(leader.call(), &call);
                     let answer = match &answer {
                         Ok((status, body)) => Answer::Got { status: *status, body: body.as_deref() },
                         Err(Failed::Unsent) => Answer::Unsent,
@@ -154,9 +153,9 @@ impl Gateway {
                     };
                     leader.on_embedding(&self.engine(), answer, self.at())
                 }
-                Do::Send { model, timeout_ms } if outbound.stream => {
-                    let deadline = host::now_ms().saturating_add(timeout_ms.max(1));
-                    let (outcome, hints) = match self.request_head(leader.call(), &outbound, &model, deadline) {
+                Do::Send { call, .. } if outbound.stream => {
+                    let deadline = host::now_ms().saturating_add(call.timeout_ms);
+                    let (outcome, hints) = match self.request(&call, leader.call(), deadline) {
                         Ok(response) if is_event_stream(&response) => {
                             return self.relay(leader, &outbound, response, out);
                         }
@@ -165,8 +164,8 @@ impl Gateway {
                     };
                     leader.on_response(&self.engine(), outcome, &hints, self.at())
                 }
-                Do::Send { model, timeout_ms } => {
-                    let (outcome, hints) = self.attempt(leader.call(), &outbound, &model, timeout_ms);
+                Do::Send { call, .. } => {
+                    let (outcome, hints) = self.attempt(leader.call(), &outbound, &call);
                     leader.on_response(&self.engine(), outcome, &hints, self.at())
                 }
                 // No fleet here, the key-value store is this host's own (docs/component.md):
@@ -197,7 +196,7 @@ impl Gateway {
     /// client that leaves does not stop the reading: its waiters still get the answer.
     fn relay(&self, mut leader: Leader, outbound: &Outbound, response: IncomingResponse, out: ResponseOutparam) {
         let call = leader.call().clone();
-        let Some(label) = leader.stream_label(&self.config, self.bearer.is_some()) else { return };
+        let Some(label) = leader.stream_label(&self.config) else { return };
         let fresh_s = label.fresh_s;
         let head = stream_head(label.cache, &label.key, &label.model, label.tenant.as_deref(), fresh_s);
         let mut headers = vec![(headers::CONTENT_TYPE.to_owned(), headers::EVENT_STREAM.to_owned())];

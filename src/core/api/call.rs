@@ -18,14 +18,27 @@ pub struct HttpCall {
 impl HttpCall {
     /// A `POST` of `body` to `path` at `authority`, along `cluster`.
     pub(crate) fn post<'a>(
+        to: (&str, &str),
+        path: &str,
+        headers: impl IntoIterator<Item = (&'static str, &'a str)>,
+        body: Vec<u8>,
+        timeout_ms: u64,
+    ) -> HttpCall {
+        HttpCall::request("POST", to, path, headers, body, timeout_ms)
+    }
+
+    /// A request of `method` to `path` at `authority`, along `cluster` (`body`: none when
+    /// empty).
+    pub(crate) fn request<'a>(
+        method: &str,
         (cluster, authority): (&str, &str),
         path: &str,
         headers: impl IntoIterator<Item = (&'static str, &'a str)>,
         body: Vec<u8>,
         timeout_ms: u64,
     ) -> HttpCall {
-        let mut all = vec![(":method", "POST".to_owned()), (":path", path.to_owned()), (":authority", authority.to_owned())];
-        all.extend(headers.into_iter().map(|(n, v)| (n, v.to_owned())));
+        let pseudo = [(":method", method), (":path", path), (":authority", authority)].map(|(n, v)| (n, v.to_owned()));
+        let all = pseudo.into_iter().chain(headers.into_iter().map(|(n, v)| (n, v.to_owned()))).collect();
         HttpCall { cluster: cluster.to_owned(), headers: all, body, timeout_ms: timeout_ms.max(1) }
     }
 
@@ -51,7 +64,8 @@ mod tests {
 
     #[test]
     fn a_post_names_its_method_path_and_authority_first_and_never_has_no_deadline() {
-        let call = HttpCall::post(("c", "api.example"), "/v1/x", [("content-type", "application/json")], b"{}".to_vec(), 0);
+        let call =
+            HttpCall::post(("c", "api.example"), "/v1/x", [("content-type", "application/json")], b"{}".to_vec(), 0);
         assert_eq!(call.pairs()[..3], [(":method", "POST"), (":path", "/v1/x"), (":authority", "api.example")]);
         assert_eq!(call.header("content-type"), Some("application/json"));
         assert_eq!(call.regular().collect::<Vec<_>>(), [("content-type", "application/json")]);

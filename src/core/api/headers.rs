@@ -77,6 +77,11 @@ pub const CONTENT_TYPE: &str = "content-type";
 pub const CONTENT_LENGTH: &str = "content-length";
 pub const TRANSFER_ENCODING: &str = "transfer-encoding";
 pub const HOST: &str = "host";
+/// The scheme a client came by, as a proxy in front says; Envoy 1.40 routes a rewritten
+/// request only with it.
+pub const FORWARDED_PROTO: &str = "x-forwarded-proto";
+/// Envoy's id of a request, kept when the edge rewrites one.
+pub const REQUEST_ID: &str = "x-request-id";
 pub const USER_AGENT: &str = "user-agent";
 /// W3C trace context, read from the client and sent on the call to HolySheep.
 pub const TRACEPARENT: &str = "traceparent";

@@ -12,6 +12,11 @@ use std::fmt::{Display, Write};
 /// finds; the hop itself is authenticated).
 const DIGITS: usize = 16;
 
+/// A digest a request carried, as the edge repeats it: hex digits only, at most 16.
+pub(crate) fn shown(digest: &str) -> String {
+    digest.chars().filter(char::is_ascii_hexdigit).take(16).collect()
+}
+
 /// The digest of `config`'s cache scope, models, tenants and semantic tier, as settled
 /// (defaults filled in): two configurations that spell the same settings otherwise have
 /// the same digest.

@@ -2,6 +2,7 @@
 //! the fleet's secrets, never from the configuration itself (which Envoy's admin interface
 //! shows); and what the log should say of the two together when the configuration arrives.
 
+use crate::core::api::note::Note;
 use crate::core::api::objects::ObjectKey;
 use crate::core::config::{Config, Role};
 
@@ -13,14 +14,6 @@ pub struct Environment {
     /// The fleet's shared secret, and a second one accepted during a rotation.
     pub fleet_secret: Option<String>,
     pub fleet_secret_accepted: Option<String>,
-}
-
-/// A line for the log when a configuration arrives.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Note {
-    /// A setting that cannot work as configured.
-    Error(String),
-    Info(String),
 }
 
 impl Environment {

@@ -5,7 +5,8 @@
 //! retries, failover, owners' verdicts, sleeps), then ends: the answer stored and handed
 //! to the waiters, the question learned by the semantic index.
 //!
-//! The shell carries out each `Do` and hands back what came of it (`on_embedding`,
+//! The shell carries out each `Do` (each call is ready to send: `api::call::HttpCall`) and
+//! hands back what came of it (`on_embedding`,
 //! `on_response`, `on_stream_end`, `on_verdict`, `on_timer`). After each step it drains
 //! `events` (its counters) and `outbox` (settlements for owner nodes, sent without
 //! waiting). `spent` is what the leader's request spent, for its access-log line.
@@ -13,6 +14,7 @@
 use super::look::{self, Answer, Begun, Look, Outcome};
 use super::tee::{StreamEnd, StreamLabel};
 use super::{Action, Flight};
+use crate::core::api::call::HttpCall;
 use crate::core::api::event::Event;
 use crate::core::api::headers;
 use crate::core::api::hints::ProviderHints;
@@ -20,26 +22,29 @@ use crate::core::api::key::Key;
 use crate::core::api::response::Response;
 use crate::core::cache::Fresh;
 use crate::core::coalesce::engine::{Call, Ended, Engine};
+use crate::core::config::environment::Environment;
 use crate::core::config::Config;
+use crate::core::flight::tee::HeadEdit;
 use crate::core::limits::fleet::{Op, Verdict};
 use crate::core::observe::log_fields::{Served, Spent};
-use crate::core::semantic::{self, Learned};
+use crate::core::semantic::{self, Learned, EMBEDDINGS_PATH};
 use crate::core::store::CasStore;
-use crate::core::upstream::Outbound;
+use crate::core::upstream::{self, Outbound};
 use std::rc::Rc;
 
 /// What the shell does next for a leader.
 #[derive(Debug)]
 pub enum Do {
-    /// POST `body` to HolySheep's `/v1/embeddings` with the operator's key within
-    /// `timeout_ms`, then `on_embedding`.
-    Embed { body: Vec<u8>, timeout_ms: u64 },
-    /// Call HolySheep for `model`: `Outbound::body_for(model)` with `Outbound::headers`,
-    /// its answer to `on_response`; a stream along the route (`Flight::route_headers`),
-    /// teed (`tee::StreamLabel::answer`), its end to `on_stream_end`.
-    Send { model: String, timeout_ms: u64 },
-    /// Ask the owner node of `bucket` to admit the call, then `on_verdict`.
-    Ask { bucket: String, op: Op, timeout_ms: u64 },
+    /// Make the call (the question's embedding, paid with the operator's key), reading at
+    /// most `semantic::MAX_EMBEDDING_BYTES` of its answer, then `on_embedding`.
+    Embed(HttpCall),
+    /// Call HolySheep for `model`: make `call`, its answer to `on_response`. A host that
+    /// streams along its route sends a stream there instead (`Leader::route_edit`), teed
+    /// (`tee::StreamLabel::answer`), its end to `on_stream_end`.
+    Send { model: String, call: HttpCall },
+    /// Ask the owner node of `bucket` to admit the call: make `call` (`None`: this node has
+    /// no fleet secret, and so no verdict), then `on_verdict`.
+    Ask { bucket: String, op: Op, call: Option<HttpCall> },
     /// Come back (`on_timer`) at this time.
     Sleep { until_ms: u64 },
     /// The leader is done.
@@ -78,30 +83,37 @@ pub struct Leader {
     pub spent: Spent,
     /// What happened since the shell last drained them.
     pub events: Vec<Event>,
-    /// Settlements for owner nodes, sent without waiting.
+    /// Settlements for owner nodes, sent without waiting (`Op::settlement`).
     pub outbox: Vec<Op>,
+    /// The operator's key and the fleet's secret its calls carry.
+    env: Rc<Environment>,
 }
 
 impl Leader {
-    /// A leader's first step. `keyed`: the operator's key is there to pay for an embedding.
+    /// A leader's first step, its calls made with the secrets of `env` (without the
+    /// operator's key, no embedding is paid for).
     pub fn start<S: CasStore>(
         engine: &Engine<'_, S>,
         call: Call,
         outbound: Rc<Outbound>,
-        keyed: bool,
+        env: Rc<Environment>,
         (now_ms, nonce): (u64, u64),
     ) -> (Leader, Do) {
+        let keyed = env.bearer.is_some();
         let begun = look::begin(engine.store, engine.config, call, &outbound, keyed, now_ms);
         let stage = Stage::Over(match &begun {
             Begun::Embed(look, _) => look.call.clone(),
             Begun::Go(call) => call.clone(),
         });
-        let mut leader =
-            Leader { outbound, stage, learned: None, spent: Spent::default(), events: Vec::new(), outbox: Vec::new() };
+        let (learned, spent, events, outbox) = (None, Spent::default(), Vec::new(), Vec::new());
+        let mut leader = Leader { outbound, stage, learned, spent, events, outbox, env };
         let next = match begun {
             Begun::Embed(look, body) => {
                 leader.stage = Stage::Looking(look);
-                Do::Embed { body, timeout_ms: engine.config.semantic.timeout_ms }
+                let config = engine.config;
+                let to = (config.upstream.cluster.as_str(), config.upstream.authority.as_str());
+                let headers = upstream::embedding_headers(leader.env.bearer.as_deref().unwrap_or_default());
+                Do::Embed(HttpCall::post(to, EMBEDDINGS_PATH, headers, body, config.semantic.timeout_ms))
             }
             Begun::Go(call) => leader.fly(engine, call, (now_ms, nonce)),
         };
@@ -118,8 +130,9 @@ impl Leader {
     }
 
     /// What its stream's answer carries and how it is read (`tee::StreamLabel::answer`),
-    /// once it flies. `keyed`: its calls carry the operator's key.
-    pub fn stream_label(&self, config: &Config, keyed: bool) -> Option<StreamLabel> {
+    /// once it flies.
+    pub fn stream_label(&self, config: &Config) -> Option<StreamLabel> {
+        let keyed = self.env.bearer.is_some();
         let flight = self.flight()?;
         let out = &self.outbound;
         Some(StreamLabel {
@@ -132,6 +145,25 @@ impl Leader {
             fresh_s: flight.call.store.then_some(config.cache.ttl_seconds),
             signer: config.signer(out.endpoint, out.tenant.as_deref()),
         })
+    }
+
+    /// A stream's `call` as it goes along the host's route in place of the client's request,
+    /// whose headers are `head`: every header of the client's but the pseudo-headers and
+    /// `x-request-id` taken out, then the call's own set with its body's length, the
+    /// scheme the client came by (the route needs it) and the router's retry terms for the
+    /// flight (`Flight::route_headers`). `None` before it flies.
+    pub fn route_edit(&self, config: &Config, call: &HttpCall, head: &[(String, String)]) -> Option<HeadEdit> {
+        let flight = self.flight()?;
+        let value = |name: &str| head.iter().find(|(n, _)| n == name).map(|(_, v)| v.clone());
+        let scheme = value(":scheme").or_else(|| value(headers::FORWARDED_PROTO)).unwrap_or_else(|| "http".into());
+        let stays = |n: &str| n.starts_with(':') || n == headers::REQUEST_ID;
+        let remove = head.iter().map(|(n, _)| n.clone()).filter(|n| !stays(n)).collect();
+        let mut set: Vec<(String, String)> =
+            call.headers.iter().filter(|(n, _)| *n != ":method").map(|(n, v)| ((*n).to_owned(), v.clone())).collect();
+        set.push((headers::FORWARDED_PROTO.to_owned(), scheme));
+        set.push((headers::CONTENT_LENGTH.to_owned(), call.body.len().to_string()));
+        set.extend(flight.route_headers(config).into_iter().map(|(n, v)| (n.to_owned(), v)));
+        Some(HeadEdit { remove, set })
     }
 
     /// Its flight, once it flies.
@@ -246,8 +278,15 @@ impl Leader {
     fn act<S: CasStore>(&mut self, engine: &Engine<'_, S>, action: Action, now_ms: u64) -> Do {
         self.take_flights(engine);
         match action {
-            Action::Send { model, timeout_ms } => Do::Send { model, timeout_ms },
-            Action::Ask { bucket, op, timeout_ms } => Do::Ask { bucket, op, timeout_ms },
+            Action::Send { model, timeout_ms } => {
+                let call = self.outbound.call(engine.config, self.env.bearer.as_deref(), &model, timeout_ms);
+                Do::Send { model, call }
+            }
+            Action::Ask { bucket, op, timeout_ms } => {
+                let secret = self.env.fleet_secret.as_deref();
+                let call = secret.map(|secret| op.call(engine.config, secret, &bucket, timeout_ms));
+                Do::Ask { bucket, op, call }
+            }
             Action::Sleep { until_ms } => Do::Sleep { until_ms },
             Action::Finish(outcome) => Do::Over(self.over(engine, outcome, now_ms)),
         }
@@ -304,6 +343,12 @@ mod tests {
         (call, Rc::new(outbound))
     }
 
+    /// A node's secrets, with the operator's key or without.
+    fn env(keyed: bool) -> Rc<Environment> {
+        let bearer = keyed.then(|| "Bearer sk-operator".to_owned());
+        Rc::new(Environment { bearer, fleet_secret: Some("fleet".into()), fleet_secret_accepted: None })
+    }
+
     fn answer(usage: (u64, u64)) -> Response {
         let body = format!(
             r#"{{"id":"c","object":"chat.completion","model":"gpt-4.1","choices":[],"usage":{{"prompt_tokens":{},"completion_tokens":{}}}}}"#,
@@ -317,9 +362,15 @@ mod tests {
         let (store, config) = (MemStore::new(), Config::default());
         let engine = Engine { store: &store, config: &config };
         let (call, outbound) = lead(&engine, BODY);
-        let (mut leader, next) = Leader::start(&engine, call, outbound, true, (1_000, 7));
-        let Do::Send { model, .. } = next else { panic!("no semantic tier: it calls at once: {next:?}") };
+        let (mut leader, next) = Leader::start(&engine, call, outbound, env(true), (1_000, 7));
+        let Do::Send { model, call } = next else { panic!("no semantic tier: it calls at once: {next:?}") };
         assert_eq!(model, "gpt-4.1");
+        // The call is ready to send: where it goes and every header it carries.
+        assert_eq!((call.cluster.as_str(), call.timeout_ms), ("holysheep", config.upstream.timeout_ms));
+        assert_eq!(call.header(":path"), Some("/v1/chat/completions"));
+        assert_eq!(call.header(":authority"), Some(config.upstream.authority.as_str()));
+        assert_eq!(call.header("authorization"), Some("Bearer sk-operator"), "the operator's key, not alice's");
+        assert_eq!(call.header("accept"), Some("application/json"));
         let Do::Over(over) = leader.on_response(&engine, Some(answer((12, 5))), &ProviderHints::default(), (1_050, 8))
         else {
             panic!("one answer ends it")
@@ -342,9 +393,25 @@ mod tests {
         let engine = Engine { store: &store, config: &config };
         let body = br#"{"model":"gpt-4.1","messages":[{"role":"user","content":"hi"}],"stream":true}"#;
         let (call, outbound) = lead(&engine, body);
-        let (mut leader, next) = Leader::start(&engine, call, outbound, true, (1_000, 7));
+        let (mut leader, next) = Leader::start(&engine, call, outbound, env(true), (1_000, 7));
         assert!(matches!(next, Do::Send { .. }), "{next:?}");
-        let label = leader.stream_label(&config, true).expect("a flying leader has a label");
+        let Do::Send { call, .. } = &next else { unreachable!() };
+        assert_eq!(call.header("accept"), Some("text/event-stream"), "a stream asks for events");
+        // Along the route: the client's headers go but the pseudo-headers and its id, the
+        // call's own come with the scheme, the body's length and the router's terms.
+        let client =
+            [(":scheme", "https"), (":path", "/v1//chat/completions"), ("x-request-id", "r1"), ("cookie", "c")];
+        let client: Vec<(String, String)> = client.iter().map(|(n, v)| ((*n).into(), (*v).into())).collect();
+        let edit = leader.route_edit(&config, call, &client).expect("it flies");
+        assert_eq!(edit.remove, ["cookie"]);
+        let set = |name: &str| edit.set.iter().find(|(n, _)| n == name).map(|(_, v)| v.as_str());
+        assert_eq!(set(":path"), Some("/v1/chat/completions"));
+        assert_eq!(set("x-forwarded-proto"), Some("https"));
+        assert_eq!(set("content-length"), Some(call.body.len().to_string().as_str()));
+        assert_eq!(set("authorization"), Some("Bearer sk-operator"));
+        assert!(set("x-envoy-max-retries").is_some(), "{:?}", edit.set);
+        assert_eq!(set(":method"), None, "the method stays the client's POST");
+        let label = leader.stream_label(&config).expect("a flying leader has a label");
         assert_eq!((label.cache, label.model.as_str()), (CacheStatus::Miss, "gpt-4.1"));
         let over = leader.on_stream_end(&engine, StreamEnd { status: Some(200), ..StreamEnd::broken() }, 1_100);
         assert!(over.ended.is_none(), "nothing to share");
@@ -360,13 +427,15 @@ mod tests {
         let config = Config::parse(br#"{"semantic":{"enabled":true}}"#).unwrap();
         let engine = Engine { store: &store, config: &config };
         let (call, outbound) = lead(&engine, BODY);
-        let (mut unkeyed, next) = Leader::start(&engine, call.clone(), outbound.clone(), false, (1_000, 7));
+        let (mut unkeyed, next) = Leader::start(&engine, call.clone(), outbound.clone(), env(false), (1_000, 7));
         assert!(matches!(next, Do::Send { .. }), "without the operator's key, no look: {next:?}");
         assert!(unkeyed.events.iter().all(|e| !matches!(e, Event::Embedded { .. })));
         unkeyed.events.clear();
-        let (mut leader, next) = Leader::start(&engine, call, outbound, true, (1_000, 7));
-        let Do::Embed { timeout_ms, .. } = next else { panic!("it looks for a paraphrase first: {next:?}") };
-        assert_eq!(timeout_ms, config.semantic.timeout_ms);
+        let (mut leader, next) = Leader::start(&engine, call, outbound, env(true), (1_000, 7));
+        let Do::Embed(embed) = next else { panic!("it looks for a paraphrase first: {next:?}") };
+        assert_eq!(embed.timeout_ms, config.semantic.timeout_ms);
+        assert_eq!(embed.header(":path"), Some("/v1/embeddings"));
+        assert_eq!(embed.header("authorization"), Some("Bearer sk-operator"), "paid with the operator's key");
         let next = leader.on_embedding(&engine, Answer::Unsent, (1_010, 8));
         assert!(matches!(next, Do::Send { .. }), "{next:?}");
         let embedded = Event::Embedded { model: "gpt-4.1".into(), sent: false, tokens: None, near_miss: false };

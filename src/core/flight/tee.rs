@@ -16,6 +16,8 @@ use crate::core::cache::edge::{self, Origin};
 use crate::core::cache::Fresh;
 use crate::core::coalesce::engine::Call;
 use crate::core::config::Config;
+use crate::core::request;
+use crate::core::semantic;
 use crate::core::stream::Reassembler;
 use crate::core::upstream::{self, Outbound, Sent};
 use std::rc::Rc;
@@ -208,8 +210,9 @@ impl StreamEnd {
     }
 }
 
-/// What the shell does to the head of an answer coming back along the route: the headers
-/// it takes out, then those it sets (`:status` among them).
+/// What the shell does to a head (an answer's coming back along the route, `:status`
+/// among what it sets; or a request's going on): the headers it takes out, then those it
+/// sets.
 #[derive(Debug, Default, PartialEq, Eq)]
 pub struct HeadEdit {
     pub remove: Vec<String>,
@@ -331,6 +334,25 @@ pub struct Hop {
 impl Hop {
     pub fn new(call: Call, outbound: Rc<Outbound>) -> Hop {
         Hop { call, outbound, fresh: None, kept: Vec::new(), shared: false, origin: None }
+    }
+
+    /// The request as it goes on to the key's owner node (which recomputes the key; a
+    /// request of the semantic tier goes to its partition's owner instead): keyed for the
+    /// route, and a stream's body asking for the usage event so that a copy of it is
+    /// whole (`answer`'s tee takes the event out again for a client that did not ask).
+    /// Such a body is whole and of a known length: the client's framing goes (its
+    /// trailers too, which the host takes off).
+    pub fn request(&self, config: &Config) -> (HeadEdit, Option<Vec<u8>>) {
+        let out = &self.outbound;
+        let mut edit = HeadEdit::default();
+        edit.set(headers::KEY, semantic::route(config, &self.call.key, out.semantic.as_ref()));
+        if !out.stream || out.include_usage {
+            return (edit, None);
+        }
+        let body = request::for_upstream(&out.body, &out.model, out.endpoint.asks_stream_usage(), None);
+        edit.remove.push(headers::TRANSFER_ENCODING.to_owned());
+        edit.set(headers::CONTENT_LENGTH, body.len().to_string());
+        (edit, Some(body))
     }
 
     /// The owner's answer arrives: it passes to the client as it is (marked

@@ -3,7 +3,9 @@
 //! take capacity before calling HolySheep and tells it how the call ended. These are the
 //! messages and the model owner's side, over its own store.
 
+use crate::core::api::call::HttpCall;
 use crate::core::api::error::ApiError;
+use crate::core::api::headers;
 use crate::core::api::hints::ProviderHints;
 use crate::core::api::priority::Class;
 use crate::core::config::Config;
@@ -11,6 +13,7 @@ use crate::core::limits::budget::Hold;
 use crate::core::limits::line::Who;
 use crate::core::limits::tenant_gate::{self, Ask, Settlement};
 use crate::core::limits::{self, Denial, Limits};
+use crate::core::request::PEER_PATH;
 use crate::core::store::CasStore;
 use crate::core::wire::scan::{self, Json};
 use crate::core::wire::write::Object;
@@ -32,6 +35,9 @@ pub enum Op {
     /// A tenant's call ended: settle it on the tenant's owner node.
     TenantSettle(Settlement),
 }
+
+/// How long a settlement may take; nobody waits for it.
+const SETTLE_TIMEOUT_MS: u64 = 5_000;
 
 impl Op {
     /// A message as `to_json` writes it, or as a node of the previous release did: an
@@ -107,8 +113,23 @@ impl Op {
 
     /// The `:authority` of the internal call: the fleet's ring hashes it, so every node
     /// reaches the same owner for a bucket.
-    pub fn authority(bucket: &str) -> String {
+    pub(crate) fn authority(bucket: &str) -> String {
         ["bucket.", bucket, ".holysheep"].concat()
+    }
+
+    /// The call that tells a bucket's owner how a call ended, sent without waiting (`None`:
+    /// a model without limits).
+    pub fn settlement(&self, config: &Config, secret: &str) -> Option<HttpCall> {
+        let bucket = self.bucket(config)?;
+        Some(self.call(config, secret, &bucket, SETTLE_TIMEOUT_MS))
+    }
+
+    /// The call to the owner of `bucket`, with the fleet's `secret`: along the fleet's
+    /// cluster, whose ring hashes the `:authority` that names the bucket.
+    pub fn call(&self, config: &Config, secret: &str, bucket: &str, timeout_ms: u64) -> HttpCall {
+        let headers = [(headers::CONTENT_TYPE, "application/json"), (headers::PEER_SECRET, secret)];
+        let to = (config.fleet.cluster.as_str(), Op::authority(bucket));
+        HttpCall::post((to.0, &to.1), PEER_PATH, headers, self.to_json(), timeout_ms)
     }
 
     /// The message: the defaults a node of the previous release did not know (a

@@ -32,6 +32,7 @@ use crate::core::api::reply::Reply;
 use crate::core::api::usage::Usage;
 use crate::core::coalesce::engine::Call;
 use crate::core::coalesce::engine::{poll_delay_ms, Engine, Step, Wait};
+use crate::core::config::environment::Environment;
 use crate::core::config::Config;
 use crate::core::flight::leader::{Do, Leader, Over};
 use crate::core::limits::budget;
@@ -132,6 +133,8 @@ pub(crate) struct Violation {
 pub(crate) struct Sim {
     rng: Rng,
     config: Config,
+    /// Every node's secrets: the operator's key and the fleet's secret.
+    env: Rc<Environment>,
     scenario: Scenario,
     nodes: Vec<Node>,
     clock: u64,
@@ -188,6 +191,11 @@ impl Sim {
             shared_out: vec![false; billed.len() - 1],
             rng,
             config,
+            env: Rc::new(Environment {
+                bearer: Some("Bearer sk-sim".into()),
+                fleet_secret: Some("fleet-sim".into()),
+                fleet_secret_accepted: None,
+            }),
             scenario,
             nodes,
             clock: START_MS,
@@ -565,7 +573,7 @@ impl Sim {
         let worst_micro = tenant_gate::worst_micro(&self.config, &models, outbound.worst_tokens());
         self.most = (self.most.0.max(outbound.estimate_tokens), self.most.1.max(worst_micro));
         let at = (self.now(node), self.rng.next());
-        let (leader, next) = Leader::start(&self.engine(node), call, outbound, true, at);
+        let (leader, next) = Leader::start(&self.engine(node), call, outbound, self.env.clone(), at);
         let id = self.next_id;
         self.next_id += 1;
         let live = Live { req, leader, worst_micro, due_micro: 0, charged_micro: 0, fault: None };
@@ -620,7 +628,8 @@ impl Sim {
         let Some(node) = self.node_of(id) else { return };
         match next {
             Do::Embed { .. } => self.embed(id),
-            Do::Send { model, timeout_ms } => {
+            Do::Send { model, call } => {
+                let timeout_ms = call.timeout_ms;
                 let (Some(l), Some(r)) =
                     (self.live.get(&id), self.live.get(&id).and_then(|l| self.requests.get(&l.req)))
                 else {
@@ -668,7 +677,8 @@ impl Sim {
                 let until = until_ms.saturating_add_signed(-self.nodes[node].skew_ms);
                 self.at(until, Happening::Resume(id));
             }
-            Do::Ask { bucket, op, timeout_ms } => {
+            Do::Ask { bucket, op, call } => {
+                let timeout_ms = call.map_or(1, |c| c.timeout_ms);
                 let owner = self.owner(&bucket);
                 if self.nodes[owner].silent_until > self.clock {
                     // A stopped owner: the ask may have reached it, its answer never comes.

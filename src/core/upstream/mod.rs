@@ -1,21 +1,24 @@
 //! The HolySheep request and response as both shells send and read them: the request a
 //! flight's attempt makes (body, headers) and the `Response` + `ProviderHints` read back.
 
+use crate::core::api::call::HttpCall;
 use crate::core::api::endpoint::Endpoint;
 use crate::core::api::error::ApiError;
 use crate::core::api::headers;
 use crate::core::api::hints::ProviderHints;
 use crate::core::api::priority::Class;
+use crate::core::api::reply::Reply;
 use crate::core::api::response::Response;
 use crate::core::api::trace::TraceContext;
-use crate::core::api::usage::{Billed, DEFAULT_COMPLETION_ESTIMATE};
+use crate::core::api::usage::{Billed, Usage, DEFAULT_COMPLETION_ESTIMATE};
 use crate::core::cache::batch::Batch;
 use crate::core::cache::edge;
 use crate::core::config::{Config, Role};
 use crate::core::limits;
+use crate::core::observe::log_fields::{self, Answered, Served};
 use crate::core::request::probe::Probe;
 use crate::core::request::{for_upstream, ApiRequest};
-use crate::core::store::CasStore;
+use crate::core::store::{claim, CasStore};
 use crate::core::wire::scan;
 use std::borrow::Cow;
 
@@ -56,6 +59,21 @@ pub struct Outbound {
 }
 
 pub const USER_AGENT: &str = concat!("holysheep-edge/", env!("CARGO_PKG_VERSION"));
+
+/// Shared-data key claimed by the one worker per process that checks the operator's key.
+const KEY_CHECK: &str = "holysheep/key-check";
+
+/// The check of the operator's key (`bearer`), once per process: `GET /v1/models` with it,
+/// for the first worker to claim the check in `store` (`None` for every other).
+/// `observe::notices::Notices::key_checked` says what its answer means.
+pub fn key_check(store: &impl CasStore, config: &Config, bearer: &str) -> Option<HttpCall> {
+    if !claim(store, KEY_CHECK, b"1") {
+        return None;
+    }
+    let to = (config.upstream.cluster.as_str(), config.upstream.authority.as_str());
+    let headers = [(headers::AUTHORIZATION, bearer)];
+    Some(HttpCall::request("GET", to, "/v1/models", headers, Vec::new(), config.upstream.timeout_ms))
+}
 
 /// The headers of a leader's embedding call (`flight::look`), paid with the operator's key
 /// (`bearer`).
@@ -147,6 +165,23 @@ impl Outbound {
         extra
     }
 
+    /// What the access log shows of a request of this form answered with `reply` (its
+    /// cache status, key and model), before it is priced (`Answered::priced`).
+    pub fn answered<'a>(&'a self, reply: &'a Reply, served: Served, usage: Option<Usage>) -> Answered<'a> {
+        Answered {
+            cache: reply.cache,
+            key: reply.key.as_ref(),
+            response_model: log_fields::response_model(reply),
+            requested_model: &self.model,
+            operation: self.endpoint.operation(),
+            tenant: self.tenant.as_deref(),
+            class: self.class,
+            served,
+            usage,
+            saved_micro_usd: None,
+        }
+    }
+
     /// How a call for this request goes, with the operator's key or not.
     pub fn sent(&self, operator_key: bool) -> Sent {
         Sent { endpoint: self.endpoint, stream: self.stream, operator_key, envoy: false }
@@ -155,6 +190,18 @@ impl Outbound {
     /// Prompt tokens, estimated at four bytes of the request body a token.
     pub fn prompt_estimate(&self) -> u64 {
         (self.body.len() as u64).div_ceil(4)
+    }
+
+    /// The call to HolySheep for `model` (`bearer`: the operator's key), within
+    /// `timeout_ms`; a stream's asks for events.
+    pub fn call(&self, config: &Config, bearer: Option<&str>, model: &str, timeout_ms: u64) -> HttpCall {
+        let mut headers = self.headers(bearer);
+        if self.stream {
+            headers.retain(|(n, _)| *n != headers::ACCEPT);
+            headers.push((headers::ACCEPT, headers::EVENT_STREAM));
+        }
+        let to = (config.upstream.cluster.as_str(), config.upstream.authority.as_str());
+        HttpCall::post(to, self.endpoint.path(), headers, self.body_for(model).into_owned(), timeout_ms)
     }
 
     /// The regular headers of the call: the configured key (`bearer`, `Bearer <key>`)

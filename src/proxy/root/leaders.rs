@@ -5,6 +5,7 @@
 
 use super::route::Forwarded;
 use super::Root;
+use crate::core::api::call::HttpCall;
 use crate::core::api::error::ApiError;
 use crate::core::api::headers;
 use crate::core::api::hints::ProviderHints;
@@ -14,14 +15,13 @@ use crate::core::coalesce::engine::Call;
 use crate::core::flight::leader::{Do, Leader, Over};
 use crate::core::flight::look::Answer;
 use crate::core::flight::tee::StreamEnd;
-use crate::core::limits::fleet::{Op, Verdict};
-use crate::core::semantic::{EMBEDDINGS_PATH, MAX_EMBEDDING_BYTES};
+use crate::core::limits::fleet::Verdict;
+use crate::core::semantic::MAX_EMBEDDING_BYTES;
 use crate::core::upstream::{self, Outbound};
 use crate::proxy::abi as hostcalls;
-use crate::proxy::fleet;
 use crate::proxy::host;
 use crate::proxy::runs::{Callout, Run};
-use crate::proxy::types::{BufferType, LogLevel, MapType};
+use crate::proxy::types::{BufferType, LogLevel, MapType, Status};
 use crate::proxy::wake::DISPATCH;
 use crate::proxy::worker::Target;
 use std::rc::Rc;
@@ -35,8 +35,8 @@ impl Root {
     pub(super) fn begin(&mut self, context_id: u32, call: Call, outbound: Rc<Outbound>) {
         let (leader, next) = {
             let mut w = self.worker.borrow_mut();
-            let (keyed, at) = (w.bearer.is_some(), (host::now_ms(), w.nonce()));
-            Leader::start(&w.engine(), call, outbound, keyed, at)
+            let (env, at) = (w.env.clone(), (host::now_ms(), w.nonce()));
+            Leader::start(&w.engine(), call, outbound, env, at)
         };
         self.advance(Run { context_id, leader }, next);
     }
@@ -65,15 +65,15 @@ impl Root {
         loop {
             self.drain(&mut run);
             let refused = match next {
-                Do::Embed { body, timeout_ms } => match self.embed(&body, timeout_ms) {
+                Do::Embed(call) => match self.call(&call) {
                     Some(token) => return self.out(token, Callout::Embedding(run)),
                     None => Step::Embedding(Answer::Unsent),
                 },
-                Do::Ask { bucket, op, timeout_ms } => match self.ask(&bucket, &op, timeout_ms) {
+                Do::Ask { call, .. } => match call.and_then(|call| self.ask(&call)) {
                     Some(token) => return self.out(token, Callout::Verdict(run)),
                     None => Step::Verdict(None),
                 },
-                Do::Send { model, .. } if run.leader.outbound.stream => match self.forward(&run, &model) {
+                Do::Send { call, .. } if run.leader.outbound.stream => match self.forward(&run, &call) {
                     Forwarded::Sent => {
                         self.worker.borrow_mut().runs.streaming.insert(run.context_id, run);
                         return;
@@ -92,7 +92,7 @@ impl Root {
                         return;
                     }
                 },
-                Do::Send { model, timeout_ms } => match self.dispatch(&run, &model, timeout_ms) {
+                Do::Send { call, .. } => match self.call(&call) {
                     Some(token) => return self.out(token, Callout::Attempt(run)),
                     // Refused at dispatch: it never left.
                     None => Step::Response(None, ProviderHints::unsent()),
@@ -119,26 +119,14 @@ impl Root {
         self.send_settlements();
     }
 
-    pub(super) fn dispatch(&mut self, run: &Run, model: &str, timeout_ms: u64) -> Option<u32> {
-        let (config, bearer) = {
-            let w = self.worker.borrow();
-            (w.config.clone(), w.bearer.clone())
-        };
-        let out = &run.leader.outbound;
-        let body = out.body_for(model);
-        let mut headers = vec![
-            (":method", "POST"),
-            (":path", out.endpoint.path()),
-            (":authority", config.upstream.authority.as_str()),
-        ];
-        headers.extend(out.headers(bearer.as_deref()));
-        let timeout = Duration::from_millis(timeout_ms.max(1));
-        match hostcalls::dispatch_http_call(&config.upstream.cluster, headers, Some(&body), timeout) {
-            // No debug line per callout: proxy_log crosses into Envoy even when it drops
-            // the line.
+    /// Makes a call the core made ready; `None` when Envoy refuses it (logged: no
+    /// such cluster). No debug line per call: proxy_log crosses into Envoy even when it
+    /// drops the line.
+    pub(super) fn call(&self, call: &HttpCall) -> Option<u32> {
+        match dispatch(call) {
             Ok(token) => Some(token),
             Err(status) => {
-                let cluster = &config.upstream.cluster;
+                let cluster = &call.cluster;
                 host::log(LogLevel::Error, &format!("holysheep: callout to cluster '{cluster}' refused: {status:?}"));
                 None
             }
@@ -155,27 +143,6 @@ impl Root {
         }
         if let Some((key, watched)) = over.wake {
             self.wake_waiters(&key, watched);
-        }
-    }
-
-    /// The embedding call of a leader's look, paid with the operator's key.
-    fn embed(&self, body: &[u8], timeout_ms: u64) -> Option<u32> {
-        let (config, bearer) = {
-            let w = self.worker.borrow();
-            (w.config.clone(), w.bearer.clone().unwrap_or_default())
-        };
-        let mut headers =
-            vec![(":method", "POST"), (":path", EMBEDDINGS_PATH), (":authority", config.upstream.authority.as_str())];
-        headers.extend(upstream::embedding_headers(&bearer));
-        let timeout = Duration::from_millis(timeout_ms);
-        match hostcalls::dispatch_http_call(&config.upstream.cluster, headers, Some(body), timeout) {
-            Ok(token) => Some(token),
-            Err(status) => {
-                let cluster = &config.upstream.cluster;
-                let why = format!("holysheep: embedding callout to cluster '{cluster}' refused: {status:?}");
-                host::log(LogLevel::Error, &why);
-                None
-            }
         }
     }
 
@@ -239,7 +206,8 @@ impl Root {
         };
         let body = host::buffer(BufferType::HttpCallResponseBody, body_size);
         // A callout goes through this Envoy, whose own replies say when it never left.
-        let sent = upstream::Sent { envoy: true, ..run.leader.outbound.sent(self.worker.borrow().bearer.is_some()) };
+        let sent =
+            upstream::Sent { envoy: true, ..run.leader.outbound.sent(self.worker.borrow().env.bearer.is_some()) };
         let (response, hints) = upstream::response(status, &headers, body, sent);
         if hints.key_refused {
             self.worker.borrow_mut().key_refused(status);
@@ -247,41 +215,45 @@ impl Root {
         Step::Response(Some(response), hints)
     }
 
-    /// Sends `op` to the owner of `bucket`; `None` when it cannot be sent (no secret, no
-    /// cluster): the flight then admits from this node's share. No borrow of the worker is
-    /// held across a host call that may call back into it.
-    fn ask(&self, bucket: &str, op: &Op, timeout_ms: u64) -> Option<u32> {
-        let (config, secret) = {
-            let w = self.worker.borrow();
-            (w.config.clone(), w.fleet.secret.clone()?)
-        };
-        match fleet::ask(&config, &secret, bucket, op, timeout_ms) {
+    /// Asks an owner node; `None` when the call cannot be made (no fleet cluster): the
+    /// flight then admits from this node's share, and the log says owners are not reached.
+    fn ask(&self, call: &HttpCall) -> Option<u32> {
+        match dispatch(call) {
             Ok(token) => Some(token),
             Err(status) => {
-                let why = format!("callout to fleet cluster '{}' refused: {status:?}", config.fleet.cluster);
-                self.worker.borrow_mut().fleet.reached(false, &why);
+                let why = format!("callout to fleet cluster '{}' refused: {status:?}", call.cluster);
+                self.worker.borrow_mut().owners_reached(false, &why);
                 None
             }
         }
     }
 
-    /// Sends the settlements the flights left for model owners, without waiting for them.
+    /// Sends the settlements the flights left for owner nodes, without waiting for them.
     pub(super) fn send_settlements(&self) {
-        let (config, ops) = {
+        let (config, secret, ops) = {
             let mut w = self.worker.borrow_mut();
-            (w.config.clone(), std::mem::take(&mut w.fleet.outbox))
+            (w.config.clone(), w.env.fleet_secret.clone(), std::mem::take(&mut w.outbox))
         };
-        for op in ops {
-            if let Some(bucket) = op.bucket(&config) {
-                self.ask(&bucket, &op, fleet::SETTLE_TIMEOUT_MS);
-            }
+        let Some(secret) = secret else { return };
+        for call in ops.iter().filter_map(|op| op.settlement(&config, &secret)) {
+            self.ask(&call);
         }
     }
 
     /// A model's or a tenant's owner answered (or failed to): the leader that asked goes on.
     pub(super) fn on_verdict(&mut self, run: Run, num_headers: usize, body_size: usize) {
         let for_tenant = run.leader.flight().is_some_and(|f| f.asking_tenant());
-        let verdict = self.worker.borrow_mut().fleet.verdict(num_headers, body_size, for_tenant);
+        let status = host::callout_status(num_headers);
+        let verdict = (status == Some(200))
+            .then(|| Verdict::parse(&host::buffer(BufferType::HttpCallResponseBody, body_size)))
+            .flatten();
+        // A tenant's owner is not logged: a node of the previous release refuses tenants'
+        // calls, and its model answers must not flap the log.
+        if !for_tenant {
+            let status = status.map_or("none".to_owned(), |s| s.to_string());
+            let why = format!("a model owner did not answer (status {status})");
+            self.worker.borrow_mut().owners_reached(verdict.is_some(), &why);
+        }
         self.step(run, Step::Verdict(verdict));
     }
 
@@ -295,6 +267,13 @@ impl Root {
         };
         self.step(run, Step::Embedding(answer));
     }
+}
+
+/// Makes `call` (the callout's token).
+fn dispatch(call: &HttpCall) -> Result<u32, Status> {
+    let timeout = Duration::from_millis(call.timeout_ms);
+    let body = (!call.body.is_empty()).then_some(call.body.as_slice());
+    hostcalls::dispatch_http_call(&call.cluster, call.pairs(), body, timeout)
 }
 
 /// What came back for a leader.

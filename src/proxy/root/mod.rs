@@ -11,12 +11,13 @@ use super::abi as hostcalls;
 use super::counters::{Counters, EnvoyStats};
 use super::host::{self, SharedData};
 use super::http::Chat;
-use super::key_check;
 use super::runs::Callout;
 use super::worker::{Worker, WorkerRef, REPLY_BATCH};
 use crate::core::cache::hot::{self, Hot};
-use crate::core::config::environment::{Environment, Note};
+use crate::core::config::environment::Environment;
 use crate::core::config::{Config, Role};
+use crate::core::observe::notices::Notices;
+use crate::core::upstream;
 use crate::proxy::types::{BufferType, LogLevel};
 use std::cell::RefCell;
 use std::rc::Rc;
@@ -38,17 +39,17 @@ impl Root {
         self.worker.borrow().replies_left == 0
     }
 
-    /// Once per VM, and once per Envoy process (`key_check::send`), asks HolySheep whether
-    /// the configured key is accepted.
+    /// Once per VM, and once per Envoy process (`upstream::key_check`), asks HolySheep
+    /// whether the configured key is accepted.
     fn check_key(&self) {
-        let (config, bearer) = {
+        let call = {
             let mut w = self.worker.borrow_mut();
-            if !w.key_check.due() {
+            if std::mem::replace(&mut w.key_checked, true) {
                 return;
             }
-            (w.config.clone(), w.bearer.clone())
+            w.env.bearer.as_deref().and_then(|bearer| upstream::key_check(&SharedData, &w.config, bearer))
         };
-        if let Some(token) = bearer.and_then(|b| key_check::send(&config, &b)) {
+        if let Some(token) = call.and_then(|call| self.call(&call)) {
             self.worker.borrow_mut().runs.callouts.insert(token, Callout::KeyCheck);
         }
     }
@@ -82,8 +83,8 @@ impl Root {
                 }
             }
             Some(Callout::KeyCheck) => {
-                let w = self.worker.borrow();
-                w.key_check.answered(&w.config, num_headers);
+                let config = self.worker.borrow().config.clone();
+                host::note([Notices::key_checked(&config, host::callout_status(num_headers))]);
             }
             // A settlement's answer: nobody waits for it.
             None => {}
@@ -104,15 +105,8 @@ impl Root {
         let mut w = self.worker.borrow_mut();
         w.vm_id = String::from_utf8_lossy(&vm_id).into_owned();
         let environment = Environment::read(&mut config, |name| std::env::var(name).ok());
-        for note in environment.notes(&config) {
-            match note {
-                Note::Error(line) => host::log(LogLevel::Error, &line),
-                Note::Info(line) => host::log(LogLevel::Info, &line),
-            }
-        }
-        w.bearer = environment.bearer;
-        w.fleet.secret = environment.fleet_secret;
-        w.fleet.accepted = environment.fleet_secret_accepted;
+        host::note(environment.notes(&config));
+        w.env = Rc::new(environment);
         w.hot = Hot::new(config.cache.hot_bytes);
         w.parsed = Hot::new(config.cache.hot_bytes.min(hot::PARSED_BYTES));
         // What the counters held goes to Envoy before they are defined anew.

@@ -2,7 +2,7 @@
 //! back while the leader's http context tees it (`Chat`), and reports how it ended.
 
 use super::Root;
-use crate::core::api::headers;
+use crate::core::api::call::HttpCall;
 use crate::core::coalesce::engine::Call;
 use crate::core::upstream::Outbound;
 use crate::proxy::abi as hostcalls;
@@ -25,16 +25,16 @@ impl Root {
     /// the http context tees it), when the route Envoy chose for the client's request
     /// leads to `upstream.cluster`. Envoy routes the request again once the filter changes
     /// its headers, and tells the filter the new route only after it was taken, so the
-    /// request that leaves carries nothing of the client's that routing could look at: the
-    /// canonical path, `upstream.authority`, the scheme, Envoy's request id, and the
-    /// headers a callout sends (the configured key, no compression: the tee reads the
-    /// events). Its body asks for the usage event, on `model`. The route that answers is
+    /// request that leaves is the core's `call` and nothing of the client's that routing
+    /// could look at (`Leader::route_edit`). Envoy's router retries it before the first
+    /// byte on the edge's terms and says how many attempts it made
+    /// (`host::upstream_attempts`), each counted and charged. The route that answers is
     /// checked again when its answer arrives (`Chat::on_http_response_headers`).
-    pub(super) fn forward(&self, run: &Run, model: &str) -> Forwarded {
+    pub(super) fn forward(&self, run: &Run, call: &HttpCall) -> Forwarded {
         let id = run.context_id;
-        let (config, bearer, latched) = {
+        let (config, latched) = {
             let w = self.worker.borrow();
-            (w.config.clone(), w.bearer.clone(), w.streams_misrouted())
+            (w.config.clone(), w.streams_misrouted())
         };
         if !self.worker.borrow().is_live(id) || hostcalls::set_effective_context(id).is_err() {
             return Forwarded::Gone;
@@ -43,36 +43,15 @@ impl Root {
             return Forwarded::Misrouted;
         }
         let head = host::headers(MapType::HttpRequestHeaders);
-        if head.is_empty() {
-            // Unreadable: the client's headers could not be taken off.
+        // Unreadable headers could not be taken off.
+        let Some(edit) = run.leader.route_edit(&config, call, &head).filter(|_| !head.is_empty()) else {
             return Forwarded::Gone;
-        }
-        let value = |name: &str| head.iter().find(|(n, _)| n == name).map(|(_, v)| v.clone());
-        let scheme = value(":scheme").or_else(|| value("x-forwarded-proto")).unwrap_or_else(|| "http".into());
-        let (outbound, Some(flight)) = (&run.leader.outbound, run.leader.flight()) else { return Forwarded::Gone };
-        let body = outbound.body_for(model);
-        let length = body.len().to_string();
-        // Envoy's router retries before the first byte on the edge's terms (none for a
-        // call holding its tenant's dollars), and says how many attempts it made
-        // (`host::upstream_attempts`), each counted and charged.
-        let router = flight.route_headers(&config);
-        let mut set: Vec<(&str, &str)> = vec![
-            (":path", outbound.endpoint.path()),
-            (":authority", config.upstream.authority.as_str()),
-            // Without it Envoy 1.40 finds no route for the rewritten request.
-            ("x-forwarded-proto", scheme.as_str()),
-            (headers::CONTENT_LENGTH, length.as_str()),
-        ];
-        set.extend(router.iter().map(|(n, v)| (*n, v.as_str())));
-        set.extend(outbound.headers(bearer.as_deref()).into_iter().filter(|(n, _)| *n != headers::ACCEPT));
-        set.push((headers::ACCEPT, headers::EVENT_STREAM));
-        let stays = |n: &str| n.starts_with(':') || n == "x-request-id";
-        let gone = head.iter().map(|(n, _)| n).filter(|n| !stays(n));
+        };
         let trailers = host::headers(MapType::HttpRequestTrailers);
-        let done = hostcalls::set_buffer(BufferType::HttpRequestBody, 0, usize::MAX, &body).is_ok()
-            && gone.into_iter().all(|n| hostcalls::set_map_value(MapType::HttpRequestHeaders, n, None).is_ok())
+        let done = hostcalls::set_buffer(BufferType::HttpRequestBody, 0, usize::MAX, &call.body).is_ok()
+            && edit.remove.iter().all(|n| hostcalls::set_map_value(MapType::HttpRequestHeaders, n, None).is_ok())
             && trailers.iter().all(|(n, _)| hostcalls::set_map_value(MapType::HttpRequestTrailers, n, None).is_ok())
-            && set.iter().all(|(n, v)| hostcalls::set_map_value(MapType::HttpRequestHeaders, n, Some(v)).is_ok())
+            && edit.set.iter().all(|(n, v)| hostcalls::set_map_value(MapType::HttpRequestHeaders, n, Some(v)).is_ok())
             && self.resume_request(id);
         if done {
             Forwarded::Sent

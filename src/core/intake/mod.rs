@@ -4,6 +4,8 @@
 //! the cache policy its directives ask for, then decided (`decide`): the step the engine
 //! takes and the call it would make.
 
+pub mod kept;
+
 use crate::core::api::endpoint::Endpoint;
 use crate::core::api::error::ApiError;
 use crate::core::api::headers;
@@ -15,11 +17,15 @@ use crate::core::api::trace::TraceContext;
 use crate::core::cache::batch::{self, Plan};
 use crate::core::cache::hot;
 use crate::core::coalesce::engine::{Engine, Step};
+use crate::core::config::digest;
 use crate::core::config::tenants;
 use crate::core::config::Config;
 use crate::core::config::{Mismatch, Role};
+use crate::core::flight::tee::HeadEdit;
 use crate::core::limits::fleet;
-use crate::core::request::{is_internal_path, is_models_path, ApiRequest, CacheControl, Policy, RequestMeta};
+use crate::core::request::{
+    is_internal_path, is_models_path, ApiRequest, CacheControl, Policy, RequestMeta, PEER_PATH,
+};
 use crate::core::store::CasStore;
 use crate::core::upstream::Outbound;
 use crate::core::wire::json;
@@ -53,11 +59,6 @@ pub struct Head {
     pub traceparent: Option<String>,
     pub tracestate: Option<String>,
     pub tracestate_bad: bool,
-}
-
-/// A digest a request carried, as the edge repeats it: hex digits only, at most 16.
-pub fn shown(digest: &str) -> String {
-    digest.chars().filter(char::is_ascii_hexdigit).take(16).collect()
 }
 
 /// What a request's connection says of its sender: the subject alternative names of a
@@ -218,6 +219,51 @@ impl Head {
         })
     }
 
+    /// Whether a request to `/holysheep/...` (in any spelling, `Route::Internal`) is a
+    /// model owner call this node serves: `POST` to the peer path with the fleet's secret
+    /// (`peer` knows it), on an owner. Refused everywhere else: not found on a forward
+    /// node and for any other method or path, forbidden without the secret.
+    pub fn internal(&self, config: &Config, peer: &Peer<'_>) -> Result<(), ApiError> {
+        let not_found = || ApiError::not_found(&self.method, &self.path);
+        if config.role == Role::Forward {
+            return Err(not_found());
+        }
+        if !peer.knows(self.peer_secret.as_deref()) {
+            return Err(ApiError::forbidden("internal fleet call without the fleet's secret"));
+        }
+        if self.method != "POST" || self.path != PEER_PATH {
+            return Err(not_found());
+        }
+        Ok(())
+    }
+
+    /// What of the request's head changes before it goes on, on the fleet's terms (`names`:
+    /// the request's header names). An owner takes off the secret and the digest that proved
+    /// this hop: nothing passed on from here carries them. A forward node takes off the
+    /// client's fleet headers (`headers::stripped_on_the_hop`), then says who it is to the
+    /// owners: the fleet's `secret`, where it has one (they know it by that where no verified
+    /// certificate says so), and what it runs (`config::digest`).
+    pub fn fleet_edit<'a>(
+        &self,
+        config: &Config,
+        secret: Option<&str>,
+        names: impl Iterator<Item = &'a str>,
+    ) -> HeadEdit {
+        let mut edit = HeadEdit::default();
+        match config.role {
+            Role::Owner => {
+                let proofs = [(headers::PEER_SECRET, &self.peer_secret), (headers::CONFIG, &self.config_digest)];
+                edit.remove = proofs.iter().filter(|(_, sent)| sent.is_some()).map(|(n, _)| (*n).to_owned()).collect();
+            }
+            Role::Forward => {
+                edit.remove = names.filter(|n| headers::stripped_on_the_hop(n)).map(str::to_owned).collect();
+                edit.set.extend(secret.map(|s| (headers::PEER_SECRET.to_owned(), s.to_owned())));
+                edit.set.push((headers::CONFIG.to_owned(), config.digest.clone()));
+            }
+        }
+        edit
+    }
+
     /// The caller's trace context, if it sent a valid one (`TraceContext::of`).
     pub fn trace(&self) -> Option<TraceContext> {
         let state = self.tracestate.as_deref().filter(|_| !self.tracestate_bad);
@@ -249,7 +295,7 @@ impl Head {
                 "the edge node that passed this request on runs other settings (configuration digest {}) than \
                  the node that owns it: they would key, scope or price it differently, and this owner refuses \
                  such hops until every node runs one configuration",
-                shown(theirs)
+                digest::shown(theirs)
             ),
             kind: "server_error",
             param: None,
@@ -597,6 +643,40 @@ mod tests {
 
     fn head(pairs: &[(&str, &[u8])], tenant: Option<&str>) -> Head {
         Head::read(pairs.iter().map(|(n, v)| (n.as_bytes(), *v)), tenant)
+    }
+
+    #[test]
+    fn an_internal_call_is_served_only_on_an_owner_with_the_fleets_secret_and_its_path() {
+        let owner = Config::default();
+        let node = Peer { sans: Vec::new(), secrets: [Some("s"), None] };
+        let call = |method: &str, secret: Option<&str>| Head {
+            method: method.into(),
+            path: PEER_PATH.into(),
+            peer_secret: secret.map(str::to_owned),
+            ..Head::default()
+        };
+        assert_eq!(call("POST", Some("s")).internal(&owner, &node), Ok(()));
+        assert_eq!(call("POST", Some("x")).internal(&owner, &node).map_err(|e| e.status), Err(403));
+        assert_eq!(call("GET", Some("s")).internal(&owner, &node).map_err(|e| e.status), Err(404));
+        let forward = Config { role: Role::Forward, ..Config::default() };
+        assert_eq!(call("POST", Some("s")).internal(&forward, &node).map_err(|e| e.status), Err(404));
+    }
+
+    #[test]
+    fn an_owner_takes_off_the_hops_proofs_and_a_forward_node_says_who_it_is() {
+        let owner = Config::default();
+        let head = Head { peer_secret: Some("s".into()), ..Head::default() };
+        let names = ["x-holysheep-key", "x-holysheep-priority", "x-holysheep-peer-secret", "cookie"];
+        let edit = head.fleet_edit(&owner, Some("s"), names.into_iter());
+        assert_eq!(edit.remove, ["x-holysheep-peer-secret"], "the digest was not sent: nothing to take off");
+        assert!(edit.set.is_empty());
+        let forward = Config { role: Role::Forward, ..Config::default() };
+        let edit = Head::default().fleet_edit(&forward, Some("s"), names.into_iter());
+        assert_eq!(edit.remove, ["x-holysheep-key", "x-holysheep-peer-secret"], "the client's priority goes on");
+        let digest = forward.digest.clone();
+        assert_eq!(edit.set, [("x-holysheep-peer-secret".into(), "s".into()), ("x-holysheep-config".into(), digest)]);
+        let edit = Head::default().fleet_edit(&forward, None, names.into_iter());
+        assert_eq!(edit.set.len(), 1, "no secret to send, but what it runs: {:?}", edit.set);
     }
 
     #[test]

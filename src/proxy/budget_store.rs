@@ -2,13 +2,11 @@
 //! callouts to the `budget_store.cluster`, hands their answers back, and logs what they
 //! taught. Which calls to make and what the answers mean is the core's.
 
-use super::abi as hostcalls;
 use super::host::{self, SharedData};
-use crate::core::api::headers;
+use crate::core::api::call::HttpCall;
 use crate::core::config::Config;
-use crate::core::limits::budget_store::{self, Asked, Calls, EtcdCall, Taught};
-use crate::proxy::types::{BufferType, LogLevel, Status};
-use std::time::Duration;
+use crate::core::limits::budget_store::{self, Asked, Calls, Taught};
+use crate::proxy::types::{BufferType, Status};
 
 pub struct BudgetStore {
     /// The calls out and what their answers mean (`budget_store::Calls`).
@@ -67,79 +65,21 @@ impl BudgetStore {
         }
     }
 
-    /// Logs what an answer taught (the store's silence or its return, once per change in
-    /// the process; more keepers of a tenant), and sends the call it asks for next.
+    /// Logs what an answer taught (`Taught::notes`), and sends the call it asks for next.
     fn taught(&mut self, config: &Config, taught: Taught, now_ms: u64, sent: &mut Sent) {
-        match taught.reached {
-            Some(true) => host::log(LogLevel::Info, "holysheep: the spend store answers again"),
-            Some(false) => host::log(
-                LogLevel::Warn,
-                "holysheep: the spend store (budget_store) does not answer: tenants' budgets are admitted from this \
-                 node's share and settled spend waits to be written",
-            ),
-            None => {}
-        }
-        sharing_began(config, &taught.tenant, taught.sharing);
+        host::note(taught.notes(config));
         if let Some((id, asked)) = taught.next {
             self.send(config, id, &asked, now_ms, sent);
         }
     }
 }
 
-/// Logs that more processes than `budget_store.replicas` were seen writing `tenant`'s
-/// spend (`sharing`: how many keep it now, when that grew): once per process each time
-/// the number grows, not per request.
-fn sharing_began(config: &Config, tenant: &str, sharing: Option<u32>) {
-    let Some(keepers) = sharing.filter(|n| *n > config.budget_store.replicas) else { return };
-    let why = if config.fleet.shared_limits() {
-        "the fleet's ring gave the tenant to more than one owner, or another fleet shares the store without \
-         budget_store.replicas"
-    } else {
-        "other Envoys share the store: set budget_store.replicas to their number"
-    };
-    host::log(
-        LogLevel::Warn,
-        &format!(
-            "holysheep: tenant {tenant}'s spend is written by {keepers} processes ({why}); each admits its share of \
-             what the store left while the others keep writing"
-        ),
-    );
-}
-
-/// Sends `call` to etcd; the callout's token. A call Envoy refuses as a bad argument (a
-/// cluster it does not know) marks the store misconfigured for the process, logged once:
-/// nothing budgeted is admitted until a call can be sent again. One that fails at once
-/// for another reason (no healthy host, a full circuit breaker) is an outage, not that.
-fn send(config: &Config, call: &EtcdCall) -> Option<u32> {
-    let sent = dispatch(config, call);
-    let unknown = matches!(sent, Err(Status::BadArgument));
-    if budget_store::set_misconfigured(&SharedData, unknown) {
-        if unknown {
-            let cluster = &config.budget_store.cluster;
-            host::log(
-                LogLevel::Critical,
-                &format!(
-                    "holysheep: budget_store.cluster '{cluster}' is no cluster this Envoy knows: calls of tenants \
-                     with a budget are refused until it is"
-                ),
-            );
-        } else {
-            host::log(LogLevel::Info, "holysheep: the spend store's cluster can be called again");
-        }
-    }
+/// Sends `call` to etcd; the callout's token. The log says when the store's cluster
+/// becomes one Envoy does not know, or one it knows again (`budget_store::sent`).
+fn send(config: &Config, call: &HttpCall) -> Option<u32> {
+    let sent = host::dispatch(call);
+    host::note(budget_store::sent(&SharedData, config, matches!(sent, Err(Status::BadArgument))));
     sent.ok()
-}
-
-fn dispatch(config: &Config, call: &EtcdCall) -> Result<u32, Status> {
-    let store = &config.budget_store;
-    let headers = vec![
-        (":method", "POST"),
-        (":path", call.path),
-        (":authority", store.authority.as_str()),
-        (headers::CONTENT_TYPE, "application/json"),
-    ];
-    let timeout = Duration::from_millis(store.timeout_ms);
-    hostcalls::dispatch_http_call(&store.cluster, headers, Some(&call.body), timeout)
 }
 
 /// The callout's status and body (`None`: no answer).

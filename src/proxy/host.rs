@@ -3,9 +3,10 @@
 //! of these can panic.
 
 use super::abi as hostcalls;
+use crate::core::api::call::HttpCall;
+use crate::core::api::head::HeadEdit;
 use crate::core::api::note::Note;
 use crate::core::api::reply::Reply;
-use crate::core::flight::tee::HeadEdit;
 pub use crate::core::intake::text;
 use crate::core::store::{CasStore, Read, StoreError};
 use crate::core::wire::pairs;
@@ -294,9 +295,17 @@ pub fn apply(map: MapType, edit: &HeadEdit) {
 pub fn note(notes: impl IntoIterator<Item = Note>) {
     for note in notes {
         match note {
+            Note::Critical(line) => log(LogLevel::Critical, &line),
             Note::Error(line) => log(LogLevel::Error, &line),
             Note::Warn(line) => log(LogLevel::Warn, &line),
             Note::Info(line) => log(LogLevel::Info, &line),
         }
     }
+}
+
+/// Makes a call the core made ready; the callout's token.
+pub fn dispatch(call: &HttpCall) -> Result<u32, Status> {
+    let timeout = std::time::Duration::from_millis(call.timeout_ms);
+    let body = (!call.body.is_empty()).then_some(call.body.as_slice());
+    hostcalls::dispatch_http_call(&call.cluster, call.pairs(), body, timeout)
 }

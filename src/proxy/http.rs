@@ -7,7 +7,7 @@ use super::abi as hostcalls;
 use super::body_watch::Paused;
 use super::counters::Stopwatch;
 use super::host::{self, SharedData};
-use super::worker::{Target, WorkerRef, MISROUTED_KEY};
+use super::worker::{Target, WorkerRef};
 use crate::core::api::error::ApiError;
 use crate::core::api::headers;
 use crate::core::api::reply::Reply;
@@ -19,10 +19,9 @@ use crate::core::flight::tee::{AnswerHead, Arrival, StreamEnd, Tee};
 use crate::core::intake::{self, Decision, Head, Route, Ungoverned};
 use crate::core::limits::fleet;
 use crate::core::observe::log_fields::Served;
-use crate::core::store::CasStore;
-use crate::core::upstream::{self, Outbound};
+use crate::core::upstream::{self, misroute, Outbound};
 use crate::core::wire::pairs;
-use crate::proxy::types::{Action, BufferType, LogLevel, MapType};
+use crate::proxy::types::{Action, BufferType, MapType};
 use std::rc::Rc;
 
 pub struct Chat {
@@ -217,14 +216,11 @@ impl Chat {
     /// refuses the key (then the edge's 502, its body replaced as it comes).
     fn passed_answer(&mut self) -> Action {
         let status = host::status(MapType::HttpResponseHeaders).unwrap_or(0);
-        if !matches!(status, 401 | 403) {
-            return Action::Continue;
+        if let Some(edit) = upstream::passed_refused(status) {
+            self.worker.borrow_mut().key_refused(status);
+            self.state = State::PassedRefused(status);
+            host::apply(MapType::HttpResponseHeaders, &edit);
         }
-        self.worker.borrow_mut().key_refused(status);
-        self.state = State::PassedRefused(status);
-        set_response_header(headers::CONTENT_LENGTH, None);
-        set_response_header(headers::CONTENT_TYPE, Some("application/json"));
-        set_response_header(":status", Some("502"));
         Action::Continue
     }
 
@@ -253,21 +249,13 @@ impl Chat {
     /// (its route for `upstream.authority` does): the edge refuses this answer and every
     /// stream from now on.
     fn misrouted(&self) -> Option<ApiError> {
-        let cluster = self.worker.borrow().config.upstream.cluster.clone();
-        if host::routed_to(&cluster) {
+        let config = self.worker.borrow().config.clone();
+        if host::routed_to(&config.upstream.cluster) {
             return None;
         }
-        let latch = self.worker.borrow().misroute_latch();
-        let _ = SharedData.set(MISROUTED_KEY, latch.as_bytes(), None);
-        host::log(
-            LogLevel::Error,
-            &format!(
-                "holysheep: a stream went to another cluster than '{cluster}' with the configured key: the route \
-                 for upstream.authority must lead to it; streams are refused until the configuration changes \
-                 (or Envoy restarts)"
-            ),
-        );
-        Some(ApiError::misdirected())
+        let (note, e) = misroute::refuse(&SharedData, &config);
+        host::note([note]);
+        Some(e)
     }
 
     /// The forwarded stream (or hop) ended (`complete`: the upstream finished its answer).
@@ -276,16 +264,6 @@ impl Chat {
             self.worker.borrow_mut().stream_ended(self.id, tee.end(complete));
         }
     }
-}
-
-/// The edge's error in place of HolySheep's refusal of the operator's key.
-fn key_refused_error(status: u16) -> ApiError {
-    upstream::refused(status, "application/json", upstream::Sent { operator_key: true, ..Default::default() })
-        .unwrap_or_else(|| ApiError::upstream(502, "HolySheep refused the edge's API key", upstream::KEY_REFUSED))
-}
-
-fn set_response_header(name: &str, value: Option<&str>) {
-    let _ = hostcalls::set_map_value(MapType::HttpResponseHeaders, name, value);
 }
 
 /// Envoy's callbacks for the stream.
@@ -427,7 +405,7 @@ impl Chat {
             self.stopwatch.chunk(host::now_ms);
         }
         if let State::PassedRefused(status) = self.state {
-            let out = if end_of_stream { key_refused_error(status).body() } else { Vec::new() };
+            let out = if end_of_stream { upstream::passed_refusal(status).body() } else { Vec::new() };
             let _ = hostcalls::set_buffer(BufferType::HttpResponseBody, 0, body_size, &out);
             return Action::Continue;
         }

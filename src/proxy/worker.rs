@@ -29,7 +29,6 @@ use crate::core::observe::log_fields::{self, Answered, Served};
 use crate::core::observe::metrics::{self, Counter, LastUsage};
 use crate::core::observe::notices::Notices;
 use crate::core::request::ApiRequest;
-use crate::core::store::CasStore;
 use crate::core::stream;
 use crate::core::upstream::Outbound;
 use crate::proxy::types::{BufferType, LogLevel, MapType};
@@ -112,23 +111,7 @@ fn publish(answered: &Answered<'_>) {
     }
 }
 
-/// Shared-data key that holds, once a stream's answer came from another cluster than
-/// `upstream.cluster`, the configuration it happened under (`Worker::misroute_latch`): every
-/// worker then refuses streams under that configuration.
-pub const MISROUTED_KEY: &str = "holysheep/streams-misrouted";
-
 impl Worker {
-    /// What `MISROUTED_KEY` holds when streams are refused under this configuration.
-    pub fn misroute_latch(&self) -> String {
-        format!("{} {}", self.config.upstream.cluster, self.config.upstream.authority)
-    }
-
-    /// Whether streams are refused: a stream's answer came from another cluster, on this
-    /// worker or another, under the same configuration.
-    pub fn streams_misrouted(&self) -> bool {
-        SharedData.get(MISROUTED_KEY).is_ok_and(|r| r.value.as_deref() == Some(self.misroute_latch().as_bytes()))
-    }
-
     pub fn new() -> Self {
         Worker {
             config: Rc::new(Config::default()),

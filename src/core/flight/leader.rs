@@ -16,6 +16,7 @@ use super::tee::{StreamEnd, StreamLabel};
 use super::{Action, Flight};
 use crate::core::api::call::HttpCall;
 use crate::core::api::event::Event;
+use crate::core::api::head::HeadEdit;
 use crate::core::api::headers;
 use crate::core::api::hints::ProviderHints;
 use crate::core::api::key::Key;
@@ -24,7 +25,6 @@ use crate::core::cache::Fresh;
 use crate::core::coalesce::engine::{Call, Ended, Engine};
 use crate::core::config::environment::Environment;
 use crate::core::config::Config;
-use crate::core::flight::tee::HeadEdit;
 use crate::core::limits::fleet::{Op, Verdict};
 use crate::core::observe::log_fields::{Served, Spent};
 use crate::core::semantic::{self, Learned, EMBEDDINGS_PATH};
@@ -42,9 +42,10 @@ pub enum Do {
     /// streams along its route sends a stream there instead (`Leader::route_edit`), teed
     /// (`tee::StreamLabel::answer`), its end to `on_stream_end`.
     Send { model: String, call: HttpCall },
-    /// Ask the owner node of `bucket` to admit the call: make `call` (`None`: this node has
-    /// no fleet secret, and so no verdict), then `on_verdict`.
-    Ask { bucket: String, op: Op, call: Option<HttpCall> },
+    /// Ask the owner node of `bucket` to admit the call: a host with a fleet makes
+    /// `Leader::ask`'s call, then `on_verdict` (a host without one, or without the fleet's
+    /// secret, hands back `None` at once).
+    Ask { bucket: String, op: Op, timeout_ms: u64 },
     /// Come back (`on_timer`) at this time.
     Sleep { until_ms: u64 },
     /// The leader is done.
@@ -145,6 +146,13 @@ impl Leader {
             fresh_s: flight.call.store.then_some(config.cache.ttl_seconds),
             signer: config.signer(out.endpoint, out.tenant.as_deref()),
         })
+    }
+
+    /// The call of a `Do::Ask` to the owner of `bucket`, with the fleet's secret (`None`:
+    /// this node has none, and so no verdict).
+    pub fn ask(&self, config: &Config, bucket: &str, op: &Op, timeout_ms: u64) -> Option<HttpCall> {
+        let secret = self.env.fleet_secret.as_deref()?;
+        Some(op.call(config, secret, bucket, timeout_ms))
     }
 
     /// A stream's `call` as it goes along the host's route in place of the client's request,
@@ -282,11 +290,7 @@ impl Leader {
                 let call = self.outbound.call(engine.config, self.env.bearer.as_deref(), &model, timeout_ms);
                 Do::Send { model, call }
             }
-            Action::Ask { bucket, op, timeout_ms } => {
-                let secret = self.env.fleet_secret.as_deref();
-                let call = secret.map(|secret| op.call(engine.config, secret, &bucket, timeout_ms));
-                Do::Ask { bucket, op, call }
-            }
+            Action::Ask { bucket, op, timeout_ms } => Do::Ask { bucket, op, timeout_ms },
             Action::Sleep { until_ms } => Do::Sleep { until_ms },
             Action::Finish(outcome) => Do::Over(self.over(engine, outcome, now_ms)),
         }

@@ -6,6 +6,7 @@
 
 use super::StreamOutcome;
 use crate::core::api::error::ApiError;
+use crate::core::api::head::HeadEdit;
 use crate::core::api::headers;
 use crate::core::api::hints::ProviderHints;
 use crate::core::api::objects::Signer;
@@ -207,21 +208,6 @@ impl StreamEnd {
     pub(crate) fn outcome(&self, prompt_estimate: u64) -> StreamOutcome {
         let cut_off_tokens = prompt_estimate + self.streamed_tokens;
         StreamOutcome { status: self.status, usage: self.usage, cut_off_tokens, attempts: self.attempts }
-    }
-}
-
-/// What the shell does to a head (an answer's coming back along the route, `:status`
-/// among what it sets; or a request's going on): the headers it takes out, then those it
-/// sets.
-#[derive(Debug, Default, PartialEq, Eq)]
-pub struct HeadEdit {
-    pub remove: Vec<String>,
-    pub set: Vec<(String, String)>,
-}
-
-impl HeadEdit {
-    fn set(&mut self, name: &str, value: impl Into<String>) {
-        self.set.push((name.to_owned(), value.into()));
     }
 }
 

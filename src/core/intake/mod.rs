@@ -8,6 +8,7 @@ pub mod kept;
 
 use crate::core::api::endpoint::Endpoint;
 use crate::core::api::error::ApiError;
+use crate::core::api::head::HeadEdit;
 use crate::core::api::headers;
 use crate::core::api::objects;
 use crate::core::api::priority::Class;
@@ -21,7 +22,6 @@ use crate::core::config::digest;
 use crate::core::config::tenants;
 use crate::core::config::Config;
 use crate::core::config::{Mismatch, Role};
-use crate::core::flight::tee::HeadEdit;
 use crate::core::limits::fleet;
 use crate::core::request::{
     is_internal_path, is_models_path, ApiRequest, CacheControl, Policy, RequestMeta, PEER_PATH,

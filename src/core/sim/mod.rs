@@ -677,8 +677,7 @@ impl Sim {
                 let until = until_ms.saturating_add_signed(-self.nodes[node].skew_ms);
                 self.at(until, Happening::Resume(id));
             }
-            Do::Ask { bucket, op, call } => {
-                let timeout_ms = call.map_or(1, |c| c.timeout_ms);
+            Do::Ask { bucket, op, timeout_ms } => {
                 let owner = self.owner(&bucket);
                 if self.nodes[owner].silent_until > self.clock {
                     // A stopped owner: the ask may have reached it, its answer never comes.

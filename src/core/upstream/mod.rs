@@ -1,9 +1,12 @@
 //! The HolySheep request and response as both shells send and read them: the request a
 //! flight's attempt makes (body, headers) and the `Response` + `ProviderHints` read back.
 
+pub mod misroute;
+
 use crate::core::api::call::HttpCall;
 use crate::core::api::endpoint::Endpoint;
 use crate::core::api::error::ApiError;
+use crate::core::api::head::HeadEdit;
 use crate::core::api::headers;
 use crate::core::api::hints::ProviderHints;
 use crate::core::api::priority::Class;
@@ -59,6 +62,22 @@ pub struct Outbound {
 }
 
 pub const USER_AGENT: &str = concat!("holysheep-edge/", env!("CARGO_PKG_VERSION"));
+
+/// HolySheep's answer to a request passed with the operator's key (`passthrough_paths`)
+/// passes as it is, unless it refuses the key: then the edge's 502 goes in its place (this
+/// edit of its head, and `passed_refusal`'s body for its own, which may quote part of the
+/// key).
+pub fn passed_refused(status: u16) -> Option<HeadEdit> {
+    let json = (headers::CONTENT_TYPE.to_owned(), "application/json".to_owned());
+    let set = vec![json, (":status".to_owned(), "502".to_owned())];
+    matches!(status, 401 | 403).then(|| HeadEdit { remove: vec![headers::CONTENT_LENGTH.to_owned()], set })
+}
+
+/// The edge's error in place of HolySheep's refusal (`status`) of the operator's key.
+pub fn passed_refusal(status: u16) -> ApiError {
+    refused(status, "application/json", Sent { operator_key: true, ..Default::default() })
+        .unwrap_or_else(|| ApiError::upstream(502, "HolySheep refused the edge's API key", KEY_REFUSED))
+}
 
 /// Shared-data key claimed by the one worker per process that checks the operator's key.
 const KEY_CHECK: &str = "holysheep/key-check";

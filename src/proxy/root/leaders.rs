@@ -15,13 +15,13 @@ use crate::core::coalesce::engine::Call;
 use crate::core::flight::leader::{Do, Leader, Over};
 use crate::core::flight::look::Answer;
 use crate::core::flight::tee::StreamEnd;
-use crate::core::limits::fleet::Verdict;
+use crate::core::limits::fleet::{Op, Verdict};
 use crate::core::semantic::MAX_EMBEDDING_BYTES;
 use crate::core::upstream::{self, Outbound};
 use crate::proxy::abi as hostcalls;
 use crate::proxy::host;
 use crate::proxy::runs::{Callout, Run};
-use crate::proxy::types::{BufferType, LogLevel, MapType, Status};
+use crate::proxy::types::{BufferType, LogLevel, MapType};
 use crate::proxy::wake::DISPATCH;
 use crate::proxy::worker::Target;
 use std::rc::Rc;
@@ -69,7 +69,7 @@ impl Root {
                     Some(token) => return self.out(token, Callout::Embedding(run)),
                     None => Step::Embedding(Answer::Unsent),
                 },
-                Do::Ask { call, .. } => match call.and_then(|call| self.ask(&call)) {
+                Do::Ask { bucket, op, timeout_ms } => match self.ask(&run, &bucket, &op, timeout_ms) {
                     Some(token) => return self.out(token, Callout::Verdict(run)),
                     None => Step::Verdict(None),
                 },
@@ -123,7 +123,7 @@ impl Root {
     /// such cluster). No debug line per call: proxy_log crosses into Envoy even when it
     /// drops the line.
     pub(super) fn call(&self, call: &HttpCall) -> Option<u32> {
-        match dispatch(call) {
+        match host::dispatch(call) {
             Ok(token) => Some(token),
             Err(status) => {
                 let cluster = &call.cluster;
@@ -215,10 +215,17 @@ impl Root {
         Step::Response(Some(response), hints)
     }
 
-    /// Asks an owner node; `None` when the call cannot be made (no fleet cluster): the
-    /// flight then admits from this node's share, and the log says owners are not reached.
-    fn ask(&self, call: &HttpCall) -> Option<u32> {
-        match dispatch(call) {
+    /// Asks an owner node for `run`'s verdict; `None` when it cannot (no fleet secret, no
+    /// fleet cluster): the flight then admits from this node's share.
+    fn ask(&self, run: &Run, bucket: &str, op: &Op, timeout_ms: u64) -> Option<u32> {
+        let config = self.worker.borrow().config.clone();
+        self.to_owner(&run.leader.ask(&config, bucket, op, timeout_ms)?)
+    }
+
+    /// Makes a call to an owner node; when it cannot be made, the log says owners are not
+    /// reached.
+    fn to_owner(&self, call: &HttpCall) -> Option<u32> {
+        match host::dispatch(call) {
             Ok(token) => Some(token),
             Err(status) => {
                 let why = format!("callout to fleet cluster '{}' refused: {status:?}", call.cluster);
@@ -236,7 +243,7 @@ impl Root {
         };
         let Some(secret) = secret else { return };
         for call in ops.iter().filter_map(|op| op.settlement(&config, &secret)) {
-            self.ask(&call);
+            self.to_owner(&call);
         }
     }
 
@@ -267,13 +274,6 @@ impl Root {
         };
         self.step(run, Step::Embedding(answer));
     }
-}
-
-/// Makes `call` (the callout's token).
-fn dispatch(call: &HttpCall) -> Result<u32, Status> {
-    let timeout = Duration::from_millis(call.timeout_ms);
-    let body = (!call.body.is_empty()).then_some(call.body.as_slice());
-    hostcalls::dispatch_http_call(&call.cluster, call.pairs(), body, timeout)
 }
 
 /// What came back for a leader.

@@ -4,9 +4,9 @@
 use super::Root;
 use crate::core::api::call::HttpCall;
 use crate::core::coalesce::engine::Call;
-use crate::core::upstream::Outbound;
+use crate::core::upstream::{misroute, Outbound};
 use crate::proxy::abi as hostcalls;
-use crate::proxy::host;
+use crate::proxy::host::{self, SharedData};
 use crate::proxy::runs::Run;
 use crate::proxy::types::{BufferType, MapType};
 use std::rc::Rc;
@@ -34,7 +34,7 @@ impl Root {
         let id = run.context_id;
         let (config, latched) = {
             let w = self.worker.borrow();
-            (w.config.clone(), w.streams_misrouted())
+            (w.config.clone(), misroute::latched(&SharedData, &w.config))
         };
         if !self.worker.borrow().is_live(id) || hostcalls::set_effective_context(id).is_err() {
             return Forwarded::Gone;

@@ -5,6 +5,9 @@
 //! says it could not send it.
 
 use super::{Due, EtcdCall, Flush, Found};
+use crate::core::api::call::HttpCall;
+use crate::core::api::headers;
+use crate::core::api::note::Note;
 use crate::core::config::Config;
 use crate::core::store::CasStore;
 
@@ -20,13 +23,16 @@ pub enum Asked {
 }
 
 impl Asked {
-    /// The etcd call that asks it.
-    pub fn call(&self, config: &Config) -> EtcdCall {
-        match self {
+    /// The call to etcd's JSON gateway (`budget_store.cluster`) that asks it.
+    pub fn call(&self, config: &Config) -> HttpCall {
+        let EtcdCall { path, body } = match self {
             Asked::Read(tenant) => super::range(config, tenant),
             Asked::Write(f) => super::txn(config, &f.tenant, f.revision, &f.value),
             Asked::Check(f) => super::range(config, &f.tenant),
-        }
+        };
+        let store = &config.budget_store;
+        let headers = [(headers::CONTENT_TYPE, "application/json")];
+        HttpCall::post((&store.cluster, &store.authority), path, headers, body, store.timeout_ms)
     }
 
     /// The tenant whose key it asks about.
@@ -58,6 +64,38 @@ pub struct Taught {
     pub sharing: Option<u32>,
     /// The next call to send (a check after a write whose answer was lost).
     pub next: Option<(u64, Asked)>,
+}
+
+impl Taught {
+    /// What the log says of it: the store's silence or its return (once per change in
+    /// the process), and more processes than `budget_store.replicas` writing the tenant's
+    /// spend (each time their number grows, not per request).
+    pub fn notes(&self, config: &Config) -> Vec<Note> {
+        let mut notes = Vec::new();
+        match self.reached {
+            Some(true) => notes.push(Note::Info("holysheep: the spend store answers again".into())),
+            Some(false) => notes.push(Note::Warn(
+                "holysheep: the spend store (budget_store) does not answer: tenants' budgets are admitted from \
+                 this node's share and settled spend waits to be written"
+                    .into(),
+            )),
+            None => {}
+        }
+        if let Some(keepers) = self.sharing.filter(|n| *n > config.budget_store.replicas) {
+            let why = if config.fleet.shared_limits() {
+                "the fleet's ring gave the tenant to more than one owner, or another fleet shares the store \
+                 without budget_store.replicas"
+            } else {
+                "other Envoys share the store: set budget_store.replicas to their number"
+            };
+            notes.push(Note::Warn(format!(
+                "holysheep: tenant {}'s spend is written by {keepers} processes ({why}); each admits its share \
+                 of what the store left while the others keep writing",
+                self.tenant
+            )));
+        }
+        notes
+    }
 }
 
 /// The calls a process (in Envoy, one worker) has out, by id: at most one per tenant.

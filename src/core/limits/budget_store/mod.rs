@@ -12,6 +12,7 @@ mod calls;
 
 pub use calls::{Asked, Calls, Heard, Taught};
 
+use crate::core::api::note::Note;
 use crate::core::config::Config;
 use crate::core::limits::budget::{self, Mark, Pending, Seen, Spend, Stored, KEEPERS_MS};
 use crate::core::store::{cas_after, CasStore, StoreError, MAX_RACES};
@@ -45,7 +46,7 @@ pub(crate) const REFRESH_MS: u64 = 5_000;
 
 /// A call to etcd's JSON gateway: `POST path` with `body`.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct EtcdCall {
+pub(crate) struct EtcdCall {
     pub path: &'static str,
     pub body: Vec<u8>,
 }
@@ -123,8 +124,27 @@ pub(crate) fn misconfigured(store: &impl CasStore) -> bool {
 }
 
 /// Records whether the store's calls can be sent; `true` when that changed.
-pub fn set_misconfigured(store: &impl CasStore, missing: bool) -> bool {
+pub(crate) fn set_misconfigured(store: &impl CasStore, missing: bool) -> bool {
     flip(store, MISCONFIGURED_KEY, missing, false)
+}
+
+/// A call to the store was sent, or refused by the host (`unknown_cluster`: as no cluster
+/// it knows). Such a refusal marks the store misconfigured for the process: nothing
+/// budgeted is admitted until a call can be sent again. A call that fails at once for
+/// another reason (no healthy host, a full circuit breaker) is an outage, not that. The
+/// line for the log when that changes.
+pub fn sent(store: &impl CasStore, config: &Config, unknown_cluster: bool) -> Option<Note> {
+    if !set_misconfigured(store, unknown_cluster) {
+        return None;
+    }
+    Some(match unknown_cluster {
+        true => Note::Critical(format!(
+            "holysheep: budget_store.cluster '{}' is no cluster this Envoy knows: calls of tenants with a budget \
+             are refused until it is",
+            config.budget_store.cluster
+        )),
+        false => Note::Info("holysheep: the spend store's cluster can be called again".into()),
+    })
 }
 
 /// Records whether the store answered last; `true` when that changed (for the process:
@@ -897,6 +917,23 @@ mod tests {
         read(&s, "t", Some(Found { stored: None, revision: 1 }), later);
         let again = write_due(&s, later + 1).expect("writes again");
         assert_eq!(again.value.day_micro, 100);
+    }
+
+    #[test]
+    fn the_log_says_when_the_stores_cluster_is_unknown_and_when_it_is_known_again() {
+        let (s, config) = (MemStore::new(), Config::parse(br#"{"budget_store":{"cluster":"etdc"}}"#).unwrap());
+        assert_eq!(sent(&s, &config, false), None, "a call sent: nothing to say");
+        let Some(Note::Critical(line)) = sent(&s, &config, true) else { panic!("critical") };
+        assert!(line.contains("budget_store.cluster 'etdc' is no cluster this Envoy knows"), "{line}");
+        assert!(misconfigured(&s) && sent(&s, &config, true).is_none(), "once per process");
+        assert!(matches!(sent(&s, &config, false), Some(Note::Info(_))));
+        let taught = |reached, sharing| Taught { tenant: "t".into(), reached, sharing, next: None };
+        assert!(taught(None, Some(1)).notes(&config).is_empty(), "one keeper is the configured number");
+        let notes = taught(Some(false), Some(2)).notes(&config);
+        assert!(
+            matches!(notes.as_slice(), [Note::Warn(a), Note::Warn(b)] if a.contains("does not answer") && b.contains("written by 2 processes")),
+            "{notes:?}"
+        );
     }
 
     #[test]

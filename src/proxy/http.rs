@@ -9,7 +9,6 @@ use super::counters::Stopwatch;
 use super::host::{self, SharedData};
 use super::worker::{Target, WorkerRef};
 use crate::core::api::error::ApiError;
-use crate::core::api::headers;
 use crate::core::api::reply::Reply;
 use crate::core::api::response::Response;
 use crate::core::cache::hot::Raw;
@@ -192,11 +191,7 @@ impl Chat {
                 if !host::routed_to(&config.upstream.cluster) {
                     return self.reject(&ApiError::misdirected());
                 }
-                for name in intake::NOT_PASSED_WITH_OPERATOR_KEY {
-                    let _ = hostcalls::set_map_value(MapType::HttpRequestHeaders, name, None);
-                }
-                let _ =
-                    hostcalls::set_map_value(MapType::HttpRequestHeaders, headers::AUTHORIZATION, bearer.as_deref());
+                host::apply(MapType::HttpRequestHeaders, &intake::with_operator_key(bearer.as_deref()));
                 self.state = State::Passed;
                 Action::Continue
             }

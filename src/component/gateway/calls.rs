@@ -11,11 +11,13 @@ use crate::component::wasi::http::types::{
 };
 use crate::core::api::call::HttpCall;
 use crate::core::api::error::ApiError;
+use crate::core::api::head::HeadEdit;
 use crate::core::api::headers;
 use crate::core::api::hints::ProviderHints;
 use crate::core::api::reply::Reply;
 use crate::core::api::response::Response;
 use crate::core::coalesce::engine::Call;
+use crate::core::intake;
 use crate::core::semantic::MAX_EMBEDDING_BYTES;
 use crate::core::upstream::{self, Outbound};
 
@@ -167,13 +169,11 @@ impl Gateway {
     /// the tenant's, which is the edge's own and never passes on.
     pub(super) fn forward(&self, request: IncomingRequest, operator_key: bool, out: ResponseOutparam) {
         let received = host::header_pairs(&request.headers());
-        let swapped =
-            |n: &str| n == headers::AUTHORIZATION || crate::core::intake::NOT_PASSED_WITH_OPERATOR_KEY.contains(&n);
-        let kept = |n: &str| !(NOT_FORWARDED.contains(&n) || operator_key && swapped(n));
+        let edit =
+            if operator_key { intake::with_operator_key(self.env.bearer.as_deref()) } else { HeadEdit::default() };
+        let kept = |n: &String| !(NOT_FORWARDED.contains(&n.as_str()) || edit.remove.contains(n));
         let mut headers: Vec<(String, String)> = received.into_iter().filter(|(n, _)| kept(n)).collect();
-        if let Some(bearer) = self.env.bearer.as_ref().filter(|_| operator_key) {
-            headers.push((headers::AUTHORIZATION.to_owned(), bearer.clone()));
-        }
+        headers.extend(edit.set);
         let path = request.path_with_query().unwrap_or_else(|| "/".into());
         let deadline = host::now_ms().saturating_add(self.config.upstream.timeout_ms);
         let answer = self

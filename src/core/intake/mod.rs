@@ -90,7 +90,16 @@ pub enum Route {
 
 /// Request headers a passed-through request loses with the tenant's token: they would
 /// choose an organization or project of the operator's account.
-pub const NOT_PASSED_WITH_OPERATOR_KEY: [&str; 2] = ["openai-organization", "openai-project"];
+const NOT_PASSED_WITH_OPERATOR_KEY: [&str; 2] = ["openai-organization", "openai-project"];
+
+/// The edit of a request passed with the operator's key (`Ungoverned::WithOperatorKey`):
+/// the tenant's token taken off with the headers that would choose an organization or
+/// project of the operator's account, and the operator's key (`bearer`) put on.
+pub fn with_operator_key(bearer: Option<&str>) -> HeadEdit {
+    let remove = [headers::AUTHORIZATION].iter().chain(&NOT_PASSED_WITH_OPERATOR_KEY).map(|n| (*n).to_owned());
+    let set = bearer.map(|b| (headers::AUTHORIZATION.to_owned(), b.to_owned()));
+    HeadEdit { remove: remove.collect(), set: set.into_iter().collect() }
+}
 
 /// What becomes of a request the edge does not govern.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -643,6 +652,14 @@ mod tests {
 
     fn head(pairs: &[(&str, &[u8])], tenant: Option<&str>) -> Head {
         Head::read(pairs.iter().map(|(n, v)| (n.as_bytes(), *v)), tenant)
+    }
+
+    #[test]
+    fn a_request_passed_with_the_operators_key_loses_the_tenants_and_its_account_choices() {
+        let edit = with_operator_key(Some("Bearer sk-op"));
+        assert_eq!(edit.remove, ["authorization", "openai-organization", "openai-project"]);
+        assert_eq!(edit.set, [("authorization".to_owned(), "Bearer sk-op".to_owned())]);
+        assert!(with_operator_key(None).set.is_empty(), "no key: the tenant's token still goes");
     }
 
     #[test]

@@ -279,7 +279,8 @@ impl Chat {
     pub fn on_http_request_headers(&mut self, _num_headers: usize, end_of_stream: bool) -> Action {
         let config = self.worker.borrow().config.clone();
         let raw = host::header_map(MapType::HttpRequestHeaders);
-        self.head = Head::read(pairs::parse(&raw).unwrap_or_default(), config.cache.tenant_header.as_deref());
+        let pairs = pairs::parse(&raw).unwrap_or_default();
+        self.head = Head::read(pairs.iter().copied(), config.cache.tenant_header.as_deref());
         if self.head.method.is_empty() {
             // Unreadable headers: nothing can be said of the request, so it goes nowhere.
             return self.reject(&ApiError::invalid("the request headers could not be read", None, "invalid_headers"));
@@ -306,7 +307,6 @@ impl Chat {
             }
         }
         let secret = self.worker.borrow().env.fleet_secret.clone();
-        let pairs = pairs::parse(&raw).unwrap_or_default();
         let names = pairs.iter().filter_map(|(n, _)| std::str::from_utf8(n).ok());
         host::apply(MapType::HttpRequestHeaders, &self.head.fleet_edit(&config, secret.as_deref(), names));
         let route = self.head.route();
@@ -333,7 +333,6 @@ impl Chat {
         }
         let declared = self.head.content_length;
         let paused = || {
-            let pairs = pairs::parse(&raw).unwrap_or_default();
             let header_bytes = pairs.iter().map(|(n, v)| (n.len() + v.len()) as u64).sum();
             Paused { since_ms: host::now_ms(), received: host::received_bytes(), header_bytes, declared }
         };

@@ -306,9 +306,6 @@ impl Chat {
                 return self.reject(&e);
             }
         }
-        let secret = self.worker.borrow().env.fleet_secret.clone();
-        let names = pairs.iter().filter_map(|(n, _)| std::str::from_utf8(n).ok());
-        host::apply(MapType::HttpRequestHeaders, &self.head.fleet_edit(&config, secret.as_deref(), names));
         let route = self.head.route();
         if route == Route::Internal {
             // A model owner call (`Head::internal`): its body is read as one.
@@ -320,6 +317,9 @@ impl Chat {
             self.state = State::Reading;
             return Action::Pause;
         }
+        let names = pairs.iter().filter_map(|(n, _)| std::str::from_utf8(n).ok());
+        let edit = self.head.fleet_edit(&config, self.worker.borrow().env.fleet_secret.as_deref(), names);
+        host::apply(MapType::HttpRequestHeaders, &edit);
         if !matches!(route, Route::Governed(_)) {
             return self.ungoverned(&config);
         }

@@ -14,7 +14,6 @@ use super::wake::{WakeQueue, ENDED};
 use crate::core::api::error::ApiError;
 use crate::core::api::key::Key;
 use crate::core::api::reply::Reply;
-use crate::core::api::response::Response;
 use crate::core::api::usage::Usage;
 use crate::core::cache::hot::{Hot, Raw, Seed};
 use crate::core::coalesce::engine::{Call, Ended, Engine, Finished, Wait};
@@ -321,25 +320,15 @@ impl Worker {
         self.runs.hops.insert(context_id, hop);
     }
 
-    /// A forward node's hop ended: its answer (with the owner's headers its sharers need)
-    /// is kept as a near copy when the owner declared it storable, and handed to the
-    /// flight's waiters; after a hop that broke off, the lease is given up so that a waiter
-    /// leads a new one. The leader's client already has its answer. Returns the key whose
-    /// waiters should look again.
+    /// A forward node's hop ended (`Hop::end`). Returns the key whose waiters should look
+    /// again.
     pub fn complete_hop(&mut self, hop: Hop, end: StreamEnd) -> Option<(Key, bool)> {
-        let engine = self.engine();
-        // An answer the owner keyed otherwise is the leader's alone: the waiters look again,
-        // and each goes on by itself.
-        let watched = match end.outcome.filter(|_| hop.shared) {
-            Some(outcome) => {
-                let outcome = Response { headers: hop.kept, ..outcome };
-                let ended = engine.end_relayed(&hop.call, Some(outcome), host::now_ms(), hop.fresh, hop.origin);
-                self.count_evicted(&ended, &hop.outbound);
-                ended.watched
-            }
-            None => engine.abandon(&hop.call, host::now_ms()),
-        };
-        hop.call.lease.map(|l| (l.key, watched))
+        let outbound = hop.outbound.clone();
+        let (ended, wake) = hop.end(&self.engine(), end, host::now_ms());
+        if let Some(ended) = &ended {
+            self.count_evicted(ended, &outbound);
+        }
+        wake
     }
 
     /// What a leader left since it was last looked at: its events counted, its

@@ -3,8 +3,11 @@
 //! it as it is and hands the answer back; it adds nothing but the framing its HTTP client
 //! needs (a `content-length` where the client does not set one).
 
-/// A call, ready to send.
-#[derive(Debug, Clone, PartialEq, Eq)]
+use crate::core::api::headers;
+
+/// A call, ready to send. Its `Debug` hides the values of the headers that carry a
+/// secret (the operator's key, the fleet's secret).
+#[derive(Clone, PartialEq, Eq)]
 pub struct HttpCall {
     /// The Envoy cluster it goes to (a host without clusters sends it to `:authority`).
     pub cluster: String,
@@ -13,6 +16,20 @@ pub struct HttpCall {
     pub body: Vec<u8>,
     /// Its deadline from when it is sent, at least 1 ms.
     pub timeout_ms: u64,
+}
+
+impl std::fmt::Debug for HttpCall {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let secret = |n: &str| n == headers::AUTHORIZATION || n == headers::PEER_SECRET;
+        let shown: Vec<(&str, &str)> =
+            self.headers.iter().map(|(n, v)| (*n, if secret(n) { "(hidden)" } else { v.as_str() })).collect();
+        f.debug_struct("HttpCall")
+            .field("cluster", &self.cluster)
+            .field("headers", &shown)
+            .field("body_bytes", &self.body.len())
+            .field("timeout_ms", &self.timeout_ms)
+            .finish()
+    }
 }
 
 impl HttpCall {
@@ -70,5 +87,14 @@ mod tests {
         assert_eq!(call.header("content-type"), Some("application/json"));
         assert_eq!(call.regular().collect::<Vec<_>>(), [("content-type", "application/json")]);
         assert_eq!((call.cluster.as_str(), call.timeout_ms), ("c", 1));
+        let keyed = HttpCall::post(
+            ("c", "a"),
+            "/",
+            [("authorization", "Bearer sk-9"), ("x-holysheep-peer-secret", "s3")],
+            Vec::new(),
+            5,
+        );
+        let shown = format!("{keyed:?}");
+        assert!(!shown.contains("sk-9") && !shown.contains("s3") && shown.contains("(hidden)"), "{shown}");
     }
 }

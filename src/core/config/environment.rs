@@ -6,14 +6,25 @@ use crate::core::api::note::Note;
 use crate::core::api::objects::ObjectKey;
 use crate::core::config::{Config, Role};
 
-/// The secrets a node holds, read once per configuration; never logged.
-#[derive(Debug, Clone, Default)]
+/// The secrets a node holds, read once per configuration; never logged (its `Debug` says
+/// only which are set).
+#[derive(Clone, Default)]
 pub struct Environment {
     /// `Bearer <key>` when the operator's key is set.
     pub bearer: Option<String>,
     /// The fleet's shared secret, and a second one accepted during a rotation.
     pub fleet_secret: Option<String>,
     pub fleet_secret_accepted: Option<String>,
+}
+
+impl std::fmt::Debug for Environment {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Environment")
+            .field("bearer", &self.bearer.as_ref().map(|_| "set"))
+            .field("fleet_secret", &self.fleet_secret.as_ref().map(|_| "set"))
+            .field("fleet_secret_accepted", &self.fleet_secret_accepted.as_ref().map(|_| "set"))
+            .finish()
+    }
 }
 
 impl Environment {
@@ -89,6 +100,7 @@ mod tests {
             vec![Note::Info("holysheep: configured (cluster 'holysheep', upstream key from environment)".into())]
         );
         assert!(!format!("{notes:?}").contains("sk-1"), "the key is never in the log");
+        assert!(!format!("{read:?}").contains("sk-1"), "nor in what a debug line would print");
     }
 
     #[test]

@@ -9,16 +9,18 @@ use crate::core::api::error::ApiError;
 use crate::core::api::head::HeadEdit;
 use crate::core::api::headers;
 use crate::core::api::hints::ProviderHints;
+use crate::core::api::key::Key;
 use crate::core::api::objects::Signer;
 use crate::core::api::reply::{stream_head, CacheStatus};
 use crate::core::api::response::Response;
 use crate::core::api::usage::{Billed, Usage};
 use crate::core::cache::edge::{self, Origin};
 use crate::core::cache::Fresh;
-use crate::core::coalesce::engine::Call;
+use crate::core::coalesce::engine::{Call, Ended, Engine};
 use crate::core::config::Config;
 use crate::core::request;
 use crate::core::semantic;
+use crate::core::store::CasStore;
 use crate::core::stream::Reassembler;
 use crate::core::upstream::{self, Outbound, Sent};
 use std::rc::Rc;
@@ -306,15 +308,15 @@ pub struct Hop {
     pub call: Call,
     pub outbound: Rc<Outbound>,
     /// How long the owner's answer may be kept, once its headers said (`None`: not at all).
-    pub fresh: Option<Fresh>,
+    fresh: Option<Fresh>,
     /// The owner's headers its answer keeps for the flight's waiters (see `edge::kept`).
-    pub kept: Vec<(String, String)>,
+    kept: Vec<(String, String)>,
     /// Whether its answer is shared with the flight's waiters (`edge::shared_with_waiters`:
     /// keyed by the owner as by this node, or an error that names no key).
-    pub shared: bool,
+    shared: bool,
     /// When the owner produced its answer, and whether it was STALE: the waiters share it
     /// as of then.
-    pub origin: Option<Origin>,
+    origin: Option<Origin>,
 }
 
 impl Hop {
@@ -339,6 +341,30 @@ impl Hop {
         edit.remove.push(headers::TRANSFER_ENCODING.to_owned());
         edit.set(headers::CONTENT_LENGTH, body.len().to_string());
         (edit, Some(body))
+    }
+
+    /// The hop ended (`end`, from its tee); the leader's client already has its answer.
+    /// The owner's answer, with the headers its sharers need, is kept as a near copy when
+    /// the owner declared it storable, and handed to the flight's waiters. After a hop that
+    /// broke off, or an answer the owner keyed otherwise (the leader's alone), the lease is
+    /// given up: the waiters look again, and one leads anew. The flight's end, if it
+    /// shared one, and the key whose waiters should look again.
+    pub fn end<S: CasStore>(
+        self,
+        engine: &Engine<'_, S>,
+        end: StreamEnd,
+        now_ms: u64,
+    ) -> (Option<Ended>, Option<(Key, bool)>) {
+        let (ended, watched) = match end.outcome.filter(|_| self.shared) {
+            Some(outcome) => {
+                let outcome = Response { headers: self.kept, ..outcome };
+                let ended = engine.end_relayed(&self.call, Some(outcome), now_ms, self.fresh, self.origin);
+                let watched = ended.watched;
+                (Some(ended), watched)
+            }
+            None => (None, engine.abandon(&self.call, now_ms)),
+        };
+        (ended, self.call.lease.map(|l| (l.key, watched)))
     }
 
     /// The owner's answer arrives: it passes to the client as it is (marked
@@ -369,6 +395,41 @@ impl Hop {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A forward node's hop for `body`, the first request of it (it leads the flight).
+    fn hop(engine: &Engine<'_, crate::core::store::MemStore>, body: &[u8]) -> Hop {
+        use crate::core::coalesce::engine::Step;
+        use crate::core::intake::{decide, Decision, Head};
+        let head = Head { authorization: Some("Bearer alice".into()), ..Head::default() };
+        let Decision { step, outbound, .. } = decide(engine, head, body, None, 1_000, 1).unwrap();
+        let Step::Call(call) = step else { panic!("the first request leads: {step:?}") };
+        Hop::new(call, Rc::new(outbound))
+    }
+
+    #[test]
+    fn a_hops_answer_keyed_alike_goes_to_the_waiters_and_a_broken_one_gives_the_lease_up() {
+        use crate::core::config::Role;
+        use crate::core::store::MemStore;
+        let store = MemStore::new();
+        let config = Config { role: Role::Forward, ..Config::default() };
+        let engine = Engine { store: &store, config: &config };
+        let body = br#"{"model":"gpt-4.1","messages":[{"role":"user","content":"hi"}],"temperature":0}"#;
+        let mut shared = hop(&engine, body);
+        let (edit, _) = shared.request(&config);
+        let key = shared.call.key.hex().to_owned();
+        assert_eq!(edit.set, [("x-holysheep-key".to_owned(), key.clone())], "keyed for the owners' ring");
+        let head = [(":status", "200"), ("x-holysheep-key", key.as_str()), ("content-type", "application/json")];
+        let head: Vec<(String, String)> = head.iter().map(|(n, v)| ((*n).into(), (*v).into())).collect();
+        let (_, _, disagreed) = shared.answer(&config, &head, 1_010);
+        assert!(!disagreed);
+        let whole = StreamEnd { outcome: Some(Response::json(200, b"{}".to_vec())), ..StreamEnd::broken() };
+        let (ended, wake) = shared.end(&engine, whole, 1_020);
+        assert!(ended.is_some(), "the owner's answer is the flight's");
+        assert_eq!(wake.map(|(k, _)| k.hex().to_owned()), Some(key));
+        let broken = hop(&engine, br#"{"model":"gpt-4.1","messages":[{"role":"user","content":"yo"}]}"#);
+        let (ended, wake) = broken.end(&engine, StreamEnd::broken(), 1_030);
+        assert!(ended.is_none() && wake.is_some(), "nothing shared: its waiters look again");
+    }
 
     fn label(include_usage: bool) -> StreamLabel {
         StreamLabel {

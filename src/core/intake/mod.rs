@@ -659,7 +659,10 @@ mod tests {
         let edit = with_operator_key(Some("Bearer sk-op"));
         assert_eq!(edit.remove, ["authorization", "openai-organization", "openai-project"]);
         assert_eq!(edit.set, [("authorization".to_owned(), "Bearer sk-op".to_owned())]);
-        assert!(with_operator_key(None).set.is_empty(), "no key: the tenant's token still goes");
+        assert!(
+            with_operator_key(None).set.is_empty(),
+            "no operator key: none is put on (the tenant's is taken off all the same)"
+        );
     }
 
     #[test]

@@ -16,7 +16,7 @@ use crate::core::api::key::Key;
 use crate::core::api::reply::Reply;
 use crate::core::api::usage::Usage;
 use crate::core::cache::hot::{Hot, Raw, Seed};
-use crate::core::coalesce::engine::{Call, Ended, Engine, Finished, Wait};
+use crate::core::coalesce::engine::{Call, Ended, Engine, Finishing, Wait};
 use crate::core::config::environment::Environment;
 use crate::core::config::Config;
 use crate::core::flight::leader::Leader;
@@ -71,10 +71,8 @@ pub struct Worker {
     pub runs: Runs,
     pub waiters: IdMap<(Wait, Rc<Outbound>)>,
     /// Finished flights whose waiters here are being answered, over one VM call or several
-    /// (see REPLY_BATCH): each waiter takes the answer from here, not from the flight's
-    /// lease record, which another flight may have taken by then; forgotten once none of
-    /// their waiters is left. At most `MAX_FINISHING`.
-    pub finishing: Vec<Finished>,
+    /// (see REPLY_BATCH).
+    pub finishing: Finishing,
     /// Http contexts that may still be answered: created, not done, and not answered by
     /// the root on its own. (Envoy still resolves a reset stream's id until its deferred
     /// delete, and a reply sent there would reach a context the plugin already forgot.)
@@ -126,7 +124,7 @@ impl Worker {
             budget_store: BudgetStore::default(),
             runs: Runs::default(),
             waiters: Default::default(),
-            finishing: Vec::new(),
+            finishing: Finishing::default(),
             live: Default::default(),
             body_watch: BodyWatch::default(),
             replies_left: REPLY_BATCH,

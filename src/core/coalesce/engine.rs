@@ -106,7 +106,7 @@ pub struct Ended {
 /// A finished flight's answer, read once for all its waiters answered together (see
 /// `Engine::poll_with`).
 #[derive(Debug, Clone)]
-pub struct Finished {
+pub(crate) struct Finished {
     slot: Slot,
     nonce: u64,
     key: Key,
@@ -119,8 +119,40 @@ pub struct Finished {
 
 impl Finished {
     /// Whether it is the flight `wait` waits on.
-    pub fn is_for(&self, wait: &Wait) -> bool {
+    pub(crate) fn is_for(&self, wait: &Wait) -> bool {
         self.nonce == wait.nonce && self.slot == wait.slot && self.key == wait.key
+    }
+}
+
+/// Finished flights a host keeps while it answers their waiters over several turns (a
+/// batch of replies per turn): each waiter takes the answer from here, not from the
+/// flight's lease record, which another flight may have taken by then. At most
+/// `MAX_FINISHING`, the oldest going first.
+#[derive(Debug, Default)]
+pub struct Finishing(Vec<Finished>);
+
+/// Finished flights a host keeps at most.
+const MAX_FINISHING: usize = 16;
+
+impl Finishing {
+    /// A waiter looks at its flight again (`Engine::poll`), from a finished flight kept
+    /// here when there is one; the flight it finds finished is kept for its other waiters.
+    pub fn poll<S: CasStore>(&mut self, engine: &Engine<'_, S>, wait: &Wait, now_ms: u64, nonce: u64) -> Step {
+        let at = self.0.iter().position(|f| f.is_for(wait));
+        let mut seen = at.map(|at| self.0.swap_remove(at));
+        let step = engine.poll_with(wait, now_ms, nonce, &mut seen);
+        if let Some(finished) = seen {
+            if self.0.len() >= MAX_FINISHING {
+                self.0.remove(0);
+            }
+            self.0.push(finished);
+        }
+        step
+    }
+
+    /// Every waiter looked: a finished flight none of `waits` is for is forgotten.
+    pub fn keep_for<'a>(&mut self, waits: impl Iterator<Item = &'a Wait> + Clone) {
+        self.0.retain(|f| waits.clone().any(|w| f.is_for(w)));
     }
 }
 
@@ -151,7 +183,7 @@ impl<S: CasStore> Engine<'_, S> {
     /// finished keeps the answer in `seen`, and the others of that flight take it from
     /// there instead of reading the lease record and the cache entry again (1000 waiters
     /// of one prompt are one read, not 1000).
-    pub fn poll_with(&self, wait: &Wait, now_ms: u64, nonce: u64, seen: &mut Option<Finished>) -> Step {
+    pub(crate) fn poll_with(&self, wait: &Wait, now_ms: u64, nonce: u64, seen: &mut Option<Finished>) -> Step {
         if let Some(f) = seen.as_ref().filter(|f| f.is_for(wait)) {
             let done = Done { at_ms: f.done_at_ms, produced: f.produced, expires_ms: f.expires_ms };
             return self.answer_waiter(wait, f.response.clone(), done, now_ms, nonce);
@@ -874,9 +906,9 @@ mod tests {
         let leader = expect_call(e.admit(&k(5), READ, 1_000, 1));
         let waits: Vec<Wait> = (0..3).map(|i| expect_wait(e.admit(&k(5), READ, 1_001 + i, 2 + i))).collect();
         e.complete(&leader, ok(r#"{"a":5}"#), 1_100);
-        let mut seen = None;
+        let mut kept = Finishing::default();
         let before = store.reads();
-        let first = expect_reply(e.poll_with(&waits[0], 1_200, 10, &mut seen));
+        let first = expect_reply(kept.poll(&e, &waits[0], 1_200, 10));
         let one_poll = store.reads() - before;
         // The slot is taken by the next flight and the entry evicted before the others look:
         // they still get the answer they waited for.
@@ -885,13 +917,17 @@ mod tests {
             store.inner.set(&cached, b"", None).unwrap();
         }
         for w in &waits[1..] {
-            let r = expect_reply(e.poll_with(w, 1_200, 11, &mut seen));
+            let r = expect_reply(kept.poll(&e, w, 1_200, 11));
             assert_eq!((r.cache, &r.response.body), (Some(CacheStatus::Coalesced), &first.response.body));
         }
         assert_eq!(store.reads() - before, one_poll, "the other waiters read nothing");
         // A waiter of another flight is not answered from it (its own record is gone).
         let other = Wait { nonce: 99, ..waits[1].clone() };
-        assert!(expect_reply(e.poll_with(&other, 1_200, 12, &mut seen)).lost_wait());
+        assert!(expect_reply(kept.poll(&e, &other, 1_200, 12)).lost_wait());
+        kept.keep_for(waits.iter());
+        assert_eq!(kept.0.len(), 1, "kept while any of its waiters is left");
+        kept.keep_for(std::iter::empty());
+        assert!(kept.0.is_empty(), "forgotten once none is");
     }
 
     #[test]

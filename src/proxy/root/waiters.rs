@@ -4,17 +4,14 @@
 
 use super::Root;
 use crate::core::api::key::Key;
-use crate::core::coalesce::engine::Step;
+use crate::core::coalesce::engine::{Engine, Step};
 use crate::core::config::Role;
 use crate::core::observe::log_fields::Served;
 use crate::core::upstream::Outbound;
-use crate::proxy::host;
+use crate::proxy::host::{self, SharedData};
 use crate::proxy::wake::{Message, POLL_ALL};
 use crate::proxy::worker::{Target, Worker};
 use std::rc::Rc;
-
-/// Finished flights a worker keeps for waiters it answers over several VM calls.
-const MAX_FINISHING: usize = 16;
 
 impl Root {
     /// Carries out the engine's step for the http context `context_id`.
@@ -68,25 +65,16 @@ impl Root {
             let taken = self.worker.borrow_mut().waiters.remove(&id);
             let Some((wait, outbound)) = taken else { continue };
             let step = {
-                let mut w = self.worker.borrow_mut();
-                let at = w.finishing.iter().position(|f| f.is_for(&wait));
-                let mut seen = at.map(|at| w.finishing.swap_remove(at));
-                let nonce = w.nonce();
-                let step = w.engine().poll_with(&wait, now, nonce, &mut seen);
-                if let Some(finished) = seen {
-                    if w.finishing.len() >= MAX_FINISHING {
-                        w.finishing.remove(0);
-                    }
-                    w.finishing.push(finished);
-                }
-                step
+                let w = &mut *self.worker.borrow_mut();
+                let nonce = w.nonces.next();
+                w.finishing.poll(&Engine { store: &SharedData, config: &w.config }, &wait, now, nonce)
             };
             self.execute(id, step, outbound, Served::waited(now.saturating_sub(wait.since_ms)));
         }
         // Every waiter looked: a finished flight none of whose waiters is left is forgotten.
         let mut w = self.worker.borrow_mut();
         let Worker { finishing, waiters, .. } = &mut *w;
-        finishing.retain(|f| waiters.values().any(|(wait, _)| f.is_for(wait)));
+        finishing.keep_for(waiters.values().map(|(wait, _)| wait));
     }
 
     /// One message from the worker's own queue.

@@ -15,13 +15,12 @@ use super::wasi::http::types::{
 use crate::core::api::error::ApiError;
 use crate::core::api::headers;
 use crate::core::api::hints::ProviderHints;
-use crate::core::api::reply::{stream_head, Reply};
+use crate::core::api::reply::Reply;
 use crate::core::coalesce::engine::{poll_delay_ms, Call, Engine, Step};
 use crate::core::flight::leader::{Do, Leader};
 use crate::core::flight::look::Answer;
-use crate::core::flight::tee::Events;
 use crate::core::intake::{self, Decision, Head, Route, Ungoverned};
-use crate::core::stream::{self, Reassembler};
+use crate::core::stream;
 use crate::core::upstream::Outbound;
 use calls::Failed;
 use instance::Gateway;
@@ -157,7 +156,7 @@ impl Gateway {
                     let deadline = host::now_ms().saturating_add(call.timeout_ms);
                     let (outcome, hints) = match self.request(&call, leader.call(), deadline) {
                         Ok(response) if is_event_stream(&response) => {
-                            return self.relay(leader, &outbound, response, out);
+                            return self.relay(leader, response, out);
                         }
                         Ok(response) => self.read_answer(response, leader.call(), &outbound, deadline),
                         Err(failed) => (None, failed.hints()),
@@ -194,16 +193,11 @@ impl Gateway {
     /// unless asked for) while reassembling them; then shares a finished answer (cache and
     /// waiters) or, for a stream cut off, gives the lease up so a waiter leads anew. A
     /// client that leaves does not stop the reading: its waiters still get the answer.
-    fn relay(&self, mut leader: Leader, outbound: &Outbound, response: IncomingResponse, out: ResponseOutparam) {
+    fn relay(&self, mut leader: Leader, response: IncomingResponse, out: ResponseOutparam) {
         let call = leader.call().clone();
         let Some(label) = leader.stream_label(&self.config) else { return };
-        let fresh_s = label.fresh_s;
-        let head = stream_head(label.cache, &label.key, &label.model, label.tenant.as_deref(), fresh_s);
-        let mut headers = vec![(headers::CONTENT_TYPE.to_owned(), headers::EVENT_STREAM.to_owned())];
-        headers.extend(head.into_iter().map(|(n, v)| (n.to_owned(), v)));
-        let events = Reassembler::of(outbound.endpoint, outbound.include_usage).signing(label.signer);
+        let (headers, mut tee) = label.relayed();
         let hints = ProviderHints::from_headers(200, &host::header_pairs(&response.headers()));
-        let mut tee = Events::new(events);
         let client_body = host::start_response(out, 200, &headers);
         let to = client_body.as_ref().and_then(|b| b.write().ok());
         let complete = match response.consume() {

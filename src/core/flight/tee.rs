@@ -245,6 +245,18 @@ pub struct AnswerHead {
 }
 
 impl StreamLabel {
+    /// The head and the tee of a leader's event stream for a host that reads HolySheep's
+    /// 200 event stream itself and relays it (the `wasi:http` component): the content type
+    /// and the edge's labels, and the events reassembled (the usage event held unless asked
+    /// for, ids signed).
+    pub fn relayed(&self) -> (Vec<(String, String)>, Events) {
+        let mut head = vec![(headers::CONTENT_TYPE.to_owned(), headers::EVENT_STREAM.to_owned())];
+        let labels = stream_head(self.cache, &self.key, &self.model, self.tenant.as_deref(), self.fresh_s);
+        head.extend(labels.into_iter().map(|(n, v)| (n.to_owned(), v)));
+        let events = Reassembler::of(self.sent.endpoint, self.include_usage).signing(self.signer.clone());
+        (head, Events::new(events))
+    }
+
     /// The head of the leader's answer: none of HolySheep's `x-holysheep-*` headers pass,
     /// the edge's labels go on, and a refused answer (`misrouted`, or `upstream::refused`)
     /// becomes the edge's own error with only the edge's headers, `retry-after` and

@@ -243,8 +243,8 @@ impl Worker {
             self.send_in_form(Target::Current, &hit.reply_at(now), &hit.outbound);
             return;
         }
-        let headers = hit.headers(&SharedData, &self.config, now);
-        host::send_with(&hit.reply, headers.iter().map(|(n, v)| (*n, v.as_str())));
+        let (labels, extra) = (hit.labels(now), hit.outbound.answer_headers(&SharedData, &self.config, true, || now));
+        host::send_with(&hit.reply, labels.pairs().into_iter().chain(extra.iter().map(|(n, v)| (*n, v.as_str()))));
     }
 
     /// The headers of the stream forwarded for this http context, if it is one.

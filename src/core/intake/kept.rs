@@ -12,7 +12,25 @@ use crate::core::observe::meters::{Meter, Meters};
 use crate::core::request::ApiRequest;
 use crate::core::store::CasStore;
 use crate::core::upstream::Outbound;
-use crate::core::wire::codec;
+use crate::core::wire::codec::{self, Decimal};
+use std::borrow::Cow;
+
+/// A kept HIT's labels as sent at one time (`Kept::labels`).
+pub struct Labels {
+    directive: Cow<'static, str>,
+    age: Decimal,
+}
+
+impl Labels {
+    /// The labels as header pairs.
+    pub fn pairs(&self) -> [(&'static str, &str); 3] {
+        [
+            (headers::CACHE, CacheStatus::Hit.as_str()),
+            (headers::CACHE_CONTROL, self.directive.as_ref()),
+            (headers::AGE, self.age.as_str()),
+        ]
+    }
+}
 
 /// A kept HIT.
 pub struct Kept {
@@ -63,17 +81,11 @@ impl Kept {
         Reply { age_s, fresh_s, cache: Some(CacheStatus::Hit), ..self.reply.clone() }
     }
 
-    /// The headers a JSON answer sends at `now` beside the reply's own (so that the reply
-    /// goes without a copy): the HIT, `cache-control`, `age`, and the answer's headers
-    /// (`Outbound::answer_headers`).
-    pub fn headers(&self, store: &impl CasStore, config: &Config, now: u64) -> Vec<(&'static str, String)> {
-        let mut own = vec![
-            (headers::CACHE, CacheStatus::Hit.as_str().to_owned()),
-            (headers::CACHE_CONTROL, reply::directive(Some(self.fresh_s(now))).into_owned()),
-            (headers::AGE, codec::decimal(self.age_s(now)).as_str().to_owned()),
-        ];
-        own.extend(self.outbound.answer_headers(store, config, true, || now));
-        own
+    /// The labels a JSON answer sends at `now` beside the reply's own (so that the reply
+    /// goes without a copy): the HIT, `cache-control` and `age`, made without allocating.
+    /// The answer's other headers are `Outbound::answer_headers`.
+    pub fn labels(&self, now: u64) -> Labels {
+        Labels { directive: reply::directive(Some(self.fresh_s(now))), age: codec::decimal(self.age_s(now)) }
     }
 
     /// What the access log shows of a request it answers.

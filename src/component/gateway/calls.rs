@@ -17,9 +17,10 @@ use crate::core::api::hints::ProviderHints;
 use crate::core::api::reply::Reply;
 use crate::core::api::response::Response;
 use crate::core::coalesce::engine::Call;
+use crate::core::flight::leader::Leader;
 use crate::core::intake;
 use crate::core::semantic::MAX_EMBEDDING_BYTES;
-use crate::core::upstream::{self, Outbound};
+use crate::core::upstream;
 
 /// The most bytes read from one HolySheep answer.
 const MAX_UPSTREAM_BODY: usize = 16 * 1024 * 1024;
@@ -39,15 +40,10 @@ const NOT_RETURNED: [&str; 5] = ["connection", "keep-alive", "proxy-connection",
 
 impl Gateway {
     /// One attempt (a call the core made ready), renewing the lease while it waits.
-    pub(super) fn attempt(
-        &self,
-        leader: &Call,
-        outbound: &Outbound,
-        call: &HttpCall,
-    ) -> (Option<Response>, ProviderHints) {
+    pub(super) fn attempt(&self, leader: &Leader, call: &HttpCall) -> (Option<Response>, ProviderHints) {
         let deadline = host::now_ms().saturating_add(call.timeout_ms);
-        match self.request(call, leader, deadline) {
-            Ok(response) => self.read_answer(response, leader, outbound, deadline),
+        match self.request(call, leader.call(), deadline) {
+            Ok(response) => self.read_answer(response, leader, deadline),
             Err(failed) => (None, failed.hints()),
         }
     }
@@ -57,15 +53,14 @@ impl Gateway {
     pub(super) fn read_answer(
         &self,
         response: IncomingResponse,
-        call: &Call,
-        outbound: &Outbound,
+        leader: &Leader,
         deadline_ms: u64,
     ) -> (Option<Response>, ProviderHints) {
         let status = response.status();
         let headers = host::header_pairs(&response.headers());
-        match self.read_whole(response, call, deadline_ms, MAX_UPSTREAM_BODY) {
+        match self.read_whole(response, leader.call(), deadline_ms, MAX_UPSTREAM_BODY) {
             Some(bytes) => {
-                let (r, hints) = upstream::response(status, &headers, bytes, outbound.sent(self.env.bearer.is_some()));
+                let (r, hints) = upstream::response(status, &headers, bytes, leader.sent());
                 (Some(r), hints)
             }
             None => (None, ProviderHints::default()),

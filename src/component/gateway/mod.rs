@@ -158,13 +158,13 @@ impl Gateway {
                         Ok(response) if is_event_stream(&response) => {
                             return self.relay(leader, response, out);
                         }
-                        Ok(response) => self.read_answer(response, leader.call(), &outbound, deadline),
+                        Ok(response) => self.read_answer(response, &leader, deadline),
                         Err(failed) => (None, failed.hints()),
                     };
                     leader.on_response(&self.engine(), outcome, &hints, self.at())
                 }
                 Do::Send { call, .. } => {
-                    let (outcome, hints) = self.attempt(leader.call(), &outbound, &call);
+                    let (outcome, hints) = self.attempt(&leader, &call);
                     leader.on_response(&self.engine(), outcome, &hints, self.at())
                 }
                 // No fleet here, the key-value store is this host's own (docs/component.md):

@@ -29,7 +29,7 @@ use crate::core::limits::fleet::{Op, Verdict};
 use crate::core::observe::log_fields::{Served, Spent};
 use crate::core::semantic::{self, Learned, EMBEDDINGS_PATH};
 use crate::core::store::CasStore;
-use crate::core::upstream::{self, Outbound};
+use crate::core::upstream::{self, Outbound, Sent};
 use std::rc::Rc;
 
 /// What the shell does next for a leader.
@@ -133,7 +133,6 @@ impl Leader {
     /// What its stream's answer carries and how it is read (`tee::StreamLabel::answer`),
     /// once it flies.
     pub fn stream_label(&self, config: &Config) -> Option<StreamLabel> {
-        let keyed = self.env.bearer.is_some();
         let flight = self.flight()?;
         let out = &self.outbound;
         Some(StreamLabel {
@@ -141,7 +140,7 @@ impl Leader {
             key: flight.call.key.hex().to_owned(),
             model: flight.model().to_owned(),
             include_usage: out.include_usage,
-            sent: out.sent(keyed),
+            sent: self.sent(),
             tenant: out.tenant.clone(),
             fresh_s: flight.call.store.then_some(config.cache.ttl_seconds),
             signer: config.signer(out.endpoint, out.tenant.as_deref()),
@@ -172,6 +171,12 @@ impl Leader {
         set.push((headers::CONTENT_LENGTH.to_owned(), call.body.len().to_string()));
         set.extend(flight.route_headers(config).into_iter().map(|(n, v)| (n.to_owned(), v)));
         Some(HeadEdit { remove, set })
+    }
+
+    /// How its calls to HolySheep are made: with the operator's key it holds, or the
+    /// client's own; what its answers may pass on follows from that (`upstream::response`).
+    pub fn sent(&self) -> Sent {
+        self.outbound.sent(self.env.bearer.is_some())
     }
 
     /// Its flight, once it flies.

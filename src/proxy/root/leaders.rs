@@ -206,8 +206,7 @@ impl Root {
         };
         let body = host::buffer(BufferType::HttpCallResponseBody, body_size);
         // A callout goes through this Envoy, whose own replies say when it never left.
-        let sent =
-            upstream::Sent { envoy: true, ..run.leader.outbound.sent(self.worker.borrow().env.bearer.is_some()) };
+        let sent = upstream::Sent { envoy: true, ..run.leader.sent() };
         let (response, hints) = upstream::response(status, &headers, body, sent);
         if hints.key_refused {
             self.worker.borrow_mut().key_refused(status);

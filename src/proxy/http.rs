@@ -11,11 +11,13 @@ use super::worker::{Target, WorkerRef};
 use crate::core::api::error::ApiError;
 use crate::core::api::reply::Reply;
 use crate::core::api::response::Response;
-use crate::core::cache::hot::Raw;
 use crate::core::coalesce::engine::{Call, Engine, Step};
 use crate::core::config::Role;
 use crate::core::flight::tee::{AnswerHead, Arrival, StreamEnd, Tee};
-use crate::core::intake::{self, Decision, Head, Route, Ungoverned};
+use crate::core::intake::door::{Door, Entry};
+use crate::core::intake::kept::Kept;
+use crate::core::intake::recall::{Admitted, Decided};
+use crate::core::intake::Head;
 use crate::core::limits::fleet;
 use crate::core::observe::log_fields::Served;
 use crate::core::upstream::{self, misroute, Outbound};
@@ -73,41 +75,30 @@ impl Chat {
         }
         let config = self.worker.borrow().config.clone();
         let head = std::mem::take(&mut self.head);
-        let now = host::now_ms();
-        let scope = head.scope_bytes();
-        // The raw bytes, hashed once for the worker's tables that keep things by them.
-        let raw = self.worker.borrow().seed.raw(&scope, &body);
-        // Directives change what may be served: such requests take the whole path.
-        let plain = head.plain();
-        // A kept answer is the class of its tenant: one that lowers its own goes the whole way.
-        if plain && head.priority.is_none() {
-            if let Some(action) = self.answer_from_hot(&raw, now) {
-                return action;
-            }
-        }
-        let known = if plain { self.worker.borrow().parsed.get(&raw, now) } else { None };
-        let nonce = self.worker.borrow_mut().nonce();
-        let engine = Engine { store: &SharedData, config: &config };
-        let tenant = head.verified.clone();
-        let Decision { request, step, outbound, keep, ended } =
-            match intake::decide(&engine, head, &body, known.as_deref(), now, nonce) {
-                Ok(d) => d,
-                Err(e) => {
-                    self.worker.borrow().counters.count_refusal(e.code, tenant.as_deref());
-                    return self.reject(&e);
-                }
-            };
+        let (now, tenant) = (host::now_ms(), head.verified.clone());
+        let admitted = {
+            let w = &mut *self.worker.borrow_mut();
+            let (engine, nonce) = (Engine { store: &SharedData, config: &config }, w.nonces.next());
+            let keep = |request: &_| Kept::of(&SharedData, &config, &mut w.counters, request, now);
+            w.recall.admit(&engine, keep, head, &body, now, nonce)
+        };
         self.state = State::Handled;
+        let Decided { step, outbound, ended } = match admitted {
+            Ok(Admitted::Decided(decided)) => decided,
+            Ok(Admitted::Kept(hit)) => {
+                self.stopwatch = self.worker.borrow().stopwatch_of(&hit, now);
+                self.worker.borrow_mut().respond_hot(&hit, now);
+                return Action::Pause;
+            }
+            Err(e) => {
+                self.worker.borrow().counters.count_refusal(e.code, tenant.as_deref());
+                return self.reject(&e);
+            }
+        };
         let (model, endpoint) = (&outbound.model, outbound.endpoint);
         self.stopwatch = self.worker.borrow().counters.stopwatch(&config, model, endpoint, outbound.stream, now);
         if let Some((key, watched)) = ended {
             self.worker.borrow_mut().flight_ended(key, watched);
-        }
-        if keep.answer {
-            self.worker.borrow_mut().keep_hot(&raw, &request, now);
-        }
-        if keep.parse {
-            self.worker.borrow_mut().parsed.put(&raw, u64::MAX, request.kept_size(), request);
         }
         let outbound = Rc::new(outbound);
         match step {
@@ -119,16 +110,6 @@ impl Chat {
             Step::Wait(wait) => self.worker.borrow_mut().wait(self.id, wait, outbound),
         }
         Action::Pause
-    }
-
-    /// A request whose exact bytes this worker answered before: answered again without
-    /// parsing. `None` when it has not seen them.
-    fn answer_from_hot(&mut self, raw: &Raw<'_>, now: u64) -> Option<Action> {
-        let hit = self.worker.borrow().hot.get(raw, now)?;
-        self.state = State::Handled;
-        self.stopwatch = self.worker.borrow().stopwatch_of(&hit, now);
-        self.worker.borrow_mut().respond_hot(&hit, now);
-        Some(Action::Pause)
     }
 
     /// A forward node's call: on to the key's owner node (`Worker::hop`).
@@ -176,34 +157,6 @@ impl Chat {
                 Action::Pause
             }
             Err(e) => self.reject(&e),
-        }
-    }
-
-    /// A request the edge does not govern: passed as it came, answered (the models list,
-    /// an error), or passed with the operator's key for a path `passthrough_paths` lists,
-    /// only along a route to `upstream.cluster` (a forward node leaves that to the owner).
-    fn ungoverned(&mut self, config: &crate::core::config::Config) -> Action {
-        match self.head.ungoverned(config) {
-            Ungoverned::Pass => Action::Continue,
-            Ungoverned::WithOperatorKey if config.role == Role::Forward => Action::Continue,
-            Ungoverned::WithOperatorKey => {
-                let bearer = self.worker.borrow().env.bearer.clone();
-                if !host::routed_to(&config.upstream.cluster) {
-                    return self.reject(&ApiError::misdirected());
-                }
-                host::apply(MapType::HttpRequestHeaders, &intake::with_operator_key(bearer.as_deref()));
-                self.state = State::Passed;
-                Action::Continue
-            }
-            Ungoverned::Answer(Ok(list)) => {
-                self.state = State::Handled;
-                host::send(&Reply::plain(list), &[]);
-                Action::Pause
-            }
-            Ungoverned::Answer(Err(e)) => {
-                self.worker.borrow().counters.count_refusal(e.code, None);
-                self.reject(&e)
-            }
         }
     }
 
@@ -277,57 +230,51 @@ impl Chat {
     }
 
     pub fn on_http_request_headers(&mut self, _num_headers: usize, end_of_stream: bool) -> Action {
-        let config = self.worker.borrow().config.clone();
+        let (config, env) = {
+            let w = self.worker.borrow();
+            (w.config.clone(), w.env.clone())
+        };
         let raw = host::header_map(MapType::HttpRequestHeaders);
         let pairs = pairs::parse(&raw).unwrap_or_default();
         self.head = Head::read(pairs.iter().copied(), config.cache.tenant_header.as_deref());
-        if self.head.method.is_empty() {
-            // Unreadable headers: nothing can be said of the request, so it goes nowhere.
-            return self.reject(&ApiError::invalid("the request headers could not be read", None, "invalid_headers"));
-        }
-        // The connection's certificate names, read once for both checks that need them.
-        let hop = self.head.config_digest.is_some() && config.role == Role::Owner;
-        let sans = if config.fleet.internal || hop { host::peer_sans() } else { Vec::new() };
-        if config.fleet.internal {
-            let from_fleet = self.head.from_fleet(&config, &self.worker.borrow().peer(sans.clone()));
-            if let Err(e) = from_fleet {
-                self.worker.borrow().counters.count_refusal(e.code, None);
-                return self.reject(&e);
-            }
-        }
-        let foreign = match hop {
-            true => self.head.foreign_config(&config, &self.worker.borrow().peer(sans)),
-            false => None,
-        };
-        if let Some(foreign) = foreign {
-            let theirs = self.head.config_digest.as_deref().unwrap_or_default();
-            self.worker.borrow_mut().config_disagrees(theirs);
-            if let Err(e) = foreign {
-                return self.reject(&e);
-            }
-        }
-        let route = self.head.route();
-        if route == Route::Internal {
-            // A model owner call (`Head::internal`): its body is read as one.
-            let served = self.head.internal(&config, &self.worker.borrow().peer(Vec::new()));
-            if let Err(e) = served {
-                return self.reject(&e);
-            }
-            self.peer = true;
-            self.state = State::Reading;
-            return Action::Pause;
-        }
         let names = pairs.iter().filter_map(|(n, _)| std::str::from_utf8(n).ok());
-        let edit = self.head.fleet_edit(&config, self.worker.borrow().env.fleet_secret.as_deref(), names);
+        let Entry { door, foreign } = Door::of(&config, &env, &mut self.head, names, host::peer_sans);
+        if let Some(theirs) = foreign {
+            self.worker.borrow_mut().config_disagrees(&theirs);
+        }
+        let edit = match door {
+            Door::Refused { error, counted } => {
+                if counted {
+                    self.worker.borrow().counters.count_refusal(error.code, None);
+                }
+                return self.reject(&error);
+            }
+            Door::Peer => {
+                self.peer = true;
+                self.state = State::Reading;
+                return Action::Pause;
+            }
+            Door::Answer(list) => {
+                self.state = State::Handled;
+                host::send(&Reply::plain(list), &[]);
+                return Action::Pause;
+            }
+            Door::Pass(edit) => {
+                host::apply(MapType::HttpRequestHeaders, &edit);
+                return Action::Continue;
+            }
+            Door::WithOperatorKey(_) if !host::routed_to(&config.upstream.cluster) => {
+                return self.reject(&ApiError::misdirected());
+            }
+            Door::WithOperatorKey(edit) => {
+                host::apply(MapType::HttpRequestHeaders, &edit);
+                self.state = State::Passed;
+                return Action::Continue;
+            }
+            Door::Governed(edit) => edit,
+        };
         host::apply(MapType::HttpRequestHeaders, &edit);
-        if !matches!(route, Route::Governed(_)) {
-            return self.ungoverned(&config);
-        }
         self.state = State::Reading;
-        if let Err(e) = self.head.check(&config) {
-            self.worker.borrow().counters.count_refusal(e.code, None);
-            return self.reject(&e);
-        }
         if end_of_stream {
             return self.handle(Vec::new());
         }

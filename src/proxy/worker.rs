@@ -15,25 +15,22 @@ use crate::core::api::error::ApiError;
 use crate::core::api::key::Key;
 use crate::core::api::reply::Reply;
 use crate::core::api::usage::Usage;
-use crate::core::cache::hot::{Hot, Raw, Seed};
+
 use crate::core::coalesce::engine::{Call, Ended, Engine, Finishing, Wait};
 use crate::core::config::environment::Environment;
 use crate::core::config::Config;
 use crate::core::flight::leader::Leader;
 use crate::core::flight::tee::{Hop, StreamEnd, StreamLabel};
 use crate::core::intake::kept::Kept;
-use crate::core::intake::Peer;
+use crate::core::intake::recall::Recall;
 use crate::core::limits::fleet::Op;
 use crate::core::observe::log_fields::{self, Answered, Served};
 use crate::core::observe::metrics::{self, Counter, LastUsage};
 use crate::core::observe::notices::Notices;
-use crate::core::request::ApiRequest;
 use crate::core::stream;
 use crate::core::upstream::Outbound;
 use crate::proxy::types::{BufferType, LogLevel, MapType};
 use std::cell::RefCell;
-use std::collections::hash_map::RandomState;
-use std::hash::BuildHasher;
 use std::rc::Rc;
 
 /// Local replies one root-context VM call may send to other http contexts. Envoy sends a
@@ -85,14 +82,8 @@ pub struct Worker {
     /// it goes on by its callback's own `Continue`, never by a resume from inside that
     /// callback (Envoy would send its headers before its body has been buffered).
     pub handing: Option<(u32, bool)>,
-    /// HIT answers by the requests' raw bytes.
-    pub hot: Hot<Kept>,
-    /// Requests parsed before, by their raw bytes: a HIT and a request that waits for a
-    /// flight (`intake::Keep`), so that the rest of a crowd of identical requests is not
-    /// parsed, canonicalised and hashed again.
-    pub parsed: Hot<ApiRequest>,
-    /// What both tables hash the raw bytes with.
-    pub seed: Seed,
+    /// The HITs and parses it remembers by the requests' raw bytes.
+    pub recall: Recall,
     /// The usage of the answer logged last (followers share one answer).
     pub log_usage: LastUsage,
 }
@@ -129,17 +120,9 @@ impl Worker {
             body_watch: BodyWatch::default(),
             replies_left: REPLY_BATCH,
             handing: None,
-            hot: Hot::new(0),
-            parsed: Hot::new(0),
-            seed: Seed::new(RandomState::new().hash_one(())),
+            recall: Recall::new(&Config::default(), 0, false),
             log_usage: LastUsage::default(),
         }
-    }
-
-    /// A request's sender as this node knows it: `sans` of its verified client
-    /// certificate, and the fleet's secrets.
-    pub fn peer(&self, sans: Vec<String>) -> Peer<'_> {
-        Peer { sans, secrets: [self.env.fleet_secret.as_deref(), self.env.fleet_secret_accepted.as_deref()] }
     }
 
     /// HolySheep refused the configured key on a chat call (logged, rate-limited).
@@ -217,13 +200,6 @@ impl Worker {
         }
         let response = stream::for_client(reply.response.clone(), true, outbound.include_usage);
         self.send(target, &Reply { response, ..reply.clone() }, &extra)
-    }
-
-    /// Keeps the entry `request` was just served from, for the same bytes next time.
-    pub fn keep_hot(&mut self, raw: &Raw<'_>, request: &ApiRequest, now: u64) {
-        if let Some(kept) = Kept::of(&SharedData, &self.config, &mut self.counters, request, now) {
-            self.hot.put(raw, kept.expires_ms, kept.size(), kept);
-        }
     }
 
     /// The stopwatch of a request a kept answer serves, arrived in full at `now`.

@@ -1,14 +1,15 @@
 //! What an instance of the component sets up once and keeps between the requests it
 //! serves, when its host reuses it (one request at a time): its configuration, key and
-//! store, and the requests it parsed that came again (found by the tenant's and the body's
-//! exact bytes). On a host that makes an instance per request, each request sets it up.
+//! store, and the requests it parsed that came again (`intake::recall`). On a host that
+//! makes an instance per request, each request sets it up.
 
 use crate::component::host::{self, Kv};
 use crate::core::api::error::ApiError;
-use crate::core::cache::hot::{self, Hot, Raw, Seed};
+use crate::core::coalesce::engine::Engine;
 use crate::core::config::environment::Environment;
 use crate::core::config::Config;
-use crate::core::request::ApiRequest;
+use crate::core::intake::recall::{Admitted, Recall};
+use crate::core::intake::Head;
 use std::cell::RefCell;
 use std::rc::Rc;
 
@@ -23,13 +24,11 @@ pub(super) struct Gateway {
 /// request at a time): its gateway, read once, and the requests it parsed that came again.
 struct Kept {
     gateway: Option<Rc<Gateway>>,
-    seed: Seed,
-    parsed: Hot<ApiRequest>,
+    recall: Option<Recall>,
 }
 
 thread_local! {
-    static KEPT: RefCell<Kept> =
-        RefCell::new(Kept { gateway: None, seed: Seed::new(host::nonce()), parsed: Hot::new(0) });
+    static KEPT: RefCell<Kept> = const { RefCell::new(Kept { gateway: None, recall: None }) };
 }
 
 /// The instance's gateway: its environment cannot change while it lives, so it is read once.
@@ -39,25 +38,21 @@ pub(super) fn gateway() -> Result<Rc<Gateway>, ApiError> {
     }
     let gateway = Rc::new(setup()?);
     KEPT.with_borrow_mut(|k| {
-        k.parsed = Hot::new(gateway.config.cache.hot_bytes.min(hot::PARSED_BYTES));
+        // No answers are kept in an instance's memory: a HIT's parse stands in for its answer.
+        k.recall = Some(Recall::new(&gateway.config, host::nonce(), false));
         k.gateway = Some(gateway.clone());
     });
     Ok(gateway)
 }
 
-/// The request's raw bytes (the tenant's, and the body), hashed with this instance's secret.
-pub(super) fn raw<'a>(tenant: &'a [u8], body: &'a [u8]) -> Raw<'a> {
-    KEPT.with_borrow(|k| k.seed.raw(tenant, body))
-}
-
-/// The parse this instance kept for exactly these bytes.
-pub(super) fn parsed(raw: &Raw<'_>) -> Option<Rc<ApiRequest>> {
-    KEPT.with_borrow(|k| k.parsed.get(raw, host::now_ms()))
-}
-
-/// Keeps a request's parse for the next time the same bytes come.
-pub(super) fn keep_parsed(raw: &Raw<'_>, request: ApiRequest) {
-    KEPT.with_borrow_mut(|k| k.parsed.put(raw, u64::MAX, request.kept_size(), request));
+/// A governed request through the door of `intake::recall`, with what this instance
+/// remembers.
+pub(super) fn admit(engine: &Engine<'_, Kv>, head: Head, body: &[u8]) -> Result<Admitted, ApiError> {
+    let (now, nonce) = (host::now_ms(), host::nonce());
+    KEPT.with_borrow_mut(|k| match &mut k.recall {
+        Some(recall) => recall.admit(engine, |_| None, head, body, now, nonce),
+        None => Err(ApiError::server("the gateway is not set up", "invalid_configuration")),
+    })
 }
 
 /// Reads the configuration (`HOLYSHEEP_CONFIG`), the key and the bucket (once an instance

@@ -19,7 +19,8 @@ use crate::core::api::reply::Reply;
 use crate::core::coalesce::engine::{poll_delay_ms, Call, Engine, Step};
 use crate::core::flight::leader::{Do, Leader};
 use crate::core::flight::look::Answer;
-use crate::core::intake::{self, Decision, Head, Route, Ungoverned};
+use crate::core::intake::recall::{Admitted, Decided};
+use crate::core::intake::{Head, Route, Ungoverned};
 use crate::core::stream;
 use crate::core::upstream::Outbound;
 use calls::Failed;
@@ -89,21 +90,14 @@ impl Gateway {
             }
         };
         drop(request);
-        let scope = head.scope_bytes();
-        let raw = instance::raw(&scope, &body);
-        // Directives change what may be served: such requests are parsed every time.
-        let known = if head.plain() { instance::parsed(&raw) } else { None };
         let engine = self.engine();
         // A flight the intake ended at once has no waiter to wake here: waiters poll.
-        let Decision { request: parsed, step, outbound, keep, ended: _ } =
-            match intake::decide(&engine, head, &body, known.as_deref(), host::now_ms(), host::nonce()) {
-                Ok(d) => d,
-                Err(e) => return host::reply(out, &Reply::error(&e), &[]),
-            };
-        // No answers are kept in an instance's memory: a HIT's parse stands in for its answer.
-        if keep.parse {
-            instance::keep_parsed(&raw, parsed);
-        }
+        let Decided { step, outbound, ended: _ } = match instance::admit(&engine, head, &body) {
+            Ok(Admitted::Decided(d)) => d,
+            // An instance keeps no answers of its own (`instance::admit`).
+            Ok(Admitted::Kept(hit)) => return self.answer(out, hit.reply_at(host::now_ms()), &hit.outbound),
+            Err(e) => return host::reply(out, &Reply::error(&e), &[]),
+        };
         self.run(step, Rc::new(outbound), out);
     }
 

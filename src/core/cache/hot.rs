@@ -99,6 +99,11 @@ impl<T> Hot<T> {
         Hot { max_bytes, bytes: 0, slots: HashMap::default(), order: VecDeque::new() }
     }
 
+    /// Whether it keeps anything at all.
+    pub fn keeps(&self) -> bool {
+        self.max_bytes > 0
+    }
+
     /// The copy kept for exactly these bytes, while it is fresh.
     pub fn get(&self, raw: &Raw<'_>, now_ms: u64) -> Option<Rc<T>> {
         let slot = self.slots.get(&raw.hash)?;

@@ -4,7 +4,9 @@
 //! the cache policy its directives ask for, then decided (`decide`): the step the engine
 //! takes and the call it would make.
 
+pub mod door;
 pub mod kept;
+pub mod recall;
 
 use crate::core::api::endpoint::Endpoint;
 use crate::core::api::error::ApiError;

@@ -13,13 +13,15 @@ use super::host::{self, SharedData};
 use super::http::Chat;
 use super::runs::Callout;
 use super::worker::{Worker, WorkerRef, REPLY_BATCH};
-use crate::core::cache::hot::{self, Hot};
 use crate::core::config::environment::Environment;
 use crate::core::config::{Config, Role};
+use crate::core::intake::recall::Recall;
 use crate::core::observe::notices::Notices;
 use crate::core::upstream;
 use crate::proxy::types::{BufferType, LogLevel};
 use std::cell::RefCell;
+use std::collections::hash_map::RandomState;
+use std::hash::BuildHasher;
 use std::rc::Rc;
 use std::time::Duration;
 
@@ -107,8 +109,7 @@ impl Root {
         let environment = Environment::read(&mut config, |name| std::env::var(name).ok());
         host::note(environment.notes(&config));
         w.env = Rc::new(environment);
-        w.hot = Hot::new(config.cache.hot_bytes);
-        w.parsed = Hot::new(config.cache.hot_bytes.min(hot::PARSED_BYTES));
+        w.recall = Recall::new(&config, RandomState::new().hash_one(()), true);
         // What the counters held goes to Envoy before they are defined anew.
         w.counters.flush();
         w.counters = Counters::define(EnvoyStats, &config);

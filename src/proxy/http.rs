@@ -78,9 +78,9 @@ impl Chat {
         let (now, tenant) = (host::now_ms(), head.verified.clone());
         let admitted = {
             let w = &mut *self.worker.borrow_mut();
-            let (engine, nonce) = (Engine { store: &SharedData, config: &config }, w.nonces.next());
+            let (engine, nonces) = (Engine { store: &SharedData, config: &config }, &mut w.nonces);
             let keep = |request: &_| Kept::of(&SharedData, &config, &mut w.counters, request, now);
-            w.recall.admit(&engine, keep, head, &body, now, nonce)
+            w.recall.admit(&engine, keep, head, &body, now, || nonces.next())
         };
         self.state = State::Handled;
         let Decided { step, outbound, ended } = match admitted {
@@ -238,11 +238,16 @@ impl Chat {
         let pairs = pairs::parse(&raw).unwrap_or_default();
         self.head = Head::read(pairs.iter().copied(), config.cache.tenant_header.as_deref());
         let names = pairs.iter().filter_map(|(n, _)| std::str::from_utf8(n).ok());
-        let Entry { door, foreign } = Door::of(&config, &env, &mut self.head, names, host::peer_sans);
+        let Entry { door, edit, foreign } = Door::of(&config, &env, &mut self.head, names, host::peer_sans);
         if let Some(theirs) = foreign {
             self.worker.borrow_mut().config_disagrees(&theirs);
         }
-        let edit = match door {
+        if matches!(door, Door::WithOperatorKey) && !host::routed_to(&config.upstream.cluster) {
+            return self.reject(&ApiError::misdirected());
+        }
+        host::apply(MapType::HttpRequestHeaders, &edit);
+        match door {
+            Door::Governed => {}
             Door::Refused { error, counted } => {
                 if counted {
                     self.worker.borrow().counters.count_refusal(error.code, None);
@@ -259,21 +264,12 @@ impl Chat {
                 host::send(&Reply::plain(list), &[]);
                 return Action::Pause;
             }
-            Door::Pass(edit) => {
-                host::apply(MapType::HttpRequestHeaders, &edit);
-                return Action::Continue;
-            }
-            Door::WithOperatorKey(_) if !host::routed_to(&config.upstream.cluster) => {
-                return self.reject(&ApiError::misdirected());
-            }
-            Door::WithOperatorKey(edit) => {
-                host::apply(MapType::HttpRequestHeaders, &edit);
+            Door::Pass => return Action::Continue,
+            Door::WithOperatorKey => {
                 self.state = State::Passed;
                 return Action::Continue;
             }
-            Door::Governed(edit) => edit,
-        };
-        host::apply(MapType::HttpRequestHeaders, &edit);
+        }
         self.state = State::Reading;
         if end_of_stream {
             return self.handle(Vec::new());

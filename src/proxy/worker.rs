@@ -120,6 +120,7 @@ impl Worker {
             body_watch: BodyWatch::default(),
             replies_left: REPLY_BATCH,
             handing: None,
+            // Replaced, with a random seed, by the configuration every VM gets before a request.
             recall: Recall::new(&Config::default(), 0, false),
             log_usage: LastUsage::default(),
         }

@@ -48,9 +48,9 @@ pub(super) fn gateway() -> Result<Rc<Gateway>, ApiError> {
 /// A governed request through the door of `intake::recall`, with what this instance
 /// remembers.
 pub(super) fn admit(engine: &Engine<'_, Kv>, head: Head, body: &[u8]) -> Result<Admitted, ApiError> {
-    let (now, nonce) = (host::now_ms(), host::nonce());
+    let now = host::now_ms();
     KEPT.with_borrow_mut(|k| match &mut k.recall {
-        Some(recall) => recall.admit(engine, |_| None, head, body, now, nonce),
+        Some(recall) => recall.admit(engine, |_| None, head, body, now, host::nonce),
         None => Err(ApiError::server("the gateway is not set up", "invalid_configuration")),
     })
 }

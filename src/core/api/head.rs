@@ -3,10 +3,18 @@
 //! carries the edit out.
 
 /// The headers taken out, then those set (each replacing any of its name).
-#[derive(Debug, Default, PartialEq, Eq)]
+#[derive(Default, PartialEq, Eq)]
 pub struct HeadEdit {
     pub remove: Vec<String>,
     pub set: Vec<(String, String)>,
+}
+
+/// Names only: a value set may be the operator's key or the fleet's secret.
+impl std::fmt::Debug for HeadEdit {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let set: Vec<&str> = self.set.iter().map(|(n, _)| n.as_str()).collect();
+        f.debug_struct("HeadEdit").field("remove", &self.remove).field("set", &set).finish()
+    }
 }
 
 impl HeadEdit {

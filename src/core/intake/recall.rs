@@ -59,10 +59,11 @@ impl Recall {
     /// bytes, or decided (with a parse remembered for them, if any). What it decides is
     /// remembered for the next time: the answer of a HIT, and the parse of a HIT or a
     /// waiter. Requests with directives are never answered from memory, nor remembered:
-    /// directives change what may be served; nor one that lowers its own priority (a kept
-    /// answer is its tenant's class).
+    /// directives change what may be served. One that lowers its own priority is never
+    /// answered from memory either (a kept answer is its tenant's class), though what it
+    /// decides is remembered for others.
     /// `keep` makes a HIT's answer into what the host keeps (`Kept::of`, where the host
-    /// keeps answers).
+    /// keeps answers); `nonce` is drawn only for a request that is decided.
     pub fn admit<S: CasStore>(
         &mut self,
         engine: &Engine<'_, S>,
@@ -70,7 +71,7 @@ impl Recall {
         head: Head,
         body: &[u8],
         now_ms: u64,
-        nonce: u64,
+        nonce: impl FnOnce() -> u64,
     ) -> Result<Admitted, ApiError> {
         let scope = head.scope_bytes();
         let raw = self.seed.raw(&scope, body);
@@ -82,7 +83,7 @@ impl Recall {
         }
         let known = if plain { self.parsed.get(&raw, now_ms) } else { None };
         let Decision { request, step, outbound, keep: remember, ended } =
-            decide(engine, head, body, known.as_deref(), now_ms, nonce)?;
+            decide(engine, head, body, known.as_deref(), now_ms, nonce())?;
         if remember.answer && self.answers.keeps() {
             if let Some(kept) = keep(&request) {
                 self.answers.put(&raw, kept.expires_ms, kept.size(), kept);
@@ -120,7 +121,7 @@ mod tests {
             head(None),
             BODY,
             1_000,
-            1,
+            || 1,
         ) else {
             panic!("the first request leads");
         };
@@ -136,16 +137,42 @@ mod tests {
         answered(&engine, &mut recall, &mut meters);
         // The first HIT is decided, and its answer remembered.
         let keep = |r: &ApiRequest| Kept::of(&store, &config, &mut meters, r, 1_100);
-        let first = recall.admit(&engine, keep, head(None), BODY, 1_100, 2);
+        let first = recall.admit(&engine, keep, head(None), BODY, 1_100, || 2);
         assert!(matches!(first, Ok(Admitted::Decided(Decided { step: Step::Reply(ref r), .. }))
             if r.cache == Some(CacheStatus::Hit)));
         // Gone from the store, the same bytes are still answered from memory.
         let empty = MemStore::default();
         let engine = Engine { store: &empty, config: &config };
-        assert!(matches!(recall.admit(&engine, |_| None, head(None), BODY, 1_200, 3), Ok(Admitted::Kept(_))));
+        assert!(matches!(recall.admit(&engine, |_| None, head(None), BODY, 1_200, || 3), Ok(Admitted::Kept(_))));
         // A directive takes the whole path: the store no longer has it.
-        let fresh = recall.admit(&engine, |_| None, head(Some("no-cache")), BODY, 1_200, 4);
+        let fresh = recall.admit(&engine, |_| None, head(Some("no-cache")), BODY, 1_200, || 4);
         assert!(matches!(fresh, Ok(Admitted::Decided(Decided { step: Step::Call(_), .. }))));
+        // So does a request that lowers its own priority (a kept answer is its tenant's class).
+        let lowered = Head { priority: Some("batch".into()), ..head(None) };
+        let lowered = recall.admit(&engine, |_| None, lowered, BODY, 1_200, || 5);
+        assert!(matches!(lowered, Ok(Admitted::Decided(_)) | Err(_)), "never from memory");
+    }
+
+    /// Whether `recall` holds a parse for `BODY` from `head`'s scope.
+    fn parsed(recall: &Recall) -> bool {
+        let scope = head(None).scope_bytes();
+        recall.parsed.get(&recall.seed.raw(&scope, BODY), 1_002).is_some()
+    }
+
+    #[test]
+    fn a_crowds_parse_is_remembered_and_a_directives_is_not() {
+        let (store, config) = (MemStore::default(), Config::default());
+        let engine = Engine { store: &store, config: &config };
+        let mut recall = Recall::new(&config, 7, true);
+        let lead = recall.admit(&engine, |_| None, head(None), BODY, 1_000, || 1);
+        assert!(matches!(lead, Ok(Admitted::Decided(Decided { step: Step::Call(_), .. }))));
+        assert!(!parsed(&recall), "a leader's bytes are not likely to come again yet");
+        let directed = recall.admit(&engine, |_| None, head(Some("max-age=60")), BODY, 1_001, || 2);
+        assert!(matches!(directed, Ok(Admitted::Decided(Decided { step: Step::Wait(_), .. }))));
+        assert!(!parsed(&recall), "directives change what may be served");
+        let wait = recall.admit(&engine, |_| None, head(None), BODY, 1_001, || 3);
+        assert!(matches!(wait, Ok(Admitted::Decided(Decided { step: Step::Wait(_), .. }))));
+        assert!(parsed(&recall), "part of a crowd: the rest of it is not parsed again");
     }
 
     #[test]
@@ -156,7 +183,7 @@ mod tests {
         answered(&engine, &mut recall, &mut meters);
         for nonce in 2..4 {
             let keep = |r: &ApiRequest| Kept::of(&store, &config, &mut meters, r, 1_100);
-            let again = recall.admit(&engine, keep, head(None), BODY, 1_100, nonce);
+            let again = recall.admit(&engine, keep, head(None), BODY, 1_100, || nonce);
             assert!(matches!(again, Ok(Admitted::Decided(Decided { step: Step::Reply(_), .. }))));
         }
     }

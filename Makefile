@@ -1,5 +1,5 @@
 # The two commands: `make run` (demo on the mock) and `make test` (everything CI runs).
-.PHONY: walk sim otel-receiver shells-check size-check size-profile k8s-check oci rules-check run run-cluster run-tiers run-component test check imports-check fuzz-check bench profile floors soak stop setup clean wit-lock fuzz tenant-key docs-check
+.PHONY: native walk sim otel-receiver shells-check size-check size-profile k8s-check oci rules-check run run-cluster run-tiers run-component test check imports-check fuzz-check bench profile floors soak stop setup clean wit-lock fuzz tenant-key docs-check
 
 # What the tests need (`make run` and the other demos install only what they use).
 setup:
@@ -7,6 +7,10 @@ setup:
 
 run:
 	envoy/run.sh
+
+# The native Envoy module (docs/native.md): target/native/libholysheep_edge.so.
+native:
+	cargo build --profile native --features native --lib
 
 run-cluster:
 	envoy/run-cluster.sh
@@ -80,6 +84,7 @@ shells-check:
 	rustup target add wasm32-wasip1 wasm32-wasip2 >/dev/null 2>&1
 	cargo clippy --quiet -p holysheep-edge --lib --target wasm32-wasip1 -- -D warnings
 	cargo clippy --quiet -p holysheep-edge --lib --target wasm32-wasip2 -- -D warnings
+	cargo clippy --quiet -p holysheep-edge --lib --features native -- -D warnings
 
 # No import circle anywhere in the repository's crates, and no arrow up the core's floors
 # (tools/imports.py prints each graph's figures).

@@ -72,6 +72,8 @@ if $TESTS; then
   # Test only: the lock without CAS, which the harness's race tests must catch.
   cargo build --release --target wasm32-wasip1 --features broken-lock --target-dir target/broken-lock
   cargo build --release --target wasm32-wasip2
+  echo "setup: the native module (target/native/libholysheep_edge.so)"
+  cargo build --profile native --features native --lib
   echo "setup: envoy ${ENVOY_VERSION}, $(wc -c < target/plugin/holysheep_edge.wasm) byte plugin," \
     "$(wc -c < target/wasm32-wasip2/release/holysheep_edge.wasm) byte component"
 else

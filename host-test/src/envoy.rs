@@ -26,6 +26,22 @@ pub fn wasm_path() -> PathBuf {
         .map_or_else(|| workspace_root().join("target/plugin/holysheep_edge.wasm"), PathBuf::from)
 }
 
+/// The folder of the built native module, `libholysheep_edge.so` (`HOLYSHEEP_NATIVE_DIR`
+/// overrides).
+pub fn native_dir() -> PathBuf {
+    std::env::var_os("HOLYSHEEP_NATIVE_DIR").map_or_else(|| workspace_root().join("target/native"), PathBuf::from)
+}
+
+/// Which of the edge's Envoy shells the edge listener runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Shell {
+    /// The proxy-wasm plugin.
+    #[default]
+    Wasm,
+    /// The native dynamic module (`make native`).
+    Native,
+}
+
 /// The built wasi:http component (`HOLYSHEEP_COMPONENT` overrides).
 pub fn component_path() -> PathBuf {
     std::env::var_os("HOLYSHEEP_COMPONENT")
@@ -83,6 +99,8 @@ pub struct Options {
     /// so that `Envoy::reconfigure` reloads the filter's configuration in the running
     /// process, as an operator's xDS update does.
     pub edge_by_lds: bool,
+    /// The shell in front: the plugin, or the native module with the same configuration.
+    pub shell: Shell,
 }
 
 impl Options {
@@ -107,8 +125,28 @@ impl Options {
             upstream_max_requests: None,
             gold_only_upstream: None,
             edge_by_lds: false,
+            shell: Shell::Wasm,
         }
     }
+}
+
+/// `yaml` with its edge listener's plugin replaced by the native module, configured with
+/// `config` (the plugin's own configuration, as the module takes it).
+fn with_native_module(yaml: &str, config: &str) -> io::Result<String> {
+    let start = yaml.find("          - name: envoy.filters.http.wasm\n");
+    let end = yaml.find("          - name: envoy.filters.http.router\n");
+    let (Some(start), Some(end)) = (start, end) else {
+        return Err(io::Error::other("envoy/local.yaml.tmpl has no plugin before its router"));
+    };
+    let module = format!(
+        "          - name: envoy.filters.http.dynamic_modules\n            typed_config:\n              \
+         \"@type\": type.googleapis.com/envoy.extensions.filters.http.dynamic_modules.v3.DynamicModuleFilter\n              \
+         dynamic_module_config: {{name: holysheep_edge, do_not_close: true}}\n              \
+         filter_name: holysheep-edge\n              filter_config:\n                \
+         \"@type\": type.googleapis.com/google.protobuf.StringValue\n                value: '{}'\n",
+        config.replace('\'', "''")
+    );
+    Ok(format!("{}{module}{}", &yaml[..start], &yaml[end..]))
 }
 
 pub struct Envoy {
@@ -369,7 +407,19 @@ impl Envoy {
             yaml.replace("allow_on_headers_stop_iteration: true", "")
         };
         let yaml = if opts.edge_by_lds { with_edge_by_lds(&yaml, &dir)? } else { yaml };
-        let env: Vec<(&str, String)> = opts.api_key.iter().map(|k| ("HOLYSHEEP_API_KEY", k.clone())).collect();
+        let mut env: Vec<(&str, String)> = opts.api_key.iter().map(|k| ("HOLYSHEEP_API_KEY", k.clone())).collect();
+        let yaml = match opts.shell {
+            Shell::Wasm => yaml,
+            Shell::Native => {
+                let module = native_dir().join("libholysheep_edge.so");
+                if !module.exists() {
+                    let missing = format!("{} is missing: run `make native`", module.display());
+                    return Err(io::Error::new(io::ErrorKind::NotFound, missing));
+                }
+                env.push(("ENVOY_DYNAMIC_MODULES_SEARCH_PATH", native_dir().display().to_string()));
+                with_native_module(&yaml, &opts.config)?
+            }
+        };
         Envoy::spawn(dir, &yaml, opts.concurrency, &env)
     }
 

@@ -11,6 +11,7 @@ mod fleet_e2e;
 mod hostile_e2e;
 mod limits_e2e;
 mod money_e2e;
+mod native_e2e;
 mod never_down;
 mod otel_e2e;
 mod priority_e2e;

@@ -1,0 +1,99 @@
+//! The native module (`make native`) in real Envoy, in front of the mock: the same core as
+//! the plugin, its store in the process's memory and its waiters woken through Envoy's
+//! scheduler. What it serves so far is docs/native.md's list; each test here is one of it.
+
+use host_test::envoy::{Envoy, Options, Shell};
+use host_test::mock::Running;
+use host_test::stack::{count, prompt, streamed, Stack};
+
+const KEY: &str = "sk-operator";
+
+/// The mock (which takes only the operator's key) and Envoy with the native module.
+fn native(config: &str, latency_ms: u64) -> Stack {
+    Stack::start_tuned(
+        config,
+        latency_ms,
+        |o| {
+            o.shell = Shell::Native;
+            o.api_key = Some(KEY.into());
+        },
+        Some(KEY),
+    )
+}
+
+#[test]
+fn a_miss_then_a_hit_costs_one_call_with_the_operators_key() {
+    let s = native(r#"{"cache":{"ttl_seconds":600}}"#, 0);
+    let body = prompt("native: the first question");
+    let miss = s.chat(&body, &[]);
+    assert_eq!((miss.status, miss.cache()), (200, "MISS"), "{}", miss.text());
+    assert_eq!(s.mock.mock.last_authorization().as_deref(), Some("Bearer sk-operator"));
+    let hit = s.chat(&body, &[]);
+    assert_eq!((hit.status, hit.cache()), (200, "HIT"));
+    assert_eq!(hit.body, miss.body, "the stored answer, byte for byte");
+    assert_eq!(hit.header("x-holysheep-key"), miss.header("x-holysheep-key"));
+    assert_eq!(s.calls(), 1, "the HIT never reached HolySheep");
+    assert_eq!(s.crashes(), Vec::<String>::new());
+}
+
+#[test]
+fn a_crowd_over_two_workers_makes_one_call_and_everyone_gets_the_leaders_answer() {
+    let s = native("{}", 300);
+    let resps = s.burst(100, &prompt("native: the crowd's question"), "Bearer t");
+    assert!(resps.iter().all(|r| r.status == 200), "{:?}", resps.iter().map(|r| r.status).collect::<Vec<_>>());
+    assert_eq!(s.calls(), 1, "one upstream call for the crowd");
+    assert_eq!(count(&resps, "MISS"), 1);
+    assert_eq!(count(&resps, "MISS") + count(&resps, "COALESCED") + count(&resps, "HIT"), 100);
+    assert!(count(&resps, "COALESCED") > 0, "waiters were woken by the leader's end");
+    assert!(resps.iter().all(|r| r.body == resps[0].body), "everyone gets the leader's answer");
+    assert_eq!(s.crashes(), Vec::<String>::new());
+}
+
+#[test]
+fn a_streamed_miss_is_answered_as_events_and_stored_for_the_plain_form() {
+    let s = native("{}", 0);
+    let plain = prompt("native: stream me");
+    let events = s.chat(&streamed(&plain), &[]);
+    assert_eq!((events.status, events.cache()), (200, "MISS"));
+    assert_eq!(events.header("content-type"), Some("text/event-stream"));
+    let text = events.text();
+    assert!(text.contains("chat.completion.chunk") && text.trim_end().ends_with("data: [DONE]"), "{text}");
+    let hit = s.chat(&plain, &[]);
+    assert_eq!((hit.status, hit.cache()), (200, "HIT"), "the stream was stored whole");
+    let content = hit.json()["choices"][0]["message"]["content"].as_str().map(str::to_owned).unwrap_or_default();
+    assert!(content.ends_with("to: native: stream me"), "{content}");
+    assert_eq!(s.calls(), 1);
+}
+
+#[test]
+fn bad_input_gets_an_openai_error_and_nothing_else_is_disturbed() {
+    let s = native("{}", 0);
+    let bad = s.chat("{not json", &[]);
+    assert_eq!((bad.status, bad.error_code().as_str()), (400, "invalid_json"));
+    let big = format!(r#"{{"model":"gpt-4.1","messages":[{{"role":"user","content":"{}"}}]}}"#, "x".repeat(2 << 20));
+    assert_eq!(s.chat(&big, &[]).status, 413, "a body over max_body_bytes");
+    let after = s.chat(&prompt("native: still serving"), &[]);
+    assert_eq!((after.status, after.cache()), (200, "MISS"));
+    assert_eq!(s.calls(), 1, "refused requests cost nothing");
+    assert_eq!(s.crashes(), Vec::<String>::new());
+}
+
+#[test]
+fn a_configuration_it_cannot_serve_yet_is_refused_at_load() {
+    let mock = Running::start(None, 0).expect("mock starts");
+    let mut opts = Options::new(r#"{"passthrough_paths":["/v1/files"]}"#, mock.addr);
+    opts.shell = Shell::Native;
+    let e = Envoy::start(&opts).err().map(|e| e.to_string()).unwrap_or_default();
+    assert!(e.contains("'passthrough_paths' is not served by the native module yet"), "{e}");
+}
+
+#[test]
+fn a_call_longer_than_the_lease_keeps_it_and_its_waiters_wait() {
+    // A 200 ms lease, renewed every 50 ms while the 1.2 s call is out: without renewals the
+    // waiters would take the expired lease over and call again.
+    let s = native(r#"{"lock":{"lease_ms":200}}"#, 1_200);
+    let resps = s.burst(8, &prompt("native: a slow answer"), "Bearer t");
+    assert!(resps.iter().all(|r| r.status == 200), "{:?}", resps.iter().map(|r| r.status).collect::<Vec<_>>());
+    assert_eq!(s.calls(), 1, "the lease held for the whole call");
+    assert!(resps.iter().all(|r| r.body == resps[0].body));
+}

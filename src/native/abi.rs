@@ -1,0 +1,142 @@
+//! Envoy's dynamic-module ABI `v0.2.0` (Envoy 1.40.0), the subset this shell uses: the C
+//! types, the enums' values, and the callbacks Envoy exports, each proven in the 1.40.0
+//! binary (docs/native.md). Envoy owns every buffer it hands over, valid only during the
+//! hook it arrives in; a buffer the module passes is read during the call only.
+
+use std::ffi::c_void;
+
+/// A buffer Envoy owns.
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct EnvoyBuffer {
+    pub ptr: *const u8,
+    pub len: usize,
+}
+
+/// A buffer the module owns.
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct ModuleBuffer {
+    pub ptr: *const u8,
+    pub len: usize,
+}
+
+/// A header, Envoy's or the module's (one layout for both).
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct Header {
+    pub key_ptr: *const u8,
+    pub key_len: usize,
+    pub value_ptr: *const u8,
+    pub value_len: usize,
+}
+
+pub type EnvoyFilter = *mut c_void;
+pub type Scheduler = *mut c_void;
+
+/// `http_header_type`.
+pub const REQUEST_HEADERS: i32 = 0;
+/// `http_body_type`: the newest chunk, and what was buffered before it.
+pub const RECEIVED_REQUEST_BODY: i32 = 0;
+pub const BUFFERED_REQUEST_BODY: i32 = 1;
+/// `log_level`.
+pub const LOG_INFO: i32 = 2;
+pub const LOG_WARN: i32 = 3;
+pub const LOG_ERROR: i32 = 4;
+pub const LOG_CRITICAL: i32 = 5;
+/// Header and trailer hooks' statuses.
+pub const CONTINUE: i32 = 0;
+pub const STOP_ITERATION: i32 = 1;
+/// Body hooks' statuses.
+pub const STOP_AND_BUFFER: i32 = 1;
+/// `http_callout_init_result` and `http_callout_result`: success.
+pub const CALLOUT_OK: i32 = 0;
+/// `attribute_id`: whether the connection is mutual TLS, and the peer certificate's first
+/// DNS and URI SANs.
+pub const ATTRIBUTE_MTLS: i32 = 29;
+pub const ATTRIBUTE_DNS_SAN: i32 = 35;
+pub const ATTRIBUTE_URI_SAN: i32 = 37;
+
+extern "C" {
+    pub fn envoy_dynamic_module_callback_log(level: i32, message: ModuleBuffer);
+    pub fn envoy_dynamic_module_callback_http_get_headers_size(filter: EnvoyFilter, kind: i32) -> usize;
+    pub fn envoy_dynamic_module_callback_http_get_headers(filter: EnvoyFilter, kind: i32, out: *mut Header) -> bool;
+    pub fn envoy_dynamic_module_callback_http_set_header(
+        filter: EnvoyFilter,
+        kind: i32,
+        key: ModuleBuffer,
+        value: ModuleBuffer,
+    ) -> bool;
+    pub fn envoy_dynamic_module_callback_http_get_body_size(filter: EnvoyFilter, kind: i32) -> usize;
+    pub fn envoy_dynamic_module_callback_http_get_body_chunks_size(filter: EnvoyFilter, kind: i32) -> usize;
+    pub fn envoy_dynamic_module_callback_http_get_body_chunks(
+        filter: EnvoyFilter,
+        kind: i32,
+        out: *mut EnvoyBuffer,
+    ) -> bool;
+    pub fn envoy_dynamic_module_callback_http_received_buffered_request_body(filter: EnvoyFilter) -> bool;
+    pub fn envoy_dynamic_module_callback_http_send_response(
+        filter: EnvoyFilter,
+        status: u32,
+        headers: *const Header,
+        headers_len: usize,
+        body: ModuleBuffer,
+        details: ModuleBuffer,
+    );
+    pub fn envoy_dynamic_module_callback_http_filter_http_callout(
+        filter: EnvoyFilter,
+        id_out: *mut u64,
+        cluster: ModuleBuffer,
+        headers: *const Header,
+        headers_len: usize,
+        body: ModuleBuffer,
+        timeout_ms: u64,
+    ) -> i32;
+    pub fn envoy_dynamic_module_callback_http_filter_scheduler_new(filter: EnvoyFilter) -> Scheduler;
+    pub fn envoy_dynamic_module_callback_http_filter_scheduler_commit(scheduler: Scheduler, event: u64);
+    pub fn envoy_dynamic_module_callback_http_filter_scheduler_delete(scheduler: Scheduler);
+    pub fn envoy_dynamic_module_callback_http_filter_get_attribute_bool(
+        filter: EnvoyFilter,
+        id: i32,
+        out: *mut bool,
+    ) -> bool;
+    pub fn envoy_dynamic_module_callback_http_filter_get_attribute_string(
+        filter: EnvoyFilter,
+        id: i32,
+        out: *mut EnvoyBuffer,
+    ) -> bool;
+}
+
+impl ModuleBuffer {
+    pub fn of(bytes: &[u8]) -> ModuleBuffer {
+        ModuleBuffer { ptr: bytes.as_ptr(), len: bytes.len() }
+    }
+
+    pub fn none() -> ModuleBuffer {
+        ModuleBuffer { ptr: std::ptr::null(), len: 0 }
+    }
+}
+
+impl EnvoyBuffer {
+    /// Its bytes, copied (Envoy's are valid only during the hook).
+    pub fn to_vec(self) -> Vec<u8> {
+        // SAFETY: Envoy hands a pointer to `len` readable bytes, valid during this hook.
+        if self.ptr.is_null() || self.len == 0 {
+            return Vec::new();
+        }
+        unsafe { std::slice::from_raw_parts(self.ptr, self.len) }.to_vec()
+    }
+}
+
+impl Header {
+    pub fn of(name: &str, value: &str) -> Header {
+        Header { key_ptr: name.as_ptr(), key_len: name.len(), value_ptr: value.as_ptr(), value_len: value.len() }
+    }
+
+    /// Its name and value, copied.
+    pub fn pair(&self) -> (Vec<u8>, Vec<u8>) {
+        let key = EnvoyBuffer { ptr: self.key_ptr, len: self.key_len };
+        let value = EnvoyBuffer { ptr: self.value_ptr, len: self.value_len };
+        (key.to_vec(), value.to_vec())
+    }
+}

@@ -1,0 +1,377 @@
+//! One request through the native module: its head through the core's door, its body
+//! through the core's memory and decision, then the `Step` carried out. A leader's `Do`s are
+//! callouts from its own filter; a waiter is woken through its scheduler when its flight
+//! ends (on any worker), with a safety poll at the tick; sleeps, lease renewals and
+//! deadlines are timers. The shell decides nothing: it performs what the core says.
+
+use super::abi::{self, EnvoyFilter, Header};
+use super::host;
+use super::store::ProcessStore;
+use super::wake::{self, Waker, RENEW, TIMER, WAKE};
+use super::Shared;
+use crate::core::api::error::ApiError;
+use crate::core::api::headers;
+use crate::core::api::hints::ProviderHints;
+use crate::core::api::reply::Reply;
+use crate::core::api::response::Response;
+use crate::core::coalesce::engine::{Engine, Step, Wait};
+use crate::core::flight::leader::{Do, Leader};
+use crate::core::flight::look::Answer;
+use crate::core::intake::door::{Door, Entry};
+use crate::core::intake::recall::{Admitted, Decided};
+use crate::core::intake::Head;
+use crate::core::semantic::MAX_EMBEDDING_BYTES;
+use crate::core::stream;
+use crate::core::upstream::{self, Outbound};
+use std::rc::Rc;
+use std::sync::Arc;
+
+/// A request's filter.
+pub struct Filter {
+    shared: Arc<Shared>,
+    envoy: EnvoyFilter,
+    head: Head,
+    stage: Stage,
+    waker: Option<Arc<Waker>>,
+    /// Whether a lease renewal is due (one at a time, while a call is out).
+    renewing: bool,
+}
+
+enum Stage {
+    /// Not the edge's to answer (passed on, or answered already).
+    Passing,
+    /// A governed request's body on its way.
+    Reading,
+    /// Waiting for another request's flight.
+    Waiting {
+        wait: Wait,
+        outbound: Rc<Outbound>,
+    },
+    /// Leading a flight: what is out for it (a callout's id, or a sleep).
+    Leading {
+        leader: Box<Leader>,
+        outbound: Rc<Outbound>,
+        out: Out,
+    },
+    Done,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Out {
+    Embedding(u64),
+    Attempt(u64),
+    Sleep,
+}
+
+impl Filter {
+    pub fn new(shared: Arc<Shared>, envoy: EnvoyFilter) -> Filter {
+        Filter { shared, envoy, head: Head::default(), stage: Stage::Passing, waker: None, renewing: false }
+    }
+
+    fn engine(&self) -> Engine<'_, ProcessStore> {
+        Engine { store: &ProcessStore, config: &self.shared.config }
+    }
+
+    fn waker(&mut self) -> Arc<Waker> {
+        let envoy = self.envoy;
+        self.waker.get_or_insert_with(|| Waker::new(envoy)).clone()
+    }
+
+    /// Answers the request with `e`.
+    fn reject(&mut self, e: &ApiError) -> i32 {
+        self.stage = Stage::Done;
+        host::send(self.envoy, &Reply::error(e), &[]);
+        abi::STOP_ITERATION
+    }
+
+    pub fn on_request_headers(&mut self, end_of_stream: bool) -> i32 {
+        let shared = self.shared.clone();
+        let config = &shared.config;
+        let pairs = host::request_headers(self.envoy);
+        let read = pairs.iter().map(|(n, v)| (n.as_slice(), v.as_slice()));
+        self.head = Head::read(read, config.cache.tenant_header.as_deref());
+        let names = pairs.iter().filter_map(|(n, _)| std::str::from_utf8(n).ok());
+        let envoy = self.envoy;
+        let env = super::worker_env(&shared);
+        let Entry { door, edit, foreign: _ } = Door::of(config, &env, &mut self.head, names, || host::peer_sans(envoy));
+        host::apply(self.envoy, &edit);
+        match door {
+            Door::Governed => {}
+            Door::Refused { error, .. } => return self.reject(&error),
+            // No fleet on this module (docs/native.md): nothing calls it as a peer, and no
+            // path passes with the operator's key (its configuration refuses them).
+            Door::Peer | Door::WithOperatorKey => {
+                return self.reject(&ApiError::not_found(&self.head.method, &self.head.path));
+            }
+            Door::Answer(list) => {
+                self.stage = Stage::Done;
+                host::send(self.envoy, &Reply::plain(list), &[]);
+                return abi::STOP_ITERATION;
+            }
+            Door::Pass => return abi::CONTINUE,
+        }
+        if end_of_stream {
+            self.handle(Vec::new());
+            return abi::STOP_ITERATION;
+        }
+        self.stage = Stage::Reading;
+        abi::STOP_ITERATION
+    }
+
+    pub fn on_request_body(&mut self, end_of_stream: bool) -> i32 {
+        if !matches!(self.stage, Stage::Reading) {
+            return abi::CONTINUE;
+        }
+        let limit = self.shared.config.max_body_bytes;
+        if host::body_size(self.envoy) > limit {
+            self.reject(&ApiError::too_large(limit));
+            return abi::STOP_AND_BUFFER;
+        }
+        if end_of_stream {
+            let body = host::whole_body(self.envoy);
+            self.handle(body);
+        }
+        abi::STOP_AND_BUFFER
+    }
+
+    /// Trailers end a body whose last data did not: it is complete now.
+    pub fn on_request_trailers(&mut self) -> i32 {
+        if !matches!(self.stage, Stage::Reading) {
+            return abi::CONTINUE;
+        }
+        let body = host::whole_body(self.envoy);
+        self.handle(body);
+        abi::STOP_ITERATION
+    }
+
+    fn handle(&mut self, body: Vec<u8>) {
+        let head = std::mem::take(&mut self.head);
+        let now = wake::now_ms();
+        let admitted = super::with_recall(&self.shared, |recall| {
+            recall.admit(&self.engine(), |_| None, head, &body, now, super::nonce)
+        });
+        let Decided { step, outbound, ended } = match admitted {
+            Ok(Admitted::Decided(d)) => d,
+            // This module keeps no answers of its own: the store is the process's.
+            Ok(Admitted::Kept(hit)) => {
+                let reply = hit.reply_at(now);
+                return self.answer(&reply, &Rc::new(Outbound { ..hit.outbound.clone() }));
+            }
+            Err(e) => {
+                self.reject(&e);
+                return;
+            }
+        };
+        if let Some((key, _)) = ended {
+            wake::flight_ended(key.hex());
+        }
+        self.run(step, Rc::new(outbound));
+    }
+
+    /// Carries out a step of the engine.
+    fn run(&mut self, step: Step, outbound: Rc<Outbound>) {
+        match step {
+            Step::Reply(reply) => self.answer(&reply, &outbound),
+            Step::Call(call) => {
+                let env = super::worker_env(&self.shared);
+                let at = (wake::now_ms(), super::nonce());
+                let (leader, next) = Leader::start(&self.engine(), call, outbound.clone(), env, at);
+                self.stage = Stage::Leading { leader: Box::new(leader), outbound, out: Out::Sleep };
+                self.advance(next);
+            }
+            Step::Wait(wait) => {
+                let waker = self.waker();
+                wake::wait_for(wait.key.hex(), &waker);
+                // A safety poll: the leader may be gone without ending its flight.
+                wake::after(wake::now_ms().saturating_add(self.shared.config.tick_ms()), &waker, WAKE);
+                self.stage = Stage::Waiting { wait, outbound };
+            }
+        }
+    }
+
+    /// Sends `reply` in the form the request asked for, with the model's rate headers.
+    fn answer(&mut self, reply: &Reply, outbound: &Outbound) {
+        self.stage = Stage::Done;
+        let config = &self.shared.config;
+        let extra = outbound.answer_headers(&ProcessStore, config, reply.cache.is_some(), wake::now_ms);
+        let response = stream::for_client(reply.response.clone(), outbound.stream, outbound.include_usage);
+        host::send(self.envoy, &Reply { response, ..reply.clone() }, &extra);
+    }
+
+    /// Carries out the leader's `Do`s until it waits on Envoy.
+    fn advance(&mut self, mut next: Do) {
+        loop {
+            let Stage::Leading { leader, out, .. } = &mut self.stage else { return };
+            let at = (wake::now_ms(), super::nonce());
+            let engine = Engine { store: &ProcessStore, config: &self.shared.config };
+            next = match next {
+                Do::Embed(call) => match host::callout(self.envoy, &call) {
+                    Some(id) => {
+                        *out = Out::Embedding(id);
+                        return self.renew_later(at.0);
+                    }
+                    None => leader.on_embedding(&engine, Answer::Unsent, at),
+                },
+                Do::Send { call, .. } => match host::callout(self.envoy, &call) {
+                    Some(id) => {
+                        *out = Out::Attempt(id);
+                        return self.renew_later(at.0);
+                    }
+                    None => leader.on_response(&engine, None, &ProviderHints::unsent(), at),
+                },
+                // No fleet on this module: the flight goes on without a verdict.
+                Do::Ask { .. } => leader.on_verdict(&engine, None, at),
+                Do::Sleep { until_ms } => {
+                    *out = Out::Sleep;
+                    wake::after(until_ms, &self.waker(), TIMER);
+                    return;
+                }
+                Do::Over(over) => {
+                    let Stage::Leading { outbound, .. } = std::mem::replace(&mut self.stage, Stage::Done) else {
+                        return;
+                    };
+                    if let Some(ended) = over.ended {
+                        self.answer(&ended.reply, &outbound);
+                    }
+                    if let Some((key, _)) = over.wake {
+                        wake::flight_ended(key.hex());
+                    }
+                    return;
+                }
+            };
+        }
+    }
+
+    /// Renews the leader's lease a tick from `now`, while its call is out (once: a renewal
+    /// already due stands).
+    fn renew_later(&mut self, now: u64) {
+        if !std::mem::replace(&mut self.renewing, true) {
+            let waker = self.waker();
+            wake::after(now.saturating_add(self.shared.config.tick_ms()), &waker, RENEW);
+        }
+    }
+
+    /// A callout's answer: all of it at once, Envoy's until this returns.
+    pub fn on_callout_done(&mut self, id: u64, result: i32, headers: Vec<(String, String)>, body: Vec<u8>) {
+        let Stage::Leading { leader, out, outbound } = &mut self.stage else { return };
+        let at = (wake::now_ms(), super::nonce());
+        let engine = Engine { store: &ProcessStore, config: &self.shared.config };
+        let status = (result == abi::CALLOUT_OK).then(|| headers::status(&headers)).flatten();
+        let next = match *out {
+            Out::Embedding(sent) if sent == id => {
+                let body = (body.len() <= MAX_EMBEDDING_BYTES).then_some(body.as_slice());
+                let answer = match status {
+                    Some(status) => Answer::Got { status, body },
+                    None => Answer::Lost,
+                };
+                leader.on_embedding(&engine, answer, at)
+            }
+            Out::Attempt(sent) if sent == id => {
+                let Some(status) = status else {
+                    let next = leader.on_response(&engine, None, &ProviderHints::default(), at);
+                    return self.advance(next);
+                };
+                let event_stream =
+                    headers::value(&headers, headers::CONTENT_TYPE).is_some_and(headers::is_event_stream);
+                if outbound.stream && status == 200 && event_stream {
+                    let hints = ProviderHints::from_headers(200, &headers);
+                    return self.relay(body, hints);
+                }
+                let sent = upstream::Sent { envoy: true, ..leader.sent() };
+                let (response, hints) = upstream::response(status, &headers, body, sent);
+                if hints.key_refused {
+                    host::log(abi::LOG_ERROR, "holysheep: HolySheep refused the configured key");
+                }
+                leader.on_response(&engine, Some(response), &hints, at)
+            }
+            _ => return,
+        };
+        self.advance(next);
+    }
+
+    /// A stream leader's answer, whole: its events sent to its client as the core rewrites
+    /// them, and shared (cache and waiters) once read.
+    fn relay(&mut self, body: Vec<u8>, hints: ProviderHints) {
+        let Stage::Leading { mut leader, .. } = std::mem::replace(&mut self.stage, Stage::Done) else { return };
+        let Some(label) = leader.stream_label(&self.shared.config) else { return };
+        let (head, mut tee) = label.relayed();
+        let mut sent = tee.pass(&body, false).unwrap_or(body);
+        sent.extend(tee.pass(&[], true).unwrap_or_default());
+        let end = tee.end(true, (Some(200), 1), hints);
+        let over = leader.on_stream_end(&self.engine(), end, wake::now_ms());
+        let mut response = Response::json(200, sent);
+        response.content_type = headers::EVENT_STREAM.to_owned();
+        let labels: Vec<(&str, String)> =
+            head.iter().filter(|(n, _)| n != headers::CONTENT_TYPE).map(|(n, v)| (n.as_str(), v.clone())).collect();
+        host::send(self.envoy, &Reply::plain(response), &labels);
+        if let Some((key, _)) = over.wake {
+            wake::flight_ended(key.hex());
+        }
+    }
+
+    /// Woken: a waiter looks again, a sleeper goes on, a leader renews its lease.
+    pub fn on_scheduled(&mut self, event: u64) {
+        let now = wake::now_ms();
+        let engine = Engine { store: &ProcessStore, config: &self.shared.config };
+        match (&mut self.stage, event) {
+            (Stage::Waiting { wait, outbound }, WAKE) => {
+                let step = engine.poll(wait, now, super::nonce());
+                let outbound = outbound.clone();
+                self.run(step, outbound);
+            }
+            (Stage::Leading { leader, out: Out::Sleep, .. }, TIMER) => {
+                let next = leader.on_timer(&engine, (now, super::nonce()));
+                self.advance(next);
+            }
+            (Stage::Leading { leader, out: Out::Attempt(_) | Out::Embedding(_), .. }, RENEW) => {
+                engine.renew(leader.call(), now);
+                self.renewing = false;
+                self.renew_later(now);
+            }
+            (_, RENEW) => self.renewing = false,
+            _ => {}
+        }
+    }
+
+    /// The stream is done (its client gone, or answered). A leader whose call is still out
+    /// ends its flight without an answer: the call may have been billed, so it is settled
+    /// as lost (and nothing more is sent); its waiters lead anew.
+    pub fn on_done(&mut self) {
+        if let Some(waker) = self.waker.take() {
+            waker.close();
+        }
+        let Stage::Leading { mut leader, out, .. } = std::mem::replace(&mut self.stage, Stage::Done) else { return };
+        let engine = Engine { store: &ProcessStore, config: &self.shared.config };
+        let at = (wake::now_ms(), super::nonce());
+        let mut next = match out {
+            Out::Attempt(_) => leader.on_response(&engine, None, &ProviderHints::default(), at),
+            Out::Embedding(_) => leader.on_embedding(&engine, Answer::Lost, at),
+            Out::Sleep => leader.on_timer(&engine, at),
+        };
+        // Bounded: every retry the leader would make is refused here, unsent.
+        for _ in 0..64 {
+            let at = (wake::now_ms(), super::nonce());
+            next = match next {
+                Do::Embed(_) => leader.on_embedding(&engine, Answer::Unsent, at),
+                Do::Send { .. } => leader.on_response(&engine, None, &ProviderHints::unsent(), at),
+                Do::Ask { .. } => leader.on_verdict(&engine, None, at),
+                Do::Sleep { .. } => leader.on_timer(&engine, at),
+                Do::Over(over) => {
+                    if let Some((key, _)) = over.wake {
+                        wake::flight_ended(key.hex());
+                    }
+                    return;
+                }
+            };
+        }
+    }
+}
+
+/// A callout's headers as pairs of text.
+pub fn header_pairs(headers: &[Header]) -> Vec<(String, String)> {
+    headers
+        .iter()
+        .map(Header::pair)
+        .map(|(n, v)| (String::from_utf8_lossy(&n).into_owned(), String::from_utf8_lossy(&v).into_owned()))
+        .collect()
+}

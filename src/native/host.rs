@@ -1,0 +1,173 @@
+//! The callbacks of `abi` as the shell calls them: safe, copying what Envoy owns, and
+//! quiet when Envoy refuses (a filter already detached from its stream does nothing).
+
+use super::abi::{self, EnvoyBuffer, EnvoyFilter, Header, ModuleBuffer};
+use crate::core::api::call::HttpCall;
+use crate::core::api::head::HeadEdit;
+use crate::core::api::note::Note;
+use crate::core::api::reply::Reply;
+
+/// Writes a line to Envoy's log.
+pub fn log(level: i32, line: &str) {
+    // SAFETY: the buffer is read during the call only.
+    unsafe { abi::envoy_dynamic_module_callback_log(level, ModuleBuffer::of(line.as_bytes())) }
+}
+
+/// Writes the core's lines to Envoy's log, each at its level.
+pub fn note(notes: impl IntoIterator<Item = Note>) {
+    for note in notes {
+        let (level, line) = match &note {
+            Note::Critical(l) => (abi::LOG_CRITICAL, l),
+            Note::Error(l) => (abi::LOG_ERROR, l),
+            Note::Warn(l) => (abi::LOG_WARN, l),
+            Note::Info(l) => (abi::LOG_INFO, l),
+        };
+        log(level, line);
+    }
+}
+
+/// The request's headers, copied, names as Envoy holds them (lower case).
+pub fn request_headers(filter: EnvoyFilter) -> Vec<(Vec<u8>, Vec<u8>)> {
+    // SAFETY: the array is sized from `get_headers_size` and filled by Envoy; the slices it
+    // points to are copied before the hook returns.
+    unsafe {
+        let n = abi::envoy_dynamic_module_callback_http_get_headers_size(filter, abi::REQUEST_HEADERS);
+        let mut out = vec![Header::of("", ""); n];
+        if n == 0
+            || !abi::envoy_dynamic_module_callback_http_get_headers(filter, abi::REQUEST_HEADERS, out.as_mut_ptr())
+        {
+            return Vec::new();
+        }
+        out.iter().map(Header::pair).collect()
+    }
+}
+
+/// Carries out the core's edit of the request's head.
+pub fn apply(filter: EnvoyFilter, edit: &HeadEdit) {
+    let set = |name: &str, value: ModuleBuffer| {
+        // SAFETY: both buffers are read during the call only.
+        unsafe {
+            abi::envoy_dynamic_module_callback_http_set_header(
+                filter,
+                abi::REQUEST_HEADERS,
+                ModuleBuffer::of(name.as_bytes()),
+                value,
+            )
+        };
+    };
+    for name in &edit.remove {
+        set(name, ModuleBuffer::none());
+    }
+    for (name, value) in &edit.set {
+        set(name, ModuleBuffer::of(value.as_bytes()));
+    }
+}
+
+/// The chunks of one of the request's body buffers, copied onto `into`.
+fn chunks(filter: EnvoyFilter, kind: i32, into: &mut Vec<u8>) {
+    // SAFETY: the array is sized from `get_body_chunks_size`; each chunk is copied before
+    // the hook returns.
+    unsafe {
+        let n = abi::envoy_dynamic_module_callback_http_get_body_chunks_size(filter, kind);
+        if n == 0 {
+            return;
+        }
+        let mut out = vec![EnvoyBuffer { ptr: std::ptr::null(), len: 0 }; n];
+        if abi::envoy_dynamic_module_callback_http_get_body_chunks(filter, kind, out.as_mut_ptr()) {
+            for chunk in out {
+                into.extend_from_slice(&chunk.to_vec());
+            }
+        }
+    }
+}
+
+/// The bytes of the request's body so far.
+pub fn body_size(filter: EnvoyFilter) -> usize {
+    // SAFETY: queries of the filter's own state.
+    unsafe {
+        let buffered = abi::envoy_dynamic_module_callback_http_get_body_size(filter, abi::BUFFERED_REQUEST_BODY);
+        if abi::envoy_dynamic_module_callback_http_received_buffered_request_body(filter) {
+            return buffered;
+        }
+        buffered + abi::envoy_dynamic_module_callback_http_get_body_size(filter, abi::RECEIVED_REQUEST_BODY)
+    }
+}
+
+/// The whole request body at its end: what was buffered, then the newest chunk (one buffer
+/// when a buffer filter before this one holds it all).
+pub fn whole_body(filter: EnvoyFilter) -> Vec<u8> {
+    let mut body = Vec::new();
+    chunks(filter, abi::BUFFERED_REQUEST_BODY, &mut body);
+    // SAFETY: a query of the filter's own state.
+    if !unsafe { abi::envoy_dynamic_module_callback_http_received_buffered_request_body(filter) } {
+        chunks(filter, abi::RECEIVED_REQUEST_BODY, &mut body);
+    }
+    body
+}
+
+/// Sends `reply` (plus `extra` headers) as the request's local reply.
+pub fn send(filter: EnvoyFilter, reply: &Reply, extra: &[(&str, String)]) {
+    let own = reply.headers();
+    let headers: Vec<Header> =
+        own.iter().map(|(n, v)| Header::of(n, v)).chain(extra.iter().map(|(n, v)| Header::of(n, v))).collect();
+    let body = &reply.response.body;
+    // SAFETY: the headers array and every slice it points to live until the call returns.
+    unsafe {
+        abi::envoy_dynamic_module_callback_http_send_response(
+            filter,
+            u32::from(reply.response.status),
+            headers.as_ptr(),
+            headers.len(),
+            ModuleBuffer::of(body),
+            ModuleBuffer::none(),
+        )
+    }
+}
+
+/// Makes a call the core made ready, from this filter; its id, or `None` when Envoy
+/// refuses it (logged: no such cluster).
+pub fn callout(filter: EnvoyFilter, call: &HttpCall) -> Option<u64> {
+    let headers: Vec<Header> = call.headers.iter().map(|(n, v)| Header::of(n, v)).collect();
+    let mut id = 0u64;
+    // SAFETY: every buffer lives until the call returns; Envoy writes the id it picks.
+    let result = unsafe {
+        abi::envoy_dynamic_module_callback_http_filter_http_callout(
+            filter,
+            &mut id,
+            ModuleBuffer::of(call.cluster.as_bytes()),
+            headers.as_ptr(),
+            headers.len(),
+            ModuleBuffer::of(&call.body),
+            call.timeout_ms,
+        )
+    };
+    if result != abi::CALLOUT_OK {
+        log(abi::LOG_ERROR, &format!("holysheep: callout to cluster '{}' refused: {result}", call.cluster));
+        return None;
+    }
+    Some(id)
+}
+
+/// The names of the connection's verified client certificate (its first DNS and URI SANs),
+/// none on a connection without mutual TLS.
+pub fn peer_sans(filter: EnvoyFilter) -> Vec<String> {
+    let mut mtls = false;
+    // SAFETY: Envoy writes the bool; a false return leaves it false.
+    if !unsafe {
+        abi::envoy_dynamic_module_callback_http_filter_get_attribute_bool(filter, abi::ATTRIBUTE_MTLS, &mut mtls)
+    } || !mtls
+    {
+        return Vec::new();
+    }
+    let mut sans = Vec::new();
+    for id in [abi::ATTRIBUTE_DNS_SAN, abi::ATTRIBUTE_URI_SAN] {
+        let mut out = EnvoyBuffer { ptr: std::ptr::null(), len: 0 };
+        // SAFETY: Envoy fills the buffer, valid during this hook; it is copied.
+        if unsafe { abi::envoy_dynamic_module_callback_http_filter_get_attribute_string(filter, id, &mut out) } {
+            if let Ok(s) = String::from_utf8(out.to_vec()) {
+                sans.extend((!s.is_empty()).then_some(s));
+            }
+        }
+    }
+    sans
+}

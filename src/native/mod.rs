@@ -1,0 +1,108 @@
+//! The native Envoy shell: the core as a dynamic module (a Linux shared object Envoy loads
+//! through `envoy.filters.http.dynamic_modules`, ABI `v0.2.0`). The store is the process's
+//! memory (`store`), shared by every worker; a waiter is woken by its flight's end through
+//! Envoy's scheduler (`wake`); every hook catches a panic (`entry`). What it serves so far
+//! is in docs/native.md.
+
+mod abi;
+mod entry;
+mod filter;
+mod host;
+mod store;
+mod wake;
+
+use crate::core::config::environment::Environment;
+use crate::core::config::Config;
+use crate::core::intake::recall::Recall;
+use std::cell::RefCell;
+use std::collections::hash_map::RandomState;
+use std::hash::BuildHasher;
+use std::rc::Rc;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+/// A filter configuration, shared by every worker's filters: the configuration, the
+/// operator's key and the fleet's secrets (read once, from the process's environment).
+pub struct Shared {
+    config: Config,
+    env: Environment,
+    /// Which configuration this is: a worker's own copies follow it.
+    generation: u64,
+}
+
+impl Shared {
+    /// From the filter configuration's bytes (`filter_config`): the core's JSON. `Err`: why
+    /// it is refused, for the log.
+    fn parse(raw: &[u8]) -> Result<Shared, String> {
+        let mut config = Config::parse(raw).map_err(|e| e.to_string())?;
+        let unsupported = [
+            (config.role != crate::core::config::Role::Owner, "role"),
+            (config.fleet.shared_limits() || config.fleet.nodes > 1, "fleet"),
+            (config.budget_store.enabled(), "budget_store"),
+            (!config.passthrough_paths.is_empty(), "passthrough_paths"),
+        ];
+        if let Some((_, field)) = unsupported.iter().find(|(set, _)| *set) {
+            return Err(format!("'{field}' is not served by the native module yet (docs/native.md)"));
+        }
+        let env = Environment::read(&mut config, |name| std::env::var(name).ok());
+        static GENERATIONS: AtomicU64 = AtomicU64::new(0);
+        let generation = GENERATIONS.fetch_add(1, Ordering::Relaxed);
+        Ok(Shared { config, env, generation })
+    }
+}
+
+/// What one worker keeps for one configuration: its copy of the secrets, and its memory
+/// of requests (`intake::recall`).
+struct Worker {
+    generation: u64,
+    env: Rc<Environment>,
+    recall: Recall,
+}
+
+thread_local! {
+    static WORKER: RefCell<Option<Worker>> = const { RefCell::new(None) };
+}
+
+/// This worker's state for `shared`, made anew when the configuration changed.
+fn with_worker<T>(shared: &Shared, f: impl FnOnce(&mut Worker) -> T) -> T {
+    WORKER.with_borrow_mut(|slot| {
+        let worker = match slot {
+            Some(w) if w.generation == shared.generation => w,
+            _ => slot.insert(Worker {
+                generation: shared.generation,
+                env: Rc::new(shared.env.clone()),
+                recall: Recall::new(&shared.config, RandomState::new().hash_one(()), false),
+            }),
+        };
+        f(worker)
+    })
+}
+
+fn worker_env(shared: &Shared) -> Rc<Environment> {
+    with_worker(shared, |w| w.env.clone())
+}
+
+fn with_recall<T>(shared: &Shared, f: impl FnOnce(&mut Recall) -> T) -> T {
+    with_worker(shared, |w| f(&mut w.recall))
+}
+
+/// A fresh random number.
+fn nonce() -> u64 {
+    thread_local! {
+        static STATE: std::cell::Cell<u64> = std::cell::Cell::new(RandomState::new().hash_one(()) | 1);
+    }
+    STATE.with(|s| {
+        // xorshift64*: seeded per thread from the process's random keys.
+        let mut x = s.get();
+        x ^= x >> 12;
+        x ^= x << 25;
+        x ^= x >> 27;
+        s.set(x);
+        x.wrapping_mul(0x2545_f491_4f6c_dd1d)
+    })
+}
+
+/// Envoy shares a filter configuration between its workers: it must be safe to.
+const _: fn() = || {
+    fn shared_by_workers<T: Send + Sync>() {}
+    shared_by_workers::<Shared>();
+};

@@ -1,0 +1,147 @@
+//! Waking a filter from anywhere: its scheduler handle (`Waker`), timers on one thread of
+//! the module's own, and the waiters of each flight, woken when it ends. A commit reaches
+//! `on_http_filter_scheduled` on the filter's worker; a handle is deleted once, when its
+//! filter goes, and never committed after.
+
+use super::abi::{self, EnvoyFilter, Scheduler};
+use std::cmp::Reverse;
+use std::collections::{BinaryHeap, HashMap};
+use std::sync::{Arc, Condvar, Mutex, OnceLock, Weak};
+use std::time::Duration;
+
+/// What a filter is woken for.
+pub const WAKE: u64 = 1;
+pub const TIMER: u64 = 2;
+pub const RENEW: u64 = 3;
+
+/// A filter's scheduler handle while the filter lives.
+pub struct Waker(Mutex<Option<Handle>>);
+
+struct Handle(Scheduler);
+
+// SAFETY: Envoy's scheduler handle may be committed from any thread; the mutex keeps a
+// commit and the delete apart.
+unsafe impl Send for Handle {}
+
+impl Waker {
+    /// A new handle for `filter` (on its worker).
+    pub fn new(filter: EnvoyFilter) -> Arc<Waker> {
+        // SAFETY: called on the filter's worker while the filter lives.
+        let scheduler = unsafe { abi::envoy_dynamic_module_callback_http_filter_scheduler_new(filter) };
+        let handle = (!scheduler.is_null()).then_some(Handle(scheduler));
+        Arc::new(Waker(Mutex::new(handle)))
+    }
+
+    /// Wakes the filter with `event`, if it is still there.
+    pub fn wake(&self, event: u64) {
+        let handle = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(Handle(scheduler)) = handle.as_ref() {
+            // SAFETY: the handle is alive until `close`, which takes this lock.
+            unsafe { abi::envoy_dynamic_module_callback_http_filter_scheduler_commit(*scheduler, event) }
+        }
+    }
+
+    /// The filter is going: its handle is deleted, and nothing wakes it after this.
+    pub fn close(&self) {
+        let handle = self.0.lock().unwrap_or_else(|p| p.into_inner()).take();
+        if let Some(Handle(scheduler)) = handle {
+            // SAFETY: taken out under the lock, so no commit can use it any more.
+            unsafe { abi::envoy_dynamic_module_callback_http_filter_scheduler_delete(scheduler) }
+        }
+    }
+}
+
+/// Timers: (when, sequence) in order; each sequence's filter and event; the last sequence.
+struct Due {
+    order: BinaryHeap<Reverse<(u64, u64)>>,
+    wakes: HashMap<u64, (Weak<Waker>, u64)>,
+    seq: u64,
+}
+
+struct Timers {
+    due: Mutex<Due>,
+    changed: Condvar,
+}
+
+fn timers() -> &'static Timers {
+    static TIMERS: OnceLock<Timers> = OnceLock::new();
+    TIMERS.get_or_init(|| {
+        let _ = std::thread::Builder::new().name("holysheep-timers".into()).spawn(run_timers);
+        Timers {
+            due: Mutex::new(Due { order: BinaryHeap::new(), wakes: HashMap::new(), seq: 0 }),
+            changed: Condvar::new(),
+        }
+    })
+}
+
+/// Wakes `waker` with `event` at `at_ms` (the core's clock); a timer whose filter went
+/// does nothing.
+pub fn after(at_ms: u64, waker: &Arc<Waker>, event: u64) {
+    let t = timers();
+    let mut due = t.due.lock().unwrap_or_else(|p| p.into_inner());
+    let seq = due.seq.wrapping_add(1);
+    due.seq = seq;
+    due.order.push(Reverse((at_ms, seq)));
+    due.wakes.insert(seq, (Arc::downgrade(waker), event));
+    t.changed.notify_one();
+}
+
+fn run_timers() {
+    let t = timers();
+    let mut due = t.due.lock().unwrap_or_else(|p| p.into_inner());
+    loop {
+        let now = now_ms();
+        match due.order.peek().copied() {
+            Some(Reverse((at, seq))) if at <= now => {
+                due.order.pop();
+                if let Some((waker, event)) = due.wakes.remove(&seq) {
+                    if let Some(waker) = waker.upgrade() {
+                        waker.wake(event);
+                    }
+                }
+            }
+            Some(Reverse((at, _))) => {
+                let wait = Duration::from_millis(at.saturating_sub(now).max(1));
+                due = t.changed.wait_timeout(due, wait).map(|(g, _)| g).unwrap_or_else(|p| p.into_inner().0);
+            }
+            None => due = t.changed.wait(due).unwrap_or_else(|p| p.into_inner()),
+        }
+    }
+}
+
+/// The clock the core is given: milliseconds since the epoch.
+pub fn now_ms() -> u64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64)
+}
+
+/// Flights with waiters past which those no filter waits for any more are dropped.
+const MAX_AWAITED: usize = 4096;
+
+/// The waiters of each flight, by its key, on every worker.
+fn waiters() -> &'static Mutex<HashMap<String, Vec<Weak<Waker>>>> {
+    static WAITERS: OnceLock<Mutex<HashMap<String, Vec<Weak<Waker>>>>> = OnceLock::new();
+    WAITERS.get_or_init(Mutex::default)
+}
+
+/// `waker` waits for the flight of `key` (once: a waiter that waits again is not added
+/// twice); those whose filters went are dropped on the way.
+pub fn wait_for(key: &str, waker: &Arc<Waker>) {
+    let mut all = waiters().lock().unwrap_or_else(|p| p.into_inner());
+    if all.len() >= MAX_AWAITED {
+        // Flights whose leaders went without ending them: their waiters lead anew.
+        all.retain(|_, list| list.iter().any(|w| w.strong_count() > 0));
+    }
+    let list = all.entry(key.to_owned()).or_default();
+    list.retain(|w| w.strong_count() > 0);
+    if !list.iter().any(|w| w.as_ptr() == Arc::as_ptr(waker)) {
+        list.push(Arc::downgrade(waker));
+    }
+}
+
+/// The flight of `key` ended: every filter that waits for it is woken.
+pub fn flight_ended(key: &str) {
+    let woken = waiters().lock().unwrap_or_else(|p| p.into_inner()).remove(key).unwrap_or_default();
+    for waker in woken.iter().filter_map(Weak::upgrade) {
+        waker.wake(WAKE);
+    }
+}

@@ -1,7 +1,11 @@
 //! Envoy's dynamic-module ABI `v0.2.0` (Envoy 1.40.0), the subset this shell uses: the C
-//! types, the enums' values, and the callbacks Envoy exports, each proven in the 1.40.0
-//! binary (docs/native.md). Envoy owns every buffer it hands over, valid only during the
-//! hook it arrives in; a buffer the module passes is read during the call only.
+//! types, the enums' values, and the callbacks Envoy exports. Every name is one the 1.40.0
+//! binary exports. The end-to-end tests in real Envoy (host-test/tests/envoy/native_e2e.rs)
+//! exercise every call but `set_header` (a client's fleet headers taken off) and the
+//! certificate's attributes (a listener that serves only the fleet), whose signatures rest
+//! on the ABI's header and the binary's disassembly. Envoy owns every buffer it hands over,
+//! valid only during the hook it arrives in; a buffer the module passes is read during the
+//! call only.
 
 use std::ffi::c_void;
 

@@ -1,28 +1,61 @@
 //! The hooks Envoy calls (all 21 the ABI requires), each handing its call to the filter or
-//! configuration it names. A panic never crosses into Envoy (it would abort the process):
-//! every hook catches it, logs it, and answers as a hook that did nothing would.
+//! configuration it names, through the filter's `Slot`. A panic never crosses into Envoy (it
+//! would abort the process): every hook catches it and logs it. A request hook that panics
+//! answers its request with a 500, so that no governed request goes on ungoverned.
 
 use super::abi::{self, EnvoyBuffer, EnvoyFilter, Header};
 use super::filter::{self, Filter};
+use super::slot::Slot;
 use super::{host, Shared};
+use crate::core::api::error::ApiError;
+use crate::core::api::reply::Reply;
 use std::ffi::c_void;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::Arc;
 
+#[cfg(all(feature = "native", panic = "abort"))]
+compile_error!("the native module catches panics at its hooks: build it with the `native` profile (`make native`)");
+
+const PANICKED: &str = "holysheep: a panic was caught in a hook";
+
 /// Runs `f`, or gives `fallback` when it panics (logged).
 fn guard<T>(fallback: T, f: impl FnOnce() -> T) -> T {
     catch_unwind(AssertUnwindSafe(f)).unwrap_or_else(|_| {
-        host::log(abi::LOG_CRITICAL, "holysheep: a panic was caught in a hook; the request goes on untouched");
+        host::log(abi::LOG_CRITICAL, PANICKED);
         fallback
     })
 }
 
-/// The filter behind Envoy's module pointer.
+/// The slot behind Envoy's module pointer.
 ///
-/// SAFETY: `ptr` is a pointer `on_http_filter_new` made and `on_http_filter_destroy` has not
-/// freed; Envoy calls a filter's hooks on its one worker, one at a time.
-unsafe fn filter<'a>(ptr: *const c_void) -> Option<&'a mut Filter> {
-    (ptr as *mut Filter).as_mut()
+/// SAFETY: `ptr` is a pointer `on_http_filter_new` made, not yet freed (a slot is freed by
+/// `destroy`, or by the hook it ran in: `release`).
+unsafe fn slot<'a>(ptr: *const c_void) -> Option<&'a Slot> {
+    (ptr as *const Slot).as_ref()
+}
+
+/// Frees the slot when Envoy destroyed its filter during the hook that just returned.
+fn release(ptr: *const c_void) {
+    // SAFETY: see `slot`; once orphaned, nothing refers to it any more.
+    if unsafe { slot(ptr) }.is_some_and(Slot::orphaned) {
+        drop(unsafe { Box::from_raw(ptr as *mut Slot) });
+    }
+}
+
+/// A request hook: the filter's status, or, when it panics, a 500 for the request (which
+/// then goes no further).
+fn request_hook(envoy: EnvoyFilter, ptr: *const c_void, f: impl FnOnce(&mut Filter) -> i32) -> i32 {
+    // SAFETY: see `slot`.
+    let Some(s) = (unsafe { slot(ptr) }) else { return abi::CONTINUE };
+    let status = catch_unwind(AssertUnwindSafe(|| s.with(f))).unwrap_or_else(|_| {
+        host::log(abi::LOG_CRITICAL, PANICKED);
+        let e = ApiError::server("the edge failed on this request", "edge_failure");
+        host::send(envoy, &Reply::error(&e), &[]);
+        None
+    });
+    release(ptr);
+    // Held while another hook of the filter runs (it answers the request).
+    status.unwrap_or(abi::STOP_ITERATION)
 }
 
 #[no_mangle]
@@ -63,34 +96,31 @@ pub extern "C" fn envoy_dynamic_module_on_http_filter_new(config: *const c_void,
     guard(std::ptr::null(), || {
         // SAFETY: a configuration `config_new` made, alive while Envoy makes its filters.
         let Some(shared) = (unsafe { (config as *const Arc<Shared>).as_ref() }) else { return std::ptr::null() };
-        Box::into_raw(Box::new(Filter::new(shared.clone(), envoy))) as *const c_void
+        Box::into_raw(Box::new(Slot::new(Filter::new(shared.clone(), envoy)))) as *const c_void
     })
 }
 
 #[no_mangle]
 pub extern "C" fn envoy_dynamic_module_on_http_filter_request_headers(
-    _envoy: EnvoyFilter,
+    envoy: EnvoyFilter,
     ptr: *const c_void,
     end_of_stream: bool,
 ) -> i32 {
-    // SAFETY: see `filter`.
-    guard(abi::CONTINUE, || unsafe { filter(ptr) }.map_or(abi::CONTINUE, |f| f.on_request_headers(end_of_stream)))
+    request_hook(envoy, ptr, |f| f.on_request_headers(end_of_stream))
 }
 
 #[no_mangle]
 pub extern "C" fn envoy_dynamic_module_on_http_filter_request_body(
-    _envoy: EnvoyFilter,
+    envoy: EnvoyFilter,
     ptr: *const c_void,
     end_of_stream: bool,
 ) -> i32 {
-    // SAFETY: see `filter`.
-    guard(abi::CONTINUE, || unsafe { filter(ptr) }.map_or(abi::CONTINUE, |f| f.on_request_body(end_of_stream)))
+    request_hook(envoy, ptr, |f| f.on_request_body(end_of_stream))
 }
 
 #[no_mangle]
-pub extern "C" fn envoy_dynamic_module_on_http_filter_request_trailers(_envoy: EnvoyFilter, ptr: *const c_void) -> i32 {
-    // SAFETY: see `filter`.
-    guard(abi::CONTINUE, || unsafe { filter(ptr) }.map_or(abi::CONTINUE, |f| f.on_request_trailers()))
+pub extern "C" fn envoy_dynamic_module_on_http_filter_request_trailers(envoy: EnvoyFilter, ptr: *const c_void) -> i32 {
+    request_hook(envoy, ptr, Filter::on_request_trailers)
 }
 
 #[no_mangle]
@@ -119,19 +149,18 @@ pub extern "C" fn envoy_dynamic_module_on_http_filter_response_trailers(
     abi::CONTINUE
 }
 
+/// Nothing here: this hook may run inline while another hook of the same filter is on the
+/// stack (from inside a local reply), so the filter is wound up in `destroy`, which Envoy
+/// defers and never calls re-entrantly.
 #[no_mangle]
-pub extern "C" fn envoy_dynamic_module_on_http_filter_stream_complete(_envoy: EnvoyFilter, ptr: *const c_void) {
-    // SAFETY: see `filter`.
-    guard((), || unsafe { filter(ptr) }.map_or((), Filter::on_done))
-}
+pub extern "C" fn envoy_dynamic_module_on_http_filter_stream_complete(_envoy: EnvoyFilter, _ptr: *const c_void) {}
 
 #[no_mangle]
 pub extern "C" fn envoy_dynamic_module_on_http_filter_destroy(ptr: *const c_void) {
     guard((), || {
-        if !ptr.is_null() {
-            // SAFETY: made by `on_http_filter_new` with `Box::into_raw`, freed once here.
-            let mut f = unsafe { Box::from_raw(ptr as *mut Filter) };
-            f.on_done();
+        // SAFETY: see `slot`. Freed here, or by the hook running now once it returns.
+        if unsafe { slot(ptr) }.is_some_and(Slot::destroy) {
+            drop(unsafe { Box::from_raw(ptr as *mut Slot) });
         }
     })
 }
@@ -159,10 +188,11 @@ pub extern "C" fn envoy_dynamic_module_on_http_filter_http_callout_done(
                 body.extend_from_slice(&chunk.to_vec());
             }
         }
-        // SAFETY: see `filter`.
-        if let Some(f) = unsafe { filter(ptr) } {
-            f.on_callout_done(id, result, headers, body);
+        // SAFETY: see `slot`.
+        if let Some(s) = unsafe { slot(ptr) } {
+            s.callout_done(id, result, headers, body);
         }
+        release(ptr);
     })
 }
 
@@ -217,8 +247,13 @@ pub extern "C" fn envoy_dynamic_module_on_http_filter_http_stream_reset(
 
 #[no_mangle]
 pub extern "C" fn envoy_dynamic_module_on_http_filter_scheduled(_envoy: EnvoyFilter, ptr: *const c_void, event: u64) {
-    // SAFETY: see `filter`.
-    guard((), || unsafe { filter(ptr) }.map_or((), |f| f.on_scheduled(event)))
+    guard((), || {
+        // SAFETY: see `slot`.
+        if let Some(s) = unsafe { slot(ptr) } {
+            s.scheduled(event);
+        }
+        release(ptr);
+    })
 }
 
 #[no_mangle]

@@ -7,7 +7,7 @@
 use super::abi::{self, EnvoyFilter, Header};
 use super::host;
 use super::store::ProcessStore;
-use super::wake::{self, Waker, RENEW, TIMER, WAKE};
+use super::wake::{self, Waker, POLL, RENEW, TIMER, WAKE};
 use super::Shared;
 use crate::core::api::error::ApiError;
 use crate::core::api::headers;
@@ -17,6 +17,7 @@ use crate::core::api::response::Response;
 use crate::core::coalesce::engine::{Engine, Step, Wait};
 use crate::core::flight::leader::{Do, Leader};
 use crate::core::flight::look::Answer;
+use crate::core::flight::tee::StreamEnd;
 use crate::core::intake::door::{Door, Entry};
 use crate::core::intake::recall::{Admitted, Decided};
 use crate::core::intake::Head;
@@ -33,8 +34,10 @@ pub struct Filter {
     head: Head,
     stage: Stage,
     waker: Option<Arc<Waker>>,
-    /// Whether a lease renewal is due (one at a time, while a call is out).
+    /// Whether a lease renewal is due (one at a time, while it leads).
     renewing: bool,
+    /// Whether a waiter's look at the tick is due (one at a time).
+    polling: bool,
 }
 
 enum Stage {
@@ -65,7 +68,15 @@ enum Out {
 
 impl Filter {
     pub fn new(shared: Arc<Shared>, envoy: EnvoyFilter) -> Filter {
-        Filter { shared, envoy, head: Head::default(), stage: Stage::Passing, waker: None, renewing: false }
+        Filter {
+            shared,
+            envoy,
+            head: Head::default(),
+            stage: Stage::Passing,
+            waker: None,
+            renewing: false,
+            polling: false,
+        }
     }
 
     fn engine(&self) -> Engine<'_, ProcessStore> {
@@ -94,7 +105,9 @@ impl Filter {
         let envoy = self.envoy;
         let env = super::worker_env(&shared);
         let Entry { door, edit, foreign: _ } = Door::of(config, &env, &mut self.head, names, || host::peer_sans(envoy));
-        host::apply(self.envoy, &edit);
+        if !matches!(door, Door::WithOperatorKey) {
+            host::apply(self.envoy, &edit);
+        }
         match door {
             Door::Governed => {}
             Door::Refused { error, .. } => return self.reject(&error),
@@ -150,7 +163,7 @@ impl Filter {
         let admitted = super::with_recall(&self.shared, |recall| {
             recall.admit(&self.engine(), |_| None, head, &body, now, super::nonce)
         });
-        let Decided { step, outbound, ended } = match admitted {
+        let Decided { step, outbound, ended: finished } = match admitted {
             Ok(Admitted::Decided(d)) => d,
             // This module keeps no answers of its own: the store is the process's.
             Ok(Admitted::Kept(hit)) => {
@@ -162,9 +175,7 @@ impl Filter {
                 return;
             }
         };
-        if let Some((key, _)) = ended {
-            wake::flight_ended(key.hex());
-        }
+        ended(finished);
         self.run(step, Rc::new(outbound));
     }
 
@@ -177,13 +188,19 @@ impl Filter {
                 let at = (wake::now_ms(), super::nonce());
                 let (leader, next) = Leader::start(&self.engine(), call, outbound.clone(), env, at);
                 self.stage = Stage::Leading { leader: Box::new(leader), outbound, out: Out::Sleep };
+                // Its lease is renewed every tick while it leads: calls, backoffs and waits
+                // for its bucket may all outlast the lease.
+                self.renew_later(at.0);
                 self.advance(next);
             }
             Step::Wait(wait) => {
                 let waker = self.waker();
                 wake::wait_for(wait.key.hex(), &waker);
-                // A safety poll: the leader may be gone without ending its flight.
-                wake::after(wake::now_ms().saturating_add(self.shared.config.tick_ms()), &waker, WAKE);
+                // A look at the tick besides (one at a time): a leader may be gone without
+                // ending its flight, and the wait has a deadline.
+                if !std::mem::replace(&mut self.polling, true) {
+                    wake::after(wake::now_ms().saturating_add(self.shared.config.tick_ms()), &waker, POLL);
+                }
                 self.stage = Stage::Waiting { wait, outbound };
             }
         }
@@ -208,14 +225,14 @@ impl Filter {
                 Do::Embed(call) => match host::callout(self.envoy, &call) {
                     Some(id) => {
                         *out = Out::Embedding(id);
-                        return self.renew_later(at.0);
+                        return;
                     }
                     None => leader.on_embedding(&engine, Answer::Unsent, at),
                 },
                 Do::Send { call, .. } => match host::callout(self.envoy, &call) {
                     Some(id) => {
                         *out = Out::Attempt(id);
-                        return self.renew_later(at.0);
+                        return;
                     }
                     None => leader.on_response(&engine, None, &ProviderHints::unsent(), at),
                 },
@@ -230,20 +247,16 @@ impl Filter {
                     let Stage::Leading { outbound, .. } = std::mem::replace(&mut self.stage, Stage::Done) else {
                         return;
                     };
-                    if let Some(ended) = over.ended {
+                    if let Some(ended) = &over.ended {
                         self.answer(&ended.reply, &outbound);
                     }
-                    if let Some((key, _)) = over.wake {
-                        wake::flight_ended(key.hex());
-                    }
-                    return;
+                    return ended(over.wake);
                 }
             };
         }
     }
 
-    /// Renews the leader's lease a tick from `now`, while its call is out (once: a renewal
-    /// already due stands).
+    /// Renews the leader's lease a tick from `now` (once: a renewal already due stands).
     fn renew_later(&mut self, now: u64) {
         if !std::mem::replace(&mut self.renewing, true) {
             let waker = self.waker();
@@ -304,9 +317,7 @@ impl Filter {
         let labels: Vec<(&str, String)> =
             head.iter().filter(|(n, _)| n != headers::CONTENT_TYPE).map(|(n, v)| (n.as_str(), v.clone())).collect();
         host::send(self.envoy, &Reply::plain(response), &labels);
-        if let Some((key, _)) = over.wake {
-            wake::flight_ended(key.hex());
-        }
+        ended(over.wake);
     }
 
     /// Woken: a waiter looks again, a sleeper goes on, a leader renews its lease.
@@ -323,47 +334,50 @@ impl Filter {
                 let next = leader.on_timer(&engine, (now, super::nonce()));
                 self.advance(next);
             }
-            (Stage::Leading { leader, out: Out::Attempt(_) | Out::Embedding(_), .. }, RENEW) => {
+            (Stage::Leading { leader, .. }, RENEW) => {
                 engine.renew(leader.call(), now);
                 self.renewing = false;
                 self.renew_later(now);
             }
             (_, RENEW) => self.renewing = false,
+            (Stage::Waiting { wait, outbound }, POLL) => {
+                self.polling = false;
+                let step = engine.poll(wait, now, super::nonce());
+                let outbound = outbound.clone();
+                self.run(step, outbound);
+            }
+            (_, POLL) => self.polling = false,
             _ => {}
         }
     }
 
-    /// The stream is done (its client gone, or answered). A leader whose call is still out
-    /// ends its flight without an answer: the call may have been billed, so it is settled
-    /// as lost (and nothing more is sent); its waiters lead anew.
+    /// The filter is going (its client gone, or answered). A leader still leading ends its
+    /// flight here, as a stream cut off: an attempt out may have been billed and is charged
+    /// so, one never sent costs nothing, its hold on its limits is released, and its lease
+    /// is given up so that a waiter leads anew. Nothing more is sent.
     pub fn on_done(&mut self) {
         if let Some(waker) = self.waker.take() {
             waker.close();
         }
         let Stage::Leading { mut leader, out, .. } = std::mem::replace(&mut self.stage, Stage::Done) else { return };
         let engine = Engine { store: &ProcessStore, config: &self.shared.config };
-        let at = (wake::now_ms(), super::nonce());
-        let mut next = match out {
-            Out::Attempt(_) => leader.on_response(&engine, None, &ProviderHints::default(), at),
-            Out::Embedding(_) => leader.on_embedding(&engine, Answer::Lost, at),
-            Out::Sleep => leader.on_timer(&engine, at),
+        let now = wake::now_ms();
+        let end = match out {
+            Out::Attempt(_) => StreamEnd::broken(),
+            Out::Embedding(_) => match leader.on_embedding(&engine, Answer::Lost, (now, super::nonce())) {
+                Do::Over(over) => return ended(over.wake),
+                _ => StreamEnd::never_sent(),
+            },
+            Out::Sleep => StreamEnd::never_sent(),
         };
-        // Bounded: every retry the leader would make is refused here, unsent.
-        for _ in 0..64 {
-            let at = (wake::now_ms(), super::nonce());
-            next = match next {
-                Do::Embed(_) => leader.on_embedding(&engine, Answer::Unsent, at),
-                Do::Send { .. } => leader.on_response(&engine, None, &ProviderHints::unsent(), at),
-                Do::Ask { .. } => leader.on_verdict(&engine, None, at),
-                Do::Sleep { .. } => leader.on_timer(&engine, at),
-                Do::Over(over) => {
-                    if let Some((key, _)) = over.wake {
-                        wake::flight_ended(key.hex());
-                    }
-                    return;
-                }
-            };
-        }
+        ended(leader.on_stream_end(&engine, end, now).wake);
+    }
+}
+
+/// A flight ended: its waiters on every worker look again.
+fn ended(wake: Option<(crate::core::api::key::Key, bool)>) {
+    if let Some((key, _)) = wake {
+        wake::flight_ended(key.hex());
     }
 }
 

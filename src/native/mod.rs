@@ -8,6 +8,7 @@ mod abi;
 mod entry;
 mod filter;
 mod host;
+mod slot;
 mod store;
 mod wake;
 

@@ -13,6 +13,7 @@ use std::time::Duration;
 pub const WAKE: u64 = 1;
 pub const TIMER: u64 = 2;
 pub const RENEW: u64 = 3;
+pub const POLL: u64 = 4;
 
 /// A filter's scheduler handle while the filter lives.
 pub struct Waker(Mutex<Option<Handle>>);
@@ -66,7 +67,11 @@ struct Timers {
 fn timers() -> &'static Timers {
     static TIMERS: OnceLock<Timers> = OnceLock::new();
     TIMERS.get_or_init(|| {
-        let _ = std::thread::Builder::new().name("holysheep-timers".into()).spawn(run_timers);
+        // The thread lives as long as the process (the module is never unloaded:
+        // `do_not_close`), and only wakes filters that still live.
+        if let Err(e) = std::thread::Builder::new().name("holysheep-timers".into()).spawn(run_timers) {
+            super::host::log(super::abi::LOG_CRITICAL, &format!("holysheep: the timer thread did not start: {e}"));
+        }
         Timers {
             due: Mutex::new(Due { order: BinaryHeap::new(), wakes: HashMap::new(), seq: 0 }),
             changed: Condvar::new(),

@@ -2,9 +2,10 @@
 //! the plugin, its store in the process's memory and its waiters woken through Envoy's
 //! scheduler. What it serves so far is docs/native.md's list; each test here is one of it.
 
+use host_test::client::Conn;
 use host_test::envoy::{Envoy, Options, Shell};
 use host_test::mock::Running;
-use host_test::stack::{count, prompt, streamed, Stack};
+use host_test::stack::{count, prompt, streamed, Stack, PATH};
 
 const KEY: &str = "sk-operator";
 
@@ -96,4 +97,32 @@ fn a_call_longer_than_the_lease_keeps_it_and_its_waiters_wait() {
     assert!(resps.iter().all(|r| r.status == 200), "{:?}", resps.iter().map(|r| r.status).collect::<Vec<_>>());
     assert_eq!(s.calls(), 1, "the lease held for the whole call");
     assert!(resps.iter().all(|r| r.body == resps[0].body));
+}
+
+#[test]
+fn a_leader_whose_client_leaves_mid_call_gives_its_flight_up_at_once() {
+    // A lease of a minute: without the leader giving it up, the waiters would wait that long
+    // (past their 10 s of patience here).
+    let s = native(r#"{"lock":{"lease_ms":60000}}"#, 0);
+    s.mock.mock.plan(vec![host_test::mock::Fault { hold: true, ..Default::default() }]);
+    let body = prompt("native: the leader leaves");
+    let mut leader = Conn::open(s.envoy.edge).expect("connects");
+    leader.send_only("POST", PATH, &[], body.as_bytes()).expect("sends");
+    s.await_calls(1);
+    let waiters: Vec<_> = (0..3)
+        .map(|_| {
+            let (edge, body) = (s.envoy.edge, body.clone());
+            std::thread::spawn(move || {
+                let conn = Conn::open(edge).and_then(|c| c.read_timeout(std::time::Duration::from_secs(10)));
+                conn.and_then(|mut c| c.request("POST", PATH, &[], body.as_bytes())).map_err(|e| e.to_string())
+            })
+        })
+        .collect();
+    drop(leader);
+    let resps: Vec<_> = waiters.into_iter().map(|w| w.join().expect("waiter")).collect();
+    s.mock.mock.release();
+    let statuses: Vec<_> = resps.iter().map(|r| r.as_ref().map(|r| r.status)).collect();
+    assert!(statuses.iter().all(|s| *s == Ok(200)), "{statuses:?}");
+    assert_eq!(s.calls(), 2, "one waiter led anew, the others waited for it");
+    assert_eq!(s.crashes(), Vec::<String>::new());
 }

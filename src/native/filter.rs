@@ -160,16 +160,11 @@ impl Filter {
     fn handle(&mut self, body: Vec<u8>) {
         let head = std::mem::take(&mut self.head);
         let now = wake::now_ms();
-        let admitted = super::with_recall(&self.shared, |recall| {
-            recall.admit(&self.engine(), |_| None, head, &body, now, super::nonce)
-        });
+        let admitted = super::admit(&self.shared, head, &body, now);
         let Decided { step, outbound, ended: finished } = match admitted {
             Ok(Admitted::Decided(d)) => d,
-            // This module keeps no answers of its own: the store is the process's.
-            Ok(Admitted::Kept(hit)) => {
-                let reply = hit.reply_at(now);
-                return self.answer(&reply, &Rc::new(Outbound { ..hit.outbound.clone() }));
-            }
+            // A HIT this worker answered before from the same bytes.
+            Ok(Admitted::Kept(hit)) => return self.answer(&hit.reply_at(now), &hit.outbound),
             Err(e) => {
                 self.reject(&e);
                 return;

@@ -12,14 +12,18 @@ mod slot;
 mod store;
 mod wake;
 
+use crate::core::coalesce::engine::Engine;
 use crate::core::config::environment::Environment;
 use crate::core::config::Config;
+use crate::core::intake::kept::Kept;
 use crate::core::intake::recall::Recall;
+use crate::core::observe::meters::{Kind, Meter, Meters};
 use std::cell::RefCell;
 use std::collections::hash_map::RandomState;
 use std::hash::BuildHasher;
 use std::rc::Rc;
 use std::sync::atomic::{AtomicU64, Ordering};
+use store::ProcessStore;
 
 /// A filter configuration, shared by every worker's filters: the configuration, the
 /// operator's key and the fleet's secrets (read once, from the process's environment).
@@ -51,12 +55,28 @@ impl Shared {
     }
 }
 
-/// What one worker keeps for one configuration: its copy of the secrets, and its memory
-/// of requests (`intake::recall`).
+/// What one worker keeps for one configuration: its copy of the secrets, its memory of
+/// requests (`intake::recall`: HITs answered again without parsing), and the meters a kept
+/// HIT resolves its counters with.
 struct Worker {
     generation: u64,
     env: Rc<Environment>,
     recall: Recall,
+    meters: Meters<NoMetrics>,
+}
+
+/// The module defines no metrics yet (docs/native.md): a kept HIT counts nothing.
+#[derive(Debug, Clone, Copy, Default)]
+struct NoMetrics;
+
+impl Meter for NoMetrics {
+    fn define(self, _kind: Kind, _name: &str) -> Option<u32> {
+        None
+    }
+
+    fn increment(self, _id: u32, _n: i64) {}
+
+    fn record(self, _id: u32, _value: u64) {}
 }
 
 thread_local! {
@@ -71,7 +91,8 @@ fn with_worker<T>(shared: &Shared, f: impl FnOnce(&mut Worker) -> T) -> T {
             _ => slot.insert(Worker {
                 generation: shared.generation,
                 env: Rc::new(shared.env.clone()),
-                recall: Recall::new(&shared.config, RandomState::new().hash_one(()), false),
+                recall: Recall::new(&shared.config, RandomState::new().hash_one(()), true),
+                meters: Meters::default(),
             }),
         };
         f(worker)
@@ -82,8 +103,19 @@ fn worker_env(shared: &Shared) -> Rc<Environment> {
     with_worker(shared, |w| w.env.clone())
 }
 
-fn with_recall<T>(shared: &Shared, f: impl FnOnce(&mut Recall) -> T) -> T {
-    with_worker(shared, |w| f(&mut w.recall))
+/// A governed body through this worker's memory (`Recall::admit`), a HIT kept for the same
+/// bytes next time.
+fn admit(
+    shared: &Shared,
+    head: crate::core::intake::Head,
+    body: &[u8],
+    now: u64,
+) -> Result<crate::core::intake::recall::Admitted, crate::core::api::error::ApiError> {
+    let engine = Engine { store: &ProcessStore, config: &shared.config };
+    with_worker(shared, |w| {
+        let keep = |request: &_| Kept::of(&ProcessStore, &shared.config, &mut w.meters, request, now);
+        w.recall.admit(&engine, keep, head, body, now, nonce)
+    })
 }
 
 /// A fresh random number.

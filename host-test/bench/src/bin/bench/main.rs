@@ -34,7 +34,8 @@
 //! floors), start (the plugin's VM start: Envoy started with it and with the local-reply
 //! floor, alternating), component (the wasi:http component's followers), and baseline: the HIT and
 //! the MISS against another build of the plugin named by HOLYSHEEP_BASELINE_WASM, in its
-//! own Envoy),
+//! own Envoy), native (the native module against the plugin, `direct_response` and a plain
+//! proxy),
 //! BENCH_CROWD (default 1000 identical requests for the follower delay), BENCH_CROWD_ROUNDS
 //! (default 3 crowds for the plugin and as many for the floor, alternating), BENCH_PROFILE=1
 //! (`perf record` on Envoy during each Envoy row: CPU per request in the filter's wasm code,
@@ -95,6 +96,7 @@ fn main() -> std::io::Result<()> {
                 rows::component::follower_rows(&mut r, &component, &mock);
             }
             "baseline" => rows::baseline::baseline_rows(&mut r, rounds, (conns, secs), &prompt("benchmark prompt"))?,
+            "native" => rows::native::native_rows(&mut r, rounds, (conns, secs), &prompt("benchmark prompt"))?,
             "start" => rows::start::start_rows(&mut r, &mock, rounds, &prompt("benchmark prompt"))?,
             "scan" => rows::scan::scan_rows(&mut r)?,
             "tracing" => {

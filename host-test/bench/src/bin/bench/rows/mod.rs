@@ -8,6 +8,7 @@ pub mod crowd;
 pub mod edge;
 pub mod endpoints;
 pub mod fleet;
+pub mod native;
 pub mod priority;
 pub mod scan;
 pub mod semantic;

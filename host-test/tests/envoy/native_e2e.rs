@@ -126,3 +126,41 @@ fn a_leader_whose_client_leaves_mid_call_gives_its_flight_up_at_once() {
     assert_eq!(s.calls(), 2, "one waiter led anew, the others waited for it");
     assert_eq!(s.crashes(), Vec::<String>::new());
 }
+
+/// A tenant `batch` whose token is `hs-batch-9c8b7a6f5e`, with `limits` (more fields), and
+/// gpt-4.1 priced at $10 / $30 per million prompt / completion tokens.
+fn tenants(limits: &str) -> String {
+    let digest = host_test::stack::key_digest("hs-batch-9c8b7a6f5e");
+    format!(
+        r#"{{"models":{{"gpt-4.1":{{"usd_per_mtok_input":10,"usd_per_mtok_output":30}}}},"retry":{{"max_attempts":1}},"tenants":{{"batch":{{"keys_sha256":["{digest}"]{limits}}}}}}}"#
+    )
+}
+
+#[test]
+fn a_tenant_is_verified_and_its_token_never_reaches_holysheep() {
+    let s = native(&tenants(""), 0);
+    let stranger = s.chat(&prompt("native: who am I"), &[("authorization", "Bearer hs-nobody")]);
+    assert_eq!((stranger.status, stranger.error_code().as_str()), (401, "invalid_api_key"));
+    assert_eq!(s.calls(), 0, "refused before any call");
+    let r = s.chat(&prompt("native: who am I"), &[("authorization", "Bearer hs-batch-9c8b7a6f5e")]);
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(r.header("x-holysheep-tenant"), Some("batch"));
+    assert_eq!(s.mock.mock.last_authorization().as_deref(), Some("Bearer sk-operator"), "the operator's key, only");
+}
+
+#[test]
+fn a_budgeted_call_is_reserved_at_its_worst_case_before_it_is_sent() {
+    let s = native(&tenants(r#","usd_per_day":1"#), 0);
+    let auth = [("authorization", "Bearer hs-batch-9c8b7a6f5e")];
+    // 128 choices of up to 4096 tokens each at $30 per million: about $15.7, far past $1.
+    let many = prompt("native: one hundred and twenty-eight answers").replacen('{', r#"{"n":128,"#, 1);
+    let r = s.chat(&many, &auth);
+    assert_eq!((r.status, r.error_code().as_str()), (429, "insufficient_quota"), "{}", r.text());
+    assert_eq!(s.calls(), 0, "nothing reached HolySheep");
+    // Two choices fit, and go with the model's cap per choice.
+    let two = prompt("native: two answers").replacen('{', r#"{"n":2,"#, 1);
+    let r = s.chat(&two, &auth);
+    assert_eq!(r.status, 200, "{}", r.text());
+    let sent: serde_json::Value = serde_json::from_slice(&s.mock.mock.last_body()).expect("json");
+    assert_eq!((sent["max_tokens"].as_u64(), sent["n"].as_u64()), (Some(4096), Some(2)));
+}

@@ -1,8 +1,9 @@
-//! Load the VM in real Envoy must survive: clients that leave mid-flight
-//! against a fast upstream, and a crowd of identical requests. Each runs a few seconds at
+//! Load the VM (and the native module) in real Envoy must survive: clients that leave
+//! mid-flight against a fast upstream, and a crowd of identical requests. Each runs a few seconds at
 //! most and fails on any sign of a crashed VM in Envoy's log.
 
 use host_test::client::{Conn, Resp};
+use host_test::envoy::Shell;
 use host_test::stack::{count, prompt, Stack, PATH};
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -27,7 +28,17 @@ fn leave_or_read(conn: &mut Conn, n: u64) -> Option<u16> {
 
 #[test]
 fn distinct_prompts_with_clients_leaving_mid_flight_never_crash_the_vm() {
-    let s = Stack::start_tuned(r#"{"cache":{"scope":"global"}}"#, 0, |o| o.concurrency = 1, None);
+    clients_leaving_mid_flight(Shell::Wasm);
+}
+
+#[test]
+fn distinct_prompts_with_clients_leaving_mid_flight_never_crash_the_native_module() {
+    clients_leaving_mid_flight(Shell::Native);
+}
+
+fn clients_leaving_mid_flight(shell: Shell) {
+    let tune = |o: &mut host_test::envoy::Options| (o.concurrency, o.shell) = (1, shell);
+    let s = Stack::start_tuned(r#"{"cache":{"scope":"global"}}"#, 0, tune, None);
     let (stop, sent) = (Arc::new(AtomicBool::new(false)), Arc::new(AtomicU64::new(0)));
     let clients: Vec<_> = (0..16)
         .map(|_| {
@@ -88,8 +99,17 @@ fn crowd(addr: SocketAddr, bodies: Vec<String>) -> Vec<Result<Resp, String>> {
 
 #[test]
 fn a_crowd_of_identical_requests_over_two_workers_makes_one_call_and_all_get_200() {
+    crowd_of_identical_requests(Shell::Wasm);
+}
+
+#[test]
+fn a_crowd_of_identical_requests_on_the_native_module_makes_one_call_and_all_get_200() {
+    crowd_of_identical_requests(Shell::Native);
+}
+
+fn crowd_of_identical_requests(shell: Shell) {
     let n = crowd_size();
-    let s = Stack::start("{}", 1_500);
+    let s = Stack::start_tuned("{}", 1_500, |o| o.shell = shell, None);
     let results = crowd(s.envoy.edge, vec![prompt("the crowd's question"); n]);
     assert_eq!(s.crashes(), Vec::<String>::new(), "a VM crashed under a crowd of {n}");
     let outcomes = results.iter().fold(std::collections::BTreeMap::<String, usize>::new(), |mut m, r| {

@@ -79,23 +79,30 @@ impl Meter for NoMetrics {
     fn record(self, _id: u32, _value: u64) {}
 }
 
+/// Configurations a worker keeps its state for at once (listeners with configurations of
+/// their own, and the one before a reload): the least recently used goes first.
+const CONFIGS_PER_WORKER: usize = 8;
+
 thread_local! {
-    static WORKER: RefCell<Option<Worker>> = const { RefCell::new(None) };
+    static WORKERS: RefCell<Vec<Worker>> = const { RefCell::new(Vec::new()) };
 }
 
-/// This worker's state for `shared`, made anew when the configuration changed.
+/// This worker's state for `shared`, made when the configuration is new to it.
 fn with_worker<T>(shared: &Shared, f: impl FnOnce(&mut Worker) -> T) -> T {
-    WORKER.with_borrow_mut(|slot| {
-        let worker = match slot {
-            Some(w) if w.generation == shared.generation => w,
-            _ => slot.insert(Worker {
+    WORKERS.with_borrow_mut(|workers| {
+        let mut worker = match workers.iter().position(|w| w.generation == shared.generation) {
+            Some(at) => workers.remove(at),
+            None => Worker {
                 generation: shared.generation,
                 env: Rc::new(shared.env.clone()),
                 recall: Recall::new(&shared.config, RandomState::new().hash_one(()), true),
                 meters: Meters::default(),
-            }),
+            },
         };
-        f(worker)
+        let out = f(&mut worker);
+        workers.insert(0, worker);
+        workers.truncate(CONFIGS_PER_WORKER);
+        out
     })
 }
 

@@ -22,7 +22,6 @@ use crate::core::intake::door::{Door, Entry};
 use crate::core::intake::recall::{Admitted, Decided};
 use crate::core::intake::Head;
 use crate::core::semantic::MAX_EMBEDDING_BYTES;
-use crate::core::stream;
 use crate::core::upstream::{self, Outbound};
 use std::rc::Rc;
 use std::sync::Arc;
@@ -204,10 +203,8 @@ impl Filter {
     /// Sends `reply` in the form the request asked for, with the model's rate headers.
     fn answer(&mut self, reply: &Reply, outbound: &Outbound) {
         self.stage = Stage::Done;
-        let config = &self.shared.config;
-        let extra = outbound.answer_headers(&ProcessStore, config, reply.cache.is_some(), wake::now_ms);
-        let response = stream::for_client(reply.response.clone(), outbound.stream, outbound.include_usage);
-        host::send(self.envoy, &Reply { response, ..reply.clone() }, &extra);
+        let (reply, extra) = outbound.for_client(&ProcessStore, &self.shared.config, reply, wake::now_ms);
+        host::send(self.envoy, &reply, &extra);
     }
 
     /// Carries out the leader's `Do`s until it waits on Envoy.

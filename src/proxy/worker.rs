@@ -27,7 +27,6 @@ use crate::core::limits::fleet::Op;
 use crate::core::observe::log_fields::{self, Answered, Served};
 use crate::core::observe::metrics::{self, Counter, LastUsage};
 use crate::core::observe::notices::Notices;
-use crate::core::stream;
 use crate::core::upstream::Outbound;
 use crate::proxy::types::{BufferType, LogLevel, MapType};
 use std::cell::RefCell;
@@ -193,14 +192,10 @@ impl Worker {
     }
 
     /// Sends `reply` as JSON or as events, as the request asked, with the model's
-    /// `x-ratelimit-*` headers.
+    /// `x-ratelimit-*` headers (`Outbound::for_client`).
     fn send_in_form(&mut self, target: Target, reply: &Reply, outbound: &Outbound) -> bool {
-        let extra = outbound.answer_headers(&SharedData, &self.config, reply.cache.is_some(), host::now_ms);
-        if !outbound.stream {
-            return self.send(target, reply, &extra);
-        }
-        let response = stream::for_client(reply.response.clone(), true, outbound.include_usage);
-        self.send(target, &Reply { response, ..reply.clone() }, &extra)
+        let (reply, extra) = outbound.for_client(&SharedData, &self.config, reply, host::now_ms);
+        self.send(target, &reply, &extra)
     }
 
     /// The stopwatch of a request a kept answer serves, arrived in full at `now`.

@@ -21,7 +21,6 @@ use crate::core::flight::leader::{Do, Leader};
 use crate::core::flight::look::Answer;
 use crate::core::intake::recall::{Admitted, Decided};
 use crate::core::intake::{Head, Route, Ungoverned};
-use crate::core::stream;
 use crate::core::upstream::Outbound;
 use calls::Failed;
 use instance::Gateway;
@@ -104,9 +103,8 @@ impl Gateway {
     /// Answers in the form the client asked for (events for a stream), with the model's
     /// `x-ratelimit-*` headers.
     fn answer(&self, out: ResponseOutparam, r: Reply, outbound: &Outbound) {
-        let extra = outbound.answer_headers(&self.kv, &self.config, r.cache.is_some(), host::now_ms);
-        let response = stream::for_client(r.response.clone(), outbound.stream, outbound.include_usage);
-        host::reply(out, &Reply { response, ..r }, &extra);
+        let (reply, extra) = outbound.for_client(&self.kv, &self.config, &r, host::now_ms);
+        host::reply(out, &reply, &extra);
     }
 
     fn engine(&self) -> Engine<'_, Kv> {

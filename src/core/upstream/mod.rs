@@ -22,6 +22,7 @@ use crate::core::observe::log_fields::{self, Answered, Served};
 use crate::core::request::probe::Probe;
 use crate::core::request::{for_upstream, ApiRequest};
 use crate::core::store::{claim, CasStore};
+use crate::core::stream;
 use crate::core::wire::scan;
 use std::borrow::Cow;
 
@@ -184,6 +185,24 @@ impl Outbound {
         extra
     }
 
+    /// `reply` as this request's client gets it: in the form it asked for (a stream's
+    /// events made from a whole answer, `stream::for_client`; any other as it is), with
+    /// `answer_headers` beside its own.
+    pub fn for_client<'r>(
+        &self,
+        store: &impl CasStore,
+        config: &Config,
+        reply: &'r Reply,
+        now_ms: impl FnOnce() -> u64,
+    ) -> (Cow<'r, Reply>, Vec<(&'static str, String)>) {
+        let extra = self.answer_headers(store, config, reply.cache.is_some(), now_ms);
+        if !self.stream {
+            return (Cow::Borrowed(reply), extra);
+        }
+        let response = stream::for_client(reply.response.clone(), true, self.include_usage);
+        (Cow::Owned(Reply { response, ..reply.clone() }), extra)
+    }
+
     /// What the access log shows of a request of this form answered with `reply` (its
     /// cache status, key and model), before it is priced (`Answered::priced`).
     pub fn answered<'a>(&'a self, reply: &'a Reply, served: Served, usage: Option<Usage>) -> Answered<'a> {
@@ -343,6 +362,20 @@ fn not_an_answer(content_type: &str, sent: Sent) -> ApiError {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_client_gets_its_answer_in_the_form_it_asked_for() {
+        let (store, config) = (crate::core::store::MemStore::new(), Config::default());
+        let answer = br#"{"id":"c","object":"chat.completion","created":1,"model":"gpt-4.1","choices":[{"index":0,"message":{"role":"assistant","content":"hi"},"finish_reason":"stop"}],"usage":{"prompt_tokens":1,"completion_tokens":1,"total_tokens":2}}"#;
+        let reply = Reply::plain(Response::json(200, answer.to_vec()));
+        let plain = outbound();
+        let (as_is, _) = plain.for_client(&store, &config, &reply, || 0);
+        assert!(matches!(as_is, Cow::Borrowed(_)), "a plain answer goes without a copy");
+        let streamed = Outbound { stream: true, ..plain };
+        let (events, _) = streamed.for_client(&store, &config, &reply, || 0);
+        let text = String::from_utf8_lossy(&events.response.body).into_owned();
+        assert!(text.contains("chat.completion.chunk") && text.trim_end().ends_with("data: [DONE]"), "{text}");
+    }
     use crate::core::config::Config;
 
     #[test]

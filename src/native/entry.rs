@@ -4,7 +4,7 @@
 //! answers its request with a 500, so that no governed request goes on ungoverned.
 
 use super::abi::{self, EnvoyBuffer, EnvoyFilter, Header};
-use super::filter::{self, Filter};
+use super::filter::Filter;
 use super::slot::Slot;
 use super::{host, Shared};
 use crate::core::api::error::ApiError;
@@ -180,7 +180,7 @@ pub extern "C" fn envoy_dynamic_module_on_http_filter_http_callout_done(
         // SAFETY: Envoy's arrays of `*_len` entries, valid during this hook (copied here).
         let headers = match headers.is_null() {
             true => Vec::new(),
-            false => filter::header_pairs(unsafe { std::slice::from_raw_parts(headers, headers_len) }),
+            false => host::header_pairs(unsafe { std::slice::from_raw_parts(headers, headers_len) }),
         };
         let mut body = Vec::new();
         if !chunks.is_null() {

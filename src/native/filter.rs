@@ -4,7 +4,7 @@
 //! ends (on any worker), with a safety poll at the tick; sleeps, lease renewals and
 //! deadlines are timers. The shell decides nothing: it performs what the core says.
 
-use super::abi::{self, EnvoyFilter, Header};
+use super::abi::{self, EnvoyFilter};
 use super::host;
 use super::store::ProcessStore;
 use super::wake::{self, Waker, POLL, RENEW, TIMER, WAKE};
@@ -371,13 +371,4 @@ fn ended(wake: Option<(crate::core::api::key::Key, bool)>) {
     if let Some((key, _)) = wake {
         wake::flight_ended(key.hex());
     }
-}
-
-/// A callout's headers as pairs of text.
-pub fn header_pairs(headers: &[Header]) -> Vec<(String, String)> {
-    headers
-        .iter()
-        .map(Header::pair)
-        .map(|(n, v)| (String::from_utf8_lossy(&n).into_owned(), String::from_utf8_lossy(&v).into_owned()))
-        .collect()
 }

@@ -171,3 +171,12 @@ pub fn peer_sans(filter: EnvoyFilter) -> Vec<String> {
     }
     sans
 }
+
+/// A callout's headers as pairs of text.
+pub fn header_pairs(headers: &[Header]) -> Vec<(String, String)> {
+    headers
+        .iter()
+        .map(Header::pair)
+        .map(|(n, v)| (String::from_utf8_lossy(&n).into_owned(), String::from_utf8_lossy(&v).into_owned()))
+        .collect()
+}

@@ -90,7 +90,8 @@ impl Slot {
     /// it is running (that hook winds it up, and the caller frees it once it returns).
     pub fn destroy(&self) -> bool {
         self.destroyed.set(true);
-        self.with(|f| f.on_done()).is_some()
+        // `with` winds a destroyed filter up once its hook is done.
+        self.with(|_| ()).is_some()
     }
 
     /// Whether the hook that just returned should free it (Envoy destroyed it meanwhile).

@@ -96,6 +96,27 @@ extern "C" {
         body: ModuleBuffer,
         timeout_ms: u64,
     ) -> i32;
+    pub fn envoy_dynamic_module_callback_http_filter_start_http_stream(
+        filter: EnvoyFilter,
+        id_out: *mut u64,
+        cluster: ModuleBuffer,
+        headers: *const Header,
+        headers_len: usize,
+        body: ModuleBuffer,
+        end_stream: bool,
+        timeout_ms: u64,
+    ) -> i32;
+    pub fn envoy_dynamic_module_callback_http_send_response_headers(
+        filter: EnvoyFilter,
+        headers: *const Header,
+        headers_len: usize,
+        end_stream: bool,
+    );
+    pub fn envoy_dynamic_module_callback_http_send_response_data(
+        filter: EnvoyFilter,
+        data: ModuleBuffer,
+        end_stream: bool,
+    );
     pub fn envoy_dynamic_module_callback_http_filter_scheduler_new(filter: EnvoyFilter) -> Scheduler;
     pub fn envoy_dynamic_module_callback_http_filter_scheduler_commit(scheduler: Scheduler, event: u64);
     pub fn envoy_dynamic_module_callback_http_filter_scheduler_delete(scheduler: Scheduler);

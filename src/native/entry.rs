@@ -4,7 +4,7 @@
 //! answers its request with a 500, so that no governed request goes on ungoverned.
 
 use super::abi::{self, EnvoyBuffer, EnvoyFilter, Header};
-use super::filter::Filter;
+use super::filter::{Filter, Part};
 use super::slot::Slot;
 use super::{host, Shared};
 use crate::core::api::error::ApiError;
@@ -196,53 +196,87 @@ pub extern "C" fn envoy_dynamic_module_on_http_filter_http_callout_done(
     })
 }
 
+/// Hands a part of a streaming callout's answer to its filter.
+fn stream_part(ptr: *const c_void, id: u64, part: impl FnOnce() -> Part) {
+    guard((), || {
+        // SAFETY: see `slot`.
+        if let Some(s) = unsafe { slot(ptr) } {
+            s.stream(id, part());
+        }
+        release(ptr);
+    })
+}
+
 #[no_mangle]
 pub extern "C" fn envoy_dynamic_module_on_http_filter_http_stream_headers(
     _envoy: EnvoyFilter,
-    _ptr: *const c_void,
-    _stream: u64,
-    _headers: *const Header,
-    _len: usize,
-    _end: bool,
+    ptr: *const c_void,
+    stream: u64,
+    headers: *const Header,
+    len: usize,
+    end: bool,
 ) {
+    stream_part(ptr, stream, || {
+        // SAFETY: Envoy's array of `len` headers, valid during this hook (copied here).
+        let headers = match headers.is_null() {
+            true => Vec::new(),
+            false => host::header_pairs(unsafe { std::slice::from_raw_parts(headers, len) }),
+        };
+        Part::Head(headers, end)
+    })
 }
 
 #[no_mangle]
 pub extern "C" fn envoy_dynamic_module_on_http_filter_http_stream_data(
     _envoy: EnvoyFilter,
-    _ptr: *const c_void,
-    _stream: u64,
-    _data: *const EnvoyBuffer,
-    _count: usize,
-    _end: bool,
+    ptr: *const c_void,
+    stream: u64,
+    data: *const EnvoyBuffer,
+    count: usize,
+    end: bool,
 ) {
+    stream_part(ptr, stream, || {
+        let mut bytes = Vec::new();
+        if !data.is_null() {
+            // SAFETY: Envoy's array of `count` slices of one read, valid during this hook.
+            for chunk in unsafe { std::slice::from_raw_parts(data, count) } {
+                bytes.extend_from_slice(&chunk.to_vec());
+            }
+        }
+        Part::Data(bytes, end)
+    })
 }
 
+/// Trailers end the answer (`complete` follows).
 #[no_mangle]
 pub extern "C" fn envoy_dynamic_module_on_http_filter_http_stream_trailers(
     _envoy: EnvoyFilter,
-    _ptr: *const c_void,
-    _stream: u64,
+    ptr: *const c_void,
+    stream: u64,
     _trailers: *const Header,
     _len: usize,
 ) {
+    stream_part(ptr, stream, || Part::End(true))
 }
 
 #[no_mangle]
 pub extern "C" fn envoy_dynamic_module_on_http_filter_http_stream_complete(
     _envoy: EnvoyFilter,
-    _ptr: *const c_void,
-    _stream: u64,
+    ptr: *const c_void,
+    stream: u64,
 ) {
+    stream_part(ptr, stream, || Part::End(true))
 }
 
+/// A reset ends the answer where it was (its reason says nothing in Envoy 1.40.0).
 #[no_mangle]
 pub extern "C" fn envoy_dynamic_module_on_http_filter_http_stream_reset(
     _envoy: EnvoyFilter,
-    _ptr: *const c_void,
-    _stream: u64,
+    ptr: *const c_void,
+    stream: u64,
     _reason: i32,
 ) {
+    stream_part(ptr, stream, || Part::End(false))
 }
 
 #[no_mangle]
@@ -256,16 +290,30 @@ pub extern "C" fn envoy_dynamic_module_on_http_filter_scheduled(_envoy: EnvoyFil
     })
 }
 
+/// Hands a watermark of the client's write buffer to the filter's slot (it may come from
+/// inside a send of the filter's own).
+fn pressure(ptr: *const c_void, above: bool) {
+    guard((), || {
+        // SAFETY: see `slot`.
+        if let Some(s) = unsafe { slot(ptr) } {
+            s.pressure(above);
+        }
+        release(ptr);
+    })
+}
+
 #[no_mangle]
 pub extern "C" fn envoy_dynamic_module_on_http_filter_downstream_above_write_buffer_high_watermark(
     _envoy: EnvoyFilter,
-    _ptr: *const c_void,
+    ptr: *const c_void,
 ) {
+    pressure(ptr, true)
 }
 
 #[no_mangle]
 pub extern "C" fn envoy_dynamic_module_on_http_filter_downstream_below_write_buffer_low_watermark(
     _envoy: EnvoyFilter,
-    _ptr: *const c_void,
+    ptr: *const c_void,
 ) {
+    pressure(ptr, false)
 }

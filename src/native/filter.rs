@@ -6,23 +6,26 @@
 
 use super::abi::{self, EnvoyFilter};
 use super::host;
+use super::relay::Answer as Streamed;
 use super::store::ProcessStore;
-use super::wake::{self, Waker, POLL, RENEW, TIMER, WAKE};
+use super::tails::{self, Following};
+use super::wake::{self, Waker, POLL, RENEW, TAIL, TIMER, WAKE};
 use super::Shared;
 use crate::core::api::error::ApiError;
 use crate::core::api::headers;
 use crate::core::api::hints::ProviderHints;
 use crate::core::api::reply::Reply;
-use crate::core::api::response::Response;
 use crate::core::coalesce::engine::{Engine, Step, Wait};
 use crate::core::flight::leader::{Do, Leader};
 use crate::core::flight::look::Answer;
+use crate::core::flight::tail::{Log, Reader};
 use crate::core::flight::tee::StreamEnd;
 use crate::core::intake::door::{Door, Entry};
 use crate::core::intake::recall::{Admitted, Decided};
 use crate::core::intake::Head;
 use crate::core::semantic::MAX_EMBEDDING_BYTES;
 use crate::core::upstream::{self, Outbound};
+use std::cell::Cell;
 use std::rc::Rc;
 use std::sync::Arc;
 
@@ -37,6 +40,19 @@ pub struct Filter {
     renewing: bool,
     /// Whether a waiter's look at the tick is due (one at a time).
     polling: bool,
+    /// Its client reads slower than it is sent to: a follower sends nothing more until it
+    /// catches up (the slot sets it from the watermark hooks).
+    pressure: Rc<Cell<bool>>,
+}
+
+/// A part of a streaming call's answer.
+pub enum Part {
+    /// Its headers (and whether they end it).
+    Head(Vec<(String, String)>, bool),
+    /// Bytes of its body as one read brought them (and whether they end it).
+    Data(Vec<u8>, bool),
+    /// Its end: `true` when its last byte came, `false` when it was reset.
+    End(bool),
 }
 
 enum Stage {
@@ -49,6 +65,8 @@ enum Stage {
         wait: Wait,
         outbound: Rc<Outbound>,
     },
+    /// Following a streaming leader's tail live, as a waiter of its flight.
+    Tailing(Box<Following>),
     /// Leading a flight: what is out for it (a callout's id, or a sleep).
     Leading {
         leader: Box<Leader>,
@@ -58,10 +76,11 @@ enum Stage {
     Done,
 }
 
-#[derive(Clone, Copy, PartialEq, Eq)]
 enum Out {
     Embedding(u64),
     Attempt(u64),
+    /// A streaming call, and its answer as far as it came.
+    Stream(u64, Option<Streamed>),
     Sleep,
 }
 
@@ -75,7 +94,13 @@ impl Filter {
             waker: None,
             renewing: false,
             polling: false,
+            pressure: Rc::default(),
         }
+    }
+
+    /// The flag of its client's write buffer (see `Slot::pressure`).
+    pub fn pressure(&self) -> Rc<Cell<bool>> {
+        self.pressure.clone()
     }
 
     fn engine(&self) -> Engine<'_, ProcessStore> {
@@ -190,6 +215,10 @@ impl Filter {
             Step::Wait(wait) => {
                 let waker = self.waker();
                 wake::wait_for(wait.key.hex(), &waker);
+                // Registered first: a tail that begins after this look wakes it.
+                if self.follow(&wait, &outbound) {
+                    return;
+                }
                 // A look at the tick besides (one at a time): a leader may be gone without
                 // ending its flight, and the wait has a deadline.
                 if !std::mem::replace(&mut self.polling, true) {
@@ -220,6 +249,14 @@ impl Filter {
                         return;
                     }
                     None => leader.on_embedding(&engine, Answer::Unsent, at),
+                },
+                // A stream's answer comes in parts, as it arrives.
+                Do::Send { call, .. } if leader.outbound.stream => match host::stream(self.envoy, &call) {
+                    Some(id) => {
+                        *out = Out::Stream(id, None);
+                        return;
+                    }
+                    None => leader.on_response(&engine, None, &ProviderHints::unsent(), at),
                 },
                 Do::Send { call, .. } => match host::callout(self.envoy, &call) {
                     Some(id) => {
@@ -258,7 +295,7 @@ impl Filter {
 
     /// A callout's answer: all of it at once, Envoy's until this returns.
     pub fn on_callout_done(&mut self, id: u64, result: i32, headers: Vec<(String, String)>, body: Vec<u8>) {
-        let Stage::Leading { leader, out, outbound } = &mut self.stage else { return };
+        let Stage::Leading { leader, out, .. } = &mut self.stage else { return };
         let at = (wake::now_ms(), super::nonce());
         let engine = Engine { store: &ProcessStore, config: &self.shared.config };
         let status = (result == abi::CALLOUT_OK).then(|| headers::status(&headers)).flatten();
@@ -271,45 +308,97 @@ impl Filter {
                 };
                 leader.on_embedding(&engine, answer, at)
             }
-            Out::Attempt(sent) if sent == id => {
-                let Some(status) = status else {
-                    let next = leader.on_response(&engine, None, &ProviderHints::default(), at);
-                    return self.advance(next);
-                };
-                let event_stream =
-                    headers::value(&headers, headers::CONTENT_TYPE).is_some_and(headers::is_event_stream);
-                if outbound.stream && status == 200 && event_stream {
-                    let hints = ProviderHints::from_headers(200, &headers);
-                    return self.relay(body, hints);
-                }
-                let sent = upstream::Sent { envoy: true, ..leader.sent() };
-                let (response, hints) = upstream::response(status, &headers, body, sent);
-                if hints.key_refused {
-                    host::log(abi::LOG_ERROR, "holysheep: HolySheep refused the configured key");
-                }
-                leader.on_response(&engine, Some(response), &hints, at)
-            }
+            Out::Attempt(sent) if sent == id => return self.answered(status, headers, body),
             _ => return,
         };
         self.advance(next);
     }
 
-    /// A stream leader's answer, whole: its events sent to its client as the core rewrites
-    /// them, and shared (cache and waiters) once read.
-    fn relay(&mut self, body: Vec<u8>, hints: ProviderHints) {
-        let Stage::Leading { mut leader, .. } = std::mem::replace(&mut self.stage, Stage::Done) else { return };
-        let Some(label) = leader.stream_label(&self.shared.config) else { return };
-        let (head, mut tee) = label.relayed();
-        let mut sent = tee.pass(&body, false).unwrap_or(body);
-        sent.extend(tee.pass(&[], true).unwrap_or_default());
-        let end = tee.end(true, (Some(200), 1), hints);
-        let over = leader.on_stream_end(&self.engine(), end, wake::now_ms());
-        let mut response = Response::json(200, sent);
-        response.content_type = headers::EVENT_STREAM.to_owned();
-        let labels: Vec<(&str, String)> =
-            head.iter().filter(|(n, _)| n != headers::CONTENT_TYPE).map(|(n, v)| (n.as_str(), v.clone())).collect();
-        host::send(self.envoy, &Reply::plain(response), &labels);
-        ended(over.wake);
+    /// An attempt's answer, whole (`None`: none came): read by the core, which may retry.
+    fn answered(&mut self, status: Option<u16>, headers: Vec<(String, String)>, body: Vec<u8>) {
+        let Stage::Leading { leader, .. } = &mut self.stage else { return };
+        let at = (wake::now_ms(), super::nonce());
+        let engine = Engine { store: &ProcessStore, config: &self.shared.config };
+        let Some(status) = status else {
+            let next = leader.on_response(&engine, None, &ProviderHints::default(), at);
+            return self.advance(next);
+        };
+        let sent = upstream::Sent { envoy: true, ..leader.sent() };
+        let (response, hints) = upstream::response(status, &headers, body, sent);
+        if hints.key_refused {
+            host::log(abi::LOG_ERROR, "holysheep: HolySheep refused the configured key");
+        }
+        let next = leader.on_response(&engine, Some(response), &hints, at);
+        self.advance(next);
+    }
+
+    /// A part of a streaming call's answer.
+    pub fn on_stream(&mut self, id: u64, part: Part) {
+        let envoy = self.envoy;
+        let config = &self.shared.config;
+        let Stage::Leading { leader, out: Out::Stream(sent, answer), .. } = &mut self.stage else { return };
+        if *sent != id {
+            return;
+        }
+        let end = match part {
+            Part::Head(headers, end) => {
+                answer.get_or_insert_with(|| Streamed::begin(envoy, config, leader, headers));
+                end.then_some(true)
+            }
+            Part::Data(bytes, end) => {
+                if let Some(answer) = answer {
+                    answer.pass(envoy, bytes);
+                }
+                end.then_some(true)
+            }
+            Part::End(complete) => Some(complete),
+        };
+        if let Some(complete) = end {
+            self.stream_over(complete);
+        }
+    }
+
+    /// A streaming call ended (`complete`: its last byte came).
+    fn stream_over(&mut self, complete: bool) {
+        let Stage::Leading { out, .. } = &mut self.stage else { return };
+        let Out::Stream(_, answer) = std::mem::replace(out, Out::Sleep) else { return };
+        match answer {
+            Some(Streamed::Whole { headers, body }) if complete => {
+                self.answered(headers::status(&headers), headers, body)
+            }
+            Some(Streamed::Live(live)) => {
+                let Stage::Leading { mut leader, .. } = std::mem::replace(&mut self.stage, Stage::Done) else {
+                    return;
+                };
+                let over = live.finish(self.envoy, &self.engine(), &mut leader, complete);
+                ended(over.wake);
+            }
+            _ => self.answered(None, Vec::new(), Vec::new()),
+        }
+    }
+
+    /// Begins following the live tail of the flight `wait` is for, when this request is a
+    /// stream that shares one and the tail is there; `false` otherwise (it waits on).
+    fn follow(&mut self, wait: &Wait, outbound: &Outbound) -> bool {
+        if !Log::shares(outbound) {
+            return false;
+        }
+        let Some(tail) = tails::find(wait.key.hex()) else { return false };
+        let config = &self.shared.config;
+        let extra = outbound.answer_headers(&ProcessStore, config, true, wake::now_ms);
+        let reader = Reader::new(config, outbound);
+        let following = Following::begin(self.envoy, tail, &self.waker(), reader, extra);
+        self.stage = Stage::Tailing(Box::new(following));
+        self.pump();
+        true
+    }
+
+    /// A follower sends its client what its tail holds (unless its client is behind).
+    fn pump(&mut self) {
+        let Stage::Tailing(following) = &mut self.stage else { return };
+        if !self.pressure.get() && following.pump(self.envoy) {
+            self.stage = Stage::Done;
+        }
     }
 
     /// Woken: a waiter looks again, a sleeper goes on, a leader renews its lease.
@@ -321,6 +410,14 @@ impl Filter {
                 let step = engine.poll(wait, now, super::nonce());
                 let outbound = outbound.clone();
                 self.run(step, outbound);
+            }
+            (Stage::Tailing(_), TAIL | WAKE | POLL) => {
+                self.polling &= event != POLL;
+                self.pump();
+            }
+            (Stage::Waiting { wait, outbound }, TAIL) => {
+                let (wait, outbound) = (wait.clone(), outbound.clone());
+                self.follow(&wait, &outbound);
             }
             (Stage::Leading { leader, out: Out::Sleep, .. }, TIMER) => {
                 let next = leader.on_timer(&engine, (now, super::nonce()));
@@ -355,7 +452,8 @@ impl Filter {
         let engine = Engine { store: &ProcessStore, config: &self.shared.config };
         let now = wake::now_ms();
         let end = match out {
-            Out::Attempt(_) => StreamEnd::broken(),
+            Out::Stream(_, Some(Streamed::Live(live))) => live.abandon(),
+            Out::Attempt(_) | Out::Stream(..) => StreamEnd::broken(),
             Out::Embedding(_) => match leader.on_embedding(&engine, Answer::Lost, (now, super::nonce())) {
                 Do::Over(over) => return ended(over.wake),
                 _ => StreamEnd::never_sent(),

@@ -124,28 +124,68 @@ pub fn send(filter: EnvoyFilter, reply: &Reply, extra: &[(&str, String)]) {
     }
 }
 
-/// Makes a call the core made ready, from this filter; its id, or `None` when Envoy
-/// refuses it (logged: no such cluster).
+/// Makes a call the core made ready, from this filter, its answer whole; its id, or `None`
+/// when Envoy refuses it (logged: no such cluster).
 pub fn callout(filter: EnvoyFilter, call: &HttpCall) -> Option<u64> {
+    start(filter, call, false)
+}
+
+/// Makes a call the core made ready, from this filter, its answer in parts as it comes (the
+/// `http_stream_*` hooks); its id, or `None` when Envoy refuses it (logged).
+pub fn stream(filter: EnvoyFilter, call: &HttpCall) -> Option<u64> {
+    start(filter, call, true)
+}
+
+fn start(filter: EnvoyFilter, call: &HttpCall, streamed: bool) -> Option<u64> {
     let headers: Vec<Header> = call.headers.iter().map(|(n, v)| Header::of(n, v)).collect();
+    let (cluster, body) = (ModuleBuffer::of(call.cluster.as_bytes()), ModuleBuffer::of(&call.body));
     let mut id = 0u64;
     // SAFETY: every buffer lives until the call returns; Envoy writes the id it picks.
     let result = unsafe {
-        abi::envoy_dynamic_module_callback_http_filter_http_callout(
-            filter,
-            &mut id,
-            ModuleBuffer::of(call.cluster.as_bytes()),
-            headers.as_ptr(),
-            headers.len(),
-            ModuleBuffer::of(&call.body),
-            call.timeout_ms,
-        )
+        match streamed {
+            false => abi::envoy_dynamic_module_callback_http_filter_http_callout(
+                filter,
+                &mut id,
+                cluster,
+                headers.as_ptr(),
+                headers.len(),
+                body,
+                call.timeout_ms,
+            ),
+            true => abi::envoy_dynamic_module_callback_http_filter_start_http_stream(
+                filter,
+                &mut id,
+                cluster,
+                headers.as_ptr(),
+                headers.len(),
+                body,
+                true,
+                call.timeout_ms,
+            ),
+        }
     };
     if result != abi::CALLOUT_OK {
         log(abi::LOG_ERROR, &format!("holysheep: callout to cluster '{}' refused: {result}", call.cluster));
         return None;
     }
     Some(id)
+}
+
+/// Starts the request's own answer with `head` (`:status` among it); its body follows by
+/// `send_data`.
+pub fn send_head(filter: EnvoyFilter, head: &[(String, String)]) {
+    let headers: Vec<Header> = head.iter().map(|(n, v)| Header::of(n, v)).collect();
+    // SAFETY: the headers array and every slice it points to live until the call returns.
+    unsafe {
+        abi::envoy_dynamic_module_callback_http_send_response_headers(filter, headers.as_ptr(), headers.len(), false)
+    }
+}
+
+/// Sends the next part of the request's own answer (`last`: its end). A watermark hook of
+/// the filter may run inside this call.
+pub fn send_data(filter: EnvoyFilter, data: &[u8], last: bool) {
+    // SAFETY: the data lives until the call returns.
+    unsafe { abi::envoy_dynamic_module_callback_http_send_response_data(filter, ModuleBuffer::of(data), last) }
 }
 
 /// The names of the connection's verified client certificate (its first DNS and URI SANs),

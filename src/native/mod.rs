@@ -8,8 +8,10 @@ mod abi;
 mod entry;
 mod filter;
 mod host;
+mod relay;
 mod slot;
 mod store;
+mod tails;
 mod wake;
 
 use crate::core::coalesce::engine::Engine;

@@ -4,18 +4,24 @@
 //! running hook is done (a callout's answer, a wake-up), or, for `destroy`, the filter is
 //! wound up and freed then. Nothing runs for a filter once Envoy destroyed it.
 
-use super::filter::Filter;
+use super::filter::{Filter, Part};
+use super::wake::TAIL;
 use std::cell::{Cell, RefCell, UnsafeCell};
 use std::collections::VecDeque;
+use std::rc::Rc;
 
 /// What came in while another hook of the filter ran.
 enum Later {
     Callout { id: u64, result: i32, headers: Vec<(String, String)>, body: Vec<u8> },
+    Stream(u64, Part),
     Scheduled(u64),
 }
 
 pub struct Slot {
     filter: UnsafeCell<Filter>,
+    /// The filter's client reads slower than it is sent to (above the write high
+    /// watermark): set from the watermark hooks, which may run inside a send.
+    pressure: Rc<Cell<bool>>,
     busy: Cell<bool>,
     later: RefCell<VecDeque<Later>>,
     /// Envoy destroyed the filter while a hook of it ran.
@@ -34,6 +40,7 @@ impl Drop for Busy<'_> {
 impl Slot {
     pub fn new(filter: Filter) -> Slot {
         Slot {
+            pressure: filter.pressure(),
             filter: UnsafeCell::new(filter),
             busy: Cell::new(false),
             later: RefCell::default(),
@@ -61,6 +68,7 @@ impl Slot {
             let next = self.later.borrow_mut().pop_front();
             match next {
                 Some(Later::Callout { id, result, headers, body }) => filter.on_callout_done(id, result, headers, body),
+                Some(Later::Stream(id, part)) => filter.on_stream(id, part),
                 Some(Later::Scheduled(event)) => filter.on_scheduled(event),
                 None => break,
             }
@@ -75,6 +83,24 @@ impl Slot {
             return;
         }
         self.with(|f| f.on_callout_done(id, result, headers, body));
+    }
+
+    /// A part of a streaming callout's answer, now or once the running hook is done.
+    pub fn stream(&self, id: u64, part: Part) {
+        if self.busy.get() {
+            self.later.borrow_mut().push_back(Later::Stream(id, part));
+            return;
+        }
+        self.with(|f| f.on_stream(id, part));
+    }
+
+    /// The client's write buffer went above its high watermark (`true`) or below its low
+    /// one; below, what waits to be sent goes on.
+    pub fn pressure(&self, above: bool) {
+        self.pressure.set(above);
+        if !above {
+            self.scheduled(TAIL);
+        }
     }
 
     /// A wake-up, now or once the running hook is done.

@@ -14,6 +14,8 @@ pub const WAKE: u64 = 1;
 pub const TIMER: u64 = 2;
 pub const RENEW: u64 = 3;
 pub const POLL: u64 = 4;
+/// A tail grew or ended, or began (for its flight's waiters), or a client reads again.
+pub const TAIL: u64 = 5;
 
 /// A filter's scheduler handle while the filter lives.
 pub struct Waker(Mutex<Option<Handle>>);
@@ -148,5 +150,17 @@ pub fn flight_ended(key: &str) {
     let woken = waiters().lock().unwrap_or_else(|p| p.into_inner()).remove(key).unwrap_or_default();
     for waker in woken.iter().filter_map(Weak::upgrade) {
         waker.wake(WAKE);
+    }
+}
+
+/// The flight of `key` streams live now: every filter that waits for it looks at its tail
+/// (and still waits for its end).
+pub fn tail_began(key: &str) {
+    let woken: Vec<Arc<Waker>> = match waiters().lock().unwrap_or_else(|p| p.into_inner()).get(key) {
+        Some(list) => list.iter().filter_map(Weak::upgrade).collect(),
+        None => Vec::new(),
+    };
+    for waker in woken {
+        waker.wake(TAIL);
     }
 }

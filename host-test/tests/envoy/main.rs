@@ -20,5 +20,6 @@ mod prometheus_e2e;
 mod semantic_e2e;
 mod store_e2e;
 mod stream_e2e;
+mod tail_e2e;
 mod tenants_e2e;
 mod trust_e2e;

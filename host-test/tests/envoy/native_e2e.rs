@@ -10,7 +10,7 @@ use host_test::stack::{count, prompt, streamed, Stack, PATH};
 const KEY: &str = "sk-operator";
 
 /// The mock (which takes only the operator's key) and Envoy with the native module.
-fn native(config: &str, latency_ms: u64) -> Stack {
+pub(crate) fn native(config: &str, latency_ms: u64) -> Stack {
     Stack::start_tuned(
         config,
         latency_ms,

@@ -8,6 +8,7 @@
 
 pub mod leader;
 pub mod look;
+pub mod tail;
 pub mod tee;
 
 use crate::core::api::headers;

@@ -35,7 +35,7 @@
 //! floor, alternating), component (the wasi:http component's followers), and baseline: the HIT and
 //! the MISS against another build of the plugin named by HOLYSHEEP_BASELINE_WASM, in its
 //! own Envoy), native (the native module against the plugin, `direct_response` and a plain
-//! proxy),
+//! proxy), tail (live tails: 100 followers of a streamed MISS, native module and plugin),
 //! BENCH_CROWD (default 1000 identical requests for the follower delay), BENCH_CROWD_ROUNDS
 //! (default 3 crowds for the plugin and as many for the floor, alternating), BENCH_PROFILE=1
 //! (`perf record` on Envoy during each Envoy row: CPU per request in the filter's wasm code,
@@ -98,6 +98,7 @@ fn main() -> std::io::Result<()> {
             "baseline" => rows::baseline::baseline_rows(&mut r, rounds, (conns, secs), &prompt("benchmark prompt"))?,
             "native" => rows::native::native_rows(&mut r, rounds, (conns, secs), &prompt("benchmark prompt"))?,
             "start" => rows::start::start_rows(&mut r, &mock, rounds, &prompt("benchmark prompt"))?,
+            "tail" => rows::tail::tail_rows(&mut r, rounds)?,
             "scan" => rows::scan::scan_rows(&mut r)?,
             "tracing" => {
                 rows::tracing::tracing_rows(&mut r, &mock, rounds, (conns, secs), &prompt("benchmark prompt"))?
@@ -156,6 +157,8 @@ fn main() -> std::io::Result<()> {
     rows::fleet::fleet_rows(&mut r, rounds, (conns, secs), &hit_prompt)?;
     rows::component::component_rows(&mut r, &component, &mock, component_hit)?;
     rows::start::start_rows(&mut r, &mock, rounds, &hit_prompt)?;
+    rows::native::native_rows(&mut r, rounds, (conns, secs), &hit_prompt)?;
+    rows::tail::tail_rows(&mut r, rounds)?;
     let dir = workspace_root().join("target/bench");
     r.write(&dir)?;
     println!("\nwritten: {}/results.md, results.json", dir.display());

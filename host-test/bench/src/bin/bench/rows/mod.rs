@@ -13,5 +13,6 @@ pub mod priority;
 pub mod scan;
 pub mod semantic;
 pub mod start;
+pub mod tail;
 pub mod tenants;
 pub mod tracing;

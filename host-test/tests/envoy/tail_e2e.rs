@@ -1,0 +1,112 @@
+//! Live tails on the native module: the followers of a streamed MISS get each event as the
+//! leader's own client does, whenever they join, while the mock holds the rest of the
+//! stream back. What each test shows is docs/native.md's "Live tails".
+
+use super::native_e2e::native;
+use host_test::client::Conn;
+use host_test::mock::Fault;
+use host_test::stack::{prompt, streamed, Stack, PATH};
+use serde_json::Value;
+use std::time::Duration;
+
+const ROLE: &str = "\"role\":\"assistant\"";
+const DONE: &str = "data: [DONE]";
+
+/// A client of the stream `body` that has sent its request.
+fn client(s: &Stack, body: &str) -> Conn {
+    let mut c = Conn::open(s.envoy.edge).and_then(|c| c.read_timeout(Duration::from_secs(20))).expect("connects");
+    c.send_only("POST", PATH, &[], body.as_bytes()).expect("sends");
+    c
+}
+
+/// The text the events of `raw` (a response read as it came) carry.
+fn content(raw: &str) -> String {
+    let data = raw.lines().filter_map(|l| l.strip_prefix("data: ")).filter(|d| d.starts_with('{'));
+    let events = data.filter_map(|d| serde_json::from_str::<Value>(d).ok());
+    events.filter_map(|v| v["choices"][0]["delta"]["content"].as_str().map(str::to_owned)).collect()
+}
+
+#[test]
+fn followers_get_each_event_as_the_leaders_client_does_whenever_they_join() {
+    let s = native("{}", 0);
+    // The answer's head comes after a second (followers that come meanwhile wait for it),
+    // and the stream stops after three events until the test releases it.
+    s.mock.mock.plan(vec![Fault { delay_ms: 1_000, hold_after_events: Some(3), ..Fault::default() }]);
+    let body = streamed(&prompt("native: a live tail"));
+    let mut leader = client(&s, &body);
+    s.await_calls(1);
+    let early: Vec<Conn> = (0..4).map(|_| client(&s, &body)).collect();
+    let head = leader.read_until(ROLE).expect("the leader's client gets the first event live");
+    assert!(head.contains("x-holysheep-cache: MISS"), "{head}");
+    // Joining mid-stream: what was sent, at once, then the rest live.
+    let late: Vec<Conn> = (0..4).map(|_| client(&s, &body)).collect();
+    let usage_body = body.replacen('{', r#"{"stream_options":{"include_usage":true},"#, 1);
+    let with_usage = client(&s, &usage_body);
+    let mut all = vec![(head, leader)];
+    for mut c in early.into_iter().chain(late).chain(std::iter::once(with_usage)) {
+        let head = c.read_until(ROLE).expect("a follower gets the first event while the rest is held");
+        assert!(head.contains("x-holysheep-cache: COALESCED"), "{head}");
+        assert!(head.contains("content-type: text/event-stream"), "{head}");
+        all.push((head, c));
+    }
+    // A follower that leaves costs the others nothing.
+    drop(all.remove(5));
+    s.mock.mock.release();
+    for (text, c) in all.iter_mut() {
+        text.push_str(&c.read_until(DONE).expect("the rest of the stream"));
+    }
+    let leaders = content(&all[0].0);
+    assert!(leaders.ends_with("to: native: a live tail"), "{leaders}");
+    for (text, _) in &all {
+        assert_eq!(content(text), leaders, "every follower reads the leader's answer");
+    }
+    let usage = |t: &str| t.contains("\"choices\":[]");
+    assert!(usage(&all[all.len() - 1].0), "the follower that asked gets the usage event");
+    assert!(all[..all.len() - 1].iter().all(|(t, _)| !usage(t)), "no usage event unless asked");
+    assert_eq!(s.calls(), 1, "one upstream call for the leader and its followers");
+    let hit = s.chat(&prompt("native: a live tail"), &[]);
+    assert_eq!((hit.status, hit.cache()), (200, "HIT"), "the finished stream was stored");
+    assert_eq!(s.crashes(), Vec::<String>::new());
+}
+
+#[test]
+fn when_the_leaders_client_leaves_its_followers_get_an_error_event_and_nothing_is_stored() {
+    let s = native("{}", 0);
+    s.mock.mock.plan(vec![Fault { hold_after_events: Some(3), ..Fault::default() }]);
+    let body = streamed(&prompt("native: the leader leaves its tail"));
+    let mut leader = client(&s, &body);
+    leader.read_until(ROLE).expect("the first event");
+    let mut followers: Vec<Conn> = (0..3).map(|_| client(&s, &body)).collect();
+    for f in &mut followers {
+        f.read_until(ROLE).expect("a follower began");
+    }
+    drop(leader);
+    for f in &mut followers {
+        let end = f.read_until("stream_cut").expect("the follower's stream ends with an error event");
+        assert!(!end.contains(DONE), "{end}");
+        f.read_past_last_chunk().expect("and then ends");
+    }
+    let again = s.chat(&body, &[]);
+    assert_eq!((again.status, again.cache()), (200, "MISS"), "nothing was stored of the cut stream");
+    assert_eq!(s.calls(), 2);
+    assert_eq!(s.crashes(), Vec::<String>::new());
+}
+
+#[test]
+fn a_stream_past_the_tails_bound_ends_its_followers_with_an_error_and_its_leader_whole() {
+    // Answers of at most 64 bytes kept: a tail holds 512 bytes of events.
+    let s = native(r#"{"cache":{"max_entry_bytes":64}}"#, 0);
+    s.mock.mock.plan(vec![Fault { hold_after_events: Some(1), ..Fault::default() }]);
+    let body = streamed(&prompt("native: an answer longer than the tail may hold"));
+    let mut leader = client(&s, &body);
+    leader.read_until(ROLE).expect("the first event");
+    let mut follower = client(&s, &body);
+    follower.read_until(ROLE).expect("the follower began");
+    s.mock.mock.release();
+    let rest = leader.read_until(DONE).expect("the leader's client gets all of it");
+    assert!(content(&rest).ends_with("may hold"), "{rest}");
+    let end = follower.read_until("stream_too_large").expect("the follower's stream ends with an error event");
+    assert!(!end.contains(DONE), "{end}");
+    assert_eq!(s.calls(), 1);
+    assert_eq!(s.crashes(), Vec::<String>::new());
+}

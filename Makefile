@@ -1,5 +1,5 @@
 # The two commands: `make run` (demo on the mock) and `make test` (everything CI runs).
-.PHONY: native walk sim otel-receiver shells-check size-check size-profile k8s-check oci rules-check run run-cluster run-tiers run-component test check imports-check fuzz-check bench profile floors soak stop setup clean wit-lock fuzz tenant-key docs-check
+.PHONY: native run-native walk sim otel-receiver shells-check size-check size-profile k8s-check oci rules-check run run-cluster run-tiers run-component test check imports-check fuzz-check bench profile floors soak stop setup clean wit-lock fuzz tenant-key docs-check
 
 # What the tests need (`make run` and the other demos install only what they use).
 setup:
@@ -7,6 +7,9 @@ setup:
 
 run:
 	envoy/run.sh
+
+run-native:
+	HOLYSHEEP_SHELL=native envoy/run.sh
 
 # The native Envoy module (docs/native.md): target/native/libholysheep_edge.so.
 native:

@@ -130,25 +130,6 @@ impl Options {
     }
 }
 
-/// `yaml` with its edge listener's plugin replaced by the native module, configured with
-/// `config` (the plugin's own configuration, as the module takes it).
-fn with_native_module(yaml: &str, config: &str) -> io::Result<String> {
-    let start = yaml.find("          - name: envoy.filters.http.wasm\n");
-    let end = yaml.find("          - name: envoy.filters.http.router\n");
-    let (Some(start), Some(end)) = (start, end) else {
-        return Err(io::Error::other("envoy/local.yaml.tmpl has no plugin before its router"));
-    };
-    let module = format!(
-        "          - name: envoy.filters.http.dynamic_modules\n            typed_config:\n              \
-         \"@type\": type.googleapis.com/envoy.extensions.filters.http.dynamic_modules.v3.DynamicModuleFilter\n              \
-         dynamic_module_config: {{name: holysheep_edge, do_not_close: true}}\n              \
-         filter_name: holysheep-edge\n              filter_config:\n                \
-         \"@type\": type.googleapis.com/google.protobuf.StringValue\n                value: '{}'\n",
-        config.replace('\'', "''")
-    );
-    Ok(format!("{}{module}{}", &yaml[..start], &yaml[end..]))
-}
-
 pub struct Envoy {
     child: Child,
     pub edge: SocketAddr,
@@ -417,7 +398,7 @@ impl Envoy {
                     return Err(io::Error::new(io::ErrorKind::NotFound, missing));
                 }
                 env.push(("ENVOY_DYNAMIC_MODULES_SEARCH_PATH", native_dir().display().to_string()));
-                with_native_module(&yaml, &opts.config)?
+                envoy_render::with_native_module(&yaml, &opts.config).map_err(io::Error::other)?
             }
         };
         Envoy::spawn(dir, &yaml, opts.concurrency, &env)

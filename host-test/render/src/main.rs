@@ -1,6 +1,7 @@
 //! `envoy-render local OUT [--config JSON] [--admin-port 9901] [--listen-port 10000]
 //! [--direct-port 10001] [--plain-port 10002] [--mock-port 18000] [--wasm PATH]
-//! [--direct-body PATH]`: `envoy/local.yaml.tmpl` for the demo.
+//! [--direct-body PATH] [--shell plugin|native]`: `envoy/local.yaml.tmpl` for the demo
+//! (`--shell native`: the native module in place of the plugin, docs/native.md).
 //! `envoy-render fleet OUT --admin-port P --public-port P --owner-port P --owner-ports P,P,...
 //! [--config JSON] [--mock-port 18000] [--wasm PATH] [--tls-dir DIR [--peer-san SAN]]`:
 //! `envoy/fleet.yaml.tmpl` for one node.
@@ -19,7 +20,7 @@ use std::path::{Path, PathBuf};
 fn usage() -> ! {
     eprintln!(
         "usage: envoy-render local OUT [--config JSON] [--admin-port N] [--listen-port N] [--direct-port N] \
-         [--plain-port N] [--mock-port N] [--wasm PATH] [--direct-body PATH]\n       \
+         [--plain-port N] [--mock-port N] [--wasm PATH] [--direct-body PATH] [--shell plugin|native]\n       \
          envoy-render fleet OUT --admin-port N --public-port N --owner-port N --owner-ports N,N,... \
          [--config JSON] [--mock-port N] [--wasm PATH] [--tls-dir DIR [--peer-san SAN]]\n       \
          envoy-render edge OUT --admin-port N --public-port N --owner-ports N,N,... [--config JSON] [--wasm PATH] \
@@ -82,6 +83,7 @@ fn main() {
         let path = Path::new("envoy").join(name);
         std::fs::read_to_string(&path).unwrap_or_else(|e| fail(format!("{}: {e}", path.display())))
     };
+    let config = flags.text("config", "{}");
     let rendered = match kind.as_str() {
         "local" => Local {
             admin_port: flags.port("admin-port", Some(9901)),
@@ -91,9 +93,15 @@ fn main() {
             mock_port: flags.port("mock-port", Some(18000)),
             wasm: flags.path("wasm", "target/plugin/holysheep_edge.wasm"),
             direct_body: flags.path("direct-body", ".run/direct.json"),
-            config: flags.text("config", "{}"),
+            config: config.clone(),
         }
-        .render(&template("local.yaml.tmpl")),
+        .render(&template("local.yaml.tmpl"))
+        .map_err(|e| e.to_string())
+        .and_then(|yaml| match flags.text("shell", "plugin").as_str() {
+            "plugin" => Ok(yaml),
+            "native" => envoy_render::with_native_module(&yaml, &config),
+            other => Err(format!("--shell {other}: plugin or native")),
+        }),
         "fleet" => FleetNode {
             admin_port: flags.port("admin-port", None),
             public_port: flags.port("public-port", None),
@@ -105,7 +113,8 @@ fn main() {
             tls: flags.tls(),
             forward: None,
         }
-        .render(&template("fleet.yaml.tmpl")),
+        .render(&template("fleet.yaml.tmpl"))
+        .map_err(|e| e.to_string()),
         "edge" => EdgeNode {
             admin_port: flags.port("admin-port", None),
             public_port: flags.port("public-port", None),
@@ -114,7 +123,8 @@ fn main() {
             config: flags.text("config", "{}"),
             tls: flags.tls(),
         }
-        .render(&template("edge.yaml.tmpl")),
+        .render(&template("edge.yaml.tmpl"))
+        .map_err(|e| e.to_string()),
         _ => usage(),
     };
     let yaml = rendered.unwrap_or_else(|e| fail(e));

@@ -15,6 +15,7 @@ const FOLLOWERS: usize = 100;
 const EVENTS: usize = 50;
 /// Between two events of the mock's stream.
 const EVENT_GAP_MS: u64 = 10;
+const DONE: &[u8] = b"data: [DONE]\n\n";
 
 /// The rows (`BENCH_ONLY=tail`).
 pub fn tail_rows(r: &mut Report, rounds: usize) -> std::io::Result<()> {
@@ -37,12 +38,20 @@ pub fn tail_rows(r: &mut Report, rounds: usize) -> std::io::Result<()> {
                 return Err(std::io::Error::other(format!("{name}: the crowd made more than one call")));
             }
             let (leader, followers) = clients.split_first().ok_or_else(|| std::io::Error::other("no leader"))?;
-            if leader.len() != EVENTS || followers.iter().any(|f| f.len() != EVENTS) {
-                return Err(std::io::Error::other(format!("{name}: a client did not get {EVENTS} events")));
+            if leader.len() != EVENTS {
+                return Err(std::io::Error::other(format!(
+                    "{name}: the leader got {} events, not {EVENTS}",
+                    leader.len()
+                )));
             }
-            for i in 0..EVENTS {
-                let mut chunk: Vec<u64> =
-                    followers.iter().map(|f| f[i].saturating_duration_since(leader[i]).as_micros() as u64).collect();
+            // A follower has the leader's event once it has as much of the answer: the
+            // plugin's followers get the answer in other pieces.
+            for &(content, first) in leader {
+                let mut chunk = Vec::with_capacity(followers.len());
+                for f in followers {
+                    let at = had(f, content).ok_or_else(|| std::io::Error::other("a follower's answer is short"))?;
+                    chunk.push(at.saturating_duration_since(first).as_micros() as u64);
+                }
                 chunk.sort_unstable();
                 worst_chunk_p99 = worst_chunk_p99.max(percentile(&chunk, 99));
                 lags.extend(chunk);
@@ -80,8 +89,8 @@ fn body(tag: &str) -> String {
 }
 
 /// The leader, then `FOLLOWERS` more once its call is out, all from one thread (101 client
-/// threads would fight the edge for the cores): when each client read each event.
-fn stream_crowd(addr: SocketAddr, mock: &Running, body: &str) -> Vec<Vec<Instant>> {
+/// threads would fight the edge for the cores): each client's events as they arrived.
+fn stream_crowd(addr: SocketAddr, mock: &Running, body: &str) -> Vec<Vec<(usize, Instant)>> {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let request = format!(
         "POST {PATH} HTTP/1.1\r\nhost: edge\r\nauthorization: Bearer bench\r\ncontent-length: {}\r\n\r\n{body}",
@@ -91,22 +100,18 @@ fn stream_crowd(addr: SocketAddr, mock: &Running, body: &str) -> Vec<Vec<Instant
     runtime.block_on(async {
         let read = |mut c: tokio::net::TcpStream| async move {
             let mut got = Vec::new();
-            let mut seen = Vec::new();
-            let (mut scanned, mut ended) = (0, 0);
+            // When each read came, and how many bytes there were then.
+            let mut reads = Vec::new();
             let mut buf = [0u8; 8192];
             loop {
                 let n = c.read(&mut buf).await.expect("the answer");
                 assert!(n > 0, "the edge closed before the stream's end");
-                let at = Instant::now();
+                let from = got.len().saturating_sub(DONE.len());
                 got.extend_from_slice(&buf[..n]);
-                // Each event ends with a blank line (the chunk framing uses CRLF).
-                ended += got[scanned..].windows(2).filter(|w| w == b"\n\n").count();
-                scanned = got.len().saturating_sub(1);
-                seen.resize(ended, at);
-                if got.ends_with(b"0\r\n\r\n") {
-                    // Without `[DONE]`.
-                    seen.truncate(ended.saturating_sub(1));
-                    return seen;
+                reads.push((got.len(), Instant::now()));
+                // `[DONE]` ends the stream (the plugin's followers get a whole local reply).
+                if got[from..].windows(DONE.len()).any(|w| w == DONE) {
+                    return arrivals(&got, &reads);
                 }
             }
         };
@@ -131,4 +136,27 @@ fn stream_crowd(addr: SocketAddr, mock: &Running, body: &str) -> Vec<Vec<Instant
         }
         all
     })
+}
+
+/// Each event of a stream read as `got` (whose reads came as `reads`): the content its
+/// client had once it arrived (characters), and when.
+fn arrivals(got: &[u8], reads: &[(usize, Instant)]) -> Vec<(usize, Instant)> {
+    let text = String::from_utf8_lossy(got);
+    let mut out = Vec::new();
+    let mut content = 0;
+    let mut at = 0;
+    while let Some(start) = text[at..].find("data: {").map(|i| at + i) {
+        let Some(end) = text[start..].find("\n\n").map(|i| start + i + 2) else { break };
+        let event: serde_json::Value = serde_json::from_str(&text[start + 6..end - 2]).unwrap_or_default();
+        content += event["choices"][0]["delta"]["content"].as_str().map_or(0, |c| c.chars().count());
+        let arrived = reads.iter().find(|(len, _)| *len >= end).map(|(_, t)| *t);
+        out.extend(arrived.map(|t| (content, t)));
+        at = end;
+    }
+    out
+}
+
+/// When `client` first had at least `content` characters.
+fn had(client: &[(usize, Instant)], content: usize) -> Option<Instant> {
+    client.iter().find(|(c, _)| *c >= content).map(|(_, t)| *t)
 }

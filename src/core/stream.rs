@@ -86,6 +86,12 @@ impl Reassembler {
         }
     }
 
+    /// Reading only to pass the events on and learn the usage: no answer is assembled (a
+    /// follower of a live tail, whose leader assembles it).
+    pub fn passing(self) -> Reassembler {
+        Reassembler { assemble: false, ..self }
+    }
+
     /// With the response id of every event signed by `signer` (a verified tenant's
     /// Responses stream; the events' lengths change).
     pub fn signing(self, signer: Option<Signer>) -> Reassembler {

@@ -42,6 +42,19 @@ fn release(ptr: *const c_void) {
     }
 }
 
+/// A hook of the filter's slot that answers Envoy nothing: `f` under `guard`, then the
+/// slot freed if Envoy destroyed its filter meanwhile (also after a panic, so that the
+/// filter is wound up and dropped, its tail ended and its wake-ups closed).
+fn slot_hook(ptr: *const c_void, f: impl FnOnce(&Slot)) {
+    guard((), || {
+        // SAFETY: see `slot`.
+        if let Some(s) = unsafe { slot(ptr) } {
+            f(s);
+        }
+    });
+    release(ptr);
+}
+
 /// A request hook: the filter's status, or, when it panics, a 500 for the request (which
 /// then goes no further).
 fn request_hook(envoy: EnvoyFilter, ptr: *const c_void, f: impl FnOnce(&mut Filter) -> i32) -> i32 {
@@ -176,7 +189,7 @@ pub extern "C" fn envoy_dynamic_module_on_http_filter_http_callout_done(
     chunks: *const EnvoyBuffer,
     chunks_len: usize,
 ) {
-    guard((), || {
+    slot_hook(ptr, |s| {
         // SAFETY: Envoy's arrays of `*_len` entries, valid during this hook (copied here).
         let headers = match headers.is_null() {
             true => Vec::new(),
@@ -188,23 +201,13 @@ pub extern "C" fn envoy_dynamic_module_on_http_filter_http_callout_done(
                 body.extend_from_slice(&chunk.to_vec());
             }
         }
-        // SAFETY: see `slot`.
-        if let Some(s) = unsafe { slot(ptr) } {
-            s.callout_done(id, result, headers, body);
-        }
-        release(ptr);
+        s.callout_done(id, result, headers, body);
     })
 }
 
 /// Hands a part of a streaming callout's answer to its filter.
 fn stream_part(ptr: *const c_void, id: u64, part: impl FnOnce() -> Part) {
-    guard((), || {
-        // SAFETY: see `slot`.
-        if let Some(s) = unsafe { slot(ptr) } {
-            s.stream(id, part());
-        }
-        release(ptr);
-    })
+    slot_hook(ptr, |s| s.stream(id, part()))
 }
 
 #[no_mangle]
@@ -281,25 +284,13 @@ pub extern "C" fn envoy_dynamic_module_on_http_filter_http_stream_reset(
 
 #[no_mangle]
 pub extern "C" fn envoy_dynamic_module_on_http_filter_scheduled(_envoy: EnvoyFilter, ptr: *const c_void, event: u64) {
-    guard((), || {
-        // SAFETY: see `slot`.
-        if let Some(s) = unsafe { slot(ptr) } {
-            s.scheduled(event);
-        }
-        release(ptr);
-    })
+    slot_hook(ptr, |s| s.scheduled(event))
 }
 
 /// Hands a watermark of the client's write buffer to the filter's slot (it may come from
 /// inside a send of the filter's own).
 fn pressure(ptr: *const c_void, above: bool) {
-    guard((), || {
-        // SAFETY: see `slot`.
-        if let Some(s) = unsafe { slot(ptr) } {
-            s.pressure(above);
-        }
-        release(ptr);
-    })
+    slot_hook(ptr, |s| s.pressure(above))
 }
 
 #[no_mangle]

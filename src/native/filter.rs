@@ -66,7 +66,10 @@ enum Stage {
         outbound: Rc<Outbound>,
     },
     /// Following a streaming leader's tail live, as a waiter of its flight.
-    Tailing(Box<Following>),
+    Tailing {
+        following: Box<Following>,
+        wait: Wait,
+    },
     /// Leading a flight: what is out for it (a callout's id, or a sleep).
     Leading {
         leader: Box<Leader>,
@@ -219,11 +222,9 @@ impl Filter {
                 if self.follow(&wait, &outbound) {
                     return;
                 }
-                // A look at the tick besides (one at a time): a leader may be gone without
-                // ending its flight, and the wait has a deadline.
-                if !std::mem::replace(&mut self.polling, true) {
-                    wake::after(wake::now_ms().saturating_add(self.shared.config.tick_ms()), &waker, POLL);
-                }
+                // A look at the tick besides: a leader may be gone without ending its
+                // flight, and the wait has a deadline.
+                self.look_later();
                 self.stage = Stage::Waiting { wait, outbound };
             }
         }
@@ -347,7 +348,7 @@ impl Filter {
             }
             Part::Data(bytes, end) => {
                 if let Some(answer) = answer {
-                    answer.pass(envoy, bytes);
+                    answer.pass(envoy, bytes, self.pressure.get());
                 }
                 end.then_some(true)
             }
@@ -383,21 +384,31 @@ impl Filter {
         if !Log::shares(outbound) {
             return false;
         }
-        let Some(tail) = tails::find(wait.key.hex()) else { return false };
+        let Some(tail) = tails::follow(wait.key.hex(), wait.nonce, &self.waker()) else { return false };
         let config = &self.shared.config;
         let extra = outbound.answer_headers(&ProcessStore, config, true, wake::now_ms);
-        let reader = Reader::new(config, outbound);
-        let following = Following::begin(self.envoy, tail, &self.waker(), reader, extra);
-        self.stage = Stage::Tailing(Box::new(following));
-        self.pump();
+        let following = Following::begin(self.envoy, tail, Reader::new(config, outbound), extra);
+        self.stage = Stage::Tailing { following: Box::new(following), wait: wait.clone() };
+        self.look_later();
+        self.pump(false);
         true
     }
 
-    /// A follower sends its client what its tail holds (unless its client is behind).
-    fn pump(&mut self) {
-        let Stage::Tailing(following) = &mut self.stage else { return };
-        if !self.pressure.get() && following.pump(self.envoy) {
+    /// A follower sends its client what its tail holds (unless its client is behind), or
+    /// ends it cut (`cut`: its leader is gone).
+    fn pump(&mut self, cut: bool) {
+        let Stage::Tailing { following, .. } = &mut self.stage else { return };
+        if !self.pressure.get() && following.pump(self.envoy, cut) {
             self.stage = Stage::Done;
+        }
+    }
+
+    /// A look at the tick (one at a time): a waiter's at its flight, a follower's at its
+    /// leader.
+    fn look_later(&mut self) {
+        if !std::mem::replace(&mut self.polling, true) {
+            let waker = self.waker();
+            wake::after(wake::now_ms().saturating_add(self.shared.config.tick_ms()), &waker, POLL);
         }
     }
 
@@ -411,9 +422,16 @@ impl Filter {
                 let outbound = outbound.clone();
                 self.run(step, outbound);
             }
-            (Stage::Tailing(_), TAIL | WAKE | POLL) => {
-                self.polling &= event != POLL;
-                self.pump();
+            (Stage::Tailing { .. }, TAIL | WAKE) => self.pump(false),
+            // A follower whose leader is gone without ending its tail (its lease lapsed)
+            // ends it cut; otherwise it looks again at the next tick.
+            (Stage::Tailing { wait, .. }, POLL) => {
+                self.polling = false;
+                let gone = !engine.stands(wait, now);
+                self.pump(gone);
+                if matches!(self.stage, Stage::Tailing { .. }) {
+                    self.look_later();
+                }
             }
             (Stage::Waiting { wait, outbound }, TAIL) => {
                 let (wait, outbound) = (wait.clone(), outbound.clone());
@@ -461,6 +479,15 @@ impl Filter {
             Out::Sleep => StreamEnd::never_sent(),
         };
         ended(leader.on_stream_end(&engine, end, now).wake);
+    }
+}
+
+impl Drop for Filter {
+    /// Its wake-ups end with it, also when it was never wound up (a hook that panicked).
+    fn drop(&mut self) {
+        if let Some(waker) = self.waker.take() {
+            waker.close();
+        }
     }
 }
 

@@ -2,6 +2,9 @@
 //! leader's own client as it arrives, rewritten as the core says (`StreamLabel::relayed`),
 //! and, untouched, to the flight's live tail for its followers; anything else is gathered
 //! whole and read like a one-shot callout's answer (a retry or a failover may follow).
+//! The call does not wait for its client: a client that falls behind by more than a
+//! tail's bound (`Log::limit`) while Envoy holds more than its buffer for it is sent an
+//! error event and nothing more, and the call goes on for the cache and the followers.
 
 use super::abi::EnvoyFilter;
 use super::host;
@@ -31,6 +34,10 @@ pub struct Live {
     events: Events,
     hints: ProviderHints,
     tail: Option<Publisher>,
+    /// Bytes sent to the client since Envoy last held less than its buffer for it, and the
+    /// most it may fall behind; `None` once it fell further (it is sent nothing more).
+    behind: Option<usize>,
+    limit: usize,
 }
 
 impl Answer {
@@ -46,16 +53,17 @@ impl Answer {
         let mut sent = vec![(":status".to_owned(), "200".to_owned())];
         sent.extend(head);
         host::send_head(envoy, &sent);
-        let shared = leader.call().lease.is_some() && Log::shares(&leader.outbound);
-        let tail = shared.then(|| Publisher::open(&label.key, Log::new(config, &label))).flatten();
+        let nonce = leader.call().lease.as_ref().map(|l| l.nonce).filter(|_| Log::shares(&leader.outbound));
+        let tail = nonce.and_then(|n| Publisher::open(config, &label.key, Log::new(config, &label, n)));
         if tail.is_some() {
             wake::tail_began(&label.key);
         }
-        Answer::Live(Box::new(Live { events, hints, tail }))
+        Answer::Live(Box::new(Live { events, hints, tail, behind: Some(0), limit: Log::limit(config) }))
     }
 
-    /// The next part of its body.
-    pub fn pass(&mut self, envoy: EnvoyFilter, chunk: Vec<u8>) {
+    /// The next part of its body (`pressure`: Envoy holds more than its buffer for the
+    /// client).
+    pub fn pass(&mut self, envoy: EnvoyFilter, chunk: Vec<u8>, pressure: bool) {
         match self {
             Answer::Whole { body, .. } => {
                 let room = WHOLE_BODY_LIMIT.saturating_sub(body.len());
@@ -66,7 +74,12 @@ impl Answer {
                     tail.push(&chunk);
                 }
                 let out = live.events.pass(&chunk, false).unwrap_or(chunk);
-                if !out.is_empty() {
+                let Some(behind) = live.behind.as_mut() else { return };
+                *behind = if pressure { behind.saturating_add(out.len()) } else { 0 };
+                if *behind > live.limit {
+                    live.behind = None;
+                    host::send_data(envoy, &cut_event(), true);
+                } else if !out.is_empty() {
                     host::send_data(envoy, &out, false);
                 }
             }
@@ -86,7 +99,7 @@ impl Live {
         leader: &mut Leader,
         complete: bool,
     ) -> Over {
-        let Live { mut events, hints, tail } = *self;
+        let Live { mut events, hints, tail, behind, .. } = *self;
         let last = match complete {
             true => events.pass(&[], true).unwrap_or_default(),
             false => cut_event(),
@@ -96,7 +109,9 @@ impl Live {
         if let Some(tail) = tail {
             tail.end(complete);
         }
-        host::send_data(envoy, &last, true);
+        if behind.is_some() {
+            host::send_data(envoy, &last, true);
+        }
         over
     }
 

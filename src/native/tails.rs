@@ -3,22 +3,38 @@
 //! its tail as a `Publisher`, which ends it as cut if dropped unended (the leader's filter
 //! gone, or a panic), so that no follower waits on a tail nobody writes. A follower holds
 //! the tail it reads until its own stream ends; one that leaves is dropped at the next
-//! write. The leader wakes a follower at most once per read it has not made yet.
+//! write. The leader wakes a follower at most once per read it has not made yet. All tails
+//! together hold at most `TAILS_PER_LIMIT` times one tail's bound: past that, a leader's
+//! tail overflows and its followers that have not begun get the whole answer at its end.
 
 use super::abi::EnvoyFilter;
 use super::host;
 use super::wake::{Waker, TAIL};
+use crate::core::config::Config;
 use crate::core::flight::tail::{Log, Read, Reader, TailEnd};
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock, Weak};
 
 /// Tails live at once, past which a new stream is not shared live (its followers get its
 /// whole answer at its end instead).
 const MAX_TAILS: usize = 1024;
+/// Bytes all tails hold together, in bounds of one tail (`Log::limit`).
+const TAILS_PER_LIMIT: usize = 32;
+
+/// Bytes all tails hold now.
+static HELD: AtomicUsize = AtomicUsize::new(0);
 
 pub struct Tail {
     state: Mutex<State>,
+}
+
+impl Drop for Tail {
+    /// Its bytes are the process's again.
+    fn drop(&mut self) {
+        let bytes = lock(&self.state).log.bytes();
+        HELD.fetch_sub(bytes, Ordering::AcqRel);
+    }
 }
 
 struct State {
@@ -40,27 +56,28 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
-/// The live tail of the flight of `key`, when a follower may begin on it.
-pub fn find(key: &str) -> Option<Arc<Tail>> {
+/// `waker`'s filter begins following the live tail of the flight of `key` whose lease is
+/// `nonce`, if there is one it may begin on (`Log::joinable`, checked as it joins): the
+/// tail, and the flag set while a wake-up (`TAIL`, when it grows or ends) is on its way.
+pub fn follow(key: &str, nonce: u64, waker: &Arc<Waker>) -> Option<(Arc<Tail>, Arc<AtomicBool>)> {
     let tail = lock(tails()).get(key).cloned()?;
-    let joinable = lock(&tail.state).log.joinable();
-    joinable.then_some(tail)
+    let due = Arc::new(AtomicBool::new(false));
+    {
+        let mut state = lock(&tail.state);
+        if !state.log.joinable(nonce) {
+            return None;
+        }
+        state.followers.push(Follower { waker: Arc::downgrade(waker), due: due.clone() });
+    }
+    Some((tail, due))
 }
 
 impl Tail {
-    /// `waker`'s filter follows the tail: woken with `TAIL` when it grows or ends. Its
-    /// `due` flag is set while such a wake-up is on its way.
-    pub fn follow(&self, waker: &Arc<Waker>) -> Arc<AtomicBool> {
-        let due = Arc::new(AtomicBool::new(false));
-        lock(&self.state).followers.push(Follower { waker: Arc::downgrade(waker), due: due.clone() });
-        due
-    }
-
-    /// What was written from `at` on (copied), and the end if it came.
-    pub fn since(&self, at: usize) -> (Vec<u8>, Option<TailEnd>) {
+    /// The chunks from the `at`th on (shared, not copied), and the end if it came.
+    pub fn since(&self, at: usize) -> (Vec<Arc<[u8]>>, Option<TailEnd>) {
         let state = lock(&self.state);
-        let (bytes, end) = state.log.since(at);
-        (bytes.to_vec(), end)
+        let (chunks, end) = state.log.since(at);
+        (chunks.to_vec(), end)
     }
 
     /// The head a follower's client gets (see `Log::head`).
@@ -91,25 +108,37 @@ impl Tail {
 pub struct Publisher {
     key: String,
     tail: Arc<Tail>,
+    /// Bytes all tails may hold together.
+    room: usize,
     ended: bool,
 }
 
 impl Publisher {
     /// Opens the tail of the flight of `key` (in place of an ended one); `None` when as many
     /// tails as allowed are live.
-    pub fn open(key: &str, log: Log) -> Option<Publisher> {
+    pub fn open(config: &Config, key: &str, log: Log) -> Option<Publisher> {
         let tail = Arc::new(Tail { state: Mutex::new(State { log, followers: Vec::new() }) });
         let mut all = lock(tails());
         if all.len() >= MAX_TAILS && !all.contains_key(key) {
             return None;
         }
         all.insert(key.to_owned(), tail.clone());
-        Some(Publisher { key: key.to_owned(), tail, ended: false })
+        let room = Log::limit(config).saturating_mul(TAILS_PER_LIMIT);
+        Some(Publisher { key: key.to_owned(), tail, room, ended: false })
     }
 
-    /// HolySheep's next chunk, as it came.
+    /// HolySheep's next chunk, as it came; past the room all tails share, the tail
+    /// overflows.
     pub fn push(&self, chunk: &[u8]) {
-        self.tail.write(|log| log.push(chunk));
+        let room = self.room;
+        self.tail.write(|log| {
+            let held = HELD.fetch_add(chunk.len(), Ordering::AcqRel).saturating_add(chunk.len());
+            let took = if held > room { 0 } else { log.push(chunk) };
+            HELD.fetch_sub(chunk.len() - took, Ordering::AcqRel);
+            if took == 0 && !chunk.is_empty() {
+                log.overflow();
+            }
+        });
     }
 
     /// The stream ended (`complete`: its last byte came).
@@ -144,24 +173,24 @@ pub struct Following {
 }
 
 impl Following {
-    /// Begins: the client gets its head (a COALESCED 200 of events, `extra` beside), then
-    /// what the tail holds so far.
+    /// Begins on `tail` (see `follow`): the client gets its head (a COALESCED 200 of
+    /// events, `extra` beside), then what the tail holds so far.
     pub fn begin(
         envoy: EnvoyFilter,
-        tail: Arc<Tail>,
-        waker: &Arc<Waker>,
+        (tail, due): (Arc<Tail>, Arc<AtomicBool>),
         reader: Reader,
         extra: Vec<(&'static str, String)>,
     ) -> Following {
-        let due = tail.follow(waker);
         host::send_head(envoy, &tail.head(extra));
         Following { tail, due, reader }
     }
 
-    /// Sends the client what the tail holds past what it has; `true` once its stream ended.
-    pub fn pump(&mut self, envoy: EnvoyFilter) -> bool {
+    /// Sends the client what the tail holds past what it has (`cut`: its leader is gone
+    /// without ending it, so it ends cut here); `true` once its stream ended.
+    pub fn pump(&mut self, envoy: EnvoyFilter, cut: bool) -> bool {
         self.due.store(false, Ordering::Release);
         let (new, end) = self.tail.since(self.reader.at());
+        let end = end.or(cut.then_some(TailEnd::Cut));
         let Read { bytes, last } = self.reader.read(&new, end);
         if !bytes.is_empty() || last {
             host::send_data(envoy, &bytes, last);

@@ -264,6 +264,26 @@ fn placeholder(text: &str) -> Option<&str> {
     (end > 1 && text[end..].starts_with('@')).then(|| &text[..=end])
 }
 
+/// `yaml` (a rendered `local.yaml.tmpl`) with its edge listener's plugin replaced by the
+/// native module (docs/native.md), configured with `config`: the plugin's own
+/// configuration, as the module takes it.
+pub fn with_native_module(yaml: &str, config: &str) -> Result<String, String> {
+    let start = yaml.find("          - name: envoy.filters.http.wasm\n");
+    let end = yaml.find("          - name: envoy.filters.http.router\n");
+    let (Some(start), Some(end)) = (start, end) else {
+        return Err("envoy/local.yaml.tmpl has no plugin before its router".to_owned());
+    };
+    let module = format!(
+        "          - name: envoy.filters.http.dynamic_modules\n            typed_config:\n              \
+         \"@type\": type.googleapis.com/envoy.extensions.filters.http.dynamic_modules.v3.DynamicModuleFilter\n              \
+         dynamic_module_config: {{name: holysheep_edge, do_not_close: true}}\n              \
+         filter_name: holysheep-edge\n              filter_config:\n                \
+         \"@type\": type.googleapis.com/google.protobuf.StringValue\n                value: '{}'\n",
+        config.replace('\'', "''")
+    );
+    Ok(format!("{}{module}{}", &yaml[..start], &yaml[end..]))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -346,24 +366,4 @@ mod tests {
         );
         assert_eq!(node.render("@OWNER_PORT@"), Err(Unfilled("@OWNER_PORT@".into())));
     }
-}
-
-/// `yaml` (a rendered `local.yaml.tmpl`) with its edge listener's plugin replaced by the
-/// native module (docs/native.md), configured with `config`: the plugin's own
-/// configuration, as the module takes it.
-pub fn with_native_module(yaml: &str, config: &str) -> Result<String, String> {
-    let start = yaml.find("          - name: envoy.filters.http.wasm\n");
-    let end = yaml.find("          - name: envoy.filters.http.router\n");
-    let (Some(start), Some(end)) = (start, end) else {
-        return Err("envoy/local.yaml.tmpl has no plugin before its router".to_owned());
-    };
-    let module = format!(
-        "          - name: envoy.filters.http.dynamic_modules\n            typed_config:\n              \
-         \"@type\": type.googleapis.com/envoy.extensions.filters.http.dynamic_modules.v3.DynamicModuleFilter\n              \
-         dynamic_module_config: {{name: holysheep_edge, do_not_close: true}}\n              \
-         filter_name: holysheep-edge\n              filter_config:\n                \
-         \"@type\": type.googleapis.com/google.protobuf.StringValue\n                value: '{}'\n",
-        config.replace('\'', "''")
-    );
-    Ok(format!("{}{module}{}", &yaml[..start], &yaml[end..]))
 }

@@ -107,6 +107,30 @@ fn a_stream_past_the_tails_bound_ends_its_followers_with_an_error_and_its_leader
     assert!(content(&rest).ends_with("may hold"), "{rest}");
     let end = follower.read_until("stream_too_large").expect("the follower's stream ends with an error event");
     assert!(!end.contains(DONE), "{end}");
+    follower.read_past_last_chunk().expect("and then ends");
     assert_eq!(s.calls(), 1);
+    assert_eq!(s.crashes(), Vec::<String>::new());
+}
+
+#[test]
+fn an_upstream_reset_mid_stream_ends_the_leader_and_its_followers_with_an_error_event() {
+    let s = native("{}", 0);
+    s.mock.mock.plan(vec![Fault { hold_after_events: Some(2), cut_after_events: Some(4), ..Fault::default() }]);
+    let body = streamed(&prompt("native: HolySheep cuts the stream"));
+    let mut leader = client(&s, &body);
+    leader.read_until(ROLE).expect("the first event");
+    let mut followers: Vec<Conn> = (0..3).map(|_| client(&s, &body)).collect();
+    for f in &mut followers {
+        f.read_until(ROLE).expect("a follower began");
+    }
+    s.mock.mock.release();
+    for c in std::iter::once(&mut leader).chain(followers.iter_mut()) {
+        let end = c.read_until("stream_cut").expect("every stream ends with an error event");
+        assert!(!end.contains(DONE), "{end}");
+        c.read_past_last_chunk().expect("and then ends");
+    }
+    let again = s.chat(&body, &[]);
+    assert_eq!((again.status, again.cache()), (200, "MISS"), "nothing was stored of the cut stream");
+    assert_eq!(s.calls(), 2);
     assert_eq!(s.crashes(), Vec::<String>::new());
 }

@@ -359,6 +359,19 @@ impl<S: CasStore> Engine<'_, S> {
         Some(Ended { reply, watched, evicted: false })
     }
 
+    /// Whether the flight `wait` is for still stands: its leader holds its lease (renewed,
+    /// not expired), or it ended with an answer. Read only (a waiter that follows a live
+    /// tail asks this to learn whether its leader is gone without ending the tail). A store
+    /// that cannot say counts as standing.
+    pub fn stands(&self, wait: &Wait, now_ms: u64) -> bool {
+        match lease::read(self.store, &wait.slot).map(|(s, _)| s) {
+            Ok(State::Leading { nonce, expires_ms, .. }) => nonce == wait.nonce && expires_ms > now_ms,
+            Ok(State::Done { nonce, .. }) => nonce == wait.nonce,
+            Ok(State::Free) => false,
+            Err(_) => true,
+        }
+    }
+
     /// The call ended without an answer worth sharing (a stream cut off): its waiters look
     /// again, and one of them leads a new flight.
     /// Returns whether anyone waited on it (their workers must be woken).
@@ -754,6 +767,23 @@ mod tests {
         let waiter = Engine { store: &racing, config: &config };
         let r = expect_reply(waiter.admit(&k(6), READ, 1_005, 2));
         assert_eq!((r.response.status, r.cache), (503, Some(CacheStatus::Coalesced)), "no second flight");
+    }
+
+    #[test]
+    fn a_flight_stands_while_its_leader_holds_the_lease_or_once_it_answered() {
+        let (store, config) = (MemStore::new(), Config::default());
+        let e = Engine { store: &store, config: &config };
+        let leader = expect_call(e.admit(&k(8), READ, 1_000, 1));
+        let wait = expect_wait(e.admit(&k(8), READ, 1_001, 2));
+        assert!(e.stands(&wait, 1_002));
+        let expiry = 1_000 + config.lock.lease_ms;
+        assert!(!e.stands(&wait, expiry + 1), "a leader that stopped renewing is gone");
+        e.finish_flight(&leader, ok("{}"), 1_003);
+        assert!(e.stands(&wait, expiry + 1), "an answered flight stands");
+        let again = expect_call(e.admit(&k(9), READ, 2_000, 3));
+        let waiting = expect_wait(e.admit(&k(9), READ, 2_001, 4));
+        e.abandon(&again, 2_002);
+        assert!(!e.stands(&waiting, 2_003), "a flight given up");
     }
 
     #[test]

@@ -5,7 +5,9 @@
 //! the first byte, then live. The log is bounded: past its bound it takes no more, a
 //! follower that has begun gets a clean error event where it stops, and one that has not
 //! waits for the flight's whole answer instead. The leader never waits for a follower:
-//! what a follower has not read yet is the log's, shared, not a queue of its own.
+//! what a follower has not read yet is the log's, shared, not a queue of its own. The log
+//! keeps HolySheep's chunks as they came, each shared (`Arc`), so that a follower takes
+//! what it has not read without copying it where the leader writes.
 
 use super::tee::{Events, StreamLabel};
 use crate::core::api::error::ApiError;
@@ -14,6 +16,7 @@ use crate::core::api::reply::{stream_head, CacheStatus};
 use crate::core::config::Config;
 use crate::core::stream::Reassembler;
 use crate::core::upstream::Outbound;
+use std::sync::Arc;
 
 /// How many bytes of events a log holds for each byte of the largest answer kept: events
 /// carry several times the bytes of the answer they assemble into.
@@ -33,27 +36,39 @@ pub enum TailEnd {
 /// A leader's events as they came, for its followers.
 #[derive(Debug)]
 pub struct Log {
+    /// The flight's lease (its nonce): a follower joins only the tail of the flight it
+    /// waits for.
+    nonce: u64,
     key: String,
     model: String,
     tenant: Option<String>,
     fresh_s: Option<u64>,
-    bytes: Vec<u8>,
+    chunks: Vec<Arc<[u8]>>,
+    bytes: usize,
     limit: usize,
     end: Option<TailEnd>,
 }
 
 impl Log {
-    /// The log of the stream `label` describes, bounded by the configured largest answer.
-    pub fn new(config: &Config, label: &StreamLabel) -> Log {
+    /// The log of the stream `label` describes, for the flight whose lease is `nonce`,
+    /// bounded by the configured largest answer (`Log::limit`).
+    pub fn new(config: &Config, label: &StreamLabel, nonce: u64) -> Log {
         Log {
+            nonce,
             key: label.key.clone(),
             model: label.model.clone(),
             tenant: label.tenant.clone(),
             fresh_s: label.fresh_s,
-            bytes: Vec::new(),
-            limit: config.cache.max_entry_bytes.saturating_mul(EVENT_BYTES_PER_ANSWER_BYTE),
+            chunks: Vec::new(),
+            bytes: 0,
+            limit: Log::limit(config),
             end: None,
         }
+    }
+
+    /// The most bytes of events one log holds.
+    pub fn limit(config: &Config) -> usize {
+        config.cache.max_entry_bytes.saturating_mul(EVENT_BYTES_PER_ANSWER_BYTE)
     }
 
     /// Whether a stream of this request is shared live with its flight's followers: a
@@ -62,17 +77,24 @@ impl Log {
         outbound.stream && outbound.endpoint.streams_shared()
     }
 
-    /// Appends a chunk as HolySheep sent it; past the bound, the log ends `Overflowed`
-    /// and takes nothing more.
-    pub fn push(&mut self, chunk: &[u8]) {
-        if self.end.is_some() {
-            return;
+    /// Appends a chunk as HolySheep sent it, or, past the bound, ends `Overflowed` and
+    /// takes nothing more. The bytes it took.
+    pub fn push(&mut self, chunk: &[u8]) -> usize {
+        if self.end.is_some() || chunk.is_empty() {
+            return 0;
         }
-        if self.bytes.len().saturating_add(chunk.len()) > self.limit {
+        if self.bytes.saturating_add(chunk.len()) > self.limit {
             self.end = Some(TailEnd::Overflowed);
-            return;
+            return 0;
         }
-        self.bytes.extend_from_slice(chunk);
+        self.bytes += chunk.len();
+        self.chunks.push(chunk.into());
+        chunk.len()
+    }
+
+    /// Takes nothing more: the host's room for logs is full (see `push`).
+    pub fn overflow(&mut self) {
+        self.end.get_or_insert(TailEnd::Overflowed);
     }
 
     /// The stream ended (`complete`: its last byte came); an end already there stands.
@@ -84,15 +106,21 @@ impl Log {
         self.end
     }
 
-    /// Whether a follower that has not begun may begin on it: one that is cut or
-    /// overflowed would only give it an error, where the flight's end gives it an answer.
-    pub fn joinable(&self) -> bool {
-        matches!(self.end, None | Some(TailEnd::Complete))
+    /// Bytes of events it holds.
+    pub fn bytes(&self) -> usize {
+        self.bytes
     }
 
-    /// The bytes from `at` on, and the end if it came.
-    pub fn since(&self, at: usize) -> (&[u8], Option<TailEnd>) {
-        (self.bytes.get(at..).unwrap_or_default(), self.end)
+    /// Whether a follower of the flight `nonce` that has not begun may begin on it: one
+    /// that is cut or overflowed would only give it an error, where the flight's end gives
+    /// it an answer.
+    pub fn joinable(&self, nonce: u64) -> bool {
+        self.nonce == nonce && matches!(self.end, None | Some(TailEnd::Complete))
+    }
+
+    /// The chunks from the `at`th on, and the end if it came.
+    pub fn since(&self, at: usize) -> (&[Arc<[u8]>], Option<TailEnd>) {
+        (self.chunks.get(at..).unwrap_or_default(), self.end)
     }
 
     /// The head a follower's client gets: a 200 of events with the edge's labels, the
@@ -128,28 +156,36 @@ pub struct Read {
 }
 
 impl Reader {
-    /// A reader for the follower `outbound` (its own usage event, its own signed ids).
+    /// A reader for the follower `outbound` (its own usage event, its own signed ids). It
+    /// assembles nothing: the leader does.
     pub fn new(config: &Config, outbound: &Outbound) -> Reader {
         let signer = config.signer(outbound.endpoint, outbound.tenant.as_deref());
-        let events = Reassembler::of(outbound.endpoint, outbound.include_usage).signing(signer);
+        let events = Reassembler::of(outbound.endpoint, outbound.include_usage).passing().signing(signer);
         Reader { events: Events::new(events), at: 0, done: false }
     }
 
-    /// How far into the log it has read.
+    /// How many of the log's chunks it has read.
     pub fn at(&self) -> usize {
         self.at
     }
 
-    /// Reads `new`, the log's bytes from `at()` on, and its `end`: the events its client
+    /// Reads `new`, the log's chunks from `at()` on, and its `end`: the events its client
     /// gets now, and whether its stream ends with them. After a cut or an overflow it ends
     /// with an error event, which OpenAI's SDKs raise.
-    pub fn read(&mut self, new: &[u8], end: Option<TailEnd>) -> Read {
+    pub fn read(&mut self, new: &[Arc<[u8]>], end: Option<TailEnd>) -> Read {
         if self.done {
             return Read { bytes: Vec::new(), last: true };
         }
         self.at = self.at.saturating_add(new.len());
         let complete = end == Some(TailEnd::Complete);
-        let mut bytes = self.events.pass(new, complete).unwrap_or_else(|| new.to_vec());
+        let mut bytes = Vec::new();
+        for (i, chunk) in new.iter().enumerate() {
+            let last = complete && i + 1 == new.len();
+            bytes.extend(self.events.pass(chunk, last).unwrap_or_else(|| chunk.to_vec()));
+        }
+        if complete && new.is_empty() {
+            bytes.extend(self.events.pass(&[], true).unwrap_or_default());
+        }
         self.done = end.is_some();
         match end {
             Some(TailEnd::Cut) => bytes.extend(cut_event()),
@@ -217,7 +253,8 @@ mod tests {
     #[test]
     fn a_follower_that_joins_late_gets_what_was_sent_then_the_rest_in_its_own_form() {
         let config = Config::default();
-        let mut log = Log::new(&config, &label());
+        let mut log = Log::new(&config, &label(), 7);
+        assert!(log.joinable(7) && !log.joinable(8), "only the followers of its own flight join");
         // The first event, split inside it as HolySheep may send it.
         log.push(&ROLE[..20]);
         log.push(&ROLE[20..]);
@@ -252,7 +289,7 @@ mod tests {
     #[test]
     fn a_cut_ends_each_follower_with_an_error_event_and_an_overflow_too() {
         let config = Config::default();
-        let mut log = Log::new(&config, &label());
+        let mut log = Log::new(&config, &label(), 7);
         log.push(ROLE);
         let mut reader = Reader::new(&config, &follower(false));
         let (new, end) = log.since(reader.at());
@@ -260,7 +297,7 @@ mod tests {
         log.end(false);
         log.end(true);
         assert_eq!(log.ended(), Some(TailEnd::Cut), "the first end stands");
-        assert!(!log.joinable(), "a cut log takes no new follower");
+        assert!(!log.joinable(7), "a cut log takes no new follower");
         let (new, end) = log.since(reader.at());
         let got = reader.read(new, end);
         assert!(got.last);
@@ -272,13 +309,13 @@ mod tests {
 
         let mut small = Config::default();
         small.cache.max_entry_bytes = 25;
-        let mut log = Log::new(&small, &label());
+        let mut log = Log::new(&small, &label(), 7);
         assert!(ROLE.len() <= 200 && ROLE.len() + WORD.len() > 200, "the test's bound falls in the second event");
         log.push(ROLE);
         log.push(WORD);
         log.push(DONE);
         assert_eq!(log.ended(), Some(TailEnd::Overflowed));
-        assert_eq!(log.since(0).0, ROLE, "nothing past the bound is kept");
+        assert_eq!(log.since(0).0.concat(), ROLE, "nothing past the bound is kept");
         let mut reader = Reader::new(&small, &follower(false));
         let (new, end) = log.since(reader.at());
         let got = reader.read(new, end);
@@ -288,7 +325,7 @@ mod tests {
 
     #[test]
     fn a_followers_head_says_coalesced_with_its_own_headers_beside_once() {
-        let log = Log::new(&Config::default(), &label());
+        let log = Log::new(&Config::default(), &label(), 7);
         let head =
             log.head(vec![("x-holysheep-tenant", "acme".into()), ("x-ratelimit-remaining-requests", "9".into())]);
         let value = |n: &str| head.iter().filter(|(h, _)| h == n).map(|(_, v)| v.as_str()).collect::<Vec<_>>();

@@ -55,6 +55,8 @@ pub const STOP_ITERATION: i32 = 1;
 pub const STOP_AND_BUFFER: i32 = 1;
 /// `http_callout_init_result` and `http_callout_result`: success.
 pub const CALLOUT_OK: i32 = 0;
+/// `metrics_result`: success.
+pub const METRICS_OK: i32 = 0;
 /// `attribute_id`: whether the connection is mutual TLS, and the peer certificate's first
 /// DNS and URI SANs.
 pub const ATTRIBUTE_MTLS: i32 = 29;
@@ -117,6 +119,48 @@ extern "C" {
         data: ModuleBuffer,
         end_stream: bool,
     );
+    pub fn envoy_dynamic_module_callback_http_filter_config_define_counter(
+        config: *mut c_void,
+        name: ModuleBuffer,
+        label_names: *const ModuleBuffer,
+        label_names_len: usize,
+        id_out: *mut usize,
+    ) -> i32;
+    pub fn envoy_dynamic_module_callback_http_filter_config_define_gauge(
+        config: *mut c_void,
+        name: ModuleBuffer,
+        label_names: *const ModuleBuffer,
+        label_names_len: usize,
+        id_out: *mut usize,
+    ) -> i32;
+    pub fn envoy_dynamic_module_callback_http_filter_config_define_histogram(
+        config: *mut c_void,
+        name: ModuleBuffer,
+        label_names: *const ModuleBuffer,
+        label_names_len: usize,
+        id_out: *mut usize,
+    ) -> i32;
+    pub fn envoy_dynamic_module_callback_http_filter_increment_counter(
+        filter: EnvoyFilter,
+        id: usize,
+        label_values: *const ModuleBuffer,
+        label_values_len: usize,
+        value: u64,
+    ) -> i32;
+    pub fn envoy_dynamic_module_callback_http_filter_set_gauge(
+        filter: EnvoyFilter,
+        id: usize,
+        label_values: *const ModuleBuffer,
+        label_values_len: usize,
+        value: u64,
+    ) -> i32;
+    pub fn envoy_dynamic_module_callback_http_filter_record_histogram_value(
+        filter: EnvoyFilter,
+        id: usize,
+        label_values: *const ModuleBuffer,
+        label_values_len: usize,
+        value: u64,
+    ) -> i32;
     pub fn envoy_dynamic_module_callback_http_filter_scheduler_new(filter: EnvoyFilter) -> Scheduler;
     pub fn envoy_dynamic_module_callback_http_filter_scheduler_commit(scheduler: Scheduler, event: u64);
     pub fn envoy_dynamic_module_callback_http_filter_scheduler_delete(scheduler: Scheduler);

@@ -78,11 +78,11 @@ pub extern "C" fn envoy_dynamic_module_on_program_init() -> *const std::ffi::c_c
 
 #[no_mangle]
 pub extern "C" fn envoy_dynamic_module_on_http_filter_config_new(
-    _envoy: *mut c_void,
+    envoy: *mut c_void,
     _name: EnvoyBuffer,
     config: EnvoyBuffer,
 ) -> *const c_void {
-    guard(std::ptr::null(), || match Shared::parse(&config.to_vec()) {
+    guard(std::ptr::null(), || match Shared::parse(&config.to_vec(), envoy) {
         Ok(shared) => {
             host::note(shared.env.notes(&shared.config));
             Box::into_raw(Box::new(Arc::new(shared))) as *const c_void

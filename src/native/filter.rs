@@ -15,7 +15,7 @@ use crate::core::api::error::ApiError;
 use crate::core::api::headers;
 use crate::core::api::hints::ProviderHints;
 use crate::core::api::reply::Reply;
-use crate::core::coalesce::engine::{Engine, Step, Wait};
+use crate::core::coalesce::engine::{Ended, Engine, Step, Wait};
 use crate::core::flight::leader::{Do, Leader};
 use crate::core::flight::look::Answer;
 use crate::core::flight::tail::{Log, Reader};
@@ -23,6 +23,7 @@ use crate::core::flight::tee::StreamEnd;
 use crate::core::intake::door::{Door, Entry};
 use crate::core::intake::recall::{Admitted, Decided};
 use crate::core::intake::Head;
+use crate::core::observe::metrics::{self, Counter};
 use crate::core::semantic::MAX_EMBEDDING_BYTES;
 use crate::core::upstream::{self, Outbound};
 use std::cell::Cell;
@@ -69,6 +70,7 @@ enum Stage {
     Tailing {
         following: Box<Following>,
         wait: Wait,
+        outbound: Rc<Outbound>,
     },
     /// Leading a flight: what is out for it (a callout's id, or a sleep).
     Leading {
@@ -99,6 +101,11 @@ impl Filter {
             polling: false,
             pressure: Rc::default(),
         }
+    }
+
+    /// Envoy's filter.
+    pub fn envoy(&self) -> EnvoyFilter {
+        self.envoy
     }
 
     /// The flag of its client's write buffer (see `Slot::pressure`).
@@ -137,7 +144,12 @@ impl Filter {
         }
         match door {
             Door::Governed => {}
-            Door::Refused { error, .. } => return self.reject(&error),
+            Door::Refused { error, counted } => {
+                if counted {
+                    super::count(&shared, |m| m.count_refusal(error.code, None));
+                }
+                return self.reject(&error);
+            }
             // No fleet on this module (docs/native.md): nothing calls it as a peer, and no
             // path passes with the operator's key (its configuration refuses them).
             Door::Peer | Door::WithOperatorKey => {
@@ -186,13 +198,21 @@ impl Filter {
 
     fn handle(&mut self, body: Vec<u8>) {
         let head = std::mem::take(&mut self.head);
-        let now = wake::now_ms();
+        let (now, tenant) = (wake::now_ms(), head.verified.clone());
         let admitted = super::admit(&self.shared, head, &body, now);
         let Decided { step, outbound, ended: finished } = match admitted {
             Ok(Admitted::Decided(d)) => d,
-            // A HIT this worker answered before from the same bytes.
-            Ok(Admitted::Kept(hit)) => return self.answer(&hit.reply_at(now), &hit.outbound),
+            // A HIT this worker answered before from the same bytes: its counts resolved
+            // then.
+            Ok(Admitted::Kept(hit)) => {
+                super::count(&self.shared, |m| {
+                    m.hold(&hit.counters);
+                    m.flush();
+                });
+                return self.send_reply(&hit.reply_at(now), &hit.outbound);
+            }
             Err(e) => {
+                super::count(&self.shared, |m| m.count_refusal(e.code, tenant.as_deref()));
                 self.reject(&e);
                 return;
             }
@@ -230,17 +250,40 @@ impl Filter {
         }
     }
 
-    /// Sends `reply` in the form the request asked for, with the model's rate headers.
+    /// Counts `reply`, then sends it (`send_reply`).
     fn answer(&mut self, reply: &Reply, outbound: &Outbound) {
+        let config = &self.shared.config;
+        super::count(&self.shared, |m| m.count_reply(config, &outbound.model, reply, outbound.tenant.as_deref()));
+        self.send_reply(reply, outbound);
+    }
+
+    /// Sends `reply` in the form the request asked for, with the model's rate headers.
+    fn send_reply(&mut self, reply: &Reply, outbound: &Outbound) {
         self.stage = Stage::Done;
         let (reply, extra) = outbound.for_client(&ProcessStore, &self.shared.config, reply, wake::now_ms);
         host::send(self.envoy, &reply, &extra);
+    }
+
+    /// Counts what the leader did since it was last looked at (its events).
+    fn drain(shared: &Shared, leader: &mut Leader) {
+        let events = std::mem::take(&mut leader.events);
+        let (tenant, operation) = (leader.outbound.tenant.as_deref(), leader.outbound.endpoint.operation());
+        super::count(shared, |m| m.count_events(&shared.config, &events, tenant, operation));
+    }
+
+    /// Counts a flight's answer stored over another key's fresh one.
+    fn count_evicted(shared: &Shared, ended: &Ended, outbound: &Outbound) {
+        if ended.evicted {
+            let label = metrics::label(&shared.config, &outbound.model);
+            super::count(shared, |m| m.count(vec![(label, Counter::Evicted, 1)], outbound.tenant.as_deref()));
+        }
     }
 
     /// Carries out the leader's `Do`s until it waits on Envoy.
     fn advance(&mut self, mut next: Do) {
         loop {
             let Stage::Leading { leader, out, .. } = &mut self.stage else { return };
+            Filter::drain(&self.shared, leader);
             let at = (wake::now_ms(), super::nonce());
             let engine = Engine { store: &ProcessStore, config: &self.shared.config };
             next = match next {
@@ -278,6 +321,7 @@ impl Filter {
                         return;
                     };
                     if let Some(ended) = &over.ended {
+                        Filter::count_evicted(&self.shared, ended, &outbound);
                         self.answer(&ended.reply, &outbound);
                     }
                     return ended(over.wake);
@@ -372,6 +416,13 @@ impl Filter {
                     return;
                 };
                 let over = live.finish(self.envoy, &self.engine(), &mut leader, complete);
+                Filter::drain(&self.shared, &mut leader);
+                if let Some(ended) = &over.ended {
+                    let (config, outbound) = (&self.shared.config, &leader.outbound);
+                    let tenant = outbound.tenant.as_deref();
+                    super::count(&self.shared, |m| m.count_reply(config, &outbound.model, &ended.reply, tenant));
+                    Filter::count_evicted(&self.shared, ended, outbound);
+                }
                 ended(over.wake);
             }
             _ => self.answered(None, Vec::new(), Vec::new()),
@@ -380,7 +431,7 @@ impl Filter {
 
     /// Begins following the live tail of the flight `wait` is for, when this request is a
     /// stream that shares one and the tail is there; `false` otherwise (it waits on).
-    fn follow(&mut self, wait: &Wait, outbound: &Outbound) -> bool {
+    fn follow(&mut self, wait: &Wait, outbound: &Rc<Outbound>) -> bool {
         if !Log::shares(outbound) {
             return false;
         }
@@ -388,7 +439,8 @@ impl Filter {
         let config = &self.shared.config;
         let extra = outbound.answer_headers(&ProcessStore, config, true, wake::now_ms);
         let following = Following::begin(self.envoy, tail, Reader::new(config, outbound), extra);
-        self.stage = Stage::Tailing { following: Box::new(following), wait: wait.clone() };
+        let outbound = outbound.clone();
+        self.stage = Stage::Tailing { following: Box::new(following), wait: wait.clone(), outbound };
         self.look_later();
         self.pump(false);
         true
@@ -397,10 +449,15 @@ impl Filter {
     /// A follower sends its client what its tail holds (unless its client is behind), or
     /// ends it cut (`cut`: its leader is gone).
     fn pump(&mut self, cut: bool) {
-        let Stage::Tailing { following, .. } = &mut self.stage else { return };
-        if !self.pressure.get() && following.pump(self.envoy, cut) {
-            self.stage = Stage::Done;
+        let Stage::Tailing { following, outbound, .. } = &mut self.stage else { return };
+        if self.pressure.get() || !following.pump(self.envoy, cut) {
+            return;
         }
+        // Its stream ended: counted as the COALESCED answer it was, with what it saved.
+        let (config, tenant) = (&self.shared.config, outbound.tenant.as_deref());
+        let (served, usage) = (following.served(), following.usage());
+        super::count(&self.shared, |m| m.count_followed(config, &outbound.model, &served, usage, tenant));
+        self.stage = Stage::Done;
     }
 
     /// A look at the tick (one at a time): a waiter's at its flight, a follower's at its
@@ -473,12 +530,17 @@ impl Filter {
             Out::Stream(_, Some(Streamed::Live(live))) => live.abandon(),
             Out::Attempt(_) | Out::Stream(..) => StreamEnd::broken(),
             Out::Embedding(_) => match leader.on_embedding(&engine, Answer::Lost, (now, super::nonce())) {
-                Do::Over(over) => return ended(over.wake),
+                Do::Over(over) => {
+                    Filter::drain(&self.shared, &mut leader);
+                    return ended(over.wake);
+                }
                 _ => StreamEnd::never_sent(),
             },
             Out::Sleep => StreamEnd::never_sent(),
         };
-        ended(leader.on_stream_end(&engine, end, now).wake);
+        let over = leader.on_stream_end(&engine, end, now);
+        Filter::drain(&self.shared, &mut leader);
+        ended(over.wake);
     }
 }
 

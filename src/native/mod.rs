@@ -10,6 +10,7 @@ mod filter;
 mod host;
 mod relay;
 mod slot;
+mod stats;
 mod store;
 mod tails;
 mod wake;
@@ -19,7 +20,8 @@ use crate::core::config::environment::Environment;
 use crate::core::config::Config;
 use crate::core::intake::kept::Kept;
 use crate::core::intake::recall::Recall;
-use crate::core::observe::meters::{Kind, Meter, Meters};
+use crate::core::observe::meters::Meters;
+use stats::EnvoyStats;
 use std::cell::RefCell;
 use std::collections::hash_map::RandomState;
 use std::hash::BuildHasher;
@@ -32,14 +34,17 @@ use store::ProcessStore;
 pub struct Shared {
     config: Config,
     env: Environment,
+    /// Its metrics, defined on Envoy (`stats`): each worker counts with a copy.
+    meters: Meters<EnvoyStats>,
     /// Which configuration this is: a worker's own copies follow it.
     generation: u64,
 }
 
 impl Shared {
-    /// From the filter configuration's bytes (`filter_config`): the core's JSON. `Err`: why
-    /// it is refused, for the log.
-    fn parse(raw: &[u8]) -> Result<Shared, String> {
+    /// From the filter configuration's bytes (`filter_config`): the core's JSON, its
+    /// metrics defined on Envoy's configuration `envoy`. `Err`: why it is refused, for the
+    /// log.
+    fn parse(raw: &[u8], envoy: *mut std::ffi::c_void) -> Result<Shared, String> {
         let mut config = Config::parse(raw).map_err(|e| e.to_string())?;
         let unsupported = [
             (config.role != crate::core::config::Role::Owner, "role"),
@@ -53,32 +58,18 @@ impl Shared {
         let env = Environment::read(&mut config, |name| std::env::var(name).ok());
         static GENERATIONS: AtomicU64 = AtomicU64::new(0);
         let generation = GENERATIONS.fetch_add(1, Ordering::Relaxed);
-        Ok(Shared { config, env, generation })
+        let meters = stats::defining(envoy, || Meters::define(EnvoyStats, &config));
+        Ok(Shared { config, env, meters, generation })
     }
 }
 
 /// What one worker keeps for one configuration: its copy of the secrets, its memory of
-/// requests (`intake::recall`: HITs answered again without parsing), and the meters a kept
-/// HIT resolves its counters with.
+/// requests (`intake::recall`: HITs answered again without parsing), and its meters.
 struct Worker {
     generation: u64,
     env: Rc<Environment>,
     recall: Recall,
-    meters: Meters<NoMetrics>,
-}
-
-/// The module defines no metrics yet (docs/native.md): a kept HIT counts nothing.
-#[derive(Debug, Clone, Copy, Default)]
-struct NoMetrics;
-
-impl Meter for NoMetrics {
-    fn define(self, _kind: Kind, _name: &str) -> Option<u32> {
-        None
-    }
-
-    fn increment(self, _id: u32, _n: i64) {}
-
-    fn record(self, _id: u32, _value: u64) {}
+    meters: Meters<EnvoyStats>,
 }
 
 /// Configurations a worker keeps its state for at once (listeners with configurations of
@@ -98,7 +89,7 @@ fn with_worker<T>(shared: &Shared, f: impl FnOnce(&mut Worker) -> T) -> T {
                 generation: shared.generation,
                 env: Rc::new(shared.env.clone()),
                 recall: Recall::new(&shared.config, RandomState::new().hash_one(()), true),
-                meters: Meters::default(),
+                meters: shared.meters.clone(),
             },
         };
         let out = f(&mut worker);
@@ -110,6 +101,11 @@ fn with_worker<T>(shared: &Shared, f: impl FnOnce(&mut Worker) -> T) -> T {
 
 fn worker_env(shared: &Shared) -> Rc<Environment> {
     with_worker(shared, |w| w.env.clone())
+}
+
+/// Counts with this worker's meters for `shared`.
+fn count(shared: &Shared, f: impl FnOnce(&mut Meters<EnvoyStats>)) {
+    with_worker(shared, |w| f(&mut w.meters))
 }
 
 /// A governed body through this worker's memory (`Recall::admit`), a HIT kept for the same

@@ -4,7 +4,9 @@
 //! running hook is done (a callout's answer, a wake-up), or, for `destroy`, the filter is
 //! wound up and freed then. Nothing runs for a filter once Envoy destroyed it.
 
+use super::abi::EnvoyFilter;
 use super::filter::{Filter, Part};
+use super::stats;
 use super::wake::TAIL;
 use std::cell::{Cell, RefCell, UnsafeCell};
 use std::collections::VecDeque;
@@ -19,6 +21,8 @@ enum Later {
 
 pub struct Slot {
     filter: UnsafeCell<Filter>,
+    /// Envoy's filter: what its hooks count metrics through.
+    envoy: EnvoyFilter,
     /// The filter's client reads slower than it is sent to (above the write high
     /// watermark): set from the watermark hooks, which may run inside a send.
     pressure: Rc<Cell<bool>>,
@@ -40,6 +44,7 @@ impl Drop for Busy<'_> {
 impl Slot {
     pub fn new(filter: Filter) -> Slot {
         Slot {
+            envoy: filter.envoy(),
             pressure: filter.pressure(),
             filter: UnsafeCell::new(filter),
             busy: Cell::new(false),
@@ -55,6 +60,11 @@ impl Slot {
             return None;
         }
         let _busy = Busy(&self.busy);
+        stats::counting(self.envoy, || self.run(f))
+    }
+
+    /// `with`'s work, the slot taken.
+    fn run<T>(&self, f: impl FnOnce(&mut Filter) -> T) -> Option<T> {
         // SAFETY: `busy` lets one hook at a time take the filter, on the filter's worker.
         let filter = unsafe { &mut *self.filter.get() };
         let out = f(filter);

@@ -10,6 +10,7 @@
 use super::abi::EnvoyFilter;
 use super::host;
 use super::wake::{Waker, TAIL};
+use crate::core::api::usage::Usage;
 use crate::core::config::Config;
 use crate::core::flight::tail::{Log, Read, Reader, TailEnd};
 use std::collections::HashMap;
@@ -183,6 +184,16 @@ impl Following {
     ) -> Following {
         host::send_head(envoy, &tail.head(extra));
         Following { tail, due, reader }
+    }
+
+    /// The model that answers its stream.
+    pub fn served(&self) -> String {
+        lock(&self.tail.state).log.model().to_owned()
+    }
+
+    /// The `usage` its stream carried so far.
+    pub fn usage(&self) -> Option<Usage> {
+        self.reader.usage()
     }
 
     /// Sends the client what the tail holds past what it has (`cut`: its leader is gone

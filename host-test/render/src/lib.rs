@@ -276,7 +276,7 @@ pub fn with_native_module(yaml: &str, config: &str) -> Result<String, String> {
     let module = format!(
         "          - name: envoy.filters.http.dynamic_modules\n            typed_config:\n              \
          \"@type\": type.googleapis.com/envoy.extensions.filters.http.dynamic_modules.v3.DynamicModuleFilter\n              \
-         dynamic_module_config: {{name: holysheep_edge, do_not_close: true}}\n              \
+         dynamic_module_config: {{name: holysheep_edge, do_not_close: true, metrics_namespace: wasmcustom}}\n              \
          filter_name: holysheep-edge\n              filter_config:\n                \
          \"@type\": type.googleapis.com/google.protobuf.StringValue\n                value: '{}'\n",
         config.replace('\'', "''")

@@ -64,6 +64,8 @@ fn followers_get_each_event_as_the_leaders_client_does_whenever_they_join() {
     assert!(usage(&all[all.len() - 1].0), "the follower that asked gets the usage event");
     assert!(all[..all.len() - 1].iter().all(|(t, _)| !usage(t)), "no usage event unless asked");
     assert_eq!(s.calls(), 1, "one upstream call for the leader and its followers");
+    let stat = |name: &str| s.envoy.stat(&format!("wasmcustom.holysheep.other.{name}"));
+    assert_eq!((stat("requests_miss"), stat("requests_coalesced")), (1, 8), "the follower that left is not counted");
     let hit = s.chat(&prompt("native: a live tail"), &[]);
     assert_eq!((hit.status, hit.cache()), (200, "HIT"), "the finished stream was stored");
     assert_eq!(s.crashes(), Vec::<String>::new());

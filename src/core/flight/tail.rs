@@ -106,6 +106,11 @@ impl Log {
         self.end
     }
 
+    /// The model that answers.
+    pub fn model(&self) -> &str {
+        &self.model
+    }
+
     /// Bytes of events it holds.
     pub fn bytes(&self) -> usize {
         self.bytes
@@ -162,6 +167,11 @@ impl Reader {
         let signer = config.signer(outbound.endpoint, outbound.tenant.as_deref());
         let events = Reassembler::of(outbound.endpoint, outbound.include_usage).passing().signing(signer);
         Reader { events: Events::new(events), at: 0, done: false }
+    }
+
+    /// The `usage` its stream carried so far.
+    pub fn usage(&self) -> Option<crate::core::api::usage::Usage> {
+        self.events.usage()
     }
 
     /// How many of the log's chunks it has read.

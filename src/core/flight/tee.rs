@@ -167,6 +167,11 @@ impl Events {
         (out != chunk).then_some(out)
     }
 
+    /// The `usage` the stream reported so far.
+    pub fn usage(&self) -> Option<Usage> {
+        self.reassembler.usage()
+    }
+
     /// How the stream ended (`complete`: its last byte came), with HolySheep's status and
     /// the attempts made, and what its head said of the limits.
     pub fn end(self, complete: bool, (status, attempts): (Option<u16>, u64), hints: ProviderHints) -> StreamEnd {

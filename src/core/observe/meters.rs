@@ -7,6 +7,7 @@ use crate::core::api::endpoint::{self, Endpoint};
 use crate::core::api::event::Event;
 use crate::core::api::priority::CLASSES;
 use crate::core::api::reply::Reply;
+use crate::core::api::usage::Usage;
 use crate::core::config::Config;
 use crate::core::limits::admission::{self, Left};
 use crate::core::observe::metrics::{
@@ -43,7 +44,7 @@ impl Meter for () {
     fn record(self, _id: u32, _value: u64) {}
 }
 
-#[derive(Default)]
+#[derive(Default, Clone)]
 pub struct Meters<H> {
     /// The host's metric calls.
     host: H,
@@ -94,6 +95,7 @@ impl<H: Meter> Stopwatch<H> {
 
 /// A budgeted tenant's gauges: what is left of its day's and month's budgets, and with a
 /// spend store, how many processes keep its spend (1: this one alone).
+#[derive(Clone)]
 struct BudgetGauges {
     tenant: String,
     day: Option<u32>,
@@ -236,6 +238,19 @@ impl<H: Meter> Meters<H> {
     pub fn count_reply(&mut self, config: &Config, model: &str, reply: &Reply, tenant: Option<&str>) {
         let increments = metrics::for_reply(config, model, reply, &mut self.last_usage);
         self.count(increments, tenant);
+    }
+
+    /// Counts a follower of a live tail for `model` (of `tenant`), answered COALESCED with
+    /// a stream of `served` that carried `usage`.
+    pub fn count_followed(
+        &self,
+        config: &Config,
+        model: &str,
+        served: &str,
+        usage: Option<Usage>,
+        tenant: Option<&str>,
+    ) {
+        self.count(metrics::for_followed(config, model, served, usage), tenant);
     }
 
     /// Holds resolved increments (`ids_for_reply`) until the next `flush`.

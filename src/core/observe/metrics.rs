@@ -190,6 +190,7 @@ pub(crate) const TENANT_PREFIX: &str = "tenant.";
 
 /// A value for each (label, counter) of a configuration (a host's metric ids), found
 /// without hashing or allocating: labels are few and compared in place.
+#[derive(Clone)]
 pub(crate) struct PerCounter<T> {
     labels: Vec<String>,
     values: Vec<Option<T>>,
@@ -423,7 +424,7 @@ pub(crate) fn for_class(event: &Event) -> Option<(Class, ClassStat, u64)> {
 
 /// The `usage` of the answer looked at last, kept with its exact bytes: the followers of
 /// one flight are answered one after another with the same body, parsed once for them all.
-#[derive(Default)]
+#[derive(Default, Clone)]
 pub struct LastUsage {
     body: Vec<u8>,
     usage: Option<Usage>,
@@ -441,6 +442,24 @@ impl LastUsage {
 
 /// What one answer to a client adds: its cache status, and for HIT, COALESCED and SEMANTIC
 /// answers the cost of the original usage, saved.
+/// What a follower of a live tail adds: a COALESCED request for `requested_model`, and
+/// what the usage its stream carried (of `served`) saved.
+pub(crate) fn for_followed<'a>(
+    config: &'a Config,
+    requested_model: &'a str,
+    served: &str,
+    usage: Option<Usage>,
+) -> Vec<(&'a str, Counter, u64)> {
+    let l = label(config, requested_model);
+    let mut out = vec![(l, Counter::Requests(CacheStatus::Coalesced), 1)];
+    let saved = usage.filter(|_| priced(config, served));
+    if let Some(saved) = saved.and_then(|u| saved_micro_usd(config, CacheStatus::Coalesced, served, &u)) {
+        out.push((l, Counter::CostSavedMicroUsd, saved));
+    }
+    out.retain(|(_, _, n)| *n > 0);
+    out
+}
+
 pub(crate) fn for_reply<'a>(
     config: &'a Config,
     requested_model: &'a str,
@@ -473,6 +492,18 @@ pub(crate) fn for_reply<'a>(
 mod tests {
     use super::*;
     use crate::core::api::response::Response;
+
+    #[test]
+    fn a_follower_of_a_live_tail_counts_coalesced_with_what_its_usage_saved() {
+        let config = Config::parse(br#"{"models":{"gpt-4.1":{"usd_per_mtok_input":2,"usd_per_mtok_output":8}}}"#)
+            .unwrap_or_else(|e| panic!("{e}"));
+        let coalesced = Counter::Requests(CacheStatus::Coalesced);
+        let got = for_followed(&config, "gpt-4.1", "gpt-4.1", Some(Usage::new(1_000, 500)));
+        assert_eq!(got, vec![("gpt-4.1", coalesced, 1), ("gpt-4.1", Counter::CostSavedMicroUsd, 6_000)]);
+        let unpriced = for_followed(&config, "deepseek-v3", "deepseek-v3", Some(Usage::new(1_000, 500)));
+        assert_eq!(unpriced, vec![("other", coalesced, 1)], "nothing saved where nothing is priced");
+        assert_eq!(for_followed(&config, "gpt-4.1", "gpt-4.1", None), vec![("gpt-4.1", coalesced, 1)]);
+    }
 
     #[test]
     fn the_last_usage_is_kept_only_for_the_same_bytes() {

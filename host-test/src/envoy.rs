@@ -42,6 +42,17 @@ pub enum Shell {
     Native,
 }
 
+impl Shell {
+    /// The shell a test runs on unless it names one: `HOLYSHEEP_TEST_SHELL=native` runs the
+    /// suite on the native module, anything else on the plugin.
+    pub fn of_run() -> Shell {
+        match std::env::var("HOLYSHEEP_TEST_SHELL").as_deref() {
+            Ok("native") => Shell::Native,
+            _ => Shell::Wasm,
+        }
+    }
+}
+
 /// The built wasi:http component (`HOLYSHEEP_COMPONENT` overrides).
 pub fn component_path() -> PathBuf {
     std::env::var_os("HOLYSHEEP_COMPONENT")
@@ -125,7 +136,7 @@ impl Options {
             upstream_max_requests: None,
             gold_only_upstream: None,
             edge_by_lds: false,
-            shell: Shell::Wasm,
+            shell: Shell::of_run(),
         }
     }
 }

@@ -161,6 +161,11 @@ extern "C" {
         label_values_len: usize,
         value: u64,
     ) -> i32;
+    pub fn envoy_dynamic_module_callback_http_set_filter_state_bytes(
+        filter: EnvoyFilter,
+        key: ModuleBuffer,
+        value: ModuleBuffer,
+    ) -> bool;
     pub fn envoy_dynamic_module_callback_http_filter_scheduler_new(filter: EnvoyFilter) -> Scheduler;
     pub fn envoy_dynamic_module_callback_http_filter_scheduler_commit(scheduler: Scheduler, event: u64);
     pub fn envoy_dynamic_module_callback_http_filter_scheduler_delete(scheduler: Scheduler);

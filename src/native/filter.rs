@@ -14,7 +14,8 @@ use super::Shared;
 use crate::core::api::error::ApiError;
 use crate::core::api::headers;
 use crate::core::api::hints::ProviderHints;
-use crate::core::api::reply::Reply;
+use crate::core::api::reply::{CacheStatus, Reply};
+use crate::core::api::response::Response;
 use crate::core::coalesce::engine::{Ended, Engine, Step, Wait};
 use crate::core::flight::leader::{Do, Leader};
 use crate::core::flight::look::Answer;
@@ -23,6 +24,7 @@ use crate::core::flight::tee::StreamEnd;
 use crate::core::intake::door::{Door, Entry};
 use crate::core::intake::recall::{Admitted, Decided};
 use crate::core::intake::Head;
+use crate::core::observe::log_fields::Served;
 use crate::core::observe::metrics::{self, Counter};
 use crate::core::semantic::MAX_EMBEDDING_BYTES;
 use crate::core::upstream::{self, Outbound};
@@ -209,6 +211,9 @@ impl Filter {
                     m.hold(&hit.counters);
                     m.flush();
                 });
+                if self.shared.config.log_fields {
+                    host::publish(self.envoy, &hit.answered(&self.shared.config));
+                }
                 return self.send_reply(&hit.reply_at(now), &hit.outbound);
             }
             Err(e) => {
@@ -218,13 +223,13 @@ impl Filter {
             }
         };
         ended(finished);
-        self.run(step, Rc::new(outbound));
+        self.run(step, Rc::new(outbound), Served::default());
     }
 
     /// Carries out a step of the engine.
-    fn run(&mut self, step: Step, outbound: Rc<Outbound>) {
+    fn run(&mut self, step: Step, outbound: Rc<Outbound>, served: Served) {
         match step {
-            Step::Reply(reply) => self.answer(&reply, &outbound),
+            Step::Reply(reply) => self.answer(&reply, &outbound, served),
             Step::Call(call) => {
                 let env = super::worker_env(&self.shared);
                 let at = (wake::now_ms(), super::nonce());
@@ -250,10 +255,15 @@ impl Filter {
         }
     }
 
-    /// Counts `reply`, then sends it (`send_reply`).
-    fn answer(&mut self, reply: &Reply, outbound: &Outbound) {
+    /// Counts `reply`, publishes what the access log shows of it (`served`: how the request
+    /// came to it), then sends it (`send_reply`).
+    fn answer(&mut self, reply: &Reply, outbound: &Outbound, served: Served) {
         let config = &self.shared.config;
         super::count(&self.shared, |m| m.count_reply(config, &outbound.model, reply, outbound.tenant.as_deref()));
+        if config.log_fields {
+            let usage = (reply.response.status == 200).then(|| super::usage_of(&self.shared, &reply.response.body));
+            host::publish(self.envoy, &outbound.answered(reply, served, usage.flatten()).priced(config));
+        }
         self.send_reply(reply, outbound);
     }
 
@@ -322,7 +332,7 @@ impl Filter {
                     };
                     if let Some(ended) = &over.ended {
                         Filter::count_evicted(&self.shared, ended, &outbound);
-                        self.answer(&ended.reply, &outbound);
+                        self.answer(&ended.reply, &outbound, over.served);
                     }
                     return ended(over.wake);
                 }
@@ -415,13 +425,16 @@ impl Filter {
                 let Stage::Leading { mut leader, .. } = std::mem::replace(&mut self.stage, Stage::Done) else {
                     return;
                 };
-                let over = live.finish(self.envoy, &self.engine(), &mut leader, complete);
+                let (over, usage) = live.finish(self.envoy, &self.engine(), &mut leader, complete);
                 Filter::drain(&self.shared, &mut leader);
                 if let Some(ended) = &over.ended {
                     let (config, outbound) = (&self.shared.config, &leader.outbound);
                     let tenant = outbound.tenant.as_deref();
                     super::count(&self.shared, |m| m.count_reply(config, &outbound.model, &ended.reply, tenant));
                     Filter::count_evicted(&self.shared, ended, outbound);
+                    if config.log_fields {
+                        host::publish(self.envoy, &outbound.answered(&ended.reply, over.served, usage).priced(config));
+                    }
                 }
                 ended(over.wake);
             }
@@ -449,14 +462,23 @@ impl Filter {
     /// A follower sends its client what its tail holds (unless its client is behind), or
     /// ends it cut (`cut`: its leader is gone).
     fn pump(&mut self, cut: bool) {
-        let Stage::Tailing { following, outbound, .. } = &mut self.stage else { return };
+        let Stage::Tailing { following, outbound, wait } = &mut self.stage else { return };
         if self.pressure.get() || !following.pump(self.envoy, cut) {
             return;
         }
-        // Its stream ended: counted as the COALESCED answer it was, with what it saved.
+        // Its stream ended: counted and published as the COALESCED answer it was, with what
+        // it saved.
         let (config, tenant) = (&self.shared.config, outbound.tenant.as_deref());
-        let (served, usage) = (following.served(), following.usage());
-        super::count(&self.shared, |m| m.count_followed(config, &outbound.model, &served, usage, tenant));
+        let (model, usage) = (following.served(), following.usage());
+        super::count(&self.shared, |m| m.count_followed(config, &outbound.model, &model, usage, tenant));
+        if config.log_fields {
+            let response = Response::json(200, Vec::new()).with_header(headers::MODEL, model);
+            let key = Some(wait.key.clone());
+            let reply = Reply { response, cache: Some(CacheStatus::Coalesced), key, age_s: None, fresh_s: None };
+            let served = Served::waited(wake::now_ms().saturating_sub(wait.since_ms));
+            let saved = outbound.answered(&reply, served, usage).priced(config);
+            host::publish(self.envoy, &saved);
+        }
         self.stage = Stage::Done;
     }
 
@@ -476,8 +498,8 @@ impl Filter {
         match (&mut self.stage, event) {
             (Stage::Waiting { wait, outbound }, WAKE) => {
                 let step = engine.poll(wait, now, super::nonce());
-                let outbound = outbound.clone();
-                self.run(step, outbound);
+                let (outbound, served) = (outbound.clone(), Served::waited(now.saturating_sub(wait.since_ms)));
+                self.run(step, outbound, served);
             }
             (Stage::Tailing { .. }, TAIL | WAKE) => self.pump(false),
             // A follower whose leader is gone without ending its tail (its lease lapsed)
@@ -507,8 +529,8 @@ impl Filter {
             (Stage::Waiting { wait, outbound }, POLL) => {
                 self.polling = false;
                 let step = engine.poll(wait, now, super::nonce());
-                let outbound = outbound.clone();
-                self.run(step, outbound);
+                let (outbound, served) = (outbound.clone(), Served::waited(now.saturating_sub(wait.since_ms)));
+                self.run(step, outbound, served);
             }
             (_, POLL) => self.polling = false,
             _ => {}

@@ -6,6 +6,7 @@ use crate::core::api::call::HttpCall;
 use crate::core::api::head::HeadEdit;
 use crate::core::api::note::Note;
 use crate::core::api::reply::Reply;
+use crate::core::observe::log_fields::{self, Answered};
 
 /// Writes a line to Envoy's log.
 pub fn log(level: i32, line: &str) {
@@ -186,6 +187,22 @@ pub fn send_head(filter: EnvoyFilter, head: &[(String, String)]) {
 pub fn send_data(filter: EnvoyFilter, data: &[u8], last: bool) {
     // SAFETY: the data lives until the call returns.
     unsafe { abi::envoy_dynamic_module_callback_http_send_response_data(filter, ModuleBuffer::of(data), last) }
+}
+
+/// Publishes what the access log shows of the request (`log_fields::values`), each as
+/// filter state `wasm.<name>`, where the plugin publishes it.
+pub fn publish(filter: EnvoyFilter, answered: &Answered<'_>) {
+    for (name, value) in log_fields::values(answered) {
+        let key = format!("wasm.{name}");
+        // SAFETY: both buffers live until the call returns.
+        unsafe {
+            abi::envoy_dynamic_module_callback_http_set_filter_state_bytes(
+                filter,
+                ModuleBuffer::of(key.as_bytes()),
+                ModuleBuffer::of(value.as_bytes()),
+            );
+        }
+    }
 }
 
 /// The names of the connection's verified client certificate (its first DNS and URI SANs),

@@ -21,6 +21,7 @@ use crate::core::config::Config;
 use crate::core::intake::kept::Kept;
 use crate::core::intake::recall::Recall;
 use crate::core::observe::meters::Meters;
+use crate::core::observe::metrics::LastUsage;
 use stats::EnvoyStats;
 use std::cell::RefCell;
 use std::collections::hash_map::RandomState;
@@ -70,6 +71,8 @@ struct Worker {
     env: Rc<Environment>,
     recall: Recall,
     meters: Meters<EnvoyStats>,
+    /// The usage of the answer published last (followers share one answer).
+    log_usage: LastUsage,
 }
 
 /// Configurations a worker keeps its state for at once (listeners with configurations of
@@ -90,6 +93,7 @@ fn with_worker<T>(shared: &Shared, f: impl FnOnce(&mut Worker) -> T) -> T {
                 env: Rc::new(shared.env.clone()),
                 recall: Recall::new(&shared.config, RandomState::new().hash_one(()), true),
                 meters: shared.meters.clone(),
+                log_usage: LastUsage::default(),
             },
         };
         let out = f(&mut worker);
@@ -101,6 +105,11 @@ fn with_worker<T>(shared: &Shared, f: impl FnOnce(&mut Worker) -> T) -> T {
 
 fn worker_env(shared: &Shared) -> Rc<Environment> {
     with_worker(shared, |w| w.env.clone())
+}
+
+/// The usage `body` (an answer) carries, parsed once for the answers of one flight.
+fn usage_of(shared: &Shared, body: &[u8]) -> Option<crate::core::api::usage::Usage> {
+    with_worker(shared, |w| w.log_usage.of(body))
 }
 
 /// Counts with this worker's meters for `shared`.

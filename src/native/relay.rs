@@ -12,6 +12,7 @@ use super::tails::Publisher;
 use super::wake;
 use crate::core::api::headers;
 use crate::core::api::hints::ProviderHints;
+use crate::core::api::usage::Usage;
 use crate::core::coalesce::engine::Engine;
 use crate::core::config::Config;
 use crate::core::flight::leader::{Leader, Over};
@@ -91,20 +92,21 @@ impl Live {
     /// The stream ended (`complete`: its last byte came). The answer is shared first (the
     /// cache, the flight's waiters, the tail's end), then the client gets its last events:
     /// a client that stops reading at `[DONE]` asks again only once that is a HIT. A stream
-    /// that broke off ends with an error event.
+    /// that broke off ends with an error event. The usage the stream carried with it.
     pub fn finish<S: CasStore>(
         self: Box<Self>,
         envoy: EnvoyFilter,
         engine: &Engine<'_, S>,
         leader: &mut Leader,
         complete: bool,
-    ) -> Over {
+    ) -> (Over, Option<Usage>) {
         let Live { mut events, hints, tail, behind, .. } = *self;
         let last = match complete {
             true => events.pass(&[], true).unwrap_or_default(),
             false => cut_event(),
         };
         let end = events.end(complete, (Some(200), 1), hints);
+        let usage = end.usage;
         let over = leader.on_stream_end(engine, end, wake::now_ms());
         if let Some(tail) = tail {
             tail.end(complete);
@@ -112,7 +114,7 @@ impl Live {
         if behind.is_some() {
             host::send_data(envoy, &last, true);
         }
-        over
+        (over, usage)
     }
 
     /// The leader's client left mid-stream: how far the stream got, for what it is charged

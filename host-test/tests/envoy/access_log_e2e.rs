@@ -1,8 +1,9 @@
 //! Per-request fields in Envoy's access log: the JSON access log of `envoy/production.yaml`
 //! on the edge listener of a real Envoy (2 workers), and what it prints for a MISS, its
-//! COALESCED followers, a HIT and a 429.
+//! COALESCED followers, a HIT and a 429, on the plugin and on the native module.
 
 use host_test::client::Resp;
+use host_test::envoy::Shell;
 use host_test::stack::key_digest;
 use host_test::stack::{poll_until, prompt, prompt_for, Stack};
 use serde_json::Value;
@@ -27,7 +28,16 @@ fn field(line: &Value, name: &str) -> String {
 
 #[test]
 fn the_access_log_shows_each_answers_cache_models_tokens_cost_and_wait() {
-    let log = std::env::temp_dir().join(format!("holysheep-access-{}.log", std::process::id()));
+    the_access_log_shows_each_answer(Shell::Wasm);
+}
+
+#[test]
+fn the_native_modules_access_log_shows_the_same() {
+    the_access_log_shows_each_answer(Shell::Native);
+}
+
+fn the_access_log_shows_each_answer(shell: Shell) {
+    let log = std::env::temp_dir().join(format!("holysheep-access-{}-{shell:?}.log", std::process::id()));
     let _ = std::fs::remove_file(&log);
     let config = format!(
         r#"{{"log_fields":true,"models":{{"gpt-4.1":{{"usd_per_mtok_input":2.0,"usd_per_mtok_output":8.0}},
@@ -41,6 +51,7 @@ fn the_access_log_shows_each_answers_cache_models_tokens_cost_and_wait() {
         |o| {
             o.api_key = Some(OPERATOR.into());
             o.shipped_access_log = Some(log.clone());
+            o.shell = shell;
         },
         Some(OPERATOR),
     );

@@ -9,6 +9,8 @@
 //! [--wasm PATH] [--tls-dir DIR [--peer-san SAN]]`: `envoy/edge.yaml.tmpl` for an edge node in
 //! front of a shield tier. `--tls-dir`: mutual TLS between the nodes with the certificates
 //! `envoy/fleet-certs.sh DIR` made (`--peer-san`: their URI SAN, `spiffe://holysheep/fleet`).
+//! `envoy-render production-native OUT [--from envoy/production.yaml]`: the production
+//! configuration with the native module in place of the plugin (docs/native.md).
 //! Run from the repository root (the templates and the default paths are relative to it);
 //! `--wasm` defaults to `target/plugin/holysheep_edge.wasm`, `--direct-body` to
 //! `.run/direct.json`. The placeholders' meanings are in the library's documentation.
@@ -24,7 +26,8 @@ fn usage() -> ! {
          envoy-render fleet OUT --admin-port N --public-port N --owner-port N --owner-ports N,N,... \
          [--config JSON] [--mock-port N] [--wasm PATH] [--tls-dir DIR [--peer-san SAN]]\n       \
          envoy-render edge OUT --admin-port N --public-port N --owner-ports N,N,... [--config JSON] [--wasm PATH] \
-         [--tls-dir DIR [--peer-san SAN]]"
+         [--tls-dir DIR [--peer-san SAN]]\n       \
+         envoy-render production-native OUT [--from PATH]"
     );
     std::process::exit(2)
 }
@@ -125,6 +128,11 @@ fn main() {
         }
         .render(&template("edge.yaml.tmpl"))
         .map_err(|e| e.to_string()),
+        "production-native" => {
+            let from = flags.text("from", "envoy/production.yaml");
+            let yaml = std::fs::read_to_string(&from).unwrap_or_else(|e| fail(format!("{from}: {e}")));
+            envoy_render::production_native(&yaml)
+        }
         _ => usage(),
     };
     let yaml = rendered.unwrap_or_else(|e| fail(e));

@@ -4,7 +4,7 @@
 //! being addresses, ports, file paths and the CA. A certificate for another name is refused.
 
 use host_test::client::request;
-use host_test::envoy::{wasm_path, workspace_root, Envoy};
+use host_test::envoy::{native_dir, wasm_path, workspace_root, Envoy, Shell};
 use host_test::mock::Running;
 use host_test::stack::streamed;
 use host_test::stack::{poll_until, prompt, PATH};
@@ -137,12 +137,21 @@ fn scratch(name: &str) -> PathBuf {
 }
 
 fn start(dir: &Path, name: &str, mock: &Running) -> (Envoy, Nginx, SocketAddr) {
+    start_shell(dir, name, mock, Shell::Wasm)
+}
+
+/// `start` on `shell`: the native module's is `envoy-render production-native`'s variant.
+fn start_shell(dir: &Path, name: &str, mock: &Running, shell: Shell) -> (Envoy, Nginx, SocketAddr) {
     certificates(dir, name);
     let [tls, listen, admin] = host_test::ports::free(3).expect("ports")[..] else { unreachable!("three ports") };
     let server = nginx(dir, tls, mock.addr);
-    let yaml = production(dir, listen, admin, tls);
-    let envoy =
-        Envoy::spawn(dir.join("envoy"), &yaml, 2, &[("HOLYSHEEP_API_KEY", KEY.to_owned())]).expect("envoy starts");
+    let mut yaml = production(dir, listen, admin, tls);
+    let mut env = vec![("HOLYSHEEP_API_KEY", KEY.to_owned())];
+    if shell == Shell::Native {
+        yaml = envoy_render::production_native(&yaml).expect("the native variant");
+        env.push(("ENVOY_DYNAMIC_MODULES_SEARCH_PATH", native_dir().display().to_string()));
+    }
+    let envoy = Envoy::spawn(dir.join("envoy"), &yaml, 2, &env).expect("envoy starts");
     (envoy, server, SocketAddr::from(([127, 0, 0, 1], listen)))
 }
 
@@ -178,5 +187,33 @@ fn the_production_transport_speaks_tls_and_http2_and_checks_the_name() {
     assert_eq!(refused.json()["error"]["code"], "upstream_error", "an OpenAI-shaped error: {}", refused.text());
     assert_eq!(mock.mock.calls(), calls, "nothing reached the server with the wrong name");
     assert!(envoy.stat("cluster.holysheep.ssl.fail_verify_san") >= 1, "the SAN check refused it");
+    assert!(envoy.crashes().is_empty());
+}
+
+/// The production configuration's native variant (`envoy-render production-native`), run
+/// for real: a MISS, a HIT and a stream over TLS and HTTP/2, and the access log's fields.
+#[test]
+fn the_production_configurations_native_variant_serves_over_tls() {
+    let mock = Running::start(Some(KEY), 0).expect("mock");
+    let dir = scratch("production-native");
+    std::fs::create_dir_all(dir.join("envoy")).expect("dir");
+    let (envoy, _nginx, edge) = start_shell(&dir, "api.holysheep.ai", &mock, Shell::Native);
+    let auth = [("authorization", "Bearer client")];
+    let body = prompt("over tls, natively");
+    let miss = request(edge, "POST", PATH, &auth, body.as_bytes()).expect("answer");
+    assert_eq!((miss.status, miss.cache()), (200, "MISS"), "{}", miss.text());
+    assert_eq!(request(edge, "POST", PATH, &auth, body.as_bytes()).expect("answer").cache(), "HIT");
+    let stream = request(edge, "POST", PATH, &auth, streamed(&prompt("a native stream")).as_bytes()).expect("answer");
+    assert!(stream.text().contains("data: [DONE]"), "{}", stream.text());
+    assert_eq!(mock.mock.calls(), 2);
+    let log = std::fs::read_to_string(dir.join("access.log")).unwrap_or_default();
+    assert!(log.lines().count() >= 2 && log.lines().all(|l| l.starts_with("HTTP/2.0 ")), "HTTP/2 to HolySheep: {log}");
+    poll_until(
+        || std::fs::read_to_string(dir.join("envoy-access.log")).is_ok_and(|l| l.lines().count() >= 3),
+        "the access log never had the three requests",
+    );
+    let access = std::fs::read_to_string(dir.join("envoy-access.log")).unwrap_or_default();
+    let hit = access.lines().find(|l| l.contains(r#""holysheep.cache":"HIT""#));
+    assert!(hit.is_some_and(|l| l.contains(r#""gen_ai.request.model":"gpt-4.1""#)), "{access}");
     assert!(envoy.crashes().is_empty());
 }

@@ -7,6 +7,7 @@
 use super::abi::{self, EnvoyFilter};
 use super::host;
 use super::relay::Answer as Streamed;
+use super::stats::EnvoyStats;
 use super::store::ProcessStore;
 use super::tails::{self, Following};
 use super::wake::{self, Waker, POLL, RENEW, TAIL, TIMER, WAKE};
@@ -25,6 +26,7 @@ use crate::core::intake::door::{Door, Entry};
 use crate::core::intake::recall::{Admitted, Decided};
 use crate::core::intake::Head;
 use crate::core::observe::log_fields::Served;
+use crate::core::observe::meters::Stopwatch;
 use crate::core::observe::metrics::{self, Counter};
 use crate::core::semantic::MAX_EMBEDDING_BYTES;
 use crate::core::upstream::{self, Outbound};
@@ -46,6 +48,8 @@ pub struct Filter {
     /// Its client reads slower than it is sent to: a follower sends nothing more until it
     /// catches up (the slot sets it from the watermark hooks).
     pressure: Rc<Cell<bool>>,
+    /// Times a governed request from when it arrived in full (with `log_fields`).
+    stopwatch: Stopwatch<EnvoyStats>,
 }
 
 /// A part of a streaming call's answer.
@@ -102,6 +106,7 @@ impl Filter {
             renewing: false,
             polling: false,
             pressure: Rc::default(),
+            stopwatch: Stopwatch::default(),
         }
     }
 
@@ -207,9 +212,11 @@ impl Filter {
             // A HIT this worker answered before from the same bytes: its counts resolved
             // then.
             Ok(Admitted::Kept(hit)) => {
-                super::count(&self.shared, |m| {
+                let (config, out) = (&self.shared.config, &hit.outbound);
+                self.stopwatch = super::with_meters(&self.shared, |m| {
                     m.hold(&hit.counters);
                     m.flush();
+                    m.stopwatch(config, &out.model, out.endpoint, out.stream, now)
                 });
                 if self.shared.config.log_fields {
                     host::publish(self.envoy, &hit.answered(&self.shared.config));
@@ -223,6 +230,9 @@ impl Filter {
             }
         };
         ended(finished);
+        let (config, out) = (&self.shared.config, &outbound);
+        self.stopwatch =
+            super::with_meters(&self.shared, |m| m.stopwatch(config, &out.model, out.endpoint, out.stream, now));
         self.run(step, Rc::new(outbound), Served::default());
     }
 
@@ -270,6 +280,7 @@ impl Filter {
     /// Sends `reply` in the form the request asked for, with the model's rate headers.
     fn send_reply(&mut self, reply: &Reply, outbound: &Outbound) {
         self.stage = Stage::Done;
+        self.stopwatch.chunk(wake::now_ms);
         let (reply, extra) = outbound.for_client(&ProcessStore, &self.shared.config, reply, wake::now_ms);
         host::send(self.envoy, &reply, &extra);
     }
@@ -401,6 +412,9 @@ impl Filter {
                 end.then_some(true)
             }
             Part::Data(bytes, end) => {
+                if !bytes.is_empty() {
+                    self.stopwatch.chunk(wake::now_ms);
+                }
                 if let Some(answer) = answer {
                     answer.pass(envoy, bytes, self.pressure.get());
                 }
@@ -463,7 +477,14 @@ impl Filter {
     /// ends it cut (`cut`: its leader is gone).
     fn pump(&mut self, cut: bool) {
         let Stage::Tailing { following, outbound, wait } = &mut self.stage else { return };
-        if self.pressure.get() || !following.pump(self.envoy, cut) {
+        if self.pressure.get() {
+            return;
+        }
+        let read = following.pump(self.envoy, cut);
+        if !read.bytes.is_empty() {
+            self.stopwatch.chunk(wake::now_ms);
+        }
+        if !read.last {
             return;
         }
         // Its stream ended: counted and published as the COALESCED answer it was, with what
@@ -542,6 +563,7 @@ impl Filter {
     /// so, one never sent costs nothing, its hold on its limits is released, and its lease
     /// is given up so that a waiter leads anew. Nothing more is sent.
     pub fn on_done(&mut self) {
+        self.stopwatch.stop(wake::now_ms);
         if let Some(waker) = self.waker.take() {
             waker.close();
         }

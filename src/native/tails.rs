@@ -197,15 +197,15 @@ impl Following {
     }
 
     /// Sends the client what the tail holds past what it has (`cut`: its leader is gone
-    /// without ending it, so it ends cut here); `true` once its stream ended.
-    pub fn pump(&mut self, envoy: EnvoyFilter, cut: bool) -> bool {
+    /// without ending it, so it ends cut here): what it sent, and whether its stream ended.
+    pub fn pump(&mut self, envoy: EnvoyFilter, cut: bool) -> Read {
         self.due.store(false, Ordering::Release);
         let (new, end) = self.tail.since(self.reader.at());
         let end = end.or(cut.then_some(TailEnd::Cut));
-        let Read { bytes, last } = self.reader.read(&new, end);
-        if !bytes.is_empty() || last {
-            host::send_data(envoy, &bytes, last);
+        let read = self.reader.read(&new, end);
+        if !read.bytes.is_empty() || read.last {
+            host::send_data(envoy, &read.bytes, read.last);
         }
-        last
+        read
     }
 }

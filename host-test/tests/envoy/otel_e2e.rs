@@ -5,6 +5,7 @@
 
 use holysheep_otlp::{Attributes, Kind, Received, Receiver};
 use host_test::client::{request, Conn};
+use host_test::envoy::Shell;
 use host_test::mock::Fault;
 use host_test::stack::{key_digest, poll_until, prompt, streamed, Stack, PATH};
 use std::time::Duration;
@@ -55,6 +56,15 @@ fn token_usage(got: &Received, token_type: &str) -> Option<(u64, f64)> {
 
 #[test]
 fn a_collector_receives_a_miss_its_coalesced_waiters_and_a_hit_with_what_holysheep_billed() {
+    a_collector_receives_what_holysheep_billed(Shell::Wasm);
+}
+
+#[test]
+fn from_the_native_module_a_collector_receives_the_same() {
+    a_collector_receives_what_holysheep_billed(Shell::Native);
+}
+
+fn a_collector_receives_what_holysheep_billed(shell: Shell) {
     let otlp = Receiver::start().expect("the receiver starts");
     let config = format!(
         r#"{{"log_fields":true,"models":{{"gpt-4.1":{{"usd_per_mtok_input":2.0,"usd_per_mtok_output":8.0}}}},
@@ -67,6 +77,7 @@ fn a_collector_receives_a_miss_its_coalesced_waiters_and_a_hit_with_what_holyshe
         |o| {
             o.api_key = Some(OPERATOR.into());
             o.otel = Some(otlp.addr);
+            o.shell = shell;
         },
         Some(OPERATOR),
     );
@@ -206,11 +217,28 @@ fn timing(got: &Received, metric: &str, bound: f64) -> Option<(u64, u64)> {
 
 #[test]
 fn each_answers_duration_and_a_streams_first_chunk_reach_the_collector_in_milliseconds() {
+    each_answers_duration_reaches_the_collector(Shell::Wasm);
+}
+
+#[test]
+fn the_native_modules_durations_reach_the_collector_alike() {
+    each_answers_duration_reaches_the_collector(Shell::Native);
+}
+
+fn each_answers_duration_reaches_the_collector(shell: Shell) {
     // HolySheep takes a second before it answers: a MISS lasts longer than 640 ms (a
     // bucket bound), a HIT far less.
     let otlp = Receiver::start().expect("the receiver starts");
     let config = r#"{"log_fields":true,"models":{"gpt-4.1":{}}}"#;
-    let s = Stack::start_tuned(config, 1_000, |o| o.otel = Some(otlp.addr), None);
+    let s = Stack::start_tuned(
+        config,
+        1_000,
+        |o| {
+            o.otel = Some(otlp.addr);
+            o.shell = shell;
+        },
+        None,
+    );
     let stream = s.chat(&streamed(&prompt("timed stream")), &[]);
     assert_eq!((stream.status, stream.cache()), (200, "MISS"));
     assert_eq!(s.chat(&prompt("timed answer"), &[]).cache(), "MISS");

@@ -546,7 +546,7 @@ impl Envoy {
     /// Lines of Envoy's log that say a VM crashed (a panic, a V8 exception such as
     /// `RangeError: Maximum call stack size exceeded`, a failed VM).
     pub fn crashes(&self) -> Vec<String> {
-        let signs = ["panicked", "Uncaught", "RangeError", "VM failed", "wasm_vm_failed"];
+        let signs = ["panicked", "Uncaught", "RangeError", "VM failed", "wasm_vm_failed", "a panic was caught"];
         self.log().lines().filter(|l| signs.iter().any(|s| l.contains(s))).map(str::to_owned).collect()
     }
 

@@ -1,9 +1,9 @@
 //! `make soak`: SOAK_SECONDS (default 600) of mixed traffic through Envoy (2 workers) with
-//! the plugin and the mock: repeated prompts (HITs), distinct prompts (MISSes), streams,
+//! the plugin (or, with `HOLYSHEEP_TEST_SHELL=native`, the native module) and the mock: repeated prompts (HITs), distinct prompts (MISSes), streams,
 //! bad input, a crowd of identical prompts every 10 s, and the mock failing now and then
 //! (503, 429 with retry-after, resets). Envoy's RSS is sampled every 10 s. It passes when,
-//! after the first minute (warm-up), RSS stays within 10 % of its first sample, and no VM
-//! crashed. Not a test: it prints what it saw and exits non-zero on a failure.
+//! after the first minute (warm-up), RSS stays within 10 % of its first sample, no VM
+//! crashed (nor a hook panicked), and Envoy is still running. Not a test: it prints what it saw and exits non-zero on a failure.
 
 use host_test::client::Conn;
 use host_test::envoy::{Envoy, Options};
@@ -101,6 +101,8 @@ fn main() -> std::io::Result<()> {
     let first = after.first().copied().unwrap_or(0).max(1);
     let worst = after.iter().map(|r| (*r as f64 / first as f64 - 1.0).abs()).fold(0.0, f64::max);
     let crashes = envoy.crashes();
+    // A process that died (a zombie until reaped) has no resident memory.
+    let alive = rss_kib(pid) > 0;
     println!(
         "soak: {secs}s, {} requests ({} failed), {} upstream calls; RSS after warm-up {first} KiB, largest deviation {:.1} %; {} VM crash lines",
         sent.load(Ordering::Relaxed),
@@ -109,7 +111,10 @@ fn main() -> std::io::Result<()> {
         worst * 100.0,
         crashes.len()
     );
-    let ok = worst <= 0.10 && crashes.is_empty() && !after.is_empty();
+    let ok = worst <= 0.10 && crashes.is_empty() && !after.is_empty() && alive;
+    if !alive {
+        println!("soak: Envoy is gone");
+    }
     println!("soak: {}", if ok { "PASSED" } else { "FAILED" });
     if !ok {
         std::process::exit(1);

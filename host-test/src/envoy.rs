@@ -43,6 +43,16 @@ pub enum Shell {
 }
 
 impl Shell {
+    /// What Envoy's Prometheus format puts before the edge's series on this shell: nothing
+    /// on the plugin (Envoy strips its stats namespace), `envoy_wasmcustom_` on the native
+    /// module (the shipped Prometheus configuration renames those).
+    pub fn prometheus_prefix(self) -> &'static str {
+        match self {
+            Shell::Wasm => "",
+            Shell::Native => "envoy_wasmcustom_",
+        }
+    }
+
     /// The shell a test runs on unless it names one: `HOLYSHEEP_TEST_SHELL=native` runs the
     /// suite on the native module, anything else on the plugin.
     pub fn of_run() -> Shell {

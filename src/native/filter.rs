@@ -392,7 +392,7 @@ impl Filter {
         let sent = upstream::Sent { envoy: true, ..leader.sent() };
         let (response, hints) = upstream::response(status, &headers, body, sent);
         if hints.key_refused {
-            host::log(abi::LOG_ERROR, "holysheep: HolySheep refused the configured key");
+            super::key_refused(&self.shared, status);
         }
         let next = leader.on_response(&engine, Some(response), &hints, at);
         self.advance(next);

@@ -22,6 +22,7 @@ use crate::core::intake::kept::Kept;
 use crate::core::intake::recall::Recall;
 use crate::core::observe::meters::Meters;
 use crate::core::observe::metrics::LastUsage;
+use crate::core::observe::notices::Notices;
 use stats::EnvoyStats;
 use std::cell::RefCell;
 use std::collections::hash_map::RandomState;
@@ -73,6 +74,8 @@ struct Worker {
     meters: Meters<EnvoyStats>,
     /// The usage of the answer published last (followers share one answer).
     log_usage: LastUsage,
+    /// What it logged last of what it saw change (HolySheep refusing the key).
+    notices: Notices,
 }
 
 /// Configurations a worker keeps its state for at once (listeners with configurations of
@@ -94,6 +97,7 @@ fn with_worker<T>(shared: &Shared, f: impl FnOnce(&mut Worker) -> T) -> T {
                 recall: Recall::new(&shared.config, RandomState::new().hash_one(()), true),
                 meters: shared.meters.clone(),
                 log_usage: LastUsage::default(),
+                notices: Notices::default(),
             },
         };
         let out = f(&mut worker);
@@ -105,6 +109,13 @@ fn with_worker<T>(shared: &Shared, f: impl FnOnce(&mut Worker) -> T) -> T {
 
 fn worker_env(shared: &Shared) -> Rc<Environment> {
     with_worker(shared, |w| w.env.clone())
+}
+
+/// HolySheep refused the configured key with `status` (logged, at most so often per
+/// worker).
+fn key_refused(shared: &Shared, status: u16) {
+    let note = with_worker(shared, |w| w.notices.key_refused(&shared.config, status, wake::now_ms()));
+    host::note(note);
 }
 
 /// The usage `body` (an answer) carries, parsed once for the answers of one flight.

@@ -2,6 +2,7 @@
 //! with the built plugin in real Envoy (2 workers) and the mock HolySheep.
 
 use host_test::client::Resp;
+use host_test::envoy::Shell;
 use host_test::mock::Fault;
 use host_test::stack::{count, poll_until, prompt, prompt_for, Stack};
 use std::time::{Duration, Instant};
@@ -57,8 +58,10 @@ fn a_few_requests_per_minute_give_the_exact_429_sequence() {
     assert_eq!(metrics.get("wasmcustom.holysheep.gpt-4.1.rate_limited"), Some(&1));
     assert_eq!(metrics.get("wasmcustom.holysheep.gpt-4.1.upstream_calls"), Some(&3));
     let prometheus = host_test::client::request(s.envoy.admin, "GET", "/stats/prometheus", &[], b"").unwrap().text();
-    // The stats tags make the model and the cache status labels.
-    let hit = r#"holysheep_requests{gen_ai_request_model="gpt-4.1",holysheep_cache="hit"} 1"#;
+    // The stats tags make the model and the cache status labels (Envoy prefixes the native
+    // module's series; the shipped Prometheus configuration renames them).
+    let prefix = Shell::of_run().prometheus_prefix();
+    let hit = format!(r#"{prefix}holysheep_requests{{gen_ai_request_model="gpt-4.1",holysheep_cache="hit"}} 1"#);
     assert!(prometheus.lines().any(|l| l == hit), "{prometheus}");
 }
 

@@ -86,8 +86,9 @@ fn a_critical_request_is_the_next_call_after_ten_queued_sheddable_ones() {
         "no reserve in a cap of one: they waited"
     );
     // Histograms reach the admin endpoint at Envoy's next stats flush.
-    let series = r#"holysheep_priority_admission_wait_ms_count{holysheep_priority="critical"}"#;
-    poll_until(|| prometheus_has(&s, series), "the critical wait was never recorded");
+    let prefix = host_test::envoy::Shell::of_run().prometheus_prefix();
+    let series = format!(r#"{prefix}holysheep_priority_admission_wait_ms_count{{holysheep_priority="critical"}}"#);
+    poll_until(|| prometheus_has(&s, &series), "the critical wait was never recorded");
     assert!(s.crashes().is_empty(), "{:?}", s.crashes());
 }
 

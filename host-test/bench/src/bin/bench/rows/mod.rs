@@ -9,6 +9,7 @@ pub mod edge;
 pub mod endpoints;
 pub mod fleet;
 pub mod native;
+pub mod nginx;
 pub mod priority;
 pub mod scan;
 pub mod semantic;

@@ -1,6 +1,7 @@
 //! The native module against the plugin and Envoy's own floors, each shell in its own Envoy
 //! (two workers) on one mock, alternating in one run: a HIT against `direct_response` with
-//! the same body, a MISS against a plain proxy to the same mock.
+//! the same body, a MISS against a plain proxy to the same mock; then nginx's
+//! `proxy_cache` beside the native HIT (`nginx`).
 
 use crate::load::{expect_all, load, unique_prompts, Prompts, PATH};
 use crate::report::Report;
@@ -72,5 +73,5 @@ pub fn native_rows(
     for (what, value) in ratios {
         r.ratio(what, value, "");
     }
-    Ok(())
+    super::nginx::nginx_rows(r, rounds, (conns, secs), hit_prompt)
 }

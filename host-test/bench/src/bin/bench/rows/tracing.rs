@@ -2,7 +2,8 @@
 //! logger, stats sink) sending to a receiver, against the same Envoy configuration without
 //! them, alternating in the same run; and with 1% of requests traced (every one still
 //! logged). All publish the access-log values (`log_fields`), so the rows compare what
-//! Envoy's exporters add.
+//! Envoy's exporters add. On the plugin, or with `HOLYSHEEP_TEST_SHELL=native` on the native
+//! module.
 
 use crate::load::{expect_all, load, unique_prompts, PATH};
 use crate::report::Report;
@@ -70,8 +71,9 @@ pub fn tracing_rows(
     r.ratio("MISS with OpenTelemetry, 1% traced / MISS without", sampled_miss_ratio, "");
     let got = receiver.received();
     r.note(format!(
-        "OpenTelemetry rows: the receiver (in the bench's process) took {} spans, {} log records and {} \
+        "OpenTelemetry rows on the {:?} shell: the receiver (in the bench's process) took {} spans, {} log records and {} \
          metric points in {} export requests",
+        host_test::envoy::Shell::of_run(),
         got.counts[0],
         got.counts[1],
         got.counts[2],

@@ -32,9 +32,12 @@ run() {
 # holds it for clippy while the Envoy suite runs.
 # The Envoy suite on the plugin, then on the native module (less what
 # host-test/tests/envoy/native-skips.txt leaves out, and why).
+# Each shell's run counts: the second runs whatever the first did.
 native_skips=$(sed 's/#.*//' host-test/tests/envoy/native-skips.txt | awk 'NF {printf "--skip %s ", $1}')
-run envoy bash -c "cargo test --workspace --test envoy &&
-    HOLYSHEEP_TEST_SHELL=native cargo test --workspace --test envoy -- $native_skips"
+# shellcheck disable=SC2086 # one argument per word of the list
+run envoy bash -c 'cargo test --workspace --test envoy; plugin=$?
+    HOLYSHEEP_TEST_SHELL=native cargo test --workspace --test envoy -- "$@"; native=$?
+    exit $((plugin | native))' envoy $native_skips
 for _ in $(seq 300); do
     grep -q "Running" "$out/envoy.log" 2>/dev/null || [ -e "$out/envoy.rc" ] && break
     sleep 0.2

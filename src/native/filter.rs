@@ -6,7 +6,7 @@
 
 use super::abi::{self, EnvoyFilter};
 use super::host;
-use super::relay::Answer as Streamed;
+use super::relay::{Answer as Streamed, Finished};
 use super::stats::EnvoyStats;
 use super::store::ProcessStore;
 use super::tails::{self, Following};
@@ -412,7 +412,8 @@ impl Filter {
                 end.then_some(true)
             }
             Part::Data(bytes, end) => {
-                if !bytes.is_empty() {
+                // Its client's first chunk (not a failed attempt's, which is read whole).
+                if !bytes.is_empty() && matches!(answer, Some(Streamed::Live(_))) {
                     self.stopwatch.chunk(wake::now_ms);
                 }
                 if let Some(answer) = answer {
@@ -439,7 +440,7 @@ impl Filter {
                 let Stage::Leading { mut leader, .. } = std::mem::replace(&mut self.stage, Stage::Done) else {
                     return;
                 };
-                let (over, usage) = live.finish(self.envoy, &self.engine(), &mut leader, complete);
+                let Finished { over, usage, last } = live.finish(&self.engine(), &mut leader, complete);
                 Filter::drain(&self.shared, &mut leader);
                 if let Some(ended) = &over.ended {
                     let (config, outbound) = (&self.shared.config, &leader.outbound);
@@ -449,6 +450,10 @@ impl Filter {
                     if config.log_fields {
                         host::publish(self.envoy, &outbound.answered(&ended.reply, over.served, usage).priced(config));
                     }
+                }
+                // Its end last: the access log is written at it.
+                if let Some(last) = last {
+                    host::send_data(self.envoy, &last, true);
                 }
                 ended(over.wake);
             }
@@ -480,27 +485,32 @@ impl Filter {
         if self.pressure.get() {
             return;
         }
-        let read = following.pump(self.envoy, cut);
+        let read = following.next(cut);
         if !read.bytes.is_empty() {
             self.stopwatch.chunk(wake::now_ms);
         }
         if !read.last {
+            if !read.bytes.is_empty() {
+                host::send_data(self.envoy, &read.bytes, false);
+            }
             return;
         }
-        // Its stream ended: counted and published as the COALESCED answer it was, with what
-        // it saved.
-        let (config, tenant) = (&self.shared.config, outbound.tenant.as_deref());
-        let (model, usage) = (following.served(), following.usage());
-        super::count(&self.shared, |m| m.count_followed(config, &outbound.model, &model, usage, tenant));
-        if config.log_fields {
-            let response = Response::json(200, Vec::new()).with_header(headers::MODEL, model);
-            let key = Some(wait.key.clone());
-            let reply = Reply { response, cache: Some(CacheStatus::Coalesced), key, age_s: None, fresh_s: None };
-            let served = Served::waited(wake::now_ms().saturating_sub(wait.since_ms));
-            let saved = outbound.answered(&reply, served, usage).priced(config);
-            host::publish(self.envoy, &saved);
+        // Its stream ends: a whole answer is counted and published as the COALESCED answer
+        // it was, with what it saved, before its end (the access log is written at it).
+        if read.complete {
+            let (config, tenant) = (&self.shared.config, outbound.tenant.as_deref());
+            let (model, usage) = (following.served(), following.usage());
+            super::count(&self.shared, |m| m.count_followed(config, &outbound.model, &model, usage, tenant));
+            if config.log_fields {
+                let response = Response::json(200, Vec::new()).with_header(headers::MODEL, model);
+                let key = Some(wait.key.clone());
+                let reply = Reply { response, cache: Some(CacheStatus::Coalesced), key, age_s: None, fresh_s: None };
+                let served = Served::waited(wake::now_ms().saturating_sub(wait.since_ms));
+                host::publish(self.envoy, &outbound.answered(&reply, served, usage).priced(config));
+            }
         }
         self.stage = Stage::Done;
+        host::send_data(self.envoy, &read.bytes, true);
     }
 
     /// A look at the tick (one at a time): a waiter's at its flight, a follower's at its

@@ -78,6 +78,25 @@ struct Worker {
     notices: Notices,
 }
 
+impl Worker {
+    /// This worker's state for `shared`, new to it: its budget gauges start from the records
+    /// as they stand (through the filter whose hook runs: the module has no other).
+    fn new(shared: &Shared) -> Worker {
+        let worker = Worker {
+            generation: shared.generation,
+            env: Rc::new(shared.env.clone()),
+            recall: Recall::new(&shared.config, RandomState::new().hash_one(()), true),
+            meters: shared.meters.clone(),
+            log_usage: LastUsage::default(),
+            notices: Notices::default(),
+        };
+        for tenant in shared.config.tenants.keys() {
+            worker.meters.record_budget(&ProcessStore, &shared.config, tenant, wake::now_ms());
+        }
+        worker
+    }
+}
+
 /// Configurations a worker keeps its state for at once (listeners with configurations of
 /// their own, and the one before a reload): the least recently used goes first.
 const CONFIGS_PER_WORKER: usize = 8;
@@ -91,14 +110,7 @@ fn with_worker<T>(shared: &Shared, f: impl FnOnce(&mut Worker) -> T) -> T {
     WORKERS.with_borrow_mut(|workers| {
         let mut worker = match workers.iter().position(|w| w.generation == shared.generation) {
             Some(at) => workers.remove(at),
-            None => Worker {
-                generation: shared.generation,
-                env: Rc::new(shared.env.clone()),
-                recall: Recall::new(&shared.config, RandomState::new().hash_one(()), true),
-                meters: shared.meters.clone(),
-                log_usage: LastUsage::default(),
-                notices: Notices::default(),
-            },
+            None => Worker::new(shared),
         };
         let out = f(&mut worker);
         workers.insert(0, worker);

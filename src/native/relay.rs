@@ -31,6 +31,14 @@ pub enum Answer {
     Live(Box<Live>),
 }
 
+/// How a relayed stream ended: the flight's end, the usage the stream carried, and the
+/// client's last events (`None`: it fell too far behind, and was sent its end already).
+pub struct Finished {
+    pub over: Over,
+    pub usage: Option<Usage>,
+    pub last: Option<Vec<u8>>,
+}
+
 pub struct Live {
     events: Events,
     hints: ProviderHints,
@@ -90,16 +98,16 @@ impl Answer {
 
 impl Live {
     /// The stream ended (`complete`: its last byte came). The answer is shared first (the
-    /// cache, the flight's waiters, the tail's end), then the client gets its last events:
-    /// a client that stops reading at `[DONE]` asks again only once that is a HIT. A stream
-    /// that broke off ends with an error event. The usage the stream carried with it.
+    /// cache, the flight's waiters, the tail's end); the client's last events, for the
+    /// caller to send once it has counted and published the answer: a client that stops
+    /// reading at `[DONE]` asks again only once that is a HIT. A stream that broke off ends
+    /// with an error event.
     pub fn finish<S: CasStore>(
         self: Box<Self>,
-        envoy: EnvoyFilter,
         engine: &Engine<'_, S>,
         leader: &mut Leader,
         complete: bool,
-    ) -> (Over, Option<Usage>) {
+    ) -> Finished {
         let Live { mut events, hints, tail, behind, .. } = *self;
         let last = match complete {
             true => events.pass(&[], true).unwrap_or_default(),
@@ -111,10 +119,7 @@ impl Live {
         if let Some(tail) = tail {
             tail.end(complete);
         }
-        if behind.is_some() {
-            host::send_data(envoy, &last, true);
-        }
-        (over, usage)
+        Finished { over, usage, last: behind.map(|_| last) }
     }
 
     /// The leader's client left mid-stream: how far the stream got, for what it is charged

@@ -28,20 +28,25 @@ thread_local! {
 #[derive(Debug, Clone, Copy, Default)]
 pub struct EnvoyStats;
 
+/// Puts a thread-local back as it was when dropped (also when `f` panics).
+struct Restore(&'static std::thread::LocalKey<Cell<*mut c_void>>, *mut c_void);
+
+impl Drop for Restore {
+    fn drop(&mut self) {
+        self.0.set(self.1);
+    }
+}
+
 /// Runs `f` with `config` as the configuration metrics are defined on.
 pub fn defining<T>(config: *mut c_void, f: impl FnOnce() -> T) -> T {
-    let before = CONFIG.replace(config);
-    let out = f();
-    CONFIG.set(before);
-    out
+    let _restore = Restore(&CONFIG, CONFIG.replace(config));
+    f()
 }
 
 /// Runs `f` with `filter` as the filter metrics are counted through.
 pub fn counting<T>(filter: EnvoyFilter, f: impl FnOnce() -> T) -> T {
-    let before = FILTER.replace(filter);
-    let out = f();
-    FILTER.set(before);
-    out
+    let _restore = Restore(&FILTER, FILTER.replace(filter));
+    f()
 }
 
 impl Meter for EnvoyStats {

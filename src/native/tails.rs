@@ -196,16 +196,11 @@ impl Following {
         self.reader.usage()
     }
 
-    /// Sends the client what the tail holds past what it has (`cut`: its leader is gone
-    /// without ending it, so it ends cut here): what it sent, and whether its stream ended.
-    pub fn pump(&mut self, envoy: EnvoyFilter, cut: bool) -> Read {
+    /// What the client gets next of the tail past what it has (`cut`: its leader is gone
+    /// without ending it, so it ends cut here); the caller sends it.
+    pub fn next(&mut self, cut: bool) -> Read {
         self.due.store(false, Ordering::Release);
         let (new, end) = self.tail.since(self.reader.at());
-        let end = end.or(cut.then_some(TailEnd::Cut));
-        let read = self.reader.read(&new, end);
-        if !read.bytes.is_empty() || read.last {
-            host::send_data(envoy, &read.bytes, read.last);
-        }
-        read
+        self.reader.read(&new, end.or(cut.then_some(TailEnd::Cut)))
     }
 }

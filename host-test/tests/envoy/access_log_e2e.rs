@@ -5,7 +5,7 @@
 use host_test::client::Resp;
 use host_test::envoy::Shell;
 use host_test::stack::key_digest;
-use host_test::stack::{poll_until, prompt, prompt_for, Stack};
+use host_test::stack::{poll_until, prompt, prompt_for, streamed, Stack};
 use serde_json::Value;
 use std::path::PathBuf;
 
@@ -159,5 +159,12 @@ fn the_access_log_shows_each_answer(shell: Shell) {
         (field(&line, "gen_ai.operation.name"), field(&line, "path"), field(&line, "gen_ai.usage.input_tokens")),
         ("embeddings".into(), "/v1/embeddings".into(), "3".into())
     );
+    // A streamed MISS is logged with its stream's usage (published before its end).
+    let stream = s.chat(&streamed(&prompt("a logged stream")), &[("authorization", &auth)]);
+    assert_eq!((stream.status, stream.cache()), (200, "MISS"));
+    poll_until(|| lines(&log).len() >= 8, "the stream's access-log line never came");
+    let line = lines(&log).pop().expect("a line");
+    assert_eq!(field(&line, "holysheep.cache"), "MISS", "{line}");
+    assert!(field(&line, "gen_ai.usage.output_tokens").parse::<u64>().is_ok_and(|n| n > 0), "{line}");
     assert!(s.crashes().is_empty(), "{:?}", s.crashes());
 }

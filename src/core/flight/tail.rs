@@ -156,8 +156,10 @@ pub struct Reader {
 #[derive(Debug, PartialEq, Eq)]
 pub struct Read {
     pub bytes: Vec<u8>,
-    /// Its stream ends with these bytes.
+    /// Its stream ends with these bytes ...
     pub last: bool,
+    /// ... as HolySheep's did (not cut off, nor past the bound).
+    pub complete: bool,
 }
 
 impl Reader {
@@ -184,7 +186,7 @@ impl Reader {
     /// with an error event, which OpenAI's SDKs raise.
     pub fn read(&mut self, new: &[Arc<[u8]>], end: Option<TailEnd>) -> Read {
         if self.done {
-            return Read { bytes: Vec::new(), last: true };
+            return Read { bytes: Vec::new(), last: true, complete: false };
         }
         self.at = self.at.saturating_add(new.len());
         let complete = end == Some(TailEnd::Complete);
@@ -205,7 +207,7 @@ impl Reader {
             ))),
             _ => {}
         }
-        Read { bytes, last: self.done }
+        Read { bytes, last: self.done, complete }
     }
 }
 
@@ -270,7 +272,11 @@ mod tests {
         log.push(&ROLE[20..]);
         let mut early = Reader::new(&config, &follower(false));
         let (new, end) = log.since(early.at());
-        assert_eq!(early.read(new, end), Read { bytes: ROLE.to_vec(), last: false }, "live, whole events");
+        assert_eq!(
+            early.read(new, end),
+            Read { bytes: ROLE.to_vec(), last: false, complete: false },
+            "live, whole events"
+        );
         log.push(WORD);
         log.push(USAGE);
         // A follower joining now gets everything so far at once.
@@ -288,11 +294,15 @@ mod tests {
         assert!(contains(&got.bytes, WORD) && !contains(&got.bytes, USAGE), "no usage event unless asked");
         log.push(DONE);
         let (new, end) = log.since(late.at());
-        assert_eq!(late.read(new, end), Read { bytes: Vec::new(), last: false }, "[DONE] waits for the end");
+        assert_eq!(
+            late.read(new, end),
+            Read { bytes: Vec::new(), last: false, complete: false },
+            "[DONE] waits for the end"
+        );
         log.end(true);
         for reader in [&mut early, &mut late] {
             let (new, end) = log.since(reader.at());
-            assert_eq!(reader.read(new, end), Read { bytes: DONE.to_vec(), last: true });
+            assert_eq!(reader.read(new, end), Read { bytes: DONE.to_vec(), last: true, complete: true });
         }
     }
 
@@ -310,7 +320,7 @@ mod tests {
         assert!(!log.joinable(7), "a cut log takes no new follower");
         let (new, end) = log.since(reader.at());
         let got = reader.read(new, end);
-        assert!(got.last);
+        assert!(got.last && !got.complete);
         let text = String::from_utf8_lossy(&got.bytes).into_owned();
         assert!(
             text.starts_with("data: {\"error\":") && text.contains("stream_cut") && text.ends_with("\n\n"),
@@ -329,7 +339,7 @@ mod tests {
         let mut reader = Reader::new(&small, &follower(false));
         let (new, end) = log.since(reader.at());
         let got = reader.read(new, end);
-        assert!(got.last && got.bytes.starts_with(ROLE));
+        assert!(got.last && !got.complete && got.bytes.starts_with(ROLE));
         assert!(contains(&got.bytes, b"stream_too_large"));
     }
 

@@ -35,7 +35,7 @@
 //! floor, alternating), component (the wasi:http component's followers), and baseline: the HIT and
 //! the MISS against another build of the plugin named by HOLYSHEEP_BASELINE_WASM, in its
 //! own Envoy), native (the native module against the plugin, `direct_response` and a plain
-//! proxy), tail (live tails: 100 followers of a streamed MISS, native module and plugin),
+//! proxy; then nginx's proxy_cache beside its HIT, also alone as nginx), tail (live tails: 100 followers of a streamed MISS, native module and plugin),
 //! BENCH_CROWD (default 1000 identical requests for the follower delay), BENCH_CROWD_ROUNDS
 //! (default 3 crowds for the plugin and as many for the floor, alternating), BENCH_PROFILE=1
 //! (`perf record` on Envoy during each Envoy row: CPU per request in the filter's wasm code,
@@ -99,6 +99,7 @@ fn main() -> std::io::Result<()> {
             "native" => rows::native::native_rows(&mut r, rounds, (conns, secs), &prompt("benchmark prompt"))?,
             "start" => rows::start::start_rows(&mut r, &mock, rounds, &prompt("benchmark prompt"))?,
             "tail" => rows::tail::tail_rows(&mut r, rounds)?,
+            "nginx" => rows::nginx::nginx_rows(&mut r, rounds, (conns, secs), &prompt("benchmark prompt"))?,
             "scan" => rows::scan::scan_rows(&mut r)?,
             "tracing" => {
                 rows::tracing::tracing_rows(&mut r, &mock, rounds, (conns, secs), &prompt("benchmark prompt"))?

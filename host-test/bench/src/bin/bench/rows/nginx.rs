@@ -30,6 +30,7 @@ fn nginx(dir: &Path, port: u16, mock: SocketAddr) -> std::io::Result<Nginx> {
     let conf = format!(
         "daemon off;\nmaster_process off;\nworker_processes 1;\npid {d}/nginx.pid;\nerror_log {d}/error.log;\n\
          events {{ worker_connections 1024; }}\nhttp {{\n  access_log off;\n  \
+         keepalive_requests 100000000;\n  keepalive_timeout 300s;\n  \
          client_body_temp_path {d}/body;\n  proxy_temp_path {d}/proxy;\n  \
          proxy_cache_path {d}/cache keys_zone=answers:10m;\n  \
          server {{\n    listen 127.0.0.1:{port};\n    client_body_buffer_size 64k;\n    \

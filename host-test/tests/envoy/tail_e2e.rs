@@ -28,7 +28,7 @@ fn content(raw: &str) -> String {
 
 #[test]
 fn followers_get_each_event_as_the_leaders_client_does_whenever_they_join() {
-    let s = native("{}", 0);
+    let s = native(r#"{"models":{"gpt-4.1":{"usd_per_mtok_input":2,"usd_per_mtok_output":8}}}"#, 0);
     // The answer's head comes after a second (followers that come meanwhile wait for it),
     // and the stream stops after three events until the test releases it.
     s.mock.mock.plan(vec![Fault { delay_ms: 1_000, hold_after_events: Some(3), ..Fault::default() }]);
@@ -64,8 +64,11 @@ fn followers_get_each_event_as_the_leaders_client_does_whenever_they_join() {
     assert!(usage(&all[all.len() - 1].0), "the follower that asked gets the usage event");
     assert!(all[..all.len() - 1].iter().all(|(t, _)| !usage(t)), "no usage event unless asked");
     assert_eq!(s.calls(), 1, "one upstream call for the leader and its followers");
-    let stat = |name: &str| s.envoy.stat(&format!("wasmcustom.holysheep.other.{name}"));
+    let stat = |name: &str| s.envoy.stat(&format!("wasmcustom.holysheep.gpt-4.1.{name}"));
     assert_eq!((stat("requests_miss"), stat("requests_coalesced")), (1, 8), "the follower that left is not counted");
+    let spent = stat("cost_spent_microusd");
+    assert!(spent > 0, "the leader's call is priced");
+    assert_eq!(stat("cost_saved_microusd"), 8 * spent, "each follower saved what the call cost");
     let hit = s.chat(&prompt("native: a live tail"), &[]);
     assert_eq!((hit.status, hit.cache()), (200, "HIT"), "the finished stream was stored");
     assert_eq!(s.crashes(), Vec::<String>::new());

@@ -153,7 +153,7 @@ impl Filter {
             Door::Governed => {}
             Door::Refused { error, counted } => {
                 if counted {
-                    super::count(&shared, |m| m.count_refusal(error.code, None));
+                    super::with_meters(&shared, |m| m.count_refusal(error.code, None));
                 }
                 return self.reject(&error);
             }
@@ -224,7 +224,7 @@ impl Filter {
                 return self.send_reply(&hit.reply_at(now), &hit.outbound);
             }
             Err(e) => {
-                super::count(&self.shared, |m| m.count_refusal(e.code, tenant.as_deref()));
+                super::with_meters(&self.shared, |m| m.count_refusal(e.code, tenant.as_deref()));
                 self.reject(&e);
                 return;
             }
@@ -269,7 +269,7 @@ impl Filter {
     /// came to it), then sends it (`send_reply`).
     fn answer(&mut self, reply: &Reply, outbound: &Outbound, served: Served) {
         let config = &self.shared.config;
-        super::count(&self.shared, |m| m.count_reply(config, &outbound.model, reply, outbound.tenant.as_deref()));
+        super::with_meters(&self.shared, |m| m.count_reply(config, &outbound.model, reply, outbound.tenant.as_deref()));
         if config.log_fields {
             let usage = (reply.response.status == 200).then(|| super::usage_of(&self.shared, &reply.response.body));
             host::publish(self.envoy, &outbound.answered(reply, served, usage.flatten()).priced(config));
@@ -289,14 +289,14 @@ impl Filter {
     fn drain(shared: &Shared, leader: &mut Leader) {
         let events = std::mem::take(&mut leader.events);
         let (tenant, operation) = (leader.outbound.tenant.as_deref(), leader.outbound.endpoint.operation());
-        super::count(shared, |m| m.count_events(&shared.config, &events, tenant, operation));
+        super::with_meters(shared, |m| m.count_events(&shared.config, &events, tenant, operation));
     }
 
     /// Counts a flight's answer stored over another key's fresh one.
     fn count_evicted(shared: &Shared, ended: &Ended, outbound: &Outbound) {
         if ended.evicted {
             let label = metrics::label(&shared.config, &outbound.model);
-            super::count(shared, |m| m.count(vec![(label, Counter::Evicted, 1)], outbound.tenant.as_deref()));
+            super::with_meters(shared, |m| m.count(vec![(label, Counter::Evicted, 1)], outbound.tenant.as_deref()));
         }
     }
 
@@ -445,7 +445,7 @@ impl Filter {
                 if let Some(ended) = &over.ended {
                     let (config, outbound) = (&self.shared.config, &leader.outbound);
                     let tenant = outbound.tenant.as_deref();
-                    super::count(&self.shared, |m| m.count_reply(config, &outbound.model, &ended.reply, tenant));
+                    super::with_meters(&self.shared, |m| m.count_reply(config, &outbound.model, &ended.reply, tenant));
                     Filter::count_evicted(&self.shared, ended, outbound);
                     if config.log_fields {
                         host::publish(self.envoy, &outbound.answered(&ended.reply, over.served, usage).priced(config));
@@ -500,7 +500,7 @@ impl Filter {
         if read.complete {
             let (config, tenant) = (&self.shared.config, outbound.tenant.as_deref());
             let (model, usage) = (following.served(), following.usage());
-            super::count(&self.shared, |m| m.count_followed(config, &outbound.model, &model, usage, tenant));
+            super::with_meters(&self.shared, |m| m.count_followed(config, &outbound.model, &model, usage, tenant));
             if config.log_fields {
                 let response = Response::json(200, Vec::new()).with_header(headers::MODEL, model);
                 let key = Some(wait.key.clone());

@@ -135,11 +135,6 @@ fn usage_of(shared: &Shared, body: &[u8]) -> Option<crate::core::api::usage::Usa
     with_worker(shared, |w| w.log_usage.of(body))
 }
 
-/// Counts with this worker's meters for `shared`.
-fn count(shared: &Shared, f: impl FnOnce(&mut Meters<EnvoyStats>)) {
-    with_meters(shared, f)
-}
-
 /// `f` with this worker's meters for `shared`.
 fn with_meters<T>(shared: &Shared, f: impl FnOnce(&mut Meters<EnvoyStats>) -> T) -> T {
     with_worker(shared, |w| f(&mut w.meters))

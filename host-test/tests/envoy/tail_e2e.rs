@@ -19,6 +19,25 @@ fn client(s: &Stack, body: &str) -> Conn {
     c
 }
 
+/// A leader of the stream `body` that has its first event, and `n` followers that began on
+/// its tail.
+fn begun(s: &Stack, body: &str, n: usize) -> (Conn, Vec<Conn>) {
+    let mut leader = client(s, body);
+    leader.read_until(ROLE).expect("the first event");
+    let mut followers: Vec<Conn> = (0..n).map(|_| client(s, body)).collect();
+    for f in &mut followers {
+        f.read_until(ROLE).expect("a follower began");
+    }
+    (leader, followers)
+}
+
+/// `c`'s stream ends with the error event `code`, not `[DONE]`, and then ends.
+fn ends_with_error(c: &mut Conn, code: &str) {
+    let end = c.read_until(code).expect("the stream ends with an error event");
+    assert!(!end.contains(DONE), "{end}");
+    c.read_past_last_chunk().expect("and then ends");
+}
+
 /// The text the events of `raw` (a response read as it came) carry.
 fn content(raw: &str) -> String {
     let data = raw.lines().filter_map(|l| l.strip_prefix("data: ")).filter(|d| d.starts_with('{'));
@@ -79,17 +98,10 @@ fn when_the_leaders_client_leaves_its_followers_get_an_error_event_and_nothing_i
     let s = native("{}", 0);
     s.mock.mock.plan(vec![Fault { hold_after_events: Some(3), ..Fault::default() }]);
     let body = streamed(&prompt("native: the leader leaves its tail"));
-    let mut leader = client(&s, &body);
-    leader.read_until(ROLE).expect("the first event");
-    let mut followers: Vec<Conn> = (0..3).map(|_| client(&s, &body)).collect();
-    for f in &mut followers {
-        f.read_until(ROLE).expect("a follower began");
-    }
+    let (leader, mut followers) = begun(&s, &body, 3);
     drop(leader);
     for f in &mut followers {
-        let end = f.read_until("stream_cut").expect("the follower's stream ends with an error event");
-        assert!(!end.contains(DONE), "{end}");
-        f.read_past_last_chunk().expect("and then ends");
+        ends_with_error(f, "stream_cut");
     }
     let again = s.chat(&body, &[]);
     assert_eq!((again.status, again.cache()), (200, "MISS"), "nothing was stored of the cut stream");
@@ -103,16 +115,11 @@ fn a_stream_past_the_tails_bound_ends_its_followers_with_an_error_and_its_leader
     let s = native(r#"{"cache":{"max_entry_bytes":64}}"#, 0);
     s.mock.mock.plan(vec![Fault { hold_after_events: Some(1), ..Fault::default() }]);
     let body = streamed(&prompt("native: an answer longer than the tail may hold"));
-    let mut leader = client(&s, &body);
-    leader.read_until(ROLE).expect("the first event");
-    let mut follower = client(&s, &body);
-    follower.read_until(ROLE).expect("the follower began");
+    let (mut leader, mut followers) = begun(&s, &body, 1);
     s.mock.mock.release();
     let rest = leader.read_until(DONE).expect("the leader's client gets all of it");
     assert!(content(&rest).ends_with("may hold"), "{rest}");
-    let end = follower.read_until("stream_too_large").expect("the follower's stream ends with an error event");
-    assert!(!end.contains(DONE), "{end}");
-    follower.read_past_last_chunk().expect("and then ends");
+    ends_with_error(&mut followers[0], "stream_too_large");
     assert_eq!(s.calls(), 1);
     assert_eq!(s.crashes(), Vec::<String>::new());
 }
@@ -122,17 +129,10 @@ fn an_upstream_reset_mid_stream_ends_the_leader_and_its_followers_with_an_error_
     let s = native("{}", 0);
     s.mock.mock.plan(vec![Fault { hold_after_events: Some(2), cut_after_events: Some(4), ..Fault::default() }]);
     let body = streamed(&prompt("native: HolySheep cuts the stream"));
-    let mut leader = client(&s, &body);
-    leader.read_until(ROLE).expect("the first event");
-    let mut followers: Vec<Conn> = (0..3).map(|_| client(&s, &body)).collect();
-    for f in &mut followers {
-        f.read_until(ROLE).expect("a follower began");
-    }
+    let (mut leader, mut followers) = begun(&s, &body, 3);
     s.mock.mock.release();
     for c in std::iter::once(&mut leader).chain(followers.iter_mut()) {
-        let end = c.read_until("stream_cut").expect("every stream ends with an error event");
-        assert!(!end.contains(DONE), "{end}");
-        c.read_past_last_chunk().expect("and then ends");
+        ends_with_error(c, "stream_cut");
     }
     let again = s.chat(&body, &[]);
     assert_eq!((again.status, again.cache()), (200, "MISS"), "nothing was stored of the cut stream");

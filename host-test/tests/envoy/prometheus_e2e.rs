@@ -36,7 +36,7 @@ impl Drop for PathGuard {
 /// evaluating the rules every second) instead of every 15 s at 127.0.0.1:9901.
 fn start_prometheus(admin: SocketAddr) -> Prometheus {
     let deploy = workspace_root().join("deploy/prometheus");
-    let dir = std::env::temp_dir().join(format!("holysheep-prometheus-{}", std::process::id()));
+    let dir = std::env::temp_dir().join(format!("holysheep-prometheus-{}-{}", std::process::id(), admin.port()));
     std::fs::create_dir_all(&dir).expect("dir");
     let shipped = std::fs::read_to_string(deploy.join("prometheus.yml")).expect("prometheus.yml");
     // The rules as shipped, evaluated every second.

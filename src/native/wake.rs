@@ -99,7 +99,9 @@ fn run_timers() {
     loop {
         let now = now_ms();
         match due.order.peek().copied() {
-            Some(Reverse((at, seq))) if at <= now => {
+            // The clock counts whole milliseconds: a timer fires once its millisecond has
+            // passed, never within it (a Retry-After is never cut short).
+            Some(Reverse((at, seq))) if at < now => {
                 due.order.pop();
                 if let Some((waker, event)) = due.wakes.remove(&seq) {
                     if let Some(waker) = waker.upgrade() {
@@ -108,7 +110,7 @@ fn run_timers() {
                 }
             }
             Some(Reverse((at, _))) => {
-                let wait = Duration::from_millis(at.saturating_sub(now).max(1));
+                let wait = Duration::from_millis(at.saturating_add(1).saturating_sub(now).max(1));
                 due = t.changed.wait_timeout(due, wait).map(|(g, _)| g).unwrap_or_else(|p| p.into_inner().0);
             }
             None => due = t.changed.wait(due).unwrap_or_else(|p| p.into_inner()),

@@ -36,6 +36,8 @@ pub struct Header {
 }
 
 pub type EnvoyFilter = *mut c_void;
+/// Envoy's side of a filter configuration (`http_filter_config_envoy_ptr`).
+pub type EnvoyConfig = *mut c_void;
 pub type Scheduler = *mut c_void;
 
 /// `http_header_type`.
@@ -55,6 +57,8 @@ pub const STOP_ITERATION: i32 = 1;
 pub const STOP_AND_BUFFER: i32 = 1;
 /// `http_callout_init_result` and `http_callout_result`: success.
 pub const CALLOUT_OK: i32 = 0;
+/// `http_callout_init_result`: the call names a cluster Envoy does not know.
+pub const CALLOUT_CLUSTER_NOT_FOUND: i32 = 2;
 /// `metrics_result`: success.
 pub const METRICS_OK: i32 = 0;
 /// `attribute_id`: whether the connection is mutual TLS, and the peer certificate's first
@@ -169,6 +173,25 @@ extern "C" {
     pub fn envoy_dynamic_module_callback_http_filter_scheduler_new(filter: EnvoyFilter) -> Scheduler;
     pub fn envoy_dynamic_module_callback_http_filter_scheduler_commit(scheduler: Scheduler, event: u64);
     pub fn envoy_dynamic_module_callback_http_filter_scheduler_delete(scheduler: Scheduler);
+    pub fn envoy_dynamic_module_callback_http_filter_config_scheduler_new(config: EnvoyConfig) -> Scheduler;
+    pub fn envoy_dynamic_module_callback_http_filter_config_scheduler_commit(scheduler: Scheduler, event: u64);
+    pub fn envoy_dynamic_module_callback_http_filter_config_scheduler_delete(scheduler: Scheduler);
+    pub fn envoy_dynamic_module_callback_http_filter_config_http_callout(
+        config: EnvoyConfig,
+        id_out: *mut u64,
+        cluster: ModuleBuffer,
+        headers: *const Header,
+        headers_len: usize,
+        body: ModuleBuffer,
+        timeout_ms: u64,
+    ) -> i32;
+    pub fn envoy_dynamic_module_callback_http_filter_config_set_gauge(
+        config: EnvoyConfig,
+        id: usize,
+        label_values: *const ModuleBuffer,
+        label_values_len: usize,
+        value: u64,
+    ) -> i32;
     pub fn envoy_dynamic_module_callback_http_filter_get_attribute_bool(
         filter: EnvoyFilter,
         id: i32,

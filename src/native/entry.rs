@@ -1,5 +1,6 @@
-//! The hooks Envoy calls (all 21 the ABI requires), each handing its call to the filter or
-//! configuration it names, through the filter's `Slot`. A panic never crosses into Envoy (it
+//! The hooks Envoy calls (the 21 the ABI requires, and a configuration's round:
+//! `config_scheduled`, `config_http_callout_done`), each handing its call to the filter or
+//! configuration it names (a filter's through its `Slot`). A panic never crosses into Envoy (it
 //! would abort the process): every hook catches it and logs it. A request hook that panics
 //! answers its request with a 500, so that no governed request goes on ungoverned.
 
@@ -8,6 +9,7 @@ use super::filter::{Filter, Part};
 use super::slot::Slot;
 use super::{host, Shared};
 use crate::core::api::error::ApiError;
+use crate::core::api::headers;
 use crate::core::api::reply::Reply;
 use std::ffi::c_void;
 use std::panic::{catch_unwind, AssertUnwindSafe};
@@ -99,16 +101,80 @@ pub extern "C" fn envoy_dynamic_module_on_http_filter_config_destroy(config: *co
     guard((), || {
         if !config.is_null() {
             // SAFETY: made by `config_new` with `Box::into_raw`, freed once here.
-            drop(unsafe { Box::from_raw(config as *mut Arc<Shared>) });
+            let shared = unsafe { Box::from_raw(config as *mut Arc<Shared>) };
+            // Its filters may outlive it; its round goes with it.
+            shared.round.stop();
+        }
+    })
+}
+
+/// The configuration behind Envoy's module pointer.
+///
+/// SAFETY: `ptr` is a pointer `config_new` made, not yet destroyed.
+unsafe fn shared<'a>(ptr: *const c_void) -> Option<&'a Arc<Shared>> {
+    (ptr as *const Arc<Shared>).as_ref()
+}
+
+#[no_mangle]
+pub extern "C" fn envoy_dynamic_module_on_http_filter_config_scheduled(
+    envoy: abi::EnvoyConfig,
+    config: *const c_void,
+    event: u64,
+) {
+    guard((), || {
+        // SAFETY: see `shared`: Envoy wakes a configuration only while it lives.
+        if let (Some(shared), super::wake::ROUND) = (unsafe { shared(config) }, event) {
+            shared.round.run(envoy, shared);
         }
     })
 }
 
 #[no_mangle]
+pub extern "C" fn envoy_dynamic_module_on_http_filter_config_http_callout_done(
+    envoy: abi::EnvoyConfig,
+    config: *const c_void,
+    id: u64,
+    result: i32,
+    headers: *const Header,
+    headers_len: usize,
+    chunks: *const EnvoyBuffer,
+    chunks_len: usize,
+) {
+    guard((), || {
+        // SAFETY: see `shared`.
+        let Some(shared) = (unsafe { shared(config) }) else { return };
+        let answer = (result == abi::CALLOUT_OK).then(|| callout_answer(headers, headers_len, chunks, chunks_len));
+        let answer = answer.and_then(|(headers, body)| Some((headers::status(&headers)?, body)));
+        shared.round.answered(envoy, shared, id, answer);
+    })
+}
+
+/// A callout's answer, copied: its headers and its body.
+fn callout_answer(
+    headers: *const Header,
+    headers_len: usize,
+    chunks: *const EnvoyBuffer,
+    chunks_len: usize,
+) -> (Vec<(String, String)>, Vec<u8>) {
+    // SAFETY: Envoy's arrays of `*_len` entries, valid during this hook (copied here).
+    let headers = match headers.is_null() {
+        true => Vec::new(),
+        false => host::header_pairs(unsafe { std::slice::from_raw_parts(headers, headers_len) }),
+    };
+    let mut body = Vec::new();
+    if !chunks.is_null() {
+        for chunk in unsafe { std::slice::from_raw_parts(chunks, chunks_len) } {
+            body.extend_from_slice(&chunk.to_vec());
+        }
+    }
+    (headers, body)
+}
+
+#[no_mangle]
 pub extern "C" fn envoy_dynamic_module_on_http_filter_new(config: *const c_void, envoy: EnvoyFilter) -> *const c_void {
     guard(std::ptr::null(), || {
-        // SAFETY: a configuration `config_new` made, alive while Envoy makes its filters.
-        let Some(shared) = (unsafe { (config as *const Arc<Shared>).as_ref() }) else { return std::ptr::null() };
+        // SAFETY: see `shared`: alive while Envoy makes its filters.
+        let Some(shared) = (unsafe { shared(config) }) else { return std::ptr::null() };
         Box::into_raw(Box::new(Slot::new(Filter::new(shared.clone(), envoy)))) as *const c_void
     })
 }
@@ -190,17 +256,7 @@ pub extern "C" fn envoy_dynamic_module_on_http_filter_http_callout_done(
     chunks_len: usize,
 ) {
     slot_hook(ptr, |s| {
-        // SAFETY: Envoy's arrays of `*_len` entries, valid during this hook (copied here).
-        let headers = match headers.is_null() {
-            true => Vec::new(),
-            false => host::header_pairs(unsafe { std::slice::from_raw_parts(headers, headers_len) }),
-        };
-        let mut body = Vec::new();
-        if !chunks.is_null() {
-            for chunk in unsafe { std::slice::from_raw_parts(chunks, chunks_len) } {
-                body.extend_from_slice(&chunk.to_vec());
-            }
-        }
+        let (headers, body) = callout_answer(headers, headers_len, chunks, chunks_len);
         s.callout_done(id, result, headers, body);
     })
 }

@@ -1,7 +1,7 @@
 //! The callbacks of `abi` as the shell calls them: safe, copying what Envoy owns, and
 //! quiet when Envoy refuses (a filter already detached from its stream does nothing).
 
-use super::abi::{self, EnvoyBuffer, EnvoyFilter, Header, ModuleBuffer};
+use super::abi::{self, EnvoyBuffer, EnvoyConfig, EnvoyFilter, Header, ModuleBuffer};
 use crate::core::api::call::HttpCall;
 use crate::core::api::head::HeadEdit;
 use crate::core::api::note::Note;
@@ -170,6 +170,31 @@ fn start(filter: EnvoyFilter, call: &HttpCall, streamed: bool) -> Option<u64> {
         return None;
     }
     Some(id)
+}
+
+/// Makes `call` from the configuration `config`, on the main thread (its answer reaches
+/// `on_http_filter_config_http_callout_done`): its id, or Envoy's refusal
+/// (`http_callout_init_result`).
+pub fn config_callout(config: EnvoyConfig, call: &HttpCall) -> Result<u64, i32> {
+    let headers: Vec<Header> = call.headers.iter().map(|(n, v)| Header::of(n, v)).collect();
+    let (cluster, body) = (ModuleBuffer::of(call.cluster.as_bytes()), ModuleBuffer::of(&call.body));
+    let mut id = 0u64;
+    // SAFETY: every buffer lives until the call returns; Envoy writes the id it picks.
+    let result = unsafe {
+        abi::envoy_dynamic_module_callback_http_filter_config_http_callout(
+            config,
+            &mut id,
+            cluster,
+            headers.as_ptr(),
+            headers.len(),
+            body,
+            call.timeout_ms,
+        )
+    };
+    match result {
+        abi::CALLOUT_OK => Ok(id),
+        refused => Err(refused),
+    }
 }
 
 /// Starts the request's own answer with `head` (`:status` among it); its body follows by

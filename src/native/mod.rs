@@ -9,6 +9,7 @@ mod entry;
 mod filter;
 mod host;
 mod relay;
+mod round;
 mod slot;
 mod stats;
 mod store;
@@ -40,18 +41,19 @@ pub struct Shared {
     meters: Meters<EnvoyStats>,
     /// Which configuration this is: a worker's own copies follow it.
     generation: u64,
+    /// Its round on the main thread: the key's check and the spend store.
+    round: round::Round,
 }
 
 impl Shared {
     /// From the filter configuration's bytes (`filter_config`): the core's JSON, its
     /// metrics defined on Envoy's configuration `envoy`. `Err`: why it is refused, for the
     /// log.
-    fn parse(raw: &[u8], envoy: *mut std::ffi::c_void) -> Result<Shared, String> {
+    fn parse(raw: &[u8], envoy: abi::EnvoyConfig) -> Result<Shared, String> {
         let mut config = Config::parse(raw).map_err(|e| e.to_string())?;
         let unsupported = [
             (config.role != crate::core::config::Role::Owner, "role"),
             (config.fleet.shared_limits() || config.fleet.nodes > 1, "fleet"),
-            (config.budget_store.enabled(), "budget_store"),
             (!config.passthrough_paths.is_empty(), "passthrough_paths"),
         ];
         if let Some((_, field)) = unsupported.iter().find(|(set, _)| *set) {
@@ -61,7 +63,7 @@ impl Shared {
         static GENERATIONS: AtomicU64 = AtomicU64::new(0);
         let generation = GENERATIONS.fetch_add(1, Ordering::Relaxed);
         let meters = stats::defining(envoy, || Meters::define(EnvoyStats, &config));
-        Ok(Shared { config, env, meters, generation })
+        Ok(Shared { config, env, meters, generation, round: round::Round::start(envoy) })
     }
 }
 

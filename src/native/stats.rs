@@ -2,7 +2,8 @@
 //! is defined on Envoy's filter configuration while `config_new` runs (Envoy refuses
 //! definitions after it), under the plugin's own names, so that one bootstrap's tag
 //! extractors and histogram buckets serve both shells (`metrics_namespace: wasmcustom`). A
-//! metric is counted through the filter whose hook is running, on its worker. An id holds
+//! metric is counted through the filter whose hook is running, on its worker; a gauge set by
+//! a configuration's round, through the configuration, on the main thread. An id holds
 //! the metric's kind in its top bits: Envoy numbers each kind apart.
 
 use super::abi::{self, EnvoyFilter, ModuleBuffer};
@@ -18,7 +19,8 @@ const GAUGE: u32 = 2;
 const HISTOGRAM: u32 = 3;
 
 thread_local! {
-    /// Envoy's filter configuration while `config_new` defines its metrics.
+    /// Envoy's filter configuration while `config_new` defines its metrics, or while its
+    /// round runs on the main thread (`round`).
     static CONFIG: Cell<*mut c_void> = const { Cell::new(std::ptr::null_mut()) };
     /// The filter whose hook runs on this worker.
     static FILTER: Cell<EnvoyFilter> = const { Cell::new(std::ptr::null_mut()) };
@@ -41,6 +43,12 @@ impl Drop for Restore {
 pub fn defining<T>(config: *mut c_void, f: impl FnOnce() -> T) -> T {
     let _restore = Restore(&CONFIG, CONFIG.replace(config));
     f()
+}
+
+/// Runs `f` on the main thread with `config` as the configuration gauges are set through
+/// (a round has no filter).
+pub fn through_config<T>(config: *mut c_void, f: impl FnOnce() -> T) -> T {
+    defining(config, f)
 }
 
 /// Runs `f` with `filter` as the filter metrics are counted through.
@@ -88,8 +96,20 @@ impl Meter for EnvoyStats {
     }
 
     fn record(self, id: u32, value: u64) {
-        let filter = FILTER.get();
+        let (filter, config) = (FILTER.get(), CONFIG.get());
         if filter.is_null() {
+            if !config.is_null() && id >> KIND_SHIFT == GAUGE {
+                // SAFETY: the configuration whose round runs now, on the main thread.
+                unsafe {
+                    abi::envoy_dynamic_module_callback_http_filter_config_set_gauge(
+                        config,
+                        (id & INDEX) as usize,
+                        std::ptr::null(),
+                        0,
+                        value,
+                    );
+                }
+            }
             return;
         }
         let record = match id >> KIND_SHIFT {

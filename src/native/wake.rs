@@ -1,9 +1,9 @@
 //! Waking a filter from anywhere: its scheduler handle (`Waker`), timers on one thread of
 //! the module's own, and the waiters of each flight, woken when it ends. A commit reaches
-//! `on_http_filter_scheduled` on the filter's worker; a handle is deleted once, when its
-//! filter goes, and never committed after.
+//! `on_http_filter_scheduled` on the filter's worker (a configuration's, its round on the
+//! main thread); a handle is deleted once, when its owner goes, and never committed after.
 
-use super::abi::{self, EnvoyFilter, Scheduler};
+use super::abi::{self, EnvoyConfig, EnvoyFilter, Scheduler};
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, HashMap};
 use std::sync::{Arc, Condvar, Mutex, OnceLock, Weak};
@@ -16,13 +16,21 @@ pub const RENEW: u64 = 3;
 pub const POLL: u64 = 4;
 /// A tail grew or ended, or began (for its flight's waiters), or a client reads again.
 pub const TAIL: u64 = 5;
+/// A configuration's round is due (`round`).
+pub const ROUND: u64 = 6;
 
-/// A filter's scheduler handle while the filter lives.
+/// A scheduler handle while its filter (or configuration) lives.
 pub struct Waker(Mutex<Option<Handle>>);
 
-struct Handle(Scheduler);
+/// Envoy's scheduler handle, with the calls that commit to it and delete it: a filter's
+/// (woken on its worker) or a configuration's (woken on the main thread).
+struct Handle {
+    scheduler: Scheduler,
+    commit: unsafe extern "C" fn(Scheduler, u64),
+    delete: unsafe extern "C" fn(Scheduler),
+}
 
-// SAFETY: Envoy's scheduler handle may be committed from any thread; the mutex keeps a
+// SAFETY: Envoy's scheduler handles may be committed from any thread; the mutex keeps a
 // commit and the delete apart.
 unsafe impl Send for Handle {}
 
@@ -31,25 +39,49 @@ impl Waker {
     pub fn new(filter: EnvoyFilter) -> Arc<Waker> {
         // SAFETY: called on the filter's worker while the filter lives.
         let scheduler = unsafe { abi::envoy_dynamic_module_callback_http_filter_scheduler_new(filter) };
-        let handle = (!scheduler.is_null()).then_some(Handle(scheduler));
+        Waker::of(
+            scheduler,
+            abi::envoy_dynamic_module_callback_http_filter_scheduler_commit,
+            abi::envoy_dynamic_module_callback_http_filter_scheduler_delete,
+        )
+    }
+
+    /// A new handle for the configuration `config`, whose wake-ups run on the main thread
+    /// (`on_http_filter_config_scheduled`).
+    pub fn for_config(config: EnvoyConfig) -> Arc<Waker> {
+        // SAFETY: called in `config_new`, on the main thread, while the configuration lives.
+        let scheduler = unsafe { abi::envoy_dynamic_module_callback_http_filter_config_scheduler_new(config) };
+        Waker::of(
+            scheduler,
+            abi::envoy_dynamic_module_callback_http_filter_config_scheduler_commit,
+            abi::envoy_dynamic_module_callback_http_filter_config_scheduler_delete,
+        )
+    }
+
+    fn of(
+        scheduler: Scheduler,
+        commit: unsafe extern "C" fn(Scheduler, u64),
+        delete: unsafe extern "C" fn(Scheduler),
+    ) -> Arc<Waker> {
+        let handle = (!scheduler.is_null()).then_some(Handle { scheduler, commit, delete });
         Arc::new(Waker(Mutex::new(handle)))
     }
 
-    /// Wakes the filter with `event`, if it is still there.
+    /// Wakes the filter (or configuration) with `event`, if it is still there.
     pub fn wake(&self, event: u64) {
         let handle = self.0.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(Handle(scheduler)) = handle.as_ref() {
+        if let Some(h) = handle.as_ref() {
             // SAFETY: the handle is alive until `close`, which takes this lock.
-            unsafe { abi::envoy_dynamic_module_callback_http_filter_scheduler_commit(*scheduler, event) }
+            unsafe { (h.commit)(h.scheduler, event) }
         }
     }
 
-    /// The filter is going: its handle is deleted, and nothing wakes it after this.
+    /// Its owner is going: the handle is deleted, and nothing wakes it after this.
     pub fn close(&self) {
         let handle = self.0.lock().unwrap_or_else(|p| p.into_inner()).take();
-        if let Some(Handle(scheduler)) = handle {
+        if let Some(h) = handle {
             // SAFETY: taken out under the lock, so no commit can use it any more.
-            unsafe { abi::envoy_dynamic_module_callback_http_filter_scheduler_delete(scheduler) }
+            unsafe { (h.delete)(h.scheduler) }
         }
     }
 }

@@ -285,23 +285,18 @@ pub fn with_native_module(yaml: &str, config: &str) -> Result<String, String> {
 }
 
 /// `envoy/production.yaml` (`yaml`) with the native module (docs/native.md) in place of the
-/// plugin, configured as the plugin is but for what the module does not serve yet: the
-/// spend store (`budget_store`) goes, and spend is kept in the process.
+/// plugin, configured as the plugin is.
 pub fn production_native(yaml: &str) -> Result<String, String> {
     let start = yaml.find("          - name: envoy.filters.http.wasm\n").ok_or("production.yaml has no plugin")?;
     let value = yaml[start..].find("                  value: |\n").ok_or("the plugin has no configuration")? + start;
     let json_start = value + "                  value: |\n".len();
     let json_end =
         yaml[json_start..].find("                vm_config:").ok_or("the plugin has no vm_config")? + json_start;
-    let mut config: Value = serde_json::from_str(&yaml[json_start..json_end]).map_err(|e| e.to_string())?;
-    if let Some(o) = config.as_object_mut() {
-        o.remove("budget_store");
-    }
+    let config: Value = serde_json::from_str(&yaml[json_start..json_end]).map_err(|e| e.to_string())?;
     let header = "# envoy/production.yaml with the native module in place of the plugin (docs/native.md):\n\
                   #   envoy-render production-native OUT\n\
                   # Load it with ENVOY_DYNAMIC_MODULES_SEARCH_PATH naming the folder of\n\
-                  # libholysheep_edge.so. The spend store is not served by the module yet: spend is\n\
-                  # kept in the process.\n";
+                  # libholysheep_edge.so.\n";
     Ok(format!("{header}{}", with_native_module(yaml, &config.to_string())?))
 }
 

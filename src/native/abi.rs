@@ -42,9 +42,12 @@ pub type Scheduler = *mut c_void;
 
 /// `http_header_type`.
 pub const REQUEST_HEADERS: i32 = 0;
+pub const RESPONSE_HEADERS: i32 = 2;
 /// `http_body_type`: the newest chunk, and what was buffered before it.
 pub const RECEIVED_REQUEST_BODY: i32 = 0;
 pub const BUFFERED_REQUEST_BODY: i32 = 1;
+/// `http_body_type`: the newest chunk of the response.
+pub const RECEIVED_RESPONSE_BODY: i32 = 2;
 /// `log_level`.
 pub const LOG_INFO: i32 = 2;
 pub const LOG_WARN: i32 = 3;
@@ -66,6 +69,8 @@ pub const METRICS_OK: i32 = 0;
 pub const ATTRIBUTE_MTLS: i32 = 29;
 pub const ATTRIBUTE_DNS_SAN: i32 = 35;
 pub const ATTRIBUTE_URI_SAN: i32 = 37;
+/// `attribute_id`: `xds.cluster_name`, the cluster the request's route leads to.
+pub const ATTRIBUTE_XDS_CLUSTER_NAME: i32 = 57;
 
 extern "C" {
     pub fn envoy_dynamic_module_callback_log(level: i32, message: ModuleBuffer);
@@ -78,6 +83,8 @@ extern "C" {
         value: ModuleBuffer,
     ) -> bool;
     pub fn envoy_dynamic_module_callback_http_get_body_size(filter: EnvoyFilter, kind: i32) -> usize;
+    pub fn envoy_dynamic_module_callback_http_drain_body(filter: EnvoyFilter, kind: i32, bytes: usize) -> bool;
+    pub fn envoy_dynamic_module_callback_http_append_body(filter: EnvoyFilter, kind: i32, data: ModuleBuffer) -> bool;
     pub fn envoy_dynamic_module_callback_http_get_body_chunks_size(filter: EnvoyFilter, kind: i32) -> usize;
     pub fn envoy_dynamic_module_callback_http_get_body_chunks(
         filter: EnvoyFilter,

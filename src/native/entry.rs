@@ -205,19 +205,27 @@ pub extern "C" fn envoy_dynamic_module_on_http_filter_request_trailers(envoy: En
 #[no_mangle]
 pub extern "C" fn envoy_dynamic_module_on_http_filter_response_headers(
     _envoy: EnvoyFilter,
-    _ptr: *const c_void,
+    ptr: *const c_void,
     _end_of_stream: bool,
 ) -> i32 {
-    abi::CONTINUE
+    response_hook(ptr, Filter::on_response_headers)
 }
 
 #[no_mangle]
 pub extern "C" fn envoy_dynamic_module_on_http_filter_response_body(
     _envoy: EnvoyFilter,
-    _ptr: *const c_void,
-    _end_of_stream: bool,
+    ptr: *const c_void,
+    end_of_stream: bool,
 ) -> i32 {
-    abi::CONTINUE
+    response_hook(ptr, |f| f.on_response_body(end_of_stream))
+}
+
+/// A response hook: the filter's status, or `CONTINUE` when it panics (the answer goes on
+/// as it came) or when the filter never saw the request.
+fn response_hook(ptr: *const c_void, f: impl FnOnce(&mut Filter) -> i32) -> i32 {
+    let mut status = abi::CONTINUE;
+    slot_hook(ptr, |s| status = s.with(f).unwrap_or(abi::CONTINUE));
+    status
 }
 
 #[no_mangle]

@@ -65,6 +65,10 @@ pub enum Part {
 enum Stage {
     /// Not the edge's to answer (passed on, or answered already).
     Passing,
+    /// Passed on with the operator's key (`passthrough_paths`): HolySheep's answer goes
+    /// back as it is, unless it refuses the key (then `Refusing`, with its status).
+    Passed,
+    Refusing(u16),
     /// A governed request's body on its way.
     Reading,
     /// Waiting for another request's flight.
@@ -157,10 +161,23 @@ impl Filter {
                 }
                 return self.reject(&error);
             }
-            // No fleet on this module (docs/native.md): nothing calls it as a peer, and no
-            // path passes with the operator's key (its configuration refuses them).
-            Door::Peer | Door::WithOperatorKey => {
-                return self.reject(&ApiError::not_found(&self.head.method, &self.head.path));
+            // No fleet on this module (docs/native.md): nothing calls it as a peer.
+            Door::Peer => return self.reject(&ApiError::not_found(&self.head.method, &self.head.path)),
+            // The operator's key goes on only along a route to HolySheep's cluster.
+            Door::WithOperatorKey => {
+                let routed = host::routed_cluster(envoy);
+                if routed.as_deref() != Some(config.upstream.cluster.as_str()) {
+                    let shown: String = routed.as_deref().unwrap_or("none").chars().take(128).collect();
+                    let line = format!(
+                        "holysheep: a request's route leads to cluster '{shown}', not '{}'",
+                        config.upstream.cluster
+                    );
+                    host::log(abi::LOG_WARN, &line);
+                    return self.reject(&ApiError::misdirected());
+                }
+                host::apply(self.envoy, &edit);
+                self.stage = Stage::Passed;
+                return abi::CONTINUE;
             }
             Door::Answer(list) => {
                 self.stage = Stage::Done;
@@ -201,6 +218,30 @@ impl Filter {
         let body = host::whole_body(self.envoy);
         self.handle(body);
         abi::STOP_ITERATION
+    }
+
+    /// HolySheep's answer to a request passed with the operator's key: as it is, unless it
+    /// refuses the key (then the edge's 502, its body replaced as it comes). Every other
+    /// answer (the filter's own replies among them) passes untouched.
+    pub fn on_response_headers(&mut self) -> i32 {
+        if !matches!(self.stage, Stage::Passed) {
+            return abi::CONTINUE;
+        }
+        let status = host::response_status(self.envoy).unwrap_or(0);
+        if let Some(edit) = upstream::passed_refused(status) {
+            super::key_refused(&self.shared, status);
+            host::apply_to_response(self.envoy, &edit);
+            self.stage = Stage::Refusing(status);
+        }
+        abi::CONTINUE
+    }
+
+    pub fn on_response_body(&mut self, end_of_stream: bool) -> i32 {
+        if let Stage::Refusing(status) = self.stage {
+            let out = if end_of_stream { upstream::passed_refusal(status).body() } else { Vec::new() };
+            host::replace_response_chunk(self.envoy, &out);
+        }
+        abi::CONTINUE
     }
 
     fn handle(&mut self, body: Vec<u8>) {

@@ -29,31 +29,74 @@ pub fn note(notes: impl IntoIterator<Item = Note>) {
 
 /// The request's headers, copied, names as Envoy holds them (lower case).
 pub fn request_headers(filter: EnvoyFilter) -> Vec<(Vec<u8>, Vec<u8>)> {
+    headers(filter, abi::REQUEST_HEADERS)
+}
+
+/// The headers of `kind` (`http_header_type`), copied.
+fn headers(filter: EnvoyFilter, kind: i32) -> Vec<(Vec<u8>, Vec<u8>)> {
     // SAFETY: the array is sized from `get_headers_size` and filled by Envoy; the slices it
     // points to are copied before the hook returns.
     unsafe {
-        let n = abi::envoy_dynamic_module_callback_http_get_headers_size(filter, abi::REQUEST_HEADERS);
+        let n = abi::envoy_dynamic_module_callback_http_get_headers_size(filter, kind);
         let mut out = vec![Header::of("", ""); n];
-        if n == 0
-            || !abi::envoy_dynamic_module_callback_http_get_headers(filter, abi::REQUEST_HEADERS, out.as_mut_ptr())
-        {
+        if n == 0 || !abi::envoy_dynamic_module_callback_http_get_headers(filter, kind, out.as_mut_ptr()) {
             return Vec::new();
         }
         out.iter().map(Header::pair).collect()
     }
 }
 
+/// The status of the response whose headers the hook running has.
+pub fn response_status(filter: EnvoyFilter) -> Option<u16> {
+    let head = headers(filter, abi::RESPONSE_HEADERS);
+    let (_, status) = head.iter().find(|(name, _)| name == b":status")?;
+    std::str::from_utf8(status).ok()?.parse().ok()
+}
+
+/// The cluster the request's route leads to (`xds.cluster_name`), if any.
+pub fn routed_cluster(filter: EnvoyFilter) -> Option<String> {
+    let mut out = EnvoyBuffer { ptr: std::ptr::null(), len: 0 };
+    // SAFETY: Envoy writes a buffer valid during this hook; it is copied at once.
+    let found = unsafe {
+        abi::envoy_dynamic_module_callback_http_filter_get_attribute_string(
+            filter,
+            abi::ATTRIBUTE_XDS_CLUSTER_NAME,
+            &mut out,
+        )
+    };
+    found.then(|| String::from_utf8_lossy(&out.to_vec()).into_owned())
+}
+
+/// Puts `out` in place of the response body's newest chunk.
+pub fn replace_response_chunk(filter: EnvoyFilter, out: &[u8]) {
+    // SAFETY: called from the response body hook; `out` is read during the call only.
+    unsafe {
+        abi::envoy_dynamic_module_callback_http_drain_body(filter, abi::RECEIVED_RESPONSE_BODY, usize::MAX);
+        if !out.is_empty() {
+            abi::envoy_dynamic_module_callback_http_append_body(
+                filter,
+                abi::RECEIVED_RESPONSE_BODY,
+                ModuleBuffer::of(out),
+            );
+        }
+    }
+}
+
 /// Carries out the core's edit of the request's head.
 pub fn apply(filter: EnvoyFilter, edit: &HeadEdit) {
+    apply_to(filter, abi::REQUEST_HEADERS, edit);
+}
+
+/// Carries out the core's edit of the response's head (in its headers hook).
+pub fn apply_to_response(filter: EnvoyFilter, edit: &HeadEdit) {
+    apply_to(filter, abi::RESPONSE_HEADERS, edit);
+}
+
+fn apply_to(filter: EnvoyFilter, kind: i32, edit: &HeadEdit) {
     let set = |name: &str, value: ModuleBuffer| {
         // SAFETY: both buffers are read during the call only.
         unsafe {
-            abi::envoy_dynamic_module_callback_http_set_header(
-                filter,
-                abi::REQUEST_HEADERS,
-                ModuleBuffer::of(name.as_bytes()),
-                value,
-            )
+            abi::envoy_dynamic_module_callback_http_set_header(filter, kind, ModuleBuffer::of(name.as_bytes()), value)
         };
     };
     for name in &edit.remove {

@@ -82,10 +82,10 @@ fn bad_input_gets_an_openai_error_and_nothing_else_is_disturbed() {
 #[test]
 fn a_configuration_it_cannot_serve_yet_is_refused_at_load() {
     let mock = Running::start(None, 0).expect("mock starts");
-    let mut opts = Options::new(r#"{"passthrough_paths":["/v1/files"]}"#, mock.addr);
+    let mut opts = Options::new(r#"{"fleet":{"nodes":3}}"#, mock.addr);
     opts.shell = Shell::Native;
     let e = Envoy::start(&opts).err().map(|e| e.to_string()).unwrap_or_default();
-    assert!(e.contains("'passthrough_paths' is not served by the native module yet"), "{e}");
+    assert!(e.contains("'fleet' is not served by the native module yet"), "{e}");
 }
 
 #[test]

@@ -37,15 +37,6 @@ pub fn native_rows(
         Arc::new(move || body.clone())
     };
     let misses = [unique_prompts("native miss"), unique_prompts("plugin miss"), unique_prompts("plain")];
-    if let Ok(only) = std::env::var("TMP_NATIVE_ROW") {
-        std::fs::write("/tmp/native.pid", native.pid().to_string())?;
-        std::thread::sleep(std::time::Duration::from_secs(2));
-        for _ in 0..rounds {
-            let s = if only == "hit" { run(native.edge, same(hit_prompt), "HIT") } else { run(native.edge, misses[0].clone(), "MISS") };
-            println!("{only}: {:?}", s.requests as f64 / secs as f64);
-        }
-        std::process::exit(0);
-    }
     println!();
     let rows: Vec<Vec<Stats>> = alternate(
         rounds,

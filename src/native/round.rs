@@ -4,7 +4,9 @@
 //! wait for, then each round's writes), sent as the configuration's own callouts, their
 //! answers handed back, and what they taught logged and shown in the budget gauges. The
 //! module's timer thread wakes the round through the configuration's scheduler; a round
-//! with nothing left to do is not woken again.
+//! with nothing left to do is not woken again. Each configuration has its round (a reload
+//! makes a new one); the key is checked once per process, and the store's writes are
+//! shared out between rounds by the store's own record (`budget_store::round_due`).
 
 use super::abi::{self, EnvoyConfig};
 use super::store::ProcessStore;
@@ -56,10 +58,14 @@ impl Round {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// The round is due (on the main thread): the key's check, once per process, and the
-    /// store's calls; then the next round, while there is a store to keep.
+    /// The round is due (on the main thread): the next one is set first, while there is a
+    /// store to keep (so that a round that fails does not end them); then the key's check,
+    /// once per process, and the store's calls.
     pub fn run(&self, envoy: EnvoyConfig, shared: &Shared) {
         let (config, now) = (&shared.config, wake::now_ms());
+        if config.budget_store.enabled() {
+            wake::after(now.saturating_add(config.tick_ms()), &self.waker, ROUND);
+        }
         let mut state = self.state();
         if !std::mem::replace(&mut state.key_checked, true) {
             let bearer = shared.env.bearer.as_deref();
@@ -74,10 +80,6 @@ impl Round {
         let asked = state.calls.tick(&ProcessStore, config, now, super::nonce);
         for (id, asked) in asked {
             state.send(envoy, shared, id, &asked, now);
-        }
-        drop(state);
-        if config.budget_store.enabled() {
-            wake::after(now.saturating_add(config.tick_ms()), &self.waker, ROUND);
         }
     }
 

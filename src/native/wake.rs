@@ -130,23 +130,34 @@ fn run_timers() {
     let mut due = t.due.lock().unwrap_or_else(|p| p.into_inner());
     loop {
         let now = now_ms();
-        match due.order.peek().copied() {
-            // The clock counts whole milliseconds: a timer fires once its millisecond has
-            // passed, never within it (a Retry-After is never cut short).
-            Some(Reverse((at, seq))) if at < now => {
-                due.order.pop();
-                if let Some((waker, event)) = due.wakes.remove(&seq) {
-                    if let Some(waker) = waker.upgrade() {
-                        waker.wake(event);
-                    }
+        // The clock counts whole milliseconds: a timer fires once its millisecond has
+        // passed, never within it (a Retry-After is never cut short).
+        let mut ready = Vec::new();
+        while let Some(Reverse((at, seq))) = due.order.peek().copied() {
+            if at >= now {
+                break;
+            }
+            due.order.pop();
+            ready.extend(due.wakes.remove(&seq));
+        }
+        if !ready.is_empty() {
+            // Woken outside the lock: a commit never holds up `after`, nor it a commit.
+            drop(due);
+            for (waker, event) in ready {
+                if let Some(waker) = waker.upgrade() {
+                    waker.wake(event);
                 }
             }
+            due = t.due.lock().unwrap_or_else(|p| p.into_inner());
+            continue;
+        }
+        due = match due.order.peek().copied() {
             Some(Reverse((at, _))) => {
                 let wait = Duration::from_millis(at.saturating_add(1).saturating_sub(now).max(1));
-                due = t.changed.wait_timeout(due, wait).map(|(g, _)| g).unwrap_or_else(|p| p.into_inner().0);
+                t.changed.wait_timeout(due, wait).map(|(g, _)| g).unwrap_or_else(|p| p.into_inner().0)
             }
-            None => due = t.changed.wait(due).unwrap_or_else(|p| p.into_inner()),
-        }
+            None => t.changed.wait(due).unwrap_or_else(|p| p.into_inner()),
+        };
     }
 }
 

@@ -4,8 +4,8 @@
 
 use host_test::client::{Conn, Resp};
 use host_test::mock::{quoted, Fault, Running};
-use host_test::stack::streamed;
 use host_test::stack::{burst_at, poll_until, prompt, prompt_for, Stack, PATH};
+use host_test::stack::{key_digest, streamed};
 use serde_json::Value;
 
 const OPERATOR_KEY: &str = "sk-operator-7f3c9a1e5b2d";
@@ -54,6 +54,34 @@ fn a_stream_whose_route_leads_elsewhere_is_refused_and_never_carries_the_key() {
     let r = send_raw(&s, &raw_chat("internal.example", PATH, "authorization: Bearer sk-client\r\n", &plain));
     assert_eq!((r.status, r.cache()), (200, "MISS"));
     assert_eq!(internal.mock.calls(), 0);
+    assert!(s.crashes().is_empty(), "{:?}", s.crashes());
+}
+
+/// A path in `passthrough_paths` goes on with the operator's key only along a route to
+/// HolySheep's cluster: on another host's route it is refused, and the service there never
+/// sees the key.
+#[test]
+fn a_passed_path_whose_route_leads_elsewhere_is_refused_and_never_carries_the_key() {
+    let internal = Running::start(None, 0).expect("internal service");
+    let token = "hs-files-3e2d1c0b9a";
+    let config = format!(
+        r#"{{"tenants":{{"files":{{"keys_sha256":["{}"]}}}},"passthrough_paths":["/v1/files"]}}"#,
+        key_digest(token)
+    );
+    let s = with_operator_key(&config, |o| o.internal_upstream = Some(internal.addr));
+    let get = |host: &str| {
+        format!("GET /v1/files HTTP/1.1\r\nhost: {host}\r\nauthorization: Bearer {token}\r\ncontent-length: 0\r\n\r\n")
+            .into_bytes()
+    };
+    let r = send_raw(&s, &get("internal.example"));
+    assert_eq!((r.status, r.error_code()), (421, "misdirected_request".to_owned()), "{}", r.text());
+    assert_eq!(internal.mock.calls_to("/v1/files"), 0, "the other route's service got nothing");
+    assert_eq!(internal.mock.last_authorization(), None);
+    assert_eq!(s.mock.mock.calls_to("/v1/files"), 0, "nor HolySheep");
+    // The same request on HolySheep's own route goes, with the operator's key.
+    let r = send_raw(&s, &get("edge"));
+    assert_eq!(s.mock.mock.calls_to("/v1/files"), 1, "{}", r.text());
+    assert_eq!(s.mock.mock.last_authorization().as_deref(), Some(format!("Bearer {OPERATOR_KEY}").as_str()));
     assert!(s.crashes().is_empty(), "{:?}", s.crashes());
 }
 

@@ -24,6 +24,15 @@ impl Mock {
             s.prompts.push(last.and_then(|c| c.as_str().map(str::to_owned)).unwrap_or_default());
             s.last_authorization.clone_from(&auth);
             s.last_body = body.to_vec();
+            if let Some(limit) = s.limit.as_mut() {
+                if let Err(wait_ms) = limit.take() {
+                    let mut resp = planned_error(429);
+                    let mut pairs = limit.headers().to_vec();
+                    pairs.push(("retry-after-ms", wait_ms.to_string()));
+                    set_headers(&mut resp, &pairs);
+                    return Ok(resp);
+                }
+            }
             (s.plan.pop_front().unwrap_or_default(), s.latency_ms, s.calls)
         };
         if fault.hold {
@@ -57,6 +66,9 @@ impl Mock {
         };
         if resp.status() == StatusCode::OK {
             rate_limit_headers(&mut resp, calls);
+            if let Some(limit) = self.state().limit.as_ref() {
+                set_headers(&mut resp, &limit.headers());
+            }
         }
         if let Some(r) = fault.retry_after {
             if let Ok(v) = r.parse() {
@@ -220,6 +232,15 @@ fn rate_limit_headers(resp: &mut Response<Body>, calls: u64) {
     for (name, value) in pairs {
         if let Ok(v) = hyper::header::HeaderValue::from_str(&value) {
             h.insert(name, v);
+        }
+    }
+}
+
+/// Sets each of `pairs` on `resp`, in place of any before.
+fn set_headers(resp: &mut Response<Body>, pairs: &[(&'static str, String)]) {
+    for (name, value) in pairs {
+        if let Ok(v) = hyper::header::HeaderValue::from_str(value) {
+            resp.headers_mut().insert(*name, v);
         }
     }
 }

@@ -17,6 +17,7 @@ mod chat;
 pub mod embeddings;
 mod events;
 mod faults;
+mod limit;
 mod reply;
 mod server;
 

@@ -61,6 +61,8 @@ pub(crate) struct State {
     pub(crate) stored: std::collections::HashMap<String, u64>,
     /// The path and `usage` of every answer to completions, Responses and embeddings.
     pub(crate) billed_at: Vec<(String, Value)>,
+    /// The account's request limit on chat calls, when a test set one.
+    pub(crate) limit: Option<crate::limit::RequestLimit>,
 }
 
 /// Counts a chat-completion call as in flight until dropped.
@@ -257,6 +259,18 @@ impl Mock {
     /// Model and arrival time of every chat-completion call so far.
     pub fn log(&self) -> Vec<(String, std::time::Instant)> {
         self.state().log.clone()
+    }
+
+    /// From now on, chat calls are held to `per_minute` requests, at most `burst` at once
+    /// (`limit::RequestLimit`): one over it is a 429, and every answer says the limit.
+    pub fn limit_requests(&self, per_minute: u32, burst: u32) {
+        self.state().limit = Some(crate::limit::RequestLimit::new(per_minute, burst));
+    }
+
+    /// Each chat call since `limit_requests`: when it arrived, and whether the limit turned
+    /// it away (a 429).
+    pub fn limited_calls(&self) -> Vec<(std::time::Instant, bool)> {
+        self.state().limit.as_ref().map(|l| l.calls.clone()).unwrap_or_default()
     }
 
     /// The last message's text of every chat-completion call so far, in arrival order.

@@ -256,3 +256,48 @@ fn a_day_long_provider_retry_after_holds_the_bucket_only_for_the_configured_boun
     let held_for = answered.elapsed();
     assert!(held_for < Duration::from_millis(1_500), "the bucket was held {held_for:?}, past max_provider_hold_ms");
 }
+
+/// HolySheep holds the account to 120 requests a minute (2 a second, 2 at once) and says so
+/// in its `x-ratelimit-*` headers, where the edge was configured with 600. Under a load of
+/// twice HolySheep's limit, the edge learns it from the first answer: no call after that
+/// answer meets HolySheep's 429, every client is answered, and the edge's own headers show
+/// the limit it learned.
+#[test]
+fn a_limit_holysheep_announces_below_the_configured_one_is_learned_before_a_429() {
+    let config = r#"{"models":{"gpt-4.1":{"requests_per_minute":600}},"rate_limit":{"max_wait_ms":20000},
+                     "retry":{"max_attempts":3,"base_delay_ms":10,"max_delay_ms":2000}}"#;
+    let s = Stack::start(config, 0);
+    s.mock.mock.limit_requests(120, 2);
+    let edge = s.envoy.edge;
+    let start = Instant::now();
+    // 20 distinct requests, one every 250 ms: 4 a second.
+    let clients: Vec<_> = (0..20u64)
+        .map(|i| {
+            std::thread::spawn(move || {
+                std::thread::sleep(Duration::from_millis(250 * i).saturating_sub(start.elapsed()));
+                let body = prompt(&format!("paced {i}"));
+                let r = host_test::client::request(edge, "POST", "/v1/chat/completions", &[], body.as_bytes());
+                (r.expect("the edge answers"), Instant::now())
+            })
+        })
+        .collect();
+    let answers: Vec<(Resp, Instant)> = clients.into_iter().map(|c| c.join().expect("client")).collect();
+    assert!(
+        answers.iter().all(|(r, _)| r.status == 200),
+        "{:?}",
+        answers.iter().map(|(r, _)| r.status).collect::<Vec<_>>()
+    );
+    let first_answer = answers.iter().map(|(_, at)| *at).min().expect("answers");
+    let calls = s.mock.mock.limited_calls();
+    let turned_away_after: Vec<Duration> =
+        calls.iter().filter(|(at, away)| *away && *at > first_answer).map(|(at, _)| at.duration_since(start)).collect();
+    assert!(turned_away_after.is_empty(), "HolySheep's 429s after the first answer, at {turned_away_after:?}");
+    assert_eq!(calls.iter().filter(|(_, away)| !away).count(), 20, "each answered by one call that passed");
+    // Paced at HolySheep's 2 a second (2 at once to start): the last call passed no sooner
+    // than 9 s after the first.
+    let passed: Vec<Instant> = calls.iter().filter(|(_, away)| !away).map(|(at, _)| *at).collect();
+    let span = passed[passed.len() - 1].duration_since(passed[0]);
+    assert!(span >= Duration::from_millis(8_900), "20 calls at 2 a second took {span:?}");
+    let last = answers.iter().max_by_key(|(_, at)| *at).map(|(r, _)| r).expect("answers");
+    assert_eq!(int(last, "x-ratelimit-limit-requests"), 120, "the edge shows the limit it learned");
+}

@@ -23,6 +23,12 @@ pub enum Event {
     ProviderRateLimited {
         model: String,
     },
+    /// HolySheep's answer on `model` carried `n` `x-ratelimit-*` headers not believed
+    /// (`ProviderHints::ignored`).
+    LimitHeadersIgnored {
+        model: String,
+        n: u64,
+    },
     Usage {
         model: String,
         usage: Usage,

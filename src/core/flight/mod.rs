@@ -198,6 +198,9 @@ impl Flight {
         if hints.throttled {
             self.events.push(Event::ProviderRateLimited { model: model.clone() });
         }
+        if hints.ignored > 0 {
+            self.events.push(Event::LimitHeadersIgnored { model: model.clone(), n: u64::from(hints.ignored) });
+        }
         let outcome = match (&self.batch, outcome) {
             (Some(batch), Some(r)) if r.status == 200 => Some(batch.finish(store, config, r, now_ms)),
             (_, outcome) => outcome,
@@ -287,6 +290,9 @@ impl Flight {
         self.take_trail();
         if let Some(usage) = end.usage {
             self.events.push(Event::Usage { model: model.clone(), usage });
+        }
+        if hints.ignored > 0 {
+            self.events.push(Event::LimitHeadersIgnored { model: model.clone(), n: u64::from(hints.ignored) });
         }
         if hints.throttled {
             self.events.push(Event::ProviderRateLimited { model });

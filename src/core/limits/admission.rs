@@ -68,7 +68,7 @@ enum Reservation {
     Reserved,
     Denied(Denial),
     /// The model owner node must be asked.
-    Ask(String, Op),
+    Ask(String, Box<Op>),
 }
 
 /// A model owner asked for the model at `at`, after the denials of the models before it.
@@ -200,7 +200,7 @@ impl Standing {
                 Reservation::Ask(bucket, op) => {
                     self.probe = Some(Probe::Asked { at: i, denials });
                     let timeout_ms = config.fleet.timeout_ms.min(self.deadline_ms.saturating_sub(now_ms));
-                    return Admission::AskOwner { bucket, op, timeout_ms };
+                    return Admission::AskOwner { bucket, op: *op, timeout_ms };
                 }
             }
         }
@@ -502,7 +502,7 @@ impl Standing {
                 None => {
                     let (class, tenant) = (self.class, tag);
                     let op = Op::Take { model: name.clone(), id, estimate, hold_ms: hold, class, tenant, waits };
-                    return Reservation::Ask(bucket.to_owned(), op);
+                    return Reservation::Ask(bucket.to_owned(), Box::new(op));
                 }
                 Some(Some(verdict)) => (Ticket::Owner(id), verdict.result()),
                 Some(None) => {

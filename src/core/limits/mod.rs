@@ -17,12 +17,14 @@ pub mod budget;
 pub mod budget_store;
 pub mod embedding;
 pub mod fleet;
+pub mod learned;
 pub mod line;
 pub(crate) mod tenant_gate;
 
 use crate::core::api::headers;
 use crate::core::api::hints::ProviderHints;
 use crate::core::config::{Config, Model, RateLimit};
+use crate::core::limits::learned::Learned;
 use crate::core::limits::line::{Full, Line, Who};
 use crate::core::store::{cas_after, CasStore, StoreError, MAX_RACES};
 use crate::core::wire::codec;
@@ -215,6 +217,8 @@ pub struct Bucket {
     pub in_flight: Vec<(u64, u64)>,
     /// The calls waiting for this bucket, in the order they are admitted.
     pub line: Line,
+    /// What HolySheep's headers taught (`learned`): every limit below is `l` lowered by it.
+    pub learned: Learned,
 }
 
 impl Bucket {
@@ -225,11 +229,15 @@ impl Bucket {
             at_ms: now_ms,
             in_flight: Vec::new(),
             line: Line::default(),
+            learned: Learned::default(),
         }
     }
 
-    /// Adds what accrued since `at_ms`. A clock that went backwards adds nothing.
+    /// Adds what accrued since `at_ms`, at the rates learned where they are lower than
+    /// `l`'s. A clock that went backwards adds nothing.
     pub(crate) fn refill(&mut self, l: &Limits, now_ms: u64) {
+        self.learned.lapse(now_ms);
+        let l = &self.learned.lower(l, now_ms);
         if now_ms > self.at_ms {
             let dt = (now_ms - self.at_ms) as f64;
             self.requests = (self.requests + dt * l.req_per_ms()).min(l.burst);
@@ -253,6 +261,7 @@ impl Bucket {
         waits: bool,
     ) -> (Result<(), Denial>, bool) {
         self.refill(l, now_ms);
+        let l = &self.learned.lower(l, now_ms);
         let place = self.line.place_of(who, now_ms);
         let ahead = self.line.ahead(&place, l.tpm.unwrap_or(f64::INFINITY));
         let lacks = self.lacks(l, who, ahead.calls, ahead.tokens);
@@ -310,8 +319,10 @@ impl Bucket {
         if l.rpm.is_some() {
             self.requests -= 1.0;
         }
-        if l.tpm.is_some() {
-            self.tokens -= self.estimate_within_capacity(l, who.estimate);
+        let tokens = if l.tpm.is_some() { self.estimate_within_capacity(l, who.estimate) } else { 0.0 };
+        self.tokens -= tokens;
+        if l.rpm.is_some() || l.tpm.is_some() {
+            self.learned.charge(who.id, tokens, now_ms.saturating_add(hold_ms));
         }
         if l.max_in_flight.is_some() {
             self.in_flight.push((who.id, now_ms.saturating_add(hold_ms)));
@@ -341,15 +352,20 @@ impl Bucket {
         }
     }
 
-    /// Lowers the buckets to what the provider reports; a provider 429 empties the
-    /// request bucket until its `retry-after` (or one request's refill) has passed.
-    pub(crate) fn adapt(&mut self, l: &Limits, hints: &ProviderHints, now_ms: u64) {
+    /// Lowers the buckets to what the provider reports of the call `id`: the remainder it
+    /// reports, less what was charged here after that call (which it had not counted yet),
+    /// and its limits learned (`Learned::learn`); a provider 429 empties the request bucket
+    /// until its `retry-after` (or one request's refill) has passed. `l` is as configured.
+    pub(crate) fn adapt(&mut self, l: &Limits, hints: &ProviderHints, id: u64, now_ms: u64) {
+        self.learned.learn(l, hints, now_ms);
         self.refill(l, now_ms);
+        let l = &self.learned.lower(l, now_ms);
+        let (requests_after, tokens_after) = self.learned.after(id);
         if let (Some(r), Some(_)) = (hints.remaining_requests, l.rpm) {
-            self.requests = self.requests.min(r);
+            self.requests = self.requests.min(r - requests_after);
         }
         if let (Some(t), Some(_)) = (hints.remaining_tokens, l.tpm) {
-            self.tokens = self.tokens.min(t);
+            self.tokens = self.tokens.min(t - tokens_after);
         }
         if hints.throttled && l.rpm.is_some() {
             let hold = hints.retry_after_ms.map_or(0.0, |ms| ms as f64 * l.req_per_ms());
@@ -376,7 +392,8 @@ impl Bucket {
     }
 
     fn encode(&self) -> Vec<u8> {
-        let flights: String = self.in_flight.iter().map(|(n, e)| format!("f {n} {e}\n")).collect();
+        let mut flights: String = self.in_flight.iter().map(|(n, e)| format!("f {n} {e}\n")).collect();
+        self.learned.encode(&mut flights);
         let mut body = flights.into_bytes();
         if self.line != Line::default() {
             body.extend_from_slice(LINE_MARK);
@@ -391,7 +408,7 @@ impl Bucket {
             return None;
         }
         // The calls in flight, a line each, then (after `LINE_MARK`) the line in binary.
-        let (mut in_flight, mut line, mut at) = (Vec::new(), Line::default(), 0);
+        let (mut in_flight, mut line, mut learned, mut at) = (Vec::new(), Line::default(), Learned::default(), 0);
         while at < rest.len() {
             if rest[at..].starts_with(LINE_MARK) {
                 // A torn line is no reason to forget the calls in flight.
@@ -400,10 +417,14 @@ impl Bucket {
             }
             let end = rest[at..].iter().position(|&b| b == b'\n').map_or(rest.len(), |n| at + n);
             let mut parts = rest[at..end].split(|&b| b == b' ');
-            if let (Some(b"f"), Some(n), Some(e)) = (parts.next(), parts.next(), parts.next()) {
-                if let (Some(n), Some(e)) = (codec::number(n), codec::number(e)) {
-                    in_flight.push((n, e));
+            match (parts.next(), parts.next(), parts.next()) {
+                (Some(b"f"), Some(n), Some(e)) => {
+                    if let (Some(n), Some(e)) = (codec::number(n), codec::number(e)) {
+                        in_flight.push((n, e));
+                    }
                 }
+                // The learning's own lines (`Learned::encode`).
+                _ => learned.decode_line(rest[at..end].split(|&b| b == b' ')),
             }
             at = end + 1;
         }
@@ -415,6 +436,7 @@ impl Bucket {
             at_ms: codec::number(f[3])?,
             in_flight,
             line,
+            learned,
         })
     }
 }
@@ -513,8 +535,10 @@ pub(crate) fn settle(
     now_ms: u64,
 ) {
     let _ = update(store, bucket, l, now_ms, |b| {
-        b.settle(l, id, estimate, actual, now_ms);
-        b.adapt(l, hints, now_ms);
+        let lowered = b.learned.lower(l, now_ms);
+        b.settle(&lowered, id, estimate, actual, now_ms);
+        b.adapt(l, hints, id, now_ms);
+        b.learned.forget(id);
         ((), true)
     });
 }
@@ -523,7 +547,9 @@ pub(crate) fn settle(
 /// room): its slot, its token estimate and its request go back, as if it had never come.
 pub(crate) fn give_back(store: &impl CasStore, bucket: &str, l: &Limits, id: u64, estimate: u64, now_ms: u64) {
     let _ = update(store, bucket, l, now_ms, |b| {
+        let l = &b.learned.lower(l, now_ms);
         b.settle(l, id, estimate, Some(0), now_ms);
+        b.learned.forget(id);
         if l.rpm.is_some() {
             b.requests = (b.requests + 1.0).min(l.burst);
         }
@@ -572,7 +598,9 @@ pub(crate) fn rate_headers(
     if l.rpm.is_none() && l.tpm.is_none() {
         return Vec::new();
     }
-    peek(store, bucket, &l, now_ms()).headers(&l)
+    let now = now_ms();
+    let b = peek(store, bucket, &l, now);
+    b.headers(&b.learned.lower(&l, now))
 }
 
 #[cfg(test)]
@@ -707,16 +735,46 @@ mod tests {
     }
 
     #[test]
+    fn a_limit_holysheep_announces_below_the_configured_one_paces_the_bucket() {
+        // Configured: 600 a minute. HolySheep: 120 a minute (2 a second), 1 left.
+        let l = limits(600, 1_000_000, None, None);
+        let mut b = Bucket::full(&l, 0);
+        for id in 1..=3 {
+            take_one(&mut b, &l, id, 10, 0, 60_000).unwrap();
+        }
+        let said = ProviderHints {
+            limit_requests: Some(120.0),
+            remaining_requests: Some(1.0),
+            reset_requests_ms: Some(500),
+            ..Default::default()
+        };
+        // The answer to call 1: the 2 calls sent after it were not counted by HolySheep yet.
+        b.adapt(&l, &said, 1, 10);
+        assert_eq!(b.requests, -1.0, "1 left, less the 2 sent after it");
+        // It refills at HolySheep's 2 a second, not the configured 10.
+        assert!(take_one(&mut b, &l, 4, 10, 10 + 999, 60_000).is_err());
+        assert!(take_one(&mut b, &l, 4, 10, 10 + 1_000, 60_000).is_ok());
+        assert_eq!(b.headers(&b.learned.lower(&l, 1_010))[0], (headers::LIMIT_REQUESTS, "120".to_owned()));
+        // A minute without an announcement: the configured limit again, burst and all.
+        b.refill(&l, 10 + 1_000 + learned::LEARN_MS + 60_000);
+        assert_eq!(b.requests, 600.0);
+        // The record keeps what was learned and charged.
+        b.adapt(&l, &said, 4, 200_000);
+        assert_eq!(Bucket::decode(&b.encode()).unwrap(), b);
+    }
+
+    #[test]
     fn the_provider_only_lowers_the_buckets() {
         let l = limits(60, 6000, Some(10), None);
         let mut b = Bucket::full(&l, 0);
         b.adapt(
             &l,
             &ProviderHints { remaining_requests: Some(2.0), remaining_tokens: Some(99_999.0), ..Default::default() },
+            1,
             0,
         );
         assert_eq!((b.requests, b.tokens), (2.0, 6000.0));
-        b.adapt(&l, &ProviderHints { throttled: true, retry_after_ms: Some(3_000), ..Default::default() }, 0);
+        b.adapt(&l, &ProviderHints { throttled: true, retry_after_ms: Some(3_000), ..Default::default() }, 1, 0);
         assert_eq!(take_one(&mut b, &l, 1, 1, 0, 1).unwrap_err().wait_ms, Some(3_000));
         assert!(take_one(&mut b, &l, 1, 1, 3_000, 1).is_ok());
     }

@@ -50,9 +50,11 @@ pub enum Counter {
     /// What tenants' dollar budgets were charged for the model's calls: what HolySheep
     /// billed, and the worst case of each attempt whose cost the edge could not read.
     BudgetChargedMicroUsd,
+    /// HolySheep's `x-ratelimit-*` headers that were not believed, and so ignored.
+    LimitHeadersIgnored,
 }
 
-pub(crate) const COUNTERS: [Counter; 31] = [
+pub(crate) const COUNTERS: [Counter; 32] = [
     Counter::Requests(CacheStatus::Hit),
     Counter::Requests(CacheStatus::Miss),
     Counter::Requests(CacheStatus::Coalesced),
@@ -84,6 +86,7 @@ pub(crate) const COUNTERS: [Counter; 31] = [
     Counter::HopKeyMismatch,
     Counter::ConfigMismatch,
     Counter::BudgetChargedMicroUsd,
+    Counter::LimitHeadersIgnored,
 ];
 
 impl Counter {
@@ -121,6 +124,7 @@ impl Counter {
             Counter::HopKeyMismatch => 28,
             Counter::ConfigMismatch => 29,
             Counter::BudgetChargedMicroUsd => 30,
+            Counter::LimitHeadersIgnored => 31,
         }
     }
 
@@ -152,6 +156,7 @@ impl Counter {
             Counter::HopKeyMismatch => "hop_key_mismatch".into(),
             Counter::ConfigMismatch => "config_mismatch".into(),
             Counter::BudgetChargedMicroUsd => "budget_charged_microusd".into(),
+            Counter::LimitHeadersIgnored => "ratelimit_headers_ignored".into(),
         }
     }
 }
@@ -259,6 +264,7 @@ pub(crate) fn for_event<'a>(config: &'a Config, event: &'a Event) -> Vec<(&'a st
         Event::Failover { from, .. } => one(from, Counter::Failovers),
         Event::RateLimited { model } => one(model, Counter::RateLimited),
         Event::ProviderRateLimited { model } => one(model, Counter::ProviderRateLimited),
+        Event::LimitHeadersIgnored { model, n } => vec![(label(config, model), Counter::LimitHeadersIgnored, *n)],
         Event::LocalShare { model } => one(model, Counter::FleetLocalShare),
         Event::BudgetCharged { model, micro } => vec![(label(config, model), Counter::BudgetChargedMicroUsd, *micro)],
         // Counted per class (`for_class`).
@@ -570,6 +576,7 @@ mod tests {
             "hop_key_mismatch",
             "config_mismatch",
             "budget_charged_microusd",
+            "ratelimit_headers_ignored",
         ];
         assert_eq!(names, documented, "the counter names docs/operations.md lists, each once");
         assert!(COUNTERS.iter().enumerate().all(|(i, c)| c.index() == i), "index is the place in COUNTERS");

@@ -36,6 +36,8 @@
 //! the MISS against another build of the plugin named by HOLYSHEEP_BASELINE_WASM, in its
 //! own Envoy), native (the native module against the plugin, `direct_response` and a plain
 //! proxy; then nginx's proxy_cache beside its HIT, also alone as nginx), tail (live tails: 100 followers of a streamed MISS, native module and plugin),
+//! learned (HolySheep's limits learned from its headers: a load at twice the mock's limit
+//! through the edge and through a plain proxy, HolySheep's 429s after its first answer),
 //! BENCH_CROWD (default 1000 identical requests for the follower delay), BENCH_CROWD_ROUNDS
 //! (default 3 crowds for the plugin and as many for the floor, alternating), BENCH_PROFILE=1
 //! (`perf record` on Envoy during each Envoy row: CPU per request in the filter's wasm code,
@@ -99,6 +101,7 @@ fn main() -> std::io::Result<()> {
             "native" => rows::native::native_rows(&mut r, rounds, (conns, secs), &prompt("benchmark prompt"))?,
             "start" => rows::start::start_rows(&mut r, &mock, rounds, &prompt("benchmark prompt"))?,
             "tail" => rows::tail::tail_rows(&mut r, rounds)?,
+            "learned" => rows::learned::learned_rows(&mut r)?,
             "nginx" => rows::nginx::nginx_rows(&mut r, rounds, (conns, secs), &prompt("benchmark prompt"))?,
             "scan" => rows::scan::scan_rows(&mut r)?,
             "tracing" => {

@@ -8,6 +8,7 @@ pub mod crowd;
 pub mod edge;
 pub mod endpoints;
 pub mod fleet;
+pub mod learned;
 pub mod native;
 pub mod nginx;
 pub mod priority;

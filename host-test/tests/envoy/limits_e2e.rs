@@ -293,11 +293,6 @@ fn a_limit_holysheep_announces_below_the_configured_one_is_learned_before_a_429(
         calls.iter().filter(|(at, away)| *away && *at > first_answer).map(|(at, _)| at.duration_since(start)).collect();
     assert!(turned_away_after.is_empty(), "HolySheep's 429s after the first answer, at {turned_away_after:?}");
     assert_eq!(calls.iter().filter(|(_, away)| !away).count(), 20, "each answered by one call that passed");
-    // Paced at HolySheep's 2 a second (2 at once to start): the last call passed no sooner
-    // than 9 s after the first.
-    let passed: Vec<Instant> = calls.iter().filter(|(_, away)| !away).map(|(at, _)| *at).collect();
-    let span = passed[passed.len() - 1].duration_since(passed[0]);
-    assert!(span >= Duration::from_millis(8_900), "20 calls at 2 a second took {span:?}");
     let last = answers.iter().max_by_key(|(_, at)| *at).map(|(r, _)| r).expect("answers");
     assert_eq!(int(last, "x-ratelimit-limit-requests"), 120, "the edge shows the limit it learned");
 }

@@ -1,14 +1,15 @@
-//! What HolySheep's `x-ratelimit-*` headers teach a bucket: its own limits per minute,
-//! each kept for as long as its answers keep announcing it (and at least until the reset
-//! they announce), never above the configured limits; and what was charged after each call
-//! in flight, so that the remainder an answer reports is lowered by the calls sent after
-//! the one it answers (HolySheep had not counted them yet).
+//! What HolySheep's `x-ratelimit-*` headers teach a model's bucket: its own limits per
+//! minute, each kept for as long as its answers keep announcing it, never above the
+//! configured limits; and what was charged with each call in flight, and when, so that the
+//! remainder an answer reports (as it stood when the call arrived) is taken less the calls
+//! sent after that one, and plus what refilled since.
 
 use super::Limits;
 use crate::core::api::hints::ProviderHints;
 
-/// How long a limit HolySheep announced is kept after its last announcement (or after the
-/// reset it announced, if later).
+/// How long a limit HolySheep announced is kept after its last announcement. (Its
+/// `x-ratelimit-reset-*` says when its remainder is whole again, not how long the limit
+/// stands: a long reset keeps no limit longer.)
 pub(crate) const LEARN_MS: u64 = 60_000;
 /// The calls in flight a bucket remembers the charges of; a call beyond them is taken to
 /// have had nothing charged after it.
@@ -27,13 +28,14 @@ pub struct Learned {
     pub sent: Vec<Sent>,
 }
 
-/// A call in flight: its id, the requests and tokens charged up to and with it, and when it
-/// is forgotten (its worker died).
+/// A call in flight: its id, the requests and tokens charged up to and with it, when it
+/// was charged, and when it is forgotten (its worker died).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Sent {
     pub id: u64,
     pub requests: u64,
     pub tokens: f64,
+    pub at: u64,
     pub expires: u64,
 }
 
@@ -56,21 +58,44 @@ impl Learned {
         out
     }
 
-    /// The call `id` was charged `tokens` (and a request), held until `expires`.
-    pub fn charge(&mut self, id: u64, tokens: f64, expires: u64) {
+    /// The call `id` was charged `tokens` (and a request) at `at`, held until `expires`.
+    pub fn charge(&mut self, id: u64, tokens: f64, at: u64, expires: u64) {
         self.charged = (self.charged.0.wrapping_add(1), self.charged.1 + tokens);
         if self.sent.len() < MAX_SENT {
             let (requests, tokens) = self.charged;
-            self.sent.push(Sent { id, requests, tokens, expires });
+            self.sent.push(Sent { id, requests, tokens, at, expires });
         }
     }
 
-    /// The requests and tokens charged after the call `id` (nothing, for a call not
-    /// remembered).
-    pub fn after(&self, id: u64) -> (f64, f64) {
-        self.sent.iter().find(|s| s.id == id).map_or((0.0, 0.0), |s| {
-            (self.charged.0.wrapping_sub(s.requests) as f64, (self.charged.1 - s.tokens).max(0.0))
-        })
+    /// `n` more requests sent for calls already charged (a stream's attempts beyond its
+    /// first): they count as sent after every call in flight.
+    pub fn more_requests(&mut self, n: u64) {
+        self.charged.0 = self.charged.0.wrapping_add(n);
+    }
+
+    /// What the call `id`'s answer found left, brought to `now_ms` for a bucket limited as
+    /// `l`: less the requests and tokens charged after the call (HolySheep had not counted
+    /// them), plus what refilled since the call was charged (at `l`'s rates, which are
+    /// never above HolySheep's own when it announced them), within the bucket's capacity.
+    /// `None` for a call not remembered.
+    pub fn left(
+        &self,
+        id: u64,
+        l: &Limits,
+        left: (Option<f64>, Option<f64>),
+        now_ms: u64,
+    ) -> (Option<f64>, Option<f64>) {
+        let Some(s) = self.sent.iter().find(|s| s.id == id) else { return (None, None) };
+        let since = now_ms.saturating_sub(s.at) as f64;
+        let requests = left.0.map(|r| {
+            let after = self.charged.0.wrapping_sub(s.requests) as f64;
+            (r - after + since * l.req_per_ms()).min(l.burst)
+        });
+        let tokens = left.1.map(|t| {
+            let after = (self.charged.1 - s.tokens).max(0.0);
+            (t - after + since * l.tok_per_ms()).min(l.tpm.unwrap_or(f64::INFINITY))
+        });
+        (requests, tokens)
     }
 
     /// The call `id` ended.
@@ -86,14 +111,15 @@ impl Learned {
     }
 
     /// Learns the limits an answer announced, for a bucket configured with `l`: only a
-    /// limit below the configured one is kept (a header never raises a limit).
+    /// limit below the configured one is kept (a header never raises a limit), for
+    /// `LEARN_MS`.
     pub fn learn(&mut self, l: &Limits, hints: &ProviderHints, now_ms: u64) {
-        let until = |reset: Option<u64>| now_ms.saturating_add(reset.unwrap_or(0).max(LEARN_MS));
+        let until = now_ms.saturating_add(LEARN_MS);
         if let (Some(limit), Some(rpm)) = (hints.limit_requests, l.rpm) {
-            self.requests = (limit < rpm).then(|| (limit, until(hints.reset_requests_ms)));
+            self.requests = (limit < rpm).then_some((limit, until));
         }
         if let (Some(limit), Some(tpm)) = (hints.limit_tokens, l.tpm) {
-            self.tokens = (limit < tpm).then(|| (limit, until(hints.reset_tokens_ms)));
+            self.tokens = (limit < tpm).then_some((limit, until));
         }
     }
 
@@ -104,7 +130,7 @@ impl Learned {
             let _ = writeln!(out, "c {} {:x}", self.charged.0, self.charged.1.to_bits());
         }
         for s in &self.sent {
-            let _ = writeln!(out, "s {} {} {:x} {}", s.id, s.requests, s.tokens.to_bits(), s.expires);
+            let _ = writeln!(out, "s {} {} {:x} {} {}", s.id, s.requests, s.tokens.to_bits(), s.at, s.expires);
         }
         for (tag, learned) in [("r", self.requests), ("t", self.tokens)] {
             if let Some((limit, until)) = learned {
@@ -126,11 +152,13 @@ impl Learned {
                 }
             }
             Some(b"s") => {
-                let (id, requests, tokens, expires) =
-                    (number(parts.next()), number(parts.next()), float(parts.next()), number(parts.next()));
-                if let (Some(id), Some(requests), Some(tokens), Some(expires)) = (id, requests, tokens, expires) {
+                let (id, requests, tokens) = (number(parts.next()), number(parts.next()), float(parts.next()));
+                let (at, expires) = (number(parts.next()), number(parts.next()));
+                if let (Some(id), Some(requests), Some(tokens), Some(at), Some(expires)) =
+                    (id, requests, tokens, at, expires)
+                {
                     if self.sent.len() < MAX_SENT {
-                        self.sent.push(Sent { id, requests, tokens, expires });
+                        self.sent.push(Sent { id, requests, tokens, at, expires });
                     }
                 }
             }
@@ -182,9 +210,9 @@ mod tests {
         let lowered = learned.lower(&l, 1_000);
         assert_eq!((lowered.rpm, lowered.burst, lowered.tpm), (Some(120.0), 120.0, Some(40_000.0)));
         assert_eq!(learned.lower(&l, 1_000 + LEARN_MS).rpm, Some(600.0), "lapsed");
-        // A reset further off than the minute keeps it until then.
-        learned.learn(&l, &announced(120.0, 40_000.0, 90_000), 1_000);
-        assert_eq!(learned.lower(&l, 1_000 + LEARN_MS).rpm, Some(120.0));
+        // A reset a day off keeps no limit longer: one answer cannot hold a model a day.
+        learned.learn(&l, &announced(1.0, 40_000.0, 86_400_000), 1_000);
+        assert_eq!(learned.lower(&l, 1_000 + LEARN_MS).rpm, Some(600.0));
         // A limit at or above the configured one is not learned, and forgets a lower one.
         learned.learn(&l, &announced(6_000.0, 1.0e6, 0), 2_000);
         assert_eq!(learned.lower(&l, 2_000), l);
@@ -195,20 +223,27 @@ mod tests {
     }
 
     #[test]
-    fn what_was_charged_after_a_call_is_counted_until_it_ends() {
+    fn what_an_answer_found_left_is_less_what_was_sent_after_and_plus_what_refilled() {
+        let l = limits(); // 10 requests and 1,666.67 tokens a second
         let mut learned = Learned::default();
-        learned.charge(1, 100.0, 10_000);
-        learned.charge(2, 50.0, 10_000);
-        learned.charge(3, 25.0, 10_000);
-        assert_eq!(learned.after(1), (2.0, 75.0));
-        assert_eq!(learned.after(3), (0.0, 0.0));
-        assert_eq!(learned.after(9), (0.0, 0.0), "a call not remembered");
+        learned.charge(1, 100.0, 0, 10_000);
+        learned.charge(2, 50.0, 0, 10_000);
+        learned.charge(3, 25.0, 0, 10_000);
+        learned.more_requests(1);
+        let said = (Some(5.0), Some(1_000.0));
+        assert_eq!(learned.left(1, &l, said, 0), (Some(2.0), Some(925.0)), "3 requests and 75 tokens after");
+        assert_eq!(learned.left(3, &l, said, 0), (Some(4.0), Some(1_000.0)));
+        // An answer read at the end of a long call: what refilled meanwhile counts.
+        let (requests, tokens) = learned.left(1, &l, said, 120_000);
+        assert_eq!(requests, Some(600.0), "refilled past the burst: the burst");
+        assert_eq!(tokens, Some(100_000.0));
+        assert_eq!(learned.left(9, &l, said, 0), (None, None), "a call not remembered");
         learned.forget(1);
-        assert_eq!(learned.after(1), (0.0, 0.0));
+        assert_eq!(learned.left(1, &l, said, 0), (None, None));
         learned.lapse(10_000);
         assert!(learned.sent.is_empty(), "held past their expiry");
         for id in 0..(MAX_SENT as u64 + 10) {
-            learned.charge(id, 1.0, 20_000);
+            learned.charge(id, 1.0, 0, 20_000);
         }
         assert_eq!(learned.sent.len(), MAX_SENT, "bounded");
     }
@@ -217,7 +252,7 @@ mod tests {
     fn its_lines_read_back_the_same() {
         let mut learned = Learned::default();
         learned.learn(&limits(), &announced(120.0, 40_000.0, 0), 5);
-        learned.charge(7, 12.5, 99);
+        learned.charge(7, 12.5, 5, 99);
         let mut text = String::new();
         learned.encode(&mut text);
         let mut back = Learned::default();

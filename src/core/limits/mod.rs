@@ -321,8 +321,9 @@ impl Bucket {
         }
         let tokens = if l.tpm.is_some() { self.estimate_within_capacity(l, who.estimate) } else { 0.0 };
         self.tokens -= tokens;
-        if l.rpm.is_some() || l.tpm.is_some() {
-            self.learned.charge(who.id, tokens, now_ms.saturating_add(hold_ms));
+        // A model's bucket (which HolySheep's answers speak of) remembers the call.
+        if l.shared && (l.rpm.is_some() || l.tpm.is_some()) {
+            self.learned.charge(who.id, tokens, now_ms, now_ms.saturating_add(hold_ms));
         }
         if l.max_in_flight.is_some() {
             self.in_flight.push((who.id, now_ms.saturating_add(hold_ms)));
@@ -353,19 +354,24 @@ impl Bucket {
     }
 
     /// Lowers the buckets to what the provider reports of the call `id`: the remainder it
-    /// reports, less what was charged here after that call (which it had not counted yet),
-    /// and its limits learned (`Learned::learn`); a provider 429 empties the request bucket
+    /// reports, brought to now (`Learned::left`), and its limits learned
+    /// (`Learned::learn`); a provider 429 empties the request bucket
     /// until its `retry-after` (or one request's refill) has passed. `l` is as configured.
     pub(crate) fn adapt(&mut self, l: &Limits, hints: &ProviderHints, id: u64, now_ms: u64) {
         self.learned.learn(l, hints, now_ms);
         self.refill(l, now_ms);
         let l = &self.learned.lower(l, now_ms);
-        let (requests_after, tokens_after) = self.learned.after(id);
-        if let (Some(r), Some(_)) = (hints.remaining_requests, l.rpm) {
-            self.requests = self.requests.min(r - requests_after);
+        let said = (hints.remaining_requests, hints.remaining_tokens);
+        // A call not remembered (a tenant's bucket, one past `MAX_SENT`): what was said.
+        let (requests, tokens) = match self.learned.left(id, l, said, now_ms) {
+            (None, None) => said,
+            left => left,
+        };
+        if let (Some(r), Some(_)) = (requests, l.rpm) {
+            self.requests = self.requests.min(r);
         }
-        if let (Some(t), Some(_)) = (hints.remaining_tokens, l.tpm) {
-            self.tokens = self.tokens.min(t - tokens_after);
+        if let (Some(t), Some(_)) = (tokens, l.tpm) {
+            self.tokens = self.tokens.min(t);
         }
         if hints.throttled && l.rpm.is_some() {
             let hold = hints.retry_after_ms.map_or(0.0, |ms| ms as f64 * l.req_per_ms());
@@ -566,6 +572,7 @@ pub(crate) fn charge_requests(store: &impl CasStore, bucket: &str, l: &Limits, n
     let _ = update(store, bucket, l, now_ms, |b| {
         b.refill(l, now_ms);
         b.requests -= n as f64;
+        b.learned.more_requests(n);
         ((), true)
     });
 }
@@ -749,14 +756,18 @@ mod tests {
             ..Default::default()
         };
         // The answer to call 1: the 2 calls sent after it were not counted by HolySheep yet.
-        b.adapt(&l, &said, 1, 10);
+        b.adapt(&l, &said, 1, 0);
         assert_eq!(b.requests, -1.0, "1 left, less the 2 sent after it");
         // It refills at HolySheep's 2 a second, not the configured 10.
-        assert!(take_one(&mut b, &l, 4, 10, 10 + 999, 60_000).is_err());
-        assert!(take_one(&mut b, &l, 4, 10, 10 + 1_000, 60_000).is_ok());
-        assert_eq!(b.headers(&b.learned.lower(&l, 1_010))[0], (headers::LIMIT_REQUESTS, "120".to_owned()));
+        assert!(take_one(&mut b, &l, 4, 10, 999, 60_000).is_err());
+        assert!(take_one(&mut b, &l, 4, 10, 1_000, 60_000).is_ok());
+        assert_eq!(b.headers(&b.learned.lower(&l, 1_000))[0], (headers::LIMIT_REQUESTS, "120".to_owned()));
+        // The answer to call 2, read 10 s after it was sent (a long stream's): what
+        // HolySheep refilled meanwhile counts, and the bucket is not driven below what is left.
+        b.adapt(&l, &ProviderHints { remaining_requests: Some(0.0), ..said }, 2, 10_000);
+        assert_eq!(b.requests.floor(), 18.0, "0 left then, less 2 sent after, plus 20 refilled");
         // A minute without an announcement: the configured limit again, burst and all.
-        b.refill(&l, 10 + 1_000 + learned::LEARN_MS + 60_000);
+        b.refill(&l, 10_000 + learned::LEARN_MS + 60_000);
         assert_eq!(b.requests, 600.0);
         // The record keeps what was learned and charged.
         b.adapt(&l, &said, 4, 200_000);

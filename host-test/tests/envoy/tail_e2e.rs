@@ -5,7 +5,7 @@
 use super::native_e2e::native;
 use host_test::client::Conn;
 use host_test::mock::Fault;
-use host_test::stack::{prompt, streamed, Stack, PATH};
+use host_test::stack::{poll_until, prompt, streamed, Stack, PATH};
 use serde_json::Value;
 use std::time::Duration;
 
@@ -68,8 +68,13 @@ fn followers_get_each_event_as_the_leaders_client_does_whenever_they_join() {
         assert!(head.contains("content-type: text/event-stream"), "{head}");
         all.push((head, c));
     }
-    // A follower that leaves costs the others nothing.
+    // A follower that leaves costs the others nothing. (Envoy has seen it go before the
+    // answer comes.)
     drop(all.remove(5));
+    poll_until(
+        || s.envoy.stat("http.edge.downstream_cx_destroy_remote_active_rq") >= 1,
+        "Envoy never saw the follower leave",
+    );
     s.mock.mock.release();
     for (text, c) in all.iter_mut() {
         text.push_str(&c.read_until(DONE).expect("the rest of the stream"));

@@ -348,8 +348,9 @@ fn a_node_lost_is_routed_around_and_no_client_hangs() {
 
 #[test]
 fn nodes_that_cannot_ask_the_model_owner_admit_only_their_share() {
-    // The owners look for the secret in a variable that is not set: no node can ask.
-    let config = r#"{"fleet":{"cluster":"owners","nodes":3,"peer_secret_env":"HOLYSHEEP_NO_SUCH_SECRET"},
+    // The owners look for the secret in a variable that is not set: no node can ask. (Their
+    // listeners are open: with no secret, one serving only the fleet would refuse it all.)
+    let config = r#"{"fleet":{"cluster":"owners","nodes":3,"peer_secret_env":"HOLYSHEEP_NO_SUCH_SECRET","internal":false},
                      "models":{"deepseek-v3":{"requests_per_minute":1,"burst":6}}}"#;
     let fleet = Fleet::start(3, config, 0);
     let calls_before = fleet.calls();

@@ -713,7 +713,7 @@ fn host_calls_failing_with_unexpected_statuses_never_trap_the_vm() {
 /// (it is renewed like a call in flight): no waiter takes over and calls HolySheep again.
 #[test]
 fn a_lease_is_renewed_while_its_flight_waits_for_the_model_owners_verdict() {
-    let config = r#"{"fleet":{"cluster":"owners","nodes":2,"timeout_ms":1000},"lock":{"lease_ms":200},
+    let config = r#"{"fleet":{"cluster":"owners","nodes":2,"timeout_ms":1000,"internal":false},"lock":{"lease_ms":200},
                      "models":{"gpt-4.1":{"requests_per_minute":600}}}"#;
     let chat_calls = Arc::new(AtomicU64::new(0));
     let counted = chat_calls.clone();

@@ -191,7 +191,8 @@ pub struct Fleet {
     pub timeout_ms: u64,
     /// An owner listener that serves only the fleet's own nodes: every API request must come
     /// over a connection whose client certificate Envoy verified and names one of
-    /// `peer_sans`, or carry the fleet's secret.
+    /// `peer_sans`, or carry the fleet's secret. On by default on an owner of a fleet
+    /// (`cluster` set); `false` opens it to clients.
     pub internal: bool,
     /// The subject alternative names (URI or DNS, the first of each kind) a node's client
     /// certificate may carry.
@@ -498,6 +499,12 @@ impl Config {
         let text = std::str::from_utf8(raw).map_err(|_| ConfigError("the configuration is not UTF-8".into()))?;
         let value = json::read(text).map_err(|e| ConfigError(e.to_string()))?;
         let mut config = Config::read(&value)?;
+        // A fleet's owner serves only the fleet unless its configuration says otherwise: one
+        // forgotten line must not leave an owner listener open to clients.
+        let said = value.get("fleet").is_some_and(|f| f.get("internal").is_some());
+        if !said && config.role == Role::Owner && !config.fleet.cluster.is_empty() {
+            config.fleet.internal = true;
+        }
         config.validate()?;
         if config.role == Role::Forward {
             // A forward node's cache holds its near copies.
@@ -1180,6 +1187,16 @@ mod tests {
             let e = Config::parse(raw.as_bytes()).unwrap_err();
             assert_eq!(e.field(), field, "{raw}: {e}");
         }
+    }
+
+    #[test]
+    fn a_fleets_owner_serves_only_the_fleet_unless_told_otherwise() {
+        let internal = |raw: &str| Config::parse(raw.as_bytes()).map(|c| c.fleet.internal);
+        assert_eq!(internal(r#"{"fleet":{"cluster":"owners","nodes":3}}"#), Ok(true), "a fleet's owner");
+        assert_eq!(internal(r#"{"fleet":{"cluster":"owners","internal":false}}"#), Ok(false), "opened on purpose");
+        assert_eq!(internal(r#"{"fleet":{"nodes":1}}"#), Ok(false), "no fleet: its clients come to it");
+        assert_eq!(internal(r#"{}"#), Ok(false));
+        assert_eq!(internal(r#"{"role":"forward","fleet":{"cluster":"owners"}}"#), Ok(false), "a forward node");
     }
 
     /// Every field of every section is read: a configuration setting each one away from

@@ -115,10 +115,12 @@ impl Learned {
     /// `LEARN_MS`.
     pub fn learn(&mut self, l: &Limits, hints: &ProviderHints, now_ms: u64) {
         let until = now_ms.saturating_add(LEARN_MS);
-        if let (Some(limit), Some(rpm)) = (hints.limit_requests, l.rpm) {
+        // A node's share of a fleet's limits learns its share of the account's.
+        let among = f64::from(l.among.max(1));
+        if let (Some(limit), Some(rpm)) = (hints.limit_requests.map(|r| r / among), l.rpm) {
             self.requests = (limit < rpm).then_some((limit, until));
         }
-        if let (Some(limit), Some(tpm)) = (hints.limit_tokens, l.tpm) {
+        if let (Some(limit), Some(tpm)) = (hints.limit_tokens.map(|t| t / among), l.tpm) {
             self.tokens = (limit < tpm).then_some((limit, until));
         }
     }
@@ -190,6 +192,7 @@ mod tests {
             reserve: 0.0,
             max_line: 100,
             shared: true,
+            among: 1,
         }
     }
 
@@ -216,6 +219,11 @@ mod tests {
         // A limit at or above the configured one is not learned, and forgets a lower one.
         learned.learn(&l, &announced(6_000.0, 1.0e6, 0), 2_000);
         assert_eq!(learned.lower(&l, 2_000), l);
+        // A node's share of a fleet of 3 learns its share of the account's limit.
+        let share = l.share(3);
+        let mut shared = Learned::default();
+        shared.learn(&share, &announced(120.0, 40_000.0, 0), 1_000);
+        assert_eq!(shared.lower(&share, 1_000).rpm, Some(40.0));
         // A model with no configured limit learns none.
         let open = Limits { rpm: None, tpm: None, ..l };
         learned.learn(&open, &announced(1.0, 1.0, 0), 3_000);

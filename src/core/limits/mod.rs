@@ -47,6 +47,9 @@ pub struct Limits {
     /// never drives it more than one estimate below empty (the caller's own tenant bucket
     /// takes the rest). A tenant's own bucket takes all of it.
     pub shared: bool,
+    /// The nodes these limits are shared out among (1, but for a node's share of a fleet's
+    /// limits): what HolySheep announces for the account is theirs to share alike.
+    pub among: u32,
 }
 
 impl Limits {
@@ -60,6 +63,7 @@ impl Limits {
             reserve: rules.reserve,
             max_line: rules.max_queue,
             shared: true,
+            among: 1,
         }
     }
 
@@ -72,6 +76,7 @@ impl Limits {
             tpm: self.tpm.map(|t| t / n),
             burst: (self.burst / n).floor().max(1.0),
             max_in_flight: self.max_in_flight.map(|m| (m / nodes.max(1) as usize).max(1)),
+            among: nodes.max(1),
             ..*self
         }
     }

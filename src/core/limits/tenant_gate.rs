@@ -227,6 +227,7 @@ fn limits_of(t: &Tenant, rules: &RateLimit) -> Option<Limits> {
         reserve: 0.0,
         max_line: rules.max_queue,
         shared: false,
+        among: 1,
     })
 }
 

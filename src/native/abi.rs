@@ -1,9 +1,11 @@
 //! Envoy's dynamic-module ABI `v0.2.0` (Envoy 1.40.0), the subset this shell uses: the C
 //! types, the enums' values, and the callbacks Envoy exports. Every name is one the 1.40.0
-//! binary exports. The end-to-end tests in real Envoy (host-test/tests/envoy/native_e2e.rs)
-//! exercise every call but `set_header` (a client's fleet headers taken off) and the
-//! certificate's attributes (a listener that serves only the fleet), whose signatures rest
-//! on the ABI's header and the binary's disassembly. Envoy owns every buffer it hands over,
+//! binary exports. The end-to-end tests in real Envoy (the suite's native lane) exercise
+//! every call but the certificate's attributes (a listener that serves only the fleet),
+//! whose signatures rest on the ABI's header and the binary's disassembly: the
+//! configuration's scheduler and callouts by the spend store's tests, `xds.cluster_name`,
+//! `set_header` on a response and the response body's drain and append by the passthrough
+//! tests. Envoy owns every buffer it hands over,
 //! valid only during the hook it arrives in; a buffer the module passes is read during the
 //! call only.
 

@@ -91,7 +91,7 @@ enum Answer {
 /// The answer to a chat call, billed to `state`.
 fn answer(body: &[u8], state: &mut State) -> Answer {
     let req: Value = serde_json::from_slice(body).unwrap_or(Value::Null);
-    let cached = cached_tokens(&req, &mut state.prefixes);
+    let cached = cached_tokens(&req, &mut state.prefixes, state.cache_machines);
     let completion = completion(&req).map(|mut c| {
         c["usage"]["prompt_tokens_details"] = json!({"cached_tokens": cached, "audio_tokens": 0});
         state.billed.push((c["model"].as_str().unwrap_or_default().to_owned(), c["usage"].clone()));
@@ -110,11 +110,21 @@ fn answer(body: &[u8], state: &mut State) -> Answer {
 /// Prompt caching as OpenAI bills it: a prompt whose prefix (the model and every message
 /// but the last) was answered before, and is at least 1024 tokens long, has that prefix
 /// served from the cache in whole blocks of 128 tokens. Remembers the prefix.
-fn cached_tokens(req: &Value, seen: &mut std::collections::HashSet<[u8; 32]>) -> u64 {
+fn cached_tokens(req: &Value, seen: &mut std::collections::HashSet<[u8; 32]>, machines: u32) -> u64 {
     let Some(messages) = req["messages"].as_array().filter(|m| m.len() > 1) else { return 0 };
     let prefix = &messages[..messages.len() - 1];
     let tokens = (prefix.iter().map(|m| m["content"].as_str().map_or(0, str::len) + 4).sum::<usize>() / 4) as u64;
-    let digest: [u8; 32] = Sha256::digest(json!([req["model"], prefix]).to_string().as_bytes()).into();
+    // With several machines (`Mock::prompt_cache_machines`), each keeps its own prefixes: a
+    // call goes to its `prompt_cache_key`'s machine, else to one picked by its whole body.
+    let machine = match machines {
+        0 | 1 => 0,
+        n => {
+            let by = req.get("prompt_cache_key").map_or_else(|| req.to_string(), Value::to_string);
+            let d: [u8; 32] = Sha256::digest(by.as_bytes()).into();
+            u32::from_be_bytes([d[0], d[1], d[2], d[3]]) % n
+        }
+    };
+    let digest: [u8; 32] = Sha256::digest(json!([machine, req["model"], prefix]).to_string().as_bytes()).into();
     let hit = !seen.insert(digest);
     if hit && tokens >= 1024 {
         tokens / 128 * 128

@@ -63,6 +63,8 @@ pub(crate) struct State {
     pub(crate) billed_at: Vec<(String, Value)>,
     /// The account's request limit on chat calls, when a test set one.
     pub(crate) limit: Option<crate::limit::RequestLimit>,
+    /// The machines HolySheep's prompt cache is spread over (`prompt_cache_machines`).
+    pub(crate) cache_machines: u32,
 }
 
 /// Counts a chat-completion call as in flight until dropped.
@@ -265,6 +267,16 @@ impl Mock {
     /// (`limit::RequestLimit`): one over it is a 429, and every answer says the limit.
     pub fn limit_requests(&self, per_minute: u32, burst: u32) {
         self.state().limit = Some(crate::limit::RequestLimit::new(per_minute, burst));
+    }
+
+    /// HolySheep's prompt cache spread over `n` machines, each with the prefixes it served:
+    /// a chat call with a `prompt_cache_key` goes to that key's machine, one without to a
+    /// machine its whole body picks. Its prompt is served from the cache only when its
+    /// machine served the same prefix before. (By default one machine: any repeat.)
+    pub fn prompt_cache_machines(&self, n: u32) {
+        let mut s = self.state();
+        s.cache_machines = n;
+        s.prefixes.clear();
     }
 
     /// Each chat call since `limit_requests`: when it arrived, and whether the limit turned

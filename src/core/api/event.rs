@@ -33,6 +33,13 @@ pub enum Event {
         model: String,
         usage: Usage,
     },
+    /// HolySheep served `tokens` of a call's prompt from its cache, on a call whose
+    /// `prompt_cache_key` the edge set: `micro` micro-dollars saved against the input price.
+    AffinitySaved {
+        model: String,
+        tokens: u64,
+        micro: u64,
+    },
     /// The model's owner node was out of reach: this node admitted from its own share.
     LocalShare {
         model: String,

@@ -165,6 +165,9 @@ pub struct Model {
     /// reserved at when HolySheep supplies part of its input (a stored response, a file, an
     /// image by URL). Without it such calls of a budgeted tenant are refused.
     pub context_window: Option<u64>,
+    /// The edge sets a `prompt_cache_key` on this model's calls that carry none
+    /// (`upstream::affinity`), so that HolySheep's prompt cache sees one prefix together.
+    pub prompt_cache_affinity: bool,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -709,6 +712,20 @@ impl Config {
         self.models.get_key_value(model).or_else(|| self.models.get_key_value("default")).map(|(k, v)| (k.as_str(), v))
     }
 
+    /// Whether the edge sets a `prompt_cache_key` for a call on `model` by `tenant`: turned
+    /// on for the model (its own entry, else `default`) or for the tenant.
+    pub fn affinity(&self, model: &str, tenant: Option<&str>) -> bool {
+        self.model(model).is_some_and(|(_, m)| m.prompt_cache_affinity)
+            || tenant.and_then(|t| self.tenants.get(t)).is_some_and(|t| t.prompt_cache_affinity)
+    }
+
+    /// Micro-dollars `cached` prompt tokens on `model` cost less from the prompt cache than
+    /// at the input price.
+    pub fn cache_saving_micro_usd(&self, model: &str, cached: u64) -> u64 {
+        self.model(model)
+            .map_or(0, |(_, m)| ((m.input_price() - m.cached_input_price()).max(0.0) * cached as f64).round() as u64)
+    }
+
     /// Micro-dollars an answer's `usage` costs on `model` at its configured prices (a
     /// price per million tokens is a price in micro-dollars per token).
     pub fn cost_micro_usd(&self, model: &str, usage: &Usage) -> u64 {
@@ -981,6 +998,7 @@ impl Model {
                 "usd_per_mtok_cached_input" => m.usd_per_mtok_cached_input = maybe(p, v, number)?,
                 "max_completion_tokens" => m.max_completion_tokens = maybe(p, v, whole)?,
                 "context_window" => m.context_window = maybe(p, v, whole)?,
+                "prompt_cache_affinity" => m.prompt_cache_affinity = flag(p, v)?,
                 _ => return Ok(false),
             }
             Ok(true)
@@ -1216,14 +1234,15 @@ mod tests {
             "lock":{{"lease_ms":200,"wait_timeout_ms":300,"slots":64}},
             "models":{{"m":{{"requests_per_minute":1,"tokens_per_minute":2,"burst":3,"max_in_flight":4,
               "fallback":["n"],"usd_per_mtok_input":1.5,"usd_per_mtok_output":2.5,"usd_per_mtok_cached_input":0.5,
-              "max_completion_tokens":5,"context_window":6}},
+              "max_completion_tokens":5,"context_window":6,"prompt_cache_affinity":true}},
               "n":{{"usd_per_mtok_input":1}},"text-embedding-3-large":{{"usd_per_mtok_input":1}}}},
             "rate_limit":{{"max_wait_ms":13,"max_provider_hold_ms":14,"reserve":0.5,"max_queue":15}},
             "retry":{{"max_attempts":2,"base_delay_ms":16,"max_delay_ms":17}},
             "semantic":{{"enabled":true,"embedding_model":"text-embedding-3-large","dimensions":256,
               "threshold":0.9,"max_entries":18,"models":["m"],"allow_tools":true,"timeout_ms":19}},
             "tenants":{{"t":{{"keys_sha256":["{key}"],"models":["m"],"requests_per_minute":20,
-              "tokens_per_minute":21,"burst":22,"usd_per_day":1.25,"usd_per_month":30,"priority":"critical"}}}},
+              "tokens_per_minute":21,"burst":22,"usd_per_day":1.25,"usd_per_month":30,"priority":"critical",
+              "prompt_cache_affinity":true}}}},
             "budget_store":{{"cluster":"etcd","authority":"e","prefix":"p/q","flush_ms":500,"timeout_ms":23,
               "outage_usd":0.75,"replicas":2}},
             "passthrough_paths":["/v1/models"]}}"#
@@ -1277,6 +1296,7 @@ mod tests {
                         usd_per_mtok_cached_input: Some(0.5),
                         max_completion_tokens: Some(5),
                         context_window: Some(6),
+                        prompt_cache_affinity: true,
                     },
                 ),
                 ("n".to_owned(), model(1.0)),
@@ -1307,6 +1327,7 @@ mod tests {
                     usd_per_day: Some(1.25),
                     usd_per_month: Some(30.0),
                     priority: Class::Critical,
+                    prompt_cache_affinity: true,
                 },
             )]),
             budget_store: BudgetStore {

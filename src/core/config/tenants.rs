@@ -7,7 +7,7 @@ use crate::core::api::error::ApiError;
 use crate::core::api::priority::Class;
 use crate::core::api::priority::CLASSES;
 use crate::core::config::named::Named;
-use crate::core::config::read::{choice, maybe, number, section, texts, whole, whole32, Read};
+use crate::core::config::read::{choice, flag, maybe, number, section, texts, whole, whole32, Read};
 use crate::core::wire::digest::sha256;
 use serde_json::Value;
 use std::collections::hash_map::DefaultHasher;
@@ -56,6 +56,9 @@ pub struct Tenant {
     pub usd_per_month: Option<f64>,
     /// The class of the tenant's requests (`standard` by default); a request may lower it.
     pub priority: Class,
+    /// The edge sets a `prompt_cache_key` on the tenant's calls that carry none
+    /// (`Config::affinity`).
+    pub prompt_cache_affinity: bool,
 }
 
 impl Tenant {
@@ -72,6 +75,7 @@ impl Tenant {
                 "usd_per_day" => t.usd_per_day = maybe(p, v, number)?,
                 "usd_per_month" => t.usd_per_month = maybe(p, v, number)?,
                 "priority" => t.priority = choice(p, v, &classes)?,
+                "prompt_cache_affinity" => t.prompt_cache_affinity = flag(p, v)?,
                 _ => return Ok(false),
             }
             Ok(true)

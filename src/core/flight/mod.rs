@@ -68,6 +68,8 @@ pub struct Flight {
     batch: Option<std::rc::Rc<Batch>>,
     /// Signs the response id of a verified tenant's Responses answer (`api::objects`).
     signer: Option<Signer>,
+    /// The edge set the call's `prompt_cache_key` (`Outbound::affinity`).
+    affinity: bool,
 }
 
 impl Flight {
@@ -92,7 +94,18 @@ impl Flight {
             outbox: Vec::new(),
             batch: outbound.batch.clone(),
             signer: config.signer(outbound.endpoint, outbound.tenant.as_deref()),
+            affinity: outbound.affinity,
         }
+    }
+
+    /// The answer's `usage` on `model`, and what HolySheep's prompt cache saved where the
+    /// edge set the call's key.
+    fn used(&mut self, config: &Config, model: &str, usage: Usage) {
+        if self.affinity && usage.cached > 0 {
+            let micro = config.cache_saving_micro_usd(model, usage.cached);
+            self.events.push(Event::AffinitySaved { model: model.to_owned(), tokens: usage.cached, micro });
+        }
+        self.events.push(Event::Usage { model: model.to_owned(), usage });
     }
 
     /// The model the flight is on now.
@@ -193,7 +206,7 @@ impl Flight {
         self.standing.settle(store, config, self.idx, (actual, 0), hints, now_ms);
         self.take_trail();
         if let Some(usage) = usage {
-            self.events.push(Event::Usage { model: model.clone(), usage });
+            self.used(config, &model, usage);
         }
         if hints.throttled {
             self.events.push(Event::ProviderRateLimited { model: model.clone() });
@@ -289,7 +302,7 @@ impl Flight {
         self.standing.settle(store, config, self.idx, (actual, retries), hints, now_ms);
         self.take_trail();
         if let Some(usage) = end.usage {
-            self.events.push(Event::Usage { model: model.clone(), usage });
+            self.used(config, &model, usage);
         }
         if hints.ignored > 0 {
             self.events.push(Event::LimitHeadersIgnored { model: model.clone(), n: u64::from(hints.ignored) });
@@ -412,6 +425,7 @@ mod tests {
             semantic: None,
             batch: None,
             trace: None,
+            affinity: false,
         }
     }
 
@@ -537,6 +551,7 @@ mod tests {
             semantic: None,
             batch: None,
             trace: None,
+            affinity: false,
         };
         Flight::new(c, call, &outbound)
     }

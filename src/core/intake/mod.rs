@@ -29,6 +29,7 @@ use crate::core::request::{
     is_internal_path, is_models_path, ApiRequest, CacheControl, Policy, RequestMeta, PEER_PATH,
 };
 use crate::core::store::CasStore;
+use crate::core::upstream::affinity::{self, Keyed};
 use crate::core::upstream::Outbound;
 use crate::core::wire::json;
 use crate::core::wire::write;
@@ -518,10 +519,19 @@ pub fn decide<S: CasStore>(
             None => body.to_vec(),
         },
     };
+    // HolySheep's prompt cache: the key the call goes with (`upstream::affinity`).
+    let on = engine.config.affinity(&request.model, request.tenant.as_deref());
+    let (body, affinity) = match affinity::keyed(&body, request.endpoint, &request.model, request.tenant.as_deref(), on)
+    {
+        Keyed::Set(keyed) => (keyed, true),
+        Keyed::Scoped(keyed) => (keyed, false),
+        Keyed::Unchanged => (body, false),
+    };
     // A tenant's token is the edge's to check, never HolySheep's to see.
     let trace = head.trace();
     let client_authorization = head.authorization.filter(|_| request.tenant.is_none());
-    let mut outbound = Outbound { class: policy.class, trace, ..Outbound::of(&request, body, client_authorization) };
+    let mut outbound =
+        Outbound { class: policy.class, trace, affinity, ..Outbound::of(&request, body, client_authorization) };
     if let Some(Plan::Call(batch, fewer)) = batch {
         if fewer.is_some() {
             // Only the items the cache does not hold are sent, estimated, and billed.

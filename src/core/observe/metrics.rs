@@ -52,9 +52,11 @@ pub enum Counter {
     BudgetChargedMicroUsd,
     /// HolySheep's `x-ratelimit-*` headers that were not believed, and so ignored.
     LimitHeadersIgnored,
+    /// What HolySheep's prompt cache saved on calls whose `prompt_cache_key` the edge set.
+    AffinitySavedMicroUsd,
 }
 
-pub(crate) const COUNTERS: [Counter; 32] = [
+pub(crate) const COUNTERS: [Counter; 33] = [
     Counter::Requests(CacheStatus::Hit),
     Counter::Requests(CacheStatus::Miss),
     Counter::Requests(CacheStatus::Coalesced),
@@ -87,6 +89,7 @@ pub(crate) const COUNTERS: [Counter; 32] = [
     Counter::ConfigMismatch,
     Counter::BudgetChargedMicroUsd,
     Counter::LimitHeadersIgnored,
+    Counter::AffinitySavedMicroUsd,
 ];
 
 impl Counter {
@@ -125,6 +128,7 @@ impl Counter {
             Counter::ConfigMismatch => 29,
             Counter::BudgetChargedMicroUsd => 30,
             Counter::LimitHeadersIgnored => 31,
+            Counter::AffinitySavedMicroUsd => 32,
         }
     }
 
@@ -157,6 +161,7 @@ impl Counter {
             Counter::ConfigMismatch => "config_mismatch".into(),
             Counter::BudgetChargedMicroUsd => "budget_charged_microusd".into(),
             Counter::LimitHeadersIgnored => "ratelimit_headers_ignored".into(),
+            Counter::AffinitySavedMicroUsd => "affinity_saved_microusd".into(),
         }
     }
 }
@@ -265,6 +270,9 @@ pub(crate) fn for_event<'a>(config: &'a Config, event: &'a Event) -> Vec<(&'a st
         Event::RateLimited { model } => one(model, Counter::RateLimited),
         Event::ProviderRateLimited { model } => one(model, Counter::ProviderRateLimited),
         Event::LimitHeadersIgnored { model, n } => vec![(label(config, model), Counter::LimitHeadersIgnored, *n)],
+        Event::AffinitySaved { model, micro, .. } => {
+            vec![(label(config, model), Counter::AffinitySavedMicroUsd, *micro)]
+        }
         Event::LocalShare { model } => one(model, Counter::FleetLocalShare),
         Event::BudgetCharged { model, micro } => vec![(label(config, model), Counter::BudgetChargedMicroUsd, *micro)],
         // Counted per class (`for_class`).
@@ -577,6 +585,7 @@ mod tests {
             "config_mismatch",
             "budget_charged_microusd",
             "ratelimit_headers_ignored",
+            "affinity_saved_microusd",
         ];
         assert_eq!(names, documented, "the counter names docs/operations.md lists, each once");
         assert!(COUNTERS.iter().enumerate().all(|(i, c)| c.index() == i), "index is the place in COUNTERS");

@@ -5,9 +5,9 @@
 use crate::core::wire::write;
 use serde_json::{Map, Number, Value};
 
-/// Fields left out of the key: they change how the answer is delivered or attributed,
-/// not what it says.
-pub(crate) const KEY_EXCLUDED_FIELDS: [&str; 3] = ["stream", "stream_options", "user"];
+/// Fields left out of the key: they change how the answer is delivered or attributed, or
+/// where HolySheep looks for a cached prefix (`prompt_cache_key`), not what it says.
+pub(crate) const KEY_EXCLUDED_FIELDS: [&str; 4] = ["stream", "stream_options", "user", "prompt_cache_key"];
 
 /// Compact JSON with object keys sorted recursively (serde_json's map is a BTreeMap),
 /// integral floats written as integers, and the excluded fields removed: the bytes

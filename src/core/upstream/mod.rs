@@ -1,6 +1,7 @@
 //! The HolySheep request and response as both shells send and read them: the request a
 //! flight's attempt makes (body, headers) and the `Response` + `ProviderHints` read back.
 
+pub mod affinity;
 pub mod misroute;
 
 use crate::core::api::call::HttpCall;
@@ -60,6 +61,9 @@ pub struct Outbound {
     pub batch: Option<std::rc::Rc<Batch>>,
     /// The caller's trace context, carried onto the call.
     pub trace: Option<TraceContext>,
+    /// The edge set its `prompt_cache_key` (`affinity`): what HolySheep's prompt cache
+    /// saves it is counted as affinity's.
+    pub affinity: bool,
 }
 
 pub const USER_AGENT: &str = concat!("holysheep-edge/", env!("CARGO_PKG_VERSION"));
@@ -128,6 +132,7 @@ impl Outbound {
             semantic: request.semantic.clone(),
             batch: None,
             trace: None,
+            affinity: false,
         }
     }
 
@@ -475,6 +480,7 @@ mod tests {
             semantic: None,
             batch: None,
             trace: None,
+            affinity: false,
         }
     }
 

@@ -38,6 +38,8 @@
 //! proxy; then nginx's proxy_cache beside its HIT, also alone as nginx), tail (live tails: 100 followers of a streamed MISS, native module and plugin),
 //! learned (HolySheep's limits learned from its headers: a load at twice the mock's limit
 //! through the edge and through a plain proxy, HolySheep's 429s after its first answer),
+//! affinity (prompt-cache affinity: 20 tenants' questions under their own long system
+//! prompts with it and without it, the cached input share and the input's cost),
 //! BENCH_CROWD (default 1000 identical requests for the follower delay), BENCH_CROWD_ROUNDS
 //! (default 3 crowds for the plugin and as many for the floor, alternating), BENCH_PROFILE=1
 //! (`perf record` on Envoy during each Envoy row: CPU per request in the filter's wasm code,
@@ -102,6 +104,7 @@ fn main() -> std::io::Result<()> {
             "start" => rows::start::start_rows(&mut r, &mock, rounds, &prompt("benchmark prompt"))?,
             "tail" => rows::tail::tail_rows(&mut r, rounds)?,
             "learned" => rows::learned::learned_rows(&mut r)?,
+            "affinity" => rows::affinity::affinity_rows(&mut r)?,
             "nginx" => rows::nginx::nginx_rows(&mut r, rounds, (conns, secs), &prompt("benchmark prompt"))?,
             "scan" => rows::scan::scan_rows(&mut r)?,
             "tracing" => {

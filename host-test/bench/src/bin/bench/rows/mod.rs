@@ -1,6 +1,7 @@
 //! One file per family of rows; each starts what it measures and adds its rows, ratios and
 //! notes to the report.
 
+pub mod affinity;
 pub mod baseline;
 pub mod budget;
 pub mod component;

@@ -1,5 +1,5 @@
 //! Prompt-cache affinity (`BENCH_ONLY=affinity`): 20 tenants, each with a system prompt of
-//! its own of about 2,000 tokens, ask 10 questions each under it, through an edge with
+//! its own of about 2,300 tokens, ask 10 questions each under it, through an edge with
 //! `prompt_cache_affinity` and through one without, one after the other. The mock spreads
 //! its prompt cache over 8 machines (a call with a `prompt_cache_key` goes to its key's
 //! machine, one without to a machine its whole body picks). What share of the input tokens
@@ -37,7 +37,7 @@ fn pass(envoy: &Envoy, mock: &Running) -> std::io::Result<(u64, u64)> {
     let before = mock.mock.billed_for("gpt-4.1").len();
     for q in 0..QUESTIONS {
         for t in 0..TENANTS {
-            // About 2,000 tokens (four characters a token), each tenant's own.
+            // About 2,300 tokens (four characters a token), each tenant's own.
             let system = format!("Tenant {t:02}'s assistant. ").repeat(400);
             let body = json!({"model":"gpt-4.1","messages":[
                 {"role":"system","content":system},{"role":"user","content":format!("question {q} of tenant {t}")}]});

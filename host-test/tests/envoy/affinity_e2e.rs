@@ -72,7 +72,7 @@ fn a_tenants_calls_that_share_a_prefix_meet_it_in_holysheeps_cache_and_the_savin
     assert!(hits(&cached_off) < hits(&cached), "without affinity {cached_off:?}, with {cached:?}");
     let sent: Value = serde_json::from_slice(&off.mock.mock.last_body()).expect("json");
     assert!(sent.get("prompt_cache_key").is_none(), "no key unless turned on: {sent}");
-    assert_eq!(off.envoy.stat("wasmcustom.holysheep.gpt-4.1.affinity_saved_microusd"), 0);
+    assert_eq!(off.envoy.counted("wasmcustom.holysheep.gpt-4.1.affinity_saved_microusd"), 0);
 }
 
 #[test]

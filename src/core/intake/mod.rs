@@ -519,13 +519,20 @@ pub fn decide<S: CasStore>(
             None => body.to_vec(),
         },
     };
-    // HolySheep's prompt cache: the key the call goes with (`upstream::affinity`).
-    let on = engine.config.affinity(&request.model, request.tenant.as_deref());
-    let (body, affinity) = match affinity::keyed(&body, request.endpoint, &request.model, request.tenant.as_deref(), on)
-    {
-        Keyed::Set(keyed) => (keyed, true),
-        Keyed::Scoped(keyed) => (keyed, false),
-        Keyed::Unchanged => (body, false),
+    // HolySheep's prompt cache: the key the call goes with (`upstream::affinity`), in the
+    // tenant's scope (verified, else the trusted header's). A forward node passes the body
+    // on as it came: its owner keys it.
+    let (body, affinity) = match engine.config.role {
+        Role::Owner => {
+            let scope = request.tenant.as_deref().or(head.tenant.as_deref());
+            let on = engine.config.affinity(&request.model, request.tenant.as_deref());
+            match affinity::keyed(&body, request.endpoint, &request.model, scope, on) {
+                Keyed::Set(keyed) => (keyed, true),
+                Keyed::Scoped(keyed) => (keyed, false),
+                Keyed::Unchanged => (body, false),
+            }
+        }
+        Role::Forward => (body, false),
     };
     // A tenant's token is the edge's to check, never HolySheep's to see.
     let trace = head.trace();

@@ -15,7 +15,7 @@
 use crate::core::api::endpoint::Endpoint;
 use crate::core::request::canonical::canonical_body;
 use crate::core::wire::digest::sha256;
-use crate::core::wire::{json, write};
+use crate::core::wire::{json, scan, write};
 use serde_json::{Map, Value};
 
 const FIELD: &str = "prompt_cache_key";
@@ -33,41 +33,60 @@ pub enum Keyed {
     Scoped(Vec<u8>),
 }
 
-/// The body of a call on `model` by `tenant` to `endpoint`, with the `prompt_cache_key` it
-/// goes with (`on`: affinity is turned on for it).
+/// The body of a call on `model` to `endpoint` in the tenant scope `tenant` (the verified
+/// tenant, else the trusted tenant header's value), with the `prompt_cache_key` it goes
+/// with (`on`: affinity is turned on for it). Only the key's member changes: the rest of
+/// the body goes byte for byte as it came (the order of a schema's properties is the
+/// order a structured answer is written in).
 pub fn keyed(body: &[u8], endpoint: Endpoint, model: &str, tenant: Option<&str>, on: bool) -> Keyed {
-    if !matches!(endpoint, Endpoint::Chat | Endpoint::Responses) {
+    if !matches!(endpoint, Endpoint::Chat | Endpoint::Responses) || (!on && tenant.is_none()) {
         return Keyed::Unchanged;
     }
-    // Most calls carry no key and have affinity off: not parsed again.
-    if !on && (tenant.is_none() || !body.windows(FIELD.len()).any(|w| w == FIELD.as_bytes())) {
-        return Keyed::Unchanged;
-    }
-    let Some(Value::Object(mut map)) = json::parse(body) else { return Keyed::Unchanged };
-    match map.get(FIELD) {
-        Some(Value::String(own)) => {
+    // The member as the intake read it (a name spelled with escapes among them); a body
+    // that names it twice never gets here (the intake refuses a repeated member).
+    let Some([own]) = scan::read_fields(body, [FIELD]) else { return Keyed::Unchanged };
+    match own {
+        Some(raw) => {
             let Some(tenant) = tenant else { return Keyed::Unchanged };
-            let scoped = digest(&[b"tenant-key", tenant.as_bytes(), own.as_bytes()]);
-            map.insert(FIELD.to_owned(), Value::String(scoped));
-            Keyed::Scoped(written(&map))
+            // Any value, a string or not, becomes the tenant's own string.
+            let scoped = digest(&[b"tenant-key", tenant.as_bytes(), raw.text().as_bytes()]);
+            spliced(body, raw.text(), &scoped).map_or(Keyed::Unchanged, Keyed::Scoped)
         }
-        // Not a string: HolySheep's to refuse, as it came.
-        Some(_) => Keyed::Unchanged,
         None if !on => Keyed::Unchanged,
         None => {
+            let Some(Value::Object(map)) = json::parse(body) else { return Keyed::Unchanged };
             let Some(prefix) = stable_prefix(&map, endpoint) else { return Keyed::Unchanged };
             let key = digest(&[b"prefix", tenant.unwrap_or_default().as_bytes(), model.as_bytes(), &prefix]);
-            map.insert(FIELD.to_owned(), Value::String(key));
-            Keyed::Set(written(&map))
+            first_member(body, &key).map_or(Keyed::Unchanged, Keyed::Set)
         }
     }
 }
 
-/// `map` as JSON, as `serde_json::to_vec` writes it.
-fn written(map: &Map<String, Value>) -> Vec<u8> {
-    let mut out = Vec::with_capacity(256);
-    write::object_into(map, &mut out, write::number);
-    out
+/// `body` with `value` (a slice of it) replaced by the JSON string `key`.
+fn spliced(body: &[u8], value: &str, key: &str) -> Option<Vec<u8>> {
+    let start = (value.as_ptr() as usize).checked_sub(body.as_ptr() as usize)?;
+    let end = start.checked_add(value.len()).filter(|end| *end <= body.len())?;
+    let mut out = Vec::with_capacity(body.len() + key.len());
+    out.extend_from_slice(&body[..start]);
+    write::string_into(key, &mut out);
+    out.extend_from_slice(&body[end..]);
+    Some(out)
+}
+
+/// `body` (an object) with `"prompt_cache_key":"<key>"` as its first member.
+fn first_member(body: &[u8], key: &str) -> Option<Vec<u8>> {
+    let open = body.iter().position(|b| !b.is_ascii_whitespace()).filter(|&i| body[i] == b'{')?;
+    let next = body[open + 1..].iter().find(|b| !b.is_ascii_whitespace())?;
+    let mut out = Vec::with_capacity(body.len() + key.len() + FIELD.len() + 6);
+    out.extend_from_slice(&body[..=open]);
+    write::string_into(FIELD, &mut out);
+    out.push(b':');
+    write::string_into(key, &mut out);
+    if *next != b'}' {
+        out.push(b',');
+    }
+    out.extend_from_slice(&body[open + 1..]);
+    Some(out)
 }
 
 /// `hs-` and the digest of `parts` (each length-prefixed).
@@ -122,7 +141,7 @@ mod tests {
 
     fn key(keyed: &Keyed) -> String {
         let (Keyed::Set(body) | Keyed::Scoped(body)) = keyed else { panic!("{keyed:?}") };
-        let v: Value = serde_json::from_slice(body).unwrap();
+        let v: Value = serde_json::from_slice(body).expect("the body stays JSON");
         v[FIELD].as_str().unwrap().to_owned()
     }
 
@@ -142,6 +161,25 @@ mod tests {
         let bare = br#"{"model":"gpt-4.1","messages":[{"role":"user","content":"q"}]}"#;
         assert_eq!(on(bare, Some("a")), Keyed::Unchanged);
         assert_eq!(keyed(&plain, Endpoint::Embeddings, "gpt-4.1", Some("a"), true), Keyed::Unchanged);
+    }
+
+    #[test]
+    fn only_the_keys_member_changes_and_an_escaped_name_is_the_same_name() {
+        let body = br#"{"model":"gpt-4.1","response_format":{"type":"json_schema","json_schema":{"schema":
+            {"properties":{"reasoning":{"type":"string"},"answer":{"type":"string"}}}}},
+            "messages":[{"role":"system","content":"s"},{"role":"user","content":"q"}]}"#;
+        let Keyed::Set(set) = keyed(body, Endpoint::Chat, "gpt-4.1", Some("a"), true) else { panic!("set") };
+        let text = String::from_utf8(set).unwrap();
+        let k = text.find("hs-").unwrap();
+        assert_eq!(
+            text.replacen(&format!(r#""prompt_cache_key":"{}","#, &text[k..k + 3 + DIGITS]), "", 1).as_bytes(),
+            body
+        );
+        let escaped = br#"{"model":"gpt-4.1","prompt_cache_ke\u0079":"x","messages":[{"role":"user","content":"q"}]}"#;
+        let Keyed::Scoped(out) = keyed(escaped, Endpoint::Chat, "gpt-4.1", Some("a"), false) else { panic!("scoped") };
+        assert!(!String::from_utf8(out).unwrap().contains(r#":"x""#), "the tenant's key does not go as it came");
+        let number = br#"{"model":"gpt-4.1","prompt_cache_key":7,"messages":[]}"#;
+        assert!(matches!(keyed(number, Endpoint::Chat, "gpt-4.1", Some("a"), false), Keyed::Scoped(_)));
     }
 
     #[test]

@@ -181,60 +181,72 @@ pub fn stream(filter: EnvoyFilter, call: &HttpCall) -> Option<u64> {
 }
 
 fn start(filter: EnvoyFilter, call: &HttpCall, streamed: bool) -> Option<u64> {
-    let headers: Vec<Header> = call.headers.iter().map(|(n, v)| Header::of(n, v)).collect();
-    let (cluster, body) = (ModuleBuffer::of(call.cluster.as_bytes()), ModuleBuffer::of(&call.body));
-    let mut id = 0u64;
-    // SAFETY: every buffer lives until the call returns; Envoy writes the id it picks.
-    let result = unsafe {
-        match streamed {
-            false => abi::envoy_dynamic_module_callback_http_filter_http_callout(
-                filter,
-                &mut id,
-                cluster,
-                headers.as_ptr(),
-                headers.len(),
-                body,
-                call.timeout_ms,
-            ),
-            true => abi::envoy_dynamic_module_callback_http_filter_start_http_stream(
-                filter,
-                &mut id,
-                cluster,
-                headers.as_ptr(),
-                headers.len(),
-                body,
-                true,
-                call.timeout_ms,
-            ),
+    let sent = dispatch(call, |id, cluster, headers, len, body| {
+        // SAFETY: see `dispatch`.
+        unsafe {
+            match streamed {
+                false => abi::envoy_dynamic_module_callback_http_filter_http_callout(
+                    filter,
+                    id,
+                    cluster,
+                    headers,
+                    len,
+                    body,
+                    call.timeout_ms,
+                ),
+                true => abi::envoy_dynamic_module_callback_http_filter_start_http_stream(
+                    filter,
+                    id,
+                    cluster,
+                    headers,
+                    len,
+                    body,
+                    true,
+                    call.timeout_ms,
+                ),
+            }
         }
-    };
-    if result != abi::CALLOUT_OK {
-        log(abi::LOG_ERROR, &format!("holysheep: callout to cluster '{}' refused: {result}", call.cluster));
-        return None;
+    });
+    match sent {
+        Ok(id) => Some(id),
+        Err(result) => {
+            log(abi::LOG_ERROR, &format!("holysheep: callout to cluster '{}' refused: {result}", call.cluster));
+            None
+        }
     }
-    Some(id)
 }
 
 /// Makes `call` from the configuration `config`, on the main thread (its answer reaches
 /// `on_http_filter_config_http_callout_done`): its id, or Envoy's refusal
 /// (`http_callout_init_result`).
 pub fn config_callout(config: EnvoyConfig, call: &HttpCall) -> Result<u64, i32> {
+    dispatch(call, |id, cluster, headers, len, body| {
+        // SAFETY: see `dispatch`.
+        unsafe {
+            abi::envoy_dynamic_module_callback_http_filter_config_http_callout(
+                config,
+                id,
+                cluster,
+                headers,
+                len,
+                body,
+                call.timeout_ms,
+            )
+        }
+    })
+}
+
+/// `call` as the callout callbacks take it (where Envoy writes the id it picks, the cluster,
+/// the headers and their count, the body), handed to `send`: the id, or Envoy's refusal
+/// (`http_callout_init_result`). Every buffer lives until `send` returns.
+fn dispatch(
+    call: &HttpCall,
+    send: impl FnOnce(*mut u64, ModuleBuffer, *const Header, usize, ModuleBuffer) -> i32,
+) -> Result<u64, i32> {
     let headers: Vec<Header> = call.headers.iter().map(|(n, v)| Header::of(n, v)).collect();
     let (cluster, body) = (ModuleBuffer::of(call.cluster.as_bytes()), ModuleBuffer::of(&call.body));
     let mut id = 0u64;
-    // SAFETY: every buffer lives until the call returns; Envoy writes the id it picks.
-    let result = unsafe {
-        abi::envoy_dynamic_module_callback_http_filter_config_http_callout(
-            config,
-            &mut id,
-            cluster,
-            headers.as_ptr(),
-            headers.len(),
-            body,
-            call.timeout_ms,
-        )
-    };
-    match result {
+    match send(&mut id, cluster, headers.as_ptr(), headers.len(), body) {
         abi::CALLOUT_OK => Ok(id),
         refused => Err(refused),
     }

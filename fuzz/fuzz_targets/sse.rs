@@ -1,24 +1,27 @@
-//! Any byte stream, cut anywhere: the reassembler never panics, passes bytes on without
-//! inventing any, and a completion it yields replays into events that reassemble to the
-//! same completion.
+//! Any byte stream, cut anywhere, read as chat's, completions' or the Responses API's: the
+//! reassembler never panics, passes bytes on without inventing any, and an answer it yields
+//! replays into events that reassemble to the same answer.
 #![no_main]
 
-use holysheep_edge::core::stream::{replay, Reassembler};
+use holysheep_edge::core::api::endpoint::Endpoint;
+use holysheep_edge::core::stream::{for_client, Reassembler};
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {
-    let Some((&split, bytes)) = data.split_first() else { return };
-    let mut r = Reassembler::new(true);
+    let Some((&[which, split], bytes)) = data.split_first_chunk::<2>() else { return };
+    let endpoint = [Endpoint::Chat, Endpoint::Completions, Endpoint::Responses][usize::from(which % 3)];
+    let mut r = Reassembler::of(endpoint, true);
     let mut out = Vec::new();
     for piece in bytes.chunks(usize::from(split).max(1)) {
         out.extend(r.push(piece));
     }
     out.extend(r.flush());
     assert_eq!(out, bytes, "with the usage forwarded, every byte passes on unchanged");
-    if let Some(completion) = r.completion() {
-        let events = replay(&completion.body, true).expect("a completion replays");
-        let mut again = Reassembler::new(true);
-        again.push(&events);
-        assert_eq!(again.completion().map(|c| c.body), Some(completion.body));
+    if let Some(answer) = r.completion() {
+        let events = for_client(answer.clone(), endpoint, true, true);
+        assert_ne!(events.body, answer.body, "an answer replays as events");
+        let mut again = Reassembler::of(endpoint, true);
+        again.push(&events.body);
+        assert_eq!(again.completion().map(|c| c.body), Some(answer.body));
     }
 });

@@ -48,6 +48,8 @@ pub(crate) struct State {
     /// How many inputs each embedding call carried.
     pub(crate) embedding_batches: Vec<usize>,
     pub(crate) embedding_plan: VecDeque<Fault>,
+    /// The faults planned for the next `/v1/completions` and `/v1/responses` calls.
+    pub(crate) api_plan: VecDeque<Fault>,
     /// The prompt prefixes (model and every message but the last) answered so far: a
     /// later prompt that starts with one is served partly from the prompt cache.
     pub(crate) prefixes: std::collections::HashSet<[u8; 32]>,
@@ -178,6 +180,7 @@ impl Mock {
                 s.embedding_inputs.clear();
                 s.embedding_batches.clear();
                 s.embedding_plan.clear();
+                s.api_plan.clear();
                 s.api_calls.clear();
                 s.billed_at.clear();
                 s.log.clear();
@@ -313,6 +316,12 @@ impl Mock {
     /// The next embedding calls answer with these faults, one each, in order.
     pub fn plan_embeddings(&self, faults: Vec<Fault>) {
         self.state().embedding_plan = faults.into();
+    }
+
+    /// The next `/v1/completions` and `/v1/responses` calls answer with these faults (a
+    /// hold, a delay, a reset, a stream held or cut after some events), one each, in order.
+    pub fn plan_api(&self, faults: Vec<Fault>) {
+        self.state().api_plan = faults.into();
     }
 
     /// The next calls answer with these faults, one each, in order.

@@ -18,6 +18,7 @@ mod otel_e2e;
 mod priority_e2e;
 mod production_e2e;
 mod prometheus_e2e;
+mod sdk_streams_e2e;
 mod semantic_e2e;
 mod store_e2e;
 mod stream_e2e;

@@ -107,11 +107,11 @@ impl Endpoint {
         self != Endpoint::Embeddings
     }
 
-    /// Whether its streams are chat's, which the edge reassembles into an answer it can
-    /// store and replay. Other streams pass live and are charged from their final usage,
-    /// but are never shared.
+    /// Whether its streams are reassembled into an answer the edge can store and replay
+    /// (chat's and completions' chunks, the Responses API's typed events), so that they
+    /// share the cache and the flight with the plain form. Embeddings never stream.
     pub(crate) fn streams_shared(self) -> bool {
-        self == Endpoint::Chat
+        self.completes()
     }
 
     /// Whether a stream call is sent with `stream_options.include_usage` (the Responses

@@ -204,7 +204,7 @@ impl Outbound {
         if !self.stream {
             return (Cow::Borrowed(reply), extra);
         }
-        let response = stream::for_client(reply.response.clone(), true, self.include_usage);
+        let response = stream::for_client(reply.response.clone(), self.endpoint, true, self.include_usage);
         (Cow::Owned(Reply { response, ..reply.clone() }), extra)
     }
 

@@ -1,9 +1,16 @@
 //! Streams as values. `Reassembler` reads HolySheep's server-sent events chunk by chunk
 //! (an event may be split anywhere across chunks), hands back the complete events to pass
 //! on to the client (without the usage event when the client did not ask for it) and, when
-//! the stream ended properly (every choice finished, then `[DONE]`), the `chat.completion`
-//! it amounts to, with every field the stream carried (`merge`). `replay` turns a stored
-//! `chat.completion` into the event stream OpenAI sends for it.
+//! the stream ended properly, the answer it amounts to, with every field the stream carried:
+//! a `chat.completion` or a `text_completion` merged from its chunks (`merge`), a `response`
+//! as the Responses API's terminal event carries it. `replay` turns a stored answer into the
+//! event stream OpenAI sends for it.
+
+mod replay;
+mod responses;
+
+#[cfg(test)]
+use replay::PIECE_CHARS;
 
 use crate::core::api::endpoint::Endpoint;
 use crate::core::api::headers;
@@ -25,9 +32,6 @@ const MAX_INDEXED_ITEMS: usize = 1024;
 /// The most choices an assembled answer holds (OpenAI's `n` is at most 128).
 const MAX_CHOICES: usize = 128;
 
-/// Characters of content (or tool-call arguments) per replayed event.
-pub(crate) const PIECE_CHARS: usize = 24;
-
 /// Fields that name something rather than carry streamed text: a later value replaces the
 /// earlier one instead of extending it. `index` and `type` as in OpenAI's SDKs; `id` and
 /// `role` as in openai-node (a provider repeating the role in every chunk would otherwise
@@ -43,12 +47,12 @@ struct Conflict;
 #[derive(Debug, Default)]
 pub struct Reassembler {
     forward_usage: bool,
-    /// The endpoint's streams are chat's: an answer is assembled. Others (completions,
-    /// Responses) are only read for their usage and their end.
+    /// Whose stream it is: chat's and completions' are chunks with choices; the Responses
+    /// API's are typed events, whose usage and end are those of the event that ends the
+    /// stream (`response.completed`, `.incomplete`, `.failed`).
+    endpoint: Endpoint,
+    /// An answer is assembled (not for a follower of a live tail, whose leader does).
     assemble: bool,
-    /// Typed events (the Responses API): the usage is `response.usage` of the event that
-    /// ends the stream (`response.completed`, `.incomplete`, `.failed`), which is its end.
-    typed: bool,
     tail: Vec<u8>,
     /// How far into `tail` no event separator starts (so a long event is scanned once).
     searched: usize,
@@ -57,6 +61,8 @@ pub struct Reassembler {
     /// Ordered by index: the choice so far, its deltas merged into its `message`.
     choices: Vec<(u64, Map<String, Value>)>,
     usage: Option<Value>,
+    /// The `response` of the Responses stream's `response.completed` or `.incomplete`.
+    response: Option<Value>,
     done: bool,
     /// An event was not JSON, or a field did not merge, or the answer grew past the bounds.
     malformed: bool,
@@ -73,17 +79,12 @@ pub struct Reassembler {
 impl Reassembler {
     /// `forward_usage`: pass the usage event on (the client asked for `include_usage`).
     pub fn new(forward_usage: bool) -> Reassembler {
-        Reassembler { forward_usage, assemble: true, ..Reassembler::default() }
+        Reassembler::of(Endpoint::Chat, forward_usage)
     }
 
-    /// A stream of `endpoint`: chat's is assembled, the others are read for their usage.
+    /// A stream of `endpoint`, assembled into its answer.
     pub fn of(endpoint: Endpoint, forward_usage: bool) -> Reassembler {
-        Reassembler {
-            forward_usage,
-            assemble: endpoint.streams_shared(),
-            typed: endpoint == Endpoint::Responses,
-            ..Reassembler::default()
-        }
+        Reassembler { forward_usage, endpoint, assemble: endpoint.streams_shared(), ..Reassembler::default() }
     }
 
     /// Reading only to pass the events on and learn the usage: no answer is assembled (a
@@ -146,19 +147,39 @@ impl Reassembler {
         }
     }
 
-    /// The answer as a `chat.completion` (status 200, JSON), when the stream ended properly.
+    /// The answer (status 200, JSON) when the stream ended properly: a `chat.completion` or
+    /// a `text_completion` whose every choice finished before `[DONE]`, or the `response`
+    /// of a Responses stream that ended `completed` or `incomplete` (its ids signed for a
+    /// tenant, as a plain answer's are).
     pub fn completion(&self) -> Option<Response> {
+        if !self.assemble || !self.done || self.malformed {
+            return None;
+        }
+        let body = match self.endpoint {
+            Endpoint::Responses => {
+                let r = self.response.as_ref()?;
+                if r.get("object").and_then(Value::as_str) != Some("response") || !r["output"].is_array() {
+                    return None;
+                }
+                let body = write::value(r);
+                match &self.signer {
+                    Some(s) => s.sign_answer(&body)?,
+                    None => body,
+                }
+            }
+            _ => self.merged()?,
+        };
+        Some(Response::json(200, body))
+    }
+
+    /// The chunks' answer, when every choice finished.
+    fn merged(&self) -> Option<Vec<u8>> {
         let finished = |c: &Map<String, Value>| c.get("finish_reason").is_some_and(|f| !f.is_null());
-        if !self.assemble
-            || !self.done
-            || self.malformed
-            || self.choices.is_empty()
-            || !self.choices.iter().all(|(_, c)| finished(c))
-        {
+        if self.choices.is_empty() || !self.choices.iter().all(|(_, c)| finished(c)) {
             return None;
         }
         let mut v = self.head.clone();
-        v.insert("object".into(), Value::from("chat.completion"));
+        v.insert("object".into(), Value::from(self.endpoint.object()));
         let choices = self.choices.iter().map(|(_, c)| {
             let mut c = c.clone();
             if let Some(message) = c.get_mut("message") {
@@ -168,7 +189,7 @@ impl Reassembler {
         });
         v.insert("choices".into(), Value::Array(choices.collect()));
         v.insert("usage".into(), self.usage.clone().unwrap_or(Value::Null));
-        Some(Response::json(200, write::value(&Value::Object(v))))
+        Some(write::value(&Value::Object(v)))
     }
 
     /// The `usage` the stream reported, if any.
@@ -207,8 +228,8 @@ impl Reassembler {
     }
 
     fn read_chunk(&mut self, mut chunk: Map<String, Value>) -> bool {
-        if self.typed {
-            self.read_typed(&chunk);
+        if self.endpoint == Endpoint::Responses {
+            self.read_typed(chunk);
             return true;
         }
         let usage = chunk.remove("usage").filter(|u| !u.is_null());
@@ -236,8 +257,8 @@ impl Reassembler {
     }
 
     /// One typed event of the Responses API: text deltas counted, and the usage and the
-    /// end read from the event that ends the stream.
-    fn read_typed(&mut self, event: &Map<String, Value>) {
+    /// end read from the event that ends the stream, whose response is the answer.
+    fn read_typed(&mut self, mut event: Map<String, Value>) {
         let kind = event.get("type").and_then(Value::as_str).unwrap_or_default();
         if self.response_id.is_none() {
             let named = |f: &str| event.get("response")?.get(f)?.as_str().map(str::to_owned);
@@ -249,6 +270,9 @@ impl Reassembler {
                 let usage = event.get("response").and_then(|r| r.get("usage")).filter(|u| !u.is_null());
                 self.usage = usage.cloned();
                 self.done = true;
+                if self.assemble && kind != "response.failed" {
+                    self.response = event.remove("response");
+                }
             }
             _ if kind.ends_with(".delta") => {
                 self.streamed_chars += event.get("delta").map_or(0, text_chars);
@@ -273,20 +297,24 @@ impl Reassembler {
             return Err(Conflict); // a chunk's choice has a delta: a message beside it is no known form
         }
         let index = fields.get("index").and_then(Value::as_u64).unwrap_or(0);
+        // Chat streams a message in deltas, completions stream the choice's text itself.
+        let (streamed, merged_into, fresh) = match self.endpoint {
+            Endpoint::Completions => ("text", "text", Value::from("")),
+            _ => ("delta", "message", Value::Object(Map::new())),
+        };
         let at = match self.choices.binary_search_by_key(&index, |(i, _)| *i) {
             Ok(at) => at,
             // More choices than a request can ask for (`n` is at most 128): no known answer.
             Err(_) if self.choices.len() >= MAX_CHOICES => return Err(Conflict),
             Err(at) => {
-                let fresh =
-                    [("index", Value::from(index)), ("message", Value::Object(Map::new())), ("logprobs", Value::Null)];
+                let fresh = [("index", Value::from(index)), (merged_into, fresh), ("logprobs", Value::Null)];
                 self.choices.insert(at, (index, fresh.into_iter().map(|(k, v)| (k.to_owned(), v)).collect()));
                 at
             }
         };
         let Some((_, into)) = self.choices.get_mut(at) else { return Err(Conflict) };
-        if let Some(delta) = fields.remove("delta") {
-            merge(into.entry("message").or_insert(Value::Null), delta)?;
+        if let Some(piece) = fields.remove(streamed) {
+            merge(into.entry(merged_into).or_insert(Value::Null), piece)?;
         }
         if let Some(logprobs) = fields.remove("logprobs") {
             merge(into.entry("logprobs").or_insert(Value::Null), logprobs)?;
@@ -401,129 +429,32 @@ fn event_end(buf: &[u8], from: usize) -> Option<(usize, usize)> {
     })
 }
 
-/// The answer in the form the client asked for: a 200 `chat.completion` becomes its event
-/// stream for a streaming client; anything else (errors) stays JSON, as OpenAI answers
-/// errors before a stream starts.
-pub fn for_client(response: Response, stream: bool, include_usage: bool) -> Response {
+/// The answer in the form the client asked for: a 200 answer of `endpoint` becomes its
+/// event stream for a streaming client; anything else (errors) stays JSON, as OpenAI
+/// answers errors before a stream starts.
+pub fn for_client(response: Response, endpoint: Endpoint, stream: bool, include_usage: bool) -> Response {
     if !stream || response.status != 200 {
         return response;
     }
-    match replay(&response.body, include_usage) {
+    let body = match endpoint {
+        Endpoint::Chat | Endpoint::Completions => replay::chunked(&response.body, endpoint, include_usage),
+        Endpoint::Responses => responses::replay(&response.body),
+        Endpoint::Embeddings => None,
+    };
+    match body {
         Some(body) => Response { content_type: headers::EVENT_STREAM.into(), body, ..response },
         None => response,
     }
 }
 
-/// The event stream of a stored `chat.completion`, every field in it sent again: the
-/// completion's fields (but choices and usage) in every event; per choice its message's
-/// deltas (`deltas`), its log probabilities, a last event with the finish reason and the
-/// choice's other fields; then the usage event when asked for, then `[DONE]`.
-///
-/// The log probabilities go in one event of their own before the finish event. OpenAI
-/// sends each content piece's tokens with it, but the stored tokens do not line up with
-/// our `PIECE_CHARS` pieces, and the SDKs append whatever token list comes (openai-python
-/// extends `logprobs.content` and `.refusal`, openai-node pushes them).
-pub fn replay(completion: &[u8], include_usage: bool) -> Option<Vec<u8>> {
-    let Value::Object(mut head) = json::parse(completion)? else { return None };
-    let Some(Value::Array(choices)) = head.remove("choices") else { return None };
-    let usage = head.remove("usage").unwrap_or(Value::Null);
-    head.insert("object".into(), Value::from("chat.completion.chunk"));
-    let mut out = Vec::new();
-    let mut emit = |choices: Value, usage: Option<&Value>| {
-        let mut chunk = head.clone();
-        chunk.insert("choices".into(), choices);
-        if let Some(u) = usage {
-            chunk.insert("usage".into(), u.clone());
-        }
-        out.extend_from_slice(b"data: ");
-        write::value_into(&Value::Object(chunk), &mut out, write::number);
-        out.extend_from_slice(b"\n\n");
-    };
-    for c in &choices {
-        for delta in deltas(&c["message"]) {
-            let event = [
-                ("index", c["index"].clone()),
-                ("delta", delta),
-                ("logprobs", Value::Null),
-                ("finish_reason", Value::Null),
-            ];
-            emit(Value::Array(vec![json::object(event)]), None);
-        }
-        if !c["logprobs"].is_null() {
-            let event = [
-                ("index", c["index"].clone()),
-                ("delta", Value::Object(Map::new())),
-                ("logprobs", c["logprobs"].clone()),
-                ("finish_reason", Value::Null),
-            ];
-            emit(Value::Array(vec![json::object(event)]), None);
-        }
-        let mut last = c.as_object().cloned().unwrap_or_default();
-        last.remove("message");
-        last.insert("delta".into(), Value::Object(Map::new()));
-        last.insert("logprobs".into(), Value::Null);
-        emit(Value::Array(vec![Value::Object(last)]), None);
-    }
-    if include_usage {
-        emit(Value::Array(Vec::new()), Some(&usage));
-    }
-    out.extend_from_slice(b"data: [DONE]\n\n");
-    Some(out)
-}
-
-/// The deltas that rebuild one message: a first with the role, content "" (as OpenAI
-/// starts) and every field but content, refusal and tool calls whole (reasoning, audio,
-/// annotations: openai-node keeps the latest value of a field it does not know, so one
-/// piece is what both SDKs rebuild); content and refusal in pieces of `PIECE_CHARS`
-/// characters; each tool call as OpenAI streams it (all of it but its arguments, then
-/// argument pieces).
-fn deltas(message: &Value) -> Vec<Value> {
-    let mut first = Map::new();
-    first.insert("role".into(), Value::from("assistant"));
-    first.insert("content".into(), Value::from(""));
-    let mut texts = Vec::new();
-    let mut calls: &[Value] = &[];
-    for (field, value) in message.as_object().into_iter().flatten() {
-        match (field.as_str(), value) {
-            ("tool_calls", Value::Array(c)) if !c.is_empty() && c.iter().all(Value::is_object) => calls = c,
-            ("content" | "refusal", Value::String(s)) if !s.is_empty() => texts.push((field, s)),
-            _ => {
-                first.insert(field.clone(), value.clone());
-            }
-        }
-    }
-    let mut out = vec![Value::Object(first)];
-    for (field, text) in texts {
-        out.extend(pieces(text).into_iter().map(|piece| json::object([(field.as_str(), Value::from(piece))])));
-    }
-    for (i, call) in calls.iter().enumerate() {
-        let mut call = call.clone();
-        let arguments = match call.pointer_mut("/function/arguments") {
-            Some(Value::String(a)) => std::mem::take(a),
-            _ => String::new(),
-        };
-        if let Some(c) = call.as_object_mut() {
-            c.insert("index".into(), Value::from(i));
-        }
-        out.push(json::object([("tool_calls", Value::Array(vec![call]))]));
-        for piece in pieces(&arguments) {
-            let function = json::object([("arguments", Value::from(piece))]);
-            let call = json::object([("index", Value::from(i)), ("function", function)]);
-            out.push(json::object([("tool_calls", Value::Array(vec![call]))]));
-        }
-    }
-    out
-}
-
-/// `text` in pieces of `PIECE_CHARS` characters (never splitting a character).
-fn pieces(text: &str) -> Vec<String> {
-    let chars: Vec<char> = text.chars().collect();
-    chars.chunks(PIECE_CHARS).map(|c| c.iter().collect()).collect()
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The event stream of a stored `chat.completion`.
+    fn replay(completion: &[u8], include_usage: bool) -> Option<Vec<u8>> {
+        replay::chunked(completion, Endpoint::Chat, include_usage)
+    }
     use serde_json::json;
 
     #[test]
@@ -769,10 +700,10 @@ mod tests {
     #[test]
     fn errors_stay_json_for_streaming_clients() {
         let e = Response::json(429, br#"{"error":{}}"#.to_vec());
-        assert_eq!(for_client(e.clone(), true, true), e);
+        assert_eq!(for_client(e.clone(), Endpoint::Chat, true, true), e);
         let ok = Response::json(200, br#"{"id":"x","choices":[],"usage":null}"#.to_vec());
-        assert_eq!(for_client(ok.clone(), true, false).content_type, headers::EVENT_STREAM);
-        assert_eq!(for_client(ok.clone(), false, false), ok);
+        assert_eq!(for_client(ok.clone(), Endpoint::Chat, true, false).content_type, headers::EVENT_STREAM);
+        assert_eq!(for_client(ok.clone(), Endpoint::Chat, false, false), ok);
     }
 
     /// `chunk`, with more fields on its choice and on the chunk itself.
@@ -1171,5 +1102,96 @@ mod tests {
             );
         }
         assert!(stored > 150 && not_stored > 150, "{stored} stored, {not_stored} not");
+    }
+
+    /// A stream of `endpoint` read in pieces of `split` bytes: its answer, if any.
+    fn answer_of(endpoint: Endpoint, bytes: &[u8], split: usize) -> Option<Value> {
+        let mut r = Reassembler::of(endpoint, true);
+        for piece in bytes.chunks(split) {
+            r.push(piece);
+        }
+        r.flush();
+        r.completion().map(|c| serde_json::from_slice(&c.body).unwrap())
+    }
+
+    fn text_completion() -> Value {
+        json!({"id": "cmpl-1", "object": "text_completion", "created": 7, "model": "gpt-4.1",
+            "system_fingerprint": "fp", "choices": [
+                {"text": " Héllo, wörld 🐑 and a longer text of many pieces", "index": 0, "finish_reason": "stop",
+                 "logprobs": {"tokens": [" H", "éllo"], "token_logprobs": [-0.5, -0.25],
+                              "top_logprobs": [{" H": -0.5}, {"éllo": -0.25}], "text_offset": [0, 2]}},
+                {"text": "", "index": 1, "finish_reason": "length", "logprobs": null}],
+            "usage": {"prompt_tokens": 4, "completion_tokens": 11, "total_tokens": 15}})
+    }
+
+    #[test]
+    fn a_completions_stream_is_assembled_and_replayed_with_its_text_and_log_probabilities() {
+        // As OpenAI streams it: the text and each token's lists in pieces, then the finish.
+        let piece = |text: &str, index: u64, logprobs: Value, finish: Value| {
+            json!({"id": "cmpl-1", "object": "text_completion", "created": 7, "model": "gpt-4.1",
+                "system_fingerprint": "fp",
+                "choices": [{"text": text, "index": index, "logprobs": logprobs, "finish_reason": finish}]})
+        };
+        let lp = |t: &str, l: f64, at: u64| json!({"tokens": [t], "token_logprobs": [l], "top_logprobs": [{t: l}], "text_offset": [at]});
+        let mut usage = text_completion();
+        usage["choices"] = json!([]);
+        let upstream = sse(&[
+            piece(" H", 0, lp(" H", -0.5, 0), Value::Null),
+            piece("", 1, Value::Null, json!("length")),
+            piece("éllo", 0, lp("éllo", -0.25, 2), Value::Null),
+            piece(", wörld 🐑 and a longer text of many pieces", 0, Value::Null, Value::Null),
+            piece("", 0, Value::Null, json!("stop")),
+            usage,
+        ]);
+        for split in [1, 7, upstream.len()] {
+            assert_eq!(answer_of(Endpoint::Completions, &upstream, split), Some(text_completion()), "split {split}");
+        }
+        let stored = serde_json::to_vec(&text_completion()).unwrap();
+        let replayed = for_client(Response::json(200, stored), Endpoint::Completions, true, true);
+        assert_eq!(replayed.content_type, headers::EVENT_STREAM);
+        let text = String::from_utf8(replayed.body.clone()).unwrap();
+        assert!(text.matches("\"object\":\"text_completion\"").count() > 3, "{text}");
+        assert!(text.ends_with("data: [DONE]\n\n"));
+        assert_eq!(answer_of(Endpoint::Completions, &replayed.body, 5), Some(text_completion()), "replay rebuilds it");
+        let unfinished = upstream[..upstream.len() / 2].to_vec();
+        assert_eq!(answer_of(Endpoint::Completions, &unfinished, 9), None, "a stream cut off is no answer");
+    }
+
+    fn stored_response() -> Value {
+        json!({"id": "resp_1", "object": "response", "created_at": 7, "status": "completed", "model": "gpt-4.1",
+            "store": false, "previous_response_id": null,
+            "output": [{"type": "message", "id": "msg_1", "status": "completed", "role": "assistant",
+                "content": [{"type": "output_text", "text": "Héllo, wörld 🐑 in a few pieces of text",
+                             "annotations": [], "logprobs": []}]}],
+            "usage": {"input_tokens": 9, "output_tokens": 12, "total_tokens": 21}})
+    }
+
+    #[test]
+    fn a_responses_stream_is_the_response_its_last_event_carries_and_replays_to_it() {
+        let stored = serde_json::to_vec(&stored_response()).unwrap();
+        let events = for_client(Response::json(200, stored.clone()), Endpoint::Responses, true, false).body;
+        for split in [3, 64, events.len()] {
+            assert_eq!(answer_of(Endpoint::Responses, &events, split), Some(stored_response()), "split {split}");
+        }
+        // Without its terminal event, or failed: nothing is kept.
+        let cut = String::from_utf8(events.clone()).unwrap();
+        let cut = &cut[..cut.find("event: response.completed").unwrap()];
+        assert_eq!(answer_of(Endpoint::Responses, cut.as_bytes(), 50), None);
+        let failed = String::from_utf8(events.clone()).unwrap().replace("response.completed", "response.failed");
+        assert_eq!(answer_of(Endpoint::Responses, failed.as_bytes(), 50), None);
+        // A tenant's answer is kept with its id signed, as a plain answer is.
+        use crate::core::api::objects::{ObjectKey, Signer};
+        let signer = Signer { key: ObjectKey::of_operator_key("k"), tenant: "alpha".into() };
+        let mut r = Reassembler::of(Endpoint::Responses, false).signing(Some(signer.clone()));
+        let passed = r.push(&events);
+        let kept = r.completion().unwrap().body;
+        assert_eq!(Some(kept.clone()), signer.sign_answer(&serde_json::to_vec(&stored_response()).unwrap()));
+        let signed = signer.key.sign("alpha", "resp_1");
+        assert!(String::from_utf8(kept).unwrap().contains(&signed));
+        assert!(!String::from_utf8(passed).unwrap().contains("\"resp_1\""), "every event the client gets is signed");
+        // A follower's reader passes the events on and keeps nothing.
+        let mut follower = Reassembler::of(Endpoint::Responses, false).passing();
+        assert_eq!(follower.push(&events), events);
+        assert!(follower.completion().is_none() && follower.response.is_none());
     }
 }

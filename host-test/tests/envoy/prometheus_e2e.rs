@@ -189,7 +189,7 @@ fn prometheus_sees_what_the_mock_saw(shell: Shell) {
                 .flatten()
                 .flat_map(|g| g["rules"].as_array().into_iter().flatten())
                 .collect();
-            rules.len() == 13 && rules.iter().all(|r| r["health"] == "ok")
+            rules.len() == 14 && rules.iter().all(|r| r["health"] == "ok")
         },
         "the shipped rules never all evaluated",
     );
@@ -205,7 +205,7 @@ fn prometheus_sees_what_the_mock_saw(shell: Shell) {
         .flat_map(|p| p["targets"].as_array().into_iter().flatten())
         .filter_map(|t| t["expr"].as_str())
         .collect();
-    assert_eq!(exprs.len(), 11);
+    assert_eq!(exprs.len(), 12);
     for e in exprs {
         query(&p, e).unwrap_or_else(|err| panic!("the dashboard's query is refused: {err}"));
     }

@@ -12,7 +12,7 @@ use crate::core::config::Config;
 
 /// The names, in the order they are published. (`gen_ai.provider.name` is `holysheep` for
 /// every governed request: an access log writes it as text, no value needs setting.)
-pub const NAMES: [&str; 14] = [
+pub const NAMES: [&str; 15] = [
     "gen_ai.request.model",
     "gen_ai.response.model",
     "gen_ai.usage.input_tokens",
@@ -27,15 +27,18 @@ pub const NAMES: [&str; 14] = [
     "gen_ai.usage.cache_read.input_tokens",
     "gen_ai.operation.name",
     "holysheep.saved_usd",
+    "holysheep.affinity_saved_usd",
 ];
 
 /// What a flight did for the request it answers: upstream attempts, the dollars they
-/// cost, and how long the call waited for its bucket before its first attempt.
+/// cost, how long the call waited for its bucket before its first attempt, and what
+/// HolySheep's prompt cache saved on a call whose `prompt_cache_key` the edge set.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Spent {
     pub attempts: u64,
     pub cost_micro_usd: u64,
     pub queued_ms: u64,
+    pub affinity_saved_micro_usd: u64,
 }
 
 impl Spent {
@@ -48,6 +51,7 @@ impl Spent {
                     self.cost_micro_usd += price(model, usage);
                 }
                 Event::Admitted { waited_ms, .. } => self.queued_ms += waited_ms,
+                Event::AffinitySaved { micro, .. } => self.affinity_saved_micro_usd += micro,
                 _ => {}
             }
         }
@@ -138,6 +142,7 @@ pub fn values(a: &Answered<'_>) -> Vec<(&'static str, String)> {
         a.usage.map(|u| u.cached.to_string()),
         Some(a.operation.to_owned()),
         a.saved_micro_usd.map(usd),
+        Some(a.served.spent.affinity_saved_micro_usd).filter(|m| *m > 0).map(usd),
     ];
     NAMES.into_iter().zip(values).filter_map(|(n, v)| Some((n, v?))).collect()
 }
@@ -159,10 +164,11 @@ mod tests {
             Event::UpstreamCall { model: "gpt-4.1".into() },
             Event::UpstreamCall { model: "deepseek-v3".into() },
             Event::Admitted { class: Class::Standard, waited_ms: 40 },
+            Event::AffinitySaved { model: "deepseek-v3".into(), tokens: 4, micro: 30 },
             Event::Usage { model: "deepseek-v3".into(), usage: Usage::new(10, 5) },
         ];
         spent.add(&events, |_, u| u.prompt * 1000 + u.completion);
-        assert_eq!(spent, Spent { attempts: 2, cost_micro_usd: 10_005, queued_ms: 40 });
+        assert_eq!(spent, Spent { attempts: 2, cost_micro_usd: 10_005, queued_ms: 40, affinity_saved_micro_usd: 30 });
         let a = Answered {
             cache: reply.cache,
             key: reply.key.as_ref(),
@@ -192,6 +198,7 @@ mod tests {
                 "holysheep.priority=critical",
                 "gen_ai.usage.cache_read.input_tokens=4",
                 "gen_ai.operation.name=chat",
+                "holysheep.affinity_saved_usd=0.000030",
             ]
         );
     }

@@ -141,7 +141,13 @@ fn deltas(message: &Value) -> Vec<Value> {
 }
 
 /// `text` in pieces of `PIECE_CHARS` characters (never splitting a character).
-pub(super) fn pieces(text: &str) -> Vec<String> {
-    let chars: Vec<char> = text.chars().collect();
-    chars.chunks(PIECE_CHARS).map(|c| c.iter().collect()).collect()
+pub(super) fn pieces(mut text: &str) -> Vec<String> {
+    let mut out = Vec::new();
+    while !text.is_empty() {
+        let end = text.char_indices().nth(PIECE_CHARS).map_or(text.len(), |(at, _)| at);
+        let (piece, rest) = text.split_at(end);
+        out.push(piece.to_owned());
+        text = rest;
+    }
+    out
 }

@@ -13,9 +13,9 @@ use crate::core::wire::write::Object;
 pub struct ProviderHints {
     pub remaining_requests: Option<f64>,
     pub remaining_tokens: Option<f64>,
-    /// Its own limits per minute (`x-ratelimit-limit-*`), and when each is whole again
-    /// (`x-ratelimit-reset-*`, in milliseconds from the answer). Not part of the fleet's
-    /// settlement message either (model owners of other versions would refuse them).
+    /// Its own limits per minute (`x-ratelimit-limit-*`: part of the fleet's settlement
+    /// message, so that a model's owner learns them for the whole fleet), and when each is
+    /// whole again (`x-ratelimit-reset-*`, in milliseconds from the answer).
     pub limit_requests: Option<f64>,
     pub limit_tokens: Option<f64>,
     pub reset_requests_ms: Option<u64>,
@@ -27,8 +27,7 @@ pub struct ProviderHints {
     pub throttled: bool,
     pub retry_after_ms: Option<u64>,
     /// HolySheep refused the operator's key (401, 403): no other attempt can do better.
-    /// Not part of the fleet's settlement message (model owners of other versions
-    /// refuse fields they do not know).
+    /// Not part of the fleet's settlement message (it is the attempt's, not the bucket's).
     pub key_refused: bool,
     /// What the attempt was billed, read from HolySheep's answer before the edge put an
     /// error of its own in its place. Not part of the settlement message either.
@@ -36,25 +35,42 @@ pub struct ProviderHints {
 }
 
 impl ProviderHints {
-    /// As a settlement message writes it (what the provider said of its limits: neither
-    /// `key_refused` nor `billed`, which model owners of other versions would refuse).
+    /// As a settlement message writes it: what the provider said of its limits (neither
+    /// `key_refused` nor `billed`, which are the attempt's). The limits are left out when
+    /// it named none; a model owner of an earlier release skips them (hints are read as
+    /// serde reads a struct, other members skipped).
     pub(crate) fn to_json(self) -> String {
-        Object::new()
+        let mut o = Object::new()
             .f64("remaining_requests", self.remaining_requests)
             .f64("remaining_tokens", self.remaining_tokens)
             .bool("throttled", self.throttled)
-            .opt_u64("retry_after_ms", self.retry_after_ms)
-            .finish()
+            .opt_u64("retry_after_ms", self.retry_after_ms);
+        for (name, limit) in [("limit_requests", self.limit_requests), ("limit_tokens", self.limit_tokens)] {
+            if limit.is_some() {
+                o = o.f64(name, limit);
+            }
+        }
+        o.finish()
     }
 
+    /// A settlement's hints (`to_json`). A limit is believed as from HolySheep's headers
+    /// (`from_headers`), a count of at least 1 within the bound; another is left out, and
+    /// the settlement still read (it carries what the call cost).
     pub(crate) fn read(json: Json<'_>) -> Option<ProviderHints> {
-        let names = ["remaining_requests", "remaining_tokens", "throttled", "retry_after_ms"];
-        let [requests, tokens, throttled, retry_after_ms] = json.fields(names)?;
+        let names =
+            ["remaining_requests", "remaining_tokens", "throttled", "retry_after_ms", "limit_requests", "limit_tokens"];
+        let [requests, tokens, throttled, retry_after_ms, limit_requests, limit_tokens] = json.fields(names)?;
+        let limit = |v: Option<Json<'_>>, most: f64| match scan::opt(v, Json::as_f64)? {
+            Some(l) if !(1.0..=most).contains(&l) => Some(None),
+            l => Some(l),
+        };
         Some(ProviderHints {
             remaining_requests: scan::opt(requests, Json::as_f64)?,
             remaining_tokens: scan::opt(tokens, Json::as_f64)?,
             throttled: throttled?.as_bool()?,
             retry_after_ms: scan::opt(retry_after_ms, Json::as_u64)?,
+            limit_requests: limit(limit_requests, MAX_REQUESTS)?,
+            limit_tokens: limit(limit_tokens, MAX_TOKENS)?,
             ..ProviderHints::default()
         })
     }

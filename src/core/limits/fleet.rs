@@ -500,4 +500,26 @@ mod tests {
         assert!(!secret_matches(None, Some("")));
         assert!(!secret_matches(Some(""), Some("")));
     }
+
+    #[test]
+    fn a_model_owner_learns_the_limit_a_key_owner_heard_for_the_whole_fleet() {
+        let c = Config::parse(br#"{"models":{"gpt-4.1":{"requests_per_minute":600,"burst":600}}}"#).unwrap();
+        let s = MemStore::default();
+        assert!(serve(&s, &c, &take_json(1), 0).unwrap().admitted);
+        // HolySheep told the key owner its limit is 2 a minute.
+        let hints = ProviderHints { limit_requests: Some(2.0), remaining_requests: Some(1.0), ..Default::default() };
+        let settle = Op::Settle { model: "gpt-4.1".into(), id: 1, estimate: 10, actual: Some(10), hints, retries: 0 };
+        let json = settle.to_json();
+        assert_eq!(Op::parse(&json).unwrap(), settle, "the settlement carries the limit");
+        assert!(serve(&s, &c, &json, 10).unwrap().admitted);
+        // The owner's bucket now holds every node to what is left of HolySheep's 2.
+        assert!(serve(&s, &c, &take_json(2), 20).unwrap().admitted);
+        let refused = serve(&s, &c, &take_json(3), 30).unwrap();
+        assert!(!refused.admitted, "the fleet's third call in a minute waits for HolySheep's limit");
+        // An earlier release's settlement (no limits) still reads, and an absurd limit is
+        // left out rather than losing what the call cost.
+        let absurd = br#"{"settle":{"model":"gpt-4.1","id":2,"estimate":10,"actual":10,"hints":{"throttled":false,"limit_requests":-5}}}"#;
+        let Op::Settle { hints, actual, .. } = Op::parse(absurd).unwrap() else { panic!("a settle") };
+        assert_eq!((hints.limit_requests, actual), (None, Some(10)));
+    }
 }

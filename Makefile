@@ -1,5 +1,5 @@
 # The two commands: `make run` (demo on the mock) and `make test` (everything CI runs).
-.PHONY: native run-native walk sim otel-receiver shells-check size-check size-profile k8s-check oci rules-check run run-cluster run-tiers run-component test check imports-check fuzz-check bench profile floors soak stop setup clean wit-lock fuzz tenant-key docs-check
+.PHONY: admin native run-native walk sim otel-receiver shells-check size-check size-profile k8s-check oci rules-check run run-cluster run-tiers run-component test check imports-check fuzz-check bench profile floors soak stop setup clean wit-lock fuzz tenant-key docs-check
 
 # What the tests need (`make run` and the other demos install only what they use).
 setup:
@@ -29,6 +29,11 @@ wit-lock:
 
 # A new tenant key: the token to hand to the tenant (shown once), and the SHA-256 that goes
 # into `tenants.<name>.keys_sha256` (docs/tenants.md).
+# The operators' command line (docs/operations.md#the-admin-command).
+admin:
+	cargo build --release -p holysheep-admin
+	@echo target/release/holysheep-admin
+
 tenant-key:
 	@python3 -c 'import hashlib, secrets; t = "hs-" + secrets.token_urlsafe(32); \
 	  print("token:      " + t); print("keys_sha256: " + hashlib.sha256(t.encode()).hexdigest())'

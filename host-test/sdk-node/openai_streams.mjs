@@ -82,7 +82,7 @@ async function completions(c, call) {
     if (usage != null) head.usage = usage;
   }
   head.choices = [...choices.keys()].sort((a, b) => a - b).map((i) => choices.get(i));
-  return { object: head, events: collapsed(kinds), sequence: true, text };
+  return { object: head, events: collapsed(kinds), text };
 }
 
 async function run(call) {

@@ -69,6 +69,12 @@ impl Etcd {
         String::from_utf8(decode(&value)?).ok()
     }
 
+    /// Writes `value` at `key`, whatever it held.
+    pub fn put(&self, key: &str, value: &str) -> bool {
+        let body = serde_json::json!({ "key": encode(key.as_bytes()), "value": encode(value.as_bytes()) }).to_string();
+        request(self.addr, "POST", "/v3/kv/put", &[], body.as_bytes()).is_ok_and(|r| r.status == 200)
+    }
+
     /// An Envoy cluster named `etcd` at this member, as YAML under `clusters`.
     pub fn cluster(&self) -> String {
         crate::envoy::static_cluster("etcd", self.addr.port(), "1s")

@@ -100,7 +100,7 @@ def completions(c, call):
         if usage is not None:
             head["usage"] = usage
     head["choices"] = [choices[i] for i in sorted(choices)]
-    return {"object": head, "events": collapsed(kinds), "sequence": True, "text": text}
+    return {"object": head, "events": collapsed(kinds), "text": text}
 
 
 def run(call, out, at):

@@ -54,6 +54,7 @@ impl Shared {
         let unsupported = [
             (config.role != crate::core::config::Role::Owner, "role"),
             (config.fleet.shared_limits() || config.fleet.nodes > 1, "fleet"),
+            (config.budget_store.tenants, "budget_store.tenants"),
         ];
         if let Some((_, field)) = unsupported.iter().find(|(set, _)| *set) {
             return Err(format!("'{field}' is not served by the native module yet (docs/native.md)"));

@@ -28,6 +28,8 @@ pub enum Callout {
     Store(u64),
     /// The API key's check.
     KeyCheck,
+    /// The read of the spend store's tenants table.
+    Tenants,
 }
 
 impl Callout {
@@ -35,7 +37,7 @@ impl Callout {
     fn call(&self) -> Option<&Call> {
         match self {
             Callout::Embedding(r) | Callout::Attempt(r) | Callout::Verdict(r) => Some(r.leader.call()),
-            Callout::Store(_) | Callout::KeyCheck => None,
+            Callout::Store(_) | Callout::KeyCheck | Callout::Tenants => None,
         }
     }
 }

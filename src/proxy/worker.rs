@@ -48,7 +48,12 @@ pub enum Target {
 
 /// State shared by the root context and the http contexts of one VM.
 pub struct Worker {
+    /// The configuration served: the file's (`base`), with the spend store's tenants
+    /// table in place of its `tenants` when `budget_store.tenants` is on.
     pub config: Rc<Config>,
+    pub base: Rc<Config>,
+    /// The version (shared-data CAS) of the store's tenants table served last.
+    pub tenants_served: Option<u32>,
     /// The operator's key and the fleet's secrets, from the VM environment; never logged.
     pub env: Rc<Environment>,
     pub vm_id: String,
@@ -102,6 +107,8 @@ impl Worker {
     pub fn new() -> Self {
         Worker {
             config: Rc::new(Config::default()),
+            base: Rc::new(Config::default()),
+            tenants_served: None,
             env: Rc::default(),
             vm_id: String::new(),
             nonces: Nonces::new(),

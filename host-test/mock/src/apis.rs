@@ -254,11 +254,14 @@ impl Mock {
         if req["stream"].as_bool() != Some(true) {
             return Ok(json_response(StatusCode::OK, &answer));
         }
-        let events = if path == "/v1/completions" {
+        let mut events = if path == "/v1/completions" {
             completion_events(&answer, req["stream_options"]["include_usage"].as_bool() == Some(true))
         } else {
             response_events(&answer)
         };
+        if let Some(n) = fault.drop_last_events {
+            events.truncate(events.len().saturating_sub(n));
+        }
         Ok(self.stream(events, &fault))
     }
 }

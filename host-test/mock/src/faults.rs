@@ -30,6 +30,9 @@ pub struct Fault {
     pub hold: bool,
     /// Streams: after this many events, reset the connection (the stream is cut off).
     pub cut_after_events: Option<usize>,
+    /// Streams of `/v1/completions` and `/v1/responses`: end cleanly without this many of
+    /// the last events (1: no `[DONE]`, no `response.completed`).
+    pub drop_last_events: Option<usize>,
     /// Answer with this body (and `content_type`, `status` or 200) instead of a completion.
     pub body: Option<String>,
     pub content_type: Option<String>,
@@ -50,6 +53,7 @@ impl Fault {
             hold_after_events: v["hold_after_events"].as_u64().map(|n| n as usize),
             hold: v["hold"].as_bool().unwrap_or(false),
             cut_after_events: v["cut_after_events"].as_u64().map(|n| n as usize),
+            drop_last_events: v["drop_last_events"].as_u64().map(|n| n as usize),
             body: v["body"].as_str().map(str::to_owned),
             content_type: v["content_type"].as_str().map(str::to_owned),
         }

@@ -3,6 +3,7 @@
 //! (`HOLYSHEEP_TEST_ENVOYS`, `host_test::limit`).
 
 mod access_log_e2e;
+mod admin_e2e;
 mod affinity_e2e;
 mod api_e2e;
 mod deploy_e2e;

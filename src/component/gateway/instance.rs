@@ -67,6 +67,14 @@ fn setup() -> Result<Gateway, ApiError> {
         ApiError::server(message, "invalid_configuration")
     })?;
     let mut config = config;
+    if config.budget_store.tenants {
+        // The component reads no etcd: a table kept there would never be served.
+        eprintln!(
+            "holysheep: budget_store.tenants is not served by the component: list the tenants in its configuration"
+        );
+        let message = "the gateway's configuration is invalid at 'budget_store.tenants' (details in its log)";
+        return Err(ApiError::server(message, "invalid_configuration"));
+    }
     if config.budget_store.enabled() {
         // The component keeps spend in its key-value bucket: it does not call etcd.
         eprintln!("holysheep: budget_store is not used by the component: budgets are kept in its wasi:keyvalue bucket");

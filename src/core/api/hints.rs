@@ -60,17 +60,15 @@ impl ProviderHints {
         let names =
             ["remaining_requests", "remaining_tokens", "throttled", "retry_after_ms", "limit_requests", "limit_tokens"];
         let [requests, tokens, throttled, retry_after_ms, limit_requests, limit_tokens] = json.fields(names)?;
-        let limit = |v: Option<Json<'_>>, most: f64| match scan::opt(v, Json::as_f64)? {
-            Some(l) if !(1.0..=most).contains(&l) => Some(None),
-            l => Some(l),
-        };
+        // A limit is believed or left out: never a reason to lose the settlement.
+        let limit = |v: Option<Json<'_>>, most: f64| v.and_then(|j| j.as_f64()).filter(|l| (1.0..=most).contains(l));
         Some(ProviderHints {
             remaining_requests: scan::opt(requests, Json::as_f64)?,
             remaining_tokens: scan::opt(tokens, Json::as_f64)?,
             throttled: throttled?.as_bool()?,
             retry_after_ms: scan::opt(retry_after_ms, Json::as_u64)?,
-            limit_requests: limit(limit_requests, MAX_REQUESTS)?,
-            limit_tokens: limit(limit_tokens, MAX_TOKENS)?,
+            limit_requests: limit(limit_requests, MAX_REQUESTS),
+            limit_tokens: limit(limit_tokens, MAX_TOKENS),
             ..ProviderHints::default()
         })
     }

@@ -91,6 +91,13 @@ pub struct BudgetStore {
     /// How many independent admitters share this store (Envoys without a fleet, or
     /// fleets): each admits from its share of what the store says remains.
     pub replicas: u32,
+    /// The tenants table lives in the store (`<prefix>/tenants/<name>`), read every
+    /// `tenants_poll_ms`: it replaces the configuration's `tenants` once read
+    /// (`budget_store::tenants`).
+    pub tenants: bool,
+    pub tenants_poll_ms: u64,
+    /// The most tenants the store's table may hold.
+    pub max_tenants: u32,
 }
 
 impl Default for BudgetStore {
@@ -103,6 +110,9 @@ impl Default for BudgetStore {
             timeout_ms: 1_000,
             outage_usd: None,
             replicas: 1,
+            tenants: false,
+            tenants_poll_ms: 1_000,
+            max_tenants: 1_000,
         }
     }
 }
@@ -119,8 +129,11 @@ impl BudgetStore {
 
     fn validate(&self) -> Result<(), ConfigError> {
         let plain = |s: &str| !s.is_empty() && s.bytes().all(|b| b.is_ascii_alphanumeric() || b"-_./".contains(&b));
-        let checks: [(bool, &str, &str); 5] = [
+        let checks: [(bool, &str, &str); 8] = [
             (!plain(&self.prefix), "prefix", "1 or more of a-z, A-Z, 0-9, '-', '_', '.' and '/'"),
+            (self.tenants && !self.enabled(), "tenants", "needs budget_store.cluster (the store that holds them)"),
+            (!(100..=60_000).contains(&self.tenants_poll_ms), "tenants_poll_ms", "must be between 100 and 60000"),
+            (!(1..=100_000).contains(&self.max_tenants), "max_tenants", "must be between 1 and 100000"),
             (self.authority.is_empty(), "authority", "must not be empty"),
             (!(50..=10_000).contains(&self.flush_ms), "flush_ms", "must be between 50 and 10000"),
             (!(1..=10_000).contains(&self.timeout_ms), "timeout_ms", "must be between 1 and 10000"),
@@ -513,7 +526,18 @@ impl Config {
             // A forward node's cache holds its near copies.
             config.cache.max_entries = config.edge.max_entries;
         }
-        config.keys = Keys::of(&config.tenants).map_err(ConfigError)?;
+        config.keys = Keys::of(&config.tenants).map_err(ConfigError)?.required(config.budget_store.tenants);
+        config.digest = digest::of(&config);
+        Ok(config)
+    }
+
+    /// This configuration with `tenants` (a `tenants` section: name to tenant) in place of
+    /// its own, read, checked and keyed as `parse` does (the spend store's table,
+    /// `budget_store::tenants`).
+    pub fn with_tenants(&self, tenants: &Value) -> Result<Config, ConfigError> {
+        let mut config = Config { tenants: entries("tenants", tenants, Tenant::read)?, ..self.clone() };
+        config.validate()?;
+        config.keys = Keys::of(&config.tenants).map_err(ConfigError)?.required(config.budget_store.tenants);
         config.digest = digest::of(&config);
         Ok(config)
     }
@@ -610,7 +634,8 @@ impl Config {
         if let Some((_, field, why)) = retry.iter().find(|(bad, _, _)| *bad) {
             return Err(ConfigError(format!("{field}: {why}")));
         }
-        if !self.tenants.is_empty() && (self.cache.scope == Scope::Global || self.cache.tenant_header.is_some()) {
+        let tenants = !self.tenants.is_empty() || self.budget_store.tenants;
+        if tenants && (self.cache.scope == Scope::Global || self.cache.tenant_header.is_some()) {
             return Err(ConfigError(
                 "tenants: the verified tenant is the cache scope; cache.scope global and cache.tenant_header \
                  do not go with it"
@@ -846,6 +871,9 @@ impl BudgetStore {
                 "timeout_ms" => b.timeout_ms = whole(p, v)?,
                 "outage_usd" => b.outage_usd = maybe(p, v, number)?,
                 "replicas" => b.replicas = whole32(p, v)?,
+                "tenants" => b.tenants = flag(p, v)?,
+                "tenants_poll_ms" => b.tenants_poll_ms = whole(p, v)?,
+                "max_tenants" => b.max_tenants = whole32(p, v)?,
                 _ => return Ok(false),
             }
             Ok(true)
@@ -1244,7 +1272,7 @@ mod tests {
               "tokens_per_minute":21,"burst":22,"usd_per_day":1.25,"usd_per_month":30,"priority":"critical",
               "prompt_cache_affinity":true}}}},
             "budget_store":{{"cluster":"etcd","authority":"e","prefix":"p/q","flush_ms":500,"timeout_ms":23,
-              "outage_usd":0.75,"replicas":2}},
+              "outage_usd":0.75,"replicas":2,"tenants":true,"tenants_poll_ms":2000,"max_tenants":50}},
             "passthrough_paths":["/v1/models"]}}"#
         );
         let c = Config::parse(raw.as_bytes()).unwrap();
@@ -1338,6 +1366,9 @@ mod tests {
                 timeout_ms: 23,
                 outage_usd: Some(0.75),
                 replicas: 2,
+                tenants: true,
+                tenants_poll_ms: 2_000,
+                max_tenants: 50,
             },
             passthrough_paths: vec!["/v1/models".into()],
             keys: c.keys.clone(),

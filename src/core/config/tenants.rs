@@ -106,6 +106,9 @@ pub struct Keys {
     /// Each configured digest, and the tenant it names, sorted by digest.
     digests: Vec<([u8; 32], String)>,
     known: Known,
+    /// Every request must carry a tenant's key, even with no tenant listed (a table kept
+    /// in the spend store, which may be empty: it never opens the edge).
+    required: bool,
 }
 
 /// The tokens this worker (or instance) verified already, so that a tenant's next request
@@ -230,11 +233,17 @@ impl Keys {
             }
         }
         let digests: Vec<([u8; 32], String)> = digests.into_iter().collect();
-        Ok(Keys { known: Known::of(&digests), digests })
+        Ok(Keys { known: Known::of(&digests), digests, required: false })
     }
 
+    /// With a tenant's key required of every request (`required`), even with none listed.
+    pub fn required(self, required: bool) -> Keys {
+        Keys { required, ..self }
+    }
+
+    /// No tenant is configured, nor required: requests are not held to tenants' keys.
     pub fn is_empty(&self) -> bool {
-        self.digests.is_empty()
+        self.digests.is_empty() && !self.required
     }
 
     /// The tenant whose key `authorization` (`Bearer <token>`) carries: a token verified

@@ -518,8 +518,8 @@ mod tests {
         assert!(!refused.admitted, "the fleet's third call in a minute waits for HolySheep's limit");
         // An earlier release's settlement (no limits) still reads, and an absurd limit is
         // left out rather than losing what the call cost.
-        let absurd = br#"{"settle":{"model":"gpt-4.1","id":2,"estimate":10,"actual":10,"hints":{"throttled":false,"limit_requests":-5}}}"#;
+        let absurd = br#"{"settle":{"model":"gpt-4.1","id":2,"estimate":10,"actual":10,"hints":{"throttled":false,"limit_requests":-5,"limit_tokens":"x"}}}"#;
         let Op::Settle { hints, actual, .. } = Op::parse(absurd).unwrap() else { panic!("a settle") };
-        assert_eq!((hints.limit_requests, actual), (None, Some(10)));
+        assert_eq!((hints.limit_requests, hints.limit_tokens, actual), (None, None, Some(10)));
     }
 }

@@ -54,9 +54,12 @@ pub enum Counter {
     LimitHeadersIgnored,
     /// What HolySheep's prompt cache saved on calls whose `prompt_cache_key` the edge set.
     AffinitySavedMicroUsd,
+    /// Records of the spend store's tenants table refused (`budget_store::tenants`), each
+    /// once (its name is in the log).
+    TenantRecordsRefused,
 }
 
-pub(crate) const COUNTERS: [Counter; 33] = [
+pub(crate) const COUNTERS: [Counter; 34] = [
     Counter::Requests(CacheStatus::Hit),
     Counter::Requests(CacheStatus::Miss),
     Counter::Requests(CacheStatus::Coalesced),
@@ -90,6 +93,7 @@ pub(crate) const COUNTERS: [Counter; 33] = [
     Counter::BudgetChargedMicroUsd,
     Counter::LimitHeadersIgnored,
     Counter::AffinitySavedMicroUsd,
+    Counter::TenantRecordsRefused,
 ];
 
 impl Counter {
@@ -129,6 +133,7 @@ impl Counter {
             Counter::BudgetChargedMicroUsd => 30,
             Counter::LimitHeadersIgnored => 31,
             Counter::AffinitySavedMicroUsd => 32,
+            Counter::TenantRecordsRefused => 33,
         }
     }
 
@@ -162,6 +167,7 @@ impl Counter {
             Counter::BudgetChargedMicroUsd => "budget_charged_microusd".into(),
             Counter::LimitHeadersIgnored => "ratelimit_headers_ignored".into(),
             Counter::AffinitySavedMicroUsd => "affinity_saved_microusd".into(),
+            Counter::TenantRecordsRefused => "tenant_records_refused".into(),
         }
     }
 }
@@ -182,7 +188,7 @@ pub fn label<'a>(config: &'a Config, model: &'a str) -> &'a str {
 pub(crate) fn labels(config: &Config) -> Vec<String> {
     let models = config.models.keys().cloned().chain(std::iter::once("other".to_owned()));
     let tenants = config.tenants.keys().map(|t| format!("{TENANT_PREFIX}{t}"));
-    let table = (!config.tenants.is_empty()).then(|| TENANTS_LABEL.to_owned());
+    let table = (!config.keys.is_empty()).then(|| TENANTS_LABEL.to_owned());
     let owner = config.role == Role::Owner && (config.fleet.internal || config.fleet.shared_limits());
     let fleet = owner.then(|| FLEET_LABEL.to_owned());
     models.chain(tenants).chain(table).chain(fleet).collect()
@@ -586,6 +592,7 @@ mod tests {
             "budget_charged_microusd",
             "ratelimit_headers_ignored",
             "affinity_saved_microusd",
+            "tenant_records_refused",
         ];
         assert_eq!(names, documented, "the counter names docs/operations.md lists, each once");
         assert!(COUNTERS.iter().enumerate().all(|(i, c)| c.index() == i), "index is the place in COUNTERS");

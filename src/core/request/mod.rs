@@ -185,7 +185,7 @@ impl ApiRequest {
         let listed = map.get("input").and_then(Value::as_array).is_some_and(|a| a.len() >= 2);
         let items = (endpoint == Endpoint::Embeddings && listed).then(|| item_keys(&map, &scope)).flatten();
         // What only a tenant's call is held to: not looked for without `tenants`.
-        let tenants = !config.tenants.is_empty();
+        let tenants = !config.keys.is_empty();
         let supplied_input = tenants.then(|| supplied::supplied_input(endpoint, &map)).flatten();
         let hosted_tool = tenants.then(|| supplied::hosted_tool(endpoint, &map)).flatten();
         let previous_response_id = (tenants && endpoint == Endpoint::Responses)

@@ -259,21 +259,34 @@ impl Reassembler {
     /// One typed event of the Responses API: text deltas counted, and the usage and the
     /// end read from the event that ends the stream, whose response is the answer.
     fn read_typed(&mut self, mut event: Map<String, Value>) {
-        let kind = event.get("type").and_then(Value::as_str).unwrap_or_default();
+        let kind = event.get("type").and_then(Value::as_str).unwrap_or_default().to_owned();
+        let kind = kind.as_str();
         if self.response_id.is_none() {
             let named = |f: &str| event.get("response")?.get(f)?.as_str().map(str::to_owned);
             self.response_id = named("id");
             self.previous_id = named("previous_response_id");
         }
         match kind {
+            // The first event that ends the stream is its end: anything after it is no
+            // known form, and the answer is not kept.
+            "response.completed" | "response.incomplete" | "response.failed" if self.done => self.malformed = true,
             "response.completed" | "response.incomplete" | "response.failed" => {
                 let usage = event.get("response").and_then(|r| r.get("usage")).filter(|u| !u.is_null());
                 self.usage = usage.cloned();
                 self.done = true;
-                if self.assemble && kind != "response.failed" {
-                    self.response = event.remove("response");
+                let response = event.remove("response").unwrap_or(Value::Null);
+                // Kept only as the event says it ended, without an error, under the id
+                // its first event named (the id every event was signed under).
+                let status = kind.strip_prefix("response.").unwrap_or_default();
+                let whole = response.get("status").and_then(Value::as_str) == Some(status)
+                    && response.get("error").is_none_or(Value::is_null)
+                    && response.get("id").and_then(Value::as_str) == self.response_id.as_deref();
+                if self.assemble && kind != "response.failed" && whole {
+                    self.response = Some(response);
                 }
             }
+            // A stream that carries an error event is no answer to keep.
+            "error" => self.malformed = true,
             _ if kind.ends_with(".delta") => {
                 self.streamed_chars += event.get("delta").map_or(0, text_chars);
             }
@@ -1179,6 +1192,20 @@ mod tests {
         assert_eq!(answer_of(Endpoint::Responses, cut.as_bytes(), 50), None);
         let failed = String::from_utf8(events.clone()).unwrap().replace("response.completed", "response.failed");
         assert_eq!(answer_of(Endpoint::Responses, failed.as_bytes(), 50), None);
+        // Ended as `completed` by a response that says otherwise, or with an error, or
+        // under another id; an error event; a second end: nothing is kept.
+        let text = String::from_utf8(events.clone()).unwrap();
+        let at = text.find("event: response.completed").unwrap();
+        let (start, end) = text.split_at(at);
+        for changed in [
+            end.replace("\"status\":\"completed\"", "\"status\":\"failed\""),
+            end.replace("\"store\":false", "\"store\":false,\"error\":{\"code\":\"server_error\"}"),
+            end.replace("\"id\":\"resp_1\"", "\"id\":\"resp_2\""),
+            format!("event: error\ndata: {{\"type\":\"error\",\"message\":\"boom\"}}\n\n{end}"),
+            format!("{end}{end}"),
+        ] {
+            assert_eq!(answer_of(Endpoint::Responses, format!("{start}{changed}").as_bytes(), 50), None, "{changed}");
+        }
         // A tenant's answer is kept with its id signed, as a plain answer is.
         use crate::core::api::objects::{ObjectKey, Signer};
         let signer = Signer { key: ObjectKey::of_operator_key("k"), tenant: "alpha".into() };

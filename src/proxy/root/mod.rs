@@ -5,6 +5,7 @@
 
 mod leaders;
 mod route;
+mod tenants;
 mod waiters;
 
 use super::abi as hostcalls;
@@ -84,6 +85,7 @@ impl Root {
                     w.counters.record_budget(&SharedData, &config, &tenant, host::now_ms());
                 }
             }
+            Some(Callout::Tenants) => self.on_tenants(num_headers, body_size),
             Some(Callout::KeyCheck) => {
                 let config = self.worker.borrow().config.clone();
                 host::note([Notices::key_checked(&config, host::callout_status(num_headers))]);
@@ -120,7 +122,11 @@ impl Root {
             }
         }
         w.config = Rc::new(config);
+        w.base = w.config.clone();
+        // A reload serves the store's table at once, as far as it fits the new file.
+        w.tenants_served = None;
         drop(w);
+        self.serve_tenants();
         // A short first tick registers the worker's queue (not here: the canary VM and
         // the VM's thread binding make on_configure the wrong place, see
         // docs/envoy-facts.md).
@@ -139,6 +145,8 @@ impl Root {
             self.check_key();
         }
         self.dispatch_pending();
+        self.poll_tenants();
+        self.serve_tenants();
         {
             let w = &mut *self.worker.borrow_mut();
             if w.config.role == Role::Owner {

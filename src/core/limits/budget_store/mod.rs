@@ -9,6 +9,7 @@
 //! answers.
 
 mod calls;
+pub mod tenants;
 
 pub use calls::{Asked, Calls, Heard, Taught};
 

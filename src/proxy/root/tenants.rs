@@ -1,0 +1,68 @@
+//! The tenants table kept in the spend store (`budget_store::tenants`), the shell's side:
+//! one worker of the process reads it each period, and every worker serves the table
+//! shared data holds, rebuilding its configuration (and its counters) when it changed.
+
+use super::Root;
+use crate::core::limits::budget_store::tenants;
+use crate::core::observe::metrics::{Counter, TENANTS_LABEL};
+use crate::proxy::counters::{Counters, EnvoyStats};
+use crate::proxy::host::{self, SharedData};
+use crate::proxy::runs::Callout;
+use crate::proxy::types::{BufferType, LogLevel};
+use std::rc::Rc;
+
+impl Root {
+    /// Sends the read of the table when this worker's turn has come.
+    pub(super) fn poll_tenants(&self) {
+        let call = {
+            let w = self.worker.borrow();
+            let due = w.base.budget_store.tenants && tenants::poll_due(&SharedData, &w.base, host::now_ms());
+            due.then(|| tenants::read_call(&w.base))
+        };
+        if let Some(token) = call.and_then(|call| self.call(&call)) {
+            self.worker.borrow_mut().runs.callouts.insert(token, Callout::Tenants);
+        }
+    }
+
+    /// The store answered the read (`num_headers` 0: it did not): the table is replaced in
+    /// shared data when it changed, what changed is logged, and this worker serves it.
+    pub(super) fn on_tenants(&self, num_headers: usize, body_size: usize) {
+        let answer = host::callout_status(num_headers)
+            .map(|status| (status, host::buffer(BufferType::HttpCallResponseBody, body_size)));
+        let base = self.worker.borrow().base.clone();
+        let heard = answer.as_ref().map(|(status, body)| (*status, body.as_slice()));
+        let polled = tenants::answered(&SharedData, &base, heard);
+        host::note(polled.notes);
+        if !polled.refused.is_empty() {
+            let refused = vec![(TENANTS_LABEL, Counter::TenantRecordsRefused, polled.refused.len() as u64)];
+            self.worker.borrow().counters.count(refused, None);
+        }
+        self.serve_tenants();
+    }
+
+    /// Serves the table shared data holds, if it is not the one this worker serves.
+    pub(super) fn serve_tenants(&self) {
+        let w = &mut *self.worker.borrow_mut();
+        if !w.base.budget_store.tenants {
+            return;
+        }
+        let Some((version, config)) = tenants::served(&SharedData, &w.base, w.tenants_served) else { return };
+        w.tenants_served = Some(version);
+        match config {
+            Ok(config) => {
+                w.counters.flush();
+                w.counters = Counters::define(EnvoyStats, &config);
+                // What it remembers by raw bytes stays: a request's key is verified against
+                // the table served before anything remembered is looked at (`Head::check`).
+                w.config = Rc::new(config);
+            }
+            Err(e) => host::log(
+                LogLevel::Error,
+                &format!(
+                    "holysheep: the spend store's tenants table does not fit this configuration ({e}): the \
+                     configuration's own tenants serve"
+                ),
+            ),
+        }
+    }
+}

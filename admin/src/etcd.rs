@@ -60,10 +60,24 @@ impl Etcd {
         self.range(prefix, Some(&end), limit)
     }
 
+    /// The last `limit` keys under `prefix`, the last first.
+    pub fn latest(&self, prefix: &str, limit: u64) -> Result<Vec<Kv>, String> {
+        let end = next_prefix(prefix);
+        self.range_sorted(prefix, Some(&end), limit, true)
+    }
+
     fn range(&self, key: &str, end: Option<&str>, limit: u64) -> Result<Vec<Kv>, String> {
+        self.range_sorted(key, end, limit, false)
+    }
+
+    fn range_sorted(&self, key: &str, end: Option<&str>, limit: u64, last_first: bool) -> Result<Vec<Kv>, String> {
         let mut body = json!({"key": base64::encode(key.as_bytes()), "limit": limit.to_string()});
         if let Some(end) = end {
             body["range_end"] = Value::from(base64::encode(end.as_bytes()));
+        }
+        if last_first {
+            body["sort_order"] = Value::from("DESCEND");
+            body["sort_target"] = Value::from("KEY");
         }
         let answer = self.post("/v3/kv/range", &body)?;
         let kvs = answer["kvs"].as_array().cloned().unwrap_or_default();

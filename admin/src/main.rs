@@ -122,7 +122,7 @@ fn run(args: &[String]) -> Result<String, String> {
     let words: Vec<&str> = a.words.iter().map(String::as_str).collect();
     match words[..] {
         ["tenant", "add", name] => {
-            let (token, digest) = new_key();
+            let (token, digest) = new_key()?;
             admin.change(name, "tenant add", a.reason()?, |record| {
                 if record.is_some() {
                     return Err(format!("tenant {name} exists: change it with tenant set"));
@@ -141,10 +141,7 @@ fn run(args: &[String]) -> Result<String, String> {
             set_fields(&mut tenant, &a.fields)?;
             Ok((Some(tenant), fields_detail(&a.fields)))
         }),
-        ["tenant", "remove", name] => admin.change(name, "tenant remove", a.reason()?, |record| {
-            existing(name, record)?;
-            Ok((None, String::new()))
-        }),
+        ["tenant", "remove", name] => admin.change(name, "tenant remove", a.reason()?, |_| Ok((None, String::new()))),
         ["tenant", "show", name] => {
             let record = admin.record(name)?.ok_or_else(|| format!("no tenant {name}"))?;
             Ok(serde_json::to_string_pretty(&record.1).unwrap_or_default())
@@ -169,11 +166,11 @@ impl Admin {
         format!("{}/tenants/{name}", self.prefix)
     }
 
-    /// A tenant's record and its revision.
+    /// A tenant's record and its revision (a record that is not JSON reads as `null`: it
+    /// can be shown, and removed, but not changed).
     fn record(&self, name: &str) -> Result<Option<(u64, Value)>, String> {
         let Some(Kv { value, mod_revision, .. }) = self.etcd.get(&self.key_of(name))? else { return Ok(None) };
-        let record = serde_json::from_slice(&value).map_err(|e| format!("tenant {name}'s record is not JSON: {e}"))?;
-        Ok(Some((mod_revision, record)))
+        Ok(Some((mod_revision, serde_json::from_slice(&value).unwrap_or(Value::Null))))
     }
 
     /// Changes tenant `name`'s record as `edit` says (its new `tenant`, `None` to remove
@@ -190,12 +187,15 @@ impl Admin {
             return Err(format!("{name}: a tenant's name is 1 to {} of a-z, A-Z, 0-9, '-' and '_'", tenants::MAX_NAME));
         }
         let found = self.record(name)?;
+        if found.is_none() && action == "tenant remove" {
+            return Err(format!("no tenant {name}"));
+        }
         let tenant = found.as_ref().map(|(_, r)| &r["tenant"]);
         let (tenant, detail) = edit(tenant)?;
         let at_ms = now_ms();
         let audit = json!({"at_ms": at_ms, "by": self.operator, "action": action, "tenant": name, "why": why,
             "detail": detail});
-        let audit_key = format!("{}/audit/{at_ms:013}-{}", self.prefix, hex(&random::<4>()));
+        let audit_key = format!("{}/audit/{at_ms:013}-{}", self.prefix, hex(&random::<4>()?));
         let puts = |extra: Option<(String, Vec<u8>)>| {
             let mut puts: Vec<(String, Vec<u8>)> = extra.into_iter().collect();
             puts.push((audit_key.clone(), audit.to_string().into_bytes()));
@@ -204,7 +204,7 @@ impl Admin {
         let revision = found.as_ref().map_or(0, |(r, _)| *r);
         let landed = match tenant {
             Some(tenant) => {
-                tenants::check(name, &tenant)?;
+                self.check_with(name, &tenant)?;
                 let changed = json!({"by": self.operator, "at_ms": at_ms, "why": why});
                 let record = json!({"tenant": tenant, "changed": changed}).to_string().into_bytes();
                 if record.len() > MAX_RECORD_BYTES {
@@ -220,11 +220,29 @@ impl Admin {
         Ok(String::new())
     }
 
+    /// Whether the table with `tenant` as `name`'s is one every node takes (its name and
+    /// its keys clash with no other tenant's).
+    fn check_with(&self, name: &str, tenant: &Value) -> Result<(), String> {
+        let prefix = format!("{}/tenants/", self.prefix);
+        let mut table = Map::new();
+        for kv in self.etcd.list(&prefix, 100_000)? {
+            let other: Value = serde_json::from_slice(&kv.value).unwrap_or(Value::Null);
+            let other_name = kv.key.strip_prefix(&prefix).unwrap_or(&kv.key).to_owned();
+            // A record nodes refuse anyway is no clash: it is not in their table.
+            let taken = other["tenant"].is_object() && tenants::check(&other_name, &other["tenant"]).is_ok();
+            if taken && other_name != name {
+                table.insert(other_name, other["tenant"].clone());
+            }
+        }
+        table.insert(name.to_owned(), tenant.clone());
+        tenants::check_all(&table)
+    }
+
     /// Adds a key to tenant `name`, or rotates or revokes the one whose digest starts with
     /// `old` (`(digest, rotate)`): a new key's token is printed, once; only its digest is
     /// stored.
     fn key(&self, name: &str, old: Option<(&str, bool)>, why: &str) -> Result<String, String> {
-        let (token, digest) = new_key();
+        let (token, digest) = new_key()?;
         let new = old.is_none_or(|(_, rotate)| rotate);
         let action = match old {
             None => "key add",
@@ -243,11 +261,12 @@ impl Admin {
                 if prefix.len() < DIGEST_PREFIX_MIN {
                     return Err(format!("name a key by at least {DIGEST_PREFIX_MIN} hex digits of its digest"));
                 }
-                let matching: Vec<usize> = (0..keys.len()).filter(|i| keys[*i].starts_with(&prefix)).collect();
+                let starts = |k: &String| k.to_ascii_lowercase().starts_with(&prefix);
+                let matching: Vec<usize> = (0..keys.len()).filter(|i| starts(&keys[*i])).collect();
                 let [at] = matching[..] else {
                     return Err(format!("{} keys of {name} have a digest starting {prefix}", matching.len()));
                 };
-                detail.push(format!("revoked {}", &keys[at][..12]));
+                detail.push(format!("revoked {}", keys[at].chars().take(12).collect::<String>()));
                 keys.remove(at);
             }
             if new {
@@ -284,10 +303,9 @@ impl Admin {
 
     /// The latest `limit` audit records, oldest first, one JSON object a line.
     fn audit(&self, limit: u64) -> Result<String, String> {
-        let records = self.etcd.list(&format!("{}/audit/", self.prefix), 1_000_000)?;
-        let skip = records.len().saturating_sub(limit as usize);
-        let lines: Vec<String> =
-            records[skip..].iter().map(|kv| String::from_utf8_lossy(&kv.value).into_owned()).collect();
+        let mut records = self.etcd.latest(&format!("{}/audit/", self.prefix), limit)?;
+        records.reverse();
+        let lines: Vec<String> = records.iter().map(|kv| String::from_utf8_lossy(&kv.value).into_owned()).collect();
         Ok(lines.join("\n"))
     }
 }
@@ -325,10 +343,10 @@ fn fields_detail(fields: &[(&'static str, String)]) -> String {
 }
 
 /// A new key: its token, and the digest that alone is stored.
-fn new_key() -> (String, String) {
-    let token = format!("hs-{}", hex(&random::<24>()));
+fn new_key() -> Result<(String, String), String> {
+    let token = format!("hs-{}", hex(&random::<24>()?));
     let digest = hex(&Sha256::digest(token.as_bytes()));
-    (token, digest)
+    Ok((token, digest))
 }
 
 /// What a new key's command prints: the token, then which key it is.
@@ -340,13 +358,11 @@ fn now_ms() -> u64 {
     SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64)
 }
 
-/// `N` bytes from the system's random source.
-fn random<const N: usize>() -> [u8; N] {
+/// `N` bytes from the system's random source (a token is never made without it).
+fn random<const N: usize>() -> Result<[u8; N], String> {
     let mut bytes = [0u8; N];
-    if let Ok(mut f) = std::fs::File::open("/dev/urandom") {
-        let _ = f.read_exact(&mut bytes);
-    }
-    bytes
+    let read = std::fs::File::open("/dev/urandom").and_then(|mut f| f.read_exact(&mut bytes));
+    read.map(|()| bytes).map_err(|e| format!("no random bytes from /dev/urandom: {e}"))
 }
 
 fn hex(bytes: &[u8]) -> String {
@@ -366,12 +382,13 @@ mod tests {
     fn fields_are_typed_as_the_configuration_reads_them_and_checked_before_a_write() {
         let a =
             args("--operator ops tenant set acme --usd-per-day 2.5 --models gpt-4.1,deepseek-v3 --burst none").unwrap();
-        let mut tenant = json!({"keys_sha256": [], "burst": 4});
+        let digest = "ab".repeat(32);
+        let mut tenant = json!({"keys_sha256": [digest], "burst": 4});
         set_fields(&mut tenant, &a.fields).unwrap();
-        assert_eq!(tenant, json!({"keys_sha256": [], "usd_per_day": 2.5, "models": ["gpt-4.1", "deepseek-v3"]}));
+        assert_eq!(tenant, json!({"keys_sha256": [digest], "usd_per_day": 2.5, "models": ["gpt-4.1", "deepseek-v3"]}));
         assert!(tenants::check("acme", &tenant).is_ok());
         let bad = args("--operator ops tenant set acme --priority urgent").unwrap();
-        let mut t = json!({});
+        let mut t = json!({"keys_sha256": [digest]});
         set_fields(&mut t, &bad.fields).unwrap();
         assert!(tenants::check("acme", &t).unwrap_err().contains("priority"), "refused before it is written");
         assert!(set_fields(&mut json!({}), &args("--operator o x --burst many").unwrap().fields).is_err());

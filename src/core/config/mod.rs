@@ -133,7 +133,7 @@ impl BudgetStore {
             (!plain(&self.prefix), "prefix", "1 or more of a-z, A-Z, 0-9, '-', '_', '.' and '/'"),
             (self.tenants && !self.enabled(), "tenants", "needs budget_store.cluster (the store that holds them)"),
             (!(100..=60_000).contains(&self.tenants_poll_ms), "tenants_poll_ms", "must be between 100 and 60000"),
-            (!(1..=100_000).contains(&self.max_tenants), "max_tenants", "must be between 1 and 100000"),
+            (!(1..=1_024).contains(&self.max_tenants), "max_tenants", "must be between 1 and 1024"),
             (self.authority.is_empty(), "authority", "must not be empty"),
             (!(50..=10_000).contains(&self.flush_ms), "flush_ms", "must be between 50 and 10000"),
             (!(1..=10_000).contains(&self.timeout_ms), "timeout_ms", "must be between 1 and 10000"),
@@ -534,11 +534,12 @@ impl Config {
     /// This configuration with `tenants` (a `tenants` section: name to tenant) in place of
     /// its own, read, checked and keyed as `parse` does (the spend store's table,
     /// `budget_store::tenants`).
+    /// Its digest stays this configuration's: nodes take a change of the table each at its
+    /// own time, which is no difference of configuration between a fleet's nodes.
     pub fn with_tenants(&self, tenants: &Value) -> Result<Config, ConfigError> {
         let mut config = Config { tenants: entries("tenants", tenants, Tenant::read)?, ..self.clone() };
         config.validate()?;
         config.keys = Keys::of(&config.tenants).map_err(ConfigError)?.required(config.budget_store.tenants);
-        config.digest = digest::of(&config);
         Ok(config)
     }
 

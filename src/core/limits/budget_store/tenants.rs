@@ -36,6 +36,12 @@ pub const MAX_RECORD_BYTES: usize = 16 << 10;
 /// The longest tenant name (names go into metric names, so only letters, digits, `-`, `_`).
 pub const MAX_NAME: usize = 64;
 
+/// The most bytes an answer to `read_call` may hold: every record at its largest, in
+/// base64, with room for etcd's fields. A longer one is not read.
+pub fn max_answer_bytes(config: &Config) -> usize {
+    (config.budget_store.max_tenants as usize + 1) * (MAX_RECORD_BYTES * 4 / 3 + 1024)
+}
+
 /// The keys of the table's records.
 pub fn records_prefix(config: &Config) -> String {
     format!("{}/tenants/", config.budget_store.prefix)
@@ -56,6 +62,18 @@ pub fn check(name: &str, tenant: &Value) -> Result<(), String> {
     let tenant = Tenant::read(&format!("tenants.{name}"), tenant).map_err(|e| e.to_string())?;
     // Its keys as every node takes them: 1 to 16 digests of 64 hex digits, none twice.
     Keys::of(&Named::from([(name.to_owned(), tenant)])).map(|_| ())
+}
+
+/// Whether `tenants` (name to tenant: a whole table) is one every node takes as a table:
+/// each tenant as `check` says, no two whose counters would be one, no key digest under
+/// two tenants, at most 1,024 of them.
+pub fn check_all(tenants: &Map<String, Value>) -> Result<(), String> {
+    let mut read = Named::default();
+    for (name, tenant) in tenants {
+        check(name, tenant)?;
+        read.insert(name.clone(), Tenant::read(&format!("tenants.{name}"), tenant).map_err(|e| e.to_string())?);
+    }
+    Keys::of(&read).map(|_| ())
 }
 
 /// Whether this worker reads the table now (at most one read a `tenants_poll_ms` per
@@ -90,22 +108,27 @@ pub fn read_call(config: &Config) -> HttpCall {
 pub struct Table {
     pub records: Map<String, Value>,
     pub refused: Map<String, Value>,
+    /// etcd's revision of the read it came from: an older read's answer, arriving late,
+    /// never replaces it.
+    pub revision: u64,
 }
 
 impl Table {
     /// As shared data keeps it.
     pub fn to_json(&self) -> Vec<u8> {
         let records = Value::Object(self.records.clone());
-        write::value(&json::object([("records", records), ("refused", Value::Object(self.refused.clone()))]))
+        let refused = Value::Object(self.refused.clone());
+        write::value(&json::object([("records", records), ("refused", refused), ("revision", self.revision.into())]))
     }
 
     pub fn read(bytes: &[u8]) -> Option<Table> {
         let Value::Object(mut v) = json::parse(bytes)? else { return None };
+        let revision = v.get("revision").and_then(Value::as_u64).unwrap_or(0);
         let mut take = |f: &str| match v.remove(f) {
             Some(Value::Object(m)) => Some(m),
             _ => None,
         };
-        Some(Table { records: take("records")?, refused: take("refused")? })
+        Some(Table { records: take("records")?, refused: take("refused")?, revision })
     }
 
     /// The `tenants` section it amounts to (`Config::with_tenants`).
@@ -137,6 +160,10 @@ pub struct Polled {
 pub fn polled(config: &Config, last: &Table, status: u16, body: &[u8]) -> Polled {
     let mut out = Polled::default();
     let Some(v) = json::parse(body).filter(|v| status == 200 && v.get("header").is_some()) else { return out };
+    let revision = number(v["header"].get("revision")).unwrap_or(0);
+    if revision < last.revision {
+        return out; // an earlier read's answer, come late
+    }
     let kvs = v.get("kvs").and_then(Value::as_array).map_or(&[][..], Vec::as_slice);
     if kvs.len() > config.budget_store.max_tenants as usize {
         let why = format!(
@@ -148,52 +175,94 @@ pub fn polled(config: &Config, last: &Table, status: u16, body: &[u8]) -> Polled
         return out;
     }
     let prefix = records_prefix(config);
-    let mut table = Table::default();
+    // Each record: its name, revision, and the versions that may serve (its new one if
+    // it reads, else why not; its last good one).
+    let mut entries = Vec::with_capacity(kvs.len());
     for kv in kvs {
         let key = kv.get("key").and_then(Value::as_str).and_then(base64::decode).unwrap_or_default();
         let name = String::from_utf8_lossy(&key).strip_prefix(prefix.as_str()).unwrap_or_default().to_owned();
         let mod_revision = number(kv.get("mod_revision")).unwrap_or(0);
-        if last.revision(&name) == Some(mod_revision) {
-            if let Some(same) = last.records.get(&name) {
-                table.records.insert(name, same.clone());
+        let good = last.records.get(&name).cloned();
+        let new = match last.revision(&name) == Some(mod_revision) {
+            true => good.clone().ok_or_else(String::new),
+            false => {
+                let value = kv.get("value").and_then(Value::as_str).and_then(base64::decode).unwrap_or_default();
+                let kept = |record| json::object([("mod_revision", Value::from(mod_revision)), ("record", record)]);
+                record(config, &name, &value).map(kept)
+            }
+        };
+        entries.push((name, mod_revision, new, good));
+    }
+    let mut table = Table { revision, ..Table::default() };
+    let mut all = Map::new();
+    for (name, _, new, good) in &entries {
+        if let Some(kept) = new.as_ref().ok().or(good.as_ref()) {
+            all.insert(name.clone(), kept.clone());
+        }
+    }
+    let fits = |records: &Map<String, Value>| {
+        let mut tenants = Map::new();
+        for (name, kept) in records {
+            tenants.insert(name.clone(), kept["record"]["tenant"].clone());
+        }
+        config.with_tenants(&Value::Object(tenants))
+    };
+    if fits(&all).is_ok() {
+        table.records = all;
+    } else {
+        // Records that clash with others (a name whose counters would be another's, a key
+        // digest under two tenants): the records served before come first, then the
+        // changed ones in key order; one that clashes with those taken before it is
+        // refused, and its last good version serves if that fits.
+        let served_before = |(name, rev, _, _): &(String, u64, _, _)| last.revision(name) == Some(*rev);
+        let (before, changed): (Vec<_>, Vec<_>) = entries.into_iter().partition(served_before);
+        entries = before;
+        entries.extend(changed);
+        for (name, _, new, good) in &mut entries {
+            let taken = |kept: &Value| {
+                let mut with = table.records.clone();
+                with.insert(name.clone(), kept.clone());
+                fits(&with).map(|_| with)
+            };
+            if let Ok(kept) = new.as_ref().map(Clone::clone) {
+                match taken(&kept) {
+                    Ok(with) => {
+                        table.records = with;
+                        continue;
+                    }
+                    Err(e) => *new = Err(e.to_string()),
+                }
+            }
+            if let Some(with) = good.as_ref().and_then(|g| taken(g).ok()) {
+                table.records = with;
+            }
+        }
+    }
+    for (name, mod_revision, new, good) in entries {
+        let Err(why) = new else {
+            if last.revision(&name) != Some(mod_revision) {
+                let record = table.records.get(&name).map(|k| &k["record"]).unwrap_or(&Value::Null);
+                out.notes.push(Note::Info(changed(&name, record, good.is_some())));
             }
             continue;
+        };
+        if last.refused.get(&name).and_then(Value::as_u64) != Some(mod_revision) {
+            let kept = match table.records.contains_key(&name) {
+                true => "its last good record stays",
+                false => "it is left out",
+            };
+            out.notes.push(Note::Error(format!(
+                "holysheep: the spend store's record of tenant {name:?} is refused ({why}): {kept}"
+            )));
+            out.refused.push(name.clone());
         }
-        let value = kv.get("value").and_then(Value::as_str).and_then(base64::decode).unwrap_or_default();
-        match record(config, &name, &value) {
-            Ok(record) => {
-                out.notes.push(Note::Info(changed(&name, &record, last.records.contains_key(&name))));
-                let kept = json::object([("mod_revision", Value::from(mod_revision)), ("record", record)]);
-                table.records.insert(name, kept);
-            }
-            Err(why) => {
-                if last.refused.get(&name).and_then(Value::as_u64) != Some(mod_revision) {
-                    let kept = match last.records.contains_key(&name) {
-                        true => "its last good record stays",
-                        false => "it is left out",
-                    };
-                    let note =
-                        format!("holysheep: the spend store's record of tenant {name:?} is refused ({why}): {kept}");
-                    out.notes.push(Note::Error(note));
-                    out.refused.push(name.clone());
-                }
-                if let Some(good) = last.records.get(&name) {
-                    table.records.insert(name.clone(), good.clone());
-                }
-                table.refused.insert(name, Value::from(mod_revision));
-            }
-        }
+        table.refused.insert(name, Value::from(mod_revision));
     }
     for gone in last.records.keys().filter(|n| !kvs_hold(&table, n)) {
         out.notes.push(Note::Info(format!("holysheep: tenant {gone:?} removed from the spend store's table")));
     }
-    if table == *last {
+    if table.records == last.records && table.refused == last.refused {
         return Polled { notes: Vec::new(), ..out };
-    }
-    if let Err(e) = config.with_tenants(&table.tenants()) {
-        let note =
-            format!("holysheep: the spend store's tenants table is refused ({e}): the last good table stays in force");
-        return Polled { table: None, notes: vec![Note::Error(note)], refused: out.refused };
     }
     out.table = Some(table);
     out
@@ -216,21 +285,38 @@ pub fn answered(store: &impl CasStore, config: &Config, heard: Option<(u16, &[u8
 
 /// The configuration a worker serves under `base` (the file's), when the table in `store`
 /// is not the one it applied last (`applied`: the table's shared-data version): that
-/// version, and the configuration with the table's tenants, or why the table does not fit
-/// `base` (a reload changed the models, say: the file's tenants serve meanwhile).
-pub fn served(
-    store: &impl CasStore,
-    base: &Config,
-    applied: Option<u32>,
-) -> Option<(u32, Result<Config, crate::core::config::ConfigError>)> {
+/// version, and the configuration with the table's tenants and the names of the records
+/// left out because they do not fit `base` (a reload that took a price away, say), or why
+/// no table fits it.
+pub fn served(store: &impl CasStore, base: &Config, applied: Option<u32>) -> Option<(u32, Served)> {
     let read = store.get(TABLE_KEY).ok()?;
     let (value, cas) = (read.value?, read.cas?);
     if applied == Some(cas) {
         return None;
     }
     let table = Table::read(&value).unwrap_or_default();
-    Some((cas, base.with_tenants(&table.tenants())))
+    let served = match base.with_tenants(&table.tenants()) {
+        Ok(config) => Ok((config, Vec::new())),
+        Err(whole) => {
+            let mut fit = Map::new();
+            let mut left_out = Vec::new();
+            for (name, kept) in &table.records {
+                let mut with = fit.clone();
+                with.insert(name.clone(), kept["record"]["tenant"].clone());
+                match base.with_tenants(&Value::Object(with.clone())) {
+                    Ok(_) => fit = with,
+                    Err(_) => left_out.push(name.clone()),
+                }
+            }
+            base.with_tenants(&Value::Object(fit)).map(|c| (c, left_out)).map_err(|_| whole)
+        }
+    };
+    Some((cas, served))
 }
+
+/// What a worker serves of the table: the configuration with it, and the tenants left out;
+/// or why none of it fits.
+pub type Served = Result<(Config, Vec<String>), crate::core::config::ConfigError>;
 
 fn kvs_hold(table: &Table, name: &str) -> bool {
     table.records.contains_key(name) || table.refused.contains_key(name)
@@ -252,12 +338,14 @@ fn record(config: &Config, name: &str, value: &[u8]) -> Result<Value, String> {
     Ok(Value::Object(record))
 }
 
-/// What the log says of a record added or changed: by whom, when and why.
+/// What the log says of a record added or changed: by whom, when and why (as the record
+/// says, on one line of at most 200 characters each).
 fn changed(name: &str, record: &Value, before: bool) -> String {
     let c = &record["changed"];
     let what = if before { "changed" } else { "added" };
-    let by = c["by"].as_str().unwrap_or("an unnamed operator");
-    let why = c["why"].as_str().map_or(String::new(), |w| format!(": {w}"));
+    let line = |t: &str| t.chars().take(200).map(|ch| if ch.is_control() { ' ' } else { ch }).collect::<String>();
+    let by = c["by"].as_str().map_or("an unnamed operator".into(), line);
+    let why = c["why"].as_str().map_or(String::new(), |w| format!(": {}", line(w)));
     let at = c["at_ms"].as_u64().map_or(String::new(), |ms| format!(" at {ms} ms"));
     format!("holysheep: tenant {name:?} {what} in the spend store's table by {by}{at}{why}")
 }
@@ -319,11 +407,22 @@ mod tests {
         let again = polled(&c, &kept, 200, &answer(&[("acme", 6, bad), ("beta", 7, b"{".to_vec())]));
         assert_eq!(again, Polled::default(), "logged and counted once");
 
-        // A key digest under two tenants refuses the whole table.
-        let twice = polled(&c, &table, 200, &answer(&[("acme", 5, tenant('a', "x")), ("beta", 8, tenant('a', "x"))]));
-        assert!(
-            twice.table.is_none() && matches!(&twice.notes[..], [Note::Error(n)] if n.contains("table is refused"))
-        );
+        // A record that clashes with one before it (a key digest under two tenants, a name
+        // whose counters would be another's) is refused alone; the rest goes on.
+        let clash = answer(&[
+            ("Acme", 9, tenant('c', "x")),
+            ("acme", 5, tenant('a', "x")),
+            ("beta", 8, tenant('a', "x")),
+            ("gamma", 3, tenant('d', "x")),
+        ]);
+        let p = polled(&c, &table, 200, &clash);
+        assert_eq!(p.refused, ["Acme", "beta"], "{:?}", p.notes);
+        let served = p.table.expect("the rest is served").tenants();
+        let names: Vec<&String> = served.as_object().unwrap().keys().collect();
+        assert_eq!(names, ["acme", "gamma"], "the tenant served before stays; Acme and beta clash with it");
+        // An earlier read's answer, arriving after a later one, changes nothing.
+        let newer = Table { revision: 120, ..table.clone() };
+        assert_eq!(polled(&c, &newer, 200, &answer(&[])), Polled::default());
 
         // Removed: the table goes; a store that does not answer changes nothing.
         let removed = polled(&c, &table, 200, &answer(&[]));
@@ -353,7 +452,18 @@ mod tests {
         let body = answer(&[("acme", 5, tenant('a', "alice"))]);
         assert!(answered(&s, &c, Some((200, &body))).table.is_some());
         let (version, served_config) = served(&s, &c, None).expect("a table to serve");
-        assert!(served_config.unwrap().tenants.contains_key("acme"));
+        assert!(served_config.unwrap().0.tenants.contains_key("acme"));
+        // A reload that no longer fits one record leaves that one out, not the table.
+        let strict = Config::parse(br#"{"budget_store":{"cluster":"etcd","tenants":true},"models":{"m":{}}}"#).unwrap();
+        let two = answer(&[("acme", 5, tenant('a', "x")), ("beta", 6, tenant('b', "x"))]);
+        let s2 = MemStore::default();
+        assert!(answered(&s2, &c, Some((200, &two))).table.is_some());
+        let mut budgeted: Table = Table::read(&s2.get(TABLE_KEY).unwrap().value.unwrap()).unwrap();
+        budgeted.records["beta"]["record"]["tenant"]["usd_per_day"] = Value::from(5);
+        s2.set(TABLE_KEY, &budgeted.to_json(), None).unwrap();
+        let (_, fitted) = served(&s2, &strict, None).unwrap();
+        let (config, left_out) = fitted.unwrap();
+        assert_eq!((config.tenants.contains_key("acme"), left_out), (true, vec!["beta".to_owned()]));
         assert!(served(&s, &c, Some(version)).is_none(), "served once per change");
         assert_eq!(answered(&s, &c, Some((200, &body))), Polled::default(), "unchanged: not written again");
         assert!(served(&s, &c, Some(version)).is_none());

@@ -27,13 +27,13 @@ run-component:
 wit-lock:
 	wit/lock.sh
 
-# A new tenant key: the token to hand to the tenant (shown once), and the SHA-256 that goes
-# into `tenants.<name>.keys_sha256` (docs/tenants.md).
 # The operators' command line (docs/operations.md#the-admin-command).
 admin:
 	cargo build --release -p holysheep-admin
 	@echo target/release/holysheep-admin
 
+# A new tenant key: the token to hand to the tenant (shown once), and the SHA-256 that goes
+# into `tenants.<name>.keys_sha256` (docs/tenants.md).
 tenant-key:
 	@python3 -c 'import hashlib, secrets; t = "hs-" + secrets.token_urlsafe(32); \
 	  print("token:      " + t); print("keys_sha256: " + hashlib.sha256(t.encode()).hexdigest())'

@@ -86,7 +86,9 @@ fn in_force(nodes: &[&Envoy], token: &str, status: u16, what: &str) -> Duration 
         },
         &format!("{what}: never {status} on every node"),
     );
-    start.elapsed()
+    let took = start.elapsed();
+    eprintln!("admin_e2e: {what}: {status} on every node after {took:?}");
+    took
 }
 
 #[test]

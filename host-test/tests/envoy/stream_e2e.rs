@@ -396,7 +396,14 @@ fn the_component_coalesces_streams_with_plain_requests_and_survives_a_cut() {
     let c = component(&mock);
     let body = prompt("component crowd");
     let bodies: Vec<String> = (0..20).map(|i| if i % 2 == 0 { streamed(&body) } else { body.clone() }).collect();
-    let resps = burst_at(c.addr, bodies, "Bearer t");
+    // The mock holds the leader's call until the component handles all twenty (not a
+    // race against its latency on a loaded machine).
+    mock.mock.plan(vec![Fault { hold: true, ..Fault::default() }]);
+    let addr = c.addr;
+    let burst = std::thread::spawn(move || burst_at(addr, bodies, "Bearer t"));
+    poll_until(|| c.handling() == 20, "the component never took in every caller");
+    mock.mock.release();
+    let resps = burst.join().expect("the crowd");
     assert_eq!(mock.mock.calls(), 1, "10 streamed + 10 plain identical requests, one upstream call");
     let texts: Vec<String> = resps.iter().map(|r| assembled(r).0).collect();
     assert!(texts.iter().all(|t| t == &texts[0] && t.contains("component crowd")), "{texts:?}");

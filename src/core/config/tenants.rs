@@ -290,7 +290,9 @@ fn digest_of_hex(hex: &str) -> Option<[u8; 32]> {
     Some(digest)
 }
 
-fn valid_name(name: &str) -> bool {
+/// Whether `name` may name a tenant: 1 to 64 of a-z, A-Z, 0-9, '-' and '_' (it goes into
+/// metric names).
+pub fn valid_name(name: &str) -> bool {
     (1..=64).contains(&name.len()) && name.bytes().all(|b| b.is_ascii_alphanumeric() || b"-_".contains(&b))
 }
 

@@ -259,38 +259,45 @@ impl Reassembler {
     /// One typed event of the Responses API: text deltas counted, and the usage and the
     /// end read from the event that ends the stream, whose response is the answer.
     fn read_typed(&mut self, mut event: Map<String, Value>) {
-        let kind = event.get("type").and_then(Value::as_str).unwrap_or_default().to_owned();
-        let kind = kind.as_str();
         if self.response_id.is_none() {
             let named = |f: &str| event.get("response")?.get(f)?.as_str().map(str::to_owned);
             self.response_id = named("id");
             self.previous_id = named("previous_response_id");
         }
-        match kind {
+        // The status each event that ends the stream says it ended with.
+        let ended = match event.get("type").and_then(Value::as_str).unwrap_or_default() {
+            "response.completed" => Some("completed"),
+            "response.incomplete" => Some("incomplete"),
+            "response.failed" => Some("failed"),
+            // A stream that carries an error event is no answer to keep.
+            "error" => {
+                self.malformed = true;
+                None
+            }
+            kind if kind.ends_with(".delta") => {
+                self.streamed_chars += event.get("delta").map_or(0, text_chars);
+                None
+            }
+            _ => None,
+        };
+        let Some(status) = ended else { return };
+        if self.done {
             // The first event that ends the stream is its end: anything after it is no
             // known form, and the answer is not kept.
-            "response.completed" | "response.incomplete" | "response.failed" if self.done => self.malformed = true,
-            "response.completed" | "response.incomplete" | "response.failed" => {
-                let usage = event.get("response").and_then(|r| r.get("usage")).filter(|u| !u.is_null());
-                self.usage = usage.cloned();
-                self.done = true;
-                let response = event.remove("response").unwrap_or(Value::Null);
-                // Kept only as the event says it ended, without an error, under the id
-                // its first event named (the id every event was signed under).
-                let status = kind.strip_prefix("response.").unwrap_or_default();
-                let whole = response.get("status").and_then(Value::as_str) == Some(status)
-                    && response.get("error").is_none_or(Value::is_null)
-                    && response.get("id").and_then(Value::as_str) == self.response_id.as_deref();
-                if self.assemble && kind != "response.failed" && whole {
-                    self.response = Some(response);
-                }
-            }
-            // A stream that carries an error event is no answer to keep.
-            "error" => self.malformed = true,
-            _ if kind.ends_with(".delta") => {
-                self.streamed_chars += event.get("delta").map_or(0, text_chars);
-            }
-            _ => {}
+            self.malformed = true;
+            return;
+        }
+        let usage = event.get("response").and_then(|r| r.get("usage")).filter(|u| !u.is_null());
+        self.usage = usage.cloned();
+        self.done = true;
+        let response = event.remove("response").unwrap_or(Value::Null);
+        // Kept only as the event says it ended, without an error, under the id its first
+        // event named (the id every event was signed under).
+        let whole = response.get("status").and_then(Value::as_str) == Some(status)
+            && response.get("error").is_none_or(Value::is_null)
+            && response.get("id").and_then(Value::as_str) == self.response_id.as_deref();
+        if self.assemble && status != "failed" && whole {
+            self.response = Some(response);
         }
     }
 

@@ -4,9 +4,8 @@
 //! sends each call it is given, under the id it came with, and hands back its answer, or
 //! says it could not send it.
 
-use super::{Due, EtcdCall, Flush, Found};
+use super::{Due, Flush, Found};
 use crate::core::api::call::HttpCall;
-use crate::core::api::headers;
 use crate::core::api::note::Note;
 use crate::core::config::Config;
 use crate::core::store::CasStore;
@@ -25,14 +24,12 @@ pub enum Asked {
 impl Asked {
     /// The call to etcd's JSON gateway (`budget_store.cluster`) that asks it.
     pub fn call(&self, config: &Config) -> HttpCall {
-        let EtcdCall { path, body } = match self {
+        let call = match self {
             Asked::Read(tenant) => super::range(config, tenant),
             Asked::Write(f) => super::txn(config, &f.tenant, f.revision, &f.value),
             Asked::Check(f) => super::range(config, &f.tenant),
         };
-        let store = &config.budget_store;
-        let headers = [(headers::CONTENT_TYPE, "application/json")];
-        HttpCall::post((&store.cluster, &store.authority), path, headers, body, store.timeout_ms)
+        call.http(config)
     }
 
     /// The tenant whose key it asks about.

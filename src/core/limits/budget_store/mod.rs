@@ -13,6 +13,8 @@ pub mod tenants;
 
 pub use calls::{Asked, Calls, Heard, Taught};
 
+use crate::core::api::call::HttpCall;
+use crate::core::api::headers;
 use crate::core::api::note::Note;
 use crate::core::config::Config;
 use crate::core::limits::budget::{self, Mark, Pending, Seen, Spend, Stored, KEEPERS_MS};
@@ -50,6 +52,15 @@ pub(crate) const REFRESH_MS: u64 = 5_000;
 pub(crate) struct EtcdCall {
     pub path: &'static str,
     pub body: Vec<u8>,
+}
+
+impl EtcdCall {
+    /// The call along `budget_store.cluster`, within its `timeout_ms`.
+    pub(crate) fn http(self, config: &Config) -> HttpCall {
+        let store = &config.budget_store;
+        let headers = [(headers::CONTENT_TYPE, "application/json")];
+        HttpCall::post((&store.cluster, &store.authority), self.path, headers, self.body, store.timeout_ms)
+    }
 }
 
 /// What etcd holds for a tenant: its spend (`None`: no key) at `revision` (0: no key).
@@ -115,7 +126,7 @@ fn found(v: &Value) -> Option<Found> {
     Some(Found { stored: Some(Stored::read(scan::read(&raw)?)?), revision: number(&kv["mod_revision"])? })
 }
 
-fn number(v: &Value) -> Option<u64> {
+pub(super) fn number(v: &Value) -> Option<u64> {
     v.as_str().and_then(|s| s.parse().ok()).or_else(|| v.as_u64())
 }
 
@@ -463,10 +474,15 @@ pub fn flushed(store: &impl CasStore, flush: &Flush, answer: Option<Result<u64, 
 /// Whether this worker runs the round of writes due at `now_ms` (at most one a
 /// `budget_store.flush_ms` per process).
 pub(crate) fn round_due(store: &impl CasStore, config: &Config, now_ms: u64) -> bool {
-    let Ok(read) = store.get(ROUND_KEY) else { return false };
+    claim_period(store, ROUND_KEY, config.budget_store.flush_ms, now_ms)
+}
+
+/// Whether this worker claims the period due at `now_ms` of the work whose last start
+/// `key` holds (at most one start a `period_ms` per process).
+pub(crate) fn claim_period(store: &impl CasStore, key: &str, period_ms: u64, now_ms: u64) -> bool {
+    let Ok(read) = store.get(key) else { return false };
     let last = read.value.as_deref().and_then(|v| std::str::from_utf8(v).ok()?.parse::<u64>().ok()).unwrap_or(0);
-    now_ms.saturating_sub(last) >= config.budget_store.flush_ms
-        && store.set(ROUND_KEY, now_ms.to_string().as_bytes(), cas_after(&read)).is_ok()
+    now_ms.saturating_sub(last) >= period_ms && store.set(key, now_ms.to_string().as_bytes(), cas_after(&read)).is_ok()
 }
 
 /// The tenants whose spend the store keeps: those with a budget.

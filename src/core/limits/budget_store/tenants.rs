@@ -18,7 +18,6 @@
 
 use super::{base64, EtcdCall};
 use crate::core::api::call::HttpCall;
-use crate::core::api::headers;
 use crate::core::api::note::Note;
 use crate::core::config::named::Named;
 use crate::core::config::tenants::{Keys, Tenant};
@@ -47,10 +46,8 @@ pub fn records_prefix(config: &Config) -> String {
     format!("{}/tenants/", config.budget_store.prefix)
 }
 
-/// Whether `name` may name a tenant of the store's table.
-pub fn valid_name(name: &str) -> bool {
-    (1..=MAX_NAME).contains(&name.len()) && name.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_')
-}
+/// Whether `name` may name a tenant of the store's table: as in the configuration.
+pub use crate::core::config::tenants::valid_name;
 
 /// Whether `tenant` is a tenant the configuration reads under `name` (its own fields; the
 /// models and prices it meets are each node's): what `holysheep-admin` checks before it
@@ -79,10 +76,7 @@ pub fn check_all(tenants: &Map<String, Value>) -> Result<(), String> {
 /// Whether this worker reads the table now (at most one read a `tenants_poll_ms` per
 /// process).
 pub fn poll_due(store: &impl CasStore, config: &Config, now_ms: u64) -> bool {
-    let Ok(read) = store.get(POLL_KEY) else { return false };
-    let last = read.value.as_deref().and_then(|v| std::str::from_utf8(v).ok()?.parse::<u64>().ok()).unwrap_or(0);
-    now_ms.saturating_sub(last) >= config.budget_store.tenants_poll_ms
-        && store.set(POLL_KEY, now_ms.to_string().as_bytes(), cas_after(&read)).is_ok()
+    super::claim_period(store, POLL_KEY, config.budget_store.tenants_poll_ms, now_ms)
 }
 
 /// The read of every record (one more than `max_tenants`, to see a table past it).
@@ -94,10 +88,7 @@ pub fn read_call(config: &Config) -> HttpCall {
         ("range_end", Value::from(base64::encode(end.as_bytes()))),
         ("limit", Value::from((u64::from(config.budget_store.max_tenants) + 1).to_string())),
     ]);
-    let EtcdCall { path, body } = EtcdCall { path: "/v3/kv/range", body: write::value(&body) };
-    let store = &config.budget_store;
-    let headers = [(headers::CONTENT_TYPE, "application/json")];
-    HttpCall::post((&store.cluster, &store.authority), path, headers, body, store.timeout_ms)
+    EtcdCall { path: "/v3/kv/range", body: write::value(&body) }.http(config)
 }
 
 /// The table the process serves: each tenant's last good record with the store's
@@ -160,7 +151,7 @@ pub struct Polled {
 pub fn polled(config: &Config, last: &Table, status: u16, body: &[u8]) -> Polled {
     let mut out = Polled::default();
     let Some(v) = json::parse(body).filter(|v| status == 200 && v.get("header").is_some()) else { return out };
-    let revision = number(v["header"].get("revision")).unwrap_or(0);
+    let revision = v["header"].get("revision").and_then(super::number).unwrap_or(0);
     if revision < last.revision {
         return out; // an earlier read's answer, come late
     }
@@ -181,7 +172,7 @@ pub fn polled(config: &Config, last: &Table, status: u16, body: &[u8]) -> Polled
     for kv in kvs {
         let key = kv.get("key").and_then(Value::as_str).and_then(base64::decode).unwrap_or_default();
         let name = String::from_utf8_lossy(&key).strip_prefix(prefix.as_str()).unwrap_or_default().to_owned();
-        let mod_revision = number(kv.get("mod_revision")).unwrap_or(0);
+        let mod_revision = kv.get("mod_revision").and_then(super::number).unwrap_or(0);
         let good = last.records.get(&name).cloned();
         let new = match last.revision(&name) == Some(mod_revision) {
             true => good.clone().ok_or_else(String::new),
@@ -348,12 +339,6 @@ fn changed(name: &str, record: &Value, before: bool) -> String {
     let why = c["why"].as_str().map_or(String::new(), |w| format!(": {}", line(w)));
     let at = c["at_ms"].as_u64().map_or(String::new(), |ms| format!(" at {ms} ms"));
     format!("holysheep: tenant {name:?} {what} in the spend store's table by {by}{at}{why}")
-}
-
-/// etcd's JSON writes 64-bit numbers as strings.
-fn number(v: Option<&Value>) -> Option<u64> {
-    let v = v?;
-    v.as_str().and_then(|s| s.parse().ok()).or_else(|| v.as_u64())
 }
 
 #[cfg(test)]
